@@ -1,0 +1,350 @@
+//! The dataset index: for every sample its key, label and parts (shard, byte offset, length, CRC32C),
+//! built once and persisted so serving never walks a cursor or scans a shard (LMDBIO's lesson).
+//!
+//! On disk the index is `BATCHFSI`, a format version, a little-endian payload and a CRC32C of the
+//! payload. A file that fails any check is ignored (and rebuilt), never trusted.
+
+use crate::crc;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// The kind of source a dataset directory holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceFormat {
+    /// `*.tfrecord`, `*.tfrecords`, `*.tfr` shards.
+    Tfrecord,
+    /// An LMDB environment (`data.mdb`).
+    Lmdb,
+    /// WebDataset `*.tar` shards.
+    Tar,
+    /// A plain file tree (ImageFolder layout).
+    Files,
+}
+
+impl SourceFormat {
+    /// All formats, in detection order.
+    pub const ALL: [SourceFormat; 4] =
+        [SourceFormat::Lmdb, SourceFormat::Tfrecord, SourceFormat::Tar, SourceFormat::Files];
+
+    /// The name used on the command line and in the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceFormat::Tfrecord => "tfrecord",
+            SourceFormat::Lmdb => "lmdb",
+            SourceFormat::Tar => "tar",
+            SourceFormat::Files => "files",
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            SourceFormat::Tfrecord => 1,
+            SourceFormat::Lmdb => 2,
+            SourceFormat::Tar => 3,
+            SourceFormat::Files => 4,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        SourceFormat::ALL.into_iter().find(|f| f.code() == code)
+    }
+}
+
+impl fmt::Display for SourceFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for SourceFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        SourceFormat::ALL
+            .into_iter()
+            .find(|f| f.as_str() == s)
+            .ok_or_else(|| format!("unknown source format {s:?}: expected tfrecord, lmdb, tar or files"))
+    }
+}
+
+/// A shard as it was when indexed; a change of size or mtime makes the index stale.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardInfo {
+    /// Path relative to the dataset root, `/`-separated.
+    pub path: String,
+    pub size: u64,
+    /// Modification time, nanoseconds since the epoch.
+    pub mtime_ns: i64,
+}
+
+/// One stored piece of a sample (a WebDataset sample has one part per file extension).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Part {
+    /// Extension naming the part (`jpg`, `cls`, `example`, `datum`...).
+    pub ext: String,
+    /// Index into [`Index::shards`].
+    pub shard: u32,
+    /// Byte offset of the part's data in the shard.
+    pub offset: u64,
+    pub len: u64,
+    /// CRC32C of the part's data.
+    pub crc32c: u32,
+}
+
+/// One sample.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sample {
+    /// Unique name of the sample within the dataset.
+    pub key: String,
+    /// Class label, or [`NO_LABEL`].
+    pub label: i64,
+    pub parts: Vec<Part>,
+}
+
+/// Label of a sample that has none.
+pub const NO_LABEL: i64 = -1;
+
+impl Sample {
+    /// Bytes of sample data (all parts).
+    pub fn bytes(&self) -> u64 {
+        self.parts.iter().map(|p| p.len).sum()
+    }
+}
+
+/// A corrupt region that `--skip-corrupt` indexed around.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Skipped {
+    pub shard: String,
+    pub offset: u64,
+    pub reason: String,
+}
+
+/// Options that change what an index contains; an index built with other settings is rebuilt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexSettings {
+    pub format: SourceFormat,
+    pub verify_data_crc: bool,
+    pub skip_corrupt: bool,
+}
+
+/// A dataset's index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Index {
+    pub settings: IndexSettings,
+    pub shards: Vec<ShardInfo>,
+    pub samples: Vec<Sample>,
+    /// Class names, label `i` naming `classes[i]` (file trees; empty where labels are bare numbers).
+    pub classes: Vec<String>,
+    pub skipped: Vec<Skipped>,
+}
+
+impl Index {
+    /// The source format.
+    pub fn format(&self) -> SourceFormat {
+        self.settings.format
+    }
+
+    /// Total bytes of sample data.
+    pub fn total_bytes(&self) -> u64 {
+        self.samples.iter().map(Sample::bytes).sum()
+    }
+
+    /// Serializes the index.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u8(self.settings.format.code());
+        w.u8(u8::from(self.settings.verify_data_crc));
+        w.u8(u8::from(self.settings.skip_corrupt));
+        w.u64(self.shards.len() as u64);
+        for s in &self.shards {
+            w.str(&s.path);
+            w.u64(s.size);
+            w.u64(s.mtime_ns as u64);
+        }
+        w.u64(self.classes.len() as u64);
+        for c in &self.classes {
+            w.str(c);
+        }
+        w.u64(self.skipped.len() as u64);
+        for s in &self.skipped {
+            w.str(&s.shard);
+            w.u64(s.offset);
+            w.str(&s.reason);
+        }
+        w.u64(self.samples.len() as u64);
+        for s in &self.samples {
+            w.str(&s.key);
+            w.u64(s.label as u64);
+            w.u64(s.parts.len() as u64);
+            for p in &s.parts {
+                w.str(&p.ext);
+                w.u64(u64::from(p.shard));
+                w.u64(p.offset);
+                w.u64(p.len);
+                w.u64(u64::from(p.crc32c));
+            }
+        }
+        let mut out = Vec::with_capacity(w.0.len() + 16);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&w.0);
+        out.extend_from_slice(&crc::crc32c(&w.0).to_le_bytes());
+        out
+    }
+
+    /// Parses an index written by [`Index::to_bytes`]; `None` if it is not one, is of another version, or
+    /// fails its checksum or any consistency check.
+    pub fn from_bytes(buf: &[u8]) -> Option<Index> {
+        let payload = buf.strip_prefix(MAGIC)?.strip_prefix(&VERSION.to_le_bytes()[..])?;
+        let (payload, sum) = payload.split_at(payload.len().checked_sub(4)?);
+        if crc::crc32c(payload) != u32::from_le_bytes(sum.try_into().ok()?) {
+            return None;
+        }
+        let mut r = Reader(payload);
+        let settings = IndexSettings {
+            format: SourceFormat::from_code(r.u8()?)?,
+            verify_data_crc: r.u8()? != 0,
+            skip_corrupt: r.u8()? != 0,
+        };
+        let shards = r.list(|r| Some(ShardInfo { path: r.str()?, size: r.u64()?, mtime_ns: r.u64()? as i64 }))?;
+        let classes = r.list(|r| r.str())?;
+        let skipped = r.list(|r| Some(Skipped { shard: r.str()?, offset: r.u64()?, reason: r.str()? }))?;
+        let samples = r.list(|r| {
+            Some(Sample {
+                key: r.str()?,
+                label: r.u64()? as i64,
+                parts: r.list(|r| {
+                    Some(Part {
+                        ext: r.str()?,
+                        shard: u32::try_from(r.u64()?).ok()?,
+                        offset: r.u64()?,
+                        len: r.u64()?,
+                        crc32c: u32::try_from(r.u64()?).ok()?,
+                    })
+                })?,
+            })
+        })?;
+        if !r.0.is_empty() {
+            return None;
+        }
+        let index = Index { settings, shards, samples, classes, skipped };
+        index.is_consistent().then_some(index)
+    }
+
+    /// Every part lies inside its shard.
+    fn is_consistent(&self) -> bool {
+        self.samples.iter().flat_map(|s| &s.parts).all(|p| {
+            self.shards.get(p.shard as usize).is_some_and(|s| p.offset.checked_add(p.len).is_some_and(|e| e <= s.size))
+        })
+    }
+}
+
+const MAGIC: &[u8; 8] = b"BATCHFSI";
+const VERSION: u32 = 1;
+
+#[derive(Default)]
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u64(&mut self, v: u64) {
+        crate::proto::put_varint(&mut self.0, v);
+    }
+    fn str(&mut self, s: &str) {
+        self.u64(s.len() as u64);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn u8(&mut self) -> Option<u8> {
+        let (&b, rest) = self.0.split_first()?;
+        self.0 = rest;
+        Some(b)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.u8()?;
+            value |= u64::from(b & 0x7f).checked_shl(shift)?;
+            if b & 0x80 == 0 {
+                return Some(value);
+            }
+        }
+        None
+    }
+    fn str(&mut self) -> Option<String> {
+        let len = usize::try_from(self.u64()?).ok()?;
+        if len > self.0.len() {
+            return None;
+        }
+        let (s, rest) = self.0.split_at(len);
+        self.0 = rest;
+        String::from_utf8(s.to_vec()).ok()
+    }
+    fn list<T>(&mut self, mut item: impl FnMut(&mut Self) -> Option<T>) -> Option<Vec<T>> {
+        let n = usize::try_from(self.u64()?).ok()?;
+        // Each item takes at least one byte: a corrupt count cannot make us reserve absurd memory.
+        let mut out = Vec::with_capacity(n.min(self.0.len()));
+        for _ in 0..n {
+            out.push(item(self)?);
+        }
+        Some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_index() -> impl Strategy<Value = Index> {
+        let part = ("[a-z]{0,4}", 0u32..3, 0u64..1000, 0u64..1000, any::<u32>())
+            .prop_map(|(ext, shard, offset, len, crc32c)| Part { ext, shard, offset, len, crc32c });
+        let sample = ("[a-z0-9/]{0,12}", -1i64..1000, proptest::collection::vec(part, 0..3))
+            .prop_map(|(key, label, parts)| Sample { key, label, parts });
+        (proptest::collection::vec(sample, 0..30), any::<bool>(), "[ -~]{0,20}").prop_map(|(samples, flag, reason)| Index {
+            settings: IndexSettings { format: SourceFormat::Tar, verify_data_crc: flag, skip_corrupt: !flag },
+            shards: (0..3).map(|i| ShardInfo { path: format!("s{i}.tar"), size: 5000, mtime_ns: -5 + i }).collect(),
+            samples,
+            classes: vec!["cat".into(), "dog".into()],
+            skipped: vec![Skipped { shard: "s1.tar".into(), offset: 77, reason }],
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn roundtrip(index in arb_index()) {
+            prop_assert_eq!(Index::from_bytes(&index.to_bytes()), Some(index));
+        }
+
+        #[test]
+        fn any_corruption_is_rejected(index in arb_index(), at: prop::sample::Index, bit in 0u8..8) {
+            let mut bytes = index.to_bytes();
+            let i = at.index(bytes.len());
+            bytes[i] ^= 1 << bit;
+            prop_assert_eq!(Index::from_bytes(&bytes), None);
+        }
+    }
+
+    #[test]
+    fn truncated_is_rejected() {
+        let index = Index {
+            settings: IndexSettings { format: SourceFormat::Files, verify_data_crc: true, skip_corrupt: false },
+            shards: vec![],
+            samples: vec![],
+            classes: vec![],
+            skipped: vec![],
+        };
+        let bytes = index.to_bytes();
+        for cut in 0..bytes.len() {
+            assert_eq!(Index::from_bytes(&bytes[..cut]), None);
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! batchfs core: sample sources and their index, epoch planning, batch encodings, the wire API and the
+//! synthetic dataset generator, shared by `batchfs-server` and the `batchfs` mount.
+//!
+//! Nothing here knows about HTTP servers or FUSE.
+
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+pub mod crc;
+pub mod index;
+pub mod mmap;
+pub mod plan;
+pub mod proto;
+pub mod source;
+pub mod tar;
+pub mod tfrecord;

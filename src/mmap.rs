@@ -1,0 +1,157 @@
+//! The one place that maps files and opens LMDB environments: every `unsafe` block of the core lives
+//! here, each with its `SAFETY` argument.
+//!
+//! Invariant relied on everywhere: **dataset files are immutable while indexed or served.** The index
+//! records each shard's size and modification time and is rebuilt when they change; truncating a shard
+//! under a running server is outside the contract (the kernel would raise SIGBUS on access past the new
+//! end), as it is for every mmap-based reader, LMDB included.
+
+use memmap2::{Advice, Mmap};
+use std::fs::File;
+use std::io;
+use std::path::Path;
+
+/// A read-only mapping of a whole file. Empty files map to an empty slice.
+#[derive(Debug)]
+pub struct MappedFile {
+    map: Option<Mmap>,
+}
+
+impl MappedFile {
+    /// Maps `path` read-only.
+    pub fn open(path: &Path) -> io::Result<Self> {
+        let file = File::open(path)?;
+        if file.metadata()?.len() == 0 {
+            return Ok(MappedFile { map: None });
+        }
+        // SAFETY: the mapping is read-only and private to this process; batchfs requires dataset files
+        // to stay unmodified while mapped (module invariant), so the slice's contents do not change
+        // underneath safe code.
+        let map = unsafe { Mmap::map(&file)? };
+        Ok(MappedFile { map: Some(map) })
+    }
+
+    /// The file's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+
+    /// Length of the file.
+    pub fn len(&self) -> u64 {
+        self.bytes().len() as u64
+    }
+
+    /// Whether the file is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Advises the kernel about the access pattern of the whole map.
+    pub fn advise(&self, advice: Advice) {
+        if let Some(map) = &self.map {
+            let _ = map.advise(advice);
+        }
+    }
+
+    /// Asks the kernel to start reading `[offset, offset + len)` into the page cache (non-blocking).
+    pub fn will_need(&self, offset: u64, len: u64) {
+        if let Some(map) = &self.map {
+            let (offset, len) = page_align(offset, len, map.len());
+            let _ = map.advise_range(Advice::WillNeed, offset, len);
+        }
+    }
+
+    /// Whether every page of `[offset, offset + len)` is resident in memory, so touching it cannot block
+    /// on storage. Errors count as "not resident".
+    pub fn is_resident(&self, offset: u64, len: u64) -> bool {
+        let Some(map) = &self.map else { return true };
+        if len == 0 {
+            return true;
+        }
+        let (start, len) = page_align(offset, len, map.len());
+        let page = page_size();
+        let pages = len.div_ceil(page);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: `start` is page-aligned and `[start, start + len)` lies within the live mapping (clamped
+        // by `page_align`); `vec` has one byte per page of that range, as mincore(2) requires.
+        let rc = unsafe {
+            libc::mincore(map.as_ptr().add(start) as *mut libc::c_void, len, vec.as_mut_ptr())
+        };
+        rc == 0 && vec.iter().all(|b| b & 1 == 1)
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 {
+        size as usize
+    } else {
+        4096
+    }
+}
+
+/// Rounds `[offset, offset+len)` out to page boundaries, clamped to `map_len`.
+fn page_align(offset: u64, len: u64, map_len: usize) -> (usize, usize) {
+    let page = page_size() as u64;
+    let start = (offset / page * page).min(map_len as u64);
+    let end = offset.saturating_add(len).min(map_len as u64);
+    (start as usize, end.saturating_sub(start) as usize)
+}
+
+/// A read-only LMDB environment opened without a lock file.
+pub struct LmdbEnv {
+    env: heed::Env,
+}
+
+impl LmdbEnv {
+    /// Opens the environment in directory `dir` strictly read-only: `MDB_RDONLY | MDB_NOLOCK`, so no
+    /// `lock.mdb` is created or written and a read-only filesystem works.
+    pub fn open_read_only(dir: &Path) -> heed::Result<Self> {
+        let mut options = heed::EnvOpenOptions::new();
+        options.max_dbs(0);
+        // SAFETY: (1) the flags only restrict what LMDB does: read-only, no lock table; (2) heed requires
+        // that the environment is not modified by others while open without locks, which is batchfs's
+        // module invariant (immutable datasets); (3) no other handle to this path is open in this process
+        // (the indexer opens, walks and closes it).
+        let env = unsafe {
+            options.flags(heed::EnvFlags::READ_ONLY | heed::EnvFlags::NO_LOCK);
+            options.open(dir)?
+        };
+        Ok(LmdbEnv { env })
+    }
+
+    /// The environment.
+    pub fn env(&self) -> &heed::Env {
+        &self.env
+    }
+
+    /// Address where LMDB mapped `data.mdb`: a value's file offset is its address minus this.
+    pub fn map_addr(&self) -> usize {
+        self.env.info().map_addr as usize
+    }
+
+    /// Closes the environment and waits until LMDB released it, so the path can be opened again.
+    pub fn close(self) {
+        self.env.prepare_for_closing().wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn maps_and_reports_residency() {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(&vec![5u8; 3 * 4096 + 10]).unwrap();
+        let map = MappedFile::open(file.path()).unwrap();
+        assert_eq!(map.len(), 3 * 4096 + 10);
+        assert!(map.bytes().iter().all(|&b| b == 5)); // touched, so resident
+        assert!(map.is_resident(100, 3 * 4096));
+        map.will_need(0, 100_000); // past the end is clamped
+        let empty = tempfile::NamedTempFile::new().unwrap();
+        assert!(MappedFile::open(empty.path()).unwrap().is_empty());
+    }
+}

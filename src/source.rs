@@ -1,0 +1,506 @@
+//! Sample sources: detecting a dataset directory's format, listing its shards, and indexing them.
+//!
+//! Indexing reads every byte once (to validate framing and record each part's CRC32C), reports
+//! progress in bytes, and either fails on the first corrupt region with its shard and byte offset, or,
+//! with `skip_corrupt`, indexes around it and lists what it skipped. [`load_or_build`] reuses a
+//! persisted index whose shard list (paths, sizes, mtimes) and settings still match.
+
+use crate::index::{Index, IndexSettings, Part, Sample, ShardInfo, Skipped, SourceFormat, NO_LABEL};
+use crate::mmap::{LmdbEnv, MappedFile};
+use crate::{crc, proto, tar, tfrecord};
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::UNIX_EPOCH;
+use thiserror::Error;
+
+/// Why a dataset could not be indexed.
+#[derive(Debug, Error)]
+pub enum IndexError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("corrupt data in {shard} at byte {offset}: {message} (pass --skip-corrupt to index around it)")]
+    Corrupt { shard: PathBuf, offset: u64, message: String },
+    #[error("cannot read the LMDB environment in {path}: {message}")]
+    Lmdb { path: PathBuf, message: String },
+    #[error("{path} holds no samples in {format} format")]
+    Empty { path: PathBuf, format: SourceFormat },
+    #[error("{0} is not a directory")]
+    NotADirectory(PathBuf),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> IndexError + '_ {
+    move |source| IndexError::Io { path: path.to_owned(), source }
+}
+
+/// What to index and how strictly.
+#[derive(Debug, Clone, Copy)]
+pub struct IndexOptions {
+    /// Force a source format instead of detecting it.
+    pub format: Option<SourceFormat>,
+    /// Check every TFRecord's data CRC while indexing (the length CRC is always checked).
+    pub verify_data_crc: bool,
+    /// Index around corrupt regions instead of failing.
+    pub skip_corrupt: bool,
+}
+
+impl Default for IndexOptions {
+    fn default() -> Self {
+        IndexOptions { format: None, verify_data_crc: true, skip_corrupt: false }
+    }
+}
+
+/// Receives indexing progress, in bytes of shard data.
+pub trait Progress: Sync {
+    /// Indexing starts: `total` bytes in `shards` shards.
+    fn start(&self, total: u64, shards: usize);
+    /// `bytes` more were indexed.
+    fn advance(&self, bytes: u64);
+}
+
+/// A [`Progress`] that reports nothing.
+pub struct NoProgress;
+
+impl Progress for NoProgress {
+    fn start(&self, _: u64, _: usize) {}
+    fn advance(&self, _: u64) {}
+}
+
+/// The file name an index is persisted under, beside the data.
+pub const INDEX_FILE_NAME: &str = ".batchfs-index";
+
+/// Where the index of dataset `name` at `root` lives: `index_dir/NAME.batchfs-index`, or beside the data.
+pub fn index_path(root: &Path, name: &str, index_dir: Option<&Path>) -> PathBuf {
+    match index_dir {
+        Some(dir) => dir.join(format!("{name}.batchfs-index")),
+        None => root.join(INDEX_FILE_NAME),
+    }
+}
+
+/// Lists regular files under `root` (hidden names skipped, symlinks not followed), sorted by path.
+fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
+    let mut out = Vec::new();
+    let mut stack = vec![(root.to_owned(), String::new())];
+    while let Some((dir, rel)) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).map_err(io_err(&dir))? {
+            let entry = entry.map_err(io_err(&dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                continue;
+            }
+            let path = entry.path();
+            let meta = std::fs::symlink_metadata(&path).map_err(io_err(&path))?;
+            let rel_path = if rel.is_empty() { name } else { format!("{rel}/{name}") };
+            if meta.is_dir() {
+                stack.push((path, rel_path));
+            } else if meta.is_file() {
+                out.push((rel_path, meta));
+            }
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+fn shard_info(path: String, meta: &std::fs::Metadata) -> ShardInfo {
+    let mtime_ns = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as i64);
+    ShardInfo { path, size: meta.len(), mtime_ns }
+}
+
+fn is_tfrecord(path: &str) -> bool {
+    [".tfrecord", ".tfrecords", ".tfr"].iter().any(|ext| path.ends_with(ext))
+}
+
+/// Detects the format of the dataset at `root`: LMDB if it holds `data.mdb`, else TFRecord or tar if it
+/// holds such shards, else a plain file tree.
+pub fn detect(root: &Path) -> Result<SourceFormat, IndexError> {
+    if !root.is_dir() {
+        return Err(IndexError::NotADirectory(root.to_owned()));
+    }
+    if root.join("data.mdb").is_file() {
+        return Ok(SourceFormat::Lmdb);
+    }
+    let files = walk(root)?;
+    if files.iter().any(|(p, _)| is_tfrecord(p)) {
+        Ok(SourceFormat::Tfrecord)
+    } else if files.iter().any(|(p, _)| p.ends_with(".tar")) {
+        Ok(SourceFormat::Tar)
+    } else {
+        Ok(SourceFormat::Files)
+    }
+}
+
+/// Lists the shards of a dataset of `format` at `root`, sorted by path, with their current sizes and mtimes.
+pub fn discover_shards(root: &Path, format: SourceFormat) -> Result<Vec<ShardInfo>, IndexError> {
+    if !root.is_dir() {
+        return Err(IndexError::NotADirectory(root.to_owned()));
+    }
+    if format == SourceFormat::Lmdb {
+        let path = root.join("data.mdb");
+        let meta = std::fs::metadata(&path).map_err(io_err(&path))?;
+        return Ok(vec![shard_info("data.mdb".into(), &meta)]);
+    }
+    let keep = |p: &str| match format {
+        SourceFormat::Tfrecord => is_tfrecord(p),
+        SourceFormat::Tar => p.ends_with(".tar"),
+        _ => true,
+    };
+    Ok(walk(root)?.into_iter().filter(|(p, _)| keep(p)).map(|(p, m)| shard_info(p, &m)).collect())
+}
+
+/// How an index was obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IndexOrigin {
+    /// Loaded from a persisted index that was still fresh.
+    Loaded,
+    /// Built now (and persisted where possible).
+    Built,
+}
+
+/// Loads the persisted index of dataset `name` at `root` if it is still fresh, else builds and persists
+/// it. A persisted index that cannot be written (read-only dataset, no `index_dir`) is logged and kept
+/// in memory only.
+pub fn load_or_build(
+    root: &Path,
+    name: &str,
+    index_dir: Option<&Path>,
+    options: &IndexOptions,
+    progress: &dyn Progress,
+) -> Result<(Index, IndexOrigin), IndexError> {
+    let format = match options.format {
+        Some(f) => f,
+        None => detect(root)?,
+    };
+    let settings = IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
+    let shards = discover_shards(root, format)?;
+    let path = index_path(root, name, index_dir);
+    if let Ok(bytes) = std::fs::read(&path) {
+        match Index::from_bytes(&bytes) {
+            Some(index) if index.settings == settings && index.shards == shards => {
+                tracing::debug!(dataset = name, path = %path.display(), "reusing persisted index");
+                return Ok((index, IndexOrigin::Loaded));
+            }
+            Some(_) => tracing::info!(dataset = name, "shards or settings changed since the index was built; rebuilding"),
+            None => tracing::warn!(dataset = name, path = %path.display(), "persisted index is unreadable; rebuilding"),
+        }
+    }
+    let index = build_with_shards(root, settings, shards, progress)?;
+    if let Err(e) = write_atomically(&path, &index.to_bytes()) {
+        tracing::warn!(dataset = name, path = %path.display(), error = %e,
+            "cannot persist the index (it will be rebuilt at the next start); pass --index-dir to keep it elsewhere");
+    }
+    Ok((index, IndexOrigin::Built))
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// Builds the index of the dataset at `root` (not persisted).
+pub fn build(root: &Path, options: &IndexOptions, progress: &dyn Progress) -> Result<Index, IndexError> {
+    let format = match options.format {
+        Some(f) => f,
+        None => detect(root)?,
+    };
+    let settings = IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
+    build_with_shards(root, settings, discover_shards(root, format)?, progress)
+}
+
+fn build_with_shards(
+    root: &Path,
+    settings: IndexSettings,
+    shards: Vec<ShardInfo>,
+    progress: &dyn Progress,
+) -> Result<Index, IndexError> {
+    progress.start(shards.iter().map(|s| s.size).sum(), shards.len());
+    let mut index = Index { settings, shards, samples: Vec::new(), classes: Vec::new(), skipped: Vec::new() };
+    match settings.format {
+        SourceFormat::Tfrecord => index_tfrecord(root, &mut index, progress)?,
+        SourceFormat::Lmdb => index_lmdb(root, &mut index, progress)?,
+        SourceFormat::Tar => index_tar(root, &mut index, progress)?,
+        SourceFormat::Files => index_files(root, &mut index, progress)?,
+    }
+    if index.samples.is_empty() && index.skipped.is_empty() {
+        return Err(IndexError::Empty { path: root.to_owned(), format: settings.format });
+    }
+    Ok(index)
+}
+
+/// Records a corrupt region: an error, or with `skip_corrupt` an entry in `index.skipped`.
+fn corrupt(index: &mut Index, root: &Path, shard: &str, offset: u64, message: String) -> Result<(), IndexError> {
+    if index.settings.skip_corrupt {
+        tracing::warn!(shard, offset, %message, "skipping corrupt region");
+        index.skipped.push(Skipped { shard: shard.to_owned(), offset, reason: message });
+        Ok(())
+    } else {
+        Err(IndexError::Corrupt { shard: root.join(shard), offset, message })
+    }
+}
+
+fn map_shard(root: &Path, shard: &ShardInfo) -> Result<MappedFile, IndexError> {
+    let path = root.join(&shard.path);
+    MappedFile::open(&path).map_err(io_err(&path))
+}
+
+/// Names under which a `tf.train.Example` commonly carries its key and its label.
+const EXAMPLE_KEY_FEATURES: [&str; 3] = ["key", "image/filename", "__key__"];
+const EXAMPLE_LABEL_FEATURES: [&str; 2] = ["label", "image/class/label"];
+
+fn example_key_label(record: &[u8]) -> (Option<String>, i64) {
+    let key = EXAMPLE_KEY_FEATURES.iter().find_map(|name| match proto::example_feature(record, name) {
+        Ok(Some(proto::FeatureValue::Bytes(v))) => v.first().map(|b| String::from_utf8_lossy(b).into_owned()),
+        _ => None,
+    });
+    let label = EXAMPLE_LABEL_FEATURES
+        .iter()
+        .find_map(|name| match proto::example_feature(record, name) {
+            Ok(Some(proto::FeatureValue::Int64(v))) => v.first().copied(),
+            _ => None,
+        })
+        .unwrap_or(NO_LABEL);
+    (key, label)
+}
+
+fn index_tfrecord(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+    let shards = index.shards.clone();
+    for (shard_no, shard) in shards.iter().enumerate() {
+        let map = map_shard(root, shard)?;
+        map.advise(memmap2::Advice::Sequential);
+        let stem = shard.path.rsplit_once('.').map_or(shard.path.as_str(), |(s, _)| s);
+        let mut scanner = tfrecord::Scanner::new(map.bytes(), index.settings.verify_data_crc);
+        let mut reported = 0;
+        let mut record_no = 0u64;
+        while let Some(item) = scanner.next() {
+            match item {
+                Ok(pos) => {
+                    let data = &map.bytes()[pos.data_offset() as usize..(pos.data_offset() + pos.len) as usize];
+                    let (key, label) = example_key_label(data);
+                    index.samples.push(Sample {
+                        key: key.unwrap_or_else(|| format!("{stem}/{record_no:08}")),
+                        label,
+                        parts: vec![Part {
+                            ext: "example".into(),
+                            shard: shard_no as u32,
+                            offset: pos.data_offset(),
+                            len: pos.len,
+                            crc32c: pos.data_crc,
+                        }],
+                    });
+                }
+                Err(e) => {
+                    let offset = match &e {
+                        tfrecord::TfRecordError::Truncated { offset, .. }
+                        | tfrecord::TfRecordError::BadLengthCrc { offset }
+                        | tfrecord::TfRecordError::BadDataCrc { offset, .. }
+                        | tfrecord::TfRecordError::TooLong { offset, .. } => *offset,
+                    };
+                    let rest = if e.is_recoverable() { "" } else { "; the rest of the shard is skipped" };
+                    corrupt(index, root, &shard.path, offset, format!("{e}{rest}"))?;
+                }
+            }
+            record_no += 1;
+            progress.advance(scanner.position() - reported);
+            reported = scanner.position();
+        }
+        progress.advance(shard.size - reported);
+    }
+    Ok(())
+}
+
+fn index_lmdb(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+    let lmdb_err = |e: heed::Error| IndexError::Lmdb { path: root.to_owned(), message: e.to_string() };
+    let data_path = root.join("data.mdb");
+    let ours = MappedFile::open(&data_path).map_err(io_err(&data_path))?;
+    let env = LmdbEnv::open_read_only(root).map_err(lmdb_err)?;
+    let result = (|| {
+        let base = env.map_addr();
+        let rtxn = env.env().read_txn().map_err(lmdb_err)?;
+        let db = env
+            .env()
+            .open_database::<heed::types::Bytes, heed::types::Bytes>(&rtxn, None)
+            .map_err(lmdb_err)?
+            .ok_or_else(|| IndexError::Lmdb { path: root.to_owned(), message: "no main database".into() })?;
+        let mut last = 0u64;
+        for item in db.iter(&rtxn).map_err(lmdb_err)? {
+            let (key, value) = item.map_err(lmdb_err)?;
+            let offset = (value.as_ptr() as usize).wrapping_sub(base) as u64;
+            let end = offset.checked_add(value.len() as u64);
+            // The value must be where LMDB says it is in the file we serve from.
+            let in_file = end.filter(|&e| e <= ours.len()).map(|e| &ours.bytes()[offset as usize..e as usize]);
+            if in_file != Some(value) {
+                return Err(IndexError::Lmdb {
+                    path: root.to_owned(),
+                    message: format!("value of key {:?} is not stored contiguously in data.mdb", String::from_utf8_lossy(key)),
+                });
+            }
+            let label = proto::datum_label(value).ok().flatten();
+            index.samples.push(Sample {
+                key: String::from_utf8_lossy(key).into_owned(),
+                label: label.unwrap_or(NO_LABEL),
+                parts: vec![Part {
+                    ext: if label.is_some() { "datum" } else { "bin" }.into(),
+                    shard: 0,
+                    offset,
+                    len: value.len() as u64,
+                    crc32c: crc::crc32c(value),
+                }],
+            });
+            progress.advance(value.len() as u64);
+            last += value.len() as u64;
+        }
+        progress.advance(ours.len().saturating_sub(last));
+        Ok(())
+    })();
+    env.close();
+    result
+}
+
+/// WebDataset's rule: the key is the path up to the first `.` of the file name, the rest the extension.
+pub fn split_key(name: &str) -> (&str, &str) {
+    let base_start = name.rfind('/').map_or(0, |i| i + 1);
+    match name[base_start..].find('.') {
+        Some(dot) => (&name[..base_start + dot], &name[base_start + dot + 1..]),
+        None => (name, ""),
+    }
+}
+
+/// Parses a label out of a small text part (`.cls`, `.label`): a decimal integer, surrounding space ignored.
+fn text_label(bytes: &[u8]) -> Option<i64> {
+    std::str::from_utf8(bytes).ok()?.trim().parse().ok()
+}
+
+const LABEL_EXTS: [&str; 3] = ["cls", "label", "cls2"];
+
+fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+    let shards = index.shards.clone();
+    for (shard_no, shard) in shards.iter().enumerate() {
+        let map = map_shard(root, shard)?;
+        map.advise(memmap2::Advice::Sequential);
+        let bytes = map.bytes();
+        let mut group: Option<Sample> = None;
+        let flush = |group: &mut Option<Sample>, index: &mut Index| {
+            if let Some(mut sample) = group.take() {
+                sample.label = LABEL_EXTS
+                    .iter()
+                    .find_map(|ext| {
+                        let p = sample.parts.iter().find(|p| p.ext == *ext)?;
+                        text_label(&bytes[p.offset as usize..(p.offset + p.len) as usize])
+                    })
+                    .unwrap_or(NO_LABEL);
+                index.samples.push(sample);
+            }
+        };
+        let mut reported = 0;
+        for item in tar::Scanner::new(bytes) {
+            match item {
+                Ok(member) => {
+                    let (key, ext) = split_key(&member.name);
+                    if group.as_ref().is_some_and(|g| g.key != key) {
+                        flush(&mut group, index);
+                    }
+                    let data = &bytes[member.data_offset as usize..(member.data_offset + member.size) as usize];
+                    let part = Part {
+                        ext: ext.to_owned(),
+                        shard: shard_no as u32,
+                        offset: member.data_offset,
+                        len: member.size,
+                        crc32c: crc::crc32c(data),
+                    };
+                    group.get_or_insert_with(|| Sample { key: key.to_owned(), label: NO_LABEL, parts: vec![] }).parts.push(part);
+                    let done = member.data_offset + member.size;
+                    progress.advance(done - reported);
+                    reported = done;
+                }
+                Err(e) => {
+                    let offset = match &e {
+                        tar::TarError::BadChecksum { offset }
+                        | tar::TarError::Truncated { offset, .. }
+                        | tar::TarError::BadNumber { offset, .. }
+                        | tar::TarError::BadPax { offset }
+                        | tar::TarError::TruncatedHeader { offset } => *offset,
+                    };
+                    // A sample whose members were cut off is incomplete: drop it with the rest.
+                    group = None;
+                    corrupt(index, root, &shard.path, offset, format!("{e}; the rest of the shard is skipped"))?;
+                }
+            }
+        }
+        flush(&mut group, index);
+        progress.advance(shard.size.saturating_sub(reported));
+    }
+    Ok(())
+}
+
+fn index_files(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+    // Classes: the first directory of every file, sorted (ImageFolder's rule); files at the top level
+    // carry no label.
+    let mut classes = BTreeMap::new();
+    for shard in &index.shards {
+        if let Some((class, _)) = shard.path.split_once('/') {
+            classes.insert(class.to_owned(), 0i64);
+        }
+    }
+    for (i, v) in classes.values_mut().enumerate() {
+        *v = i as i64;
+    }
+    index.classes = classes.keys().cloned().collect();
+    let shards = index.shards.clone();
+    for (shard_no, shard) in shards.iter().enumerate() {
+        let map = map_shard(root, shard)?;
+        if map.len() != shard.size {
+            // Changed between listing and reading: the dataset is being written to.
+            return Err(IndexError::Io {
+                path: root.join(&shard.path),
+                source: io::Error::other("file changed size while indexing; datasets must not change while served"),
+            });
+        }
+        let base_start = shard.path.rfind('/').map_or(0, |i| i + 1);
+        let (key, ext) = match shard.path[base_start..].rfind('.') {
+            Some(dot) if dot > 0 => (&shard.path[..base_start + dot], &shard.path[base_start + dot + 1..]),
+            _ => (shard.path.as_str(), ""),
+        };
+        let label = shard.path.split_once('/').map_or(NO_LABEL, |(class, _)| classes[class]);
+        index.samples.push(Sample {
+            key: key.to_owned(),
+            label,
+            parts: vec![Part {
+                ext: ext.to_owned(),
+                shard: shard_no as u32,
+                offset: 0,
+                len: shard.size,
+                crc32c: crc::crc32c(map.bytes()),
+            }],
+        });
+        progress.advance(shard.size);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn webdataset_keys() {
+        assert_eq!(split_key("a/b/000123.jpg"), ("a/b/000123", "jpg"));
+        assert_eq!(split_key("x.seg.png"), ("x", "seg.png"));
+        assert_eq!(split_key("dir.v2/abc"), ("dir.v2/abc", ""));
+    }
+
+    #[test]
+    fn text_labels() {
+        assert_eq!(text_label(b" 42\n"), Some(42));
+        assert_eq!(text_label(b"cat"), None);
+    }
+}

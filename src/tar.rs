@@ -1,0 +1,331 @@
+//! POSIX tar: a streaming member scanner (for WebDataset shards) and a ustar/pax header writer (for tar
+//! batch bodies).
+//!
+//! The scanner understands ustar and GNU headers, pax extended headers (`path`, `size`) and GNU long
+//! names (`L`). It yields regular files only, each with the offset and size of its data, and reports a
+//! bad header checksum or a member cut short with the byte offset of its header.
+
+use crate::crc;
+use thiserror::Error;
+
+/// Tar block size.
+pub const BLOCK: u64 = 512;
+
+/// A tar parsing error at byte `offset` (the start of the offending header).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum TarError {
+    #[error("bad tar header checksum at byte {offset}")]
+    BadChecksum { offset: u64 },
+    #[error("tar member {name:?} at byte {offset} is cut short: needs {needed} bytes, {available} remain")]
+    Truncated { offset: u64, name: String, needed: u64, available: u64 },
+    #[error("bad numeric field {field} in the tar header at byte {offset}")]
+    BadNumber { offset: u64, field: &'static str },
+    #[error("bad pax extended header at byte {offset}")]
+    BadPax { offset: u64 },
+    #[error("tar stream ends inside a header at byte {offset}")]
+    TruncatedHeader { offset: u64 },
+}
+
+/// A regular file found in a tar stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// Full member path.
+    pub name: String,
+    /// Offset of the member's header.
+    pub header_offset: u64,
+    /// Offset of the member's data.
+    pub data_offset: u64,
+    /// Size of the member's data.
+    pub size: u64,
+}
+
+/// Rounds `n` up to a whole number of blocks.
+pub fn padded(n: u64) -> u64 {
+    n.div_ceil(BLOCK) * BLOCK
+}
+
+fn parse_number(field: &[u8], offset: u64, name: &'static str) -> Result<u64, TarError> {
+    if field.first().is_some_and(|b| b & 0x80 != 0) {
+        // GNU base-256: big-endian, first byte's high bit set.
+        let mut value: u64 = u64::from(field[0] & 0x7f);
+        for &b in &field[1..] {
+            value = value.checked_mul(256).ok_or(TarError::BadNumber { offset, field: name })? | u64::from(b);
+        }
+        return Ok(value);
+    }
+    let text: Vec<u8> = field.iter().copied().take_while(|&b| b != 0).collect();
+    let text = std::str::from_utf8(&text).map_err(|_| TarError::BadNumber { offset, field: name })?.trim();
+    if text.is_empty() {
+        return Ok(0);
+    }
+    u64::from_str_radix(text, 8).map_err(|_| TarError::BadNumber { offset, field: name })
+}
+
+fn c_string(field: &[u8]) -> String {
+    let end = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+    String::from_utf8_lossy(&field[..end]).into_owned()
+}
+
+fn header_checksum(header: &[u8]) -> u64 {
+    header.iter().enumerate().map(|(i, &b)| if (148..156).contains(&i) { 32 } else { u64::from(b) }).sum()
+}
+
+/// Walks the members of a tar stream held in memory.
+pub struct Scanner<'a> {
+    buf: &'a [u8],
+    pos: u64,
+    done: bool,
+}
+
+impl<'a> Scanner<'a> {
+    /// Scans `buf`.
+    pub fn new(buf: &'a [u8]) -> Self {
+        Scanner { buf, pos: 0, done: false }
+    }
+
+    fn block(&self, at: u64) -> Option<&'a [u8]> {
+        let start = usize::try_from(at).ok()?;
+        self.buf.get(start..start.checked_add(BLOCK as usize)?)
+    }
+
+    fn parse_pax(data: &[u8], offset: u64) -> Result<(Option<String>, Option<u64>), TarError> {
+        let bad = || TarError::BadPax { offset };
+        let (mut path, mut size) = (None, None);
+        let mut rest = data;
+        while !rest.is_empty() && rest[0] != 0 {
+            let space = rest.iter().position(|&b| b == b' ').ok_or_else(bad)?;
+            let len: usize = std::str::from_utf8(&rest[..space]).ok().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+            if len <= space + 1 || len > rest.len() || rest[len - 1] != b'\n' {
+                return Err(bad());
+            }
+            let record = &rest[space + 1..len - 1];
+            let eq = record.iter().position(|&b| b == b'=').ok_or_else(bad)?;
+            let (key, value) = (&record[..eq], &record[eq + 1..]);
+            match key {
+                b"path" => path = Some(String::from_utf8_lossy(value).into_owned()),
+                b"size" => {
+                    size = Some(std::str::from_utf8(value).ok().and_then(|s| s.parse().ok()).ok_or_else(bad)?)
+                }
+                _ => {}
+            }
+            rest = &rest[len..];
+        }
+        Ok((path, size))
+    }
+
+    fn next_member(&mut self) -> Result<Option<Member>, TarError> {
+        let mut long_name: Option<String> = None;
+        let mut pax_size: Option<u64> = None;
+        loop {
+            let offset = self.pos;
+            if offset >= self.buf.len() as u64 {
+                return Ok(None); // EOF without end-of-archive blocks: accepted, as GNU tar does.
+            }
+            let Some(header) = self.block(offset) else {
+                return Err(TarError::TruncatedHeader { offset });
+            };
+            if header.iter().all(|&b| b == 0) {
+                return Ok(None); // End of archive.
+            }
+            let stored = parse_number(&header[148..156], offset, "chksum")?;
+            if stored != header_checksum(header) {
+                return Err(TarError::BadChecksum { offset });
+            }
+            let typeflag = header[156];
+            let mut size = parse_number(&header[124..136], offset, "size")?;
+            if let Some(s) = pax_size.take() {
+                size = s;
+            }
+            let mut name = c_string(&header[0..100]);
+            if &header[257..262] == b"ustar" && header[262] == 0 {
+                let prefix = c_string(&header[345..500]);
+                if !prefix.is_empty() {
+                    name = format!("{prefix}/{name}");
+                }
+            }
+            if let Some(n) = long_name.take() {
+                name = n;
+            }
+            let data_offset = offset + BLOCK;
+            let available = (self.buf.len() as u64).saturating_sub(data_offset);
+            if size > available {
+                return Err(TarError::Truncated { offset, name, needed: size, available });
+            }
+            self.pos = data_offset + padded(size);
+            let data = &self.buf[data_offset as usize..(data_offset + size) as usize];
+            match typeflag {
+                b'x' => {
+                    let (path, s) = Self::parse_pax(data, offset)?;
+                    long_name = path;
+                    pax_size = s;
+                }
+                b'L' => long_name = Some(c_string(data)),
+                b'0' | 0 | b'7' => {
+                    return Ok(Some(Member { name, header_offset: offset, data_offset, size }));
+                }
+                _ => {} // Directories, links, global pax headers and the rest hold no sample data.
+            }
+        }
+    }
+}
+
+impl Iterator for Scanner<'_> {
+    type Item = Result<Member, TarError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        match self.next_member() {
+            Ok(Some(m)) => Some(Ok(m)),
+            Ok(None) => {
+                self.done = true;
+                None
+            }
+            Err(e) => {
+                self.done = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+fn write_octal(field: &mut [u8], value: u64) {
+    let digits = field.len() - 1;
+    let text = format!("{value:0digits$o}");
+    field[..digits].copy_from_slice(text.as_bytes());
+    field[digits] = 0;
+}
+
+fn fill_header(header: &mut [u8; 512], name: &[u8], size: u64, typeflag: u8) {
+    header[..name.len()].copy_from_slice(name);
+    write_octal(&mut header[100..108], 0o644);
+    write_octal(&mut header[108..116], 0);
+    write_octal(&mut header[116..124], 0);
+    if size < 0o777_7777_7777 {
+        write_octal(&mut header[124..136], size);
+    } else {
+        header[124] = 0x80;
+        header[128..136].copy_from_slice(&size.to_be_bytes());
+    }
+    write_octal(&mut header[136..148], 0);
+    header[156] = typeflag;
+    header[257..263].copy_from_slice(b"ustar\0");
+    header[263..265].copy_from_slice(b"00");
+    let sum = header_checksum(header);
+    let text = format!("{sum:06o}\0 ");
+    header[148..156].copy_from_slice(text.as_bytes());
+}
+
+/// The header bytes (one ustar block, preceded by a pax block pair when the name is over 100 bytes)
+/// for a regular file `name` of `size` bytes. Deterministic: mode 0644, owner 0, mtime 0.
+pub fn file_header(name: &str, size: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(BLOCK as usize);
+    let bytes = name.as_bytes();
+    let short: &[u8] = if bytes.len() <= 100 {
+        bytes
+    } else {
+        // pax record: "<len> path=<name>\n", where <len> counts itself.
+        let body = format!(" path={name}\n");
+        let mut len = body.len() + 1;
+        while format!("{len}").len() + body.len() != len {
+            len += 1;
+        }
+        let record = format!("{len}{body}");
+        let mut pax = [0u8; 512];
+        fill_header(&mut pax, b"././@PaxHeader", record.len() as u64, b'x');
+        out.extend_from_slice(&pax);
+        out.extend_from_slice(record.as_bytes());
+        out.resize(padded(out.len() as u64) as usize, 0);
+        // The ustar name field gets a truncated fallback; readers use the pax path.
+        let mut cut = 100;
+        while !name.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        &bytes[..cut]
+    };
+    let mut header = [0u8; 512];
+    fill_header(&mut header, short, size, b'0');
+    out.extend_from_slice(&header);
+    out
+}
+
+/// Length of [`file_header`] for a name of `name_len` bytes (independent of the size field's value).
+pub fn file_header_len(name: &str) -> u64 {
+    file_header(name, 0).len() as u64
+}
+
+/// Bytes of zero padding after `size` data bytes.
+pub fn padding(size: u64) -> u64 {
+    padded(size) - size
+}
+
+/// The end-of-archive marker: two zero blocks.
+pub const END_LEN: u64 = 2 * BLOCK;
+
+/// CRC32C of `n` zero bytes (`n` < a few blocks; used for padding and the end marker).
+pub fn zeros_crc(n: u64) -> u32 {
+    crc::crc32c(&vec![0u8; n as usize])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn archive(files: &[(String, Vec<u8>)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (name, data) in files {
+            out.extend(file_header(name, data.len() as u64));
+            out.extend_from_slice(data);
+            out.resize(out.len() + padding(data.len() as u64) as usize, 0);
+        }
+        out.resize(out.len() + END_LEN as usize, 0);
+        out
+    }
+
+    #[test]
+    fn checksum_and_truncation_errors() {
+        let mut buf = archive(&[("a.jpg".into(), vec![7; 700]), ("a.cls".into(), b"3".to_vec())]);
+        let members: Vec<_> = Scanner::new(&buf).collect::<Result<_, _>>().unwrap();
+        assert_eq!(members.len(), 2);
+        assert_eq!(members[1].header_offset, 512 + 1024);
+        let cut = &buf[..512 + 600];
+        assert_eq!(
+            Scanner::new(cut).next(),
+            Some(Err(TarError::Truncated { offset: 0, name: "a.jpg".into(), needed: 700, available: 600 }))
+        );
+        buf[512 + 1024 + 10] ^= 1;
+        let items: Vec<_> = Scanner::new(&buf).collect();
+        assert_eq!(items[1], Err(TarError::BadChecksum { offset: 1536 }));
+    }
+
+    #[test]
+    fn long_names_use_pax() {
+        let name = format!("{}/sample.jpg", "d".repeat(150));
+        let buf = archive(&[(name.clone(), b"xyz".to_vec())]);
+        let members: Vec<_> = Scanner::new(&buf).collect::<Result<_, _>>().unwrap();
+        assert_eq!(members[0].name, name);
+        assert_eq!(file_header_len(&name), 3 * BLOCK);
+        assert_eq!(file_header_len("short"), BLOCK);
+    }
+
+    proptest! {
+        #[test]
+        fn roundtrip(files in proptest::collection::vec(("[a-z0-9_/]{1,160}", proptest::collection::vec(any::<u8>(), 0..1500)), 0..8)) {
+            let files: Vec<(String, Vec<u8>)> = files;
+            let buf = archive(&files);
+            let members: Vec<Member> = Scanner::new(&buf).collect::<Result<_, _>>().unwrap();
+            prop_assert_eq!(members.len(), files.len());
+            for (m, (name, data)) in members.iter().zip(&files) {
+                prop_assert_eq!(&m.name, name);
+                prop_assert_eq!(&buf[m.data_offset as usize..(m.data_offset + m.size) as usize], &data[..]);
+            }
+        }
+
+        #[test]
+        fn never_panics(buf in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            for m in Scanner::new(&buf) { let _ = m; }
+        }
+    }
+}
