@@ -5,7 +5,10 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod api;
 pub mod crc;
+pub mod encode;
+pub mod gen;
 pub mod index;
 pub mod mmap;
 pub mod plan;

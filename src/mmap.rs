@@ -121,14 +121,21 @@ impl LmdbEnv {
         Ok(LmdbEnv { env })
     }
 
+    /// Creates (or opens for writing) an environment in `dir` with room for `map_size` bytes; used by the
+    /// sample-data generator.
+    pub fn create(dir: &Path, map_size: usize) -> heed::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let mut options = heed::EnvOpenOptions::new();
+        options.map_size(map_size).max_dbs(0);
+        // SAFETY: heed requires that no other handle to this environment is open in this process and
+        // that no one else modifies it unsafely; the generator creates a fresh directory it alone writes.
+        let env = unsafe { options.open(dir)? };
+        Ok(LmdbEnv { env })
+    }
+
     /// The environment.
     pub fn env(&self) -> &heed::Env {
         &self.env
-    }
-
-    /// Address where LMDB mapped `data.mdb`: a value's file offset is its address minus this.
-    pub fn map_addr(&self) -> usize {
-        self.env.info().map_addr as usize
     }
 
     /// Closes the environment and waits until LMDB released it, so the path can be opened again.

@@ -324,7 +324,7 @@ fn index_lmdb(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result
     let ours = MappedFile::open(&data_path).map_err(io_err(&data_path))?;
     let env = LmdbEnv::open_read_only(root).map_err(lmdb_err)?;
     let result = (|| {
-        let base = env.map_addr();
+        let mut base = None;
         let rtxn = env.env().read_txn().map_err(lmdb_err)?;
         let db = env
             .env()
@@ -334,6 +334,13 @@ fn index_lmdb(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result
         let mut last = 0u64;
         for item in db.iter(&rtxn).map_err(lmdb_err)? {
             let (key, value) = item.map_err(lmdb_err)?;
+            let base = match base {
+                Some(b) => b,
+                None => *base.insert(mapping_base(value.as_ptr() as usize, &data_path).ok_or_else(|| IndexError::Lmdb {
+                    path: root.to_owned(),
+                    message: "cannot find LMDB's mapping of data.mdb in /proc/self/maps".into(),
+                })?),
+            };
             let offset = (value.as_ptr() as usize).wrapping_sub(base) as u64;
             let end = offset.checked_add(value.len() as u64);
             // The value must be where LMDB says it is in the file we serve from.
@@ -364,6 +371,32 @@ fn index_lmdb(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result
     })();
     env.close();
     result
+}
+
+/// The address at which file offset 0 of `file` would be, for the mapping of `file` that contains `addr`
+/// (LMDB does not publish where it mapped `data.mdb`; the kernel does).
+fn mapping_base(addr: usize, file: &Path) -> Option<usize> {
+    let file = std::fs::canonicalize(file).ok()?;
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        // start-end perms offset dev inode path (the path may contain spaces: it is the rest of the line)
+        let mut rest = line;
+        let mut field = || {
+            rest = rest.trim_start();
+            let end = rest.find(' ').unwrap_or(rest.len());
+            let (f, r) = rest.split_at(end);
+            rest = r;
+            f
+        };
+        let (start, end) = field().split_once('-')?;
+        let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
+        field();
+        let offset = usize::from_str_radix(field(), 16).ok()?;
+        field();
+        field();
+        let path = rest.trim_start();
+        ((start..end).contains(&addr) && Path::new(path) == file).then(|| start - offset)
+    })
 }
 
 /// WebDataset's rule: the key is the path up to the first `.` of the file name, the rest the extension.

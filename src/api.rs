@@ -1,0 +1,359 @@
+//! HTTP API v1: the paths, query options, JSON types and headers that server and client share.
+//!
+//! | path | body |
+//! |---|---|
+//! | `GET /v1/datasets` | [`DatasetList`] |
+//! | `GET /v1/datasets/{name}` | [`DatasetInfo`] |
+//! | `GET /v1/datasets/{name}/epochs/{epoch}?{plan}` | [`Manifest`] |
+//! | `GET /v1/datasets/{name}/epochs/{epoch}/batches/{i}?{plan}&format=F` | batch body (Range) |
+//! | `GET /v1/datasets/{name}/files/{path}` | a source file (Range) |
+//! | `GET /healthz`, `GET /metrics` | `ok`, Prometheus text |
+//!
+//! `{plan}` is `batch_size`, `seed`, `shuffle`, `drop_last`, each optional with the defaults of
+//! [`PlanOptions`]. Errors are [`ErrorBody`] JSON.
+
+use crate::encode::BatchFormat;
+use crate::index::SourceFormat;
+use crate::plan::{PlanOptions, Shuffle};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Header carrying the CRC32C of the whole body, 8 lowercase hex digits.
+pub const CRC32C_HEADER: &str = "x-batchfs-crc32c";
+/// Header carrying the number of samples in a batch.
+pub const SAMPLES_HEADER: &str = "x-batchfs-samples";
+
+/// A request that cannot be served as asked (maps to 400/404/416).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("no such path {0:?}; see GET /v1/datasets")]
+    NotFound(String),
+}
+
+/// A parsed request path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    Health,
+    Metrics,
+    Datasets,
+    Dataset { name: String },
+    Manifest { name: String, epoch: u64 },
+    Batch { name: String, epoch: u64, batch: u64 },
+    File { name: String, path: String },
+}
+
+fn number(what: &str, s: &str) -> Result<u64, ApiError> {
+    s.parse().map_err(|_| ApiError::BadRequest(format!("{what} must be a non-negative integer, got {s:?}")))
+}
+
+/// Decodes `%XX` escapes; `None` for malformed escapes or invalid UTF-8.
+pub fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Encodes everything but unreserved characters and `/`.
+pub fn percent_encode_path(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+impl Route {
+    /// Parses a request path (without the query).
+    pub fn parse(path: &str) -> Result<Route, ApiError> {
+        let not_found = || ApiError::NotFound(path.to_owned());
+        match path {
+            "/healthz" => return Ok(Route::Health),
+            "/metrics" => return Ok(Route::Metrics),
+            "/v1/datasets" | "/v1/datasets/" => return Ok(Route::Datasets),
+            _ => {}
+        }
+        let rest = path.strip_prefix("/v1/datasets/").ok_or_else(not_found)?;
+        let (raw_name, rest) = rest.split_once('/').unwrap_or((rest, ""));
+        let name = percent_decode(raw_name).filter(|n| !n.is_empty()).ok_or_else(not_found)?;
+        if rest.is_empty() {
+            return Ok(Route::Dataset { name });
+        }
+        if let Some(file) = rest.strip_prefix("files/") {
+            let path = percent_decode(file)
+                .ok_or_else(|| ApiError::BadRequest(format!("malformed percent-encoding in {file:?}")))?;
+            return Ok(Route::File { name, path });
+        }
+        let segments: Vec<&str> = rest.split('/').collect();
+        match segments.as_slice() {
+            ["epochs", e] => Ok(Route::Manifest { name, epoch: number("epoch", e)? }),
+            ["epochs", e, "batches", b] => Ok(Route::Batch { name, epoch: number("epoch", e)?, batch: number("batch", b)? }),
+            _ => Err(not_found()),
+        }
+    }
+}
+
+/// Path of a dataset's description.
+pub fn dataset_path(name: &str) -> String {
+    format!("/v1/datasets/{}", percent_encode_path(name).replace('/', "%2F"))
+}
+
+/// Path of an epoch's manifest.
+pub fn manifest_path(name: &str, epoch: u64) -> String {
+    format!("{}/epochs/{epoch}", dataset_path(name))
+}
+
+/// Path of one batch.
+pub fn batch_path(name: &str, epoch: u64, batch: u64) -> String {
+    format!("{}/batches/{batch}", manifest_path(name, epoch))
+}
+
+/// Path of one source file.
+pub fn file_path(name: &str, path: &str) -> String {
+    format!("{}/files/{}", dataset_path(name), percent_encode_path(path))
+}
+
+/// The query of manifest and batch requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct BatchQuery {
+    pub plan: PlanOptions,
+    pub format: BatchFormat,
+}
+
+const QUERY_KEYS: &str = "batch_size, seed, shuffle, drop_last, format";
+
+impl BatchQuery {
+    /// Parses `batch_size=..&seed=..&shuffle=..&drop_last=..&format=..` (all optional). Unknown or
+    /// repeated keys and bad values are errors that say what is allowed.
+    pub fn parse(query: &str) -> Result<BatchQuery, ApiError> {
+        let mut q = BatchQuery::default();
+        let mut seen = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let bad = |msg: String| ApiError::BadRequest(msg);
+            let value = percent_decode(&value.replace('+', " ")).ok_or_else(|| bad(format!("malformed value for {key}")))?;
+            if seen.contains(&key) {
+                return Err(bad(format!("query parameter {key} given twice")));
+            }
+            seen.push(key);
+            match key {
+                "batch_size" => {
+                    let n = number("batch_size", &value)?;
+                    q.plan.batch_size = u32::try_from(n).unwrap_or(u32::MAX);
+                    q.plan.validate().map_err(|e| bad(e.to_string()))?;
+                }
+                "seed" => q.plan.seed = number("seed", &value)?,
+                "shuffle" => q.plan.shuffle = value.parse::<Shuffle>().map_err(|e| bad(e.to_string()))?,
+                "drop_last" => {
+                    q.plan.drop_last = match value.as_str() {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        other => return Err(bad(format!("drop_last must be true or false, got {other:?}"))),
+                    }
+                }
+                "format" => q.format = value.parse().map_err(bad)?,
+                other => return Err(bad(format!("unknown query parameter {other:?}; expected {QUERY_KEYS}"))),
+            }
+        }
+        Ok(q)
+    }
+
+    /// The canonical query string (every key, fixed order).
+    pub fn to_query(&self) -> String {
+        format!(
+            "batch_size={}&seed={}&shuffle={}&drop_last={}&format={}",
+            self.plan.batch_size, self.plan.seed, self.plan.shuffle, self.plan.drop_last, self.format
+        )
+    }
+}
+
+/// A dataset as the server describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetInfo {
+    pub name: String,
+    pub format: SourceFormat,
+    pub samples: u64,
+    /// Bytes of sample data.
+    pub bytes: u64,
+    pub shards: u64,
+    /// Class names (file trees), empty where labels are bare numbers.
+    pub classes: Vec<String>,
+    /// Corrupt regions skipped while indexing.
+    pub skipped: u64,
+}
+
+/// `GET /v1/datasets`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetList {
+    pub datasets: Vec<DatasetInfo>,
+}
+
+/// One batch in a manifest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchEntry {
+    pub index: u64,
+    pub samples: u32,
+    pub bytes: u64,
+    pub crc32c: u32,
+}
+
+/// `GET /v1/datasets/{name}/epochs/{epoch}`: every batch of the epoch with its size and checksum.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub dataset: String,
+    pub epoch: u64,
+    pub options: PlanOptions,
+    pub format: BatchFormat,
+    /// Samples in the epoch (after `drop_last`).
+    pub samples: u64,
+    /// Bytes of all batch bodies.
+    pub bytes: u64,
+    pub batches: Vec<BatchEntry>,
+}
+
+/// The body of every error response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+/// A parsed `Range` header against a body of known length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RangeRequest {
+    /// Serve the whole body (no header, or a form we choose to ignore, such as several ranges).
+    Full,
+    /// Serve `[start, end)`.
+    Partial { start: u64, end: u64 },
+    /// 416: nothing of the body satisfies the range.
+    Unsatisfiable,
+}
+
+/// Parses a `Range` header value for a body of `len` bytes. Only single `bytes=` ranges are honoured;
+/// anything else is ignored (the full body is sent, as RFC 9110 allows).
+pub fn parse_range(header: Option<&str>, len: u64) -> RangeRequest {
+    let Some(spec) = header.and_then(|h| h.trim().strip_prefix("bytes=")) else {
+        return RangeRequest::Full;
+    };
+    if spec.contains(',') {
+        return RangeRequest::Full;
+    }
+    let Some((a, b)) = spec.trim().split_once('-') else { return RangeRequest::Full };
+    let (a, b) = (a.trim(), b.trim());
+    let parse = |s: &str| s.parse::<u64>().ok();
+    match (a.is_empty(), b.is_empty()) {
+        (true, false) => match parse(b) {
+            Some(0) => RangeRequest::Unsatisfiable,
+            Some(n) if len > 0 => RangeRequest::Partial { start: len.saturating_sub(n), end: len },
+            Some(_) => RangeRequest::Unsatisfiable,
+            None => RangeRequest::Full,
+        },
+        (false, _) => {
+            let Some(start) = parse(a) else { return RangeRequest::Full };
+            let end = if b.is_empty() {
+                len
+            } else {
+                match parse(b) {
+                    Some(last) if last >= start => last.saturating_add(1).min(len),
+                    _ => return RangeRequest::Full,
+                }
+            };
+            if start >= len {
+                RangeRequest::Unsatisfiable
+            } else {
+                RangeRequest::Partial { start, end }
+            }
+        }
+        (true, true) => RangeRequest::Full,
+    }
+}
+
+/// A strong ETag for a body with this checksum and length.
+pub fn etag(crc32c: u32, len: u64) -> String {
+    format!("\"{crc32c:08x}-{len:x}\"")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn routes() {
+        assert_eq!(Route::parse("/healthz"), Ok(Route::Health));
+        assert_eq!(Route::parse("/v1/datasets/img%20net"), Ok(Route::Dataset { name: "img net".into() }));
+        assert_eq!(Route::parse("/v1/datasets/a/epochs/3"), Ok(Route::Manifest { name: "a".into(), epoch: 3 }));
+        assert_eq!(Route::parse("/v1/datasets/a/epochs/3/batches/7"), Ok(Route::Batch { name: "a".into(), epoch: 3, batch: 7 }));
+        assert_eq!(Route::parse("/v1/datasets/a/files/x/y%2Ejpg"), Ok(Route::File { name: "a".into(), path: "x/y.jpg".into() }));
+        assert!(matches!(Route::parse("/v1/datasets/a/epochs/x"), Err(ApiError::BadRequest(_))));
+        assert!(matches!(Route::parse("/v2"), Err(ApiError::NotFound(_))));
+        assert!(matches!(Route::parse("/v1/datasets/a/epochs/1/batches/2/x"), Err(ApiError::NotFound(_))));
+    }
+
+    #[test]
+    fn queries() {
+        let q = BatchQuery::parse("batch_size=32&seed=7&shuffle=none&drop_last=true&format=tar").unwrap();
+        assert_eq!(q.plan, PlanOptions { batch_size: 32, seed: 7, shuffle: Shuffle::None, drop_last: true });
+        assert_eq!(q.format, BatchFormat::Tar);
+        assert_eq!(BatchQuery::parse(&q.to_query()), Ok(q));
+        assert_eq!(BatchQuery::parse(""), Ok(BatchQuery::default()));
+        assert_eq!(BatchQuery::parse("format=tfrecord%2Eidx").unwrap().format, BatchFormat::TfrecordIdx);
+        for bad in ["batch_size=0", "batch_size=-1", "seed=x", "shuffle=local", "format=zip", "x=1", "seed=1&seed=2", "drop_last=maybe"] {
+            assert!(matches!(BatchQuery::parse(bad), Err(ApiError::BadRequest(_))), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ranges() {
+        use RangeRequest::*;
+        assert_eq!(parse_range(None, 10), Full);
+        assert_eq!(parse_range(Some("bytes=0-3"), 10), Partial { start: 0, end: 4 });
+        assert_eq!(parse_range(Some("bytes=5-"), 10), Partial { start: 5, end: 10 });
+        assert_eq!(parse_range(Some("bytes=-3"), 10), Partial { start: 7, end: 10 });
+        assert_eq!(parse_range(Some("bytes=-30"), 10), Partial { start: 0, end: 10 });
+        assert_eq!(parse_range(Some("bytes=8-100"), 10), Partial { start: 8, end: 10 });
+        assert_eq!(parse_range(Some("bytes=10-"), 10), Unsatisfiable);
+        assert_eq!(parse_range(Some("bytes=-0"), 10), Unsatisfiable);
+        assert_eq!(parse_range(Some("bytes=0-1,4-5"), 10), Full);
+        assert_eq!(parse_range(Some("items=0-1"), 10), Full);
+        assert_eq!(parse_range(Some("bytes=5-2"), 10), Full);
+    }
+
+    #[test]
+    fn paths_roundtrip() {
+        let p = file_path("set one", "cls a/x#1.jpg");
+        assert_eq!(Route::parse(&p), Ok(Route::File { name: "set one".into(), path: "cls a/x#1.jpg".into() }));
+        assert_eq!(Route::parse(&batch_path("d/x", 2, 9)), Ok(Route::Batch { name: "d/x".into(), epoch: 2, batch: 9 }));
+    }
+
+    proptest! {
+        #[test]
+        fn range_is_within_body(h in "bytes=[0-9]{0,4}-[0-9]{0,4}", len in 0u64..5000) {
+            if let RangeRequest::Partial { start, end } = parse_range(Some(&h), len) {
+                prop_assert!(start < end && end <= len);
+            }
+        }
+
+        #[test]
+        fn parsers_never_panic(s in "\\PC{0,60}") {
+            let _ = Route::parse(&s);
+            let _ = BatchQuery::parse(&s);
+            let _ = parse_range(Some(&s), 100);
+        }
+    }
+}

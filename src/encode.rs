@@ -1,0 +1,418 @@
+//! Batch encodings: how the samples of one batch become one file.
+//!
+//! A batch body is described by a [`BatchLayout`]: a list of [`Segment`]s (literal framing bytes, or a
+//! byte range of a shard), its exact length and its CRC32C. Layouts are computed from the index alone —
+//! sizes from part lengths, checksums by combining the per-part CRCs recorded at index time — so a
+//! manifest costs no sample I/O, and the server streams a body straight from its mapped shards.
+//!
+//! Formats:
+//! - `tfrecord`: TFRecord frames. Records of a TFRecord source pass through byte for byte (the whole
+//!   frame is copied from the shard). Samples of other sources are wrapped as `tf.train.Example` with
+//!   features `key` (bytes), `label` (int64, -1 when none) and the sample's bytes: `data` for a
+//!   single-part sample, else one bytes feature per part named by its extension (`jpg`, `cls`...).
+//! - `tfrecord.idx`: DALI's index of that TFRecord batch: one `offset size` line per record.
+//! - `tar`: a POSIX (ustar + pax) tar, one member `KEY.EXT` per part, then two zero blocks. Mode 0644,
+//!   owner 0, mtime 0, so a body is a pure function of the samples.
+
+use crate::crc::{self, CrcBuilder};
+use crate::index::{Index, Sample, SourceFormat};
+use crate::proto::{self, Piece, WrapFeature};
+use crate::{tar, tfrecord};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// The file format of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum BatchFormat {
+    /// TFRecord frames.
+    #[default]
+    #[serde(rename = "tfrecord")]
+    Tfrecord,
+    /// DALI's text index of the TFRecord batch.
+    #[serde(rename = "tfrecord.idx")]
+    TfrecordIdx,
+    /// POSIX tar (WebDataset).
+    #[serde(rename = "tar")]
+    Tar,
+}
+
+impl BatchFormat {
+    /// All formats.
+    pub const ALL: [BatchFormat; 3] = [BatchFormat::Tfrecord, BatchFormat::TfrecordIdx, BatchFormat::Tar];
+
+    /// Name in the API and the file extension of batch files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BatchFormat::Tfrecord => "tfrecord",
+            BatchFormat::TfrecordIdx => "tfrecord.idx",
+            BatchFormat::Tar => "tar",
+        }
+    }
+
+    /// The HTTP content type of a body.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            BatchFormat::Tfrecord => "application/x-tfrecord",
+            BatchFormat::TfrecordIdx => "text/plain; charset=utf-8",
+            BatchFormat::Tar => "application/x-tar",
+        }
+    }
+}
+
+impl fmt::Display for BatchFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for BatchFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        BatchFormat::ALL
+            .into_iter()
+            .find(|f| f.as_str() == s)
+            .ok_or_else(|| format!("unknown batch format {s:?}: expected tfrecord, tfrecord.idx or tar"))
+    }
+}
+
+/// A piece of a batch body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Segment {
+    /// Literal bytes (framing, headers, padding).
+    Inline(Vec<u8>),
+    /// `len` bytes of shard `shard` from `offset`.
+    Data { shard: u32, offset: u64, len: u64 },
+}
+
+impl Segment {
+    /// Length of the segment.
+    pub fn len(&self) -> u64 {
+        match self {
+            Segment::Inline(b) => b.len() as u64,
+            Segment::Data { len, .. } => *len,
+        }
+    }
+
+    /// Whether the segment is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The exact bytes of one batch body, by reference.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchLayout {
+    pub segments: Vec<Segment>,
+    /// Total length in bytes.
+    pub len: u64,
+    /// CRC32C of the whole body.
+    pub crc32c: u32,
+}
+
+#[derive(Default)]
+struct LayoutBuilder {
+    segments: Vec<Segment>,
+    crc: CrcBuilder,
+}
+
+impl LayoutBuilder {
+    fn inline(&mut self, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        self.crc.push_bytes(bytes);
+        if let Some(Segment::Inline(last)) = self.segments.last_mut() {
+            last.extend_from_slice(bytes);
+        } else {
+            self.segments.push(Segment::Inline(bytes.to_vec()));
+        }
+    }
+
+    /// Appends a shard range whose CRC the caller accounts for (by `crc_pieces`).
+    fn data_range(&mut self, shard: u32, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        // Coalesce with the previous range when contiguous in the same shard: one read instead of two.
+        if let Some(Segment::Data { shard: s, offset: o, len: l }) = self.segments.last_mut() {
+            if *s == shard && *o + *l == offset {
+                *l += len;
+                return;
+            }
+        }
+        self.segments.push(Segment::Data { shard, offset, len });
+    }
+
+    fn data(&mut self, shard: u32, offset: u64, len: u64, crc32c: u32) {
+        self.crc.push_crc(crc32c, len);
+        self.data_range(shard, offset, len);
+    }
+
+    fn finish(self) -> BatchLayout {
+        BatchLayout { len: self.crc.len(), crc32c: self.crc.crc(), segments: self.segments }
+    }
+}
+
+/// The Example a non-TFRecord sample is wrapped in, as pieces referring to the sample's parts.
+pub fn example_for(sample: &Sample) -> Vec<Piece> {
+    let mut features: Vec<(&str, WrapFeature<'_>)> = Vec::with_capacity(sample.parts.len() + 2);
+    if sample.parts.len() == 1 {
+        features.push(("data", WrapFeature::Part { index: 0, len: sample.parts[0].len }));
+    } else {
+        for (i, p) in sample.parts.iter().enumerate() {
+            let name = if p.ext.is_empty() { "data" } else { p.ext.as_str() };
+            features.push((name, WrapFeature::Part { index: i, len: p.len }));
+        }
+    }
+    features.push(("key", WrapFeature::Bytes(sample.key.as_bytes())));
+    features.push(("label", WrapFeature::Int64(sample.label)));
+    proto::example_pieces(&features)
+}
+
+/// Appends the TFRecord frame of one sample; returns the frame's size.
+fn push_tfrecord(b: &mut LayoutBuilder, index: &Index, sample: &Sample) -> u64 {
+    if index.format() == SourceFormat::Tfrecord {
+        // Pass the stored frame through byte for byte; its header and footer are recomputed only for
+        // the checksum (they are a function of the length and the stored data CRC).
+        let p = &sample.parts[0];
+        b.crc.push_bytes(&tfrecord::frame_header(p.len));
+        b.crc.push_crc(p.crc32c, p.len);
+        b.crc.push_bytes(&tfrecord::frame_footer(p.crc32c));
+        b.data_range(p.shard, p.offset - tfrecord::HEADER_LEN, tfrecord::frame_len(p.len));
+        return tfrecord::frame_len(p.len);
+    }
+    let pieces = example_for(sample);
+    let mut example_crc = CrcBuilder::new();
+    for piece in &pieces {
+        match piece {
+            Piece::Inline(bytes) => example_crc.push_bytes(bytes),
+            Piece::Part { index: i, .. } => example_crc.push_crc(sample.parts[*i].crc32c, sample.parts[*i].len),
+        }
+    }
+    b.inline(&tfrecord::frame_header(example_crc.len()));
+    for piece in &pieces {
+        match piece {
+            Piece::Inline(bytes) => b.inline(bytes),
+            Piece::Part { index: i, .. } => {
+                let p = &sample.parts[*i];
+                b.data(p.shard, p.offset, p.len, p.crc32c);
+            }
+        }
+    }
+    b.inline(&tfrecord::frame_footer(example_crc.crc()));
+    tfrecord::frame_len(example_crc.len())
+}
+
+/// Size of the TFRecord frame of one sample, without building it.
+fn tfrecord_frame_len(index: &Index, sample: &Sample) -> u64 {
+    if index.format() == SourceFormat::Tfrecord {
+        tfrecord::frame_len(sample.parts[0].len)
+    } else {
+        tfrecord::frame_len(example_for(sample).iter().map(Piece::len).sum())
+    }
+}
+
+/// The member name of part `ext` of a sample keyed `key` in a tar batch: the key made safe (no empty,
+/// `.` or `..` components, no `.` in the file name so WebDataset splits at the extension), then `.EXT`.
+pub fn tar_member_name(key: &str, ext: &str) -> String {
+    let parts: Vec<&str> = key.split('/').filter(|c| !c.is_empty() && *c != "." && *c != "..").collect();
+    let mut name = match parts.split_last() {
+        Some((last, dirs)) => {
+            let mut n = dirs.join("/");
+            if !n.is_empty() {
+                n.push('/');
+            }
+            n.push_str(&last.replace('.', "_"));
+            n
+        }
+        None => "sample".to_owned(),
+    };
+    if !ext.is_empty() {
+        name.push('.');
+        name.push_str(ext);
+    }
+    name
+}
+
+fn push_tar(b: &mut LayoutBuilder, sample: &Sample) {
+    for p in &sample.parts {
+        b.inline(&tar::file_header(&tar_member_name(&sample.key, &p.ext), p.len));
+        b.data(p.shard, p.offset, p.len, p.crc32c);
+        b.inline(&vec![0u8; tar::padding(p.len) as usize]);
+    }
+}
+
+/// The DALI index text for records of the given frame sizes.
+pub fn dali_index(frame_sizes: impl IntoIterator<Item = u64>) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut offset = 0;
+    for size in frame_sizes {
+        out.extend_from_slice(format!("{offset} {size}\n").as_bytes());
+        offset += size;
+    }
+    out
+}
+
+/// The layout of the batch made of `samples` (indices into `index.samples`), in `format`.
+pub fn layout(index: &Index, samples: &[u32], format: BatchFormat) -> BatchLayout {
+    let mut b = LayoutBuilder::default();
+    let samples = samples.iter().map(|&i| &index.samples[i as usize]);
+    match format {
+        BatchFormat::Tfrecord => {
+            for sample in samples {
+                push_tfrecord(&mut b, index, sample);
+            }
+        }
+        BatchFormat::TfrecordIdx => b.inline(&dali_index(samples.map(|s| tfrecord_frame_len(index, s)))),
+        BatchFormat::Tar => {
+            for sample in samples {
+                push_tar(&mut b, sample);
+            }
+            b.inline(&[0u8; tar::END_LEN as usize]);
+        }
+    }
+    b.finish()
+}
+
+/// Materializes a layout, given a way to read shard ranges (tests, small tools; the server streams).
+pub fn materialize(layout: &BatchLayout, mut read: impl FnMut(u32, u64, u64) -> Vec<u8>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(layout.len as usize);
+    for seg in &layout.segments {
+        match seg {
+            Segment::Inline(b) => out.extend_from_slice(b),
+            Segment::Data { shard, offset, len } => out.extend(read(*shard, *offset, *len)),
+        }
+    }
+    out
+}
+
+/// CRC32C of a byte slice (re-exported for clients verifying bodies).
+pub fn body_crc(body: &[u8]) -> u32 {
+    crc::crc32c(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::{IndexSettings, Part, ShardInfo};
+    use crate::proto::FeatureValue;
+    use proptest::prelude::*;
+
+    /// An index over one in-memory "shard" holding the given samples' parts back to back.
+    fn files_index(samples: &[(String, i64, Vec<(String, Vec<u8>)>)], format: SourceFormat) -> (Index, Vec<u8>) {
+        let mut shard = Vec::new();
+        let mut out = Vec::new();
+        for (key, label, parts) in samples {
+            let mut ps = Vec::new();
+            for (ext, data) in parts {
+                if format == SourceFormat::Tfrecord {
+                    let start = shard.len() as u64;
+                    tfrecord::encode_record(data, &mut shard);
+                    ps.push(Part { ext: ext.clone(), shard: 0, offset: start + 12, len: data.len() as u64, crc32c: crc::crc32c(data) });
+                } else {
+                    ps.push(Part { ext: ext.clone(), shard: 0, offset: shard.len() as u64, len: data.len() as u64, crc32c: crc::crc32c(data) });
+                    shard.extend_from_slice(data);
+                }
+            }
+            out.push(Sample { key: key.clone(), label: *label, parts: ps });
+        }
+        let index = Index {
+            settings: IndexSettings { format, verify_data_crc: true, skip_corrupt: false },
+            shards: vec![ShardInfo { path: "s".into(), size: shard.len() as u64, mtime_ns: 0 }],
+            samples: out,
+            classes: vec![],
+            skipped: vec![],
+        };
+        (index, shard)
+    }
+
+    fn read_from(shard: &[u8]) -> impl FnMut(u32, u64, u64) -> Vec<u8> + '_ {
+        move |_, o, l| shard[o as usize..(o + l) as usize].to_vec()
+    }
+
+    fn arb_samples(max_parts: usize) -> impl Strategy<Value = Vec<(String, i64, Vec<(String, Vec<u8>)>)>> {
+        proptest::collection::vec(
+            ("[a-z0-9]{1,8}(/[a-z0-9.]{1,8})?", -1i64..1000, proptest::collection::vec(("[a-z]{1,4}", proptest::collection::vec(any::<u8>(), 0..700)), 1..=max_parts)),
+            1..12,
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn tfrecord_wrapping_decodes_to_samples(samples in arb_samples(3)) {
+            let (index, shard) = files_index(&samples, SourceFormat::Files);
+            let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
+            let layout = layout(&index, &order, BatchFormat::Tfrecord);
+            let body = materialize(&layout, read_from(&shard));
+            prop_assert_eq!(body.len() as u64, layout.len);
+            prop_assert_eq!(crc::crc32c(&body), layout.crc32c);
+            let records: Vec<_> = tfrecord::Scanner::new(&body, true).collect::<Result<_, _>>().unwrap();
+            prop_assert_eq!(records.len(), samples.len());
+            for (rec, &i) in records.iter().zip(&order) {
+                let data = &body[rec.data_offset() as usize..(rec.data_offset() + rec.len) as usize];
+                let (key, label, parts) = &samples[i as usize];
+                prop_assert_eq!(proto::example_feature(data, "key").unwrap(), Some(FeatureValue::Bytes(vec![key.as_bytes()])));
+                prop_assert_eq!(proto::example_feature(data, "label").unwrap(), Some(FeatureValue::Int64(vec![*label])));
+                if parts.len() == 1 {
+                    prop_assert_eq!(proto::example_feature(data, "data").unwrap(), Some(FeatureValue::Bytes(vec![&parts[0].1[..]])));
+                }
+            }
+            // The DALI index lists exactly these frames.
+            let idx = layout_idx(&index, &order);
+            let expected: String = records.iter().map(|r| format!("{} {}\n", r.frame_offset, r.frame_len())).collect();
+            prop_assert_eq!(String::from_utf8(idx).unwrap(), expected);
+        }
+
+        #[test]
+        fn tfrecord_passthrough_is_byte_exact(samples in arb_samples(1)) {
+            let (index, shard) = files_index(&samples, SourceFormat::Tfrecord);
+            let order: Vec<u32> = (0..samples.len() as u32).collect();
+            let layout = layout(&index, &order, BatchFormat::Tfrecord);
+            // In index order the frames are contiguous: one coalesced range for the whole batch.
+            prop_assert_eq!(layout.segments.len(), 1);
+            let body = materialize(&layout, read_from(&shard));
+            prop_assert_eq!(&body, &shard);
+            prop_assert_eq!(crc::crc32c(&body), layout.crc32c);
+        }
+
+        #[test]
+        fn tar_decodes_to_samples(samples in arb_samples(3)) {
+            let (index, shard) = files_index(&samples, SourceFormat::Tar);
+            let order: Vec<u32> = (0..samples.len() as u32).collect();
+            let layout = layout(&index, &order, BatchFormat::Tar);
+            let body = materialize(&layout, read_from(&shard));
+            prop_assert_eq!(body.len() as u64, layout.len);
+            prop_assert_eq!(body.len() % 512, 0);
+            prop_assert_eq!(crc::crc32c(&body), layout.crc32c);
+            let members: Vec<_> = tar::Scanner::new(&body).collect::<Result<_, _>>().unwrap();
+            let expected: Vec<(String, &[u8])> = samples.iter().flat_map(|(k, _, parts)| parts.iter().map(move |(e, d)| (tar_member_name(k, e), &d[..]))).collect();
+            prop_assert_eq!(members.len(), expected.len());
+            for (m, (name, data)) in members.iter().zip(expected) {
+                prop_assert_eq!(&m.name, &name);
+                prop_assert_eq!(&body[m.data_offset as usize..(m.data_offset + m.size) as usize], data);
+            }
+        }
+    }
+
+    fn layout_idx(index: &Index, order: &[u32]) -> Vec<u8> {
+        let l = layout(index, order, BatchFormat::TfrecordIdx);
+        materialize(&l, |_, _, _| unreachable!("the index is inline"))
+    }
+
+    #[test]
+    fn member_names_are_safe() {
+        assert_eq!(tar_member_name("../a/./b.c", "jpg"), "a/b_c.jpg");
+        assert_eq!(tar_member_name("", "cls"), "sample.cls");
+        assert_eq!(tar_member_name("n01/img_1", ""), "n01/img_1");
+    }
+
+    #[test]
+    fn formats_parse() {
+        for f in BatchFormat::ALL {
+            assert_eq!(f.as_str().parse::<BatchFormat>(), Ok(f));
+        }
+        assert!("zip".parse::<BatchFormat>().is_err());
+    }
+}
