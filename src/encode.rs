@@ -39,7 +39,11 @@ pub enum BatchFormat {
 
 impl BatchFormat {
     /// All formats.
-    pub const ALL: [BatchFormat; 3] = [BatchFormat::Tfrecord, BatchFormat::TfrecordIdx, BatchFormat::Tar];
+    pub const ALL: [BatchFormat; 3] = [
+        BatchFormat::Tfrecord,
+        BatchFormat::TfrecordIdx,
+        BatchFormat::Tar,
+    ];
 
     /// Name in the API and the file extension of batch files.
     pub fn as_str(self) -> &'static str {
@@ -73,7 +77,9 @@ impl FromStr for BatchFormat {
         BatchFormat::ALL
             .into_iter()
             .find(|f| f.as_str() == s)
-            .ok_or_else(|| format!("unknown batch format {s:?}: expected tfrecord, tfrecord.idx or tar"))
+            .ok_or_else(|| {
+                format!("unknown batch format {s:?}: expected tfrecord, tfrecord.idx or tar")
+            })
     }
 }
 
@@ -136,7 +142,12 @@ impl LayoutBuilder {
             return;
         }
         // Coalesce with the previous range when contiguous in the same shard: one read instead of two.
-        if let Some(Segment::Data { shard: s, offset: o, len: l }) = self.segments.last_mut() {
+        if let Some(Segment::Data {
+            shard: s,
+            offset: o,
+            len: l,
+        }) = self.segments.last_mut()
+        {
             if *s == shard && *o + *l == offset {
                 *l += len;
                 return;
@@ -151,7 +162,11 @@ impl LayoutBuilder {
     }
 
     fn finish(self) -> BatchLayout {
-        BatchLayout { len: self.crc.len(), crc32c: self.crc.crc(), segments: self.segments }
+        BatchLayout {
+            len: self.crc.len(),
+            crc32c: self.crc.crc(),
+            segments: self.segments,
+        }
     }
 }
 
@@ -159,11 +174,27 @@ impl LayoutBuilder {
 pub fn example_for(sample: &Sample) -> Vec<Piece> {
     let mut features: Vec<(&str, WrapFeature<'_>)> = Vec::with_capacity(sample.parts.len() + 2);
     if sample.parts.len() == 1 {
-        features.push(("data", WrapFeature::Part { index: 0, len: sample.parts[0].len }));
+        features.push((
+            "data",
+            WrapFeature::Part {
+                index: 0,
+                len: sample.parts[0].len,
+            },
+        ));
     } else {
         for (i, p) in sample.parts.iter().enumerate() {
-            let name = if p.ext.is_empty() { "data" } else { p.ext.as_str() };
-            features.push((name, WrapFeature::Part { index: i, len: p.len }));
+            let name = if p.ext.is_empty() {
+                "data"
+            } else {
+                p.ext.as_str()
+            };
+            features.push((
+                name,
+                WrapFeature::Part {
+                    index: i,
+                    len: p.len,
+                },
+            ));
         }
     }
     features.push(("key", WrapFeature::Bytes(sample.key.as_bytes())));
@@ -180,7 +211,11 @@ fn push_tfrecord(b: &mut LayoutBuilder, index: &Index, sample: &Sample) -> u64 {
         b.crc.push_bytes(&tfrecord::frame_header(p.len));
         b.crc.push_crc(p.crc32c, p.len);
         b.crc.push_bytes(&tfrecord::frame_footer(p.crc32c));
-        b.data_range(p.shard, p.offset - tfrecord::HEADER_LEN, tfrecord::frame_len(p.len));
+        b.data_range(
+            p.shard,
+            p.offset - tfrecord::HEADER_LEN,
+            tfrecord::frame_len(p.len),
+        );
         return tfrecord::frame_len(p.len);
     }
     let pieces = example_for(sample);
@@ -188,7 +223,9 @@ fn push_tfrecord(b: &mut LayoutBuilder, index: &Index, sample: &Sample) -> u64 {
     for piece in &pieces {
         match piece {
             Piece::Inline(bytes) => example_crc.push_bytes(bytes),
-            Piece::Part { index: i, .. } => example_crc.push_crc(sample.parts[*i].crc32c, sample.parts[*i].len),
+            Piece::Part { index: i, .. } => {
+                example_crc.push_crc(sample.parts[*i].crc32c, sample.parts[*i].len)
+            }
         }
     }
     b.inline(&tfrecord::frame_header(example_crc.len()));
@@ -217,7 +254,10 @@ fn tfrecord_frame_len(index: &Index, sample: &Sample) -> u64 {
 /// The member name of part `ext` of a sample keyed `key` in a tar batch: the key made safe (no empty,
 /// `.` or `..` components, no `.` in the file name so WebDataset splits at the extension), then `.EXT`.
 pub fn tar_member_name(key: &str, ext: &str) -> String {
-    let parts: Vec<&str> = key.split('/').filter(|c| !c.is_empty() && *c != "." && *c != "..").collect();
+    let parts: Vec<&str> = key
+        .split('/')
+        .filter(|c| !c.is_empty() && *c != "." && *c != "..")
+        .collect();
     let mut name = match parts.split_last() {
         Some((last, dirs)) => {
             let mut n = dirs.join("/");
@@ -238,7 +278,10 @@ pub fn tar_member_name(key: &str, ext: &str) -> String {
 
 fn push_tar(b: &mut LayoutBuilder, sample: &Sample) {
     for p in &sample.parts {
-        b.inline(&tar::file_header(&tar_member_name(&sample.key, &p.ext), p.len));
+        b.inline(&tar::file_header(
+            &tar_member_name(&sample.key, &p.ext),
+            p.len,
+        ));
         b.data(p.shard, p.offset, p.len, p.crc32c);
         b.inline(&vec![0u8; tar::padding(p.len) as usize]);
     }
@@ -265,7 +308,9 @@ pub fn layout(index: &Index, samples: &[u32], format: BatchFormat) -> BatchLayou
                 push_tfrecord(&mut b, index, sample);
             }
         }
-        BatchFormat::TfrecordIdx => b.inline(&dali_index(samples.map(|s| tfrecord_frame_len(index, s)))),
+        BatchFormat::TfrecordIdx => {
+            b.inline(&dali_index(samples.map(|s| tfrecord_frame_len(index, s))))
+        }
         BatchFormat::Tar => {
             for sample in samples {
                 push_tar(&mut b, sample);
@@ -277,13 +322,42 @@ pub fn layout(index: &Index, samples: &[u32], format: BatchFormat) -> BatchLayou
 }
 
 /// Materializes a layout, given a way to read shard ranges (tests, small tools; the server streams).
-pub fn materialize(layout: &BatchLayout, mut read: impl FnMut(u32, u64, u64) -> Vec<u8>) -> Vec<u8> {
+pub fn materialize(
+    layout: &BatchLayout,
+    mut read: impl FnMut(u32, u64, u64) -> Vec<u8>,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(layout.len as usize);
     for seg in &layout.segments {
         match seg {
             Segment::Inline(b) => out.extend_from_slice(b),
             Segment::Data { shard, offset, len } => out.extend(read(*shard, *offset, *len)),
         }
+    }
+    out
+}
+
+/// The segments covering bytes `[start, end)` of a body made of `segments` (for Range requests).
+pub fn slice_segments(segments: &[Segment], start: u64, end: u64) -> Vec<Segment> {
+    let mut out = Vec::new();
+    let mut pos = 0u64;
+    for seg in segments {
+        let (seg_start, seg_end) = (pos, pos + seg.len());
+        pos = seg_end;
+        let (from, to) = (start.max(seg_start), end.min(seg_end));
+        if from >= to {
+            continue;
+        }
+        let (skip, take) = (from - seg_start, to - from);
+        out.push(match seg {
+            Segment::Inline(b) => {
+                Segment::Inline(b[skip as usize..(skip + take) as usize].to_vec())
+            }
+            Segment::Data { shard, offset, .. } => Segment::Data {
+                shard: *shard,
+                offset: offset + skip,
+                len: take,
+            },
+        });
     }
     out
 }
@@ -300,8 +374,11 @@ mod tests {
     use crate::proto::FeatureValue;
     use proptest::prelude::*;
 
+    /// A test sample: key, label, and (extension, bytes) parts.
+    type TestSample = (String, i64, Vec<(String, Vec<u8>)>);
+
     /// An index over one in-memory "shard" holding the given samples' parts back to back.
-    fn files_index(samples: &[(String, i64, Vec<(String, Vec<u8>)>)], format: SourceFormat) -> (Index, Vec<u8>) {
+    fn files_index(samples: &[TestSample], format: SourceFormat) -> (Index, Vec<u8>) {
         let mut shard = Vec::new();
         let mut out = Vec::new();
         for (key, label, parts) in samples {
@@ -310,17 +387,41 @@ mod tests {
                 if format == SourceFormat::Tfrecord {
                     let start = shard.len() as u64;
                     tfrecord::encode_record(data, &mut shard);
-                    ps.push(Part { ext: ext.clone(), shard: 0, offset: start + 12, len: data.len() as u64, crc32c: crc::crc32c(data) });
+                    ps.push(Part {
+                        ext: ext.clone(),
+                        shard: 0,
+                        offset: start + 12,
+                        len: data.len() as u64,
+                        crc32c: crc::crc32c(data),
+                    });
                 } else {
-                    ps.push(Part { ext: ext.clone(), shard: 0, offset: shard.len() as u64, len: data.len() as u64, crc32c: crc::crc32c(data) });
+                    ps.push(Part {
+                        ext: ext.clone(),
+                        shard: 0,
+                        offset: shard.len() as u64,
+                        len: data.len() as u64,
+                        crc32c: crc::crc32c(data),
+                    });
                     shard.extend_from_slice(data);
                 }
             }
-            out.push(Sample { key: key.clone(), label: *label, parts: ps });
+            out.push(Sample {
+                key: key.clone(),
+                label: *label,
+                parts: ps,
+            });
         }
         let index = Index {
-            settings: IndexSettings { format, verify_data_crc: true, skip_corrupt: false },
-            shards: vec![ShardInfo { path: "s".into(), size: shard.len() as u64, mtime_ns: 0 }],
+            settings: IndexSettings {
+                format,
+                verify_data_crc: true,
+                skip_corrupt: false,
+            },
+            shards: vec![ShardInfo {
+                path: "s".into(),
+                size: shard.len() as u64,
+                mtime_ns: 0,
+            }],
             samples: out,
             classes: vec![],
             skipped: vec![],
@@ -332,9 +433,16 @@ mod tests {
         move |_, o, l| shard[o as usize..(o + l) as usize].to_vec()
     }
 
-    fn arb_samples(max_parts: usize) -> impl Strategy<Value = Vec<(String, i64, Vec<(String, Vec<u8>)>)>> {
+    fn arb_samples(max_parts: usize) -> impl Strategy<Value = Vec<TestSample>> {
         proptest::collection::vec(
-            ("[a-z0-9]{1,8}(/[a-z0-9.]{1,8})?", -1i64..1000, proptest::collection::vec(("[a-z]{1,4}", proptest::collection::vec(any::<u8>(), 0..700)), 1..=max_parts)),
+            (
+                "[a-z0-9]{1,8}(/[a-z0-9.]{1,8})?",
+                -1i64..1000,
+                proptest::collection::vec(
+                    ("[a-z]{1,4}", proptest::collection::vec(any::<u8>(), 0..700)),
+                    1..=max_parts,
+                ),
+            ),
             1..12,
         )
     }
@@ -393,6 +501,19 @@ mod tests {
                 prop_assert_eq!(&m.name, &name);
                 prop_assert_eq!(&body[m.data_offset as usize..(m.data_offset + m.size) as usize], data);
             }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn slices_match_the_body(samples in arb_samples(2), a in 0u64..20_000, b in 0u64..20_000) {
+            let (index, shard) = files_index(&samples, SourceFormat::Files);
+            let order: Vec<u32> = (0..samples.len() as u32).collect();
+            let layout = layout(&index, &order, BatchFormat::Tar);
+            let body = materialize(&layout, read_from(&shard));
+            let (start, end) = (a.min(b).min(layout.len), a.max(b).min(layout.len));
+            let part = BatchLayout { segments: slice_segments(&layout.segments, start, end), len: end - start, crc32c: 0 };
+            prop_assert_eq!(materialize(&part, read_from(&shard)), &body[start as usize..end as usize]);
         }
     }
 

@@ -16,3 +16,4 @@ pub mod proto;
 pub mod source;
 pub mod tar;
 pub mod tfrecord;
+pub mod units;

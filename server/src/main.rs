@@ -1,1 +1,3 @@
-fn main(){}
+fn main() -> anyhow::Result<()> {
+    batchfs_server::cli::run()
+}

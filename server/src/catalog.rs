@@ -1,0 +1,217 @@
+//! The catalog: every served dataset with its index and mapped shards, plus caches of epoch plans and
+//! manifests (both pure functions of the index and the query, so caching them is always correct).
+
+use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, Manifest};
+use batchfs::encode::{self, BatchLayout};
+use batchfs::index::Index;
+use batchfs::mmap::MappedFile;
+use batchfs::plan::{EpochPlan, PlanError};
+use batchfs::source::{self, IndexOptions, IndexOrigin, Progress};
+use lru::LruCache;
+use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use thiserror::Error;
+
+/// A dataset the server cannot open.
+#[derive(Debug, Error)]
+pub enum CatalogError {
+    #[error("dataset {name}: {source}")]
+    Index {
+        name: String,
+        source: source::IndexError,
+    },
+    #[error("dataset {name}: cannot map shard {path}: {source}")]
+    Map {
+        name: String,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("dataset {name}: a shard changed since it was indexed ({path}); restart to re-index")]
+    Changed { name: String, path: PathBuf },
+    #[error("dataset {name} is configured twice")]
+    Duplicate { name: String },
+    #[error("dataset {name}: more than {max} samples are not supported", max = u32::MAX)]
+    TooLarge { name: String },
+}
+
+/// One served dataset.
+pub struct Dataset {
+    pub name: String,
+    pub root: PathBuf,
+    pub index: Index,
+    /// Mapped shards, by shard number.
+    pub shards: Vec<Arc<MappedFile>>,
+    pub origin: IndexOrigin,
+    plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
+    manifests: Mutex<LruCache<(u64, BatchQuery), Arc<Manifest>>>,
+}
+
+/// How many plans and manifests each dataset keeps.
+const PLAN_CACHE: usize = 16;
+
+impl Dataset {
+    /// Indexes (or loads the index of) dataset `name` at `root` and maps its shards.
+    pub fn open(
+        name: &str,
+        root: &Path,
+        index_dir: Option<&Path>,
+        options: &IndexOptions,
+        progress: &dyn Progress,
+    ) -> Result<Dataset, CatalogError> {
+        let (index, origin) = source::load_or_build(root, name, index_dir, options, progress)
+            .map_err(|source| CatalogError::Index {
+                name: name.to_owned(),
+                source,
+            })?;
+        if index.samples.len() > u32::MAX as usize {
+            return Err(CatalogError::TooLarge {
+                name: name.to_owned(),
+            });
+        }
+        let mut shards = Vec::with_capacity(index.shards.len());
+        for shard in &index.shards {
+            let path = root.join(&shard.path);
+            let map = MappedFile::open(&path).map_err(|source| CatalogError::Map {
+                name: name.to_owned(),
+                path: path.clone(),
+                source,
+            })?;
+            if map.len() != shard.size {
+                return Err(CatalogError::Changed {
+                    name: name.to_owned(),
+                    path,
+                });
+            }
+            // Batches of a shuffled plan read samples in random order: kernel readahead would read the
+            // wrong pages, so the server warms exactly the ranges it will send instead (see `warm`).
+            map.advise(memmap2::Advice::Random);
+            shards.push(Arc::new(map));
+        }
+        let cache = NonZeroUsize::new(PLAN_CACHE).expect("nonzero");
+        Ok(Dataset {
+            name: name.to_owned(),
+            root: root.to_owned(),
+            index,
+            shards,
+            origin,
+            plans: Mutex::new(LruCache::new(cache)),
+            manifests: Mutex::new(LruCache::new(cache)),
+        })
+    }
+
+    /// The API description.
+    pub fn info(&self) -> DatasetInfo {
+        DatasetInfo {
+            name: self.name.clone(),
+            format: self.index.format(),
+            samples: self.index.samples.len() as u64,
+            bytes: self.index.total_bytes(),
+            shards: self.index.shards.len() as u64,
+            classes: self.index.classes.clone(),
+            skipped: self.index.skipped.len() as u64,
+        }
+    }
+
+    /// The plan of `epoch` (cached).
+    pub fn plan(&self, epoch: u64, query: &BatchQuery) -> Result<Arc<EpochPlan>, PlanError> {
+        let key = (epoch, query.plan);
+        if let Some(plan) = self.plans.lock().expect("plan cache").get(&key) {
+            return Ok(plan.clone());
+        }
+        let plan = Arc::new(EpochPlan::new(
+            self.index.samples.len() as u32,
+            epoch,
+            query.plan,
+        )?);
+        self.plans
+            .lock()
+            .expect("plan cache")
+            .put(key, plan.clone());
+        Ok(plan)
+    }
+
+    /// The layout of one batch.
+    pub fn layout(
+        &self,
+        epoch: u64,
+        batch: u64,
+        query: &BatchQuery,
+    ) -> Result<(BatchLayout, u32), PlanError> {
+        let plan = self.plan(epoch, query)?;
+        let samples = plan.batch(batch)?;
+        Ok((
+            encode::layout(&self.index, samples, query.format),
+            samples.len() as u32,
+        ))
+    }
+
+    /// The manifest of `epoch` (cached).
+    pub fn manifest(&self, epoch: u64, query: &BatchQuery) -> Result<Arc<Manifest>, PlanError> {
+        let key = (epoch, *query);
+        if let Some(m) = self.manifests.lock().expect("manifest cache").get(&key) {
+            return Ok(m.clone());
+        }
+        let plan = self.plan(epoch, query)?;
+        let mut batches = Vec::with_capacity(plan.batches() as usize);
+        for i in 0..plan.batches() {
+            let samples = plan.batch(i)?;
+            let layout = encode::layout(&self.index, samples, query.format);
+            batches.push(BatchEntry {
+                index: i,
+                samples: samples.len() as u32,
+                bytes: layout.len,
+                crc32c: layout.crc32c,
+            });
+        }
+        let manifest = Arc::new(Manifest {
+            dataset: self.name.clone(),
+            epoch,
+            options: query.plan,
+            format: query.format,
+            samples: plan.order().len() as u64,
+            bytes: batches.iter().map(|b| b.bytes).sum(),
+            batches,
+        });
+        self.manifests
+            .lock()
+            .expect("manifest cache")
+            .put(key, manifest.clone());
+        Ok(manifest)
+    }
+
+    /// Resolves a `files/{path}` request to a shard number, refusing anything that is not one of the
+    /// indexed files (so no path can escape the dataset directory).
+    pub fn file(&self, path: &str) -> Option<usize> {
+        self.index
+            .shards
+            .binary_search_by(|s| s.path.as_str().cmp(path))
+            .ok()
+    }
+}
+
+/// All served datasets, by name.
+#[derive(Default)]
+pub struct Catalog {
+    pub datasets: BTreeMap<String, Arc<Dataset>>,
+}
+
+impl Catalog {
+    /// Adds a dataset.
+    pub fn insert(&mut self, dataset: Dataset) -> Result<(), CatalogError> {
+        if self.datasets.contains_key(&dataset.name) {
+            return Err(CatalogError::Duplicate {
+                name: dataset.name.clone(),
+            });
+        }
+        self.datasets
+            .insert(dataset.name.clone(), Arc::new(dataset));
+        Ok(())
+    }
+
+    /// Looks a dataset up.
+    pub fn get(&self, name: &str) -> Option<&Arc<Dataset>> {
+        self.datasets.get(name)
+    }
+}

@@ -1,0 +1,475 @@
+//! The `batchfs-server` command line: `serve`, `index`, `gen` and `demo`.
+
+use crate::catalog::{Catalog, Dataset};
+use crate::config::{ConfigFile, DatasetSpec, ServerLimits};
+use crate::{ServeOptions, TlsFiles};
+use anyhow::{bail, Context, Result};
+use batchfs::gen::{self, GenOptions};
+use batchfs::index::SourceFormat;
+use batchfs::source::{IndexOptions, IndexOrigin, Progress};
+use batchfs::units::{parse_duration, parse_size};
+use clap::{Args, Parser, Subcommand};
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// batchfs storage-side server: indexes datasets once and serves pre-batched batch files over HTTP/2.
+#[derive(Debug, Parser)]
+#[command(name = "batchfs-server", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve datasets over HTTP/2 (h2c or TLS) and HTTP/1.1.
+    Serve(Box<ServeArgs>),
+    /// Build (or refresh) the index of datasets ahead of serving.
+    Index(IndexArgs),
+    /// Write a synthetic dataset in a real on-disk format.
+    Gen(GenArgs),
+    /// Generate a sample dataset, serve it on loopback and read one epoch over HTTP/2, with a result table.
+    Demo(crate::demo::DemoArgs),
+}
+
+/// How datasets are indexed.
+#[derive(Debug, Args, Clone)]
+pub struct IndexFlags {
+    /// Dataset to serve, as NAME=PATH (repeatable).
+    #[arg(long = "dataset", value_name = "NAME=PATH", help_heading = "Datasets")]
+    pub datasets: Vec<DatasetSpec>,
+    /// Force the source format of every dataset (tfrecord, lmdb, tar, files); detected by default.
+    #[arg(long, value_name = "FORMAT", help_heading = "Datasets")]
+    pub format: Option<SourceFormat>,
+    /// Keep indexes in DIR (as NAME.batchfs-index) instead of beside the data.
+    #[arg(long, value_name = "DIR", help_heading = "Datasets")]
+    pub index_dir: Option<PathBuf>,
+    /// Index around corrupt records and tar members, listing what was skipped, instead of failing.
+    #[arg(long, help_heading = "Datasets")]
+    pub skip_corrupt: bool,
+    /// Do not check TFRecord data CRCs while indexing (faster; length CRCs are always checked, and
+    /// clients still verify every batch end to end).
+    #[arg(long, help_heading = "Datasets")]
+    pub no_verify_data_crc: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct IndexArgs {
+    #[command(flatten)]
+    pub index: IndexFlags,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// TOML config file (see docs/CONFIGURATION.md); command-line flags override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, value_name = "ADDR", help_heading = "Network")]
+    pub listen: Option<SocketAddr>,
+    /// File holding the bearer token every request but /healthz must carry.
+    #[arg(long, value_name = "FILE", help_heading = "Security")]
+    pub token_file: Option<PathBuf>,
+    /// PEM certificate chain: serve TLS (ALPN h2, http/1.1).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_key",
+        help_heading = "Security"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for --tls-cert.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_cert",
+        help_heading = "Security"
+    )]
+    pub tls_key: Option<PathBuf>,
+    #[command(flatten)]
+    pub index: IndexFlags,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+/// Limits; each overrides the config file's `[limits]` value and the default.
+#[derive(Debug, Args, Default)]
+pub struct LimitArgs {
+    /// HTTP/2 streams per connection [default: 256].
+    #[arg(long, value_name = "N", help_heading = "Limits")]
+    pub max_concurrent_streams: Option<u32>,
+    /// Largest request header block [default: 16K].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
+    pub max_header_bytes: Option<u64>,
+    /// Client stream resets tolerated before acceptance, per connection (rapid-reset guard) [default: 20].
+    #[arg(long, value_name = "N", help_heading = "Limits")]
+    pub max_pending_accept_reset_streams: Option<usize>,
+    /// Streams the server may reset for client errors, per connection [default: 1024].
+    #[arg(long, value_name = "N", help_heading = "Limits")]
+    pub max_local_error_reset_streams: Option<usize>,
+    /// HTTP/2 per-stream window [default: 16M].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
+    pub stream_window: Option<u64>,
+    /// HTTP/2 connection window [default: 64M].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
+    pub connection_window: Option<u64>,
+    /// Largest HTTP/2 frame accepted [default: 1M].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
+    pub max_frame_size: Option<u64>,
+    /// Send buffer per stream [default: 4M].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
+    pub max_send_buf_size: Option<u64>,
+    /// HTTP/2 keep-alive ping interval [default: 20s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
+    pub keep_alive_interval: Option<Duration>,
+    /// Keep-alive ping timeout [default: 20s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
+    pub keep_alive_timeout: Option<Duration>,
+    /// Time for an HTTP/1 request head or TLS handshake [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
+    pub header_read_timeout: Option<Duration>,
+    /// Close connections idle this long [default: 5m].
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
+    pub idle_timeout: Option<Duration>,
+    /// Time to produce a response head [default: 60s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
+    pub request_timeout: Option<Duration>,
+    /// Time in-flight responses get to finish on shutdown [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
+    pub drain_timeout: Option<Duration>,
+    /// Open connections at once [default: 4096].
+    #[arg(long, value_name = "N", help_heading = "Limits")]
+    pub max_connections: Option<usize>,
+    /// Concurrent blocking storage reads, server-wide [default: 16].
+    #[arg(long, value_name = "N", help_heading = "Limits")]
+    pub storage_concurrency: Option<usize>,
+    /// Batches warmed ahead of each batch request [default: 4; 0 disables].
+    #[arg(long, value_name = "N", help_heading = "Limits")]
+    pub readahead_batches: Option<u64>,
+    /// Largest body chunk handed to HTTP at once [default: 1M].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
+    pub chunk_size: Option<u64>,
+}
+
+impl LimitArgs {
+    fn apply(&self, l: &mut ServerLimits) -> Result<()> {
+        let u32_of = |name: &str, v: u64| {
+            u32::try_from(v).with_context(|| format!("--{name} {v} is too large"))
+        };
+        macro_rules! set {
+            ($f:ident) => {
+                if let Some(v) = self.$f {
+                    l.$f = v;
+                }
+            };
+            ($f:ident, u32) => {
+                if let Some(v) = self.$f {
+                    l.$f = u32_of(stringify!($f), v)?;
+                }
+            };
+        }
+        set!(max_concurrent_streams);
+        set!(max_header_bytes, u32);
+        set!(max_pending_accept_reset_streams);
+        set!(max_local_error_reset_streams);
+        set!(stream_window, u32);
+        set!(connection_window, u32);
+        set!(max_frame_size, u32);
+        if let Some(v) = self.max_send_buf_size {
+            l.max_send_buf_size = v as usize;
+        }
+        set!(keep_alive_interval);
+        set!(keep_alive_timeout);
+        set!(header_read_timeout);
+        set!(idle_timeout);
+        set!(request_timeout);
+        set!(drain_timeout);
+        set!(max_connections);
+        set!(storage_concurrency);
+        set!(readahead_batches);
+        set!(chunk_size);
+        Ok(())
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct GenArgs {
+    /// Source format to write.
+    #[arg(long, value_name = "FORMAT")]
+    pub format: SourceFormat,
+    /// Number of samples.
+    #[arg(long, default_value_t = 2000)]
+    pub samples: u32,
+    /// Mean sample size (log-normal spread, like JPEG images).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "110000")]
+    pub mean_bytes: u64,
+    /// Shards (TFRecord and tar).
+    #[arg(long, default_value_t = 16)]
+    pub shards: u32,
+    /// Number of classes (labels).
+    #[arg(long, default_value_t = 10)]
+    pub classes: u32,
+    /// Seed: the same seed writes the same bytes.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output directory (created).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+}
+
+/// Entry point of the binary.
+pub fn run() -> Result<()> {
+    let cli = Cli::parse();
+    init_tracing();
+    match cli.command {
+        Command::Serve(args) => serve(*args),
+        Command::Index(args) => index(args),
+        Command::Gen(args) => generate(args),
+        Command::Demo(args) => crate::demo::run(args),
+    }
+}
+
+fn init_tracing() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Indexing progress: a bar on a terminal, a log line every few seconds otherwise.
+pub struct IndexProgress {
+    name: String,
+    bar: Option<indicatif::ProgressBar>,
+    state: Mutex<(u64, u64, Instant)>,
+}
+
+impl IndexProgress {
+    pub fn new(name: &str) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(0);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+                )
+                .expect("valid template")
+                .progress_chars("=> "),
+            );
+            bar.set_prefix(format!("indexing {name}"));
+            bar
+        });
+        IndexProgress {
+            name: name.to_owned(),
+            bar,
+            state: Mutex::new((0, 0, Instant::now())),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+impl Progress for IndexProgress {
+    fn start(&self, total: u64, shards: usize) {
+        if let Some(bar) = &self.bar {
+            bar.set_length(total);
+        }
+        *self.state.lock().expect("progress") = (0, total, Instant::now());
+        tracing::info!(dataset = %self.name, shards, bytes = total, "indexing");
+    }
+
+    fn advance(&self, bytes: u64) {
+        if let Some(bar) = &self.bar {
+            bar.inc(bytes);
+            return;
+        }
+        let mut s = self.state.lock().expect("progress");
+        s.0 += bytes;
+        if s.2.elapsed() >= Duration::from_secs(5) {
+            s.2 = Instant::now();
+            tracing::info!(dataset = %self.name, done = s.0, total = s.1, "indexing: {:.0}%", s.0 as f64 * 100.0 / s.1.max(1) as f64);
+        }
+    }
+}
+
+/// Opens every dataset, indexing where needed, with progress and a summary line each.
+pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Catalog> {
+    let mut catalog = Catalog::default();
+    let specs: Vec<&DatasetSpec> = extra.iter().chain(&flags.datasets).collect();
+    if specs.is_empty() {
+        bail!("no dataset given: pass --dataset NAME=PATH (or [[dataset]] in --config)");
+    }
+    for spec in specs {
+        let options = IndexOptions {
+            format: spec.format.or(flags.format),
+            verify_data_crc: !flags.no_verify_data_crc,
+            skip_corrupt: flags.skip_corrupt,
+        };
+        let started = Instant::now();
+        let progress = IndexProgress::new(&spec.name);
+        let dataset = Dataset::open(
+            &spec.name,
+            &spec.path,
+            flags.index_dir.as_deref(),
+            &options,
+            &progress,
+        );
+        progress.finish();
+        let dataset = dataset?;
+        let info = dataset.info();
+        tracing::info!(
+            dataset = %info.name, format = %info.format, samples = info.samples, bytes = info.bytes, shards = info.shards,
+            skipped = info.skipped, seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
+            index = if dataset.origin == IndexOrigin::Loaded { "loaded" } else { "built" },
+            "dataset ready"
+        );
+        for s in &dataset.index.skipped {
+            tracing::warn!(dataset = %info.name, shard = %s.shard, offset = s.offset, reason = %s.reason, "skipped corrupt data");
+        }
+        catalog.insert(dataset)?;
+    }
+    Ok(catalog)
+}
+
+fn index(args: IndexArgs) -> Result<()> {
+    let started = Instant::now();
+    let catalog = open_catalog(&args.index, &[])?;
+    println!(
+        "{:<16} {:>8} {:>10} {:>14} {:>8} {:>8} {:>9}",
+        "dataset", "format", "samples", "bytes", "shards", "skipped", "index"
+    );
+    for ds in catalog.datasets.values() {
+        let i = ds.info();
+        let origin = if ds.origin == IndexOrigin::Loaded {
+            "reused"
+        } else {
+            "built"
+        };
+        println!(
+            "{:<16} {:>8} {:>10} {:>14} {:>8} {:>8} {:>9}",
+            i.name,
+            i.format.as_str(),
+            i.samples,
+            i.bytes,
+            i.shards,
+            i.skipped,
+            origin
+        );
+    }
+    println!("indexed in {:.2} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn generate(args: GenArgs) -> Result<()> {
+    let options = GenOptions {
+        format: args.format,
+        samples: args.samples,
+        mean_bytes: args.mean_bytes,
+        shards: args.shards,
+        classes: args.classes,
+        seed: args.seed,
+    };
+    let started = Instant::now();
+    let summary = gen::generate(&options, &args.out)?;
+    println!(
+        "wrote {} {} samples ({} bytes of payload) in {} files to {} in {:.2} s",
+        summary.samples,
+        args.format,
+        summary.bytes,
+        summary.files,
+        args.out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn read_token(path: &Path) -> Result<Vec<u8>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read token file {}", path.display()))?;
+    let token = text.trim();
+    if token.is_empty() {
+        bail!("token file {} is empty", path.display());
+    }
+    Ok(token.as_bytes().to_vec())
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let file: ConfigFile = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read config {}", path.display()))?;
+            toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))?
+        }
+        None => ConfigFile::default(),
+    };
+    let mut limits = ServerLimits::default();
+    file.limits.apply(&mut limits).map_err(anyhow::Error::msg)?;
+    args.limits.apply(&mut limits)?;
+    limits.validate().map_err(anyhow::Error::msg)?;
+    let listen = match (args.listen, &file.listen) {
+        (Some(a), _) => a,
+        (None, Some(s)) => s
+            .parse()
+            .with_context(|| format!("invalid listen address {s:?} in the config"))?,
+        (None, None) => "0.0.0.0:7878".parse().expect("valid"),
+    };
+    let mut flags = args.index.clone();
+    flags.index_dir = flags.index_dir.or(file.index_dir.clone());
+    flags.skip_corrupt |= file.skip_corrupt.unwrap_or(false);
+    flags.no_verify_data_crc |= !file.verify_data_crc.unwrap_or(true);
+    let token = args
+        .token_file
+        .as_ref()
+        .or(file.token_file.as_ref())
+        .map(|p| read_token(p))
+        .transpose()?;
+    let tls = match (
+        args.tls_cert.or(file.tls_cert),
+        args.tls_key.or(file.tls_key),
+    ) {
+        (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+        (None, None) => None,
+        _ => bail!("TLS needs both a certificate and a key"),
+    };
+    let catalog = open_catalog(&flags, &file.datasets)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let server = crate::start(
+            catalog,
+            ServeOptions {
+                listen,
+                tls,
+                token,
+                limits,
+            },
+        )
+        .await?;
+        let stop = server.shutdown_handle();
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!("signal received: finishing in-flight batches");
+            let _ = stop.send(true);
+        });
+        server.wait().await;
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+async fn wait_for_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("signal handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

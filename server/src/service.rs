@@ -1,0 +1,433 @@
+//! Request handling: routing, authentication, the JSON endpoints and the streamed batch and file
+//! bodies. One `tracing` span per request; errors are logged once, here, where they become a response.
+
+use crate::body::{Body, SegmentBody, StreamContext};
+use crate::catalog::{Catalog, Dataset};
+use crate::metrics::{Kind, Metrics};
+use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, Route};
+use batchfs::encode::{self, Segment};
+use batchfs::index::SourceFormat;
+use batchfs::plan::PlanError;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use lru::LruCache;
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use subtle::ConstantTimeEq;
+use tokio::sync::Semaphore;
+use tracing::Instrument;
+
+/// Everything a request handler needs.
+pub struct AppState {
+    pub catalog: Catalog,
+    /// Bearer token required on every request but `/healthz`.
+    pub token: Option<Vec<u8>>,
+    pub metrics: Arc<Metrics>,
+    pub stream: Arc<StreamContext>,
+    /// Batches warmed ahead of each batch request.
+    pub readahead_batches: u64,
+    /// Time allowed to produce a response head.
+    pub request_timeout: Duration,
+    warmed: Mutex<LruCache<(String, u64, BatchQuery, u64), ()>>,
+}
+
+impl AppState {
+    pub fn new(
+        catalog: Catalog,
+        token: Option<Vec<u8>>,
+        storage_concurrency: usize,
+        chunk_size: u64,
+        readahead_batches: u64,
+        request_timeout: Duration,
+    ) -> Self {
+        let metrics = Arc::new(Metrics::default());
+        AppState {
+            catalog,
+            token,
+            stream: Arc::new(StreamContext {
+                storage: Arc::new(Semaphore::new(storage_concurrency.max(1))),
+                metrics: metrics.clone(),
+                chunk_size: chunk_size.max(4096),
+            }),
+            metrics,
+            readahead_batches,
+            request_timeout,
+            warmed: Mutex::new(LruCache::new(NonZeroUsize::new(4096).expect("nonzero"))),
+        }
+    }
+}
+
+/// A response that is an error.
+struct Failure {
+    status: StatusCode,
+    message: String,
+}
+
+impl Failure {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Failure {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<ApiError> for Failure {
+    fn from(e: ApiError) -> Self {
+        match e {
+            ApiError::BadRequest(m) => Failure::new(StatusCode::BAD_REQUEST, m),
+            e @ ApiError::NotFound(_) => Failure::new(StatusCode::NOT_FOUND, e.to_string()),
+        }
+    }
+}
+
+impl From<PlanError> for Failure {
+    fn from(e: PlanError) -> Self {
+        let status = match e {
+            PlanError::NoSuchBatch { .. } => StatusCode::NOT_FOUND,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        Failure::new(status, e.to_string())
+    }
+}
+
+fn json_response<T: serde::Serialize>(status: StatusCode, value: &T) -> Response<Body> {
+    let body = serde_json::to_vec_pretty(value).expect("API types serialize");
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CONTENT_LENGTH, body.len())
+        .body(Body::full(body))
+        .expect("valid response")
+}
+
+fn failure_response(f: &Failure) -> Response<Body> {
+    let mut response = json_response(
+        f.status,
+        &ErrorBody {
+            error: f.message.clone(),
+        },
+    );
+    if f.status == StatusCode::UNAUTHORIZED {
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"batchfs\""),
+        );
+    }
+    response
+}
+
+fn kind_of(route: &Result<Route, ApiError>) -> Kind {
+    match route {
+        Ok(Route::Batch { .. }) => Kind::Batch,
+        Ok(Route::Manifest { .. }) => Kind::Manifest,
+        Ok(Route::File { .. }) => Kind::File,
+        _ => Kind::Other,
+    }
+}
+
+/// Handles one request.
+pub async fn handle<B>(
+    state: Arc<AppState>,
+    req: Request<B>,
+) -> Result<Response<Body>, std::convert::Infallible> {
+    let start = Instant::now();
+    let route = Route::parse(req.uri().path());
+    let kind = kind_of(&route);
+    let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), query = req.uri().query().unwrap_or(""));
+    let response = async {
+        let result = tokio::time::timeout(state.request_timeout, dispatch(&state, &req, route)).await.unwrap_or_else(|_| {
+            Err(Failure::new(StatusCode::SERVICE_UNAVAILABLE, format!("request timed out after {:?}; retry", state.request_timeout)))
+        });
+        match result {
+            Ok(response) => response,
+            Err(f) => {
+                if f.status.is_server_error() {
+                    tracing::error!(status = f.status.as_u16(), error = %f.message, "request failed");
+                } else {
+                    tracing::debug!(status = f.status.as_u16(), error = %f.message, "request refused");
+                }
+                failure_response(&f)
+            }
+        }
+    }
+    .instrument(span)
+    .await;
+    state
+        .metrics
+        .record(kind, response.status().as_u16(), start.elapsed());
+    let mut response = response;
+    if let Body::Full(Some(b)) = response.body() {
+        state
+            .metrics
+            .response_bytes
+            .fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+    if req.method() == Method::HEAD {
+        *response.body_mut() = Body::empty();
+    }
+    Ok(response)
+}
+
+fn check_token(state: &AppState, req: &Request<impl Sized>) -> Result<(), Failure> {
+    let Some(expected) = &state.token else {
+        return Ok(());
+    };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        None => Err(Failure::new(
+            StatusCode::UNAUTHORIZED,
+            "this server requires a token: send `Authorization: Bearer TOKEN`",
+        )),
+        Some(t) if bool::from(t.as_bytes().ct_eq(expected)) => Ok(()),
+        Some(_) => Err(Failure::new(
+            StatusCode::UNAUTHORIZED,
+            "the bearer token is wrong; check the client's token file",
+        )),
+    }
+}
+
+fn dataset<'a>(state: &'a AppState, name: &str) -> Result<&'a Arc<Dataset>, Failure> {
+    state.catalog.get(name).ok_or_else(|| {
+        let known: Vec<&str> = state.catalog.datasets.keys().map(String::as_str).collect();
+        Failure::new(
+            StatusCode::NOT_FOUND,
+            format!("unknown dataset {name:?}; this server has {known:?}"),
+        )
+    })
+}
+
+async fn dispatch<B>(
+    state: &Arc<AppState>,
+    req: &Request<B>,
+    route: Result<Route, ApiError>,
+) -> Result<Response<Body>, Failure> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = failure_response(&Failure::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "batchfs is read-only: use GET or HEAD",
+        ));
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return Ok(r);
+    }
+    let route = route?;
+    if route == Route::Health {
+        return Ok(Response::builder()
+            .header(header::CONTENT_TYPE, "text/plain")
+            .body(Body::full("ok\n"))
+            .expect("valid"));
+    }
+    check_token(state, req)?;
+    let query = req.uri().query().unwrap_or("");
+    match route {
+        Route::Health => unreachable!("handled above"),
+        Route::Metrics => Ok(Response::builder()
+            .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
+            .body(Body::full(state.metrics.render()))
+            .expect("valid")),
+        Route::Datasets => {
+            let datasets = state.catalog.datasets.values().map(|d| d.info()).collect();
+            Ok(json_response(StatusCode::OK, &DatasetList { datasets }))
+        }
+        Route::Dataset { name } => Ok(json_response(
+            StatusCode::OK,
+            &dataset(state, &name)?.info(),
+        )),
+        Route::Manifest { name, epoch } => {
+            let ds = dataset(state, &name)?.clone();
+            let query = BatchQuery::parse(query)?;
+            let manifest = tokio::task::spawn_blocking(move || ds.manifest(epoch, &query))
+                .await
+                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+            Ok(json_response(StatusCode::OK, &*manifest))
+        }
+        Route::Batch { name, epoch, batch } => {
+            let ds = dataset(state, &name)?.clone();
+            let query = BatchQuery::parse(query)?;
+            let ds2 = ds.clone();
+            let (layout, samples) =
+                tokio::task::spawn_blocking(move || ds2.layout(epoch, batch, &query))
+                    .await
+                    .map_err(|e| {
+                        Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+                    })??;
+            warm_ahead(state, &ds, epoch, batch, query);
+            let etag = api::etag(layout.crc32c, layout.len);
+            let mut r = ranged(state, req, &ds, layout.segments, layout.len, &etag)?;
+            let headers = r.headers_mut();
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(query.format.content_type()),
+            );
+            headers.insert(
+                api::CRC32C_HEADER,
+                HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"),
+            );
+            headers.insert(api::SAMPLES_HEADER, HeaderValue::from(samples));
+            Ok(r)
+        }
+        Route::File { name, path } => {
+            let ds = dataset(state, &name)?.clone();
+            let shard_no = ds.file(&path).ok_or_else(|| {
+                Failure::new(
+                    StatusCode::NOT_FOUND,
+                    format!("dataset {name:?} has no file {path:?}"),
+                )
+            })?;
+            let shard = &ds.index.shards[shard_no];
+            let segments = vec![Segment::Data {
+                shard: shard_no as u32,
+                offset: 0,
+                len: shard.size,
+            }];
+            let etag = format!("\"{:x}-{:x}\"", shard.size, shard.mtime_ns);
+            let mut r = ranged(state, req, &ds, segments, shard.size, &etag)?;
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            );
+            if ds.index.format() == SourceFormat::Files {
+                // One file, one sample: its CRC32C is in the index.
+                let crc = ds
+                    .index
+                    .samples
+                    .iter()
+                    .find(|s| s.parts[0].shard as usize == shard_no)
+                    .map(|s| s.parts[0].crc32c);
+                if let Some(crc) = crc {
+                    r.headers_mut().insert(
+                        api::CRC32C_HEADER,
+                        HeaderValue::from_str(&format!("{crc:08x}")).expect("hex"),
+                    );
+                }
+            }
+            Ok(r)
+        }
+    }
+}
+
+/// A 200, 206, 304 or 416 response for a body of `len` bytes made of `segments`.
+fn ranged<B>(
+    state: &AppState,
+    req: &Request<B>,
+    ds: &Dataset,
+    segments: Vec<Segment>,
+    len: u64,
+    etag: &str,
+) -> Result<Response<Body>, Failure> {
+    let header_str = |name| {
+        req.headers()
+            .get(name)
+            .and_then(|v: &HeaderValue| v.to_str().ok())
+    };
+    let mut builder = Response::builder()
+        .header(header::ETAG, etag)
+        .header(header::ACCEPT_RANGES, "bytes")
+        .header(header::CACHE_CONTROL, "public, max-age=31536000, immutable");
+    if header_str(header::IF_NONE_MATCH)
+        .is_some_and(|v| v.split(',').any(|t| t.trim() == etag || t.trim() == "*"))
+    {
+        return Ok(builder
+            .status(StatusCode::NOT_MODIFIED)
+            .body(Body::empty())
+            .expect("valid"));
+    }
+    // If-Range with another validator means "send everything".
+    let range = match header_str(header::IF_RANGE) {
+        Some(v) if v.trim() != etag => RangeRequest::Full,
+        _ => api::parse_range(header_str(header::RANGE), len),
+    };
+    let (status, segments, body_len) = match range {
+        RangeRequest::Full => (StatusCode::OK, segments, len),
+        RangeRequest::Partial { start, end } => {
+            builder = builder.header(
+                header::CONTENT_RANGE,
+                format!("bytes {start}-{}/{len}", end - 1),
+            );
+            (
+                StatusCode::PARTIAL_CONTENT,
+                encode::slice_segments(&segments, start, end),
+                end - start,
+            )
+        }
+        RangeRequest::Unsatisfiable => {
+            let r = failure_response(&Failure::new(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                format!("range outside the body's {len} bytes"),
+            ));
+            let (mut parts, body) = r.into_parts();
+            parts.headers.insert(
+                header::CONTENT_RANGE,
+                HeaderValue::from_str(&format!("bytes */{len}")).expect("ascii"),
+            );
+            return Ok(Response::from_parts(parts, body));
+        }
+    };
+    let body = SegmentBody::new(state.stream.clone(), ds.shards.clone(), segments);
+    Ok(builder
+        .status(status)
+        .header(header::CONTENT_LENGTH, body_len)
+        .body(Body::Segments(body))
+        .expect("valid"))
+}
+
+/// Warms the storage ranges of the next `readahead_batches` batches of the same plan, each once, on
+/// the blocking pool within the storage semaphore.
+fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, query: BatchQuery) {
+    if state.readahead_batches == 0 {
+        return;
+    }
+    let Ok(plan) = ds.plan(epoch, &query) else {
+        return;
+    };
+    let todo: Vec<u64> = {
+        let mut warmed = state.warmed.lock().expect("warm cache");
+        (batch + 1..=batch + state.readahead_batches)
+            .filter(|&b| b < plan.batches())
+            .filter(|&b| warmed.put((ds.name.clone(), epoch, query, b), ()).is_none())
+            .collect()
+    };
+    for b in todo {
+        let (state, ds) = (state.clone(), ds.clone());
+        tokio::spawn(async move {
+            let Ok(_permit) = state.stream.storage.clone().acquire_owned().await else {
+                return;
+            };
+            let _ = tokio::task::spawn_blocking(move || {
+                let Ok((layout, _)) = ds.layout(epoch, b, &query) else {
+                    return;
+                };
+                let ranges: Vec<(u32, u64, u64)> = layout
+                    .segments
+                    .iter()
+                    .filter_map(|s| match s {
+                        Segment::Data { shard, offset, len } => Some((*shard, *offset, *len)),
+                        Segment::Inline(_) => None,
+                    })
+                    .collect();
+                // Hint everything first so the kernel reads in parallel, then wait for it.
+                for &(shard, offset, len) in &ranges {
+                    ds.shards[shard as usize].will_need(offset, len);
+                }
+                for &(shard, offset, len) in &ranges {
+                    let map = &ds.shards[shard as usize];
+                    if !map.is_resident(offset, len) {
+                        crate::body::fault_in(map, offset, len);
+                    }
+                }
+                state
+                    .metrics
+                    .warmed_batches
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            })
+            .await;
+        });
+    }
+}
