@@ -38,28 +38,14 @@ pub enum Route {
     Health,
     Metrics,
     Datasets,
-    Dataset {
-        name: String,
-    },
-    Manifest {
-        name: String,
-        epoch: u64,
-    },
-    Batch {
-        name: String,
-        epoch: u64,
-        batch: u64,
-    },
-    File {
-        name: String,
-        path: String,
-    },
+    Dataset { name: String },
+    Manifest { name: String, epoch: u64 },
+    Batch { name: String, epoch: u64, batch: u64 },
+    File { name: String, path: String },
 }
 
 fn number(what: &str, s: &str) -> Result<u64, ApiError> {
-    s.parse().map_err(|_| {
-        ApiError::BadRequest(format!("{what} must be a non-negative integer, got {s:?}"))
-    })
+    s.parse().map_err(|_| ApiError::BadRequest(format!("{what} must be a non-negative integer, got {s:?}")))
 }
 
 /// Decodes `%XX` escapes; `None` for malformed escapes or invalid UTF-8.
@@ -105,29 +91,21 @@ impl Route {
         }
         let rest = path.strip_prefix("/v1/datasets/").ok_or_else(not_found)?;
         let (raw_name, rest) = rest.split_once('/').unwrap_or((rest, ""));
-        let name = percent_decode(raw_name)
-            .filter(|n| !n.is_empty())
-            .ok_or_else(not_found)?;
+        let name = percent_decode(raw_name).filter(|n| !n.is_empty()).ok_or_else(not_found)?;
         if rest.is_empty() {
             return Ok(Route::Dataset { name });
         }
         if let Some(file) = rest.strip_prefix("files/") {
-            let path = percent_decode(file).ok_or_else(|| {
-                ApiError::BadRequest(format!("malformed percent-encoding in {file:?}"))
-            })?;
+            let path = percent_decode(file)
+                .ok_or_else(|| ApiError::BadRequest(format!("malformed percent-encoding in {file:?}")))?;
             return Ok(Route::File { name, path });
         }
         let segments: Vec<&str> = rest.split('/').collect();
         match segments.as_slice() {
-            ["epochs", e] => Ok(Route::Manifest {
-                name,
-                epoch: number("epoch", e)?,
-            }),
-            ["epochs", e, "batches", b] => Ok(Route::Batch {
-                name,
-                epoch: number("epoch", e)?,
-                batch: number("batch", b)?,
-            }),
+            ["epochs", e] => Ok(Route::Manifest { name, epoch: number("epoch", e)? }),
+            ["epochs", e, "batches", b] => {
+                Ok(Route::Batch { name, epoch: number("epoch", e)?, batch: number("batch", b)? })
+            }
             _ => Err(not_found()),
         }
     }
@@ -135,10 +113,7 @@ impl Route {
 
 /// Path of a dataset's description.
 pub fn dataset_path(name: &str) -> String {
-    format!(
-        "/v1/datasets/{}",
-        percent_encode_path(name).replace('/', "%2F")
-    )
+    format!("/v1/datasets/{}", percent_encode_path(name).replace('/', "%2F"))
 }
 
 /// Path of an epoch's manifest.
@@ -174,8 +149,8 @@ impl BatchQuery {
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
             let bad = |msg: String| ApiError::BadRequest(msg);
-            let value = percent_decode(&value.replace('+', " "))
-                .ok_or_else(|| bad(format!("malformed value for {key}")))?;
+            let value =
+                percent_decode(&value.replace('+', " ")).ok_or_else(|| bad(format!("malformed value for {key}")))?;
             if seen.contains(&key) {
                 return Err(bad(format!("query parameter {key} given twice")));
             }
@@ -187,26 +162,16 @@ impl BatchQuery {
                     q.plan.validate().map_err(|e| bad(e.to_string()))?;
                 }
                 "seed" => q.plan.seed = number("seed", &value)?,
-                "shuffle" => {
-                    q.plan.shuffle = value.parse::<Shuffle>().map_err(|e| bad(e.to_string()))?
-                }
+                "shuffle" => q.plan.shuffle = value.parse::<Shuffle>().map_err(|e| bad(e.to_string()))?,
                 "drop_last" => {
                     q.plan.drop_last = match value.as_str() {
                         "true" | "1" => true,
                         "false" | "0" => false,
-                        other => {
-                            return Err(bad(format!(
-                                "drop_last must be true or false, got {other:?}"
-                            )))
-                        }
+                        other => return Err(bad(format!("drop_last must be true or false, got {other:?}"))),
                     }
                 }
                 "format" => q.format = value.parse().map_err(bad)?,
-                other => {
-                    return Err(bad(format!(
-                        "unknown query parameter {other:?}; expected {QUERY_KEYS}"
-                    )))
-                }
+                other => return Err(bad(format!("unknown query parameter {other:?}; expected {QUERY_KEYS}"))),
             }
         }
         Ok(q)
@@ -216,11 +181,7 @@ impl BatchQuery {
     pub fn to_query(&self) -> String {
         format!(
             "batch_size={}&seed={}&shuffle={}&drop_last={}&format={}",
-            self.plan.batch_size,
-            self.plan.seed,
-            self.plan.shuffle,
-            self.plan.drop_last,
-            self.format
+            self.plan.batch_size, self.plan.seed, self.plan.shuffle, self.plan.drop_last, self.format
         )
     }
 }
@@ -303,10 +264,7 @@ pub fn parse_range(header: Option<&str>, len: u64) -> RangeRequest {
     match (a.is_empty(), b.is_empty()) {
         (true, false) => match parse(b) {
             Some(0) => RangeRequest::Unsatisfiable,
-            Some(n) if len > 0 => RangeRequest::Partial {
-                start: len.saturating_sub(n),
-                end: len,
-            },
+            Some(n) if len > 0 => RangeRequest::Partial { start: len.saturating_sub(n), end: len },
             Some(_) => RangeRequest::Unsatisfiable,
             None => RangeRequest::Full,
         },
@@ -345,65 +303,29 @@ mod tests {
     #[test]
     fn routes() {
         assert_eq!(Route::parse("/healthz"), Ok(Route::Health));
-        assert_eq!(
-            Route::parse("/v1/datasets/img%20net"),
-            Ok(Route::Dataset {
-                name: "img net".into()
-            })
-        );
-        assert_eq!(
-            Route::parse("/v1/datasets/a/epochs/3"),
-            Ok(Route::Manifest {
-                name: "a".into(),
-                epoch: 3
-            })
-        );
+        assert_eq!(Route::parse("/v1/datasets/img%20net"), Ok(Route::Dataset { name: "img net".into() }));
+        assert_eq!(Route::parse("/v1/datasets/a/epochs/3"), Ok(Route::Manifest { name: "a".into(), epoch: 3 }));
         assert_eq!(
             Route::parse("/v1/datasets/a/epochs/3/batches/7"),
-            Ok(Route::Batch {
-                name: "a".into(),
-                epoch: 3,
-                batch: 7
-            })
+            Ok(Route::Batch { name: "a".into(), epoch: 3, batch: 7 })
         );
         assert_eq!(
             Route::parse("/v1/datasets/a/files/x/y%2Ejpg"),
-            Ok(Route::File {
-                name: "a".into(),
-                path: "x/y.jpg".into()
-            })
+            Ok(Route::File { name: "a".into(), path: "x/y.jpg".into() })
         );
-        assert!(matches!(
-            Route::parse("/v1/datasets/a/epochs/x"),
-            Err(ApiError::BadRequest(_))
-        ));
+        assert!(matches!(Route::parse("/v1/datasets/a/epochs/x"), Err(ApiError::BadRequest(_))));
         assert!(matches!(Route::parse("/v2"), Err(ApiError::NotFound(_))));
-        assert!(matches!(
-            Route::parse("/v1/datasets/a/epochs/1/batches/2/x"),
-            Err(ApiError::NotFound(_))
-        ));
+        assert!(matches!(Route::parse("/v1/datasets/a/epochs/1/batches/2/x"), Err(ApiError::NotFound(_))));
     }
 
     #[test]
     fn queries() {
-        let q = BatchQuery::parse("batch_size=32&seed=7&shuffle=none&drop_last=true&format=tar")
-            .unwrap();
-        assert_eq!(
-            q.plan,
-            PlanOptions {
-                batch_size: 32,
-                seed: 7,
-                shuffle: Shuffle::None,
-                drop_last: true
-            }
-        );
+        let q = BatchQuery::parse("batch_size=32&seed=7&shuffle=none&drop_last=true&format=tar").unwrap();
+        assert_eq!(q.plan, PlanOptions { batch_size: 32, seed: 7, shuffle: Shuffle::None, drop_last: true });
         assert_eq!(q.format, BatchFormat::Tar);
         assert_eq!(BatchQuery::parse(&q.to_query()), Ok(q));
         assert_eq!(BatchQuery::parse(""), Ok(BatchQuery::default()));
-        assert_eq!(
-            BatchQuery::parse("format=tfrecord%2Eidx").unwrap().format,
-            BatchFormat::TfrecordIdx
-        );
+        assert_eq!(BatchQuery::parse("format=tfrecord%2Eidx").unwrap().format, BatchFormat::TfrecordIdx);
         for bad in [
             "batch_size=0",
             "batch_size=-1",
@@ -414,10 +336,7 @@ mod tests {
             "seed=1&seed=2",
             "drop_last=maybe",
         ] {
-            assert!(
-                matches!(BatchQuery::parse(bad), Err(ApiError::BadRequest(_))),
-                "{bad}"
-            );
+            assert!(matches!(BatchQuery::parse(bad), Err(ApiError::BadRequest(_))), "{bad}");
         }
     }
 
@@ -425,26 +344,11 @@ mod tests {
     fn ranges() {
         use RangeRequest::*;
         assert_eq!(parse_range(None, 10), Full);
-        assert_eq!(
-            parse_range(Some("bytes=0-3"), 10),
-            Partial { start: 0, end: 4 }
-        );
-        assert_eq!(
-            parse_range(Some("bytes=5-"), 10),
-            Partial { start: 5, end: 10 }
-        );
-        assert_eq!(
-            parse_range(Some("bytes=-3"), 10),
-            Partial { start: 7, end: 10 }
-        );
-        assert_eq!(
-            parse_range(Some("bytes=-30"), 10),
-            Partial { start: 0, end: 10 }
-        );
-        assert_eq!(
-            parse_range(Some("bytes=8-100"), 10),
-            Partial { start: 8, end: 10 }
-        );
+        assert_eq!(parse_range(Some("bytes=0-3"), 10), Partial { start: 0, end: 4 });
+        assert_eq!(parse_range(Some("bytes=5-"), 10), Partial { start: 5, end: 10 });
+        assert_eq!(parse_range(Some("bytes=-3"), 10), Partial { start: 7, end: 10 });
+        assert_eq!(parse_range(Some("bytes=-30"), 10), Partial { start: 0, end: 10 });
+        assert_eq!(parse_range(Some("bytes=8-100"), 10), Partial { start: 8, end: 10 });
         assert_eq!(parse_range(Some("bytes=10-"), 10), Unsatisfiable);
         assert_eq!(parse_range(Some("bytes=-0"), 10), Unsatisfiable);
         assert_eq!(parse_range(Some("bytes=0-1,4-5"), 10), Full);
@@ -455,21 +359,8 @@ mod tests {
     #[test]
     fn paths_roundtrip() {
         let p = file_path("set one", "cls a/x#1.jpg");
-        assert_eq!(
-            Route::parse(&p),
-            Ok(Route::File {
-                name: "set one".into(),
-                path: "cls a/x#1.jpg".into()
-            })
-        );
-        assert_eq!(
-            Route::parse(&batch_path("d/x", 2, 9)),
-            Ok(Route::Batch {
-                name: "d/x".into(),
-                epoch: 2,
-                batch: 9
-            })
-        );
+        assert_eq!(Route::parse(&p), Ok(Route::File { name: "set one".into(), path: "cls a/x#1.jpg".into() }));
+        assert_eq!(Route::parse(&batch_path("d/x", 2, 9)), Ok(Route::Batch { name: "d/x".into(), epoch: 2, batch: 9 }));
     }
 
     proptest! {

@@ -9,7 +9,7 @@
 //! - `tfrecord`: TFRecord frames. Records of a TFRecord source pass through byte for byte (the whole
 //!   frame is copied from the shard). Samples of other sources are wrapped as `tf.train.Example` with
 //!   features `key` (bytes), `label` (int64, -1 when none) and the sample's bytes: `data` for a
-//!   single-part sample, else one bytes feature per part named by its extension (`jpg`, `cls`...).
+//!   single-part sample, else one bytes feature per part named `data/EXT` (`data/jpg`, `data/cls`...).
 //! - `tfrecord.idx`: DALI's index of that TFRecord batch: one `offset size` line per record.
 //! - `tar`: a POSIX (ustar + pax) tar, one member `KEY.EXT` per part, then two zero blocks. Mode 0644,
 //!   owner 0, mtime 0, so a body is a pure function of the samples.
@@ -39,11 +39,7 @@ pub enum BatchFormat {
 
 impl BatchFormat {
     /// All formats.
-    pub const ALL: [BatchFormat; 3] = [
-        BatchFormat::Tfrecord,
-        BatchFormat::TfrecordIdx,
-        BatchFormat::Tar,
-    ];
+    pub const ALL: [BatchFormat; 3] = [BatchFormat::Tfrecord, BatchFormat::TfrecordIdx, BatchFormat::Tar];
 
     /// Name in the API and the file extension of batch files.
     pub fn as_str(self) -> &'static str {
@@ -77,9 +73,7 @@ impl FromStr for BatchFormat {
         BatchFormat::ALL
             .into_iter()
             .find(|f| f.as_str() == s)
-            .ok_or_else(|| {
-                format!("unknown batch format {s:?}: expected tfrecord, tfrecord.idx or tar")
-            })
+            .ok_or_else(|| format!("unknown batch format {s:?}: expected tfrecord, tfrecord.idx or tar"))
     }
 }
 
@@ -142,12 +136,7 @@ impl LayoutBuilder {
             return;
         }
         // Coalesce with the previous range when contiguous in the same shard: one read instead of two.
-        if let Some(Segment::Data {
-            shard: s,
-            offset: o,
-            len: l,
-        }) = self.segments.last_mut()
-        {
+        if let Some(Segment::Data { shard: s, offset: o, len: l }) = self.segments.last_mut() {
             if *s == shard && *o + *l == offset {
                 *l += len;
                 return;
@@ -162,40 +151,21 @@ impl LayoutBuilder {
     }
 
     fn finish(self) -> BatchLayout {
-        BatchLayout {
-            len: self.crc.len(),
-            crc32c: self.crc.crc(),
-            segments: self.segments,
-        }
+        BatchLayout { len: self.crc.len(), crc32c: self.crc.crc(), segments: self.segments }
     }
 }
 
 /// The Example a non-TFRecord sample is wrapped in, as pieces referring to the sample's parts.
 pub fn example_for(sample: &Sample) -> Vec<Piece> {
-    let mut features: Vec<(&str, WrapFeature<'_>)> = Vec::with_capacity(sample.parts.len() + 2);
-    if sample.parts.len() == 1 {
-        features.push((
-            "data",
-            WrapFeature::Part {
-                index: 0,
-                len: sample.parts[0].len,
-            },
-        ));
+    // Part features live under `data` so that no extension can collide with `key` or `label`.
+    let names: Vec<String> = if sample.parts.len() == 1 {
+        vec!["data".to_owned()]
     } else {
-        for (i, p) in sample.parts.iter().enumerate() {
-            let name = if p.ext.is_empty() {
-                "data"
-            } else {
-                p.ext.as_str()
-            };
-            features.push((
-                name,
-                WrapFeature::Part {
-                    index: i,
-                    len: p.len,
-                },
-            ));
-        }
+        sample.parts.iter().map(|p| format!("data/{}", p.ext)).collect()
+    };
+    let mut features: Vec<(&str, WrapFeature<'_>)> = Vec::with_capacity(sample.parts.len() + 2);
+    for (i, (name, p)) in names.iter().zip(&sample.parts).enumerate() {
+        features.push((name, WrapFeature::Part { index: i, len: p.len }));
     }
     features.push(("key", WrapFeature::Bytes(sample.key.as_bytes())));
     features.push(("label", WrapFeature::Int64(sample.label)));
@@ -211,11 +181,7 @@ fn push_tfrecord(b: &mut LayoutBuilder, index: &Index, sample: &Sample) -> u64 {
         b.crc.push_bytes(&tfrecord::frame_header(p.len));
         b.crc.push_crc(p.crc32c, p.len);
         b.crc.push_bytes(&tfrecord::frame_footer(p.crc32c));
-        b.data_range(
-            p.shard,
-            p.offset - tfrecord::HEADER_LEN,
-            tfrecord::frame_len(p.len),
-        );
+        b.data_range(p.shard, p.offset - tfrecord::HEADER_LEN, tfrecord::frame_len(p.len));
         return tfrecord::frame_len(p.len);
     }
     let pieces = example_for(sample);
@@ -223,9 +189,7 @@ fn push_tfrecord(b: &mut LayoutBuilder, index: &Index, sample: &Sample) -> u64 {
     for piece in &pieces {
         match piece {
             Piece::Inline(bytes) => example_crc.push_bytes(bytes),
-            Piece::Part { index: i, .. } => {
-                example_crc.push_crc(sample.parts[*i].crc32c, sample.parts[*i].len)
-            }
+            Piece::Part { index: i, .. } => example_crc.push_crc(sample.parts[*i].crc32c, sample.parts[*i].len),
         }
     }
     b.inline(&tfrecord::frame_header(example_crc.len()));
@@ -254,10 +218,7 @@ fn tfrecord_frame_len(index: &Index, sample: &Sample) -> u64 {
 /// The member name of part `ext` of a sample keyed `key` in a tar batch: the key made safe (no empty,
 /// `.` or `..` components, no `.` in the file name so WebDataset splits at the extension), then `.EXT`.
 pub fn tar_member_name(key: &str, ext: &str) -> String {
-    let parts: Vec<&str> = key
-        .split('/')
-        .filter(|c| !c.is_empty() && *c != "." && *c != "..")
-        .collect();
+    let parts: Vec<&str> = key.split('/').filter(|c| !c.is_empty() && *c != "." && *c != "..").collect();
     let mut name = match parts.split_last() {
         Some((last, dirs)) => {
             let mut n = dirs.join("/");
@@ -278,10 +239,7 @@ pub fn tar_member_name(key: &str, ext: &str) -> String {
 
 fn push_tar(b: &mut LayoutBuilder, sample: &Sample) {
     for p in &sample.parts {
-        b.inline(&tar::file_header(
-            &tar_member_name(&sample.key, &p.ext),
-            p.len,
-        ));
+        b.inline(&tar::file_header(&tar_member_name(&sample.key, &p.ext), p.len));
         b.data(p.shard, p.offset, p.len, p.crc32c);
         b.inline(&vec![0u8; tar::padding(p.len) as usize]);
     }
@@ -308,9 +266,7 @@ pub fn layout(index: &Index, samples: &[u32], format: BatchFormat) -> BatchLayou
                 push_tfrecord(&mut b, index, sample);
             }
         }
-        BatchFormat::TfrecordIdx => {
-            b.inline(&dali_index(samples.map(|s| tfrecord_frame_len(index, s))))
-        }
+        BatchFormat::TfrecordIdx => b.inline(&dali_index(samples.map(|s| tfrecord_frame_len(index, s)))),
         BatchFormat::Tar => {
             for sample in samples {
                 push_tar(&mut b, sample);
@@ -322,10 +278,7 @@ pub fn layout(index: &Index, samples: &[u32], format: BatchFormat) -> BatchLayou
 }
 
 /// Materializes a layout, given a way to read shard ranges (tests, small tools; the server streams).
-pub fn materialize(
-    layout: &BatchLayout,
-    mut read: impl FnMut(u32, u64, u64) -> Vec<u8>,
-) -> Vec<u8> {
+pub fn materialize(layout: &BatchLayout, mut read: impl FnMut(u32, u64, u64) -> Vec<u8>) -> Vec<u8> {
     let mut out = Vec::with_capacity(layout.len as usize);
     for seg in &layout.segments {
         match seg {
@@ -349,14 +302,8 @@ pub fn slice_segments(segments: &[Segment], start: u64, end: u64) -> Vec<Segment
         }
         let (skip, take) = (from - seg_start, to - from);
         out.push(match seg {
-            Segment::Inline(b) => {
-                Segment::Inline(b[skip as usize..(skip + take) as usize].to_vec())
-            }
-            Segment::Data { shard, offset, .. } => Segment::Data {
-                shard: *shard,
-                offset: offset + skip,
-                len: take,
-            },
+            Segment::Inline(b) => Segment::Inline(b[skip as usize..(skip + take) as usize].to_vec()),
+            Segment::Data { shard, offset, .. } => Segment::Data { shard: *shard, offset: offset + skip, len: take },
         });
     }
     out
@@ -405,23 +352,11 @@ mod tests {
                     shard.extend_from_slice(data);
                 }
             }
-            out.push(Sample {
-                key: key.clone(),
-                label: *label,
-                parts: ps,
-            });
+            out.push(Sample { key: key.clone(), label: *label, parts: ps });
         }
         let index = Index {
-            settings: IndexSettings {
-                format,
-                verify_data_crc: true,
-                skip_corrupt: false,
-            },
-            shards: vec![ShardInfo {
-                path: "s".into(),
-                size: shard.len() as u64,
-                mtime_ns: 0,
-            }],
+            settings: IndexSettings { format, verify_data_crc: true, skip_corrupt: false },
+            shards: vec![ShardInfo { path: "s".into(), size: shard.len() as u64, mtime_ns: 0 }],
             samples: out,
             classes: vec![],
             skipped: vec![],
@@ -438,10 +373,13 @@ mod tests {
             (
                 "[a-z0-9]{1,8}(/[a-z0-9.]{1,8})?",
                 -1i64..1000,
-                proptest::collection::vec(
-                    ("[a-z]{1,4}", proptest::collection::vec(any::<u8>(), 0..700)),
+                // Distinct extensions per sample, as WebDataset grouping gives.
+                proptest::collection::btree_map(
+                    "[a-z]{1,4}",
+                    proptest::collection::vec(any::<u8>(), 0..700),
                     1..=max_parts,
-                ),
+                )
+                .prop_map(|m| m.into_iter().collect::<Vec<_>>()),
             ),
             1..12,
         )
@@ -463,6 +401,10 @@ mod tests {
                 let (key, label, parts) = &samples[i as usize];
                 prop_assert_eq!(proto::example_feature(data, "key").unwrap(), Some(FeatureValue::Bytes(vec![key.as_bytes()])));
                 prop_assert_eq!(proto::example_feature(data, "label").unwrap(), Some(FeatureValue::Int64(vec![*label])));
+                for (ext, bytes) in parts.iter().filter(|_| parts.len() > 1) {
+                    let feature = proto::example_feature(data, &format!("data/{ext}")).unwrap();
+                    prop_assert_eq!(feature, Some(FeatureValue::Bytes(vec![&bytes[..]])));
+                }
                 if parts.len() == 1 {
                     prop_assert_eq!(proto::example_feature(data, "data").unwrap(), Some(FeatureValue::Bytes(vec![&parts[0].1[..]])));
                 }

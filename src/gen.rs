@@ -70,20 +70,16 @@ pub struct GenSample {
 
 /// The deterministic sample `i` of a dataset generated with `options`.
 pub fn sample(options: &GenOptions, i: u32) -> GenSample {
-    let mut rng =
-        SplitMix64::new(options.seed ^ (u64::from(i) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+    let mut rng = SplitMix64::new(options.seed ^ (u64::from(i) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
     let label = rng.below(u64::from(options.classes.max(1))) as i64;
     // Log-normal size: exp(mu + sigma * N(0,1)) with mean exp(mu + sigma^2/2) = mean_bytes.
     let sigma = 0.5f64;
     let mu = (options.mean_bytes.max(1) as f64).ln() - sigma * sigma / 2.0;
     let (u1, u2) = (rng.next_f64().max(f64::MIN_POSITIVE), rng.next_f64());
     let normal = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-    let size =
-        ((mu + sigma * normal).exp() as u64).clamp(32, options.mean_bytes.max(32) * 8) as usize;
+    let size = ((mu + sigma * normal).exp() as u64).clamp(32, options.mean_bytes.max(32) * 8) as usize;
     let mut data = Vec::with_capacity(size);
-    data.extend_from_slice(&[
-        0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x10, b'J', b'F', b'I', b'F', 0, 1, 1, 0, 0, 1, 0, 1, 0, 0,
-    ]);
+    data.extend_from_slice(&[0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x10, b'J', b'F', b'I', b'F', 0, 1, 1, 0, 0, 1, 0, 1, 0, 0]);
     while data.len() + 8 <= size - 2 {
         data.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
@@ -91,11 +87,7 @@ pub fn sample(options: &GenOptions, i: u32) -> GenSample {
         data.push(rng.next_u64() as u8);
     }
     data.extend_from_slice(&[0xFF, 0xD9]);
-    GenSample {
-        key: format!("sample-{i:08}"),
-        label,
-        data,
-    }
+    GenSample { key: format!("sample-{i:08}"), label, data }
 }
 
 /// The class directory name of label `label` in a generated file tree.
@@ -104,10 +96,7 @@ pub fn class_name(label: i64) -> String {
 }
 
 fn io_err(path: &Path) -> impl Fn(io::Error) -> GenError + '_ {
-    move |source| GenError::Io {
-        path: path.display().to_string(),
-        source,
-    }
+    move |source| GenError::Io { path: path.display().to_string(), source }
 }
 
 /// The `tf.train.Example` a generated TFRecord dataset stores for a sample (ImageNet's feature names).
@@ -141,16 +130,10 @@ pub fn datum_bytes(s: &GenSample) -> Vec<u8> {
 /// Writes a dataset into `out` (created if missing).
 pub fn generate(options: &GenOptions, out: &Path) -> Result<GenSummary, GenError> {
     if options.samples == 0 || options.shards == 0 {
-        return Err(GenError::Options(
-            "samples and shards must be at least 1".into(),
-        ));
+        return Err(GenError::Options("samples and shards must be at least 1".into()));
     }
     std::fs::create_dir_all(out).map_err(io_err(out))?;
-    let mut summary = GenSummary {
-        samples: 0,
-        bytes: 0,
-        files: 0,
-    };
+    let mut summary = GenSummary { samples: 0, bytes: 0, files: 0 };
     let shards = options.shards.min(options.samples);
     let shard_of = |i: u32| (u64::from(i) * u64::from(shards) / u64::from(options.samples)) as u32;
     match options.format {
@@ -173,10 +156,7 @@ pub fn generate(options: &GenOptions, out: &Path) -> Result<GenSummary, GenError
                     } else {
                         let cls = s.label.to_string();
                         for (ext, data) in [("jpg", &s.data[..]), ("cls", cls.as_bytes())] {
-                            buf.extend(tar::file_header(
-                                &format!("{}.{ext}", s.key),
-                                data.len() as u64,
-                            ));
+                            buf.extend(tar::file_header(&format!("{}.{ext}", s.key), data.len() as u64));
                             buf.extend_from_slice(data);
                             buf.resize(buf.len() + tar::padding(data.len() as u64) as usize, 0);
                         }
@@ -187,25 +167,16 @@ pub fn generate(options: &GenOptions, out: &Path) -> Result<GenSummary, GenError
                     i += 1;
                 }
                 if options.format == SourceFormat::Tar {
-                    w.write_all(&[0u8; tar::END_LEN as usize])
-                        .map_err(io_err(&path))?;
+                    w.write_all(&[0u8; tar::END_LEN as usize]).map_err(io_err(&path))?;
                 }
-                w.into_inner()
-                    .map_err(|e| e.into_error())
-                    .and_then(|f| f.sync_all())
-                    .map_err(io_err(&path))?;
+                w.into_inner().map_err(|e| e.into_error()).and_then(|f| f.sync_all()).map_err(io_err(&path))?;
                 summary.files += 1;
             }
         }
         SourceFormat::Lmdb => {
-            let lmdb_err = |e: heed::Error| GenError::Lmdb {
-                path: out.display().to_string(),
-                message: e.to_string(),
-            };
-            let map_size =
-                ((options.mean_bytes as usize * 8 + 4096) * options.samples as usize * 2
-                    + (64 << 20))
-                    .next_multiple_of(1 << 16);
+            let lmdb_err = |e: heed::Error| GenError::Lmdb { path: out.display().to_string(), message: e.to_string() };
+            let map_size = ((options.mean_bytes as usize * 8 + 4096) * options.samples as usize * 2 + (64 << 20))
+                .next_multiple_of(1 << 16);
             let env = LmdbEnv::create(out, map_size).map_err(lmdb_err)?;
             let result = (|| {
                 let mut wtxn = env.env().write_txn().map_err(lmdb_err)?;
@@ -215,8 +186,7 @@ pub fn generate(options: &GenOptions, out: &Path) -> Result<GenSummary, GenError
                     .map_err(lmdb_err)?;
                 for i in 0..options.samples {
                     let s = sample(options, i);
-                    db.put(&mut wtxn, s.key.as_bytes(), &datum_bytes(&s))
-                        .map_err(lmdb_err)?;
+                    db.put(&mut wtxn, s.key.as_bytes(), &datum_bytes(&s)).map_err(lmdb_err)?;
                     summary.samples += 1;
                     summary.bytes += s.data.len() as u64;
                 }
@@ -249,14 +219,8 @@ mod tests {
 
     #[test]
     fn sizes_spread_around_the_mean() {
-        let options = GenOptions {
-            samples: 4000,
-            mean_bytes: 110_000,
-            ..GenOptions::default()
-        };
-        let sizes: Vec<f64> = (0..options.samples)
-            .map(|i| sample(&options, i).data.len() as f64)
-            .collect();
+        let options = GenOptions { samples: 4000, mean_bytes: 110_000, ..GenOptions::default() };
+        let sizes: Vec<f64> = (0..options.samples).map(|i| sample(&options, i).data.len() as f64).collect();
         let mean = sizes.iter().sum::<f64>() / sizes.len() as f64;
         assert!((mean / 110_000.0 - 1.0).abs() < 0.05, "mean {mean}");
         let min = sizes.iter().cloned().fold(f64::MAX, f64::min);
@@ -270,14 +234,7 @@ mod tests {
     fn every_format_indexes_back() {
         for format in SourceFormat::ALL {
             let dir = tempfile::tempdir().unwrap();
-            let options = GenOptions {
-                format,
-                samples: 37,
-                mean_bytes: 3000,
-                shards: 4,
-                classes: 5,
-                seed: 9,
-            };
+            let options = GenOptions { format, samples: 37, mean_bytes: 3000, shards: 4, classes: 5, seed: 9 };
             let summary = generate(&options, dir.path()).unwrap();
             assert_eq!(summary.samples, 37);
             let index = source::build(dir.path(), &IndexOptions::default(), &NoProgress).unwrap();
@@ -288,11 +245,9 @@ mod tests {
                 expected.sort_by_key(|s| (class_name(s.label), s.key.clone()));
             }
             for (got, want) in index.samples.iter().zip(&expected) {
-                let shard = crate::mmap::MappedFile::open(
-                    &dir.path()
-                        .join(&index.shards[got.parts[0].shard as usize].path),
-                )
-                .unwrap();
+                let shard =
+                    crate::mmap::MappedFile::open(&dir.path().join(&index.shards[got.parts[0].shard as usize].path))
+                        .unwrap();
                 let p = &got.parts[0];
                 let bytes = &shard.bytes()[p.offset as usize..(p.offset + p.len) as usize];
                 let payload = match format {

@@ -25,12 +25,8 @@ pub enum SourceFormat {
 
 impl SourceFormat {
     /// All formats, in detection order.
-    pub const ALL: [SourceFormat; 4] = [
-        SourceFormat::Lmdb,
-        SourceFormat::Tfrecord,
-        SourceFormat::Tar,
-        SourceFormat::Files,
-    ];
+    pub const ALL: [SourceFormat; 4] =
+        [SourceFormat::Lmdb, SourceFormat::Tfrecord, SourceFormat::Tar, SourceFormat::Files];
 
     /// The name used on the command line and in the API.
     pub fn as_str(self) -> &'static str {
@@ -69,9 +65,7 @@ impl FromStr for SourceFormat {
         SourceFormat::ALL
             .into_iter()
             .find(|f| f.as_str() == s)
-            .ok_or_else(|| {
-                format!("unknown source format {s:?}: expected tfrecord, lmdb, tar or files")
-            })
+            .ok_or_else(|| format!("unknown source format {s:?}: expected tfrecord, lmdb, tar or files"))
     }
 }
 
@@ -203,9 +197,7 @@ impl Index {
     /// Parses an index written by [`Index::to_bytes`]; `None` if it is not one, is of another version, or
     /// fails its checksum or any consistency check.
     pub fn from_bytes(buf: &[u8]) -> Option<Index> {
-        let payload = buf
-            .strip_prefix(MAGIC)?
-            .strip_prefix(&VERSION.to_le_bytes()[..])?;
+        let payload = buf.strip_prefix(MAGIC)?.strip_prefix(&VERSION.to_le_bytes()[..])?;
         let (payload, sum) = payload.split_at(payload.len().checked_sub(4)?);
         if crc::crc32c(payload) != u32::from_le_bytes(sum.try_into().ok()?) {
             return None;
@@ -216,21 +208,9 @@ impl Index {
             verify_data_crc: r.u8()? != 0,
             skip_corrupt: r.u8()? != 0,
         };
-        let shards = r.list(|r| {
-            Some(ShardInfo {
-                path: r.str()?,
-                size: r.u64()?,
-                mtime_ns: r.u64()? as i64,
-            })
-        })?;
+        let shards = r.list(|r| Some(ShardInfo { path: r.str()?, size: r.u64()?, mtime_ns: r.u64()? as i64 }))?;
         let classes = r.list(|r| r.str())?;
-        let skipped = r.list(|r| {
-            Some(Skipped {
-                shard: r.str()?,
-                offset: r.u64()?,
-                reason: r.str()?,
-            })
-        })?;
+        let skipped = r.list(|r| Some(Skipped { shard: r.str()?, offset: r.u64()?, reason: r.str()? }))?;
         let samples = r.list(|r| {
             Some(Sample {
                 key: r.str()?,
@@ -249,22 +229,14 @@ impl Index {
         if !r.0.is_empty() {
             return None;
         }
-        let index = Index {
-            settings,
-            shards,
-            samples,
-            classes,
-            skipped,
-        };
+        let index = Index { settings, shards, samples, classes, skipped };
         index.is_consistent().then_some(index)
     }
 
     /// Every part lies inside its shard.
     fn is_consistent(&self) -> bool {
         self.samples.iter().flat_map(|s| &s.parts).all(|p| {
-            self.shards
-                .get(p.shard as usize)
-                .is_some_and(|s| p.offset.checked_add(p.len).is_some_and(|e| e <= s.size))
+            self.shards.get(p.shard as usize).is_some_and(|s| p.offset.checked_add(p.len).is_some_and(|e| e <= s.size))
         })
     }
 }
@@ -333,47 +305,19 @@ mod tests {
     use proptest::prelude::*;
 
     fn arb_index() -> impl Strategy<Value = Index> {
-        let part = ("[a-z]{0,4}", 0u32..3, 0u64..1000, 0u64..1000, any::<u32>()).prop_map(
-            |(ext, shard, offset, len, crc32c)| Part {
-                ext,
-                shard,
-                offset,
-                len,
-                crc32c,
-            },
-        );
-        let sample = (
-            "[a-z0-9/]{0,12}",
-            -1i64..1000,
-            proptest::collection::vec(part, 0..3),
-        )
+        let part = ("[a-z]{0,4}", 0u32..3, 0u64..1000, 0u64..1000, any::<u32>())
+            .prop_map(|(ext, shard, offset, len, crc32c)| Part { ext, shard, offset, len, crc32c });
+        let sample = ("[a-z0-9/]{0,12}", -1i64..1000, proptest::collection::vec(part, 0..3))
             .prop_map(|(key, label, parts)| Sample { key, label, parts });
-        (
-            proptest::collection::vec(sample, 0..30),
-            any::<bool>(),
-            "[ -~]{0,20}",
-        )
-            .prop_map(|(samples, flag, reason)| Index {
-                settings: IndexSettings {
-                    format: SourceFormat::Tar,
-                    verify_data_crc: flag,
-                    skip_corrupt: !flag,
-                },
-                shards: (0..3)
-                    .map(|i| ShardInfo {
-                        path: format!("s{i}.tar"),
-                        size: 5000,
-                        mtime_ns: -5 + i,
-                    })
-                    .collect(),
+        (proptest::collection::vec(sample, 0..30), any::<bool>(), "[ -~]{0,20}").prop_map(|(samples, flag, reason)| {
+            Index {
+                settings: IndexSettings { format: SourceFormat::Tar, verify_data_crc: flag, skip_corrupt: !flag },
+                shards: (0..3).map(|i| ShardInfo { path: format!("s{i}.tar"), size: 5000, mtime_ns: -5 + i }).collect(),
                 samples,
                 classes: vec!["cat".into(), "dog".into()],
-                skipped: vec![Skipped {
-                    shard: "s1.tar".into(),
-                    offset: 77,
-                    reason,
-                }],
-            })
+                skipped: vec![Skipped { shard: "s1.tar".into(), offset: 77, reason }],
+            }
+        })
     }
 
     proptest! {
@@ -394,11 +338,7 @@ mod tests {
     #[test]
     fn truncated_is_rejected() {
         let index = Index {
-            settings: IndexSettings {
-                format: SourceFormat::Files,
-                verify_data_crc: true,
-                skip_corrupt: false,
-            },
+            settings: IndexSettings { format: SourceFormat::Files, verify_data_crc: true, skip_corrupt: false },
             shards: vec![],
             samples: vec![],
             classes: vec![],

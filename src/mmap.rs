@@ -74,13 +74,7 @@ impl MappedFile {
         let mut vec = vec![0u8; pages];
         // SAFETY: `start` is page-aligned and `[start, start + len)` lies within the live mapping (clamped
         // by `page_align`); `vec` has one byte per page of that range, as mincore(2) requires.
-        let rc = unsafe {
-            libc::mincore(
-                map.as_ptr().add(start) as *mut libc::c_void,
-                len,
-                vec.as_mut_ptr(),
-            )
-        };
+        let rc = unsafe { libc::mincore(map.as_ptr().add(start) as *mut libc::c_void, len, vec.as_mut_ptr()) };
         rc == 0 && vec.iter().all(|b| b & 1 == 1)
     }
 }

@@ -70,12 +70,7 @@ pub struct PlanOptions {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions {
-            batch_size: DEFAULT_BATCH_SIZE,
-            seed: 0,
-            shuffle: Shuffle::Global,
-            drop_last: false,
-        }
+        PlanOptions { batch_size: DEFAULT_BATCH_SIZE, seed: 0, shuffle: Shuffle::Global, drop_last: false }
     }
 }
 
@@ -89,11 +84,7 @@ pub enum PlanError {
     #[error("shuffle must be `global` or `none`, got {0:?}")]
     BadShuffle(String),
     #[error("batch {batch} does not exist: epoch {epoch} has {batches} batches")]
-    NoSuchBatch {
-        epoch: u64,
-        batch: u64,
-        batches: u64,
-    },
+    NoSuchBatch { epoch: u64, batch: u64, batches: u64 },
 }
 
 impl PlanOptions {
@@ -158,8 +149,7 @@ impl EpochPlan {
         }
         let mut order: Vec<u32> = (0..samples).collect();
         if options.shuffle == Shuffle::Global {
-            let mut rng =
-                SplitMix64::new(options.seed ^ (epoch + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut rng = SplitMix64::new(options.seed ^ (epoch + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
             for i in (1..order.len()).rev() {
                 let j = rng.below(i as u64 + 1) as usize;
                 order.swap(i, j);
@@ -169,11 +159,7 @@ impl EpochPlan {
             let keep = order.len() / options.batch_size as usize * options.batch_size as usize;
             order.truncate(keep);
         }
-        Ok(EpochPlan {
-            epoch,
-            options,
-            order,
-        })
+        Ok(EpochPlan { epoch, options, order })
     }
 
     /// Number of batches.
@@ -184,11 +170,7 @@ impl EpochPlan {
     /// Samples of batch `batch`, in order.
     pub fn batch(&self, batch: u64) -> Result<&[u32], PlanError> {
         if batch >= self.batches() {
-            return Err(PlanError::NoSuchBatch {
-                epoch: self.epoch,
-                batch,
-                batches: self.batches(),
-            });
+            return Err(PlanError::NoSuchBatch { epoch: self.epoch, batch, batches: self.batches() });
         }
         let size = self.options.batch_size as usize;
         let start = batch as usize * size;
@@ -209,12 +191,7 @@ mod tests {
     #[test]
     fn golden_plan() {
         // Pinned: changing these numbers breaks every client/server pair across versions.
-        let options = PlanOptions {
-            batch_size: 4,
-            seed: 42,
-            shuffle: Shuffle::Global,
-            drop_last: false,
-        };
+        let options = PlanOptions { batch_size: 4, seed: 42, shuffle: Shuffle::Global, drop_last: false };
         let plan = EpochPlan::new(10, 3, options).unwrap();
         assert_eq!(plan.order(), GOLDEN_10_SEED42_EPOCH3);
         assert_eq!(plan.batches(), 3);
@@ -228,27 +205,16 @@ mod tests {
 
     #[test]
     fn no_shuffle_is_index_order_and_drop_last_drops() {
-        let options = PlanOptions {
-            batch_size: 3,
-            seed: 9,
-            shuffle: Shuffle::None,
-            drop_last: true,
-        };
+        let options = PlanOptions { batch_size: 3, seed: 9, shuffle: Shuffle::None, drop_last: true };
         let plan = EpochPlan::new(10, 0, options).unwrap();
         assert_eq!(plan.order(), &[0, 1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(plan.batches(), 3);
-        assert!(matches!(
-            plan.batch(3),
-            Err(PlanError::NoSuchBatch { batches: 3, .. })
-        ));
+        assert!(matches!(plan.batch(3), Err(PlanError::NoSuchBatch { batches: 3, .. })));
     }
 
     #[test]
     fn rejects_bad_options() {
-        let zero = PlanOptions {
-            batch_size: 0,
-            ..PlanOptions::default()
-        };
+        let zero = PlanOptions { batch_size: 0, ..PlanOptions::default() };
         assert_eq!(EpochPlan::new(5, 0, zero), Err(PlanError::BadBatchSize(0)));
         assert_eq!(
             EpochPlan::new(5, MAX_EPOCH + 1, PlanOptions::default()),

@@ -36,11 +36,7 @@ pub struct Fields<'a> {
 
 /// Walks the top-level fields of `buf`.
 pub fn fields(buf: &[u8]) -> Fields<'_> {
-    Fields {
-        buf,
-        pos: 0,
-        failed: false,
-    }
+    Fields { buf, pos: 0, failed: false }
 }
 
 fn read_varint(buf: &[u8], pos: &mut usize) -> Result<u64, ProtoError> {
@@ -69,33 +65,21 @@ impl<'a> Fields<'a> {
         let field = (key >> 3) as u32;
         let wire_type = (key & 7) as u8;
         let take = |pos: &mut usize, n: usize| -> Result<&'a [u8], ProtoError> {
-            let end = pos
-                .checked_add(n)
-                .filter(|&e| e <= self.buf.len())
-                .ok_or(ProtoError::Truncated(*pos))?;
+            let end = pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or(ProtoError::Truncated(*pos))?;
             let out = &self.buf[*pos..end];
             *pos = end;
             Ok(out)
         };
         let value = match wire_type {
             0 => Value::Varint(read_varint(self.buf, &mut self.pos)?),
-            1 => Value::Fixed64(u64::from_le_bytes(
-                take(&mut self.pos, 8)?.try_into().expect("8 bytes"),
-            )),
+            1 => Value::Fixed64(u64::from_le_bytes(take(&mut self.pos, 8)?.try_into().expect("8 bytes"))),
             2 => {
                 let len = read_varint(self.buf, &mut self.pos)?;
                 let len = usize::try_from(len).map_err(|_| ProtoError::Truncated(self.pos))?;
                 Value::Bytes(take(&mut self.pos, len)?)
             }
-            5 => Value::Fixed32(u32::from_le_bytes(
-                take(&mut self.pos, 4)?.try_into().expect("4 bytes"),
-            )),
-            other => {
-                return Err(ProtoError::WireType {
-                    wire_type: other,
-                    offset,
-                })
-            }
+            5 => Value::Fixed32(u32::from_le_bytes(take(&mut self.pos, 4)?.try_into().expect("4 bytes"))),
+            other => return Err(ProtoError::WireType { wire_type: other, offset }),
         };
         Ok((field, value))
     }
@@ -123,10 +107,7 @@ pub enum FeatureValue<'a> {
 }
 
 /// Finds feature `name` in a serialized `tf.train.Example`.
-pub fn example_feature<'a>(
-    example: &'a [u8],
-    name: &str,
-) -> Result<Option<FeatureValue<'a>>, ProtoError> {
+pub fn example_feature<'a>(example: &'a [u8], name: &str) -> Result<Option<FeatureValue<'a>>, ProtoError> {
     for field in fields(example) {
         let (1, Value::Bytes(features)) = field? else {
             continue;
@@ -286,19 +267,10 @@ pub fn example_pieces(features: &[(&str, WrapFeature<'_>)]) -> Vec<Piece> {
     let mut entries = Vec::new();
     for (name, value) in features {
         let feature = match value {
-            WrapFeature::Part { index, len } => len_delimited(
-                1,
-                len_delimited(
-                    1,
-                    vec![Piece::Part {
-                        index: *index,
-                        len: *len,
-                    }],
-                ),
-            ),
-            WrapFeature::Bytes(b) => {
-                len_delimited(1, len_delimited(1, vec![Piece::Inline(b.to_vec())]))
+            WrapFeature::Part { index, len } => {
+                len_delimited(1, len_delimited(1, vec![Piece::Part { index: *index, len: *len }]))
             }
+            WrapFeature::Bytes(b) => len_delimited(1, len_delimited(1, vec![Piece::Inline(b.to_vec())])),
             WrapFeature::Int64(v) => {
                 let mut packed = Vec::new();
                 put_varint(&mut packed, *v as u64);
@@ -348,10 +320,7 @@ mod tests {
             // Must not panic; a cut message is either an error or simply lacks the feature.
             let _ = example_feature(&bytes[..cut], "data");
         }
-        assert!(matches!(
-            fields(&[0x0a, 0x05, 1]).next(),
-            Some(Err(ProtoError::Truncated(_)))
-        ));
+        assert!(matches!(fields(&[0x0a, 0x05, 1]).next(), Some(Err(ProtoError::Truncated(_)))));
     }
 
     proptest! {

@@ -5,9 +5,7 @@
 //! with `skip_corrupt`, indexes around it and lists what it skipped. [`load_or_build`] reuses a
 //! persisted index whose shard list (paths, sizes, mtimes) and settings still match.
 
-use crate::index::{
-    Index, IndexSettings, Part, Sample, ShardInfo, Skipped, SourceFormat, NO_LABEL,
-};
+use crate::index::{Index, IndexSettings, Part, Sample, ShardInfo, Skipped, SourceFormat, NO_LABEL};
 use crate::mmap::{LmdbEnv, MappedFile};
 use crate::{crc, proto, tar, tfrecord};
 use std::collections::BTreeMap;
@@ -22,11 +20,7 @@ pub enum IndexError {
     #[error("cannot read {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
     #[error("corrupt data in {shard} at byte {offset}: {message} (pass --skip-corrupt to index around it)")]
-    Corrupt {
-        shard: PathBuf,
-        offset: u64,
-        message: String,
-    },
+    Corrupt { shard: PathBuf, offset: u64, message: String },
     #[error("cannot read the LMDB environment in {path}: {message}")]
     Lmdb { path: PathBuf, message: String },
     #[error("{path} holds no samples in {format} format")]
@@ -36,10 +30,7 @@ pub enum IndexError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> IndexError + '_ {
-    move |source| IndexError::Io {
-        path: path.to_owned(),
-        source,
-    }
+    move |source| IndexError::Io { path: path.to_owned(), source }
 }
 
 /// What to index and how strictly.
@@ -55,11 +46,7 @@ pub struct IndexOptions {
 
 impl Default for IndexOptions {
     fn default() -> Self {
-        IndexOptions {
-            format: None,
-            verify_data_crc: true,
-            skip_corrupt: false,
-        }
+        IndexOptions { format: None, verify_data_crc: true, skip_corrupt: false }
     }
 }
 
@@ -103,11 +90,7 @@ fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
             }
             let path = entry.path();
             let meta = std::fs::symlink_metadata(&path).map_err(io_err(&path))?;
-            let rel_path = if rel.is_empty() {
-                name
-            } else {
-                format!("{rel}/{name}")
-            };
+            let rel_path = if rel.is_empty() { name } else { format!("{rel}/{name}") };
             if meta.is_dir() {
                 stack.push((path, rel_path));
             } else if meta.is_file() {
@@ -120,22 +103,13 @@ fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
 }
 
 fn shard_info(path: String, meta: &std::fs::Metadata) -> ShardInfo {
-    let mtime_ns = meta
-        .modified()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos() as i64);
-    ShardInfo {
-        path,
-        size: meta.len(),
-        mtime_ns,
-    }
+    let mtime_ns =
+        meta.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos() as i64);
+    ShardInfo { path, size: meta.len(), mtime_ns }
 }
 
 fn is_tfrecord(path: &str) -> bool {
-    [".tfrecord", ".tfrecords", ".tfr"]
-        .iter()
-        .any(|ext| path.ends_with(ext))
+    [".tfrecord", ".tfrecords", ".tfr"].iter().any(|ext| path.ends_with(ext))
 }
 
 /// Detects the format of the dataset at `root`: LMDB if it holds `data.mdb`, else TFRecord or tar if it
@@ -172,11 +146,7 @@ pub fn discover_shards(root: &Path, format: SourceFormat) -> Result<Vec<ShardInf
         SourceFormat::Tar => p.ends_with(".tar"),
         _ => true,
     };
-    Ok(walk(root)?
-        .into_iter()
-        .filter(|(p, _)| keep(p))
-        .map(|(p, m)| shard_info(p, &m))
-        .collect())
+    Ok(walk(root)?.into_iter().filter(|(p, _)| keep(p)).map(|(p, m)| shard_info(p, &m)).collect())
 }
 
 /// How an index was obtained.
@@ -202,11 +172,8 @@ pub fn load_or_build(
         Some(f) => f,
         None => detect(root)?,
     };
-    let settings = IndexSettings {
-        format,
-        verify_data_crc: options.verify_data_crc,
-        skip_corrupt: options.skip_corrupt,
-    };
+    let settings =
+        IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
     let shards = discover_shards(root, format)?;
     let path = index_path(root, name, index_dir);
     if let Ok(bytes) = std::fs::read(&path) {
@@ -215,10 +182,9 @@ pub fn load_or_build(
                 tracing::debug!(dataset = name, path = %path.display(), "reusing persisted index");
                 return Ok((index, IndexOrigin::Loaded));
             }
-            Some(_) => tracing::info!(
-                dataset = name,
-                "shards or settings changed since the index was built; rebuilding"
-            ),
+            Some(_) => {
+                tracing::info!(dataset = name, "shards or settings changed since the index was built; rebuilding")
+            }
             None => {
                 tracing::warn!(dataset = name, path = %path.display(), "persisted index is unreadable; rebuilding")
             }
@@ -244,20 +210,13 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
 }
 
 /// Builds the index of the dataset at `root` (not persisted).
-pub fn build(
-    root: &Path,
-    options: &IndexOptions,
-    progress: &dyn Progress,
-) -> Result<Index, IndexError> {
+pub fn build(root: &Path, options: &IndexOptions, progress: &dyn Progress) -> Result<Index, IndexError> {
     let format = match options.format {
         Some(f) => f,
         None => detect(root)?,
     };
-    let settings = IndexSettings {
-        format,
-        verify_data_crc: options.verify_data_crc,
-        skip_corrupt: options.skip_corrupt,
-    };
+    let settings =
+        IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
     build_with_shards(root, settings, discover_shards(root, format)?, progress)
 }
 
@@ -268,13 +227,7 @@ fn build_with_shards(
     progress: &dyn Progress,
 ) -> Result<Index, IndexError> {
     progress.start(shards.iter().map(|s| s.size).sum(), shards.len());
-    let mut index = Index {
-        settings,
-        shards,
-        samples: Vec::new(),
-        classes: Vec::new(),
-        skipped: Vec::new(),
-    };
+    let mut index = Index { settings, shards, samples: Vec::new(), classes: Vec::new(), skipped: Vec::new() };
     match settings.format {
         SourceFormat::Tfrecord => index_tfrecord(root, &mut index, progress)?,
         SourceFormat::Lmdb => index_lmdb(root, &mut index, progress)?,
@@ -282,36 +235,19 @@ fn build_with_shards(
         SourceFormat::Files => index_files(root, &mut index, progress)?,
     }
     if index.samples.is_empty() && index.skipped.is_empty() {
-        return Err(IndexError::Empty {
-            path: root.to_owned(),
-            format: settings.format,
-        });
+        return Err(IndexError::Empty { path: root.to_owned(), format: settings.format });
     }
     Ok(index)
 }
 
 /// Records a corrupt region: an error, or with `skip_corrupt` an entry in `index.skipped`.
-fn corrupt(
-    index: &mut Index,
-    root: &Path,
-    shard: &str,
-    offset: u64,
-    message: String,
-) -> Result<(), IndexError> {
+fn corrupt(index: &mut Index, root: &Path, shard: &str, offset: u64, message: String) -> Result<(), IndexError> {
     if index.settings.skip_corrupt {
         tracing::warn!(shard, offset, %message, "skipping corrupt region");
-        index.skipped.push(Skipped {
-            shard: shard.to_owned(),
-            offset,
-            reason: message,
-        });
+        index.skipped.push(Skipped { shard: shard.to_owned(), offset, reason: message });
         Ok(())
     } else {
-        Err(IndexError::Corrupt {
-            shard: root.join(shard),
-            offset,
-            message,
-        })
+        Err(IndexError::Corrupt { shard: root.join(shard), offset, message })
     }
 }
 
@@ -325,15 +261,10 @@ const EXAMPLE_KEY_FEATURES: [&str; 3] = ["key", "image/filename", "__key__"];
 const EXAMPLE_LABEL_FEATURES: [&str; 2] = ["label", "image/class/label"];
 
 fn example_key_label(record: &[u8]) -> (Option<String>, i64) {
-    let key =
-        EXAMPLE_KEY_FEATURES
-            .iter()
-            .find_map(|name| match proto::example_feature(record, name) {
-                Ok(Some(proto::FeatureValue::Bytes(v))) => {
-                    v.first().map(|b| String::from_utf8_lossy(b).into_owned())
-                }
-                _ => None,
-            });
+    let key = EXAMPLE_KEY_FEATURES.iter().find_map(|name| match proto::example_feature(record, name) {
+        Ok(Some(proto::FeatureValue::Bytes(v))) => v.first().map(|b| String::from_utf8_lossy(b).into_owned()),
+        _ => None,
+    });
     let label = EXAMPLE_LABEL_FEATURES
         .iter()
         .find_map(|name| match proto::example_feature(record, name) {
@@ -344,27 +275,19 @@ fn example_key_label(record: &[u8]) -> (Option<String>, i64) {
     (key, label)
 }
 
-fn index_tfrecord(
-    root: &Path,
-    index: &mut Index,
-    progress: &dyn Progress,
-) -> Result<(), IndexError> {
+fn index_tfrecord(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
     let shards = index.shards.clone();
     for (shard_no, shard) in shards.iter().enumerate() {
         let map = map_shard(root, shard)?;
         map.advise(memmap2::Advice::Sequential);
-        let stem = shard
-            .path
-            .rsplit_once('.')
-            .map_or(shard.path.as_str(), |(s, _)| s);
+        let stem = shard.path.rsplit_once('.').map_or(shard.path.as_str(), |(s, _)| s);
         let mut scanner = tfrecord::Scanner::new(map.bytes(), index.settings.verify_data_crc);
         let mut reported = 0;
         let mut record_no = 0u64;
         while let Some(item) = scanner.next() {
             match item {
                 Ok(pos) => {
-                    let data = &map.bytes()
-                        [pos.data_offset() as usize..(pos.data_offset() + pos.len) as usize];
+                    let data = &map.bytes()[pos.data_offset() as usize..(pos.data_offset() + pos.len) as usize];
                     let (key, label) = example_key_label(data);
                     index.samples.push(Sample {
                         key: key.unwrap_or_else(|| format!("{stem}/{record_no:08}")),
@@ -385,11 +308,7 @@ fn index_tfrecord(
                         | tfrecord::TfRecordError::BadDataCrc { offset, .. }
                         | tfrecord::TfRecordError::TooLong { offset, .. } => *offset,
                     };
-                    let rest = if e.is_recoverable() {
-                        ""
-                    } else {
-                        "; the rest of the shard is skipped"
-                    };
+                    let rest = if e.is_recoverable() { "" } else { "; the rest of the shard is skipped" };
                     corrupt(index, root, &shard.path, offset, format!("{e}{rest}"))?;
                 }
             }
@@ -403,10 +322,7 @@ fn index_tfrecord(
 }
 
 fn index_lmdb(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
-    let lmdb_err = |e: heed::Error| IndexError::Lmdb {
-        path: root.to_owned(),
-        message: e.to_string(),
-    };
+    let lmdb_err = |e: heed::Error| IndexError::Lmdb { path: root.to_owned(), message: e.to_string() };
     let data_path = root.join("data.mdb");
     let ours = MappedFile::open(&data_path).map_err(io_err(&data_path))?;
     let env = LmdbEnv::open_read_only(root).map_err(lmdb_err)?;
@@ -417,31 +333,23 @@ fn index_lmdb(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result
             .env()
             .open_database::<heed::types::Bytes, heed::types::Bytes>(&rtxn, None)
             .map_err(lmdb_err)?
-            .ok_or_else(|| IndexError::Lmdb {
-                path: root.to_owned(),
-                message: "no main database".into(),
-            })?;
+            .ok_or_else(|| IndexError::Lmdb { path: root.to_owned(), message: "no main database".into() })?;
         let mut last = 0u64;
         for item in db.iter(&rtxn).map_err(lmdb_err)? {
             let (key, value) = item.map_err(lmdb_err)?;
             let base = match base {
                 Some(b) => b,
-                None => *base.insert(
-                    mapping_base(value.as_ptr() as usize, &data_path).ok_or_else(|| {
-                        IndexError::Lmdb {
-                            path: root.to_owned(),
-                            message: "cannot find LMDB's mapping of data.mdb in /proc/self/maps"
-                                .into(),
-                        }
-                    })?,
-                ),
+                None => {
+                    *base.insert(mapping_base(value.as_ptr() as usize, &data_path).ok_or_else(|| IndexError::Lmdb {
+                        path: root.to_owned(),
+                        message: "cannot find LMDB's mapping of data.mdb in /proc/self/maps".into(),
+                    })?)
+                }
             };
             let offset = (value.as_ptr() as usize).wrapping_sub(base) as u64;
             let end = offset.checked_add(value.len() as u64);
             // The value must be where LMDB says it is in the file we serve from.
-            let in_file = end
-                .filter(|&e| e <= ours.len())
-                .map(|e| &ours.bytes()[offset as usize..e as usize]);
+            let in_file = end.filter(|&e| e <= ours.len()).map(|e| &ours.bytes()[offset as usize..e as usize]);
             if in_file != Some(value) {
                 return Err(IndexError::Lmdb {
                     path: root.to_owned(),
@@ -489,10 +397,7 @@ fn mapping_base(addr: usize, file: &Path) -> Option<usize> {
             f
         };
         let (start, end) = field().split_once('-')?;
-        let (start, end) = (
-            usize::from_str_radix(start, 16).ok()?,
-            usize::from_str_radix(end, 16).ok()?,
-        );
+        let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
         field();
         let offset = usize::from_str_radix(field(), 16).ok()?;
         field();
@@ -545,8 +450,7 @@ fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<
                     if group.as_ref().is_some_and(|g| g.key != key) {
                         flush(&mut group, index);
                     }
-                    let data = &bytes
-                        [member.data_offset as usize..(member.data_offset + member.size) as usize];
+                    let data = &bytes[member.data_offset as usize..(member.data_offset + member.size) as usize];
                     let part = Part {
                         ext: ext.to_owned(),
                         shard: shard_no as u32,
@@ -555,11 +459,7 @@ fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<
                         crc32c: crc::crc32c(data),
                     };
                     group
-                        .get_or_insert_with(|| Sample {
-                            key: key.to_owned(),
-                            label: NO_LABEL,
-                            parts: vec![],
-                        })
+                        .get_or_insert_with(|| Sample { key: key.to_owned(), label: NO_LABEL, parts: vec![] })
                         .parts
                         .push(part);
                     let done = member.data_offset + member.size;
@@ -576,13 +476,7 @@ fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<
                     };
                     // A sample whose members were cut off is incomplete: drop it with the rest.
                     group = None;
-                    corrupt(
-                        index,
-                        root,
-                        &shard.path,
-                        offset,
-                        format!("{e}; the rest of the shard is skipped"),
-                    )?;
+                    corrupt(index, root, &shard.path, offset, format!("{e}; the rest of the shard is skipped"))?;
                 }
             }
         }
@@ -612,23 +506,15 @@ fn index_files(root: &Path, index: &mut Index, progress: &dyn Progress) -> Resul
             // Changed between listing and reading: the dataset is being written to.
             return Err(IndexError::Io {
                 path: root.join(&shard.path),
-                source: io::Error::other(
-                    "file changed size while indexing; datasets must not change while served",
-                ),
+                source: io::Error::other("file changed size while indexing; datasets must not change while served"),
             });
         }
         let base_start = shard.path.rfind('/').map_or(0, |i| i + 1);
         let (key, ext) = match shard.path[base_start..].rfind('.') {
-            Some(dot) if dot > 0 => (
-                &shard.path[..base_start + dot],
-                &shard.path[base_start + dot + 1..],
-            ),
+            Some(dot) if dot > 0 => (&shard.path[..base_start + dot], &shard.path[base_start + dot + 1..]),
             _ => (shard.path.as_str(), ""),
         };
-        let label = shard
-            .path
-            .split_once('/')
-            .map_or(NO_LABEL, |(class, _)| classes[class]);
+        let label = shard.path.split_once('/').map_or(NO_LABEL, |(class, _)| classes[class]);
         index.samples.push(Sample {
             key: key.to_owned(),
             label,

@@ -17,12 +17,7 @@ pub enum TarError {
     #[error("bad tar header checksum at byte {offset}")]
     BadChecksum { offset: u64 },
     #[error("tar member {name:?} at byte {offset} is cut short: needs {needed} bytes, {available} remain")]
-    Truncated {
-        offset: u64,
-        name: String,
-        needed: u64,
-        available: u64,
-    },
+    Truncated { offset: u64, name: String, needed: u64, available: u64 },
     #[error("bad numeric field {field} in the tar header at byte {offset}")]
     BadNumber { offset: u64, field: &'static str },
     #[error("bad pax extended header at byte {offset}")]
@@ -54,27 +49,16 @@ fn parse_number(field: &[u8], offset: u64, name: &'static str) -> Result<u64, Ta
         // GNU base-256: big-endian, first byte's high bit set.
         let mut value: u64 = u64::from(field[0] & 0x7f);
         for &b in &field[1..] {
-            value = value.checked_mul(256).ok_or(TarError::BadNumber {
-                offset,
-                field: name,
-            })? | u64::from(b);
+            value = value.checked_mul(256).ok_or(TarError::BadNumber { offset, field: name })? | u64::from(b);
         }
         return Ok(value);
     }
     let text: Vec<u8> = field.iter().copied().take_while(|&b| b != 0).collect();
-    let text = std::str::from_utf8(&text)
-        .map_err(|_| TarError::BadNumber {
-            offset,
-            field: name,
-        })?
-        .trim();
+    let text = std::str::from_utf8(&text).map_err(|_| TarError::BadNumber { offset, field: name })?.trim();
     if text.is_empty() {
         return Ok(0);
     }
-    u64::from_str_radix(text, 8).map_err(|_| TarError::BadNumber {
-        offset,
-        field: name,
-    })
+    u64::from_str_radix(text, 8).map_err(|_| TarError::BadNumber { offset, field: name })
 }
 
 fn c_string(field: &[u8]) -> String {
@@ -83,17 +67,7 @@ fn c_string(field: &[u8]) -> String {
 }
 
 fn header_checksum(header: &[u8]) -> u64 {
-    header
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| {
-            if (148..156).contains(&i) {
-                32
-            } else {
-                u64::from(b)
-            }
-        })
-        .sum()
+    header.iter().enumerate().map(|(i, &b)| if (148..156).contains(&i) { 32 } else { u64::from(b) }).sum()
 }
 
 /// Walks the members of a tar stream held in memory.
@@ -106,11 +80,7 @@ pub struct Scanner<'a> {
 impl<'a> Scanner<'a> {
     /// Scans `buf`.
     pub fn new(buf: &'a [u8]) -> Self {
-        Scanner {
-            buf,
-            pos: 0,
-            done: false,
-        }
+        Scanner { buf, pos: 0, done: false }
     }
 
     fn block(&self, at: u64) -> Option<&'a [u8]> {
@@ -124,10 +94,7 @@ impl<'a> Scanner<'a> {
         let mut rest = data;
         while !rest.is_empty() && rest[0] != 0 {
             let space = rest.iter().position(|&b| b == b' ').ok_or_else(bad)?;
-            let len: usize = std::str::from_utf8(&rest[..space])
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or_else(bad)?;
+            let len: usize = std::str::from_utf8(&rest[..space]).ok().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
             if len <= space + 1 || len > rest.len() || rest[len - 1] != b'\n' {
                 return Err(bad());
             }
@@ -136,14 +103,7 @@ impl<'a> Scanner<'a> {
             let (key, value) = (&record[..eq], &record[eq + 1..]);
             match key {
                 b"path" => path = Some(String::from_utf8_lossy(value).into_owned()),
-                b"size" => {
-                    size = Some(
-                        std::str::from_utf8(value)
-                            .ok()
-                            .and_then(|s| s.parse().ok())
-                            .ok_or_else(bad)?,
-                    )
-                }
+                b"size" => size = Some(std::str::from_utf8(value).ok().and_then(|s| s.parse().ok()).ok_or_else(bad)?),
                 _ => {}
             }
             rest = &rest[len..];
@@ -187,12 +147,7 @@ impl<'a> Scanner<'a> {
             let data_offset = offset + BLOCK;
             let available = (self.buf.len() as u64).saturating_sub(data_offset);
             if size > available {
-                return Err(TarError::Truncated {
-                    offset,
-                    name,
-                    needed: size,
-                    available,
-                });
+                return Err(TarError::Truncated { offset, name, needed: size, available });
             }
             self.pos = data_offset + padded(size);
             let data = &self.buf[data_offset as usize..(data_offset + size) as usize];
@@ -204,12 +159,7 @@ impl<'a> Scanner<'a> {
                 }
                 b'L' => long_name = Some(c_string(data)),
                 b'0' | 0 | b'7' => {
-                    return Ok(Some(Member {
-                        name,
-                        header_offset: offset,
-                        data_offset,
-                        size,
-                    }));
+                    return Ok(Some(Member { name, header_offset: offset, data_offset, size }));
                 }
                 _ => {} // Directories, links, global pax headers and the rest hold no sample data.
             }
@@ -334,22 +284,14 @@ mod tests {
 
     #[test]
     fn checksum_and_truncation_errors() {
-        let mut buf = archive(&[
-            ("a.jpg".into(), vec![7; 700]),
-            ("a.cls".into(), b"3".to_vec()),
-        ]);
+        let mut buf = archive(&[("a.jpg".into(), vec![7; 700]), ("a.cls".into(), b"3".to_vec())]);
         let members: Vec<_> = Scanner::new(&buf).collect::<Result<_, _>>().unwrap();
         assert_eq!(members.len(), 2);
         assert_eq!(members[1].header_offset, 512 + 1024);
         let cut = &buf[..512 + 600];
         assert_eq!(
             Scanner::new(cut).next(),
-            Some(Err(TarError::Truncated {
-                offset: 0,
-                name: "a.jpg".into(),
-                needed: 700,
-                available: 600
-            }))
+            Some(Err(TarError::Truncated { offset: 0, name: "a.jpg".into(), needed: 700, available: 600 }))
         );
         buf[512 + 1024 + 10] ^= 1;
         let items: Vec<_> = Scanner::new(&buf).collect();

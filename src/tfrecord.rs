@@ -18,11 +18,7 @@ pub const MAX_RECORD_LEN: u64 = 1 << 40;
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum TfRecordError {
     #[error("truncated record at byte {offset}: frame needs {needed} bytes, {available} remain")]
-    Truncated {
-        offset: u64,
-        needed: u64,
-        available: u64,
-    },
+    Truncated { offset: u64, needed: u64, available: u64 },
     #[error("bad length CRC at byte {offset} (is this a TFRecord file?)")]
     BadLengthCrc { offset: u64 },
     #[error("bad data CRC for the record at byte {offset} ({len} bytes): the data is corrupt")]
@@ -97,12 +93,7 @@ pub struct Scanner<'a> {
 impl<'a> Scanner<'a> {
     /// Scans `buf`; `verify_data` also checks every record's data CRC.
     pub fn new(buf: &'a [u8], verify_data: bool) -> Self {
-        Scanner {
-            buf,
-            pos: 0,
-            verify_data,
-            stopped: false,
-        }
+        Scanner { buf, pos: 0, verify_data, stopped: false }
     }
 
     /// Offset the scanner will read next.
@@ -114,16 +105,11 @@ impl<'a> Scanner<'a> {
         let offset = self.pos;
         let available = self.buf.len() as u64 - offset;
         if available < HEADER_LEN {
-            return Err(TfRecordError::Truncated {
-                offset,
-                needed: HEADER_LEN,
-                available,
-            });
+            return Err(TfRecordError::Truncated { offset, needed: HEADER_LEN, available });
         }
         let start = offset as usize;
         let len_bytes: [u8; 8] = self.buf[start..start + 8].try_into().expect("8 bytes");
-        let len_crc =
-            u32::from_le_bytes(self.buf[start + 8..start + 12].try_into().expect("4 bytes"));
+        let len_crc = u32::from_le_bytes(self.buf[start + 8..start + 12].try_into().expect("4 bytes"));
         if crc::mask(crc::crc32c(&len_bytes)) != len_crc {
             return Err(TfRecordError::BadLengthCrc { offset });
         }
@@ -133,28 +119,16 @@ impl<'a> Scanner<'a> {
         }
         let needed = frame_len(len);
         if available < needed {
-            return Err(TfRecordError::Truncated {
-                offset,
-                needed,
-                available,
-            });
+            return Err(TfRecordError::Truncated { offset, needed, available });
         }
         let data_start = start + HEADER_LEN as usize;
         let data_end = data_start + len as usize;
-        let stored = crc::unmask(u32::from_le_bytes(
-            self.buf[data_end..data_end + 4]
-                .try_into()
-                .expect("4 bytes"),
-        ));
+        let stored = crc::unmask(u32::from_le_bytes(self.buf[data_end..data_end + 4].try_into().expect("4 bytes")));
         self.pos = offset + needed;
         if self.verify_data && crc::crc32c(&self.buf[data_start..data_end]) != stored {
             return Err(TfRecordError::BadDataCrc { offset, len });
         }
-        Ok(RecordPos {
-            frame_offset: offset,
-            len,
-            data_crc: stored,
-        })
+        Ok(RecordPos { frame_offset: offset, len, data_crc: stored })
     }
 }
 
@@ -194,10 +168,7 @@ mod tests {
         let mut out = Vec::new();
         encode_record(b"hello", &mut out);
         assert_eq!(&out[..8], &5u64.to_le_bytes());
-        assert_eq!(
-            u32::from_le_bytes(out[8..12].try_into().unwrap()),
-            crc::mask(crc::crc32c(&5u64.to_le_bytes()))
-        );
+        assert_eq!(u32::from_le_bytes(out[8..12].try_into().unwrap()), crc::mask(crc::crc32c(&5u64.to_le_bytes())));
         assert_eq!(out.len(), 21);
     }
 
@@ -209,13 +180,7 @@ mod tests {
         let items: Vec<_> = Scanner::new(&buf, true).collect();
         assert_eq!(items.len(), 3);
         assert!(items[0].is_ok());
-        assert_eq!(
-            items[1],
-            Err(TfRecordError::BadDataCrc {
-                offset: second as u64,
-                len: 3
-            })
-        );
+        assert_eq!(items[1], Err(TfRecordError::BadDataCrc { offset: second as u64, len: 3 }));
         assert!(items[2].is_ok());
         // Without data verification the corrupt record is indexed (its stored CRC kept).
         assert!(Scanner::new(&buf, false).all(|r| r.is_ok()));
@@ -227,12 +192,7 @@ mod tests {
         buf[frame_len(3) as usize + 1] ^= 1;
         let items: Vec<_> = Scanner::new(&buf, true).collect();
         assert_eq!(items.len(), 2);
-        assert_eq!(
-            items[1],
-            Err(TfRecordError::BadLengthCrc {
-                offset: frame_len(3)
-            })
-        );
+        assert_eq!(items[1], Err(TfRecordError::BadLengthCrc { offset: frame_len(3) }));
     }
 
     #[test]
@@ -242,11 +202,7 @@ mod tests {
         let items: Vec<_> = Scanner::new(cut, true).collect();
         assert_eq!(
             items[1],
-            Err(TfRecordError::Truncated {
-                offset: frame_len(3),
-                needed: frame_len(6),
-                available: frame_len(6) - 2
-            })
+            Err(TfRecordError::Truncated { offset: frame_len(3), needed: frame_len(6), available: frame_len(6) - 2 })
         );
     }
 

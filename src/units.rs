@@ -7,45 +7,30 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 1048576, 64K, 16M, 2G)"))?;
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size (e.g. 1048576, 64K, 16M, 2G)"))?;
     let mult: u64 = match suffix.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        _ => {
-            return Err(format!(
-                "{s:?} has an unknown size suffix (use K, M, G or T)"
-            ))
-        }
+        _ => return Err(format!("{s:?} has an unknown size suffix (use K, M, G or T)")),
     };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("{s:?} is too large"))
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
 }
 
 /// Parses a duration: a number with `ms`, `s`, `m` or `h` (a bare number means seconds).
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration (e.g. 500ms, 30s, 5m)"))?;
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 500ms, 30s, 5m)"))?;
     let secs = match suffix.trim() {
         "ms" => n / 1000.0,
         "" | "s" => n,
         "m" | "min" => n * 60.0,
         "h" => n * 3600.0,
-        _ => {
-            return Err(format!(
-                "{s:?} has an unknown duration unit (use ms, s, m or h)"
-            ))
-        }
+        _ => return Err(format!("{s:?} has an unknown duration unit (use ms, s, m or h)")),
     };
     std::time::Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is out of range"))
 }

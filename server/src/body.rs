@@ -61,21 +61,10 @@ pub struct SegmentBody {
 }
 
 impl SegmentBody {
-    pub fn new(
-        ctx: Arc<StreamContext>,
-        shards: Vec<Arc<MappedFile>>,
-        segments: Vec<Segment>,
-    ) -> Self {
+    pub fn new(ctx: Arc<StreamContext>, shards: Vec<Arc<MappedFile>>, segments: Vec<Segment>) -> Self {
         let remaining = segments.iter().map(Segment::len).sum();
         ctx.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
-        SegmentBody {
-            ctx,
-            shards,
-            segments: segments.into_iter(),
-            current: None,
-            pending: None,
-            remaining,
-        }
+        SegmentBody { ctx, shards, segments: segments.into_iter(), current: None, pending: None, remaining }
     }
 
     fn next_chunk(&mut self) -> Option<Result<Bytes, Pending>> {
@@ -84,22 +73,13 @@ impl SegmentBody {
                 let n = left.min(self.ctx.chunk_size);
                 self.current = (left > n).then_some((shard, offset + n, left - n));
                 let map = self.shards[shard as usize].clone();
-                let slice = MapSlice {
-                    map: map.clone(),
-                    start: offset as usize,
-                    end: (offset + n) as usize,
-                };
+                let slice = MapSlice { map: map.clone(), start: offset as usize, end: (offset + n) as usize };
                 if map.is_resident(offset, n) {
                     return Some(Ok(Bytes::from_owner(slice)));
                 }
                 let ctx = self.ctx.clone();
                 return Some(Err(Box::pin(async move {
-                    let _permit = ctx
-                        .storage
-                        .clone()
-                        .acquire_owned()
-                        .await
-                        .map_err(std::io::Error::other)?;
+                    let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
                     ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
                     tokio::task::spawn_blocking(move || {
                         fault_in(&slice.map, offset, n);
@@ -119,10 +99,7 @@ impl SegmentBody {
 
     fn emit(&mut self, bytes: Bytes) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         self.remaining -= bytes.len() as u64;
-        self.ctx
-            .metrics
-            .response_bytes
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.ctx.metrics.response_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Poll::Ready(Some(Ok(Frame::data(bytes))))
     }
 }
@@ -137,10 +114,7 @@ impl http_body::Body for SegmentBody {
     type Data = Bytes;
     type Error = std::io::Error;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
         if let Some(pending) = &mut this.pending {
             let result = std::task::ready!(pending.as_mut().poll(cx));
@@ -189,16 +163,9 @@ impl http_body::Body for Body {
     type Data = Bytes;
     type Error = std::io::Error;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
-            Body::Full(b) => Poll::Ready(
-                b.take()
-                    .filter(|b| !b.is_empty())
-                    .map(|b| Ok(Frame::data(b))),
-            ),
+            Body::Full(b) => Poll::Ready(b.take().filter(|b| !b.is_empty()).map(|b| Ok(Frame::data(b)))),
             Body::Segments(s) => Pin::new(s).poll_frame(cx),
         }
     }

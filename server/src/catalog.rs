@@ -18,16 +18,9 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum CatalogError {
     #[error("dataset {name}: {source}")]
-    Index {
-        name: String,
-        source: source::IndexError,
-    },
+    Index { name: String, source: source::IndexError },
     #[error("dataset {name}: cannot map shard {path}: {source}")]
-    Map {
-        name: String,
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Map { name: String, path: PathBuf, source: std::io::Error },
     #[error("dataset {name}: a shard changed since it was indexed ({path}); restart to re-index")]
     Changed { name: String, path: PathBuf },
     #[error("dataset {name} is configured twice")]
@@ -61,14 +54,9 @@ impl Dataset {
         progress: &dyn Progress,
     ) -> Result<Dataset, CatalogError> {
         let (index, origin) = source::load_or_build(root, name, index_dir, options, progress)
-            .map_err(|source| CatalogError::Index {
-                name: name.to_owned(),
-                source,
-            })?;
+            .map_err(|source| CatalogError::Index { name: name.to_owned(), source })?;
         if index.samples.len() > u32::MAX as usize {
-            return Err(CatalogError::TooLarge {
-                name: name.to_owned(),
-            });
+            return Err(CatalogError::TooLarge { name: name.to_owned() });
         }
         let mut shards = Vec::with_capacity(index.shards.len());
         for shard in &index.shards {
@@ -79,10 +67,7 @@ impl Dataset {
                 source,
             })?;
             if map.len() != shard.size {
-                return Err(CatalogError::Changed {
-                    name: name.to_owned(),
-                    path,
-                });
+                return Err(CatalogError::Changed { name: name.to_owned(), path });
             }
             // Batches of a shuffled plan read samples in random order: kernel readahead would read the
             // wrong pages, so the server warms exactly the ranges it will send instead (see `warm`).
@@ -120,31 +105,16 @@ impl Dataset {
         if let Some(plan) = self.plans.lock().expect("plan cache").get(&key) {
             return Ok(plan.clone());
         }
-        let plan = Arc::new(EpochPlan::new(
-            self.index.samples.len() as u32,
-            epoch,
-            query.plan,
-        )?);
-        self.plans
-            .lock()
-            .expect("plan cache")
-            .put(key, plan.clone());
+        let plan = Arc::new(EpochPlan::new(self.index.samples.len() as u32, epoch, query.plan)?);
+        self.plans.lock().expect("plan cache").put(key, plan.clone());
         Ok(plan)
     }
 
     /// The layout of one batch.
-    pub fn layout(
-        &self,
-        epoch: u64,
-        batch: u64,
-        query: &BatchQuery,
-    ) -> Result<(BatchLayout, u32), PlanError> {
+    pub fn layout(&self, epoch: u64, batch: u64, query: &BatchQuery) -> Result<(BatchLayout, u32), PlanError> {
         let plan = self.plan(epoch, query)?;
         let samples = plan.batch(batch)?;
-        Ok((
-            encode::layout(&self.index, samples, query.format),
-            samples.len() as u32,
-        ))
+        Ok((encode::layout(&self.index, samples, query.format), samples.len() as u32))
     }
 
     /// The manifest of `epoch` (cached).
@@ -174,20 +144,14 @@ impl Dataset {
             bytes: batches.iter().map(|b| b.bytes).sum(),
             batches,
         });
-        self.manifests
-            .lock()
-            .expect("manifest cache")
-            .put(key, manifest.clone());
+        self.manifests.lock().expect("manifest cache").put(key, manifest.clone());
         Ok(manifest)
     }
 
     /// Resolves a `files/{path}` request to a shard number, refusing anything that is not one of the
     /// indexed files (so no path can escape the dataset directory).
     pub fn file(&self, path: &str) -> Option<usize> {
-        self.index
-            .shards
-            .binary_search_by(|s| s.path.as_str().cmp(path))
-            .ok()
+        self.index.shards.binary_search_by(|s| s.path.as_str().cmp(path)).ok()
     }
 }
 
@@ -201,12 +165,9 @@ impl Catalog {
     /// Adds a dataset.
     pub fn insert(&mut self, dataset: Dataset) -> Result<(), CatalogError> {
         if self.datasets.contains_key(&dataset.name) {
-            return Err(CatalogError::Duplicate {
-                name: dataset.name.clone(),
-            });
+            return Err(CatalogError::Duplicate { name: dataset.name.clone() });
         }
-        self.datasets
-            .insert(dataset.name.clone(), Arc::new(dataset));
+        self.datasets.insert(dataset.name.clone(), Arc::new(dataset));
         Ok(())
     }
 

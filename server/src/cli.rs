@@ -74,20 +74,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE", help_heading = "Security")]
     pub token_file: Option<PathBuf>,
     /// PEM certificate chain: serve TLS (ALPN h2, http/1.1).
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires = "tls_key",
-        help_heading = "Security"
-    )]
+    #[arg(long, value_name = "FILE", requires = "tls_key", help_heading = "Security")]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key for --tls-cert.
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires = "tls_cert",
-        help_heading = "Security"
-    )]
+    #[arg(long, value_name = "FILE", requires = "tls_cert", help_heading = "Security")]
     pub tls_key: Option<PathBuf>,
     #[command(flatten)]
     pub index: IndexFlags,
@@ -156,9 +146,7 @@ pub struct LimitArgs {
 
 impl LimitArgs {
     fn apply(&self, l: &mut ServerLimits) -> Result<()> {
-        let u32_of = |name: &str, v: u64| {
-            u32::try_from(v).with_context(|| format!("--{name} {v} is too large"))
-        };
+        let u32_of = |name: &str, v: u64| u32::try_from(v).with_context(|| format!("--{name} {v} is too large"));
         macro_rules! set {
             ($f:ident) => {
                 if let Some(v) = self.$f {
@@ -233,12 +221,8 @@ pub fn run() -> Result<()> {
 }
 
 fn init_tracing() {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
 /// Indexing progress: a bar on a terminal, a log line every few seconds otherwise.
@@ -262,11 +246,7 @@ impl IndexProgress {
             bar.set_prefix(format!("indexing {name}"));
             bar
         });
-        IndexProgress {
-            name: name.to_owned(),
-            bar,
-            state: Mutex::new((0, 0, Instant::now())),
-        }
+        IndexProgress { name: name.to_owned(), bar, state: Mutex::new((0, 0, Instant::now())) }
     }
 
     fn finish(&self) {
@@ -314,13 +294,7 @@ pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Catalog
         };
         let started = Instant::now();
         let progress = IndexProgress::new(&spec.name);
-        let dataset = Dataset::open(
-            &spec.name,
-            &spec.path,
-            flags.index_dir.as_deref(),
-            &options,
-            &progress,
-        );
+        let dataset = Dataset::open(&spec.name, &spec.path, flags.index_dir.as_deref(), &options, &progress);
         progress.finish();
         let dataset = dataset?;
         let info = dataset.info();
@@ -347,11 +321,7 @@ fn index(args: IndexArgs) -> Result<()> {
     );
     for ds in catalog.datasets.values() {
         let i = ds.info();
-        let origin = if ds.origin == IndexOrigin::Loaded {
-            "reused"
-        } else {
-            "built"
-        };
+        let origin = if ds.origin == IndexOrigin::Loaded { "reused" } else { "built" };
         println!(
             "{:<16} {:>8} {:>10} {:>14} {:>8} {:>8} {:>9}",
             i.name,
@@ -391,8 +361,7 @@ fn generate(args: GenArgs) -> Result<()> {
 }
 
 fn read_token(path: &Path) -> Result<Vec<u8>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read token file {}", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read token file {}", path.display()))?;
     let token = text.trim();
     if token.is_empty() {
         bail!("token file {} is empty", path.display());
@@ -403,8 +372,8 @@ fn read_token(path: &Path) -> Result<Vec<u8>> {
 fn serve(args: ServeArgs) -> Result<()> {
     let file: ConfigFile = match &args.config {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read config {}", path.display()))?;
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
             toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))?
         }
         None => ConfigFile::default(),
@@ -415,44 +384,23 @@ fn serve(args: ServeArgs) -> Result<()> {
     limits.validate().map_err(anyhow::Error::msg)?;
     let listen = match (args.listen, &file.listen) {
         (Some(a), _) => a,
-        (None, Some(s)) => s
-            .parse()
-            .with_context(|| format!("invalid listen address {s:?} in the config"))?,
+        (None, Some(s)) => s.parse().with_context(|| format!("invalid listen address {s:?} in the config"))?,
         (None, None) => "0.0.0.0:7878".parse().expect("valid"),
     };
     let mut flags = args.index.clone();
     flags.index_dir = flags.index_dir.or(file.index_dir.clone());
     flags.skip_corrupt |= file.skip_corrupt.unwrap_or(false);
     flags.no_verify_data_crc |= !file.verify_data_crc.unwrap_or(true);
-    let token = args
-        .token_file
-        .as_ref()
-        .or(file.token_file.as_ref())
-        .map(|p| read_token(p))
-        .transpose()?;
-    let tls = match (
-        args.tls_cert.or(file.tls_cert),
-        args.tls_key.or(file.tls_key),
-    ) {
+    let token = args.token_file.as_ref().or(file.token_file.as_ref()).map(|p| read_token(p)).transpose()?;
+    let tls = match (args.tls_cert.or(file.tls_cert), args.tls_key.or(file.tls_key)) {
         (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
         (None, None) => None,
         _ => bail!("TLS needs both a certificate and a key"),
     };
     let catalog = open_catalog(&flags, &file.datasets)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
-        let server = crate::start(
-            catalog,
-            ServeOptions {
-                listen,
-                tls,
-                token,
-                limits,
-            },
-        )
-        .await?;
+        let server = crate::start(catalog, ServeOptions { listen, tls, token, limits }).await?;
         let stop = server.shutdown_handle();
         tokio::spawn(async move {
             wait_for_signal().await;
@@ -466,8 +414,7 @@ fn serve(args: ServeArgs) -> Result<()> {
 }
 
 async fn wait_for_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("signal handler");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}

@@ -90,24 +90,14 @@ impl std::str::FromStr for DatasetSpec {
 
     /// `NAME=PATH`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (name, path) = s
-            .split_once('=')
-            .ok_or_else(|| format!("{s:?}: expected NAME=PATH"))?;
+        let (name, path) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected NAME=PATH"))?;
         if name.is_empty() || path.is_empty() {
-            return Err(format!(
-                "{s:?}: expected NAME=PATH with both parts non-empty"
-            ));
+            return Err(format!("{s:?}: expected NAME=PATH with both parts non-empty"));
         }
         if name.contains(['/', '?', '#', '%']) {
-            return Err(format!(
-                "dataset name {name:?} must not contain '/', '?', '#' or '%'"
-            ));
+            return Err(format!("dataset name {name:?} must not contain '/', '?', '#' or '%'"));
         }
-        Ok(DatasetSpec {
-            name: name.to_owned(),
-            path: PathBuf::from(path),
-            format: None,
-        })
+        Ok(DatasetSpec { name: name.to_owned(), path: PathBuf::from(path), format: None })
     }
 }
 
@@ -194,8 +184,7 @@ impl LimitsFile {
             };
             ($field:ident, duration) => {
                 if let Some(v) = &self.$field {
-                    limits.$field = parse_duration(v)
-                        .map_err(|e| format!("limits.{}: {e}", stringify!($field)))?;
+                    limits.$field = parse_duration(v).map_err(|e| format!("limits.{}: {e}", stringify!($field)))?;
                 }
             };
         }
@@ -225,18 +214,12 @@ impl ServerLimits {
     /// Rejects values hyper or the protocol would refuse.
     pub fn validate(&self) -> Result<(), String> {
         if !(16_384..=16_777_215).contains(&self.max_frame_size) {
-            return Err(format!(
-                "max_frame_size must be between 16K and 16M-1, got {}",
-                self.max_frame_size
-            ));
+            return Err(format!("max_frame_size must be between 16K and 16M-1, got {}", self.max_frame_size));
         }
         if self.stream_window > i32::MAX as u32 || self.connection_window > i32::MAX as u32 {
             return Err("HTTP/2 windows must be below 2 GiB".into());
         }
-        if self.max_connections == 0
-            || self.max_concurrent_streams == 0
-            || self.storage_concurrency == 0
-        {
+        if self.max_connections == 0 || self.max_concurrent_streams == 0 || self.storage_concurrency == 0 {
             return Err("max_connections, max_concurrent_streams and storage_concurrency must be at least 1".into());
         }
         Ok(())
@@ -288,10 +271,7 @@ mod tests {
     #[test]
     fn dataset_specs() {
         let d: DatasetSpec = "in=/data/x".parse().unwrap();
-        assert_eq!(
-            (d.name.as_str(), d.path.to_str().unwrap()),
-            ("in", "/data/x")
-        );
+        assert_eq!((d.name.as_str(), d.path.to_str().unwrap()), ("in", "/data/x"));
         assert!("noequals".parse::<DatasetSpec>().is_err());
         assert!("a/b=/x".parse::<DatasetSpec>().is_err());
     }

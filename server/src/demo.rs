@@ -72,19 +72,8 @@ pub async fn read_epoch(
     query: BatchQuery,
     streams: usize,
 ) -> Result<EpochRead> {
-    let url = format!(
-        "{base}{}?{}",
-        api::manifest_path(dataset, epoch),
-        query.to_query()
-    );
-    let manifest: Manifest = client
-        .get(&url)
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await
-        .context("manifest")?;
+    let url = format!("{base}{}?{}", api::manifest_path(dataset, epoch), query.to_query());
+    let manifest: Manifest = client.get(&url).send().await?.error_for_status()?.json().await.context("manifest")?;
     let started = Instant::now();
     let results = futures_util::stream::iter(manifest.batches.clone())
         .map(|entry| {
@@ -108,13 +97,7 @@ pub async fn read_epoch(
         .collect::<Vec<_>>()
         .await;
     let elapsed = started.elapsed();
-    let mut out = EpochRead {
-        batches: 0,
-        bytes: 0,
-        elapsed,
-        verified: 0,
-        http2: true,
-    };
+    let mut out = EpochRead { batches: 0, bytes: 0, elapsed, verified: 0, http2: true };
     for r in results {
         let (len, http2) = r?;
         out.batches += 1;
@@ -149,36 +132,20 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     let gen_secs = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let dataset = Dataset::open(
-        "sample",
-        &dir,
-        None,
-        &IndexOptions::default(),
-        &IndexProgress::new("sample"),
-    )?;
+    let dataset = Dataset::open("sample", &dir, None, &IndexOptions::default(), &IndexProgress::new("sample"))?;
     let index_secs = t.elapsed().as_secs_f64();
     let info = dataset.info();
     let mut catalog = Catalog::default();
     catalog.insert(dataset)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let query = BatchQuery {
-        plan: batchfs::plan::PlanOptions {
-            batch_size: args.batch_size,
-            ..Default::default()
-        },
+        plan: batchfs::plan::PlanOptions { batch_size: args.batch_size, ..Default::default() },
         format: args.format,
     };
     let read = runtime.block_on(async {
         let server = crate::start(
             catalog,
-            ServeOptions {
-                listen: "127.0.0.1:0".parse()?,
-                tls: None,
-                token: None,
-                limits: ServerLimits::default(),
-            },
+            ServeOptions { listen: "127.0.0.1:0".parse()?, tls: None, token: None, limits: ServerLimits::default() },
         )
         .await?;
         let base = format!("http://{}", server.local_addr());
@@ -188,64 +155,24 @@ pub fn run(args: DemoArgs) -> Result<()> {
     })?;
     let secs = read.elapsed.as_secs_f64();
     println!();
-    println!(
-        "batchfs demo: one epoch of a generated TFRecord dataset served over HTTP/2 on loopback"
-    );
+    println!("batchfs demo: one epoch of a generated TFRecord dataset served over HTTP/2 on loopback");
     println!("{:-<60}", "");
     let rows = [
-        (
-            "dataset",
-            format!(
-                "{} samples, {:.1} MB in {} shards",
-                info.samples,
-                info.bytes as f64 / 1e6,
-                info.shards
-            ),
-        ),
-        (
-            "generated / indexed",
-            format!("{gen_secs:.2} s / {index_secs:.2} s"),
-        ),
-        (
-            "plan",
-            format!(
-                "epoch 0, batch_size {}, global shuffle, seed 0",
-                args.batch_size
-            ),
-        ),
+        ("dataset", format!("{} samples, {:.1} MB in {} shards", info.samples, info.bytes as f64 / 1e6, info.shards)),
+        ("generated / indexed", format!("{gen_secs:.2} s / {index_secs:.2} s")),
+        ("plan", format!("epoch 0, batch_size {}, global shuffle, seed 0", args.batch_size)),
         (
             "protocol",
-            format!(
-                "{}, {} concurrent streams",
-                if read.http2 {
-                    "HTTP/2 (h2c)"
-                } else {
-                    "HTTP/1.1"
-                },
-                args.streams
-            ),
+            format!("{}, {} concurrent streams", if read.http2 { "HTTP/2 (h2c)" } else { "HTTP/1.1" }, args.streams),
         ),
-        (
-            "batches",
-            format!("{} ({} format)", read.batches, args.format),
-        ),
+        ("batches", format!("{} ({} format)", read.batches, args.format)),
         ("bytes", format!("{:.1} MB", read.bytes as f64 / 1e6)),
         ("seconds", format!("{secs:.3}")),
         (
             "throughput",
-            format!(
-                "{:.0} MB/s, {:.1} batches/s",
-                read.bytes as f64 / 1e6 / secs,
-                read.batches as f64 / secs
-            ),
+            format!("{:.0} MB/s, {:.1} batches/s", read.bytes as f64 / 1e6 / secs, read.batches as f64 / secs),
         ),
-        (
-            "checksums",
-            format!(
-                "{}/{} batches verified (CRC32C)",
-                read.verified, read.batches
-            ),
-        ),
+        ("checksums", format!("{}/{} batches verified (CRC32C)", read.verified, read.batches)),
     ];
     for (k, v) in rows {
         println!("{k:<22} {v}");

@@ -101,12 +101,7 @@ pub async fn start(catalog: Catalog, options: ServeOptions) -> anyhow::Result<Ru
     let (shutdown, rx) = watch::channel(false);
     let task = tokio::spawn(accept_loop(listener, tls, state.clone(), limits, rx));
     tracing::info!(%addr, tls = options.tls.is_some(), "serving");
-    Ok(RunningServer {
-        addr,
-        shutdown,
-        task,
-        state,
-    })
+    Ok(RunningServer { addr, shutdown, task, state })
 }
 
 fn builder(limits: &ServerLimits) -> auto::Builder<TokioExecutor> {
@@ -159,57 +154,31 @@ async fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         while tasks.try_join_next().is_some() {}
-        let (state, builder, tls, limits, shutdown) = (
-            state.clone(),
-            builder.clone(),
-            tls.clone(),
-            limits.clone(),
-            shutdown.clone(),
-        );
+        let (state, builder, tls, limits, shutdown) =
+            (state.clone(), builder.clone(), tls.clone(), limits.clone(), shutdown.clone());
         tasks.spawn(async move {
-            state
-                .metrics
-                .connections_total
-                .fetch_add(1, Ordering::Relaxed);
-            state
-                .metrics
-                .connections_open
-                .fetch_add(1, Ordering::Relaxed);
+            state.metrics.connections_total.fetch_add(1, Ordering::Relaxed);
+            state.metrics.connections_open.fetch_add(1, Ordering::Relaxed);
             match tls {
                 Some(acceptor) => {
-                    match tokio::time::timeout(limits.header_read_timeout, acceptor.accept(stream))
-                        .await
-                    {
-                        Ok(Ok(io)) => {
-                            serve_connection(io, state.clone(), &builder, &limits, shutdown).await
-                        }
+                    match tokio::time::timeout(limits.header_read_timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(io)) => serve_connection(io, state.clone(), &builder, &limits, shutdown).await,
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     }
                 }
                 None => serve_connection(stream, state.clone(), &builder, &limits, shutdown).await,
             }
-            state
-                .metrics
-                .connections_open
-                .fetch_sub(1, Ordering::Relaxed);
+            state.metrics.connections_open.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
         });
     }
     drop(listener);
-    tracing::info!(
-        connections = tasks.len(),
-        "shutting down: draining connections"
-    );
-    let drained = tokio::time::timeout(limits.drain_timeout, async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await;
+    tracing::info!(connections = tasks.len(), "shutting down: draining connections");
+    let drained =
+        tokio::time::timeout(limits.drain_timeout, async { while tasks.join_next().await.is_some() {} }).await;
     if drained.is_err() {
-        tracing::warn!(
-            connections = tasks.len(),
-            "drain timeout reached; closing remaining connections"
-        );
+        tracing::warn!(connections = tasks.len(), "drain timeout reached; closing remaining connections");
         tasks.shutdown().await;
     }
 }
@@ -225,11 +194,7 @@ async fn serve_connection<I>(
 {
     let started = Instant::now();
     let activity = Arc::new(AtomicU64::new(0));
-    let io = ActivityIo {
-        inner: io,
-        started,
-        last: activity.clone(),
-    };
+    let io = ActivityIo { inner: io, started, last: activity.clone() };
     let service = hyper::service::service_fn(move |req| service::handle(state.clone(), req));
     let mut conn = pin!(builder.serve_connection(TokioIo::new(io), service));
     let mut closing = false;
@@ -267,17 +232,12 @@ struct ActivityIo<I> {
 
 impl<I> ActivityIo<I> {
     fn touch(&self) {
-        self.last
-            .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.last.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 }
 
 impl<I: AsyncRead + Unpin> AsyncRead for ActivityIo<I> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
@@ -288,11 +248,7 @@ impl<I: AsyncRead + Unpin> AsyncRead for ActivityIo<I> {
 }
 
 impl<I: AsyncWrite + Unpin> AsyncWrite for ActivityIo<I> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
         if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
             self.touch();

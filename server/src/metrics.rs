@@ -38,9 +38,7 @@ impl Kind {
 }
 
 /// Upper bounds (seconds) of the latency histogram's buckets: time from request to response head.
-const BUCKETS: [f64; 12] = [
-    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
-];
+const BUCKETS: [f64; 12] = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0];
 
 /// The server's counters.
 #[derive(Default)]
@@ -66,10 +64,7 @@ impl Metrics {
     pub fn record(&self, kind: Kind, status: u16, latency: Duration) {
         self.requests[kind as usize].fetch_add(1, Ordering::Relaxed);
         if status >= 400 {
-            let slot = ERROR_STATUSES
-                .iter()
-                .position(|&s| s == status)
-                .unwrap_or(ERROR_STATUSES.len() - 1);
+            let slot = ERROR_STATUSES.iter().position(|&s| s == status).unwrap_or(ERROR_STATUSES.len() - 1);
             self.errors[slot].fetch_add(1, Ordering::Relaxed);
         }
         let secs = latency.as_secs_f64();
@@ -77,57 +72,42 @@ impl Metrics {
             self.latency_buckets[i].fetch_add(1, Ordering::Relaxed);
         }
         self.latency_count.fetch_add(1, Ordering::Relaxed);
-        self.latency_sum_ns
-            .fetch_add(latency.as_nanos() as u64, Ordering::Relaxed);
+        self.latency_sum_ns.fetch_add(latency.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let _ = writeln!(
-            out,
-            "# HELP {REQUESTS_TOTAL} Requests answered, by kind.\n# TYPE {REQUESTS_TOTAL} counter"
-        );
+        let _ = writeln!(out, "# HELP {REQUESTS_TOTAL} Requests answered, by kind.\n# TYPE {REQUESTS_TOTAL} counter");
         for kind in Kind::ALL {
-            let _ = writeln!(
-                out,
-                "{REQUESTS_TOTAL}{{kind=\"{}\"}} {}",
-                kind.label(),
-                get(&self.requests[kind as usize])
-            );
+            let _ =
+                writeln!(out, "{REQUESTS_TOTAL}{{kind=\"{}\"}} {}", kind.label(), get(&self.requests[kind as usize]));
         }
+        let _ = writeln!(out, "# HELP {RESPONSE_BYTES_TOTAL} Body bytes sent.\n# TYPE {RESPONSE_BYTES_TOTAL} counter");
+        let _ = writeln!(out, "{RESPONSE_BYTES_TOTAL} {}", get(&self.response_bytes));
         let _ = writeln!(
             out,
-            "# HELP {RESPONSE_BYTES_TOTAL} Body bytes sent.\n# TYPE {RESPONSE_BYTES_TOTAL} counter"
+            "# HELP {ERRORS_TOTAL} Error responses, by status (500 counts every 5xx).\n# TYPE {ERRORS_TOTAL} counter"
         );
-        let _ = writeln!(out, "{RESPONSE_BYTES_TOTAL} {}", get(&self.response_bytes));
-        let _ = writeln!(out, "# HELP {ERRORS_TOTAL} Error responses, by status (500 counts every 5xx).\n# TYPE {ERRORS_TOTAL} counter");
         for (i, status) in ERROR_STATUSES.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "{ERRORS_TOTAL}{{status=\"{status}\"}} {}",
-                get(&self.errors[i])
-            );
+            let _ = writeln!(out, "{ERRORS_TOTAL}{{status=\"{status}\"}} {}", get(&self.errors[i]));
         }
-        let _ = writeln!(out, "# HELP {IN_FLIGHT} Requests being handled or streaming a body.\n# TYPE {IN_FLIGHT} gauge");
+        let _ =
+            writeln!(out, "# HELP {IN_FLIGHT} Requests being handled or streaming a body.\n# TYPE {IN_FLIGHT} gauge");
         let _ = writeln!(out, "{IN_FLIGHT} {}", get(&self.in_flight));
-        let _ = writeln!(out, "# HELP {LATENCY_SECONDS} Time from request to response head.\n# TYPE {LATENCY_SECONDS} histogram");
+        let _ = writeln!(
+            out,
+            "# HELP {LATENCY_SECONDS} Time from request to response head.\n# TYPE {LATENCY_SECONDS} histogram"
+        );
         let mut cumulative = 0;
         for (i, bound) in BUCKETS.iter().enumerate() {
             cumulative += get(&self.latency_buckets[i]);
-            let _ = writeln!(
-                out,
-                "{LATENCY_SECONDS}_bucket{{le=\"{bound}\"}} {cumulative}"
-            );
+            let _ = writeln!(out, "{LATENCY_SECONDS}_bucket{{le=\"{bound}\"}} {cumulative}");
         }
         let count = get(&self.latency_count);
         let _ = writeln!(out, "{LATENCY_SECONDS}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(
-            out,
-            "{LATENCY_SECONDS}_sum {}",
-            get(&self.latency_sum_ns) as f64 / 1e9
-        );
+        let _ = writeln!(out, "{LATENCY_SECONDS}_sum {}", get(&self.latency_sum_ns) as f64 / 1e9);
         let _ = writeln!(out, "{LATENCY_SECONDS}_count {count}");
         for (name, help, kind, value) in [
             (
@@ -142,24 +122,10 @@ impl Metrics {
                 "counter",
                 &self.warmed_batches,
             ),
-            (
-                CONNECTIONS_TOTAL,
-                "Connections accepted.",
-                "counter",
-                &self.connections_total,
-            ),
-            (
-                CONNECTIONS_OPEN,
-                "Connections open.",
-                "gauge",
-                &self.connections_open,
-            ),
+            (CONNECTIONS_TOTAL, "Connections accepted.", "counter", &self.connections_total),
+            (CONNECTIONS_OPEN, "Connections open.", "gauge", &self.connections_open),
         ] {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}",
-                get(value)
-            );
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}", get(value));
         }
         out
     }
@@ -176,10 +142,7 @@ mod tests {
         m.record(Kind::Batch, 404, Duration::from_millis(2));
         m.record(Kind::File, 503, Duration::from_secs(9));
         let text = m.render();
-        assert!(
-            text.contains("batchfs_requests_total{kind=\"batch\"} 2"),
-            "{text}"
-        );
+        assert!(text.contains("batchfs_requests_total{kind=\"batch\"} 2"), "{text}");
         assert!(text.contains("batchfs_errors_total{status=\"404\"} 1"));
         assert!(text.contains("batchfs_errors_total{status=\"500\"} 1"));
         assert!(text.contains("batchfs_request_latency_seconds_bucket{le=\"0.0005\"} 1"));

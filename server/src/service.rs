@@ -66,10 +66,7 @@ struct Failure {
 
 impl Failure {
     fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Failure {
-            status,
-            message: message.into(),
-        }
+        Failure { status, message: message.into() }
     }
 }
 
@@ -103,17 +100,9 @@ fn json_response<T: serde::Serialize>(status: StatusCode, value: &T) -> Response
 }
 
 fn failure_response(f: &Failure) -> Response<Body> {
-    let mut response = json_response(
-        f.status,
-        &ErrorBody {
-            error: f.message.clone(),
-        },
-    );
+    let mut response = json_response(f.status, &ErrorBody { error: f.message.clone() });
     if f.status == StatusCode::UNAUTHORIZED {
-        response.headers_mut().insert(
-            header::WWW_AUTHENTICATE,
-            HeaderValue::from_static("Bearer realm=\"batchfs\""),
-        );
+        response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"batchfs\""));
     }
     response
 }
@@ -128,18 +117,19 @@ fn kind_of(route: &Result<Route, ApiError>) -> Kind {
 }
 
 /// Handles one request.
-pub async fn handle<B>(
-    state: Arc<AppState>,
-    req: Request<B>,
-) -> Result<Response<Body>, std::convert::Infallible> {
+pub async fn handle<B>(state: Arc<AppState>, req: Request<B>) -> Result<Response<Body>, std::convert::Infallible> {
     let start = Instant::now();
     let route = Route::parse(req.uri().path());
     let kind = kind_of(&route);
     let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), query = req.uri().query().unwrap_or(""));
     let response = async {
-        let result = tokio::time::timeout(state.request_timeout, dispatch(&state, &req, route)).await.unwrap_or_else(|_| {
-            Err(Failure::new(StatusCode::SERVICE_UNAVAILABLE, format!("request timed out after {:?}; retry", state.request_timeout)))
-        });
+        let result =
+            tokio::time::timeout(state.request_timeout, dispatch(&state, &req, route)).await.unwrap_or_else(|_| {
+                Err(Failure::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("request timed out after {:?}; retry", state.request_timeout),
+                ))
+            });
         match result {
             Ok(response) => response,
             Err(f) => {
@@ -154,15 +144,10 @@ pub async fn handle<B>(
     }
     .instrument(span)
     .await;
-    state
-        .metrics
-        .record(kind, response.status().as_u16(), start.elapsed());
+    state.metrics.record(kind, response.status().as_u16(), start.elapsed());
     let mut response = response;
     if let Body::Full(Some(b)) = response.body() {
-        state
-            .metrics
-            .response_bytes
-            .fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        state.metrics.response_bytes.fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
     }
     if req.method() == Method::HEAD {
         *response.body_mut() = Body::empty();
@@ -186,20 +171,16 @@ fn check_token(state: &AppState, req: &Request<impl Sized>) -> Result<(), Failur
             "this server requires a token: send `Authorization: Bearer TOKEN`",
         )),
         Some(t) if bool::from(t.as_bytes().ct_eq(expected)) => Ok(()),
-        Some(_) => Err(Failure::new(
-            StatusCode::UNAUTHORIZED,
-            "the bearer token is wrong; check the client's token file",
-        )),
+        Some(_) => {
+            Err(Failure::new(StatusCode::UNAUTHORIZED, "the bearer token is wrong; check the client's token file"))
+        }
     }
 }
 
 fn dataset<'a>(state: &'a AppState, name: &str) -> Result<&'a Arc<Dataset>, Failure> {
     state.catalog.get(name).ok_or_else(|| {
         let known: Vec<&str> = state.catalog.datasets.keys().map(String::as_str).collect();
-        Failure::new(
-            StatusCode::NOT_FOUND,
-            format!("unknown dataset {name:?}; this server has {known:?}"),
-        )
+        Failure::new(StatusCode::NOT_FOUND, format!("unknown dataset {name:?}; this server has {known:?}"))
     })
 }
 
@@ -209,12 +190,9 @@ async fn dispatch<B>(
     route: Result<Route, ApiError>,
 ) -> Result<Response<Body>, Failure> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        let mut r = failure_response(&Failure::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "batchfs is read-only: use GET or HEAD",
-        ));
-        r.headers_mut()
-            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        let mut r =
+            failure_response(&Failure::new(StatusCode::METHOD_NOT_ALLOWED, "batchfs is read-only: use GET or HEAD"));
+        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
         return Ok(r);
     }
     let route = route?;
@@ -236,10 +214,7 @@ async fn dispatch<B>(
             let datasets = state.catalog.datasets.values().map(|d| d.info()).collect();
             Ok(json_response(StatusCode::OK, &DatasetList { datasets }))
         }
-        Route::Dataset { name } => Ok(json_response(
-            StatusCode::OK,
-            &dataset(state, &name)?.info(),
-        )),
+        Route::Dataset { name } => Ok(json_response(StatusCode::OK, &dataset(state, &name)?.info())),
         Route::Manifest { name, epoch } => {
             let ds = dataset(state, &name)?.clone();
             let query = BatchQuery::parse(query)?;
@@ -252,60 +227,35 @@ async fn dispatch<B>(
             let ds = dataset(state, &name)?.clone();
             let query = BatchQuery::parse(query)?;
             let ds2 = ds.clone();
-            let (layout, samples) =
-                tokio::task::spawn_blocking(move || ds2.layout(epoch, batch, &query))
-                    .await
-                    .map_err(|e| {
-                        Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
-                    })??;
+            let (layout, samples) = tokio::task::spawn_blocking(move || ds2.layout(epoch, batch, &query))
+                .await
+                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
             warm_ahead(state, &ds, epoch, batch, query);
             let etag = api::etag(layout.crc32c, layout.len);
             let mut r = ranged(state, req, &ds, layout.segments, layout.len, &etag)?;
             let headers = r.headers_mut();
-            headers.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static(query.format.content_type()),
-            );
-            headers.insert(
-                api::CRC32C_HEADER,
-                HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"),
-            );
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(query.format.content_type()));
+            headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"));
             headers.insert(api::SAMPLES_HEADER, HeaderValue::from(samples));
             Ok(r)
         }
         Route::File { name, path } => {
             let ds = dataset(state, &name)?.clone();
-            let shard_no = ds.file(&path).ok_or_else(|| {
-                Failure::new(
-                    StatusCode::NOT_FOUND,
-                    format!("dataset {name:?} has no file {path:?}"),
-                )
-            })?;
+            let shard_no = ds
+                .file(&path)
+                .ok_or_else(|| Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no file {path:?}")))?;
             let shard = &ds.index.shards[shard_no];
-            let segments = vec![Segment::Data {
-                shard: shard_no as u32,
-                offset: 0,
-                len: shard.size,
-            }];
+            let segments = vec![Segment::Data { shard: shard_no as u32, offset: 0, len: shard.size }];
             let etag = format!("\"{:x}-{:x}\"", shard.size, shard.mtime_ns);
             let mut r = ranged(state, req, &ds, segments, shard.size, &etag)?;
-            r.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/octet-stream"),
-            );
+            r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
             if ds.index.format() == SourceFormat::Files {
                 // One file, one sample: its CRC32C is in the index.
-                let crc = ds
-                    .index
-                    .samples
-                    .iter()
-                    .find(|s| s.parts[0].shard as usize == shard_no)
-                    .map(|s| s.parts[0].crc32c);
+                let crc =
+                    ds.index.samples.iter().find(|s| s.parts[0].shard as usize == shard_no).map(|s| s.parts[0].crc32c);
                 if let Some(crc) = crc {
-                    r.headers_mut().insert(
-                        api::CRC32C_HEADER,
-                        HeaderValue::from_str(&format!("{crc:08x}")).expect("hex"),
-                    );
+                    r.headers_mut()
+                        .insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{crc:08x}")).expect("hex"));
                 }
             }
             Ok(r)
@@ -322,22 +272,13 @@ fn ranged<B>(
     len: u64,
     etag: &str,
 ) -> Result<Response<Body>, Failure> {
-    let header_str = |name| {
-        req.headers()
-            .get(name)
-            .and_then(|v: &HeaderValue| v.to_str().ok())
-    };
+    let header_str = |name| req.headers().get(name).and_then(|v: &HeaderValue| v.to_str().ok());
     let mut builder = Response::builder()
         .header(header::ETAG, etag)
         .header(header::ACCEPT_RANGES, "bytes")
         .header(header::CACHE_CONTROL, "public, max-age=31536000, immutable");
-    if header_str(header::IF_NONE_MATCH)
-        .is_some_and(|v| v.split(',').any(|t| t.trim() == etag || t.trim() == "*"))
-    {
-        return Ok(builder
-            .status(StatusCode::NOT_MODIFIED)
-            .body(Body::empty())
-            .expect("valid"));
+    if header_str(header::IF_NONE_MATCH).is_some_and(|v| v.split(',').any(|t| t.trim() == etag || t.trim() == "*")) {
+        return Ok(builder.status(StatusCode::NOT_MODIFIED).body(Body::empty()).expect("valid"));
     }
     // If-Range with another validator means "send everything".
     let range = match header_str(header::IF_RANGE) {
@@ -347,15 +288,8 @@ fn ranged<B>(
     let (status, segments, body_len) = match range {
         RangeRequest::Full => (StatusCode::OK, segments, len),
         RangeRequest::Partial { start, end } => {
-            builder = builder.header(
-                header::CONTENT_RANGE,
-                format!("bytes {start}-{}/{len}", end - 1),
-            );
-            (
-                StatusCode::PARTIAL_CONTENT,
-                encode::slice_segments(&segments, start, end),
-                end - start,
-            )
+            builder = builder.header(header::CONTENT_RANGE, format!("bytes {start}-{}/{len}", end - 1));
+            (StatusCode::PARTIAL_CONTENT, encode::slice_segments(&segments, start, end), end - start)
         }
         RangeRequest::Unsatisfiable => {
             let r = failure_response(&Failure::new(
@@ -363,19 +297,14 @@ fn ranged<B>(
                 format!("range outside the body's {len} bytes"),
             ));
             let (mut parts, body) = r.into_parts();
-            parts.headers.insert(
-                header::CONTENT_RANGE,
-                HeaderValue::from_str(&format!("bytes */{len}")).expect("ascii"),
-            );
+            parts
+                .headers
+                .insert(header::CONTENT_RANGE, HeaderValue::from_str(&format!("bytes */{len}")).expect("ascii"));
             return Ok(Response::from_parts(parts, body));
         }
     };
     let body = SegmentBody::new(state.stream.clone(), ds.shards.clone(), segments);
-    Ok(builder
-        .status(status)
-        .header(header::CONTENT_LENGTH, body_len)
-        .body(Body::Segments(body))
-        .expect("valid"))
+    Ok(builder.status(status).header(header::CONTENT_LENGTH, body_len).body(Body::Segments(body)).expect("valid"))
 }
 
 /// Warms the storage ranges of the next `readahead_batches` batches of the same plan, each once, on
@@ -422,10 +351,7 @@ fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, 
                         crate::body::fault_in(map, offset, len);
                     }
                 }
-                state
-                    .metrics
-                    .warmed_batches
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                state.metrics.warmed_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             })
             .await;
         });

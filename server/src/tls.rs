@@ -14,24 +14,13 @@ pub struct TlsFiles {
 /// Builds the TLS acceptor.
 pub fn acceptor(files: &TlsFiles) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
     let certs = rustls_pemfile::certs(&mut std::io::BufReader::new(
-        std::fs::File::open(&files.cert)
-            .with_context(|| format!("cannot open --tls-cert {}", files.cert.display()))?,
+        std::fs::File::open(&files.cert).with_context(|| format!("cannot open --tls-cert {}", files.cert.display()))?,
     ))
     .collect::<Result<Vec<_>, _>>()
-    .with_context(|| {
-        format!(
-            "--tls-cert {} is not a PEM certificate chain",
-            files.cert.display()
-        )
-    })?;
-    anyhow::ensure!(
-        !certs.is_empty(),
-        "--tls-cert {} holds no certificate",
-        files.cert.display()
-    );
+    .with_context(|| format!("--tls-cert {} is not a PEM certificate chain", files.cert.display()))?;
+    anyhow::ensure!(!certs.is_empty(), "--tls-cert {} holds no certificate", files.cert.display());
     let key = rustls_pemfile::private_key(&mut std::io::BufReader::new(
-        std::fs::File::open(&files.key)
-            .with_context(|| format!("cannot open --tls-key {}", files.key.display()))?,
+        std::fs::File::open(&files.key).with_context(|| format!("cannot open --tls-key {}", files.key.display()))?,
     ))
     .with_context(|| format!("--tls-key {} is not a PEM private key", files.key.display()))?
     .with_context(|| format!("--tls-key {} holds no private key", files.key.display()))?;
