@@ -1,0 +1,141 @@
+//! Helpers shared by the end-to-end tests: generated datasets with their expected samples, a running
+//! server, and HTTP/2 clients.
+
+use batchfs::gen::{self, GenOptions};
+use batchfs::index::SourceFormat;
+use batchfs::source::{IndexOptions, NoProgress};
+use batchfs_server::catalog::{Catalog, Dataset};
+use batchfs_server::config::ServerLimits;
+use batchfs_server::{RunningServer, ServeOptions, TlsFiles};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use tempfile::TempDir;
+
+/// A generated dataset on disk.
+pub struct Fixture {
+    _dir: TempDir,
+    pub path: PathBuf,
+    pub options: GenOptions,
+}
+
+/// Generates a small dataset of `format`.
+pub fn fixture(format: SourceFormat, samples: u32, mean_bytes: u64) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format.as_str());
+    let options = GenOptions { format, samples, mean_bytes, shards: 4, classes: 6, seed: 11 };
+    gen::generate(&options, &path).unwrap();
+    Fixture { _dir: dir, path, options }
+}
+
+/// A sample as the server should deliver it.
+#[derive(Debug, Clone)]
+pub struct Expected {
+    pub key: String,
+    pub label: i64,
+    /// (extension, bytes), in member order.
+    pub parts: Vec<(String, Vec<u8>)>,
+}
+
+/// The samples of a fixture in index order (the order plans permute).
+pub fn expected_samples(fx: &Fixture) -> Vec<Expected> {
+    let o = &fx.options;
+    let mut samples: Vec<gen::GenSample> = (0..o.samples).map(|i| gen::sample(o, i)).collect();
+    match o.format {
+        SourceFormat::Tfrecord => samples
+            .iter()
+            .map(|s| Expected {
+                key: s.key.clone(),
+                label: s.label,
+                parts: vec![("example".into(), gen::example_bytes(s))],
+            })
+            .collect(),
+        SourceFormat::Lmdb => samples
+            .iter()
+            .map(|s| Expected {
+                key: s.key.clone(),
+                label: s.label,
+                parts: vec![("datum".into(), gen::datum_bytes(s))],
+            })
+            .collect(),
+        SourceFormat::Tar => samples
+            .iter()
+            .map(|s| Expected {
+                key: s.key.clone(),
+                label: s.label,
+                parts: vec![("jpg".into(), s.data.clone()), ("cls".into(), s.label.to_string().into_bytes())],
+            })
+            .collect(),
+        SourceFormat::Files => {
+            samples.sort_by_key(|s| (gen::class_name(s.label), s.key.clone()));
+            let mut classes: Vec<i64> = samples.iter().map(|s| s.label).collect();
+            classes.dedup();
+            samples
+                .iter()
+                .map(|s| Expected {
+                    key: format!("{}/{}", gen::class_name(s.label), s.key),
+                    label: classes.iter().position(|&c| c == s.label).unwrap() as i64,
+                    parts: vec![("jpg".into(), s.data.clone())],
+                })
+                .collect()
+        }
+    }
+}
+
+/// A server running in this process on a loopback port.
+pub struct Server {
+    pub running: RunningServer,
+    pub base: String,
+}
+
+/// Options for [`serve`].
+#[derive(Default)]
+pub struct ServeWith {
+    pub token: Option<String>,
+    pub tls: Option<TlsFiles>,
+    pub limits: Option<ServerLimits>,
+}
+
+/// Indexes the datasets and starts a server on 127.0.0.1 with an ephemeral port.
+pub async fn serve(datasets: &[(&str, &Path)], with: ServeWith) -> Server {
+    let mut catalog = Catalog::default();
+    for (name, path) in datasets {
+        catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress).unwrap()).unwrap();
+    }
+    let scheme = if with.tls.is_some() { "https" } else { "http" };
+    let running = batchfs_server::start(
+        catalog,
+        ServeOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            tls: with.tls,
+            token: with.token.map(String::into_bytes),
+            limits: with.limits.unwrap_or_default(),
+        },
+    )
+    .await
+    .unwrap();
+    let base = format!("{scheme}://localhost:{}", running.local_addr().port());
+    Server { running, base }
+}
+
+/// An HTTP/2 client with prior knowledge (h2c).
+pub fn h2c() -> reqwest::Client {
+    batchfs_server::demo::h2_client().unwrap()
+}
+
+/// Runs `tests/python/read_batches.py` on a batch file, or `None` where its Python modules are missing
+/// (outside CI; `.ci/run` installs them, and there a missing module fails the test).
+pub fn python_read(args: &[&str]) -> Option<serde_json::Value> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/read_batches.py");
+    let probe = Command::new("python3").args(["-c", "import tfrecord, webdataset, crc32c"]).output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must install the Python readers (pip install tfrecord webdataset)"
+        );
+        eprintln!("skipping the Python reader check: pip install tfrecord webdataset crc32c to run it");
+        return None;
+    }
+    let out = Command::new("python3").arg(script).args(args).output().unwrap();
+    assert!(out.status.success(), "read_batches.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    Some(serde_json::from_slice(&out.stdout).unwrap())
+}

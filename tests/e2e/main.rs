@@ -1,0 +1,4 @@
+//! End-to-end tests: the real server on generated datasets, read over real HTTP/2 connections.
+
+mod common;
+mod server;

@@ -1,0 +1,379 @@
+//! The server over real HTTP/2: every batch of an epoch decodes to exactly the source samples in plan
+//! order, manifests match bodies, ranges, every documented error, TLS with ALPN, HTTP/1.1, metrics and
+//! graceful shutdown.
+
+use crate::common::{self, expected_samples, fixture, h2c, serve, Expected, ServeWith};
+use batchfs::api::{self, BatchQuery, DatasetInfo, DatasetList, ErrorBody, Manifest};
+use batchfs::encode::{tar_member_name, BatchFormat};
+use batchfs::index::SourceFormat;
+use batchfs::plan::{EpochPlan, PlanOptions, Shuffle};
+use batchfs::proto::{self, FeatureValue};
+use batchfs::{crc, tar, tfrecord};
+use reqwest::StatusCode;
+use serde_json::Value;
+
+async fn get(client: &reqwest::Client, url: &str) -> reqwest::Response {
+    client.get(url).send().await.unwrap()
+}
+
+/// Checks that a TFRecord batch body holds exactly `samples`, in order.
+fn check_tfrecord(body: &[u8], samples: &[&Expected], source: SourceFormat) {
+    let records: Vec<_> = tfrecord::Scanner::new(body, true).collect::<Result<_, _>>().unwrap();
+    assert_eq!(records.len(), samples.len());
+    for (rec, want) in records.iter().zip(samples) {
+        let data = &body[rec.data_offset() as usize..(rec.data_offset() + rec.len) as usize];
+        if source == SourceFormat::Tfrecord {
+            assert_eq!(data, &want.parts[0].1[..], "passthrough record {}", want.key);
+            continue;
+        }
+        let bytes = |name: &str| proto::example_feature(data, name).unwrap();
+        assert_eq!(bytes("key"), Some(FeatureValue::Bytes(vec![want.key.as_bytes()])));
+        assert_eq!(bytes("label"), Some(FeatureValue::Int64(vec![want.label])));
+        if want.parts.len() == 1 {
+            assert_eq!(bytes("data"), Some(FeatureValue::Bytes(vec![&want.parts[0].1[..]])));
+        } else {
+            for (ext, b) in &want.parts {
+                assert_eq!(bytes(&format!("data/{ext}")), Some(FeatureValue::Bytes(vec![&b[..]])), "{}", want.key);
+            }
+        }
+    }
+}
+
+/// Checks that a tar batch body holds exactly the parts of `samples`, in order.
+fn check_tar(body: &[u8], samples: &[&Expected]) {
+    let members: Vec<_> = tar::Scanner::new(body).collect::<Result<_, _>>().unwrap();
+    let expected: Vec<(String, &[u8])> =
+        samples.iter().flat_map(|s| s.parts.iter().map(|(e, b)| (tar_member_name(&s.key, e), &b[..]))).collect();
+    assert_eq!(members.len(), expected.len());
+    for (m, (name, bytes)) in members.iter().zip(expected) {
+        assert_eq!(m.name, name);
+        assert_eq!(&body[m.data_offset as usize..(m.data_offset + m.size) as usize], bytes, "{name}");
+    }
+}
+
+/// What the Python readers must see in a batch.
+fn check_with_python(
+    dir: &std::path::Path,
+    body: &[u8],
+    idx: Option<&[u8]>,
+    samples: &[&Expected],
+    source: SourceFormat,
+) {
+    let crc_of = |b: &[u8]| Value::from(crc::crc32c(b));
+    match idx {
+        Some(idx) => {
+            let (path, idx_path) = (dir.join("b.tfrecord"), dir.join("b.tfrecord.idx"));
+            std::fs::write(&path, body).unwrap();
+            std::fs::write(&idx_path, idx).unwrap();
+            let Some(seen) = common::python_read(&["tfrecord", path.to_str().unwrap(), idx_path.to_str().unwrap()])
+            else {
+                return;
+            };
+            assert_eq!(seen["frames"], samples.len());
+            assert_eq!(seen["same_index"], true, "our .idx differs from tfrecord2idx's");
+            for (rec, want) in seen["records"].as_array().unwrap().iter().zip(samples) {
+                if source == SourceFormat::Tfrecord {
+                    assert_eq!(rec["image/class/label"], serde_json::json!([want.label]));
+                    continue;
+                }
+                assert_eq!(rec["key"], crc_of(want.key.as_bytes()));
+                assert_eq!(rec["label"], serde_json::json!([want.label]));
+                if want.parts.len() == 1 {
+                    assert_eq!(rec["data"], crc_of(&want.parts[0].1));
+                }
+            }
+        }
+        None => {
+            let path = dir.join("b.tar");
+            std::fs::write(&path, body).unwrap();
+            let Some(seen) = common::python_read(&["tar", path.to_str().unwrap()]) else { return };
+            let members: Vec<Value> = samples
+                .iter()
+                .flat_map(|s| {
+                    s.parts.iter().map(|(e, b)| serde_json::json!([tar_member_name(&s.key, e), crc::crc32c(b)]))
+                })
+                .collect();
+            assert_eq!(seen["members"], Value::from(members), "tarfile");
+            let wds: Vec<Value> = samples
+                .iter()
+                .map(|s| {
+                    let mut m = serde_json::Map::new();
+                    let member = tar_member_name(&s.key, "");
+                    m.insert("__key__".into(), member.into());
+                    for (e, b) in &s.parts {
+                        m.insert(e.clone(), crc::crc32c(b).into());
+                    }
+                    Value::Object(m)
+                })
+                .collect();
+            assert_eq!(seen["samples"], Value::from(wds), "webdataset");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_batch_decodes_to_the_source_samples_in_plan_order() {
+    let fixtures: Vec<_> = SourceFormat::ALL.iter().map(|&f| (f, fixture(f, 45, 1500))).collect();
+    let datasets: Vec<(&str, &std::path::Path)> =
+        fixtures.iter().map(|(f, fx)| (f.as_str(), fx.path.as_path())).collect();
+    let server = serve(&datasets, ServeWith::default()).await;
+    let client = h2c();
+    let scratch = tempfile::tempdir().unwrap();
+    let plans = [
+        (3, PlanOptions { batch_size: 7, seed: 5, shuffle: Shuffle::Global, drop_last: false }),
+        (0, PlanOptions { batch_size: 10, seed: 0, shuffle: Shuffle::None, drop_last: true }),
+    ];
+    for (format, fx) in &fixtures {
+        let expected = expected_samples(fx);
+        let info: DatasetInfo =
+            get(&client, &format!("{}{}", server.base, api::dataset_path(format.as_str()))).await.json().await.unwrap();
+        assert_eq!((info.format, info.samples), (*format, 45));
+        for (epoch, plan_options) in plans {
+            let plan = EpochPlan::new(45, epoch, plan_options).unwrap();
+            for batch_format in [BatchFormat::Tfrecord, BatchFormat::Tar] {
+                let query = BatchQuery { plan: plan_options, format: batch_format };
+                let url = format!("{}{}?{}", server.base, api::manifest_path(format.as_str(), epoch), query.to_query());
+                let manifest: Manifest = get(&client, &url).await.json().await.unwrap();
+                assert_eq!(manifest.batches.len() as u64, plan.batches());
+                assert_eq!(manifest.samples, plan.order().len() as u64);
+                for entry in &manifest.batches {
+                    let path = api::batch_path(format.as_str(), epoch, entry.index);
+                    let response = get(&client, &format!("{}{path}?{}", server.base, query.to_query())).await;
+                    assert_eq!(response.status(), StatusCode::OK);
+                    assert_eq!(response.version(), reqwest::Version::HTTP_2);
+                    let header = |n: &str| response.headers()[n].to_str().unwrap().to_owned();
+                    assert_eq!(header(api::CRC32C_HEADER), format!("{:08x}", entry.crc32c));
+                    assert_eq!(header("etag"), api::etag(entry.crc32c, entry.bytes));
+                    assert_eq!(header("content-length"), entry.bytes.to_string());
+                    let body = response.bytes().await.unwrap();
+                    assert_eq!(body.len() as u64, entry.bytes, "{format} batch {}", entry.index);
+                    assert_eq!(crc::crc32c(&body), entry.crc32c);
+                    let want: Vec<&Expected> =
+                        plan.batch(entry.index).unwrap().iter().map(|&i| &expected[i as usize]).collect();
+                    assert_eq!(entry.samples as usize, want.len());
+                    match batch_format {
+                        BatchFormat::Tfrecord => check_tfrecord(&body, &want, *format),
+                        _ => check_tar(&body, &want),
+                    }
+                    if entry.index == 0 {
+                        let idx = match batch_format {
+                            BatchFormat::Tfrecord => {
+                                let q = BatchQuery { format: BatchFormat::TfrecordIdx, ..query };
+                                let url = format!("{}{path}?{}", server.base, q.to_query());
+                                Some(get(&client, &url).await.bytes().await.unwrap().to_vec())
+                            }
+                            _ => None,
+                        };
+                        check_with_python(scratch.path(), &body, idx.as_deref(), &want, *format);
+                    }
+                }
+            }
+        }
+    }
+    server.running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranges_and_conditional_requests() {
+    let fx = fixture(SourceFormat::Files, 20, 3000);
+    let server = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let client = h2c();
+    let url = format!("{}{}?batch_size=8", server.base, api::batch_path("d", 1, 0));
+    let full = get(&client, &url).await.bytes().await.unwrap();
+    let len = full.len();
+    let ranged = |range: String| {
+        let client = client.clone();
+        let url = url.clone();
+        async move { client.get(&url).header("range", range).send().await.unwrap() }
+    };
+    let r = ranged("bytes=10-99".into()).await;
+    assert_eq!(r.status(), StatusCode::PARTIAL_CONTENT);
+    assert_eq!(r.headers()["content-range"], format!("bytes 10-99/{len}").as_str());
+    assert_eq!(r.bytes().await.unwrap(), full[10..100]);
+    let r = ranged(format!("bytes={}-", len - 700)).await;
+    assert_eq!(r.bytes().await.unwrap(), full[len - 700..]);
+    let r = ranged("bytes=-1000".into()).await;
+    assert_eq!(r.bytes().await.unwrap(), full[len - 1000..]);
+    // Every 4 KiB window of the body, across segment boundaries.
+    for start in (0..len).step_by(4093) {
+        let end = (start + 4096).min(len);
+        let r = ranged(format!("bytes={start}-{}", end - 1)).await;
+        assert_eq!(r.bytes().await.unwrap(), full[start..end], "range at {start}");
+    }
+    let r = ranged(format!("bytes={len}-")).await;
+    assert_eq!(r.status(), StatusCode::RANGE_NOT_SATISFIABLE);
+    assert_eq!(r.headers()["content-range"], format!("bytes */{len}").as_str());
+    // Conditional: the ETag matches, nothing is sent.
+    let etag = get(&client, &url).await.headers()["etag"].clone();
+    let r = client.get(&url).header("if-none-match", etag.clone()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_MODIFIED);
+    // If-Range with a stale validator: the whole body.
+    let r = client.get(&url).header("range", "bytes=0-9").header("if-range", "\"stale\"").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.bytes().await.unwrap().len(), len);
+    // HEAD: headers only.
+    let r = client.head(&url).send().await.unwrap();
+    assert_eq!(r.headers()["content-length"], len.to_string().as_str());
+    assert!(r.bytes().await.unwrap().is_empty());
+    server.running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_files_are_served_and_cannot_escape() {
+    let tree = fixture(SourceFormat::Files, 12, 2000);
+    let shards = fixture(SourceFormat::Tar, 12, 2000);
+    let server = serve(&[("tree", &tree.path), ("wds", &shards.path)], ServeWith::default()).await;
+    let client = h2c();
+    for s in expected_samples(&tree) {
+        let rel = format!("{}.jpg", s.key);
+        let r = get(&client, &format!("{}{}", server.base, api::file_path("tree", &rel))).await;
+        assert_eq!(r.status(), StatusCode::OK, "{rel}");
+        assert_eq!(r.headers()[api::CRC32C_HEADER], format!("{:08x}", crc::crc32c(&s.parts[0].1)).as_str());
+        assert_eq!(r.bytes().await.unwrap(), s.parts[0].1);
+    }
+    let on_disk = std::fs::read(shards.path.join("shard-000001.tar")).unwrap();
+    let url = format!("{}{}", server.base, api::file_path("wds", "shard-000001.tar"));
+    assert_eq!(get(&client, &url).await.bytes().await.unwrap(), on_disk);
+    let r = client.get(&url).header("range", "bytes=512-1023").send().await.unwrap();
+    assert_eq!(r.bytes().await.unwrap(), on_disk[512..1024]);
+    for escape in
+        ["../wds/shard-000001.tar", "%2E%2E/%2E%2E/etc/passwd", "/etc/passwd", ".batchfs-index", "nothing.jpg"]
+    {
+        let r = get(&client, &format!("{}/v1/datasets/tree/files/{escape}", server.base)).await;
+        assert_eq!(r.status(), StatusCode::NOT_FOUND, "{escape}");
+    }
+    server.running.shutdown().await;
+}
+
+async fn error_of(r: reqwest::Response, status: StatusCode) -> String {
+    assert_eq!(r.status(), status);
+    assert_eq!(r.headers()["content-type"], "application/json");
+    r.json::<ErrorBody>().await.unwrap().error
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_documented_error() {
+    let fx = fixture(SourceFormat::Tfrecord, 10, 1000);
+    let token_with = ServeWith { token: Some("s3cret".into()), ..Default::default() };
+    let server = serve(&[("d", &fx.path)], token_with).await;
+    let client = h2c();
+    let base = &server.base;
+    let authed = |path: &str| client.get(format!("{base}{path}")).bearer_auth("s3cret").send();
+
+    // Health needs no token; everything else does.
+    assert_eq!(get(&client, &format!("{base}/healthz")).await.status(), StatusCode::OK);
+    let r = get(&client, &format!("{base}/v1/datasets")).await;
+    assert_eq!(r.headers()["www-authenticate"], "Bearer realm=\"batchfs\"");
+    assert!(error_of(r, StatusCode::UNAUTHORIZED).await.contains("requires a token"));
+    let r = client.get(format!("{base}/v1/datasets")).bearer_auth("wrong").send().await.unwrap();
+    assert!(error_of(r, StatusCode::UNAUTHORIZED).await.contains("wrong"));
+    let list: DatasetList = authed("/v1/datasets").await.unwrap().json().await.unwrap();
+    assert_eq!(list.datasets.len(), 1);
+
+    let cases: &[(&str, StatusCode, &str)] = &[
+        ("/v1/datasets/nope", StatusCode::NOT_FOUND, "unknown dataset"),
+        ("/v1/datasets/nope/epochs/0", StatusCode::NOT_FOUND, "unknown dataset"),
+        ("/v1/datasets/d/epochs/0?batch_size=0", StatusCode::BAD_REQUEST, "batch_size"),
+        ("/v1/datasets/d/epochs/1000000", StatusCode::BAD_REQUEST, "epoch must be"),
+        ("/v1/datasets/d/epochs/x", StatusCode::BAD_REQUEST, "epoch must be"),
+        ("/v1/datasets/d/epochs/0/batches/0?format=zip", StatusCode::BAD_REQUEST, "unknown batch format"),
+        ("/v1/datasets/d/epochs/0/batches/0?shuffle=local", StatusCode::BAD_REQUEST, "shuffle"),
+        ("/v1/datasets/d/epochs/0/batches/0?colour=red", StatusCode::BAD_REQUEST, "unknown query parameter"),
+        ("/v1/datasets/d/epochs/0/batches/99", StatusCode::NOT_FOUND, "has 1 batches"),
+        ("/v1/datasets/d/files/missing", StatusCode::NOT_FOUND, "no file"),
+        ("/v2/anything", StatusCode::NOT_FOUND, "no such path"),
+    ];
+    for (path, status, needle) in cases {
+        let message = error_of(authed(path).await.unwrap(), *status).await;
+        assert!(message.contains(needle), "{path}: {message:?} lacks {needle:?}");
+    }
+    let r = client.post(format!("{base}/v1/datasets")).bearer_auth("s3cret").send().await.unwrap();
+    assert_eq!(r.headers()["allow"], "GET, HEAD");
+    error_of(r, StatusCode::METHOD_NOT_ALLOWED).await;
+    server.running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_negotiates_h2_and_http1_is_served() {
+    let fx = fixture(SourceFormat::Lmdb, 10, 1000);
+    let dir = tempfile::tempdir().unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let tls = batchfs_server::TlsFiles { cert: cert_path, key: key_path };
+    let server = serve(&[("d", &fx.path)], ServeWith { tls: Some(tls), ..Default::default() }).await;
+    assert!(server.base.starts_with("https://"));
+    let root = reqwest::Certificate::from_pem(cert.cert.pem().as_bytes()).unwrap();
+    let url = format!("{}{}?batch_size=4", server.base, api::batch_path("d", 0, 1));
+    let h2 = reqwest::Client::builder().use_rustls_tls().add_root_certificate(root.clone()).build().unwrap();
+    let r = h2.get(&url).send().await.unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2, "ALPN must select h2");
+    let crc_header = r.headers()[api::CRC32C_HEADER].to_str().unwrap().to_owned();
+    let body = r.bytes().await.unwrap();
+    assert_eq!(format!("{:08x}", crc::crc32c(&body)), crc_header);
+    let h1 = reqwest::Client::builder().use_rustls_tls().add_root_certificate(root).http1_only().build().unwrap();
+    let r = h1.get(&url).send().await.unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_11);
+    assert_eq!(r.bytes().await.unwrap(), body);
+    server.running.shutdown().await;
+
+    // Cleartext HTTP/1.1 on an h2c server (curl without --http2-prior-knowledge).
+    let server = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let h1 = reqwest::Client::builder().http1_only().build().unwrap();
+    let url = format!("{}{}?batch_size=4", server.base, api::batch_path("d", 0, 1));
+    let r = h1.get(&url).send().await.unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_11);
+    assert_eq!(r.bytes().await.unwrap(), body);
+    server.running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_in_flight_batches_finish() {
+    let fx = fixture(SourceFormat::Tfrecord, 64, 200_000);
+    let server = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let client = h2c();
+    let url = format!("{}{}?batch_size=64", server.base, api::batch_path("d", 0, 0));
+    let manifest: Manifest = get(&client, &format!("{}{}?batch_size=64", server.base, api::manifest_path("d", 0)))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let mut response = get(&client, &url).await;
+    let mut received = response.chunk().await.unwrap().unwrap().to_vec();
+    let addr = server.running.local_addr();
+    let stop = server.running.shutdown_handle();
+    stop.send(true).unwrap();
+    // New connections are refused once the listener is closed...
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "listener still open after shutdown");
+    // ...while the batch already in flight completes, byte for byte.
+    while let Some(chunk) = response.chunk().await.unwrap() {
+        received.extend_from_slice(&chunk);
+    }
+    assert_eq!(received.len() as u64, manifest.batches[0].bytes);
+    assert_eq!(crc::crc32c(&received), manifest.batches[0].crc32c);
+    drop(client);
+    tokio::time::timeout(std::time::Duration::from_secs(10), server.running.wait()).await.expect("server stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_bytes_and_errors() {
+    let fx = fixture(SourceFormat::Tar, 16, 1000);
+    let server = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let client = h2c();
+    let url = format!("{}{}?batch_size=4", server.base, api::batch_path("d", 0, 0));
+    let body = get(&client, &url).await.bytes().await.unwrap();
+    get(&client, &format!("{}/v1/datasets/none", server.base)).await;
+    let text = get(&client, &format!("{}/metrics", server.base)).await.text().await.unwrap();
+    assert!(text.contains("batchfs_requests_total{kind=\"batch\"} 1"), "{text}");
+    assert!(text.contains("batchfs_errors_total{status=\"404\"} 1"), "{text}");
+    let sent: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("batchfs_response_bytes_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(sent >= body.len() as u64, "{sent} < {}", body.len());
+    assert!(text.contains("batchfs_request_latency_seconds_count"));
+    server.running.shutdown().await;
+}
