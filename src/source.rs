@@ -474,9 +474,22 @@ fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<
                         | tar::TarError::BadPax { offset }
                         | tar::TarError::TruncatedHeader { offset } => *offset,
                     };
-                    // A sample whose members were cut off is incomplete: drop it with the rest.
-                    group = None;
-                    corrupt(index, root, &shard.path, offset, format!("{e}; the rest of the shard is skipped"))?;
+                    // The sample being grouped is complete only if the failed member starts another
+                    // key; when that cannot be known (a damaged header), it is dropped too rather than
+                    // served with a part missing.
+                    let mut message = format!("{e}; the rest of the shard is skipped");
+                    let complete = match &e {
+                        tar::TarError::Truncated { name, .. } => {
+                            group.as_ref().is_some_and(|g| g.key != split_key(name).0)
+                        }
+                        _ => false,
+                    };
+                    if complete {
+                        flush(&mut group, index);
+                    } else if let Some(g) = group.take() {
+                        message.push_str(&format!(", with sample {:?} whose members may be incomplete", g.key));
+                    }
+                    corrupt(index, root, &shard.path, offset, message)?;
                 }
             }
         }
@@ -534,6 +547,7 @@ fn index_files(root: &Path, index: &mut Index, progress: &dyn Progress) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gen::{self, GenOptions};
 
     #[test]
     fn webdataset_keys() {
@@ -546,5 +560,131 @@ mod tests {
     fn text_labels() {
         assert_eq!(text_label(b" 42\n"), Some(42));
         assert_eq!(text_label(b"cat"), None);
+    }
+
+    fn generated(format: SourceFormat, samples: u32) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let options = GenOptions { format, samples, mean_bytes: 2000, shards: 2, classes: 3, seed: 1 };
+        gen::generate(&options, dir.path()).unwrap();
+        dir
+    }
+
+    fn strict() -> IndexOptions {
+        IndexOptions::default()
+    }
+
+    fn skipping() -> IndexOptions {
+        IndexOptions { skip_corrupt: true, ..IndexOptions::default() }
+    }
+
+    #[test]
+    fn corrupt_tfrecord_names_shard_and_offset() {
+        let dir = generated(SourceFormat::Tfrecord, 10);
+        let shard = dir.path().join("train-00000-of-00002.tfrecord");
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        let victim = &index.samples[2].parts[0];
+        let mut bytes = std::fs::read(&shard).unwrap();
+        bytes[(victim.offset + 5) as usize] ^= 0x55;
+        std::fs::write(&shard, &bytes).unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        let frame = victim.offset - tfrecord::HEADER_LEN;
+        assert!(err.contains("train-00000-of-00002.tfrecord") && err.contains(&format!("byte {frame}")), "{err}");
+        assert!(err.contains("bad data CRC") && err.contains("--skip-corrupt"), "{err}");
+        // Skipping: the one bad record is left out and reported; the rest of the shard is indexed.
+        let index = build(dir.path(), &skipping(), &NoProgress).unwrap();
+        assert_eq!(index.samples.len(), 9);
+        assert_eq!(index.skipped.len(), 1);
+        assert_eq!(index.skipped[0].offset, frame);
+        // Without data CRC checks the record is indexed (clients still verify batches end to end).
+        let fast = IndexOptions { verify_data_crc: false, ..strict() };
+        assert_eq!(build(dir.path(), &fast, &NoProgress).unwrap().samples.len(), 10);
+    }
+
+    #[test]
+    fn truncated_tfrecord_and_tar_are_reported() {
+        let dir = generated(SourceFormat::Tfrecord, 10);
+        let shard = dir.path().join("train-00001-of-00002.tfrecord");
+        let len = std::fs::metadata(&shard).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(len - 3).unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("truncated record") && err.contains("train-00001-of-00002.tfrecord"), "{err}");
+        let index = build(dir.path(), &skipping(), &NoProgress).unwrap();
+        assert_eq!(index.samples.len(), 9);
+
+        let dir = generated(SourceFormat::Tar, 6);
+        let shard = dir.path().join("shard-000000.tar");
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        let last = index.samples.iter().rev().find(|s| s.parts[0].shard == 0).unwrap();
+        let cut = last.parts[0].offset + 10; // inside the last sample's jpg member
+        std::fs::OpenOptions::new().write(true).open(&shard).unwrap().set_len(cut).unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("cut short") && err.contains(&format!("byte {}", last.parts[0].offset - 512)), "{err}");
+        let skipped = build(dir.path(), &skipping(), &NoProgress).unwrap();
+        assert_eq!(skipped.samples.len(), 5, "the cut sample is dropped whole");
+        assert!(skipped.samples.iter().all(|s| s.parts.len() == 2));
+    }
+
+    #[test]
+    fn unreadable_lmdb_is_a_clear_error_and_no_lock_file_is_written() {
+        let dir = generated(SourceFormat::Lmdb, 8);
+        std::fs::remove_file(dir.path().join("lock.mdb")).unwrap();
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        assert_eq!(index.samples.len(), 8);
+        assert!(index.samples.iter().all(|s| s.parts[0].ext == "datum" && s.label >= 0));
+        assert!(!dir.path().join("lock.mdb").exists(), "indexing must not create lock.mdb");
+        std::fs::write(dir.path().join("data.mdb"), vec![7u8; 10_000]).unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("LMDB") && err.contains(&dir.path().display().to_string()), "{err}");
+    }
+
+    #[test]
+    fn index_is_persisted_reused_and_rebuilt_when_shards_change() {
+        let dir = generated(SourceFormat::Tfrecord, 10);
+        let (first, origin) = load_or_build(dir.path(), "d", None, &strict(), &NoProgress).unwrap();
+        assert_eq!(origin, IndexOrigin::Built);
+        assert!(dir.path().join(INDEX_FILE_NAME).exists());
+        let (again, origin) = load_or_build(dir.path(), "d", None, &strict(), &NoProgress).unwrap();
+        assert_eq!((origin, &again), (IndexOrigin::Loaded, &first));
+        // Other settings: rebuilt.
+        let (_, origin) = load_or_build(dir.path(), "d", None, &skipping(), &NoProgress).unwrap();
+        assert_eq!(origin, IndexOrigin::Built);
+        // A shard grows by one record: rebuilt, with the new sample.
+        let shard = dir.path().join("train-00001-of-00002.tfrecord");
+        let mut bytes = std::fs::read(&shard).unwrap();
+        tfrecord::encode_record(b"one more", &mut bytes);
+        std::fs::write(&shard, bytes).unwrap();
+        let (grown, origin) = load_or_build(dir.path(), "d", None, &strict(), &NoProgress).unwrap();
+        assert_eq!((origin, grown.samples.len()), (IndexOrigin::Built, 11));
+        // A corrupt persisted index is ignored and replaced.
+        std::fs::write(dir.path().join(INDEX_FILE_NAME), b"BATCHFSI garbage").unwrap();
+        let (_, origin) = load_or_build(dir.path(), "d", None, &strict(), &NoProgress).unwrap();
+        assert_eq!(origin, IndexOrigin::Built);
+        // --index-dir keeps it elsewhere.
+        let elsewhere = tempfile::tempdir().unwrap();
+        load_or_build(dir.path(), "d", Some(elsewhere.path()), &strict(), &NoProgress).unwrap();
+        assert!(elsewhere.path().join("d.batchfs-index").exists());
+    }
+
+    #[test]
+    fn file_trees_skip_hidden_files_and_label_by_first_directory() {
+        let dir = generated(SourceFormat::Files, 12);
+        std::fs::write(dir.path().join(".hidden"), b"x").unwrap();
+        std::fs::write(dir.path().join("top.bin"), b"unlabelled").unwrap();
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        assert_eq!(index.samples.len(), 13);
+        let top = index.samples.iter().find(|s| s.key == "top").unwrap();
+        assert_eq!((top.label, top.parts[0].ext.as_str()), (NO_LABEL, "bin"));
+        assert_eq!(index.classes, vec!["class-0000", "class-0001", "class-0002"]);
+        assert_eq!(
+            detect(&dir.path().join("nope")).unwrap_err().to_string(),
+            format!("{} is not a directory", dir.path().join("nope").display())
+        );
+    }
+
+    #[test]
+    fn empty_dataset_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("holds no samples"), "{err}");
     }
 }
