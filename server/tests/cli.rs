@@ -1,0 +1,140 @@
+//! The `batchfs-server` binary: gen, index (built, then reused), serve from a TOML config with a token,
+//! graceful exit on SIGTERM, and clear errors for bad invocations.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_batchfs-server");
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).env("RUST_LOG", "warn").output().unwrap()
+}
+
+/// Kills the server if the test fails before it stops.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+async fn wait_healthy(base: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if reqwest::get(format!("{base}/healthz")).await.is_ok_and(|r| r.status().is_success()) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("server at {base} did not come up");
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn gen_index_serve_and_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("wds");
+    let out = run(&[
+        "gen",
+        "--format",
+        "tar",
+        "--samples",
+        "20",
+        "--mean-bytes",
+        "2K",
+        "--shards",
+        "2",
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(stdout(&out).contains("wrote 20 tar samples"), "{}", stdout(&out));
+    assert!(data.join("shard-000001.tar").exists());
+
+    let spec = format!("d={}", data.display());
+    let first = run(&["index", "--dataset", &spec]);
+    assert!(first.status.success(), "{first:?}");
+    assert!(stdout(&first).contains("built") && stdout(&first).contains(" 20 "), "{}", stdout(&first));
+    let second = run(&["index", "--dataset", &spec]);
+    assert!(stdout(&second).contains("reused"), "{}", stdout(&second));
+
+    let port = free_port();
+    std::fs::write(dir.path().join("token"), "tok-123\n").unwrap();
+    let config = dir.path().join("server.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\ntoken_file = {:?}\n[[dataset]]\nname = \"d\"\npath = {:?}\n[limits]\nstream_window = \"8M\"\ndrain_timeout = \"5s\"\n",
+            dir.path().join("token"),
+            data
+        ),
+    )
+    .unwrap();
+    let child = Command::new(BIN)
+        .args(["serve", "--config", config.to_str().unwrap()])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut guard = Guard(child);
+    let base = format!("http://127.0.0.1:{port}");
+    wait_healthy(&base).await;
+    let client = reqwest::Client::new();
+    let denied = client.get(format!("{base}/v1/datasets")).send().await.unwrap();
+    assert_eq!(denied.status(), 401);
+    let list = client.get(format!("{base}/v1/datasets/d")).bearer_auth("tok-123").send().await.unwrap();
+    assert_eq!(list.status(), 200);
+    assert!(list.text().await.unwrap().contains("\"samples\": 20"));
+
+    // SIGTERM: a clean exit, promptly.
+    let pid = guard.0.id() as i32;
+    // SAFETY: kill(2) with a pid we own and a valid signal number has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = guard.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "server ignored SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+}
+
+fn fails_with(args: &[&str], needle: &str) {
+    let out = run(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
+}
+
+#[test]
+fn bad_invocations_say_what_to_fix() {
+    fails_with(&["serve", "--listen", "127.0.0.1:0"], "no dataset given");
+    fails_with(&["serve", "--listen", "127.0.0.1:0", "--dataset", "d=/nonexistent/x"], "is not a directory");
+    fails_with(&["serve", "--dataset", "noequals"], "expected NAME=PATH");
+    fails_with(&["serve", "--dataset", "d=/tmp", "--max-frame-size", "1K"], "max_frame_size");
+    fails_with(&["serve", "--config", "/nonexistent.toml"], "cannot read config");
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "colour = \"red\"\n").unwrap();
+    fails_with(&["serve", "--config", bad.to_str().unwrap()], "invalid config");
+    let empty = dir.path().join("token");
+    std::fs::write(&empty, "\n").unwrap();
+    fails_with(
+        &["serve", "--dataset", &format!("d={}", dir.path().display()), "--token-file", empty.to_str().unwrap()],
+        "is empty",
+    );
+    assert!(Path::new(BIN).exists());
+}
