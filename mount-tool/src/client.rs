@@ -1,0 +1,359 @@
+//! The network side of the mount, behind the [`BatchClient`] trait: the real HTTP/2 client
+//! ([`HttpClient`], reqwest over a few multiplexed connections to one or more servers), and an in-memory
+//! one with fault injection for tests ([`MemoryClient`]).
+//!
+//! A client only moves bytes. Verifying sizes and checksums against the manifest, retrying and giving
+//! up are the prefetcher's job, so the in-memory client can hand it wrong bytes on purpose.
+
+use batchfs::api::{self, BatchEntry, BatchQuery, DatasetInfo, ErrorBody, Manifest};
+use batchfs::encode::BatchFormat;
+use bytes::{Bytes, BytesMut};
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use thiserror::Error;
+
+/// A boxed future, as trait methods return.
+pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// One batch file: epoch, batch number and format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BatchKey {
+    pub epoch: u64,
+    pub batch: u64,
+    pub format: BatchFormat,
+}
+
+/// Why a request failed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ClientError {
+    #[error("cannot reach {server}: {message}")]
+    Unreachable { server: String, message: String },
+    #[error("{server} stalled: no bytes for {after:?}")]
+    Stalled { server: String, after: Duration },
+    #[error("{server} answered {status}: {message}")]
+    Status { server: String, status: u16, message: String },
+    #[error("{server} sent a malformed response: {message}")]
+    Malformed { server: String, message: String },
+}
+
+impl ClientError {
+    /// Whether trying again may help (network trouble, server errors), as opposed to a refusal that
+    /// will not change (bad request, unknown dataset, token refused).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ClientError::Status { status, .. } => *status >= 500 || *status == 408 || *status == 429,
+            _ => true,
+        }
+    }
+}
+
+/// Moves dataset descriptions, manifests and batch bodies.
+pub trait BatchClient: Send + Sync + 'static {
+    /// The dataset's description.
+    fn dataset(&self) -> BoxFut<'_, Result<DatasetInfo, ClientError>>;
+    /// The manifest of `epoch` in `format`.
+    fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>>;
+    /// The body of one batch (unverified). `attempt` counts retries, so a client with several servers
+    /// can try another one.
+    fn fetch(&self, key: BatchKey, entry: BatchEntry, attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>>;
+}
+
+/// Where and how to reach the servers.
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    /// Base URLs (`http://host:port`), one per server holding the dataset.
+    pub servers: Vec<String>,
+    pub dataset: String,
+    /// Plan options (the format is given per request).
+    pub query: BatchQuery,
+    pub token: Option<String>,
+    /// HTTP/2 connections per server.
+    pub connections: usize,
+    /// PEM file of extra CA certificates for `https://` servers.
+    pub ca_file: Option<PathBuf>,
+    /// A response with no bytes for this long is abandoned (and retried).
+    pub stall_timeout: Duration,
+    pub connect_timeout: Duration,
+}
+
+/// Splits `http(s)://host:port/DATASET` into the server base URL and the dataset name.
+pub fn parse_url(url: &str) -> Result<(String, String), String> {
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| format!("{url:?}: expected http(s)://host:port/DATASET"))?;
+    if scheme != "http" && scheme != "https" {
+        return Err(format!("{url:?}: the scheme must be http or https"));
+    }
+    let (host, dataset) = rest.split_once('/').ok_or_else(|| format!("{url:?}: the URL names no dataset"))?;
+    let dataset = dataset.trim_end_matches('/');
+    if host.is_empty() || dataset.is_empty() || dataset.contains('/') {
+        return Err(format!("{url:?}: expected http(s)://host:port/DATASET"));
+    }
+    let dataset = api::percent_decode(dataset).ok_or_else(|| format!("{url:?}: malformed dataset name"))?;
+    Ok((format!("{scheme}://{host}"), dataset))
+}
+
+/// The HTTP/2 client.
+pub struct HttpClient {
+    config: HttpConfig,
+    /// `connections` clients per server (each keeps one HTTP/2 connection), server-major.
+    clients: Vec<reqwest::Client>,
+    next: AtomicUsize,
+}
+
+impl HttpClient {
+    /// Builds the clients; connects lazily.
+    pub fn new(config: HttpConfig) -> anyhow::Result<Self> {
+        let mut ca = None;
+        if let Some(path) = &config.ca_file {
+            let pem = std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read ca_file {}: {e}", path.display()))?;
+            ca = Some(reqwest::Certificate::from_pem(&pem).map_err(|e| anyhow::anyhow!("ca_file {}: {e}", path.display()))?);
+        }
+        let mut clients = Vec::new();
+        for server in &config.servers {
+            for _ in 0..config.connections.max(1) {
+                let mut b = reqwest::Client::builder()
+                    .use_rustls_tls()
+                    .connect_timeout(config.connect_timeout)
+                    .http2_initial_stream_window_size(16 << 20)
+                    .http2_initial_connection_window_size(64 << 20)
+                    .http2_max_frame_size(1 << 20)
+                    .http2_keep_alive_interval(Duration::from_secs(15))
+                    .http2_keep_alive_timeout(Duration::from_secs(15))
+                    .http2_keep_alive_while_idle(true)
+                    .tcp_nodelay(true)
+                    .pool_max_idle_per_host(1);
+                // h2c needs prior knowledge; over TLS, ALPN picks h2.
+                if server.starts_with("http://") {
+                    b = b.http2_prior_knowledge();
+                }
+                if let Some(ca) = &ca {
+                    b = b.add_root_certificate(ca.clone());
+                }
+                clients.push(b.build()?);
+            }
+        }
+        Ok(HttpClient { config, clients, next: AtomicUsize::new(0) })
+    }
+
+    fn pick(&self, server_no: usize) -> (&str, &reqwest::Client) {
+        let per = self.config.connections.max(1);
+        let conn = self.next.fetch_add(1, Ordering::Relaxed) % per;
+        let server = server_no % self.config.servers.len();
+        (&self.config.servers[server], &self.clients[server * per + conn])
+    }
+
+    async fn get(&self, server_no: usize, path_and_query: &str) -> Result<(String, reqwest::Response), ClientError> {
+        let (server, client) = self.pick(server_no);
+        let mut request = client.get(format!("{server}{path_and_query}"));
+        if let Some(token) = &self.config.token {
+            request = request.bearer_auth(token);
+        }
+        let server = server.to_owned();
+        let response = tokio::time::timeout(self.config.stall_timeout, request.send())
+            .await
+            .map_err(|_| ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout })?
+            .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
+        let status = response.status();
+        if !status.is_success() {
+            let message = match response.json::<ErrorBody>().await {
+                Ok(body) => body.error,
+                Err(_) => status.canonical_reason().unwrap_or("error").to_owned(),
+            };
+            return Err(ClientError::Status { server, status: status.as_u16(), message });
+        }
+        Ok((server, response))
+    }
+
+    async fn json<T: serde::de::DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
+        let (server, response) = self.get(0, path_and_query).await?;
+        response.json().await.map_err(|e| ClientError::Malformed { server, message: error_chain(&e) })
+    }
+
+    fn query(&self, format: BatchFormat) -> String {
+        BatchQuery { format, ..self.config.query }.to_query()
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+impl BatchClient for HttpClient {
+    fn dataset(&self) -> BoxFut<'_, Result<DatasetInfo, ClientError>> {
+        let path = api::dataset_path(&self.config.dataset);
+        Box::pin(async move { self.json(&path).await })
+    }
+
+    fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>> {
+        let path = format!("{}?{}", api::manifest_path(&self.config.dataset, epoch), self.query(format));
+        Box::pin(async move { self.json(&path).await })
+    }
+
+    fn fetch(&self, key: BatchKey, entry: BatchEntry, attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>> {
+        Box::pin(async move {
+            let path = format!(
+                "{}?{}",
+                api::batch_path(&self.config.dataset, key.epoch, key.batch),
+                self.query(key.format)
+            );
+            // Spread batches over the servers; a retry moves to the next one.
+            let server_no = (key.batch as usize).wrapping_add(attempt as usize);
+            let (server, mut response) = self.get(server_no, &path).await?;
+            let mut body = BytesMut::with_capacity(entry.bytes as usize);
+            loop {
+                let chunk = tokio::time::timeout(self.config.stall_timeout, response.chunk())
+                    .await
+                    .map_err(|_| ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout })?
+                    .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
+                match chunk {
+                    Some(c) => body.extend_from_slice(&c),
+                    None => return Ok(body.freeze()),
+                }
+            }
+        })
+    }
+}
+
+/// A fault the [`MemoryClient`] injects into the next fetches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fault {
+    /// Fail as if the server were unreachable.
+    Unreachable,
+    /// Return the body with one byte flipped.
+    Corrupt,
+    /// Return the body one byte short.
+    Short,
+    /// Answer with this HTTP status.
+    Status(u16),
+}
+
+/// An in-memory dataset server for tests: fixed batch bodies per epoch, fetch counters, faults on demand.
+pub struct MemoryClient {
+    info: DatasetInfo,
+    /// Bodies by (epoch, format), batch-indexed.
+    bodies: Box<dyn Fn(u64, BatchFormat) -> Vec<Bytes> + Send + Sync>,
+    faults: Mutex<Vec<Fault>>,
+    /// Fetch calls made, successful or not.
+    pub fetches: AtomicU64,
+    /// Artificial latency per fetch.
+    pub delay: Mutex<Duration>,
+}
+
+impl MemoryClient {
+    /// A client serving `bodies(epoch, format)`.
+    pub fn new(bodies: impl Fn(u64, BatchFormat) -> Vec<Bytes> + Send + Sync + 'static) -> Self {
+        MemoryClient {
+            info: DatasetInfo {
+                name: "memory".into(),
+                format: batchfs::index::SourceFormat::Files,
+                samples: 0,
+                bytes: 0,
+                shards: 0,
+                classes: vec![],
+                skipped: 0,
+            },
+            bodies: Box::new(bodies),
+            faults: Mutex::new(Vec::new()),
+            fetches: AtomicU64::new(0),
+            delay: Mutex::new(Duration::ZERO),
+        }
+    }
+
+    /// Queues faults for the next fetches, in order.
+    pub fn inject(&self, faults: impl IntoIterator<Item = Fault>) {
+        self.faults.lock().expect("faults").extend(faults);
+    }
+}
+
+impl BatchClient for MemoryClient {
+    fn dataset(&self) -> BoxFut<'_, Result<DatasetInfo, ClientError>> {
+        Box::pin(async move { Ok(self.info.clone()) })
+    }
+
+    fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>> {
+        Box::pin(async move {
+            let bodies = (self.bodies)(epoch, format);
+            let batches: Vec<BatchEntry> = bodies
+                .iter()
+                .enumerate()
+                .map(|(i, b)| BatchEntry { index: i as u64, samples: 1, bytes: b.len() as u64, crc32c: crc32c::crc32c(b) })
+                .collect();
+            Ok(Manifest {
+                dataset: "memory".into(),
+                epoch,
+                options: Default::default(),
+                format,
+                samples: batches.len() as u64,
+                bytes: batches.iter().map(|b| b.bytes).sum(),
+                batches,
+            })
+        })
+    }
+
+    fn fetch(&self, key: BatchKey, _entry: BatchEntry, _attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>> {
+        Box::pin(async move {
+            self.fetches.fetch_add(1, Ordering::Relaxed);
+            let delay = *self.delay.lock().expect("delay");
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            let fault = {
+                let mut faults = self.faults.lock().expect("faults");
+                (!faults.is_empty()).then(|| faults.remove(0))
+            };
+            let body = (self.bodies)(key.epoch, key.format).get(key.batch as usize).cloned();
+            let server = "memory".to_owned();
+            let Some(body) = body else {
+                return Err(ClientError::Status { server, status: 404, message: "no such batch".into() });
+            };
+            match fault {
+                None => Ok(body),
+                Some(Fault::Unreachable) => Err(ClientError::Unreachable { server, message: "injected".into() }),
+                Some(Fault::Status(status)) => Err(ClientError::Status { server, status, message: "injected".into() }),
+                Some(Fault::Corrupt) => {
+                    let mut v = body.to_vec();
+                    if let Some(b) = v.get_mut(0) {
+                        *b ^= 1;
+                    }
+                    Ok(Bytes::from(v))
+                }
+                Some(Fault::Short) => Ok(body.slice(..body.len().saturating_sub(1))),
+            }
+        })
+    }
+}
+
+/// Shared handle to any client.
+pub type DynClient = Arc<dyn BatchClient>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        assert_eq!(parse_url("http://storage:7878/imagenet"), Ok(("http://storage:7878".into(), "imagenet".into())));
+        assert_eq!(parse_url("https://h/a%20b/"), Ok(("https://h".into(), "a b".into())));
+        for bad in ["storage:7878/x", "ftp://h/x", "http://h", "http://h/", "http:///x", "http://h/a/b"] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn retryable() {
+        let s = |status| ClientError::Status { server: "s".into(), status, message: String::new() };
+        assert!(s(503).is_retryable() && s(429).is_retryable());
+        assert!(!s(404).is_retryable() && !s(401).is_retryable() && !s(400).is_retryable());
+        assert!(ClientError::Unreachable { server: "s".into(), message: String::new() }.is_retryable());
+    }
+}

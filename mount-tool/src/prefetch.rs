@@ -1,0 +1,604 @@
+//! The prefetcher and its cache: batch bodies keyed by (epoch, batch, format), fetched whole, verified,
+//! and kept under a byte budget.
+//!
+//! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
+//! fuser 0.18 ignores FUSE_INTERRUPT); fetches run as tasks on a tokio runtime. No tokio worker ever
+//! blocks: the only blocking calls are made from the FUSE threads (or test threads).
+//!
+//! **Invariants.**
+//! - No byte reaches a reader before its whole batch matched the manifest's size and CRC32C; a mismatch
+//!   is refetched, never returned.
+//! - `cache.used` (ready bodies plus reservations for fetches in flight) never exceeds the budget.
+//!   Prefetches only start when their bytes fit after evicting *consumed* batches; otherwise the window
+//!   narrows (backpressure). A read that needs a batch evicts consumed batches first, then the least
+//!   recently used ready ones, and otherwise waits for room.
+//! - A failed fetch keeps retrying with jittered exponential backoff until `timeout` has passed since
+//!   it started, then fails every waiting reader with an error (EIO at the FUSE edge).
+//!
+//! **Window.** [`StreamTracker`] turns the sequence of batches read into streams (a reader, or a DDP rank
+//! reading every k-th batch). A stream is trusted once two consecutive reads agree on its stride (a read
+//! of batch 0 starts a stride-1 stream at once); the `prefetch` batches ahead of each trusted stream are
+//! kept cached or in flight. Reads that fit no stream are served on demand and start no prefetches.
+
+use crate::client::{BatchKey, ClientError, DynClient};
+use crate::stats::Stats;
+use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
+use batchfs::api::{BatchEntry, Manifest};
+use batchfs::encode::BatchFormat;
+use bytes::Bytes;
+use lru::LruCache;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// Prefetcher settings. Defaults are documented in `docs/CONFIGURATION.md`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefetcherConfig {
+    /// Batches kept cached or in flight ahead of each reader stream (0: no prefetch).
+    pub prefetch: usize,
+    /// Byte budget of the cache, in-flight fetches included.
+    pub cache_bytes: u64,
+    /// How long a read waits out failures before it fails.
+    pub timeout: Duration,
+    /// Reader streams tracked at once.
+    pub max_streams: usize,
+    /// Largest stride recognized as a stream (e.g. the number of DDP ranks).
+    pub max_stride: u64,
+}
+
+impl Default for PrefetcherConfig {
+    fn default() -> Self {
+        PrefetcherConfig { prefetch: 16, cache_bytes: 2 << 30, timeout: Duration::from_secs(60), max_streams: 64, max_stride: 64 }
+    }
+}
+
+/// Why a read cannot be served.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ReadError {
+    #[error("batch {batch} does not exist in epoch {epoch}")]
+    NoSuchBatch { epoch: u64, batch: u64 },
+    #[error("gave up after {after:?}: {last}")]
+    Timeout { after: Duration, last: String },
+    #[error("the server refused: {0}")]
+    Refused(String),
+    #[error("the cache budget ({budget} bytes) cannot hold batch {batch} of epoch {epoch} ({size} bytes); raise `cache`")]
+    CacheTooSmall { epoch: u64, batch: u64, size: u64, budget: u64 },
+}
+
+enum State {
+    Fetching,
+    Ready(Bytes),
+    Failed(ReadError),
+}
+
+struct Entry {
+    size: u64,
+    state: Mutex<State>,
+    changed: Condvar,
+    /// A reader has read the batch's last byte: first to go when room is needed.
+    consumed: AtomicBool,
+}
+
+impl Entry {
+    fn is_ready(&self) -> bool {
+        matches!(*self.state.lock().expect("entry"), State::Ready(_))
+    }
+
+    fn set(&self, state: State) {
+        *self.state.lock().expect("entry") = state;
+        self.changed.notify_all();
+    }
+
+    /// Waits until the fetch ends or `deadline`; returns the body and whether it had to wait.
+    fn wait(&self, deadline: Instant, timeout: Duration) -> Result<(Bytes, bool), ReadError> {
+        let mut state = self.state.lock().expect("entry");
+        let mut waited = false;
+        loop {
+            match &*state {
+                State::Ready(b) => return Ok((b.clone(), waited)),
+                State::Failed(e) => return Err(e.clone()),
+                State::Fetching => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ReadError::Timeout { after: timeout, last: "the fetch did not finish in time".into() });
+            }
+            waited = true;
+            state = self.changed.wait_timeout(state, deadline - now).expect("entry").0;
+        }
+    }
+}
+
+struct Cache {
+    entries: LruCache<BatchKey, Arc<Entry>>,
+    used: u64,
+}
+
+/// The prefetcher and cache of one mount.
+pub struct Prefetcher {
+    client: DynClient,
+    runtime: tokio::runtime::Handle,
+    config: PrefetcherConfig,
+    cache: Mutex<Cache>,
+    room: Condvar,
+    manifests: Mutex<LruCache<(u64, BatchFormat), Arc<Manifest>>>,
+    streams: Mutex<StreamTracker>,
+    pub stats: Arc<Stats>,
+}
+
+impl Prefetcher {
+    /// A prefetcher fetching through `client` on `runtime`.
+    pub fn new(client: DynClient, runtime: tokio::runtime::Handle, config: PrefetcherConfig) -> Arc<Self> {
+        let streams = StreamTracker::new(config.max_streams, config.max_stride);
+        Arc::new(Prefetcher {
+            client,
+            runtime,
+            cache: Mutex::new(Cache { entries: LruCache::unbounded(), used: 0 }),
+            room: Condvar::new(),
+            manifests: Mutex::new(LruCache::new(std::num::NonZeroUsize::new(16).expect("nonzero"))),
+            streams: Mutex::new(streams),
+            stats: Arc::new(Stats::default()),
+            config,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &PrefetcherConfig {
+        &self.config
+    }
+
+    /// The manifest of `epoch` in `format` (cached; fetched with retries up to `timeout`). Blocks: call
+    /// from a FUSE thread, never from the runtime.
+    pub fn manifest(&self, epoch: u64, format: BatchFormat) -> Result<Arc<Manifest>, ReadError> {
+        if let Some(m) = self.manifests.lock().expect("manifests").get(&(epoch, format)) {
+            return Ok(m.clone());
+        }
+        let client = self.client.clone();
+        let manifest = self.runtime.block_on(with_retries(&self.config, &self.stats, move |_| {
+            let client = client.clone();
+            async move { client.manifest(epoch, format).await.map_err(Failure::Client) }
+        }))?;
+        let manifest = Arc::new(manifest);
+        self.manifests.lock().expect("manifests").put((epoch, format), manifest.clone());
+        Ok(manifest)
+    }
+
+    /// Reads `[offset, offset + size)` of a batch file. Blocks until the batch is verified and cached.
+    pub fn read(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
+        let result = self.read_inner(key, offset, size);
+        if result.is_err() {
+            Stats::add(&self.stats.errors, 1);
+        }
+        result
+    }
+
+    fn read_inner(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
+        let manifest = self.manifest(key.epoch, key.format)?;
+        let meta = *manifest
+            .batches
+            .get(key.batch as usize)
+            .ok_or(ReadError::NoSuchBatch { epoch: key.epoch, batch: key.batch })?;
+        if offset >= meta.bytes || size == 0 {
+            return Ok(Bytes::new());
+        }
+        let started = Instant::now();
+        let deadline = started + self.config.timeout;
+        let (entry, fresh) = self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
+        let was_ready = entry.is_ready();
+        self.prefetch_after(key, &manifest);
+        let (body, waited) = entry.wait(deadline, self.config.timeout)?;
+        let end = (offset + u64::from(size)).min(meta.bytes);
+        if end == meta.bytes {
+            entry.consumed.store(true, Ordering::Relaxed);
+        }
+        let s = &self.stats;
+        Stats::add(&s.reads, 1);
+        Stats::add(&s.bytes_served, end - offset);
+        if fresh {
+            Stats::add(&s.misses, 1);
+        } else if was_ready {
+            Stats::add(&s.hits, 1);
+        }
+        if waited || fresh {
+            Stats::add(&s.stalls, 1);
+            Stats::add(&s.stall_ns, started.elapsed().as_nanos() as u64);
+        }
+        Ok(body.slice(offset as usize..end as usize))
+    }
+
+    /// Starts the window of every stream this read advances.
+    fn prefetch_after(self: &Arc<Self>, key: BatchKey, manifest: &Manifest) {
+        if self.config.prefetch == 0 {
+            return;
+        }
+        let targets = self.streams.lock().expect("streams").observe(
+            key.epoch,
+            key.format,
+            key.batch,
+            manifest.batches.len() as u64,
+            self.config.prefetch,
+        );
+        for batch in targets {
+            let target = BatchKey { batch, ..key };
+            let meta = manifest.batches[batch as usize];
+            match self.get_or_start(target, meta, false, Instant::now()) {
+                Ok(Some((_, true))) => Stats::add(&self.stats.prefetches, 1),
+                Ok(Some(_)) => {}
+                // No room: the window narrows until readers consume what is cached.
+                Ok(None) | Err(_) => break,
+            }
+        }
+    }
+
+    /// Picks the entry to evict: a consumed ready batch, else (for reads only) any ready batch, least
+    /// recently used first.
+    fn victim(cache: &Cache, any_ready: bool) -> Option<BatchKey> {
+        let ready = |e: &Entry| e.is_ready();
+        let consumed = cache.entries.iter().rev().find(|(_, e)| e.consumed.load(Ordering::Relaxed) && ready(e));
+        consumed.or_else(|| if any_ready { cache.entries.iter().rev().find(|(_, e)| ready(e)) } else { None }).map(|(k, _)| *k)
+    }
+
+    fn evict(&self, cache: &mut Cache, key: BatchKey) {
+        if let Some(e) = cache.entries.pop(&key) {
+            cache.used -= e.size;
+            Stats::add(&self.stats.evictions, 1);
+        }
+    }
+
+    /// The cache entry of `key`, starting its fetch if it is absent: `(entry, started now)`. A prefetch
+    /// (`on_demand == false`) gets `None` when its bytes do not fit; a read evicts or waits for room.
+    fn get_or_start(
+        self: &Arc<Self>,
+        key: BatchKey,
+        meta: BatchEntry,
+        on_demand: bool,
+        deadline: Instant,
+    ) -> Result<Option<(Arc<Entry>, bool)>, ReadError> {
+        let mut cache = self.cache.lock().expect("cache");
+        loop {
+            if let Some(e) = cache.entries.get(&key) {
+                return Ok(Some((e.clone(), false)));
+            }
+            if cache.used + meta.bytes <= self.config.cache_bytes {
+                break;
+            }
+            if meta.bytes > self.config.cache_bytes {
+                return Err(ReadError::CacheTooSmall {
+                    epoch: key.epoch,
+                    batch: key.batch,
+                    size: meta.bytes,
+                    budget: self.config.cache_bytes,
+                });
+            }
+            if let Some(victim) = Self::victim(&cache, on_demand) {
+                self.evict(&mut cache, victim);
+                continue;
+            }
+            if !on_demand {
+                return Ok(None);
+            }
+            cache = self.wait_for_room(cache, deadline)?;
+        }
+        cache.used += meta.bytes;
+        self.stats.cache_bytes.store(cache.used, Ordering::Relaxed);
+        let entry = Arc::new(Entry {
+            size: meta.bytes,
+            state: Mutex::new(State::Fetching),
+            changed: Condvar::new(),
+            consumed: AtomicBool::new(false),
+        });
+        cache.entries.put(key, entry.clone());
+        drop(cache);
+        Stats::add(&self.stats.in_flight, 1);
+        let this = self.clone();
+        let fetching = entry.clone();
+        self.runtime.spawn(async move {
+            let client = this.client.clone();
+            let result = with_retries(&this.config, &this.stats, move |attempt| {
+                let client = client.clone();
+                async move {
+                    let body = client.fetch(key, meta, attempt).await.map_err(Failure::Client)?;
+                    verify(key, &meta, &body)?;
+                    Ok(body)
+                }
+            })
+            .await;
+            this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            match result {
+                Ok(body) => {
+                    Stats::add(&this.stats.fetched_bytes, body.len() as u64);
+                    fetching.set(State::Ready(body));
+                }
+                Err(e) => {
+                    tracing::warn!(epoch = key.epoch, batch = key.batch, error = %e, "batch fetch failed");
+                    fetching.set(State::Failed(e));
+                    let mut cache = this.cache.lock().expect("cache");
+                    if cache.entries.peek(&key).is_some_and(|e| Arc::ptr_eq(e, &fetching)) {
+                        cache.entries.pop(&key);
+                        cache.used -= fetching.size;
+                        this.stats.cache_bytes.store(cache.used, Ordering::Relaxed);
+                    }
+                }
+            }
+            this.room.notify_all();
+        });
+        Ok(Some((entry, true)))
+    }
+
+    fn wait_for_room<'a>(&self, cache: MutexGuard<'a, Cache>, deadline: Instant) -> Result<MutexGuard<'a, Cache>, ReadError> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(ReadError::Timeout { after: self.config.timeout, last: "no room in the cache".into() });
+        }
+        // Woken when a fetch ends (a batch becomes evictable or its reservation is released).
+        Ok(self.room.wait_timeout(cache, (deadline - now).min(Duration::from_millis(100))).expect("cache").0)
+    }
+
+    /// Bytes held or reserved now (never above the budget).
+    pub fn cache_used(&self) -> u64 {
+        self.cache.lock().expect("cache").used
+    }
+}
+
+/// A failed attempt.
+enum Failure {
+    Client(ClientError),
+    Mismatch(String),
+}
+
+fn verify(key: BatchKey, meta: &BatchEntry, body: &Bytes) -> Result<(), Failure> {
+    let crc = crc32c::crc32c(body);
+    if body.len() as u64 != meta.bytes || crc != meta.crc32c {
+        return Err(Failure::Mismatch(format!(
+            "batch {} of epoch {}: got {} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
+            key.batch,
+            key.epoch,
+            body.len(),
+            meta.bytes,
+            meta.crc32c
+        )));
+    }
+    Ok(())
+}
+
+/// Runs `attempt` until it succeeds, fails for good, or `config.timeout` has passed, sleeping a jittered
+/// exponential backoff (50 ms doubling to 2 s, ×0.5–1.5, cut to the time left) between attempts.
+async fn with_retries<T, F, Fut>(config: &PrefetcherConfig, stats: &Stats, mut attempt: F) -> Result<T, ReadError>
+where
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = Result<T, Failure>>,
+{
+    let started = Instant::now();
+    let mut n = 0u32;
+    loop {
+        let last = match attempt(n).await {
+            Ok(v) => return Ok(v),
+            Err(Failure::Client(e)) if !e.is_retryable() => return Err(ReadError::Refused(e.to_string())),
+            Err(Failure::Client(e)) => e.to_string(),
+            Err(Failure::Mismatch(m)) => {
+                Stats::add(&stats.checksum_errors, 1);
+                m
+            }
+        };
+        let elapsed = started.elapsed();
+        if elapsed >= config.timeout {
+            return Err(ReadError::Timeout { after: config.timeout, last });
+        }
+        // The last attempt is made at the deadline, so an outage shorter than `timeout` is survived.
+        let base = Duration::from_millis(50).saturating_mul(1 << n.min(6)).min(Duration::from_secs(2));
+        let backoff = base.mul_f64(0.5 + jitter()).min(config.timeout - elapsed);
+        tracing::debug!(attempt = n, error = %last, ?backoff, "retrying");
+        Stats::add(&stats.retries, 1);
+        tokio::time::sleep(backoff).await;
+        n += 1;
+    }
+}
+
+/// A cheap uniform number in [0, 1) for backoff jitter.
+fn jitter() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// One reader stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stream {
+    epoch: u64,
+    format: BatchFormat,
+    last: u64,
+    /// 0 while unknown.
+    stride: u64,
+    /// Two reads agreed on the stride (or the stream began at batch 0).
+    trusted: bool,
+    used: u64,
+}
+
+/// Recognizes reader streams in a sequence of batch reads (see the module note).
+#[derive(Debug, Clone)]
+pub struct StreamTracker {
+    streams: Vec<Stream>,
+    max_streams: usize,
+    max_stride: u64,
+    clock: u64,
+}
+
+impl StreamTracker {
+    pub fn new(max_streams: usize, max_stride: u64) -> Self {
+        StreamTracker { streams: Vec::new(), max_streams: max_streams.max(1), max_stride: max_stride.max(1), clock: 0 }
+    }
+
+    /// Records a read of `batch` (of `batches`) and returns the batches to keep ahead of the stream it
+    /// belongs to: up to `window` of them, in order; none for an untrusted stream.
+    pub fn observe(&mut self, epoch: u64, format: BatchFormat, batch: u64, batches: u64, window: usize) -> Vec<u64> {
+        self.clock += 1;
+        let same = |s: &Stream| s.epoch == epoch && s.format == format;
+        // 1. The next batch of a known stream, or a re-read of its current batch.
+        let mut found = self.streams.iter().position(|s| same(s) && (s.last == batch || (s.stride > 0 && s.last + s.stride == batch)));
+        // 2. A stream whose stride was unknown (or unconfirmed) and this read sets it.
+        if found.is_none() {
+            found = self.streams.iter().position(|s| same(s) && !s.trusted && batch > s.last && batch - s.last <= self.max_stride);
+        }
+        let i = match found {
+            Some(i) => {
+                let s = &mut self.streams[i];
+                if batch != s.last {
+                    let stride = batch - s.last;
+                    s.trusted = s.trusted || s.stride == stride;
+                    s.stride = stride;
+                    s.last = batch;
+                }
+                s.used = self.clock;
+                i
+            }
+            None => {
+                if self.streams.len() >= self.max_streams {
+                    let oldest = (0..self.streams.len()).min_by_key(|&i| self.streams[i].used).expect("nonempty");
+                    self.streams.swap_remove(oldest);
+                }
+                let start = batch == 0;
+                self.streams.push(Stream { epoch, format, last: batch, stride: u64::from(start), trusted: start, used: self.clock });
+                self.streams.len() - 1
+            }
+        };
+        let s = &self.streams[i];
+        if !s.trusted {
+            return Vec::new();
+        }
+        (1..=window as u64).map(|k| s.last + k * s.stride).take_while(|&b| b < batches).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::{Fault, MemoryClient};
+    use proptest::prelude::*;
+
+    const TF: BatchFormat = BatchFormat::Tfrecord;
+
+    #[test]
+    fn sequential_reader_from_zero_is_trusted_at_once() {
+        let mut t = StreamTracker::new(8, 16);
+        assert_eq!(t.observe(0, TF, 0, 100, 3), vec![1, 2, 3]);
+        assert_eq!(t.observe(0, TF, 0, 100, 3), vec![1, 2, 3], "re-reading a batch keeps the window");
+        assert_eq!(t.observe(0, TF, 1, 100, 3), vec![2, 3, 4]);
+        assert_eq!(t.observe(0, TF, 98, 100, 3), Vec::<u64>::new(), "a jump is another stream");
+        assert_eq!(t.observe(0, TF, 2, 100, 3), vec![3, 4, 5]);
+        assert_eq!(t.observe(0, TF, 99, 100, 3), Vec::<u64>::new(), "98 -> 99 sets a stride, not yet trusted");
+    }
+
+    #[test]
+    fn interleaved_ranks_get_their_own_streams() {
+        // Ranks in lockstep read 0, 1, 2, 3, 4...: together one sequential stream, whose window serves all.
+        let mut t = StreamTracker::new(8, 16);
+        let lockstep: Vec<Vec<u64>> = (0..8).map(|b| t.observe(0, TF, b, 1000, 2)).collect();
+        assert_eq!(lockstep[7], vec![8, 9]);
+        // Ranks out of phase (each runs ahead on its own): every rank becomes its own stride-k stream.
+        let mut t = StreamTracker::new(8, 16);
+        let k = 4;
+        for rank in 0..k {
+            let windows: Vec<Vec<u64>> = (0..4).map(|step| t.observe(0, TF, rank + step * k, 1000, 2)).collect();
+            assert_eq!(windows[3], vec![rank + 4 * k, rank + 5 * k], "rank {rank}: {windows:?}");
+        }
+    }
+
+    #[test]
+    fn random_reads_start_no_prefetch() {
+        let mut t = StreamTracker::new(8, 4);
+        let mut started = 0;
+        for b in [500u64, 37, 912, 240, 771, 15, 640, 333, 108, 455] {
+            started += t.observe(0, TF, b, 1000, 16).len();
+        }
+        assert_eq!(started, 0);
+    }
+
+    /// A runtime on its own threads and an in-memory dataset of `n` batches of varied sizes.
+    fn setup(n: usize, config: PrefetcherConfig) -> (tokio::runtime::Runtime, Arc<MemoryClient>, Arc<Prefetcher>, Vec<Bytes>) {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let bodies: Vec<Bytes> = (0..n).map(|i| Bytes::from(vec![i as u8; 1000 + (i * 37) % 300])).collect();
+        let b2 = bodies.clone();
+        let client = Arc::new(MemoryClient::new(move |_, _| b2.clone()));
+        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
+        (runtime, client, p, bodies)
+    }
+
+    fn key(batch: u64) -> BatchKey {
+        BatchKey { epoch: 0, batch, format: TF }
+    }
+
+    #[test]
+    fn reads_return_exact_bytes_and_prefetch_hits() {
+        let config = PrefetcherConfig { prefetch: 4, cache_bytes: 1 << 20, ..Default::default() };
+        let (_rt, _client, p, bodies) = setup(20, config);
+        for (i, body) in bodies.iter().enumerate() {
+            let got = p.read(key(i as u64), 0, 1 << 20).unwrap();
+            assert_eq!(&got, body);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let s = p.stats.snapshot();
+        assert_eq!(s.misses, 1, "only batch 0 is fetched on demand: {s:?}");
+        assert!(s.hits >= 15, "{s:?}");
+        assert_eq!(p.read(key(3), 5000, 10).unwrap(), Bytes::new(), "past the end");
+        assert_eq!(p.read(key(20), 0, 10), Err(ReadError::NoSuchBatch { epoch: 0, batch: 20 }));
+    }
+
+    #[test]
+    fn corrupt_and_short_bodies_are_refetched_never_returned() {
+        let config = PrefetcherConfig { prefetch: 0, ..Default::default() };
+        let (_rt, client, p, bodies) = setup(3, config);
+        client.inject([Fault::Corrupt, Fault::Short, Fault::Unreachable]);
+        assert_eq!(p.read(key(1), 0, 4096).unwrap(), bodies[1]);
+        let s = p.stats.snapshot();
+        assert_eq!((s.checksum_errors, s.retries), (2, 3), "{s:?}");
+    }
+
+    #[test]
+    fn refusals_fail_at_once_and_outages_after_the_timeout() {
+        let config = PrefetcherConfig { prefetch: 0, timeout: Duration::from_millis(600), ..Default::default() };
+        let (_rt, client, p, _) = setup(3, config);
+        client.inject([Fault::Status(401)]);
+        assert!(matches!(p.read(key(0), 0, 10), Err(ReadError::Refused(_))));
+        client.inject(std::iter::repeat_n(Fault::Unreachable, 1000));
+        let started = Instant::now();
+        assert!(matches!(p.read(key(1), 0, 10), Err(ReadError::Timeout { .. })));
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(600) && took < Duration::from_secs(3), "{took:?}");
+        // The fetch gives up at the same deadline as the reader and then releases its reservation.
+        let released = Instant::now() + Duration::from_secs(3);
+        while p.cache_used() != 0 && Instant::now() < released {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(p.cache_used(), 0, "a failed fetch releases its reservation");
+    }
+
+    #[test]
+    fn cache_too_small_is_an_error() {
+        let config = PrefetcherConfig { cache_bytes: 100, ..Default::default() };
+        let (_rt, _, p, _) = setup(2, config);
+        assert!(matches!(p.read(key(0), 0, 10), Err(ReadError::CacheTooSmall { .. })));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+        /// Reference model: any sequence of reads returns exactly the bytes of the model (the bodies),
+        /// and the cache never holds more than its budget.
+        #[test]
+        fn random_reads_match_the_model(
+            reads in proptest::collection::vec((0u64..30, 0u64..1400, 1u32..2000), 1..60),
+            prefetch in 0usize..6,
+            budget_batches in 2u64..10,
+        ) {
+            let config = PrefetcherConfig { prefetch, cache_bytes: budget_batches * 1300, ..Default::default() };
+            let (_rt, _client, p, bodies) = setup(30, config.clone());
+            for (batch, offset, size) in reads {
+                let body = &bodies[batch as usize];
+                let got = p.read(key(batch), offset, size).unwrap();
+                let start = (offset as usize).min(body.len());
+                let end = (offset as usize + size as usize).min(body.len());
+                prop_assert_eq!(&got[..], &body[start..end]);
+                prop_assert!(p.cache_used() <= config.cache_bytes);
+            }
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! Live counters of a mount, served as JSON at `.batchfs/stats` and printed by `batchfs stats`.
+
+use crate::sync::{AtomicU64, Ordering};
+use serde::{Deserialize, Serialize};
+
+/// Counters, updated lock-free.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub bytes_served: AtomicU64,
+    pub reads: AtomicU64,
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub stalls: AtomicU64,
+    pub stall_ns: AtomicU64,
+    pub in_flight: AtomicU64,
+    pub cache_bytes: AtomicU64,
+    pub prefetches: AtomicU64,
+    pub fetched_bytes: AtomicU64,
+    pub retries: AtomicU64,
+    pub checksum_errors: AtomicU64,
+    pub errors: AtomicU64,
+    pub evictions: AtomicU64,
+}
+
+/// A point-in-time copy of [`Stats`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatsSnapshot {
+    /// Bytes returned to readers.
+    pub bytes_served: u64,
+    /// Read requests answered with data.
+    pub reads: u64,
+    /// Reads whose batch was already in the cache.
+    pub hits: u64,
+    /// Reads whose batch was neither cached nor in flight (fetched on demand).
+    pub misses: u64,
+    /// Reads that had to wait for a fetch.
+    pub stalls: u64,
+    /// Total time readers waited, in microseconds.
+    pub stall_us: u64,
+    /// Fetches in flight now.
+    pub in_flight: u64,
+    /// Bytes held or reserved by the cache now.
+    pub cache_bytes: u64,
+    /// Fetches started ahead of a reader.
+    pub prefetches: u64,
+    /// Bytes received from servers.
+    pub fetched_bytes: u64,
+    /// Fetch attempts retried after a failure.
+    pub retries: u64,
+    /// Bodies refetched because their size or CRC32C did not match the manifest.
+    pub checksum_errors: u64,
+    /// Reads answered with an error.
+    pub errors: u64,
+    /// Batches dropped from the cache to make room.
+    pub evictions: u64,
+}
+
+impl Stats {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Copies the counters.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StatsSnapshot {
+            bytes_served: g(&self.bytes_served),
+            reads: g(&self.reads),
+            hits: g(&self.hits),
+            misses: g(&self.misses),
+            stalls: g(&self.stalls),
+            stall_us: g(&self.stall_ns) / 1000,
+            in_flight: g(&self.in_flight),
+            cache_bytes: g(&self.cache_bytes),
+            prefetches: g(&self.prefetches),
+            fetched_bytes: g(&self.fetched_bytes),
+            retries: g(&self.retries),
+            checksum_errors: g(&self.checksum_errors),
+            errors: g(&self.errors),
+            evictions: g(&self.evictions),
+        }
+    }
+}
