@@ -20,14 +20,18 @@ pub struct MappedFile {
 impl MappedFile {
     /// Maps `path` read-only.
     pub fn open(path: &Path) -> io::Result<Self> {
-        let file = File::open(path)?;
+        Self::open_file(&File::open(path)?)
+    }
+
+    /// Maps an open file read-only.
+    pub fn open_file(file: &File) -> io::Result<Self> {
         if file.metadata()?.len() == 0 {
             return Ok(MappedFile { map: None });
         }
         // SAFETY: the mapping is read-only and private to this process; batchfs requires dataset files
         // to stay unmodified while mapped (module invariant), so the slice's contents do not change
         // underneath safe code.
-        let map = unsafe { Mmap::map(&file)? };
+        let map = unsafe { Mmap::map(file)? };
         Ok(MappedFile { map: Some(map) })
     }
 

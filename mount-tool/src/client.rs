@@ -82,7 +82,8 @@ pub struct HttpConfig {
 
 /// Splits `http(s)://host:port/DATASET` into the server base URL and the dataset name.
 pub fn parse_url(url: &str) -> Result<(String, String), String> {
-    let (scheme, rest) = url.split_once("://").ok_or_else(|| format!("{url:?}: expected http(s)://host:port/DATASET"))?;
+    let (scheme, rest) =
+        url.split_once("://").ok_or_else(|| format!("{url:?}: expected http(s)://host:port/DATASET"))?;
     if scheme != "http" && scheme != "https" {
         return Err(format!("{url:?}: the scheme must be http or https"));
     }
@@ -108,8 +109,11 @@ impl HttpClient {
     pub fn new(config: HttpConfig) -> anyhow::Result<Self> {
         let mut ca = None;
         if let Some(path) = &config.ca_file {
-            let pem = std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read ca_file {}: {e}", path.display()))?;
-            ca = Some(reqwest::Certificate::from_pem(&pem).map_err(|e| anyhow::anyhow!("ca_file {}: {e}", path.display()))?);
+            let pem =
+                std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read ca_file {}: {e}", path.display()))?;
+            ca = Some(
+                reqwest::Certificate::from_pem(&pem).map_err(|e| anyhow::anyhow!("ca_file {}: {e}", path.display()))?,
+            );
         }
         let mut clients = Vec::new();
         for server in &config.servers {
@@ -201,11 +205,8 @@ impl BatchClient for HttpClient {
 
     fn fetch(&self, key: BatchKey, entry: BatchEntry, attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>> {
         Box::pin(async move {
-            let path = format!(
-                "{}?{}",
-                api::batch_path(&self.config.dataset, key.epoch, key.batch),
-                self.query(key.format)
-            );
+            let path =
+                format!("{}?{}", api::batch_path(&self.config.dataset, key.epoch, key.batch), self.query(key.format));
             // Spread batches over the servers; a retry moves to the next one.
             let server_no = (key.batch as usize).wrapping_add(attempt as usize);
             let (server, mut response) = self.get(server_no, &path).await?;
@@ -286,7 +287,12 @@ impl BatchClient for MemoryClient {
             let batches: Vec<BatchEntry> = bodies
                 .iter()
                 .enumerate()
-                .map(|(i, b)| BatchEntry { index: i as u64, samples: 1, bytes: b.len() as u64, crc32c: crc32c::crc32c(b) })
+                .map(|(i, b)| BatchEntry {
+                    index: i as u64,
+                    samples: 1,
+                    bytes: b.len() as u64,
+                    crc32c: crc32c::crc32c(b),
+                })
                 .collect();
             Ok(Manifest {
                 dataset: "memory".into(),

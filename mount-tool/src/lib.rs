@@ -2,7 +2,14 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod cli;
 pub mod client;
+pub mod demo;
+pub mod fs;
+pub mod fuse;
+pub mod mount;
+pub mod options;
 pub mod prefetch;
 pub mod stats;
 pub mod sync;
+pub mod sys;

@@ -1,1 +1,3 @@
-fn main(){}
+fn main() -> anyhow::Result<()> {
+    batchfs_mount::cli::run()
+}

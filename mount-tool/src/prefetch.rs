@@ -15,10 +15,11 @@
 //! - A failed fetch keeps retrying with jittered exponential backoff until `timeout` has passed since
 //!   it started, then fails every waiting reader with an error (EIO at the FUSE edge).
 //!
-//! **Window.** [`StreamTracker`] turns the sequence of batches read into streams (a reader, or a DDP rank
-//! reading every k-th batch). A stream is trusted once two consecutive reads agree on its stride (a read
-//! of batch 0 starts a stride-1 stream at once); the `prefetch` batches ahead of each trusted stream are
-//! kept cached or in flight. Reads that fit no stream are served on demand and start no prefetches.
+//! **Window.** [`StreamTracker`] turns the batches each reading process reads into streams (a loader
+//! worker, or a DDP rank reading every k-th batch). A stride seen once earns a window of 2 batches; once
+//! two consecutive reads agree on it (or the stream began at batch 0) the stream is trusted and the
+//! `prefetch` batches ahead of it are kept cached or in flight. Reads that fit no stream are served on
+//! demand and start no prefetches, so random access does not thrash the window.
 
 use crate::client::{BatchKey, ClientError, DynClient};
 use crate::stats::Stats;
@@ -47,7 +48,13 @@ pub struct PrefetcherConfig {
 
 impl Default for PrefetcherConfig {
     fn default() -> Self {
-        PrefetcherConfig { prefetch: 16, cache_bytes: 2 << 30, timeout: Duration::from_secs(60), max_streams: 64, max_stride: 64 }
+        PrefetcherConfig {
+            prefetch: 16,
+            cache_bytes: 2 << 30,
+            timeout: Duration::from_secs(60),
+            max_streams: 64,
+            max_stride: 64,
+        }
     }
 }
 
@@ -60,7 +67,9 @@ pub enum ReadError {
     Timeout { after: Duration, last: String },
     #[error("the server refused: {0}")]
     Refused(String),
-    #[error("the cache budget ({budget} bytes) cannot hold batch {batch} of epoch {epoch} ({size} bytes); raise `cache`")]
+    #[error(
+        "the cache budget ({budget} bytes) cannot hold batch {batch} of epoch {epoch} ({size} bytes); raise `cache`"
+    )]
     CacheTooSmall { epoch: u64, batch: u64, size: u64, budget: u64 },
 }
 
@@ -163,15 +172,16 @@ impl Prefetcher {
     }
 
     /// Reads `[offset, offset + size)` of a batch file. Blocks until the batch is verified and cached.
-    pub fn read(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
-        let result = self.read_inner(key, offset, size);
+    /// `owner` identifies the reader (the process id FUSE reports) so each reader gets its own stream.
+    pub fn read(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
+        let result = self.read_inner(key, offset, size, owner);
         if result.is_err() {
             Stats::add(&self.stats.errors, 1);
         }
         result
     }
 
-    fn read_inner(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
+    fn read_inner(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
         let manifest = self.manifest(key.epoch, key.format)?;
         let meta = *manifest
             .batches
@@ -182,9 +192,10 @@ impl Prefetcher {
         }
         let started = Instant::now();
         let deadline = started + self.config.timeout;
-        let (entry, fresh) = self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
+        let (entry, fresh) =
+            self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
         let was_ready = entry.is_ready();
-        self.prefetch_after(key, &manifest);
+        self.prefetch_after(key, &manifest, owner);
         let (body, waited) = entry.wait(deadline, self.config.timeout)?;
         let end = (offset + u64::from(size)).min(meta.bytes);
         if end == meta.bytes {
@@ -206,11 +217,12 @@ impl Prefetcher {
     }
 
     /// Starts the window of every stream this read advances.
-    fn prefetch_after(self: &Arc<Self>, key: BatchKey, manifest: &Manifest) {
+    fn prefetch_after(self: &Arc<Self>, key: BatchKey, manifest: &Manifest, owner: u32) {
         if self.config.prefetch == 0 {
             return;
         }
         let targets = self.streams.lock().expect("streams").observe(
+            owner,
             key.epoch,
             key.format,
             key.batch,
@@ -234,7 +246,9 @@ impl Prefetcher {
     fn victim(cache: &Cache, any_ready: bool) -> Option<BatchKey> {
         let ready = |e: &Entry| e.is_ready();
         let consumed = cache.entries.iter().rev().find(|(_, e)| e.consumed.load(Ordering::Relaxed) && ready(e));
-        consumed.or_else(|| if any_ready { cache.entries.iter().rev().find(|(_, e)| ready(e)) } else { None }).map(|(k, _)| *k)
+        consumed
+            .or_else(|| if any_ready { cache.entries.iter().rev().find(|(_, e)| ready(e)) } else { None })
+            .map(|(k, _)| *k)
     }
 
     fn evict(&self, cache: &mut Cache, key: BatchKey) {
@@ -324,7 +338,11 @@ impl Prefetcher {
         Ok(Some((entry, true)))
     }
 
-    fn wait_for_room<'a>(&self, cache: MutexGuard<'a, Cache>, deadline: Instant) -> Result<MutexGuard<'a, Cache>, ReadError> {
+    fn wait_for_room<'a>(
+        &self,
+        cache: MutexGuard<'a, Cache>,
+        deadline: Instant,
+    ) -> Result<MutexGuard<'a, Cache>, ReadError> {
         let now = Instant::now();
         if now >= deadline {
             return Err(ReadError::Timeout { after: self.config.timeout, last: "no room in the cache".into() });
@@ -404,6 +422,8 @@ fn jitter() -> f64 {
 /// One reader stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Stream {
+    /// The reading process (thread) id FUSE reports, 0 when unknown.
+    owner: u32,
     epoch: u64,
     format: BatchFormat,
     last: u64,
@@ -428,16 +448,31 @@ impl StreamTracker {
         StreamTracker { streams: Vec::new(), max_streams: max_streams.max(1), max_stride: max_stride.max(1), clock: 0 }
     }
 
-    /// Records a read of `batch` (of `batches`) and returns the batches to keep ahead of the stream it
-    /// belongs to: up to `window` of them, in order; none for an untrusted stream.
-    pub fn observe(&mut self, epoch: u64, format: BatchFormat, batch: u64, batches: u64, window: usize) -> Vec<u64> {
+    /// Records a read of `batch` (of `batches`) by `owner` and returns the batches to keep ahead of the
+    /// stream it belongs to, in order: `window` of them for a trusted stream, at most 2 while its stride
+    /// has been seen once, none before.
+    pub fn observe(
+        &mut self,
+        owner: u32,
+        epoch: u64,
+        format: BatchFormat,
+        batch: u64,
+        batches: u64,
+        window: usize,
+    ) -> Vec<u64> {
         self.clock += 1;
-        let same = |s: &Stream| s.epoch == epoch && s.format == format;
+        let same = |s: &Stream| s.owner == owner && s.epoch == epoch && s.format == format;
         // 1. The next batch of a known stream, or a re-read of its current batch.
-        let mut found = self.streams.iter().position(|s| same(s) && (s.last == batch || (s.stride > 0 && s.last + s.stride == batch)));
+        let mut found = self
+            .streams
+            .iter()
+            .position(|s| same(s) && (s.last == batch || (s.stride > 0 && s.last + s.stride == batch)));
         // 2. A stream whose stride was unknown (or unconfirmed) and this read sets it.
         if found.is_none() {
-            found = self.streams.iter().position(|s| same(s) && !s.trusted && batch > s.last && batch - s.last <= self.max_stride);
+            found = self
+                .streams
+                .iter()
+                .position(|s| same(s) && !s.trusted && batch > s.last && batch - s.last <= self.max_stride);
         }
         let i = match found {
             Some(i) => {
@@ -457,14 +492,25 @@ impl StreamTracker {
                     self.streams.swap_remove(oldest);
                 }
                 let start = batch == 0;
-                self.streams.push(Stream { epoch, format, last: batch, stride: u64::from(start), trusted: start, used: self.clock });
+                self.streams.push(Stream {
+                    owner,
+                    epoch,
+                    format,
+                    last: batch,
+                    stride: u64::from(start),
+                    trusted: start,
+                    used: self.clock,
+                });
                 self.streams.len() - 1
             }
         };
         let s = &self.streams[i];
-        if !s.trusted {
-            return Vec::new();
-        }
+        // Ramp up: a stride seen once earns a short window, a confirmed one the full window.
+        let window = match (s.trusted, s.stride) {
+            (true, _) => window,
+            (false, 0) => 0,
+            (false, _) => window.min(2),
+        };
         (1..=window as u64).map(|k| s.last + k * s.stride).take_while(|&b| b < batches).collect()
     }
 }
@@ -477,30 +523,52 @@ mod tests {
 
     const TF: BatchFormat = BatchFormat::Tfrecord;
 
+    impl Prefetcher {
+        fn read_as0(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
+            self.read(key, offset, size, 0)
+        }
+    }
+
     #[test]
     fn sequential_reader_from_zero_is_trusted_at_once() {
         let mut t = StreamTracker::new(8, 16);
-        assert_eq!(t.observe(0, TF, 0, 100, 3), vec![1, 2, 3]);
-        assert_eq!(t.observe(0, TF, 0, 100, 3), vec![1, 2, 3], "re-reading a batch keeps the window");
-        assert_eq!(t.observe(0, TF, 1, 100, 3), vec![2, 3, 4]);
-        assert_eq!(t.observe(0, TF, 98, 100, 3), Vec::<u64>::new(), "a jump is another stream");
-        assert_eq!(t.observe(0, TF, 2, 100, 3), vec![3, 4, 5]);
-        assert_eq!(t.observe(0, TF, 99, 100, 3), Vec::<u64>::new(), "98 -> 99 sets a stride, not yet trusted");
+        assert_eq!(t.observe(0, 0, TF, 0, 100, 3), vec![1, 2, 3]);
+        assert_eq!(t.observe(0, 0, TF, 0, 100, 3), vec![1, 2, 3], "re-reading a batch keeps the window");
+        assert_eq!(t.observe(0, 0, TF, 1, 100, 3), vec![2, 3, 4]);
+        assert_eq!(t.observe(0, 0, TF, 98, 100, 3), Vec::<u64>::new(), "a jump is another stream");
+        assert_eq!(t.observe(0, 0, TF, 2, 100, 3), vec![3, 4, 5]);
+        assert_eq!(t.observe(0, 0, TF, 99, 100, 3), Vec::<u64>::new(), "98 -> 99 sets a stride, not yet trusted");
     }
 
     #[test]
     fn interleaved_ranks_get_their_own_streams() {
         // Ranks in lockstep read 0, 1, 2, 3, 4...: together one sequential stream, whose window serves all.
         let mut t = StreamTracker::new(8, 16);
-        let lockstep: Vec<Vec<u64>> = (0..8).map(|b| t.observe(0, TF, b, 1000, 2)).collect();
+        let lockstep: Vec<Vec<u64>> = (0..8).map(|b| t.observe(0, 0, TF, b, 1000, 2)).collect();
         assert_eq!(lockstep[7], vec![8, 9]);
         // Ranks out of phase (each runs ahead on its own): every rank becomes its own stride-k stream.
         let mut t = StreamTracker::new(8, 16);
         let k = 4;
         for rank in 0..k {
-            let windows: Vec<Vec<u64>> = (0..4).map(|step| t.observe(0, TF, rank + step * k, 1000, 2)).collect();
+            let windows: Vec<Vec<u64>> = (0..4).map(|step| t.observe(0, 0, TF, rank + step * k, 1000, 2)).collect();
             assert_eq!(windows[3], vec![rank + 4 * k, rank + 5 * k], "rank {rank}: {windows:?}");
         }
+    }
+
+    #[test]
+    fn each_reading_process_gets_its_own_stream() {
+        // DDP ranks in lockstep, told apart by their process ids: each ramps up to its own stride-4 window.
+        let mut t = StreamTracker::new(8, 16);
+        let mut seen = std::collections::HashMap::new();
+        for step in 0..3u64 {
+            for rank in 0..4u64 {
+                seen.insert((rank, step), t.observe(100 + rank as u32, 0, TF, rank + step * 4, 1000, 3));
+            }
+        }
+        assert_eq!(seen[&(1, 0)], Vec::<u64>::new(), "first read: unknown stride");
+        assert_eq!(seen[&(1, 1)], vec![9, 13], "stride seen once: short window");
+        assert_eq!(seen[&(1, 2)], vec![13, 17, 21], "stride confirmed: full window");
+        assert_eq!(seen[&(3, 2)], vec![15, 19, 23]);
     }
 
     #[test]
@@ -508,13 +576,16 @@ mod tests {
         let mut t = StreamTracker::new(8, 4);
         let mut started = 0;
         for b in [500u64, 37, 912, 240, 771, 15, 640, 333, 108, 455] {
-            started += t.observe(0, TF, b, 1000, 16).len();
+            started += t.observe(0, 0, TF, b, 1000, 16).len();
         }
         assert_eq!(started, 0);
     }
 
     /// A runtime on its own threads and an in-memory dataset of `n` batches of varied sizes.
-    fn setup(n: usize, config: PrefetcherConfig) -> (tokio::runtime::Runtime, Arc<MemoryClient>, Arc<Prefetcher>, Vec<Bytes>) {
+    fn setup(
+        n: usize,
+        config: PrefetcherConfig,
+    ) -> (tokio::runtime::Runtime, Arc<MemoryClient>, Arc<Prefetcher>, Vec<Bytes>) {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let bodies: Vec<Bytes> = (0..n).map(|i| Bytes::from(vec![i as u8; 1000 + (i * 37) % 300])).collect();
         let b2 = bodies.clone();
@@ -532,15 +603,15 @@ mod tests {
         let config = PrefetcherConfig { prefetch: 4, cache_bytes: 1 << 20, ..Default::default() };
         let (_rt, _client, p, bodies) = setup(20, config);
         for (i, body) in bodies.iter().enumerate() {
-            let got = p.read(key(i as u64), 0, 1 << 20).unwrap();
+            let got = p.read_as0(key(i as u64), 0, 1 << 20).unwrap();
             assert_eq!(&got, body);
             std::thread::sleep(Duration::from_millis(2));
         }
         let s = p.stats.snapshot();
         assert_eq!(s.misses, 1, "only batch 0 is fetched on demand: {s:?}");
         assert!(s.hits >= 15, "{s:?}");
-        assert_eq!(p.read(key(3), 5000, 10).unwrap(), Bytes::new(), "past the end");
-        assert_eq!(p.read(key(20), 0, 10), Err(ReadError::NoSuchBatch { epoch: 0, batch: 20 }));
+        assert_eq!(p.read_as0(key(3), 5000, 10).unwrap(), Bytes::new(), "past the end");
+        assert_eq!(p.read_as0(key(20), 0, 10), Err(ReadError::NoSuchBatch { epoch: 0, batch: 20 }));
     }
 
     #[test]
@@ -548,7 +619,7 @@ mod tests {
         let config = PrefetcherConfig { prefetch: 0, ..Default::default() };
         let (_rt, client, p, bodies) = setup(3, config);
         client.inject([Fault::Corrupt, Fault::Short, Fault::Unreachable]);
-        assert_eq!(p.read(key(1), 0, 4096).unwrap(), bodies[1]);
+        assert_eq!(p.read_as0(key(1), 0, 4096).unwrap(), bodies[1]);
         let s = p.stats.snapshot();
         assert_eq!((s.checksum_errors, s.retries), (2, 3), "{s:?}");
     }
@@ -558,10 +629,10 @@ mod tests {
         let config = PrefetcherConfig { prefetch: 0, timeout: Duration::from_millis(600), ..Default::default() };
         let (_rt, client, p, _) = setup(3, config);
         client.inject([Fault::Status(401)]);
-        assert!(matches!(p.read(key(0), 0, 10), Err(ReadError::Refused(_))));
+        assert!(matches!(p.read_as0(key(0), 0, 10), Err(ReadError::Refused(_))));
         client.inject(std::iter::repeat_n(Fault::Unreachable, 1000));
         let started = Instant::now();
-        assert!(matches!(p.read(key(1), 0, 10), Err(ReadError::Timeout { .. })));
+        assert!(matches!(p.read_as0(key(1), 0, 10), Err(ReadError::Timeout { .. })));
         let took = started.elapsed();
         assert!(took >= Duration::from_millis(600) && took < Duration::from_secs(3), "{took:?}");
         // The fetch gives up at the same deadline as the reader and then releases its reservation.
@@ -576,7 +647,7 @@ mod tests {
     fn cache_too_small_is_an_error() {
         let config = PrefetcherConfig { cache_bytes: 100, ..Default::default() };
         let (_rt, _, p, _) = setup(2, config);
-        assert!(matches!(p.read(key(0), 0, 10), Err(ReadError::CacheTooSmall { .. })));
+        assert!(matches!(p.read_as0(key(0), 0, 10), Err(ReadError::CacheTooSmall { .. })));
     }
 
     proptest! {
@@ -593,7 +664,7 @@ mod tests {
             let (_rt, _client, p, bodies) = setup(30, config.clone());
             for (batch, offset, size) in reads {
                 let body = &bodies[batch as usize];
-                let got = p.read(key(batch), offset, size).unwrap();
+                let got = p.read_as0(key(batch), offset, size).unwrap();
                 let start = (offset as usize).min(body.len());
                 let end = (offset as usize + size as usize).min(body.len());
                 prop_assert_eq!(&got[..], &body[start..end]);

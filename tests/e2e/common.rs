@@ -139,3 +139,33 @@ pub fn python_read(args: &[&str]) -> Option<serde_json::Value> {
     assert!(out.status.success(), "read_batches.py failed: {}", String::from_utf8_lossy(&out.stderr));
     Some(serde_json::from_slice(&out.stdout).unwrap())
 }
+
+/// A dataset mounted for real (FUSE) in this process from `server`; unmounted on drop, also when a
+/// test panics.
+pub fn mount(server: &Server, dataset: &str, options: &str) -> (TempDir, batchfs_mount::mount::Mounted) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = batchfs_mount::options::MountOptions::default();
+    o.apply_list(options).unwrap();
+    let url = format!("{}/{dataset}", server.base);
+    let plan = batchfs_mount::mount::plan(&url, dir.path(), o).unwrap();
+    let mounted = batchfs_mount::mount::spawn(&plan).unwrap();
+    (dir, mounted)
+}
+
+/// Starts a server on a given address (to restart one where it was).
+pub async fn serve_on(addr: std::net::SocketAddr, datasets: &[(&str, &Path)]) -> Server {
+    let mut catalog = Catalog::default();
+    for (name, path) in datasets {
+        catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress).unwrap()).unwrap();
+    }
+    let options = ServeOptions { listen: addr, tls: None, token: None, limits: ServerLimits::default() };
+    let running = batchfs_server::start(catalog, options).await.unwrap();
+    let base = format!("http://localhost:{}", running.local_addr().port());
+    Server { running, base }
+}
+
+/// Maps a file read-only and private, and copies its bytes out (the mount must serve mmap readers).
+pub fn map_file(file: &std::fs::File) -> Vec<u8> {
+    let map = batchfs::mmap::MappedFile::open_file(file).unwrap();
+    map.bytes().to_vec()
+}

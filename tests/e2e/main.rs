@@ -1,4 +1,5 @@
 //! End-to-end tests: the real server on generated datasets, read over real HTTP/2 connections.
 
 mod common;
+mod mount;
 mod server;

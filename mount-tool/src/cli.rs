@@ -1,0 +1,256 @@
+//! The `batchfs` command line: `mount`, `umount`, `stats` and `demo`; also `mount.batchfs` (the helper
+//! mount(8) runs for fstab entries of type `batchfs`) and `batchfs URL DIR -o ...` (how mount.fuse3 runs a
+//! `fuse.batchfs` entry).
+
+use crate::options::MountOptions;
+use crate::stats::StatsSnapshot;
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+/// batchfs: a read-only FUSE mount of pre-batched datasets served by batchfs-server.
+#[derive(Debug, Parser)]
+#[command(name = "batchfs", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Mount a dataset: `batchfs mount http://storage:7878/imagenet /mnt/imagenet -o batch_size=256`.
+    Mount(Box<MountArgs>),
+    /// Unmount a batchfs mount.
+    Umount {
+        mountpoint: PathBuf,
+        /// Detach now, clean up when no longer busy.
+        #[arg(long, short)]
+        lazy: bool,
+    },
+    /// Show a mount's live counters.
+    Stats {
+        mountpoint: PathBuf,
+        /// Print the raw JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Generate a sample dataset, serve it, mount it, read one epoch, print a result table.
+    Demo(crate::demo::DemoArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct MountArgs {
+    /// http(s)://host:port/DATASET
+    pub url: String,
+    pub mountpoint: PathBuf,
+    /// Options as key=value[,key=value...] (every long flag below works here too).
+    #[arg(short = 'o', value_name = "OPTIONS")]
+    pub options: Vec<String>,
+    /// Stay in the foreground (otherwise return once the mount is ready).
+    #[arg(long, short)]
+    pub foreground: bool,
+    #[arg(long, help_heading = "Plan", value_name = "N")]
+    pub batch_size: Option<String>,
+    #[arg(long, help_heading = "Plan", value_name = "N")]
+    pub seed: Option<String>,
+    /// global or none
+    #[arg(long, help_heading = "Plan", value_name = "MODE")]
+    pub shuffle: Option<String>,
+    #[arg(long, help_heading = "Plan")]
+    pub drop_last: bool,
+    /// tfrecord or tar
+    #[arg(long, help_heading = "Plan", value_name = "FORMAT")]
+    pub format: Option<String>,
+    /// Epoch directories listed [default: 1]
+    #[arg(long, help_heading = "Plan", value_name = "N")]
+    pub epochs: Option<String>,
+    /// Batches kept in flight ahead of each reader [default: 16; 0 disables]
+    #[arg(long, help_heading = "Prefetch", value_name = "N")]
+    pub prefetch: Option<String>,
+    /// Cache byte budget [default: 2G]
+    #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
+    pub cache: Option<String>,
+    /// HTTP/2 connections per server [default: 4]
+    #[arg(long, help_heading = "Network", value_name = "N")]
+    pub connections: Option<String>,
+    /// How long reads wait out an unreachable server before EIO [default: 60s]
+    #[arg(long, help_heading = "Network", value_name = "DURATION")]
+    pub timeout: Option<String>,
+    /// Abandon a response with no bytes for this long [default: 10s]
+    #[arg(long, help_heading = "Network", value_name = "DURATION")]
+    pub stall_timeout: Option<String>,
+    /// More servers with the same dataset, `;`-separated base URLs
+    #[arg(long, help_heading = "Network", value_name = "URLS")]
+    pub servers: Option<String>,
+    #[arg(long, help_heading = "Security", value_name = "FILE")]
+    pub token_file: Option<String>,
+    #[arg(long, help_heading = "Security", value_name = "FILE")]
+    pub ca_file: Option<String>,
+    /// Let other users read the mount (sets default_permissions)
+    #[arg(long, help_heading = "FUSE")]
+    pub allow_other: bool,
+    #[arg(long, help_heading = "FUSE")]
+    pub auto_unmount: bool,
+    /// FUSE worker threads [default: 16]
+    #[arg(long, help_heading = "FUSE", value_name = "N")]
+    pub threads: Option<String>,
+    /// Kernel readahead of the mount in KiB, set as root [default: 1024]
+    #[arg(long, help_heading = "FUSE", value_name = "KB")]
+    pub read_ahead_kb: Option<String>,
+    /// Log file of a daemonized mount
+    #[arg(long, value_name = "FILE")]
+    pub log_file: Option<String>,
+}
+
+impl MountArgs {
+    /// The options: defaults, then `-o` lists, then long flags.
+    pub fn mount_options(&self) -> Result<MountOptions> {
+        let mut o = MountOptions::default();
+        for list in &self.options {
+            o.apply_list(list).map_err(anyhow::Error::msg)?;
+        }
+        let flags = [
+            ("batch_size", &self.batch_size),
+            ("seed", &self.seed),
+            ("shuffle", &self.shuffle),
+            ("format", &self.format),
+            ("epochs", &self.epochs),
+            ("prefetch", &self.prefetch),
+            ("cache", &self.cache),
+            ("connections", &self.connections),
+            ("timeout", &self.timeout),
+            ("stall_timeout", &self.stall_timeout),
+            ("servers", &self.servers),
+            ("token_file", &self.token_file),
+            ("ca_file", &self.ca_file),
+            ("threads", &self.threads),
+            ("read_ahead_kb", &self.read_ahead_kb),
+            ("log_file", &self.log_file),
+        ];
+        for (key, value) in flags {
+            if let Some(v) = value {
+                o.set(key, Some(v)).map_err(anyhow::Error::msg)?;
+            }
+        }
+        for (key, on) in
+            [("drop_last", self.drop_last), ("allow_other", self.allow_other), ("auto_unmount", self.auto_unmount)]
+        {
+            if on {
+                o.set(key, None).map_err(anyhow::Error::msg)?;
+            }
+        }
+        Ok(o)
+    }
+}
+
+fn init_tracing(log_file: Option<&Path>, default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let _ = match log_file.and_then(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).ok()) {
+        Some(file) => builder.with_ansi(false).with_writer(std::sync::Mutex::new(file)).try_init(),
+        None => builder.with_writer(std::io::stderr).try_init(),
+    };
+}
+
+/// Entry point of the binary.
+pub fn run() -> Result<()> {
+    let mut args: Vec<OsString> = std::env::args_os().collect();
+    let program = args.first().and_then(|a| Path::new(a).file_name()).map(|n| n.to_string_lossy().into_owned());
+    if program.as_deref().is_some_and(|p| p.starts_with("mount.batchfs") || p == "mount.fuse.batchfs") {
+        return mount_helper(&args[1..]);
+    }
+    // `batchfs URL DIR -o ...`, as mount.fuse3 runs the program of a `fuse.batchfs` entry.
+    if args.get(1).and_then(|a| a.to_str()).is_some_and(|a| a.starts_with("http://") || a.starts_with("https://")) {
+        args.insert(1, "mount".into());
+    }
+    let cli = Cli::parse_from(args);
+    match cli.command {
+        Command::Mount(m) => {
+            let options = m.mount_options()?;
+            init_tracing(if m.foreground { None } else { options.log_file.as_deref() }, "info");
+            let plan = crate::mount::plan(&m.url, &m.mountpoint, options)?;
+            crate::mount::run(plan, !m.foreground)
+        }
+        Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
+        Command::Stats { mountpoint, json } => stats(&mountpoint, json),
+        Command::Demo(args) => {
+            init_tracing(None, "warn");
+            crate::demo::run(args)
+        }
+    }
+}
+
+/// `mount.batchfs SPEC DIR [-sfnv] [-o OPTIONS] [-t TYPE]`, as mount(8) calls it.
+fn mount_helper(args: &[OsString]) -> Result<()> {
+    let mut positional = Vec::new();
+    let mut options = MountOptions::default();
+    let mut fake = false;
+    let mut it = args.iter().map(|a| a.to_string_lossy().into_owned());
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "-o" => options.apply_list(&it.next().context("-o needs a value")?).map_err(anyhow::Error::msg)?,
+            "-t" => {
+                it.next();
+            }
+            "-f" => fake = true,
+            "-s" | "-n" | "-v" => {}
+            a if a.starts_with("-o") => options.apply_list(&a[2..]).map_err(anyhow::Error::msg)?,
+            a if a.starts_with('-') => bail!("mount.batchfs: unknown flag {a}"),
+            _ => positional.push(arg),
+        }
+    }
+    let [spec, dir] = positional.as_slice() else {
+        bail!("usage: mount.batchfs http://host:port/DATASET MOUNTPOINT [-o options]");
+    };
+    init_tracing(options.log_file.as_deref(), "info");
+    let plan = crate::mount::plan(spec, Path::new(dir), options)?;
+    if fake {
+        return Ok(());
+    }
+    crate::mount::run(plan, true)
+}
+
+fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
+    crate::sys::unmount(mountpoint, lazy).map_err(|e| match e.raw_os_error() {
+        Some(libc::EINVAL) => anyhow::anyhow!("{} is not mounted", mountpoint.display()),
+        Some(libc::EBUSY) => {
+            anyhow::anyhow!("{} is busy (files open); use --lazy to detach it now", mountpoint.display())
+        }
+        _ => anyhow::anyhow!("cannot unmount {}: {e}", mountpoint.display()),
+    })
+}
+
+fn stats(mountpoint: &Path, json: bool) -> Result<()> {
+    let path = mountpoint.join(crate::fs::META_NAME).join("stats");
+    let text =
+        std::fs::read(&path).with_context(|| format!("cannot read {} (is this a batchfs mount?)", path.display()))?;
+    if json {
+        print!("{}", String::from_utf8_lossy(&text));
+        return Ok(());
+    }
+    let s: StatsSnapshot = serde_json::from_slice(&text).context("malformed stats")?;
+    print!("{}", format_stats(&s));
+    Ok(())
+}
+
+/// A human table of the counters.
+pub fn format_stats(s: &StatsSnapshot) -> String {
+    let hit_rate = if s.reads > 0 { 100.0 * s.hits as f64 / s.reads as f64 } else { 0.0 };
+    let rows = [
+        ("bytes served", format!("{:.1} MB", s.bytes_served as f64 / 1e6)),
+        ("reads", s.reads.to_string()),
+        ("cache hits", format!("{} ({hit_rate:.1} %)", s.hits)),
+        ("misses (on demand)", s.misses.to_string()),
+        ("stalls", format!("{} ({:.3} s waiting)", s.stalls, s.stall_us as f64 / 1e6)),
+        ("prefetches", s.prefetches.to_string()),
+        ("in flight", s.in_flight.to_string()),
+        ("cache bytes", format!("{:.1} MB", s.cache_bytes as f64 / 1e6)),
+        ("fetched", format!("{:.1} MB", s.fetched_bytes as f64 / 1e6)),
+        ("retries", s.retries.to_string()),
+        ("checksum errors", s.checksum_errors.to_string()),
+        ("errors", s.errors.to_string()),
+        ("evictions", s.evictions.to_string()),
+    ];
+    rows.iter().map(|(k, v)| format!("{k:<20} {v}\n")).collect()
+}

@@ -1,0 +1,205 @@
+//! `batchfs demo`: the README's first command. Generates a sample dataset, starts `batchfs-server` on
+//! loopback, mounts it, reads one epoch with several reader threads as a loader would (each reading every
+//! k-th batch file), checks every file against the manifest's CRC32C, prints a result table, unmounts and
+//! cleans up.
+
+use crate::options::MountOptions;
+use anyhow::{bail, Context, Result};
+use batchfs::encode::BatchFormat;
+use batchfs::gen::{self, GenOptions};
+use batchfs::index::SourceFormat;
+use batchfs::units::parse_size;
+use clap::Args;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Samples in the generated dataset.
+    #[arg(long, default_value_t = 2000)]
+    pub samples: u32,
+    /// Mean sample size.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "110000")]
+    pub mean_bytes: u64,
+    /// TFRecord shards.
+    #[arg(long, default_value_t = 16)]
+    pub shards: u32,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: u32,
+    /// Reader threads (reader r reads batch files r, r+k, r+2k...).
+    #[arg(long, default_value_t = 4)]
+    pub readers: usize,
+    /// Batches prefetched ahead of each reader.
+    #[arg(long, default_value_t = 16)]
+    pub prefetch: usize,
+    /// The batchfs-server binary [default: next to this binary, else on PATH].
+    #[arg(long, value_name = "PATH")]
+    pub server: Option<PathBuf>,
+}
+
+struct ServerProcess(Child);
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn server_binary(given: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = given {
+        return Ok(p.to_owned());
+    }
+    let beside = std::env::current_exe()?.with_file_name("batchfs-server");
+    if beside.exists() {
+        return Ok(beside);
+    }
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("batchfs-server"))
+        .find(|p| p.exists());
+    on_path.context("batchfs-server not found: build the workspace first (cargo build --release --workspace)")
+}
+
+/// Reads every file fully; returns (bytes, CRC32C) per file.
+fn read_file(path: &Path) -> Result<(u64, u32)> {
+    let mut file = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut len, mut crc) = (0u64, 0u32);
+    loop {
+        let n = file.read(&mut buf).with_context(|| format!("read {}", path.display()))?;
+        if n == 0 {
+            return Ok((len, crc));
+        }
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        len += n as u64;
+    }
+}
+
+/// Runs the demo.
+pub fn run(args: DemoArgs) -> Result<()> {
+    let work = tempfile::tempdir()?;
+    let data = work.path().join("sample-tfrecord");
+    let t = Instant::now();
+    let options = GenOptions {
+        format: SourceFormat::Tfrecord,
+        samples: args.samples,
+        mean_bytes: args.mean_bytes,
+        shards: args.shards,
+        classes: 10,
+        seed: 0,
+    };
+    let generated = gen::generate(&options, &data)?;
+    let gen_secs = t.elapsed().as_secs_f64();
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let server = server_binary(args.server.as_deref())?;
+    let child = Command::new(&server)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--dataset", &format!("sample={}", data.display())])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .with_context(|| format!("cannot start {}", server.display()))?;
+    let _server = ServerProcess(child);
+    let url = format!("http://127.0.0.1:{port}/sample");
+    let mountpoint = work.path().join("mnt");
+    std::fs::create_dir(&mountpoint)?;
+    let mut mount_options = MountOptions { prefetch: args.prefetch, ..MountOptions::default() };
+    mount_options.plan.batch_size = args.batch_size;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let plan = loop {
+        match crate::mount::plan(&url, &mountpoint, mount_options.clone()) {
+            Ok(p) => break p,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(error = %e, "waiting for the server");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e.context("the server did not come up")),
+        }
+    };
+    let mounted = crate::mount::spawn(&plan)?;
+    let manifest = mounted.prefetcher.manifest(0, BatchFormat::Tfrecord).map_err(anyhow::Error::msg)?;
+    let epoch = mountpoint.join("epoch-0000");
+    let files: Vec<PathBuf> =
+        (0..manifest.batches.len()).map(|b| epoch.join(format!("batch-{b:06}.tfrecord"))).collect();
+    let listed = std::fs::read_dir(&epoch)?.count();
+
+    let started = Instant::now();
+    let readers = args.readers.max(1);
+    let results: Vec<Result<Vec<(usize, u64, u32)>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..readers)
+            .map(|r| {
+                let files = &files;
+                scope.spawn(move || {
+                    (r..files.len())
+                        .step_by(readers)
+                        .map(|i| read_file(&files[i]).map(|(len, crc)| (i, len, crc)))
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("reader thread")).collect()
+    });
+    let secs = started.elapsed().as_secs_f64();
+    let (mut bytes, mut verified) = (0u64, 0usize);
+    for result in results {
+        for (i, len, crc) in result? {
+            let entry = &manifest.batches[i];
+            if len != entry.bytes || crc != entry.crc32c {
+                bail!(
+                    "batch {i}: read {len} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
+                    entry.bytes,
+                    entry.crc32c
+                );
+            }
+            bytes += len;
+            verified += 1;
+        }
+    }
+    let stats = mounted.prefetcher.stats.snapshot();
+    mounted.unmount()?;
+
+    println!();
+    println!("batchfs demo: one epoch read through a FUSE mount of batchfs-server on loopback");
+    println!("{:-<72}", "");
+    let hit_rate = if stats.reads > 0 { 100.0 * stats.hits as f64 / stats.reads as f64 } else { 0.0 };
+    let rows = [
+        (
+            "dataset",
+            format!(
+                "{} samples, {:.1} MB in {} TFRecord shards (generated in {gen_secs:.2} s)",
+                generated.samples,
+                generated.bytes as f64 / 1e6,
+                generated.files
+            ),
+        ),
+        (
+            "mount",
+            format!("{url} -> {} (batch_size {}, prefetch {})", mountpoint.display(), args.batch_size, args.prefetch),
+        ),
+        (
+            "epoch-0000",
+            format!("{} batch files listed, {} read by {readers} readers (interleaved)", listed, files.len()),
+        ),
+        ("bytes", format!("{:.1} MB", bytes as f64 / 1e6)),
+        ("seconds", format!("{secs:.3}")),
+        ("throughput", format!("{:.0} MB/s", bytes as f64 / 1e6 / secs)),
+        (
+            "cache hit rate",
+            format!(
+                "{hit_rate:.1} % of {} reads ({} fetched on demand, {} prefetched)",
+                stats.reads, stats.misses, stats.prefetches
+            ),
+        ),
+        ("time stalled", format!("{:.3} s over {} stalled reads", stats.stall_us as f64 / 1e6, stats.stalls)),
+        ("checksums", format!("{verified}/{} batch files match the manifest (CRC32C)", files.len())),
+    ];
+    for (k, v) in rows {
+        println!("{k:<16} {v}");
+    }
+    Ok(())
+}

@@ -1,0 +1,346 @@
+//! The filesystem, without FUSE: names, inodes, attributes, directory listings and reads, driven by the
+//! FUSE adapter (`fuse.rs`) and directly by tests.
+//!
+//! ```text
+//! /                       epoch-0000 ... epoch-{epochs-1}, .batchfs
+//! /epoch-NNNN/            batch-000000.tfrecord (+ batch-000000.tfrecord.idx) | batch-000000.tar
+//! /.batchfs/stats         live JSON counters
+//! ```
+//! Inode numbers encode what they name, so no table grows with the epochs read: the root is 1,
+//! `.batchfs` 2, its `stats` 3, epoch directory *e* is `2^40 + e`, and batch *b* of epoch *e* is
+//! `2^62 + e·2^36 + b·4 + kind` (kind 0: the batch, 1: its DALI index). Any epoch number up to 999,999
+//! resolves by name, listed or not. `stat` and `readdir` use manifests only, never sample data.
+
+use crate::client::BatchKey;
+use crate::prefetch::{Prefetcher, ReadError};
+use batchfs::encode::BatchFormat;
+use batchfs::plan::MAX_EPOCH;
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::SystemTime;
+use thiserror::Error;
+
+pub const ROOT: u64 = 1;
+pub const META_DIR: u64 = 2;
+pub const STATS_FILE: u64 = 3;
+const EPOCH_BASE: u64 = 1 << 40;
+const BATCH_BASE: u64 = 1 << 62;
+
+/// The name of the statistics directory.
+pub const META_NAME: &str = ".batchfs";
+
+/// A filesystem error; the FUSE edge maps each variant to one errno.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum FsError {
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("not a directory")]
+    NotADirectory,
+    #[error("is a directory")]
+    IsADirectory,
+    #[error("read-only filesystem")]
+    ReadOnly,
+    #[error("{0}")]
+    Io(ReadError),
+}
+
+impl FsError {
+    /// The errno returned to the caller.
+    pub fn errno(&self) -> i32 {
+        match self {
+            FsError::NotFound => libc::ENOENT,
+            FsError::NotADirectory => libc::ENOTDIR,
+            FsError::IsADirectory => libc::EISDIR,
+            FsError::ReadOnly => libc::EROFS,
+            FsError::Io(_) => libc::EIO,
+        }
+    }
+}
+
+impl From<ReadError> for FsError {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::NoSuchBatch { .. } => FsError::NotFound,
+            e => FsError::Io(e),
+        }
+    }
+}
+
+/// What an inode is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Node {
+    Root,
+    MetaDir,
+    Stats,
+    Epoch(u64),
+    /// A batch file; `index` for the `.tfrecord.idx` twin.
+    Batch {
+        epoch: u64,
+        batch: u64,
+        index: bool,
+    },
+}
+
+impl Node {
+    pub fn ino(self) -> u64 {
+        match self {
+            Node::Root => ROOT,
+            Node::MetaDir => META_DIR,
+            Node::Stats => STATS_FILE,
+            Node::Epoch(e) => EPOCH_BASE + e,
+            Node::Batch { epoch, batch, index } => BATCH_BASE | epoch << 36 | batch << 2 | u64::from(index),
+        }
+    }
+
+    pub fn from_ino(ino: u64) -> Option<Node> {
+        match ino {
+            ROOT => Some(Node::Root),
+            META_DIR => Some(Node::MetaDir),
+            STATS_FILE => Some(Node::Stats),
+            i if i >= BATCH_BASE => {
+                let rest = i - BATCH_BASE;
+                let index = match rest & 3 {
+                    0 => false,
+                    1 => true,
+                    _ => return None,
+                };
+                Some(Node::Batch { epoch: rest >> 36, batch: (rest >> 2) & ((1 << 34) - 1), index })
+            }
+            i if (EPOCH_BASE..=EPOCH_BASE + MAX_EPOCH).contains(&i) => Some(Node::Epoch(i - EPOCH_BASE)),
+            _ => None,
+        }
+    }
+
+    pub fn is_dir(self) -> bool {
+        matches!(self, Node::Root | Node::MetaDir | Node::Epoch(_))
+    }
+}
+
+/// Name of epoch directory `e`.
+pub fn epoch_name(e: u64) -> String {
+    format!("epoch-{e:04}")
+}
+
+fn parse_epoch(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("epoch-")?;
+    let e: u64 = digits.parse().ok()?;
+    (digits.bytes().all(|b| b.is_ascii_digit()) && epoch_name(e) == name && e <= MAX_EPOCH).then_some(e)
+}
+
+/// Attributes of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr {
+    pub node: Node,
+    pub size: u64,
+}
+
+/// Mount-wide settings of the filesystem view.
+#[derive(Debug, Clone)]
+pub struct FsOptions {
+    /// Epoch directories listed in the root (any epoch resolves by name).
+    pub epochs: u64,
+    /// `tfrecord` (with `.idx` twins) or `tar`.
+    pub format: BatchFormat,
+    pub uid: u32,
+    pub gid: u32,
+    /// Times reported for every node.
+    pub time: SystemTime,
+}
+
+/// The filesystem.
+pub struct Fs {
+    prefetcher: Arc<Prefetcher>,
+    pub options: FsOptions,
+}
+
+impl Fs {
+    pub fn new(prefetcher: Arc<Prefetcher>, options: FsOptions) -> Self {
+        Fs { prefetcher, options }
+    }
+
+    pub fn prefetcher(&self) -> &Arc<Prefetcher> {
+        &self.prefetcher
+    }
+
+    fn batch_format(&self, index: bool) -> BatchFormat {
+        if index {
+            BatchFormat::TfrecordIdx
+        } else {
+            self.options.format
+        }
+    }
+
+    fn batch_name(&self, batch: u64, index: bool) -> String {
+        format!("batch-{batch:06}.{}", self.batch_format(index).as_str())
+    }
+
+    fn parse_batch(&self, name: &str) -> Option<(u64, bool)> {
+        let rest = name.strip_prefix("batch-")?;
+        let (digits, ext) = rest.split_once('.')?;
+        let batch: u64 = digits.parse().ok()?;
+        if !digits.bytes().all(|b| b.is_ascii_digit()) || format!("{batch:06}") != digits || batch >= 1 << 34 {
+            return None;
+        }
+        match ext {
+            e if e == self.options.format.as_str() => Some((batch, false)),
+            "tfrecord.idx" if self.options.format == BatchFormat::Tfrecord => Some((batch, true)),
+            _ => None,
+        }
+    }
+
+    /// Current statistics as JSON.
+    pub fn stats_json(&self) -> Vec<u8> {
+        let mut out = serde_json::to_vec_pretty(&self.prefetcher.stats.snapshot()).expect("stats serialize");
+        out.push(b'\n');
+        out
+    }
+
+    /// Resolves `name` in directory `parent`.
+    pub fn lookup(&self, parent: u64, name: &str) -> Result<Attr, FsError> {
+        let node = match Node::from_ino(parent).ok_or(FsError::NotFound)? {
+            Node::Root if name == META_NAME => Node::MetaDir,
+            Node::Root => Node::Epoch(parse_epoch(name).ok_or(FsError::NotFound)?),
+            Node::MetaDir if name == "stats" => Node::Stats,
+            Node::Epoch(epoch) => {
+                let (batch, index) = self.parse_batch(name).ok_or(FsError::NotFound)?;
+                Node::Batch { epoch, batch, index }
+            }
+            Node::MetaDir => return Err(FsError::NotFound),
+            Node::Stats | Node::Batch { .. } => return Err(FsError::NotADirectory),
+        };
+        self.attr(node)
+    }
+
+    /// Attributes of inode `ino`.
+    pub fn getattr(&self, ino: u64) -> Result<Attr, FsError> {
+        self.attr(Node::from_ino(ino).ok_or(FsError::NotFound)?)
+    }
+
+    fn attr(&self, node: Node) -> Result<Attr, FsError> {
+        let size = match node {
+            Node::Stats => self.stats_json().len() as u64,
+            Node::Batch { epoch, batch, index } => {
+                let manifest = self.prefetcher.manifest(epoch, self.batch_format(index))?;
+                manifest.batches.get(batch as usize).ok_or(FsError::NotFound)?.bytes
+            }
+            _ => 0,
+        };
+        Ok(Attr { node, size })
+    }
+
+    /// The entries of directory `ino` (without `.` and `..`).
+    pub fn readdir(&self, ino: u64) -> Result<Vec<(Node, String)>, FsError> {
+        match Node::from_ino(ino).ok_or(FsError::NotFound)? {
+            Node::Root => {
+                let mut out = vec![(Node::MetaDir, META_NAME.to_owned())];
+                out.extend((0..self.options.epochs.min(MAX_EPOCH + 1)).map(|e| (Node::Epoch(e), epoch_name(e))));
+                Ok(out)
+            }
+            Node::MetaDir => Ok(vec![(Node::Stats, "stats".to_owned())]),
+            Node::Epoch(epoch) => {
+                let manifest = self.prefetcher.manifest(epoch, self.options.format)?;
+                let with_index = self.options.format == BatchFormat::Tfrecord;
+                let mut out = Vec::with_capacity(manifest.batches.len() * 2);
+                for b in 0..manifest.batches.len() as u64 {
+                    out.push((Node::Batch { epoch, batch: b, index: false }, self.batch_name(b, false)));
+                    if with_index {
+                        out.push((Node::Batch { epoch, batch: b, index: true }, self.batch_name(b, true)));
+                    }
+                }
+                Ok(out)
+            }
+            Node::Stats | Node::Batch { .. } => Err(FsError::NotADirectory),
+        }
+    }
+
+    /// Checks that `ino` can be opened for reading.
+    pub fn open(&self, ino: u64, write: bool) -> Result<Node, FsError> {
+        let node = Node::from_ino(ino).ok_or(FsError::NotFound)?;
+        if write {
+            return Err(FsError::ReadOnly);
+        }
+        Ok(node)
+    }
+
+    /// Reads `size` bytes at `offset` of file `ino` for the reading process `owner`.
+    pub fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError> {
+        match Node::from_ino(ino).ok_or(FsError::NotFound)? {
+            Node::Stats => {
+                let json = self.stats_json();
+                let start = (offset as usize).min(json.len());
+                let end = (start + size as usize).min(json.len());
+                Ok(Bytes::copy_from_slice(&json[start..end]))
+            }
+            Node::Batch { epoch, batch, index } => {
+                let key = BatchKey { epoch, batch, format: self.batch_format(index) };
+                Ok(self.prefetcher.read(key, offset, size, owner)?)
+            }
+            _ => Err(FsError::IsADirectory),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::MemoryClient;
+    use crate::prefetch::PrefetcherConfig;
+    use proptest::prelude::*;
+
+    fn fs(format: BatchFormat) -> (tokio::runtime::Runtime, Fs) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let client = MemoryClient::new(|epoch, f| {
+            (0..3).map(|b| Bytes::from(format!("{f} epoch {epoch} batch {b}").into_bytes())).collect()
+        });
+        let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), PrefetcherConfig::default());
+        let options = FsOptions { epochs: 2, format, uid: 0, gid: 0, time: SystemTime::UNIX_EPOCH };
+        (rt, Fs::new(p, options))
+    }
+
+    #[test]
+    fn tree_and_reads() {
+        let (_rt, fs) = fs(BatchFormat::Tfrecord);
+        let names: Vec<String> = fs.readdir(ROOT).unwrap().into_iter().map(|(_, n)| n).collect();
+        assert_eq!(names, [".batchfs", "epoch-0000", "epoch-0001"]);
+        let e7 = fs.lookup(ROOT, "epoch-0007").unwrap();
+        assert_eq!(e7.node, Node::Epoch(7), "unlisted epochs resolve by name");
+        let listing: Vec<String> = fs.readdir(e7.node.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
+        assert_eq!(listing[..2], ["batch-000000.tfrecord", "batch-000000.tfrecord.idx"]);
+        let f = fs.lookup(e7.node.ino(), "batch-000002.tfrecord").unwrap();
+        let want = "tfrecord epoch 7 batch 2";
+        assert_eq!(f.size, want.len() as u64);
+        assert_eq!(fs.read(f.node.ino(), 0, 100, 1).unwrap(), want.as_bytes());
+        let idx = fs.lookup(e7.node.ino(), "batch-000002.tfrecord.idx").unwrap();
+        assert_eq!(fs.read(idx.node.ino(), 0, 100, 1).unwrap(), "tfrecord.idx epoch 7 batch 2".as_bytes());
+        let stats = fs.lookup(META_DIR, "stats").unwrap();
+        let json: serde_json::Value =
+            serde_json::from_slice(&fs.read(stats.node.ino(), 0, 1 << 16, 1).unwrap()).unwrap();
+        assert_eq!(json["reads"], 2);
+    }
+
+    #[test]
+    fn errors_map_to_errnos() {
+        let (_rt, fs) = fs(BatchFormat::Tar);
+        let e0 = Node::Epoch(0).ino();
+        for missing in ["batch-000003.tar", "batch-000000.tfrecord", "batch-0.tar", "batch-0000001.tar", "x"] {
+            assert_eq!(fs.lookup(e0, missing).unwrap_err().errno(), libc::ENOENT, "{missing}");
+        }
+        for bad in ["epoch-1", "epoch-00001", "epoch-1000000", "epoch-+001", "nothing"] {
+            assert_eq!(fs.lookup(ROOT, bad).unwrap_err().errno(), libc::ENOENT, "{bad}");
+        }
+        let file = fs.lookup(e0, "batch-000000.tar").unwrap().node.ino();
+        assert_eq!(fs.lookup(file, "x").unwrap_err().errno(), libc::ENOTDIR);
+        assert_eq!(fs.open(file, true).unwrap_err().errno(), libc::EROFS);
+        assert_eq!(fs.read(e0, 0, 10, 1).unwrap_err().errno(), libc::EISDIR);
+        assert_eq!(fs.getattr(12345).unwrap_err().errno(), libc::ENOENT);
+    }
+
+    proptest! {
+        #[test]
+        fn inodes_roundtrip(epoch in 0u64..=MAX_EPOCH, batch in 0u64..(1 << 34), index: bool) {
+            for node in [Node::Epoch(epoch), Node::Batch { epoch, batch, index }] {
+                prop_assert_eq!(Node::from_ino(node.ino()), Some(node));
+            }
+        }
+    }
+}

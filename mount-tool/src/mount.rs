@@ -1,0 +1,263 @@
+//! Mounting: checking the mountpoint and the server before anything is mounted (so errors reach the
+//! terminal), daemonizing, tuning the kernel readahead, and unmounting on a signal.
+
+use crate::client::{parse_url, BatchClient, ClientError, HttpClient, HttpConfig};
+use crate::fs::{Fs, FsOptions};
+use crate::fuse::FuseFs;
+use crate::options::MountOptions;
+use crate::prefetch::{Prefetcher, PrefetcherConfig};
+use crate::sys;
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// A validated mount: where, from where, how.
+pub struct MountPlan {
+    pub url: String,
+    pub mountpoint: PathBuf,
+    pub options: MountOptions,
+    pub http: HttpConfig,
+}
+
+/// Checks the options, the mountpoint (cleaning up a stale mount left by a killed daemon) and the
+/// server (reachable, dataset known, token accepted) before mounting.
+pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<MountPlan> {
+    let (base, dataset) = parse_url(url).map_err(anyhow::Error::msg)?;
+    let mountpoint = prepare_mountpoint(mountpoint)?;
+    let token = match &options.token_file {
+        Some(path) => {
+            let t =
+                std::fs::read_to_string(path).with_context(|| format!("cannot read token_file {}", path.display()))?;
+            Some(t.trim().to_owned()).filter(|t| !t.is_empty())
+        }
+        None => None,
+    };
+    let mut servers = vec![base];
+    servers.extend(options.servers.iter().cloned());
+    let http = HttpConfig {
+        servers,
+        dataset,
+        query: options.query(),
+        token,
+        connections: options.connections,
+        ca_file: options.ca_file.clone(),
+        stall_timeout: options.stall_timeout,
+        connect_timeout: Duration::from_secs(10),
+    };
+    probe(&http, &options)?;
+    Ok(MountPlan { url: url.to_owned(), mountpoint, options, http })
+}
+
+fn is_mountpoint(path: &Path) -> bool {
+    let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let target = path.to_string_lossy().replace(' ', "\\040");
+    mounts.lines().any(|l| l.split(' ').nth(4) == Some(target.as_str()))
+}
+
+fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
+    match std::fs::metadata(path) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            // A FUSE mount whose daemon died: detach it, then use the path.
+            tracing::warn!(path = %path.display(), "cleaning up a stale mount (its daemon is gone)");
+            sys::unmount(path, true)
+                .with_context(|| format!("cannot clean up the stale mount at {}", path.display()))?;
+        }
+        Err(e) => bail!("mountpoint {}: {e}", path.display()),
+        Ok(m) if !m.is_dir() => bail!("mountpoint {} is not a directory", path.display()),
+        Ok(_) => {}
+    }
+    let path = std::fs::canonicalize(path).with_context(|| format!("mountpoint {}", path.display()))?;
+    if is_mountpoint(&path) {
+        bail!(
+            "{} is busy: something is already mounted there (batchfs umount {} first)",
+            path.display(),
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+fn probe(http: &HttpConfig, options: &MountOptions) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let client = HttpClient::new(http.clone())?;
+    let server = &http.servers[0];
+    let result = runtime.block_on(async {
+        let info = client.dataset().await?;
+        let manifest = client.manifest(0, options.format).await?;
+        Ok::<_, ClientError>((info, manifest))
+    });
+    // Join the runtime's threads now: a daemonizing caller forks next.
+    runtime.shutdown_timeout(Duration::from_secs(5));
+    let (_, manifest) = result.map_err(|e| match &e {
+        ClientError::Status { status: 404, .. } => anyhow!("dataset {:?} unknown to {server}: {e}", http.dataset),
+        ClientError::Status { status: 401, .. } => anyhow!("{server} refused the token: {e}"),
+        ClientError::Status { status: 400, .. } => anyhow!("{server} rejected the options: {e}"),
+        _ => anyhow!("server unreachable: {e}"),
+    })?;
+    let largest = manifest.batches.iter().map(|b| b.bytes).max().unwrap_or(0);
+    if options.cache < 2 * largest {
+        bail!("cache={} cannot hold two batches of {largest} bytes; raise cache or lower batch_size", options.cache);
+    }
+    Ok(())
+}
+
+fn fuser_config(plan: &MountPlan) -> fuser::Config {
+    use fuser::MountOption as M;
+    let mut config = fuser::Config::default();
+    config.mount_options =
+        vec![M::FSName(plan.url.clone()), M::Subtype("batchfs".into()), M::RO, M::NoAtime, M::NoDev, M::NoSuid];
+    if plan.options.allow_other {
+        config.acl = fuser::SessionACL::All;
+        config.mount_options.push(M::DefaultPermissions);
+    }
+    if plan.options.auto_unmount {
+        config.mount_options.push(M::AutoUnmount);
+    }
+    config.n_threads = Some(plan.options.threads);
+    config.clone_fd = true;
+    config
+}
+
+/// Builds the filesystem on `runtime`.
+fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(FuseFs, Arc<Prefetcher>)> {
+    let client = Arc::new(HttpClient::new(plan.http.clone())?);
+    let prefetcher = Prefetcher::new(
+        client,
+        runtime.handle().clone(),
+        PrefetcherConfig {
+            prefetch: plan.options.prefetch,
+            cache_bytes: plan.options.cache,
+            timeout: plan.options.timeout,
+            ..PrefetcherConfig::default()
+        },
+    );
+    let (uid, gid) = sys::ids();
+    let fs = Fs::new(
+        prefetcher.clone(),
+        FsOptions { epochs: plan.options.epochs, format: plan.options.format, uid, gid, time: SystemTime::now() },
+    );
+    Ok((FuseFs::new(fs), prefetcher))
+}
+
+/// Raises the mount's kernel readahead (root only; best effort): larger FUSE reads, fewer round trips.
+fn tune_readahead(mountpoint: &Path, kb: u32) {
+    if kb == 0 || !sys::is_root() {
+        return;
+    }
+    let Ok(meta) = std::fs::metadata(mountpoint) else { return };
+    let dev = meta.dev();
+    let (major, minor) = ((dev >> 8) & 0xfff | (dev >> 32) & !0xfff, (dev & 0xff) | (dev >> 12) & !0xff);
+    let path = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
+    if let Err(e) = std::fs::write(&path, kb.to_string()) {
+        tracing::debug!(%path, error = %e, "cannot set read_ahead_kb");
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("batchfs-io").enable_all().build()?)
+}
+
+/// A mount served by this process in the background (for `demo` and tests); unmounted on drop.
+pub struct Mounted {
+    session: Option<fuser::BackgroundSession>,
+    runtime: Option<tokio::runtime::Runtime>,
+    pub mountpoint: PathBuf,
+    pub prefetcher: Arc<Prefetcher>,
+}
+
+impl Mounted {
+    /// Unmounts and waits for the session to end.
+    pub fn unmount(mut self) -> Result<()> {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> Result<()> {
+        if let Some(session) = self.session.take() {
+            session.umount_and_join().with_context(|| format!("unmounting {}", self.mountpoint.display()))?;
+        }
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            tracing::warn!(error = %e, "unmount failed; detaching lazily");
+            let _ = sys::unmount(&self.mountpoint, true);
+        }
+    }
+}
+
+/// Mounts in this process, serving from a background thread.
+pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
+    let runtime = runtime()?;
+    let (fs, prefetcher) = filesystem(plan, &runtime)?;
+    let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
+        .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?
+        .spawn()?;
+    tune_readahead(&plan.mountpoint, plan.options.read_ahead_kb);
+    Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
+}
+
+/// Mounts and serves until unmounted (or SIGTERM/SIGINT, which unmount). With `daemonize`, the command
+/// returns once the mount is ready, or fails with the reason.
+pub fn run(plan: MountPlan, daemonize: bool) -> Result<()> {
+    let mut ready = None;
+    if daemonize {
+        let (mut parent_end, child_end) = std::os::unix::net::UnixStream::pair()?;
+        match sys::fork()? {
+            sys::Forked::Parent => {
+                drop(child_end);
+                let mut message = String::new();
+                parent_end.read_to_string(&mut message)?;
+                return match message.strip_prefix("ok") {
+                    Some(_) => Ok(()),
+                    None if message.is_empty() => bail!("the mount daemon exited before the mount was ready"),
+                    None => bail!("{}", message.trim()),
+                };
+            }
+            sys::Forked::Child => {
+                drop(parent_end);
+                sys::detach()?;
+                ready = Some(child_end);
+            }
+        }
+    }
+    let result = serve(&plan, ready.as_mut());
+    if let (Err(e), Some(pipe)) = (&result, ready.as_mut()) {
+        let _ = write!(pipe, "{e:#}");
+    }
+    result
+}
+
+fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -> Result<()> {
+    let runtime = runtime()?;
+    let (fs, _prefetcher) = filesystem(plan, &runtime)?;
+    let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
+        .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?;
+    tune_readahead(&plan.mountpoint, plan.options.read_ahead_kb);
+    let mountpoint = plan.mountpoint.clone();
+    runtime.spawn(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("signal received: unmounting");
+        let _ = sys::unmount(&mountpoint, true);
+    });
+    tracing::info!(mountpoint = %plan.mountpoint.display(), url = %plan.url, "mounted");
+    if let Some(pipe) = ready {
+        let _ = pipe.write_all(b"ok");
+        let _ = pipe.shutdown(std::net::Shutdown::Both);
+    }
+    session.run().context("FUSE session")?;
+    tracing::info!("unmounted");
+    Ok(())
+}

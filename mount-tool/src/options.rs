@@ -1,0 +1,162 @@
+//! Mount options: every one works as `-o key=value` (fstab style) and as a long flag. Defaults are
+//! documented in `docs/CONFIGURATION.md`.
+
+use batchfs::api::BatchQuery;
+use batchfs::encode::BatchFormat;
+use batchfs::plan::{PlanOptions, Shuffle};
+use batchfs::units::{parse_duration, parse_size};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Everything a mount is configured with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MountOptions {
+    pub plan: PlanOptions,
+    /// `tfrecord` or `tar`.
+    pub format: BatchFormat,
+    /// Epoch directories listed.
+    pub epochs: u64,
+    /// Batches kept in flight ahead of each reader (0: none).
+    pub prefetch: usize,
+    /// Cache byte budget.
+    pub cache: u64,
+    /// HTTP/2 connections per server.
+    pub connections: usize,
+    /// How long reads wait out an unreachable server before EIO.
+    pub timeout: Duration,
+    /// A response with no bytes for this long is abandoned and retried.
+    pub stall_timeout: Duration,
+    pub token_file: Option<PathBuf>,
+    pub ca_file: Option<PathBuf>,
+    pub allow_other: bool,
+    pub auto_unmount: bool,
+    /// More servers holding the same dataset (base URLs).
+    pub servers: Vec<String>,
+    /// FUSE worker threads.
+    pub threads: usize,
+    /// Kernel readahead of the mount in KiB (set when running as root; 0 leaves the default).
+    pub read_ahead_kb: u32,
+    /// Where a daemonized mount logs (nothing when absent).
+    pub log_file: Option<PathBuf>,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountOptions {
+            plan: PlanOptions::default(),
+            format: BatchFormat::Tfrecord,
+            epochs: 1,
+            prefetch: 16,
+            cache: 2 << 30,
+            connections: 4,
+            timeout: Duration::from_secs(60),
+            stall_timeout: Duration::from_secs(10),
+            token_file: None,
+            ca_file: None,
+            allow_other: false,
+            auto_unmount: false,
+            servers: Vec::new(),
+            threads: 16,
+            read_ahead_kb: 1024,
+            log_file: None,
+        }
+    }
+}
+
+/// Options mount(8) passes that mean nothing to batchfs.
+const IGNORED: &[&str] = &[
+    "_netdev", "defaults", "auto", "noauto", "user", "users", "nouser", "owner", "nofail", "ro", "rw", "exec",
+    "noexec", "suid", "nosuid", "dev", "nodev", "atime", "noatime", "relatime", "async", "sync",
+];
+
+fn boolean(key: &str, value: Option<&str>) -> Result<bool, String> {
+    match value {
+        None | Some("true") | Some("1") | Some("yes") => Ok(true),
+        Some("false") | Some("0") | Some("no") => Ok(false),
+        Some(v) => Err(format!("{key}={v}: expected true or false")),
+    }
+}
+
+impl MountOptions {
+    /// Applies one `key[=value]` option.
+    pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<(), String> {
+        let need = || value.ok_or_else(|| format!("option {key} needs a value ({key}=...)"));
+        let number = |v: &str| v.parse::<u64>().map_err(|_| format!("{key}={v}: expected a number"));
+        match key {
+            "batch_size" => {
+                self.plan.batch_size = u32::try_from(number(need()?)?).map_err(|_| format!("{key} too large"))?;
+                self.plan.validate().map_err(|e| e.to_string())?;
+            }
+            "seed" => self.plan.seed = number(need()?)?,
+            "shuffle" => self.plan.shuffle = need()?.parse::<Shuffle>().map_err(|e| e.to_string())?,
+            "drop_last" => self.plan.drop_last = boolean(key, value)?,
+            "format" => {
+                self.format = match need()? {
+                    "tfrecord" => BatchFormat::Tfrecord,
+                    "tar" => BatchFormat::Tar,
+                    other => return Err(format!("format={other}: expected tfrecord or tar")),
+                }
+            }
+            "epochs" => self.epochs = number(need()?)?,
+            "prefetch" => self.prefetch = number(need()?)? as usize,
+            "cache" => self.cache = parse_size(need()?)?,
+            "connections" => self.connections = (number(need()?)? as usize).max(1),
+            "timeout" => self.timeout = parse_duration(need()?)?,
+            "stall_timeout" => self.stall_timeout = parse_duration(need()?)?,
+            "token_file" => self.token_file = Some(need()?.into()),
+            "ca_file" => self.ca_file = Some(need()?.into()),
+            "allow_other" => self.allow_other = boolean(key, value)?,
+            "auto_unmount" => self.auto_unmount = boolean(key, value)?,
+            "servers" => self
+                .servers
+                .extend(need()?.split(';').filter(|s| !s.is_empty()).map(|s| s.trim_end_matches('/').to_owned())),
+            "threads" => self.threads = (number(need()?)? as usize).max(1),
+            "read_ahead_kb" => {
+                self.read_ahead_kb = u32::try_from(number(need()?)?).map_err(|_| format!("{key} too large"))?
+            }
+            "log_file" => self.log_file = Some(need()?.into()),
+            k if IGNORED.contains(&k) || k.starts_with("x-") || k.starts_with("comment=") => {}
+            other => return Err(format!("unknown mount option {other:?} (see docs/CONFIGURATION.md)")),
+        }
+        Ok(())
+    }
+
+    /// Applies a comma-separated `-o` list.
+    pub fn apply_list(&mut self, list: &str) -> Result<(), String> {
+        for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (key, value) = match item.split_once('=') {
+                Some((k, v)) => (k, Some(v)),
+                None => (item, None),
+            };
+            self.set(key, value)?;
+        }
+        Ok(())
+    }
+
+    /// The query the client sends.
+    pub fn query(&self) -> BatchQuery {
+        BatchQuery { plan: self.plan, format: self.format }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fstab_style_lists() {
+        let mut o = MountOptions::default();
+        o.apply_list("_netdev,batch_size=64,prefetch=8,cache=512M,shuffle=none,drop_last,format=tar,timeout=5s,servers=http://a:1;http://b:2/,allow_other,x-systemd.automount").unwrap();
+        assert_eq!(o.plan.batch_size, 64);
+        assert_eq!(o.prefetch, 8);
+        assert_eq!(o.cache, 512 << 20);
+        assert_eq!(o.plan.shuffle, Shuffle::None);
+        assert!(o.plan.drop_last && o.allow_other);
+        assert_eq!(o.format, BatchFormat::Tar);
+        assert_eq!(o.timeout, Duration::from_secs(5));
+        assert_eq!(o.servers, ["http://a:1", "http://b:2"]);
+        for bad in ["batch_size=0", "cache=lots", "format=zip", "colour=red", "seed", "drop_last=maybe"] {
+            assert!(MountOptions::default().apply_list(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! The few raw system calls the mount tool makes (fork, setsid, dup2, umount2, kill), each wrapped with
+//! its safety argument. All other code is safe.
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))
+}
+
+/// Unmounts `path`; `lazy` detaches it now and cleans up when no longer busy (MNT_DETACH).
+pub fn unmount(path: &Path, lazy: bool) -> io::Result<()> {
+    let c = c_path(path)?;
+    let flags = if lazy { libc::MNT_DETACH } else { 0 };
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call; umount2 reads it only.
+    let rc = unsafe { libc::umount2(c.as_ptr(), flags) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Whether this process is root.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The real user and group ids.
+pub fn ids() -> (u32, u32) {
+    // SAFETY: getuid and getgid have no preconditions and cannot fail.
+    unsafe { (libc::getuid(), libc::getgid()) }
+}
+
+/// The outcome of [`fork`].
+pub enum Forked {
+    Parent,
+    Child,
+}
+
+/// Forks. Must be called while the process has a single thread (no runtime started yet).
+pub fn fork() -> io::Result<Forked> {
+    // SAFETY: called before any other thread exists (the caller's contract), so the child cannot inherit
+    // a lock held by a thread that no longer exists.
+    match unsafe { libc::fork() } {
+        -1 => Err(io::Error::last_os_error()),
+        0 => Ok(Forked::Child),
+        _ => Ok(Forked::Parent),
+    }
+}
+
+/// Detaches from the controlling terminal and points stdin/stdout/stderr at `/dev/null`.
+pub fn detach() -> io::Result<()> {
+    let null = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null")?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: setsid has no memory-safety preconditions; dup2 gets a descriptor we own (`null`, open for
+    // the duration of the calls) and the standard descriptor numbers.
+    unsafe {
+        libc::setsid();
+        for fd in 0..3 {
+            if libc::dup2(null.as_raw_fd(), fd) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}

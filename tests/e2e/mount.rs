@@ -1,0 +1,199 @@
+//! The mount for real: the real server, a real FUSE mount in this process, reads through the kernel.
+//! Every mount is a `Mounted` that unmounts on drop, so a failing test leaves nothing mounted.
+
+use crate::common::{self, expected_samples, fixture, serve, ServeWith};
+use batchfs::api::{self, Manifest};
+use batchfs::index::SourceFormat;
+use batchfs::plan::{EpochPlan, PlanOptions};
+use batchfs::{crc, tfrecord};
+use std::io::{ErrorKind, Read};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+fn manifest(rt: &tokio::runtime::Runtime, server: &common::Server, query: &str) -> Manifest {
+    let url = format!("{}{}?{query}", server.base, api::manifest_path("d", 0));
+    rt.block_on(async { common::h2c().get(url).send().await.unwrap().json().await.unwrap() })
+}
+
+fn batch_body(rt: &tokio::runtime::Runtime, server: &common::Server, batch: u64, query: &str) -> Vec<u8> {
+    let url = format!("{}{}?{query}", server.base, api::batch_path("d", 0, batch));
+    rt.block_on(async { common::h2c().get(url).send().await.unwrap().bytes().await.unwrap().to_vec() })
+}
+
+/// Reads a file with small reads at odd sizes, as a loader may.
+fn read_in_pieces(path: &Path, piece: usize) -> Vec<u8> {
+    let mut f = std::fs::File::open(path).unwrap();
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; piece];
+    loop {
+        let n = f.read(&mut buf).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+}
+
+#[test]
+fn reads_through_the_mount_equal_the_server_and_decode_to_the_samples() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Files, 60, 20_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=8,seed=3,epochs=2");
+    let root = mounted.mountpoint.clone();
+    let mut names: Vec<String> =
+        std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    assert_eq!(names, [".batchfs", "epoch-0000", "epoch-0001"]);
+    let query = "batch_size=8&seed=3";
+    let m = manifest(&rt, &server, query);
+    let epoch = root.join("epoch-0000");
+    let listed = std::fs::read_dir(&epoch).unwrap().count();
+    assert_eq!(listed, 2 * m.batches.len(), "batch files and their .idx twins");
+    let expected = expected_samples(&fx);
+    let plan = EpochPlan::new(60, 0, PlanOptions { batch_size: 8, seed: 3, ..Default::default() }).unwrap();
+    for entry in &m.batches {
+        let path = epoch.join(format!("batch-{:06}.tfrecord", entry.index));
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), entry.bytes, "stat size from the manifest");
+        let via_read = read_in_pieces(&path, 7919);
+        assert_eq!(via_read, batch_body(&rt, &server, entry.index, query), "batch {}", entry.index);
+        // mmap(MAP_PRIVATE) sees the same bytes as read(2).
+        let file = std::fs::File::open(&path).unwrap();
+        let mut via_pread = vec![0u8; via_read.len()];
+        file.read_exact_at(&mut via_pread, 0).unwrap();
+        assert_eq!(via_pread, via_read);
+        let mapped = common::map_file(&file);
+        assert_eq!(&mapped[..], &via_read[..], "mmap read of batch {}", entry.index);
+        // Decodes to the planned samples.
+        let records: Vec<_> = tfrecord::Scanner::new(&via_read, true).collect::<Result<_, _>>().unwrap();
+        let want = plan.batch(entry.index).unwrap();
+        assert_eq!(records.len(), want.len());
+        for (rec, &i) in records.iter().zip(want) {
+            let data = &via_read[rec.data_offset() as usize..(rec.data_offset() + rec.len) as usize];
+            let got = batchfs::proto::example_feature(data, "data").unwrap();
+            assert_eq!(got, Some(batchfs::proto::FeatureValue::Bytes(vec![&expected[i as usize].parts[0].1[..]])));
+        }
+        let idx = std::fs::read(epoch.join(format!("batch-{:06}.tfrecord.idx", entry.index))).unwrap();
+        let frames: String = records.iter().map(|r| format!("{} {}\n", r.frame_offset, r.frame_len())).collect();
+        assert_eq!(String::from_utf8(idx).unwrap(), frames);
+    }
+    // Epochs beyond those listed resolve by name.
+    let far = root.join("epoch-0042").join("batch-000000.tfrecord");
+    assert_eq!(crc::crc32c(&std::fs::read(&far).unwrap()), {
+        let url = format!("{}{}?{query}", server.base, api::manifest_path("d", 42));
+        let m42: Manifest = rt.block_on(async { common::h2c().get(url).send().await.unwrap().json().await.unwrap() });
+        m42.batches[0].crc32c
+    });
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}
+
+#[test]
+fn concurrent_and_interleaved_readers_get_prefetch_hits() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 256, 8_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=4,format=tar,prefetch=8");
+    let m = manifest(&rt, &server, "batch_size=4&format=tar");
+    let epoch = mounted.mountpoint.join("epoch-0000");
+    let readers = 8;
+    std::thread::scope(|s| {
+        for r in 0..readers {
+            let (epoch, m) = (&epoch, &m);
+            s.spawn(move || {
+                for b in (r..m.batches.len()).step_by(readers) {
+                    let body = std::fs::read(epoch.join(format!("batch-{b:06}.tar"))).unwrap();
+                    assert_eq!(body.len() as u64, m.batches[b].bytes);
+                    assert_eq!(crc::crc32c(&body), m.batches[b].crc32c, "batch {b}");
+                }
+            });
+        }
+    });
+    let stats: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(mounted.mountpoint.join(".batchfs/stats")).unwrap()).unwrap();
+    let (hits, reads, prefetches) =
+        (stats["hits"].as_u64().unwrap(), stats["reads"].as_u64().unwrap(), stats["prefetches"].as_u64().unwrap());
+    assert!(prefetches > 0 && hits > 0, "{stats}");
+    assert!(hits * 2 > reads, "interleaved readers should mostly hit prefetched batches: {stats}");
+    assert_eq!(stats["checksum_errors"], 0);
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}
+
+#[test]
+fn writes_fail_with_erofs_and_unknown_names_with_enoent() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tar, 10, 1000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=4");
+    let root = &mounted.mountpoint;
+    let file = root.join("epoch-0000/batch-000000.tfrecord");
+    let erofs = |r: std::io::Result<()>, what: &str| {
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EROFS), "{what}");
+    };
+    erofs(std::fs::OpenOptions::new().write(true).open(&file).map(drop), "open for writing");
+    erofs(std::fs::OpenOptions::new().append(true).open(&file).map(drop), "open for append");
+    erofs(std::fs::write(root.join("epoch-0000/new"), b"x"), "create");
+    erofs(std::fs::create_dir(root.join("dir")), "mkdir");
+    erofs(std::fs::remove_file(&file), "unlink");
+    erofs(std::fs::rename(&file, root.join("epoch-0000/moved")), "rename");
+    erofs(std::fs::OpenOptions::new().write(true).truncate(true).open(&file).map(drop), "truncate");
+    erofs(std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o777)), "chmod");
+    for missing in
+        ["epoch-0000/batch-000003.tfrecord", "epoch-0000/batch-000000.tar", "epoch-1", "nothing", ".batchfs/other"]
+    {
+        let e = std::fs::metadata(root.join(missing)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotFound, "{missing}");
+    }
+    assert_eq!(std::fs::read_dir(&file).unwrap_err().raw_os_error(), Some(libc::ENOTDIR));
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}
+
+#[test]
+fn a_server_outage_is_waited_out_then_reported_as_eio() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Lmdb, 40, 4000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let addr = server.running.local_addr();
+    let m = manifest(&rt, &server, "batch_size=4");
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=4,prefetch=0,timeout=4s");
+    let epoch = mounted.mountpoint.join("epoch-0000");
+    let read = |b: usize| std::fs::read(epoch.join(format!("batch-{b:06}.tfrecord")));
+    assert_eq!(crc::crc32c(&read(0).unwrap()), m.batches[0].crc32c);
+
+    // The server goes away; a read waits; the server comes back on the same address: the read completes.
+    rt.block_on(server.running.shutdown());
+    let restart = std::thread::spawn({
+        let path = fx.path.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            let rt = runtime();
+            let server = rt.block_on(common::serve_on(addr, &[("d", &path)]));
+            (rt, server)
+        }
+    });
+    let started = Instant::now();
+    let body = read(1).unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(1000), "the read should have waited for the restart");
+    assert_eq!(crc::crc32c(&body), m.batches[1].crc32c, "correct bytes after the restart");
+    let (rt2, server2) = restart.join().unwrap();
+    assert_eq!(crc::crc32c(&read(2).unwrap()), m.batches[2].crc32c);
+
+    // Down for longer than `timeout`: EIO, after about `timeout`.
+    rt2.block_on(server2.running.shutdown());
+    let started = Instant::now();
+    let err = read(3).unwrap_err();
+    let waited = started.elapsed();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(waited >= Duration::from_secs(4) && waited < Duration::from_secs(15), "{waited:?}");
+    let stats: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(mounted.mountpoint.join(".batchfs/stats")).unwrap()).unwrap();
+    assert!(stats["retries"].as_u64().unwrap() > 0 && stats["errors"].as_u64().unwrap() >= 1, "{stats}");
+    drop(mounted);
+}
