@@ -58,9 +58,12 @@ fn is_mountpoint(path: &Path) -> bool {
 }
 
 fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
-    match std::fs::metadata(path) {
+    // Listing the directory reaches the filesystem (a stat may be answered from the kernel's cache).
+    let probe =
+        std::fs::metadata(path).and_then(|m| if m.is_dir() { std::fs::read_dir(path).map(|_| m) } else { Ok(m) });
+    match probe {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
-            // A FUSE mount whose daemon died: detach it, then use the path.
+            // A FUSE mount whose daemon died ("Transport endpoint is not connected"): detach it.
             tracing::warn!(path = %path.display(), "cleaning up a stale mount (its daemon is gone)");
             sys::unmount(path, true)
                 .with_context(|| format!("cannot clean up the stale mount at {}", path.display()))?;
@@ -239,8 +242,10 @@ pub fn run(plan: MountPlan, daemonize: bool) -> Result<()> {
 fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -> Result<()> {
     let runtime = runtime()?;
     let (fs, _prefetcher) = filesystem(plan, &runtime)?;
+    // Serve first: tuning stats the mountpoint, which only answers once the session loop runs.
     let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
-        .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?;
+        .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?
+        .spawn()?;
     tune_readahead(&plan.mountpoint, plan.options.read_ahead_kb);
     let mountpoint = plan.mountpoint.clone();
     runtime.spawn(async move {
@@ -257,7 +262,8 @@ fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -
         let _ = pipe.write_all(b"ok");
         let _ = pipe.shutdown(std::net::Shutdown::Both);
     }
-    session.run().context("FUSE session")?;
+    // Returns when the filesystem is unmounted (by `batchfs umount`, umount(8) or a signal).
+    session.join().context("FUSE session")?;
     tracing::info!("unmounted");
     Ok(())
 }

@@ -1,0 +1,268 @@
+//! The `batchfs` binary against a real server: daemonized mount, stats, umount, the errors a mount
+//! reports before daemonizing, a stale mount left by a killed daemon, the fstab helper through
+//! util-linux `mount -T`, and memory held under the cache budget while reading an epoch four times
+//! larger than the cache.
+
+use batchfs::gen::{self, GenOptions};
+use batchfs::index::SourceFormat;
+use batchfs::source::{IndexOptions, NoProgress};
+use batchfs_server::catalog::{Catalog, Dataset};
+use batchfs_server::{RunningServer, ServeOptions};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_batchfs");
+
+struct Server {
+    runtime: tokio::runtime::Runtime,
+    running: Option<RunningServer>,
+    _data: tempfile::TempDir,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(s) = self.running.take() {
+            self.runtime.block_on(s.shutdown());
+        }
+    }
+}
+
+fn server(samples: u32, mean_bytes: u64, token: Option<&str>) -> Server {
+    let data = tempfile::tempdir().unwrap();
+    let options = GenOptions { format: SourceFormat::Tfrecord, samples, mean_bytes, shards: 8, classes: 4, seed: 2 };
+    gen::generate(&options, data.path()).unwrap();
+    let mut catalog = Catalog::default();
+    catalog.insert(Dataset::open("d", data.path(), None, &IndexOptions::default(), &NoProgress).unwrap()).unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let serve = ServeOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tls: None,
+        token: token.map(|t| t.as_bytes().to_vec()),
+        limits: Default::default(),
+    };
+    let running = runtime.block_on(batchfs_server::start(catalog, serve)).unwrap();
+    let url = format!("http://127.0.0.1:{}/d", running.local_addr().port());
+    Server { runtime, running: Some(running), _data: data, url }
+}
+
+/// Unmounts (lazily) on drop, so a failing test leaves nothing mounted.
+struct MountGuard(PathBuf);
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        let _ = Command::new(BIN).args(["umount", "--lazy"]).arg(&self.0).output();
+    }
+}
+
+fn batchfs(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).env("RUST_LOG", "warn").output().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn is_mounted(path: &Path) -> bool {
+    let target = path.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo").unwrap().lines().any(|l| l.split(' ').nth(4) == Some(&target))
+}
+
+#[test]
+fn daemonized_mount_stats_and_umount() {
+    let server = server(64, 4000, None);
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = std::fs::canonicalize(dir.path()).unwrap();
+    let out = batchfs(&["mount", &server.url, mnt.to_str().unwrap(), "-o", "batch_size=8,prefetch=4", "--epochs", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let _guard = MountGuard(mnt.clone());
+    assert!(is_mounted(&mnt), "the command returns once the mount is ready");
+    assert_eq!(std::fs::read_dir(&mnt).unwrap().count(), 4, ".batchfs and three epochs");
+    for b in 0..8 {
+        let body = std::fs::read(mnt.join(format!("epoch-0001/batch-{b:06}.tfrecord"))).unwrap();
+        assert!(batchfs::tfrecord::Scanner::new(&body, true).all(|r| r.is_ok()));
+    }
+    let table = batchfs(&["stats", mnt.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&table.stdout).contains("cache hits"), "{table:?}");
+    let json = batchfs(&["stats", "--json", mnt.to_str().unwrap()]);
+    let stats: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert!(stats["bytes_served"].as_u64().unwrap() > 0);
+    let out = batchfs(&["umount", mnt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!is_mounted(&mnt));
+    let again = batchfs(&["umount", mnt.to_str().unwrap()]);
+    assert!(stderr(&again).contains("is not mounted"), "{}", stderr(&again));
+}
+
+#[test]
+fn mount_errors_are_reported_before_daemonizing() {
+    let server = server(16, 2000, Some("secret"));
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().to_str().unwrap().to_owned();
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://127.0.0.1:{}/d", l.local_addr().unwrap().port())
+    };
+    let token = dir.path().join("token");
+    std::fs::write(&token, "wrong\n").unwrap();
+    let good_token = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(good_token.path(), "secret").unwrap();
+    let unknown = server.url.replace("/d", "/nope");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec![dead, mnt.clone()], "server unreachable"),
+        (vec![unknown, mnt.clone(), "-o".into(), format!("token_file={}", good_token.path().display())], "unknown"),
+        (
+            vec![server.url.clone(), mnt.clone(), "-o".into(), format!("token_file={}", token.display())],
+            "refused the token",
+        ),
+        (vec![server.url.clone(), mnt.clone()], "refused the token"),
+        (vec![server.url.clone(), "/nonexistent/mnt".into()], "mountpoint /nonexistent/mnt"),
+        (vec![server.url.clone(), mnt.clone(), "-o".into(), "colour=red".into()], "unknown mount option"),
+        (vec!["storage:7878/d".into(), mnt.clone()], "expected http(s)://host:port/DATASET"),
+    ];
+    for (args, needle) in cases {
+        let mut full = vec!["mount".to_owned()];
+        full.extend(args);
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        let out = batchfs(&refs);
+        assert!(!out.status.success(), "{full:?} succeeded");
+        assert!(stderr(&out).contains(needle), "{full:?}: {:?} lacks {needle:?}", stderr(&out));
+        assert!(!is_mounted(dir.path()));
+    }
+    // Busy: something is already mounted there.
+    let ok = batchfs(&["mount", &server.url, &mnt, "-o", &format!("token_file={}", good_token.path().display())]);
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    let _guard = MountGuard(std::fs::canonicalize(&mnt).unwrap());
+    let busy = batchfs(&["mount", &server.url, &mnt, "-o", &format!("token_file={}", good_token.path().display())]);
+    assert!(stderr(&busy).contains("is busy"), "{}", stderr(&busy));
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn foreground(url: &str, mnt: &Path, options: &str) -> Child {
+    Command::new(BIN)
+        .args(["mount", url, mnt.to_str().unwrap(), "--foreground", "-o", options])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn a_stale_mount_of_a_killed_daemon_is_cleaned_up() {
+    let server = server(16, 2000, None);
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = std::fs::canonicalize(dir.path()).unwrap();
+    let _guard = MountGuard(mnt.clone());
+    let mut child = foreground(&server.url, &mnt, "batch_size=4");
+    wait_until("the mount", || is_mounted(&mnt));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let err = std::fs::read_dir(&mnt).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "a dead daemon leaves 'Transport endpoint is not connected'");
+    let out = batchfs(&["mount", &server.url, mnt.to_str().unwrap(), "-o", "batch_size=4"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(std::fs::read(mnt.join("epoch-0000/batch-000000.tfrecord")).is_ok());
+}
+
+#[test]
+fn fstab_entries_mount_with_mount_t() {
+    let server = server(16, 2000, None);
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = std::fs::canonicalize(dir.path()).unwrap().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let fstab = dir.path().join("fstab");
+    std::fs::write(
+        &fstab,
+        format!("# test fstab\n{} {} batchfs _netdev,batch_size=4,prefetch=2 0 0\n", server.url, mnt.display()),
+    )
+    .unwrap();
+    // mount(8) runs /sbin/mount.batchfs for type batchfs; install it as the README says, for this test.
+    let helper = Path::new("/sbin/mount.batchfs");
+    let installed_here = !helper.exists();
+    if installed_here {
+        std::os::unix::fs::symlink(BIN, helper).expect("install /sbin/mount.batchfs (run the tests as root)");
+    }
+    struct Uninstall(bool);
+    impl Drop for Uninstall {
+        fn drop(&mut self) {
+            if self.0 {
+                let _ = std::fs::remove_file("/sbin/mount.batchfs");
+            }
+        }
+    }
+    let _uninstall = Uninstall(installed_here);
+    let _guard = MountGuard(mnt.clone());
+    let out = Command::new("mount").arg("-T").arg(&fstab).arg(&mnt).output().unwrap();
+    assert!(out.status.success(), "mount -T: {}", stderr(&out));
+    assert!(is_mounted(&mnt));
+    assert!(std::fs::read(mnt.join("epoch-0000/batch-000003.tfrecord")).unwrap().len() > 100);
+    let out = Command::new("umount").arg(&mnt).output().unwrap();
+    assert!(out.status.success(), "umount: {}", stderr(&out));
+    // mount -a with the same fstab mounts every entry.
+    let out = Command::new("mount").arg("-T").arg(&fstab).arg("-a").output().unwrap();
+    assert!(out.status.success(), "mount -a: {}", stderr(&out));
+    assert!(is_mounted(&mnt));
+}
+
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[test]
+fn memory_stays_under_the_cache_budget() {
+    // An epoch of ~290 MB read through a mount whose cache is 64 MiB.
+    let server = server(2600, 110_000, None);
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = std::fs::canonicalize(dir.path()).unwrap();
+    let _guard = MountGuard(mnt.clone());
+    let cache = 64u64 << 20;
+    let mut child = foreground(&server.url, &mnt, "batch_size=32,prefetch=8,cache=64M");
+    let pid = child.id();
+    wait_until("the mount", || is_mounted(&mnt));
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (bytes, peak) = std::thread::scope(|s| {
+        let sampler = s.spawn(|| {
+            let mut peak = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(rss_bytes(pid));
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            peak
+        });
+        let mut bytes = 0u64;
+        let epoch = mnt.join("epoch-0000");
+        let mut names: Vec<_> = std::fs::read_dir(&epoch).unwrap().map(|e| e.unwrap().path()).collect();
+        names.retain(|p| p.extension().is_some_and(|e| e == "tfrecord"));
+        names.sort();
+        for path in names {
+            bytes += std::fs::read(path).unwrap().len() as u64;
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        (bytes, sampler.join().unwrap())
+    });
+    assert!(bytes > 4 * cache, "the epoch ({bytes} bytes) must be over four times the cache");
+    let margin = 48 << 20;
+    assert!(
+        peak > 0 && peak <= cache + margin,
+        "peak RSS {} MiB over the {} MiB budget + {} MiB",
+        peak >> 20,
+        cache >> 20,
+        margin >> 20
+    );
+    eprintln!("read {} MiB; peak RSS of the mount {} MiB (cache {} MiB)", bytes >> 20, peak >> 20, cache >> 20);
+    let _ = batchfs(&["umount", mnt.to_str().unwrap()]);
+    child.wait().unwrap();
+}
