@@ -6,6 +6,7 @@
 //! | `GET /v1/datasets/{name}` | [`DatasetInfo`] |
 //! | `GET /v1/datasets/{name}/epochs/{epoch}?{plan}` | [`Manifest`] |
 //! | `GET /v1/datasets/{name}/epochs/{epoch}/batches/{i}?{plan}&format=F` | batch body (Range) |
+//! | `GET /v1/datasets/{name}/files` | [`FileList`] |
 //! | `GET /v1/datasets/{name}/files/{path}` | a source file (Range) |
 //! | `GET /healthz`, `GET /metrics` | `ok`, Prometheus text |
 //!
@@ -41,6 +42,7 @@ pub enum Route {
     Dataset { name: String },
     Manifest { name: String, epoch: u64 },
     Batch { name: String, epoch: u64, batch: u64 },
+    Files { name: String },
     File { name: String, path: String },
 }
 
@@ -95,6 +97,9 @@ impl Route {
         if rest.is_empty() {
             return Ok(Route::Dataset { name });
         }
+        if rest == "files" || rest == "files/" {
+            return Ok(Route::Files { name });
+        }
         if let Some(file) = rest.strip_prefix("files/") {
             let path = percent_decode(file)
                 .ok_or_else(|| ApiError::BadRequest(format!("malformed percent-encoding in {file:?}")))?;
@@ -124,6 +129,11 @@ pub fn manifest_path(name: &str, epoch: u64) -> String {
 /// Path of one batch.
 pub fn batch_path(name: &str, epoch: u64, batch: u64) -> String {
     format!("{}/batches/{batch}", manifest_path(name, epoch))
+}
+
+/// Path of the list of source files.
+pub fn files_path(name: &str) -> String {
+    format!("{}/files", dataset_path(name))
 }
 
 /// Path of one source file.
@@ -228,6 +238,22 @@ pub struct Manifest {
     /// Bytes of all batch bodies.
     pub bytes: u64,
     pub batches: Vec<BatchEntry>,
+}
+
+/// One source file of a dataset.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// Path relative to the dataset root, `/`-separated.
+    pub path: String,
+    pub size: u64,
+    /// CRC32C of the whole file, from the index.
+    pub crc32c: u32,
+}
+
+/// `GET /v1/datasets/{name}/files`: every source file, sorted by path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileList {
+    pub files: Vec<FileEntry>,
 }
 
 /// The body of every error response.

@@ -356,7 +356,7 @@ mod tests {
         }
         let index = Index {
             settings: IndexSettings { format, verify_data_crc: true, skip_corrupt: false },
-            shards: vec![ShardInfo { path: "s".into(), size: shard.len() as u64, mtime_ns: 0 }],
+            shards: vec![ShardInfo { path: "s".into(), size: shard.len() as u64, mtime_ns: 0, crc32c: 0 }],
             samples: out,
             classes: vec![],
             skipped: vec![],

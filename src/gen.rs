@@ -264,6 +264,10 @@ mod tests {
                 };
                 assert_eq!(got.key, key);
             }
+            for shard in &index.shards {
+                let bytes = std::fs::read(dir.path().join(&shard.path)).unwrap();
+                assert_eq!(shard.crc32c, crate::crc::crc32c(&bytes), "{format} shard {}", shard.path);
+            }
             assert!(!dir.path().join("lock.mdb").exists() || format == SourceFormat::Lmdb);
         }
     }

@@ -77,6 +77,15 @@ pub struct ShardInfo {
     pub size: u64,
     /// Modification time, nanoseconds since the epoch.
     pub mtime_ns: i64,
+    /// CRC32C of the whole shard file (computed while indexing; 0 before).
+    pub crc32c: u32,
+}
+
+impl ShardInfo {
+    /// Same file as when indexed: path, size and mtime (the CRC is not recomputed to compare).
+    pub fn same_file(&self, other: &ShardInfo) -> bool {
+        self.path == other.path && self.size == other.size && self.mtime_ns == other.mtime_ns
+    }
 }
 
 /// One stored piece of a sample (a WebDataset sample has one part per file extension).
@@ -162,6 +171,7 @@ impl Index {
             w.str(&s.path);
             w.u64(s.size);
             w.u64(s.mtime_ns as u64);
+            w.u64(u64::from(s.crc32c));
         }
         w.u64(self.classes.len() as u64);
         for c in &self.classes {
@@ -208,7 +218,14 @@ impl Index {
             verify_data_crc: r.u8()? != 0,
             skip_corrupt: r.u8()? != 0,
         };
-        let shards = r.list(|r| Some(ShardInfo { path: r.str()?, size: r.u64()?, mtime_ns: r.u64()? as i64 }))?;
+        let shards = r.list(|r| {
+            Some(ShardInfo {
+                path: r.str()?,
+                size: r.u64()?,
+                mtime_ns: r.u64()? as i64,
+                crc32c: u32::try_from(r.u64()?).ok()?,
+            })
+        })?;
         let classes = r.list(|r| r.str())?;
         let skipped = r.list(|r| Some(Skipped { shard: r.str()?, offset: r.u64()?, reason: r.str()? }))?;
         let samples = r.list(|r| {
@@ -242,7 +259,7 @@ impl Index {
 }
 
 const MAGIC: &[u8; 8] = b"BATCHFSI";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 #[derive(Default)]
 struct Writer(Vec<u8>);
@@ -312,7 +329,9 @@ mod tests {
         (proptest::collection::vec(sample, 0..30), any::<bool>(), "[ -~]{0,20}").prop_map(|(samples, flag, reason)| {
             Index {
                 settings: IndexSettings { format: SourceFormat::Tar, verify_data_crc: flag, skip_corrupt: !flag },
-                shards: (0..3).map(|i| ShardInfo { path: format!("s{i}.tar"), size: 5000, mtime_ns: -5 + i }).collect(),
+                shards: (0..3)
+                    .map(|i| ShardInfo { path: format!("s{i}.tar"), size: 5000, mtime_ns: -5 + i, crc32c: 7 })
+                    .collect(),
                 samples,
                 classes: vec!["cat".into(), "dog".into()],
                 skipped: vec![Skipped { shard: "s1.tar".into(), offset: 77, reason }],

@@ -105,7 +105,7 @@ fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
 fn shard_info(path: String, meta: &std::fs::Metadata) -> ShardInfo {
     let mtime_ns =
         meta.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos() as i64);
-    ShardInfo { path, size: meta.len(), mtime_ns }
+    ShardInfo { path, size: meta.len(), mtime_ns, crc32c: 0 }
 }
 
 fn is_tfrecord(path: &str) -> bool {
@@ -178,7 +178,11 @@ pub fn load_or_build(
     let path = index_path(root, name, index_dir);
     if let Ok(bytes) = std::fs::read(&path) {
         match Index::from_bytes(&bytes) {
-            Some(index) if index.settings == settings && index.shards == shards => {
+            Some(index)
+                if index.settings == settings
+                    && index.shards.len() == shards.len()
+                    && index.shards.iter().zip(&shards).all(|(a, b)| a.same_file(b)) =>
+            {
                 tracing::debug!(dataset = name, path = %path.display(), "reusing persisted index");
                 return Ok((index, IndexOrigin::Loaded));
             }
@@ -317,6 +321,7 @@ fn index_tfrecord(root: &Path, index: &mut Index, progress: &dyn Progress) -> Re
             reported = scanner.position();
         }
         progress.advance(shard.size - reported);
+        index.shards[shard_no].crc32c = crc::crc32c(map.bytes());
     }
     Ok(())
 }
@@ -375,6 +380,7 @@ fn index_lmdb(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result
             last += value.len() as u64;
         }
         progress.advance(ours.len().saturating_sub(last));
+        index.shards[0].crc32c = crc::crc32c(ours.bytes());
         Ok(())
     })();
     env.close();
@@ -495,6 +501,7 @@ fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<
         }
         flush(&mut group, index);
         progress.advance(shard.size.saturating_sub(reported));
+        index.shards[shard_no].crc32c = crc::crc32c(bytes);
     }
     Ok(())
 }
@@ -528,17 +535,13 @@ fn index_files(root: &Path, index: &mut Index, progress: &dyn Progress) -> Resul
             _ => (shard.path.as_str(), ""),
         };
         let label = shard.path.split_once('/').map_or(NO_LABEL, |(class, _)| classes[class]);
+        let crc = crc::crc32c(map.bytes());
         index.samples.push(Sample {
             key: key.to_owned(),
             label,
-            parts: vec![Part {
-                ext: ext.to_owned(),
-                shard: shard_no as u32,
-                offset: 0,
-                len: shard.size,
-                crc32c: crc::crc32c(map.bytes()),
-            }],
+            parts: vec![Part { ext: ext.to_owned(), shard: shard_no as u32, offset: 0, len: shard.size, crc32c: crc }],
         });
+        index.shards[shard_no].crc32c = crc;
         progress.advance(shard.size);
     }
     Ok(())

@@ -5,7 +5,7 @@
 //! A client only moves bytes. Verifying sizes and checksums against the manifest, retrying and giving
 //! up are the prefetcher's job, so the in-memory client can hand it wrong bytes on purpose.
 
-use batchfs::api::{self, BatchEntry, BatchQuery, DatasetInfo, ErrorBody, Manifest};
+use batchfs::api::{self, BatchEntry, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest};
 use batchfs::encode::BatchFormat;
 use bytes::{Bytes, BytesMut};
 use std::future::Future;
@@ -19,12 +19,26 @@ use thiserror::Error;
 /// A boxed future, as trait methods return.
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// One batch file: epoch, batch number and format.
+/// A list of files the mount shows: the batches of one epoch in one format, or the dataset's source
+/// files (`raw/`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Listing {
+    Epoch { epoch: u64, format: BatchFormat },
+    Raw,
+}
+
+/// One file of a listing: a batch, or a source file, by its position.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BatchKey {
-    pub epoch: u64,
-    pub batch: u64,
-    pub format: BatchFormat,
+    pub listing: Listing,
+    pub index: u64,
+}
+
+impl BatchKey {
+    /// Batch `batch` of `epoch` in `format`.
+    pub fn batch(epoch: u64, batch: u64, format: BatchFormat) -> Self {
+        BatchKey { listing: Listing::Epoch { epoch, format }, index: batch }
+    }
 }
 
 /// Why a request failed.
@@ -57,9 +71,19 @@ pub trait BatchClient: Send + Sync + 'static {
     fn dataset(&self) -> BoxFut<'_, Result<DatasetInfo, ClientError>>;
     /// The manifest of `epoch` in `format`.
     fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>>;
+    /// The dataset's source files.
+    fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>>;
     /// The body of one batch (unverified). `attempt` counts retries, so a client with several servers
     /// can try another one.
-    fn fetch(&self, key: BatchKey, entry: BatchEntry, attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>>;
+    fn fetch_batch(
+        &self,
+        epoch: u64,
+        batch: u64,
+        format: BatchFormat,
+        attempt: u32,
+    ) -> BoxFut<'_, Result<Bytes, ClientError>>;
+    /// One whole source file (unverified).
+    fn fetch_file(&self, path: &str, attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>>;
 }
 
 /// Where and how to reach the servers.
@@ -203,25 +227,47 @@ impl BatchClient for HttpClient {
         Box::pin(async move { self.json(&path).await })
     }
 
-    fn fetch(&self, key: BatchKey, entry: BatchEntry, attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>> {
+    fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>> {
+        let path = api::files_path(&self.config.dataset);
+        Box::pin(async move { self.json(&path).await })
+    }
+
+    fn fetch_batch(
+        &self,
+        epoch: u64,
+        batch: u64,
+        format: BatchFormat,
+        attempt: u32,
+    ) -> BoxFut<'_, Result<Bytes, ClientError>> {
         Box::pin(async move {
-            let path =
-                format!("{}?{}", api::batch_path(&self.config.dataset, key.epoch, key.batch), self.query(key.format));
+            let path = format!("{}?{}", api::batch_path(&self.config.dataset, epoch, batch), self.query(format));
             // Spread batches over the servers; a retry moves to the next one.
-            let server_no = (key.batch as usize).wrapping_add(attempt as usize);
-            let (server, mut response) = self.get(server_no, &path).await?;
-            let mut body = BytesMut::with_capacity(entry.bytes as usize);
-            loop {
-                let chunk = tokio::time::timeout(self.config.stall_timeout, response.chunk())
-                    .await
-                    .map_err(|_| ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout })?
-                    .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
-                match chunk {
-                    Some(c) => body.extend_from_slice(&c),
-                    None => return Ok(body.freeze()),
-                }
-            }
+            self.body((batch as usize).wrapping_add(attempt as usize), &path).await
         })
+    }
+
+    fn fetch_file(&self, path: &str, attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>> {
+        let url_path = api::file_path(&self.config.dataset, path);
+        let spread = path.len();
+        Box::pin(async move { self.body(spread.wrapping_add(attempt as usize), &url_path).await })
+    }
+}
+
+impl HttpClient {
+    /// A whole response body; a response with no bytes for `stall_timeout` is abandoned.
+    async fn body(&self, server_no: usize, path_and_query: &str) -> Result<Bytes, ClientError> {
+        let (server, mut response) = self.get(server_no, path_and_query).await?;
+        let mut body = BytesMut::with_capacity(response.content_length().unwrap_or(0).min(1 << 30) as usize);
+        loop {
+            let chunk = tokio::time::timeout(self.config.stall_timeout, response.chunk())
+                .await
+                .map_err(|_| ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout })?
+                .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
+            match chunk {
+                Some(c) => body.extend_from_slice(&c),
+                None => return Ok(body.freeze()),
+            }
+        }
     }
 }
 
@@ -243,6 +289,8 @@ pub struct MemoryClient {
     info: DatasetInfo,
     /// Bodies by (epoch, format), batch-indexed.
     bodies: Box<dyn Fn(u64, BatchFormat) -> Vec<Bytes> + Send + Sync>,
+    /// Source files, by path.
+    pub files: Vec<(String, Bytes)>,
     faults: Mutex<Vec<Fault>>,
     /// Fetch calls made, successful or not.
     pub fetches: AtomicU64,
@@ -264,6 +312,7 @@ impl MemoryClient {
                 skipped: 0,
             },
             bodies: Box::new(bodies),
+            files: Vec::new(),
             faults: Mutex::new(Vec::new()),
             fetches: AtomicU64::new(0),
             delay: Mutex::new(Duration::ZERO),
@@ -306,36 +355,62 @@ impl BatchClient for MemoryClient {
         })
     }
 
-    fn fetch(&self, key: BatchKey, _entry: BatchEntry, _attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>> {
+    fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>> {
         Box::pin(async move {
-            self.fetches.fetch_add(1, Ordering::Relaxed);
-            let delay = *self.delay.lock().expect("delay");
-            if !delay.is_zero() {
-                tokio::time::sleep(delay).await;
-            }
-            let fault = {
-                let mut faults = self.faults.lock().expect("faults");
-                (!faults.is_empty()).then(|| faults.remove(0))
-            };
-            let body = (self.bodies)(key.epoch, key.format).get(key.batch as usize).cloned();
-            let server = "memory".to_owned();
-            let Some(body) = body else {
-                return Err(ClientError::Status { server, status: 404, message: "no such batch".into() });
-            };
-            match fault {
-                None => Ok(body),
-                Some(Fault::Unreachable) => Err(ClientError::Unreachable { server, message: "injected".into() }),
-                Some(Fault::Status(status)) => Err(ClientError::Status { server, status, message: "injected".into() }),
-                Some(Fault::Corrupt) => {
-                    let mut v = body.to_vec();
-                    if let Some(b) = v.get_mut(0) {
-                        *b ^= 1;
-                    }
-                    Ok(Bytes::from(v))
-                }
-                Some(Fault::Short) => Ok(body.slice(..body.len().saturating_sub(1))),
-            }
+            let files = self
+                .files
+                .iter()
+                .map(|(path, b)| api::FileEntry { path: path.clone(), size: b.len() as u64, crc32c: crc32c::crc32c(b) })
+                .collect();
+            Ok(FileList { files })
         })
+    }
+
+    fn fetch_batch(
+        &self,
+        epoch: u64,
+        batch: u64,
+        format: BatchFormat,
+        _attempt: u32,
+    ) -> BoxFut<'_, Result<Bytes, ClientError>> {
+        Box::pin(async move { self.serve((self.bodies)(epoch, format).get(batch as usize).cloned()).await })
+    }
+
+    fn fetch_file(&self, path: &str, _attempt: u32) -> BoxFut<'_, Result<Bytes, ClientError>> {
+        let body = self.files.iter().find(|(p, _)| p == path).map(|(_, b)| b.clone());
+        Box::pin(self.serve(body))
+    }
+}
+
+impl MemoryClient {
+    /// Answers with `body` (404 when absent), after the delay and any queued fault.
+    async fn serve(&self, body: Option<Bytes>) -> Result<Bytes, ClientError> {
+        self.fetches.fetch_add(1, Ordering::Relaxed);
+        let delay = *self.delay.lock().expect("delay");
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        let fault = {
+            let mut faults = self.faults.lock().expect("faults");
+            (!faults.is_empty()).then(|| faults.remove(0))
+        };
+        let server = "memory".to_owned();
+        let Some(body) = body else {
+            return Err(ClientError::Status { server, status: 404, message: "no such file".into() });
+        };
+        match fault {
+            None => Ok(body),
+            Some(Fault::Unreachable) => Err(ClientError::Unreachable { server, message: "injected".into() }),
+            Some(Fault::Status(status)) => Err(ClientError::Status { server, status, message: "injected".into() }),
+            Some(Fault::Corrupt) => {
+                let mut v = body.to_vec();
+                if let Some(b) = v.get_mut(0) {
+                    *b ^= 1;
+                }
+                Ok(Bytes::from(v))
+            }
+            Some(Fault::Short) => Ok(body.slice(..body.len().saturating_sub(1))),
+        }
     }
 }
 

@@ -5,18 +5,22 @@
 //! /                       epoch-0000 ... epoch-{epochs-1}, .batchfs
 //! /epoch-NNNN/            batch-000000.tfrecord (+ batch-000000.tfrecord.idx) | batch-000000.tar
 //! /.batchfs/stats         live JSON counters
+//! /raw/...                the source files as they are (file-tree and tar datasets)
 //! ```
 //! Inode numbers encode what they name, so no table grows with the epochs read: the root is 1,
 //! `.batchfs` 2, its `stats` 3, epoch directory *e* is `2^40 + e`, and batch *b* of epoch *e* is
-//! `2^62 + e·2^36 + b·4 + kind` (kind 0: the batch, 1: its DALI index). Any epoch number up to 999,999
+//! `2^62 + e·2^36 + b·4 + kind` (kind 0: the batch, 1: its DALI index); node *n* of the `raw/` tree
+//! (built from the server's file list on first use) is `2^41 + n` for a directory, `2^42 + n` for a file. Any epoch number up to 999,999
 //! resolves by name, listed or not. `stat` and `readdir` use manifests only, never sample data.
 
-use crate::client::BatchKey;
+use crate::client::{BatchKey, Listing};
 use crate::prefetch::{Prefetcher, ReadError};
+use batchfs::api::FileList;
 use batchfs::encode::BatchFormat;
 use batchfs::plan::MAX_EPOCH;
 use bytes::Bytes;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 use thiserror::Error;
 
@@ -24,10 +28,14 @@ pub const ROOT: u64 = 1;
 pub const META_DIR: u64 = 2;
 pub const STATS_FILE: u64 = 3;
 const EPOCH_BASE: u64 = 1 << 40;
+const RAW_DIR_BASE: u64 = 1 << 41;
+const RAW_FILE_BASE: u64 = 1 << 42;
 const BATCH_BASE: u64 = 1 << 62;
 
 /// The name of the statistics directory.
 pub const META_NAME: &str = ".batchfs";
+/// The name of the source-file tree.
+pub const RAW_NAME: &str = "raw";
 
 /// A filesystem error; the FUSE edge maps each variant to one errno.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -60,7 +68,7 @@ impl FsError {
 impl From<ReadError> for FsError {
     fn from(e: ReadError) -> Self {
         match e {
-            ReadError::NoSuchBatch { .. } => FsError::NotFound,
+            ReadError::NotFound(_) => FsError::NotFound,
             e => FsError::Io(e),
         }
     }
@@ -79,6 +87,10 @@ pub enum Node {
         batch: u64,
         index: bool,
     },
+    /// A directory of the `raw/` tree (node 0 is `raw` itself).
+    RawDir(u32),
+    /// A source file in the `raw/` tree.
+    RawFile(u32),
 }
 
 impl Node {
@@ -89,6 +101,8 @@ impl Node {
             Node::Stats => STATS_FILE,
             Node::Epoch(e) => EPOCH_BASE + e,
             Node::Batch { epoch, batch, index } => BATCH_BASE | epoch << 36 | batch << 2 | u64::from(index),
+            Node::RawDir(n) => RAW_DIR_BASE + u64::from(n),
+            Node::RawFile(n) => RAW_FILE_BASE + u64::from(n),
         }
     }
 
@@ -107,12 +121,16 @@ impl Node {
                 Some(Node::Batch { epoch: rest >> 36, batch: (rest >> 2) & ((1 << 34) - 1), index })
             }
             i if (EPOCH_BASE..=EPOCH_BASE + MAX_EPOCH).contains(&i) => Some(Node::Epoch(i - EPOCH_BASE)),
+            i if (RAW_DIR_BASE..RAW_DIR_BASE + (1 << 32)).contains(&i) => Some(Node::RawDir((i - RAW_DIR_BASE) as u32)),
+            i if (RAW_FILE_BASE..RAW_FILE_BASE + (1 << 32)).contains(&i) => {
+                Some(Node::RawFile((i - RAW_FILE_BASE) as u32))
+            }
             _ => None,
         }
     }
 
     pub fn is_dir(self) -> bool {
-        matches!(self, Node::Root | Node::MetaDir | Node::Epoch(_))
+        matches!(self, Node::Root | Node::MetaDir | Node::Epoch(_) | Node::RawDir(_))
     }
 }
 
@@ -145,17 +163,87 @@ pub struct FsOptions {
     pub gid: u32,
     /// Times reported for every node.
     pub time: SystemTime,
+    /// Show `raw/` (the dataset's source files).
+    pub raw: bool,
+}
+
+/// One node of the `raw/` tree.
+struct RawNode {
+    parent: u32,
+    /// Children by name (directories only).
+    children: BTreeMap<String, u32>,
+    /// Position in the server's file list (files only).
+    file: Option<u64>,
+}
+
+/// The `raw/` tree, built from the file list.
+struct RawTree {
+    nodes: Vec<RawNode>,
+}
+
+impl RawTree {
+    fn new(list: &FileList) -> Self {
+        let mut nodes = vec![RawNode { parent: 0, children: BTreeMap::new(), file: None }];
+        for (i, f) in list.files.iter().enumerate() {
+            let mut at = 0u32;
+            let parts: Vec<&str> = f.path.split('/').filter(|p| !p.is_empty()).collect();
+            for (k, part) in parts.iter().enumerate() {
+                let is_file = k + 1 == parts.len();
+                if let Some(&child) = nodes[at as usize].children.get(*part) {
+                    at = child;
+                    continue;
+                }
+                let id = nodes.len() as u32;
+                nodes.push(RawNode { parent: at, children: BTreeMap::new(), file: is_file.then_some(i as u64) });
+                nodes[at as usize].children.insert((*part).to_owned(), id);
+                at = id;
+            }
+        }
+        RawTree { nodes }
+    }
+
+    fn node(&self, n: u32) -> Node {
+        if self.nodes[n as usize].file.is_some() {
+            Node::RawFile(n)
+        } else {
+            Node::RawDir(n)
+        }
+    }
 }
 
 /// The filesystem.
 pub struct Fs {
     prefetcher: Arc<Prefetcher>,
     pub options: FsOptions,
+    raw: Mutex<Option<Arc<RawTree>>>,
 }
 
 impl Fs {
     pub fn new(prefetcher: Arc<Prefetcher>, options: FsOptions) -> Self {
-        Fs { prefetcher, options }
+        Fs { prefetcher, options, raw: Mutex::new(None) }
+    }
+
+    fn raw_tree(&self) -> Result<Arc<RawTree>, FsError> {
+        if !self.options.raw {
+            return Err(FsError::NotFound);
+        }
+        let mut raw = self.raw.lock().expect("raw tree");
+        if let Some(tree) = &*raw {
+            return Ok(tree.clone());
+        }
+        let files = self.prefetcher.files()?;
+        let tree = Arc::new(RawTree::new(&files));
+        *raw = Some(tree.clone());
+        Ok(tree)
+    }
+
+    /// The parent directory of directory `ino`.
+    pub fn parent(&self, ino: u64) -> u64 {
+        match Node::from_ino(ino) {
+            Some(Node::RawDir(0)) | Some(Node::Epoch(_)) | Some(Node::MetaDir) => ROOT,
+            Some(Node::RawDir(n)) => self.raw_tree().map_or(ROOT, |t| Node::RawDir(t.nodes[n as usize].parent).ino()),
+            _ => ROOT,
+        }
     }
 
     pub fn prefetcher(&self) -> &Arc<Prefetcher> {
@@ -199,14 +287,26 @@ impl Fs {
     pub fn lookup(&self, parent: u64, name: &str) -> Result<Attr, FsError> {
         let node = match Node::from_ino(parent).ok_or(FsError::NotFound)? {
             Node::Root if name == META_NAME => Node::MetaDir,
+            Node::Root if name == RAW_NAME && self.options.raw => Node::RawDir(0),
             Node::Root => Node::Epoch(parse_epoch(name).ok_or(FsError::NotFound)?),
             Node::MetaDir if name == "stats" => Node::Stats,
             Node::Epoch(epoch) => {
                 let (batch, index) = self.parse_batch(name).ok_or(FsError::NotFound)?;
                 Node::Batch { epoch, batch, index }
             }
+            Node::RawDir(n) => {
+                let tree = self.raw_tree()?;
+                let child = *tree
+                    .nodes
+                    .get(n as usize)
+                    .ok_or(FsError::NotFound)?
+                    .children
+                    .get(name)
+                    .ok_or(FsError::NotFound)?;
+                tree.node(child)
+            }
             Node::MetaDir => return Err(FsError::NotFound),
-            Node::Stats | Node::Batch { .. } => return Err(FsError::NotADirectory),
+            Node::Stats | Node::Batch { .. } | Node::RawFile(_) => return Err(FsError::NotADirectory),
         };
         self.attr(node)
     }
@@ -223,6 +323,17 @@ impl Fs {
                 let manifest = self.prefetcher.manifest(epoch, self.batch_format(index))?;
                 manifest.batches.get(batch as usize).ok_or(FsError::NotFound)?.bytes
             }
+            Node::RawFile(n) => {
+                let tree = self.raw_tree()?;
+                let file = tree.nodes.get(n as usize).and_then(|n| n.file).ok_or(FsError::NotFound)?;
+                self.prefetcher.files()?.files[file as usize].size
+            }
+            Node::RawDir(n) => {
+                if self.raw_tree()?.nodes.get(n as usize).is_none_or(|n| n.file.is_some()) {
+                    return Err(FsError::NotFound);
+                }
+                0
+            }
             _ => 0,
         };
         Ok(Attr { node, size })
@@ -233,6 +344,9 @@ impl Fs {
         match Node::from_ino(ino).ok_or(FsError::NotFound)? {
             Node::Root => {
                 let mut out = vec![(Node::MetaDir, META_NAME.to_owned())];
+                if self.options.raw {
+                    out.push((Node::RawDir(0), RAW_NAME.to_owned()));
+                }
                 out.extend((0..self.options.epochs.min(MAX_EPOCH + 1)).map(|e| (Node::Epoch(e), epoch_name(e))));
                 Ok(out)
             }
@@ -249,7 +363,12 @@ impl Fs {
                 }
                 Ok(out)
             }
-            Node::Stats | Node::Batch { .. } => Err(FsError::NotADirectory),
+            Node::RawDir(n) => {
+                let tree = self.raw_tree()?;
+                let dir = tree.nodes.get(n as usize).ok_or(FsError::NotFound)?;
+                Ok(dir.children.iter().map(|(name, &c)| (tree.node(c), name.clone())).collect())
+            }
+            Node::Stats | Node::Batch { .. } | Node::RawFile(_) => Err(FsError::NotADirectory),
         }
     }
 
@@ -272,8 +391,12 @@ impl Fs {
                 Ok(Bytes::copy_from_slice(&json[start..end]))
             }
             Node::Batch { epoch, batch, index } => {
-                let key = BatchKey { epoch, batch, format: self.batch_format(index) };
+                let key = BatchKey::batch(epoch, batch, self.batch_format(index));
                 Ok(self.prefetcher.read(key, offset, size, owner)?)
+            }
+            Node::RawFile(n) => {
+                let file = self.raw_tree()?.nodes.get(n as usize).and_then(|n| n.file).ok_or(FsError::NotFound)?;
+                Ok(self.prefetcher.read(BatchKey { listing: Listing::Raw, index: file }, offset, size, owner)?)
             }
             _ => Err(FsError::IsADirectory),
         }
@@ -289,11 +412,15 @@ mod tests {
 
     fn fs(format: BatchFormat) -> (tokio::runtime::Runtime, Fs) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-        let client = MemoryClient::new(|epoch, f| {
+        let mut client = MemoryClient::new(|epoch, f| {
             (0..3).map(|b| Bytes::from(format!("{f} epoch {epoch} batch {b}").into_bytes())).collect()
         });
+        client.files = ["a/x.jpg", "a/y.jpg", "b/c/z.jpg", "top.txt"]
+            .iter()
+            .map(|p| (p.to_string(), Bytes::from(format!("contents of {p}").into_bytes())))
+            .collect();
         let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), PrefetcherConfig::default());
-        let options = FsOptions { epochs: 2, format, uid: 0, gid: 0, time: SystemTime::UNIX_EPOCH };
+        let options = FsOptions { epochs: 2, format, uid: 0, gid: 0, time: SystemTime::UNIX_EPOCH, raw: true };
         (rt, Fs::new(p, options))
     }
 
@@ -301,7 +428,7 @@ mod tests {
     fn tree_and_reads() {
         let (_rt, fs) = fs(BatchFormat::Tfrecord);
         let names: Vec<String> = fs.readdir(ROOT).unwrap().into_iter().map(|(_, n)| n).collect();
-        assert_eq!(names, [".batchfs", "epoch-0000", "epoch-0001"]);
+        assert_eq!(names, [".batchfs", "raw", "epoch-0000", "epoch-0001"]);
         let e7 = fs.lookup(ROOT, "epoch-0007").unwrap();
         assert_eq!(e7.node, Node::Epoch(7), "unlisted epochs resolve by name");
         let listing: Vec<String> = fs.readdir(e7.node.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
@@ -316,6 +443,23 @@ mod tests {
         let json: serde_json::Value =
             serde_json::from_slice(&fs.read(stats.node.ino(), 0, 1 << 16, 1).unwrap()).unwrap();
         assert_eq!(json["reads"], 2);
+    }
+
+    #[test]
+    fn raw_tree_shows_the_source_files() {
+        let (_rt, fs) = fs(BatchFormat::Tar);
+        let raw = fs.lookup(ROOT, "raw").unwrap().node;
+        let top: Vec<String> = fs.readdir(raw.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
+        assert_eq!(top, ["a", "b", "top.txt"]);
+        let c = fs.lookup(fs.lookup(raw.ino(), "b").unwrap().node.ino(), "c").unwrap().node;
+        assert!(c.is_dir());
+        assert_eq!(fs.parent(c.ino()), fs.lookup(raw.ino(), "b").unwrap().node.ino());
+        let z = fs.lookup(c.ino(), "z.jpg").unwrap();
+        assert_eq!(z.size, "contents of b/c/z.jpg".len() as u64);
+        assert_eq!(fs.read(z.node.ino(), 0, 1000, 1).unwrap(), "contents of b/c/z.jpg".as_bytes());
+        assert_eq!(fs.read(z.node.ino(), 9, 4, 1).unwrap(), "of b".as_bytes());
+        assert_eq!(fs.lookup(raw.ino(), "nope").unwrap_err().errno(), libc::ENOENT);
+        assert_eq!(fs.lookup(z.node.ino(), "x").unwrap_err().errno(), libc::ENOTDIR);
     }
 
     #[test]
@@ -338,7 +482,7 @@ mod tests {
     proptest! {
         #[test]
         fn inodes_roundtrip(epoch in 0u64..=MAX_EPOCH, batch in 0u64..(1 << 34), index: bool) {
-            for node in [Node::Epoch(epoch), Node::Batch { epoch, batch, index }] {
+                        for node in [Node::Epoch(epoch), Node::Batch { epoch, batch, index }, Node::RawDir(batch as u32), Node::RawFile(batch as u32)] {
                 prop_assert_eq!(Node::from_ino(node.ino()), Some(node));
             }
         }

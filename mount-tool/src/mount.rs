@@ -20,6 +20,8 @@ pub struct MountPlan {
     pub mountpoint: PathBuf,
     pub options: MountOptions,
     pub http: HttpConfig,
+    /// The dataset's source format (file trees and tar datasets get `raw/`).
+    pub source: batchfs::index::SourceFormat,
 }
 
 /// Checks the options, the mountpoint (cleaning up a stale mount left by a killed daemon) and the
@@ -47,8 +49,8 @@ pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<Mount
         stall_timeout: options.stall_timeout,
         connect_timeout: Duration::from_secs(10),
     };
-    probe(&http, &options)?;
-    Ok(MountPlan { url: url.to_owned(), mountpoint, options, http })
+    let source = probe(&http, &options)?.format;
+    Ok(MountPlan { url: url.to_owned(), mountpoint, options, http, source })
 }
 
 fn is_mountpoint(path: &Path) -> bool {
@@ -83,7 +85,7 @@ fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
-fn probe(http: &HttpConfig, options: &MountOptions) -> Result<()> {
+fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::DatasetInfo> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let client = HttpClient::new(http.clone())?;
     let server = &http.servers[0];
@@ -94,7 +96,7 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<()> {
     });
     // Join the runtime's threads now: a daemonizing caller forks next.
     runtime.shutdown_timeout(Duration::from_secs(5));
-    let (_, manifest) = result.map_err(|e| match &e {
+    let (info, manifest) = result.map_err(|e| match &e {
         ClientError::Status { status: 404, .. } => anyhow!("dataset {:?} unknown to {server}: {e}", http.dataset),
         ClientError::Status { status: 401, .. } => anyhow!("{server} refused the token: {e}"),
         ClientError::Status { status: 400, .. } => anyhow!("{server} rejected the options: {e}"),
@@ -104,7 +106,7 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<()> {
     if options.cache < 2 * largest {
         bail!("cache={} cannot hold two batches of {largest} bytes; raise cache or lower batch_size", options.cache);
     }
-    Ok(())
+    Ok(info)
 }
 
 fn fuser_config(plan: &MountPlan) -> fuser::Config {
@@ -140,7 +142,14 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
     let (uid, gid) = sys::ids();
     let fs = Fs::new(
         prefetcher.clone(),
-        FsOptions { epochs: plan.options.epochs, format: plan.options.format, uid, gid, time: SystemTime::now() },
+        FsOptions {
+            epochs: plan.options.epochs,
+            format: plan.options.format,
+            uid,
+            gid,
+            time: SystemTime::now(),
+            raw: matches!(plan.source, batchfs::index::SourceFormat::Files | batchfs::index::SourceFormat::Tar),
+        },
     );
     Ok((FuseFs::new(fs), prefetcher))
 }

@@ -21,10 +21,10 @@
 //! `prefetch` batches ahead of it are kept cached or in flight. Reads that fit no stream are served on
 //! demand and start no prefetches, so random access does not thrash the window.
 
-use crate::client::{BatchKey, ClientError, DynClient};
+use crate::client::{BatchKey, ClientError, DynClient, Listing};
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
-use batchfs::api::{BatchEntry, Manifest};
+use batchfs::api::{BatchEntry, FileList, Manifest};
 use batchfs::encode::BatchFormat;
 use bytes::Bytes;
 use lru::LruCache;
@@ -61,16 +61,14 @@ impl Default for PrefetcherConfig {
 /// Why a read cannot be served.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum ReadError {
-    #[error("batch {batch} does not exist in epoch {epoch}")]
-    NoSuchBatch { epoch: u64, batch: u64 },
+    #[error("{0} does not exist")]
+    NotFound(String),
     #[error("gave up after {after:?}: {last}")]
     Timeout { after: Duration, last: String },
     #[error("the server refused: {0}")]
     Refused(String),
-    #[error(
-        "the cache budget ({budget} bytes) cannot hold batch {batch} of epoch {epoch} ({size} bytes); raise `cache`"
-    )]
-    CacheTooSmall { epoch: u64, batch: u64, size: u64, budget: u64 },
+    #[error("the cache budget ({budget} bytes) cannot hold {what} ({size} bytes); raise `cache`")]
+    CacheTooSmall { what: String, size: u64, budget: u64 },
 }
 
 enum State {
@@ -130,6 +128,8 @@ pub struct Prefetcher {
     cache: Mutex<Cache>,
     room: Condvar,
     manifests: Mutex<LruCache<(u64, BatchFormat), Arc<Manifest>>>,
+    /// The source files, and the same as a manifest (fetched once).
+    raw: Mutex<Option<(Arc<FileList>, Arc<Manifest>)>>,
     streams: Mutex<StreamTracker>,
     pub stats: Arc<Stats>,
 }
@@ -144,6 +144,7 @@ impl Prefetcher {
             cache: Mutex::new(Cache { entries: LruCache::unbounded(), used: 0 }),
             room: Condvar::new(),
             manifests: Mutex::new(LruCache::new(std::num::NonZeroUsize::new(16).expect("nonzero"))),
+            raw: Mutex::new(None),
             streams: Mutex::new(streams),
             stats: Arc::new(Stats::default()),
             config,
@@ -171,6 +172,49 @@ impl Prefetcher {
         Ok(manifest)
     }
 
+    /// The dataset's source files (fetched once, with retries up to `timeout`). Blocks like
+    /// [`Prefetcher::manifest`].
+    pub fn files(&self) -> Result<Arc<FileList>, ReadError> {
+        Ok(self.raw()?.0)
+    }
+
+    fn raw(&self) -> Result<(Arc<FileList>, Arc<Manifest>), ReadError> {
+        if let Some(raw) = &*self.raw.lock().expect("raw") {
+            return Ok(raw.clone());
+        }
+        let client = self.client.clone();
+        let files = self.runtime.block_on(with_retries(&self.config, &self.stats, move |_| {
+            let client = client.clone();
+            async move { client.files().await.map_err(Failure::Client) }
+        }))?;
+        let batches: Vec<BatchEntry> = files
+            .files
+            .iter()
+            .enumerate()
+            .map(|(i, f)| BatchEntry { index: i as u64, samples: 1, bytes: f.size, crc32c: f.crc32c })
+            .collect();
+        let manifest = Manifest {
+            dataset: String::new(),
+            epoch: 0,
+            options: Default::default(),
+            format: BatchFormat::Tar,
+            samples: batches.len() as u64,
+            bytes: batches.iter().map(|b| b.bytes).sum(),
+            batches,
+        };
+        let raw = (Arc::new(files), Arc::new(manifest));
+        *self.raw.lock().expect("raw") = Some(raw.clone());
+        Ok(raw)
+    }
+
+    /// The sizes and checksums of a listing's files.
+    fn listing(&self, listing: Listing) -> Result<Arc<Manifest>, ReadError> {
+        match listing {
+            Listing::Epoch { epoch, format } => self.manifest(epoch, format),
+            Listing::Raw => Ok(self.raw()?.1),
+        }
+    }
+
     /// Reads `[offset, offset + size)` of a batch file. Blocks until the batch is verified and cached.
     /// `owner` identifies the reader (the process id FUSE reports) so each reader gets its own stream.
     pub fn read(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
@@ -182,11 +226,8 @@ impl Prefetcher {
     }
 
     fn read_inner(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
-        let manifest = self.manifest(key.epoch, key.format)?;
-        let meta = *manifest
-            .batches
-            .get(key.batch as usize)
-            .ok_or(ReadError::NoSuchBatch { epoch: key.epoch, batch: key.batch })?;
+        let manifest = self.listing(key.listing)?;
+        let meta = *manifest.batches.get(key.index as usize).ok_or_else(|| ReadError::NotFound(describe(key)))?;
         if offset >= meta.bytes || size == 0 {
             return Ok(Bytes::new());
         }
@@ -194,7 +235,7 @@ impl Prefetcher {
         let deadline = started + self.config.timeout;
         let (entry, fresh) =
             self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
-        let was_ready = entry.is_ready();
+
         self.prefetch_after(key, &manifest, owner);
         let (body, waited) = entry.wait(deadline, self.config.timeout)?;
         let end = (offset + u64::from(size)).min(meta.bytes);
@@ -204,11 +245,8 @@ impl Prefetcher {
         let s = &self.stats;
         Stats::add(&s.reads, 1);
         Stats::add(&s.bytes_served, end - offset);
-        if fresh {
-            Stats::add(&s.misses, 1);
-        } else if was_ready {
-            Stats::add(&s.hits, 1);
-        }
+        // A hit found its batch cached or already being fetched; a miss had to start the fetch.
+        Stats::add(if fresh { &s.misses } else { &s.hits }, 1);
         if waited || fresh {
             Stats::add(&s.stalls, 1);
             Stats::add(&s.stall_ns, started.elapsed().as_nanos() as u64);
@@ -223,14 +261,13 @@ impl Prefetcher {
         }
         let targets = self.streams.lock().expect("streams").observe(
             owner,
-            key.epoch,
-            key.format,
-            key.batch,
+            key.listing,
+            key.index,
             manifest.batches.len() as u64,
             self.config.prefetch,
         );
         for batch in targets {
-            let target = BatchKey { batch, ..key };
+            let target = BatchKey { index: batch, ..key };
             let meta = manifest.batches[batch as usize];
             match self.get_or_start(target, meta, false, Instant::now()) {
                 Ok(Some((_, true))) => Stats::add(&self.stats.prefetches, 1),
@@ -277,8 +314,7 @@ impl Prefetcher {
             }
             if meta.bytes > self.config.cache_bytes {
                 return Err(ReadError::CacheTooSmall {
-                    epoch: key.epoch,
-                    batch: key.batch,
+                    what: describe(key),
                     size: meta.bytes,
                     budget: self.config.cache_bytes,
                 });
@@ -305,12 +341,26 @@ impl Prefetcher {
         Stats::add(&self.stats.in_flight, 1);
         let this = self.clone();
         let fetching = entry.clone();
+        let path = match key.listing {
+            Listing::Raw => {
+                self.raw.lock().expect("raw").as_ref().map(|(f, _)| f.files[key.index as usize].path.clone())
+            }
+            Listing::Epoch { .. } => None,
+        };
         self.runtime.spawn(async move {
             let client = this.client.clone();
             let result = with_retries(&this.config, &this.stats, move |attempt| {
                 let client = client.clone();
+                let path = path.clone();
                 async move {
-                    let body = client.fetch(key, meta, attempt).await.map_err(Failure::Client)?;
+                    let body = match (key.listing, path) {
+                        (Listing::Epoch { epoch, format }, _) => {
+                            client.fetch_batch(epoch, key.index, format, attempt).await
+                        }
+                        (Listing::Raw, Some(path)) => client.fetch_file(&path, attempt).await,
+                        (Listing::Raw, None) => unreachable!("raw keys exist only after the file list"),
+                    }
+                    .map_err(Failure::Client)?;
                     verify(key, &meta, &body)?;
                     Ok(body)
                 }
@@ -323,7 +373,7 @@ impl Prefetcher {
                     fetching.set(State::Ready(body));
                 }
                 Err(e) => {
-                    tracing::warn!(epoch = key.epoch, batch = key.batch, error = %e, "batch fetch failed");
+                    tracing::warn!(what = %describe(key), error = %e, "fetch failed");
                     fetching.set(State::Failed(e));
                     let mut cache = this.cache.lock().expect("cache");
                     if cache.entries.peek(&key).is_some_and(|e| Arc::ptr_eq(e, &fetching)) {
@@ -357,6 +407,14 @@ impl Prefetcher {
     }
 }
 
+/// Names a file for messages.
+fn describe(key: BatchKey) -> String {
+    match key.listing {
+        Listing::Epoch { epoch, format } => format!("batch {} of epoch {epoch} ({format})", key.index),
+        Listing::Raw => format!("source file #{}", key.index),
+    }
+}
+
 /// A failed attempt.
 enum Failure {
     Client(ClientError),
@@ -367,9 +425,8 @@ fn verify(key: BatchKey, meta: &BatchEntry, body: &Bytes) -> Result<(), Failure>
     let crc = crc32c::crc32c(body);
     if body.len() as u64 != meta.bytes || crc != meta.crc32c {
         return Err(Failure::Mismatch(format!(
-            "batch {} of epoch {}: got {} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
-            key.batch,
-            key.epoch,
+            "{}: got {} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
+            describe(key),
             body.len(),
             meta.bytes,
             meta.crc32c
@@ -424,8 +481,7 @@ fn jitter() -> f64 {
 struct Stream {
     /// The reading process (thread) id FUSE reports, 0 when unknown.
     owner: u32,
-    epoch: u64,
-    format: BatchFormat,
+    listing: Listing,
     last: u64,
     /// 0 while unknown.
     stride: u64,
@@ -451,17 +507,9 @@ impl StreamTracker {
     /// Records a read of `batch` (of `batches`) by `owner` and returns the batches to keep ahead of the
     /// stream it belongs to, in order: `window` of them for a trusted stream, at most 2 while its stride
     /// has been seen once, none before.
-    pub fn observe(
-        &mut self,
-        owner: u32,
-        epoch: u64,
-        format: BatchFormat,
-        batch: u64,
-        batches: u64,
-        window: usize,
-    ) -> Vec<u64> {
+    pub fn observe(&mut self, owner: u32, listing: Listing, batch: u64, batches: u64, window: usize) -> Vec<u64> {
         self.clock += 1;
-        let same = |s: &Stream| s.owner == owner && s.epoch == epoch && s.format == format;
+        let same = |s: &Stream| s.owner == owner && s.listing == listing;
         // 1. The next batch of a known stream, or a re-read of its current batch.
         let mut found = self
             .streams
@@ -494,8 +542,7 @@ impl StreamTracker {
                 let start = batch == 0;
                 self.streams.push(Stream {
                     owner,
-                    epoch,
-                    format,
+                    listing,
                     last: batch,
                     stride: u64::from(start),
                     trusted: start,
@@ -522,6 +569,7 @@ mod tests {
     use proptest::prelude::*;
 
     const TF: BatchFormat = BatchFormat::Tfrecord;
+    const L: Listing = Listing::Epoch { epoch: 0, format: TF };
 
     impl Prefetcher {
         fn read_as0(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
@@ -532,25 +580,25 @@ mod tests {
     #[test]
     fn sequential_reader_from_zero_is_trusted_at_once() {
         let mut t = StreamTracker::new(8, 16);
-        assert_eq!(t.observe(0, 0, TF, 0, 100, 3), vec![1, 2, 3]);
-        assert_eq!(t.observe(0, 0, TF, 0, 100, 3), vec![1, 2, 3], "re-reading a batch keeps the window");
-        assert_eq!(t.observe(0, 0, TF, 1, 100, 3), vec![2, 3, 4]);
-        assert_eq!(t.observe(0, 0, TF, 98, 100, 3), Vec::<u64>::new(), "a jump is another stream");
-        assert_eq!(t.observe(0, 0, TF, 2, 100, 3), vec![3, 4, 5]);
-        assert_eq!(t.observe(0, 0, TF, 99, 100, 3), Vec::<u64>::new(), "98 -> 99 sets a stride, not yet trusted");
+        assert_eq!(t.observe(0, L, 0, 100, 3), vec![1, 2, 3]);
+        assert_eq!(t.observe(0, L, 0, 100, 3), vec![1, 2, 3], "re-reading a batch keeps the window");
+        assert_eq!(t.observe(0, L, 1, 100, 3), vec![2, 3, 4]);
+        assert_eq!(t.observe(0, L, 98, 100, 3), Vec::<u64>::new(), "a jump is another stream");
+        assert_eq!(t.observe(0, L, 2, 100, 3), vec![3, 4, 5]);
+        assert_eq!(t.observe(0, L, 99, 100, 3), Vec::<u64>::new(), "98 -> 99 sets a stride, not yet trusted");
     }
 
     #[test]
     fn interleaved_ranks_get_their_own_streams() {
         // Ranks in lockstep read 0, 1, 2, 3, 4...: together one sequential stream, whose window serves all.
         let mut t = StreamTracker::new(8, 16);
-        let lockstep: Vec<Vec<u64>> = (0..8).map(|b| t.observe(0, 0, TF, b, 1000, 2)).collect();
+        let lockstep: Vec<Vec<u64>> = (0..8).map(|b| t.observe(0, L, b, 1000, 2)).collect();
         assert_eq!(lockstep[7], vec![8, 9]);
         // Ranks out of phase (each runs ahead on its own): every rank becomes its own stride-k stream.
         let mut t = StreamTracker::new(8, 16);
         let k = 4;
         for rank in 0..k {
-            let windows: Vec<Vec<u64>> = (0..4).map(|step| t.observe(0, 0, TF, rank + step * k, 1000, 2)).collect();
+            let windows: Vec<Vec<u64>> = (0..4).map(|step| t.observe(0, L, rank + step * k, 1000, 2)).collect();
             assert_eq!(windows[3], vec![rank + 4 * k, rank + 5 * k], "rank {rank}: {windows:?}");
         }
     }
@@ -562,7 +610,7 @@ mod tests {
         let mut seen = std::collections::HashMap::new();
         for step in 0..3u64 {
             for rank in 0..4u64 {
-                seen.insert((rank, step), t.observe(100 + rank as u32, 0, TF, rank + step * 4, 1000, 3));
+                seen.insert((rank, step), t.observe(100 + rank as u32, L, rank + step * 4, 1000, 3));
             }
         }
         assert_eq!(seen[&(1, 0)], Vec::<u64>::new(), "first read: unknown stride");
@@ -576,7 +624,7 @@ mod tests {
         let mut t = StreamTracker::new(8, 4);
         let mut started = 0;
         for b in [500u64, 37, 912, 240, 771, 15, 640, 333, 108, 455] {
-            started += t.observe(0, 0, TF, b, 1000, 16).len();
+            started += t.observe(0, L, b, 1000, 16).len();
         }
         assert_eq!(started, 0);
     }
@@ -595,7 +643,7 @@ mod tests {
     }
 
     fn key(batch: u64) -> BatchKey {
-        BatchKey { epoch: 0, batch, format: TF }
+        BatchKey::batch(0, batch, TF)
     }
 
     #[test]
@@ -611,7 +659,7 @@ mod tests {
         assert_eq!(s.misses, 1, "only batch 0 is fetched on demand: {s:?}");
         assert!(s.hits >= 15, "{s:?}");
         assert_eq!(p.read_as0(key(3), 5000, 10).unwrap(), Bytes::new(), "past the end");
-        assert_eq!(p.read_as0(key(20), 0, 10), Err(ReadError::NoSuchBatch { epoch: 0, batch: 20 }));
+        assert_eq!(p.read_as0(key(20), 0, 10), Err(ReadError::NotFound("batch 20 of epoch 0 (tfrecord)".into())));
     }
 
     #[test]

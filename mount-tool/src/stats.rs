@@ -29,9 +29,9 @@ pub struct StatsSnapshot {
     pub bytes_served: u64,
     /// Read requests answered with data.
     pub reads: u64,
-    /// Reads whose batch was already in the cache.
+    /// Reads whose batch was already cached or in flight (prefetched, or fetched for another reader).
     pub hits: u64,
-    /// Reads whose batch was neither cached nor in flight (fetched on demand).
+    /// Reads that had to start the fetch of their batch (on demand).
     pub misses: u64,
     /// Reads that had to wait for a fetch.
     pub stalls: u64,

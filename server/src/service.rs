@@ -6,7 +6,6 @@ use crate::catalog::{Catalog, Dataset};
 use crate::metrics::{Kind, Metrics};
 use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, Route};
 use batchfs::encode::{self, Segment};
-use batchfs::index::SourceFormat;
 use batchfs::plan::PlanError;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
@@ -111,7 +110,7 @@ fn kind_of(route: &Result<Route, ApiError>) -> Kind {
     match route {
         Ok(Route::Batch { .. }) => Kind::Batch,
         Ok(Route::Manifest { .. }) => Kind::Manifest,
-        Ok(Route::File { .. }) => Kind::File,
+        Ok(Route::File { .. }) | Ok(Route::Files { .. }) => Kind::File,
         _ => Kind::Other,
     }
 }
@@ -239,6 +238,16 @@ async fn dispatch<B>(
             headers.insert(api::SAMPLES_HEADER, HeaderValue::from(samples));
             Ok(r)
         }
+        Route::Files { name } => {
+            let ds = dataset(state, &name)?;
+            let files = ds
+                .index
+                .shards
+                .iter()
+                .map(|s| api::FileEntry { path: s.path.clone(), size: s.size, crc32c: s.crc32c })
+                .collect();
+            Ok(json_response(StatusCode::OK, &api::FileList { files }))
+        }
         Route::File { name, path } => {
             let ds = dataset(state, &name)?.clone();
             let shard_no = ds
@@ -246,18 +255,11 @@ async fn dispatch<B>(
                 .ok_or_else(|| Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no file {path:?}")))?;
             let shard = &ds.index.shards[shard_no];
             let segments = vec![Segment::Data { shard: shard_no as u32, offset: 0, len: shard.size }];
-            let etag = format!("\"{:x}-{:x}\"", shard.size, shard.mtime_ns);
+            let etag = api::etag(shard.crc32c, shard.size);
             let mut r = ranged(state, req, &ds, segments, shard.size, &etag)?;
-            r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
-            if ds.index.format() == SourceFormat::Files {
-                // One file, one sample: its CRC32C is in the index.
-                let crc =
-                    ds.index.samples.iter().find(|s| s.parts[0].shard as usize == shard_no).map(|s| s.parts[0].crc32c);
-                if let Some(crc) = crc {
-                    r.headers_mut()
-                        .insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{crc:08x}")).expect("hex"));
-                }
-            }
+            let headers = r.headers_mut();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+            headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", shard.crc32c)).expect("hex"));
             Ok(r)
         }
     }

@@ -49,7 +49,7 @@ fn reads_through_the_mount_equal_the_server_and_decode_to_the_samples() {
     let mut names: Vec<String> =
         std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
-    assert_eq!(names, [".batchfs", "epoch-0000", "epoch-0001"]);
+    assert_eq!(names, [".batchfs", "epoch-0000", "epoch-0001", "raw"]);
     let query = "batch_size=8&seed=3";
     let m = manifest(&rt, &server, query);
     let epoch = root.join("epoch-0000");
@@ -116,10 +116,10 @@ fn concurrent_and_interleaved_readers_get_prefetch_hits() {
     });
     let stats: serde_json::Value =
         serde_json::from_slice(&std::fs::read(mounted.mountpoint.join(".batchfs/stats")).unwrap()).unwrap();
-    let (hits, reads, prefetches) =
-        (stats["hits"].as_u64().unwrap(), stats["reads"].as_u64().unwrap(), stats["prefetches"].as_u64().unwrap());
-    assert!(prefetches > 0 && hits > 0, "{stats}");
-    assert!(hits * 2 > reads, "interleaved readers should mostly hit prefetched batches: {stats}");
+    let n = |k: &str| stats[k].as_u64().unwrap();
+    assert_eq!(n("hits") + n("misses"), n("reads"), "{stats}");
+    assert!(n("prefetches") > 0, "{stats}");
+    assert!(n("misses") * 4 <= n("reads"), "interleaved readers should mostly find their batch prefetched: {stats}");
     assert_eq!(stats["checksum_errors"], 0);
     drop(mounted);
     rt.block_on(server.running.shutdown());
@@ -196,4 +196,77 @@ fn a_server_outage_is_waited_out_then_reported_as_eio() {
         serde_json::from_slice(&std::fs::read(mounted.mountpoint.join(".batchfs/stats")).unwrap()).unwrap();
     assert!(stats["retries"].as_u64().unwrap() > 0 && stats["errors"].as_u64().unwrap() >= 1, "{stats}");
     drop(mounted);
+}
+
+#[test]
+fn raw_shows_the_source_files_prefetched_in_directory_order() {
+    let rt = runtime();
+    let tree = fixture(SourceFormat::Files, 40, 3000);
+    let shards = fixture(SourceFormat::Tar, 12, 3000);
+    let server = rt.block_on(serve(&[("d", &tree.path), ("w", &shards.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=8,prefetch=8");
+    let raw = mounted.mountpoint.join("raw");
+    let mut classes: Vec<String> =
+        std::fs::read_dir(&raw).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    classes.sort();
+    let mut on_disk: Vec<String> = std::fs::read_dir(&tree.path)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    on_disk.sort();
+    assert_eq!(classes, on_disk);
+    // Every file, in directory order, equals the source file.
+    for s in expected_samples(&tree) {
+        let path = raw.join(format!("{}.jpg", s.key));
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), s.parts[0].1.len() as u64);
+        assert_eq!(std::fs::read(&path).unwrap(), s.parts[0].1, "{}", s.key);
+    }
+    let stats: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(mounted.mountpoint.join(".batchfs/stats")).unwrap()).unwrap();
+    assert!(stats["prefetches"].as_u64().unwrap() > 20 && stats["hits"].as_u64().unwrap() > 20, "{stats}");
+    drop(mounted);
+    // A tar dataset's shards appear as they are.
+    let (_dir, mounted) = common::mount(&server, "w", "batch_size=4");
+    let shard = std::fs::read(mounted.mountpoint.join("raw/shard-000002.tar")).unwrap();
+    assert_eq!(shard, std::fs::read(shards.path.join("shard-000002.tar")).unwrap());
+    assert!(!mounted.mountpoint.join("raw/.batchfs-index").exists());
+    drop(mounted);
+    // A TFRecord dataset has no raw/.
+    let records = fixture(SourceFormat::Tfrecord, 8, 1000);
+    let server2 = rt.block_on(serve(&[("d", &records.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server2, "d", "batch_size=4");
+    assert!(!mounted.mountpoint.join("raw").exists());
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+    rt.block_on(server2.running.shutdown());
+}
+
+#[test]
+fn batches_are_spread_over_several_servers() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let a = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let b = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&a, "d", &format!("batch_size=4,prefetch=0,servers={}", b.base));
+    let m = manifest(&rt, &a, "batch_size=4");
+    for entry in &m.batches {
+        let body =
+            std::fs::read(mounted.mountpoint.join(format!("epoch-0000/batch-{:06}.tfrecord", entry.index))).unwrap();
+        assert_eq!(crc::crc32c(&body), entry.crc32c);
+    }
+    let batches = |s: &common::Server| {
+        let text = s.running.metrics().render();
+        text.lines()
+            .find_map(|l| l.strip_prefix("batchfs_requests_total{kind=\"batch\"} "))
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let (on_a, on_b) = (batches(&a), batches(&b));
+    assert_eq!(on_a + on_b, m.batches.len() as u64);
+    assert!(on_a >= 4 && on_b >= 4, "both servers serve batches: {on_a} / {on_b}");
+    drop(mounted);
+    rt.block_on(a.running.shutdown());
+    rt.block_on(b.running.shutdown());
 }

@@ -231,6 +231,13 @@ async fn source_files_are_served_and_cannot_escape() {
         assert_eq!(r.headers()[api::CRC32C_HEADER], format!("{:08x}", crc::crc32c(&s.parts[0].1)).as_str());
         assert_eq!(r.bytes().await.unwrap(), s.parts[0].1);
     }
+    let list: api::FileList =
+        get(&client, &format!("{}{}", server.base, api::files_path("wds"))).await.json().await.unwrap();
+    assert_eq!(list.files.len(), 4);
+    for f in &list.files {
+        let bytes = std::fs::read(shards.path.join(&f.path)).unwrap();
+        assert_eq!((f.size, f.crc32c), (bytes.len() as u64, crc::crc32c(&bytes)), "{}", f.path);
+    }
     let on_disk = std::fs::read(shards.path.join("shard-000001.tar")).unwrap();
     let url = format!("{}{}", server.base, api::file_path("wds", "shard-000001.tar"));
     assert_eq!(get(&client, &url).await.bytes().await.unwrap(), on_disk);
