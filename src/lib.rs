@@ -8,6 +8,7 @@
 pub mod api;
 pub mod crc;
 pub mod encode;
+pub mod energy;
 pub mod gen;
 pub mod index;
 pub mod mmap;

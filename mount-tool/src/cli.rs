@@ -37,6 +37,8 @@ pub enum Command {
     },
     /// Generate a sample dataset, serve it, mount it, read one epoch, print a result table.
     Demo(crate::demo::DemoArgs),
+    /// Run a command and report the energy it used per sensor, idle baseline subtracted.
+    Energy(crate::energy_cmd::EnergyArgs),
 }
 
 #[derive(Debug, Args)]
@@ -101,6 +103,9 @@ pub struct MountArgs {
     /// Log file of a daemonized mount
     #[arg(long, value_name = "FILE")]
     pub log_file: Option<String>,
+    /// Energy timeline with the bytes served, as JSON lines
+    #[arg(long, value_name = "FILE")]
+    pub energy_log: Option<String>,
 }
 
 impl MountArgs {
@@ -127,6 +132,7 @@ impl MountArgs {
             ("threads", &self.threads),
             ("read_ahead_kb", &self.read_ahead_kb),
             ("log_file", &self.log_file),
+            ("energy_log", &self.energy_log),
         ];
         for (key, value) in flags {
             if let Some(v) = value {
@@ -177,6 +183,11 @@ pub fn run() -> Result<()> {
         Command::Demo(args) => {
             init_tracing(None, "warn");
             crate::demo::run(args)
+        }
+        Command::Energy(args) => {
+            init_tracing(None, "warn");
+            let code = crate::energy_cmd::run(args)?;
+            std::process::exit(code)
         }
     }
 }

@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod client;
 pub mod demo;
+pub mod energy_cmd;
 pub mod fs;
 pub mod fuse;
 pub mod mount;

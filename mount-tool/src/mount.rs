@@ -249,8 +249,15 @@ pub fn run(plan: MountPlan, daemonize: bool) -> Result<()> {
 }
 
 fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -> Result<()> {
+    let energy = match &plan.options.energy_log {
+        Some(path) => Some(
+            batchfs::energy::EnergyLog::prepare(path)
+                .with_context(|| format!("cannot write energy_log {}", path.display()))?,
+        ),
+        None => None,
+    };
     let runtime = runtime()?;
-    let (fs, _prefetcher) = filesystem(plan, &runtime)?;
+    let (fs, prefetcher) = filesystem(plan, &runtime)?;
     // Serve first: tuning stats the mountpoint, which only answers once the session loop runs.
     let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
         .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?
@@ -271,8 +278,18 @@ fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -
         let _ = pipe.write_all(b"ok");
         let _ = pipe.shutdown(std::net::Shutdown::Both);
     }
+    let energy = energy.map(|log| {
+        let stats = prefetcher.stats.clone();
+        log.start(
+            Duration::from_millis(100),
+            Arc::new(move || stats.bytes_served.load(std::sync::atomic::Ordering::Relaxed)),
+        )
+    });
     // Returns when the filesystem is unmounted (by `batchfs umount`, umount(8) or a signal).
     session.join().context("FUSE session")?;
+    if let Some(log) = energy {
+        log.finish(0.35).context("writing the energy log summary")?;
+    }
     tracing::info!("unmounted");
     Ok(())
 }

@@ -38,6 +38,8 @@ pub struct MountOptions {
     pub read_ahead_kb: u32,
     /// Where a daemonized mount logs (nothing when absent).
     pub log_file: Option<PathBuf>,
+    /// Energy timeline with the bytes served, as JSON lines (docs/ENERGY.md).
+    pub energy_log: Option<PathBuf>,
 }
 
 impl Default for MountOptions {
@@ -59,6 +61,7 @@ impl Default for MountOptions {
             threads: 16,
             read_ahead_kb: 1024,
             log_file: None,
+            energy_log: None,
         }
     }
 }
@@ -115,6 +118,7 @@ impl MountOptions {
                 self.read_ahead_kb = u32::try_from(number(need()?)?).map_err(|_| format!("{key} too large"))?
             }
             "log_file" => self.log_file = Some(need()?.into()),
+            "energy_log" => self.energy_log = Some(need()?.into()),
             k if IGNORED.contains(&k) || k.starts_with("x-") || k.starts_with("comment=") => {}
             other => return Err(format!("unknown mount option {other:?} (see docs/CONFIGURATION.md)")),
         }

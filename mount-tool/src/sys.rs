@@ -69,3 +69,17 @@ pub fn detach() -> io::Result<()> {
     }
     Ok(())
 }
+
+/// CPU seconds (user + system) of this process's waited-for children.
+pub fn children_cpu_seconds() -> Option<f64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::uninit();
+    // SAFETY: getrusage writes a whole `rusage` into the pointer it is given, which is valid for writes.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: getrusage returned 0, so it initialized `usage`.
+    let u = unsafe { usage.assume_init() };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    Some(secs(u.ru_utime) + secs(u.ru_stime))
+}

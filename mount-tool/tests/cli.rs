@@ -266,3 +266,67 @@ fn memory_stays_under_the_cache_budget() {
     let _ = batchfs(&["umount", mnt.to_str().unwrap()]);
     child.wait().unwrap();
 }
+
+#[test]
+fn energy_runs_a_command_and_says_which_sensors_are_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_file = dir.path().join("energy.jsonl");
+    let out = batchfs(&[
+        "energy",
+        "--idle",
+        "0s",
+        "--interval",
+        "100ms",
+        "--out",
+        out_file.to_str().unwrap(),
+        "--",
+        "sleep",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains("`sleep 1` exited 0"), "{text}");
+    assert!(text.contains("CPU seconds: 0.") && text.contains("perf task-clock"), "{text}");
+    // Either a table of real sensors or the explicit statement that there is none; never a made-up number.
+    assert!(text.contains("total J") || text.contains("no energy sensor available"), "{text}");
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&out_file).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(lines.len() >= 8, "about 10 samples and a summary: {}", lines.len());
+    let summary = &lines.last().unwrap()["summary"];
+    assert!(summary["duration_s"].as_f64().unwrap() >= 0.9, "{summary}");
+    for u in summary["unavailable"].as_array().unwrap() {
+        assert!(!u["reason"].as_str().unwrap().is_empty(), "{u}");
+    }
+    if summary["sensors"].as_array().unwrap().is_empty() {
+        assert!(text.contains("unavailable:"), "with no sensor, the reasons must be printed: {text}");
+    }
+    // The command's exit status is passed through.
+    let failing = batchfs(&["energy", "--idle", "0s", "--", "sh", "-c", "exit 3"]);
+    assert_eq!(failing.status.code(), Some(3));
+}
+
+#[test]
+fn a_mount_records_an_energy_log_with_the_bytes_it_served() {
+    let server = server(32, 4000, None);
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = std::fs::canonicalize(dir.path()).unwrap().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let log = dir.path().join("energy.jsonl");
+    let _guard = MountGuard(mnt.clone());
+    let mut child = foreground(&server.url, &mnt, &format!("batch_size=4,energy_log={}", log.display()));
+    wait_until("the mount", || is_mounted(&mnt));
+    std::thread::sleep(Duration::from_millis(400));
+    let mut read = 0;
+    for b in 0..8 {
+        read += std::fs::read(mnt.join(format!("epoch-0000/batch-{b:06}.tfrecord"))).unwrap().len() as u64;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(batchfs(&["umount", mnt.to_str().unwrap()]).status.success());
+    assert!(child.wait().unwrap().success());
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let samples = &lines[..lines.len() - 1];
+    assert!(samples.len() >= 5, "{}", samples.len());
+    assert_eq!(samples.last().unwrap()["bytes"].as_u64(), Some(read), "the timeline carries the bytes served");
+    assert_eq!(lines.last().unwrap()["summary"]["bytes"].as_u64(), Some(read));
+}

@@ -79,6 +79,9 @@ pub struct ServeArgs {
     /// PEM private key for --tls-cert.
     #[arg(long, value_name = "FILE", requires = "tls_cert", help_heading = "Security")]
     pub tls_key: Option<PathBuf>,
+    /// Record energy per sensor every 100 ms with the bytes served, as JSON lines (see docs/ENERGY.md).
+    #[arg(long, value_name = "FILE")]
+    pub energy_log: Option<PathBuf>,
     #[command(flatten)]
     pub index: IndexFlags,
     #[command(flatten)]
@@ -398,25 +401,34 @@ fn serve(args: ServeArgs) -> Result<()> {
         _ => bail!("TLS needs both a certificate and a key"),
     };
     let catalog = open_catalog(&flags, &file.datasets)?;
+    let energy_log = args.energy_log.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
+        // Handlers first: a SIGTERM that arrives while starting up must stop the server, not kill it.
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let energy = match &energy_log {
+            Some(path) => Some(
+                batchfs::energy::EnergyLog::prepare(path)
+                    .with_context(|| format!("cannot write --energy-log {}", path.display()))?,
+            ),
+            None => None,
+        };
         let server = crate::start(catalog, ServeOptions { listen, tls, token, limits }).await?;
+        let energy = energy.map(|log| log.start(Duration::from_millis(100), server.bytes_sent()));
         let stop = server.shutdown_handle();
         tokio::spawn(async move {
-            wait_for_signal().await;
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
             tracing::info!("signal received: finishing in-flight batches");
             let _ = stop.send(true);
         });
         server.wait().await;
+        if let Some(log) = energy {
+            log.finish(0.35).context("writing the energy log summary")?;
+        }
         tracing::info!("stopped");
         Ok(())
     })
-}
-
-async fn wait_for_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
 }

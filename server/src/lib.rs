@@ -62,6 +62,12 @@ impl RunningServer {
         &self.state.metrics
     }
 
+    /// A counter of body bytes sent, for energy attribution.
+    pub fn bytes_sent(&self) -> batchfs::energy::ByteCounter {
+        let metrics = self.state.metrics.clone();
+        Arc::new(move || metrics.response_bytes.load(Ordering::Relaxed))
+    }
+
     /// Stops accepting, lets in-flight requests finish (up to the drain timeout), and returns.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);

@@ -81,8 +81,9 @@ async fn gen_index_serve_and_stop() {
         ),
     )
     .unwrap();
+    let energy = dir.path().join("energy.jsonl");
     let child = Command::new(BIN)
-        .args(["serve", "--config", config.to_str().unwrap()])
+        .args(["serve", "--config", config.to_str().unwrap(), "--energy-log", energy.to_str().unwrap()])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
@@ -110,6 +111,14 @@ async fn gen_index_serve_and_stop() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "{status:?}");
+    // The energy log: a timeline with the bytes served, then a summary (sensors or the reasons there are none).
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&energy).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let summary = &lines.last().unwrap()["summary"];
+    assert!(lines.len() >= 2 && summary["bytes"].as_u64().unwrap() > 0, "{summary}");
+    assert!(
+        !summary["sensors"].as_array().unwrap().is_empty() || !summary["unavailable"].as_array().unwrap().is_empty()
+    );
 }
 
 fn fails_with(args: &[&str], needle: &str) {
