@@ -681,7 +681,12 @@ mod tests {
         let (sensors, missing) = detect(empty.path(), false, Duration::ZERO);
         assert!(sensors.is_empty());
         let text = format!("{missing:?}");
-        assert!(text.contains("no power PMU") && text.contains("powercap"), "{text}");
+                assert!(text.contains("no power PMU") && text.contains("powercap"), "{text}");
+        // The GPU is always accounted for: a sensor per GPU, or the reason there is none.
+        let (sensors, missing) = detect(empty.path(), true, Duration::ZERO);
+        let gpus = sensors.iter().filter(|s| s.name().starts_with("gpu-")).count();
+        let why = missing.iter().find(|u| u.sensor.starts_with("gpu"));
+        assert!(gpus > 0 || why.is_some_and(|u| u.reason.contains("NVML")), "{missing:?}");
     }
 
     #[test]
