@@ -681,7 +681,7 @@ mod tests {
         let (sensors, missing) = detect(empty.path(), false, Duration::ZERO);
         assert!(sensors.is_empty());
         let text = format!("{missing:?}");
-                assert!(text.contains("no power PMU") && text.contains("powercap"), "{text}");
+        assert!(text.contains("no power PMU") && text.contains("powercap"), "{text}");
         // The GPU is always accounted for: a sensor per GPU, or the reason there is none.
         let (sensors, missing) = detect(empty.path(), true, Duration::ZERO);
         let gpus = sensors.iter().filter(|s| s.name().starts_with("gpu-")).count();

@@ -186,6 +186,19 @@ impl Mounted {
         self.stop()
     }
 
+    /// Serves until the filesystem is unmounted from outside (`batchfs umount`, umount(8), a signal).
+    pub fn wait(mut self) -> Result<()> {
+        if let Some(session) = self.session.take() {
+            session.join().context("FUSE session")?;
+        }
+        self.stop()
+    }
+
+    /// The runtime the mount's fetches run on.
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        self.runtime.as_ref().expect("running").handle()
+    }
+
     fn stop(&mut self) -> Result<()> {
         if let Some(session) = self.session.take() {
             session.umount_and_join().with_context(|| format!("unmounting {}", self.mountpoint.display()))?;
@@ -206,7 +219,8 @@ impl Drop for Mounted {
     }
 }
 
-/// Mounts in this process, serving from a background thread.
+/// Mounts in this process, serving from background threads (the session loop answers before the
+/// readahead tuning stats the mountpoint).
 pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
     let runtime = runtime()?;
     let (fs, prefetcher) = filesystem(plan, &runtime)?;
@@ -256,15 +270,9 @@ fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -
         ),
         None => None,
     };
-    let runtime = runtime()?;
-    let (fs, prefetcher) = filesystem(plan, &runtime)?;
-    // Serve first: tuning stats the mountpoint, which only answers once the session loop runs.
-    let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
-        .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?
-        .spawn()?;
-    tune_readahead(&plan.mountpoint, plan.options.read_ahead_kb);
+    let mounted = spawn(plan)?;
     let mountpoint = plan.mountpoint.clone();
-    runtime.spawn(async move {
+    mounted.runtime().spawn(async move {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal");
         tokio::select! {
             _ = term.recv() => {}
@@ -279,14 +287,13 @@ fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -
         let _ = pipe.shutdown(std::net::Shutdown::Both);
     }
     let energy = energy.map(|log| {
-        let stats = prefetcher.stats.clone();
+        let stats = mounted.prefetcher.stats.clone();
         log.start(
             Duration::from_millis(100),
             Arc::new(move || stats.bytes_served.load(std::sync::atomic::Ordering::Relaxed)),
         )
     });
-    // Returns when the filesystem is unmounted (by `batchfs umount`, umount(8) or a signal).
-    session.join().context("FUSE session")?;
+    mounted.wait()?;
     if let Some(log) = energy {
         log.finish(0.35).context("writing the energy log summary")?;
     }
