@@ -173,6 +173,7 @@ pub fn run() -> Result<()> {
     let cli = Cli::parse_from(args);
     match cli.command {
         Command::Mount(m) => {
+            crate::sys::release_large_allocations();
             let options = m.mount_options()?;
             init_tracing(if m.foreground { None } else { options.log_file.as_deref() }, "info");
             let plan = crate::mount::plan(&m.url, &m.mountpoint, options)?;
@@ -215,6 +216,7 @@ fn mount_helper(args: &[OsString]) -> Result<()> {
         bail!("usage: mount.batchfs http://host:port/DATASET MOUNTPOINT [-o options]");
     };
     init_tracing(options.log_file.as_deref(), "info");
+    crate::sys::release_large_allocations();
     let plan = crate::mount::plan(spec, Path::new(dir), options)?;
     if fake {
         return Ok(());

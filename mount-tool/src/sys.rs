@@ -83,3 +83,14 @@ pub fn children_cpu_seconds() -> Option<f64> {
     let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     Some(secs(u.ru_utime) + secs(u.ru_stime))
 }
+
+/// Makes the allocator return large buffers to the system as soon as they are freed: batch bodies of
+/// several MB come and go all the time, and glibc's adaptive mmap threshold would otherwise serve them
+/// from heap arenas that keep the freed memory, growing RSS well past the cache budget.
+pub fn release_large_allocations() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning parameters; it is called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
+    }
+}
