@@ -39,6 +39,8 @@ pub enum Command {
     Demo(crate::demo::DemoArgs),
     /// Run a command and report the energy it used per sensor, idle baseline subtracted.
     Energy(crate::energy_cmd::EnergyArgs),
+    /// A TCP proxy that adds latency and caps throughput (user-space netem, for loopback links).
+    Netem(crate::netem::NetemArgs),
 }
 
 #[derive(Debug, Args)]
@@ -184,6 +186,10 @@ pub fn run() -> Result<()> {
         Command::Demo(args) => {
             init_tracing(None, "warn");
             crate::demo::run(args)
+        }
+        Command::Netem(args) => {
+            init_tracing(None, "info");
+            crate::netem::run(args)
         }
         Command::Energy(args) => {
             init_tracing(None, "warn");

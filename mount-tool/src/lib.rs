@@ -9,6 +9,7 @@ pub mod energy_cmd;
 pub mod fs;
 pub mod fuse;
 pub mod mount;
+pub mod netem;
 pub mod options;
 pub mod prefetch;
 pub mod stats;

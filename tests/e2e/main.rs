@@ -2,4 +2,5 @@
 
 mod common;
 mod mount;
+mod netem;
 mod server;
