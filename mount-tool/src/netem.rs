@@ -162,7 +162,7 @@ pub fn run(args: NetemArgs) -> Result<()> {
         netem.addr,
         args.upstream,
         args.rtt_ms,
-        args.jitter_ms.gt(&0.0).then(|| format!(" (+0..{} ms jitter each way)", args.jitter_ms)).unwrap_or_default(),
+        if args.jitter_ms > 0.0 { format!(" (+0..{} ms jitter each way)", args.jitter_ms) } else { String::new() },
         args.rate_mbit.map(|r| format!(", {r} Mbit/s per direction")).unwrap_or_default()
     );
     loop {
