@@ -41,6 +41,8 @@ pub enum Command {
     Energy(crate::energy_cmd::EnergyArgs),
     /// A TCP proxy that adds latency and caps throughput (user-space netem, for loopback links).
     Netem(crate::netem::NetemArgs),
+    /// Read every file under a path as a loader would; report throughput, read latency, time stalled.
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -187,6 +189,7 @@ pub fn run() -> Result<()> {
             init_tracing(None, "warn");
             crate::demo::run(args)
         }
+        Command::Bench(args) => crate::bench::run(args),
         Command::Netem(args) => {
             init_tracing(None, "info");
             crate::netem::run(args)

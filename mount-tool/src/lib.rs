@@ -2,6 +2,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod demo;
