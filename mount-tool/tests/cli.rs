@@ -330,3 +330,78 @@ fn a_mount_records_an_energy_log_with_the_bytes_it_served() {
     assert_eq!(samples.last().unwrap()["bytes"].as_u64(), Some(read), "the timeline carries the bytes served");
     assert_eq!(lines.last().unwrap()["summary"]["bytes"].as_u64(), Some(read));
 }
+
+fn bench_json(path: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["bench", path.to_str().unwrap(), "--threads", "2", "--json"];
+    args.extend_from_slice(extra);
+    let out = batchfs(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The latency lab's machinery end to end, small: batchfs direct, local copies of its files, and batchfs behind
+/// `batchfs netem` at 30 ms, read by `batchfs bench`, paced and unpaced. Checks that it works, not speed.
+#[test]
+fn latency_lab_machinery_works_end_to_end() {
+    let server = server(64, 8000, None);
+    let upstream = server.url.trim_start_matches("http://").trim_end_matches("/d").to_owned();
+    let netem_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut netem = Command::new(BIN)
+        .args(["netem", "--listen", &format!("127.0.0.1:{netem_port}"), "--upstream", &upstream, "--rtt-ms", "30"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill<'a>(&'a mut Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _netem = Kill(&mut netem);
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = std::fs::canonicalize(dir.path()).unwrap().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let _guard = MountGuard(mnt.clone());
+    let mut walls = Vec::new();
+    let mut bytes = Vec::new();
+    for url in [server.url.clone(), format!("http://127.0.0.1:{netem_port}/d")] {
+        let started = Instant::now();
+        let out = loop {
+            let out = batchfs(&["mount", &url, mnt.to_str().unwrap(), "-o", "batch_size=8"]);
+            if out.status.success() || started.elapsed() > Duration::from_secs(10) {
+                break out;
+            }
+            std::thread::sleep(Duration::from_millis(100)); // the proxy may still be starting
+        };
+        assert!(out.status.success(), "{}", stderr(&out));
+        let epoch = mnt.join("epoch-0000");
+        for extra in [&[][..], &["--consume-mbps", "50"][..]] {
+            let r = bench_json(&epoch, extra);
+            bytes.push(r["bytes"].as_u64().unwrap());
+            walls.push(r["wall_s"].as_f64().unwrap());
+            assert!(r["read_p99_us"].as_f64().unwrap() >= r["read_p50_us"].as_f64().unwrap());
+        }
+        if walls.len() == 2 {
+            // Local disk: the same batch files copied out of the mount.
+            let local = dir.path().join("local");
+            std::fs::create_dir(&local).unwrap();
+            for e in std::fs::read_dir(&epoch).unwrap() {
+                let e = e.unwrap();
+                std::fs::copy(e.path(), local.join(e.file_name())).unwrap();
+            }
+            for extra in [&[][..], &["--consume-mbps", "50"][..]] {
+                let r = bench_json(&local, extra);
+                bytes.push(r["bytes"].as_u64().unwrap());
+                walls.push(r["wall_s"].as_f64().unwrap());
+            }
+        }
+        assert!(batchfs(&["umount", mnt.to_str().unwrap()]).status.success());
+    }
+    // The same bytes through every path; the paced runs take at least bytes / rate.
+    assert!(bytes.iter().all(|&b| b == bytes[0] && b > 0), "{bytes:?}");
+    assert_eq!(bytes.len(), 6);
+    for paced in [1, 3, 5] {
+        assert!(walls[paced] >= bytes[paced] as f64 / 50e6 * 0.9, "{walls:?}");
+    }
+}
