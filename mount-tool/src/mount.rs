@@ -134,6 +134,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
         runtime.handle().clone(),
         PrefetcherConfig {
             prefetch: plan.options.prefetch,
+            max_prefetches_in_flight: plan.options.max_prefetches,
             cache_bytes: plan.options.cache,
             timeout: plan.options.timeout,
             ..PrefetcherConfig::default()

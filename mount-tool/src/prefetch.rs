@@ -44,6 +44,9 @@ pub struct PrefetcherConfig {
     pub max_streams: usize,
     /// Largest stride recognized as a stream (e.g. the number of DDP ranks).
     pub max_stride: u64,
+    /// Prefetches in flight at once, all streams together; more wait until one ends (reads that need a
+    /// batch never wait for this, so they do not queue behind a whole window of prefetches).
+    pub max_prefetches_in_flight: usize,
 }
 
 impl Default for PrefetcherConfig {
@@ -54,6 +57,7 @@ impl Default for PrefetcherConfig {
             timeout: Duration::from_secs(60),
             max_streams: 64,
             max_stride: 64,
+            max_prefetches_in_flight: 8,
         }
     }
 }
@@ -131,6 +135,8 @@ pub struct Prefetcher {
     /// The source files, and the same as a manifest (fetched once).
     raw: Mutex<Option<(Arc<FileList>, Arc<Manifest>)>>,
     streams: Mutex<StreamTracker>,
+    /// Prefetches in flight now.
+    prefetching: crate::sync::AtomicU64,
     pub stats: Arc<Stats>,
 }
 
@@ -146,6 +152,7 @@ impl Prefetcher {
             manifests: Mutex::new(LruCache::new(std::num::NonZeroUsize::new(16).expect("nonzero"))),
             raw: Mutex::new(None),
             streams: Mutex::new(streams),
+            prefetching: crate::sync::AtomicU64::new(0),
             stats: Arc::new(Stats::default()),
             config,
         })
@@ -309,6 +316,10 @@ impl Prefetcher {
             if let Some(e) = cache.entries.get(&key) {
                 return Ok(Some((e.clone(), false)));
             }
+            // Checked under the cache lock, so concurrent prefetchers cannot overshoot the limit.
+            if !on_demand && self.prefetching.load(Ordering::Relaxed) >= self.config.max_prefetches_in_flight as u64 {
+                return Ok(None);
+            }
             if cache.used + meta.bytes <= self.config.cache_bytes {
                 break;
             }
@@ -339,6 +350,9 @@ impl Prefetcher {
         cache.entries.put(key, entry.clone());
         drop(cache);
         Stats::add(&self.stats.in_flight, 1);
+        if !on_demand {
+            self.prefetching.fetch_add(1, Ordering::Relaxed);
+        }
         let this = self.clone();
         let fetching = entry.clone();
         let path = match key.listing {
@@ -367,6 +381,9 @@ impl Prefetcher {
             })
             .await;
             this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            if !on_demand {
+                this.prefetching.fetch_sub(1, Ordering::Relaxed);
+            }
             match result {
                 Ok(body) => {
                     Stats::add(&this.stats.fetched_bytes, body.len() as u64);
@@ -689,6 +706,20 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(p.cache_used(), 0, "a failed fetch releases its reservation");
+    }
+
+    #[test]
+    fn prefetches_in_flight_are_capped_but_reads_are_not() {
+        let config = PrefetcherConfig { prefetch: 16, max_prefetches_in_flight: 2, ..Default::default() };
+        let (_rt, client, p, bodies) = setup(30, config);
+        *client.delay.lock().unwrap() = Duration::from_millis(100);
+        assert_eq!(p.read_as0(key(0), 0, 1 << 20).unwrap(), bodies[0]);
+        let s = p.stats.snapshot();
+        assert_eq!(s.prefetches, 2, "only 2 of the 16-batch window may start at once: {s:?}");
+        // A read of another batch starts at once, beside the capped prefetches.
+        let started = Instant::now();
+        assert_eq!(p.read_as0(key(20), 0, 1 << 20).unwrap(), bodies[20]);
+        assert!(started.elapsed() < Duration::from_millis(180), "{:?}", started.elapsed());
     }
 
     #[test]
