@@ -5,7 +5,8 @@
 //! Each direction of each connection has a reader thread that stamps every chunk with its release time
 //! (`now + rtt/2 + jitter`, never earlier than the previous chunk's, so order holds) and a writer thread
 //! that sleeps until then and, with a rate cap, until the link would have finished serializing the chunk
-//! (`free_at = max(free_at, release) + len / rate`). Threads sleep with the kernel's high-resolution
+//! (`free_at = max(free_at, release) + len / rate`). The link is shared: all connections through one
+//! emulator draw on the same `free_at` per direction, so the cap is the link's, not each connection's. Threads sleep with the kernel's high-resolution
 //! timers, so delays are accurate to well under a millisecond. At most `BUFFER` bytes are in flight per
 //! direction; beyond that the reader waits, and TCP flow control pushes back on the sender.
 
@@ -13,7 +14,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Bytes in flight per direction before the reader waits.
@@ -31,12 +32,19 @@ pub struct NetemArgs {
     /// Round-trip time to add (half each way), milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
     pub rtt_ms: f64,
-    /// Throughput cap per direction and connection, Mbit/s (none by default).
+    /// Throughput cap of the link per direction, shared by all connections, Mbit/s (none by default).
     #[arg(long, value_name = "MBIT")]
     pub rate_mbit: Option<f64>,
     /// Random extra one-way delay, uniform in [0, J] milliseconds (order is kept).
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
     pub jitter_ms: f64,
+}
+
+/// When each direction of the shared link is next free to serialize bytes.
+#[derive(Debug)]
+struct Wire {
+    up: Mutex<Instant>,
+    down: Mutex<Instant>,
 }
 
 /// The link a direction emulates.
@@ -65,8 +73,9 @@ fn sleep_until(t: Instant) {
     }
 }
 
-/// Pumps `from` into `to` through the delay line; half-closes `to` at the end.
-fn pump(mut from: TcpStream, mut to: TcpStream, link: Link) {
+/// Pumps `from` into `to` through the delay line, serializing on `wire` (this direction's next free
+/// instant, shared by every connection); half-closes `to` at the end.
+fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant>) {
     let (tx, rx) = mpsc::sync_channel::<(Instant, Vec<u8>)>(BUFFER / CHUNK);
     let reader = std::thread::spawn(move || {
         let mut last = Instant::now();
@@ -91,12 +100,15 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link) {
             }
         }
     });
-    let mut free_at = Instant::now();
     for (release, chunk) in rx {
         sleep_until(release);
         if let Some(rate) = link.rate {
-            free_at = free_at.max(release) + Duration::from_secs_f64(chunk.len() as f64 / rate);
-            sleep_until(free_at);
+            let done = {
+                let mut free_at = wire.lock().expect("wire");
+                *free_at = (*free_at).max(release) + Duration::from_secs_f64(chunk.len() as f64 / rate);
+                *free_at
+            };
+            sleep_until(done);
         }
         if to.write_all(&chunk).is_err() {
             break;
@@ -107,13 +119,14 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link) {
 }
 
 /// Proxies one accepted connection.
-fn proxy(client: TcpStream, upstream: SocketAddr, link: Link) -> std::io::Result<()> {
+fn proxy(client: TcpStream, upstream: SocketAddr, link: Link, wire: Arc<Wire>) -> std::io::Result<()> {
     let server = TcpStream::connect(upstream)?;
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
     let (c2, s2) = (client.try_clone()?, server.try_clone()?);
-    let up = std::thread::spawn(move || pump(client, server, link));
-    pump(s2, c2, link);
+    let w = wire.clone();
+    let up = std::thread::spawn(move || pump(client, server, link, &w.up));
+    pump(s2, c2, link, &wire.down);
     let _ = up.join();
     Ok(())
 }
@@ -137,14 +150,16 @@ pub fn start(listen: SocketAddr, upstream: SocketAddr, link: Link) -> Result<Net
     let addr = listener.local_addr()?;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = stop.clone();
+    let wire = Arc::new(Wire { up: Mutex::new(Instant::now()), down: Mutex::new(Instant::now()) });
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             if flag.load(std::sync::atomic::Ordering::Relaxed) {
                 return;
             }
             let Ok(conn) = conn else { continue };
+            let wire = wire.clone();
             std::thread::spawn(move || {
-                if let Err(e) = proxy(conn, upstream, link) {
+                if let Err(e) = proxy(conn, upstream, link, wire) {
                     tracing::warn!(%upstream, error = %e, "netem: cannot reach the upstream");
                 }
             });

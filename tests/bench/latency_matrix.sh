@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# The latency-lab matrix: one generated dataset's epoch-0 batch files read by five systems through the
+# same user-space link (`batchfs netem`), at several RTTs, paced and unpaced, systems alternating,
+# ROUNDS rounds; then one bandwidth-capped run. Prints medians and ratios; writes results.csv to OUT.
+#
+#   tests/bench/latency_matrix.sh [OUT_DIR]
+#   env: SAMPLES (2000), MEAN (110000), RTTS ("0 1 10 30"), PACE (200 MB/s), ROUNDS (3), RATE (1000 Mbit/s)
+#
+# Systems: local (plain directory, page cache warm), batchfs (defaults), batchfs-noprefetch (prefetch=0),
+# sshfs (Debian sshfs to a loopback sshd), rclone (rclone mount of an :http: remote served by nginx).
+# Needs root, /dev/fuse, a release build, and: apt-get install sshfs openssh-server rclone nginx fuse3
+set -euo pipefail
+OUT=${1:-/tmp/batchfs-matrix}
+SAMPLES=${SAMPLES:-2000}; MEAN=${MEAN:-110000}; RTTS=${RTTS:-"0 1 10 30"}
+PACE=${PACE:-200}; ROUNDS=${ROUNDS:-3}; RATE=${RATE:-1000}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+bin=$root/target/release
+[ -x "$bin/batchfs" ] && [ -x "$bin/batchfs-server" ] || cargo build --release --workspace --manifest-path "$root/Cargo.toml"
+for tool in sshfs sshd rclone nginx; do command -v $tool >/dev/null || [ -x /usr/sbin/$tool ] || { echo "missing $tool" >&2; exit 1; }; done
+mkdir -p "$OUT"
+work=$(mktemp -d); chmod 755 "$work"
+pids=()
+cleanup() {
+  for m in "$work"/mnt-*; do umount -l "$m" 2>/dev/null || true; done
+  kill "${pids[@]}" ${NETEM_PID:-} 2>/dev/null || true
+  [ -f "$work/nginx.pid" ] && kill "$(cat "$work/nginx.pid")" 2>/dev/null || true
+  [ -f "$work/sshd.pid" ] && kill "$(cat "$work/sshd.pid")" 2>/dev/null || true
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# The dataset, the server, and the batch files as plain files (for local, sshfs and rclone).
+"$bin/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards 16 --out "$work/data" >/dev/null
+p_server=$(port)
+RUST_LOG=warn "$bin/batchfs-server" serve --listen "127.0.0.1:$p_server" --dataset d="$work/data" & pids+=($!)
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:$p_server/healthz" >/dev/null && break; sleep 0.1; done
+opts="batch_size=64,epochs=1"
+mkdir -p "$work/mnt-batchfs" "$work/mnt-sshfs" "$work/mnt-rclone" "$work/files"
+"$bin/batchfs" mount "http://127.0.0.1:$p_server/d" "$work/mnt-batchfs" -o "$opts"
+cp "$work"/mnt-batchfs/epoch-0000/*.tfrecord "$work/files/"
+"$bin/batchfs" umount "$work/mnt-batchfs"
+chmod -R a+rX "$work/files"
+bytes=$(du -sb "$work/files" | cut -f1)
+
+# Peers' servers: sshd and nginx on loopback.
+p_sshd=$(port); p_nginx=$(port)
+ssh-keygen -q -t ed25519 -N "" -f "$work/hostkey"; ssh-keygen -q -t ed25519 -N "" -f "$work/id"
+mkdir -p /root/.ssh /run/sshd; touch /root/.ssh/authorized_keys
+grep -qF "$(cat "$work/id.pub")" /root/.ssh/authorized_keys || cat "$work/id.pub" >> /root/.ssh/authorized_keys
+/usr/sbin/sshd -p "$p_sshd" -h "$work/hostkey" -o ListenAddress=127.0.0.1 -o PidFile="$work/sshd.pid" -o PermitRootLogin=prohibit-password
+cat > "$work/nginx.conf" <<CONF
+worker_processes 2;
+pid $work/nginx.pid;
+error_log $work/nginx.err warn;
+events {}
+http { access_log off; sendfile on; server { listen 127.0.0.1:$p_nginx; root $work/files; autoindex on; } }
+CONF
+nginx -c "$work/nginx.conf"
+
+start_netem() { # upstream rtt [rate]: sets NETEM_PORT, NETEM_PID
+  NETEM_PORT=$(port)
+  local extra=(); [ -n "${3:-}" ] && extra=(--rate-mbit "$3")
+  "$bin/batchfs" netem --listen "127.0.0.1:$NETEM_PORT" --upstream "127.0.0.1:$1" --rtt-ms "$2" "${extra[@]}" 2>/dev/null &
+  NETEM_PID=$!
+  for _ in $(seq 50); do (echo > "/dev/tcp/127.0.0.1/$NETEM_PORT") 2>/dev/null && break; sleep 0.05; done
+}
+mount_system() { # system rtt [rate]: sets DIR (and starts a netem for remote systems)
+  local sys=$1 rtt=$2 rate=${3:-}
+  NETEM_PID=
+  case $sys in
+    local) DIR=$work/files ;;
+    batchfs|batchfs-noprefetch)
+      start_netem "$p_server" "$rtt" "$rate"
+      local o=$opts; [ "$sys" = batchfs-noprefetch ] && o="$o,prefetch=0"
+      "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" -o "$o"
+      DIR=$work/mnt-batchfs/epoch-0000 ;;
+    sshfs)
+      start_netem "$p_sshd" "$rtt" "$rate"
+      sshfs -p "$NETEM_PORT" -o "IdentityFile=$work/id,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,ro" "root@127.0.0.1:$work/files" "$work/mnt-sshfs"
+      DIR=$work/mnt-sshfs ;;
+    rclone)
+      start_netem "$p_nginx" "$rtt" "$rate"
+      rclone mount :http: "$work/mnt-rclone" --http-url "http://127.0.0.1:$NETEM_PORT/" --read-only --daemon 2>/dev/null
+      for _ in $(seq 100); do [ -n "$(ls "$work/mnt-rclone" 2>/dev/null)" ] && break; sleep 0.1; done
+      DIR=$work/mnt-rclone ;;
+  esac
+}
+unmount_system() {
+  case $1 in
+    local) ;;
+    batchfs|batchfs-noprefetch) "$bin/batchfs" umount "$work/mnt-batchfs" ;;
+    sshfs) umount "$work/mnt-sshfs" ;;
+    rclone) umount "$work/mnt-rclone" ;;
+  esac
+  if [ -n "$NETEM_PID" ]; then kill "$NETEM_PID" 2>/dev/null || true; wait "$NETEM_PID" 2>/dev/null || true; fi
+}
+bench() { # dir mode -> "wall_s mb_per_s cpu"
+  local extra=(); [ "$2" = paced ] && extra=(--consume-mbps "$PACE")
+  "$bin/batchfs" bench "$1" --threads 4 --pattern interleaved --json "${extra[@]}" |
+    python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["wall_s"], r["mb_per_s"])'
+}
+
+echo "system,rtt_ms,mode,round,wall_s,mb_per_s" > "$OUT/results.csv"
+systems="local batchfs batchfs-noprefetch sshfs rclone"
+for round in $(seq "$ROUNDS"); do
+  for rtt in $RTTS; do
+    for mode in unpaced paced; do
+      for sys in $systems; do
+        mount_system "$sys" "$rtt"
+        read -r wall mbs < <(bench "$DIR" "$mode")
+        unmount_system "$sys"
+        echo "$sys,$rtt,$mode,$round,$wall,$mbs" >> "$OUT/results.csv"
+        echo "round $round rtt $rtt $mode $sys: $wall s ($mbs MB/s)" >&2
+      done
+    done
+  done
+done
+# One bandwidth-capped run: 10 ms RTT, RATE Mbit/s, unpaced.
+for round in $(seq "$ROUNDS"); do
+  for sys in batchfs sshfs rclone; do
+    mount_system "$sys" 10 "$RATE"
+    read -r wall mbs < <(bench "$DIR" unpaced)
+    unmount_system "$sys"
+    echo "$sys,10,capped-$RATE,$round,$wall,$mbs" >> "$OUT/results.csv"
+    echo "round $round capped $sys: $wall s ($mbs MB/s)" >&2
+  done
+done
+python3 "$root/tests/bench/matrix_report.py" "$OUT/results.csv" "$bytes" "$PACE" "$RATE" | tee "$OUT/report.md"

@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""Summarizes tests/bench/latency_matrix.sh results: medians, ratios, and the EMLIO-style figure.
+
+    matrix_report.py results.csv BYTES PACE_MBPS RATE_MBIT
+"""
+import csv
+import statistics
+import sys
+from collections import defaultdict
+
+path, nbytes, pace, rate = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+cells = defaultdict(list)
+for row in csv.DictReader(open(path)):
+    cells[row["system"], int(row["rtt_ms"]), row["mode"]].append((float(row["wall_s"]), float(row["mb_per_s"])))
+med = {k: (statistics.median(w for w, _ in v), statistics.median(m for _, m in v), len(v)) for k, v in cells.items()}
+systems = ["local", "batchfs", "batchfs-noprefetch", "sshfs", "rclone"]
+rtts = sorted({k[1] for k in med if not k[2].startswith("capped")})
+rounds = max(n for _, _, n in med.values())
+print(f"Epoch of {nbytes / 1e6:.0f} MB (batch files), 4 interleaved readers, medians of {rounds} rounds; "
+      f"paced = {pace:g} MB/s in total.\n")
+for mode in ("paced", "unpaced"):
+    print(f"**{mode}: epoch seconds**\n")
+    print("| system | " + " | ".join(f"{r} ms" for r in rtts) + " |")
+    print("|---|" + "---|" * len(rtts))
+    for s in systems:
+        print(f"| {s} | " + " | ".join(f"{med[s, r, mode][0]:.3f}" if (s, r, mode) in med else "-" for r in rtts) + " |")
+    print()
+far, near = max(rtts), min(rtts)
+def m(s, r, mode):
+    return med[s, r, mode][0]
+print("**ratios**\n")
+print(f"- paced batchfs {far} ms / {near} ms: {m('batchfs', far, 'paced') / m('batchfs', near, 'paced'):.3f}x (target <= 1.03x)")
+for peer in ("sshfs", "rclone"):
+    for mode in ("paced", "unpaced"):
+        print(f"- {mode} {peer} / batchfs at {far} ms: {m(peer, far, mode) / m('batchfs', far, mode):.1f}x (target >= 20x)")
+print(f"- unpaced batchfs at {near} ms reads at {m('local', near, 'unpaced') / m('batchfs', near, 'unpaced') * 100:.0f} % "
+      f"of local page-cache speed (target >= 50 %)")
+print(f"- prefetch's share at {far} ms, paced: batchfs prefetch=0 / default = "
+      f"{m('batchfs-noprefetch', far, 'paced') / m('batchfs', far, 'paced'):.2f}x")
+capped = {k[0]: v for k, v in med.items() if k[2].startswith("capped")}
+if capped:
+    link = rate / 8
+    print(f"\n**{rate:g} Mbit/s link (10 ms RTT), unpaced: share of the link rate ({link:.0f} MB/s)**\n")
+    for s, (w, mbs, _) in sorted(capped.items()):
+        print(f"- {s}: {mbs:.1f} MB/s = {mbs / link * 100:.0f} % (target >= 92 % for batchfs)")
