@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The latency-lab matrix: one generated dataset's epoch-0 batch files read by five systems through the
 # same user-space link (`batchfs netem`), at several RTTs, paced and unpaced, systems alternating,
-# ROUNDS rounds; then one bandwidth-capped run. Prints medians and ratios; writes results.csv to OUT.
+# ROUNDS rounds; then bandwidth-capped links. Prints medians and ratios; writes results.csv, report.md
+# and the figures (epoch-vs-rtt.png, throughput-vs-link.png) to OUT.
 #
 #   tests/bench/latency_matrix.sh [OUT_DIR]
-#   env: SAMPLES (2000), MEAN (110000), RTTS ("0 1 10 30"), PACE (200 MB/s), ROUNDS (3), RATE (1000 Mbit/s)
+#   env: SAMPLES (2000), MEAN (110000), RTTS ("0 1 10 30"), PACE (200 MB/s), ROUNDS (3), RATES ("250 500 1000" Mbit/s)
 #
 # Systems: local (plain directory, page cache warm), batchfs (defaults), batchfs-noprefetch (prefetch=0),
 # sshfs (Debian sshfs to a loopback sshd), rclone (rclone mount of an :http: remote served by nginx).
@@ -12,7 +13,7 @@
 set -euo pipefail
 OUT=${1:-/tmp/batchfs-matrix}
 SAMPLES=${SAMPLES:-2000}; MEAN=${MEAN:-110000}; RTTS=${RTTS:-"0 1 10 30"}
-PACE=${PACE:-200}; ROUNDS=${ROUNDS:-3}; RATE=${RATE:-1000}
+PACE=${PACE:-200}; ROUNDS=${ROUNDS:-3}; RATES=${RATES:-"250 500 1000"}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$root/target/release
 [ -x "$bin/batchfs" ] && [ -x "$bin/batchfs-server" ] || cargo build --release --workspace --manifest-path "$root/Cargo.toml"
@@ -117,14 +118,17 @@ for round in $(seq "$ROUNDS"); do
     done
   done
 done
-# One bandwidth-capped run: 10 ms RTT, RATE Mbit/s, unpaced.
+# Bandwidth-capped links: 10 ms RTT, each of RATES Mbit/s, unpaced.
 for round in $(seq "$ROUNDS"); do
-  for sys in batchfs sshfs rclone; do
-    mount_system "$sys" 10 "$RATE"
-    read -r wall mbs < <(bench "$DIR" unpaced)
-    unmount_system "$sys"
-    echo "$sys,10,capped-$RATE,$round,$wall,$mbs" >> "$OUT/results.csv"
-    echo "round $round capped $sys: $wall s ($mbs MB/s)" >&2
+  for rate in $RATES; do
+    for sys in batchfs sshfs rclone; do
+      mount_system "$sys" 10 "$rate"
+      read -r wall mbs < <(bench "$DIR" unpaced)
+      unmount_system "$sys"
+      echo "$sys,10,capped-$rate,$round,$wall,$mbs" >> "$OUT/results.csv"
+      echo "round $round capped $rate $sys: $wall s ($mbs MB/s)" >&2
+    done
   done
 done
-python3 "$root/tests/bench/matrix_report.py" "$OUT/results.csv" "$bytes" "$PACE" "$RATE" | tee "$OUT/report.md"
+python3 "$root/tests/bench/matrix_report.py" "$OUT/results.csv" "$bytes" "$PACE" | tee "$OUT/report.md"
+cargo run --release -q -p batchfs-plot --manifest-path "$root/Cargo.toml" -- "$OUT/results.csv" "$OUT"

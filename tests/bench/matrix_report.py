@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Summarizes tests/bench/latency_matrix.sh results: medians, ratios, and the EMLIO-style figure.
 
-    matrix_report.py results.csv BYTES PACE_MBPS RATE_MBIT
+    matrix_report.py results.csv BYTES PACE_MBPS
 """
 import csv
 import statistics
 import sys
 from collections import defaultdict
 
-path, nbytes, pace, rate = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+path, nbytes, pace = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 cells = defaultdict(list)
 for row in csv.DictReader(open(path)):
     cells[row["system"], int(row["rtt_ms"]), row["mode"]].append((float(row["wall_s"]), float(row["mb_per_s"])))
@@ -37,9 +37,13 @@ print(f"- unpaced batchfs at {near} ms reads at {m('local', near, 'unpaced') / m
       f"of local page-cache speed (target >= 50 %)")
 print(f"- prefetch's share at {far} ms, paced: batchfs prefetch=0 / default = "
       f"{m('batchfs-noprefetch', far, 'paced') / m('batchfs', far, 'paced'):.2f}x")
-capped = {k[0]: v for k, v in med.items() if k[2].startswith("capped")}
+capped = sorted((float(k[2][len("capped-"):]), k[0], v) for k, v in med.items() if k[2].startswith("capped"))
 if capped:
-    link = rate / 8
-    print(f"\n**{rate:g} Mbit/s link (10 ms RTT), unpaced: share of the link rate ({link:.0f} MB/s)**\n")
-    for s, (w, mbs, _) in sorted(capped.items()):
-        print(f"- {s}: {mbs:.1f} MB/s = {mbs / link * 100:.0f} % (target >= 92 % for batchfs)")
+    print("\n**capped links (10 ms RTT), unpaced: MB/s and share of the link rate (target >= 92 % for batchfs)**\n")
+    print("| link | " + " | ".join(s for s in systems if any(c[1] == s for c in capped)) + " |")
+    shown = [s for s in systems if any(c[1] == s for c in capped)]
+    print("|---|" + "---|" * len(shown))
+    for rate in sorted({c[0] for c in capped}):
+        link = rate / 8
+        cells = {c[1]: c[2][1] for c in capped if c[0] == rate}
+        print(f"| {rate:g} Mbit/s ({link:.0f} MB/s) | " + " | ".join(f"{cells[s]:.1f} ({cells[s] / link * 100:.0f} %)" for s in shown) + " |")
