@@ -74,9 +74,9 @@ pub struct MountArgs {
     /// Batches kept in flight ahead of each reader [default: 16; 0 disables]
     #[arg(long, help_heading = "Prefetch", value_name = "N")]
     pub prefetch: Option<String>,
-    /// Prefetches in flight at once, all readers together [default: 8]
-    #[arg(long, help_heading = "Prefetch", value_name = "N")]
-    pub max_prefetches: Option<String>,
+    /// Bytes of prefetches in flight at once, all readers together [default: 64M]
+    #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
+    pub max_prefetch_bytes: Option<String>,
     /// Cache byte budget [default: 2G]
     #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
     pub cache: Option<String>,
@@ -129,7 +129,7 @@ impl MountArgs {
             ("format", &self.format),
             ("epochs", &self.epochs),
             ("prefetch", &self.prefetch),
-            ("max_prefetches", &self.max_prefetches),
+            ("max_prefetch_bytes", &self.max_prefetch_bytes),
             ("cache", &self.cache),
             ("connections", &self.connections),
             ("timeout", &self.timeout),

@@ -134,7 +134,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
         runtime.handle().clone(),
         PrefetcherConfig {
             prefetch: plan.options.prefetch,
-            max_prefetches_in_flight: plan.options.max_prefetches,
+            max_prefetch_bytes: plan.options.max_prefetch_bytes,
             cache_bytes: plan.options.cache,
             timeout: plan.options.timeout,
             ..PrefetcherConfig::default()

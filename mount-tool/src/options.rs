@@ -18,8 +18,8 @@ pub struct MountOptions {
     pub epochs: u64,
     /// Batches kept in flight ahead of each reader (0: none).
     pub prefetch: usize,
-    /// Prefetches in flight at once, all readers together.
-    pub max_prefetches: usize,
+    /// Bytes of prefetches in flight at once, all readers together.
+    pub max_prefetch_bytes: u64,
     /// Cache byte budget.
     pub cache: u64,
     /// HTTP/2 connections per server.
@@ -51,7 +51,7 @@ impl Default for MountOptions {
             format: BatchFormat::Tfrecord,
             epochs: 1,
             prefetch: 16,
-            max_prefetches: 8,
+            max_prefetch_bytes: 64 << 20,
             cache: 2 << 30,
             connections: 4,
             timeout: Duration::from_secs(60),
@@ -105,7 +105,7 @@ impl MountOptions {
             }
             "epochs" => self.epochs = number(need()?)?,
             "prefetch" => self.prefetch = number(need()?)? as usize,
-            "max_prefetches" => self.max_prefetches = (number(need()?)? as usize).max(1),
+            "max_prefetch_bytes" => self.max_prefetch_bytes = parse_size(need()?)?.max(1),
             "cache" => self.cache = parse_size(need()?)?,
             "connections" => self.connections = (number(need()?)? as usize).max(1),
             "timeout" => self.timeout = parse_duration(need()?)?,

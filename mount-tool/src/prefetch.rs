@@ -44,9 +44,11 @@ pub struct PrefetcherConfig {
     pub max_streams: usize,
     /// Largest stride recognized as a stream (e.g. the number of DDP ranks).
     pub max_stride: u64,
-    /// Prefetches in flight at once, all streams together; more wait until one ends (reads that need a
-    /// batch never wait for this, so they do not queue behind a whole window of prefetches).
-    pub max_prefetches_in_flight: usize,
+    /// Bytes of prefetches in flight at once, all streams together (one prefetch may always run); more
+    /// wait until some end. Reads that need a batch never wait for this, so they do not queue behind a
+    /// whole window of prefetches. Sized like a bandwidth-delay product, not a batch count, so small
+    /// batches still get deep windows.
+    pub max_prefetch_bytes: u64,
 }
 
 impl Default for PrefetcherConfig {
@@ -57,7 +59,7 @@ impl Default for PrefetcherConfig {
             timeout: Duration::from_secs(60),
             max_streams: 64,
             max_stride: 64,
-            max_prefetches_in_flight: 8,
+            max_prefetch_bytes: 64 << 20,
         }
     }
 }
@@ -135,7 +137,7 @@ pub struct Prefetcher {
     /// The source files, and the same as a manifest (fetched once).
     raw: Mutex<Option<(Arc<FileList>, Arc<Manifest>)>>,
     streams: Mutex<StreamTracker>,
-    /// Prefetches in flight now.
+    /// Bytes of prefetches in flight now.
     prefetching: crate::sync::AtomicU64,
     pub stats: Arc<Stats>,
 }
@@ -317,7 +319,8 @@ impl Prefetcher {
                 return Ok(Some((e.clone(), false)));
             }
             // Checked under the cache lock, so concurrent prefetchers cannot overshoot the limit.
-            if !on_demand && self.prefetching.load(Ordering::Relaxed) >= self.config.max_prefetches_in_flight as u64 {
+            let prefetching = self.prefetching.load(Ordering::Relaxed);
+            if !on_demand && prefetching > 0 && prefetching + meta.bytes > self.config.max_prefetch_bytes {
                 return Ok(None);
             }
             if cache.used + meta.bytes <= self.config.cache_bytes {
@@ -351,7 +354,7 @@ impl Prefetcher {
         drop(cache);
         Stats::add(&self.stats.in_flight, 1);
         if !on_demand {
-            self.prefetching.fetch_add(1, Ordering::Relaxed);
+            self.prefetching.fetch_add(meta.bytes, Ordering::Relaxed);
         }
         let this = self.clone();
         let fetching = entry.clone();
@@ -382,7 +385,7 @@ impl Prefetcher {
             .await;
             this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
             if !on_demand {
-                this.prefetching.fetch_sub(1, Ordering::Relaxed);
+                this.prefetching.fetch_sub(meta.bytes, Ordering::Relaxed);
             }
             match result {
                 Ok(body) => {
@@ -710,7 +713,8 @@ mod tests {
 
     #[test]
     fn prefetches_in_flight_are_capped_but_reads_are_not() {
-        let config = PrefetcherConfig { prefetch: 16, max_prefetches_in_flight: 2, ..Default::default() };
+        // Batches 1 and 2 (1037 + 1074 bytes) fit in 2600 bytes; batch 3 (1111) would not.
+        let config = PrefetcherConfig { prefetch: 16, max_prefetch_bytes: 2600, ..Default::default() };
         let (_rt, client, p, bodies) = setup(30, config);
         *client.delay.lock().unwrap() = Duration::from_millis(100);
         assert_eq!(p.read_as0(key(0), 0, 1 << 20).unwrap(), bodies[0]);
