@@ -5,7 +5,9 @@
 # and the figures (epoch-vs-rtt.png, throughput-vs-link.png) to OUT.
 #
 #   tests/bench/latency_matrix.sh [OUT_DIR]
-#   env: SAMPLES (2000), MEAN (110000), RTTS ("0 1 10 30"), PACE (200 MB/s), ROUNDS (3), RATES ("250 500 1000" Mbit/s)
+#   env: SAMPLES (2000), MEAN (110000), RTTS ("0 1 10 30"), PACE (200 MB/s), ROUNDS (3), RATES ("250 500 1000" Mbit/s),
+#        SAMPLE_PEERS (0; 1 adds sshfs-samples and rclone-samples: the peers reading the same samples as one
+#        file each, an ImageFolder tree, the way a loader without batchfs reads them), RATES="" skips the caps
 #
 # Systems: local (plain directory, page cache warm), batchfs (defaults), batchfs-noprefetch (prefetch=0),
 # sshfs (Debian sshfs to a loopback sshd), rclone (rclone mount of an :http: remote served by nginx).
@@ -13,7 +15,7 @@
 set -euo pipefail
 OUT=${1:-/tmp/batchfs-matrix}
 SAMPLES=${SAMPLES:-2000}; MEAN=${MEAN:-110000}; RTTS=${RTTS:-"0 1 10 30"}
-PACE=${PACE:-200}; ROUNDS=${ROUNDS:-3}; RATES=${RATES:-"250 500 1000"}
+PACE=${PACE:-200}; ROUNDS=${ROUNDS:-3}; RATES=${RATES-"250 500 1000"}; SAMPLE_PEERS=${SAMPLE_PEERS:-0}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$root/target/release
 [ -x "$bin/batchfs" ] && [ -x "$bin/batchfs-server" ] || cargo build --release --workspace --manifest-path "$root/Cargo.toml"
@@ -34,6 +36,8 @@ port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); 
 
 # The dataset, the server, and the batch files as plain files (for local, sshfs and rclone).
 "$bin/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards 16 --out "$work/data" >/dev/null
+# The same samples (same seed) as one file each, for the per-sample peers.
+[ "$SAMPLE_PEERS" = 1 ] && "$bin/batchfs-server" gen --format files --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$work/tree" >/dev/null
 p_server=$(port)
 RUST_LOG=warn "$bin/batchfs-server" serve --listen "127.0.0.1:$p_server" --dataset d="$work/data" & pids+=($!)
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$p_server/healthz" >/dev/null && break; sleep 0.1; done
@@ -42,7 +46,7 @@ mkdir -p "$work/mnt-batchfs" "$work/mnt-sshfs" "$work/mnt-rclone" "$work/files"
 "$bin/batchfs" mount "http://127.0.0.1:$p_server/d" "$work/mnt-batchfs" -o "$opts"
 cp "$work"/mnt-batchfs/epoch-0000/*.tfrecord "$work/files/"
 "$bin/batchfs" umount "$work/mnt-batchfs"
-chmod -R a+rX "$work/files"
+chmod -R a+rX "$work/files"; [ -d "$work/tree" ] && chmod -R a+rX "$work/tree"
 bytes=$(du -sb "$work/files" | cut -f1)
 
 # Peers' servers: sshd and nginx on loopback.
@@ -56,7 +60,7 @@ worker_processes 2;
 pid $work/nginx.pid;
 error_log $work/nginx.err warn;
 events {}
-http { access_log off; sendfile on; server { listen 127.0.0.1:$p_nginx; root $work/files; autoindex on; } }
+http { access_log off; sendfile on; server { listen 127.0.0.1:$p_nginx; root $work; autoindex on; } }
 CONF
 nginx -c "$work/nginx.conf"
 
@@ -77,13 +81,15 @@ mount_system() { # system rtt [rate]: sets DIR (and starts a netem for remote sy
       local o=$opts; [ "$sys" = batchfs-noprefetch ] && o="$o,prefetch=0"
       "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" -o "$o"
       DIR=$work/mnt-batchfs/epoch-0000 ;;
-    sshfs)
+    sshfs|sshfs-samples)
+      local src=files; [ "$sys" = sshfs-samples ] && src=tree
       start_netem "$p_sshd" "$rtt" "$rate"
-      sshfs -p "$NETEM_PORT" -o "IdentityFile=$work/id,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,ro" "root@127.0.0.1:$work/files" "$work/mnt-sshfs"
+      sshfs -p "$NETEM_PORT" -o "IdentityFile=$work/id,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,ro" "root@127.0.0.1:$work/$src" "$work/mnt-sshfs"
       DIR=$work/mnt-sshfs ;;
-    rclone)
+    rclone|rclone-samples)
+      local src=files; [ "$sys" = rclone-samples ] && src=tree
       start_netem "$p_nginx" "$rtt" "$rate"
-      rclone mount :http: "$work/mnt-rclone" --http-url "http://127.0.0.1:$NETEM_PORT/" --read-only --daemon 2>/dev/null
+      rclone mount :http: "$work/mnt-rclone" --http-url "http://127.0.0.1:$NETEM_PORT/$src/" --read-only --daemon 2>/dev/null
       for _ in $(seq 100); do [ -n "$(ls "$work/mnt-rclone" 2>/dev/null)" ] && break; sleep 0.1; done
       DIR=$work/mnt-rclone ;;
   esac
@@ -92,8 +98,8 @@ unmount_system() {
   case $1 in
     local) ;;
     batchfs|batchfs-noprefetch) "$bin/batchfs" umount "$work/mnt-batchfs" ;;
-    sshfs) umount "$work/mnt-sshfs" ;;
-    rclone) umount "$work/mnt-rclone" ;;
+    sshfs|sshfs-samples) umount "$work/mnt-sshfs" ;;
+    rclone|rclone-samples) umount "$work/mnt-rclone" ;;
   esac
   if [ -n "$NETEM_PID" ]; then kill "$NETEM_PID" 2>/dev/null || true; wait "$NETEM_PID" 2>/dev/null || true; fi
 }
@@ -105,6 +111,7 @@ bench() { # dir mode -> "wall_s mb_per_s cpu"
 
 echo "system,rtt_ms,mode,round,wall_s,mb_per_s" > "$OUT/results.csv"
 systems="local batchfs batchfs-noprefetch sshfs rclone"
+[ "$SAMPLE_PEERS" = 1 ] && systems="$systems sshfs-samples rclone-samples"
 for round in $(seq "$ROUNDS"); do
   for rtt in $RTTS; do
     for mode in unpaced paced; do

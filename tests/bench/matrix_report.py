@@ -13,7 +13,8 @@ cells = defaultdict(list)
 for row in csv.DictReader(open(path)):
     cells[row["system"], int(row["rtt_ms"]), row["mode"]].append((float(row["wall_s"]), float(row["mb_per_s"])))
 med = {k: (statistics.median(w for w, _ in v), statistics.median(m for _, m in v), len(v)) for k, v in cells.items()}
-systems = ["local", "batchfs", "batchfs-noprefetch", "sshfs", "rclone"]
+systems = [s for s in ["local", "batchfs", "batchfs-noprefetch", "sshfs", "rclone", "sshfs-samples", "rclone-samples"]
+           if any(k[0] == s for k in med)]
 rtts = sorted({k[1] for k in med if not k[2].startswith("capped")})
 rounds = max(n for _, _, n in med.values())
 print(f"Epoch of {nbytes / 1e6:.0f} MB (batch files), 4 interleaved readers, medians of {rounds} rounds; "
@@ -33,6 +34,11 @@ print(f"- paced batchfs {far} ms / {near} ms: {m('batchfs', far, 'paced') / m('b
 for peer in ("sshfs", "rclone"):
     for mode in ("paced", "unpaced"):
         print(f"- {mode} {peer} / batchfs at {far} ms: {m(peer, far, mode) / m('batchfs', far, mode):.1f}x (target >= 20x)")
+for peer in ("sshfs-samples", "rclone-samples"):
+    if (peer, far, "paced") in med:
+        for mode in ("paced", "unpaced"):
+            print(f"- {mode} {peer} (one file per sample) / batchfs at {far} ms: "
+                  f"{m(peer, far, mode) / m('batchfs', far, mode):.1f}x (target >= 20x)")
 print(f"- unpaced batchfs at {near} ms reads at {m('local', near, 'unpaced') / m('batchfs', near, 'unpaced') * 100:.0f} % "
       f"of local page-cache speed (target >= 50 %)")
 print(f"- prefetch's share at {far} ms, paced: batchfs prefetch=0 / default = "
