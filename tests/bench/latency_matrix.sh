@@ -28,6 +28,8 @@ cleanup() {
   kill "${pids[@]}" ${NETEM_PID:-} 2>/dev/null || true
   [ -f "$work/nginx.pid" ] && kill "$(cat "$work/nginx.pid")" 2>/dev/null || true
   [ -f "$work/sshd.pid" ] && kill "$(cat "$work/sshd.pid")" 2>/dev/null || true
+  # Take back the key this run authorized for root.
+  [ -f "$work/id.pub" ] && grep -vF "$(cat "$work/id.pub")" /root/.ssh/authorized_keys > "$work/keys" && cat "$work/keys" > /root/.ssh/authorized_keys
   wait 2>/dev/null || true
   rm -rf "$work"
 }
