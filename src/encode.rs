@@ -14,7 +14,7 @@
 //! - `tar`: a POSIX (ustar + pax) tar, one member `KEY.EXT` per part, then two zero blocks. Mode 0644,
 //!   owner 0, mtime 0, so a body is a pure function of the samples.
 
-use crate::crc::{self, CrcBuilder};
+use crate::crc::CrcBuilder;
 use crate::index::{Index, Sample, SourceFormat};
 use crate::proto::{self, Piece, WrapFeature};
 use crate::{tar, tfrecord};
@@ -309,14 +309,10 @@ pub fn slice_segments(segments: &[Segment], start: u64, end: u64) -> Vec<Segment
     out
 }
 
-/// CRC32C of a byte slice (re-exported for clients verifying bodies).
-pub fn body_crc(body: &[u8]) -> u32 {
-    crc::crc32c(body)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::crc;
     use crate::index::{IndexSettings, Part, ShardInfo};
     use crate::proto::FeatureValue;
     use proptest::prelude::*;

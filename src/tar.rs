@@ -5,7 +5,6 @@
 //! names (`L`). It yields regular files only, each with the offset and size of its data, and reports a
 //! bad header checksum or a member cut short with the byte offset of its header.
 
-use crate::crc;
 use thiserror::Error;
 
 /// Tar block size.
@@ -260,11 +259,6 @@ pub fn padding(size: u64) -> u64 {
 
 /// The end-of-archive marker: two zero blocks.
 pub const END_LEN: u64 = 2 * BLOCK;
-
-/// CRC32C of `n` zero bytes (`n` < a few blocks; used for padding and the end marker).
-pub fn zeros_crc(n: u64) -> u32 {
-    crc::crc32c(&vec![0u8; n as usize])
-}
 
 #[cfg(test)]
 mod tests {

@@ -68,9 +68,9 @@ pub fn run(args: EnergyArgs) -> Result<i32> {
     let cpu = match counter {
         Ok(mut c) => match c.read() {
             Ok(ns) => (Some(ns as f64 / 1e9), "perf task-clock of the command and its children".to_owned()),
-            Err(e) => (energy_fallback_cpu(), format!("rusage (task-clock read failed: {e})")),
+            Err(e) => (crate::sys::children_cpu_seconds(), format!("rusage (task-clock read failed: {e})")),
         },
-        Err(e) => (energy_fallback_cpu(), format!("rusage ({e})")),
+        Err(e) => (crate::sys::children_cpu_seconds(), format!("rusage ({e})")),
     };
     let report = energy::report(&samples, &names, &wraps, &idle, max_gap, cpu, unavailable);
     print!("{}", format_report(&args.command.join(" "), status.code(), &report));
@@ -83,10 +83,6 @@ pub fn run(args: EnergyArgs) -> Result<i32> {
         Some(code) => Ok(code),
         None => bail!("{:?} was killed by a signal", args.command[0]),
     }
-}
-
-fn energy_fallback_cpu() -> Option<f64> {
-    crate::sys::children_cpu_seconds()
 }
 
 fn num(v: Option<f64>, digits: usize) -> String {

@@ -169,3 +169,8 @@ pub fn map_file(file: &std::fs::File) -> Vec<u8> {
     let map = batchfs::mmap::MappedFile::open_file(file).unwrap();
     map.bytes().to_vec()
 }
+
+/// The mount's live counters (`.batchfs/stats`).
+pub fn mount_stats(mountpoint: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(mountpoint.join(".batchfs/stats")).unwrap()).unwrap()
+}

@@ -114,8 +114,7 @@ fn concurrent_and_interleaved_readers_get_prefetch_hits() {
             });
         }
     });
-    let stats: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(mounted.mountpoint.join(".batchfs/stats")).unwrap()).unwrap();
+    let stats = common::mount_stats(&mounted.mountpoint);
     let n = |k: &str| stats[k].as_u64().unwrap();
     assert_eq!(n("hits") + n("misses"), n("reads"), "{stats}");
     assert!(n("prefetches") > 0, "{stats}");
@@ -192,8 +191,7 @@ fn a_server_outage_is_waited_out_then_reported_as_eio() {
     let waited = started.elapsed();
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
     assert!(waited >= Duration::from_secs(4) && waited < Duration::from_secs(15), "{waited:?}");
-    let stats: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(mounted.mountpoint.join(".batchfs/stats")).unwrap()).unwrap();
+    let stats = common::mount_stats(&mounted.mountpoint);
     assert!(stats["retries"].as_u64().unwrap() > 0 && stats["errors"].as_u64().unwrap() >= 1, "{stats}");
     drop(mounted);
 }
@@ -222,8 +220,7 @@ fn raw_shows_the_source_files_prefetched_in_directory_order() {
         assert_eq!(std::fs::metadata(&path).unwrap().len(), s.parts[0].1.len() as u64);
         assert_eq!(std::fs::read(&path).unwrap(), s.parts[0].1, "{}", s.key);
     }
-    let stats: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(mounted.mountpoint.join(".batchfs/stats")).unwrap()).unwrap();
+    let stats = common::mount_stats(&mounted.mountpoint);
     assert!(stats["prefetches"].as_u64().unwrap() > 20 && stats["hits"].as_u64().unwrap() > 20, "{stats}");
     drop(mounted);
     // A tar dataset's shards appear as they are.

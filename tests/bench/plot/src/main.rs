@@ -5,6 +5,7 @@
 //! - `throughput-vs-link.png`: median throughput against the link rate, with the link rate itself.
 
 use anyhow::{bail, Context, Result};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use std::collections::BTreeMap;
 
@@ -18,6 +19,28 @@ struct Row {
     mode: String,
     wall: f64,
     mbs: f64,
+}
+
+type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// One system's line with its points and legend entry.
+fn draw_line<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, color: RGBColor, label: &str, pts: Vec<(f64, f64)>) -> Result<()> {
+    chart
+        .draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?
+        .label(label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+    chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
+    Ok(())
+}
+
+fn draw_legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 16))
+        .draw()?;
+    Ok(())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -80,19 +103,9 @@ fn main() -> Result<()> {
         for (i, system) in SYSTEMS.iter().enumerate() {
             let Some(points) = series.get(system) else { continue };
             let pts: Vec<(f64, f64)> = points.iter().map(|(rtt, v)| (*rtt as f64, median(v.clone()))).collect();
-            let color = COLORS[i];
-            chart
-                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?
-                .label(*system)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
-            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
+            draw_line(&mut chart, COLORS[i], system, pts)?;
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 16))
-            .draw()?;
+        draw_legend(&mut chart)?;
     }
     root.present()?;
 
@@ -129,19 +142,9 @@ fn main() -> Result<()> {
                 continue;
             }
             let pts: Vec<(f64, f64)> = by_rate.iter().map(|(rate, v)| (*rate as f64, median(v.clone()))).collect();
-            let color = COLORS[i];
-            chart
-                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?
-                .label(*system)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
-            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
+            draw_line(&mut chart, COLORS[i], system, pts)?;
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 16))
-            .draw()?;
+        draw_legend(&mut chart)?;
         root.present()?;
     }
     println!("wrote {}", out.display());
