@@ -62,12 +62,63 @@ impl CrcBuilder {
 }
 
 /// `crc(A ++ B)` from `crc(A)`, `crc(B)` and `len(B)`.
+///
+/// In GF(2)[x] modulo the CRC32C polynomial, `crc(A ++ B) = crc(A) * x^(8 len(B)) + crc(B)`: the pre- and
+/// post-inversion of the two CRCs cancel. `x^(8 len(B))` is assembled from the precomputed powers
+/// `x^(2^k)`, one multiplication per set bit of `len(B)`, so a combine costs well under a microsecond.
+/// (The `crc32c` crate's combine squares a 32x32 bit matrix per bit instead, about 50x slower, and a
+/// manifest combines several CRCs per sample.)
 pub fn combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
     if len_b == 0 {
         return crc_a;
     }
-    // crc32c_combine takes usize; pieces larger than usize cannot exist in a mapped file anyway.
-    crc32c::crc32c_combine(crc_a, crc_b, len_b as usize)
+    multiply(x_pow_8n(len_b), crc_a) ^ crc_b
+}
+
+/// The CRC32C polynomial, bit-reflected: bit 31 holds the coefficient of `x^0`, bit 0 that of `x^31`.
+const POLY: u32 = 0x82f6_3b78;
+/// `x^0` in the reflected representation.
+const ONE: u32 = 1 << 31;
+
+/// `a * b mod POLY`.
+const fn multiply(a: u32, mut b: u32) -> u32 {
+    let mut product = 0;
+    let mut bit = ONE;
+    while bit != 0 {
+        if a & bit != 0 {
+            product ^= b;
+        }
+        // b *= x
+        b = if b & 1 != 0 { (b >> 1) ^ POLY } else { b >> 1 };
+        bit >>= 1;
+    }
+    product
+}
+
+/// `X_POW_2K[k] = x^(2^k) mod POLY`, for every `k` that `x^(8n)` with a 64-bit `n` needs.
+const X_POW_2K: [u32; 67] = {
+    let mut table = [0u32; 67];
+    table[0] = ONE >> 1; // x^1
+    let mut k = 1;
+    while k < table.len() {
+        table[k] = multiply(table[k - 1], table[k - 1]);
+        k += 1;
+    }
+    table
+};
+
+/// `x^(8n) mod POLY`.
+fn x_pow_8n(mut n: u64) -> u32 {
+    let mut power = ONE;
+    let mut k = 3; // 8n = n * 2^3
+    while n != 0 {
+        if n & 1 != 0 {
+            power = multiply(X_POW_2K[k], power);
+        }
+        n >>= 1;
+        k += 1;
+    }
+    power
 }
 
 #[cfg(test)]
@@ -86,6 +137,12 @@ mod tests {
         #[test]
         fn mask_roundtrips(x: u32) {
             prop_assert_eq!(unmask(mask(x)), x);
+        }
+
+        #[test]
+        fn combine_matches_the_crate(a: u32, b: u32, len in 0u64..(1 << 40)) {
+            let expected = if len == 0 { a } else { crc32c::crc32c_combine(a, b, len as usize) };
+            prop_assert_eq!(combine(a, b, len), expected);
         }
 
         #[test]
