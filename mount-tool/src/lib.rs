@@ -12,6 +12,7 @@ pub mod fuse;
 pub mod mount;
 pub mod netem;
 pub mod options;
+pub mod pool;
 pub mod prefetch;
 pub mod stats;
 pub mod sync;

@@ -8,10 +8,12 @@
 //! **Invariants.**
 //! - No byte reaches a reader before its whole batch matched the manifest's size and CRC32C; a mismatch
 //!   is refetched, never returned.
-//! - `cache.used` (ready bodies plus reservations for fetches in flight) never exceeds the budget.
-//!   Prefetches only start when their bytes fit after evicting *consumed* batches; otherwise the window
-//!   narrows (backpressure). A read that needs a batch evicts consumed batches first, then the least
-//!   recently used ready ones, and otherwise waits for room.
+//! - `cache.used` (ready bodies plus reservations for fetches in flight) plus the idle body buffers kept
+//!   for reuse ([`BufferPool`]) never exceeds the budget. A fetch reuses an idle buffer when there is
+//!   one; idle buffers it cannot use are freed before any cached batch is evicted. Prefetches only start
+//!   when their bytes fit after evicting *consumed* batches; otherwise the window narrows
+//!   (backpressure). A read that needs a batch evicts consumed batches first, then the least recently
+//!   used ready ones, and otherwise waits for room.
 //! - A failed fetch keeps retrying with jittered exponential backoff until `timeout` has passed since
 //!   it started, then fails every waiting reader with an error (EIO at the FUSE edge).
 //!
@@ -21,7 +23,8 @@
 //! `prefetch` batches ahead of it are kept cached or in flight. Reads that fit no stream are served on
 //! demand and start no prefetches, so random access does not thrash the window.
 
-use crate::client::{BatchKey, ClientError, DynClient, Listing};
+use crate::client::{BatchKey, Body, ClientError, DynClient, Listing};
+use crate::pool::{Admission, BufferPool};
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
 use batchfs::api::{BatchEntry, FileList, Manifest};
@@ -84,6 +87,7 @@ enum State {
 }
 
 struct Entry {
+    /// Bytes charged to the budget: the body's size, or the capacity of the reused buffer it fills.
     size: u64,
     state: Mutex<State>,
     changed: Condvar,
@@ -139,6 +143,8 @@ pub struct Prefetcher {
     streams: Mutex<StreamTracker>,
     /// Bytes of prefetches in flight now.
     prefetching: crate::sync::AtomicU64,
+    /// Buffers of evicted bodies, reused by the next fetches (counted in the budget).
+    pool: Arc<BufferPool>,
     pub stats: Arc<Stats>,
 }
 
@@ -155,6 +161,7 @@ impl Prefetcher {
             raw: Mutex::new(None),
             streams: Mutex::new(streams),
             prefetching: crate::sync::AtomicU64::new(0),
+            pool: BufferPool::new(config.cache_bytes),
             stats: Arc::new(Stats::default()),
             config,
         })
@@ -299,9 +306,17 @@ impl Prefetcher {
 
     fn evict(&self, cache: &mut Cache, key: BatchKey) {
         if let Some(e) = cache.entries.pop(&key) {
-            cache.used -= e.size;
+            self.release(cache, e.size);
             Stats::add(&self.stats.evictions, 1);
+            // Dropping `e` now may return its buffer to the pool, into the room just released.
         }
+    }
+
+    /// Returns `bytes` of the budget: to the cache's count and to the pool's room.
+    fn release(&self, cache: &mut Cache, bytes: u64) {
+        cache.used -= bytes;
+        self.stats.cache_bytes.store(cache.used, Ordering::Relaxed);
+        self.pool.set_room(self.config.cache_bytes - cache.used);
     }
 
     /// The cache entry of `key`, starting its fetch if it is absent: `(entry, started now)`. A prefetch
@@ -314,7 +329,7 @@ impl Prefetcher {
         deadline: Instant,
     ) -> Result<Option<(Arc<Entry>, bool)>, ReadError> {
         let mut cache = self.cache.lock().expect("cache");
-        loop {
+        let (buffer, charge) = loop {
             if let Some(e) = cache.entries.get(&key) {
                 return Ok(Some((e.clone(), false)));
             }
@@ -323,8 +338,12 @@ impl Prefetcher {
             if !on_demand && prefetching > 0 && prefetching + meta.bytes > self.config.max_prefetch_bytes {
                 return Ok(None);
             }
-            if cache.used + meta.bytes <= self.config.cache_bytes {
-                break;
+            // Idle buffers count in the budget: the pool admits the fetch, or frees one of them and
+            // asks to try again, before any cached batch is evicted.
+            match self.pool.admit(meta.bytes as usize, self.config.cache_bytes.saturating_sub(cache.used)) {
+                Admission::Fits { buffer, charge } => break (buffer, charge),
+                Admission::Trimmed => continue,
+                Admission::Full => {}
             }
             if meta.bytes > self.config.cache_bytes {
                 return Err(ReadError::CacheTooSmall {
@@ -333,6 +352,8 @@ impl Prefetcher {
                     budget: self.config.cache_bytes,
                 });
             }
+            // An evicted batch's buffer joins the pool (unless a reader still holds a slice of it),
+            // where the next round reuses it or frees it.
             if let Some(victim) = Self::victim(&cache, on_demand) {
                 self.evict(&mut cache, victim);
                 continue;
@@ -341,11 +362,12 @@ impl Prefetcher {
                 return Ok(None);
             }
             cache = self.wait_for_room(cache, deadline)?;
-        }
-        cache.used += meta.bytes;
+        };
+        // The pool has already taken `charge` out of its room.
+        cache.used += charge;
         self.stats.cache_bytes.store(cache.used, Ordering::Relaxed);
         let entry = Arc::new(Entry {
-            size: meta.bytes,
+            size: charge,
             state: Mutex::new(State::Fetching),
             changed: Condvar::new(),
             consumed: AtomicBool::new(false),
@@ -366,20 +388,26 @@ impl Prefetcher {
         };
         self.runtime.spawn(async move {
             let client = this.client.clone();
+            let pool = this.pool.clone();
+            // The first attempt fills the reserved buffer; one that fails loses it, and a retry
+            // allocates anew (the reservation covers either).
+            let mut buffer = Some(buffer);
             let result = with_retries(&this.config, &this.stats, move |attempt| {
                 let client = client.clone();
                 let path = path.clone();
+                let pool = pool.clone();
+                let into = buffer.take().unwrap_or_else(|| Vec::with_capacity(meta.bytes as usize));
                 async move {
                     let body = match (key.listing, path) {
                         (Listing::Epoch { epoch, format }, _) => {
-                            client.fetch_batch(epoch, key.index, format, attempt).await
+                            client.fetch_batch(epoch, key.index, format, attempt, into).await
                         }
-                        (Listing::Raw, Some(path)) => client.fetch_file(&path, attempt).await,
+                        (Listing::Raw, Some(path)) => client.fetch_file(&path, attempt, into).await,
                         (Listing::Raw, None) => unreachable!("raw keys exist only after the file list"),
                     }
                     .map_err(Failure::Client)?;
                     verify(key, &meta, &body)?;
-                    Ok(body)
+                    Ok(pool.wrap(body.bytes))
                 }
             })
             .await;
@@ -398,8 +426,7 @@ impl Prefetcher {
                     let mut cache = this.cache.lock().expect("cache");
                     if cache.entries.peek(&key).is_some_and(|e| Arc::ptr_eq(e, &fetching)) {
                         cache.entries.pop(&key);
-                        cache.used -= fetching.size;
-                        this.stats.cache_bytes.store(cache.used, Ordering::Relaxed);
+                        this.release(&mut cache, fetching.size);
                     }
                 }
             }
@@ -421,9 +448,9 @@ impl Prefetcher {
         Ok(self.room.wait_timeout(cache, (deadline - now).min(Duration::from_millis(100))).expect("cache").0)
     }
 
-    /// Bytes held or reserved now (never above the budget).
+    /// Bytes held or reserved now, idle reusable buffers included (never above the budget).
     pub fn cache_used(&self) -> u64 {
-        self.cache.lock().expect("cache").used
+        self.cache.lock().expect("cache").used + self.pool.idle_bytes()
     }
 }
 
@@ -441,13 +468,15 @@ enum Failure {
     Mismatch(String),
 }
 
-fn verify(key: BatchKey, meta: &BatchEntry, body: &Bytes) -> Result<(), Failure> {
-    let crc = crc32c::crc32c(body);
-    if body.len() as u64 != meta.bytes || crc != meta.crc32c {
+/// Checks a body against the manifest. Its CRC32C was computed from the bytes as they were stored in
+/// the buffer, which nothing writes to afterwards.
+fn verify(key: BatchKey, meta: &BatchEntry, body: &Body) -> Result<(), Failure> {
+    let crc = body.crc32c;
+    if body.bytes.len() as u64 != meta.bytes || crc != meta.crc32c {
         return Err(Failure::Mismatch(format!(
             "{}: got {} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
             describe(key),
-            body.len(),
+            body.bytes.len(),
             meta.bytes,
             meta.crc32c
         )));
@@ -654,8 +683,20 @@ mod tests {
         n: usize,
         config: PrefetcherConfig,
     ) -> (tokio::runtime::Runtime, Arc<MemoryClient>, Arc<Prefetcher>, Vec<Bytes>) {
+        setup_sized(n, 1000, 1, config)
+    }
+
+    /// Like [`setup`], with batch `i` of `base + ((i * 37) % 300) * step` bytes.
+    fn setup_sized(
+        n: usize,
+        base: usize,
+        step: usize,
+        config: PrefetcherConfig,
+    ) -> (tokio::runtime::Runtime, Arc<MemoryClient>, Arc<Prefetcher>, Vec<Bytes>) {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let bodies: Vec<Bytes> = (0..n).map(|i| Bytes::from(vec![i as u8; 1000 + (i * 37) % 300])).collect();
+        let bodies: Vec<Bytes> = (0..n)
+            .map(|i| Bytes::from((0..base + (i * 37) % 300 * step).map(|j| (i * 7 + j) as u8).collect::<Vec<u8>>()))
+            .collect();
         let b2 = bodies.clone();
         let client = Arc::new(MemoryClient::new(move |_, _| b2.clone()));
         let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
@@ -727,6 +768,24 @@ mod tests {
     }
 
     #[test]
+    fn evicted_buffers_are_reused_within_the_budget() {
+        // Batches of 300-600 KB, a cache of 4 of them: 20 sequential reads evict and refill it 5 times.
+        let mb = 1 << 20;
+        let config = PrefetcherConfig { prefetch: 2, cache_bytes: 2 * mb, ..Default::default() };
+        let (_rt, _client, p, bodies) = setup_sized(20, 300_000, 1000, config);
+        let mut buffers = std::collections::HashSet::new();
+        for (i, body) in bodies.iter().enumerate() {
+            let got = p.read_as0(key(i as u64), 0, 1 << 30).unwrap();
+            assert_eq!(&got, body);
+            buffers.insert(got.as_ptr() as usize);
+            drop(got);
+            assert!(p.cache_used() <= 2 * mb, "{} > budget", p.cache_used());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(buffers.len() < 12, "20 bodies in {} distinct buffers: not reused", buffers.len());
+    }
+
+    #[test]
     fn cache_too_small_is_an_error() {
         let config = PrefetcherConfig { cache_bytes: 100, ..Default::default() };
         let (_rt, _, p, _) = setup(2, config);
@@ -751,6 +810,26 @@ mod tests {
                 let start = (offset as usize).min(body.len());
                 let end = (offset as usize + size as usize).min(body.len());
                 prop_assert_eq!(&got[..], &body[start..end]);
+                prop_assert!(p.cache_used() <= config.cache_bytes);
+            }
+        }
+
+        /// The same with bodies large enough (300-600 KB) for their buffers to be pooled and reused.
+        #[test]
+        fn random_reads_of_pooled_bodies_match_the_model(
+            reads in proptest::collection::vec((0u64..12, 0u64..700_000, 1u32..(1 << 20)), 1..30),
+            prefetch in 0usize..4,
+            budget_batches in 2u64..6,
+        ) {
+            let config = PrefetcherConfig { prefetch, cache_bytes: budget_batches * 600_000, ..Default::default() };
+            let (_rt, _client, p, bodies) = setup_sized(12, 300_000, 1000, config.clone());
+            for (batch, offset, size) in reads {
+                let body = &bodies[batch as usize];
+                let got = p.read_as0(key(batch), offset, size).unwrap();
+                let start = (offset as usize).min(body.len());
+                let end = (offset as usize + size as usize).min(body.len());
+                prop_assert_eq!(&got[..], &body[start..end]);
+                drop(got);
                 prop_assert!(p.cache_used() <= config.cache_bytes);
             }
         }
