@@ -4,7 +4,9 @@
 //! ranks and DataLoader workers do) or `random` (a seeded shuffle, then interleaved). With
 //! `--consume-mbps R` the readers together consume at most R MB/s, standing for the GPU; otherwise they
 //! read as fast as they can. Files are read with 1 MiB `read` calls, or mapped (`--mmap`) and copied out
-//! page by page, as DALI does.
+//! page by page, as DALI does. With `--processes` every reader is a process of its own (as PyTorch
+//! DataLoader workers are), else a thread. The run also reports the CPU time the whole machine spent
+//! while it ran (from `/proc/stat`), from which the latency lab derives CPU seconds per GB.
 
 use anyhow::{Context, Result};
 use batchfs::plan::SplitMix64;
@@ -26,9 +28,15 @@ pub enum Pattern {
 pub struct BenchArgs {
     /// Directory to read (recursively; hidden files and `*.idx` index files are skipped).
     pub path: PathBuf,
-    /// Reader threads.
+    /// Readers (threads, or processes with `--processes`).
     #[arg(long, default_value_t = 4)]
     pub threads: usize,
+    /// Run every reader as a process of its own instead of a thread.
+    #[arg(long)]
+    pub processes: bool,
+    /// Internal: be reader R of `--threads` only and print its result as JSON (used by `--processes`).
+    #[arg(long, hide = true, value_name = "R")]
+    pub reader: Option<usize>,
     /// How readers share the files.
     #[arg(long, value_enum, default_value = "interleaved")]
     pub pattern: Pattern,
@@ -59,9 +67,36 @@ pub struct BenchResult {
     /// Time readers spent waiting inside reads, summed over readers.
     pub stalled_s: f64,
     pub threads: usize,
+    pub processes: bool,
     pub pattern: Pattern,
     pub consume_mbps: Option<f64>,
     pub mmap: bool,
+    /// CPU seconds the whole machine spent (user, nice, system, irq, softirq) during the run, when
+    /// `/proc/stat` is readable: readers, the mount, the server, and anything else running.
+    pub machine_cpu_s: Option<f64>,
+}
+
+/// What one reader process reports to the parent.
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct ReaderReport {
+    bytes: u64,
+    latencies_ns: Vec<u64>,
+}
+
+/// Busy CPU seconds of the whole machine since boot (`/proc/stat`, first line).
+pub fn machine_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    parse_proc_stat(&stat)
+}
+
+fn parse_proc_stat(stat: &str) -> Option<f64> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let ticks: Vec<u64> = line.split_whitespace().skip(1).map(|v| v.parse().ok()).collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal: busy is all but idle, iowait and steal.
+    let busy = [0, 1, 2, 5, 6].iter().map(|&i| ticks.get(i).copied()).sum::<Option<u64>>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    Some(busy as f64 / if hz > 0 { hz as f64 } else { 100.0 })
 }
 
 fn list(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
@@ -139,30 +174,84 @@ fn read_file(path: &Path, mmap: bool, pace: &mut Option<(f64, Instant)>, latenci
     Ok(total)
 }
 
+/// Reader `r` of `n`: reads its share of `files`, paced to its share of the rate.
+fn reader(args: &BenchArgs, files: &[PathBuf], n: usize, r: usize) -> Result<(u64, Vec<Duration>)> {
+    let mut pace = args.consume_mbps.map(|m| (m * 1e6 / n as f64, Instant::now()));
+    let mut latencies = Vec::new();
+    let mut bytes = 0;
+    for i in assign(files.len(), n, r, args.pattern, args.seed) {
+        bytes += read_file(&files[i], args.mmap, &mut pace, &mut latencies)?;
+    }
+    Ok((bytes, latencies))
+}
+
+/// Runs reader `r` of `n` in a child process of this executable and collects its report.
+fn spawn_reader(args: &BenchArgs, n: usize, r: usize) -> Result<std::process::Child> {
+    let exe = std::env::current_exe().context("cannot find the batchfs executable")?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("bench").arg(&args.path).args(["--threads", &n.to_string(), "--reader", &r.to_string()]);
+    cmd.args(["--pattern", args.pattern.to_possible_value().expect("pattern").get_name()]);
+    cmd.args(["--seed", &args.seed.to_string()]);
+    if let Some(m) = args.consume_mbps {
+        cmd.args(["--consume-mbps", &m.to_string()]);
+    }
+    if args.mmap {
+        cmd.arg("--mmap");
+    }
+    cmd.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+    cmd.spawn().with_context(|| format!("cannot start reader process {r}"))
+}
+
+/// What a reader process prints once it runs, before it waits for the start signal on stdin: the clock
+/// starts when every reader is up, so process start-up is not counted.
+const READY: &str = "ready";
+
 /// Runs the benchmark.
 pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
-    let mut files = Vec::new();
-    list(&args.path, &mut files)?;
     let n = args.threads.max(1);
+    let mut children = Vec::new();
+    if args.processes {
+        use std::io::BufRead;
+        for r in 0..n {
+            let mut child = spawn_reader(args, n, r)?;
+            let mut line = String::new();
+            let stdout = child.stdout.as_mut().expect("piped");
+            std::io::BufReader::new(stdout).read_line(&mut line).with_context(|| format!("reader process {r}"))?;
+            anyhow::ensure!(line.trim() == READY, "reader process {r} did not start: {line:?}");
+            children.push(child);
+        }
+    }
+    let cpu_before = machine_cpu_seconds();
     let started = Instant::now();
-    let results: Vec<Result<(u64, Vec<Duration>)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|r| {
-                let files = &files;
-                s.spawn(move || {
-                    let mut pace = args.consume_mbps.map(|m| (m * 1e6 / n as f64, Instant::now()));
-                    let mut latencies = Vec::new();
-                    let mut bytes = 0;
-                    for i in assign(files.len(), n, r, args.pattern, args.seed) {
-                        bytes += read_file(&files[i], args.mmap, &mut pace, &mut latencies)?;
-                    }
-                    Ok((bytes, latencies))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("reader thread")).collect()
-    });
+    let mut files = Vec::new();
+    let results: Vec<Result<(u64, Vec<Duration>)>> = if args.processes {
+        // Start them all; every child lists the directory itself, as a loader worker does.
+        for child in &mut children {
+            use std::io::Write;
+            child.stdin.take().expect("piped").write_all(b"go")?;
+        }
+        let mut out = Vec::new();
+        for (r, child) in children.into_iter().enumerate() {
+            let done = child.wait_with_output().with_context(|| format!("reader process {r}"))?;
+            if !done.status.success() {
+                anyhow::bail!("reader process {r} failed ({})", done.status);
+            }
+            let report: ReaderReport =
+                serde_json::from_slice(&done.stdout).with_context(|| format!("reader process {r}'s report"))?;
+            out.push(Ok((report.bytes, report.latencies_ns.into_iter().map(Duration::from_nanos).collect())));
+        }
+        list(&args.path, &mut files)?;
+        out
+    } else {
+        list(&args.path, &mut files)?;
+        std::thread::scope(|s| {
+            let files = &files;
+            let handles: Vec<_> = (0..n).map(|r| s.spawn(move || reader(args, files, n, r))).collect();
+            handles.into_iter().map(|h| h.join().expect("reader thread")).collect()
+        })
+    };
     let wall_s = started.elapsed().as_secs_f64();
+    let machine_cpu_s = cpu_before.zip(machine_cpu_seconds()).map(|(a, b)| b - a);
     let (mut bytes, mut latencies) = (0, Vec::new());
     for r in results {
         let (b, l) = r?;
@@ -183,23 +272,44 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
         read_p99_us: pct(0.99),
         stalled_s: latencies.iter().map(Duration::as_secs_f64).sum(),
         threads: n,
+        processes: args.processes,
         pattern: args.pattern,
         consume_mbps: args.consume_mbps,
         mmap: args.mmap,
+        machine_cpu_s,
     })
 }
 
 /// `batchfs bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
+    if let Some(r) = args.reader {
+        let n = args.threads.max(1);
+        anyhow::ensure!(r < n, "--reader {r} is not below --threads {n}");
+        {
+            use std::io::Write;
+            let mut stdout = std::io::stdout().lock();
+            writeln!(stdout, "{READY}")?;
+            stdout.flush()?;
+            let mut go = [0u8; 2];
+            std::io::Read::read_exact(&mut std::io::stdin(), &mut go).context("no start signal on stdin")?;
+        }
+        let mut files = Vec::new();
+        list(&args.path, &mut files)?;
+        let (bytes, latencies) = reader(&args, &files, n, r)?;
+        let latencies_ns = latencies.iter().map(|d| d.as_nanos() as u64).collect();
+        println!("{}", serde_json::to_string(&ReaderReport { bytes, latencies_ns })?);
+        return Ok(());
+    }
     let r = measure(&args)?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
     println!(
-        "batchfs bench {} ({} readers, {:?}{}{})",
+        "batchfs bench {} ({} reader {}, {:?}{}{})",
         args.path.display(),
         r.threads,
+        if r.processes { "processes" } else { "threads" },
         r.pattern,
         r.consume_mbps.map(|m| format!(", paced to {m} MB/s")).unwrap_or_default(),
         if r.mmap { ", mmap" } else { "" }
@@ -212,6 +322,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         ("reads", r.reads.to_string()),
         ("read latency", format!("p50 {:.0} us, p99 {:.0} us", r.read_p50_us, r.read_p99_us)),
         ("time stalled", format!("{:.3} s (summed over readers)", r.stalled_s)),
+        ("machine CPU", r.machine_cpu_s.map_or("unknown".into(), |c| format!("{c:.2} s (all processes)"))),
     ] {
         println!("{k:<14} {v}");
     }
@@ -251,6 +362,8 @@ mod tests {
         let base = BenchArgs {
             path: dir.path().to_owned(),
             threads: 2,
+            processes: false,
+            reader: None,
             pattern: Pattern::Interleaved,
             consume_mbps: None,
             mmap: false,
@@ -265,5 +378,16 @@ mod tests {
         let r = measure(&BenchArgs { consume_mbps: Some(10.0), ..base }).unwrap();
         assert!(r.wall_s >= 0.15, "{r:?}");
         assert!(r.mb_per_s <= 12.0, "{r:?}");
+    }
+
+    #[test]
+    fn proc_stat_busy_time() {
+        let stat = "cpu  100 20 30 5000 40 5 7 11 0 0\ncpu0 50 10 15 2500 20 2 3 5 0 0\nintr 1\n";
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        // user + nice + system + irq + softirq; idle, iowait and steal excluded.
+        assert_eq!(parse_proc_stat(stat), Some(162.0 / hz));
+        assert_eq!(parse_proc_stat("intr 1\n"), None);
+        assert!(machine_cpu_seconds().is_some_and(|c| c > 0.0));
     }
 }

@@ -376,11 +376,14 @@ fn latency_lab_machinery_works_end_to_end() {
         };
         assert!(out.status.success(), "{}", stderr(&out));
         let epoch = mnt.join("epoch-0000");
-        for extra in [&[][..], &["--consume-mbps", "50"][..]] {
+        // Reader threads unpaced, reader processes paced (as DataLoader workers are).
+        for extra in [&[][..], &["--consume-mbps", "50", "--processes"][..]] {
             let r = bench_json(&epoch, extra);
             bytes.push(r["bytes"].as_u64().unwrap());
             walls.push(r["wall_s"].as_f64().unwrap());
             assert!(r["read_p99_us"].as_f64().unwrap() >= r["read_p50_us"].as_f64().unwrap());
+            assert_eq!(r["processes"].as_bool(), Some(!extra.is_empty()));
+            assert!(r["machine_cpu_s"].as_f64().is_some_and(|c| c >= 0.0), "{r}");
         }
         if walls.len() == 2 {
             // Local disk: the same batch files copied out of the mount.
@@ -390,7 +393,7 @@ fn latency_lab_machinery_works_end_to_end() {
                 let e = e.unwrap();
                 std::fs::copy(e.path(), local.join(e.file_name())).unwrap();
             }
-            for extra in [&[][..], &["--consume-mbps", "50"][..]] {
+            for extra in [&[][..], &["--consume-mbps", "50", "--processes"][..]] {
                 let r = bench_json(&local, extra);
                 bytes.push(r["bytes"].as_u64().unwrap());
                 walls.push(r["wall_s"].as_f64().unwrap());
