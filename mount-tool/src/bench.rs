@@ -2,8 +2,11 @@
 //! throughput, per-read latency and time stalled. N reader threads share the files by `pattern`:
 //! `sequential` (reader r takes the r-th contiguous slice), `interleaved` (files r, r+N, r+2N..., as DDP
 //! ranks and DataLoader workers do) or `random` (a seeded shuffle, then interleaved). With
-//! `--consume-mbps R` the readers together consume at most R MB/s, standing for the GPU; otherwise they
-//! read as fast as they can. Files are read with 1 MiB `read` calls, or mapped (`--mmap`) and copied out
+//! `--consume-mbps R` each reader feeds a consumer standing for the GPU, which takes R/N MB/s: it
+//! consumes a chunk once the chunk has arrived and the previous one is consumed, while the reader reads
+//! the next one (double buffering, as a loader with a prefetch queue does). A read faster than consuming a
+//! chunk then costs nothing; a slower one leaves the consumer waiting, and that wait is the time
+//! stalled. Without `--consume-mbps` the readers read as fast as they can. Files are read with 1 MiB `read` calls, or mapped (`--mmap`) and copied out
 //! page by page, as DALI does. With `--processes` every reader is a process of its own (as PyTorch
 //! DataLoader workers are), else a thread. The run also reports the CPU time the whole machine spent
 //! while it ran (from `/proc/stat`), from which the latency lab derives CPU seconds per GB.
@@ -64,7 +67,8 @@ pub struct BenchResult {
     pub reads: usize,
     pub read_p50_us: f64,
     pub read_p99_us: f64,
-    /// Time readers spent waiting inside reads, summed over readers.
+    /// Paced: time the consumers waited for data (the first read included), summed over readers.
+    /// Unpaced: time spent inside reads, summed over readers.
     pub stalled_s: f64,
     pub threads: usize,
     pub processes: bool,
@@ -81,6 +85,41 @@ pub struct BenchResult {
 struct ReaderReport {
     bytes: u64,
     latencies_ns: Vec<u64>,
+    starved_ns: Option<u64>,
+}
+
+/// What one reader measured: bytes, the duration of every read, and (paced) the consumer's wait.
+type ReaderResult = (u64, Vec<Duration>, Option<Duration>);
+
+/// The GPU a paced reader feeds (see the module doc).
+struct Consumer {
+    /// Bytes per second.
+    rate: f64,
+    /// When the consumer finishes the chunks it has.
+    busy_until: Instant,
+    /// Time it spent waiting for a chunk.
+    starved: Duration,
+}
+
+impl Consumer {
+    fn new(rate: f64) -> Self {
+        Consumer { rate, busy_until: Instant::now(), starved: Duration::ZERO }
+    }
+
+    /// A chunk of `n` bytes has arrived: queue it, and wait until the consumer starts on it, which frees
+    /// the buffer for the next read.
+    fn arrived(&mut self, n: usize) {
+        let now = Instant::now();
+        self.starved += now.saturating_duration_since(self.busy_until);
+        let start = self.busy_until.max(now);
+        self.busy_until = start + Duration::from_secs_f64(n as f64 / self.rate);
+        std::thread::sleep(start.saturating_duration_since(Instant::now()));
+    }
+
+    /// Waits until every chunk is consumed.
+    fn finish(&self) {
+        std::thread::sleep(self.busy_until.saturating_duration_since(Instant::now()));
+    }
 }
 
 /// Busy CPU seconds of the whole machine since boot (`/proc/stat`, first line).
@@ -135,14 +174,10 @@ pub fn assign(files: usize, n: usize, r: usize, pattern: Pattern, seed: u64) -> 
 }
 
 /// Reads one file; returns bytes and the duration of every read (or page-copy batch).
-fn read_file(path: &Path, mmap: bool, pace: &mut Option<(f64, Instant)>, latencies: &mut Vec<Duration>) -> Result<u64> {
-    let consume = |n: usize, pace: &mut Option<(f64, Instant)>| {
-        if let Some((rate, until)) = pace {
-            *until = (*until).max(Instant::now()) + Duration::from_secs_f64(n as f64 / *rate);
-            let now = Instant::now();
-            if *until > now {
-                std::thread::sleep(*until - now);
-            }
+fn read_file(path: &Path, mmap: bool, pace: &mut Option<Consumer>, latencies: &mut Vec<Duration>) -> Result<u64> {
+    let consume = |n: usize, pace: &mut Option<Consumer>| {
+        if let Some(consumer) = pace {
+            consumer.arrived(n);
         }
     };
     let file = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
@@ -175,14 +210,17 @@ fn read_file(path: &Path, mmap: bool, pace: &mut Option<(f64, Instant)>, latenci
 }
 
 /// Reader `r` of `n`: reads its share of `files`, paced to its share of the rate.
-fn reader(args: &BenchArgs, files: &[PathBuf], n: usize, r: usize) -> Result<(u64, Vec<Duration>)> {
-    let mut pace = args.consume_mbps.map(|m| (m * 1e6 / n as f64, Instant::now()));
+fn reader(args: &BenchArgs, files: &[PathBuf], n: usize, r: usize) -> Result<ReaderResult> {
+    let mut pace = args.consume_mbps.map(|m| Consumer::new(m * 1e6 / n as f64));
     let mut latencies = Vec::new();
     let mut bytes = 0;
     for i in assign(files.len(), n, r, args.pattern, args.seed) {
         bytes += read_file(&files[i], args.mmap, &mut pace, &mut latencies)?;
     }
-    Ok((bytes, latencies))
+    if let Some(consumer) = &pace {
+        consumer.finish();
+    }
+    Ok((bytes, latencies, pace.map(|c| c.starved)))
 }
 
 /// Runs reader `r` of `n` in a child process of this executable and collects its report.
@@ -224,7 +262,7 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
     let cpu_before = machine_cpu_seconds();
     let started = Instant::now();
     let mut files = Vec::new();
-    let results: Vec<Result<(u64, Vec<Duration>)>> = if args.processes {
+    let results: Vec<Result<ReaderResult>> = if args.processes {
         // Start them all; every child lists the directory itself, as a loader worker does.
         for child in &mut children {
             use std::io::Write;
@@ -238,7 +276,8 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
             }
             let report: ReaderReport =
                 serde_json::from_slice(&done.stdout).with_context(|| format!("reader process {r}'s report"))?;
-            out.push(Ok((report.bytes, report.latencies_ns.into_iter().map(Duration::from_nanos).collect())));
+            let latencies = report.latencies_ns.into_iter().map(Duration::from_nanos).collect();
+            out.push(Ok((report.bytes, latencies, report.starved_ns.map(Duration::from_nanos))));
         }
         list(&args.path, &mut files)?;
         out
@@ -252,12 +291,17 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
     };
     let wall_s = started.elapsed().as_secs_f64();
     let machine_cpu_s = cpu_before.zip(machine_cpu_seconds()).map(|(a, b)| b - a);
-    let (mut bytes, mut latencies) = (0, Vec::new());
+    let (mut bytes, mut latencies, mut starved) = (0, Vec::new(), Duration::ZERO);
     for r in results {
-        let (b, l) = r?;
+        let (b, l, s) = r?;
         bytes += b;
         latencies.extend(l);
+        starved += s.unwrap_or_default();
     }
+    let stalled_s = match args.consume_mbps {
+        Some(_) => starved.as_secs_f64(),
+        None => latencies.iter().map(Duration::as_secs_f64).sum(),
+    };
     latencies.sort();
     let pct = |p: f64| {
         latencies.get(((latencies.len() as f64 - 1.0) * p).round() as usize).map_or(0.0, |d| d.as_secs_f64() * 1e6)
@@ -270,7 +314,7 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
         reads: latencies.len(),
         read_p50_us: pct(0.5),
         read_p99_us: pct(0.99),
-        stalled_s: latencies.iter().map(Duration::as_secs_f64).sum(),
+        stalled_s,
         threads: n,
         processes: args.processes,
         pattern: args.pattern,
@@ -295,9 +339,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         let mut files = Vec::new();
         list(&args.path, &mut files)?;
-        let (bytes, latencies) = reader(&args, &files, n, r)?;
+        let (bytes, latencies, starved) = reader(&args, &files, n, r)?;
         let latencies_ns = latencies.iter().map(|d| d.as_nanos() as u64).collect();
-        println!("{}", serde_json::to_string(&ReaderReport { bytes, latencies_ns })?);
+        let starved_ns = starved.map(|d| d.as_nanos() as u64);
+        println!("{}", serde_json::to_string(&ReaderReport { bytes, latencies_ns, starved_ns })?);
         return Ok(());
     }
     let r = measure(&args)?;
@@ -378,6 +423,24 @@ mod tests {
         let r = measure(&BenchArgs { consume_mbps: Some(10.0), ..base }).unwrap();
         assert!(r.wall_s >= 0.15, "{r:?}");
         assert!(r.mb_per_s <= 12.0, "{r:?}");
+    }
+
+    #[test]
+    fn the_consumer_hides_reads_shorter_than_a_chunk_and_counts_longer_waits() {
+        // 1 MB chunks at 100 MB/s: 10 ms to consume each.
+        let mut c = Consumer::new(100e6);
+        let started = Instant::now();
+        c.arrived(1_000_000); // first chunk: consumed from now to +10 ms; the next read may start at once
+        assert!(started.elapsed() < Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(4)); // a 4 ms read: hidden behind the consumption
+        c.arrived(1_000_000); // waits until the consumer starts on it, at +10 ms
+        assert!(started.elapsed() >= Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(25)); // a 25 ms read: the consumer waits ~15 ms
+        c.arrived(1_000_000);
+        c.finish();
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(45), "{took:?}"); // 10 + 10 + 15 idle + 10
+        assert!(c.starved >= Duration::from_millis(14) && c.starved < Duration::from_millis(30), "{:?}", c.starved);
     }
 
     #[test]

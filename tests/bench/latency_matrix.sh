@@ -35,7 +35,13 @@ cleanup() {
   [ -f "$work/nginx.pid" ] && kill "$(cat "$work/nginx.pid")" 2>/dev/null || true
   [ -f "$work/sshd.pid" ] && kill "$(cat "$work/sshd.pid")" 2>/dev/null || true
   # Take back the key this run authorized for root.
-  [ -f "$work/id.pub" ] && grep -vF "$(cat "$work/id.pub")" /root/.ssh/authorized_keys > "$work/keys" && cat "$work/keys" > /root/.ssh/authorized_keys
+  # (grep -v exits 1 when it keeps no line, so its status is ignored: the key must go even when it was
+  # the only one, and a file this run created goes with it.)
+  if [ -f "$work/id.pub" ] && [ -f /root/.ssh/authorized_keys ]; then
+    grep -vF "$(cat "$work/id.pub")" /root/.ssh/authorized_keys > "$work/keys" || true
+    cat "$work/keys" > /root/.ssh/authorized_keys
+    [ -s /root/.ssh/authorized_keys ] || [ -z "${KEYS_CREATED:-}" ] || rm -f /root/.ssh/authorized_keys
+  fi
   wait 2>/dev/null || true
   rm -rf "$work"
 }
@@ -60,7 +66,8 @@ bytes=$(du -sb "$work/files" | cut -f1)
 # Peers' servers: sshd and nginx on loopback.
 p_sshd=$(port); p_nginx=$(port)
 ssh-keygen -q -t ed25519 -N "" -f "$work/hostkey"; ssh-keygen -q -t ed25519 -N "" -f "$work/id"
-mkdir -p /root/.ssh /run/sshd; touch /root/.ssh/authorized_keys
+mkdir -p /root/.ssh /run/sshd
+[ -e /root/.ssh/authorized_keys ] || { KEYS_CREATED=1; touch /root/.ssh/authorized_keys; }
 grep -qF "$(cat "$work/id.pub")" /root/.ssh/authorized_keys || cat "$work/id.pub" >> /root/.ssh/authorized_keys
 /usr/sbin/sshd -p "$p_sshd" -h "$work/hostkey" -o ListenAddress=127.0.0.1 -o PidFile="$work/sshd.pid" -o PermitRootLogin=prohibit-password
 cat > "$work/nginx.conf" <<CONF
