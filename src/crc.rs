@@ -63,7 +63,7 @@ impl CrcBuilder {
 
 /// `crc(A ++ B)` from `crc(A)`, `crc(B)` and `len(B)`.
 ///
-/// In GF(2)[x] modulo the CRC32C polynomial, `crc(A ++ B) = crc(A) * x^(8 len(B)) + crc(B)`: the pre- and
+/// In `GF(2)[x]` modulo the CRC32C polynomial, `crc(A ++ B) = crc(A) * x^(8 len(B)) + crc(B)`: the pre- and
 /// post-inversion of the two CRCs cancel. `x^(8 len(B))` is assembled from the precomputed powers
 /// `x^(2^k)`, one multiplication per set bit of `len(B)`, so a combine costs well under a microsecond.
 /// (The `crc32c` crate's combine squares a 32x32 bit matrix per bit instead, about 50x slower, and a

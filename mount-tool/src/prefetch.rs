@@ -316,7 +316,7 @@ impl Prefetcher {
     fn release(&self, cache: &mut Cache, bytes: u64) {
         cache.used -= bytes;
         self.stats.cache_bytes.store(cache.used, Ordering::Relaxed);
-        self.pool.set_room(self.config.cache_bytes - cache.used);
+        self.pool.set_room(self.config.cache_bytes.saturating_sub(cache.used));
     }
 
     /// The cache entry of `key`, starting its fetch if it is absent: `(entry, started now)`. A prefetch
