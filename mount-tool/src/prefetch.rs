@@ -792,6 +792,26 @@ mod tests {
         assert!(matches!(p.read_as0(key(0), 0, 10), Err(ReadError::CacheTooSmall { .. })));
     }
 
+    /// Performs `reads` (batch, offset, size): each returns the model's bytes, and afterwards the cache
+    /// (idle buffers included) is within `budget`.
+    fn reads_match_the_model(
+        p: &Arc<Prefetcher>,
+        bodies: &[Bytes],
+        reads: &[(u64, u64, u32)],
+        budget: u64,
+    ) -> Result<(), TestCaseError> {
+        for &(batch, offset, size) in reads {
+            let body = &bodies[batch as usize];
+            let got = p.read_as0(key(batch), offset, size).unwrap();
+            let start = (offset as usize).min(body.len());
+            let end = (offset as usize + size as usize).min(body.len());
+            prop_assert_eq!(&got[..], &body[start..end]);
+            drop(got);
+            prop_assert!(p.cache_used() <= budget);
+        }
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
         /// Reference model: any sequence of reads returns exactly the bytes of the model (the bodies),
@@ -804,14 +824,7 @@ mod tests {
         ) {
             let config = PrefetcherConfig { prefetch, cache_bytes: budget_batches * 1300, ..Default::default() };
             let (_rt, _client, p, bodies) = setup(30, config.clone());
-            for (batch, offset, size) in reads {
-                let body = &bodies[batch as usize];
-                let got = p.read_as0(key(batch), offset, size).unwrap();
-                let start = (offset as usize).min(body.len());
-                let end = (offset as usize + size as usize).min(body.len());
-                prop_assert_eq!(&got[..], &body[start..end]);
-                prop_assert!(p.cache_used() <= config.cache_bytes);
-            }
+            reads_match_the_model(&p, &bodies, &reads, config.cache_bytes)?;
         }
 
         /// The same with bodies large enough (300-600 KB) for their buffers to be pooled and reused.
@@ -823,15 +836,7 @@ mod tests {
         ) {
             let config = PrefetcherConfig { prefetch, cache_bytes: budget_batches * 600_000, ..Default::default() };
             let (_rt, _client, p, bodies) = setup_sized(12, 300_000, 1000, config.clone());
-            for (batch, offset, size) in reads {
-                let body = &bodies[batch as usize];
-                let got = p.read_as0(key(batch), offset, size).unwrap();
-                let start = (offset as usize).min(body.len());
-                let end = (offset as usize + size as usize).min(body.len());
-                prop_assert_eq!(&got[..], &body[start..end]);
-                drop(got);
-                prop_assert!(p.cache_used() <= config.cache_bytes);
-            }
+            reads_match_the_model(&p, &bodies, &reads, config.cache_bytes)?;
         }
     }
 }
