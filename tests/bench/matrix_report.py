@@ -8,7 +8,6 @@ energy per GB from each cell's `batchfs energy` log, less the idle power measure
 """
 import csv
 import json
-import os
 import statistics
 import sys
 from collections import defaultdict
@@ -66,7 +65,7 @@ for mode in ("paced", "unpaced"):
         print(f"| {s} | " + " | ".join(f"{med[s, r, mode][0]:.3f}" if (s, r, mode) in med else "-" for r in rtts) + " |")
     print()
 gb = nbytes / 1e9
-for title, table, unit in (("CPU seconds per GB read", cpu_med, 1.0), ("energy above idle, J per GB", joule_med, 1.0)):
+for title, table in (("CPU seconds per GB read", cpu_med), ("energy above idle, J per GB", joule_med)):
     if not any(v is not None for v in table.values()):
         if table is joule_med:
             why = "; ".join(f"{u['sensor']}: {u['reason']}" for u in (idle or {}).get("unavailable", []))
@@ -79,7 +78,7 @@ for title, table, unit in (("CPU seconds per GB read", cpu_med, 1.0), ("energy a
         print("|---|" + "---|" * len(rtts))
         for s in systems:
             vals = [table.get((s, r, mode)) for r in rtts]
-            print(f"| {s} | " + " | ".join("-" if v is None else f"{v / gb * unit:.2f}" for v in vals) + " |")
+            print(f"| {s} | " + " | ".join("-" if v is None else f"{v / gb:.2f}" for v in vals) + " |")
         print()
 far, near = max(rtts), min(rtts)
 def m(s, r, mode):
