@@ -90,8 +90,9 @@ pub trait BatchClient: Send + Sync + 'static {
     /// The dataset's source files.
     fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>>;
     /// The body of one batch (unverified), appended to `into` (an empty buffer, usually reused memory
-    /// with room for the whole body), which is returned. `attempt` counts retries, so a client with
-    /// several servers can try another one.
+    /// with room for the whole body), which is returned. `expect` is the size the manifest announced: a
+    /// response that says or sends more is cut off with an error rather than buffered. `attempt` counts
+    /// retries, so a client with several servers can try another one.
     fn fetch_batch(
         &self,
         epoch: u64,
@@ -99,9 +100,11 @@ pub trait BatchClient: Send + Sync + 'static {
         format: BatchFormat,
         attempt: u32,
         into: Vec<u8>,
+        expect: u64,
     ) -> BoxFut<'_, Result<Body, ClientError>>;
     /// One whole source file (unverified), appended to `into` like [`BatchClient::fetch_batch`].
-    fn fetch_file(&self, path: &str, attempt: u32, into: Vec<u8>) -> BoxFut<'_, Result<Body, ClientError>>;
+    fn fetch_file(&self, path: &str, attempt: u32, into: Vec<u8>, expect: u64)
+        -> BoxFut<'_, Result<Body, ClientError>>;
 }
 
 /// Where and how to reach the servers.
@@ -257,27 +260,48 @@ impl BatchClient for HttpClient {
         format: BatchFormat,
         attempt: u32,
         into: Vec<u8>,
+        expect: u64,
     ) -> BoxFut<'_, Result<Body, ClientError>> {
         Box::pin(async move {
             let path = format!("{}?{}", api::batch_path(&self.config.dataset, epoch, batch), self.query(format));
             // Spread batches over the servers; a retry moves to the next one.
-            self.body((batch as usize).wrapping_add(attempt as usize), &path, into).await
+            self.body((batch as usize).wrapping_add(attempt as usize), &path, into, expect).await
         })
     }
 
-    fn fetch_file(&self, path: &str, attempt: u32, into: Vec<u8>) -> BoxFut<'_, Result<Body, ClientError>> {
+    fn fetch_file(
+        &self,
+        path: &str,
+        attempt: u32,
+        into: Vec<u8>,
+        expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>> {
         let url_path = api::file_path(&self.config.dataset, path);
         let spread = path.len();
-        Box::pin(async move { self.body(spread.wrapping_add(attempt as usize), &url_path, into).await })
+        Box::pin(async move { self.body(spread.wrapping_add(attempt as usize), &url_path, into, expect).await })
     }
 }
 
 impl HttpClient {
-    /// A whole response body, appended to `body`; a response with no bytes for `stall_timeout` is
-    /// abandoned.
-    async fn body(&self, server_no: usize, path_and_query: &str, mut body: Vec<u8>) -> Result<Body, ClientError> {
+    /// A whole response body of at most `expect` bytes, appended to `body`; a response with no bytes for
+    /// `stall_timeout` is abandoned.
+    async fn body(
+        &self,
+        server_no: usize,
+        path_and_query: &str,
+        mut body: Vec<u8>,
+        expect: u64,
+    ) -> Result<Body, ClientError> {
         let (server, mut response) = self.get(server_no, path_and_query).await?;
-        body.reserve(response.content_length().unwrap_or(0).min(1 << 30) as usize);
+        let too_long = |what: String| ClientError::Malformed {
+            server: server.clone(),
+            message: format!("{path_and_query}: {what}, but the manifest announced {expect} bytes"),
+        };
+        if let Some(len) = response.content_length().filter(|&len| len > expect) {
+            return Err(too_long(format!("the response announced {len} bytes")));
+        }
+        let start = body.len();
+        body.reserve(expect as usize);
         let mut crc = crc32c::crc32c(&body);
         loop {
             let chunk = tokio::time::timeout(self.config.stall_timeout, response.chunk())
@@ -286,6 +310,9 @@ impl HttpClient {
                 .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
             match chunk {
                 Some(c) => {
+                    if (body.len() - start + c.len()) as u64 > expect {
+                        return Err(too_long(format!("the body ran past {expect} bytes")));
+                    }
                     crc = crc32c::crc32c_append(crc, &c);
                     body.extend_from_slice(&c);
                 }
@@ -397,11 +424,18 @@ impl BatchClient for MemoryClient {
         format: BatchFormat,
         _attempt: u32,
         into: Vec<u8>,
+        _expect: u64,
     ) -> BoxFut<'_, Result<Body, ClientError>> {
         Box::pin(async move { self.serve((self.bodies)(epoch, format).get(batch as usize).cloned(), into).await })
     }
 
-    fn fetch_file(&self, path: &str, _attempt: u32, into: Vec<u8>) -> BoxFut<'_, Result<Body, ClientError>> {
+    fn fetch_file(
+        &self,
+        path: &str,
+        _attempt: u32,
+        into: Vec<u8>,
+        _expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>> {
         let body = self.files.iter().find(|(p, _)| p == path).map(|(_, b)| b.clone());
         Box::pin(self.serve(body, into))
     }
@@ -459,6 +493,65 @@ mod tests {
         assert_eq!(parse_url("https://h/a%20b/"), Ok(("https://h".into(), "a b".into())));
         for bad in ["storage:7878/x", "ftp://h/x", "http://h", "http://h/", "http:///x", "http://h/a/b"] {
             assert!(parse_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// An h2c server that answers every request with `body`, announcing `content_length` if given.
+    async fn h2c_server(body: Vec<u8>, content_length: Option<usize>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = conn.accept().await {
+                        let mut response = http::Response::builder().status(200);
+                        if let Some(len) = content_length {
+                            response = response.header("content-length", len);
+                        }
+                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
+                        let _ = stream.send_data(Bytes::from(body.clone()), true);
+                    }
+                });
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    fn client_of(server: String) -> HttpClient {
+        HttpClient::new(HttpConfig {
+            servers: vec![server],
+            dataset: "d".into(),
+            query: BatchQuery::default(),
+            token: None,
+            connections: 1,
+            ca_file: None,
+            stall_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_body_longer_than_the_manifest_says_is_cut_off() {
+        let body: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        let fetch = |server: String, expect: u64| async move {
+            client_of(server).fetch_batch(0, 0, BatchFormat::Tfrecord, 0, Vec::new(), expect).await
+        };
+        // The announced length is checked before any byte is read.
+        let err = fetch(h2c_server(body.clone(), Some(3000)).await, 1000).await.unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Malformed { message, .. } if message.contains("announced 3000 bytes")),
+            "{err}"
+        );
+        // Without a length, reading stops at the expected size.
+        let err = fetch(h2c_server(body.clone(), None).await, 1000).await.unwrap_err();
+        assert!(matches!(&err, ClientError::Malformed { message, .. } if message.contains("ran past 1000")), "{err}");
+        // The expected size, or less (the checksum catches a short body), is read whole with its CRC.
+        for expect in [3000, 5000] {
+            let got = fetch(h2c_server(body.clone(), None).await, expect).await.unwrap();
+            assert_eq!(got, Body::new(body.clone()));
         }
     }
 

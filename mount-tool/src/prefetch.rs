@@ -400,9 +400,9 @@ impl Prefetcher {
                 async move {
                     let body = match (key.listing, path) {
                         (Listing::Epoch { epoch, format }, _) => {
-                            client.fetch_batch(epoch, key.index, format, attempt, into).await
+                            client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
                         }
-                        (Listing::Raw, Some(path)) => client.fetch_file(&path, attempt, into).await,
+                        (Listing::Raw, Some(path)) => client.fetch_file(&path, attempt, into, meta.bytes).await,
                         (Listing::Raw, None) => unreachable!("raw keys exist only after the file list"),
                     }
                     .map_err(Failure::Client)?;
