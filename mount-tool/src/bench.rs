@@ -83,6 +83,8 @@ pub struct BenchResult {
 /// What one reader process reports to the parent.
 #[derive(Debug, Serialize, serde::Deserialize)]
 struct ReaderReport {
+    /// Files the reader listed (all readers list the same directory).
+    files: usize,
     bytes: u64,
     latencies_ns: Vec<u64>,
     starved_ns: Option<u64>,
@@ -261,7 +263,7 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
     }
     let cpu_before = machine_cpu_seconds();
     let started = Instant::now();
-    let mut files = Vec::new();
+    let mut listed = 0;
     let results: Vec<Result<ReaderResult>> = if args.processes {
         // Start them all; every child lists the directory itself, as a loader worker does.
         for child in &mut children {
@@ -276,13 +278,15 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
             }
             let report: ReaderReport =
                 serde_json::from_slice(&done.stdout).with_context(|| format!("reader process {r}'s report"))?;
+            listed = report.files;
             let latencies = report.latencies_ns.into_iter().map(Duration::from_nanos).collect();
             out.push(Ok((report.bytes, latencies, report.starved_ns.map(Duration::from_nanos))));
         }
-        list(&args.path, &mut files)?;
         out
     } else {
+        let mut files = Vec::new();
         list(&args.path, &mut files)?;
+        listed = files.len();
         std::thread::scope(|s| {
             let files = &files;
             let handles: Vec<_> = (0..n).map(|r| s.spawn(move || reader(args, files, n, r))).collect();
@@ -307,7 +311,7 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
         latencies.get(((latencies.len() as f64 - 1.0) * p).round() as usize).map_or(0.0, |d| d.as_secs_f64() * 1e6)
     };
     Ok(BenchResult {
-        files: files.len(),
+        files: listed,
         bytes,
         wall_s,
         mb_per_s: bytes as f64 / 1e6 / wall_s.max(1e-9),
@@ -342,7 +346,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let (bytes, latencies, starved) = reader(&args, &files, n, r)?;
         let latencies_ns = latencies.iter().map(|d| d.as_nanos() as u64).collect();
         let starved_ns = starved.map(|d| d.as_nanos() as u64);
-        println!("{}", serde_json::to_string(&ReaderReport { bytes, latencies_ns, starved_ns })?);
+        let report = ReaderReport { files: files.len(), bytes, latencies_ns, starved_ns };
+        println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
     let r = measure(&args)?;
