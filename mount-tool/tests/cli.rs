@@ -383,6 +383,7 @@ fn latency_lab_machinery_works_end_to_end() {
             walls.push(r["wall_s"].as_f64().unwrap());
             assert!(r["read_p99_us"].as_f64().unwrap() >= r["read_p50_us"].as_f64().unwrap());
             assert_eq!(r["processes"].as_bool(), Some(!extra.is_empty()));
+            assert_eq!(r["files"].as_u64(), Some(8), "64 samples in batches of 8");
             assert!(r["machine_cpu_s"].as_f64().is_some_and(|c| c >= 0.0), "{r}");
         }
         if walls.len() == 2 {
