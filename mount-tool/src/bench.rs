@@ -189,7 +189,10 @@ fn read_file(path: &Path, mmap: bool, pace: &mut Option<Consumer>, latencies: &m
         let mut buf = vec![0u8; 1 << 20];
         for chunk in map.bytes().chunks(1 << 20) {
             let t = Instant::now();
-            buf[..chunk.len()].copy_from_slice(chunk); // page faults are the reads
+            // The page faults are the reads. `black_box` keeps the copy: its result is never read
+            // otherwise, and the optimizer would drop it (and with it every fault).
+            buf[..chunk.len()].copy_from_slice(std::hint::black_box(chunk));
+            std::hint::black_box(&mut buf);
             latencies.push(t.elapsed());
             total += chunk.len() as u64;
             consume(chunk.len(), pace);

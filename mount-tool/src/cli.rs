@@ -74,7 +74,7 @@ pub struct MountArgs {
     /// Batches kept in flight ahead of each reader [default: 16; 0 disables]
     #[arg(long, help_heading = "Prefetch", value_name = "N")]
     pub prefetch: Option<String>,
-    /// Bytes of prefetches in flight at once, all readers together [default: 64M]
+    /// Bytes of prefetches in flight at once, all readers together [default: 256M]
     #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
     pub max_prefetch_bytes: Option<String>,
     /// Cache byte budget [default: 2G]
@@ -104,6 +104,9 @@ pub struct MountArgs {
     /// FUSE worker threads [default: 16]
     #[arg(long, help_heading = "FUSE", value_name = "N")]
     pub threads: Option<String>,
+    /// Hand verified files to the kernel (FUSE passthrough) where it allows: true or false [default: true]
+    #[arg(long, help_heading = "FUSE", value_name = "BOOL")]
+    pub passthrough: Option<String>,
     /// Kernel readahead of the mount in KiB, set as root [default: 1024]
     #[arg(long, help_heading = "FUSE", value_name = "KB")]
     pub read_ahead_kb: Option<String>,
@@ -139,6 +142,7 @@ impl MountArgs {
             ("ca_file", &self.ca_file),
             ("threads", &self.threads),
             ("read_ahead_kb", &self.read_ahead_kb),
+            ("passthrough", &self.passthrough),
             ("log_file", &self.log_file),
             ("energy_log", &self.energy_log),
         ];

@@ -246,8 +246,8 @@ impl Fs {
         }
     }
 
-    pub fn prefetcher(&self) -> &Arc<Prefetcher> {
-        &self.prefetcher
+    pub fn stats(&self) -> &crate::stats::Stats {
+        &self.prefetcher.stats
     }
 
     fn batch_format(&self, index: bool) -> BatchFormat {
@@ -381,24 +381,40 @@ impl Fs {
         Ok(node)
     }
 
-    /// Reads `size` bytes at `offset` of file `ino` for the reading process `owner`.
-    pub fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError> {
+    /// The cached file behind inode `ino`: a batch, its index twin, or a source file.
+    fn key(&self, ino: u64) -> Result<BatchKey, FsError> {
         match Node::from_ino(ino).ok_or(FsError::NotFound)? {
-            Node::Stats => {
-                let json = self.stats_json();
-                let start = (offset as usize).min(json.len());
-                let end = (start + size as usize).min(json.len());
-                Ok(Bytes::copy_from_slice(&json[start..end]))
-            }
-            Node::Batch { epoch, batch, index } => {
-                let key = BatchKey::batch(epoch, batch, self.batch_format(index));
-                Ok(self.prefetcher.read(key, offset, size, owner)?)
-            }
+            Node::Batch { epoch, batch, index } => Ok(BatchKey::batch(epoch, batch, self.batch_format(index))),
             Node::RawFile(n) => {
                 let file = self.raw_tree()?.nodes.get(n as usize).and_then(|n| n.file).ok_or(FsError::NotFound)?;
-                Ok(self.prefetcher.read(BatchKey { listing: Listing::Raw, index: file }, offset, size, owner)?)
+                Ok(BatchKey { listing: Listing::Raw, index: file })
             }
+            Node::Stats => Err(FsError::NotFound),
             _ => Err(FsError::IsADirectory),
+        }
+    }
+
+    /// Reads `size` bytes at `offset` of file `ino` for the reading process `owner`.
+    pub fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError> {
+        if Node::from_ino(ino) == Some(Node::Stats) {
+            let json = self.stats_json();
+            let start = (offset as usize).min(json.len());
+            let end = (start + size as usize).min(json.len());
+            return Ok(Bytes::copy_from_slice(&json[start..end]));
+        }
+        Ok(self.prefetcher.read(self.key(ino)?, offset, size, owner)?)
+    }
+
+    /// The verified contents of file `ino` as a sealed memory file, for the kernel to serve (FUSE
+    /// passthrough); waits for the file like a read by `owner` does.
+    pub fn backing_file(&self, ino: u64, owner: u32) -> Result<Arc<std::fs::File>, FsError> {
+        Ok(self.prefetcher.backing_file(self.key(ino)?, owner)?)
+    }
+
+    /// The last handle of file `ino` was closed.
+    pub fn closed(&self, ino: u64) {
+        if let Ok(key) = self.key(ino) {
+            self.prefetcher.closed(key);
         }
     }
 }

@@ -3,27 +3,147 @@
 //!
 //! Reads block the calling FUSE worker thread (there are `threads` of them) until the batch is
 //! verified; all waits are bounded inside the prefetcher.
+//!
+//! **Passthrough.** Where the kernel offers FUSE passthrough and it is not turned off, an open of a file
+//! waits until the file is verified and cached, then hands the kernel a sealed memory file holding it
+//! (`open_backing`), so the reads and mmap faults of that handle never reach the daemon. The kernel
+//! demands one backing file per inode at a time, and no mixing of passthrough and cached opens of one
+//! inode; [`Opens`] keeps that: an inode open in one mode is opened again in the same mode, with the
+//! same backing id, until its last handle is released. The backing id lives until then: the kernel
+//! resolves it after the open reply, so dropping it at once makes opens fail with EIO.
+//!
+//! **Readers.** FUSE reports the thread that made a request; the prefetcher is told its process
+//! (thread group), read from `/proc` once per thread id and remembered.
 
 use crate::fs::{Attr, Fs, FsError, Node};
+use crate::stats::Stats;
+use fuser::{BackingId, InitFlags};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig, LockOwner,
     OpenFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
     ReplyWrite, Request,
 };
+use std::collections::HashMap;
 use std::ffi::OsStr;
+use std::fs::File;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How long the kernel may cache names and attributes: batch files never change.
 const TTL: Duration = Duration::from_secs(3600);
 
+/// How the open handles of one inode read.
+enum Mode {
+    /// Through the kernel's page cache and the daemon.
+    Daemon,
+    /// From a backing file, in the kernel.
+    Passthrough { id: BackingId, _file: Arc<File> },
+}
+
+/// The open handles of each inode, and which handle is which inode's.
+#[derive(Default)]
+struct Opens {
+    inodes: HashMap<u64, (Mode, usize)>,
+    handles: HashMap<u64, u64>,
+}
+
+/// Thread ids to process ids, bounded (cleared when full: thread ids are reused).
+#[derive(Default)]
+struct Owners(Mutex<HashMap<u32, u32>>);
+
+impl Owners {
+    fn of(&self, tid: u32) -> u32 {
+        let mut map = self.0.lock().expect("owners");
+        if let Some(&pid) = map.get(&tid) {
+            return pid;
+        }
+        let pid = crate::sys::thread_group(tid).unwrap_or(tid);
+        if map.len() >= 4096 {
+            map.clear();
+        }
+        map.insert(tid, pid);
+        pid
+    }
+}
+
 /// The fuser-facing filesystem.
 pub struct FuseFs {
     fs: Fs,
+    /// Try FUSE passthrough (the `passthrough` option); turned off when the kernel refuses.
+    passthrough: AtomicBool,
+    opens: Mutex<Opens>,
+    next_handle: AtomicU64,
+    owners: Owners,
 }
 
 impl FuseFs {
-    pub fn new(fs: Fs) -> Self {
-        FuseFs { fs }
+    /// `passthrough`: hand verified files to the kernel where it allows (see the module note).
+    pub fn new(fs: Fs, passthrough: bool) -> Self {
+        FuseFs {
+            fs,
+            passthrough: AtomicBool::new(passthrough),
+            opens: Mutex::new(Opens::default()),
+            next_handle: AtomicU64::new(1),
+            owners: Owners::default(),
+        }
+    }
+
+    /// Opens `ino` for reading: in the mode the inode is already open in, else by passthrough when on.
+    fn open_file(&self, req: &Request, ino: u64, reply: ReplyOpen) {
+        let fh = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        let stats = self.fs.stats();
+        {
+            let mut opens = self.opens.lock().expect("opens");
+            if let Some((mode, count)) = opens.inodes.get_mut(&ino) {
+                *count += 1;
+                match mode {
+                    Mode::Daemon => {
+                        Stats::add(&stats.daemon_opens, 1);
+                        reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
+                    }
+                    Mode::Passthrough { id, .. } => {
+                        // The file's bytes are in the kernel already: a hit.
+                        Stats::add(&stats.passthrough_opens, 1);
+                        Stats::add(&stats.hits, 1);
+                        reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id)
+                    }
+                }
+                opens.handles.insert(fh, ino);
+                return;
+            }
+        }
+        let mut mode = Mode::Daemon;
+        if self.passthrough.load(Ordering::Relaxed) {
+            // Waits for the file (bounded by `timeout`), holding no lock.
+            let file = match self.fs.backing_file(ino, self.owners.of(req.pid())) {
+                Ok(file) => file,
+                Err(e) => {
+                    tracing::warn!(ino, error = %e, "open failed");
+                    return reply.error(errno(&e));
+                }
+            };
+            match reply.open_backing(&*file) {
+                Ok(id) => mode = Mode::Passthrough { id, _file: file },
+                Err(e) => {
+                    tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
+                    self.passthrough.store(false, Ordering::Relaxed);
+                    stats.passthrough.store(0, Ordering::Relaxed);
+                }
+            }
+        }
+        let mut opens = self.opens.lock().expect("opens");
+        // Another open of the inode may have finished meanwhile: its mode wins.
+        let (mode, count) = opens.inodes.entry(ino).or_insert((mode, 0));
+        *count += 1;
+        match mode {
+            Mode::Daemon => {
+                Stats::add(&stats.daemon_opens, 1);
+                reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
+            }
+            Mode::Passthrough { id, .. } => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id),
+        }
+        opens.handles.insert(fh, ino);
     }
 
     fn file_attr(&self, a: &Attr) -> FileAttr {
@@ -64,7 +184,21 @@ fn errno(e: &FsError) -> Errno {
 
 impl Filesystem for FuseFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let _ = config.set_max_readahead(1 << 20);
+        // The largest readahead the kernel allows (it offers its bdi's), and a deep background queue:
+        // readahead and async reads of many reader threads in flight at once.
+        if let Err(max) = config.set_max_readahead(16 << 20) {
+            let _ = config.set_max_readahead(max);
+        }
+        let _ = config.set_max_background(256);
+        let _ = config.set_congestion_threshold(192);
+        let on = self.passthrough.load(Ordering::Relaxed)
+            && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+            && config.set_max_stack_depth(1).is_ok();
+        if self.passthrough.load(Ordering::Relaxed) && !on {
+            tracing::info!("the kernel offers no FUSE passthrough: reads go through the daemon");
+        }
+        self.passthrough.store(on, Ordering::Relaxed);
+        self.fs.stats().passthrough.store(u64::from(on), Ordering::Relaxed);
         Ok(())
     }
 
@@ -83,14 +217,40 @@ impl Filesystem for FuseFs {
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
         match self.fs.open(ino.0, write) {
             Ok(Node::Stats) => reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO),
             // Immutable data: keep the page cache across opens (mmap readers need the page cache too).
-            Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Ok(_) => self.open_file(req, ino.0, reply),
             Err(e) => reply.error(errno(&e)),
         }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let mut opens = self.opens.lock().expect("opens");
+        if let Some(ino) = opens.handles.remove(&fh.0) {
+            let last = opens.inodes.get_mut(&ino).is_some_and(|(_, count)| {
+                *count -= 1;
+                *count == 0
+            });
+            if last {
+                // Dropping the mode closes the backing id and lets the cache evict the batch.
+                opens.inodes.remove(&ino);
+                drop(opens);
+                self.fs.closed(ino);
+            }
+        }
+        reply.ok();
     }
 
     fn read(
@@ -104,7 +264,7 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.fs.read(ino.0, offset, size, req.pid()) {
+        match self.fs.read(ino.0, offset, size, self.owners.of(req.pid())) {
             Ok(data) => reply.data(&data),
             Err(e) => {
                 tracing::warn!(ino = ino.0, offset, size, error = %e, "read failed");

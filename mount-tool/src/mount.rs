@@ -137,6 +137,8 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             max_prefetch_bytes: plan.options.max_prefetch_bytes,
             cache_bytes: plan.options.cache,
             timeout: plan.options.timeout,
+            // A window runs on into the next epoch only within the epochs the job reads.
+            last_epoch: plan.options.epochs.saturating_sub(1),
             ..PrefetcherConfig::default()
         },
     );
@@ -152,7 +154,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             raw: matches!(plan.source, batchfs::index::SourceFormat::Files | batchfs::index::SourceFormat::Tar),
         },
     );
-    Ok((FuseFs::new(fs), prefetcher))
+    Ok((FuseFs::new(fs, plan.options.passthrough), prefetcher))
 }
 
 /// Raises the mount's kernel readahead (root only; best effort): larger FUSE reads, fewer round trips.

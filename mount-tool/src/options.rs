@@ -36,6 +36,8 @@ pub struct MountOptions {
     pub servers: Vec<String>,
     /// FUSE worker threads.
     pub threads: usize,
+    /// Hand verified files to the kernel (FUSE passthrough) where it allows.
+    pub passthrough: bool,
     /// Kernel readahead of the mount in KiB (set when running as root; 0 leaves the default).
     pub read_ahead_kb: u32,
     /// Where a daemonized mount logs (nothing when absent).
@@ -51,7 +53,7 @@ impl Default for MountOptions {
             format: BatchFormat::Tfrecord,
             epochs: 1,
             prefetch: 16,
-            max_prefetch_bytes: 64 << 20,
+            max_prefetch_bytes: 256 << 20,
             cache: 2 << 30,
             connections: 4,
             timeout: Duration::from_secs(60),
@@ -62,6 +64,7 @@ impl Default for MountOptions {
             auto_unmount: false,
             servers: Vec::new(),
             threads: 16,
+            passthrough: true,
             read_ahead_kb: 1024,
             log_file: None,
             energy_log: None,
@@ -121,6 +124,7 @@ impl MountOptions {
             "read_ahead_kb" => {
                 self.read_ahead_kb = u32::try_from(number(need()?)?).map_err(|_| format!("{key} too large"))?
             }
+            "passthrough" => self.passthrough = boolean(key, value)?,
             "log_file" => self.log_file = Some(need()?.into()),
             "energy_log" => self.energy_log = Some(need()?.into()),
             k if IGNORED.contains(&k) || k.starts_with("x-") || k.starts_with("comment=") => {}

@@ -17,11 +17,11 @@
 //! - A failed fetch keeps retrying with jittered exponential backoff until `timeout` has passed since
 //!   it started, then fails every waiting reader with an error (EIO at the FUSE edge).
 //!
-//! **Window.** [`StreamTracker`] turns the batches each reading process reads into streams (a loader
-//! worker, or a DDP rank reading every k-th batch). A stride seen once earns a window of 2 batches; once
-//! two consecutive reads agree on it (or the stream began at batch 0) the stream is trusted and the
-//! `prefetch` batches ahead of it are kept cached or in flight. Reads that fit no stream are served on
-//! demand and start no prefetches, so random access does not thrash the window.
+//! **Window.** [`StreamTracker`] (in `prefetch/streams.rs`) turns the batches read of each listing into
+//! streams, whoever reads them: the first read of an epoch gets the full window of `prefetch` batches at
+//! once, a rank or range shard gets its own stream at its second read, random reads start nothing, and a
+//! window that runs past the end of an epoch continues into the next one (whose manifest is then fetched
+//! in the background).
 
 use crate::client::{BatchKey, Body, ClientError, DynClient, Listing};
 use crate::pool::{Admission, BufferPool};
@@ -32,7 +32,10 @@ use batchfs::encode::BatchFormat;
 use bytes::Bytes;
 use lru::LruCache;
 use std::time::{Duration, Instant};
+pub use streams::{StreamTracker, Target};
 use thiserror::Error;
+
+mod streams;
 
 /// Prefetcher settings. Defaults are documented in `docs/CONFIGURATION.md`.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,6 +55,8 @@ pub struct PrefetcherConfig {
     /// whole window of prefetches. Sized like a bandwidth-delay product, not a batch count, so small
     /// batches still get deep windows.
     pub max_prefetch_bytes: u64,
+    /// The last epoch a window may run on into (the epochs a job reads; `u64::MAX`: any).
+    pub last_epoch: u64,
 }
 
 impl Default for PrefetcherConfig {
@@ -62,7 +67,8 @@ impl Default for PrefetcherConfig {
             timeout: Duration::from_secs(60),
             max_streams: 64,
             max_stride: 64,
-            max_prefetch_bytes: 64 << 20,
+            max_prefetch_bytes: 256 << 20,
+            last_epoch: u64::MAX,
         }
     }
 }
@@ -78,6 +84,8 @@ pub enum ReadError {
     Refused(String),
     #[error("the cache budget ({budget} bytes) cannot hold {what} ({size} bytes); raise `cache`")]
     CacheTooSmall { what: String, size: u64, budget: u64 },
+    #[error("cannot make a backing file for {0}")]
+    Backing(String),
 }
 
 enum State {
@@ -91,13 +99,63 @@ struct Entry {
     size: u64,
     state: Mutex<State>,
     changed: Condvar,
-    /// A reader has read the batch's last byte: first to go when room is needed.
+    /// A reader has read the batch's last byte, or closed it: first to go when room is needed.
     consumed: AtomicBool,
+    /// The body as a sealed memory file, once one was asked for (FUSE passthrough).
+    memfd: Mutex<Option<Arc<std::fs::File>>>,
+}
+
+/// A body served from the mapping of its memory file.
+struct MappedBody(batchfs::mmap::MappedFile);
+
+impl AsRef<[u8]> for MappedBody {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bytes()
+    }
 }
 
 impl Entry {
+    fn new(size: u64) -> Self {
+        Entry {
+            size,
+            state: Mutex::new(State::Fetching),
+            changed: Condvar::new(),
+            consumed: AtomicBool::new(false),
+            memfd: Mutex::new(None),
+        }
+    }
+
     fn is_ready(&self) -> bool {
         matches!(*self.state.lock().expect("entry"), State::Ready(_))
+    }
+
+    /// Someone outside the cache holds the memory file (an open passthrough file): not to be evicted.
+    fn is_pinned(&self) -> bool {
+        self.memfd.lock().expect("memfd").as_ref().is_some_and(|f| Arc::strong_count(f) > 1)
+    }
+
+    /// The memory file of `body` (this entry's verified body), made on first use: written, sealed, and
+    /// mapped to serve the daemon's reads from the same pages (the body buffer is then released). With
+    /// the bytes written now (0 when it existed).
+    fn backing(&self, body: Bytes) -> std::io::Result<(Arc<std::fs::File>, u64)> {
+        use std::io::Write;
+        let mut slot = self.memfd.lock().expect("memfd");
+        if let Some(f) = &*slot {
+            return Ok((f.clone(), 0));
+        }
+        let mut file = crate::sys::memfd("batchfs-batch")?;
+        file.write_all(&body)?;
+        crate::sys::seal(&file)?;
+        let map = batchfs::mmap::MappedFile::open_file(&file)?;
+        if map.len() != body.len() as u64 {
+            return Err(std::io::Error::other("the memory file does not hold the whole body"));
+        }
+        if !map.is_empty() {
+            *self.state.lock().expect("entry") = State::Ready(Bytes::from_owner(MappedBody(map)));
+        }
+        let file = Arc::new(file);
+        *slot = Some(file.clone());
+        Ok((file, body.len() as u64))
     }
 
     fn set(&self, state: State) {
@@ -178,11 +236,17 @@ impl Prefetcher {
         if let Some(m) = self.manifests.lock().expect("manifests").get(&(epoch, format)) {
             return Ok(m.clone());
         }
+        self.runtime.block_on(self.fetch_manifest(epoch, format))
+    }
+
+    /// Fetches the manifest of `epoch` in `format` (with retries up to `timeout`) and caches it.
+    async fn fetch_manifest(&self, epoch: u64, format: BatchFormat) -> Result<Arc<Manifest>, ReadError> {
         let client = self.client.clone();
-        let manifest = self.runtime.block_on(with_retries(&self.config, &self.stats, move |_| {
+        let manifest = with_retries(&self.config, &self.stats, move |_| {
             let client = client.clone();
             async move { client.manifest(epoch, format).await.map_err(Failure::Client) }
-        }))?;
+        })
+        .await?;
         let manifest = Arc::new(manifest);
         self.manifests.lock().expect("manifests").put((epoch, format), manifest.clone());
         Ok(manifest)
@@ -232,7 +296,7 @@ impl Prefetcher {
     }
 
     /// Reads `[offset, offset + size)` of a batch file. Blocks until the batch is verified and cached.
-    /// `owner` identifies the reader (the process id FUSE reports) so each reader gets its own stream.
+    /// `owner` identifies the reading process (see [`StreamTracker`]).
     pub fn read(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
         let result = self.read_inner(key, offset, size, owner);
         if result.is_err() {
@@ -242,35 +306,80 @@ impl Prefetcher {
     }
 
     fn read_inner(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
-        let manifest = self.listing(key.listing)?;
-        let meta = *manifest.batches.get(key.index as usize).ok_or_else(|| ReadError::NotFound(describe(key)))?;
+        let (manifest, meta) = self.locate(key)?;
         if offset >= meta.bytes || size == 0 {
             return Ok(Bytes::new());
         }
-        let started = Instant::now();
-        let deadline = started + self.config.timeout;
-        let (entry, fresh) =
-            self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
-
-        self.prefetch_after(key, &manifest, owner);
-        let (body, waited) = entry.wait(deadline, self.config.timeout)?;
+        let (entry, body) = self.wait_for(key, meta, &manifest, owner)?;
         let end = (offset + u64::from(size)).min(meta.bytes);
         if end == meta.bytes {
             entry.consumed.store(true, Ordering::Relaxed);
         }
+        Stats::add(&self.stats.reads, 1);
+        Stats::add(&self.stats.bytes_served, end - offset);
+        Ok(body.slice(offset as usize..end as usize))
+    }
+
+    /// The listing's manifest and the entry of `key` in it.
+    fn locate(&self, key: BatchKey) -> Result<(Arc<Manifest>, BatchEntry), ReadError> {
+        let manifest = self.listing(key.listing)?;
+        let meta = *manifest.batches.get(key.index as usize).ok_or_else(|| ReadError::NotFound(describe(key)))?;
+        Ok((manifest, meta))
+    }
+
+    /// Waits until batch `key` is verified and cached, starting its fetch if needed and the window of the
+    /// stream it belongs to; counts the hit or miss and any stall.
+    fn wait_for(
+        self: &Arc<Self>,
+        key: BatchKey,
+        meta: BatchEntry,
+        manifest: &Manifest,
+        owner: u32,
+    ) -> Result<(Arc<Entry>, Bytes), ReadError> {
+        let started = Instant::now();
+        let deadline = started + self.config.timeout;
+        let (entry, fresh) =
+            self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
+        self.prefetch_after(key, manifest, owner);
+        let (body, waited) = entry.wait(deadline, self.config.timeout)?;
         let s = &self.stats;
-        Stats::add(&s.reads, 1);
-        Stats::add(&s.bytes_served, end - offset);
         // A hit found its batch cached or already being fetched; a miss had to start the fetch.
         Stats::add(if fresh { &s.misses } else { &s.hits }, 1);
         if waited || fresh {
             Stats::add(&s.stalls, 1);
             Stats::add(&s.stall_ns, started.elapsed().as_nanos() as u64);
         }
-        Ok(body.slice(offset as usize..end as usize))
+        Ok((entry, body))
     }
 
-    /// Starts the window of every stream this read advances.
+    /// The verified bytes of `key` in a sealed memory file, for the kernel to serve reads and mmap faults
+    /// from without asking the daemon (FUSE passthrough). Blocks like [`Prefetcher::read`] until the batch
+    /// is cached. The file replaces the batch's body buffer (its pages are the cache's copy from now on)
+    /// and keeps the batch in the cache, charged to the budget, while anyone holds the returned handle.
+    pub fn backing_file(self: &Arc<Self>, key: BatchKey, owner: u32) -> Result<Arc<std::fs::File>, ReadError> {
+        let result = (|| {
+            let (manifest, meta) = self.locate(key)?;
+            let (entry, body) = self.wait_for(key, meta, &manifest, owner)?;
+            entry.backing(body).map_err(|e| ReadError::Backing(format!("{}: {e}", describe(key))))
+        })();
+        match &result {
+            Ok((_, made)) => {
+                Stats::add(&self.stats.passthrough_opens, 1);
+                Stats::add(&self.stats.passthrough_bytes, *made);
+            }
+            Err(_) => Stats::add(&self.stats.errors, 1),
+        }
+        result.map(|(file, _)| file)
+    }
+
+    /// A reader closed its last handle of `key`: the batch goes first when room is needed.
+    pub fn closed(&self, key: BatchKey) {
+        if let Some(e) = self.cache.lock().expect("cache").entries.peek(&key) {
+            e.consumed.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Starts the window of the stream this read belongs to.
     fn prefetch_after(self: &Arc<Self>, key: BatchKey, manifest: &Manifest, owner: u32) {
         if self.config.prefetch == 0 {
             return;
@@ -282,22 +391,50 @@ impl Prefetcher {
             manifest.batches.len() as u64,
             self.config.prefetch,
         );
-        for batch in targets {
-            let target = BatchKey { index: batch, ..key };
-            let meta = manifest.batches[batch as usize];
-            match self.get_or_start(target, meta, false, Instant::now()) {
+        let here = targets.iter().take_while(|t| t.listing == key.listing).count();
+        if !self.start_prefetches(&targets[..here], manifest) {
+            return;
+        }
+        // The window runs into the next epoch: its manifest may not be here yet, and fetching it must
+        // not hold up this read.
+        let next = targets[here..].to_vec();
+        let Some(&Target { listing: Listing::Epoch { epoch, format }, .. }) = next.first() else { return };
+        if epoch > self.config.last_epoch {
+            return;
+        }
+        let cached = self.manifests.lock().expect("manifests").get(&(epoch, format)).cloned();
+        if let Some(m) = cached {
+            self.start_prefetches(&next, &m);
+            return;
+        }
+        let this = self.clone();
+        self.runtime.spawn(async move {
+            // Starting a prefetch takes the cache lock only briefly and never waits.
+            if let Ok(m) = this.fetch_manifest(epoch, format).await {
+                this.start_prefetches(&next, &m);
+            }
+        });
+    }
+
+    /// Starts the prefetch of each target (batches of `manifest`) not cached or in flight, in order,
+    /// until one finds no room (the window narrows until readers consume what is cached); false then.
+    fn start_prefetches(self: &Arc<Self>, targets: &[Target], manifest: &Manifest) -> bool {
+        for target in targets {
+            let Some(&meta) = manifest.batches.get(target.index as usize) else { continue };
+            let key = BatchKey { listing: target.listing, index: target.index };
+            match self.get_or_start(key, meta, false, Instant::now()) {
                 Ok(Some((_, true))) => Stats::add(&self.stats.prefetches, 1),
                 Ok(Some(_)) => {}
-                // No room: the window narrows until readers consume what is cached.
-                Ok(None) | Err(_) => break,
+                Ok(None) | Err(_) => return false,
             }
         }
+        true
     }
 
     /// Picks the entry to evict: a consumed ready batch, else (for reads only) any ready batch, least
-    /// recently used first.
+    /// recently used first; never one whose memory file is open.
     fn victim(cache: &Cache, any_ready: bool) -> Option<BatchKey> {
-        let ready = |e: &Entry| e.is_ready();
+        let ready = |e: &Entry| e.is_ready() && !e.is_pinned();
         let consumed = cache.entries.iter().rev().find(|(_, e)| e.consumed.load(Ordering::Relaxed) && ready(e));
         consumed
             .or_else(|| if any_ready { cache.entries.iter().rev().find(|(_, e)| ready(e)) } else { None })
@@ -366,12 +503,7 @@ impl Prefetcher {
         // The pool has already taken `charge` out of its room.
         cache.used += charge;
         self.stats.cache_bytes.store(cache.used, Ordering::Relaxed);
-        let entry = Arc::new(Entry {
-            size: charge,
-            state: Mutex::new(State::Fetching),
-            changed: Condvar::new(),
-            consumed: AtomicBool::new(false),
-        });
+        let entry = Arc::new(Entry::new(charge));
         cache.entries.put(key, entry.clone());
         drop(cache);
         Stats::add(&self.stats.in_flight, 1);
@@ -525,92 +657,6 @@ fn jitter() -> f64 {
     (h.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// One reader stream.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Stream {
-    /// The reading process (thread) id FUSE reports, 0 when unknown.
-    owner: u32,
-    listing: Listing,
-    last: u64,
-    /// 0 while unknown.
-    stride: u64,
-    /// Two reads agreed on the stride (or the stream began at batch 0).
-    trusted: bool,
-    used: u64,
-}
-
-/// Recognizes reader streams in a sequence of batch reads (see the module note).
-#[derive(Debug, Clone)]
-pub struct StreamTracker {
-    streams: Vec<Stream>,
-    max_streams: usize,
-    max_stride: u64,
-    clock: u64,
-}
-
-impl StreamTracker {
-    pub fn new(max_streams: usize, max_stride: u64) -> Self {
-        StreamTracker { streams: Vec::new(), max_streams: max_streams.max(1), max_stride: max_stride.max(1), clock: 0 }
-    }
-
-    /// Records a read of `batch` (of `batches`) by `owner` and returns the batches to keep ahead of the
-    /// stream it belongs to, in order: `window` of them for a trusted stream, at most 2 while its stride
-    /// has been seen once, none before.
-    pub fn observe(&mut self, owner: u32, listing: Listing, batch: u64, batches: u64, window: usize) -> Vec<u64> {
-        self.clock += 1;
-        let same = |s: &Stream| s.owner == owner && s.listing == listing;
-        // 1. The next batch of a known stream, or a re-read of its current batch.
-        let mut found = self
-            .streams
-            .iter()
-            .position(|s| same(s) && (s.last == batch || (s.stride > 0 && s.last + s.stride == batch)));
-        // 2. A stream whose stride was unknown (or unconfirmed) and this read sets it.
-        if found.is_none() {
-            found = self
-                .streams
-                .iter()
-                .position(|s| same(s) && !s.trusted && batch > s.last && batch - s.last <= self.max_stride);
-        }
-        let i = match found {
-            Some(i) => {
-                let s = &mut self.streams[i];
-                if batch != s.last {
-                    let stride = batch - s.last;
-                    s.trusted = s.trusted || s.stride == stride;
-                    s.stride = stride;
-                    s.last = batch;
-                }
-                s.used = self.clock;
-                i
-            }
-            None => {
-                if self.streams.len() >= self.max_streams {
-                    let oldest = (0..self.streams.len()).min_by_key(|&i| self.streams[i].used).expect("nonempty");
-                    self.streams.swap_remove(oldest);
-                }
-                let start = batch == 0;
-                self.streams.push(Stream {
-                    owner,
-                    listing,
-                    last: batch,
-                    stride: u64::from(start),
-                    trusted: start,
-                    used: self.clock,
-                });
-                self.streams.len() - 1
-            }
-        };
-        let s = &self.streams[i];
-        // Ramp up: a stride seen once earns a short window, a confirmed one the full window.
-        let window = match (s.trusted, s.stride) {
-            (true, _) => window,
-            (false, 0) => 0,
-            (false, _) => window.min(2),
-        };
-        (1..=window as u64).map(|k| s.last + k * s.stride).take_while(|&b| b < batches).collect()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -618,64 +664,11 @@ mod tests {
     use proptest::prelude::*;
 
     const TF: BatchFormat = BatchFormat::Tfrecord;
-    const L: Listing = Listing::Epoch { epoch: 0, format: TF };
 
     impl Prefetcher {
         fn read_as0(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
             self.read(key, offset, size, 0)
         }
-    }
-
-    #[test]
-    fn sequential_reader_from_zero_is_trusted_at_once() {
-        let mut t = StreamTracker::new(8, 16);
-        assert_eq!(t.observe(0, L, 0, 100, 3), vec![1, 2, 3]);
-        assert_eq!(t.observe(0, L, 0, 100, 3), vec![1, 2, 3], "re-reading a batch keeps the window");
-        assert_eq!(t.observe(0, L, 1, 100, 3), vec![2, 3, 4]);
-        assert_eq!(t.observe(0, L, 98, 100, 3), Vec::<u64>::new(), "a jump is another stream");
-        assert_eq!(t.observe(0, L, 2, 100, 3), vec![3, 4, 5]);
-        assert_eq!(t.observe(0, L, 99, 100, 3), Vec::<u64>::new(), "98 -> 99 sets a stride, not yet trusted");
-    }
-
-    #[test]
-    fn interleaved_ranks_get_their_own_streams() {
-        // Ranks in lockstep read 0, 1, 2, 3, 4...: together one sequential stream, whose window serves all.
-        let mut t = StreamTracker::new(8, 16);
-        let lockstep: Vec<Vec<u64>> = (0..8).map(|b| t.observe(0, L, b, 1000, 2)).collect();
-        assert_eq!(lockstep[7], vec![8, 9]);
-        // Ranks out of phase (each runs ahead on its own): every rank becomes its own stride-k stream.
-        let mut t = StreamTracker::new(8, 16);
-        let k = 4;
-        for rank in 0..k {
-            let windows: Vec<Vec<u64>> = (0..4).map(|step| t.observe(0, L, rank + step * k, 1000, 2)).collect();
-            assert_eq!(windows[3], vec![rank + 4 * k, rank + 5 * k], "rank {rank}: {windows:?}");
-        }
-    }
-
-    #[test]
-    fn each_reading_process_gets_its_own_stream() {
-        // DDP ranks in lockstep, told apart by their process ids: each ramps up to its own stride-4 window.
-        let mut t = StreamTracker::new(8, 16);
-        let mut seen = std::collections::HashMap::new();
-        for step in 0..3u64 {
-            for rank in 0..4u64 {
-                seen.insert((rank, step), t.observe(100 + rank as u32, L, rank + step * 4, 1000, 3));
-            }
-        }
-        assert_eq!(seen[&(1, 0)], Vec::<u64>::new(), "first read: unknown stride");
-        assert_eq!(seen[&(1, 1)], vec![9, 13], "stride seen once: short window");
-        assert_eq!(seen[&(1, 2)], vec![13, 17, 21], "stride confirmed: full window");
-        assert_eq!(seen[&(3, 2)], vec![15, 19, 23]);
-    }
-
-    #[test]
-    fn random_reads_start_no_prefetch() {
-        let mut t = StreamTracker::new(8, 4);
-        let mut started = 0;
-        for b in [500u64, 37, 912, 240, 771, 15, 640, 333, 108, 455] {
-            started += t.observe(0, L, b, 1000, 16).len();
-        }
-        assert_eq!(started, 0);
     }
 
     /// A runtime on its own threads and an in-memory dataset of `n` batches of varied sizes.

@@ -20,6 +20,11 @@ pub struct Stats {
     pub checksum_errors: AtomicU64,
     pub errors: AtomicU64,
     pub evictions: AtomicU64,
+    pub passthrough_opens: AtomicU64,
+    pub passthrough_bytes: AtomicU64,
+    pub daemon_opens: AtomicU64,
+    /// 1 when the kernel accepted FUSE passthrough at mount time.
+    pub passthrough: AtomicU64,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -29,11 +34,12 @@ pub struct StatsSnapshot {
     pub bytes_served: u64,
     /// Read requests answered with data.
     pub reads: u64,
-    /// Reads whose batch was already cached or in flight (prefetched, or fetched for another reader).
+    /// Reads and passthrough opens whose file was already cached or in flight (prefetched, or fetched
+    /// for another reader).
     pub hits: u64,
-    /// Reads that had to start the fetch of their batch (on demand).
+    /// Reads and passthrough opens that had to start the fetch of their file (on demand).
     pub misses: u64,
-    /// Reads that had to wait for a fetch.
+    /// Reads and passthrough opens that had to wait for a fetch.
     pub stalls: u64,
     /// Total time readers waited, in microseconds.
     pub stall_us: u64,
@@ -53,6 +59,20 @@ pub struct StatsSnapshot {
     pub errors: u64,
     /// Batches dropped from the cache to make room.
     pub evictions: u64,
+    /// Whether verified batches are handed to the kernel (FUSE passthrough) so reads and mmap faults do
+    /// not reach the daemon; false when the kernel or privileges refuse, or `passthrough=false`.
+    #[serde(default)]
+    pub passthrough: bool,
+    /// Opens served by passthrough: their reads never reach the daemon and are not in `reads` or
+    /// `bytes_served`.
+    #[serde(default)]
+    pub passthrough_opens: u64,
+    /// Bytes of the files handed to the kernel by passthrough (once per backing file made).
+    #[serde(default)]
+    pub passthrough_bytes: u64,
+    /// Opens whose reads go through the daemon (passthrough off, refused, or the file already open so).
+    #[serde(default)]
+    pub daemon_opens: u64,
 }
 
 impl Stats {
@@ -78,6 +98,10 @@ impl Stats {
             checksum_errors: g(&self.checksum_errors),
             errors: g(&self.errors),
             evictions: g(&self.evictions),
+            passthrough: g(&self.passthrough) != 0,
+            passthrough_opens: g(&self.passthrough_opens),
+            passthrough_bytes: g(&self.passthrough_bytes),
+            daemon_opens: g(&self.daemon_opens),
         }
     }
 }

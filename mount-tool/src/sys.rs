@@ -1,5 +1,5 @@
-//! The few raw system calls the mount tool makes (fork, setsid, dup2, umount2, kill), each wrapped with
-//! its safety argument. All other code is safe.
+//! The few raw system calls the mount tool makes (fork, setsid, dup2, umount2, memfd_create), each
+//! wrapped with its safety argument, and what the mount reads from `/proc`.
 
 use std::ffi::CString;
 use std::io;
@@ -17,6 +17,39 @@ pub fn unmount(path: &Path, lazy: bool) -> io::Result<()> {
     let flags = if lazy { libc::MNT_DETACH } else { 0 };
     // SAFETY: `c` is a valid NUL-terminated string that outlives the call; umount2 reads it only.
     let rc = unsafe { libc::umount2(c.as_ptr(), flags) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The process (thread group) that thread `tid` belongs to, from `/proc`; `None` once it has exited.
+pub fn thread_group(tid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("Tgid:")).and_then(|v| v.trim().parse().ok())
+}
+
+/// An anonymous memory-backed file (`memfd_create`), closed on exec, that [`seal`] can make immutable.
+pub fn memfd(name: &str) -> io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    let c = CString::new(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name contains NUL"))?;
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call; memfd_create only reads it.
+    let fd = unsafe { libc::memfd_create(c.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by memfd_create, is open, and nothing else owns it.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+/// Makes a [`memfd`] immutable for good: it can no longer be written, grown, shrunk or unsealed.
+pub fn seal(file: &std::fs::File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
+    // SAFETY: the descriptor is open for the duration of the call (borrowed from `file`); F_ADD_SEALS
+    // takes an integer argument and touches no memory of ours.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) };
     if rc == 0 {
         Ok(())
     } else {
@@ -92,5 +125,38 @@ pub fn release_large_allocations() {
     // SAFETY: mallopt only changes allocator tuning parameters; it is called before any thread starts.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Seek, Write};
+
+    #[test]
+    fn threads_map_to_their_process() {
+        let me = std::process::id();
+        assert_eq!(thread_group(me), Some(me));
+        let (tid, group) = std::thread::spawn(|| {
+            // SAFETY: gettid has no preconditions.
+            let tid = unsafe { libc::gettid() } as u32;
+            (tid, thread_group(tid))
+        })
+        .join()
+        .unwrap();
+        assert_ne!(tid, me, "a thread has an id of its own");
+        assert_eq!(group, Some(me), "and belongs to this process");
+    }
+
+    #[test]
+    fn memfds_hold_what_is_written() {
+        let mut f = memfd("batchfs-test").unwrap();
+        f.write_all(b"batch bytes").unwrap();
+        seal(&f).unwrap();
+        assert!(f.write_all(b"more").is_err(), "sealed: no more writes");
+        f.rewind().unwrap();
+        let mut s = String::new();
+        f.read_to_string(&mut s).unwrap();
+        assert_eq!(s, "batch bytes");
     }
 }

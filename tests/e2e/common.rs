@@ -117,6 +117,23 @@ pub async fn serve(datasets: &[(&str, &Path)], with: ServeWith) -> Server {
     Server { running, base }
 }
 
+/// A runtime for a test's server and HTTP requests.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// The manifest of `epoch` of `dataset` with plan options `query`, straight from the server.
+pub fn manifest_of(
+    rt: &tokio::runtime::Runtime,
+    server: &Server,
+    dataset: &str,
+    epoch: u64,
+    query: &str,
+) -> batchfs::api::Manifest {
+    let url = format!("{}{}?{query}", server.base, batchfs::api::manifest_path(dataset, epoch));
+    rt.block_on(async { h2c().get(url).send().await.unwrap().json().await.unwrap() })
+}
+
 /// An HTTP/2 client with prior knowledge (h2c).
 pub fn h2c() -> reqwest::Client {
     batchfs_server::demo::h2_client().unwrap()

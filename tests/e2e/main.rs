@@ -1,6 +1,7 @@
 //! End-to-end tests: the real server on generated datasets, read over real HTTP/2 connections.
 
 mod common;
+mod loaders;
 mod mount;
 mod netem;
 mod server;

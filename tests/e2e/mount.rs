@@ -11,13 +11,10 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
-}
+use common::runtime;
 
 fn manifest(rt: &tokio::runtime::Runtime, server: &common::Server, query: &str) -> Manifest {
-    let url = format!("{}{}?{query}", server.base, api::manifest_path("d", 0));
-    rt.block_on(async { common::h2c().get(url).send().await.unwrap().json().await.unwrap() })
+    common::manifest_of(rt, server, "d", 0, query)
 }
 
 fn batch_body(rt: &tokio::runtime::Runtime, server: &common::Server, batch: u64, query: &str) -> Vec<u8> {
@@ -98,8 +95,18 @@ fn concurrent_and_interleaved_readers_get_prefetch_hits() {
     let rt = runtime();
     let fx = fixture(SourceFormat::Tfrecord, 256, 8_000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
-    let (_dir, mounted) = common::mount(&server, "d", "batch_size=4,format=tar,prefetch=8");
-    let m = manifest(&rt, &server, "batch_size=4&format=tar");
+    for passthrough in [true, false] {
+        interleaved_readers(&rt, &server, passthrough);
+    }
+    rt.block_on(server.running.shutdown());
+}
+
+/// Eight threads read every 8th batch file whole; each file equals the server's batch. With passthrough
+/// no read reaches the daemon; without, every open and read does.
+fn interleaved_readers(rt: &tokio::runtime::Runtime, server: &common::Server, passthrough: bool) {
+    let options = format!("batch_size=4,format=tar,prefetch=8,passthrough={passthrough}");
+    let (_dir, mounted) = common::mount(server, "d", &options);
+    let m = manifest(rt, server, "batch_size=4&format=tar");
     let epoch = mounted.mountpoint.join("epoch-0000");
     let readers = 8;
     std::thread::scope(|s| {
@@ -116,12 +123,22 @@ fn concurrent_and_interleaved_readers_get_prefetch_hits() {
     });
     let stats = common::mount_stats(&mounted.mountpoint);
     let n = |k: &str| stats[k].as_u64().unwrap();
-    assert_eq!(n("hits") + n("misses"), n("reads"), "{stats}");
+    let lookups = n("reads") + n("passthrough_opens");
+    assert_eq!(n("hits") + n("misses"), lookups, "{stats}");
     assert!(n("prefetches") > 0, "{stats}");
-    assert!(n("misses") * 4 <= n("reads"), "interleaved readers should mostly find their batch prefetched: {stats}");
+    assert!(n("misses") * 4 <= lookups, "interleaved readers should mostly find their batch prefetched: {stats}");
     assert_eq!(stats["checksum_errors"], 0);
+    let files = m.batches.len() as u64;
+    if passthrough {
+        assert_eq!(stats["passthrough"], true, "this kernel offers passthrough: {stats}");
+        assert_eq!((n("passthrough_opens"), n("daemon_opens"), n("reads")), (files, 0, 0), "{stats}");
+        assert_eq!(n("passthrough_bytes"), m.bytes, "{stats}");
+    } else {
+        assert_eq!(stats["passthrough"], false);
+        assert_eq!((n("passthrough_opens"), n("daemon_opens")), (0, files), "{stats}");
+        assert_eq!(n("bytes_served"), m.bytes, "{stats}");
+    }
     drop(mounted);
-    rt.block_on(server.running.shutdown());
 }
 
 #[test]

@@ -1,0 +1,379 @@
+//! Stream detection: which batches to keep ahead of the readers of each listing, from the batches read.
+//!
+//! **The window follows the plan, not the thread.** Loaders read an epoch directory in a few shapes:
+//! file order (DALI, tf.data, `cat`; often from a thread pool, so slightly out of order and from many
+//! thread ids), worker or rank stride (DataLoader workers, DDP rank *r* of *N* on this node), and
+//! contiguous ranges (DALI `shard_id`). So the evidence is which batches of a listing are read, not who
+//! reads them:
+//!
+//! - A **stream** is (head, stride): the furthest batch read along it and the step between its batches.
+//!   A read a few steps past the head (up to one window) advances it; one behind it, within a window,
+//!   belongs to it (a thread pool reading out of order). Either way the stream's window is returned: the
+//!   `window` batches after the head along its stride, those not read yet.
+//! - The **first read of a listing** starts a trusted stride-1 stream at once, with the full window:
+//!   an epoch directory is read whole (the plan says so), and ramping up by round trips is what short
+//!   epochs cannot afford. A listing of DALI `.idx` twins gets all of its files at its first read:
+//!   they are tiny, and DALI reads every one of them at pipeline build.
+//! - A later read that fits no stream is **isolated**: it is remembered as the candidate of its reading
+//!   process (the thread group, not the thread) and starts nothing. The same process's next read, a
+//!   stride of at most `max_stride` past it, makes a trusted stream of that stride (a DDP rank, a range
+//!   shard). Random reads therefore start nothing after the listing's first window.
+//! - **Across epochs**: a stream whose window runs past the end of epoch *e* continues into epoch
+//!   *e + 1* at the same phase (a stride-*k* stream of rank *r* continues at batch *r*), so the next
+//!   epoch's first batches are warm when the reader gets there.
+//!
+//! State is bounded: `max_listings` listings (least recently read dropped first), `max_streams`
+//! streams and candidates per listing, and one bit per batch of the listings tracked.
+
+use crate::client::Listing;
+use batchfs::encode::BatchFormat;
+
+/// One batch to keep cached ahead of a reader: `listing` may be the next epoch's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target {
+    pub listing: Listing,
+    pub index: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stream {
+    head: u64,
+    stride: u64,
+    used: u64,
+}
+
+/// An isolated read, waiting for its process's next read to say whether it starts a stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Candidate {
+    owner: u32,
+    batch: u64,
+    used: u64,
+}
+
+#[derive(Debug, Clone)]
+struct ListingState {
+    listing: Listing,
+    batches: u64,
+    /// One bit per batch: read at least once.
+    read: Vec<u64>,
+    streams: Vec<Stream>,
+    candidates: Vec<Candidate>,
+    used: u64,
+}
+
+impl ListingState {
+    fn new(listing: Listing, batches: u64) -> Self {
+        ListingState {
+            listing,
+            batches,
+            read: vec![0; batches.div_ceil(64) as usize],
+            streams: Vec::new(),
+            candidates: Vec::new(),
+            used: 0,
+        }
+    }
+
+    fn was_read(&self, batch: u64) -> bool {
+        self.read.get((batch / 64) as usize).is_some_and(|w| w & (1 << (batch % 64)) != 0)
+    }
+
+    /// Marks `batch` read; returns whether it was read before.
+    fn mark(&mut self, batch: u64) -> bool {
+        let word = &mut self.read[(batch / 64) as usize];
+        let bit = 1 << (batch % 64);
+        let before = *word & bit != 0;
+        *word |= bit;
+        before
+    }
+}
+
+/// Recognizes reader streams per listing (see the module note).
+#[derive(Debug, Clone)]
+pub struct StreamTracker {
+    listings: Vec<ListingState>,
+    max_listings: usize,
+    max_streams: usize,
+    max_stride: u64,
+    clock: u64,
+}
+
+impl StreamTracker {
+    /// A tracker of up to `max_streams` streams per listing, recognizing strides up to `max_stride`.
+    pub fn new(max_streams: usize, max_stride: u64) -> Self {
+        StreamTracker {
+            listings: Vec::new(),
+            max_listings: 16,
+            max_streams: max_streams.max(1),
+            max_stride: max_stride.max(1),
+            clock: 0,
+        }
+    }
+
+    /// Records a read of `batch` (of `batches` in `listing`) by process `owner` (0 when unknown) and
+    /// returns the batches to keep ahead of the stream it belongs to, nearest first: at most `window`
+    /// of them, fewer near the end of the last epoch, none for an isolated read.
+    pub fn observe(&mut self, owner: u32, listing: Listing, batch: u64, batches: u64, window: usize) -> Vec<Target> {
+        self.clock += 1;
+        let clock = self.clock;
+        if window == 0 || batch >= batches {
+            return Vec::new();
+        }
+        let (max_streams, max_stride) = (self.max_streams, self.max_stride);
+        let state = self.state(listing, batches);
+        state.used = clock;
+        let first = state.read.iter().all(|&w| w == 0);
+        let again = state.mark(batch);
+        if first && matches!(listing, Listing::Epoch { format: BatchFormat::TfrecordIdx, .. }) {
+            // Every twin at once: DALI reads them all at pipeline build.
+            return (0..batches).filter(|&b| b != batch).map(|index| Target { listing, index }).collect();
+        }
+        let reach = window as u64;
+        // The stream this read advances or falls within: the fewest steps away, the longest stride first
+        // (a rank's stride stream is not lost to a stride-1 stream passing by).
+        let fits = state
+            .streams
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| {
+                let (lo, hi) = (s.head.saturating_sub(s.stride * reach), s.head + s.stride * reach);
+                (lo..=hi).contains(&batch) && (batch.abs_diff(s.head)) % s.stride == 0
+            })
+            .min_by_key(|(_, s)| (batch.abs_diff(s.head) / s.stride, std::cmp::Reverse(s.stride)))
+            .map(|(i, _)| i);
+        let i = match fits {
+            Some(i) => {
+                let s = &mut state.streams[i];
+                s.head = s.head.max(batch);
+                s.used = clock;
+                i
+            }
+            None if first => push(&mut state.streams, Stream { head: batch, stride: 1, used: clock }, max_streams),
+            None if again => return Vec::new(),
+            None => {
+                let confirmed = state
+                    .candidates
+                    .iter()
+                    .position(|c| c.owner == owner && batch > c.batch && batch - c.batch <= max_stride);
+                match confirmed {
+                    Some(c) => {
+                        let stride = batch - state.candidates.swap_remove(c).batch;
+                        push(&mut state.streams, Stream { head: batch, stride, used: clock }, max_streams)
+                    }
+                    None => {
+                        // One candidate per process: its next read confirms it or replaces it.
+                        state.candidates.retain(|c| c.owner != owner);
+                        let candidate = Candidate { owner, batch, used: clock };
+                        if state.candidates.len() >= max_streams {
+                            let oldest = (0..state.candidates.len()).min_by_key(|&i| state.candidates[i].used);
+                            state.candidates.swap_remove(oldest.expect("nonempty"));
+                        }
+                        state.candidates.push(candidate);
+                        return Vec::new();
+                    }
+                }
+            }
+        };
+        let s = state.streams[i].clone();
+        let mut out = Vec::with_capacity(window);
+        let mut next = s.head + s.stride;
+        while out.len() < window && next < batches {
+            if !state.was_read(next) {
+                out.push(Target { listing, index: next });
+            }
+            next += s.stride;
+        }
+        // The window runs on into the next epoch, at the stream's phase.
+        if let Listing::Epoch { epoch, format } = listing {
+            if out.len() < window && epoch < batchfs::plan::MAX_EPOCH {
+                let next_epoch = Listing::Epoch { epoch: epoch + 1, format };
+                let phase = s.head % s.stride;
+                let more = window - out.len();
+                out.extend((0..more as u64).map(|k| Target { listing: next_epoch, index: phase + k * s.stride }));
+            }
+        }
+        out
+    }
+
+    /// The state of `listing`, created (dropping the least recently read one) if absent.
+    fn state(&mut self, listing: Listing, batches: u64) -> &mut ListingState {
+        let found = self.listings.iter().position(|l| l.listing == listing && l.batches == batches);
+        let i = match found {
+            Some(i) => i,
+            None => {
+                self.listings.retain(|l| l.listing != listing);
+                if self.listings.len() >= self.max_listings {
+                    let oldest = (0..self.listings.len()).min_by_key(|&i| self.listings[i].used).expect("nonempty");
+                    self.listings.swap_remove(oldest);
+                }
+                self.listings.push(ListingState::new(listing, batches));
+                self.listings.len() - 1
+            }
+        };
+        &mut self.listings[i]
+    }
+}
+
+/// Adds `stream`, dropping the least recently used one when `max` are kept; returns its position.
+fn push(streams: &mut Vec<Stream>, stream: Stream, max: usize) -> usize {
+    if streams.len() >= max {
+        let oldest = (0..streams.len()).min_by_key(|&i| streams[i].used).expect("nonempty");
+        streams.swap_remove(oldest);
+    }
+    streams.push(stream);
+    streams.len() - 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const TF: BatchFormat = BatchFormat::Tfrecord;
+    const L: Listing = Listing::Epoch { epoch: 0, format: TF };
+    const L1: Listing = Listing::Epoch { epoch: 1, format: TF };
+
+    /// The targets in `listing`, as batch numbers.
+    fn within(targets: &[Target], listing: Listing) -> Vec<u64> {
+        targets.iter().filter(|t| t.listing == listing).map(|t| t.index).collect()
+    }
+
+    #[test]
+    fn the_first_read_of_an_epoch_gets_the_full_window_wherever_it_lands() {
+        let mut t = StreamTracker::new(8, 16);
+        assert_eq!(within(&t.observe(7, L, 0, 100, 3), L), vec![1, 2, 3]);
+        assert_eq!(within(&t.observe(9, L, 0, 100, 3), L), vec![1, 2, 3], "a re-read keeps the window");
+        assert_eq!(within(&t.observe(8, L, 1, 100, 3), L), vec![2, 3, 4], "another thread, same stream");
+        // A DALI range shard: the first read of its epoch starts mid-way.
+        let mut t = StreamTracker::new(8, 16);
+        assert_eq!(within(&t.observe(1, L, 50, 100, 4), L), vec![51, 52, 53, 54]);
+    }
+
+    #[test]
+    fn many_threads_reading_one_stream_out_of_order_earn_the_full_window() {
+        // A thread pool reads batches 0..40 in file order, a few at a time and out of order, each read
+        // from another thread id: one stream, its window always full ahead of the furthest read.
+        let mut t = StreamTracker::new(8, 16);
+        let order: Vec<u64> = (0..40u64).map(|b| b ^ 1).collect(); // 1, 0, 3, 2, ...
+        for (k, &b) in order.iter().enumerate() {
+            let got = within(&t.observe(1000 + k as u32, L, b, 1000, 8), L);
+            let furthest = *order[..=k].iter().max().unwrap();
+            let want: Vec<u64> = (furthest + 1..=furthest + 8).filter(|x| !order[..=k].contains(x)).collect();
+            assert_eq!(got, want, "read {k} (batch {b})");
+        }
+    }
+
+    #[test]
+    fn dataloader_workers_reading_round_robin_share_one_window() {
+        // Four worker processes take batches 0, 1, 2, 3, 4... in turn.
+        let mut t = StreamTracker::new(8, 16);
+        for b in 0..20u64 {
+            let got = within(&t.observe(100 + (b % 4) as u32, L, b, 1000, 6), L);
+            assert_eq!(got, (b + 1..=b + 6).collect::<Vec<_>>(), "batch {b}");
+        }
+    }
+
+    #[test]
+    fn interleaved_ranks_each_get_their_own_stream() {
+        // Four DDP ranks on one node, each its own process reading every 4th batch, out of phase: rank r
+        // is 10 * r steps behind rank 0. After a few reads, every read has its rank's next batch ahead.
+        let mut t = StreamTracker::new(8, 16);
+        let mut predicted = [0usize; 4];
+        for step in 0..60u64 {
+            for rank in 0..4u64 {
+                let Some(own) = step.checked_sub(10 * rank) else { continue };
+                let b = rank + own * 4;
+                let got = within(&t.observe(10 + rank as u32, L, b, 1000, 3), L);
+                if own >= 3 {
+                    assert!(got.contains(&(b + 4)), "rank {rank} at batch {b}: {got:?}");
+                    predicted[rank as usize] += 1;
+                }
+            }
+        }
+        assert!(predicted.iter().all(|&n| n >= 20), "{predicted:?}");
+    }
+
+    #[test]
+    fn a_rank_alone_on_its_node_reads_a_stride() {
+        // This node holds rank 2 of 8: the first read is batch 2, the rest every 8th.
+        let mut t = StreamTracker::new(8, 16);
+        assert_eq!(within(&t.observe(5, L, 2, 1000, 3), L), vec![3, 4, 5], "first read: file order assumed");
+        assert_eq!(within(&t.observe(5, L, 10, 1000, 3), L), Vec::<u64>::new(), "8 past: isolated");
+        assert_eq!(within(&t.observe(5, L, 18, 1000, 3), L), vec![26, 34, 42], "stride 8 confirmed");
+    }
+
+    #[test]
+    fn random_reads_start_nothing_after_the_first_window() {
+        let mut t = StreamTracker::new(8, 4);
+        let reads = [500u64, 37, 912, 240, 771, 15, 640, 333, 108, 455, 820, 61, 290, 705];
+        let started: Vec<usize> = reads.iter().map(|&b| t.observe(9, L, b, 1000, 16).len()).collect();
+        assert_eq!(started[0], 16, "the epoch's first read");
+        assert!(started[1..].iter().all(|&n| n == 0), "{started:?}");
+    }
+
+    #[test]
+    fn a_stream_near_the_end_of_an_epoch_warms_the_next_one() {
+        let mut t = StreamTracker::new(8, 16);
+        for b in 0..=7 {
+            t.observe(1, L, b, 10, 4);
+        }
+        let got = t.observe(1, L, 8, 10, 4);
+        assert_eq!(within(&got, L), vec![9]);
+        assert_eq!(within(&got, L1), vec![0, 1, 2], "the rest of the window, from the next epoch's start");
+        // A stride-3 stream of phase 1 continues at batch 1 of the next epoch.
+        let mut t = StreamTracker::new(8, 16);
+        t.observe(1, L, 50, 100, 3);
+        for b in (1..94).step_by(3) {
+            t.observe(2, L, b, 100, 3);
+        }
+        let got = t.observe(2, L, 94, 100, 3);
+        assert_eq!(within(&got, L), vec![97]);
+        assert_eq!(within(&got, L1), vec![1, 4]);
+    }
+
+    #[test]
+    fn index_twins_are_all_fetched_at_the_first_read() {
+        let idx = Listing::Epoch { epoch: 0, format: BatchFormat::TfrecordIdx };
+        let mut t = StreamTracker::new(8, 16);
+        assert_eq!(within(&t.observe(1, idx, 0, 47, 4), idx), (1..47).collect::<Vec<_>>());
+        assert!(t.observe(1, idx, 1, 47, 4).len() <= 4, "afterwards, an ordinary stream");
+    }
+
+    #[test]
+    fn state_is_bounded() {
+        let mut t = StreamTracker::new(4, 16);
+        for e in 0..100u64 {
+            for b in (0..1000u64).step_by(97) {
+                t.observe(b as u32, Listing::Epoch { epoch: e, format: TF }, b, 1000, 4);
+            }
+        }
+        assert!(t.listings.len() <= 16);
+        assert!(t.listings.iter().all(|l| l.streams.len() <= 4 && l.candidates.len() <= 4));
+    }
+
+    proptest! {
+        /// Whatever the reads, targets are unread batches of the listing (or the next epoch's), at most
+        /// `window` of them, none repeated.
+        #[test]
+        fn targets_are_bounded_and_unread(
+            reads in proptest::collection::vec((0u32..4, 0u64..64), 1..200),
+            window in 1usize..12,
+        ) {
+            let mut t = StreamTracker::new(6, 8);
+            let mut read = std::collections::HashSet::new();
+            for (owner, b) in reads {
+                read.insert(b);
+                let got = t.observe(owner, L, b, 64, window);
+                prop_assert!(got.len() <= window);
+                let mut seen = std::collections::HashSet::new();
+                for target in &got {
+                    prop_assert!(seen.insert((target.listing, target.index)));
+                    if target.listing == L {
+                        prop_assert!(target.index < 64 && !read.contains(&target.index));
+                    } else {
+                        prop_assert_eq!(target.listing, L1);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! The real data loaders, with their default settings, reading epochs through a real mount: NVIDIA DALI's
+//! TFRecord reader (mmap and not), PyTorch's DataLoader with four worker processes, and WebDataset.
+//! Each must deliver every sample of the epoch, in the server's plan order, with its bytes and label.
+//! The loaders run as `tests/python/loaders.py`; where one is not installed the test says so and passes,
+//! except under CI (`CI` set), whose `.ci/run` installs them all.
+
+use crate::common::{self, fixture, serve, ServeWith};
+use batchfs::gen;
+use batchfs::index::SourceFormat;
+use batchfs::plan::{EpochPlan, PlanOptions};
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+
+/// Runs `loaders.py` with `python`, or `None` when `module` does not import there (outside CI).
+fn run_loader(python: &str, module: &str, args: &[&str]) -> Option<Value> {
+    let probe = Command::new(python).args(["-c", &format!("import {module}")]).output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        assert!(std::env::var_os("CI").is_none(), "CI must install {module} for {python} (see .ci/run)");
+        eprintln!("skipping the {module} loader test: {module} does not import in {python}");
+        return None;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/loaders.py");
+    let out = Command::new(python).arg(script).args(args).output().unwrap();
+    assert!(out.status.success(), "loaders.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    Some(serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap())
+}
+
+/// `[key, label, crc32c of the image]` of every sample of `epoch`, in plan order.
+fn planned_records(fx: &common::Fixture, epoch: u64, options: PlanOptions) -> Vec<Value> {
+    let plan = EpochPlan::new(fx.options.samples, epoch, options).unwrap();
+    plan.order()
+        .iter()
+        .map(|&i| {
+            let s = gen::sample(&fx.options, i);
+            serde_json::json!([s.key, s.label, batchfs::crc::crc32c(&s.data)])
+        })
+        .collect()
+}
+
+/// Two epochs through one mount (the second warmed by the first's window), each against its plan.
+#[test]
+fn dali_reads_epochs_in_plan_order_with_mmap_and_without() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 300, 6_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let plan = PlanOptions { batch_size: 32, seed: 5, ..Default::default() };
+    for passthrough in [true, false] {
+        let (_dir, mounted) =
+            common::mount(&server, "d", &format!("batch_size=32,seed=5,epochs=2,passthrough={passthrough}"));
+        for (epoch, mode) in [(0, None), (1, Some("--no-mmap"))] {
+            let dir = mounted.mountpoint.join(format!("epoch-{epoch:04}"));
+            let mut args = vec!["dali", dir.to_str().unwrap(), "--records"];
+            args.extend(mode);
+            let Some(got) = run_loader("python3", "nvidia.dali", &args) else { return };
+            assert_eq!(got["samples"], 300);
+            let want = planned_records(&fx, epoch, plan);
+            assert!(got["records"].as_array().unwrap() == &want, "epoch {epoch} {mode:?} passthrough={passthrough}");
+        }
+        let stats = common::mount_stats(&mounted.mountpoint);
+        assert_eq!(stats["checksum_errors"], 0);
+        assert_eq!(stats["errors"], 0, "{stats}");
+    }
+    rt.block_on(server.running.shutdown());
+}
+
+/// DataLoader workers are processes: four of them take the batch files in turn.
+#[test]
+fn pytorch_dataloader_workers_read_every_batch_file_whole() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 200, 4_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=16,seed=2");
+    let dir = mounted.mountpoint.join("epoch-0000");
+    // Debian's python3-torch installs for Debian's own interpreter.
+    let Some(got) = run_loader("/usr/bin/python3", "torch", &["torch", dir.to_str().unwrap(), "--records"]) else {
+        return;
+    };
+    let manifest = common::manifest_of(&rt, &server, "d", 0, "batch_size=16&seed=2");
+    let want: Vec<Value> = manifest
+        .batches
+        .iter()
+        .map(|b| serde_json::json!([format!("batch-{:06}.tfrecord", b.index), b.bytes, b.crc32c]))
+        .collect();
+    assert_eq!(got["records"].as_array().unwrap(), &want);
+    assert_eq!(got["bytes"], manifest.bytes);
+    rt.block_on(server.running.shutdown());
+}
+
+/// WebDataset over `format=tar` batches: samples grouped from the tar members, in plan order.
+#[test]
+fn webdataset_reads_tar_batches_in_plan_order() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tar, 120, 3_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=10,seed=9,format=tar");
+    let dir = mounted.mountpoint.join("epoch-0000");
+    let Some(got) = run_loader("python3", "webdataset", &["wds", dir.to_str().unwrap(), "--records"]) else {
+        return;
+    };
+    let want = planned_records(&fx, 0, PlanOptions { batch_size: 10, seed: 9, ..Default::default() });
+    assert_eq!(got["records"].as_array().unwrap(), &want);
+    rt.block_on(server.running.shutdown());
+}

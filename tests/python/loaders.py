@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Reads one epoch directory with a real data loader, default settings, and prints what it saw as JSON.
+
+    loaders.py dali DIR [--no-mmap]     NVIDIA DALI fn.readers.tfrecord over DIR/*.tfrecord and their .idx
+                                        twins (CPU only: device_id=None), batch_size 128, 4 threads
+    loaders.py torch DIR                PyTorch DataLoader, 4 worker processes, batch_size=None: each item
+                                        is one batch file read whole (Debian's python3-torch)
+    loaders.py wds DIR                  webdataset.WebDataset over DIR/*.tar
+
+Options:
+    --consume-mbps R    a consumer at R MB/s (a GPU step per batch) that overlaps with loading, as training
+                        does; without it the loader runs as fast as it can
+    --records           also list every sample as [key, label, crc32c] (dali, wds) or every file as
+                        [name, bytes, crc32c] (torch), in the order the loader delivered them
+
+The JSON: loader, samples, bytes, build_s (pipeline build, for DALI: reading the .idx twins), epoch_s
+(build included), records if asked. Files are taken in name order, as a user's glob would list them.
+"""
+import glob
+import json
+import os
+import sys
+import time
+
+
+class Consumer:
+    """A consumer of `rate` bytes/s: each batch takes its bytes / rate, overlapping with the loader."""
+
+    def __init__(self, mbps):
+        self.rate = mbps * 1e6 if mbps else None
+        self.busy_until = 0.0
+
+    def consume(self, nbytes):
+        if not self.rate:
+            return
+        now = time.monotonic()
+        start = max(now, self.busy_until)
+        self.busy_until = start + nbytes / self.rate
+        # The training step runs on a device; here it is a sleep. The loader keeps loading meanwhile
+        # (DALI's prefetch queue, DataLoader's workers, our reads ahead).
+        time.sleep(max(0.0, self.busy_until - time.monotonic()))
+
+
+def _crc32c_table():
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+def crc(data):
+    """CRC32C: the crc32c package where installed (pip), else a slow table in Python (Debian's
+    interpreter, which torch is installed for, cannot take pip packages; tests keep files small)."""
+    try:
+        import crc32c
+
+        return crc32c.crc32c(data)
+    except ImportError:
+        global _TABLE
+        if "_TABLE" not in globals():
+            _TABLE = _crc32c_table()
+        c = 0xFFFFFFFF
+        for b in data:
+            c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+        return c ^ 0xFFFFFFFF
+
+
+def run_dali(directory, mmap, consumer, want_records):
+    from nvidia.dali import fn, pipeline_def
+    import nvidia.dali.tfrecord as tfrec
+
+    files = sorted(glob.glob(os.path.join(directory, "*.tfrecord")))
+    idx = [f + ".idx" for f in files]
+    started = time.monotonic()
+
+    @pipeline_def(batch_size=128, num_threads=4, device_id=None)
+    def pipe():
+        out = fn.readers.tfrecord(
+            path=files,
+            index_path=idx,
+            features={
+                "image/encoded": tfrec.FixedLenFeature((), tfrec.string, ""),
+                "image/class/label": tfrec.FixedLenFeature([1], tfrec.int64, -1),
+                "image/filename": tfrec.FixedLenFeature((), tfrec.string, ""),
+            },
+            dont_use_mmap=not mmap,
+            name="Reader",
+        )
+        images = out["image/encoded"]
+        return images, fn.shapes(images), out["image/class/label"], out["image/filename"]
+
+    p = pipe()
+    p.build()
+    build_s = time.monotonic() - started
+    total = p.epoch_size("Reader")
+    samples, nbytes, records = 0, 0, []
+    while samples < total:
+        images, sizes, labels, names = p.run()
+        # Per-sample Python only where records are asked for: the timed path stays I/O-bound.
+        take = min(len(images), total - samples)
+        batch_bytes = int(sizes.as_array()[:take].sum())
+        if want_records:
+            for i in range(take):
+                image = images.at(i)
+                records.append([bytes(names.at(i)).decode(), int(labels.at(i)[0]), crc(image.tobytes())])
+        samples += take
+        nbytes += batch_bytes
+        consumer.consume(batch_bytes)
+    return samples, nbytes, build_s, records
+
+
+class BatchFiles:
+    """A map-style dataset: item i is batch file i, read whole."""
+
+    def __init__(self, files, want_records):
+        self.files = files
+        self.want_records = want_records
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        with open(self.files[i], "rb") as f:
+            data = f.read()
+        return os.path.basename(self.files[i]), len(data), crc(data) if self.want_records else 0
+
+
+def run_torch(directory, consumer, want_records):
+    import torch.utils.data
+
+    files = sorted(f for f in glob.glob(os.path.join(directory, "batch-*")) if not f.endswith(".idx"))
+    started = time.monotonic()
+    loader = torch.utils.data.DataLoader(BatchFiles(files, want_records), batch_size=None, num_workers=4)
+    build_s = time.monotonic() - started
+    samples, nbytes, records = 0, 0, []
+    for name, size, checksum in loader:
+        samples += 1
+        nbytes += size
+        if want_records:
+            records.append([name, size, checksum])
+        consumer.consume(size)
+    return samples, nbytes, build_s, records
+
+
+def run_wds(directory, consumer, want_records):
+    import webdataset as wds
+
+    files = sorted(glob.glob(os.path.join(directory, "*.tar")))
+    started = time.monotonic()
+    dataset = wds.WebDataset(files, shardshuffle=False)
+    build_s = time.monotonic() - started
+    samples, nbytes, records = 0, 0, []
+    for sample in dataset:
+        payload = [k for k in sorted(sample) if not k.startswith("__") and k not in ("cls", "key")]
+        size = sum(len(sample[k]) for k in payload)
+        samples += 1
+        nbytes += size
+        if want_records:
+            label = int(sample["cls"]) if "cls" in sample else -1
+            records.append([sample["__key__"], label, crc(sample[payload[0]]) if payload else 0])
+        consumer.consume(size)
+    return samples, nbytes, build_s, records
+
+
+def main(argv):
+    if len(argv) < 3 or argv[1] not in ("dali", "torch", "wds"):
+        sys.exit(__doc__)
+    loader, directory = argv[1], argv[2]
+    rest = argv[3:]
+    mbps = None
+    if "--consume-mbps" in rest:
+        mbps = float(rest[rest.index("--consume-mbps") + 1])
+    want = "--records" in rest
+    consumer = Consumer(mbps)
+    started = time.monotonic()
+    if loader == "dali":
+        samples, nbytes, build_s, records = run_dali(directory, "--no-mmap" not in rest, consumer, want)
+    elif loader == "torch":
+        samples, nbytes, build_s, records = run_torch(directory, consumer, want)
+    else:
+        samples, nbytes, build_s, records = run_wds(directory, consumer, want)
+    out = {
+        "loader": loader + (" no-mmap" if "--no-mmap" in rest else ""),
+        "samples": samples,
+        "bytes": nbytes,
+        "build_s": round(build_s, 4),
+        "epoch_s": round(time.monotonic() - started, 4),
+    }
+    if want:
+        out["records"] = records
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv)
