@@ -75,6 +75,9 @@ pub struct BenchResult {
     pub pattern: Pattern,
     pub consume_mbps: Option<f64>,
     pub mmap: bool,
+    /// The sum of every byte read (wrapping): proof that the bytes were really read, mmap'd pages
+    /// included, and a check on them against the files.
+    pub byte_sum: u64,
     /// CPU seconds the whole machine spent (user, nice, system, irq, softirq) during the run, when
     /// `/proc/stat` is readable: readers, the mount, the server, and anything else running.
     pub machine_cpu_s: Option<f64>,
@@ -86,12 +89,26 @@ struct ReaderReport {
     /// Files the reader listed (all readers list the same directory).
     files: usize,
     bytes: u64,
+    byte_sum: u64,
     latencies_ns: Vec<u64>,
     starved_ns: Option<u64>,
 }
 
-/// What one reader measured: bytes, the duration of every read, and (paced) the consumer's wait.
-type ReaderResult = (u64, Vec<Duration>, Option<Duration>);
+/// What one reader measured.
+struct ReaderResult {
+    bytes: u64,
+    /// See [`BenchResult::byte_sum`].
+    byte_sum: u64,
+    /// The duration of every read.
+    latencies: Vec<Duration>,
+    /// Paced: the consumer's wait.
+    starved: Option<Duration>,
+}
+
+/// The wrapping sum of `bytes` (vectorizes; touching every byte is the point).
+pub fn byte_sum(bytes: &[u8]) -> u64 {
+    bytes.chunks(1 << 16).fold(0u64, |acc, c| acc.wrapping_add(c.iter().map(|&b| u64::from(b)).sum::<u64>()))
+}
 
 /// The GPU a paced reader feeds (see the module doc).
 struct Consumer {
@@ -175,24 +192,28 @@ pub fn assign(files: usize, n: usize, r: usize, pattern: Pattern, seed: u64) -> 
     }
 }
 
-/// Reads one file; returns bytes and the duration of every read (or page-copy batch).
-fn read_file(path: &Path, mmap: bool, pace: &mut Option<Consumer>, latencies: &mut Vec<Duration>) -> Result<u64> {
+/// Reads one file; returns its bytes and their sum, and records the duration of every read (or chunk
+/// of page faults).
+fn read_file(
+    path: &Path,
+    mmap: bool,
+    pace: &mut Option<Consumer>,
+    latencies: &mut Vec<Duration>,
+) -> Result<(u64, u64)> {
     let consume = |n: usize, pace: &mut Option<Consumer>| {
         if let Some(consumer) = pace {
             consumer.arrived(n);
         }
     };
     let file = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
-    let mut total = 0u64;
+    let (mut total, mut sum) = (0u64, 0u64);
     if mmap {
         let map = batchfs::mmap::MappedFile::open_file(&file).with_context(|| format!("mmap {}", path.display()))?;
-        let mut buf = vec![0u8; 1 << 20];
         for chunk in map.bytes().chunks(1 << 20) {
             let t = Instant::now();
-            // The page faults are the reads. `black_box` keeps the copy: its result is never read
-            // otherwise, and the optimizer would drop it (and with it every fault).
-            buf[..chunk.len()].copy_from_slice(std::hint::black_box(chunk));
-            std::hint::black_box(&mut buf);
+            // The page faults are the reads; the sum, reported, keeps the optimizer from dropping them
+            // (an unused copy was dropped once, and nothing was read).
+            sum = sum.wrapping_add(byte_sum(chunk));
             latencies.push(t.elapsed());
             total += chunk.len() as u64;
             consume(chunk.len(), pace);
@@ -207,25 +228,28 @@ fn read_file(path: &Path, mmap: bool, pace: &mut Option<Consumer>, latencies: &m
             if n == 0 {
                 break;
             }
+            sum = sum.wrapping_add(byte_sum(&buf[..n]));
             total += n as u64;
             consume(n, pace);
         }
     }
-    Ok(total)
+    Ok((total, sum))
 }
 
 /// Reader `r` of `n`: reads its share of `files`, paced to its share of the rate.
 fn reader(args: &BenchArgs, files: &[PathBuf], n: usize, r: usize) -> Result<ReaderResult> {
     let mut pace = args.consume_mbps.map(|m| Consumer::new(m * 1e6 / n as f64));
     let mut latencies = Vec::new();
-    let mut bytes = 0;
+    let (mut bytes, mut sum) = (0, 0u64);
     for i in assign(files.len(), n, r, args.pattern, args.seed) {
-        bytes += read_file(&files[i], args.mmap, &mut pace, &mut latencies)?;
+        let (b, s) = read_file(&files[i], args.mmap, &mut pace, &mut latencies)?;
+        bytes += b;
+        sum = sum.wrapping_add(s);
     }
     if let Some(consumer) = &pace {
         consumer.finish();
     }
-    Ok((bytes, latencies, pace.map(|c| c.starved)))
+    Ok(ReaderResult { bytes, byte_sum: sum, latencies, starved: pace.map(|c| c.starved) })
 }
 
 /// Runs reader `r` of `n` in a child process of this executable and collects its report.
@@ -282,8 +306,12 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
             let report: ReaderReport =
                 serde_json::from_slice(&done.stdout).with_context(|| format!("reader process {r}'s report"))?;
             listed = report.files;
-            let latencies = report.latencies_ns.into_iter().map(Duration::from_nanos).collect();
-            out.push(Ok((report.bytes, latencies, report.starved_ns.map(Duration::from_nanos))));
+            out.push(Ok(ReaderResult {
+                bytes: report.bytes,
+                byte_sum: report.byte_sum,
+                latencies: report.latencies_ns.into_iter().map(Duration::from_nanos).collect(),
+                starved: report.starved_ns.map(Duration::from_nanos),
+            }));
         }
         out
     } else {
@@ -298,12 +326,13 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
     };
     let wall_s = started.elapsed().as_secs_f64();
     let machine_cpu_s = cpu_before.zip(machine_cpu_seconds()).map(|(a, b)| b - a);
-    let (mut bytes, mut latencies, mut starved) = (0, Vec::new(), Duration::ZERO);
+    let (mut bytes, mut sum, mut latencies, mut starved) = (0, 0u64, Vec::new(), Duration::ZERO);
     for r in results {
-        let (b, l, s) = r?;
-        bytes += b;
-        latencies.extend(l);
-        starved += s.unwrap_or_default();
+        let r = r?;
+        bytes += r.bytes;
+        sum = sum.wrapping_add(r.byte_sum);
+        latencies.extend(r.latencies);
+        starved += r.starved.unwrap_or_default();
     }
     let stalled_s = match args.consume_mbps {
         Some(_) => starved.as_secs_f64(),
@@ -327,6 +356,7 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
         pattern: args.pattern,
         consume_mbps: args.consume_mbps,
         mmap: args.mmap,
+        byte_sum: sum,
         machine_cpu_s,
     })
 }
@@ -346,10 +376,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         let mut files = Vec::new();
         list(&args.path, &mut files)?;
-        let (bytes, latencies, starved) = reader(&args, &files, n, r)?;
-        let latencies_ns = latencies.iter().map(|d| d.as_nanos() as u64).collect();
-        let starved_ns = starved.map(|d| d.as_nanos() as u64);
-        let report = ReaderReport { files: files.len(), bytes, latencies_ns, starved_ns };
+        let result = reader(&args, &files, n, r)?;
+        let report = ReaderReport {
+            files: files.len(),
+            bytes: result.bytes,
+            byte_sum: result.byte_sum,
+            latencies_ns: result.latencies.iter().map(|d| d.as_nanos() as u64).collect(),
+            starved_ns: result.starved.map(|d| d.as_nanos() as u64),
+        };
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
@@ -403,10 +437,11 @@ mod tests {
     fn reads_all_bytes_paced_and_unpaced_with_read_and_mmap() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("sub")).unwrap();
-        let mut total = 0;
+        let (mut total, mut sum) = (0, 0);
         for i in 0..6 {
-            let data = vec![i as u8; 300_000 + i * 1000];
+            let data = vec![i as u8 + 1; 300_000 + i * 1000];
             total += data.len() as u64;
+            sum += byte_sum(&data);
             let path = if i % 2 == 0 { dir.path().join(format!("f{i}")) } else { dir.path().join(format!("sub/f{i}")) };
             std::fs::write(path, data).unwrap();
         }
@@ -425,7 +460,7 @@ mod tests {
         };
         for mmap in [false, true] {
             let r = measure(&BenchArgs { mmap, ..base.clone() }).unwrap();
-            assert_eq!((r.files, r.bytes), (6, total));
+            assert_eq!((r.files, r.bytes, r.byte_sum), (6, total, sum), "mmap {mmap}");
         }
         // Paced to 10 MB/s, 1.8 MB take at least ~0.18 s.
         let r = measure(&BenchArgs { consume_mbps: Some(10.0), ..base }).unwrap();
