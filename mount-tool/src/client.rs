@@ -52,6 +52,8 @@ pub enum ClientError {
     Status { server: String, status: u16, message: String },
     #[error("{server} sent a malformed response: {message}")]
     Malformed { server: String, message: String },
+    #[error("cannot store a body from {server}: {message}")]
+    Store { server: String, message: String },
 }
 
 impl ClientError {
@@ -65,11 +67,60 @@ impl ClientError {
     }
 }
 
+/// Where a fetched body is written as it arrives: a buffer (usually reused memory), or a memory file
+/// (`memfd`) that the kernel can later serve reads and mmap faults from by itself (FUSE passthrough),
+/// written chunk by chunk with no buffer in between.
+#[derive(Debug)]
+pub enum Sink {
+    Buffer(Vec<u8>),
+    File { file: std::fs::File, len: u64 },
+}
+
+impl Sink {
+    /// An empty memory file.
+    pub fn memfd() -> std::io::Result<Self> {
+        Ok(Sink::File { file: crate::sys::memfd("batchfs-batch")?, len: 0 })
+    }
+
+    /// Bytes written so far.
+    pub fn len(&self) -> u64 {
+        match self {
+            Sink::Buffer(b) => b.len() as u64,
+            Sink::File { len, .. } => *len,
+        }
+    }
+
+    /// Whether nothing was written yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends `data`.
+    pub fn append(&mut self, data: &[u8]) -> std::io::Result<()> {
+        match self {
+            Sink::Buffer(b) => b.extend_from_slice(data),
+            Sink::File { file, len } => {
+                std::io::Write::write_all(file, data)?;
+                *len += data.len() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes of a buffer (tests).
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match self {
+            Sink::Buffer(b) => Some(b),
+            Sink::File { .. } => None,
+        }
+    }
+}
+
 /// A fetched body and the CRC32C of its bytes, computed as they arrived, while each piece was still
 /// hot in the CPU cache (a second pass over a cold 7 MB body costs more).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Body {
-    pub bytes: Vec<u8>,
+    pub sink: Sink,
     pub crc32c: u32,
 }
 
@@ -77,7 +128,7 @@ impl Body {
     /// `bytes` with their CRC32C computed now.
     pub fn new(bytes: Vec<u8>) -> Self {
         let crc32c = crc32c::crc32c(&bytes);
-        Body { bytes, crc32c }
+        Body { sink: Sink::Buffer(bytes), crc32c }
     }
 }
 
@@ -89,8 +140,8 @@ pub trait BatchClient: Send + Sync + 'static {
     fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>>;
     /// The dataset's source files.
     fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>>;
-    /// The body of one batch (unverified), appended to `into` (an empty buffer, usually reused memory
-    /// with room for the whole body), which is returned. `expect` is the size the manifest announced: a
+    /// The body of one batch (unverified), appended to `into` (an empty buffer with room for the whole
+    /// body, usually reused memory, or an empty memory file), which is returned. `expect` is the size the manifest announced: a
     /// response that says or sends more is cut off with an error rather than buffered. `attempt` counts
     /// retries, so a client with several servers can try another one.
     fn fetch_batch(
@@ -99,12 +150,11 @@ pub trait BatchClient: Send + Sync + 'static {
         batch: u64,
         format: BatchFormat,
         attempt: u32,
-        into: Vec<u8>,
+        into: Sink,
         expect: u64,
     ) -> BoxFut<'_, Result<Body, ClientError>>;
     /// One whole source file (unverified), appended to `into` like [`BatchClient::fetch_batch`].
-    fn fetch_file(&self, path: &str, attempt: u32, into: Vec<u8>, expect: u64)
-        -> BoxFut<'_, Result<Body, ClientError>>;
+    fn fetch_file(&self, path: &str, attempt: u32, into: Sink, expect: u64) -> BoxFut<'_, Result<Body, ClientError>>;
 }
 
 /// Where and how to reach the servers.
@@ -259,7 +309,7 @@ impl BatchClient for HttpClient {
         batch: u64,
         format: BatchFormat,
         attempt: u32,
-        into: Vec<u8>,
+        into: Sink,
         expect: u64,
     ) -> BoxFut<'_, Result<Body, ClientError>> {
         Box::pin(async move {
@@ -269,13 +319,7 @@ impl BatchClient for HttpClient {
         })
     }
 
-    fn fetch_file(
-        &self,
-        path: &str,
-        attempt: u32,
-        into: Vec<u8>,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
+    fn fetch_file(&self, path: &str, attempt: u32, into: Sink, expect: u64) -> BoxFut<'_, Result<Body, ClientError>> {
         let url_path = api::file_path(&self.config.dataset, path);
         let spread = path.len();
         Box::pin(async move { self.body(spread.wrapping_add(attempt as usize), &url_path, into, expect).await })
@@ -289,7 +333,7 @@ impl HttpClient {
         &self,
         server_no: usize,
         path_and_query: &str,
-        mut body: Vec<u8>,
+        mut body: Sink,
         expect: u64,
     ) -> Result<Body, ClientError> {
         let (server, mut response) = self.get(server_no, path_and_query).await?;
@@ -300,9 +344,11 @@ impl HttpClient {
         if let Some(len) = response.content_length().filter(|&len| len > expect) {
             return Err(too_long(format!("the response announced {len} bytes")));
         }
-        let start = body.len();
-        body.reserve(expect as usize);
-        let mut crc = crc32c::crc32c(&body);
+        debug_assert!(body.is_empty(), "bodies are fetched into empty sinks");
+        if let Sink::Buffer(b) = &mut body {
+            b.reserve(expect as usize);
+        }
+        let mut crc = 0;
         loop {
             let chunk = tokio::time::timeout(self.config.stall_timeout, response.chunk())
                 .await
@@ -310,13 +356,15 @@ impl HttpClient {
                 .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
             match chunk {
                 Some(c) => {
-                    if (body.len() - start + c.len()) as u64 > expect {
+                    if body.len() + c.len() as u64 > expect {
                         return Err(too_long(format!("the body ran past {expect} bytes")));
                     }
                     crc = crc32c::crc32c_append(crc, &c);
-                    body.extend_from_slice(&c);
+                    // A memory file is written here, on the runtime: a copy into page cache, no I/O.
+                    body.append(&c)
+                        .map_err(|e| ClientError::Store { server: server.clone(), message: e.to_string() })?;
                 }
-                None => return Ok(Body { bytes: body, crc32c: crc }),
+                None => return Ok(Body { sink: body, crc32c: crc }),
             }
         }
     }
@@ -423,19 +471,13 @@ impl BatchClient for MemoryClient {
         batch: u64,
         format: BatchFormat,
         _attempt: u32,
-        into: Vec<u8>,
+        into: Sink,
         _expect: u64,
     ) -> BoxFut<'_, Result<Body, ClientError>> {
         Box::pin(async move { self.serve((self.bodies)(epoch, format).get(batch as usize).cloned(), into).await })
     }
 
-    fn fetch_file(
-        &self,
-        path: &str,
-        _attempt: u32,
-        into: Vec<u8>,
-        _expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
+    fn fetch_file(&self, path: &str, _attempt: u32, into: Sink, _expect: u64) -> BoxFut<'_, Result<Body, ClientError>> {
         let body = self.files.iter().find(|(p, _)| p == path).map(|(_, b)| b.clone());
         Box::pin(self.serve(body, into))
     }
@@ -443,7 +485,7 @@ impl BatchClient for MemoryClient {
 
 impl MemoryClient {
     /// Answers with `body` (404 when absent) appended to `into`, after the delay and any queued fault.
-    async fn serve(&self, body: Option<Bytes>, mut into: Vec<u8>) -> Result<Body, ClientError> {
+    async fn serve(&self, body: Option<Bytes>, mut into: Sink) -> Result<Body, ClientError> {
         self.fetches.fetch_add(1, Ordering::Relaxed);
         let delay = *self.delay.lock().expect("delay");
         if !delay.is_zero() {
@@ -464,19 +506,20 @@ impl MemoryClient {
             }
             None | Some(Fault::Corrupt) | Some(Fault::Short) => {}
         }
-        into.extend_from_slice(&body);
+        let mut sent = body.to_vec();
         match fault {
             Some(Fault::Corrupt) => {
-                if let Some(b) = into.first_mut() {
+                if let Some(b) = sent.first_mut() {
                     *b ^= 1;
                 }
             }
             Some(Fault::Short) => {
-                into.pop();
+                sent.pop();
             }
             _ => {}
         }
-        Ok(Body::new(into))
+        into.append(&sent).map_err(|e| ClientError::Store { server, message: e.to_string() })?;
+        Ok(Body { sink: into, crc32c: crc32c::crc32c(&sent) })
     }
 }
 
@@ -537,7 +580,7 @@ mod tests {
     async fn a_body_longer_than_the_manifest_says_is_cut_off() {
         let body: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
         let fetch = |server: String, expect: u64| async move {
-            client_of(server).fetch_batch(0, 0, BatchFormat::Tfrecord, 0, Vec::new(), expect).await
+            client_of(server).fetch_batch(0, 0, BatchFormat::Tfrecord, 0, Sink::Buffer(Vec::new()), expect).await
         };
         // The announced length is checked before any byte is read.
         let err = fetch(h2c_server(body.clone(), Some(3000)).await, 1000).await.unwrap_err();
@@ -551,7 +594,7 @@ mod tests {
         // The expected size, or less (the checksum catches a short body), is read whole with its CRC.
         for expect in [3000, 5000] {
             let got = fetch(h2c_server(body.clone(), None).await, expect).await.unwrap();
-            assert_eq!(got, Body::new(body.clone()));
+            assert_eq!((got.sink.bytes(), got.crc32c), (Some(&body[..]), crc32c::crc32c(&body)));
         }
     }
 

@@ -250,6 +250,13 @@ impl Fs {
         &self.prefetcher.stats
     }
 
+    /// Whether files are handed to the kernel (FUSE passthrough): bodies are then fetched straight into
+    /// memory files, and `batchfs stats` says so.
+    pub fn set_passthrough(&self, on: bool) {
+        self.prefetcher.fetch_into_memfds(on);
+        self.prefetcher.stats.passthrough.store(u64::from(on), std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn batch_format(&self, index: bool) -> BatchFormat {
         if index {
             BatchFormat::TfrecordIdx

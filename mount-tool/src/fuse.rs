@@ -128,7 +128,7 @@ impl FuseFs {
                 Err(e) => {
                     tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
                     self.passthrough.store(false, Ordering::Relaxed);
-                    stats.passthrough.store(0, Ordering::Relaxed);
+                    self.fs.set_passthrough(false);
                 }
             }
         }
@@ -198,7 +198,7 @@ impl Filesystem for FuseFs {
             tracing::info!("the kernel offers no FUSE passthrough: reads go through the daemon");
         }
         self.passthrough.store(on, Ordering::Relaxed);
-        self.fs.stats().passthrough.store(u64::from(on), Ordering::Relaxed);
+        self.fs.set_passthrough(on);
         Ok(())
     }
 

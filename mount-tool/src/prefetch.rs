@@ -23,7 +23,7 @@
 //! window that runs past the end of an epoch continues into the next one (whose manifest is then fetched
 //! in the background).
 
-use crate::client::{BatchKey, Body, ClientError, DynClient, Listing};
+use crate::client::{BatchKey, Body, ClientError, DynClient, Listing, Sink};
 use crate::pool::{Admission, BufferPool};
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
@@ -114,6 +114,15 @@ impl AsRef<[u8]> for MappedBody {
     }
 }
 
+/// Seals a memory file holding a verified body, and maps it: the bytes the daemon reads, and the file the
+/// kernel serves (passthrough).
+fn seal_file(file: std::fs::File) -> std::io::Result<(Bytes, Arc<std::fs::File>)> {
+    crate::sys::seal(&file)?;
+    let map = batchfs::mmap::MappedFile::open_file(&file)?;
+    let bytes = if map.is_empty() { Bytes::new() } else { Bytes::from_owner(MappedBody(map)) };
+    Ok((bytes, Arc::new(file)))
+}
+
 impl Entry {
     fn new(size: u64) -> Self {
         Entry {
@@ -145,15 +154,11 @@ impl Entry {
         }
         let mut file = crate::sys::memfd("batchfs-batch")?;
         file.write_all(&body)?;
-        crate::sys::seal(&file)?;
-        let map = batchfs::mmap::MappedFile::open_file(&file)?;
-        if map.len() != body.len() as u64 {
+        let (mapped, file) = seal_file(file)?;
+        if mapped.len() != body.len() {
             return Err(std::io::Error::other("the memory file does not hold the whole body"));
         }
-        if !map.is_empty() {
-            *self.state.lock().expect("entry") = State::Ready(Bytes::from_owner(MappedBody(map)));
-        }
-        let file = Arc::new(file);
+        *self.state.lock().expect("entry") = State::Ready(mapped);
         *slot = Some(file.clone());
         Ok((file, body.len() as u64))
     }
@@ -203,6 +208,8 @@ pub struct Prefetcher {
     prefetching: crate::sync::AtomicU64,
     /// Buffers of evicted bodies, reused by the next fetches (counted in the budget).
     pool: Arc<BufferPool>,
+    /// Fetch bodies into memory files rather than buffers (the mount uses passthrough).
+    memfd_bodies: AtomicBool,
     pub stats: Arc<Stats>,
 }
 
@@ -220,14 +227,16 @@ impl Prefetcher {
             streams: Mutex::new(streams),
             prefetching: crate::sync::AtomicU64::new(0),
             pool: BufferPool::new(config.cache_bytes),
+            memfd_bodies: AtomicBool::new(false),
             stats: Arc::new(Stats::default()),
             config,
         })
     }
 
-    /// The settings.
-    pub fn config(&self) -> &PrefetcherConfig {
-        &self.config
+    /// Fetches bodies into sealed memory files from now on, ready to be handed to the kernel (when the
+    /// mount uses passthrough): no buffer in between, and no copy at open.
+    pub fn fetch_into_memfds(&self, on: bool) {
+        self.memfd_bodies.store(on, Ordering::Relaxed);
     }
 
     /// The manifest of `epoch` in `format` (cached; fetched with retries up to `timeout`). Blocks: call
@@ -518,18 +527,27 @@ impl Prefetcher {
             }
             Listing::Epoch { .. } => None,
         };
+        // With passthrough, bodies go straight into memory files the kernel will serve from.
+        let memfd = self.memfd_bodies.load(Ordering::Relaxed);
+        let mut buffer = (!memfd).then_some(buffer);
         self.runtime.spawn(async move {
             let client = this.client.clone();
             let pool = this.pool.clone();
             // The first attempt fills the reserved buffer; one that fails loses it, and a retry
             // allocates anew (the reservation covers either).
-            let mut buffer = Some(buffer);
             let result = with_retries(&this.config, &this.stats, move |attempt| {
                 let client = client.clone();
                 let path = path.clone();
                 let pool = pool.clone();
-                let into = buffer.take().unwrap_or_else(|| Vec::with_capacity(meta.bytes as usize));
+                let into = match buffer.take() {
+                    Some(buffer) => Ok(Sink::Buffer(buffer)),
+                    None if memfd => Sink::memfd(),
+                    None => Ok(Sink::Buffer(Vec::with_capacity(meta.bytes as usize))),
+                };
                 async move {
+                    let into = into.map_err(|e| {
+                        Failure::Client(ClientError::Store { server: "memfd".into(), message: e.to_string() })
+                    })?;
                     let body = match (key.listing, path) {
                         (Listing::Epoch { epoch, format }, _) => {
                             client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
@@ -539,7 +557,12 @@ impl Prefetcher {
                     }
                     .map_err(Failure::Client)?;
                     verify(key, &meta, &body)?;
-                    Ok(pool.wrap(body.bytes))
+                    match body.sink {
+                        Sink::Buffer(buffer) => Ok((pool.wrap(buffer), None)),
+                        Sink::File { file, .. } => seal_file(file).map(|(b, f)| (b, Some(f))).map_err(|e| {
+                            Failure::Client(ClientError::Store { server: "memfd".into(), message: e.to_string() })
+                        }),
+                    }
                 }
             })
             .await;
@@ -548,8 +571,12 @@ impl Prefetcher {
                 this.prefetching.fetch_sub(meta.bytes, Ordering::Relaxed);
             }
             match result {
-                Ok(body) => {
+                Ok((body, file)) => {
                     Stats::add(&this.stats.fetched_bytes, body.len() as u64);
+                    if let Some(file) = file {
+                        Stats::add(&this.stats.passthrough_bytes, body.len() as u64);
+                        *fetching.memfd.lock().expect("memfd") = Some(file);
+                    }
                     fetching.set(State::Ready(body));
                 }
                 Err(e) => {
@@ -604,11 +631,11 @@ enum Failure {
 /// the buffer, which nothing writes to afterwards.
 fn verify(key: BatchKey, meta: &BatchEntry, body: &Body) -> Result<(), Failure> {
     let crc = body.crc32c;
-    if body.bytes.len() as u64 != meta.bytes || crc != meta.crc32c {
+    if body.sink.len() != meta.bytes || crc != meta.crc32c {
         return Err(Failure::Mismatch(format!(
             "{}: got {} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
             describe(key),
-            body.bytes.len(),
+            body.sink.len(),
             meta.bytes,
             meta.crc32c
         )));
@@ -779,6 +806,36 @@ mod tests {
     }
 
     #[test]
+    fn backing_files_hold_the_verified_bytes_fetched_or_copied() {
+        use std::os::unix::fs::FileExt;
+        let contents = |f: &std::fs::File| {
+            let mut got = vec![0; f.metadata().unwrap().len() as usize];
+            f.read_exact_at(&mut got, 0).unwrap();
+            got
+        };
+        let config = PrefetcherConfig { prefetch: 2, last_epoch: 0, ..Default::default() };
+        let (_rt, client, p, bodies) = setup(6, config);
+        // Fetched into a buffer, copied into a memory file at the first open.
+        let f = p.backing_file(key(0), 1).unwrap();
+        assert_eq!(contents(&f), bodies[0]);
+        assert!(Arc::ptr_eq(&f, &p.backing_file(key(0), 1).unwrap()), "one memory file per batch");
+        assert_eq!(p.read_as0(key(0), 3, 10).unwrap(), bodies[0][3..13], "daemon reads see the same bytes");
+        // Fetched straight into memory files, corrupt bodies refetched.
+        p.fetch_into_memfds(true);
+        client.inject([Fault::Corrupt]);
+        for b in 3..6 {
+            let f = p.backing_file(key(b), 1).unwrap();
+            assert_eq!(contents(&f), bodies[b as usize]);
+            assert_eq!(p.read_as0(key(b), 0, 1 << 20).unwrap(), bodies[b as usize]);
+        }
+        let s = p.stats.snapshot();
+        assert_eq!(s.checksum_errors, 1, "{s:?}");
+        // Batch 0 copied; 3, 4 and 5 fetched into memory files (1 and 2 were prefetched into buffers).
+        let in_files: usize = [0, 3, 4, 5].iter().map(|&b| bodies[b].len()).sum();
+        assert_eq!(s.passthrough_bytes, in_files as u64, "{s:?}");
+    }
+
+    #[test]
     fn cache_too_small_is_an_error() {
         let config = PrefetcherConfig { cache_bytes: 100, ..Default::default() };
         let (_rt, _, p, _) = setup(2, config);
@@ -814,9 +871,11 @@ mod tests {
             reads in proptest::collection::vec((0u64..30, 0u64..1400, 1u32..2000), 1..60),
             prefetch in 0usize..6,
             budget_batches in 2u64..10,
+            memfds: bool,
         ) {
             let config = PrefetcherConfig { prefetch, cache_bytes: budget_batches * 1300, ..Default::default() };
             let (_rt, _client, p, bodies) = setup(30, config.clone());
+            p.fetch_into_memfds(memfds);
             reads_match_the_model(&p, &bodies, &reads, config.cache_bytes)?;
         }
 

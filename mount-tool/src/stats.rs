@@ -67,7 +67,7 @@ pub struct StatsSnapshot {
     /// `bytes_served`.
     #[serde(default)]
     pub passthrough_opens: u64,
-    /// Bytes of the files handed to the kernel by passthrough (once per backing file made).
+    /// Bytes put into memory files for passthrough (fetched into them, or copied at the first open).
     #[serde(default)]
     pub passthrough_bytes: u64,
     /// Opens whose reads go through the daemon (passthrough off, refused, or the file already open so).

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""The loaders table: real data loaders, default settings, reading epochs from a local copy and through
+batchfs mounts at several RTTs, paced and unpaced, alternating, ROUNDS rounds; medians, ratios, CPU/GB.
+
+    tests/bench/loaders_bench.py OUT_DIR
+    env: SAMPLES (20000), MEAN (110000 bytes), BATCH (128), RTTS ("0 30 100"), PACE (MB/s, 400),
+         ROUNDS (3), LOADERS ("dali dali-nommap torch wds"), MODES ("unpaced paced"),
+         MOUNT_OPTS (extra -o options for every mount, e.g. passthrough=false)
+
+Systems: `local` (the same batch files copied to a local directory, page cache warm) and `batchfs-RTT`
+(one mount per RTT; RTT > 0 goes through `batchfs netem`). Each run on a mount reads a fresh epoch
+(epoch 1, 2, ... of that mount), so nothing is served from the mount's cache of an earlier run except
+what the previous epoch's window warmed, as in training. Loaders: tests/python/loaders.py (DALI with and
+without mmap, PyTorch DataLoader with 4 workers under Debian's python3, WebDataset over tar batches).
+
+CPU seconds: the whole machine's busy time during the run (/proc/stat), minus the netem proxy's own CPU.
+Writes results.csv (every run) and report.md (medians, ratios) to OUT_DIR and prints the report.
+Needs root, /dev/fuse, a release build (built if missing), and the loaders installed (see .ci/run).
+"""
+import csv
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.join(ROOT, "target", "release")
+LOADERS_PY = os.path.join(ROOT, "tests", "python", "loaders.py")
+env = os.environ.get
+SAMPLES, MEAN, BATCH = int(env("SAMPLES", "20000")), int(env("MEAN", "110000")), int(env("BATCH", "128"))
+RTTS = [int(r) for r in env("RTTS", "0 30 100").split()]
+PACE, ROUNDS = float(env("PACE", "400")), int(env("ROUNDS", "3"))
+LOADERS = env("LOADERS", "dali dali-nommap torch wds").split()
+MODES = env("MODES", "unpaced paced").split()
+MOUNT_OPTS = env("MOUNT_OPTS", "")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def busy_seconds():
+    fields = open("/proc/stat").readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of(pid):
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def command(loader, directory, paced):
+    python = "/usr/bin/python3" if loader == "torch" else sys.executable
+    name = {"dali-nommap": "dali"}.get(loader, loader)
+    args = [python, LOADERS_PY, name, directory]
+    if loader == "dali-nommap":
+        args.append("--no-mmap")
+    if paced:
+        args += ["--consume-mbps", str(PACE)]
+    return args
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/batchfs-loaders"
+    os.makedirs(out, exist_ok=True)
+    if not (os.path.exists(os.path.join(BIN, "batchfs")) and os.path.exists(os.path.join(BIN, "batchfs-server"))):
+        subprocess.run(["cargo", "build", "--release", "--workspace"], cwd=ROOT, check=True)
+    work = tempfile.mkdtemp(prefix="batchfs-loaders-")
+    procs, mounts = [], []
+
+    def cleanup(*_):
+        for m in mounts:
+            subprocess.run([os.path.join(BIN, "batchfs"), "umount", "--lazy", m], capture_output=True)
+        for p in procs:
+            p.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+    signal.signal(signal.SIGTERM, lambda *a: (cleanup(), sys.exit(1)))
+    try:
+        run(out, work, procs, mounts)
+    finally:
+        cleanup()
+
+
+def run(out, work, procs, mounts):
+    data = os.path.join(work, "data")
+    subprocess.run([os.path.join(BIN, "batchfs-server"), "gen", "--format", "tfrecord", "--samples", str(SAMPLES),
+                    "--mean-bytes", str(MEAN), "--out", data], check=True, capture_output=True)
+    port = free_port()
+    procs.append(subprocess.Popen([os.path.join(BIN, "batchfs-server"), "serve", "--listen", f"127.0.0.1:{port}",
+                                   "--dataset", f"d={data}"], stderr=subprocess.DEVNULL))
+    netem = {}
+    for rtt in RTTS:
+        if rtt == 0:
+            netem[rtt] = (port, None)
+            continue
+        p = free_port()
+        proc = subprocess.Popen([os.path.join(BIN, "batchfs"), "netem", "--listen", f"127.0.0.1:{p}",
+                                 "--upstream", f"127.0.0.1:{port}", "--rtt-ms", str(rtt)], stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        netem[rtt] = (p, proc)
+    time.sleep(1.0)
+    # One mount per RTT and format (WebDataset reads tar batches).
+    dirs = {}
+    for rtt, (p, _) in netem.items():
+        for fmt in ("tfrecord", "tar"):
+            mnt = os.path.join(work, f"mnt-{rtt}-{fmt}")
+            os.makedirs(mnt)
+            opts = f"batch_size={BATCH},format={fmt},epochs=100000" + (f",{MOUNT_OPTS}" if MOUNT_OPTS else "")
+            subprocess.run([os.path.join(BIN, "batchfs"), "mount", f"http://127.0.0.1:{p}/d", mnt, "-o", opts],
+                           check=True)
+            mounts.append(mnt)
+            dirs[(rtt, fmt)] = mnt
+    # The local copies: epoch 0 of each format, read from the page cache.
+    local = {}
+    for fmt in ("tfrecord", "tar"):
+        dst = os.path.join(work, f"local-{fmt}")
+        shutil.copytree(os.path.join(dirs[(0, fmt)], "epoch-0000"), dst)
+        local[fmt] = dst
+    next_epoch = {key: 1 for key in dirs}
+    systems = ["local"] + [f"batchfs-{rtt}ms" for rtt in RTTS]
+    rows = []
+    idle_rate = measure_idle()
+    for rnd in range(ROUNDS):
+        for mode in MODES:
+            for loader in LOADERS:
+                fmt = "tar" if loader == "wds" else "tfrecord"
+                for system in systems:
+                    if system == "local":
+                        directory, netem_proc = local[fmt], None
+                    else:
+                        rtt = int(system.split("-")[1].rstrip("ms"))
+                        key = (rtt, fmt)
+                        directory = os.path.join(dirs[key], f"epoch-{next_epoch[key]:04d}")
+                        next_epoch[key] += 1
+                        netem_proc = netem[rtt][1]
+                    netem_before = cpu_of(netem_proc.pid) if netem_proc else 0.0
+                    busy = busy_seconds()
+                    started = time.monotonic()
+                    res = subprocess.run(command(loader, directory, mode == "paced"), capture_output=True, text=True)
+                    wall = time.monotonic() - started
+                    if res.returncode != 0:
+                        raise SystemExit(f"{loader} on {system} failed:\n{res.stderr[-3000:]}")
+                    r = json.loads(res.stdout.strip().splitlines()[-1])
+                    cpu = busy_seconds() - busy - (cpu_of(netem_proc.pid) - netem_before if netem_proc else 0.0)
+                    cpu -= idle_rate * wall
+                    row = {"round": rnd, "mode": mode, "loader": loader, "system": system, "epoch_s": r["epoch_s"],
+                           "build_s": r["build_s"], "bytes": r["bytes"], "samples": r["samples"],
+                           "cpu_s_per_gb": round(max(cpu, 0.0) / (r["bytes"] / 1e9), 3)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    report = render(rows, systems)
+    open(os.path.join(out, "report.md"), "w").write(report)
+    print(report)
+
+
+def measure_idle():
+    busy, started = busy_seconds(), time.monotonic()
+    time.sleep(2.0)
+    return (busy_seconds() - busy) / (time.monotonic() - started)
+
+
+def render(rows, systems):
+    gb = rows[0]["bytes"] / 1e9
+    lines = [f"Epoch: {SAMPLES} samples, {gb:.2f} GB of sample bytes, batch_size {BATCH}, medians of {ROUNDS} "
+             f"rounds; paced = a consumer at {PACE:.0f} MB/s overlapping with loading.", ""]
+    header = "| loader | mode | " + " | ".join(f"{s} s" for s in systems) + " | mount 0 ms / local | "
+    header += " | ".join(f"{s} / 0 ms" for s in systems[2:]) + " | CPU s/GB local | CPU s/GB mount 0 ms |"
+    lines += [header, "|" + "---|" * (header.count("|") - 1)]
+    for mode in MODES:
+        for loader in LOADERS:
+            med = {}
+            cpu = {}
+            for s in systems:
+                cell = [r for r in rows if r["mode"] == mode and r["loader"] == loader and r["system"] == s]
+                med[s] = statistics.median(r["epoch_s"] for r in cell)
+                cpu[s] = statistics.median(r["cpu_s_per_gb"] for r in cell)
+            zero = systems[1]
+            cells = [f"{med[s]:.2f}" for s in systems] + [f"{med[zero] / med['local']:.2f}x"]
+            cells += [f"{med[s] / med[zero]:.3f}" for s in systems[2:]]
+            cells += [f"{cpu['local']:.2f}", f"{cpu[zero]:.2f}"]
+            lines.append(f"| {loader} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
