@@ -266,10 +266,15 @@ fn stats(mountpoint: &Path, json: bool) -> Result<()> {
 
 /// A human table of the counters.
 pub fn format_stats(s: &StatsSnapshot) -> String {
-    let hit_rate = if s.reads > 0 { 100.0 * s.hits as f64 / s.reads as f64 } else { 0.0 };
+    // Daemon reads and passthrough opens each look their file up in the cache.
+    let lookups = s.reads + s.passthrough_opens;
+    let hit_rate = if lookups > 0 { 100.0 * s.hits as f64 / lookups as f64 } else { 0.0 };
+    let path = if s.passthrough { "kernel passthrough (reads stay in the kernel)" } else { "through the daemon" };
     let rows = [
+        ("read path", path.to_owned()),
         ("bytes served", format!("{:.1} MB", s.bytes_served as f64 / 1e6)),
         ("reads", s.reads.to_string()),
+        ("opens", format!("{} passthrough, {} through the daemon", s.passthrough_opens, s.daemon_opens)),
         ("cache hits", format!("{} ({hit_rate:.1} %)", s.hits)),
         ("misses (on demand)", s.misses.to_string()),
         ("stalls", format!("{} ({:.3} s waiting)", s.stalls, s.stall_us as f64 / 1e6)),

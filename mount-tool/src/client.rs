@@ -1,18 +1,17 @@
 //! The network side of the mount, behind the [`BatchClient`] trait: the real HTTP/2 client
-//! ([`HttpClient`], reqwest over a few multiplexed connections to one or more servers), and an in-memory
-//! one with fault injection for tests ([`MemoryClient`]).
+//! ([`HttpClient`], reqwest over a few multiplexed connections to one or more servers), and, for unit
+//! tests only, an in-memory one with fault injection (`client/memory.rs`).
 //!
 //! A client only moves bytes. Verifying sizes and checksums against the manifest, retrying and giving
 //! up are the prefetcher's job, so the in-memory client can hand it wrong bytes on purpose.
 
-use batchfs::api::{self, BatchEntry, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest};
+use batchfs::api::{self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest};
 use batchfs::encode::BatchFormat;
-use bytes::Bytes;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 
@@ -370,161 +369,13 @@ impl HttpClient {
     }
 }
 
-/// A fault the [`MemoryClient`] injects into the next fetches.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Fault {
-    /// Fail as if the server were unreachable.
-    Unreachable,
-    /// Return the body with one byte flipped.
-    Corrupt,
-    /// Return the body one byte short.
-    Short,
-    /// Answer with this HTTP status.
-    Status(u16),
-}
-
-/// An in-memory dataset server for tests: fixed batch bodies per epoch, fetch counters, faults on demand.
-pub struct MemoryClient {
-    info: DatasetInfo,
-    /// Bodies by (epoch, format), batch-indexed.
-    bodies: Box<dyn Fn(u64, BatchFormat) -> Vec<Bytes> + Send + Sync>,
-    /// Source files, by path.
-    pub files: Vec<(String, Bytes)>,
-    faults: Mutex<Vec<Fault>>,
-    /// Fetch calls made, successful or not.
-    pub fetches: AtomicU64,
-    /// Artificial latency per fetch.
-    pub delay: Mutex<Duration>,
-}
-
-impl MemoryClient {
-    /// A client serving `bodies(epoch, format)`.
-    pub fn new(bodies: impl Fn(u64, BatchFormat) -> Vec<Bytes> + Send + Sync + 'static) -> Self {
-        MemoryClient {
-            info: DatasetInfo {
-                name: "memory".into(),
-                format: batchfs::index::SourceFormat::Files,
-                samples: 0,
-                bytes: 0,
-                shards: 0,
-                classes: vec![],
-                skipped: 0,
-            },
-            bodies: Box::new(bodies),
-            files: Vec::new(),
-            faults: Mutex::new(Vec::new()),
-            fetches: AtomicU64::new(0),
-            delay: Mutex::new(Duration::ZERO),
-        }
-    }
-
-    /// Queues faults for the next fetches, in order.
-    pub fn inject(&self, faults: impl IntoIterator<Item = Fault>) {
-        self.faults.lock().expect("faults").extend(faults);
-    }
-}
-
-impl BatchClient for MemoryClient {
-    fn dataset(&self) -> BoxFut<'_, Result<DatasetInfo, ClientError>> {
-        Box::pin(async move { Ok(self.info.clone()) })
-    }
-
-    fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>> {
-        Box::pin(async move {
-            let bodies = (self.bodies)(epoch, format);
-            let batches: Vec<BatchEntry> = bodies
-                .iter()
-                .enumerate()
-                .map(|(i, b)| BatchEntry {
-                    index: i as u64,
-                    samples: 1,
-                    bytes: b.len() as u64,
-                    crc32c: crc32c::crc32c(b),
-                })
-                .collect();
-            Ok(Manifest {
-                dataset: "memory".into(),
-                epoch,
-                options: Default::default(),
-                format,
-                samples: batches.len() as u64,
-                bytes: batches.iter().map(|b| b.bytes).sum(),
-                batches,
-            })
-        })
-    }
-
-    fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>> {
-        Box::pin(async move {
-            let files = self
-                .files
-                .iter()
-                .map(|(path, b)| api::FileEntry { path: path.clone(), size: b.len() as u64, crc32c: crc32c::crc32c(b) })
-                .collect();
-            Ok(FileList { files })
-        })
-    }
-
-    fn fetch_batch(
-        &self,
-        epoch: u64,
-        batch: u64,
-        format: BatchFormat,
-        _attempt: u32,
-        into: Sink,
-        _expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
-        Box::pin(async move { self.serve((self.bodies)(epoch, format).get(batch as usize).cloned(), into).await })
-    }
-
-    fn fetch_file(&self, path: &str, _attempt: u32, into: Sink, _expect: u64) -> BoxFut<'_, Result<Body, ClientError>> {
-        let body = self.files.iter().find(|(p, _)| p == path).map(|(_, b)| b.clone());
-        Box::pin(self.serve(body, into))
-    }
-}
-
-impl MemoryClient {
-    /// Answers with `body` (404 when absent) appended to `into`, after the delay and any queued fault.
-    async fn serve(&self, body: Option<Bytes>, mut into: Sink) -> Result<Body, ClientError> {
-        self.fetches.fetch_add(1, Ordering::Relaxed);
-        let delay = *self.delay.lock().expect("delay");
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
-        }
-        let fault = {
-            let mut faults = self.faults.lock().expect("faults");
-            (!faults.is_empty()).then(|| faults.remove(0))
-        };
-        let server = "memory".to_owned();
-        let Some(body) = body else {
-            return Err(ClientError::Status { server, status: 404, message: "no such file".into() });
-        };
-        match fault {
-            Some(Fault::Unreachable) => return Err(ClientError::Unreachable { server, message: "injected".into() }),
-            Some(Fault::Status(status)) => {
-                return Err(ClientError::Status { server, status, message: "injected".into() })
-            }
-            None | Some(Fault::Corrupt) | Some(Fault::Short) => {}
-        }
-        let mut sent = body.to_vec();
-        match fault {
-            Some(Fault::Corrupt) => {
-                if let Some(b) = sent.first_mut() {
-                    *b ^= 1;
-                }
-            }
-            Some(Fault::Short) => {
-                sent.pop();
-            }
-            _ => {}
-        }
-        into.append(&sent).map_err(|e| ClientError::Store { server, message: e.to_string() })?;
-        Ok(Body { sink: into, crc32c: crc32c::crc32c(&sent) })
-    }
-}
-
 /// Shared handle to any client.
 pub type DynClient = Arc<dyn BatchClient>;
+
+#[cfg(test)]
+mod memory;
+#[cfg(test)]
+pub use memory::{Fault, MemoryClient};
 
 #[cfg(test)]
 mod tests {
@@ -554,7 +405,7 @@ mod tests {
                             response = response.header("content-length", len);
                         }
                         let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
-                        let _ = stream.send_data(Bytes::from(body.clone()), true);
+                        let _ = stream.send_data(bytes::Bytes::from(body.clone()), true);
                     }
                 });
             }

@@ -237,7 +237,7 @@ impl Fs {
         Ok(tree)
     }
 
-    /// The parent directory of directory `ino`.
+    /// The parent directory of directory `ino` (the root is its own).
     pub fn parent(&self, ino: u64) -> u64 {
         match Node::from_ino(ino) {
             Some(Node::RawDir(0)) | Some(Node::Epoch(_)) | Some(Node::MetaDir) => ROOT,
@@ -379,6 +379,15 @@ impl Fs {
         }
     }
 
+    /// Every entry of directory `ino` as `readdir` returns it: `.`, `..`, then [`Fs::readdir`]'s, each as
+    /// (inode, is a directory, name).
+    pub fn dir_entries(&self, ino: u64) -> Result<Vec<(u64, bool, String)>, FsError> {
+        let entries = self.readdir(ino)?;
+        let mut out = vec![(ino, true, ".".to_owned()), (self.parent(ino), true, "..".to_owned())];
+        out.extend(entries.into_iter().map(|(n, name)| (n.ino(), n.is_dir(), name)));
+        Ok(out)
+    }
+
     /// Checks that `ino` can be opened for reading.
     pub fn open(&self, ino: u64, write: bool) -> Result<Node, FsError> {
         let node = Node::from_ino(ino).ok_or(FsError::NotFound)?;
@@ -474,9 +483,18 @@ mod tests {
         let raw = fs.lookup(ROOT, "raw").unwrap().node;
         let top: Vec<String> = fs.readdir(raw.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
         assert_eq!(top, ["a", "b", "top.txt"]);
-        let c = fs.lookup(fs.lookup(raw.ino(), "b").unwrap().node.ino(), "c").unwrap().node;
+        let b = fs.lookup(raw.ino(), "b").unwrap().node;
+        let c = fs.lookup(b.ino(), "c").unwrap().node;
         assert!(c.is_dir());
-        assert_eq!(fs.parent(c.ino()), fs.lookup(raw.ino(), "b").unwrap().node.ino());
+        // `..` of a directory deep in raw/ is its parent (it once was the directory itself).
+        let dots = |ino| fs.dir_entries(ino).unwrap()[..2].to_vec();
+        assert_eq!(dots(c.ino()), [(c.ino(), true, ".".to_owned()), (b.ino(), true, "..".to_owned())]);
+        assert_eq!(dots(b.ino())[1].0, raw.ino());
+        assert_eq!(dots(raw.ino())[1].0, ROOT);
+        assert_eq!(dots(ROOT)[1].0, ROOT);
+        assert_eq!(dots(Node::Epoch(1).ino())[1].0, ROOT);
+        let listed: Vec<String> = fs.dir_entries(c.ino()).unwrap().into_iter().map(|e| e.2).collect();
+        assert_eq!(listed, [".", "..", "z.jpg"]);
         let z = fs.lookup(c.ino(), "z.jpg").unwrap();
         assert_eq!(z.size, "contents of b/c/z.jpg".len() as u64);
         assert_eq!(fs.read(z.node.ino(), 0, 1000, 1).unwrap(), "contents of b/c/z.jpg".as_bytes());

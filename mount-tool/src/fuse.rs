@@ -278,20 +278,12 @@ impl Filesystem for FuseFs {
     }
 
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        let entries = match self.fs.readdir(ino.0) {
+        let entries = match self.fs.dir_entries(ino.0) {
             Ok(e) => e,
             Err(e) => return reply.error(errno(&e)),
         };
-        let parent = match Node::from_ino(ino.0) {
-            Some(Node::Epoch(_)) | Some(Node::MetaDir) => crate::fs::ROOT,
-            _ => ino.0,
-        };
-        let all = [(ino.0, FileType::Directory, ".".to_owned()), (parent, FileType::Directory, "..".to_owned())]
-            .into_iter()
-            .chain(entries.into_iter().map(|(n, name)| {
-                (n.ino(), if n.is_dir() { FileType::Directory } else { FileType::RegularFile }, name)
-            }));
-        for (i, (child, kind, name)) in all.enumerate().skip(offset as usize) {
+        for (i, (child, dir, name)) in entries.into_iter().enumerate().skip(offset as usize) {
+            let kind = if dir { FileType::Directory } else { FileType::RegularFile };
             if reply.add(INodeNo(child), i as u64 + 1, kind, name) {
                 break;
             }

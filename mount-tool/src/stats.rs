@@ -30,9 +30,10 @@ pub struct Stats {
 /// A point-in-time copy of [`Stats`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StatsSnapshot {
-    /// Bytes returned to readers.
+    /// Bytes returned to readers: by the daemon's reads, plus, with passthrough, each file the kernel
+    /// serves (counted whole, once per time it was fetched, at its first open).
     pub bytes_served: u64,
-    /// Read requests answered with data.
+    /// Read requests answered with data by the daemon (passthrough reads never reach it).
     pub reads: u64,
     /// Reads and passthrough opens whose file was already cached or in flight (prefetched, or fetched
     /// for another reader).

@@ -47,6 +47,18 @@ fn server(samples: u32, mean_bytes: u64, token: Option<&str>) -> Server {
     Server { runtime, running: Some(running), _data: data, url }
 }
 
+/// Batch `batch` of epoch 0 with plan options `query`, straight from the server.
+fn server_batch(server: &Server, query: &str, batch: u64) -> Vec<u8> {
+    let base = server.url.trim_end_matches("/d");
+    let url = format!("{base}{}?{query}", batchfs::api::batch_path("d", 0, batch));
+    server.runtime.block_on(async {
+        let client = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+        let response = client.get(url).send().await.unwrap();
+        assert!(response.status().is_success(), "{}", response.status());
+        response.bytes().await.unwrap().to_vec()
+    })
+}
+
 /// Unmounts (lazily) on drop, so a failing test leaves nothing mounted.
 struct MountGuard(PathBuf);
 
@@ -169,7 +181,8 @@ fn a_stale_mount_of_a_killed_daemon_is_cleaned_up() {
     assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "a dead daemon leaves 'Transport endpoint is not connected'");
     let out = batchfs(&["mount", &server.url, mnt.to_str().unwrap(), "-o", "batch_size=4"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(std::fs::read(mnt.join("epoch-0000/batch-000000.tfrecord")).is_ok());
+    let got = std::fs::read(mnt.join("epoch-0000/batch-000000.tfrecord")).unwrap();
+    assert_eq!(got, server_batch(&server, "batch_size=4", 0), "the new mount serves the server's bytes");
 }
 
 #[test]
@@ -203,7 +216,8 @@ fn fstab_entries_mount_with_mount_t() {
     let out = Command::new("mount").arg("-T").arg(&fstab).arg(&mnt).output().unwrap();
     assert!(out.status.success(), "mount -T: {}", stderr(&out));
     assert!(is_mounted(&mnt));
-    assert!(std::fs::read(mnt.join("epoch-0000/batch-000003.tfrecord")).unwrap().len() > 100);
+    let got = std::fs::read(mnt.join("epoch-0000/batch-000003.tfrecord")).unwrap();
+    assert_eq!(got, server_batch(&server, "batch_size=4", 3), "the fstab options (batch_size=4) are applied");
     let out = Command::new("umount").arg(&mnt).output().unwrap();
     assert!(out.status.success(), "umount: {}", stderr(&out));
     // mount -a with the same fstab mounts every entry.

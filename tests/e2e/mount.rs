@@ -133,6 +133,7 @@ fn interleaved_readers(rt: &tokio::runtime::Runtime, server: &common::Server, pa
         assert_eq!(stats["passthrough"], true, "this kernel offers passthrough: {stats}");
         assert_eq!((n("passthrough_opens"), n("daemon_opens"), n("reads")), (files, 0, 0), "{stats}");
         assert_eq!(n("passthrough_bytes"), m.bytes, "{stats}");
+        assert_eq!(n("bytes_served"), m.bytes, "each file served once, whole: {stats}");
     } else {
         assert_eq!(stats["passthrough"], false);
         assert_eq!((n("passthrough_opens"), n("daemon_opens")), (0, files), "{stats}");
