@@ -15,7 +15,7 @@
 
 use crate::encode::BatchFormat;
 use crate::index::SourceFormat;
-use crate::plan::{PlanOptions, Shuffle};
+use crate::plan::{PlanError, PlanOptions, Shuffle};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -148,43 +148,64 @@ pub struct BatchQuery {
     pub format: BatchFormat,
 }
 
-const QUERY_KEYS: &str = "batch_size, seed, shuffle, drop_last, format";
+/// The keys [`BatchQuery::set`] takes.
+pub const QUERY_KEYS: &str = "batch_size, seed, shuffle, drop_last, format";
 
 impl BatchQuery {
-    /// Parses `batch_size=..&seed=..&shuffle=..&drop_last=..&format=..` (all optional). Unknown or
-    /// repeated keys and bad values are errors that say what is allowed.
+    /// Parses `batch_size=..&seed=..&shuffle=..&drop_last=..&format=..` (all optional, each as
+    /// [`BatchQuery::set`] takes it). Unknown or repeated keys and bad values are errors that say what is
+    /// allowed.
     pub fn parse(query: &str) -> Result<BatchQuery, ApiError> {
         let mut q = BatchQuery::default();
         let mut seen = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
             let bad = |msg: String| ApiError::BadRequest(msg);
-            let value =
-                percent_decode(&value.replace('+', " ")).ok_or_else(|| bad(format!("malformed value for {key}")))?;
+            let (key, value) = match pair.split_once('=') {
+                Some((key, value)) => {
+                    let decoded = percent_decode(&value.replace('+', " "));
+                    (key, Some(decoded.ok_or_else(|| bad(format!("malformed value for {key}")))?))
+                }
+                None => (pair, None),
+            };
             if seen.contains(&key) {
                 return Err(bad(format!("query parameter {key} given twice")));
             }
             seen.push(key);
-            match key {
-                "batch_size" => {
-                    let n = number("batch_size", &value)?;
-                    q.plan.batch_size = u32::try_from(n).unwrap_or(u32::MAX);
-                    q.plan.validate().map_err(|e| bad(e.to_string()))?;
-                }
-                "seed" => q.plan.seed = number("seed", &value)?,
-                "shuffle" => q.plan.shuffle = value.parse::<Shuffle>().map_err(|e| bad(e.to_string()))?,
-                "drop_last" => {
-                    q.plan.drop_last = match value.as_str() {
-                        "true" | "1" => true,
-                        "false" | "0" => false,
-                        other => return Err(bad(format!("drop_last must be true or false, got {other:?}"))),
-                    }
-                }
-                "format" => q.format = value.parse().map_err(bad)?,
-                other => return Err(bad(format!("unknown query parameter {other:?}; expected {QUERY_KEYS}"))),
+            if !q.set(key, value.as_deref())? {
+                return Err(bad(format!("unknown query parameter {key:?}; expected {QUERY_KEYS}")));
             }
         }
         Ok(q)
+    }
+
+    /// Applies one plan option or the batch format, given as text: the one parser of `batch_size`,
+    /// `seed`, `shuffle`, `drop_last` and `format`, for the server's query strings and the mount's
+    /// options alike. `value` is `None` for a bare key: `drop_last` alone means true. Booleans are
+    /// `true`/`1`/`yes` or `false`/`0`/`no`. Returns false, changing nothing, for any other key.
+    pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<bool, ApiError> {
+        let bad = |msg: String| ApiError::BadRequest(msg);
+        let need = || value.ok_or_else(|| bad(format!("{key} needs a value ({key}=...)")));
+        match key {
+            "batch_size" => {
+                let n = number(key, need()?)?;
+                let mut plan = self.plan;
+                plan.batch_size = u32::try_from(n).map_err(|_| bad(PlanError::BadBatchSize(n).to_string()))?;
+                plan.validate().map_err(|e| bad(e.to_string()))?;
+                self.plan = plan;
+            }
+            "seed" => self.plan.seed = number(key, need()?)?,
+            "shuffle" => self.plan.shuffle = need()?.parse::<Shuffle>().map_err(|e| bad(e.to_string()))?,
+            "drop_last" => {
+                self.plan.drop_last = match value {
+                    None | Some("true" | "1" | "yes") => true,
+                    Some("false" | "0" | "no") => false,
+                    Some(other) => return Err(bad(format!("drop_last must be true or false, got {other:?}"))),
+                }
+            }
+            "format" => self.format = need()?.parse().map_err(bad)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
     }
 
     /// The canonical query string (every key, fixed order).
@@ -361,9 +382,42 @@ mod tests {
             "x=1",
             "seed=1&seed=2",
             "drop_last=maybe",
+            "seed",
         ] {
             assert!(matches!(BatchQuery::parse(bad), Err(ApiError::BadRequest(_))), "{bad}");
         }
+    }
+
+    /// The one set of spellings and errors, for queries and mount options alike.
+    #[test]
+    fn plan_options_parse_one_way() {
+        let set = |key: &str, value: Option<&str>| {
+            let mut q = BatchQuery::default();
+            q.set(key, value).map(|known| (known, q))
+        };
+        for (value, want) in [(None, true), (Some("true"), true), (Some("1"), true), (Some("yes"), true)] {
+            assert_eq!(set("drop_last", value).unwrap().1.plan.drop_last, want, "{value:?}");
+        }
+        for value in ["false", "0", "no"] {
+            assert!(!set("drop_last", Some(value)).unwrap().1.plan.drop_last, "{value}");
+        }
+        assert!(BatchQuery::parse("drop_last").unwrap().plan.drop_last, "a bare key in a query too");
+        let err = |key, value: &str| set(key, Some(value)).unwrap_err().to_string();
+        // Overflow is out of range like any other size, never clamped.
+        assert_eq!(
+            err("batch_size", "4294967296"),
+            format!("batch_size must be between 1 and {}, got 4294967296", crate::plan::MAX_BATCH_SIZE)
+        );
+        assert_eq!(
+            err("batch_size", "0"),
+            format!("batch_size must be between 1 and {}, got 0", crate::plan::MAX_BATCH_SIZE)
+        );
+        assert_eq!(err("seed", "x"), "seed must be a non-negative integer, got \"x\"");
+        assert_eq!(set("seed", None).unwrap_err().to_string(), "seed needs a value (seed=...)");
+        let (known, q) = set("cache", Some("1G")).unwrap();
+        assert!(!known && q == BatchQuery::default(), "other keys are left to the caller");
+        let (_, q) = set("batch_size", Some("64")).unwrap();
+        assert_eq!(q.plan.batch_size, 64);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use batchfs::api::BatchQuery;
 use batchfs::encode::BatchFormat;
-use batchfs::plan::{PlanOptions, Shuffle};
+use batchfs::plan::PlanOptions;
 use batchfs::units::{parse_duration, parse_size};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -92,19 +92,14 @@ impl MountOptions {
         let need = || value.ok_or_else(|| format!("option {key} needs a value ({key}=...)"));
         let number = |v: &str| v.parse::<u64>().map_err(|_| format!("{key}={v}: expected a number"));
         match key {
-            "batch_size" => {
-                self.plan.batch_size = u32::try_from(number(need()?)?).map_err(|_| format!("{key} too large"))?;
-                self.plan.validate().map_err(|e| e.to_string())?;
-            }
-            "seed" => self.plan.seed = number(need()?)?,
-            "shuffle" => self.plan.shuffle = need()?.parse::<Shuffle>().map_err(|e| e.to_string())?,
-            "drop_last" => self.plan.drop_last = boolean(key, value)?,
-            "format" => {
-                self.format = match need()? {
-                    "tfrecord" => BatchFormat::Tfrecord,
-                    "tar" => BatchFormat::Tar,
-                    other => return Err(format!("format={other}: expected tfrecord or tar")),
+            // The plan options and the format: parsed as the server parses them in a query.
+            "batch_size" | "seed" | "shuffle" | "drop_last" | "format" => {
+                let mut query = self.query();
+                query.set(key, value).map_err(|e| e.to_string())?;
+                if query.format == BatchFormat::TfrecordIdx {
+                    return Err("format=tfrecord.idx: a mount shows tfrecord (with .idx twins) or tar".into());
                 }
+                (self.plan, self.format) = (query.plan, query.format);
             }
             "epochs" => self.epochs = number(need()?)?,
             "prefetch" => self.prefetch = number(need()?)? as usize,
@@ -154,6 +149,7 @@ impl MountOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use batchfs::plan::Shuffle;
 
     #[test]
     fn fstab_style_lists() {
