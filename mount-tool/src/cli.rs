@@ -1,6 +1,6 @@
-//! The `batchfs` command line: `mount`, `umount`, `stats` and `demo`; also `mount.batchfs` (the helper
-//! mount(8) runs for fstab entries of type `batchfs`) and `batchfs URL DIR -o ...` (how mount.fuse3 runs a
-//! `fuse.batchfs` entry).
+//! The `batchfs` command line: `mount`, `umount`, `stats`, and the side tools in `cmd/` (`demo`, `bench`,
+//! `netem`, `energy`); also `mount.batchfs` (the helper mount(8) runs for fstab entries of type `batchfs`)
+//! and `batchfs URL DIR -o ...` (how mount.fuse3 runs a `fuse.batchfs` entry).
 
 use crate::options::MountOptions;
 use crate::stats::StatsSnapshot;
@@ -36,13 +36,13 @@ pub enum Command {
         json: bool,
     },
     /// Generate a sample dataset, serve it, mount it, read one epoch, print a result table.
-    Demo(crate::demo::DemoArgs),
+    Demo(crate::cmd::demo::DemoArgs),
     /// Run a command and report the energy it used per sensor, idle baseline subtracted.
-    Energy(crate::energy_cmd::EnergyArgs),
+    Energy(crate::cmd::energy::EnergyArgs),
     /// A TCP proxy that adds latency and caps throughput (user-space netem, for loopback links).
-    Netem(crate::netem::NetemArgs),
+    Netem(crate::cmd::netem::NetemArgs),
     /// Read every file under a path as a loader would; report throughput, read latency, time stalled.
-    Bench(crate::bench::BenchArgs),
+    Bench(crate::cmd::bench::BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -195,16 +195,16 @@ pub fn run() -> Result<()> {
         Command::Stats { mountpoint, json } => stats(&mountpoint, json),
         Command::Demo(args) => {
             init_tracing(None, "warn");
-            crate::demo::run(args)
+            crate::cmd::demo::run(args)
         }
-        Command::Bench(args) => crate::bench::run(args),
+        Command::Bench(args) => crate::cmd::bench::run(args),
         Command::Netem(args) => {
             init_tracing(None, "info");
-            crate::netem::run(args)
+            crate::cmd::netem::run(args)
         }
         Command::Energy(args) => {
             init_tracing(None, "warn");
-            let code = crate::energy_cmd::run(args)?;
+            let code = crate::cmd::energy::run(args)?;
             std::process::exit(code)
         }
     }

@@ -139,6 +139,11 @@ pub fn epoch_name(e: u64) -> String {
     format!("epoch-{e:04}")
 }
 
+/// Name of batch file `batch` in `format` (`BatchFormat::TfrecordIdx` for the `.idx` twin).
+pub fn batch_name(batch: u64, format: BatchFormat) -> String {
+    format!("batch-{batch:06}.{}", format.as_str())
+}
+
 fn parse_epoch(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("epoch-")?;
     let e: u64 = digits.parse().ok()?;
@@ -265,10 +270,6 @@ impl Fs {
         }
     }
 
-    fn batch_name(&self, batch: u64, index: bool) -> String {
-        format!("batch-{batch:06}.{}", self.batch_format(index).as_str())
-    }
-
     fn parse_batch(&self, name: &str) -> Option<(u64, bool)> {
         let rest = name.strip_prefix("batch-")?;
         let (digits, ext) = rest.split_once('.')?;
@@ -363,9 +364,12 @@ impl Fs {
                 let with_index = self.options.format == BatchFormat::Tfrecord;
                 let mut out = Vec::with_capacity(manifest.batches.len() * 2);
                 for b in 0..manifest.batches.len() as u64 {
-                    out.push((Node::Batch { epoch, batch: b, index: false }, self.batch_name(b, false)));
+                    out.push((Node::Batch { epoch, batch: b, index: false }, batch_name(b, self.batch_format(false))));
                     if with_index {
-                        out.push((Node::Batch { epoch, batch: b, index: true }, self.batch_name(b, true)));
+                        out.push((
+                            Node::Batch { epoch, batch: b, index: true },
+                            batch_name(b, self.batch_format(true)),
+                        ));
                     }
                 }
                 Ok(out)
@@ -518,6 +522,172 @@ mod tests {
         assert_eq!(fs.open(file, true).unwrap_err().errno(), libc::EROFS);
         assert_eq!(fs.read(e0, 0, 10, 1).unwrap_err().errno(), libc::EISDIR);
         assert_eq!(fs.getattr(12345).unwrap_err().errno(), libc::ENOENT);
+    }
+
+    /// The reference model of [`fs`]'s tree (tfrecord format): every path, `None` for a directory, the
+    /// bytes for a file. `.batchfs/stats` changes as it is read, so the model holds only that it exists.
+    fn model() -> std::collections::BTreeMap<String, Option<Vec<u8>>> {
+        let mut m = std::collections::BTreeMap::new();
+        for dir in ["", ".batchfs", "raw", "raw/a", "raw/b", "raw/b/c"] {
+            m.insert(dir.to_owned(), None);
+        }
+        m.insert(".batchfs/stats".to_owned(), Some(Vec::new()));
+        for p in ["a/x.jpg", "a/y.jpg", "b/c/z.jpg", "top.txt"] {
+            m.insert(format!("raw/{p}"), Some(format!("contents of {p}").into_bytes()));
+        }
+        // Epochs 0 and 1 are listed; 2 is not, and resolves by name all the same.
+        for e in 0..3u64 {
+            m.insert(epoch_name(e), None);
+            for b in 0..3 {
+                for f in [BatchFormat::Tfrecord, BatchFormat::TfrecordIdx] {
+                    let body = format!("{f} epoch {e} batch {b}").into_bytes();
+                    m.insert(format!("{}/{}", epoch_name(e), batch_name(b, f)), Some(body));
+                }
+            }
+        }
+        m
+    }
+
+    /// The paths the operations pick from: the model's, and names that must not resolve.
+    fn paths() -> Vec<String> {
+        let mut all: Vec<String> = model().into_keys().collect();
+        all.extend(
+            [
+                "epoch-2",
+                "epoch-00001",
+                "batch-000000.tfrecord",
+                "epoch-0000/batch-000003.tfrecord",
+                "epoch-0000/batch-000000.tar",
+                "epoch-0000/batch-0.tfrecord",
+                "raw/nope",
+                "raw/top.txt/x",
+                "raw/a/x.jpg/y",
+                "top.txt",
+                ".batchfs/other",
+                "epoch-0001/batch-000001.tfrecord/x",
+            ]
+            .map(String::from),
+        );
+        all
+    }
+
+    /// Resolves `path` from the root, one lookup per component, as the kernel does.
+    fn walk(fs: &Fs, path: &str) -> Result<Attr, i32> {
+        let mut at = fs.getattr(ROOT).map_err(|e| e.errno())?;
+        for part in path.split('/').filter(|p| !p.is_empty()) {
+            at = fs.lookup(at.node.ino(), part).map_err(|e| e.errno())?;
+        }
+        Ok(at)
+    }
+
+    /// What the model says a lookup of `path` returns: its size, or the errno.
+    fn model_walk(m: &std::collections::BTreeMap<String, Option<Vec<u8>>>, path: &str) -> Result<u64, i32> {
+        let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
+        for k in 1..parts.len() {
+            if let Some(Some(_)) = m.get(&parts[..k].join("/")) {
+                return Err(libc::ENOTDIR);
+            }
+        }
+        match m.get(&parts.join("/")) {
+            Some(Some(body)) => Ok(body.len() as u64),
+            Some(None) => Ok(0),
+            None => Err(libc::ENOENT),
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Lookup(usize),
+        Readdir(usize),
+        Read { path: usize, offset: u64, size: u32 },
+        OpenClose(usize),
+        Backing(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let n = paths().len();
+        prop_oneof![
+            (0..n).prop_map(Op::Lookup),
+            (0..n).prop_map(Op::Readdir),
+            (0..n, 0u64..40, 0u32..40).prop_map(|(path, offset, size)| Op::Read { path, offset, size }),
+            (0..n).prop_map(Op::OpenClose),
+            (0..n).prop_map(Op::Backing),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+        /// Reference model (as mountpoint-s3's reftests): random sequences of lookups, listings, reads,
+        /// opens with their releases and passthrough opens give what the model says, in any order.
+        #[test]
+        fn operations_match_the_reference_model(ops in proptest::collection::vec(op(), 1..40)) {
+            let (_rt, fs) = fs(BatchFormat::Tfrecord);
+            let m = model();
+            let all = paths();
+            for op in ops {
+                match op {
+                    Op::Lookup(i) => {
+                        let got = walk(&fs, &all[i]).map(|a| if all[i] == ".batchfs/stats" { 0 } else { a.size });
+                        prop_assert_eq!(got, model_walk(&m, &all[i]), "lookup {}", all[i]);
+                    }
+                    Op::Readdir(i) => {
+                        let (path, want) = (&all[i], model_walk(&m, &all[i]));
+                        let Ok(attr) = walk(&fs, path) else { continue };
+                        prop_assert!(want.is_ok());
+                        let got = fs.readdir(attr.node.ino()).map(|e| e.into_iter().map(|(_, n)| n).collect::<Vec<_>>());
+                        if m.get(path.as_str()).is_some_and(|e| e.is_some()) {
+                            prop_assert_eq!(got.map_err(|e| e.errno()), Err(libc::ENOTDIR), "readdir of file {}", path);
+                            continue;
+                        }
+                        let prefix = if path.is_empty() { String::new() } else { format!("{path}/") };
+                        let mut children: Vec<String> = m
+                            .keys()
+                            .filter_map(|k| k.strip_prefix(prefix.as_str()).filter(|r| !r.is_empty() && !r.contains('/')))
+                            .map(String::from)
+                            .filter(|name| !path.is_empty() || name != "epoch-0002") // not listed, only resolves
+                            .collect();
+                        let mut got = got.unwrap();
+                        children.sort();
+                        got.sort();
+                        prop_assert_eq!(got, children, "readdir {}", path);
+                    }
+                    Op::Read { path, offset, size } => {
+                        let Ok(attr) = walk(&fs, &all[path]) else { continue };
+                        let got = fs.read(attr.node.ino(), offset, size, 1);
+                        match m.get(all[path].as_str()) {
+                            Some(Some(_)) if all[path] == ".batchfs/stats" => prop_assert!(got.is_ok()),
+                            Some(Some(body)) => {
+                                let start = (offset as usize).min(body.len());
+                                let end = (offset as usize + size as usize).min(body.len());
+                                prop_assert_eq!(&got.unwrap()[..], &body[start..end], "read {}", all[path]);
+                            }
+                            _ => prop_assert_eq!(got.map_err(|e| e.errno()), Err(libc::EISDIR)),
+                        }
+                    }
+                    Op::OpenClose(i) => {
+                        let Ok(attr) = walk(&fs, &all[i]) else { continue };
+                        prop_assert_eq!(fs.open(attr.node.ino(), true).map_err(|e| e.errno()), Err(libc::EROFS));
+                        prop_assert!(fs.open(attr.node.ino(), false).is_ok());
+                        fs.closed(attr.node.ino());
+                    }
+                    Op::Backing(i) => {
+                        let Ok(attr) = walk(&fs, &all[i]) else { continue };
+                        let got = fs.backing_file(attr.node.ino(), 1);
+                        match m.get(all[i].as_str()) {
+                            Some(Some(body)) if all[i] != ".batchfs/stats" => {
+                                use std::os::unix::fs::FileExt;
+                                let file = got.unwrap();
+                                let mut bytes = vec![0; body.len()];
+                                file.read_exact_at(&mut bytes, 0).unwrap();
+                                prop_assert_eq!(&bytes, body, "memory file of {}", all[i]);
+                                prop_assert_eq!(file.metadata().unwrap().len(), body.len() as u64);
+                            }
+                            _ => prop_assert!(got.is_err(), "no memory file for {}", all[i]),
+                        }
+                    }
+                }
+            }
+        }
     }
 
     proptest! {

@@ -2,15 +2,12 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-pub mod bench;
 pub mod cli;
 pub mod client;
-pub mod demo;
-pub mod energy_cmd;
+pub mod cmd;
 pub mod fs;
 pub mod fuse;
 pub mod mount;
-pub mod netem;
 pub mod options;
 pub mod pool;
 pub mod prefetch;

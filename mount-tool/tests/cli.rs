@@ -450,7 +450,7 @@ fn bench_mmap_really_reads_the_pages() {
         }
         let data = std::fs::read(path).unwrap();
         bytes += data.len() as u64;
-        sum = sum.wrapping_add(batchfs_mount::bench::byte_sum(&data));
+        sum = sum.wrapping_add(batchfs_mount::cmd::bench::byte_sum(&data));
     }
     assert_eq!((r["bytes"].as_u64(), r["byte_sum"].as_u64()), (Some(bytes), Some(sum)), "{r}");
     assert!(batchfs(&["umount", mnt.to_str().unwrap()]).status.success());

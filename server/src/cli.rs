@@ -2,17 +2,16 @@
 
 use crate::catalog::{Catalog, Dataset};
 use crate::config::{ConfigFile, DatasetSpec, ServerLimits};
+use crate::progress::IndexProgress;
 use crate::{ServeOptions, TlsFiles};
 use anyhow::{bail, Context, Result};
 use batchfs::gen::{self, GenOptions};
 use batchfs::index::SourceFormat;
-use batchfs::source::{IndexOptions, IndexOrigin, Progress};
+use batchfs::source::{IndexOptions, IndexOrigin};
 use batchfs::units::{parse_duration, parse_size};
 use clap::{Args, Parser, Subcommand};
-use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// batchfs storage-side server: indexes datasets once and serves pre-batched batch files over HTTP/2.
@@ -226,60 +225,6 @@ pub fn run() -> Result<()> {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
-}
-
-/// Indexing progress: a bar on a terminal, a log line every few seconds otherwise.
-pub struct IndexProgress {
-    name: String,
-    bar: Option<indicatif::ProgressBar>,
-    state: Mutex<(u64, u64, Instant)>,
-}
-
-impl IndexProgress {
-    pub fn new(name: &str) -> Self {
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let bar = indicatif::ProgressBar::new(0);
-            bar.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-                )
-                .expect("valid template")
-                .progress_chars("=> "),
-            );
-            bar.set_prefix(format!("indexing {name}"));
-            bar
-        });
-        IndexProgress { name: name.to_owned(), bar, state: Mutex::new((0, 0, Instant::now())) }
-    }
-
-    fn finish(&self) {
-        if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
-        }
-    }
-}
-
-impl Progress for IndexProgress {
-    fn start(&self, total: u64, shards: usize) {
-        if let Some(bar) = &self.bar {
-            bar.set_length(total);
-        }
-        *self.state.lock().expect("progress") = (0, total, Instant::now());
-        tracing::info!(dataset = %self.name, shards, bytes = total, "indexing");
-    }
-
-    fn advance(&self, bytes: u64) {
-        if let Some(bar) = &self.bar {
-            bar.inc(bytes);
-            return;
-        }
-        let mut s = self.state.lock().expect("progress");
-        s.0 += bytes;
-        if s.2.elapsed() >= Duration::from_secs(5) {
-            s.2 = Instant::now();
-            tracing::info!(dataset = %self.name, done = s.0, total = s.1, "indexing: {:.0}%", s.0 as f64 * 100.0 / s.1.max(1) as f64);
-        }
-    }
 }
 
 /// Opens every dataset, indexing where needed, with progress and a summary line each.

@@ -3,8 +3,8 @@
 //! every batch's CRC32C against the manifest, and prints a result table.
 
 use crate::catalog::{Catalog, Dataset};
-use crate::cli::IndexProgress;
 use crate::config::ServerLimits;
+use crate::progress::IndexProgress;
 use crate::ServeOptions;
 use anyhow::{bail, Context, Result};
 use batchfs::api::{self, BatchQuery, Manifest};
@@ -53,7 +53,7 @@ pub struct EpochRead {
 }
 
 /// An HTTP/2 (prior knowledge) client with windows sized like the server's.
-pub fn h2_client() -> Result<reqwest::Client> {
+fn h2_client() -> Result<reqwest::Client> {
     let limits = ServerLimits::default();
     Ok(reqwest::Client::builder()
         .http2_prior_knowledge()
@@ -64,7 +64,7 @@ pub fn h2_client() -> Result<reqwest::Client> {
 }
 
 /// Reads every batch of one epoch with `streams` concurrent requests, checking each body's CRC32C.
-pub async fn read_epoch(
+async fn read_epoch(
     client: &reqwest::Client,
     base: &str,
     dataset: &str,

@@ -13,6 +13,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod metrics;
+pub mod progress;
 pub mod service;
 mod tls;
 

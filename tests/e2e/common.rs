@@ -136,7 +136,14 @@ pub fn manifest_of(
 
 /// An HTTP/2 client with prior knowledge (h2c).
 pub fn h2c() -> reqwest::Client {
-    batchfs_server::demo::h2_client().unwrap()
+    let limits = ServerLimits::default();
+    reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .http2_initial_stream_window_size(limits.stream_window)
+        .http2_initial_connection_window_size(limits.connection_window)
+        .http2_max_frame_size(limits.max_frame_size)
+        .build()
+        .unwrap()
 }
 
 /// Runs `tests/python/read_batches.py` on a batch file, or `None` where its Python modules are missing

@@ -1,7 +1,7 @@
 //! The latency lab's instrument, measured: `batchfs netem` adds the RTT it is asked for (within 1 ms or
 //! 10 %) and caps throughput within 10 %, without reordering or changing a byte.
 
-use batchfs_mount::netem::{start, Link};
+use batchfs_mount::cmd::netem::{start, Link};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};

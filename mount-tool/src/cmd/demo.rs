@@ -123,9 +123,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
     };
     let mounted = crate::mount::spawn(&plan)?;
     let manifest = mounted.prefetcher.manifest(0, BatchFormat::Tfrecord).map_err(anyhow::Error::msg)?;
-    let epoch = mountpoint.join("epoch-0000");
-    let files: Vec<PathBuf> =
-        (0..manifest.batches.len()).map(|b| epoch.join(format!("batch-{b:06}.tfrecord"))).collect();
+    let epoch = mountpoint.join(crate::fs::epoch_name(0));
+    let files: Vec<PathBuf> = (0..manifest.batches.len() as u64)
+        .map(|b| epoch.join(crate::fs::batch_name(b, BatchFormat::Tfrecord)))
+        .collect();
     let listed = std::fs::read_dir(&epoch)?.count();
 
     let started = Instant::now();
