@@ -357,6 +357,9 @@ impl Prefetcher {
         let s = &self.stats;
         // A hit found its batch cached or already being fetched; a miss had to start the fetch.
         Stats::add(if fresh { &s.misses } else { &s.hits }, 1);
+        if fresh {
+            tracing::debug!(what = %describe(key), owner, "miss: fetched on demand");
+        }
         if waited || fresh {
             Stats::add(&s.stalls, 1);
             Stats::add(&s.stall_ns, started.elapsed().as_nanos() as u64);
@@ -407,27 +410,45 @@ impl Prefetcher {
             manifest.batches.len() as u64,
             self.config.prefetch,
         );
-        let here = targets.iter().take_while(|t| t.listing == key.listing).count();
-        if !self.start_prefetches(&targets[..here], manifest) {
+        let (here, next): (Vec<Target>, Vec<Target>) = targets.into_iter().partition(|t| t.listing == key.listing);
+        if !self.start_prefetches(&here, manifest) {
             return;
         }
         // The window runs into the next epoch: its manifest may not be here yet, and fetching it must
         // not hold up this read.
-        let next = targets[here..].to_vec();
         let Some(&Target { listing: Listing::Epoch { epoch, format }, .. }) = next.first() else { return };
         if epoch > self.config.last_epoch {
             return;
         }
-        let cached = self.manifests.lock().expect("manifests").get(&(epoch, format)).cloned();
-        if let Some(m) = cached {
-            self.start_prefetches(&next, &m);
+        // A reader of this epoch's DALI index twins reads all of the next epoch's at its pipeline build.
+        let manifests = self.manifests.lock().expect("manifests");
+        let twins = (format == BatchFormat::Tfrecord
+            && manifests.contains(&(epoch - 1, BatchFormat::TfrecordIdx))
+            && !manifests.contains(&(epoch, BatchFormat::TfrecordIdx)))
+        .then_some(BatchFormat::TfrecordIdx);
+        let cached = manifests.peek(&(epoch, format)).cloned();
+        drop(manifests);
+        if let (Some(m), None) = (&cached, twins) {
+            self.start_prefetches(&next, m);
             return;
         }
         let this = self.clone();
         self.runtime.spawn(async move {
             // Starting a prefetch takes the cache lock only briefly and never waits.
-            if let Ok(m) = this.fetch_manifest(epoch, format).await {
+            let m = match cached {
+                Some(m) => Ok(m),
+                None => this.fetch_manifest(epoch, format).await,
+            };
+            if let Ok(m) = m {
                 this.start_prefetches(&next, &m);
+            }
+            if let Some(idx) = twins {
+                if let Ok(m) = this.fetch_manifest(epoch, idx).await {
+                    let all: Vec<Target> = (0..m.batches.len() as u64)
+                        .map(|index| Target { listing: Listing::Epoch { epoch, format: idx }, index })
+                        .collect();
+                    this.start_prefetches(&all, &m);
+                }
             }
         });
     }
@@ -698,6 +719,7 @@ mod tests {
     use proptest::prelude::*;
 
     const TF: BatchFormat = BatchFormat::Tfrecord;
+    const L2: Listing = Listing::Epoch { epoch: 2, format: TF };
 
     impl Prefetcher {
         fn read_as0(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
@@ -842,6 +864,87 @@ mod tests {
         // Batch 0 copied; 3, 4 and 5 fetched into memory files (1 and 2 were prefetched into buffers).
         let in_files: usize = [0, 3, 4, 5].iter().map(|&b| bodies[b].len()).sum();
         assert_eq!(s.passthrough_bytes, in_files as u64, "{s:?}");
+    }
+
+    /// Waits until `done` holds (at most 10 s).
+    fn eventually(what: &str, done: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn index_twins_are_all_fetched_at_the_first_one() {
+        let (_rt, client, p, bodies) = setup(40, PrefetcherConfig { prefetch: 4, ..Default::default() });
+        let idx = |b| BatchKey::batch(0, b, BatchFormat::TfrecordIdx);
+        assert_eq!(p.read_as0(idx(0), 0, 1 << 20).unwrap(), bodies[0]);
+        eventually("every twin", || client.fetches.load(Ordering::Relaxed) == 40);
+        for (b, body) in bodies.iter().enumerate() {
+            assert_eq!(&p.read_as0(idx(b as u64), 0, 1 << 20).unwrap(), body);
+        }
+        assert_eq!(p.stats.snapshot().misses, 1, "only the first twin waited on its own request");
+    }
+
+    #[test]
+    fn a_thread_pool_reading_in_file_order_gets_the_window_from_the_first_read() {
+        // Eight threads (eight owners) take the next batch number in turn, as a loader's thread pool
+        // does; each fetch takes 5 ms.
+        let (_rt, client, p, bodies) = setup(64, PrefetcherConfig { prefetch: 8, ..Default::default() });
+        *client.delay.lock().unwrap() = Duration::from_millis(5);
+        let next = std::sync::atomic::AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for t in 0..8u32 {
+                let (p, next, bodies) = (&p, &next, &bodies);
+                s.spawn(move || loop {
+                    let b = next.fetch_add(1, Ordering::Relaxed);
+                    if b >= 64 {
+                        break;
+                    }
+                    assert_eq!(&p.read(key(b), 0, 1 << 20, 100 + t).unwrap(), &bodies[b as usize]);
+                });
+            }
+        });
+        // The pool's first reads start together, before any window exists; after them every read is a
+        // hit (tracked per thread, each thread's reads look like a ragged stride: mostly misses).
+        let s = p.stats.snapshot();
+        assert!(s.misses <= 8 + 1, "the window runs ahead of the pool from its first read: {s:?}");
+    }
+
+    #[test]
+    fn reading_to_the_end_of_an_epoch_warms_the_next_one_but_not_past_the_last() {
+        let config = PrefetcherConfig { prefetch: 4, last_epoch: 1, ..Default::default() };
+        let (_rt, _client, p, bodies) = setup(20, config);
+        let at = |epoch, b| BatchKey::batch(epoch, b, TF);
+        for epoch in 0..2 {
+            for (b, body) in bodies.iter().enumerate() {
+                assert_eq!(&p.read_as0(at(epoch, b as u64), 0, 1 << 20).unwrap(), body);
+            }
+            eventually("the window's fetches", || p.stats.snapshot().in_flight == 0);
+        }
+        // Epoch 1 began warm: the only miss is epoch 0's first read.
+        assert_eq!(p.stats.snapshot().misses, 1, "{:?}", p.stats.snapshot());
+        let cached = p.cache.lock().unwrap();
+        assert!(cached.entries.iter().all(|(k, _)| k.listing != L2), "no prefetch past the last epoch");
+    }
+
+    #[test]
+    fn large_batches_keep_a_deep_window() {
+        // Sixteen 8 MB batches ahead (128 MB) are in flight at once under the default byte cap: a
+        // 64 MB cap once let only a few large batches run.
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let bodies: Vec<Bytes> = (0..20u8).map(|i| Bytes::from(vec![i; (8 << 20) + usize::from(i)])).collect();
+        let b2 = bodies.clone();
+        let client = Arc::new(MemoryClient::new(move |_, _| b2.clone()));
+        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), PrefetcherConfig::default());
+        client.held.lock().unwrap().extend(1..20);
+        assert_eq!(p.read_as0(key(0), 0, 1 << 20).unwrap(), bodies[0][..1 << 20]);
+        assert_eq!(p.stats.snapshot().in_flight, 16, "{:?}", p.stats.snapshot());
+        client.held.lock().unwrap().clear();
+        for (b, body) in bodies.iter().enumerate().skip(1) {
+            assert_eq!(p.read_as0(key(b as u64), 8 << 20, 100).unwrap(), body[8 << 20..]);
+        }
     }
 
     #[test]

@@ -7,8 +7,9 @@ batchfs mounts at several RTTs, paced and unpaced, alternating, ROUNDS rounds; m
          ROUNDS (3), LOADERS ("dali dali-nommap torch wds"), MODES ("unpaced paced"),
          MOUNT_OPTS (extra -o options for every mount, e.g. passthrough=false)
 
-Systems: `local` (the same batch files copied to a local directory, page cache warm) and `batchfs-RTT`
-(one mount per RTT; RTT > 0 goes through `batchfs netem`). Each run on a mount reads a fresh epoch
+Systems: `local` (the same batch files copied to a local directory, page cache warm), `direct` (a mount
+of the server on loopback), `daemon` (the same with passthrough=false: every read through the daemon) and `netem-RTT` (a mount through `batchfs netem` at each RTT, 0 included: the
+user-space proxy costs CPU on these 2 cores, so the latency's own cost is netem-RTT / netem-0ms). Each run on a mount reads a fresh epoch
 (epoch 1, 2, ... of that mount), so nothing is served from the mount's cache of an earlier run except
 what the previous epoch's window warmed, as in training. Loaders: tests/python/loaders.py (DALI with and
 without mmap, PyTorch DataLoader with 4 workers under Debian's python3, WebDataset over tar batches).
@@ -101,36 +102,35 @@ def run(out, work, procs, mounts):
     port = free_port()
     procs.append(subprocess.Popen([os.path.join(BIN, "batchfs-server"), "serve", "--listen", f"127.0.0.1:{port}",
                                    "--dataset", f"d={data}"], stderr=subprocess.DEVNULL))
-    netem = {}
+    netem = {"direct": (port, None), "daemon": (port, None)}
     for rtt in RTTS:
-        if rtt == 0:
-            netem[rtt] = (port, None)
-            continue
         p = free_port()
         proc = subprocess.Popen([os.path.join(BIN, "batchfs"), "netem", "--listen", f"127.0.0.1:{p}",
                                  "--upstream", f"127.0.0.1:{port}", "--rtt-ms", str(rtt)], stderr=subprocess.DEVNULL)
         procs.append(proc)
-        netem[rtt] = (p, proc)
+        netem[f"netem-{rtt}ms"] = (p, proc)
     time.sleep(1.0)
     # One mount per RTT and format (WebDataset reads tar batches).
     dirs = {}
-    for rtt, (p, _) in netem.items():
+    for system, (p, _) in netem.items():
         for fmt in ("tfrecord", "tar"):
-            mnt = os.path.join(work, f"mnt-{rtt}-{fmt}")
+            mnt = os.path.join(work, f"mnt-{system}-{fmt}")
             os.makedirs(mnt)
             opts = f"batch_size={BATCH},format={fmt},epochs=100000" + (f",{MOUNT_OPTS}" if MOUNT_OPTS else "")
+            if system == "daemon":
+                opts += ",passthrough=false"
             subprocess.run([os.path.join(BIN, "batchfs"), "mount", f"http://127.0.0.1:{p}/d", mnt, "-o", opts],
                            check=True)
             mounts.append(mnt)
-            dirs[(rtt, fmt)] = mnt
+            dirs[(system, fmt)] = mnt
     # The local copies: epoch 0 of each format, read from the page cache.
     local = {}
     for fmt in ("tfrecord", "tar"):
         dst = os.path.join(work, f"local-{fmt}")
-        shutil.copytree(os.path.join(dirs[(0, fmt)], "epoch-0000"), dst)
+        shutil.copytree(os.path.join(dirs[("direct", fmt)], "epoch-0000"), dst)
         local[fmt] = dst
     next_epoch = {key: 1 for key in dirs}
-    systems = ["local"] + [f"batchfs-{rtt}ms" for rtt in RTTS]
+    systems = ["local"] + list(netem)
     rows = []
     idle_rate = measure_idle()
     for rnd in range(ROUNDS):
@@ -141,11 +141,10 @@ def run(out, work, procs, mounts):
                     if system == "local":
                         directory, netem_proc = local[fmt], None
                     else:
-                        rtt = int(system.split("-")[1].rstrip("ms"))
-                        key = (rtt, fmt)
+                        key = (system, fmt)
                         directory = os.path.join(dirs[key], f"epoch-{next_epoch[key]:04d}")
                         next_epoch[key] += 1
-                        netem_proc = netem[rtt][1]
+                        netem_proc = netem[system][1]
                     netem_before = cpu_of(netem_proc.pid) if netem_proc else 0.0
                     busy = busy_seconds()
                     started = time.monotonic()
@@ -180,8 +179,9 @@ def render(rows, systems):
     gb = rows[0]["bytes"] / 1e9
     lines = [f"Epoch: {SAMPLES} samples, {gb:.2f} GB of sample bytes, batch_size {BATCH}, medians of {ROUNDS} "
              f"rounds; paced = a consumer at {PACE:.0f} MB/s overlapping with loading.", ""]
-    header = "| loader | mode | " + " | ".join(f"{s} s" for s in systems) + " | mount 0 ms / local | "
-    header += " | ".join(f"{s} / 0 ms" for s in systems[2:]) + " | CPU s/GB local | CPU s/GB mount 0 ms |"
+    slow = [s for s in systems if s.startswith("netem-") and s != "netem-0ms"]
+    header = "| loader | mode | " + " | ".join(f"{s} s" for s in systems) + " | direct / local | daemon / local | "
+    header += " | ".join(f"{s} / netem-0ms" for s in slow) + " | CPU s/GB local | CPU s/GB direct |"
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     for mode in MODES:
         for loader in LOADERS:
@@ -191,10 +191,10 @@ def render(rows, systems):
                 cell = [r for r in rows if r["mode"] == mode and r["loader"] == loader and r["system"] == s]
                 med[s] = statistics.median(r["epoch_s"] for r in cell)
                 cpu[s] = statistics.median(r["cpu_s_per_gb"] for r in cell)
-            zero = systems[1]
-            cells = [f"{med[s]:.2f}" for s in systems] + [f"{med[zero] / med['local']:.2f}x"]
-            cells += [f"{med[s] / med[zero]:.3f}" for s in systems[2:]]
-            cells += [f"{cpu['local']:.2f}", f"{cpu[zero]:.2f}"]
+            cells = [f"{med[s]:.2f}" for s in systems]
+            cells += [f"{med['direct'] / med['local']:.2f}x", f"{med['daemon'] / med['local']:.2f}x"]
+            cells += [f"{med[s] / med['netem-0ms']:.3f}" for s in slow]
+            cells += [f"{cpu['local']:.2f}", f"{cpu['direct']:.2f}"]
             lines.append(f"| {loader} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

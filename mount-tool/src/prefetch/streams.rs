@@ -21,6 +21,10 @@
 //! - **Across epochs**: a stream whose window runs past the end of epoch *e* continues into epoch
 //!   *e + 1* at the same phase (a stride-*k* stream of rank *r* continues at batch *r*), so the next
 //!   epoch's first batches are warm when the reader gets there.
+//! - **Wrapping around**: a read of batch 0 of an epoch already read to its end is a new pass (a pipeline
+//!   built once over one directory, or DALI's reader, which reads on past the last file into the first
+//!   ones while it finishes an epoch): it starts afresh with the full window, and from then on a window
+//!   past an epoch's end is split between the epoch's own start and the next epoch's.
 //!
 //! State is bounded: `max_listings` listings (least recently read dropped first), `max_streams`
 //! streams and candidates per listing, and one bit per batch of the listings tracked.
@@ -59,6 +63,8 @@ struct ListingState {
     streams: Vec<Stream>,
     candidates: Vec<Candidate>,
     used: u64,
+    /// A stream's window reached the last batch.
+    ended: bool,
 }
 
 impl ListingState {
@@ -70,6 +76,7 @@ impl ListingState {
             streams: Vec::new(),
             candidates: Vec::new(),
             used: 0,
+            ended: false,
         }
     }
 
@@ -95,6 +102,8 @@ pub struct StreamTracker {
     max_streams: usize,
     max_stride: u64,
     clock: u64,
+    /// Readers were seen to read an epoch again from its start after its end (a pipeline built once).
+    wraps: bool,
 }
 
 impl StreamTracker {
@@ -106,6 +115,7 @@ impl StreamTracker {
             max_streams: max_streams.max(1),
             max_stride: max_stride.max(1),
             clock: 0,
+            wraps: false,
         }
     }
 
@@ -119,6 +129,15 @@ impl StreamTracker {
             return Vec::new();
         }
         let (max_streams, max_stride) = (self.max_streams, self.max_stride);
+        let state = self.state(listing, batches);
+        if batch == 0 && state.ended && state.was_read(0) {
+            // A new pass over the epoch: a pipeline built once over this directory wraps around (DALI's
+            // reader does at every epoch's end). It starts afresh, and from now on windows that reach an
+            // epoch's end warm its start too.
+            *state = ListingState::new(listing, batches);
+            self.wraps = true;
+        }
+        let wraps = self.wraps;
         let state = self.state(listing, batches);
         state.used = clock;
         let first = state.read.iter().all(|&w| w == 0);
@@ -182,13 +201,22 @@ impl StreamTracker {
             }
             next += s.stride;
         }
-        // The window runs on into the next epoch, at the stream's phase.
+        if next >= batches {
+            state.ended = true;
+        }
+        // The window runs on past the epoch's end, at the stream's phase: into the next epoch, and, once
+        // readers were seen to wrap around, half of it into this epoch's start.
+        let phase = s.head % s.stride;
+        let from_start =
+            |listing, n: usize| (0..n as u64).map(move |k| Target { listing, index: phase + k * s.stride });
+        let spill = window - out.len();
+        let wrap = if wraps { spill.div_ceil(2) } else { 0 };
+        let wrapped: Vec<Target> =
+            from_start(listing, wrap).filter(|t| t.index < batches && !out.contains(t)).collect();
+        out.extend(wrapped);
         if let Listing::Epoch { epoch, format } = listing {
-            if out.len() < window && epoch < batchfs::plan::MAX_EPOCH {
-                let next_epoch = Listing::Epoch { epoch: epoch + 1, format };
-                let phase = s.head % s.stride;
-                let more = window - out.len();
-                out.extend((0..more as u64).map(|k| Target { listing: next_epoch, index: phase + k * s.stride }));
+            if epoch < batchfs::plan::MAX_EPOCH {
+                out.extend(from_start(Listing::Epoch { epoch: epoch + 1, format }, spill - wrap));
             }
         }
         out
@@ -331,6 +359,23 @@ mod tests {
     }
 
     #[test]
+    fn a_pass_that_wraps_around_starts_afresh_and_is_then_expected() {
+        let mut t = StreamTracker::new(8, 16);
+        for b in 0..10 {
+            t.observe(1, L, b, 10, 4);
+        }
+        // DALI's reader reads on into the first files: a new pass, with its full window at once.
+        assert_eq!(within(&t.observe(1, L, 0, 10, 4), L), vec![1, 2, 3, 4]);
+        for b in 1..8 {
+            t.observe(1, L, b, 10, 4);
+        }
+        // Now a window past the end warms both this epoch's start and the next epoch's.
+        let got = t.observe(1, L, 8, 10, 4);
+        assert_eq!(within(&got, L), vec![9, 0, 1]);
+        assert_eq!(within(&got, L1), vec![0]);
+    }
+
+    #[test]
     fn index_twins_are_all_fetched_at_the_first_read() {
         let idx = Listing::Epoch { epoch: 0, format: BatchFormat::TfrecordIdx };
         let mut t = StreamTracker::new(8, 16);
@@ -351,8 +396,8 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever the reads, targets are unread batches of the listing (or the next epoch's), at most
-        /// `window` of them, none repeated.
+        /// Whatever the reads, targets are batches of the listing (or the next epoch's), at most `window`
+        /// of them, none repeated, and until a pass wraps around (batch 0 read again) none already read.
         #[test]
         fn targets_are_bounded_and_unread(
             reads in proptest::collection::vec((0u32..4, 0u64..64), 1..200),
@@ -360,7 +405,9 @@ mod tests {
         ) {
             let mut t = StreamTracker::new(6, 8);
             let mut read = std::collections::HashSet::new();
+            let mut wrapped = false;
             for (owner, b) in reads {
+                wrapped |= b == 0 && read.contains(&0);
                 read.insert(b);
                 let got = t.observe(owner, L, b, 64, window);
                 prop_assert!(got.len() <= window);
@@ -368,7 +415,7 @@ mod tests {
                 for target in &got {
                     prop_assert!(seen.insert((target.listing, target.index)));
                     if target.listing == L {
-                        prop_assert!(target.index < 64 && !read.contains(&target.index));
+                        prop_assert!(target.index < 64 && (wrapped || !read.contains(&target.index)));
                     } else {
                         prop_assert_eq!(target.listing, L1);
                     }
