@@ -18,28 +18,6 @@ use thiserror::Error;
 /// A boxed future, as trait methods return.
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// A list of files the mount shows: the batches of one epoch in one format, or the dataset's source
-/// files (`raw/`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Listing {
-    Epoch { epoch: u64, format: BatchFormat },
-    Raw,
-}
-
-/// One file of a listing: a batch, or a source file, by its position.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct BatchKey {
-    pub listing: Listing,
-    pub index: u64,
-}
-
-impl BatchKey {
-    /// Batch `batch` of `epoch` in `format`.
-    pub fn batch(epoch: u64, batch: u64, format: BatchFormat) -> Self {
-        BatchKey { listing: Listing::Epoch { epoch, format }, index: batch }
-    }
-}
-
 /// Why a request failed.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum ClientError {

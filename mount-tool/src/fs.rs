@@ -13,8 +13,7 @@
 //! (built from the server's file list on first use) is `2^41 + n` for a directory, `2^42 + n` for a file. Any epoch number up to 999,999
 //! resolves by name, listed or not. `stat` and `readdir` use manifests only, never sample data.
 
-use crate::client::{BatchKey, Listing};
-use crate::prefetch::{Prefetcher, ReadError};
+use crate::prefetch::{BatchKey, Listing, Prefetcher, ReadError};
 use batchfs::api::FileList;
 use batchfs::encode::BatchFormat;
 use batchfs::plan::MAX_EPOCH;

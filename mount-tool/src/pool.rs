@@ -1,4 +1,4 @@
-//! Reused body buffers.
+//! The cache's byte budget, one ledger, and the body buffers reused within it.
 //!
 //! Every batch body is several megabytes, above glibc's mmap threshold (fixed in [`crate::sys`] so
 //! that freed bodies go back to the kernel and RSS stays within the cache budget). A fresh body buffer is
@@ -6,9 +6,10 @@
 //! charge for every 4 KiB: perf put that at ~14 % of all CPU time in an unpaced epoch. The pool keeps
 //! the buffers of evicted batches and hands them to the next fetches instead.
 //!
-//! Idle buffers are counted in the cache budget by the prefetcher (see
-//! [`crate::prefetch::Prefetcher`]), which frees them before it evicts a cached batch, so the mount's
-//! memory stays within `cache` as before.
+//! **One ledger.** The pool holds the budget: the bytes charged to cached bodies and fetches in flight
+//! (`used`, charged by [`BufferPool::admit`], released by [`BufferPool::release`]) and the idle buffers
+//! kept for reuse, always with `used + idle <= total`. Idle buffers go first: an admission frees them
+//! before the prefetcher has to evict a cached batch, so the mount's memory stays within `cache`.
 
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
 use bytes::Bytes;
@@ -16,40 +17,52 @@ use bytes::Bytes;
 /// Buffers smaller than this are left to malloc: they come from its arenas, not fresh mappings.
 pub const MIN_POOLED: usize = 256 << 10;
 
-/// Idle body buffers, kept for reuse within the room the cache leaves.
+/// The byte budget and the idle body buffers kept for reuse within it.
 pub struct BufferPool {
+    total: u64,
     inner: Mutex<Inner>,
     /// Sum of the idle buffers' capacities (also under the lock; readable without it).
     idle: AtomicU64,
+    /// Bytes charged (also under the lock; readable without it).
+    used: AtomicU64,
 }
 
 struct Inner {
     free: Vec<Vec<u8>>,
-    /// The budget minus what the cache holds: idle buffers never exceed it.
-    room: u64,
+    used: u64,
 }
 
 /// The answer of [`BufferPool::admit`].
 #[derive(Debug)]
 pub enum Admission {
-    /// The fetch fits: fill this buffer; `charge` bytes (its size or capacity, the larger) now count
-    /// against the budget and have left the pool's room.
+    /// The fetch fits: fill this buffer; `charge` bytes (its size or capacity, the larger) are now
+    /// charged, until [`BufferPool::release`].
     Fits { buffer: Vec<u8>, charge: u64 },
     /// An idle buffer was freed to make room: ask again.
     Trimmed,
-    /// The pool cannot make room: the cache must evict, or the fetch wait.
+    /// Only releasing charged bytes can make room: the cache must evict, or the fetch wait.
     Full,
 }
 
 impl BufferPool {
-    /// An empty pool with `room` bytes of room.
-    pub fn new(room: u64) -> Arc<Self> {
-        Arc::new(BufferPool { inner: Mutex::new(Inner { free: Vec::new(), room }), idle: AtomicU64::new(0) })
+    /// An empty pool with a budget of `total` bytes, none charged.
+    pub fn new(total: u64) -> Arc<Self> {
+        Arc::new(BufferPool {
+            total,
+            inner: Mutex::new(Inner { free: Vec::new(), used: 0 }),
+            idle: AtomicU64::new(0),
+            used: AtomicU64::new(0),
+        })
     }
 
     /// Bytes held by idle buffers.
     pub fn idle_bytes(&self) -> u64 {
         self.idle.load(Ordering::Relaxed)
+    }
+
+    /// Bytes charged to cached bodies and fetches in flight.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
     }
 
     /// The buffer for `need` bytes: the smallest that holds them, else the largest (it grows).
@@ -64,12 +77,17 @@ impl BufferPool {
         buf
     }
 
-    /// Admits a fetch of `need` bytes when the cache leaves `room` bytes of the budget: it fits if,
-    /// after taking the buffer it would reuse, the other idle buffers still fit beside it. Otherwise
-    /// frees one idle buffer it would not reuse (or the one it would, when that is larger than needed).
-    pub fn admit(&self, need: usize, room: u64) -> Admission {
+    fn set_used(&self, inner: &mut Inner, used: u64) {
+        inner.used = used;
+        self.used.store(used, Ordering::Relaxed);
+    }
+
+    /// Admits a fetch of `need` bytes: it fits if, after taking the buffer it would reuse, its charge
+    /// and the other idle buffers fit in what is not charged. Otherwise frees one idle buffer it would not
+    /// reuse (or the one it would, when that is larger than needed).
+    pub fn admit(&self, need: usize) -> Admission {
         let mut inner = self.inner.lock().expect("pool");
-        inner.room = room;
+        let room = self.total.saturating_sub(inner.used);
         let best = Self::best(&inner.free, need);
         let reuse = best.map_or(0, |i| inner.free[i].capacity() as u64);
         let charge = (need as u64).max(reuse);
@@ -85,7 +103,8 @@ impl BufferPool {
             };
             // `charge` as predicted: a reused buffer only grows to exactly `need`.
             let charge = charge.max(buffer.capacity() as u64);
-            inner.room = room.saturating_sub(charge);
+            let used = inner.used + charge;
+            self.set_used(&mut inner, used);
             return Admission::Fits { buffer, charge };
         }
         let others = inner.free.iter().enumerate().filter(|(i, _)| Some(*i) != best);
@@ -103,14 +122,11 @@ impl BufferPool {
         }
     }
 
-    /// Sets the room the cache leaves (after it frees or charges bytes), freeing idle buffers beyond it.
-    pub fn set_room(&self, room: u64) {
+    /// Returns `bytes` charged by an admission (an evicted batch, a failed fetch).
+    pub fn release(&self, bytes: u64) {
         let mut inner = self.inner.lock().expect("pool");
-        inner.room = room;
-        while self.idle_bytes() > room {
-            let largest = inner.free.iter().enumerate().max_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
-            self.remove(&mut inner, largest.expect("idle bytes without buffers"));
-        }
+        let used = inner.used.checked_sub(bytes).expect("released more than was charged");
+        self.set_used(&mut inner, used);
     }
 
     /// `buf` as [`Bytes`] whose memory returns to the pool when the last clone or slice is dropped.
@@ -121,11 +137,11 @@ impl BufferPool {
         Bytes::from_owner(Pooled { buf, pool: Arc::downgrade(self) })
     }
 
-    /// Keeps `buf` if it fits in the room, else frees it.
+    /// Keeps `buf` if it fits beside what is charged and idle, else frees it.
     fn give(&self, buf: Vec<u8>) {
         let mut inner = self.inner.lock().expect("pool");
         let cap = buf.capacity() as u64;
-        if self.idle_bytes() + cap <= inner.room {
+        if inner.used + self.idle_bytes() + cap <= self.total {
             self.idle.fetch_add(cap, Ordering::Relaxed);
             inner.free.push(buf);
         }
@@ -168,8 +184,8 @@ mod tests {
     #[test]
     fn buffers_come_back_when_the_last_slice_drops() {
         let pool = BufferPool::new(100 * MB as u64);
-        let (mut buf, charge) = fits(pool.admit(2 * MB, 100 * MB as u64));
-        assert_eq!(charge, 2 * MB as u64);
+        let (mut buf, charge) = fits(pool.admit(2 * MB));
+        assert_eq!((charge, pool.used()), (2 * MB as u64, 2 * MB as u64));
         buf.extend(std::iter::repeat_n(7u8, 2 * MB));
         let ptr = buf.as_ptr();
         let body = pool.wrap(buf);
@@ -177,18 +193,20 @@ mod tests {
         drop(body);
         assert_eq!(pool.idle_bytes(), 0, "a slice still holds the buffer");
         assert_eq!(&slice[..], &[7u8; 10]);
-        pool.set_room(100 * MB as u64); // the cache released the batch
+        pool.release(charge); // the cache evicted the batch
         drop(slice);
-        assert_eq!(pool.idle_bytes(), 2 * MB as u64);
-        let (again, charge) = fits(pool.admit(MB, 100 * MB as u64));
+        assert_eq!((pool.idle_bytes(), pool.used()), (2 * MB as u64, 0));
+        let (again, charge) = fits(pool.admit(MB));
         assert_eq!(again.as_ptr(), ptr, "the same memory is reused");
         assert!(again.is_empty());
         assert_eq!(charge, 2 * MB as u64, "the whole capacity is charged");
-        assert_eq!(pool.idle_bytes(), 0);
+        assert_eq!((pool.idle_bytes(), pool.used()), (0, 2 * MB as u64));
     }
 
-    fn pool_of(mbs: &[usize], room: u64) -> Arc<BufferPool> {
-        let pool = BufferPool::new(room);
+    /// A pool of `total` bytes with `charged` bytes charged and idle buffers of `mbs` MB (those that fit).
+    fn pool_of(mbs: &[usize], total: u64, charged: u64) -> Arc<BufferPool> {
+        let pool = BufferPool::new(total);
+        pool.set_used(&mut pool.inner.lock().unwrap(), charged);
         for mb in mbs {
             pool.give(Vec::with_capacity(mb * MB));
         }
@@ -197,42 +215,44 @@ mod tests {
 
     #[test]
     fn best_fit_then_largest() {
-        let room = 100 * MB as u64;
-        let (buf, charge) = fits(pool_of(&[3, 1, 5], room).admit(2 * MB, room));
+        let total = 100 * MB as u64;
+        let (buf, charge) = fits(pool_of(&[3, 1, 5], total, 0).admit(2 * MB));
         assert_eq!((buf.capacity(), charge), (3 * MB, 3 * MB as u64), "smallest that holds 2 MB");
-        let pool = pool_of(&[3, 1, 5], room);
-        let (buf, charge) = fits(pool.admit(9 * MB, room));
+        let pool = pool_of(&[3, 1, 5], total, 0);
+        let (buf, charge) = fits(pool.admit(9 * MB));
         assert_eq!((buf.capacity(), charge), (9 * MB, 9 * MB as u64), "none holds 9 MB: the largest grows");
         assert_eq!(pool.idle_bytes(), 4 * MB as u64);
     }
 
     #[test]
-    fn room_bounds_the_idle_buffers() {
-        let room = 10 * MB as u64;
-        let pool = pool_of(&[2, 4, 8], room);
+    fn the_budget_bounds_charged_and_idle_bytes_together() {
+        let pool = pool_of(&[2, 4, 8], 10 * MB as u64, 0);
         assert_eq!(pool.idle_bytes(), 6 * MB as u64, "the 8 MB buffer did not fit beside the others");
-        // 3 MB with 6 MB idle in 8 MB of room: reusing the 4 MB buffer leaves 2 MB idle, 4 + 2 <= 8.
-        let (buf, charge) = fits(pool.admit(3 * MB, 8 * MB as u64));
+        // 3 MB with 6 MB idle and 8 MB free: reusing the 4 MB buffer leaves 2 MB idle, 4 + 2 <= 8.
+        let pool = pool_of(&[2, 4], 10 * MB as u64, 2 * MB as u64);
+        let (buf, charge) = fits(pool.admit(3 * MB));
         assert_eq!((buf.capacity(), charge), (4 * MB, 4 * MB as u64));
+        assert_eq!(pool.used() + pool.idle_bytes(), 8 * MB as u64);
         drop(buf);
         // A smaller buffer grows to exactly the size needed.
-        let (buf, charge) = fits(pool_of(&[2], room).admit(3 * MB, 4 * MB as u64));
+        let (buf, charge) = fits(pool_of(&[2], 4 * MB as u64, 0).admit(3 * MB));
         assert_eq!((buf.capacity(), charge), (3 * MB, 3 * MB as u64));
-        // 3 MB in 4 MB of room with 2 and 5 MB idle: the 2 MB one goes first, then the 5 MB one is too
-        // large for the room, and a fresh 3 MB buffer fits.
-        let pool = pool_of(&[2, 5], room);
-        assert!(matches!(pool.admit(3 * MB, 4 * MB as u64), Admission::Trimmed));
-        assert_eq!(pool.idle_bytes(), 5 * MB as u64);
-        assert!(matches!(pool.admit(3 * MB, 4 * MB as u64), Admission::Trimmed));
-        assert_eq!(fits(pool.admit(3 * MB, 4 * MB as u64)).1, 3 * MB as u64);
-        // Only a buffer larger than needed is left and the room is short: it is freed for a fresh one.
-        let pool = pool_of(&[5], room);
-        assert!(matches!(pool.admit(3 * MB, 4 * MB as u64), Admission::Trimmed));
-        assert!(matches!(pool.admit(5 * MB, 4 * MB as u64), Admission::Full));
-        // Less room frees the largest idle buffers.
-        let pool = pool_of(&[1, 2, 3], room);
-        pool.set_room(4 * MB as u64);
-        assert_eq!(pool.idle_bytes(), 3 * MB as u64);
+        // 3 MB with 4 MB free, two 2 MB buffers idle: one is freed, the other grows.
+        let pool = pool_of(&[2, 2], 6 * MB as u64, 2 * MB as u64);
+        assert!(matches!(pool.admit(3 * MB), Admission::Trimmed), "one 2 MB buffer goes");
+        assert_eq!(pool.idle_bytes(), 2 * MB as u64);
+        let (buf, charge) = fits(pool.admit(3 * MB));
+        assert_eq!((buf.capacity(), charge), (3 * MB, 3 * MB as u64), "the other grows");
+        assert_eq!((pool.used(), pool.idle_bytes()), (5 * MB as u64, 0));
+        // Nothing idle and too little free: only releasing charged bytes (an eviction) makes room.
+        let pool = pool_of(&[], 9 * MB as u64, 4 * MB as u64);
+        assert!(matches!(pool.admit(6 * MB), Admission::Full));
+        pool.release(4 * MB as u64);
+        assert_eq!(fits(pool.admit(6 * MB)).1, 6 * MB as u64);
+        // Idle buffers never take the room of charged bytes: a returned buffer that does not fit is freed.
+        let pool = pool_of(&[], 9 * MB as u64, 6 * MB as u64);
+        pool.give(Vec::with_capacity(4 * MB));
+        assert_eq!(pool.idle_bytes(), 0);
     }
 
     #[test]

@@ -1,5 +1,8 @@
 //! The prefetcher and its cache: batch bodies keyed by (epoch, batch, format), fetched whole, verified,
-//! and kept under a byte budget.
+//! and kept under a byte budget. This file coordinates (listings and their manifests, the cache's
+//! entries, eviction, starting fetches); its rooms: `prefetch/streams.rs` decides what to fetch ahead,
+//! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`] (`pool.rs`)
+//! keeps the byte budget's one ledger and the buffers reused within it.
 //!
 //! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
 //! fuser 0.18 ignores FUSE_INTERRUPT); fetches run as tasks on a tokio runtime. No tokio worker ever
@@ -8,8 +11,8 @@
 //! **Invariants.**
 //! - No byte reaches a reader before its whole batch matched the manifest's size and CRC32C; a mismatch
 //!   is refetched, never returned.
-//! - `cache.used` (ready bodies plus reservations for fetches in flight) plus the idle body buffers kept
-//!   for reuse ([`BufferPool`]) never exceeds the budget. A fetch reuses an idle buffer when there is
+//! - The bytes charged (ready bodies plus reservations for fetches in flight) plus the idle body buffers
+//!   kept for reuse never exceed the budget: one ledger, kept by the [`BufferPool`]. A fetch reuses an idle buffer when there is
 //!   one; idle buffers it cannot use are freed before any cached batch is evicted. Prefetches only start
 //!   when their bytes fit after evicting *consumed* batches; otherwise the window narrows
 //!   (backpressure). A read that needs a batch evicts consumed batches first, then the least recently
@@ -23,7 +26,7 @@
 //! window that runs past the end of an epoch continues into the next one (whose manifest is then fetched
 //! in the background).
 
-use crate::client::{BatchKey, Body, ClientError, DynClient, Listing, Sink};
+use crate::client::{ClientError, DynClient, Sink};
 use crate::pool::{Admission, BufferPool};
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
@@ -35,7 +38,31 @@ use std::time::{Duration, Instant};
 pub use streams::{StreamTracker, Target};
 use thiserror::Error;
 
+mod retry;
 mod streams;
+use retry::{verify, with_retries, Failure};
+
+/// A list of files the mount shows: the batches of one epoch in one format, or the dataset's source
+/// files (`raw/`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Listing {
+    Epoch { epoch: u64, format: BatchFormat },
+    Raw,
+}
+
+/// One file of a listing: a batch, or a source file, by its position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BatchKey {
+    pub listing: Listing,
+    pub index: u64,
+}
+
+impl BatchKey {
+    /// Batch `batch` of `epoch` in `format`.
+    pub fn batch(epoch: u64, batch: u64, format: BatchFormat) -> Self {
+        BatchKey { listing: Listing::Epoch { epoch, format }, index: batch }
+    }
+}
 
 /// Prefetcher settings. Defaults are documented in `docs/CONFIGURATION.md`.
 #[derive(Debug, Clone, PartialEq)]
@@ -193,7 +220,6 @@ impl Entry {
 
 struct Cache {
     entries: LruCache<BatchKey, Arc<Entry>>,
-    used: u64,
 }
 
 /// The prefetcher and cache of one mount.
@@ -223,7 +249,7 @@ impl Prefetcher {
         Arc::new(Prefetcher {
             client,
             runtime,
-            cache: Mutex::new(Cache { entries: LruCache::unbounded(), used: 0 }),
+            cache: Mutex::new(Cache { entries: LruCache::unbounded() }),
             room: Condvar::new(),
             manifests: Mutex::new(LruCache::new(std::num::NonZeroUsize::new(16).expect("nonzero"))),
             raw: Mutex::new(None),
@@ -480,17 +506,16 @@ impl Prefetcher {
 
     fn evict(&self, cache: &mut Cache, key: BatchKey) {
         if let Some(e) = cache.entries.pop(&key) {
-            self.release(cache, e.size);
+            self.release(e.size);
             Stats::add(&self.stats.evictions, 1);
             // Dropping `e` now may return its buffer to the pool, into the room just released.
         }
     }
 
-    /// Returns `bytes` of the budget: to the cache's count and to the pool's room.
-    fn release(&self, cache: &mut Cache, bytes: u64) {
-        cache.used -= bytes;
-        self.stats.cache_bytes.store(cache.used, Ordering::Relaxed);
-        self.pool.set_room(self.config.cache_bytes.saturating_sub(cache.used));
+    /// Returns `bytes` charged to an entry to the budget.
+    fn release(&self, bytes: u64) {
+        self.pool.release(bytes);
+        self.stats.cache_bytes.store(self.pool.used(), Ordering::Relaxed);
     }
 
     /// The cache entry of `key`, starting its fetch if it is absent: `(entry, started now)`. A prefetch
@@ -514,7 +539,7 @@ impl Prefetcher {
             }
             // Idle buffers count in the budget: the pool admits the fetch, or frees one of them and
             // asks to try again, before any cached batch is evicted.
-            match self.pool.admit(meta.bytes as usize, self.config.cache_bytes.saturating_sub(cache.used)) {
+            match self.pool.admit(meta.bytes as usize) {
                 Admission::Fits { buffer, charge } => break (buffer, charge),
                 Admission::Trimmed => continue,
                 Admission::Full => {}
@@ -537,9 +562,8 @@ impl Prefetcher {
             }
             cache = self.wait_for_room(cache, deadline)?;
         };
-        // The pool has already taken `charge` out of its room.
-        cache.used += charge;
-        self.stats.cache_bytes.store(cache.used, Ordering::Relaxed);
+        // The pool has charged `charge` to the budget.
+        self.stats.cache_bytes.store(self.pool.used(), Ordering::Relaxed);
         let entry = Arc::new(Entry::new(charge));
         cache.entries.put(key, entry.clone());
         drop(cache);
@@ -613,7 +637,7 @@ impl Prefetcher {
                     let mut cache = this.cache.lock().expect("cache");
                     if cache.entries.peek(&key).is_some_and(|e| Arc::ptr_eq(e, &fetching)) {
                         cache.entries.pop(&key);
-                        this.release(&mut cache, fetching.size);
+                        this.release(fetching.size);
                     }
                 }
             }
@@ -637,7 +661,8 @@ impl Prefetcher {
 
     /// Bytes held or reserved now, idle reusable buffers included (never above the budget).
     pub fn cache_used(&self) -> u64 {
-        self.cache.lock().expect("cache").used + self.pool.idle_bytes()
+        let _cache = self.cache.lock().expect("cache");
+        self.pool.used() + self.pool.idle_bytes()
     }
 }
 
@@ -647,69 +672,6 @@ fn describe(key: BatchKey) -> String {
         Listing::Epoch { epoch, format } => format!("batch {} of epoch {epoch} ({format})", key.index),
         Listing::Raw => format!("source file #{}", key.index),
     }
-}
-
-/// A failed attempt.
-enum Failure {
-    Client(ClientError),
-    Mismatch(String),
-}
-
-/// Checks a body against the manifest. Its CRC32C was computed from the bytes as they were stored in
-/// the buffer, which nothing writes to afterwards.
-fn verify(key: BatchKey, meta: &BatchEntry, body: &Body) -> Result<(), Failure> {
-    let crc = body.crc32c;
-    if body.sink.len() != meta.bytes || crc != meta.crc32c {
-        return Err(Failure::Mismatch(format!(
-            "{}: got {} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
-            describe(key),
-            body.sink.len(),
-            meta.bytes,
-            meta.crc32c
-        )));
-    }
-    Ok(())
-}
-
-/// Runs `attempt` until it succeeds, fails for good, or `config.timeout` has passed, sleeping a jittered
-/// exponential backoff (50 ms doubling to 2 s, ×0.5–1.5, cut to the time left) between attempts.
-async fn with_retries<T, F, Fut>(config: &PrefetcherConfig, stats: &Stats, mut attempt: F) -> Result<T, ReadError>
-where
-    F: FnMut(u32) -> Fut,
-    Fut: std::future::Future<Output = Result<T, Failure>>,
-{
-    let started = Instant::now();
-    let mut n = 0u32;
-    loop {
-        let last = match attempt(n).await {
-            Ok(v) => return Ok(v),
-            Err(Failure::Client(e)) if !e.is_retryable() => return Err(ReadError::Refused(e.to_string())),
-            Err(Failure::Client(e)) => e.to_string(),
-            Err(Failure::Mismatch(m)) => {
-                Stats::add(&stats.checksum_errors, 1);
-                m
-            }
-        };
-        let elapsed = started.elapsed();
-        if elapsed >= config.timeout {
-            return Err(ReadError::Timeout { after: config.timeout, last });
-        }
-        // The last attempt is made at the deadline, so an outage shorter than `timeout` is survived.
-        let base = Duration::from_millis(50).saturating_mul(1 << n.min(6)).min(Duration::from_secs(2));
-        let backoff = base.mul_f64(0.5 + jitter()).min(config.timeout - elapsed);
-        tracing::debug!(attempt = n, error = %last, ?backoff, "retrying");
-        Stats::add(&stats.retries, 1);
-        tokio::time::sleep(backoff).await;
-        n += 1;
-    }
-}
-
-/// A cheap uniform number in [0, 1) for backoff jitter.
-fn jitter() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(Instant::now().elapsed().as_nanos());
-    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
 #[cfg(test)]

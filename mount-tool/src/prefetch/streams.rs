@@ -29,7 +29,7 @@
 //! State is bounded: `max_listings` listings (least recently read dropped first), `max_streams`
 //! streams and candidates per listing, and one bit per batch of the listings tracked.
 
-use crate::client::Listing;
+use super::Listing;
 use batchfs::encode::BatchFormat;
 
 /// One batch to keep cached ahead of a reader: `listing` may be the next epoch's.

@@ -1,0 +1,77 @@
+//! One fetch's attempts: a body is checked against the manifest, and a failed attempt is retried with
+//! jittered exponential backoff until it succeeds, fails for good (a refusal that cannot change), or the
+//! prefetcher's `timeout` has passed since the first attempt.
+
+use super::BatchKey;
+use super::{describe, PrefetcherConfig, ReadError};
+use crate::client::{Body, ClientError};
+use crate::stats::Stats;
+use batchfs::api::BatchEntry;
+use std::time::{Duration, Instant};
+
+/// A failed attempt.
+pub(super) enum Failure {
+    Client(ClientError),
+    Mismatch(String),
+}
+
+/// Checks a body against the manifest. Its CRC32C was computed from the bytes as they were stored in
+/// the buffer, which nothing writes to afterwards.
+pub(super) fn verify(key: BatchKey, meta: &BatchEntry, body: &Body) -> Result<(), Failure> {
+    let crc = body.crc32c;
+    if body.sink.len() != meta.bytes || crc != meta.crc32c {
+        return Err(Failure::Mismatch(format!(
+            "{}: got {} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
+            describe(key),
+            body.sink.len(),
+            meta.bytes,
+            meta.crc32c
+        )));
+    }
+    Ok(())
+}
+
+/// Runs `attempt` until it succeeds, fails for good, or `config.timeout` has passed, sleeping a jittered
+/// exponential backoff (50 ms doubling to 2 s, ×0.5–1.5, cut to the time left) between attempts.
+pub(super) async fn with_retries<T, F, Fut>(
+    config: &PrefetcherConfig,
+    stats: &Stats,
+    mut attempt: F,
+) -> Result<T, ReadError>
+where
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = Result<T, Failure>>,
+{
+    let started = Instant::now();
+    let mut n = 0u32;
+    loop {
+        let last = match attempt(n).await {
+            Ok(v) => return Ok(v),
+            Err(Failure::Client(e)) if !e.is_retryable() => return Err(ReadError::Refused(e.to_string())),
+            Err(Failure::Client(e)) => e.to_string(),
+            Err(Failure::Mismatch(m)) => {
+                Stats::add(&stats.checksum_errors, 1);
+                m
+            }
+        };
+        let elapsed = started.elapsed();
+        if elapsed >= config.timeout {
+            return Err(ReadError::Timeout { after: config.timeout, last });
+        }
+        // The last attempt is made at the deadline, so an outage shorter than `timeout` is survived.
+        let base = Duration::from_millis(50).saturating_mul(1 << n.min(6)).min(Duration::from_secs(2));
+        let backoff = base.mul_f64(0.5 + jitter()).min(config.timeout - elapsed);
+        tracing::debug!(attempt = n, error = %last, ?backoff, "retrying");
+        Stats::add(&stats.retries, 1);
+        tokio::time::sleep(backoff).await;
+        n += 1;
+    }
+}
+
+/// A cheap uniform number in [0, 1) for backoff jitter.
+fn jitter() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
