@@ -80,6 +80,9 @@ pub struct MountArgs {
     /// Cache byte budget [default: 2G]
     #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
     pub cache: Option<String>,
+    /// A cached batch unread for this long may make room for prefetches [default: 10s]
+    #[arg(long, help_heading = "Prefetch", value_name = "DURATION")]
+    pub stale_after: Option<String>,
     /// HTTP/2 connections per server [default: 4]
     #[arg(long, help_heading = "Network", value_name = "N")]
     pub connections: Option<String>,
@@ -134,6 +137,7 @@ impl MountArgs {
             ("prefetch", &self.prefetch),
             ("max_prefetch_bytes", &self.max_prefetch_bytes),
             ("cache", &self.cache),
+            ("stale_after", &self.stale_after),
             ("connections", &self.connections),
             ("timeout", &self.timeout),
             ("stall_timeout", &self.stall_timeout),

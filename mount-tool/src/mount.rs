@@ -139,6 +139,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             timeout: plan.options.timeout,
             // A window runs on into the next epoch only within the epochs the job reads.
             last_epoch: plan.options.epochs.saturating_sub(1),
+            stale_after: plan.options.stale_after,
             ..PrefetcherConfig::default()
         },
     );

@@ -38,6 +38,8 @@ pub struct MountOptions {
     pub threads: usize,
     /// Hand verified files to the kernel (FUSE passthrough) where it allows.
     pub passthrough: bool,
+    /// A cached batch unread for this long may make room for prefetches.
+    pub stale_after: Duration,
     /// Kernel readahead of the mount in KiB (set when running as root; 0 leaves the default).
     pub read_ahead_kb: u32,
     /// Where a daemonized mount logs (nothing when absent).
@@ -65,6 +67,7 @@ impl Default for MountOptions {
             servers: Vec::new(),
             threads: 16,
             passthrough: true,
+            stale_after: Duration::from_secs(10),
             read_ahead_kb: 1024,
             log_file: None,
             energy_log: None,
@@ -120,6 +123,7 @@ impl MountOptions {
                 self.read_ahead_kb = u32::try_from(number(need()?)?).map_err(|_| format!("{key} too large"))?
             }
             "passthrough" => self.passthrough = boolean(key, value)?,
+            "stale_after" => self.stale_after = parse_duration(need()?)?,
             "log_file" => self.log_file = Some(need()?.into()),
             "energy_log" => self.energy_log = Some(need()?.into()),
             k if IGNORED.contains(&k) || k.starts_with("x-") || k.starts_with("comment=") => {}

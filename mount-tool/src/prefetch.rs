@@ -29,7 +29,7 @@
 use crate::client::{ClientError, DynClient, Sink};
 use crate::pool::{Admission, BufferPool};
 use crate::stats::Stats;
-use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 use batchfs::api::{BatchEntry, FileList, Manifest};
 use batchfs::encode::BatchFormat;
 use bytes::Bytes;
@@ -84,6 +84,9 @@ pub struct PrefetcherConfig {
     pub max_prefetch_bytes: u64,
     /// The last epoch a window may run on into (the epochs a job reads; `u64::MAX`: any).
     pub last_epoch: u64,
+    /// A cached batch nobody read or asked for in this long may make room for prefetches even though
+    /// no reader consumed it (a window that ran past where its reader stopped).
+    pub stale_after: Duration,
 }
 
 impl Default for PrefetcherConfig {
@@ -96,6 +99,7 @@ impl Default for PrefetcherConfig {
             max_stride: 64,
             max_prefetch_bytes: 256 << 20,
             last_epoch: u64::MAX,
+            stale_after: Duration::from_secs(10),
         }
     }
 }
@@ -128,6 +132,9 @@ struct Entry {
     changed: Condvar,
     /// A reader has read the batch's last byte, or closed it: first to go when room is needed.
     consumed: AtomicBool,
+    /// When the batch was last read or opened, or its fetch started: nanoseconds of
+    /// [`Prefetcher::clock`].
+    touched: AtomicU64,
     /// The body as a sealed memory file, once one was asked for (FUSE passthrough).
     memfd: Mutex<Option<Arc<std::fs::File>>>,
     /// The memory file was handed to a reader (counted in `bytes_served` once).
@@ -153,9 +160,10 @@ fn seal_file(file: std::fs::File) -> std::io::Result<(Bytes, Arc<std::fs::File>)
 }
 
 impl Entry {
-    fn new(size: u64) -> Self {
+    fn new(size: u64, now: u64) -> Self {
         Entry {
             size,
+            touched: AtomicU64::new(now),
             state: Mutex::new(State::Fetching),
             changed: Condvar::new(),
             consumed: AtomicBool::new(false),
@@ -239,6 +247,8 @@ pub struct Prefetcher {
     pool: Arc<BufferPool>,
     /// Fetch bodies into memory files rather than buffers (the mount uses passthrough).
     memfd_bodies: AtomicBool,
+    /// The start of [`Prefetcher::clock`].
+    started: Instant,
     pub stats: Arc<Stats>,
 }
 
@@ -257,6 +267,7 @@ impl Prefetcher {
             prefetching: crate::sync::AtomicU64::new(0),
             pool: BufferPool::new(config.cache_bytes),
             memfd_bodies: AtomicBool::new(false),
+            started: Instant::now(),
             stats: Arc::new(Stats::default()),
             config,
         })
@@ -378,6 +389,7 @@ impl Prefetcher {
         let deadline = started + self.config.timeout;
         let (entry, fresh) =
             self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
+        entry.touched.store(self.clock(), Ordering::Relaxed);
         self.prefetch_after(key, manifest, owner);
         let (body, waited) = entry.wait(deadline, self.config.timeout)?;
         let s = &self.stats;
@@ -494,14 +506,27 @@ impl Prefetcher {
         true
     }
 
-    /// Picks the entry to evict: a consumed ready batch, else (for reads only) any ready batch, least
-    /// recently used first; never one whose memory file is open.
-    fn victim(cache: &Cache, any_ready: bool) -> Option<BatchKey> {
+    /// Picks the entry to evict, least recently used first and never one whose memory file is open: a
+    /// consumed ready batch; else one nobody read or asked for in `stale_after` (a window that ran past
+    /// where its reader stopped: the start of an epoch never read, a wrap-around that did not come);
+    /// else, for reads only, any ready batch. Without the second rule such batches filled a small cache
+    /// for good, and prefetch stopped: every batch then cost a round trip.
+    fn victim(&self, cache: &Cache, any_ready: bool) -> Option<BatchKey> {
         let ready = |e: &Entry| e.is_ready() && !e.is_pinned();
-        let consumed = cache.entries.iter().rev().find(|(_, e)| e.consumed.load(Ordering::Relaxed) && ready(e));
-        consumed
-            .or_else(|| if any_ready { cache.entries.iter().rev().find(|(_, e)| ready(e)) } else { None })
+        let now = self.clock();
+        let stale_after = self.config.stale_after.as_nanos() as u64;
+        let stale = |e: &Entry| now.saturating_sub(e.touched.load(Ordering::Relaxed)) >= stale_after;
+        let lru = || cache.entries.iter().rev();
+        lru()
+            .find(|(_, e)| e.consumed.load(Ordering::Relaxed) && ready(e))
+            .or_else(|| lru().find(|(_, e)| stale(e) && ready(e)))
+            .or_else(|| if any_ready { lru().find(|(_, e)| ready(e)) } else { None })
             .map(|(k, _)| *k)
+    }
+
+    /// Nanoseconds since the prefetcher started (the clock of `Entry::touched`).
+    fn clock(&self) -> u64 {
+        self.started.elapsed().as_nanos() as u64
     }
 
     fn evict(&self, cache: &mut Cache, key: BatchKey) {
@@ -553,7 +578,7 @@ impl Prefetcher {
             }
             // An evicted batch's buffer joins the pool (unless a reader still holds a slice of it),
             // where the next round reuses it or frees it.
-            if let Some(victim) = Self::victim(&cache, on_demand) {
+            if let Some(victim) = self.victim(&cache, on_demand) {
                 self.evict(&mut cache, victim);
                 continue;
             }
@@ -564,7 +589,7 @@ impl Prefetcher {
         };
         // The pool has charged `charge` to the budget.
         self.stats.cache_bytes.store(self.pool.used(), Ordering::Relaxed);
-        let entry = Arc::new(Entry::new(charge));
+        let entry = Arc::new(Entry::new(charge, self.clock()));
         cache.entries.put(key, entry.clone());
         drop(cache);
         Stats::add(&self.stats.in_flight, 1);
@@ -907,6 +932,29 @@ mod tests {
         for (b, body) in bodies.iter().enumerate().skip(1) {
             assert_eq!(p.read_as0(key(b as u64), 8 << 20, 100).unwrap(), body[8 << 20..]);
         }
+    }
+
+    #[test]
+    fn batches_left_unread_by_a_reader_that_stopped_make_room_once_stale() {
+        // Room for about six batches; a reader reads a little of epoch 0 and stops, leaving its window
+        // (four batches nobody will read) in the cache.
+        let stale_after = Duration::from_millis(50);
+        let config =
+            PrefetcherConfig { prefetch: 4, cache_bytes: 7000, last_epoch: 0, stale_after, ..Default::default() };
+        let (_rt, _client, p, bodies) = setup(10, config);
+        assert_eq!(p.read_as0(key(0), 0, 10).unwrap(), bodies[0][..10]);
+        eventually("the first window", || p.stats.snapshot().prefetches == 4 && p.stats.snapshot().in_flight == 0);
+        std::thread::sleep(stale_after * 2);
+        // Another reader starts on another epoch: its whole window starts, in place of the stale one.
+        let other = |b| BatchKey::batch(5, b, TF);
+        assert_eq!(p.read_as0(other(0), 0, 1 << 20).unwrap(), bodies[0]);
+        eventually("the second window", || p.stats.snapshot().in_flight == 0);
+        assert_eq!(p.stats.snapshot().prefetches, 8, "{:?}", p.stats.snapshot());
+        for b in 1..=4 {
+            assert_eq!(p.read_as0(other(b), 0, 1 << 20).unwrap(), bodies[b as usize]);
+        }
+        assert_eq!(p.stats.snapshot().misses, 2, "{:?}", p.stats.snapshot());
+        assert!(p.cache_used() <= 7000);
     }
 
     #[test]

@@ -5,7 +5,9 @@ batchfs mounts at several RTTs, paced and unpaced, alternating, ROUNDS rounds; m
     tests/bench/loaders_bench.py OUT_DIR
     env: SAMPLES (20000), MEAN (110000 bytes), BATCH (128), RTTS ("0 30 100"), PACE (MB/s, 400),
          ROUNDS (3), LOADERS ("dali dali-nommap torch wds"), MODES ("unpaced paced"),
-         MOUNT_OPTS (extra -o options for every mount, e.g. passthrough=false)
+         MOUNT_OPTS (extra -o options for every mount; default cache=512M: twelve mounts, each holding
+         its cache full after an epoch, beside the local copies and the server's files, must fit in this
+         machine's memory, or kswapd evicts the local copies and every figure turns to noise)
 
 Systems: `local` (the same batch files copied to a local directory, page cache warm), `direct` (a mount
 of the server on loopback), `daemon` (the same with passthrough=false: every read through the daemon) and `netem-RTT` (a mount through `batchfs netem` at each RTT, 0 included: the
@@ -39,7 +41,7 @@ RTTS = [int(r) for r in env("RTTS", "0 30 100").split()]
 PACE, ROUNDS = float(env("PACE", "400")), int(env("ROUNDS", "3"))
 LOADERS = env("LOADERS", "dali dali-nommap torch wds").split()
 MODES = env("MODES", "unpaced paced").split()
-MOUNT_OPTS = env("MOUNT_OPTS", "")
+MOUNT_OPTS = env("MOUNT_OPTS", "cache=512M")
 
 
 def free_port():
