@@ -3,7 +3,10 @@
 passthrough and through the daemon, against the same bytes in a local tmpfs file; the daemon's CPU per GB.
 
     tests/bench/fastpath_bench.py [OUT_DIR]
-    env: SAMPLES (6000), MEAN (90000 bytes), BATCH (128), ROUNDS (5), THREADS (4), MMAP (0; 1 reads by mmap)
+    env: SAMPLES (6000), MEAN (90000 bytes), BATCH (128), ROUNDS (5), THREADS (4), MMAP (0; 1 reads by mmap),
+         DROP_CACHES (0; 1 drops the kernel's clean page cache before every read: the batches stay in the
+         mount's cache and tmpfs, but the daemon path's page cache copy is gone, as for a batch read the
+         first time)
 
 Both mounts read the epoch once first (fetched, verified, cached: the cache holds it whole), then each
 round reads it again with `batchfs bench` (THREADS reader threads, 1 MiB reads), the three systems
@@ -26,6 +29,7 @@ BIN = os.path.join(ROOT, "target", "release")
 env = os.environ.get
 SAMPLES, MEAN, BATCH = int(env("SAMPLES", "6000")), int(env("MEAN", "90000")), int(env("BATCH", "128"))
 ROUNDS, THREADS, MMAP = int(env("ROUNDS", "5")), int(env("THREADS", "4")), env("MMAP", "0") == "1"
+DROP = env("DROP_CACHES", "0") == "1"
 
 
 def free_port():
@@ -88,6 +92,9 @@ def main():
         rows = []
         for rnd in range(ROUNDS):
             for name, (directory, pid) in systems.items():
+                if DROP:
+                    os.sync()
+                    open("/proc/sys/vm/drop_caches", "w").write("1\n")
                 before = cpu_of(pid) if pid else 0.0
                 r = bench(directory)
                 cpu = cpu_of(pid) - before if pid else 0.0
@@ -102,7 +109,8 @@ def main():
         med = {s: statistics.median(r["mb_per_s"] for r in rows if r["system"] == s) for s in systems}
         cpu = {s: statistics.median(r["daemon_cpu_s_per_gb"] for r in rows if r["system"] == s) for s in systems}
         report = (f"{rows[0]['bytes'] / 1e9:.2f} GB epoch already cached, {THREADS} reader threads, "
-                  f"{'mmap' if MMAP else '1 MiB reads'}, medians of {ROUNDS} rounds\n\n"
+                  f"{'mmap' if MMAP else '1 MiB reads'}, {'page cache dropped before each read, ' if DROP else ''}"
+                  f"medians of {ROUNDS} rounds\n\n"
                   "| system | MB/s | vs tmpfs | daemon CPU s/GB |\n|---|---|---|---|\n")
         for s in systems:
             report += f"| {s} | {med[s]:.0f} | {med[s] / med['tmpfs']:.2f} | {cpu[s]:.3f} |\n"

@@ -182,8 +182,9 @@ def render(rows, systems):
     lines = [f"Epoch: {SAMPLES} samples, {gb:.2f} GB of sample bytes, batch_size {BATCH}, medians of {ROUNDS} "
              f"rounds; paced = a consumer at {PACE:.0f} MB/s overlapping with loading.", ""]
     slow = [s for s in systems if s.startswith("netem-") and s != "netem-0ms"]
-    header = "| loader | mode | " + " | ".join(f"{s} s" for s in systems) + " | direct / local | daemon / local | "
-    header += " | ".join(f"{s} / netem-0ms" for s in slow) + " | CPU s/GB local | CPU s/GB direct |"
+    columns = [f"{s} s" for s in systems] + ["direct / local", "daemon / local"]
+    columns += [f"{s} / netem-0ms" for s in slow] + ["CPU s/GB local", "CPU s/GB direct"]
+    header = "| loader | mode | " + " | ".join(columns) + " |"
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     for mode in MODES:
         for loader in LOADERS:
