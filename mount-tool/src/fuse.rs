@@ -8,8 +8,8 @@
 //! waits until the file is verified and cached, then hands the kernel a sealed memory file holding it
 //! (`open_backing`), so the reads and mmap faults of that handle never reach the daemon. The kernel
 //! demands one backing file per inode at a time, and no mixing of passthrough and cached opens of one
-//! inode; [`Opens`] keeps that: an inode open in one mode is opened again in the same mode, with the
-//! same backing id, until its last handle is released. The backing id lives until then: the kernel
+//! inode; the adapter's `Opens` table keeps that: an inode open in one mode is opened again in the same
+//! mode, with the same backing id, until its last handle is released. The backing id lives until then: the kernel
 //! resolves it after the open reply, so dropping it at once makes opens fail with EIO.
 //!
 //! **Readers.** FUSE reports the thread that made a request; the prefetcher is told its process
