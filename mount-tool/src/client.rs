@@ -118,8 +118,9 @@ pub trait BatchClient: Send + Sync + 'static {
     /// The dataset's source files.
     fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>>;
     /// The body of one batch (unverified), appended to `into` (an empty buffer with room for the whole
-    /// body, usually reused memory, or an empty memory file), which is returned. `expect` is the size the manifest announced: a
-    /// response that says or sends more is cut off with an error rather than buffered. `attempt` counts
+    /// body, usually reused memory, or an empty memory file), which is returned. `expect` is the size the
+    /// manifest announced: a response that says or sends more is cut off with an error rather than
+    /// buffered. `attempt` counts
     /// retries, so a client with several servers can try another one.
     fn fetch_batch(
         &self,

@@ -10,8 +10,8 @@
 //! Inode numbers encode what they name, so no table grows with the epochs read: the root is 1,
 //! `.batchfs` 2, its `stats` 3, epoch directory *e* is `2^40 + e`, and batch *b* of epoch *e* is
 //! `2^62 + e·2^36 + b·4 + kind` (kind 0: the batch, 1: its DALI index); node *n* of the `raw/` tree
-//! (built from the server's file list on first use) is `2^41 + n` for a directory, `2^42 + n` for a file. Any epoch number up to 999,999
-//! resolves by name, listed or not. `stat` and `readdir` use manifests only, never sample data.
+//! (built from the server's file list on first use) is `2^41 + n` for a directory, `2^42 + n` for a
+//! file. Any epoch number up to 999,999 resolves by name, listed or not. `stat` and `readdir` use manifests only, never sample data.
 
 use crate::prefetch::{BatchKey, Listing, Prefetcher, ReadError};
 use batchfs::api::FileList;
@@ -633,7 +633,8 @@ mod tests {
                         let (path, want) = (&all[i], model_walk(&m, &all[i]));
                         let Ok(attr) = walk(&fs, path) else { continue };
                         prop_assert!(want.is_ok());
-                        let got = fs.readdir(attr.node.ino()).map(|e| e.into_iter().map(|(_, n)| n).collect::<Vec<_>>());
+                        let names = |e: Vec<(Node, String)>| e.into_iter().map(|(_, n)| n).collect::<Vec<_>>();
+                        let got = fs.readdir(attr.node.ino()).map(names);
                         if m.get(path.as_str()).is_some_and(|e| e.is_some()) {
                             prop_assert_eq!(got.map_err(|e| e.errno()), Err(libc::ENOTDIR), "readdir of file {}", path);
                             continue;
@@ -641,7 +642,8 @@ mod tests {
                         let prefix = if path.is_empty() { String::new() } else { format!("{path}/") };
                         let mut children: Vec<String> = m
                             .keys()
-                            .filter_map(|k| k.strip_prefix(prefix.as_str()).filter(|r| !r.is_empty() && !r.contains('/')))
+                            .filter_map(|k| k.strip_prefix(prefix.as_str()))
+                            .filter(|r| !r.is_empty() && !r.contains('/'))
                             .map(String::from)
                             .filter(|name| !path.is_empty() || name != "epoch-0002") // not listed, only resolves
                             .collect();

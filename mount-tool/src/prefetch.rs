@@ -12,11 +12,12 @@
 //! - No byte reaches a reader before its whole batch matched the manifest's size and CRC32C; a mismatch
 //!   is refetched, never returned.
 //! - The bytes charged (ready bodies plus reservations for fetches in flight) plus the idle body buffers
-//!   kept for reuse never exceed the budget: one ledger, kept by the [`BufferPool`]. A fetch reuses an idle buffer when there is
-//!   one; idle buffers it cannot use are freed before any cached batch is evicted. Prefetches only start
-//!   when their bytes fit after evicting *consumed* batches; otherwise the window narrows
-//!   (backpressure). A read that needs a batch evicts consumed batches first, then the least recently
-//!   used ready ones, and otherwise waits for room.
+//!   kept for reuse never exceed the budget: one ledger, kept by the [`BufferPool`]. A fetch reuses an
+//!   idle buffer when there is one; idle buffers it cannot use are freed before any cached batch is
+//!   evicted. Prefetches only start when their bytes fit after evicting *consumed* (or stale) batches;
+//!   otherwise the window narrows (backpressure). A read that needs a batch evicts consumed batches
+//!   first, then stale ones, then the least recently used ready ones, and otherwise waits for room.
+//!   Batches whose memory file is open in the kernel are never evicted.
 //! - A failed fetch keeps retrying with jittered exponential backoff until `timeout` has passed since
 //!   it started, then fails every waiting reader with an error (EIO at the FUSE edge).
 //!
