@@ -65,6 +65,12 @@ impl BufferPool {
         self.used.load(Ordering::Relaxed)
     }
 
+    /// Bytes charged and idle together, read at one instant (never above the budget).
+    pub fn held(&self) -> u64 {
+        let inner = self.inner.lock().expect("pool");
+        inner.used + self.idle_bytes()
+    }
+
     /// The buffer for `need` bytes: the smallest that holds them, else the largest (it grows).
     fn best(free: &[Vec<u8>], need: usize) -> Option<usize> {
         let fits = free.iter().enumerate().filter(|(_, b)| b.capacity() >= need).min_by_key(|(_, b)| b.capacity());
@@ -86,9 +92,19 @@ impl BufferPool {
     /// and the other idle buffers fit in what is not charged. Otherwise frees one idle buffer it would not
     /// reuse (or the one it would, when that is larger than needed).
     pub fn admit(&self, need: usize) -> Admission {
+        self.admit_with(need, true)
+    }
+
+    /// Admits a fetch of `need` bytes that brings its own memory (a memory file): charged like
+    /// [`BufferPool::admit`], but no idle buffer is taken, and none allocated (`buffer` is empty).
+    pub fn charge(&self, need: usize) -> Admission {
+        self.admit_with(need, false)
+    }
+
+    fn admit_with(&self, need: usize, buffered: bool) -> Admission {
         let mut inner = self.inner.lock().expect("pool");
         let room = self.total.saturating_sub(inner.used);
-        let best = Self::best(&inner.free, need);
+        let best = if buffered { Self::best(&inner.free, need) } else { None };
         let reuse = best.map_or(0, |i| inner.free[i].capacity() as u64);
         let charge = (need as u64).max(reuse);
         if charge + self.idle_bytes() - reuse <= room {
@@ -99,10 +115,12 @@ impl BufferPool {
                     buf.reserve_exact(need);
                     buf
                 }
-                None => Vec::with_capacity(need),
+                None if buffered => Vec::with_capacity(need),
+                None => Vec::new(),
             };
             // `charge` as predicted: a reused buffer only grows to exactly `need`.
             let charge = charge.max(buffer.capacity() as u64);
+            debug_assert!(buffered || buffer.capacity() == 0);
             let used = inner.used + charge;
             self.set_used(&mut inner, used);
             return Admission::Fits { buffer, charge };
@@ -253,6 +271,20 @@ mod tests {
         let pool = pool_of(&[], 9 * MB as u64, 6 * MB as u64);
         pool.give(Vec::with_capacity(4 * MB));
         assert_eq!(pool.idle_bytes(), 0);
+    }
+
+    #[test]
+    fn memory_files_are_charged_without_buffers() {
+        // Idle buffers still count: they are freed to make room, never handed out.
+        let pool = pool_of(&[2, 2], 6 * MB as u64, 0);
+        let (buf, charge) = fits(pool.charge(2 * MB));
+        assert_eq!((buf.capacity(), charge, pool.idle_bytes()), (0, 2 * MB as u64, 4 * MB as u64));
+        assert!(matches!(pool.charge(2 * MB), Admission::Trimmed));
+        let (buf, charge) = fits(pool.charge(2 * MB));
+        assert_eq!((buf.capacity(), charge, pool.held()), (0, 2 * MB as u64, 6 * MB as u64));
+        assert!(matches!(pool.charge(MB), Admission::Trimmed), "the last idle buffer goes");
+        assert_eq!(fits(pool.charge(MB)).1, MB as u64);
+        assert!(matches!(pool.charge(2 * MB), Admission::Full), "only an eviction makes room now");
     }
 
     #[test]

@@ -553,6 +553,8 @@ impl Prefetcher {
         on_demand: bool,
         deadline: Instant,
     ) -> Result<Option<(Arc<Entry>, bool)>, ReadError> {
+        // With passthrough the body goes straight into a memory file: charged, with no buffer.
+        let memfd = self.memfd_bodies.load(Ordering::Relaxed);
         let mut cache = self.cache.lock().expect("cache");
         let (buffer, charge) = loop {
             if let Some(e) = cache.entries.get(&key) {
@@ -565,7 +567,9 @@ impl Prefetcher {
             }
             // Idle buffers count in the budget: the pool admits the fetch, or frees one of them and
             // asks to try again, before any cached batch is evicted.
-            match self.pool.admit(meta.bytes as usize) {
+            let admission =
+                if memfd { self.pool.charge(meta.bytes as usize) } else { self.pool.admit(meta.bytes as usize) };
+            match admission {
                 Admission::Fits { buffer, charge } => break (buffer, charge),
                 Admission::Trimmed => continue,
                 Admission::Full => {}
@@ -605,8 +609,6 @@ impl Prefetcher {
             }
             Listing::Epoch { .. } => None,
         };
-        // With passthrough, bodies go straight into memory files the kernel will serve from.
-        let memfd = self.memfd_bodies.load(Ordering::Relaxed);
         let mut buffer = (!memfd).then_some(buffer);
         self.runtime.spawn(async move {
             let client = this.client.clone();
@@ -687,8 +689,7 @@ impl Prefetcher {
 
     /// Bytes held or reserved now, idle reusable buffers included (never above the budget).
     pub fn cache_used(&self) -> u64 {
-        let _cache = self.cache.lock().expect("cache");
-        self.pool.used() + self.pool.idle_bytes()
+        self.pool.held()
     }
 }
 
