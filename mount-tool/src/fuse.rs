@@ -91,26 +91,16 @@ impl FuseFs {
 
     /// Opens `ino` for reading: in the mode the inode is already open in, else by passthrough when on.
     fn open_file(&self, req: &Request, ino: u64, reply: ReplyOpen) {
-        let fh = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let stats = self.fs.stats();
         {
             let mut opens = self.opens.lock().expect("opens");
-            if let Some((mode, count)) = opens.inodes.get_mut(&ino) {
-                *count += 1;
-                match mode {
-                    Mode::Daemon => {
-                        Stats::add(&stats.daemon_opens, 1);
-                        reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
-                    }
-                    Mode::Passthrough { id, .. } => {
-                        // The file's bytes are in the kernel already: a hit.
-                        Stats::add(&stats.passthrough_opens, 1);
-                        Stats::add(&stats.hits, 1);
-                        reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id)
-                    }
-                }
-                opens.handles.insert(fh, ino);
-                return;
+            if let Some((Mode::Passthrough { .. }, _)) = opens.inodes.get(&ino) {
+                // The file's bytes are in the kernel already: a hit.
+                Stats::add(&stats.passthrough_opens, 1);
+                Stats::add(&stats.hits, 1);
+            }
+            if opens.inodes.contains_key(&ino) {
+                return self.reply_open(&mut opens, ino, None, reply);
             }
         }
         let mut mode = Mode::Daemon;
@@ -133,12 +123,18 @@ impl FuseFs {
             }
         }
         let mut opens = self.opens.lock().expect("opens");
-        // Another open of the inode may have finished meanwhile: its mode wins.
-        let (mode, count) = opens.inodes.entry(ino).or_insert((mode, 0));
+        self.reply_open(&mut opens, ino, Some(mode), reply);
+    }
+
+    /// Opens one more handle of `ino` in the mode it is open in, or in `mode` if it is not open (another
+    /// open may have finished meanwhile: its mode wins), and replies.
+    fn reply_open(&self, opens: &mut Opens, ino: u64, mode: Option<Mode>, reply: ReplyOpen) {
+        let fh = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        let (mode, count) = opens.inodes.entry(ino).or_insert_with(|| (mode.unwrap_or(Mode::Daemon), 0));
         *count += 1;
         match mode {
             Mode::Daemon => {
-                Stats::add(&stats.daemon_opens, 1);
+                Stats::add(&self.fs.stats().daemon_opens, 1);
                 reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
             }
             Mode::Passthrough { id, .. } => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id),

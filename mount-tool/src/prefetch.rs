@@ -250,6 +250,8 @@ pub struct Prefetcher {
     memfd_bodies: AtomicBool,
     /// The start of [`Prefetcher::clock`].
     started: Instant,
+    /// Next epochs whose manifests a background task is fetching now.
+    warming: Mutex<std::collections::HashSet<u64>>,
     pub stats: Arc<Stats>,
 }
 
@@ -269,6 +271,7 @@ impl Prefetcher {
             pool: BufferPool::new(config.cache_bytes),
             memfd_bodies: AtomicBool::new(false),
             started: Instant::now(),
+            warming: Mutex::new(Default::default()),
             stats: Arc::new(Stats::default()),
             config,
         })
@@ -471,6 +474,11 @@ impl Prefetcher {
             self.start_prefetches(&next, m);
             return;
         }
+        // One task per next epoch: the reads near an epoch's end would each start one, and each would
+        // fetch the same manifests. Reads after it ends find them cached.
+        if !self.warming.lock().expect("warming").insert(epoch) {
+            return;
+        }
         let this = self.clone();
         self.runtime.spawn(async move {
             // Starting a prefetch takes the cache lock only briefly and never waits.
@@ -489,6 +497,7 @@ impl Prefetcher {
                     this.start_prefetches(&all, &m);
                 }
             }
+            this.warming.lock().expect("warming").remove(&epoch);
         });
     }
 
