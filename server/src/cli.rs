@@ -1,14 +1,14 @@
 //! The `batchfs-server` command line: `serve`, `index`, `gen` and `demo`.
 
 use crate::catalog::{Catalog, Dataset};
-use crate::config::{ConfigFile, DatasetSpec, ServerLimits};
+use crate::config::{ConfigFile, DatasetSpec, LimitArgs, ServerLimits};
 use crate::progress::IndexProgress;
 use crate::{ServeOptions, TlsFiles};
 use anyhow::{bail, Context, Result};
 use batchfs::gen::{self, GenOptions};
 use batchfs::index::SourceFormat;
 use batchfs::source::{IndexOptions, IndexOrigin};
-use batchfs::units::{parse_duration, parse_size};
+use batchfs::units::parse_size;
 use clap::{Args, Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -85,104 +85,6 @@ pub struct ServeArgs {
     pub index: IndexFlags,
     #[command(flatten)]
     pub limits: LimitArgs,
-}
-
-/// Limits; each overrides the config file's `[limits]` value and the default.
-#[derive(Debug, Args, Default)]
-pub struct LimitArgs {
-    /// HTTP/2 streams per connection [default: 256].
-    #[arg(long, value_name = "N", help_heading = "Limits")]
-    pub max_concurrent_streams: Option<u32>,
-    /// Largest request header block [default: 16K].
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
-    pub max_header_bytes: Option<u64>,
-    /// Client stream resets tolerated before acceptance, per connection (rapid-reset guard) [default: 20].
-    #[arg(long, value_name = "N", help_heading = "Limits")]
-    pub max_pending_accept_reset_streams: Option<usize>,
-    /// Streams the server may reset for client errors, per connection [default: 1024].
-    #[arg(long, value_name = "N", help_heading = "Limits")]
-    pub max_local_error_reset_streams: Option<usize>,
-    /// HTTP/2 per-stream window [default: 16M].
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
-    pub stream_window: Option<u64>,
-    /// HTTP/2 connection window [default: 64M].
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
-    pub connection_window: Option<u64>,
-    /// Largest HTTP/2 frame accepted [default: 1M].
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
-    pub max_frame_size: Option<u64>,
-    /// Send buffer per stream [default: 4M].
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
-    pub max_send_buf_size: Option<u64>,
-    /// HTTP/2 keep-alive ping interval [default: 20s].
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
-    pub keep_alive_interval: Option<Duration>,
-    /// Keep-alive ping timeout [default: 20s].
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
-    pub keep_alive_timeout: Option<Duration>,
-    /// Time for an HTTP/1 request head or TLS handshake [default: 30s].
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
-    pub header_read_timeout: Option<Duration>,
-    /// Close connections idle this long [default: 5m].
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
-    pub idle_timeout: Option<Duration>,
-    /// Time to produce a response head [default: 60s].
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
-    pub request_timeout: Option<Duration>,
-    /// Time in-flight responses get to finish on shutdown [default: 30s].
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Limits")]
-    pub drain_timeout: Option<Duration>,
-    /// Open connections at once [default: 4096].
-    #[arg(long, value_name = "N", help_heading = "Limits")]
-    pub max_connections: Option<usize>,
-    /// Concurrent blocking storage reads, server-wide [default: 16].
-    #[arg(long, value_name = "N", help_heading = "Limits")]
-    pub storage_concurrency: Option<usize>,
-    /// Batches warmed ahead of each batch request [default: 4; 0 disables].
-    #[arg(long, value_name = "N", help_heading = "Limits")]
-    pub readahead_batches: Option<u64>,
-    /// Largest body chunk handed to HTTP at once [default: 1M].
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Limits")]
-    pub chunk_size: Option<u64>,
-}
-
-impl LimitArgs {
-    fn apply(&self, l: &mut ServerLimits) -> Result<()> {
-        let u32_of = |name: &str, v: u64| u32::try_from(v).with_context(|| format!("--{name} {v} is too large"));
-        macro_rules! set {
-            ($f:ident) => {
-                if let Some(v) = self.$f {
-                    l.$f = v;
-                }
-            };
-            ($f:ident, u32) => {
-                if let Some(v) = self.$f {
-                    l.$f = u32_of(stringify!($f), v)?;
-                }
-            };
-        }
-        set!(max_concurrent_streams);
-        set!(max_header_bytes, u32);
-        set!(max_pending_accept_reset_streams);
-        set!(max_local_error_reset_streams);
-        set!(stream_window, u32);
-        set!(connection_window, u32);
-        set!(max_frame_size, u32);
-        if let Some(v) = self.max_send_buf_size {
-            l.max_send_buf_size = v as usize;
-        }
-        set!(keep_alive_interval);
-        set!(keep_alive_timeout);
-        set!(header_read_timeout);
-        set!(idle_timeout);
-        set!(request_timeout);
-        set!(drain_timeout);
-        set!(max_connections);
-        set!(storage_concurrency);
-        set!(readahead_batches);
-        set!(chunk_size);
-        Ok(())
-    }
 }
 
 #[derive(Debug, Args)]
@@ -328,7 +230,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     };
     let mut limits = ServerLimits::default();
     file.limits.apply(&mut limits).map_err(anyhow::Error::msg)?;
-    args.limits.apply(&mut limits)?;
+    args.limits.apply(&mut limits);
     limits.validate().map_err(anyhow::Error::msg)?;
     let listen = match (args.listen, &file.listen) {
         (Some(a), _) => a,

@@ -1,5 +1,10 @@
 //! Server configuration: limits with safe defaults, and the TOML config file (an alternative to the
 //! command line; flags given on the command line override the file).
+//!
+//! Every limit is declared once, in the `limits!` list below: its type, how its value is written (a
+//! count, a size such as `16M`, or a duration such as `30s`), its default and its help. From that one list
+//! come [`ServerLimits`], the `[limits]` table of the config file ([`LimitsFile`]) and the
+//! `--limit-name VALUE` flags ([`LimitArgs`]), all three parsed by the same functions.
 
 use batchfs::index::SourceFormat;
 use batchfs::units::{parse_duration, parse_size};
@@ -7,71 +12,151 @@ use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Every limit of the server. Defaults are documented in `docs/CONFIGURATION.md`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ServerLimits {
-    /// HTTP/2 streams per connection.
-    pub max_concurrent_streams: u32,
-    /// Largest request header block (HTTP/2 header list, HTTP/1 buffer).
-    pub max_header_bytes: u32,
-    /// Streams reset by the client before the server accepted them, per connection (rapid reset,
-    /// CVE-2023-44487): past this the connection is closed.
-    pub max_pending_accept_reset_streams: usize,
-    /// Streams the server may reset because of client errors, per connection.
-    pub max_local_error_reset_streams: usize,
-    /// HTTP/2 per-stream receive window the server advertises.
-    pub stream_window: u32,
-    /// HTTP/2 connection receive window.
-    pub connection_window: u32,
-    /// Largest HTTP/2 frame the server accepts.
-    pub max_frame_size: u32,
-    /// Bytes buffered per stream for sending.
-    pub max_send_buf_size: usize,
-    /// HTTP/2 ping interval on idle connections (dead peers are detected).
-    pub keep_alive_interval: Duration,
-    /// How long a ping may go unanswered.
-    pub keep_alive_timeout: Duration,
-    /// Time allowed for an HTTP/1 request head or a TLS handshake.
-    pub header_read_timeout: Duration,
-    /// A connection with no bytes moving for this long is closed.
-    pub idle_timeout: Duration,
-    /// Time allowed to produce a response head.
-    pub request_timeout: Duration,
-    /// On shutdown, time allowed for in-flight responses to finish.
-    pub drain_timeout: Duration,
-    /// Open connections at once; more wait in the listen backlog.
-    pub max_connections: usize,
-    /// Concurrent blocking storage reads (page faults, warming), server-wide.
-    pub storage_concurrency: usize,
-    /// Batches of the same plan warmed ahead of each batch request.
-    pub readahead_batches: u64,
-    /// Largest body chunk handed to HTTP at once.
-    pub chunk_size: u64,
+/// How a limit's value is written, on the command line and in the config file.
+mod value {
+    use super::*;
+
+    /// A plain number: `256`.
+    pub fn count<T: std::str::FromStr>(text: &str) -> Result<T, String> {
+        text.trim().parse().map_err(|_| format!("{text:?} is not a number in range"))
+    }
+
+    /// A size: `1048576`, `1M`, `16K`.
+    pub fn size<T: TryFrom<u64>>(text: &str) -> Result<T, String> {
+        let bytes = parse_size(text)?;
+        T::try_from(bytes).map_err(|_| format!("{text:?} is too large"))
+    }
+
+    /// A duration: `30s`, `5m`, `250ms`.
+    pub fn duration(text: &str) -> Result<Duration, String> {
+        parse_duration(text)
+    }
 }
 
-impl Default for ServerLimits {
-    fn default() -> Self {
-        ServerLimits {
-            max_concurrent_streams: 256,
-            max_header_bytes: 16 << 10,
-            max_pending_accept_reset_streams: 20,
-            max_local_error_reset_streams: 1024,
-            stream_window: 16 << 20,
-            connection_window: 64 << 20,
-            max_frame_size: 1 << 20,
-            max_send_buf_size: 4 << 20,
-            keep_alive_interval: Duration::from_secs(20),
-            keep_alive_timeout: Duration::from_secs(20),
-            header_read_timeout: Duration::from_secs(30),
-            idle_timeout: Duration::from_secs(300),
-            request_timeout: Duration::from_secs(60),
-            drain_timeout: Duration::from_secs(30),
-            max_connections: 4096,
-            storage_concurrency: 16,
-            readahead_batches: 4,
-            chunk_size: 1 << 20,
+/// A `[limits]` value in the config file: a TOML integer or a string (`"16M"`, `"30s"`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum LimitValue {
+    Integer(u64),
+    Text(String),
+}
+
+impl LimitValue {
+    fn text(&self) -> String {
+        match self {
+            LimitValue::Integer(n) => n.to_string(),
+            LimitValue::Text(s) => s.clone(),
         }
     }
+}
+
+/// Declares the server's limits once; see the module note for what it generates.
+macro_rules! limits {
+    ($(
+        $name:ident: $ty:ty = $default:expr, $parse:expr, $shown:literal, $placeholder:literal, $help:literal;
+    )+) => {
+        /// Every limit of the server. Defaults are documented in `docs/CONFIGURATION.md`.
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct ServerLimits {
+            $( #[doc = $help] pub $name: $ty, )+
+        }
+
+        impl Default for ServerLimits {
+            fn default() -> Self {
+                ServerLimits { $( $name: $default, )+ }
+            }
+        }
+
+        /// `[limits]` of the config file: sizes as `"16M"` or integers, durations as `"30s"`.
+        #[derive(Debug, Default, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct LimitsFile {
+            $( #[doc = $help] pub $name: Option<LimitValue>, )+
+        }
+
+        impl LimitsFile {
+            /// Applies the values present to `limits`.
+            pub fn apply(&self, limits: &mut ServerLimits) -> Result<(), String> {
+                $(
+                    if let Some(v) = &self.$name {
+                        let parse: fn(&str) -> Result<$ty, String> = $parse;
+                        limits.$name = parse(&v.text()).map_err(|e| format!("limits.{}: {e}", stringify!($name)))?;
+                    }
+                )+
+                Ok(())
+            }
+        }
+
+        /// Limits as flags; each overrides the config file's `[limits]` value and the default.
+        #[derive(Debug, Default, clap::Args)]
+        pub struct LimitArgs {
+            $(
+                #[arg(long, value_name = $placeholder, value_parser = $parse as fn(&str) -> Result<$ty, String>,
+                      help = concat!($help, " [default: ", $shown, "]"), help_heading = "Limits")]
+                pub $name: Option<$ty>,
+            )+
+        }
+
+        impl LimitArgs {
+            /// Applies the flags given to `limits`.
+            pub fn apply(&self, limits: &mut ServerLimits) {
+                $( if let Some(v) = &self.$name { limits.$name = v.clone(); } )+
+            }
+        }
+
+        /// Each limit's name, its default as written in the help and the docs, and its parser's verdict
+        /// on that text (for the test that keeps help, docs and defaults in step).
+        #[cfg(test)]
+        fn documented_defaults() -> Vec<(&'static str, &'static str, bool)> {
+            let defaults = ServerLimits::default();
+            vec![$(
+                (stringify!($name), $shown, {
+                    let parse: fn(&str) -> Result<$ty, String> = $parse;
+                    parse($shown).map(|v| v == defaults.$name).unwrap_or(false)
+                }),
+            )+]
+        }
+    };
+}
+
+limits! {
+    max_concurrent_streams: u32 = 256, value::count, "256", "N",
+        "HTTP/2 streams per connection.";
+    max_header_bytes: u32 = 16 << 10, value::size, "16K", "SIZE",
+        "Largest request header block (HTTP/2 header list, HTTP/1 buffer).";
+    max_pending_accept_reset_streams: usize = 20, value::count, "20", "N",
+        "Streams reset by the client before the server accepted them, per connection (rapid reset, \
+         CVE-2023-44487): past this the connection is closed.";
+    max_local_error_reset_streams: usize = 1024, value::count, "1024", "N",
+        "Streams the server may reset because of client errors, per connection.";
+    stream_window: u32 = 16 << 20, value::size, "16M", "SIZE",
+        "HTTP/2 per-stream receive window the server advertises.";
+    connection_window: u32 = 64 << 20, value::size, "64M", "SIZE",
+        "HTTP/2 connection receive window.";
+    max_frame_size: u32 = 1 << 20, value::size, "1M", "SIZE",
+        "Largest HTTP/2 frame the server accepts.";
+    max_send_buf_size: usize = 4 << 20, value::size, "4M", "SIZE",
+        "Bytes buffered per stream for sending.";
+    keep_alive_interval: Duration = Duration::from_secs(20), value::duration, "20s", "DURATION",
+        "HTTP/2 ping interval on idle connections (dead peers are detected).";
+    keep_alive_timeout: Duration = Duration::from_secs(20), value::duration, "20s", "DURATION",
+        "How long a ping may go unanswered.";
+    header_read_timeout: Duration = Duration::from_secs(30), value::duration, "30s", "DURATION",
+        "Time allowed for an HTTP/1 request head or a TLS handshake.";
+    idle_timeout: Duration = Duration::from_secs(300), value::duration, "5m", "DURATION",
+        "A connection with no bytes moving for this long is closed.";
+    request_timeout: Duration = Duration::from_secs(60), value::duration, "60s", "DURATION",
+        "Time allowed to produce a response head.";
+    drain_timeout: Duration = Duration::from_secs(30), value::duration, "30s", "DURATION",
+        "On shutdown, time allowed for in-flight responses to finish.";
+    max_connections: usize = 4096, value::count, "4096", "N",
+        "Open connections at once; more wait in the listen backlog.";
+    storage_concurrency: usize = 16, value::count, "16", "N",
+        "Concurrent blocking storage reads (page faults, warming), server-wide.";
+    readahead_batches: u64 = 4, value::count, "4", "N",
+        "Batches of the same plan warmed ahead of each batch request (0 disables).";
+    chunk_size: u64 = 1 << 20, value::size, "1M", "SIZE",
+        "Largest body chunk handed to HTTP at once.";
 }
 
 /// One dataset to serve.
@@ -116,98 +201,6 @@ pub struct ConfigFile {
     pub tls_key: Option<PathBuf>,
     #[serde(default)]
     pub limits: LimitsFile,
-}
-
-/// `[limits]` of the config file: sizes as `"16M"` or integers, durations as `"30s"`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LimitsFile {
-    pub max_concurrent_streams: Option<u32>,
-    pub max_header_bytes: Option<SizeValue>,
-    pub max_pending_accept_reset_streams: Option<usize>,
-    pub max_local_error_reset_streams: Option<usize>,
-    pub stream_window: Option<SizeValue>,
-    pub connection_window: Option<SizeValue>,
-    pub max_frame_size: Option<SizeValue>,
-    pub max_send_buf_size: Option<SizeValue>,
-    pub keep_alive_interval: Option<String>,
-    pub keep_alive_timeout: Option<String>,
-    pub header_read_timeout: Option<String>,
-    pub idle_timeout: Option<String>,
-    pub request_timeout: Option<String>,
-    pub drain_timeout: Option<String>,
-    pub max_connections: Option<usize>,
-    pub storage_concurrency: Option<usize>,
-    pub readahead_batches: Option<u64>,
-    pub chunk_size: Option<SizeValue>,
-}
-
-/// A size written as an integer or a string with a suffix.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum SizeValue {
-    Bytes(u64),
-    Text(String),
-}
-
-impl SizeValue {
-    fn get(&self) -> Result<u64, String> {
-        match self {
-            SizeValue::Bytes(n) => Ok(*n),
-            SizeValue::Text(s) => parse_size(s),
-        }
-    }
-}
-
-fn to_u32(name: &str, v: u64) -> Result<u32, String> {
-    u32::try_from(v).map_err(|_| format!("limits.{name} = {v} is too large"))
-}
-
-impl LimitsFile {
-    /// Applies the values present to `limits`.
-    pub fn apply(&self, limits: &mut ServerLimits) -> Result<(), String> {
-        macro_rules! set {
-            ($field:ident) => {
-                if let Some(v) = self.$field {
-                    limits.$field = v;
-                }
-            };
-            ($field:ident, size32) => {
-                if let Some(v) = &self.$field {
-                    limits.$field = to_u32(stringify!($field), v.get()?)?;
-                }
-            };
-            ($field:ident, size) => {
-                if let Some(v) = &self.$field {
-                    limits.$field = v.get()? as _;
-                }
-            };
-            ($field:ident, duration) => {
-                if let Some(v) = &self.$field {
-                    limits.$field = parse_duration(v).map_err(|e| format!("limits.{}: {e}", stringify!($field)))?;
-                }
-            };
-        }
-        set!(max_concurrent_streams);
-        set!(max_header_bytes, size32);
-        set!(max_pending_accept_reset_streams);
-        set!(max_local_error_reset_streams);
-        set!(stream_window, size32);
-        set!(connection_window, size32);
-        set!(max_frame_size, size32);
-        set!(max_send_buf_size, size);
-        set!(keep_alive_interval, duration);
-        set!(keep_alive_timeout, duration);
-        set!(header_read_timeout, duration);
-        set!(idle_timeout, duration);
-        set!(request_timeout, duration);
-        set!(drain_timeout, duration);
-        set!(max_connections);
-        set!(storage_concurrency);
-        set!(readahead_batches);
-        set!(chunk_size, size);
-        Ok(())
-    }
 }
 
 impl ServerLimits {
@@ -258,6 +251,52 @@ mod tests {
         assert_eq!(limits.idle_timeout, Duration::from_secs(90));
         assert_eq!(limits.chunk_size, 262_144);
         assert!(toml::from_str::<ConfigFile>("bogus = 1").is_err());
+    }
+
+    #[test]
+    fn each_limit_has_one_default_shown_in_help_and_docs() {
+        let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/CONFIGURATION.md")).unwrap();
+        for (name, shown, parses_to_default) in documented_defaults() {
+            assert!(parses_to_default, "{name}: the default shown, {shown:?}, is not the default value");
+            let row = format!("| `{name}` | {shown} |");
+            assert!(docs.contains(&row), "docs/CONFIGURATION.md lacks the row {row:?}");
+        }
+    }
+
+    #[test]
+    fn flags_and_the_file_parse_limits_alike() {
+        use clap::Parser;
+        #[derive(Debug, Parser)]
+        struct Flags {
+            #[command(flatten)]
+            limits: LimitArgs,
+        }
+        let parse_flags = |args: &[&str]| Flags::try_parse_from(std::iter::once("x").chain(args.iter().copied()));
+        let parse_file = |text: &str| -> Result<ServerLimits, String> {
+            let file: LimitsFile = toml::from_str(text).map_err(|e| e.to_string())?;
+            let mut limits = ServerLimits::default();
+            file.apply(&mut limits)?;
+            Ok(limits)
+        };
+        let mut from_flags = ServerLimits::default();
+        parse_flags(&["--stream-window", "32M", "--idle-timeout", "90s", "--max-connections", "7"])
+            .unwrap()
+            .limits
+            .apply(&mut from_flags);
+        let from_file = parse_file("stream_window = \"32M\"\nidle_timeout = \"90s\"\nmax_connections = 7").unwrap();
+        assert_eq!(from_flags, from_file);
+        assert_eq!(from_file.stream_window, 32 << 20);
+        // A size as a TOML integer, a count as a string: both read as written.
+        let l = parse_file("chunk_size = 262144\nmax_connections = \"9\"").unwrap();
+        assert_eq!((l.chunk_size, l.max_connections), (262_144, 9));
+        // The same errors on both sides.
+        assert!(parse_flags(&["--stream-window", "5G"]).unwrap_err().to_string().contains("too large"));
+        assert!(parse_file("stream_window = \"5G\"").unwrap_err().contains("too large"));
+        assert!(parse_flags(&["--idle-timeout", "5q"]).is_err());
+        assert!(parse_file("idle_timeout = \"5q\"").unwrap_err().starts_with("limits.idle_timeout"));
+        assert!(parse_flags(&["--max-connections", "many"]).is_err());
+        assert!(parse_file("max_connections = \"many\"").is_err());
+        assert!(parse_file("no_such_limit = 1").is_err());
     }
 
     #[test]
