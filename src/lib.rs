@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod crc;
+pub mod demo;
 pub mod encode;
 pub mod energy;
 pub mod gen;

@@ -455,3 +455,22 @@ fn bench_mmap_really_reads_the_pages() {
     assert_eq!((r["bytes"].as_u64(), r["byte_sum"].as_u64()), (Some(bytes), Some(sum)), "{r}");
     assert!(batchfs(&["umount", mnt.to_str().unwrap()]).status.success());
 }
+
+/// The README's first command: `batchfs demo` starts the real server binary, mounts, reads an epoch with
+/// four readers, checks every file and unmounts.
+#[test]
+fn demo_reads_every_batch_file_through_a_mount_and_cleans_up() {
+    // The demo runs the batchfs-server binary found beside its own; `cargo test -p batchfs-mount`
+    // alone would not build it.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let built = Command::new(cargo).args(["build", "-q", "-p", "batchfs-server", "--bin", "batchfs-server"]).status();
+    assert!(built.unwrap().success(), "cannot build batchfs-server");
+    let out = batchfs(&["demo", "--samples", "300", "--mean-bytes", "20K", "--batch-size", "32"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("10/10 batch files match the manifest (CRC32C)"), "{text}");
+    let mountpoint = text.lines().find_map(|l| l.strip_prefix("mount")).and_then(|l| l.split(" -> ").nth(1));
+    let mountpoint = Path::new(mountpoint.and_then(|m| m.split(" (").next()).expect("mount row"));
+    assert!(!is_mounted(mountpoint), "{} is still mounted", mountpoint.display());
+    assert!(!mountpoint.exists(), "the demo left {} behind", mountpoint.display());
+}

@@ -6,10 +6,10 @@ use crate::catalog::{Catalog, Dataset};
 use crate::config::ServerLimits;
 use crate::progress::IndexProgress;
 use crate::ServeOptions;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use batchfs::api::{self, BatchQuery, Manifest};
+use batchfs::demo::{sample_dataset, Table, Tally};
 use batchfs::gen::{self, GenOptions};
-use batchfs::index::SourceFormat;
 use batchfs::source::IndexOptions;
 use batchfs::units::parse_size;
 use clap::Args;
@@ -20,13 +20,13 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// Samples in the generated dataset.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = GenOptions::default().samples)]
     pub samples: u32,
     /// Mean sample size.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "110000")]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value_t = GenOptions::default().mean_bytes)]
     pub mean_bytes: u64,
     /// TFRecord shards.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = GenOptions::default().shards)]
     pub shards: u32,
     /// Samples per batch.
     #[arg(long, default_value_t = 64)]
@@ -45,10 +45,11 @@ pub struct DemoArgs {
 /// The outcome of reading one epoch over HTTP.
 #[derive(Debug, Clone)]
 pub struct EpochRead {
-    pub batches: u64,
-    pub bytes: u64,
+    /// Batches read and checked against the manifest.
+    pub tally: Tally,
+    /// Batches the manifest lists.
+    pub expected: usize,
     pub elapsed: Duration,
-    pub verified: u64,
     pub http2: bool,
 }
 
@@ -87,22 +88,17 @@ async fn read_epoch(
                     crc = crc32c::crc32c_append(crc, &chunk);
                     len += chunk.len() as u64;
                 }
-                if len != entry.bytes || crc != entry.crc32c {
-                    bail!("batch {} of epoch {epoch}: got {len} bytes with CRC32C {crc:08x}, manifest says {} bytes, {:08x}", entry.index, entry.bytes, entry.crc32c);
-                }
-                Ok::<_, anyhow::Error>((len, http2))
+                Ok::<_, anyhow::Error>((entry, len, crc, http2))
             }
         })
         .buffer_unordered(streams.max(1))
         .collect::<Vec<_>>()
         .await;
     let elapsed = started.elapsed();
-    let mut out = EpochRead { batches: 0, bytes: 0, elapsed, verified: 0, http2: true };
+    let mut out = EpochRead { tally: Tally::default(), expected: manifest.batches.len(), elapsed, http2: true };
     for r in results {
-        let (len, http2) = r?;
-        out.batches += 1;
-        out.bytes += len;
-        out.verified += 1;
+        let (entry, len, crc, http2) = r?;
+        out.tally.check(epoch, &entry, len, crc).map_err(anyhow::Error::msg)?;
         out.http2 &= http2;
     }
     Ok(out)
@@ -118,14 +114,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             temp.path().join("sample-tfrecord")
         }
     };
-    let options = GenOptions {
-        format: SourceFormat::Tfrecord,
-        samples: args.samples,
-        mean_bytes: args.mean_bytes,
-        shards: args.shards,
-        classes: 10,
-        seed: 0,
-    };
+    let options = sample_dataset(args.samples, args.mean_bytes, args.shards);
     let t = Instant::now();
     if !dir.exists() {
         gen::generate(&options, &dir)?;
@@ -154,28 +143,25 @@ pub fn run(args: DemoArgs) -> Result<()> {
         read
     })?;
     let secs = read.elapsed.as_secs_f64();
-    println!();
-    println!("batchfs demo: one epoch of a generated TFRecord dataset served over HTTP/2 on loopback");
-    println!("{:-<60}", "");
-    let rows = [
-        ("dataset", format!("{} samples, {:.1} MB in {} shards", info.samples, info.bytes as f64 / 1e6, info.shards)),
-        ("generated / indexed", format!("{gen_secs:.2} s / {index_secs:.2} s")),
-        ("plan", format!("epoch 0, batch_size {}, global shuffle, seed 0", args.batch_size)),
-        (
-            "protocol",
-            format!("{}, {} concurrent streams", if read.http2 { "HTTP/2 (h2c)" } else { "HTTP/1.1" }, args.streams),
-        ),
-        ("batches", format!("{} ({} format)", read.batches, args.format)),
-        ("bytes", format!("{:.1} MB", read.bytes as f64 / 1e6)),
-        ("seconds", format!("{secs:.3}")),
-        (
-            "throughput",
-            format!("{:.0} MB/s, {:.1} batches/s", read.bytes as f64 / 1e6 / secs, read.batches as f64 / secs),
-        ),
-        ("checksums", format!("{}/{} batches verified (CRC32C)", read.verified, read.batches)),
-    ];
-    for (k, v) in rows {
-        println!("{k:<22} {v}");
-    }
+    let Tally { batches, bytes } = read.tally;
+    let protocol = if read.http2 { "HTTP/2 (h2c)" } else { "HTTP/1.1" };
+    let table = Table {
+        title: "batchfs demo: one epoch of a generated TFRecord dataset served over HTTP/2 on loopback".into(),
+        rows: vec![
+            (
+                "dataset",
+                format!("{} samples, {:.1} MB in {} shards", info.samples, info.bytes as f64 / 1e6, info.shards),
+            ),
+            ("generated / indexed", format!("{gen_secs:.2} s / {index_secs:.2} s")),
+            ("plan", format!("epoch 0, batch_size {}, global shuffle, seed 0", args.batch_size)),
+            ("protocol", format!("{protocol}, {} concurrent streams", args.streams)),
+            ("batches", format!("{batches} ({} format)", args.format)),
+            ("bytes", format!("{:.1} MB", bytes as f64 / 1e6)),
+            ("seconds", format!("{secs:.3}")),
+            ("throughput", format!("{:.0} MB/s, {:.1} batches/s", bytes as f64 / 1e6 / secs, batches as f64 / secs)),
+            ("checksums", format!("{batches}/{} batches verified (CRC32C)", read.expected)),
+        ],
+    };
+    println!("\n{table}");
     Ok(())
 }

@@ -147,3 +147,14 @@ fn bad_invocations_say_what_to_fix() {
     );
     assert!(Path::new(BIN).exists());
 }
+
+/// The README's server-side demo: generates, serves, reads an epoch over HTTP/2 and checks every batch.
+#[test]
+fn demo_reads_and_verifies_every_batch() {
+    let out = run(&["demo", "--samples", "300", "--mean-bytes", "20K", "--batch-size", "32"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = stdout(&out);
+    // 300 samples of batch_size 32, last batch kept: 10 batches, each checked against the manifest.
+    assert!(text.contains("10/10 batches verified (CRC32C)"), "{text}");
+    assert!(text.contains("HTTP/2 (h2c)"), "{text}");
+}

@@ -4,10 +4,10 @@
 //! cleans up.
 
 use crate::options::MountOptions;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use batchfs::demo::{sample_dataset, Table, Tally};
 use batchfs::encode::BatchFormat;
 use batchfs::gen::{self, GenOptions};
-use batchfs::index::SourceFormat;
 use batchfs::units::parse_size;
 use clap::Args;
 use std::io::Read;
@@ -18,13 +18,13 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// Samples in the generated dataset.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = GenOptions::default().samples)]
     pub samples: u32,
     /// Mean sample size.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "110000")]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value_t = GenOptions::default().mean_bytes)]
     pub mean_bytes: u64,
     /// TFRecord shards.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = GenOptions::default().shards)]
     pub shards: u32,
     /// Samples per batch.
     #[arg(long, default_value_t = 64)]
@@ -85,15 +85,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let work = tempfile::tempdir()?;
     let data = work.path().join("sample-tfrecord");
     let t = Instant::now();
-    let options = GenOptions {
-        format: SourceFormat::Tfrecord,
-        samples: args.samples,
-        mean_bytes: args.mean_bytes,
-        shards: args.shards,
-        classes: 10,
-        seed: 0,
-    };
-    let generated = gen::generate(&options, &data)?;
+    let generated = gen::generate(&sample_dataset(args.samples, args.mean_bytes, args.shards), &data)?;
     let gen_secs = t.elapsed().as_secs_f64();
 
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
@@ -146,27 +138,16 @@ pub fn run(args: DemoArgs) -> Result<()> {
         handles.into_iter().map(|h| h.join().expect("reader thread")).collect()
     });
     let secs = started.elapsed().as_secs_f64();
-    let (mut bytes, mut verified) = (0u64, 0usize);
+    let mut tally = Tally::default();
     for result in results {
         for (i, len, crc) in result? {
-            let entry = &manifest.batches[i];
-            if len != entry.bytes || crc != entry.crc32c {
-                bail!(
-                    "batch {i}: read {len} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
-                    entry.bytes,
-                    entry.crc32c
-                );
-            }
-            bytes += len;
-            verified += 1;
+            tally.check(0, &manifest.batches[i], len, crc).map_err(anyhow::Error::msg)?;
         }
     }
+    let Tally { batches: verified, bytes } = tally;
     let stats = mounted.prefetcher.stats.snapshot();
     mounted.unmount()?;
 
-    println!();
-    println!("batchfs demo: one epoch read through a FUSE mount of batchfs-server on loopback");
-    println!("{:-<72}", "");
     // Reads that reached the daemon, and opens served by the kernel (passthrough): each looked its file up.
     let lookups = stats.reads + stats.passthrough_opens;
     let hit_rate = if lookups > 0 { 100.0 * stats.hits as f64 / lookups as f64 } else { 0.0 };
@@ -175,7 +156,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     } else {
         format!("through the daemon: {} reads", stats.reads)
     };
-    let rows = [
+    let rows = vec![
         (
             "dataset",
             format!(
@@ -207,8 +188,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
         ("time stalled", format!("{:.3} s over {} stalled reads/opens", stats.stall_us as f64 / 1e6, stats.stalls)),
         ("checksums", format!("{verified}/{} batch files match the manifest (CRC32C)", files.len())),
     ];
-    for (k, v) in rows {
-        println!("{k:<16} {v}");
-    }
+    let table =
+        Table { title: "batchfs demo: one epoch read through a FUSE mount of batchfs-server on loopback".into(), rows };
+    println!("\n{table}");
     Ok(())
 }

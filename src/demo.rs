@@ -1,0 +1,79 @@
+//! What the two demos share (`batchfs-server demo` reads an epoch over HTTP/2, `batchfs demo` through a
+//! mount): the sample dataset, the end-to-end check of every batch read against its manifest entry, and
+//! the result table. Each demo keeps only what differs: how it serves and how it reads.
+
+use crate::api::BatchEntry;
+use crate::gen::GenOptions;
+use crate::index::SourceFormat;
+use std::fmt;
+
+/// The generated TFRecord dataset both demos read: seed 0 and 10 classes, so the same arguments write
+/// the same bytes.
+pub fn sample_dataset(samples: u32, mean_bytes: u64, shards: u32) -> GenOptions {
+    GenOptions { format: SourceFormat::Tfrecord, samples, mean_bytes, shards, classes: 10, seed: 0 }
+}
+
+/// Batches read and checked so far.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Tally {
+    pub batches: u64,
+    pub bytes: u64,
+}
+
+impl Tally {
+    /// Counts one batch read whole (`len` bytes with CRC32C `crc`), or says how it differs from the
+    /// manifest's entry. A demo that prints a table has checked every byte it counts.
+    pub fn check(&mut self, epoch: u64, entry: &BatchEntry, len: u64, crc: u32) -> Result<(), String> {
+        if len != entry.bytes || crc != entry.crc32c {
+            return Err(format!(
+                "batch {} of epoch {epoch}: read {len} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
+                entry.index, entry.bytes, entry.crc32c
+            ));
+        }
+        self.batches += 1;
+        self.bytes += len;
+        Ok(())
+    }
+}
+
+/// A demo's result: a title, a rule and one `name value` row per line.
+#[derive(Debug)]
+pub struct Table {
+    pub title: String,
+    pub rows: Vec<(&'static str, String)>,
+}
+
+impl fmt::Display for Table {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let width = self.rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 2;
+        writeln!(f, "{}", self.title)?;
+        writeln!(f, "{:-<72}", "")?;
+        for (name, value) in &self.rows {
+            writeln!(f, "{name:<width$}{value}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_counts_only_when_length_and_checksum_match() {
+        let entry = BatchEntry { index: 3, samples: 2, bytes: 10, crc32c: 0xabcd };
+        let mut tally = Tally::default();
+        tally.check(0, &entry, 10, 0xabcd).unwrap();
+        let err = tally.check(0, &entry, 10, 0xabce).unwrap_err();
+        assert!(err.contains("batch 3 of epoch 0") && err.contains("0000abce"), "{err}");
+        assert!(tally.check(0, &entry, 9, 0xabcd).is_err());
+        assert_eq!(tally, Tally { batches: 1, bytes: 10 });
+    }
+
+    #[test]
+    fn table_aligns_values() {
+        let t = Table { title: "t".into(), rows: vec![("a", "1".into()), ("long name", "2".into())] };
+        let text = t.to_string();
+        assert!(text.contains("\na          1\n") && text.contains("\nlong name  2\n"), "{text}");
+    }
+}
