@@ -395,14 +395,15 @@ mod tests {
             for (rec, &i) in records.iter().zip(&order) {
                 let data = &body[rec.data_offset() as usize..(rec.data_offset() + rec.len) as usize];
                 let (key, label, parts) = &samples[i as usize];
-                prop_assert_eq!(proto::example_feature(data, "key").unwrap(), Some(FeatureValue::Bytes(vec![key.as_bytes()])));
-                prop_assert_eq!(proto::example_feature(data, "label").unwrap(), Some(FeatureValue::Int64(vec![*label])));
+                let feature = |name| proto::example_feature(data, name).unwrap();
+                prop_assert_eq!(feature("key"), Some(FeatureValue::Bytes(vec![key.as_bytes()])));
+                prop_assert_eq!(feature("label"), Some(FeatureValue::Int64(vec![*label])));
                 for (ext, bytes) in parts.iter().filter(|_| parts.len() > 1) {
                     let feature = proto::example_feature(data, &format!("data/{ext}")).unwrap();
                     prop_assert_eq!(feature, Some(FeatureValue::Bytes(vec![&bytes[..]])));
                 }
                 if parts.len() == 1 {
-                    prop_assert_eq!(proto::example_feature(data, "data").unwrap(), Some(FeatureValue::Bytes(vec![&parts[0].1[..]])));
+                    prop_assert_eq!(feature("data"), Some(FeatureValue::Bytes(vec![&parts[0].1[..]])));
                 }
             }
             // The DALI index lists exactly these frames.
@@ -433,7 +434,10 @@ mod tests {
             prop_assert_eq!(body.len() % 512, 0);
             prop_assert_eq!(crc::crc32c(&body), layout.crc32c);
             let members: Vec<_> = tar::Scanner::new(&body).collect::<Result<_, _>>().unwrap();
-            let expected: Vec<(String, &[u8])> = samples.iter().flat_map(|(k, _, parts)| parts.iter().map(move |(e, d)| (tar_member_name(k, e), &d[..]))).collect();
+            let expected: Vec<(String, &[u8])> = samples
+                .iter()
+                .flat_map(|(k, _, parts)| parts.iter().map(move |(e, d)| (tar_member_name(k, e), &d[..])))
+                .collect();
             prop_assert_eq!(members.len(), expected.len());
             for (m, (name, data)) in members.iter().zip(expected) {
                 prop_assert_eq!(&m.name, &name);
@@ -450,7 +454,8 @@ mod tests {
             let layout = layout(&index, &order, BatchFormat::Tar);
             let body = materialize(&layout, read_from(&shard));
             let (start, end) = (a.min(b).min(layout.len), a.max(b).min(layout.len));
-            let part = BatchLayout { segments: slice_segments(&layout.segments, start, end), len: end - start, crc32c: 0 };
+            let segments = slice_segments(&layout.segments, start, end);
+            let part = BatchLayout { segments, len: end - start, crc32c: 0 };
             prop_assert_eq!(materialize(&part, read_from(&shard)), &body[start as usize..end as usize]);
         }
     }

@@ -225,7 +225,8 @@ mod tests {
     proptest! {
         #[test]
         fn every_sample_once(n in 0u32..2000, epoch in 0u64..50, seed: u64, bs in 1u32..300, global: bool) {
-            let options = PlanOptions { batch_size: bs, seed, shuffle: if global { Shuffle::Global } else { Shuffle::None }, drop_last: false };
+            let shuffle = if global { Shuffle::Global } else { Shuffle::None };
+            let options = PlanOptions { batch_size: bs, seed, shuffle, drop_last: false };
             let plan = EpochPlan::new(n, epoch, options).unwrap();
             let mut seen: Vec<u32> = (0..plan.batches()).flat_map(|b| plan.batch(b).unwrap().to_vec()).collect();
             seen.sort_unstable();

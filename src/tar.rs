@@ -304,7 +304,12 @@ mod tests {
 
     proptest! {
         #[test]
-        fn roundtrip(files in proptest::collection::vec(("[a-z0-9_/]{1,160}", proptest::collection::vec(any::<u8>(), 0..1500)), 0..8)) {
+        fn roundtrip(
+            files in proptest::collection::vec(
+                ("[a-z0-9_/]{1,160}", proptest::collection::vec(any::<u8>(), 0..1500)),
+                0..8,
+            )
+        ) {
             let files: Vec<(String, Vec<u8>)> = files;
             let buf = archive(&files);
             let members: Vec<Member> = Scanner::new(&buf).collect::<Result<_, _>>().unwrap();

@@ -11,7 +11,8 @@
 //! `.batchfs` 2, its `stats` 3, epoch directory *e* is `2^40 + e`, and batch *b* of epoch *e* is
 //! `2^62 + e·2^36 + b·4 + kind` (kind 0: the batch, 1: its DALI index); node *n* of the `raw/` tree
 //! (built from the server's file list on first use) is `2^41 + n` for a directory, `2^42 + n` for a
-//! file. Any epoch number up to 999,999 resolves by name, listed or not. `stat` and `readdir` use manifests only, never sample data.
+//! file. Any epoch number up to 999,999 resolves by name, listed or not. `stat` and `readdir` use
+//! manifests only, never sample data.
 
 use crate::prefetch::{BatchKey, Listing, Prefetcher, ReadError};
 use batchfs::api::FileList;
@@ -694,7 +695,8 @@ mod tests {
     proptest! {
         #[test]
         fn inodes_roundtrip(epoch in 0u64..=MAX_EPOCH, batch in 0u64..(1 << 34), index: bool) {
-                        for node in [Node::Epoch(epoch), Node::Batch { epoch, batch, index }, Node::RawDir(batch as u32), Node::RawFile(batch as u32)] {
+            let (dir, file) = (Node::RawDir(batch as u32), Node::RawFile(batch as u32));
+            for node in [Node::Epoch(epoch), Node::Batch { epoch, batch, index }, dir, file] {
                 prop_assert_eq!(Node::from_ino(node.ino()), Some(node));
             }
         }

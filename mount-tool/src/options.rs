@@ -158,7 +158,9 @@ mod tests {
     #[test]
     fn fstab_style_lists() {
         let mut o = MountOptions::default();
-        o.apply_list("_netdev,batch_size=64,prefetch=8,cache=512M,shuffle=none,drop_last,format=tar,timeout=5s,servers=http://a:1;http://b:2/,allow_other,x-systemd.automount").unwrap();
+        let list = "_netdev,batch_size=64,prefetch=8,cache=512M,shuffle=none,drop_last,format=tar,timeout=5s,\
+                    servers=http://a:1;http://b:2/,allow_other,x-systemd.automount";
+        o.apply_list(list).unwrap();
         assert_eq!(o.plan.batch_size, 64);
         assert_eq!(o.prefetch, 8);
         assert_eq!(o.cache, 512 << 20);

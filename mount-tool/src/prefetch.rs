@@ -1,8 +1,8 @@
 //! The prefetcher and its cache: batch bodies keyed by (epoch, batch, format), fetched whole, verified,
-//! and kept under a byte budget. This file coordinates (listings and their manifests, the cache's
-//! entries, eviction, starting fetches); its rooms: `prefetch/streams.rs` decides what to fetch ahead,
-//! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`] (`pool.rs`)
-//! keeps the byte budget's one ledger and the buffers reused within it.
+//! and kept under a byte budget. This file coordinates (the cache's entries, eviction, starting fetches);
+//! its rooms: `prefetch/listings.rs` keeps the manifests and the source file list, `prefetch/streams.rs`
+//! decides what to fetch ahead, `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and
+//! [`BufferPool`] (`pool.rs`) keeps the byte budget's one ledger and the buffers reused within it.
 //!
 //! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
 //! fuser 0.18 ignores FUSE_INTERRUPT); fetches run as tasks on a tokio runtime. No tokio worker ever
@@ -39,8 +39,10 @@ use std::time::{Duration, Instant};
 pub use streams::{StreamTracker, Target};
 use thiserror::Error;
 
+mod listings;
 mod retry;
 mod streams;
+use listings::{Listings, NextEpoch, Raw};
 use retry::{verify, with_retries, Failure};
 
 /// A list of files the mount shows: the batches of one epoch in one format, or the dataset's source
@@ -238,9 +240,7 @@ pub struct Prefetcher {
     config: PrefetcherConfig,
     cache: Mutex<Cache>,
     room: Condvar,
-    manifests: Mutex<LruCache<(u64, BatchFormat), Arc<Manifest>>>,
-    /// The source files, and the same as a manifest (fetched once).
-    raw: Mutex<Option<(Arc<FileList>, Arc<Manifest>)>>,
+    listings: Listings,
     streams: Mutex<StreamTracker>,
     /// Bytes of prefetches in flight now.
     prefetching: crate::sync::AtomicU64,
@@ -250,8 +250,6 @@ pub struct Prefetcher {
     memfd_bodies: AtomicBool,
     /// The start of [`Prefetcher::clock`].
     started: Instant,
-    /// Next epochs whose manifests a background task is fetching now.
-    warming: Mutex<std::collections::HashSet<u64>>,
     pub stats: Arc<Stats>,
 }
 
@@ -264,14 +262,12 @@ impl Prefetcher {
             runtime,
             cache: Mutex::new(Cache { entries: LruCache::unbounded() }),
             room: Condvar::new(),
-            manifests: Mutex::new(LruCache::new(std::num::NonZeroUsize::new(16).expect("nonzero"))),
-            raw: Mutex::new(None),
+            listings: Listings::new(),
             streams: Mutex::new(streams),
             prefetching: crate::sync::AtomicU64::new(0),
             pool: BufferPool::new(config.cache_bytes),
             memfd_bodies: AtomicBool::new(false),
             started: Instant::now(),
-            warming: Mutex::new(Default::default()),
             stats: Arc::new(Stats::default()),
             config,
         })
@@ -286,8 +282,8 @@ impl Prefetcher {
     /// The manifest of `epoch` in `format` (cached; fetched with retries up to `timeout`). Blocks: call
     /// from a FUSE thread, never from the runtime.
     pub fn manifest(&self, epoch: u64, format: BatchFormat) -> Result<Arc<Manifest>, ReadError> {
-        if let Some(m) = self.manifests.lock().expect("manifests").get(&(epoch, format)) {
-            return Ok(m.clone());
+        if let Some(m) = self.listings.manifest(epoch, format) {
+            return Ok(m);
         }
         self.runtime.block_on(self.fetch_manifest(epoch, format))
     }
@@ -300,51 +296,32 @@ impl Prefetcher {
             async move { client.manifest(epoch, format).await.map_err(Failure::Client) }
         })
         .await?;
-        let manifest = Arc::new(manifest);
-        self.manifests.lock().expect("manifests").put((epoch, format), manifest.clone());
-        Ok(manifest)
+        Ok(self.listings.put_manifest(manifest))
     }
 
     /// The dataset's source files (fetched once, with retries up to `timeout`). Blocks like
     /// [`Prefetcher::manifest`].
     pub fn files(&self) -> Result<Arc<FileList>, ReadError> {
-        Ok(self.raw()?.0)
+        Ok(self.raw()?.files)
     }
 
-    fn raw(&self) -> Result<(Arc<FileList>, Arc<Manifest>), ReadError> {
-        if let Some(raw) = &*self.raw.lock().expect("raw") {
-            return Ok(raw.clone());
+    fn raw(&self) -> Result<Raw, ReadError> {
+        if let Some(raw) = self.listings.raw() {
+            return Ok(raw);
         }
         let client = self.client.clone();
         let files = self.runtime.block_on(with_retries(&self.config, &self.stats, move |_| {
             let client = client.clone();
             async move { client.files().await.map_err(Failure::Client) }
         }))?;
-        let batches: Vec<BatchEntry> = files
-            .files
-            .iter()
-            .enumerate()
-            .map(|(i, f)| BatchEntry { index: i as u64, samples: 1, bytes: f.size, crc32c: f.crc32c })
-            .collect();
-        let manifest = Manifest {
-            dataset: String::new(),
-            epoch: 0,
-            options: Default::default(),
-            format: BatchFormat::Tar,
-            samples: batches.len() as u64,
-            bytes: batches.iter().map(|b| b.bytes).sum(),
-            batches,
-        };
-        let raw = (Arc::new(files), Arc::new(manifest));
-        *self.raw.lock().expect("raw") = Some(raw.clone());
-        Ok(raw)
+        Ok(self.listings.put_raw(files))
     }
 
     /// The sizes and checksums of a listing's files.
     fn listing(&self, listing: Listing) -> Result<Arc<Manifest>, ReadError> {
         match listing {
             Listing::Epoch { epoch, format } => self.manifest(epoch, format),
-            Listing::Raw => Ok(self.raw()?.1),
+            Listing::Raw => Ok(self.raw()?.manifest),
         }
     }
 
@@ -462,21 +439,14 @@ impl Prefetcher {
         if epoch > self.config.last_epoch {
             return;
         }
-        // A reader of this epoch's DALI index twins reads all of the next epoch's at its pipeline build.
-        let manifests = self.manifests.lock().expect("manifests");
-        let twins = (format == BatchFormat::Tfrecord
-            && manifests.contains(&(epoch - 1, BatchFormat::TfrecordIdx))
-            && !manifests.contains(&(epoch, BatchFormat::TfrecordIdx)))
-        .then_some(BatchFormat::TfrecordIdx);
-        let cached = manifests.peek(&(epoch, format)).cloned();
-        drop(manifests);
+        let NextEpoch { cached, twins } = self.listings.next_epoch(epoch, format);
         if let (Some(m), None) = (&cached, twins) {
             self.start_prefetches(&next, m);
             return;
         }
         // One task per next epoch: the reads near an epoch's end would each start one, and each would
         // fetch the same manifests. Reads after it ends find them cached.
-        if !self.warming.lock().expect("warming").insert(epoch) {
+        if !self.listings.start_warming(epoch) {
             return;
         }
         let this = self.clone();
@@ -497,7 +467,7 @@ impl Prefetcher {
                     this.start_prefetches(&all, &m);
                 }
             }
-            this.warming.lock().expect("warming").remove(&epoch);
+            this.listings.warmed(epoch);
         });
     }
 
@@ -613,9 +583,7 @@ impl Prefetcher {
         let this = self.clone();
         let fetching = entry.clone();
         let path = match key.listing {
-            Listing::Raw => {
-                self.raw.lock().expect("raw").as_ref().map(|(f, _)| f.files[key.index as usize].path.clone())
-            }
+            Listing::Raw => self.listings.raw_path(key.index),
             Listing::Epoch { .. } => None,
         };
         let mut buffer = (!memfd).then_some(buffer);

@@ -149,13 +149,15 @@ pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Catalog
         let dataset = dataset?;
         let info = dataset.info();
         tracing::info!(
-            dataset = %info.name, format = %info.format, samples = info.samples, bytes = info.bytes, shards = info.shards,
+            dataset = %info.name, format = %info.format, samples = info.samples, bytes = info.bytes,
+            shards = info.shards,
             skipped = info.skipped, seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
             index = if dataset.origin == IndexOrigin::Loaded { "loaded" } else { "built" },
             "dataset ready"
         );
         for s in &dataset.index.skipped {
-            tracing::warn!(dataset = %info.name, shard = %s.shard, offset = s.offset, reason = %s.reason, "skipped corrupt data");
+            let (shard, reason) = (&s.shard, &s.reason);
+            tracing::warn!(dataset = %info.name, %shard, offset = s.offset, %reason, "skipped corrupt data");
         }
         catalog.insert(dataset)?;
     }

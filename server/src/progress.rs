@@ -55,7 +55,8 @@ impl Progress for IndexProgress {
         s.0 += bytes;
         if s.2.elapsed() >= Duration::from_secs(5) {
             s.2 = Instant::now();
-            tracing::info!(dataset = %self.name, done = s.0, total = s.1, "indexing: {:.0}%", s.0 as f64 * 100.0 / s.1.max(1) as f64);
+            let percent = s.0 as f64 * 100.0 / s.1.max(1) as f64;
+            tracing::info!(dataset = %self.name, done = s.0, total = s.1, "indexing: {percent:.0}%");
         }
     }
 }

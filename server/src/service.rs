@@ -120,7 +120,8 @@ pub async fn handle<B>(state: Arc<AppState>, req: Request<B>) -> Result<Response
     let start = Instant::now();
     let route = Route::parse(req.uri().path());
     let kind = kind_of(&route);
-    let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), query = req.uri().query().unwrap_or(""));
+    let (method, path, query) = (req.method(), req.uri().path(), req.uri().query().unwrap_or(""));
+    let span = tracing::info_span!("request", %method, %path, query);
     let response = async {
         let result =
             tokio::time::timeout(state.request_timeout, dispatch(&state, &req, route)).await.unwrap_or_else(|_| {

@@ -75,7 +75,8 @@ async fn gen_index_serve_and_stop() {
     std::fs::write(
         &config,
         format!(
-            "listen = \"127.0.0.1:{port}\"\ntoken_file = {:?}\n[[dataset]]\nname = \"d\"\npath = {:?}\n[limits]\nstream_window = \"8M\"\ndrain_timeout = \"5s\"\n",
+            "listen = \"127.0.0.1:{port}\"\ntoken_file = {:?}\n[[dataset]]\nname = \"d\"\npath = {:?}\n\
+             [limits]\nstream_window = \"8M\"\ndrain_timeout = \"5s\"\n",
             dir.path().join("token"),
             data
         ),

@@ -6,9 +6,10 @@
 //! consumes a chunk once the chunk has arrived and the previous one is consumed, while the reader reads
 //! the next one (double buffering, as a loader with a prefetch queue does). A read faster than consuming a
 //! chunk then costs nothing; a slower one leaves the consumer waiting, and that wait is the time
-//! stalled. Without `--consume-mbps` the readers read as fast as they can. Files are read with 1 MiB `read` calls, or mapped (`--mmap`) and copied out
-//! page by page, as DALI does. With `--processes` every reader is a process of its own (as PyTorch
-//! DataLoader workers are), else a thread. The run also reports the CPU time the whole machine spent
+//! stalled. Without `--consume-mbps` the readers read as fast as they can. Files are read with 1 MiB
+//! `read` calls, or mapped (`--mmap`) and copied out page by page, as DALI does. With `--processes` every
+//! reader is a process of its own (as PyTorch DataLoader workers are), else a thread.
+//! The run also reports the CPU time the whole machine spent
 //! while it ran (from `/proc/stat`), from which the latency lab derives CPU seconds per GB.
 
 use anyhow::{Context, Result};

@@ -6,9 +6,10 @@
 //! (`now + rtt/2 + jitter`, never earlier than the previous chunk's, so order holds) and a writer thread
 //! that sleeps until then and, with a rate cap, until the link would have finished serializing the chunk
 //! (`free_at = max(free_at, release) + len / rate`). The link is shared: all connections through one
-//! emulator draw on the same `free_at` per direction, so the cap is the link's, not each connection's. Threads sleep with the kernel's high-resolution
-//! timers, so delays are accurate to well under a millisecond. At most `BUFFER` bytes are in flight per
-//! direction; beyond that the reader waits, and TCP flow control pushes back on the sender.
+//! emulator draw on the same `free_at` per direction, so the cap is the link's, not each connection's.
+//! Threads sleep with the kernel's high-resolution timers, so delays are accurate to well under a
+//! millisecond. At most `BUFFER` bytes are in flight per direction;
+//! beyond that the reader waits, and TCP flow control pushes back on the sender.
 
 use anyhow::{Context, Result};
 use clap::Args;

@@ -1,5 +1,6 @@
 //! `batchfs-plot RESULTS.csv OUT_DIR [FONT.ttf]`: draws the latency lab's figures as PNG, from the rows
-//! `tests/bench/latency_matrix.sh` writes (system, rtt_ms, mode, round, wall_s, mb_per_s, and more columns this tool ignores):
+//! `tests/bench/latency_matrix.sh` writes (system, rtt_ms, mode, round, wall_s, mb_per_s, and more
+//! columns this tool ignores):
 //! - `epoch-vs-rtt.png`: median epoch time against RTT, one line per system, paced and unpaced panels
 //!   (EMLIO's figure);
 //! - `throughput-vs-link.png`: median throughput against the link rate, with the link rate itself.
