@@ -1,6 +1,6 @@
 //! The prefetcher and its cache: batch bodies keyed by (epoch, batch, format), fetched whole, verified,
-//! and kept under a byte budget. This file coordinates (the cache's entries, eviction, starting fetches);
-//! its rooms: `prefetch/listings.rs` keeps the manifests and the source file list, `prefetch/streams.rs`
+//! and kept under a byte budget. This file coordinates (reads, windows, starting fetches, making room);
+//! its rooms: `prefetch/cache.rs` holds the entries and picks what to evict, `prefetch/listings.rs` keeps the manifests and the source file list, `prefetch/streams.rs`
 //! decides what to fetch ahead, `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and
 //! [`BufferPool`] (`pool.rs`) keeps the byte budget's one ledger and the buffers reused within it.
 //!
@@ -30,7 +30,7 @@
 use crate::client::{ClientError, DynClient, Sink};
 use crate::pool::{Admission, BufferPool};
 use crate::stats::Stats;
-use crate::sync::{Arc, AtomicBool, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
 use batchfs::api::{BatchEntry, FileList, Manifest};
 use batchfs::encode::BatchFormat;
 use bytes::Bytes;
@@ -39,9 +39,11 @@ use std::time::{Duration, Instant};
 pub use streams::{StreamTracker, Target};
 use thiserror::Error;
 
+mod cache;
 mod listings;
 mod retry;
 mod streams;
+use cache::{seal_file, Cache, Entry, State};
 use listings::{Listings, NextEpoch, Raw};
 use retry::{verify, with_retries, Failure};
 
@@ -120,117 +122,6 @@ pub enum ReadError {
     CacheTooSmall { what: String, size: u64, budget: u64 },
     #[error("cannot make a backing file for {0}")]
     Backing(String),
-}
-
-enum State {
-    Fetching,
-    Ready(Bytes),
-    Failed(ReadError),
-}
-
-struct Entry {
-    /// Bytes charged to the budget: the body's size, or the capacity of the reused buffer it fills.
-    size: u64,
-    state: Mutex<State>,
-    changed: Condvar,
-    /// A reader has read the batch's last byte, or closed it: first to go when room is needed.
-    consumed: AtomicBool,
-    /// When the batch was last read or opened, or its fetch started: nanoseconds of
-    /// [`Prefetcher::clock`].
-    touched: AtomicU64,
-    /// The body as a sealed memory file, once one was asked for (FUSE passthrough).
-    memfd: Mutex<Option<Arc<std::fs::File>>>,
-    /// The memory file was handed to a reader (counted in `bytes_served` once).
-    handed: AtomicBool,
-}
-
-/// A body served from the mapping of its memory file.
-struct MappedBody(batchfs::mmap::MappedFile);
-
-impl AsRef<[u8]> for MappedBody {
-    fn as_ref(&self) -> &[u8] {
-        self.0.bytes()
-    }
-}
-
-/// Seals a memory file holding a verified body, and maps it: the bytes the daemon reads, and the file the
-/// kernel serves (passthrough).
-fn seal_file(file: std::fs::File) -> std::io::Result<(Bytes, Arc<std::fs::File>)> {
-    crate::sys::seal(&file)?;
-    let map = batchfs::mmap::MappedFile::open_file(&file)?;
-    let bytes = if map.is_empty() { Bytes::new() } else { Bytes::from_owner(MappedBody(map)) };
-    Ok((bytes, Arc::new(file)))
-}
-
-impl Entry {
-    fn new(size: u64, now: u64) -> Self {
-        Entry {
-            size,
-            touched: AtomicU64::new(now),
-            state: Mutex::new(State::Fetching),
-            changed: Condvar::new(),
-            consumed: AtomicBool::new(false),
-            memfd: Mutex::new(None),
-            handed: AtomicBool::new(false),
-        }
-    }
-
-    fn is_ready(&self) -> bool {
-        matches!(*self.state.lock().expect("entry"), State::Ready(_))
-    }
-
-    /// Someone outside the cache holds the memory file (an open passthrough file): not to be evicted.
-    fn is_pinned(&self) -> bool {
-        self.memfd.lock().expect("memfd").as_ref().is_some_and(|f| Arc::strong_count(f) > 1)
-    }
-
-    /// The memory file of `body` (this entry's verified body), made on first use: written, sealed, and
-    /// mapped to serve the daemon's reads from the same pages (the body buffer is then released). With
-    /// the bytes written now (0 when it existed).
-    fn backing(&self, body: Bytes) -> std::io::Result<(Arc<std::fs::File>, u64)> {
-        use std::io::Write;
-        let mut slot = self.memfd.lock().expect("memfd");
-        if let Some(f) = &*slot {
-            return Ok((f.clone(), 0));
-        }
-        let mut file = crate::sys::memfd("batchfs-batch")?;
-        file.write_all(&body)?;
-        let (mapped, file) = seal_file(file)?;
-        if mapped.len() != body.len() {
-            return Err(std::io::Error::other("the memory file does not hold the whole body"));
-        }
-        *self.state.lock().expect("entry") = State::Ready(mapped);
-        *slot = Some(file.clone());
-        Ok((file, body.len() as u64))
-    }
-
-    fn set(&self, state: State) {
-        *self.state.lock().expect("entry") = state;
-        self.changed.notify_all();
-    }
-
-    /// Waits until the fetch ends or `deadline`; returns the body and whether it had to wait.
-    fn wait(&self, deadline: Instant, timeout: Duration) -> Result<(Bytes, bool), ReadError> {
-        let mut state = self.state.lock().expect("entry");
-        let mut waited = false;
-        loop {
-            match &*state {
-                State::Ready(b) => return Ok((b.clone(), waited)),
-                State::Failed(e) => return Err(e.clone()),
-                State::Fetching => {}
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(ReadError::Timeout { after: timeout, last: "the fetch did not finish in time".into() });
-            }
-            waited = true;
-            state = self.changed.wait_timeout(state, deadline - now).expect("entry").0;
-        }
-    }
-}
-
-struct Cache {
-    entries: LruCache<BatchKey, Arc<Entry>>,
 }
 
 /// The prefetcher and cache of one mount.
@@ -486,24 +377,6 @@ impl Prefetcher {
         true
     }
 
-    /// Picks the entry to evict, least recently used first and never one whose memory file is open: a
-    /// consumed ready batch; else one nobody read or asked for in `stale_after` (a window that ran past
-    /// where its reader stopped: the start of an epoch never read, a wrap-around that did not come);
-    /// else, for reads only, any ready batch. Without the second rule such batches filled a small cache
-    /// for good, and prefetch stopped: every batch then cost a round trip.
-    fn victim(&self, cache: &Cache, any_ready: bool) -> Option<BatchKey> {
-        let ready = |e: &Entry| e.is_ready() && !e.is_pinned();
-        let now = self.clock();
-        let stale_after = self.config.stale_after.as_nanos() as u64;
-        let stale = |e: &Entry| now.saturating_sub(e.touched.load(Ordering::Relaxed)) >= stale_after;
-        let lru = || cache.entries.iter().rev();
-        lru()
-            .find(|(_, e)| e.consumed.load(Ordering::Relaxed) && ready(e))
-            .or_else(|| lru().find(|(_, e)| stale(e) && ready(e)))
-            .or_else(|| if any_ready { lru().find(|(_, e)| ready(e)) } else { None })
-            .map(|(k, _)| *k)
-    }
-
     /// Nanoseconds since the prefetcher started (the clock of `Entry::touched`).
     fn clock(&self) -> u64 {
         self.started.elapsed().as_nanos() as u64
@@ -562,7 +435,7 @@ impl Prefetcher {
             }
             // An evicted batch's buffer joins the pool (unless a reader still holds a slice of it),
             // where the next round reuses it or frees it.
-            if let Some(victim) = self.victim(&cache, on_demand) {
+            if let Some(victim) = cache.victim(self.clock(), self.config.stale_after, on_demand) {
                 self.evict(&mut cache, victim);
                 continue;
             }
