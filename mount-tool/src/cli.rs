@@ -278,7 +278,13 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
         ("read path", path.to_owned()),
         ("bytes served", format!("{:.1} MB", s.bytes_served as f64 / 1e6)),
         ("reads", s.reads.to_string()),
-        ("opens", format!("{} passthrough, {} through the daemon", s.passthrough_opens, s.daemon_opens)),
+        (
+            "opens",
+            format!(
+                "{} passthrough, {} through the daemon ({} page caches dropped at close)",
+                s.passthrough_opens, s.daemon_opens, s.page_cache_drops
+            ),
+        ),
         ("cache hits", format!("{} ({hit_rate:.1} %)", s.hits)),
         ("misses (on demand)", s.misses.to_string()),
         ("stalls", format!("{} ({:.3} s waiting)", s.stalls, s.stall_us as f64 / 1e6)),

@@ -17,7 +17,7 @@
 
 use crate::fs::{Attr, Fs, FsError, Node};
 use crate::stats::Stats;
-use fuser::{BackingId, InitFlags};
+use fuser::{BackingId, InitFlags, Notifier};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig, LockOwner,
     OpenFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::File;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// How long the kernel may cache names and attributes: batch files never change.
@@ -72,6 +72,9 @@ pub struct FuseFs {
     fs: Fs,
     /// Try FUSE passthrough (the `passthrough` option); turned off when the kernel refuses.
     passthrough: AtomicBool,
+    /// Tells the kernel to drop the page cache of files read through the daemon at their last close
+    /// (`page_cache=drop`); set once the session exists.
+    drop_page_cache: Option<Arc<OnceLock<Notifier>>>,
     opens: Mutex<Opens>,
     next_handle: AtomicU64,
     owners: Owners,
@@ -83,10 +86,18 @@ impl FuseFs {
         FuseFs {
             fs,
             passthrough: AtomicBool::new(passthrough),
+            drop_page_cache: None,
             opens: Mutex::new(Opens::default()),
             next_handle: AtomicU64::new(1),
             owners: Owners::default(),
         }
+    }
+
+    /// Drops the kernel's page cache of each file read through the daemon when its last handle closes,
+    /// through the session's notifier, which the caller sets in `notifier` once the session exists.
+    pub fn drop_page_cache(mut self, notifier: Arc<OnceLock<Notifier>>) -> Self {
+        self.drop_page_cache = Some(notifier);
+        self
     }
 
     /// Opens `ino` for reading: in the mode the inode is already open in, else by passthrough when on.
@@ -234,6 +245,7 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         let mut opens = self.opens.lock().expect("opens");
+        let mut drop_pages = None;
         if let Some(ino) = opens.handles.remove(&fh.0) {
             let last = opens.inodes.get_mut(&ino).is_some_and(|(_, count)| {
                 *count -= 1;
@@ -241,12 +253,25 @@ impl Filesystem for FuseFs {
             });
             if last {
                 // Dropping the mode closes the backing id and lets the cache evict the batch.
-                opens.inodes.remove(&ino);
+                let mode = opens.inodes.remove(&ino).map(|(mode, _)| mode);
                 drop(opens);
                 self.fs.closed(ino);
+                if let (Some(Mode::Daemon), Some(notifier)) = (mode, &self.drop_page_cache) {
+                    drop_pages = notifier.get().map(|n| (n, ino));
+                }
             }
         }
         reply.ok();
+        // The last handle is closed and every mapping of the file is gone (a mapping holds its file
+        // open), so no reader loses pages it is using; one that opens the file again reads it through the
+        // daemon once more. Without this the page cache keeps every batch file of every epoch read, a
+        // second copy of what the mount's cache holds, until the node runs short of memory.
+        if let Some((notifier, ino)) = drop_pages {
+            match notifier.inval_inode(INodeNo(ino), 0, 0) {
+                Ok(()) => Stats::add(&self.fs.stats().page_cache_drops, 1),
+                Err(e) => tracing::debug!(ino, error = %e, "cannot drop the page cache of a closed file"),
+            }
+        }
     }
 
     fn read(

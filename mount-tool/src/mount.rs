@@ -227,10 +227,15 @@ impl Drop for Mounted {
 /// readahead tuning stats the mountpoint).
 pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
     let runtime = runtime()?;
-    let (fs, prefetcher) = filesystem(plan, &runtime)?;
+    let (mut fs, prefetcher) = filesystem(plan, &runtime)?;
+    let notifier = Arc::new(std::sync::OnceLock::new());
+    if plan.options.drop_page_cache {
+        fs = fs.drop_page_cache(notifier.clone());
+    }
     let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
-        .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?
-        .spawn()?;
+        .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?;
+    let _ = notifier.set(session.notifier());
+    let session = session.spawn()?;
     tune_readahead(&plan.mountpoint, plan.options.read_ahead_kb);
     Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
 }

@@ -38,6 +38,8 @@ pub struct MountOptions {
     pub threads: usize,
     /// Hand verified files to the kernel (FUSE passthrough) where it allows.
     pub passthrough: bool,
+    /// Drop a file's kernel page cache at its last close when it was read through the daemon.
+    pub drop_page_cache: bool,
     /// A cached batch unread for this long may make room for prefetches.
     pub stale_after: Duration,
     /// Kernel readahead of the mount in KiB (set when running as root; 0 leaves the default).
@@ -67,6 +69,7 @@ impl Default for MountOptions {
             servers: Vec::new(),
             threads: 16,
             passthrough: true,
+            drop_page_cache: true,
             stale_after: Duration::from_secs(10),
             read_ahead_kb: 1024,
             log_file: None,
@@ -123,6 +126,13 @@ impl MountOptions {
                 self.read_ahead_kb = u32::try_from(number(need()?)?).map_err(|_| format!("{key} too large"))?
             }
             "passthrough" => self.passthrough = boolean(key, value)?,
+            "page_cache" => {
+                self.drop_page_cache = match need()? {
+                    "drop" => true,
+                    "keep" => false,
+                    v => return Err(format!("page_cache={v}: expected drop or keep")),
+                }
+            }
             "stale_after" => self.stale_after = parse_duration(need()?)?,
             "log_file" => self.log_file = Some(need()?.into()),
             "energy_log" => self.energy_log = Some(need()?.into()),
@@ -169,7 +179,11 @@ mod tests {
         assert_eq!(o.format, BatchFormat::Tar);
         assert_eq!(o.timeout, Duration::from_secs(5));
         assert_eq!(o.servers, ["http://a:1", "http://b:2"]);
-        for bad in ["batch_size=0", "cache=lots", "format=zip", "colour=red", "seed", "drop_last=maybe"] {
+        assert!(o.drop_page_cache, "dropped by default");
+        o.apply_list("page_cache=keep").unwrap();
+        assert!(!o.drop_page_cache);
+        let bad = ["batch_size=0", "cache=lots", "format=zip", "colour=red", "seed", "drop_last=maybe", "page_cache=x"];
+        for bad in bad {
             assert!(MountOptions::default().apply_list(bad).is_err(), "{bad}");
         }
     }

@@ -23,6 +23,7 @@ pub struct Stats {
     pub passthrough_opens: AtomicU64,
     pub passthrough_bytes: AtomicU64,
     pub daemon_opens: AtomicU64,
+    pub page_cache_drops: AtomicU64,
     /// 1 when the kernel accepted FUSE passthrough at mount time.
     pub passthrough: AtomicU64,
 }
@@ -74,6 +75,10 @@ pub struct StatsSnapshot {
     /// Opens whose reads go through the daemon (passthrough off, refused, or the file already open so).
     #[serde(default)]
     pub daemon_opens: u64,
+    /// Files read through the daemon whose kernel page cache was dropped at their last close
+    /// (`page_cache=drop`).
+    #[serde(default)]
+    pub page_cache_drops: u64,
 }
 
 impl Stats {
@@ -103,6 +108,7 @@ impl Stats {
             passthrough_opens: g(&self.passthrough_opens),
             passthrough_bytes: g(&self.passthrough_bytes),
             daemon_opens: g(&self.daemon_opens),
+            page_cache_drops: g(&self.page_cache_drops),
         }
     }
 }

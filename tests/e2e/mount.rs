@@ -142,6 +142,50 @@ fn interleaved_readers(rt: &tokio::runtime::Runtime, server: &common::Server, pa
     drop(mounted);
 }
 
+/// Through the daemon, `page_cache=drop` (the default) drops a file's kernel page cache when its last
+/// handle closes: the node's memory does not fill with batch files already read, and a second read
+/// reaches the daemon again (with the same bytes). `page_cache=keep` leaves it: a second read never
+/// reaches the daemon. A file still mapped keeps its pages until it is unmapped.
+#[test]
+fn the_page_cache_of_a_closed_file_is_dropped_unless_kept() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 32, 20_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let m = manifest(&rt, &server, "batch_size=8");
+    for keep in [false, true] {
+        let cache = if keep { "keep" } else { "drop" };
+        let (_dir, mounted) =
+            common::mount(&server, "d", &format!("batch_size=8,passthrough=false,page_cache={cache}"));
+        let path = mounted.mountpoint.join("epoch-0000/batch-000001.tfrecord");
+        let n = |k: &str| common::mount_stats(&mounted.mountpoint)[k].as_u64().unwrap();
+        let first = std::fs::read(&path).unwrap();
+        assert_eq!(crc::crc32c(&first), m.batches[1].crc32c);
+        let reads = n("reads");
+        assert!(reads > 0);
+        // A mapping outlives its handle: the pages stay while it is mapped, so nothing is dropped yet.
+        let file = std::fs::File::open(&path).unwrap();
+        let map = batchfs::mmap::MappedFile::open_file(&file).unwrap();
+        drop(file);
+        let mapped = map.bytes().to_vec();
+        assert_eq!(mapped, first);
+        drop(map);
+        let second = std::fs::read(&path).unwrap();
+        assert_eq!(second, first, "the same bytes, read again");
+        let drops = n("page_cache_drops");
+        if keep {
+            assert_eq!(drops, 0);
+            assert_eq!(n("reads"), reads, "with page_cache=keep the second read is the kernel's alone");
+        } else {
+            // Dropped at the first close, and again after the mapping went: the mapping's faults, and
+            // then the second read, reached the daemon.
+            assert!(drops >= 2, "{drops} drops");
+            assert!(n("reads") >= reads + 2, "the second read must reach the daemon: {} reads", n("reads"));
+        }
+        drop(mounted);
+    }
+    rt.block_on(server.running.shutdown());
+}
+
 #[test]
 fn writes_fail_with_erofs_and_unknown_names_with_enoent() {
     let rt = runtime();
