@@ -1,8 +1,9 @@
-//! The prefetcher and its cache: batch bodies keyed by (epoch, batch, format), fetched whole, verified,
-//! and kept under a byte budget. This file coordinates (reads, windows, starting fetches, making room);
-//! its rooms: `prefetch/cache.rs` holds the entries and picks what to evict, `prefetch/listings.rs` keeps the manifests and the source file list, `prefetch/streams.rs`
-//! decides what to fetch ahead, `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and
-//! [`BufferPool`] (`pool.rs`) keeps the byte budget's one ledger and the buffers reused within it.
+//! The prefetcher and its cache: batch bodies keyed by (epoch, batch, format), fetched whole, verified, and kept
+//! under a byte budget. This file coordinates (reads, windows, starting fetches, making room); its rooms:
+//! `prefetch/cache.rs` holds the entries and picks what to evict, `prefetch/listings.rs` keeps the manifests and the
+//! source file list, `prefetch/streams.rs` decides what to fetch ahead, `prefetch/retry.rs` runs one fetch's attempts
+//! and checks bodies, and [`BufferPool`] (`pool.rs`) keeps the byte budget's one ledger and the buffers reused within
+//! it.
 //!
 //! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
 //! fuser 0.18 ignores FUSE_INTERRUPT); fetches run as tasks on a tokio runtime. No tokio worker ever

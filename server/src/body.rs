@@ -3,8 +3,14 @@
 //! faults on storage.** Before a chunk is handed to hyper, `mincore(2)` says whether its pages are
 //! resident; if not, the pages are touched on the blocking pool, holding a permit of the storage
 //! semaphore, which bounds concurrent storage reads (LMDBIO's staggering) for the whole server.
+//!
+//! Shards that are not mapped (see `storage.rs`) are read with positioned reads on the blocking pool,
+//! under the same semaphore; consecutive segments (the small files of a file tree, and the framing
+//! between them) are read together, up to `chunk_size` per chunk, so a batch of small files costs a few
+//! blocking tasks rather than one per file.
 
 use crate::metrics::Metrics;
+use crate::storage::{Shard, Storage};
 use batchfs::encode::Segment;
 use batchfs::mmap::MappedFile;
 use bytes::Bytes;
@@ -52,7 +58,7 @@ type Pending = Pin<Box<dyn Future<Output = Result<Bytes, std::io::Error>> + Send
 /// A body streamed from shard segments.
 pub struct SegmentBody {
     ctx: Arc<StreamContext>,
-    shards: Vec<Arc<MappedFile>>,
+    storage: Arc<Storage>,
     segments: std::vec::IntoIter<Segment>,
     /// The data segment being sent: (shard, next offset, bytes left).
     current: Option<(u32, u64, u64)>,
@@ -61,18 +67,21 @@ pub struct SegmentBody {
 }
 
 impl SegmentBody {
-    pub fn new(ctx: Arc<StreamContext>, shards: Vec<Arc<MappedFile>>, segments: Vec<Segment>) -> Self {
+    pub fn new(ctx: Arc<StreamContext>, storage: Arc<Storage>, segments: Vec<Segment>) -> Self {
         let remaining = segments.iter().map(Segment::len).sum();
         ctx.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
-        SegmentBody { ctx, shards, segments: segments.into_iter(), current: None, pending: None, remaining }
+        SegmentBody { ctx, storage, segments: segments.into_iter(), current: None, pending: None, remaining }
     }
 
     fn next_chunk(&mut self) -> Option<Result<Bytes, Pending>> {
         loop {
             if let Some((shard, offset, left)) = self.current {
+                let map = match self.storage.shard(shard) {
+                    Shard::Mapped(map) => map.clone(),
+                    Shard::File { .. } => return Some(Err(self.read_files())),
+                };
                 let n = left.min(self.ctx.chunk_size);
                 self.current = (left > n).then_some((shard, offset + n, left - n));
-                let map = self.shards[shard as usize].clone();
                 let slice = MapSlice { map: map.clone(), start: offset as usize, end: (offset + n) as usize };
                 if map.is_resident(offset, n) {
                     return Some(Ok(Bytes::from_owner(slice)));
@@ -95,6 +104,56 @@ impl SegmentBody {
                 Segment::Data { shard, offset, len } => self.current = Some((shard, offset, len)),
             }
         }
+    }
+
+    /// The next chunk from unmapped shards, starting at `current`: that segment and the ones after it
+    /// while they are unmapped data or framing, up to `chunk_size` bytes, read in one blocking task.
+    fn read_files(&mut self) -> Pending {
+        enum Piece {
+            Inline(Vec<u8>),
+            Data(u32, u64, u64),
+        }
+        let chunk = self.ctx.chunk_size.max(1);
+        let mut pieces = Vec::new();
+        let mut total = 0;
+        while total < chunk {
+            if let Some((shard, offset, left)) = self.current {
+                let n = left.min(chunk - total);
+                self.current = (left > n).then_some((shard, offset + n, left - n));
+                pieces.push(Piece::Data(shard, offset, n));
+                total += n;
+                continue;
+            }
+            match self.segments.as_slice().first() {
+                Some(Segment::Inline(bytes)) => total += bytes.len() as u64,
+                Some(&Segment::Data { shard, offset, len })
+                    if matches!(self.storage.shard(shard), Shard::File { .. }) =>
+                {
+                    self.current = Some((shard, offset, len));
+                }
+                _ => break,
+            }
+            if let Some(Segment::Inline(bytes)) = self.segments.next() {
+                pieces.push(Piece::Inline(bytes));
+            }
+        }
+        let (ctx, storage) = (self.ctx.clone(), self.storage.clone());
+        Box::pin(async move {
+            let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
+            ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
+            tokio::task::spawn_blocking(move || {
+                let mut out = Vec::with_capacity(total as usize);
+                for piece in pieces {
+                    match piece {
+                        Piece::Inline(bytes) => out.extend_from_slice(&bytes),
+                        Piece::Data(shard, offset, len) => storage.read(shard, offset, len, &mut out)?,
+                    }
+                }
+                Ok(Bytes::from(out))
+            })
+            .await
+            .map_err(std::io::Error::other)?
+        })
     }
 
     fn emit(&mut self, bytes: Bytes) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {

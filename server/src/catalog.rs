@@ -1,10 +1,10 @@
 //! The catalog: every served dataset with its index and mapped shards, plus caches of epoch plans and
 //! manifests (both pure functions of the index and the query, so caching them is always correct).
 
+use crate::storage::Storage;
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, Manifest};
 use batchfs::encode::{self, BatchLayout};
 use batchfs::index::Index;
-use batchfs::mmap::MappedFile;
 use batchfs::plan::{EpochPlan, PlanError};
 use batchfs::source::{self, IndexOptions, IndexOrigin, Progress};
 use lru::LruCache;
@@ -19,7 +19,7 @@ use thiserror::Error;
 pub enum CatalogError {
     #[error("dataset {name}: {source}")]
     Index { name: String, source: source::IndexError },
-    #[error("dataset {name}: cannot map shard {path}: {source}")]
+    #[error("dataset {name}: cannot open shard {path}: {source}")]
     Map { name: String, path: PathBuf, source: std::io::Error },
     #[error("dataset {name}: a shard changed since it was indexed ({path}); restart to re-index")]
     Changed { name: String, path: PathBuf },
@@ -34,8 +34,8 @@ pub struct Dataset {
     pub name: String,
     pub root: PathBuf,
     pub index: Index,
-    /// Mapped shards, by shard number.
-    pub shards: Vec<Arc<MappedFile>>,
+    /// The shards, mapped or read by positioned reads.
+    pub storage: Arc<Storage>,
     pub origin: IndexOrigin,
     plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
     manifests: Mutex<LruCache<(u64, BatchQuery), Arc<Manifest>>>,
@@ -45,41 +45,28 @@ pub struct Dataset {
 const PLAN_CACHE: usize = 16;
 
 impl Dataset {
-    /// Indexes (or loads the index of) dataset `name` at `root` and maps its shards.
+    /// Indexes (or loads the index of) dataset `name` at `root` and opens its shards: mapped when there
+    /// are at most `max_mapped_shards` of them, else read by positioned reads (see `storage.rs`).
     pub fn open(
         name: &str,
         root: &Path,
         index_dir: Option<&Path>,
         options: &IndexOptions,
         progress: &dyn Progress,
+        max_mapped_shards: usize,
     ) -> Result<Dataset, CatalogError> {
         let (index, origin) = source::load_or_build(root, name, index_dir, options, progress)
             .map_err(|source| CatalogError::Index { name: name.to_owned(), source })?;
         if index.samples.len() > u32::MAX as usize {
             return Err(CatalogError::TooLarge { name: name.to_owned() });
         }
-        let mut shards = Vec::with_capacity(index.shards.len());
-        for shard in &index.shards {
-            let path = root.join(&shard.path);
-            let map = MappedFile::open(&path).map_err(|source| CatalogError::Map {
-                name: name.to_owned(),
-                path: path.clone(),
-                source,
-            })?;
-            if map.len() != shard.size {
-                return Err(CatalogError::Changed { name: name.to_owned(), path });
-            }
-            // Batches of a shuffled plan read samples in random order: kernel readahead would read the
-            // wrong pages, so the server warms exactly the ranges it will send instead (see `warm`).
-            map.advise(memmap2::Advice::Random);
-            shards.push(Arc::new(map));
-        }
+        let storage = Arc::new(Storage::open(name, root, &index, max_mapped_shards)?);
         let cache = NonZeroUsize::new(PLAN_CACHE).expect("nonzero");
         Ok(Dataset {
             name: name.to_owned(),
             root: root.to_owned(),
             index,
-            shards,
+            storage,
             origin,
             plans: Mutex::new(LruCache::new(cache)),
             manifests: Mutex::new(LruCache::new(cache)),

@@ -130,7 +130,8 @@ fn init_tracing() {
 }
 
 /// Opens every dataset, indexing where needed, with progress and a summary line each.
-pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Catalog> {
+/// Datasets of more than `max_mapped_shards` shards are read by positioned reads instead of mapped.
+pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], max_mapped_shards: usize) -> Result<Catalog> {
     let mut catalog = Catalog::default();
     let specs: Vec<&DatasetSpec> = extra.iter().chain(&flags.datasets).collect();
     if specs.is_empty() {
@@ -144,7 +145,8 @@ pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Catalog
         };
         let started = Instant::now();
         let progress = IndexProgress::new(&spec.name);
-        let dataset = Dataset::open(&spec.name, &spec.path, flags.index_dir.as_deref(), &options, &progress);
+        let index_dir = flags.index_dir.as_deref();
+        let dataset = Dataset::open(&spec.name, &spec.path, index_dir, &options, &progress, max_mapped_shards);
         progress.finish();
         let dataset = dataset?;
         let info = dataset.info();
@@ -166,7 +168,7 @@ pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Catalog
 
 fn index(args: IndexArgs) -> Result<()> {
     let started = Instant::now();
-    let catalog = open_catalog(&args.index, &[])?;
+    let catalog = open_catalog(&args.index, &[], ServerLimits::default().max_mapped_shards)?;
     println!(
         "{:<16} {:>8} {:>10} {:>14} {:>8} {:>8} {:>9}",
         "dataset", "format", "samples", "bytes", "shards", "skipped", "index"
@@ -249,7 +251,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         (None, None) => None,
         _ => bail!("TLS needs both a certificate and a key"),
     };
-    let catalog = open_catalog(&flags, &file.datasets)?;
+    let catalog = open_catalog(&flags, &file.datasets, limits.max_mapped_shards)?;
     let energy_log = args.energy_log.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {

@@ -155,6 +155,9 @@ limits! {
         "Concurrent blocking storage reads (page faults, warming), server-wide.";
     readahead_batches: u64 = 4, value::count, "4", "N",
         "Batches of the same plan warmed ahead of each batch request (0 disables).";
+    max_mapped_shards: usize = 4096, value::count, "4096", "N",
+        "A dataset of more shards than this is read with positioned reads instead of mapped (a file tree of \
+         many small files: one mapping per file would exceed the kernel's vm.max_map_count).";
     chunk_size: u64 = 1 << 20, value::size, "1M", "SIZE",
         "Largest body chunk handed to HTTP at once.";
 }

@@ -15,6 +15,7 @@ pub mod demo;
 pub mod metrics;
 pub mod progress;
 pub mod service;
+pub mod storage;
 mod tls;
 
 use crate::catalog::Catalog;

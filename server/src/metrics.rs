@@ -112,7 +112,7 @@ impl Metrics {
         for (name, help, kind, value) in [
             (
                 STORAGE_READS_TOTAL,
-                "Body chunks that had to wait for storage (pages not resident).",
+                "Body chunks read on the blocking pool: pages not resident, or shards not mapped.",
                 "counter",
                 &self.storage_reads,
             ),

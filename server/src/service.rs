@@ -306,7 +306,7 @@ fn ranged<B>(
             return Ok(Response::from_parts(parts, body));
         }
     };
-    let body = SegmentBody::new(state.stream.clone(), ds.shards.clone(), segments);
+    let body = SegmentBody::new(state.stream.clone(), ds.storage.clone(), segments);
     Ok(builder.status(status).header(header::CONTENT_LENGTH, body_len).body(Body::Segments(body)).expect("valid"))
 }
 
@@ -346,12 +346,12 @@ fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, 
                     .collect();
                 // Hint everything first so the kernel reads in parallel, then wait for it.
                 for &(shard, offset, len) in &ranges {
-                    ds.shards[shard as usize].will_need(offset, len);
+                    ds.storage.will_need(shard, offset, len);
                 }
                 for &(shard, offset, len) in &ranges {
-                    let map = &ds.shards[shard as usize];
-                    if !map.is_resident(offset, len) {
-                        crate::body::fault_in(map, offset, len);
+                    if let Err(e) = ds.storage.warm(shard, offset, len) {
+                        tracing::debug!(dataset = %ds.name, shard, error = %e, "cannot warm a range");
+                        return;
                     }
                 }
                 state.metrics.warmed_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

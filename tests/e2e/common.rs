@@ -97,9 +97,13 @@ pub struct ServeWith {
 
 /// Indexes the datasets and starts a server on 127.0.0.1 with an ephemeral port.
 pub async fn serve(datasets: &[(&str, &Path)], with: ServeWith) -> Server {
+    let limits = with.limits.unwrap_or_default();
     let mut catalog = Catalog::default();
     for (name, path) in datasets {
-        catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress).unwrap()).unwrap();
+        let max_mapped = limits.max_mapped_shards;
+        catalog
+            .insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, max_mapped).unwrap())
+            .unwrap();
     }
     let scheme = if with.tls.is_some() { "https" } else { "http" };
     let running = batchfs_server::start(
@@ -108,7 +112,7 @@ pub async fn serve(datasets: &[(&str, &Path)], with: ServeWith) -> Server {
             listen: "127.0.0.1:0".parse().unwrap(),
             tls: with.tls,
             token: with.token.map(String::into_bytes),
-            limits: with.limits.unwrap_or_default(),
+            limits,
         },
     )
     .await
@@ -179,8 +183,11 @@ pub fn mount(server: &Server, dataset: &str, options: &str) -> (TempDir, batchfs
 /// Starts a server on a given address (to restart one where it was).
 pub async fn serve_on(addr: std::net::SocketAddr, datasets: &[(&str, &Path)]) -> Server {
     let mut catalog = Catalog::default();
+    let max_mapped = ServerLimits::default().max_mapped_shards;
     for (name, path) in datasets {
-        catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress).unwrap()).unwrap();
+        catalog
+            .insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, max_mapped).unwrap())
+            .unwrap();
     }
     let options = ServeOptions { listen: addr, tls: None, token: None, limits: ServerLimits::default() };
     let running = batchfs_server::start(catalog, options).await.unwrap();

@@ -9,6 +9,7 @@ use batchfs::index::SourceFormat;
 use batchfs::plan::{EpochPlan, PlanOptions, Shuffle};
 use batchfs::proto::{self, FeatureValue};
 use batchfs::{crc, tar, tfrecord};
+use batchfs_server::config::ServerLimits;
 use reqwest::StatusCode;
 use serde_json::Value;
 
@@ -216,6 +217,61 @@ async fn ranges_and_conditional_requests() {
     assert_eq!(r.headers()["content-length"], len.to_string().as_str());
     assert!(r.bytes().await.unwrap().is_empty());
     server.running.shutdown().await;
+}
+
+/// A dataset of more shards than `max_mapped_shards` (a file tree) is read with positioned reads, not
+/// mapped: every batch, every range of it and every source file equals what the mapping server sends,
+/// with small chunks so that files are split across chunks and many are read in one. A file removed
+/// under the server fails the body; no wrong byte is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_tree_read_by_positioned_reads_serves_the_same_bytes() {
+    let fx = fixture(SourceFormat::Files, 60, 3000);
+    let mapped = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let limits = ServerLimits { max_mapped_shards: 1, chunk_size: 5000, ..ServerLimits::default() };
+    let pread = serve(&[("d", &fx.path)], ServeWith { limits: Some(limits), ..ServeWith::default() }).await;
+    let client = h2c();
+    for query in ["batch_size=8", "batch_size=8&format=tar", "batch_size=7&format=tfrecord.idx"] {
+        let url = |base: &str| format!("{base}{}?{query}", api::manifest_path("d", 1));
+        let manifest: Manifest = get(&client, &url(&mapped.base)).await.json().await.unwrap();
+        let other: Manifest = get(&client, &url(&pread.base)).await.json().await.unwrap();
+        assert_eq!(manifest, other);
+        for entry in &manifest.batches {
+            let path = format!("{}?{query}", api::batch_path("d", 1, entry.index));
+            let want = get(&client, &format!("{}{path}", mapped.base)).await.bytes().await.unwrap();
+            let got = get(&client, &format!("{}{path}", pread.base)).await.bytes().await.unwrap();
+            assert_eq!(got, want, "{query} batch {}", entry.index);
+            assert_eq!(crc::crc32c(&got), entry.crc32c);
+            if entry.index == 0 {
+                for start in (0..got.len()).step_by(2999) {
+                    let end = (start + 4096).min(got.len());
+                    let r = client
+                        .get(format!("{}{path}", pread.base))
+                        .header("range", format!("bytes={start}-{}", end - 1))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(r.bytes().await.unwrap(), want[start..end], "{query} range at {start}");
+                }
+            }
+        }
+    }
+    for s in expected_samples(&fx) {
+        let url = format!("{}{}", pread.base, api::file_path("d", &format!("{}.jpg", s.key)));
+        assert_eq!(get(&client, &url).await.bytes().await.unwrap(), s.parts[0].1);
+    }
+    let metrics = get(&client, &format!("{}/metrics", pread.base)).await.text().await.unwrap();
+    assert!(
+        metrics.lines().any(|l| l.starts_with("batchfs_storage_blocking_reads_total") && !l.ends_with(" 0")),
+        "{metrics}"
+    );
+    // Every batch of this plan holds all 60 samples: one removed file fails it.
+    let first = expected_samples(&fx).into_iter().next().unwrap();
+    std::fs::remove_file(fx.path.join(format!("{}.jpg", first.key))).unwrap();
+    let url = format!("{}{}?batch_size=60", pread.base, api::batch_path("d", 0, 0));
+    let result = async { client.get(&url).send().await?.error_for_status()?.bytes().await }.await;
+    assert!(result.is_err(), "a body with a missing file must fail, not arrive");
+    mapped.running.shutdown().await;
+    pread.running.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -121,11 +121,12 @@ pub(super) struct Cache {
 }
 
 impl Cache {
-    /// Picks the entry to evict at `now` (nanoseconds of the prefetcher's clock), least recently used first and never one whose memory file is open: a
-    /// consumed ready batch; else one nobody read or asked for in `stale_after` (a window that ran past
-    /// where its reader stopped: the start of an epoch never read, a wrap-around that did not come);
-    /// else, for reads only, any ready batch. Without the second rule such batches filled a small cache
-    /// for good, and prefetch stopped: every batch then cost a round trip.
+    /// Picks the entry to evict at `now` (nanoseconds of the prefetcher's clock), least recently used
+    /// first and never one whose memory file is open: a consumed ready batch; else one nobody read or
+    /// asked for in `stale_after` (a window that ran past where its reader stopped: the start of an epoch
+    /// never read, a wrap-around that did not come); else, for reads only, any ready batch. Without the
+    /// second rule such batches filled a small cache for good, and prefetch stopped: every batch then cost
+    /// a round trip.
     pub fn victim(&self, now: u64, stale_after: Duration, any_ready: bool) -> Option<BatchKey> {
         let ready = |e: &Entry| e.is_ready() && !e.is_pinned();
         let stale_after = stale_after.as_nanos() as u64;
