@@ -34,7 +34,8 @@ fn server(samples: u32, mean_bytes: u64, token: Option<&str>) -> Server {
     let options = GenOptions { format: SourceFormat::Tfrecord, samples, mean_bytes, shards: 8, classes: 4, seed: 2 };
     gen::generate(&options, data.path()).unwrap();
     let mut catalog = Catalog::default();
-    let dataset = Dataset::open("d", data.path(), None, &IndexOptions::default(), &NoProgress, 4096).unwrap();
+    let dataset =
+        Dataset::open("d", data.path(), None, &IndexOptions::default(), &NoProgress, Default::default()).unwrap();
     catalog.insert(dataset).unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let serve = ServeOptions {

@@ -78,7 +78,7 @@ impl SegmentBody {
             if let Some((shard, offset, left)) = self.current {
                 let map = match self.storage.shard(shard) {
                     Shard::Mapped(map) => map.clone(),
-                    Shard::File { .. } => return Some(Err(self.read_files())),
+                    Shard::Open { .. } | Shard::Closed { .. } => return Some(Err(self.read_files())),
                 };
                 let n = left.min(self.ctx.chunk_size);
                 self.current = (left > n).then_some((shard, offset + n, left - n));
@@ -127,7 +127,7 @@ impl SegmentBody {
             match self.segments.as_slice().first() {
                 Some(Segment::Inline(bytes)) => total += bytes.len() as u64,
                 Some(&Segment::Data { shard, offset, len })
-                    if matches!(self.storage.shard(shard), Shard::File { .. }) =>
+                    if !matches!(self.storage.shard(shard), Shard::Mapped(_)) =>
                 {
                     self.current = Some((shard, offset, len));
                 }

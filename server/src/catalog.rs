@@ -1,7 +1,7 @@
 //! The catalog: every served dataset with its index and mapped shards, plus caches of epoch plans and
 //! manifests (both pure functions of the index and the query, so caching them is always correct).
 
-use crate::storage::Storage;
+use crate::storage::{IoPolicy, Storage};
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, Manifest};
 use batchfs::encode::{self, BatchLayout};
 use batchfs::index::Index;
@@ -46,21 +46,21 @@ const PLAN_CACHE: usize = 16;
 
 impl Dataset {
     /// Indexes (or loads the index of) dataset `name` at `root` and opens its shards: mapped when there
-    /// are at most `max_mapped_shards` of them, else read by positioned reads (see `storage.rs`).
+    /// are few and fit in memory, else read by positioned reads, as `io` says (see `storage.rs`).
     pub fn open(
         name: &str,
         root: &Path,
         index_dir: Option<&Path>,
         options: &IndexOptions,
         progress: &dyn Progress,
-        max_mapped_shards: usize,
+        io: IoPolicy,
     ) -> Result<Dataset, CatalogError> {
         let (index, origin) = source::load_or_build(root, name, index_dir, options, progress)
             .map_err(|source| CatalogError::Index { name: name.to_owned(), source })?;
         if index.samples.len() > u32::MAX as usize {
             return Err(CatalogError::TooLarge { name: name.to_owned() });
         }
-        let storage = Arc::new(Storage::open(name, root, &index, max_mapped_shards)?);
+        let storage = Arc::new(Storage::open(name, root, &index, io)?);
         let cache = NonZeroUsize::new(PLAN_CACHE).expect("nonzero");
         Ok(Dataset {
             name: name.to_owned(),

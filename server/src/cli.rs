@@ -3,6 +3,7 @@
 use crate::catalog::{Catalog, Dataset};
 use crate::config::{ConfigFile, DatasetSpec, LimitArgs, ServerLimits};
 use crate::progress::IndexProgress;
+use crate::storage::IoPolicy;
 use crate::{ServeOptions, TlsFiles};
 use anyhow::{bail, Context, Result};
 use batchfs::gen::{self, GenOptions};
@@ -130,8 +131,8 @@ fn init_tracing() {
 }
 
 /// Opens every dataset, indexing where needed, with progress and a summary line each.
-/// Datasets of more than `max_mapped_shards` shards are read by positioned reads instead of mapped.
-pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], max_mapped_shards: usize) -> Result<Catalog> {
+/// Datasets are read as `io` says: mapped, or by positioned reads (see `storage.rs`).
+pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], io: IoPolicy) -> Result<Catalog> {
     let mut catalog = Catalog::default();
     let specs: Vec<&DatasetSpec> = extra.iter().chain(&flags.datasets).collect();
     if specs.is_empty() {
@@ -146,7 +147,7 @@ pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], max_mapped_shards
         let started = Instant::now();
         let progress = IndexProgress::new(&spec.name);
         let index_dir = flags.index_dir.as_deref();
-        let dataset = Dataset::open(&spec.name, &spec.path, index_dir, &options, &progress, max_mapped_shards);
+        let dataset = Dataset::open(&spec.name, &spec.path, index_dir, &options, &progress, io);
         progress.finish();
         let dataset = dataset?;
         let info = dataset.info();
@@ -168,7 +169,7 @@ pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], max_mapped_shards
 
 fn index(args: IndexArgs) -> Result<()> {
     let started = Instant::now();
-    let catalog = open_catalog(&args.index, &[], ServerLimits::default().max_mapped_shards)?;
+    let catalog = open_catalog(&args.index, &[], IoPolicy::default())?;
     println!(
         "{:<16} {:>8} {:>10} {:>14} {:>8} {:>8} {:>9}",
         "dataset", "format", "samples", "bytes", "shards", "skipped", "index"
@@ -251,7 +252,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         (None, None) => None,
         _ => bail!("TLS needs both a certificate and a key"),
     };
-    let catalog = open_catalog(&flags, &file.datasets, limits.max_mapped_shards)?;
+    let catalog = open_catalog(&flags, &file.datasets, IoPolicy::of(&limits))?;
     let energy_log = args.energy_log.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {

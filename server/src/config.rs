@@ -155,6 +155,10 @@ limits! {
         "Concurrent blocking storage reads (page faults, warming), server-wide.";
     readahead_batches: u64 = 4, value::count, "4", "N",
         "Batches of the same plan warmed ahead of each batch request (0 disables).";
+    io: crate::storage::IoMode = crate::storage::IoMode::Auto, crate::storage::IoMode::parse, "auto", "MODE",
+        "How shards are read: mmap (shared mappings), pread (positioned reads, pages dropped after use when \
+         the data does not fit), or auto: mmap when the dataset fits in half the server's memory (the \
+         machine's, or its memory cgroup's limit), else pread.";
     max_mapped_shards: usize = 4096, value::count, "4096", "N",
         "A dataset of more shards than this is read with positioned reads instead of mapped (a file tree of \
          many small files: one mapping per file would exceed the kernel's vm.max_map_count).";

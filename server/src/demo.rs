@@ -122,8 +122,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let gen_secs = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let progress = IndexProgress::new("sample");
-    let max_mapped = ServerLimits::default().max_mapped_shards;
-    let dataset = Dataset::open("sample", &dir, None, &IndexOptions::default(), &progress, max_mapped)?;
+    let io = crate::storage::IoPolicy::default();
+    let dataset = Dataset::open("sample", &dir, None, &IndexOptions::default(), &progress, io)?;
     let index_secs = t.elapsed().as_secs_f64();
     let info = dataset.info();
     let mut catalog = Catalog::default();

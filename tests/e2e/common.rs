@@ -100,10 +100,8 @@ pub async fn serve(datasets: &[(&str, &Path)], with: ServeWith) -> Server {
     let limits = with.limits.unwrap_or_default();
     let mut catalog = Catalog::default();
     for (name, path) in datasets {
-        let max_mapped = limits.max_mapped_shards;
-        catalog
-            .insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, max_mapped).unwrap())
-            .unwrap();
+        let io = batchfs_server::storage::IoPolicy::of(&limits);
+        catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, io).unwrap()).unwrap();
     }
     let scheme = if with.tls.is_some() { "https" } else { "http" };
     let running = batchfs_server::start(
@@ -183,11 +181,9 @@ pub fn mount(server: &Server, dataset: &str, options: &str) -> (TempDir, batchfs
 /// Starts a server on a given address (to restart one where it was).
 pub async fn serve_on(addr: std::net::SocketAddr, datasets: &[(&str, &Path)]) -> Server {
     let mut catalog = Catalog::default();
-    let max_mapped = ServerLimits::default().max_mapped_shards;
+    let io = batchfs_server::storage::IoPolicy::default();
     for (name, path) in datasets {
-        catalog
-            .insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, max_mapped).unwrap())
-            .unwrap();
+        catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, io).unwrap()).unwrap();
     }
     let options = ServeOptions { listen: addr, tls: None, token: None, limits: ServerLimits::default() };
     let running = batchfs_server::start(catalog, options).await.unwrap();

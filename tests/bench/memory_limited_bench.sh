@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# A dataset larger than the server's memory: the server in a memory cgroup (v1) limited to LIMIT, reading
+# by mmap and by pread (`--io`), against an unlimited server on the same files; 4 reader processes read
+# whole epochs through a mount of each (`batchfs bench --processes`), the systems alternating, ROUNDS
+# rounds. Also the device's sequential rate: `cat` of every shard with the page cache dropped.
+#
+#   tests/bench/memory_limited_bench.sh [OUT.csv]
+#   env: SAMPLES (30000), MEAN (110000), SHARDS (32), LIMIT (1G), ROUNDS (3), DATA (a directory to keep
+#        the generated dataset in; generated if empty)
+#
+# Each run reads a new epoch of its mount (nothing repeats from the mount's cache), and the unlimited
+# server's page cache is dropped before its first round only. Needs root, the cgroup v1 memory
+# controller at /sys/fs/cgroup/memory, /dev/fuse and a release build.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+BIN=$ROOT/target/release
+OUT=${1:-/dev/stdout}
+SAMPLES=${SAMPLES:-30000} MEAN=${MEAN:-110000} SHARDS=${SHARDS:-32} LIMIT=${LIMIT:-1G} ROUNDS=${ROUNDS:-3}
+[ -x "$BIN/batchfs" ] || cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
+work=$(mktemp -d)
+DATA=${DATA:-$work/data}
+CG=/sys/fs/cgroup/memory/batchfs-bench-$$
+pids=()
+declare -A server_pid
+cleanup() {
+    for m in "$work"/mnt-*; do "$BIN/batchfs" umount --lazy "$m" 2>/dev/null || true; done
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rmdir "$CG" 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+if [ ! -e "$DATA/.batchfs-generated" ]; then
+    "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards "$SHARDS" \
+        --out "$DATA" >&2
+    touch "$DATA/.batchfs-generated"
+fi
+"$BIN/batchfs-server" index --dataset "d=$DATA" >&2
+mkdir -p "$CG"
+echo "$LIMIT" >"$CG/memory.limit_in_bytes"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# serve NAME [cgroup] ARGS...: a server, optionally inside the limited cgroup, and a mount of it.
+serve() {
+    local name=$1 cg=$2
+    shift 2
+    local port
+    port=$(free_port)
+    if [ "$cg" = limited ]; then
+        sh -c "echo \$\$ > $CG/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port \
+            --dataset d=$DATA $*" 2>"$work/$name.log" &
+    else
+        "$BIN/batchfs-server" serve --listen "127.0.0.1:$port" --dataset "d=$DATA" "$@" 2>"$work/$name.log" &
+    fi
+    pids+=($!)
+    server_pid[$name]=$!
+    for _ in $(seq 200); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+    mkdir -p "$work/mnt-$name"
+    "$BIN/batchfs" mount "http://127.0.0.1:$port/d" "$work/mnt-$name" -o "epochs=1000,cache=512M"
+}
+serve unlimited free --io mmap
+serve limited-mmap limited --io mmap
+serve limited-pread limited --io pread
+
+sync
+echo 3 >/proc/sys/vm/drop_caches
+start=$(date +%s.%N)
+cat "$DATA"/*.tfrecord >/dev/null
+secs=$(echo "$(date +%s.%N) - $start" | bc)
+bytes=$(cat "$DATA"/*.tfrecord | wc -c)
+echo "system,round,epoch_s,mb_per_s,server_rss_mb,major_faults" >"$OUT"
+echo "cat-cold,0,$secs,$(echo "$bytes / $secs / 1000000" | bc),," >>"$OUT"
+
+epoch=0
+for round in $(seq "$ROUNDS"); do
+    for name in unlimited limited-mmap limited-pread; do
+        dir=$work/mnt-$name/$(printf 'epoch-%04d' "$epoch")
+        json=$("$BIN/batchfs" bench "$dir" --threads 4 --processes --json)
+        pid=${server_pid[$name]}
+        rss=$(awk '/VmRSS/ { print int($2 / 1024) }' "/proc/$pid/status")
+        majflt=$(awk '{ print $12 }' "/proc/$pid/stat")
+        echo "$json" | python3 -c "import json, sys; j = json.load(sys.stdin); \
+print('$name,$round,%.3f,%.0f,$rss,$majflt' % (j['wall_s'], j['bytes'] / j['wall_s'] / 1e6))" >>"$OUT"
+    done
+    epoch=$((epoch + 1))
+done
+cat "$work"/limited-*.log | grep -m2 "storage opened" >&2 || true
