@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # A dataset larger than the server's memory: the server in a memory cgroup (v1) limited to LIMIT, reading
-# by mmap and by pread (`--io`), against an unlimited server on the same files; 4 reader processes read
-# whole epochs through a mount of each (`batchfs bench --processes`), the systems alternating, ROUNDS
-# rounds. Also the device's sequential rate: `cat` of every shard with the page cache dropped.
+# by mmap and by pread (`--io`), against an unlimited server; 4 reader processes read whole epochs
+# through a mount of each (`batchfs bench --processes`), the systems alternating, ROUNDS rounds. Also the
+# device's sequential rate: `cat` of every shard with the page cache dropped.
+#
+# Each server reads its own copy of the dataset: the kernel charges a page cache page to the cgroup that
+# first read it, so servers sharing files would share pages and a limited server would read for free
+# what an unlimited one (or a `cat`) brought in.
 #
 #   tests/bench/memory_limited_bench.sh [OUT.csv]
-#   env: SAMPLES (30000), MEAN (110000), SHARDS (32), LIMIT (1G), ROUNDS (3), DATA (a directory to keep
+#   env: SAMPLES (30000), MEAN (110000), SHARDS (32), LIMIT (1G), ROUNDS (3), PREAD_ARGS (more flags for the
+#        pread server), DATA (a directory to keep
 #        the generated dataset in; generated if empty)
 #
 # Each run reads a new epoch of its mount (nothing repeats from the mount's cache), and the unlimited
@@ -36,6 +41,16 @@ if [ ! -e "$DATA/.batchfs-generated" ]; then
     touch "$DATA/.batchfs-generated"
 fi
 "$BIN/batchfs-server" index --dataset "d=$DATA" >&2
+for copy in limited-mmap limited-pread; do
+    [ -e "$DATA-$copy/.batchfs-generated" ] || cp -a "$DATA" "$DATA-$copy"
+done
+sync
+echo 3 >/proc/sys/vm/drop_caches
+start=$(date +%s.%N)
+cat "$DATA"/*.tfrecord >/dev/null
+secs=$(echo "$(date +%s.%N) - $start" | bc)
+bytes=$(cat "$DATA"/*.tfrecord | wc -c)
+echo 3 >/proc/sys/vm/drop_caches
 mkdir -p "$CG"
 echo "$LIMIT" >"$CG/memory.limit_in_bytes"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -48,7 +63,7 @@ serve() {
     port=$(free_port)
     if [ "$cg" = limited ]; then
         sh -c "echo \$\$ > $CG/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port \
-            --dataset d=$DATA $*" 2>"$work/$name.log" &
+            --dataset d=$DATA-$name $*" 2>"$work/$name.log" &
     else
         "$BIN/batchfs-server" serve --listen "127.0.0.1:$port" --dataset "d=$DATA" "$@" 2>"$work/$name.log" &
     fi
@@ -60,14 +75,8 @@ serve() {
 }
 serve unlimited free --io mmap
 serve limited-mmap limited --io mmap
-serve limited-pread limited --io pread
+serve limited-pread limited --io pread ${PREAD_ARGS:-}
 
-sync
-echo 3 >/proc/sys/vm/drop_caches
-start=$(date +%s.%N)
-cat "$DATA"/*.tfrecord >/dev/null
-secs=$(echo "$(date +%s.%N) - $start" | bc)
-bytes=$(cat "$DATA"/*.tfrecord | wc -c)
 echo "system,round,epoch_s,mb_per_s,server_rss_mb,major_faults" >"$OUT"
 echo "cat-cold,0,$secs,$(echo "$bytes / $secs / 1000000" | bc),," >>"$OUT"
 
