@@ -1,9 +1,11 @@
 //! The latency lab's instrument, measured: `batchfs netem` adds the RTT it is asked for (within 1 ms or
-//! 10 %) and caps throughput within 10 %, without reordering or changing a byte.
+//! 10 %) and caps throughput within 10 %, without reordering or changing a byte; and injects the faults it is
+//! asked for (flipped bits, cut connections, stalls, a link down), each counted and replayed by its seed.
 
-use batchfs_mount::cmd::netem::{start, Link};
+use batchfs_mount::cmd::netem::{start, start_with_faults, Faults, Link};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// An echo server on loopback.
@@ -115,4 +117,103 @@ fn the_cap_is_the_links_shared_by_all_connections() {
     let mbit = (3 * each) as f64 * 8.0 / 1e6 / started.elapsed().as_secs_f64();
     eprintln!("3 connections through a {rate_mbit} Mbit/s link: {mbit:.1} Mbit/s together");
     assert!((mbit / rate_mbit - 1.0).abs() <= 0.10, "{mbit:.1} Mbit/s together through a {rate_mbit} Mbit/s link");
+}
+
+/// A server that sends `len` bytes of a known pattern to each connection, then closes it.
+fn source(len: usize) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut conn) = conn else { return };
+            std::thread::spawn(move || {
+                let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+                let _ = conn.write_all(&data);
+            });
+        }
+    });
+    addr
+}
+
+fn fetch(addr: SocketAddr) -> Vec<u8> {
+    let mut got = Vec::new();
+    let _ = TcpStream::connect(addr).unwrap().read_to_end(&mut got);
+    got
+}
+
+const NO_DELAY: Link = Link { one_way: Duration::ZERO, jitter: Duration::ZERO, rate: None };
+
+#[test]
+fn flipped_bits_are_counted_one_each_and_replayed_by_the_seed() {
+    let len = 4 << 20;
+    let upstream = source(len);
+    let faults = Faults { corrupt_every: Some(256 << 10), seed: 7, ..Faults::default() };
+    let flips = |faults| {
+        let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, NO_DELAY, faults).unwrap();
+        let got = fetch(netem.addr);
+        assert_eq!(got.len(), len, "flips keep the length");
+        let flipped: Vec<usize> = (0..len).filter(|&i| got[i] != (i % 253) as u8).collect();
+        for &i in &flipped {
+            assert_eq!((got[i] ^ (i % 253) as u8).count_ones(), 1, "one bit at {i}");
+        }
+        assert_eq!(flipped.len() as u64, netem.faults.corruptions.load(Ordering::Relaxed));
+        flipped
+    };
+    let first = flips(faults);
+    // About one per 256 KiB: between 1/2 and 3/2 of that spacing.
+    assert!((11..=32).contains(&first.len()), "{} flips in 4 MiB", first.len());
+    assert_eq!(flips(faults), first, "the same seed flips the same bits");
+    assert_ne!(flips(Faults { seed: 8, ..faults }), first);
+}
+
+#[test]
+fn resets_cut_the_stream_at_a_prefix_and_stalls_hold_it() {
+    let len = 4 << 20;
+    let upstream = source(len);
+    let faults = Faults { reset_every: Some(1 << 20), seed: 3, ..Faults::default() };
+    let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, NO_DELAY, faults).unwrap();
+    let got = fetch(netem.addr);
+    assert!((512 << 10..=3 << 19).contains(&got.len()), "cut after {} bytes", got.len());
+    assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 253) as u8), "a cut stream is a prefix");
+    assert_eq!(netem.faults.resets.load(Ordering::Relaxed), 1);
+
+    let stall = Duration::from_millis(150);
+    let faults = Faults { stall_every: Some(1 << 20), stall, seed: 3, ..Faults::default() };
+    let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, NO_DELAY, faults).unwrap();
+    let started = Instant::now();
+    let got = fetch(netem.addr);
+    let stalls = netem.faults.stalls.load(Ordering::Relaxed);
+    assert_eq!(got.len(), len);
+    assert!((3..=8).contains(&stalls), "{stalls} stalls in 4 MiB");
+    assert!(started.elapsed() >= stall * stalls as u32, "{stalls} stalls in {:?}", started.elapsed());
+}
+
+#[test]
+fn a_link_down_cuts_live_connections_and_closes_new_ones_until_it_is_up() {
+    let upstream = echo();
+    let (up, down) = (Duration::from_millis(400), Duration::from_millis(600));
+    let faults = Faults { down: Some((up, down)), ..Faults::default() };
+    let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, NO_DELAY, faults).unwrap();
+    let started = Instant::now();
+    let mut live = TcpStream::connect(netem.addr).unwrap();
+    live.write_all(b"ping").unwrap();
+    let mut buf = [0u8; 4];
+    live.read_exact(&mut buf).unwrap();
+    // Cut when the link goes down, at ~400 ms.
+    let mut rest = Vec::new();
+    let _ = live.read_to_end(&mut rest);
+    let cut_at = started.elapsed();
+    assert!(cut_at >= up && cut_at < up + down, "cut at {cut_at:?}");
+    // While down, a new connection is closed at once.
+    let mut refused = TcpStream::connect(netem.addr).unwrap();
+    let _ = refused.write_all(b"ping");
+    assert!(matches!(refused.read(&mut buf), Ok(0) | Err(_)), "a connection while down must be closed");
+    // Up again after the down period: echoed.
+    std::thread::sleep((up + down).saturating_sub(started.elapsed()) + Duration::from_millis(50));
+    let mut again = TcpStream::connect(netem.addr).unwrap();
+    again.write_all(b"pong").unwrap();
+    again.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"pong");
+    assert_eq!(netem.faults.downs.load(Ordering::Relaxed), 1);
+    assert!(netem.faults.cut_by_down.load(Ordering::Relaxed) >= 2);
 }

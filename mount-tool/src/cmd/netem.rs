@@ -10,11 +10,20 @@
 //! Threads sleep with the kernel's high-resolution timers, so delays are accurate to well under a
 //! millisecond. At most `BUFFER` bytes are in flight per direction;
 //! beyond that the reader waits, and TCP flow control pushes back on the sender.
+//!
+//! **Faults** (all off by default; each counted in [`FaultCounts`] and reported on stderr): a connection
+//! cut after about `--reset-every` bytes sent toward the client, one bit flipped in about every
+//! `--corrupt-every` bytes toward the client, a connection held still for `--stall-ms` after about every
+//! `--stall-every` bytes, and the whole link down for `--down-ms` every `--down-after-s` seconds (live
+//! connections cut, new ones closed at once). "About N" is drawn uniformly from [N/2, 3N/2] for each next
+//! fault of each connection, from a generator seeded by `--fault-seed` and the connection's number, so a
+//! seed replays the same faults for the same traffic.
 
 use anyhow::{Context, Result};
 use clap::Args;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,6 +48,125 @@ pub struct NetemArgs {
     /// Random extra one-way delay, uniform in [0, J] milliseconds (order is kept).
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
     pub jitter_ms: f64,
+    /// Cut each connection after about this many bytes toward the client.
+    #[arg(long, value_name = "BYTES", value_parser = batchfs::units::parse_size, help_heading = "Faults")]
+    pub reset_every: Option<u64>,
+    /// Flip one bit in about every this many bytes toward the client.
+    #[arg(long, value_name = "BYTES", value_parser = batchfs::units::parse_size, help_heading = "Faults")]
+    pub corrupt_every: Option<u64>,
+    /// Hold a connection still for --stall-ms after about every this many bytes toward the client.
+    #[arg(long, value_name = "BYTES", value_parser = batchfs::units::parse_size, requires = "stall_ms",
+          help_heading = "Faults")]
+    pub stall_every: Option<u64>,
+    /// How long a stall lasts, milliseconds.
+    #[arg(long, value_name = "MS", help_heading = "Faults")]
+    pub stall_ms: Option<u64>,
+    /// Take the whole link down every this many seconds (first after this long), for --down-ms.
+    #[arg(long, value_name = "S", requires = "down_ms", help_heading = "Faults")]
+    pub down_after_s: Option<f64>,
+    /// How long the link stays down: live connections are cut, new ones closed at once.
+    #[arg(long, value_name = "MS", help_heading = "Faults")]
+    pub down_ms: Option<u64>,
+    /// Seed of the fault choices: the same seed and traffic inject the same faults.
+    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Faults")]
+    pub fault_seed: u64,
+}
+
+/// The faults to inject (see the module note); `None` turns one off.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Faults {
+    pub reset_every: Option<u64>,
+    pub corrupt_every: Option<u64>,
+    pub stall_every: Option<u64>,
+    pub stall: Duration,
+    /// (up for, down for), repeating from the start.
+    pub down: Option<(Duration, Duration)>,
+    pub seed: u64,
+}
+
+impl From<&NetemArgs> for Faults {
+    fn from(a: &NetemArgs) -> Self {
+        let positive = |v: Option<u64>| v.filter(|&n| n > 0);
+        Faults {
+            reset_every: positive(a.reset_every),
+            corrupt_every: positive(a.corrupt_every),
+            stall_every: positive(a.stall_every),
+            stall: Duration::from_millis(a.stall_ms.unwrap_or(0)),
+            down: a
+                .down_after_s
+                .filter(|s| *s > 0.0)
+                .map(|s| (Duration::from_secs_f64(s), Duration::from_millis(a.down_ms.unwrap_or(0)))),
+            seed: a.fault_seed,
+        }
+    }
+}
+
+/// Faults injected so far.
+#[derive(Debug, Default)]
+pub struct FaultCounts {
+    /// Connections cut by `reset_every`.
+    pub resets: AtomicU64,
+    /// Bits flipped.
+    pub corruptions: AtomicU64,
+    pub stalls: AtomicU64,
+    /// Times the link went down.
+    pub downs: AtomicU64,
+    /// Live connections cut, and new ones closed, while the link was down.
+    pub cut_by_down: AtomicU64,
+}
+
+impl FaultCounts {
+    /// `resets=R corruptions=C stalls=S downs=D cut_by_down=X`.
+    pub fn summary(&self) -> String {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        format!(
+            "resets={} corruptions={} stalls={} downs={} cut_by_down={}",
+            g(&self.resets),
+            g(&self.corruptions),
+            g(&self.stalls),
+            g(&self.downs),
+            g(&self.cut_by_down)
+        )
+    }
+}
+
+/// A small seeded generator (xorshift64*), one per connection.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64, stream: u64) -> Self {
+        Rng((seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0x2545_F491_4F6C_DD1D) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// About `n`: uniform in [n/2, 3n/2].
+    fn about(&mut self, n: u64) -> u64 {
+        n / 2 + self.next() % n.max(1) + 1
+    }
+}
+
+/// The next byte offset (toward the client) of each fault of one connection.
+struct Schedule {
+    rng: Rng,
+    reset: Option<u64>,
+    corrupt: Option<u64>,
+    stall: Option<u64>,
+}
+
+impl Schedule {
+    fn new(faults: &Faults, connection: u64) -> Self {
+        let mut rng = Rng::new(faults.seed, connection);
+        let mut first = |every: Option<u64>| every.map(|n| rng.about(n));
+        let (reset, corrupt, stall) =
+            (first(faults.reset_every), first(faults.corrupt_every), first(faults.stall_every));
+        Schedule { rng, reset, corrupt, stall }
+    }
 }
 
 /// When each direction of the shared link is next free to serialize bytes.
@@ -74,10 +202,52 @@ fn sleep_until(t: Instant) {
     }
 }
 
+/// What the direction toward the client injects: its connection's schedule, the emulator's settings
+/// and counters.
+struct Injector {
+    schedule: Schedule,
+    faults: Faults,
+    counts: Arc<FaultCounts>,
+    /// Bytes passed toward the client so far.
+    passed: u64,
+}
+
+impl Injector {
+    /// Applies the faults due in `buf` (the bytes after `passed`): flips bits, and returns the stall to
+    /// add before `buf` goes out, and whether the connection is cut after it (`buf` then keeps only the
+    /// bytes before the cut point).
+    fn apply(&mut self, buf: &mut Vec<u8>) -> (Duration, bool) {
+        let (start, end) = (self.passed, self.passed + buf.len() as u64);
+        self.passed = end;
+        while let Some(at) = self.schedule.corrupt.filter(|&at| at < end) {
+            let bit = self.schedule.rng.next() % 8;
+            buf[(at - start) as usize] ^= 1 << bit;
+            self.counts.corruptions.fetch_add(1, Ordering::Relaxed);
+            let every = self.faults.corrupt_every.expect("scheduled");
+            self.schedule.corrupt = Some(at + self.schedule.rng.about(every));
+        }
+        let mut stall = Duration::ZERO;
+        while let Some(at) = self.schedule.stall.filter(|&at| at < end) {
+            stall += self.faults.stall;
+            self.counts.stalls.fetch_add(1, Ordering::Relaxed);
+            let every = self.faults.stall_every.expect("scheduled");
+            self.schedule.stall = Some(at + self.schedule.rng.about(every));
+        }
+        if let Some(at) = self.schedule.reset.filter(|&at| at < end) {
+            buf.truncate((at - start) as usize);
+            self.counts.resets.fetch_add(1, Ordering::Relaxed);
+            return (stall, true);
+        }
+        (stall, false)
+    }
+}
+
 /// Pumps `from` into `to` through the delay line, serializing on `wire` (this direction's next free
-/// instant, shared by every connection); half-closes `to` at the end.
-fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant>) {
-    let (tx, rx) = mpsc::sync_channel::<(Instant, Vec<u8>)>(BUFFER / CHUNK);
+/// instant, shared by every connection), injecting faults when given; half-closes `to` at the end, or
+/// cuts both sockets where a fault says so.
+fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant>, mut faults: Option<Injector>) {
+    let (tx, rx) = mpsc::sync_channel::<(Instant, Vec<u8>, bool)>(BUFFER / CHUNK);
+    let Ok(from_handle) = from.try_clone() else { return };
     let reader = std::thread::spawn(move || {
         let mut last = Instant::now();
         let mut seed = Instant::now().elapsed().as_nanos() as u64 | 1;
@@ -88,6 +258,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant
                 Ok(n) => n,
             };
             buf.truncate(n);
+            let (stall, cut) = faults.as_mut().map_or((Duration::ZERO, false), |f| f.apply(&mut buf));
             let mut delay = link.one_way;
             if !link.jitter.is_zero() {
                 seed ^= seed << 13;
@@ -95,13 +266,13 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant
                 seed ^= seed << 17;
                 delay += link.jitter.mul_f64((seed >> 11) as f64 / (1u64 << 53) as f64);
             }
-            last = last.max(Instant::now() + delay);
-            if tx.send((last, buf)).is_err() {
+            last = last.max(Instant::now() + delay) + stall;
+            if tx.send((last, buf, cut)).is_err() || cut {
                 return;
             }
         }
     });
-    for (release, chunk) in rx {
+    for (release, chunk, cut) in rx {
         sleep_until(release);
         if let Some(rate) = link.rate {
             let done = {
@@ -114,65 +285,138 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant
         if to.write_all(&chunk).is_err() {
             break;
         }
+        if cut {
+            // Both ends see the connection die mid-stream; the other direction's pump ends with it.
+            let _ = to.shutdown(Shutdown::Both);
+            let _ = from_handle.shutdown(Shutdown::Both);
+            break;
+        }
     }
     let _ = to.shutdown(Shutdown::Write);
     let _ = reader.join();
 }
 
-/// Proxies one accepted connection.
-fn proxy(client: TcpStream, upstream: SocketAddr, link: Link, wire: Arc<Wire>) -> std::io::Result<()> {
+/// The emulator's shared state: the wire, the faults and their counts, and the live connections (to
+/// cut them when the link goes down).
+struct Shared {
+    wire: Wire,
+    faults: Faults,
+    counts: Arc<FaultCounts>,
+    live: Mutex<std::collections::HashMap<u64, TcpStream>>,
+    started: Instant,
+}
+
+impl Shared {
+    /// Whether the link is down at `now` (`down`: up for A, then down for B, repeating).
+    fn is_down(&self, now: Instant) -> bool {
+        let Some((up, down)) = self.faults.down else { return false };
+        let cycle = (up + down).as_secs_f64();
+        cycle > 0.0 && (now - self.started).as_secs_f64() % cycle >= up.as_secs_f64()
+    }
+}
+
+/// Proxies one accepted connection, number `id`.
+fn proxy(client: TcpStream, upstream: SocketAddr, link: Link, shared: Arc<Shared>, id: u64) -> std::io::Result<()> {
     let server = TcpStream::connect(upstream)?;
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
+    shared.live.lock().expect("live").insert(id, client.try_clone()?);
     let (c2, s2) = (client.try_clone()?, server.try_clone()?);
-    let w = wire.clone();
-    let up = std::thread::spawn(move || pump(client, server, link, &w.up));
-    pump(s2, c2, link, &wire.down);
+    let injector = Injector {
+        schedule: Schedule::new(&shared.faults, id),
+        faults: shared.faults,
+        counts: shared.counts.clone(),
+        passed: 0,
+    };
+    let up_shared = shared.clone();
+    let up = std::thread::spawn(move || pump(client, server, link, &up_shared.wire.up, None));
+    pump(s2, c2, link, &shared.wire.down, Some(injector));
     let _ = up.join();
+    shared.live.lock().expect("live").remove(&id);
     Ok(())
 }
 
 /// A running emulator (for tests and the latency lab); stops accepting when dropped.
 pub struct Netem {
     pub addr: SocketAddr,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The faults injected so far.
+    pub faults: Arc<FaultCounts>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Drop for Netem {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.stop.store(true, Ordering::Relaxed);
         let _ = TcpStream::connect(self.addr); // wake the accept loop
     }
 }
 
-/// Starts the emulator on `listen` (port 0 picks one) in background threads.
+/// Starts the emulator on `listen` (port 0 picks one) in background threads, with no faults.
 pub fn start(listen: SocketAddr, upstream: SocketAddr, link: Link) -> Result<Netem> {
+    start_with_faults(listen, upstream, link, Faults::default())
+}
+
+/// Starts the emulator injecting `faults`.
+pub fn start_with_faults(listen: SocketAddr, upstream: SocketAddr, link: Link, faults: Faults) -> Result<Netem> {
     let listener = TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts = Arc::new(FaultCounts::default());
+    let shared = Arc::new(Shared {
+        wire: Wire { up: Mutex::new(Instant::now()), down: Mutex::new(Instant::now()) },
+        faults,
+        counts: counts.clone(),
+        live: Mutex::new(Default::default()),
+        started: Instant::now(),
+    });
+    if faults.down.is_some() {
+        // Cuts every live connection as each down period begins.
+        let (shared, stop) = (shared.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut was_down = false;
+            while !stop.load(Ordering::Relaxed) {
+                let down = shared.is_down(Instant::now());
+                if down && !was_down {
+                    shared.counts.downs.fetch_add(1, Ordering::Relaxed);
+                    for (_, conn) in shared.live.lock().expect("live").drain() {
+                        let _ = conn.shutdown(Shutdown::Both);
+                        shared.counts.cut_by_down.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                was_down = down;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+    }
     let flag = stop.clone();
-    let wire = Arc::new(Wire { up: Mutex::new(Instant::now()), down: Mutex::new(Instant::now()) });
     std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            if flag.load(std::sync::atomic::Ordering::Relaxed) {
+        for (id, conn) in listener.incoming().enumerate() {
+            if flag.load(Ordering::Relaxed) {
                 return;
             }
             let Ok(conn) = conn else { continue };
-            let wire = wire.clone();
+            if shared.is_down(Instant::now()) {
+                // Down: the connection is closed at once (a refused connect, as the client sees it).
+                let _ = conn.shutdown(Shutdown::Both);
+                shared.counts.cut_by_down.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let shared = shared.clone();
             std::thread::spawn(move || {
-                if let Err(e) = proxy(conn, upstream, link, wire) {
+                if let Err(e) = proxy(conn, upstream, link, shared, id as u64) {
                     tracing::warn!(%upstream, error = %e, "netem: cannot reach the upstream");
                 }
             });
         }
     });
-    Ok(Netem { addr, stop })
+    Ok(Netem { addr, faults: counts, stop })
 }
 
 /// `batchfs netem`: runs until killed.
 pub fn run(args: NetemArgs) -> Result<()> {
     let link = Link::from(&args);
-    let netem = start(args.listen, args.upstream, link)?;
+    let faults = Faults::from(&args);
+    let netem = start_with_faults(args.listen, args.upstream, link, faults)?;
     eprintln!(
         "batchfs netem: {} -> {} with RTT {} ms{}{}",
         netem.addr,
@@ -181,7 +425,21 @@ pub fn run(args: NetemArgs) -> Result<()> {
         if args.jitter_ms > 0.0 { format!(" (+0..{} ms jitter each way)", args.jitter_ms) } else { String::new() },
         args.rate_mbit.map(|r| format!(", {r} Mbit/s per direction")).unwrap_or_default()
     );
+    let injecting = faults.reset_every.is_some()
+        || faults.corrupt_every.is_some()
+        || faults.stall_every.is_some()
+        || faults.down.is_some();
+    if injecting {
+        eprintln!("batchfs netem: injecting faults ({faults:?}); totals follow whenever they change");
+    }
+    // The report: the fault totals, every second in which they changed.
+    let mut last = String::new();
     loop {
-        std::thread::park();
+        std::thread::sleep(Duration::from_secs(1));
+        let now = netem.faults.summary();
+        if injecting && now != last {
+            eprintln!("batchfs netem: faults injected: {now}");
+            last = now;
+        }
     }
 }
