@@ -166,6 +166,25 @@ mod tests {
     use batchfs::plan::Shuffle;
 
     #[test]
+    fn the_deployment_mount_options_parse() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy");
+        let read = |f: &str| std::fs::read_to_string(format!("{root}/{f}")).unwrap();
+        let unit = read("systemd/mnt-imagenet.mount");
+        let fstab = read("systemd/fstab.example");
+        let daemonset = read("k8s/mount-daemonset.yaml");
+        let lists = [
+            unit.lines().find_map(|l| l.strip_prefix("Options=")).unwrap().to_owned(),
+            fstab.lines().find(|l| !l.starts_with('#')).unwrap().split_whitespace().nth(3).unwrap().to_owned(),
+            daemonset.split("\"-o\", \"").nth(1).unwrap().split('"').next().unwrap().to_owned(),
+        ];
+        for list in lists {
+            let mut o = MountOptions::default();
+            o.apply_list(&list).unwrap_or_else(|e| panic!("{list}: {e}"));
+            assert_eq!((o.plan.batch_size, o.epochs), (256, 90), "{list}");
+        }
+    }
+
+    #[test]
     fn fstab_style_lists() {
         let mut o = MountOptions::default();
         let list = "_netdev,batch_size=64,prefetch=8,cache=512M,shuffle=none,drop_last,format=tar,timeout=5s,\

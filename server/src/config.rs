@@ -307,6 +307,27 @@ mod tests {
     }
 
     #[test]
+    fn the_deployment_configs_parse() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy");
+        let systemd = std::fs::read_to_string(format!("{root}/systemd/server.toml")).unwrap();
+        // The ConfigMap's server.toml: the block indented under `server.toml: |`.
+        let k8s = std::fs::read_to_string(format!("{root}/k8s/server.yaml")).unwrap();
+        let block = k8s.split("server.toml: |\n").nth(1).unwrap();
+        let embedded: String = block
+            .lines()
+            .take_while(|l| l.is_empty() || l.starts_with("    "))
+            .map(|l| format!("{}\n", l.trim_start()))
+            .collect();
+        for text in [systemd, embedded] {
+            let file: ConfigFile = toml::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            assert_eq!(file.datasets.len(), 1, "{text}");
+            let mut limits = ServerLimits::default();
+            file.limits.apply(&mut limits).unwrap();
+            limits.validate().unwrap();
+        }
+    }
+
+    #[test]
     fn defaults_fit_a_long_fat_link() {
         let l = ServerLimits::default();
         l.validate().unwrap();

@@ -149,4 +149,21 @@ mod tests {
         assert!(text.contains("batchfs_request_latency_seconds_bucket{le=\"0.0025\"} 2"));
         assert!(text.contains("batchfs_request_latency_seconds_bucket{le=\"+Inf\"} 3"));
     }
+
+    #[test]
+    fn the_grafana_dashboard_uses_only_exported_metrics() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/grafana/batchfs-server.json");
+        let dashboard = std::fs::read_to_string(path).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&dashboard).unwrap();
+        assert!(!json["panels"].as_array().unwrap().is_empty());
+        let exported = Metrics::default().render();
+        let mut used = 0;
+        for (i, _) in dashboard.match_indices("batchfs_") {
+            let name: String = dashboard[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            let family = name.strip_suffix("_bucket").unwrap_or(&name);
+            assert!(exported.contains(&format!("# TYPE {family} ")), "the dashboard uses {name}, not exported");
+            used += 1;
+        }
+        assert!(used >= 8, "{used} metric uses");
+    }
 }
