@@ -3,11 +3,11 @@
 behind its own `batchfs netem`, clean and then under faults, alternating, ROUNDS rounds.
 
     tests/bench/chaos_bench.py [OUT_DIR]
-    env: SAMPLES (6000), MEAN (110000), BATCH (64), ROUNDS (3), EPOCHS (2 per run),
+    env: SAMPLES (6000), MEAN (110000), BATCH (64), ROUNDS (3), EPOCHS (6 per run),
          FAULTS (netem flags for the chaos runs; default below)
 
 Chaos runs: both links flip bits, cut connections and stall them (FAULTS); replica A's link also goes
-down for 3 s every 15 s; and replica B's server is SIGKILLed 5 s into the run and restarted 4 s later on
+down for 3 s every 8 s; and replica B's server is SIGKILLed 3 s into the run and restarted 3 s later on
 its address. Every reader process checks every file it reads against the epoch's manifest (size and
 CRC32C, fetched straight from a server): a file that differs is a wrong byte, and the run fails.
 
@@ -35,8 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BIN = os.path.join(ROOT, "target", "release")
 env = os.environ.get
 SAMPLES, MEAN, BATCH = int(env("SAMPLES", "6000")), int(env("MEAN", "110000")), int(env("BATCH", "64"))
-ROUNDS, EPOCHS = int(env("ROUNDS", "3")), int(env("EPOCHS", "2"))
-FAULTS = env("FAULTS", "--corrupt-every 8M --reset-every 48M --stall-every 16M --stall-ms 200 --fault-seed 5").split()
+ROUNDS, EPOCHS = int(env("ROUNDS", "3")), int(env("EPOCHS", "6"))
+FAULTS = env("FAULTS", "--corrupt-every 64M --reset-every 256M --stall-every 64M --stall-ms 200 --fault-seed 5").split()
 
 READER = r"""
 import crc32c, json, os, sys
@@ -106,7 +106,7 @@ def faults_of(log):
 
 def run(work, replicas, chaos, first_epoch):
     links = [netem(work, f"{'chaos' if chaos else 'clean'}-{i}", r.port,
-                   (FAULTS + (["--down-after-s", "15", "--down-ms", "3000"] if i == 0 else [])) if chaos else [])
+                   (FAULTS + (["--down-after-s", "5", "--down-ms", "3000"] if i == 0 else [])) if chaos else [])
              for i, r in enumerate(replicas)]
     mnt = tempfile.mkdtemp(dir=work)
     urls = [f"http://127.0.0.1:{p}" for p, _, _ in links]
@@ -115,9 +115,9 @@ def run(work, replicas, chaos, first_epoch):
     killer = None
     if chaos:
         def chaos_monkey():
-            time.sleep(5)
+            time.sleep(3)
             replicas[1].kill()
-            time.sleep(4)
+            time.sleep(3)
             replicas[1].start()
         import threading
         killer = threading.Thread(target=chaos_monkey)
@@ -183,7 +183,7 @@ def main():
             w.writerows(rows)
         med = {s: statistics.median(r["epoch_s"] for r in rows if r["system"] == s) for s in ("clean", "chaos")}
         lines = [f"Epoch: {SAMPLES} samples, batch_size {BATCH}, {EPOCHS} epochs per run, 4 reader processes, "
-                 f"{ROUNDS} rounds; faults: {' '.join(FAULTS)}, replica A's link down 3 s every 15 s, replica B "
+                 f"{ROUNDS} rounds; faults: {' '.join(FAULTS)}, replica A's link down 3 s every 8 s, replica B "
                  "killed and restarted.", "",
                  "| round | system | epoch s | files ok | files wrong | mount retries | checksum errors | "
                  "read errors | faults injected |", "|---|---|---|---|---|---|---|---|---|"]
