@@ -8,7 +8,7 @@
 //! | `GET /v1/datasets/{name}/epochs/{epoch}/batches/{i}?{plan}&format=F` | batch body (Range) |
 //! | `GET /v1/datasets/{name}/files` | [`FileList`] |
 //! | `GET /v1/datasets/{name}/files/{path}` | a source file (Range) |
-//! | `GET /healthz`, `GET /metrics` | `ok`, Prometheus text |
+//! | `GET /healthz`, `GET /metrics` | `ok` (503 and progress while indexing), Prometheus text |
 //!
 //! `{plan}` is `batch_size`, `seed`, `shuffle`, `drop_last`, each optional with the defaults of
 //! [`PlanOptions`]. Errors are [`ErrorBody`] JSON.

@@ -89,10 +89,24 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let client = HttpClient::new(http.clone())?;
     let server = &http.servers[0];
+    // A server still indexing the dataset answers 503: wait for it, up to `timeout` (a mount started at
+    // boot beside a server that is indexing). Anything else fails now, before daemonizing.
+    let deadline = std::time::Instant::now() + options.timeout;
     let result = runtime.block_on(async {
-        let info = client.dataset().await?;
-        let manifest = client.manifest(0, options.format).await?;
-        Ok::<_, ClientError>((info, manifest))
+        loop {
+            let attempt = async {
+                let info = client.dataset().await?;
+                let manifest = client.manifest(0, options.format).await?;
+                Ok::<_, ClientError>((info, manifest))
+            };
+            match attempt.await {
+                Err(ClientError::Status { status: 503, .. }) if std::time::Instant::now() < deadline => {
+                    tracing::info!(%server, dataset = %http.dataset, "the server is not ready (indexing?): waiting");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                other => return other,
+            }
+        }
     });
     // Join the runtime's threads now: a daemonizing caller forks next.
     runtime.shutdown_timeout(Duration::from_secs(5));

@@ -33,7 +33,7 @@ fn server(samples: u32, mean_bytes: u64, token: Option<&str>) -> Server {
     let data = tempfile::tempdir().unwrap();
     let options = GenOptions { format: SourceFormat::Tfrecord, samples, mean_bytes, shards: 8, classes: 4, seed: 2 };
     gen::generate(&options, data.path()).unwrap();
-    let mut catalog = Catalog::default();
+    let catalog = Catalog::default();
     let dataset =
         Dataset::open("d", data.path(), None, &IndexOptions::default(), &NoProgress, Default::default()).unwrap();
     catalog.insert(dataset).unwrap();

@@ -11,7 +11,7 @@ use lru::LruCache;
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use thiserror::Error;
 
 /// A dataset the server cannot open.
@@ -142,24 +142,93 @@ impl Dataset {
     }
 }
 
-/// All served datasets, by name.
+/// All served datasets, by name, and those still being indexed: a server answers while it indexes
+/// (`/healthz` says which datasets are ready; requests for one not ready yet get 503 and `Retry-After`).
 #[derive(Default)]
 pub struct Catalog {
-    pub datasets: BTreeMap<String, Arc<Dataset>>,
+    datasets: RwLock<BTreeMap<String, Arc<Dataset>>>,
+    /// Datasets announced but not ready: (bytes indexed, bytes to index).
+    pending: Mutex<BTreeMap<String, (u64, u64)>>,
+}
+
+/// Where a dataset stands.
+#[derive(Debug, Clone)]
+pub enum Readiness {
+    Ready(Arc<Dataset>),
+    /// Being indexed: bytes done of total (0 of 0 before indexing starts).
+    Indexing {
+        done: u64,
+        total: u64,
+    },
+    Unknown,
+}
+
+impl std::fmt::Debug for Dataset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dataset").field("name", &self.name).field("root", &self.root).finish_non_exhaustive()
+    }
 }
 
 impl Catalog {
-    /// Adds a dataset.
-    pub fn insert(&mut self, dataset: Dataset) -> Result<(), CatalogError> {
-        if self.datasets.contains_key(&dataset.name) {
+    /// Adds a ready dataset (one announced by [`Catalog::announce`] stops being pending).
+    pub fn insert(&self, dataset: Dataset) -> Result<(), CatalogError> {
+        let mut datasets = self.datasets.write().expect("catalog");
+        if datasets.contains_key(&dataset.name) {
             return Err(CatalogError::Duplicate { name: dataset.name.clone() });
         }
-        self.datasets.insert(dataset.name.clone(), Arc::new(dataset));
+        self.pending.lock().expect("pending").remove(&dataset.name);
+        datasets.insert(dataset.name.clone(), Arc::new(dataset));
         Ok(())
     }
 
-    /// Looks a dataset up.
-    pub fn get(&self, name: &str) -> Option<&Arc<Dataset>> {
-        self.datasets.get(name)
+    /// Announces a dataset that is being indexed and will be inserted when ready.
+    pub fn announce(&self, name: &str) -> Result<(), CatalogError> {
+        let mut pending = self.pending.lock().expect("pending");
+        if self.datasets.read().expect("catalog").contains_key(name) || pending.contains_key(name) {
+            return Err(CatalogError::Duplicate { name: name.to_owned() });
+        }
+        pending.insert(name.to_owned(), (0, 0));
+        Ok(())
+    }
+
+    /// Records the indexing progress of an announced dataset.
+    pub fn progress(&self, name: &str, done: u64, total: u64) {
+        if let Some(p) = self.pending.lock().expect("pending").get_mut(name) {
+            *p = (done, total);
+        }
+    }
+
+    /// Looks a ready dataset up.
+    pub fn get(&self, name: &str) -> Option<Arc<Dataset>> {
+        self.datasets.read().expect("catalog").get(name).cloned()
+    }
+
+    /// Where dataset `name` stands.
+    pub fn readiness(&self, name: &str) -> Readiness {
+        if let Some(ds) = self.get(name) {
+            return Readiness::Ready(ds);
+        }
+        match self.pending.lock().expect("pending").get(name) {
+            Some(&(done, total)) => Readiness::Indexing { done, total },
+            None => Readiness::Unknown,
+        }
+    }
+
+    /// The ready datasets, by name.
+    pub fn datasets(&self) -> Vec<Arc<Dataset>> {
+        self.datasets.read().expect("catalog").values().cloned().collect()
+    }
+
+    /// The datasets still being indexed: name, bytes done, bytes to index.
+    pub fn pending(&self) -> Vec<(String, u64, u64)> {
+        self.pending.lock().expect("pending").iter().map(|(n, &(d, t))| (n.clone(), d, t)).collect()
+    }
+
+    /// Every dataset's name, ready or not.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.datasets.read().expect("catalog").keys().cloned().collect();
+        names.extend(self.pending.lock().expect("pending").keys().cloned());
+        names.sort();
+        names
     }
 }

@@ -13,6 +13,7 @@ use batchfs::units::parse_size;
 use clap::{Args, Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// batchfs storage-side server: indexes datasets once and serves pre-batched batch files over HTTP/2.
@@ -133,11 +134,24 @@ fn init_tracing() {
 /// Opens every dataset, indexing where needed, with progress and a summary line each.
 /// Datasets are read as `io` says: mapped, or by positioned reads (see `storage.rs`).
 pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], io: IoPolicy) -> Result<Catalog> {
-    let mut catalog = Catalog::default();
-    let specs: Vec<&DatasetSpec> = extra.iter().chain(&flags.datasets).collect();
+    let catalog = Catalog::default();
+    let specs = dataset_specs(flags, extra)?;
+    fill_catalog(&catalog, &specs, flags, io)?;
+    Ok(catalog)
+}
+
+/// The datasets of the command line and the config file.
+fn dataset_specs(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Vec<DatasetSpec>> {
+    let specs: Vec<DatasetSpec> = extra.iter().chain(&flags.datasets).cloned().collect();
     if specs.is_empty() {
         bail!("no dataset given: pass --dataset NAME=PATH (or [[dataset]] in --config)");
     }
+    Ok(specs)
+}
+
+/// Opens each dataset of `specs` in turn and inserts it into `catalog` when ready (reporting progress to
+/// the catalog for the datasets it announced).
+fn fill_catalog(catalog: &Catalog, specs: &[DatasetSpec], flags: &IndexFlags, io: IoPolicy) -> Result<()> {
     for spec in specs {
         let options = IndexOptions {
             format: spec.format.or(flags.format),
@@ -145,7 +159,7 @@ pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], io: IoPolicy) -> 
             skip_corrupt: flags.skip_corrupt,
         };
         let started = Instant::now();
-        let progress = IndexProgress::new(&spec.name);
+        let progress = IndexProgress::new(&spec.name).reporting_to(catalog);
         let index_dir = flags.index_dir.as_deref();
         let dataset = Dataset::open(&spec.name, &spec.path, index_dir, &options, &progress, io);
         progress.finish();
@@ -164,7 +178,7 @@ pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], io: IoPolicy) -> 
         }
         catalog.insert(dataset)?;
     }
-    Ok(catalog)
+    Ok(())
 }
 
 fn index(args: IndexArgs) -> Result<()> {
@@ -174,7 +188,7 @@ fn index(args: IndexArgs) -> Result<()> {
         "{:<16} {:>8} {:>10} {:>14} {:>8} {:>8} {:>9}",
         "dataset", "format", "samples", "bytes", "shards", "skipped", "index"
     );
-    for ds in catalog.datasets.values() {
+    for ds in catalog.datasets() {
         let i = ds.info();
         let origin = if ds.origin == IndexOrigin::Loaded { "reused" } else { "built" };
         println!(
@@ -252,10 +266,17 @@ fn serve(args: ServeArgs) -> Result<()> {
         (None, None) => None,
         _ => bail!("TLS needs both a certificate and a key"),
     };
-    let catalog = open_catalog(&flags, &file.datasets, IoPolicy::of(&limits))?;
+    // The server answers while it indexes: every dataset is announced now, opened in the background,
+    // and served once ready (`/healthz` says which are; a dataset that cannot be opened stops the server).
+    let specs = dataset_specs(&flags, &file.datasets)?;
+    let catalog = Arc::new(Catalog::default());
+    for spec in &specs {
+        catalog.announce(&spec.name)?;
+    }
+    let io = IoPolicy::of(&limits);
     let energy_log = args.energy_log.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async move {
+    let result = runtime.block_on(async move {
         // Handlers first: a SIGTERM that arrives while starting up must stop the server, not kill it.
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let energy = match &energy_log {
@@ -265,9 +286,23 @@ fn serve(args: ServeArgs) -> Result<()> {
             ),
             None => None,
         };
-        let server = crate::start(catalog, ServeOptions { listen, tls, token, limits }).await?;
+        let server = crate::start(catalog.clone(), ServeOptions { listen, tls, token, limits }).await?;
         let energy = energy.map(|log| log.start(Duration::from_millis(100), server.bytes_sent()));
         let stop = server.shutdown_handle();
+        let opening = tokio::task::spawn_blocking({
+            let stop = stop.clone();
+            move || {
+                let result = fill_catalog(&catalog, &specs, &flags, io);
+                match &result {
+                    Ok(()) => tracing::info!("every dataset is ready"),
+                    Err(e) => {
+                        tracing::error!(error = %format!("{e:#}"), "a dataset cannot be served: stopping");
+                        let _ = stop.send(true);
+                    }
+                }
+                result
+            }
+        });
         tokio::spawn(async move {
             tokio::select! {
                 _ = term.recv() => {}
@@ -281,6 +316,13 @@ fn serve(args: ServeArgs) -> Result<()> {
             log.finish(0.35).context("writing the energy log summary")?;
         }
         tracing::info!("stopped");
+        // Indexing that failed is the exit's reason; one still running when a signal came is left behind.
+        if opening.is_finished() {
+            opening.await.context("the indexing task")??;
+        }
         Ok(())
-    })
+    });
+    // An indexing task still running (a signal came first) must not hold the exit up.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result
 }

@@ -126,7 +126,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let dataset = Dataset::open("sample", &dir, None, &IndexOptions::default(), &progress, io)?;
     let index_secs = t.elapsed().as_secs_f64();
     let info = dataset.info();
-    let mut catalog = Catalog::default();
+    let catalog = Catalog::default();
     catalog.insert(dataset)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let query = BatchQuery {

@@ -88,10 +88,13 @@ impl RunningServer {
 }
 
 /// Binds `options.listen` and serves `catalog`.
-pub async fn start(catalog: Catalog, options: ServeOptions) -> anyhow::Result<RunningServer> {
+///
+/// The catalog may still be filling: datasets announced in it ([`Catalog::announce`]) are answered with
+/// 503 until inserted, and `/healthz` says which are ready.
+pub async fn start(catalog: impl Into<Arc<Catalog>>, options: ServeOptions) -> anyhow::Result<RunningServer> {
     let limits = options.limits.clone();
     let state = Arc::new(AppState::new(
-        catalog,
+        catalog.into(),
         options.token.clone(),
         limits.storage_concurrency,
         limits.chunk_size,

@@ -2,7 +2,7 @@
 //! bodies. One `tracing` span per request; errors are logged once, here, where they become a response.
 
 use crate::body::{Body, SegmentBody, StreamContext};
-use crate::catalog::{Catalog, Dataset};
+use crate::catalog::{Catalog, Dataset, Readiness};
 use crate::metrics::{Kind, Metrics};
 use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, Route};
 use batchfs::encode::{self, Segment};
@@ -19,7 +19,7 @@ use tracing::Instrument;
 
 /// Everything a request handler needs.
 pub struct AppState {
-    pub catalog: Catalog,
+    pub catalog: Arc<Catalog>,
     /// Bearer token required on every request but `/healthz`.
     pub token: Option<Vec<u8>>,
     pub metrics: Arc<Metrics>,
@@ -33,7 +33,7 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(
-        catalog: Catalog,
+        catalog: Arc<Catalog>,
         token: Option<Vec<u8>>,
         storage_concurrency: usize,
         chunk_size: u64,
@@ -61,13 +61,18 @@ impl AppState {
 struct Failure {
     status: StatusCode,
     message: String,
+    /// Seconds to send as `Retry-After` (503 for a dataset still being indexed).
+    retry_after: Option<u32>,
 }
 
 impl Failure {
     fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Failure { status, message: message.into() }
+        Failure { status, message: message.into(), retry_after: None }
     }
 }
+
+/// What `Retry-After` says while a dataset is being indexed.
+const INDEXING_RETRY_AFTER_S: u32 = 5;
 
 impl From<ApiError> for Failure {
     fn from(e: ApiError) -> Self {
@@ -102,6 +107,9 @@ fn failure_response(f: &Failure) -> Response<Body> {
     let mut response = json_response(f.status, &ErrorBody { error: f.message.clone() });
     if f.status == StatusCode::UNAUTHORIZED {
         response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"batchfs\""));
+    }
+    if let Some(s) = f.retry_after {
+        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
     }
     response
 }
@@ -177,11 +185,51 @@ fn check_token(state: &AppState, req: &Request<impl Sized>) -> Result<(), Failur
     }
 }
 
-fn dataset<'a>(state: &'a AppState, name: &str) -> Result<&'a Arc<Dataset>, Failure> {
-    state.catalog.get(name).ok_or_else(|| {
-        let known: Vec<&str> = state.catalog.datasets.keys().map(String::as_str).collect();
-        Failure::new(StatusCode::NOT_FOUND, format!("unknown dataset {name:?}; this server has {known:?}"))
-    })
+fn dataset(state: &AppState, name: &str) -> Result<Arc<Dataset>, Failure> {
+    match state.catalog.readiness(name) {
+        Readiness::Ready(ds) => Ok(ds),
+        Readiness::Indexing { done, total } => Err(Failure {
+            retry_after: Some(INDEXING_RETRY_AFTER_S),
+            ..Failure::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("dataset {name:?} is still being indexed ({}); retry shortly", percent(done, total)),
+            )
+        }),
+        Readiness::Unknown => {
+            let known = state.catalog.names();
+            Err(Failure::new(StatusCode::NOT_FOUND, format!("unknown dataset {name:?}; this server has {known:?}")))
+        }
+    }
+}
+
+fn percent(done: u64, total: u64) -> String {
+    if total == 0 {
+        "starting".to_owned()
+    } else {
+        format!("{:.0} %", done as f64 * 100.0 / total as f64)
+    }
+}
+
+/// `/healthz`: 200 `ok` once every dataset is ready; until then 503 with `Retry-After` and a line per
+/// dataset saying whether it is ready or how far its indexing is (the server answers while it indexes).
+fn health(state: &AppState) -> Response<Body> {
+    let pending = state.catalog.pending();
+    if pending.is_empty() {
+        return Response::builder().header(header::CONTENT_TYPE, "text/plain").body(Body::full("ok\n")).expect("valid");
+    }
+    let mut text = String::from("indexing\n");
+    for ds in state.catalog.datasets() {
+        text.push_str(&format!("{} ready\n", ds.name));
+    }
+    for (name, done, total) in pending {
+        text.push_str(&format!("{name} indexing {}\n", percent(done, total)));
+    }
+    Response::builder()
+        .status(StatusCode::SERVICE_UNAVAILABLE)
+        .header(header::CONTENT_TYPE, "text/plain")
+        .header(header::RETRY_AFTER, INDEXING_RETRY_AFTER_S)
+        .body(Body::full(text))
+        .expect("valid")
 }
 
 async fn dispatch<B>(
@@ -197,10 +245,7 @@ async fn dispatch<B>(
     }
     let route = route?;
     if route == Route::Health {
-        return Ok(Response::builder()
-            .header(header::CONTENT_TYPE, "text/plain")
-            .body(Body::full("ok\n"))
-            .expect("valid"));
+        return Ok(health(state));
     }
     check_token(state, req)?;
     let query = req.uri().query().unwrap_or("");
@@ -211,12 +256,12 @@ async fn dispatch<B>(
             .body(Body::full(state.metrics.render()))
             .expect("valid")),
         Route::Datasets => {
-            let datasets = state.catalog.datasets.values().map(|d| d.info()).collect();
+            let datasets = state.catalog.datasets().iter().map(|d| d.info()).collect();
             Ok(json_response(StatusCode::OK, &DatasetList { datasets }))
         }
         Route::Dataset { name } => Ok(json_response(StatusCode::OK, &dataset(state, &name)?.info())),
         Route::Manifest { name, epoch } => {
-            let ds = dataset(state, &name)?.clone();
+            let ds = dataset(state, &name)?;
             let query = BatchQuery::parse(query)?;
             let manifest = tokio::task::spawn_blocking(move || ds.manifest(epoch, &query))
                 .await
@@ -224,7 +269,7 @@ async fn dispatch<B>(
             Ok(json_response(StatusCode::OK, &*manifest))
         }
         Route::Batch { name, epoch, batch } => {
-            let ds = dataset(state, &name)?.clone();
+            let ds = dataset(state, &name)?;
             let query = BatchQuery::parse(query)?;
             let ds2 = ds.clone();
             let (layout, samples) = tokio::task::spawn_blocking(move || ds2.layout(epoch, batch, &query))
@@ -250,7 +295,7 @@ async fn dispatch<B>(
             Ok(json_response(StatusCode::OK, &api::FileList { files }))
         }
         Route::File { name, path } => {
-            let ds = dataset(state, &name)?.clone();
+            let ds = dataset(state, &name)?;
             let shard_no = ds
                 .file(&path)
                 .ok_or_else(|| Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no file {path:?}")))?;

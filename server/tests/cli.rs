@@ -159,3 +159,60 @@ fn demo_reads_and_verifies_every_batch() {
     assert!(text.contains("10/10 batches verified (CRC32C)"), "{text}");
     assert!(text.contains("HTTP/2 (h2c)"), "{text}");
 }
+
+/// `serve` listens before it indexes: `/healthz` answers 503 "indexing" with each dataset's progress
+/// while a 30,000-file tree is indexed, then 200; the dataset is served once ready.
+#[tokio::test]
+async fn serve_answers_health_while_indexing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("tree");
+    let out = run(&[
+        "gen",
+        "--format",
+        "files",
+        "--samples",
+        "30000",
+        "--mean-bytes",
+        "100",
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let port = free_port();
+    let child = Command::new(BIN)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--dataset", &format!("t={}", data.display())])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _guard = Guard(child);
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut seen_indexing = None;
+    loop {
+        assert!(Instant::now() < deadline, "the dataset never became ready");
+        let Ok(r) = client.get(format!("{base}/healthz")).send().await else {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            continue;
+        };
+        if r.status() == reqwest::StatusCode::OK {
+            break;
+        }
+        assert_eq!(r.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+        assert!(r.headers().contains_key("retry-after"));
+        let text = r.text().await.unwrap();
+        assert!(text.starts_with("indexing\nt indexing "), "{text:?}");
+        let info = client.get(format!("{base}/v1/datasets/t")).send().await.unwrap();
+        assert!(
+            info.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE || info.status() == reqwest::StatusCode::OK,
+            "{}",
+            info.status()
+        );
+        seen_indexing = Some(text);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(seen_indexing.is_some(), "the server should answer while it indexes 30,000 files");
+    let manifest = client.get(format!("{base}/v1/datasets/t/epochs/0?batch_size=1000")).send().await.unwrap();
+    assert_eq!(manifest.status(), reqwest::StatusCode::OK);
+}

@@ -98,7 +98,7 @@ pub struct ServeWith {
 /// Indexes the datasets and starts a server on 127.0.0.1 with an ephemeral port.
 pub async fn serve(datasets: &[(&str, &Path)], with: ServeWith) -> Server {
     let limits = with.limits.unwrap_or_default();
-    let mut catalog = Catalog::default();
+    let catalog = Catalog::default();
     for (name, path) in datasets {
         let io = batchfs_server::storage::IoPolicy::of(&limits);
         catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, io).unwrap()).unwrap();
@@ -180,7 +180,7 @@ pub fn mount(server: &Server, dataset: &str, options: &str) -> (TempDir, batchfs
 
 /// Starts a server on a given address (to restart one where it was).
 pub async fn serve_on(addr: std::net::SocketAddr, datasets: &[(&str, &Path)]) -> Server {
-    let mut catalog = Catalog::default();
+    let catalog = Catalog::default();
     let io = batchfs_server::storage::IoPolicy::default();
     for (name, path) in datasets {
         catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, io).unwrap()).unwrap();

@@ -286,6 +286,59 @@ async fn same_bytes(fx: &common::Fixture, limits: ServerLimits) {
     pread.running.shutdown().await;
 }
 
+/// A server answers while it indexes: `/healthz` is 503 with `Retry-After` and says which datasets are
+/// ready and how far the others are; a dataset not ready yet gets 503 with `Retry-After`, a ready one is
+/// served; once the last is inserted, `/healthz` is 200 and every dataset is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_answers_while_datasets_are_indexed() {
+    use batchfs::source::{IndexOptions, NoProgress};
+    use batchfs_server::catalog::{Catalog, Dataset};
+    let (ready, later) = (fixture(SourceFormat::Tar, 20, 1000), fixture(SourceFormat::Files, 20, 1000));
+    let open = |name: &str, fx: &common::Fixture| {
+        Dataset::open(name, &fx.path, None, &IndexOptions::default(), &NoProgress, Default::default()).unwrap()
+    };
+    let catalog = std::sync::Arc::new(Catalog::default());
+    catalog.insert(open("ready", &ready)).unwrap();
+    catalog.announce("later").unwrap();
+    assert!(catalog.announce("later").is_err(), "announced twice");
+    catalog.progress("later", 50, 200);
+    let options = batchfs_server::ServeOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tls: None,
+        token: None,
+        limits: ServerLimits::default(),
+    };
+    let running = batchfs_server::start(catalog.clone(), options).await.unwrap();
+    let base = format!("http://127.0.0.1:{}", running.local_addr().port());
+    let client = h2c();
+    let r = get(&client, &format!("{base}/healthz")).await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.headers()["retry-after"], "5");
+    let text = r.text().await.unwrap();
+    assert_eq!(text, "indexing\nready ready\nlater indexing 25 %\n");
+    let r = get(&client, &format!("{base}{}", api::dataset_path("later"))).await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.headers()["retry-after"], "5");
+    assert!(r.json::<ErrorBody>().await.unwrap().error.contains("still being indexed (25 %)"));
+    let r = get(&client, &format!("{base}{}?batch_size=4", api::batch_path("later", 0, 0))).await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let list: DatasetList = get(&client, &format!("{base}/v1/datasets")).await.json().await.unwrap();
+    assert_eq!(list.datasets.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(), ["ready"]);
+    let r = get(&client, &format!("{base}{}?batch_size=4", api::batch_path("ready", 0, 0))).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let unknown = get(&client, &format!("{base}{}", api::dataset_path("nope"))).await;
+    assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
+    assert!(unknown.text().await.unwrap().contains(r#"[\"later\", \"ready\"]"#), "names every dataset");
+
+    catalog.insert(open("later", &later)).unwrap();
+    let r = get(&client, &format!("{base}/healthz")).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.text().await.unwrap(), "ok\n");
+    let r = get(&client, &format!("{base}{}?batch_size=4", api::batch_path("later", 0, 0))).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    running.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_files_are_served_and_cannot_escape() {
     let tree = fixture(SourceFormat::Files, 12, 2000);
