@@ -274,28 +274,44 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
     let lookups = s.reads + s.passthrough_opens;
     let hit_rate = if lookups > 0 { 100.0 * s.hits as f64 / lookups as f64 } else { 0.0 };
     let path = if s.passthrough { "kernel passthrough (reads stay in the kernel)" } else { "through the daemon" };
-    let rows = [
-        ("read path", path.to_owned()),
-        ("bytes served", format!("{:.1} MB", s.bytes_served as f64 / 1e6)),
-        ("reads", s.reads.to_string()),
+    let mut rows = vec![
+        ("read path".to_owned(), path.to_owned()),
+        ("bytes served".to_owned(), format!("{:.1} MB", s.bytes_served as f64 / 1e6)),
+        ("reads".to_owned(), s.reads.to_string()),
         (
-            "opens",
+            "opens".to_owned(),
             format!(
                 "{} passthrough, {} through the daemon ({} page caches dropped at close)",
                 s.passthrough_opens, s.daemon_opens, s.page_cache_drops
             ),
         ),
-        ("cache hits", format!("{} ({hit_rate:.1} %)", s.hits)),
-        ("misses (on demand)", s.misses.to_string()),
-        ("stalls", format!("{} ({:.3} s waiting)", s.stalls, s.stall_us as f64 / 1e6)),
-        ("prefetches", s.prefetches.to_string()),
-        ("in flight", s.in_flight.to_string()),
-        ("cache bytes", format!("{:.1} MB", s.cache_bytes as f64 / 1e6)),
-        ("fetched", format!("{:.1} MB", s.fetched_bytes as f64 / 1e6)),
-        ("retries", s.retries.to_string()),
-        ("checksum errors", s.checksum_errors.to_string()),
-        ("errors", s.errors.to_string()),
-        ("evictions", s.evictions.to_string()),
+        ("cache hits".to_owned(), format!("{} ({hit_rate:.1} %)", s.hits)),
+        ("misses (on demand)".to_owned(), s.misses.to_string()),
+        ("stalls".to_owned(), format!("{} ({:.3} s waiting)", s.stalls, s.stall_us as f64 / 1e6)),
+        ("prefetches".to_owned(), s.prefetches.to_string()),
+        ("in flight".to_owned(), s.in_flight.to_string()),
+        ("cache bytes".to_owned(), format!("{:.1} MB", s.cache_bytes as f64 / 1e6)),
+        ("fetched".to_owned(), format!("{:.1} MB", s.fetched_bytes as f64 / 1e6)),
+        ("retries".to_owned(), s.retries.to_string()),
+        ("checksum errors".to_owned(), s.checksum_errors.to_string()),
+        ("errors".to_owned(), s.errors.to_string()),
+        ("evictions".to_owned(), s.evictions.to_string()),
     ];
+    for (i, v) in s.servers.iter().enumerate() {
+        let state = if v.up { "in rotation" } else { "out (failed; probed after its backoff)" };
+        rows.push((
+            format!("server {i}"),
+            format!(
+                "{} {state}: {} requests, {} failures, {:.1} MB, {} MB/s, {:.1} MB in flight, out {} times",
+                v.url,
+                v.requests,
+                v.failures,
+                v.bytes as f64 / 1e6,
+                v.mb_per_s,
+                v.in_flight_bytes as f64 / 1e6,
+                v.taken_out
+            ),
+        ));
+    }
     rows.iter().map(|(k, v)| format!("{k:<20} {v}\n")).collect()
 }

@@ -15,6 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 
+pub mod health;
+use health::{Health, InFlight};
+
 /// A boxed future, as trait methods return.
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -175,6 +178,8 @@ pub struct HttpClient {
     /// `connections` clients per server (each keeps one HTTP/2 connection), server-major.
     clients: Vec<reqwest::Client>,
     next: AtomicUsize,
+    /// Every server's health, which routes each request (see `client/health.rs`).
+    health: Arc<Health>,
 }
 
 impl HttpClient {
@@ -212,41 +217,72 @@ impl HttpClient {
                 clients.push(b.build()?);
             }
         }
-        Ok(HttpClient { config, clients, next: AtomicUsize::new(0) })
+        let health = Arc::new(Health::new(&config.servers));
+        Ok(HttpClient { config, clients, next: AtomicUsize::new(0), health })
     }
 
-    fn pick(&self, server_no: usize) -> (&str, &reqwest::Client) {
+    /// Every server's health (for `batchfs stats` and the metrics endpoint).
+    pub fn health(&self) -> Arc<Health> {
+        self.health.clone()
+    }
+
+    /// Sends a GET of `path_and_query` (a body of about `expect` bytes) to the server the health view
+    /// picks; `spread` rotates ties. A failure that is the server's takes it out of rotation.
+    async fn get(
+        &self,
+        spread: usize,
+        expect: u64,
+        path_and_query: &str,
+    ) -> Result<(InFlight<'_>, String, reqwest::Response), ClientError> {
+        let flight = self.health.begin(spread, expect);
         let per = self.config.connections.max(1);
         let conn = self.next.fetch_add(1, Ordering::Relaxed) % per;
-        let server = server_no % self.config.servers.len();
-        (&self.config.servers[server], &self.clients[server * per + conn])
-    }
-
-    async fn get(&self, server_no: usize, path_and_query: &str) -> Result<(String, reqwest::Response), ClientError> {
-        let (server, client) = self.pick(server_no);
+        let client = &self.clients[flight.server() * per + conn];
+        let server = self.health.url(flight.server()).to_owned();
         let mut request = client.get(format!("{server}{path_and_query}"));
         if let Some(token) = &self.config.token {
             request = request.bearer_auth(token);
         }
-        let server = server.to_owned();
-        let response = tokio::time::timeout(self.config.stall_timeout, request.send())
-            .await
-            .map_err(|_| ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout })?
-            .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
+        let sent = tokio::time::timeout(self.config.stall_timeout, request.send()).await;
+        let response = match sent {
+            Err(_) => Err(ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout }),
+            Ok(Err(e)) => Err(ClientError::Unreachable { server: server.clone(), message: error_chain(&e) }),
+            Ok(Ok(r)) => Ok(r),
+        };
+        let response = match response {
+            Ok(r) => r,
+            Err(e) => {
+                flight.failed();
+                return Err(e);
+            }
+        };
         let status = response.status();
         if !status.is_success() {
             let message = match response.json::<ErrorBody>().await {
                 Ok(body) => body.error,
                 Err(_) => status.canonical_reason().unwrap_or("error").to_owned(),
             };
+            // A 4xx is the request's fault, not the server's.
+            if status.is_server_error() {
+                flight.failed();
+            }
             return Err(ClientError::Status { server, status: status.as_u16(), message });
         }
-        Ok((server, response))
+        Ok((flight, server, response))
     }
 
     async fn json<T: serde::de::DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
-        let (server, response) = self.get(0, path_and_query).await?;
-        response.json().await.map_err(|e| ClientError::Malformed { server, message: error_chain(&e) })
+        let (flight, server, response) = self.get(0, 0, path_and_query).await?;
+        match response.json().await {
+            Ok(v) => {
+                flight.succeeded(0);
+                Ok(v)
+            }
+            Err(e) => {
+                flight.failed();
+                Err(ClientError::Malformed { server, message: error_chain(&e) })
+            }
+        }
     }
 
     fn query(&self, format: BatchFormat) -> String {
@@ -292,7 +328,8 @@ impl BatchClient for HttpClient {
     ) -> BoxFut<'_, Result<Body, ClientError>> {
         Box::pin(async move {
             let path = format!("{}?{}", api::batch_path(&self.config.dataset, epoch, batch), self.query(format));
-            // Spread batches over the servers; a retry moves to the next one.
+            // Ties between idle servers rotate by batch; a retry finds the server that failed out of
+            // rotation (and rotates on as well).
             self.body((batch as usize).wrapping_add(attempt as usize), &path, into, expect).await
         })
     }
@@ -307,14 +344,27 @@ impl BatchClient for HttpClient {
 impl HttpClient {
     /// A whole response body of at most `expect` bytes, appended to `body`; a response with no bytes for
     /// `stall_timeout` is abandoned.
-    async fn body(
+    async fn body(&self, spread: usize, path_and_query: &str, body: Sink, expect: u64) -> Result<Body, ClientError> {
+        let (flight, server, response) = self.get(spread, expect, path_and_query).await?;
+        let result = self.read_body(&server, response, path_and_query, body, expect).await;
+        match &result {
+            Ok(b) => flight.succeeded(b.sink.len()),
+            Err(_) => flight.failed(),
+        }
+        result
+    }
+
+    /// Reads a response body into `body`, at most `expect` bytes, abandoning it after `stall_timeout`
+    /// without a byte.
+    async fn read_body(
         &self,
-        server_no: usize,
+        server: &str,
+        mut response: reqwest::Response,
         path_and_query: &str,
         mut body: Sink,
         expect: u64,
     ) -> Result<Body, ClientError> {
-        let (server, mut response) = self.get(server_no, path_and_query).await?;
+        let server = server.to_owned();
         let too_long = |what: String| ClientError::Malformed {
             server: server.clone(),
             message: format!("{path_and_query}: {what}, but the manifest announced {expect} bytes"),

@@ -7,6 +7,7 @@ pub mod client;
 pub mod cmd;
 pub mod fs;
 pub mod fuse;
+pub mod metrics;
 pub mod mount;
 pub mod options;
 pub mod pool;

@@ -143,6 +143,7 @@ fn fuser_config(plan: &MountPlan) -> fuser::Config {
 /// Builds the filesystem on `runtime`.
 fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(FuseFs, Arc<Prefetcher>)> {
     let client = Arc::new(HttpClient::new(plan.http.clone())?);
+    let health = client.health();
     let prefetcher = Prefetcher::new(
         client,
         runtime.handle().clone(),
@@ -157,6 +158,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             ..PrefetcherConfig::default()
         },
     );
+    let _ = prefetcher.stats.servers.set(health);
     let (uid, gid) = sys::ids();
     let fs = Fs::new(
         prefetcher.clone(),
@@ -250,6 +252,10 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
         .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?;
     let _ = notifier.set(session.notifier());
     let session = session.spawn()?;
+    if let Some(addr) = plan.options.metrics {
+        crate::metrics::serve(addr, prefetcher.stats.clone())
+            .with_context(|| format!("cannot serve metrics on {addr}"))?;
+    }
     tune_readahead(&plan.mountpoint, plan.options.read_ahead_kb);
     Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
 }

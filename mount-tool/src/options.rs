@@ -48,6 +48,8 @@ pub struct MountOptions {
     pub log_file: Option<PathBuf>,
     /// Energy timeline with the bytes served, as JSON lines (docs/ENERGY.md).
     pub energy_log: Option<PathBuf>,
+    /// Serve the counters for Prometheus at `GET /metrics` on this address.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 impl Default for MountOptions {
@@ -74,6 +76,7 @@ impl Default for MountOptions {
             read_ahead_kb: 1024,
             log_file: None,
             energy_log: None,
+            metrics: None,
         }
     }
 }
@@ -126,6 +129,11 @@ impl MountOptions {
                 self.read_ahead_kb = u32::try_from(number(need()?)?).map_err(|_| format!("{key} too large"))?
             }
             "passthrough" => self.passthrough = boolean(key, value)?,
+            "metrics" => {
+                let v = need()?;
+                self.metrics =
+                    Some(v.parse().map_err(|_| format!("metrics={v}: expected ADDR:PORT, e.g. 127.0.0.1:9187"))?)
+            }
             "page_cache" => {
                 self.drop_page_cache = match need()? {
                     "drop" => true,

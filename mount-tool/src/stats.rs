@@ -1,7 +1,9 @@
 //! Live counters of a mount, served as JSON at `.batchfs/stats` and printed by `batchfs stats`.
 
+use crate::client::health::{Health, ServerSnapshot};
 use crate::sync::{AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
+use std::sync::{Arc, OnceLock};
 
 /// Counters, updated lock-free.
 #[derive(Debug, Default)]
@@ -26,6 +28,8 @@ pub struct Stats {
     pub page_cache_drops: AtomicU64,
     /// 1 when the kernel accepted FUSE passthrough at mount time.
     pub passthrough: AtomicU64,
+    /// The servers' health, once the HTTP client exists.
+    pub servers: OnceLock<Arc<Health>>,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -79,6 +83,9 @@ pub struct StatsSnapshot {
     /// (`page_cache=drop`).
     #[serde(default)]
     pub page_cache_drops: u64,
+    /// Each server's counters and whether it is in rotation.
+    #[serde(default)]
+    pub servers: Vec<ServerSnapshot>,
 }
 
 impl Stats {
@@ -109,6 +116,7 @@ impl Stats {
             passthrough_bytes: g(&self.passthrough_bytes),
             daemon_opens: g(&self.daemon_opens),
             page_cache_drops: g(&self.page_cache_drops),
+            servers: self.servers.get().map(|h| h.snapshot()).unwrap_or_default(),
         }
     }
 }

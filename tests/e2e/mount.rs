@@ -329,3 +329,63 @@ fn batches_are_spread_over_several_servers() {
     rt.block_on(a.running.shutdown());
     rt.block_on(b.running.shutdown());
 }
+
+/// Health-aware routing: one of two replicas dies; after its first failure the mount stops sending it
+/// batches (reads go on at full speed from the other, never waiting out a timeout per batch); once it is
+/// back on its address, a probe after its backoff puts it back in rotation. `batchfs stats` and the
+/// mount's Prometheus endpoint (`metrics=ADDR`) show each server's state and counters.
+#[test]
+fn a_failed_replica_is_routed_around_and_probed_back() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 256, 2000);
+    let a = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let b = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let b_addr = b.running.local_addr();
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let options = format!("batch_size=4,prefetch=0,servers={},metrics=127.0.0.1:{metrics_port}", b.base);
+    let (_dir, mounted) = common::mount(&a, "d", &options);
+    let m = manifest(&rt, &a, "batch_size=4");
+    let epoch = mounted.mountpoint.join("epoch-0000");
+    let read = |i: u64| {
+        let body = std::fs::read(epoch.join(format!("batch-{i:06}.tfrecord"))).unwrap();
+        assert_eq!(crc::crc32c(&body), m.batches[i as usize].crc32c, "batch {i}");
+    };
+    let servers = || common::mount_stats(&mounted.mountpoint)["servers"].as_array().unwrap().clone();
+    for i in 0..8 {
+        read(i);
+    }
+    assert!(servers().iter().all(|s| s["up"] == true && s["requests"].as_u64().unwrap() >= 2), "{:?}", servers());
+
+    // B goes away: at most one read pays for finding out; the rest go to A without waiting.
+    rt.block_on(b.running.shutdown());
+    let started = Instant::now();
+    for i in 8..40 {
+        read(i);
+    }
+    assert!(started.elapsed() < Duration::from_secs(10), "reads waited on the dead replica: {:?}", started.elapsed());
+    let s = servers();
+    assert_eq!((s[0]["up"].as_bool(), s[1]["up"].as_bool()), (Some(true), Some(false)), "{s:?}");
+    assert!(s[1]["failures"].as_u64().unwrap() >= 1 && s[1]["taken_out"].as_u64().unwrap() >= 1, "{s:?}");
+    let b_requests = s[1]["requests"].as_u64().unwrap();
+    assert!(b_requests <= 8 + 4, "requests kept going to the dead replica: {s:?}");
+
+    // B is back: after its backoff a read probes it, and it serves again.
+    let b2 = rt.block_on(common::serve_on(b_addr, &[("d", &fx.path)]));
+    std::thread::sleep(Duration::from_millis(1500));
+    for i in 40..64 {
+        read(i);
+    }
+    let s = servers();
+    assert_eq!(s[1]["up"], true, "{s:?}");
+    assert!(s[1]["requests"].as_u64().unwrap() > b_requests + 2, "{s:?}");
+
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", metrics_port)).unwrap();
+    std::io::Write::write_all(&mut conn, b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut conn, &mut text).unwrap();
+    assert!(text.contains(&format!("batchfs_mount_server_up{{server=\"{}\"}} 1", b.base)), "{text}");
+    assert!(text.contains("batchfs_mount_reads_total "), "{text}");
+    drop(mounted);
+    rt.block_on(a.running.shutdown());
+    rt.block_on(b2.running.shutdown());
+}

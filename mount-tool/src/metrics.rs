@@ -1,0 +1,125 @@
+//! The mount's Prometheus endpoint (the `metrics=ADDR` option, off by default): `GET /metrics` on ADDR
+//! answers the counters of `.batchfs/stats` and each server's health in the Prometheus text format
+//! 0.0.4. A plain HTTP/1.1 responder on one thread: a scrape every few seconds needs nothing more, and
+//! the mount stays free of an HTTP server stack.
+
+use crate::client::health::ServerSnapshot;
+use crate::stats::{Stats, StatsSnapshot};
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Serves `/metrics` on `addr` from a background thread; returns the address bound (port 0 picks one).
+pub fn serve(addr: SocketAddr, stats: Arc<Stats>) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr)?;
+    let local = listener.local_addr()?;
+    std::thread::Builder::new().name("batchfs-metrics".into()).spawn(move || {
+        for conn in listener.incoming().flatten() {
+            if let Err(e) = answer(conn, &stats) {
+                tracing::debug!(error = %e, "metrics request failed");
+            }
+        }
+    })?;
+    tracing::info!(%local, "metrics endpoint: GET /metrics");
+    Ok(local)
+}
+
+fn answer(mut conn: TcpStream, stats: &Stats) -> std::io::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 << 10 {
+        let n = conn.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = String::from_utf8_lossy(&head);
+    let mut parts = line.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let (status, body) = match (method, path.split('?').next().unwrap_or("")) {
+        ("GET", "/metrics") => ("200 OK", render(&stats.snapshot())),
+        ("GET", _) => ("404 Not Found", "GET /metrics\n".to_owned()),
+        _ => ("405 Method Not Allowed", "GET /metrics\n".to_owned()),
+    };
+    let len = body.len();
+    write!(conn, "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {len}\r\n")?;
+    write!(conn, "Connection: close\r\n\r\n{body}")
+}
+
+/// One per-server value of a snapshot.
+type PerServer = fn(&ServerSnapshot) -> u64;
+
+/// The counters as Prometheus text: `batchfs_mount_*`, and `batchfs_mount_server_*{server="URL"}`.
+pub fn render(s: &StatsSnapshot) -> String {
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
+        let _ = writeln!(out, "# HELP batchfs_mount_{name} {help}\n# TYPE batchfs_mount_{name} {kind}");
+        let _ = writeln!(out, "batchfs_mount_{name} {value}");
+    };
+    metric("bytes_served_total", "counter", "Bytes returned to readers.", s.bytes_served);
+    metric("reads_total", "counter", "Reads answered by the daemon.", s.reads);
+    metric("hits_total", "counter", "Reads and passthrough opens whose file was cached or in flight.", s.hits);
+    metric("misses_total", "counter", "Reads and passthrough opens that started their file's fetch.", s.misses);
+    metric("stalls_total", "counter", "Reads and passthrough opens that waited for a fetch.", s.stalls);
+    metric("stall_seconds_total", "counter", "Time readers waited, whole seconds.", s.stall_us / 1_000_000);
+    metric("fetches_in_flight", "gauge", "Fetches in flight.", s.in_flight);
+    metric("cache_bytes", "gauge", "Bytes held or reserved by the cache.", s.cache_bytes);
+    metric("prefetches_total", "counter", "Fetches started ahead of a reader.", s.prefetches);
+    metric("fetched_bytes_total", "counter", "Bytes received from servers.", s.fetched_bytes);
+    metric("retries_total", "counter", "Fetch attempts retried after a failure.", s.retries);
+    metric("checksum_errors_total", "counter", "Bodies refetched after a size or CRC32C mismatch.", s.checksum_errors);
+    metric("errors_total", "counter", "Reads answered with an error.", s.errors);
+    metric("evictions_total", "counter", "Batches dropped from the cache.", s.evictions);
+    metric("passthrough_opens_total", "counter", "Opens served by FUSE passthrough.", s.passthrough_opens);
+    metric("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens);
+    let per_server: [(&str, &str, &str, PerServer); 6] = [
+        ("up", "gauge", "1 while the server is in rotation.", |v| u64::from(v.up)),
+        ("requests_total", "counter", "Requests sent to the server.", |v| v.requests),
+        ("failures_total", "counter", "Requests that failed for the server's reasons.", |v| v.failures),
+        ("bytes_total", "counter", "Body bytes received in full from the server.", |v| v.bytes),
+        ("in_flight_bytes", "gauge", "Bytes of requests in flight on the server.", |v| v.in_flight_bytes),
+        ("rate_bytes_per_second", "gauge", "The server's delivery rate estimate.", |v| v.mb_per_s * 1_000_000),
+    ];
+    for (name, kind, help, get) in per_server {
+        let _ = writeln!(out, "# HELP batchfs_mount_server_{name} {help}\n# TYPE batchfs_mount_server_{name} {kind}");
+        for v in &s.servers {
+            let url = v.url.replace('\\', "\\\\").replace('"', "\\\"");
+            let _ = writeln!(out, "batchfs_mount_server_{name}{{server=\"{url}\"}} {}", get(v));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::health::Health;
+
+    #[test]
+    fn scrapes_the_counters_and_each_servers_health() {
+        let stats = Arc::new(Stats::default());
+        Stats::add(&stats.reads, 7);
+        let health = Arc::new(Health::new(&["http://a:1".to_owned(), "http://b:2".to_owned()]));
+        health.begin(1, 100).failed();
+        let _ = stats.servers.set(health);
+        let addr = serve("127.0.0.1:0".parse().unwrap(), stats).unwrap();
+        let get = |path: &str| {
+            let mut conn = TcpStream::connect(addr).unwrap();
+            write!(conn, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut text = String::new();
+            conn.read_to_string(&mut text).unwrap();
+            text
+        };
+        let text = get("/metrics");
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+        assert!(text.contains("\nbatchfs_mount_reads_total 7\n"), "{text}");
+        assert!(text.contains("\nbatchfs_mount_server_up{server=\"http://a:1\"} 1\n"), "{text}");
+        assert!(text.contains("\nbatchfs_mount_server_up{server=\"http://b:2\"} 0\n"), "{text}");
+        assert!(text.contains("\nbatchfs_mount_server_failures_total{server=\"http://b:2\"} 1\n"), "{text}");
+        assert!(get("/other").starts_with("HTTP/1.1 404"));
+    }
+}
