@@ -162,6 +162,10 @@ limits! {
     max_mapped_shards: usize = 4096, value::count, "4096", "N",
         "A dataset of more shards than this is read with positioned reads instead of mapped (a file tree of \
          many small files: one mapping per file would exceed the kernel's vm.max_map_count).";
+    max_bodies_in_flight: u64 = 1024, value::count, "1024", "N",
+        "Batch and file bodies being sent at once, server-wide; past this a request is answered 503 with \
+         Retry-After at once (mounts back off or move to another replica), which bounds the memory the \
+         bodies hold.";
     chunk_size: u64 = 1 << 20, value::size, "1M", "SIZE",
         "Largest body chunk handed to HTTP at once.";
 }

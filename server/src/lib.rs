@@ -100,6 +100,7 @@ pub async fn start(catalog: impl Into<Arc<Catalog>>, options: ServeOptions) -> a
         limits.chunk_size,
         limits.readahead_batches,
         limits.request_timeout,
+        limits.max_bodies_in_flight,
     ));
     let tls = match &options.tls {
         Some(files) => Some(tls::acceptor(files)?),

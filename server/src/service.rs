@@ -28,6 +28,8 @@ pub struct AppState {
     pub readahead_batches: u64,
     /// Time allowed to produce a response head.
     pub request_timeout: Duration,
+    /// Bodies in flight past which batch and file requests are answered 503 at once.
+    pub max_bodies_in_flight: u64,
     warmed: Mutex<LruCache<(String, u64, BatchQuery, u64), ()>>,
 }
 
@@ -39,6 +41,7 @@ impl AppState {
         chunk_size: u64,
         readahead_batches: u64,
         request_timeout: Duration,
+        max_bodies_in_flight: u64,
     ) -> Self {
         let metrics = Arc::new(Metrics::default());
         AppState {
@@ -52,6 +55,7 @@ impl AppState {
             metrics,
             readahead_batches,
             request_timeout,
+            max_bodies_in_flight,
             warmed: Mutex::new(LruCache::new(NonZeroUsize::new(4096).expect("nonzero"))),
         }
     }
@@ -202,6 +206,11 @@ fn dataset(state: &AppState, name: &str) -> Result<Arc<Dataset>, Failure> {
     }
 }
 
+/// Whether as many bodies are in flight as `max_bodies_in_flight` allows.
+fn saturated(state: &AppState) -> bool {
+    state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed) >= state.max_bodies_in_flight
+}
+
 fn percent(done: u64, total: u64) -> String {
     if total == 0 {
         "starting".to_owned()
@@ -268,6 +277,17 @@ async fn dispatch<B>(
                 .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
             Ok(json_response(StatusCode::OK, &*manifest))
         }
+        Route::Batch { .. } | Route::File { .. } if saturated(state) => Err(Failure {
+            retry_after: Some(1),
+            ..Failure::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "the server is saturated ({} bodies in flight, max_bodies_in_flight); retry shortly or use \
+                     another replica",
+                    state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed)
+                ),
+            )
+        }),
         Route::Batch { name, epoch, batch } => {
             let ds = dataset(state, &name)?;
             let query = BatchQuery::parse(query)?;

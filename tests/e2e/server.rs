@@ -339,6 +339,49 @@ async fn the_server_answers_while_datasets_are_indexed() {
     running.shutdown().await;
 }
 
+/// Saturated (`max_bodies_in_flight` bodies being sent), the server answers batch and file requests 503
+/// with `Retry-After` at once instead of queueing them; manifests and health still answer; a body that
+/// finishes makes room again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_server_answers_503_at_once() {
+    let fx = fixture(SourceFormat::Tfrecord, 40, 20_000);
+    let limits = ServerLimits { max_bodies_in_flight: 1, readahead_batches: 0, ..ServerLimits::default() };
+    let server = serve(&[("d", &fx.path)], ServeWith { limits: Some(limits), ..ServeWith::default() }).await;
+    // With 64 KiB HTTP/2 windows a 400 KB body its client does not read stays in flight.
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .http2_initial_stream_window_size(65_535)
+        .http2_initial_connection_window_size(64 << 20)
+        .build()
+        .unwrap();
+    let url = |b: u64| format!("{}{}?batch_size=20", server.base, api::batch_path("d", 0, b));
+    let held = client.get(url(0)).send().await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    let started = std::time::Instant::now();
+    let refused = client.get(url(1)).send().await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    assert!(refused.json::<ErrorBody>().await.unwrap().error.contains("saturated"));
+    assert!(started.elapsed() < std::time::Duration::from_secs(2), "answered at once");
+    let file = format!("{}{}", server.base, api::file_path("d", "train-00000-of-00016.tfrecord"));
+    assert_eq!(client.get(&file).send().await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    let manifest = format!("{}{}?batch_size=20", server.base, api::manifest_path("d", 0));
+    assert_eq!(client.get(&manifest).send().await.unwrap().status(), StatusCode::OK);
+    assert_eq!(client.get(format!("{}/healthz", server.base)).send().await.unwrap().status(), StatusCode::OK);
+    // The held body finishes: room again.
+    assert!(held.bytes().await.unwrap().len() > 200_000);
+    let mut status = StatusCode::SERVICE_UNAVAILABLE;
+    for _ in 0..50 {
+        status = client.get(url(1)).send().await.unwrap().status();
+        if status == StatusCode::OK {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(status, StatusCode::OK);
+    server.running.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_files_are_served_and_cannot_escape() {
     let tree = fixture(SourceFormat::Files, 12, 2000);
