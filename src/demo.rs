@@ -13,6 +13,37 @@ pub fn sample_dataset(samples: u32, mean_bytes: u64, shards: u32) -> GenOptions 
     GenOptions { format: SourceFormat::Tfrecord, samples, mean_bytes, shards, classes: 10, seed: 0 }
 }
 
+/// The arguments both demos take: the sample dataset and the batch size.
+#[cfg(feature = "clap")]
+#[derive(Debug, Clone, clap::Args)]
+pub struct SampleArgs {
+    /// Samples in the generated dataset.
+    #[arg(long, default_value_t = GenOptions::default().samples)]
+    pub samples: u32,
+    /// Mean sample size.
+    #[arg(
+        long,
+        value_name = "SIZE",
+        value_parser = crate::units::parse_size,
+        default_value_t = GenOptions::default().mean_bytes
+    )]
+    pub mean_bytes: u64,
+    /// TFRecord shards.
+    #[arg(long, default_value_t = GenOptions::default().shards)]
+    pub shards: u32,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: u32,
+}
+
+#[cfg(feature = "clap")]
+impl SampleArgs {
+    /// The dataset these arguments describe.
+    pub fn dataset(&self) -> GenOptions {
+        sample_dataset(self.samples, self.mean_bytes, self.shards)
+    }
+}
+
 /// Batches read and checked so far.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Tally {

@@ -8,10 +8,9 @@ use crate::progress::IndexProgress;
 use crate::ServeOptions;
 use anyhow::{Context, Result};
 use batchfs::api::{self, BatchQuery, Manifest};
-use batchfs::demo::{sample_dataset, Table, Tally};
-use batchfs::gen::{self, GenOptions};
+use batchfs::demo::{SampleArgs, Table, Tally};
+use batchfs::gen;
 use batchfs::source::IndexOptions;
-use batchfs::units::parse_size;
 use clap::Args;
 use futures_util::StreamExt;
 use std::path::PathBuf;
@@ -19,18 +18,8 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Samples in the generated dataset.
-    #[arg(long, default_value_t = GenOptions::default().samples)]
-    pub samples: u32,
-    /// Mean sample size.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value_t = GenOptions::default().mean_bytes)]
-    pub mean_bytes: u64,
-    /// TFRecord shards.
-    #[arg(long, default_value_t = GenOptions::default().shards)]
-    pub shards: u32,
-    /// Samples per batch.
-    #[arg(long, default_value_t = 64)]
-    pub batch_size: u32,
+    #[command(flatten)]
+    pub sample: SampleArgs,
     /// Concurrent HTTP/2 streams reading batches.
     #[arg(long, default_value_t = 8)]
     pub streams: usize,
@@ -114,7 +103,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             temp.path().join("sample-tfrecord")
         }
     };
-    let options = sample_dataset(args.samples, args.mean_bytes, args.shards);
+    let options = args.sample.dataset();
     let t = Instant::now();
     if !dir.exists() {
         gen::generate(&options, &dir)?;
@@ -130,7 +119,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     catalog.insert(dataset)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let query = BatchQuery {
-        plan: batchfs::plan::PlanOptions { batch_size: args.batch_size, ..Default::default() },
+        plan: batchfs::plan::PlanOptions { batch_size: args.sample.batch_size, ..Default::default() },
         format: args.format,
     };
     let read = runtime.block_on(async {
@@ -155,7 +144,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 format!("{} samples, {:.1} MB in {} shards", info.samples, info.bytes as f64 / 1e6, info.shards),
             ),
             ("generated / indexed", format!("{gen_secs:.2} s / {index_secs:.2} s")),
-            ("plan", format!("epoch 0, batch_size {}, global shuffle, seed 0", args.batch_size)),
+            ("plan", format!("epoch 0, batch_size {}, global shuffle, seed 0", args.sample.batch_size)),
             ("protocol", format!("{protocol}, {} concurrent streams", args.streams)),
             ("batches", format!("{batches} ({} format)", args.format)),
             ("bytes", format!("{:.1} MB", bytes as f64 / 1e6)),

@@ -5,10 +5,9 @@
 
 use crate::options::MountOptions;
 use anyhow::{Context, Result};
-use batchfs::demo::{sample_dataset, Table, Tally};
+use batchfs::demo::{SampleArgs, Table, Tally};
 use batchfs::encode::BatchFormat;
-use batchfs::gen::{self, GenOptions};
-use batchfs::units::parse_size;
+use batchfs::gen;
 use clap::Args;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -17,18 +16,8 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Samples in the generated dataset.
-    #[arg(long, default_value_t = GenOptions::default().samples)]
-    pub samples: u32,
-    /// Mean sample size.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value_t = GenOptions::default().mean_bytes)]
-    pub mean_bytes: u64,
-    /// TFRecord shards.
-    #[arg(long, default_value_t = GenOptions::default().shards)]
-    pub shards: u32,
-    /// Samples per batch.
-    #[arg(long, default_value_t = 64)]
-    pub batch_size: u32,
+    #[command(flatten)]
+    pub sample: SampleArgs,
     /// Reader threads (reader r reads batch files r, r+k, r+2k...).
     #[arg(long, default_value_t = 4)]
     pub readers: usize,
@@ -85,7 +74,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let work = tempfile::tempdir()?;
     let data = work.path().join("sample-tfrecord");
     let t = Instant::now();
-    let generated = gen::generate(&sample_dataset(args.samples, args.mean_bytes, args.shards), &data)?;
+    let generated = gen::generate(&args.sample.dataset(), &data)?;
     let gen_secs = t.elapsed().as_secs_f64();
 
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
@@ -101,7 +90,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let mountpoint = work.path().join("mnt");
     std::fs::create_dir(&mountpoint)?;
     let mut mount_options = MountOptions { prefetch: args.prefetch, ..MountOptions::default() };
-    mount_options.plan.batch_size = args.batch_size;
+    mount_options.plan.batch_size = args.sample.batch_size;
     let deadline = Instant::now() + Duration::from_secs(60);
     let plan = loop {
         match crate::mount::plan(&url, &mountpoint, mount_options.clone()) {
@@ -168,7 +157,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
         ),
         (
             "mount",
-            format!("{url} -> {} (batch_size {}, prefetch {})", mountpoint.display(), args.batch_size, args.prefetch),
+            format!(
+                "{url} -> {} (batch_size {}, prefetch {})",
+                mountpoint.display(),
+                args.sample.batch_size,
+                args.prefetch
+            ),
         ),
         (
             "epoch-0000",
