@@ -8,20 +8,25 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-/// An echo server on loopback.
-fn echo() -> SocketAddr {
+/// A server on loopback that runs `handle` on each connection, in a thread of its own.
+fn loopback(handle: fn(TcpStream)) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     std::thread::spawn(move || {
         for conn in l.incoming() {
-            let Ok(mut conn) = conn else { return };
-            std::thread::spawn(move || {
-                let mut r = conn.try_clone().unwrap();
-                let _ = std::io::copy(&mut r, &mut conn);
-            });
+            let Ok(conn) = conn else { return };
+            std::thread::spawn(move || handle(conn));
         }
     });
     addr
+}
+
+/// An echo server on loopback.
+fn echo() -> SocketAddr {
+    loopback(|mut conn| {
+        let mut r = conn.try_clone().unwrap();
+        let _ = std::io::copy(&mut r, &mut conn);
+    })
 }
 
 /// (min, median) of the samples.
@@ -119,20 +124,15 @@ fn the_cap_is_the_links_shared_by_all_connections() {
     assert!((mbit / rate_mbit - 1.0).abs() <= 0.10, "{mbit:.1} Mbit/s together through a {rate_mbit} Mbit/s link");
 }
 
-/// A server that sends `len` bytes of a known pattern to each connection, then closes it.
-fn source(len: usize) -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for conn in l.incoming() {
-            let Ok(mut conn) = conn else { return };
-            std::thread::spawn(move || {
-                let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
-                let _ = conn.write_all(&data);
-            });
-        }
-    });
-    addr
+/// What `source` sends: 4 MiB of a known pattern.
+const SOURCE_LEN: usize = 4 << 20;
+
+/// A server that sends `SOURCE_LEN` bytes of a known pattern to each connection, then closes it.
+fn source() -> SocketAddr {
+    loopback(|mut conn| {
+        let data: Vec<u8> = (0..SOURCE_LEN).map(|i| (i % 253) as u8).collect();
+        let _ = conn.write_all(&data);
+    })
 }
 
 fn fetch(addr: SocketAddr) -> Vec<u8> {
@@ -145,8 +145,8 @@ const NO_DELAY: Link = Link { one_way: Duration::ZERO, jitter: Duration::ZERO, r
 
 #[test]
 fn flipped_bits_are_counted_one_each_and_replayed_by_the_seed() {
-    let len = 4 << 20;
-    let upstream = source(len);
+    let len = SOURCE_LEN;
+    let upstream = source();
     let faults = Faults { corrupt_every: Some(256 << 10), seed: 7, ..Faults::default() };
     let flips = |faults| {
         let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, NO_DELAY, faults).unwrap();
@@ -168,8 +168,8 @@ fn flipped_bits_are_counted_one_each_and_replayed_by_the_seed() {
 
 #[test]
 fn resets_cut_the_stream_at_a_prefix_and_stalls_hold_it() {
-    let len = 4 << 20;
-    let upstream = source(len);
+    let len = SOURCE_LEN;
+    let upstream = source();
     let faults = Faults { reset_every: Some(1 << 20), seed: 3, ..Faults::default() };
     let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, NO_DELAY, faults).unwrap();
     let got = fetch(netem.addr);
