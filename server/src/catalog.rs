@@ -183,8 +183,10 @@ impl Catalog {
 
     /// Announces a dataset that is being indexed and will be inserted when ready.
     pub fn announce(&self, name: &str) -> Result<(), CatalogError> {
+        // The locks in `insert`'s order (datasets, then pending), so the two cannot deadlock.
+        let datasets = self.datasets.read().expect("catalog");
         let mut pending = self.pending.lock().expect("pending");
-        if self.datasets.read().expect("catalog").contains_key(name) || pending.contains_key(name) {
+        if datasets.contains_key(name) || pending.contains_key(name) {
             return Err(CatalogError::Duplicate { name: name.to_owned() });
         }
         pending.insert(name.to_owned(), (0, 0));
