@@ -46,6 +46,9 @@ enum Mode {
 struct Opens {
     inodes: HashMap<u64, (Mode, usize)>,
     handles: HashMap<u64, u64>,
+    /// Each open handle of `.batchfs/stats` reads the one snapshot taken at its open: counters move
+    /// between a reader's calls, and pieces of two snapshots would not be one JSON document.
+    snapshots: HashMap<u64, Arc<Vec<u8>>>,
 }
 
 /// Thread ids to process ids, bounded (cleared when full: thread ids are reused).
@@ -227,7 +230,12 @@ impl Filesystem for FuseFs {
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
         match self.fs.open(ino.0, write) {
-            Ok(Node::Stats) => reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO),
+            Ok(Node::Stats) => {
+                let fh = self.next_handle.fetch_add(1, Ordering::Relaxed);
+                let snapshot = Arc::new(self.fs.stats_json());
+                self.opens.lock().expect("opens").snapshots.insert(fh, snapshot);
+                reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO)
+            }
             // Immutable data: keep the page cache across opens (mmap readers need the page cache too).
             Ok(_) => self.open_file(req, ino.0, reply),
             Err(e) => reply.error(errno(&e)),
@@ -246,6 +254,7 @@ impl Filesystem for FuseFs {
     ) {
         let mut opens = self.opens.lock().expect("opens");
         let mut drop_pages = None;
+        opens.snapshots.remove(&fh.0);
         if let Some(ino) = opens.handles.remove(&fh.0) {
             let last = opens.inodes.get_mut(&ino).is_some_and(|(_, count)| {
                 *count -= 1;
@@ -278,13 +287,19 @@ impl Filesystem for FuseFs {
         &self,
         req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         size: u32,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        let snapshot = self.opens.lock().expect("opens").snapshots.get(&fh.0).cloned();
+        if let Some(json) = snapshot {
+            let start = (offset as usize).min(json.len());
+            let end = start.saturating_add(size as usize).min(json.len());
+            return reply.data(&json[start..end]);
+        }
         match self.fs.read(ino.0, offset, size, self.owners.of(req.pid())) {
             Ok(data) => reply.data(&data),
             Err(e) => {

@@ -201,3 +201,17 @@ pub fn map_file(file: &std::fs::File) -> Vec<u8> {
 pub fn mount_stats(mountpoint: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(mountpoint.join(".batchfs/stats")).unwrap()).unwrap()
 }
+
+/// Waits until the mount's counter `key` reaches `at_least` and returns its value. The kernel sends a
+/// file's RELEASE after `close` or `munmap` has returned (asynchronously), so what the daemon does at
+/// release is seen a moment later; a counter still short after 10 s fails the test with its value.
+pub fn wait_for_stat(mountpoint: &Path, key: &str, at_least: u64) -> u64 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let value = mount_stats(mountpoint)[key].as_u64().unwrap();
+        if value >= at_least || std::time::Instant::now() > deadline {
+            return value;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
