@@ -269,12 +269,24 @@ pub struct FileEntry {
     pub size: u64,
     /// CRC32C of the whole file, from the index.
     pub crc32c: u32,
+    /// CRC32C of each `chunk_bytes` chunk of the file, in order, when it is larger than one chunk
+    /// (absent otherwise: the one chunk's CRC is `crc32c`). A client reading ranges checks each chunk.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<u32>,
 }
 
-/// `GET /v1/datasets/{name}/files`: every source file, sorted by path.
+/// `GET /v1/datasets/{name}/files`: every file of the dataset directory, sorted by path: the shards,
+/// the files beside them, and a DALI index (`<shard>.idx`) for each TFRecord shard that has none.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileList {
+    /// The chunk size of [`FileEntry::chunks`].
+    #[serde(default = "default_chunk_bytes")]
+    pub chunk_bytes: u64,
     pub files: Vec<FileEntry>,
+}
+
+fn default_chunk_bytes() -> u64 {
+    crate::index::CHUNK_BYTES
 }
 
 /// The body of every error response.

@@ -256,6 +256,30 @@ pub fn dali_index(frame_sizes: impl IntoIterator<Item = u64>) -> Vec<u8> {
     out
 }
 
+/// DALI's index (`tfrecord2idx`'s format) of each TFRecord shard of `index` that has none beside it
+/// (no side file `<shard>.idx`): `(path, contents)`, one `offset size` line per indexed record, at the
+/// record's place in the shard (a record `--skip-corrupt` left out is not listed). Empty for other
+/// sources.
+pub fn shard_index_twins(index: &Index) -> Vec<(String, Vec<u8>)> {
+    if index.format() != SourceFormat::Tfrecord {
+        return Vec::new();
+    }
+    let mut twins: Vec<Vec<u8>> = vec![Vec::new(); index.shards.len()];
+    for part in index.samples.iter().flat_map(|s| &s.parts) {
+        let offset = part.offset - tfrecord::HEADER_LEN;
+        let size = part.len + tfrecord::HEADER_LEN + tfrecord::FOOTER_LEN;
+        twins[part.shard as usize].extend_from_slice(format!("{offset} {size}\n").as_bytes());
+    }
+    let beside = |path: &str| index.side.binary_search_by(|f| f.path.as_str().cmp(path)).is_ok();
+    index
+        .shards
+        .iter()
+        .zip(twins)
+        .map(|(shard, twin)| (format!("{}.idx", shard.path), twin))
+        .filter(|(path, _)| !beside(path))
+        .collect()
+}
+
 /// The layout of the batch made of `samples` (indices into `index.samples`), in `format`.
 pub fn layout(index: &Index, samples: &[u32], format: BatchFormat) -> BatchLayout {
     let mut b = LayoutBuilder::default();
@@ -352,7 +376,8 @@ mod tests {
         }
         let index = Index {
             settings: IndexSettings { format, verify_data_crc: true, skip_corrupt: false },
-            shards: vec![ShardInfo { path: "s".into(), size: shard.len() as u64, mtime_ns: 0, crc32c: 0 }],
+            shards: vec![ShardInfo { path: "s".into(), size: shard.len() as u64, ..Default::default() }],
+            side: vec![],
             samples: out,
             classes: vec![],
             skipped: vec![],

@@ -69,16 +69,24 @@ impl FromStr for SourceFormat {
     }
 }
 
-/// A shard as it was when indexed; a change of size or mtime makes the index stale.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Files are checked by chunks of this many bytes when read in ranges (`raw/`): a file larger than one
+/// chunk carries the CRC32C of each ([`ShardInfo::chunks`]).
+pub const CHUNK_BYTES: u64 = 4 << 20;
+
+/// A file of the dataset (a shard, or a file beside the shards) as it was when indexed; a change of
+/// size or mtime makes the index stale.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ShardInfo {
     /// Path relative to the dataset root, `/`-separated.
     pub path: String,
     pub size: u64,
     /// Modification time, nanoseconds since the epoch.
     pub mtime_ns: i64,
-    /// CRC32C of the whole shard file (computed while indexing; 0 before).
+    /// CRC32C of the whole file (computed while indexing; 0 before).
     pub crc32c: u32,
+    /// CRC32C of each [`CHUNK_BYTES`] chunk, the last one shorter, when the file is larger than one
+    /// chunk; empty otherwise (the one chunk's CRC is [`ShardInfo::crc32c`]).
+    pub chunks: Vec<u32>,
 }
 
 impl ShardInfo {
@@ -86,6 +94,40 @@ impl ShardInfo {
     pub fn same_file(&self, other: &ShardInfo) -> bool {
         self.path == other.path && self.size == other.size && self.mtime_ns == other.mtime_ns
     }
+
+    /// Sets the whole file's CRC32C and its chunks' from its bytes (one pass).
+    pub fn checksum(&mut self, bytes: &[u8]) {
+        let (whole, chunks) = chunk_crcs(bytes);
+        self.crc32c = whole;
+        self.chunks = chunks;
+    }
+
+    /// The CRC32C of chunk `n` (of [`CHUNK_BYTES`]), if the file has it.
+    pub fn chunk_crc(&self, n: u64) -> Option<u32> {
+        if self.chunks.is_empty() {
+            (n == 0).then_some(self.crc32c)
+        } else {
+            self.chunks.get(n as usize).copied()
+        }
+    }
+}
+
+/// Chunks of [`CHUNK_BYTES`] a file of `size` bytes has (at least one).
+pub fn chunk_count(size: u64) -> u64 {
+    size.div_ceil(CHUNK_BYTES).max(1)
+}
+
+/// The CRC32C of `bytes` and, when they are longer than one chunk, of each [`CHUNK_BYTES`] chunk.
+pub fn chunk_crcs(bytes: &[u8]) -> (u32, Vec<u32>) {
+    if bytes.len() as u64 <= CHUNK_BYTES {
+        return (crc::crc32c(bytes), Vec::new());
+    }
+    let chunks: Vec<u32> = bytes.chunks(CHUNK_BYTES as usize).map(crc::crc32c).collect();
+    let whole = bytes
+        .chunks(CHUNK_BYTES as usize)
+        .zip(&chunks)
+        .fold(crc::crc32c(&[]), |acc, (c, &crc)| crc::combine(acc, crc, c.len() as u64));
+    (whole, chunks)
 }
 
 /// One stored piece of a sample (a WebDataset sample has one part per file extension).
@@ -143,6 +185,9 @@ pub struct IndexSettings {
 pub struct Index {
     pub settings: IndexSettings,
     pub shards: Vec<ShardInfo>,
+    /// Other regular files in the dataset directory (`.idx` files, READMEs...): no samples, served as
+    /// they are under `raw/`. Sorted by path.
+    pub side: Vec<ShardInfo>,
     pub samples: Vec<Sample>,
     /// Class names, label `i` naming `classes[i]` (file trees; empty where labels are bare numbers).
     pub classes: Vec<String>,
@@ -166,12 +211,18 @@ impl Index {
         w.u8(self.settings.format.code());
         w.u8(u8::from(self.settings.verify_data_crc));
         w.u8(u8::from(self.settings.skip_corrupt));
-        w.u64(self.shards.len() as u64);
-        for s in &self.shards {
-            w.str(&s.path);
-            w.u64(s.size);
-            w.u64(s.mtime_ns as u64);
-            w.u64(u64::from(s.crc32c));
+        for files in [&self.shards, &self.side] {
+            w.u64(files.len() as u64);
+            for s in files {
+                w.str(&s.path);
+                w.u64(s.size);
+                w.u64(s.mtime_ns as u64);
+                w.u64(u64::from(s.crc32c));
+                // As many as the size says (none for a file of one chunk).
+                for &c in &s.chunks {
+                    w.u32(c);
+                }
+            }
         }
         w.u64(self.classes.len() as u64);
         for c in &self.classes {
@@ -218,14 +269,14 @@ impl Index {
             verify_data_crc: r.u8()? != 0,
             skip_corrupt: r.u8()? != 0,
         };
-        let shards = r.list(|r| {
-            Some(ShardInfo {
-                path: r.str()?,
-                size: r.u64()?,
-                mtime_ns: r.u64()? as i64,
-                crc32c: u32::try_from(r.u64()?).ok()?,
-            })
-        })?;
+        let file = |r: &mut Reader| {
+            let (path, size, mtime_ns, crc32c) = (r.str()?, r.u64()?, r.u64()? as i64, u32::try_from(r.u64()?).ok()?);
+            let n = if size > CHUNK_BYTES { chunk_count(size) } else { 0 };
+            let chunks = (0..n).map(|_| r.u32()).collect::<Option<Vec<u32>>>()?;
+            Some(ShardInfo { path, size, mtime_ns, crc32c, chunks })
+        };
+        let shards = r.list(file)?;
+        let side = r.list(file)?;
         let classes = r.list(|r| r.str())?;
         let skipped = r.list(|r| Some(Skipped { shard: r.str()?, offset: r.u64()?, reason: r.str()? }))?;
         let samples = r.list(|r| {
@@ -246,7 +297,7 @@ impl Index {
         if !r.0.is_empty() {
             return None;
         }
-        let index = Index { settings, shards, samples, classes, skipped };
+        let index = Index { settings, shards, side, samples, classes, skipped };
         index.is_consistent().then_some(index)
     }
 
@@ -259,7 +310,7 @@ impl Index {
 }
 
 const MAGIC: &[u8; 8] = b"BATCHFSI";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 
 #[derive(Default)]
 struct Writer(Vec<u8>);
@@ -270,6 +321,9 @@ impl Writer {
     }
     fn u64(&mut self, v: u64) {
         crate::proto::put_varint(&mut self.0, v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
     }
     fn str(&mut self, s: &str) {
         self.u64(s.len() as u64);
@@ -284,6 +338,11 @@ impl Reader<'_> {
         let (&b, rest) = self.0.split_first()?;
         self.0 = rest;
         Some(b)
+    }
+    fn u32(&mut self) -> Option<u32> {
+        let (b, rest) = self.0.split_first_chunk::<4>()?;
+        self.0 = rest;
+        Some(u32::from_le_bytes(*b))
     }
     fn u64(&mut self) -> Option<u64> {
         let mut value = 0u64;
@@ -330,8 +389,16 @@ mod tests {
             Index {
                 settings: IndexSettings { format: SourceFormat::Tar, verify_data_crc: flag, skip_corrupt: !flag },
                 shards: (0..3)
-                    .map(|i| ShardInfo { path: format!("s{i}.tar"), size: 5000, mtime_ns: -5 + i, crc32c: 7 })
+                    .map(|i| ShardInfo {
+                        path: format!("s{i}.tar"),
+                        size: 5000 + i as u64 * CHUNK_BYTES,
+                        mtime_ns: -5 + i,
+                        crc32c: 7,
+                        chunks: (0..if i == 0 { 0 } else { chunk_count(5000 + i as u64 * CHUNK_BYTES) as u32 })
+                            .collect(),
+                    })
                     .collect(),
+                side: vec![ShardInfo { path: "s0.tar.idx".into(), size: 9, mtime_ns: 1, crc32c: 2, chunks: vec![] }],
                 samples,
                 classes: vec!["cat".into(), "dog".into()],
                 skipped: vec![Skipped { shard: "s1.tar".into(), offset: 77, reason }],
@@ -359,6 +426,7 @@ mod tests {
         let index = Index {
             settings: IndexSettings { format: SourceFormat::Files, verify_data_crc: true, skip_corrupt: false },
             shards: vec![],
+            side: vec![],
             samples: vec![],
             classes: vec![],
             skipped: vec![],

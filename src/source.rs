@@ -105,7 +105,7 @@ fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
 fn shard_info(path: String, meta: &std::fs::Metadata) -> ShardInfo {
     let mtime_ns =
         meta.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos() as i64);
-    ShardInfo { path, size: meta.len(), mtime_ns, crc32c: 0 }
+    ShardInfo { path, size: meta.len(), mtime_ns, ..Default::default() }
 }
 
 fn is_tfrecord(path: &str) -> bool {
@@ -133,20 +133,37 @@ pub fn detect(root: &Path) -> Result<SourceFormat, IndexError> {
 
 /// Lists the shards of a dataset of `format` at `root`, sorted by path, with their current sizes and mtimes.
 pub fn discover_shards(root: &Path, format: SourceFormat) -> Result<Vec<ShardInfo>, IndexError> {
+    Ok(discover(root, format)?.0)
+}
+
+/// LMDB's lock file: the state of the processes using the environment where it lies, meaningless
+/// elsewhere and rewritten by every reader there, so it is neither served nor a reason to re-index.
+pub const LMDB_LOCK: &str = "lock.mdb";
+
+/// The shards of a dataset of `format` at `root` and the other regular files beside them (side files),
+/// each sorted by path. Hidden files (the index among them) are neither.
+pub fn discover(root: &Path, format: SourceFormat) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
     if !root.is_dir() {
         return Err(IndexError::NotADirectory(root.to_owned()));
     }
-    if format == SourceFormat::Lmdb {
-        let path = root.join("data.mdb");
-        let meta = std::fs::metadata(&path).map_err(io_err(&path))?;
-        return Ok(vec![shard_info("data.mdb".into(), &meta)]);
-    }
-    let keep = |p: &str| match format {
+    let is_shard = |p: &str| match format {
         SourceFormat::Tfrecord => is_tfrecord(p),
         SourceFormat::Tar => p.ends_with(".tar"),
-        _ => true,
+        SourceFormat::Lmdb => p == "data.mdb",
+        SourceFormat::Files => true,
     };
-    Ok(walk(root)?.into_iter().filter(|(p, _)| keep(p)).map(|(p, m)| shard_info(p, &m)).collect())
+    let (mut shards, mut side) = (Vec::new(), Vec::new());
+    for (path, meta) in walk(root)? {
+        if format == SourceFormat::Lmdb && path == LMDB_LOCK {
+            continue;
+        }
+        if is_shard(&path) { &mut shards } else { &mut side }.push(shard_info(path, &meta));
+    }
+    if format == SourceFormat::Lmdb && shards.is_empty() {
+        let path = root.join("data.mdb");
+        return Err(io_err(&path)(io::Error::from(io::ErrorKind::NotFound)));
+    }
+    Ok((shards, side))
 }
 
 /// How an index was obtained.
@@ -174,15 +191,12 @@ pub fn load_or_build(
     };
     let settings =
         IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
-    let shards = discover_shards(root, format)?;
+    let (shards, side) = discover(root, format)?;
     let path = index_path(root, name, index_dir);
+    let same = |a: &[ShardInfo], b: &[ShardInfo]| a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.same_file(b));
     if let Ok(bytes) = std::fs::read(&path) {
         match Index::from_bytes(&bytes) {
-            Some(index)
-                if index.settings == settings
-                    && index.shards.len() == shards.len()
-                    && index.shards.iter().zip(&shards).all(|(a, b)| a.same_file(b)) =>
-            {
+            Some(index) if index.settings == settings && same(&index.shards, &shards) && same(&index.side, &side) => {
                 tracing::debug!(dataset = name, path = %path.display(), "reusing persisted index");
                 return Ok((index, IndexOrigin::Loaded));
             }
@@ -194,7 +208,7 @@ pub fn load_or_build(
             }
         }
     }
-    let index = build_with_shards(root, settings, shards, progress)?;
+    let index = build_with_shards(root, settings, shards, side, progress)?;
     if let Err(e) = write_atomically(&path, &index.to_bytes()) {
         tracing::warn!(dataset = name, path = %path.display(), error = %e,
             "cannot persist the index (it will be rebuilt at the next start); pass --index-dir to keep it elsewhere");
@@ -221,17 +235,30 @@ pub fn build(root: &Path, options: &IndexOptions, progress: &dyn Progress) -> Re
     };
     let settings =
         IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
-    build_with_shards(root, settings, discover_shards(root, format)?, progress)
+    let (shards, side) = discover(root, format)?;
+    build_with_shards(root, settings, shards, side, progress)
 }
 
 fn build_with_shards(
     root: &Path,
     settings: IndexSettings,
     shards: Vec<ShardInfo>,
+    side: Vec<ShardInfo>,
     progress: &dyn Progress,
 ) -> Result<Index, IndexError> {
-    progress.start(shards.iter().map(|s| s.size).sum(), shards.len());
-    let mut index = Index { settings, shards, samples: Vec::new(), classes: Vec::new(), skipped: Vec::new() };
+    progress.start(shards.iter().chain(&side).map(|s| s.size).sum(), shards.len() + side.len());
+    let mut index =
+        Index { settings, shards, side: Vec::new(), samples: Vec::new(), classes: Vec::new(), skipped: Vec::new() };
+    // Side files are served as they are: only their checksums are needed.
+    index.side = side
+        .into_iter()
+        .map(|mut file| {
+            let map = map_shard(root, &file)?;
+            file.checksum(map.bytes());
+            progress.advance(file.size);
+            Ok(file)
+        })
+        .collect::<Result<_, IndexError>>()?;
     match settings.format {
         SourceFormat::Tfrecord => index_tfrecord(root, &mut index, progress)?,
         SourceFormat::Lmdb => index_lmdb(root, &mut index, progress)?,
@@ -321,7 +348,7 @@ fn index_tfrecord(root: &Path, index: &mut Index, progress: &dyn Progress) -> Re
             reported = scanner.position();
         }
         progress.advance(shard.size - reported);
-        index.shards[shard_no].crc32c = crc::crc32c(map.bytes());
+        index.shards[shard_no].checksum(map.bytes());
     }
     Ok(())
 }
@@ -380,7 +407,7 @@ fn index_lmdb(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result
             last += value.len() as u64;
         }
         progress.advance(ours.len().saturating_sub(last));
-        index.shards[0].crc32c = crc::crc32c(ours.bytes());
+        index.shards[0].checksum(ours.bytes());
         Ok(())
     })();
     env.close();
@@ -501,7 +528,7 @@ fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<
         }
         flush(&mut group, index);
         progress.advance(shard.size.saturating_sub(reported));
-        index.shards[shard_no].crc32c = crc::crc32c(bytes);
+        index.shards[shard_no].checksum(bytes);
     }
     Ok(())
 }
@@ -535,13 +562,13 @@ fn index_files(root: &Path, index: &mut Index, progress: &dyn Progress) -> Resul
             _ => (shard.path.as_str(), ""),
         };
         let label = shard.path.split_once('/').map_or(NO_LABEL, |(class, _)| classes[class]);
-        let crc = crc::crc32c(map.bytes());
+        index.shards[shard_no].checksum(map.bytes());
+        let crc = index.shards[shard_no].crc32c;
         index.samples.push(Sample {
             key: key.to_owned(),
             label,
             parts: vec![Part { ext: ext.to_owned(), shard: shard_no as u32, offset: 0, len: shard.size, crc32c: crc }],
         });
-        index.shards[shard_no].crc32c = crc;
         progress.advance(shard.size);
     }
     Ok(())
@@ -551,6 +578,7 @@ fn index_files(root: &Path, index: &mut Index, progress: &dyn Progress) -> Resul
 mod tests {
     use super::*;
     use crate::gen::{self, GenOptions};
+    use crate::index::CHUNK_BYTES;
 
     #[test]
     fn webdataset_keys() {
@@ -666,6 +694,79 @@ mod tests {
         let elsewhere = tempfile::tempdir().unwrap();
         load_or_build(dir.path(), "d", Some(elsewhere.path()), &strict(), &NoProgress).unwrap();
         assert!(elsewhere.path().join("d.batchfs-index").exists());
+    }
+
+    #[test]
+    fn files_beside_the_shards_are_side_files_and_a_change_to_one_rebuilds() {
+        let dir = generated(SourceFormat::Tfrecord, 10);
+        std::fs::write(dir.path().join("train-00000-of-00002.tfrecord.idx"), b"0 10\n").unwrap();
+        std::fs::create_dir(dir.path().join("docs")).unwrap();
+        std::fs::write(dir.path().join("docs/README"), b"about").unwrap();
+        let (index, _) = load_or_build(dir.path(), "d", None, &strict(), &NoProgress).unwrap();
+        let side: Vec<(&str, u64, u32)> = index.side.iter().map(|f| (f.path.as_str(), f.size, f.crc32c)).collect();
+        assert_eq!(
+            side,
+            [
+                ("docs/README", 5, crc::crc32c(b"about")),
+                ("train-00000-of-00002.tfrecord.idx", 5, crc::crc32c(b"0 10\n"))
+            ]
+        );
+        assert_eq!(index.shards.len(), 2, "side files hold no samples");
+        std::fs::write(dir.path().join("docs/README"), b"about it").unwrap();
+        let (again, origin) = load_or_build(dir.path(), "d", None, &strict(), &NoProgress).unwrap();
+        assert_eq!((origin, again.side[0].size), (IndexOrigin::Built, 8));
+        // LMDB's lock file is the local readers' state: never a side file.
+        let lmdb = generated(SourceFormat::Lmdb, 5);
+        std::fs::write(lmdb.path().join(LMDB_LOCK), b"lock").unwrap();
+        std::fs::write(lmdb.path().join("notes.txt"), b"n").unwrap();
+        let (shards, side) = discover(lmdb.path(), SourceFormat::Lmdb).unwrap();
+        assert_eq!(shards.iter().map(|s| s.path.as_str()).collect::<Vec<_>>(), ["data.mdb"]);
+        assert_eq!(side.iter().map(|s| s.path.as_str()).collect::<Vec<_>>(), ["notes.txt"]);
+    }
+
+    #[test]
+    fn tfrecord_shards_get_the_index_twin_tfrecord2idx_writes_unless_they_have_one() {
+        let dir = generated(SourceFormat::Tfrecord, 9);
+        let theirs = "train-00001-of-00002.tfrecord.idx";
+        std::fs::write(dir.path().join(theirs), b"their own\n").unwrap();
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        let twins = crate::encode::shard_index_twins(&index);
+        assert_eq!(twins.len(), 1, "the shard with its own index keeps it");
+        let (path, twin) = &twins[0];
+        assert_eq!(path, "train-00000-of-00002.tfrecord.idx");
+        // tfrecord2idx: each record's offset and its whole frame's size, read off the shard's headers.
+        let shard = std::fs::read(dir.path().join("train-00000-of-00002.tfrecord")).unwrap();
+        let mut want = String::new();
+        let mut at = 0usize;
+        while at < shard.len() {
+            let len = u64::from_le_bytes(shard[at..at + 8].try_into().unwrap()) as usize;
+            want.push_str(&format!("{at} {}\n", len + 16));
+            at += len + 16;
+        }
+        assert_eq!(String::from_utf8(twin.clone()).unwrap(), want);
+        assert!(crate::encode::shard_index_twins(
+            &build(generated(SourceFormat::Tar, 4).path(), &strict(), &NoProgress).unwrap()
+        )
+        .is_empty());
+    }
+
+    #[test]
+    fn files_larger_than_a_chunk_carry_each_chunks_crc() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes: Vec<u8> = (0..CHUNK_BYTES * 2 + 77).map(|i| (i * 31 % 251) as u8).collect();
+        std::fs::write(dir.path().join("big.bin"), &bytes).unwrap();
+        std::fs::write(dir.path().join("small.bin"), b"tiny").unwrap();
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        let big = &index.shards[0];
+        assert_eq!(big.crc32c, crc::crc32c(&bytes));
+        let want: Vec<u32> = bytes.chunks(CHUNK_BYTES as usize).map(crc::crc32c).collect();
+        assert_eq!((big.chunks.len(), &big.chunks), (3, &want));
+        assert_eq!(big.chunk_crc(2), Some(want[2]));
+        assert_eq!(big.chunk_crc(3), None);
+        let small = &index.shards[1];
+        assert!(small.chunks.is_empty());
+        assert_eq!((small.chunk_crc(0), small.chunk_crc(1)), (Some(crc::crc32c(b"tiny")), None));
+        assert_eq!(Index::from_bytes(&index.to_bytes()).as_ref(), Some(&index), "chunks persist");
     }
 
     #[test]

@@ -134,8 +134,16 @@ pub trait BatchClient: Send + Sync + 'static {
         into: Sink,
         expect: u64,
     ) -> BoxFut<'_, Result<Body, ClientError>>;
-    /// One whole source file (unverified), appended to `into` like [`BatchClient::fetch_batch`].
-    fn fetch_file(&self, path: &str, attempt: u32, into: Sink, expect: u64) -> BoxFut<'_, Result<Body, ClientError>>;
+    /// `expect` bytes of a source file from `offset` (unverified; a range request), appended to `into`
+    /// like [`BatchClient::fetch_batch`].
+    fn fetch_file(
+        &self,
+        path: &str,
+        offset: u64,
+        attempt: u32,
+        into: Sink,
+        expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>>;
 }
 
 /// Where and how to reach the servers.
@@ -233,6 +241,7 @@ impl HttpClient {
         spread: usize,
         expect: u64,
         path_and_query: &str,
+        range: Option<(u64, u64)>,
     ) -> Result<(InFlight<'_>, String, reqwest::Response), ClientError> {
         let flight = self.health.begin(spread, expect);
         let per = self.config.connections.max(1);
@@ -242,6 +251,9 @@ impl HttpClient {
         let mut request = client.get(format!("{server}{path_and_query}"));
         if let Some(token) = &self.config.token {
             request = request.bearer_auth(token);
+        }
+        if let Some((offset, len)) = range {
+            request = request.header(reqwest::header::RANGE, format!("bytes={offset}-{}", offset + len - 1));
         }
         let sent = tokio::time::timeout(self.config.stall_timeout, request.send()).await;
         let response = match sent {
@@ -272,7 +284,7 @@ impl HttpClient {
     }
 
     async fn json<T: serde::de::DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
-        let (flight, server, response) = self.get(0, 0, path_and_query).await?;
+        let (flight, server, response) = self.get(0, 0, path_and_query, None).await?;
         match response.json().await {
             Ok(v) => {
                 flight.succeeded(0);
@@ -334,10 +346,19 @@ impl BatchClient for HttpClient {
         })
     }
 
-    fn fetch_file(&self, path: &str, attempt: u32, into: Sink, expect: u64) -> BoxFut<'_, Result<Body, ClientError>> {
+    fn fetch_file(
+        &self,
+        path: &str,
+        offset: u64,
+        attempt: u32,
+        into: Sink,
+        expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>> {
         let url_path = api::file_path(&self.config.dataset, path);
-        let spread = path.len();
-        Box::pin(async move { self.body(spread.wrapping_add(attempt as usize), &url_path, into, expect).await })
+        let spread = path.len().wrapping_add((offset / batchfs::index::CHUNK_BYTES) as usize);
+        // An empty file has no range to ask for.
+        let range = (expect > 0).then_some((offset, expect));
+        Box::pin(async move { self.fetch(spread.wrapping_add(attempt as usize), &url_path, range, into, expect).await })
     }
 }
 
@@ -345,7 +366,29 @@ impl HttpClient {
     /// A whole response body of at most `expect` bytes, appended to `body`; a response with no bytes for
     /// `stall_timeout` is abandoned.
     async fn body(&self, spread: usize, path_and_query: &str, body: Sink, expect: u64) -> Result<Body, ClientError> {
-        let (flight, server, response) = self.get(spread, expect, path_and_query).await?;
+        self.fetch(spread, path_and_query, None, body, expect).await
+    }
+
+    /// Like [`HttpClient::body`], of the `(offset, len)` range of the resource if given: a server that
+    /// answers a range from a non-zero offset with the whole resource is refused, not trusted.
+    async fn fetch(
+        &self,
+        spread: usize,
+        path_and_query: &str,
+        range: Option<(u64, u64)>,
+        body: Sink,
+        expect: u64,
+    ) -> Result<Body, ClientError> {
+        let (flight, server, response) = self.get(spread, expect, path_and_query, range).await?;
+        if let Some((offset, _)) = range.filter(|&(offset, _)| offset > 0) {
+            if response.status() != reqwest::StatusCode::PARTIAL_CONTENT {
+                flight.failed();
+                return Err(ClientError::Malformed {
+                    server,
+                    message: format!("{path_and_query}: asked for bytes from {offset}, got the whole file"),
+                });
+            }
+        }
         let result = self.read_body(&server, response, path_and_query, body, expect).await;
         match &result {
             Ok(b) => flight.succeeded(b.sink.len()),

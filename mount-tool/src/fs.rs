@@ -5,7 +5,7 @@
 //! /                       epoch-0000 ... epoch-{epochs-1}, .batchfs
 //! /epoch-NNNN/            batch-000000.tfrecord (+ batch-000000.tfrecord.idx) | batch-000000.tar
 //! /.batchfs/stats         live JSON counters
-//! /raw/...                the source files as they are (file-tree and tar datasets)
+//! /raw/...                the dataset directory's files as they are on the server (every source)
 //! ```
 //! Inode numbers encode what they name, so no table grows with the epochs read: the root is 1,
 //! `.batchfs` 2, its `stats` 3, epoch directory *e* is `2^40 + e`, and batch *b* of epoch *e* is
@@ -216,6 +216,12 @@ impl RawTree {
     }
 }
 
+/// What a file reads: a batch, or a source file (by its position in the file list).
+enum Source {
+    Batch(BatchKey),
+    Raw(u64),
+}
+
 /// The filesystem.
 pub struct Fs {
     prefetcher: Arc<Prefetcher>,
@@ -402,12 +408,15 @@ impl Fs {
     }
 
     /// The cached file behind inode `ino`: a batch, its index twin, or a source file.
-    fn key(&self, ino: u64) -> Result<BatchKey, FsError> {
+    /// What file `ino` reads.
+    fn source(&self, ino: u64) -> Result<Source, FsError> {
         match Node::from_ino(ino).ok_or(FsError::NotFound)? {
-            Node::Batch { epoch, batch, index } => Ok(BatchKey::batch(epoch, batch, self.batch_format(index))),
+            Node::Batch { epoch, batch, index } => {
+                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(index))))
+            }
             Node::RawFile(n) => {
                 let file = self.raw_tree()?.nodes.get(n as usize).and_then(|n| n.file).ok_or(FsError::NotFound)?;
-                Ok(BatchKey { listing: Listing::Raw, index: file })
+                Ok(Source::Raw(file))
             }
             Node::Stats => Err(FsError::NotFound),
             _ => Err(FsError::IsADirectory),
@@ -422,19 +431,39 @@ impl Fs {
             let end = (start + size as usize).min(json.len());
             return Ok(Bytes::copy_from_slice(&json[start..end]));
         }
-        Ok(self.prefetcher.read(self.key(ino)?, offset, size, owner)?)
+        Ok(match self.source(ino)? {
+            Source::Batch(key) => self.prefetcher.read(key, offset, size, owner)?,
+            Source::Raw(file) => self.prefetcher.read_file(file, offset, size, owner)?,
+        })
     }
 
     /// The verified contents of file `ino` as a sealed memory file, for the kernel to serve (FUSE
-    /// passthrough); waits for the file like a read by `owner` does.
-    pub fn backing_file(&self, ino: u64, owner: u32) -> Result<Arc<std::fs::File>, FsError> {
-        Ok(self.prefetcher.backing_file(self.key(ino)?, owner)?)
+    /// passthrough); waits for the file like a read by `owner` does. `None` for a source file of more
+    /// than one chunk: it is read through the daemon, chunk by chunk, never held whole.
+    pub fn backing_file(&self, ino: u64, owner: u32) -> Result<Option<Arc<std::fs::File>>, FsError> {
+        let key = match self.source(ino)? {
+            Source::Batch(key) => key,
+            Source::Raw(file) => {
+                let chunks = self.prefetcher.file_chunks(file)?;
+                if chunks.end - chunks.start != 1 {
+                    return Ok(None);
+                }
+                BatchKey { listing: Listing::Raw, index: chunks.start }
+            }
+        };
+        Ok(Some(self.prefetcher.backing_file(key, owner)?))
     }
 
     /// The last handle of file `ino` was closed.
     pub fn closed(&self, ino: u64) {
-        if let Ok(key) = self.key(ino) {
-            self.prefetcher.closed(key);
+        match self.source(ino) {
+            Ok(Source::Batch(key)) => self.prefetcher.closed(key),
+            Ok(Source::Raw(file)) => {
+                for index in self.prefetcher.file_chunks(file).unwrap_or_default() {
+                    self.prefetcher.closed(BatchKey { listing: Listing::Raw, index });
+                }
+            }
+            Err(_) => {}
         }
     }
 }
@@ -446,15 +475,18 @@ mod tests {
     use crate::prefetch::PrefetcherConfig;
     use proptest::prelude::*;
 
+    /// The source files of the test dataset; each holds `contents of {path}`.
+    const RAW_FILES: [&str; 5] = ["a/x.jpg", "a/y.jpg", "b/c/z.jpg", "s", "top.txt"];
+
     fn fs(format: BatchFormat) -> (tokio::runtime::Runtime, Fs) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let mut client = MemoryClient::new(|epoch, f| {
             (0..3).map(|b| Bytes::from(format!("{f} epoch {epoch} batch {b}").into_bytes())).collect()
         });
-        client.files = ["a/x.jpg", "a/y.jpg", "b/c/z.jpg", "top.txt"]
-            .iter()
-            .map(|p| (p.to_string(), Bytes::from(format!("contents of {p}").into_bytes())))
-            .collect();
+        client.files =
+            RAW_FILES.iter().map(|p| (p.to_string(), Bytes::from(format!("contents of {p}").into_bytes()))).collect();
+        // Small chunks: every file but `s` is fetched in two ranges, and reads cross chunks.
+        client.chunk_bytes = 16;
         let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), PrefetcherConfig::default());
         let options = FsOptions { epochs: 2, format, uid: 0, gid: 0, time: SystemTime::UNIX_EPOCH, raw: true };
         (rt, Fs::new(p, options))
@@ -486,7 +518,7 @@ mod tests {
         let (_rt, fs) = fs(BatchFormat::Tar);
         let raw = fs.lookup(ROOT, "raw").unwrap().node;
         let top: Vec<String> = fs.readdir(raw.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
-        assert_eq!(top, ["a", "b", "top.txt"]);
+        assert_eq!(top, ["a", "b", "s", "top.txt"]);
         let b = fs.lookup(raw.ino(), "b").unwrap().node;
         let c = fs.lookup(b.ino(), "c").unwrap().node;
         assert!(c.is_dir());
@@ -503,6 +535,10 @@ mod tests {
         assert_eq!(z.size, "contents of b/c/z.jpg".len() as u64);
         assert_eq!(fs.read(z.node.ino(), 0, 1000, 1).unwrap(), "contents of b/c/z.jpg".as_bytes());
         assert_eq!(fs.read(z.node.ino(), 9, 4, 1).unwrap(), "of b".as_bytes());
+        // Across the boundary of its two 16-byte chunks, and from the second alone.
+        assert_eq!(fs.read(z.node.ino(), 12, 8, 1).unwrap(), "b/c/z.jp".as_bytes());
+        assert_eq!(fs.read(z.node.ino(), 17, 100, 1).unwrap(), ".jpg".as_bytes());
+        assert_eq!(fs.read(z.node.ino(), 21, 100, 1).unwrap(), "".as_bytes());
         assert_eq!(fs.lookup(raw.ino(), "nope").unwrap_err().errno(), libc::ENOENT);
         assert_eq!(fs.lookup(z.node.ino(), "x").unwrap_err().errno(), libc::ENOTDIR);
     }
@@ -532,7 +568,7 @@ mod tests {
             m.insert(dir.to_owned(), None);
         }
         m.insert(".batchfs/stats".to_owned(), Some(Vec::new()));
-        for p in ["a/x.jpg", "a/y.jpg", "b/c/z.jpg", "top.txt"] {
+        for p in RAW_FILES {
             m.insert(format!("raw/{p}"), Some(format!("contents of {p}").into_bytes()));
         }
         // Epochs 0 and 1 are listed; 2 is not, and resolves by name all the same.
@@ -676,9 +712,13 @@ mod tests {
                         let Ok(attr) = walk(&fs, &all[i]) else { continue };
                         let got = fs.backing_file(attr.node.ino(), 1);
                         match m.get(all[i].as_str()) {
+                            // A source file of more than one chunk reads through the daemon.
+                            Some(Some(body)) if all[i].starts_with("raw/") && body.len() > 16 => {
+                                prop_assert!(got.unwrap().is_none(), "no memory file for {}", all[i]);
+                            }
                             Some(Some(body)) if all[i] != ".batchfs/stats" => {
                                 use std::os::unix::fs::FileExt;
-                                let file = got.unwrap();
+                                let file = got.unwrap().expect("a memory file");
                                 let mut bytes = vec![0; body.len()];
                                 file.read_exact_at(&mut bytes, 0).unwrap();
                                 prop_assert_eq!(&bytes, body, "memory file of {}", all[i]);

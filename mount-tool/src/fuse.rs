@@ -127,12 +127,15 @@ impl FuseFs {
                     return reply.error(errno(&e));
                 }
             };
-            match reply.open_backing(&*file) {
-                Ok(id) => mode = Mode::Passthrough { id, _file: file },
-                Err(e) => {
-                    tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
-                    self.passthrough.store(false, Ordering::Relaxed);
-                    self.fs.set_passthrough(false);
+            // A large source file has no backing file: it reads through the daemon, chunk by chunk.
+            if let Some(file) = file {
+                match reply.open_backing(&*file) {
+                    Ok(id) => mode = Mode::Passthrough { id, _file: file },
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
+                        self.passthrough.store(false, Ordering::Relaxed);
+                        self.fs.set_passthrough(false);
+                    }
                 }
             }
         }

@@ -20,8 +20,6 @@ pub struct MountPlan {
     pub mountpoint: PathBuf,
     pub options: MountOptions,
     pub http: HttpConfig,
-    /// The dataset's source format (file trees and tar datasets get `raw/`).
-    pub source: batchfs::index::SourceFormat,
 }
 
 /// Checks the options, the mountpoint (cleaning up a stale mount left by a killed daemon) and the
@@ -49,8 +47,8 @@ pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<Mount
         stall_timeout: options.stall_timeout,
         connect_timeout: Duration::from_secs(10),
     };
-    let source = probe(&http, &options)?.format;
-    Ok(MountPlan { url: url.to_owned(), mountpoint, options, http, source })
+    probe(&http, &options)?;
+    Ok(MountPlan { url: url.to_owned(), mountpoint, options, http })
 }
 
 fn is_mountpoint(path: &Path) -> bool {
@@ -168,7 +166,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             uid,
             gid,
             time: SystemTime::now(),
-            raw: matches!(plan.source, batchfs::index::SourceFormat::Files | batchfs::index::SourceFormat::Tar),
+            raw: true,
         },
     );
     Ok((FuseFs::new(fs, plan.options.passthrough), prefetcher))

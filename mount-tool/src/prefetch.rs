@@ -209,6 +209,41 @@ impl Prefetcher {
         Ok(self.listings.put_raw(files))
     }
 
+    /// The chunks of source file `file` (its position in [`Prefetcher::files`]): the indices of
+    /// [`Listing::Raw`] keys, one for a file fetched whole.
+    pub fn file_chunks(&self, file: u64) -> Result<std::ops::Range<u64>, ReadError> {
+        self.raw()?.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))
+    }
+
+    /// Reads `[offset, offset + size)` of source file `file`, chunk after chunk (each verified before
+    /// any of its bytes is returned; a sequential reader's next chunks are prefetched like batches).
+    pub fn read_file(self: &Arc<Self>, file: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
+        let raw = self.raw()?;
+        let chunks = raw.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))?;
+        let chunk_bytes = raw.files.chunk_bytes;
+        let file_size = raw.files.files[file as usize].size;
+        let end = offset.saturating_add(u64::from(size)).min(file_size);
+        let single = chunks.end - chunks.start == 1;
+        let mut out: Option<bytes::BytesMut> = None;
+        let mut at = offset;
+        while at < end {
+            let (chunk, within) = if single { (0, at) } else { (at / chunk_bytes, at % chunk_bytes) };
+            let key = BatchKey { listing: Listing::Raw, index: chunks.start + chunk };
+            let got = self.read(key, within, (end - at).min(u64::from(u32::MAX)) as u32, owner)?;
+            if got.is_empty() {
+                break;
+            }
+            at += got.len() as u64;
+            match &mut out {
+                // The common case, a read within one chunk: its bytes as they are, no copy.
+                None if at >= end => return Ok(got),
+                None => out = Some(bytes::BytesMut::from(&got[..])),
+                Some(out) => out.extend_from_slice(&got),
+            }
+        }
+        Ok(out.map_or_else(Bytes::new, bytes::BytesMut::freeze))
+    }
+
     /// The sizes and checksums of a listing's files.
     fn listing(&self, listing: Listing) -> Result<Arc<Manifest>, ReadError> {
         match listing {
@@ -457,7 +492,7 @@ impl Prefetcher {
         let this = self.clone();
         let fetching = entry.clone();
         let path = match key.listing {
-            Listing::Raw => self.listings.raw_path(key.index),
+            Listing::Raw => self.listings.raw_chunk(key.index),
             Listing::Epoch { .. } => None,
         };
         let mut buffer = (!memfd).then_some(buffer);
@@ -483,7 +518,9 @@ impl Prefetcher {
                         (Listing::Epoch { epoch, format }, _) => {
                             client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
                         }
-                        (Listing::Raw, Some(path)) => client.fetch_file(&path, attempt, into, meta.bytes).await,
+                        (Listing::Raw, Some((path, offset))) => {
+                            client.fetch_file(&path, offset, attempt, into, meta.bytes).await
+                        }
                         (Listing::Raw, None) => unreachable!("raw keys exist only after the file list"),
                     }
                     .map_err(Failure::Client)?;
@@ -548,7 +585,7 @@ impl Prefetcher {
 fn describe(key: BatchKey) -> String {
     match key.listing {
         Listing::Epoch { epoch, format } => format!("batch {} of epoch {epoch} ({format})", key.index),
-        Listing::Raw => format!("source file #{}", key.index),
+        Listing::Raw => format!("source file chunk #{}", key.index),
     }
 }
 
@@ -713,6 +750,37 @@ mod tests {
             assert!(Instant::now() < deadline, "timed out waiting for {what}");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    #[test]
+    fn a_large_source_file_is_fetched_in_verified_ranges_prefetched_ahead_of_its_reader() {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        let big: Bytes = (0..10_000u32).map(|i| (i * 13 % 251) as u8).collect::<Vec<u8>>().into();
+        client.files = vec![("big.tfrecord".into(), big.clone()), ("small.idx".into(), Bytes::from_static(b"0 9\n"))];
+        client.chunk_bytes = 1000;
+        let client = Arc::new(client);
+        let config = PrefetcherConfig { prefetch: 3, cache_bytes: 5000, ..Default::default() };
+        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
+        assert_eq!(p.file_chunks(0).unwrap(), 0..10);
+        assert_eq!(p.file_chunks(1).unwrap(), 10..11);
+        // A flipped byte in the first chunk is caught by that chunk's CRC and refetched.
+        client.inject([Fault::Corrupt]);
+        let mut read = Vec::new();
+        for offset in (0..10_000).step_by(700) {
+            read.extend_from_slice(&p.read_file(0, offset, 700, 0).unwrap());
+        }
+        assert_eq!(read, big, "the whole file, in reads that straddle chunks");
+        assert_eq!(p.read_file(1, 0, 100, 0).unwrap(), Bytes::from_static(b"0 9\n"));
+        let s = p.stats.snapshot();
+        assert_eq!(s.checksum_errors, 1, "{s:?}");
+        assert!(s.prefetches >= 7, "the chunks ahead of the reader were prefetched: {s:?}");
+        assert!(s.cache_bytes <= 5000, "a 10 KB file through a 5 KB cache: {s:?}");
+        let ranges = client.ranges.lock().unwrap().clone();
+        assert!(
+            ranges.iter().all(|(path, offset, len)| { path == "small.idx" || (*len == 1000 && offset % 1000 == 0) }),
+            "{ranges:?}"
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use crate::storage::{IoPolicy, Storage};
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, Manifest};
 use batchfs::encode::{self, BatchLayout};
-use batchfs::index::Index;
+use batchfs::index::{Index, ShardInfo};
 use batchfs::plan::{EpochPlan, PlanError};
 use batchfs::source::{self, IndexOptions, IndexOrigin, Progress};
 use lru::LruCache;
@@ -29,13 +29,30 @@ pub enum CatalogError {
     TooLarge { name: String },
 }
 
+/// One file of a dataset's directory as served under `files/`.
+pub struct ServedFile {
+    /// Path, size and checksums (of the whole file and of each chunk).
+    pub info: ShardInfo,
+    pub source: FileSource,
+}
+
+/// Where a served file's bytes come from.
+pub enum FileSource {
+    /// Storage file `n` (a shard, or a side file after the shards).
+    Stored(u32),
+    /// Made from the index (a TFRecord shard's DALI index twin).
+    Made(Arc<Vec<u8>>),
+}
+
 /// One served dataset.
 pub struct Dataset {
     pub name: String,
     pub root: PathBuf,
     pub index: Index,
-    /// The shards, mapped or read by positioned reads.
+    /// The shards, mapped or read by positioned reads, then the side files.
     pub storage: Arc<Storage>,
+    /// Every file served under `files/`, sorted by path.
+    pub files: Vec<ServedFile>,
     pub origin: IndexOrigin,
     plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
     manifests: Mutex<LruCache<(u64, BatchQuery), Arc<Manifest>>>,
@@ -61,12 +78,14 @@ impl Dataset {
             return Err(CatalogError::TooLarge { name: name.to_owned() });
         }
         let storage = Arc::new(Storage::open(name, root, &index, io)?);
+        let files = served_files(&index);
         let cache = NonZeroUsize::new(PLAN_CACHE).expect("nonzero");
         Ok(Dataset {
             name: name.to_owned(),
             root: root.to_owned(),
             index,
             storage,
+            files,
             origin,
             plans: Mutex::new(LruCache::new(cache)),
             manifests: Mutex::new(LruCache::new(cache)),
@@ -135,11 +154,26 @@ impl Dataset {
         Ok(manifest)
     }
 
-    /// Resolves a `files/{path}` request to a shard number, refusing anything that is not one of the
-    /// indexed files (so no path can escape the dataset directory).
-    pub fn file(&self, path: &str) -> Option<usize> {
-        self.index.shards.binary_search_by(|s| s.path.as_str().cmp(path)).ok()
+    /// Resolves a `files/{path}` request, refusing anything that is not one of the served files (so no
+    /// path can escape the dataset directory).
+    pub fn file(&self, path: &str) -> Option<&ServedFile> {
+        self.files.binary_search_by(|f| f.info.path.as_str().cmp(path)).ok().map(|i| &self.files[i])
     }
+}
+
+/// The files of `index`'s directory, sorted by path: shards, side files, and the DALI index twins of
+/// TFRecord shards that have none.
+fn served_files(index: &Index) -> Vec<ServedFile> {
+    let stored = index.shards.iter().chain(&index.side).enumerate();
+    let mut files: Vec<ServedFile> =
+        stored.map(|(n, info)| ServedFile { info: info.clone(), source: FileSource::Stored(n as u32) }).collect();
+    for (path, bytes) in encode::shard_index_twins(index) {
+        let mut info = ShardInfo { path, size: bytes.len() as u64, ..Default::default() };
+        info.checksum(&bytes);
+        files.push(ServedFile { info, source: FileSource::Made(Arc::new(bytes)) });
+    }
+    files.sort_by(|a, b| a.info.path.cmp(&b.info.path));
+    files
 }
 
 /// All served datasets, by name, and those still being indexed: a server answers while it indexes

@@ -2,7 +2,7 @@
 //! bodies. One `tracing` span per request; errors are logged once, here, where they become a response.
 
 use crate::body::{Body, SegmentBody, StreamContext};
-use crate::catalog::{Catalog, Dataset, Readiness};
+use crate::catalog::{Catalog, Dataset, FileSource, Readiness};
 use crate::metrics::{Kind, Metrics};
 use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, Route};
 use batchfs::encode::{self, Segment};
@@ -307,25 +307,32 @@ async fn dispatch<B>(
         Route::Files { name } => {
             let ds = dataset(state, &name)?;
             let files = ds
-                .index
-                .shards
+                .files
                 .iter()
-                .map(|s| api::FileEntry { path: s.path.clone(), size: s.size, crc32c: s.crc32c })
+                .map(|f| api::FileEntry {
+                    path: f.info.path.clone(),
+                    size: f.info.size,
+                    crc32c: f.info.crc32c,
+                    chunks: f.info.chunks.clone(),
+                })
                 .collect();
-            Ok(json_response(StatusCode::OK, &api::FileList { files }))
+            Ok(json_response(StatusCode::OK, &api::FileList { chunk_bytes: batchfs::index::CHUNK_BYTES, files }))
         }
         Route::File { name, path } => {
             let ds = dataset(state, &name)?;
-            let shard_no = ds
+            let file = ds
                 .file(&path)
                 .ok_or_else(|| Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no file {path:?}")))?;
-            let shard = &ds.index.shards[shard_no];
-            let segments = vec![Segment::Data { shard: shard_no as u32, offset: 0, len: shard.size }];
-            let etag = api::etag(shard.crc32c, shard.size);
-            let mut r = ranged(state, req, &ds, segments, shard.size, &etag)?;
+            let info = &file.info;
+            let segments = match &file.source {
+                FileSource::Stored(n) => vec![Segment::Data { shard: *n, offset: 0, len: info.size }],
+                FileSource::Made(bytes) => vec![Segment::Inline(bytes.to_vec())],
+            };
+            let etag = api::etag(info.crc32c, info.size);
+            let mut r = ranged(state, req, &ds, segments, info.size, &etag)?;
             let headers = r.headers_mut();
             headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
-            headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", shard.crc32c)).expect("hex"));
+            headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", info.crc32c)).expect("hex"));
             Ok(r)
         }
     }

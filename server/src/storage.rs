@@ -143,6 +143,10 @@ impl Storage {
                 shards.push(Shard::Mapped(Arc::new(mapped)));
             }
         }
+        // Side files are read whole and seldom (under `raw/`): opened per read.
+        for file in &index.side {
+            shards.push(Shard::Closed { path: root.join(&file.path), size: file.size });
+        }
         let drop_after_read = pread && !fits;
         tracing::info!(
             dataset = name,

@@ -103,3 +103,72 @@ fn webdataset_reads_tar_batches_in_plan_order() {
     assert_eq!(got["records"].as_array().unwrap(), &want);
     rt.block_on(server.running.shutdown());
 }
+
+/// `[key, label, crc32c of the image]` of every sample in source order (the shards' own order).
+fn source_records(fx: &common::Fixture) -> Vec<Value> {
+    (0..fx.options.samples)
+        .map(|i| {
+            let s = gen::sample(&fx.options, i);
+            serde_json::json!([s.key, s.label, batchfs::crc::crc32c(&s.data)])
+        })
+        .collect()
+}
+
+/// An unchanged DALI pipeline over the original shards, `raw/*.tfrecord` with the `.idx` twins the
+/// mount shows beside them (DALI's format, made from the server's index), mmap and not.
+#[test]
+fn dali_reads_the_original_shards_under_raw_with_their_index_twins() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 300, 6_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=32");
+    let raw = mounted.mountpoint.join("raw");
+    for mode in [None, Some("--no-mmap")] {
+        let mut args = vec!["dali", raw.to_str().unwrap(), "--records"];
+        args.extend(mode);
+        let Some(got) = run_loader("python3", "nvidia.dali", &args) else { return };
+        assert!(got["records"].as_array().unwrap() == &source_records(&fx), "{mode:?}");
+    }
+    let stats = common::mount_stats(&mounted.mountpoint);
+    assert_eq!((stats["checksum_errors"].as_u64(), stats["errors"].as_u64()), (Some(0), Some(0)), "{stats}");
+    rt.block_on(server.running.shutdown());
+}
+
+/// WebDataset over the original tar shards, `raw/*.tar`.
+#[test]
+fn webdataset_reads_the_original_tars_under_raw() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tar, 120, 3_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=10");
+    let raw = mounted.mountpoint.join("raw");
+    let Some(got) = run_loader("python3", "webdataset", &["wds", raw.to_str().unwrap(), "--records"]) else {
+        return;
+    };
+    assert!(got["records"].as_array().unwrap() == &source_records(&fx));
+    rt.block_on(server.running.shutdown());
+}
+
+/// The `lmdb` package opens `raw/` as its environment, read-only: without a lock (`lock=False`), and
+/// with one, where LMDB finds the filesystem read-only (EROFS) and goes on without the lock file.
+/// Every record equals what the same reader gets from the dataset directory itself.
+#[test]
+fn the_lmdb_package_reads_raw_data_mdb_read_only() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Lmdb, 200, 3_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=16");
+    let raw = mounted.mountpoint.join("raw");
+    let Some(want) = run_loader("python3", "lmdb", &["lmdb", fx.path.to_str().unwrap(), "--records"]) else {
+        return;
+    };
+    assert_eq!(want["samples"], 200);
+    for lock in [None, Some("--lock")] {
+        let mut args = vec!["lmdb", raw.to_str().unwrap(), "--records"];
+        args.extend(lock);
+        let got = run_loader("python3", "lmdb", &args).unwrap();
+        assert!(got["records"] == want["records"], "{lock:?}");
+    }
+    assert!(!raw.join("lock.mdb").exists(), "no lock file was made");
+    rt.block_on(server.running.shutdown());
+}

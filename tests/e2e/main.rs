@@ -5,4 +5,5 @@ mod common;
 mod loaders;
 mod mount;
 mod netem;
+mod raw;
 mod server;

@@ -329,14 +329,7 @@ fn raw_shows_the_source_files_prefetched_in_directory_order() {
     assert_eq!(shard, std::fs::read(shards.path.join("shard-000002.tar")).unwrap());
     assert!(!mounted.mountpoint.join("raw/.batchfs-index").exists());
     drop(mounted);
-    // A TFRecord dataset has no raw/.
-    let records = fixture(SourceFormat::Tfrecord, 8, 1000);
-    let server2 = rt.block_on(serve(&[("d", &records.path)], ServeWith::default()));
-    let (_dir, mounted) = common::mount(&server2, "d", "batch_size=4");
-    assert!(!mounted.mountpoint.join("raw").exists());
-    drop(mounted);
     rt.block_on(server.running.shutdown());
-    rt.block_on(server2.running.shutdown());
 }
 
 #[test]

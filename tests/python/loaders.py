@@ -6,12 +6,17 @@
     loaders.py torch DIR                PyTorch DataLoader, 4 worker processes, batch_size=None: each item
                                         is one batch file read whole (Debian's python3-torch)
     loaders.py wds DIR                  webdataset.WebDataset over DIR/*.tar
+    loaders.py lmdb DIR [--lock]        the lmdb package: the environment DIR (DIR/data.mdb) opened
+                                        read-only, lock=False (with --lock, lock=True: LMDB then finds the
+                                        filesystem read-only and goes on without a lock file), every
+                                        record in key order by a cursor
 
 Options:
     --consume-mbps R    a consumer at R MB/s (a GPU step per batch) that overlaps with loading, as training
                         does; without it the loader runs as fast as it can
     --records           also list every sample as [key, label, crc32c] (dali, wds) or every file as
-                        [name, bytes, crc32c] (torch), in the order the loader delivered them
+                        [name, bytes, crc32c] (torch) or every record as [key, bytes, crc32c] (lmdb),
+                        in the order the loader delivered them
 
 The JSON: loader, samples, bytes, build_s (pipeline build, for DALI: reading the .idx twins), epoch_s
 (build included), records if asked. Files are taken in name order, as a user's glob would list them.
@@ -165,8 +170,26 @@ def run_wds(directory, consumer, want_records):
     return samples, nbytes, build_s, records
 
 
+def run_lmdb(directory, consumer, want_records, lock):
+    import lmdb
+
+    started = time.monotonic()
+    env = lmdb.open(directory, readonly=True, lock=lock)
+    build_s = time.monotonic() - started
+    samples, nbytes, records = 0, 0, []
+    with env.begin() as txn:
+        for key, value in txn.cursor():
+            samples += 1
+            nbytes += len(value)
+            if want_records:
+                records.append([key.decode("utf-8", "replace"), len(value), crc(value)])
+            consumer.consume(len(value))
+    env.close()
+    return samples, nbytes, build_s, records
+
+
 def main(argv):
-    if len(argv) < 3 or argv[1] not in ("dali", "torch", "wds"):
+    if len(argv) < 3 or argv[1] not in ("dali", "torch", "wds", "lmdb"):
         sys.exit(__doc__)
     loader, directory = argv[1], argv[2]
     rest = argv[3:]
@@ -176,12 +199,14 @@ def main(argv):
     want = "--records" in rest
     consumer = Consumer(mbps)
     # Imported before the clock starts: a training job has its loader imported long before an epoch.
-    __import__({"dali": "nvidia.dali", "torch": "torch.utils.data", "wds": "webdataset"}[loader])
+    __import__({"dali": "nvidia.dali", "torch": "torch.utils.data", "wds": "webdataset", "lmdb": "lmdb"}[loader])
     started = time.monotonic()
     if loader == "dali":
         samples, nbytes, build_s, records = run_dali(directory, "--no-mmap" not in rest, consumer, want)
     elif loader == "torch":
         samples, nbytes, build_s, records = run_torch(directory, consumer, want)
+    elif loader == "lmdb":
+        samples, nbytes, build_s, records = run_lmdb(directory, consumer, want, "--lock" in rest)
     else:
         samples, nbytes, build_s, records = run_wds(directory, consumer, want)
     out = {

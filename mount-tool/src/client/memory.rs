@@ -29,6 +29,10 @@ pub struct MemoryClient {
     bodies: Box<dyn Fn(u64, BatchFormat) -> Vec<Bytes> + Send + Sync>,
     /// Source files, by path.
     pub files: Vec<(String, Bytes)>,
+    /// The chunk size the file list gives (each file larger than one is checked chunk by chunk).
+    pub chunk_bytes: u64,
+    /// The ranges of source files fetched: (path, offset, length).
+    pub ranges: Mutex<Vec<(String, u64, u64)>>,
     faults: Mutex<Vec<Fault>>,
     /// Fetch calls made, successful or not.
     pub fetches: AtomicU64,
@@ -53,6 +57,8 @@ impl MemoryClient {
             },
             bodies: Box::new(bodies),
             files: Vec::new(),
+            chunk_bytes: batchfs::index::CHUNK_BYTES,
+            ranges: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
             fetches: AtomicU64::new(0),
             delay: Mutex::new(Duration::ZERO),
@@ -98,12 +104,18 @@ impl BatchClient for MemoryClient {
 
     fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>> {
         Box::pin(async move {
+            let chunk = self.chunk_bytes as usize;
             let files = self
                 .files
                 .iter()
-                .map(|(path, b)| api::FileEntry { path: path.clone(), size: b.len() as u64, crc32c: crc32c::crc32c(b) })
+                .map(|(path, b)| api::FileEntry {
+                    path: path.clone(),
+                    size: b.len() as u64,
+                    crc32c: crc32c::crc32c(b),
+                    chunks: if b.len() > chunk { b.chunks(chunk).map(crc32c::crc32c).collect() } else { vec![] },
+                })
                 .collect();
-            Ok(FileList { files })
+            Ok(FileList { chunk_bytes: self.chunk_bytes, files })
         })
     }
 
@@ -124,8 +136,19 @@ impl BatchClient for MemoryClient {
         })
     }
 
-    fn fetch_file(&self, path: &str, _attempt: u32, into: Sink, _expect: u64) -> BoxFut<'_, Result<Body, ClientError>> {
-        let body = self.files.iter().find(|(p, _)| p == path).map(|(_, b)| b.clone());
+    fn fetch_file(
+        &self,
+        path: &str,
+        offset: u64,
+        _attempt: u32,
+        into: Sink,
+        expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>> {
+        self.ranges.lock().expect("ranges").push((path.to_owned(), offset, expect));
+        let body = self.files.iter().find(|(p, _)| p == path).map(|(_, b)| {
+            let start = (offset as usize).min(b.len());
+            b.slice(start..(start + expect as usize).min(b.len()))
+        });
         Box::pin(self.serve(body, into))
     }
 }

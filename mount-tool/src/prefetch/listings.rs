@@ -1,6 +1,7 @@
 //! The listings a mount shows, as the prefetcher knows them: each epoch's manifest per format (the sizes
 //! and checksums of its batch files; the last 16 used are kept) and the dataset's source files (`raw/`,
-//! fetched once, seen as a manifest too so that its files are cached like batches). Also which next
+//! fetched once, seen as a manifest of chunks so that they are cached like batches: each file of more
+//! than one chunk is fetched and checked chunk by chunk, in ranges). Also which next
 //! epochs a background task is warming now, so that the reads near an epoch's end start one task, not one
 //! each.
 //!
@@ -8,7 +9,7 @@
 //! what was fetched and answers from it without blocking.
 
 use crate::sync::{Arc, Mutex};
-use batchfs::api::{BatchEntry, FileList, Manifest};
+use batchfs::api::{BatchEntry, FileEntry, FileList, Manifest};
 use batchfs::encode::BatchFormat;
 use lru::LruCache;
 use std::collections::HashSet;
@@ -24,11 +25,47 @@ pub(super) struct Listings {
     warming: Mutex<HashSet<u64>>,
 }
 
-/// The source files and their manifest.
+/// The source files and their manifest of chunks.
 #[derive(Clone)]
 pub(super) struct Raw {
     pub files: Arc<FileList>,
+    /// One entry per chunk: the chunks of file 0, then of file 1, and so on.
     pub manifest: Arc<Manifest>,
+    /// The first chunk of each file, and the number of chunks last.
+    pub first_chunk: Arc<Vec<u64>>,
+}
+
+impl Raw {
+    /// The chunks of file `file`, if it exists.
+    pub fn chunks_of(&self, file: u64) -> Option<std::ops::Range<u64>> {
+        let f = file as usize;
+        Some(*self.first_chunk.get(f)?..*self.first_chunk.get(f + 1)?)
+    }
+
+    /// The file holding chunk `chunk`, and the chunk's offset in it.
+    pub fn chunk(&self, chunk: u64) -> Option<(&FileEntry, u64)> {
+        let file = self.first_chunk.partition_point(|&c| c <= chunk).checked_sub(1)?;
+        let entry = self.files.files.get(file)?;
+        Some((entry, (chunk - self.first_chunk[file]) * self.files.chunk_bytes))
+    }
+}
+
+/// The CRC32C of each chunk of `file`, of `chunk_bytes` each: the one CRC of the whole file when the
+/// list gives no chunks, or gives a number that does not match the size (fetched whole then).
+fn chunk_crcs(file: &FileEntry, chunk_bytes: u64) -> Vec<(u64, u32)> {
+    let n = file.size.div_ceil(chunk_bytes.max(1));
+    if file.chunks.is_empty() || file.chunks.len() as u64 != n || n < 2 {
+        return vec![(file.size, file.crc32c)];
+    }
+    let mut left = file.size;
+    file.chunks
+        .iter()
+        .map(|&crc| {
+            let len = left.min(chunk_bytes);
+            left -= len;
+            (len, crc)
+        })
+        .collect()
 }
 
 /// What warming the next epoch needs: its manifest if cached, and the format of index twins to fetch
@@ -86,18 +123,26 @@ impl Listings {
     }
 
     /// Keeps the source files (the first list fetched wins, so every caller sees the same one) and
-    /// derives their manifest: one entry per file, in the list's order.
-    pub fn put_raw(&self, files: FileList) -> Raw {
+    /// derives their manifest: one entry per chunk, file after file in the list's order.
+    pub fn put_raw(&self, mut files: FileList) -> Raw {
         let mut raw = self.raw.lock().expect("raw");
         if let Some(raw) = &*raw {
             return raw.clone();
         }
-        let batches: Vec<BatchEntry> = files
-            .files
-            .iter()
-            .enumerate()
-            .map(|(i, f)| BatchEntry { index: i as u64, samples: 1, bytes: f.size, crc32c: f.crc32c })
-            .collect();
+        let mut batches: Vec<BatchEntry> = Vec::with_capacity(files.files.len());
+        let mut first_chunk = Vec::with_capacity(files.files.len() + 1);
+        for file in &mut files.files {
+            first_chunk.push(batches.len() as u64);
+            let chunks = chunk_crcs(file, files.chunk_bytes);
+            if chunks.len() == 1 {
+                // Fetched whole: the chunk list, if any, is not needed.
+                file.chunks = Vec::new();
+            }
+            for (bytes, crc32c) in chunks {
+                batches.push(BatchEntry { index: batches.len() as u64, samples: 1, bytes, crc32c });
+            }
+        }
+        first_chunk.push(batches.len() as u64);
         let manifest = Manifest {
             dataset: String::new(),
             epoch: 0,
@@ -107,15 +152,16 @@ impl Listings {
             bytes: batches.iter().map(|b| b.bytes).sum(),
             batches,
         };
-        let made = Raw { files: Arc::new(files), manifest: Arc::new(manifest) };
+        let made = Raw { files: Arc::new(files), manifest: Arc::new(manifest), first_chunk: Arc::new(first_chunk) };
         *raw = Some(made.clone());
         made
     }
 
-    /// The dataset path of source file `index`, if the list is here.
-    pub fn raw_path(&self, index: u64) -> Option<String> {
+    /// The dataset path of the file holding chunk `chunk`, and the chunk's offset in it, if the list is
+    /// here.
+    pub fn raw_chunk(&self, chunk: u64) -> Option<(String, u64)> {
         let raw = self.raw.lock().expect("raw");
-        raw.as_ref().and_then(|r| r.files.files.get(index as usize)).map(|f| f.path.clone())
+        raw.as_ref().and_then(|r| r.chunk(chunk)).map(|(f, offset)| (f.path.clone(), offset))
     }
 }
 
@@ -137,16 +183,30 @@ mod tests {
     }
 
     #[test]
-    fn source_files_are_a_manifest_and_the_first_list_wins() {
+    fn source_files_are_a_manifest_of_chunks_and_the_first_list_wins() {
         let listings = Listings::new();
-        let entry = |path: &str, size| FileEntry { path: path.into(), size, crc32c: size as u32 };
-        let raw = listings.put_raw(FileList { files: vec![entry("a/x.tar", 5), entry("b.tar", 7)] });
-        assert_eq!(raw.manifest.bytes, 12);
-        assert_eq!(raw.manifest.batches[1], BatchEntry { index: 1, samples: 1, bytes: 7, crc32c: 7 });
-        listings.put_raw(FileList { files: vec![] });
-        assert_eq!(listings.raw().unwrap().files.files.len(), 2);
-        assert_eq!(listings.raw_path(0).as_deref(), Some("a/x.tar"));
-        assert_eq!(listings.raw_path(2), None);
+        let entry =
+            |path: &str, size, chunks: Vec<u32>| FileEntry { path: path.into(), size, crc32c: size as u32, chunks };
+        let files = vec![
+            entry("a/x.tar", 5, vec![]),
+            entry("b.tar", 25, vec![1, 2, 3]),
+            entry("c", 0, vec![]),
+            // Chunks that do not match the size: fetched whole, checked by the whole file's CRC.
+            entry("d", 15, vec![9]),
+        ];
+        let raw = listings.put_raw(FileList { chunk_bytes: 10, files });
+        assert_eq!(raw.manifest.bytes, 45);
+        let entries: Vec<(u64, u32)> = raw.manifest.batches.iter().map(|b| (b.bytes, b.crc32c)).collect();
+        assert_eq!(entries, [(5, 5), (10, 1), (10, 2), (5, 3), (0, 0), (15, 15)]);
+        assert_eq!(raw.chunks_of(1), Some(1..4));
+        assert_eq!(raw.chunks_of(2), Some(4..5));
+        assert_eq!(raw.chunks_of(4), None);
+        listings.put_raw(FileList { chunk_bytes: 10, files: vec![] });
+        assert_eq!(listings.raw().unwrap().files.files.len(), 4);
+        assert_eq!(listings.raw_chunk(0), Some(("a/x.tar".into(), 0)));
+        assert_eq!(listings.raw_chunk(3), Some(("b.tar".into(), 20)));
+        assert_eq!(listings.raw_chunk(5), Some(("d".into(), 0)));
+        assert_eq!(listings.raw_chunk(6), None);
     }
 
     #[test]
