@@ -230,6 +230,12 @@ pub struct DatasetInfo {
     pub classes: Vec<String>,
     /// Corrupt regions skipped while indexing.
     pub skipped: u64,
+    /// The record size of `tfrecord.slots` batches (the largest TFRecord frame plus 2 bytes).
+    #[serde(default)]
+    pub slot_bytes: u64,
+    /// The mean TFRecord frame, in bytes (what a record of a `tfrecord` batch takes on average).
+    #[serde(default)]
+    pub mean_frame_bytes: u64,
 }
 
 /// `GET /v1/datasets`.

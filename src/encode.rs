@@ -11,6 +11,14 @@
 //!   features `key` (bytes), `label` (int64, -1 when none) and the sample's bytes: `data` for a
 //!   single-part sample, else one bytes feature per part named `data/EXT` (`data/jpg`, `data/cls`...).
 //! - `tfrecord.idx`: DALI's index of that TFRecord batch: one `offset size` line per record.
+//! - `tfrecord.slots`: TFRecord frames of one fixed size, the dataset's *slot* (its largest frame plus
+//!   2 bytes, [`slot_bytes`]): each record is the sample's Example (or stored record) followed by one
+//!   padding field, field 15 of wire type 2 holding zeros, that fills the frame to the slot. Protobuf
+//!   parsers skip an unknown field, so the record decodes to the same features; and record *j* of every
+//!   batch of every epoch sits at `j * slot` with size `slot`, so a DALI pipeline that read the index
+//!   once (at build) reads any epoch's batch of the same position. The price: every record takes the
+//!   largest record's room.
+//! - `tfrecord.slots.idx`: its DALI index, `j * slot slot` per record (the same for every epoch).
 //! - `tar`: a POSIX (ustar + pax) tar, one member `KEY.EXT` per part, then two zero blocks. Mode 0644,
 //!   owner 0, mtime 0, so a body is a pure function of the samples.
 
@@ -35,26 +43,63 @@ pub enum BatchFormat {
     /// POSIX tar (WebDataset).
     #[serde(rename = "tar")]
     Tar,
+    /// TFRecord frames of the dataset's fixed slot size (see the module note).
+    #[serde(rename = "tfrecord.slots")]
+    TfrecordSlots,
+    /// DALI's index of a `tfrecord.slots` batch.
+    #[serde(rename = "tfrecord.slots.idx")]
+    TfrecordSlotsIdx,
 }
 
 impl BatchFormat {
     /// All formats.
-    pub const ALL: [BatchFormat; 3] = [BatchFormat::Tfrecord, BatchFormat::TfrecordIdx, BatchFormat::Tar];
+    pub const ALL: [BatchFormat; 5] = [
+        BatchFormat::Tfrecord,
+        BatchFormat::TfrecordIdx,
+        BatchFormat::Tar,
+        BatchFormat::TfrecordSlots,
+        BatchFormat::TfrecordSlotsIdx,
+    ];
 
-    /// Name in the API and the file extension of batch files.
+    /// Name in the API.
     pub fn as_str(self) -> &'static str {
         match self {
             BatchFormat::Tfrecord => "tfrecord",
             BatchFormat::TfrecordIdx => "tfrecord.idx",
             BatchFormat::Tar => "tar",
+            BatchFormat::TfrecordSlots => "tfrecord.slots",
+            BatchFormat::TfrecordSlotsIdx => "tfrecord.slots.idx",
+        }
+    }
+
+    /// The extension of batch files in this format (slots are TFRecord files all the same).
+    pub fn extension(self) -> &'static str {
+        match self {
+            BatchFormat::Tfrecord | BatchFormat::TfrecordSlots => "tfrecord",
+            BatchFormat::TfrecordIdx | BatchFormat::TfrecordSlotsIdx => "tfrecord.idx",
+            BatchFormat::Tar => "tar",
+        }
+    }
+
+    /// Whether this is a DALI index (of another format's batch).
+    pub fn is_index(self) -> bool {
+        matches!(self, BatchFormat::TfrecordIdx | BatchFormat::TfrecordSlotsIdx)
+    }
+
+    /// The format of the DALI index of this format's batches, if it has one.
+    pub fn index(self) -> Option<BatchFormat> {
+        match self {
+            BatchFormat::Tfrecord => Some(BatchFormat::TfrecordIdx),
+            BatchFormat::TfrecordSlots => Some(BatchFormat::TfrecordSlotsIdx),
+            _ => None,
         }
     }
 
     /// The HTTP content type of a body.
     pub fn content_type(self) -> &'static str {
         match self {
-            BatchFormat::Tfrecord => "application/x-tfrecord",
-            BatchFormat::TfrecordIdx => "text/plain; charset=utf-8",
+            BatchFormat::Tfrecord | BatchFormat::TfrecordSlots => "application/x-tfrecord",
+            BatchFormat::TfrecordIdx | BatchFormat::TfrecordSlotsIdx => "text/plain; charset=utf-8",
             BatchFormat::Tar => "application/x-tar",
         }
     }
@@ -70,10 +115,12 @@ impl FromStr for BatchFormat {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        BatchFormat::ALL
-            .into_iter()
-            .find(|f| f.as_str() == s)
-            .ok_or_else(|| format!("unknown batch format {s:?}: expected tfrecord, tfrecord.idx or tar"))
+        BatchFormat::ALL.into_iter().find(|f| f.as_str() == s).ok_or_else(|| {
+            format!(
+                "unknown batch format {s:?}: expected tfrecord, tfrecord.idx, tar, tfrecord.slots or \
+                     tfrecord.slots.idx"
+            )
+        })
     }
 }
 
@@ -206,6 +253,87 @@ fn push_tfrecord(b: &mut LayoutBuilder, index: &Index, sample: &Sample) -> u64 {
     tfrecord::frame_len(example_crc.len())
 }
 
+/// The field number and wire type (2: length-delimited) of the padding field of `tfrecord.slots` records.
+const PAD_TAG: u8 = (15 << 3) | 2;
+/// The smallest padding field: its tag and a zero length.
+pub const MIN_PAD: u64 = 2;
+
+/// The slot of `tfrecord.slots` batches: the dataset's largest TFRecord frame plus [`MIN_PAD`].
+pub fn slot_bytes(index: &Index) -> u64 {
+    frame_sizes(index).slot
+}
+
+/// The TFRecord frames of a dataset's samples, as `tfrecord` batches hold them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameSizes {
+    /// The slot of `tfrecord.slots` batches: the largest frame plus [`MIN_PAD`].
+    pub slot: u64,
+    /// The mean frame (0 without samples).
+    pub mean: u64,
+}
+
+/// The slot and the mean frame, in one pass over the samples (the server computes it once per
+/// dataset).
+pub fn frame_sizes(index: &Index) -> FrameSizes {
+    let (mut max, mut total) = (0, 0u64);
+    for sample in &index.samples {
+        let frame = tfrecord_frame_len(index, sample);
+        max = max.max(frame);
+        total += frame;
+    }
+    FrameSizes { slot: max + MIN_PAD, mean: total.checked_div(index.samples.len() as u64).unwrap_or(0) }
+}
+
+/// A protobuf field of exactly `len` bytes (at least [`MIN_PAD`]) that parsers skip: field 15, wire type
+/// 2, holding zeros. Where no length fits one field exactly (its varint growing by a byte at the
+/// boundary), an empty field goes first.
+pub fn pad_field(len: u64) -> Vec<u8> {
+    assert!(len >= MIN_PAD, "a padding field takes at least {MIN_PAD} bytes");
+    for varint in 1..=10u64 {
+        let Some(body) = len.checked_sub(1 + varint) else { break };
+        let mut out = vec![PAD_TAG];
+        proto::put_varint(&mut out, body);
+        if out.len() as u64 == 1 + varint {
+            out.resize(len as usize, 0);
+            return out;
+        }
+    }
+    let mut out = vec![PAD_TAG, 0];
+    out.extend(pad_field(len - 2));
+    out
+}
+
+/// Appends the `tfrecord.slots` frame of one sample: its payload, then a padding field filling the frame
+/// to `slot` bytes.
+fn push_tfrecord_slot(b: &mut LayoutBuilder, index: &Index, sample: &Sample, slot: u64) {
+    let pieces: Vec<Piece> = if index.format() == SourceFormat::Tfrecord {
+        vec![Piece::Part { index: 0, len: sample.parts[0].len }]
+    } else {
+        example_for(sample)
+    };
+    let mut payload = CrcBuilder::new();
+    for piece in &pieces {
+        match piece {
+            Piece::Inline(bytes) => payload.push_bytes(bytes),
+            Piece::Part { index: i, .. } => payload.push_crc(sample.parts[*i].crc32c, sample.parts[*i].len),
+        }
+    }
+    let pad = pad_field(slot - tfrecord::frame_len(payload.len()));
+    payload.push_bytes(&pad);
+    b.inline(&tfrecord::frame_header(payload.len()));
+    for piece in &pieces {
+        match piece {
+            Piece::Inline(bytes) => b.inline(bytes),
+            Piece::Part { index: i, .. } => {
+                let p = &sample.parts[*i];
+                b.data(p.shard, p.offset, p.len, p.crc32c);
+            }
+        }
+    }
+    b.inline(&pad);
+    b.inline(&tfrecord::frame_footer(payload.crc()));
+}
+
 /// Size of the TFRecord frame of one sample, without building it.
 fn tfrecord_frame_len(index: &Index, sample: &Sample) -> u64 {
     if index.format() == SourceFormat::Tfrecord {
@@ -280,11 +408,18 @@ pub fn shard_index_twins(index: &Index) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-/// The layout of the batch made of `samples` (indices into `index.samples`), in `format`.
-pub fn layout(index: &Index, samples: &[u32], format: BatchFormat) -> BatchLayout {
+/// The layout of the batch made of `samples` (indices into `index.samples`), in `format`; `slot` is the
+/// record size of the slots formats ([`slot_bytes`] of the index), unused by the others.
+pub fn layout(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -> BatchLayout {
     let mut b = LayoutBuilder::default();
     let samples = samples.iter().map(|&i| &index.samples[i as usize]);
     match format {
+        BatchFormat::TfrecordSlots => {
+            for sample in samples {
+                push_tfrecord_slot(&mut b, index, sample, slot);
+            }
+        }
+        BatchFormat::TfrecordSlotsIdx => b.inline(&dali_index(samples.map(|_| slot))),
         BatchFormat::Tfrecord => {
             for sample in samples {
                 push_tfrecord(&mut b, index, sample);
@@ -411,7 +546,7 @@ mod tests {
         fn tfrecord_wrapping_decodes_to_samples(samples in arb_samples(3)) {
             let (index, shard) = files_index(&samples, SourceFormat::Files);
             let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
-            let layout = layout(&index, &order, BatchFormat::Tfrecord);
+            let layout = layout(&index, &order, BatchFormat::Tfrecord, 0);
             let body = materialize(&layout, read_from(&shard));
             prop_assert_eq!(body.len() as u64, layout.len);
             prop_assert_eq!(crc::crc32c(&body), layout.crc32c);
@@ -441,7 +576,7 @@ mod tests {
         fn tfrecord_passthrough_is_byte_exact(samples in arb_samples(1)) {
             let (index, shard) = files_index(&samples, SourceFormat::Tfrecord);
             let order: Vec<u32> = (0..samples.len() as u32).collect();
-            let layout = layout(&index, &order, BatchFormat::Tfrecord);
+            let layout = layout(&index, &order, BatchFormat::Tfrecord, 0);
             // In index order the frames are contiguous: one coalesced range for the whole batch.
             prop_assert_eq!(layout.segments.len(), 1);
             let body = materialize(&layout, read_from(&shard));
@@ -453,7 +588,7 @@ mod tests {
         fn tar_decodes_to_samples(samples in arb_samples(3)) {
             let (index, shard) = files_index(&samples, SourceFormat::Tar);
             let order: Vec<u32> = (0..samples.len() as u32).collect();
-            let layout = layout(&index, &order, BatchFormat::Tar);
+            let layout = layout(&index, &order, BatchFormat::Tar, 0);
             let body = materialize(&layout, read_from(&shard));
             prop_assert_eq!(body.len() as u64, layout.len);
             prop_assert_eq!(body.len() % 512, 0);
@@ -472,11 +607,73 @@ mod tests {
     }
 
     proptest! {
+        /// Every `tfrecord.slots` frame is one slot long, passes the TFRecord checks, and its payload is
+        /// the packed record's payload followed by padding that decodes as one skipped field: the
+        /// Example's features are the same. Its index lists `j * slot slot`.
+        #[test]
+        fn slots_are_fixed_frames_that_decode_like_the_packed_records(
+            samples in arb_samples(2),
+            tfrecord_source: bool,
+        ) {
+            let source = if tfrecord_source { SourceFormat::Tfrecord } else { SourceFormat::Files };
+            // A TFRecord source has one part (the record) per sample.
+            let one_part = |(k, l, p): TestSample| (k, l, p[..1].to_vec());
+            let samples: Vec<TestSample> =
+                if tfrecord_source { samples.into_iter().map(one_part).collect() } else { samples };
+            let (index, shard) = files_index(&samples, source);
+            let slot = slot_bytes(&index);
+            let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
+            let packed = materialize(&layout(&index, &order, BatchFormat::Tfrecord, 0), read_from(&shard));
+            let slots = layout(&index, &order, BatchFormat::TfrecordSlots, slot);
+            let body = materialize(&slots, read_from(&shard));
+            prop_assert_eq!((body.len() as u64, crc::crc32c(&body)), (slots.len, slots.crc32c));
+            prop_assert_eq!(body.len() as u64, slot * samples.len() as u64);
+            let records: Vec<_> = tfrecord::Scanner::new(&body, true).collect::<Result<_, _>>().unwrap();
+            let originals: Vec<_> = tfrecord::Scanner::new(&packed, true).collect::<Result<_, _>>().unwrap();
+            for (j, (rec, orig)) in records.iter().zip(&originals).enumerate() {
+                prop_assert_eq!((rec.frame_offset, rec.frame_len()), (j as u64 * slot, slot));
+                let data = &body[rec.data_offset() as usize..(rec.data_offset() + rec.len) as usize];
+                let want = &packed[orig.data_offset() as usize..(orig.data_offset() + orig.len) as usize];
+                prop_assert_eq!(&data[..want.len()], want);
+                prop_assert_eq!(skip_fields(&data[want.len()..]), Some(15));
+                if !tfrecord_source {
+                    let (key, label, _) = &samples[order[j] as usize];
+                    let feature = |name| proto::example_feature(data, name).unwrap();
+                    prop_assert_eq!(feature("key"), Some(FeatureValue::Bytes(vec![key.as_bytes()])));
+                    prop_assert_eq!(feature("label"), Some(FeatureValue::Int64(vec![*label])));
+                }
+            }
+            let idx_layout = layout(&index, &order, BatchFormat::TfrecordSlotsIdx, slot);
+            let idx = materialize(&idx_layout, |_, _, _| unreachable!("the index is inline"));
+            let want: String = (0..samples.len() as u64).map(|j| format!("{} {slot}\n", j * slot)).collect();
+            prop_assert_eq!(String::from_utf8(idx).unwrap(), want);
+        }
+    }
+
+    /// The field numbers of `bytes` as protobuf fields, if they parse to the end: the padding is field 15,
+    /// zeros, once or twice.
+    fn skip_fields(bytes: &[u8]) -> Option<u32> {
+        let fields: Vec<(u32, proto::Value)> = proto::fields(bytes).collect::<Result<_, _>>().ok()?;
+        let zeros =
+            fields.iter().all(|(n, v)| *n == 15 && matches!(v, proto::Value::Bytes(b) if b.iter().all(|&x| x == 0)));
+        (zeros && (1..=2).contains(&fields.len())).then_some(15)
+    }
+
+    #[test]
+    fn padding_fields_are_exactly_as_long_as_asked() {
+        for len in (MIN_PAD..20_000).chain([2_097_151, 2_097_152, 2_097_153, 2_097_154]) {
+            let pad = pad_field(len);
+            assert_eq!(pad.len() as u64, len);
+            assert_eq!(skip_fields(&pad), Some(15), "{len}");
+        }
+    }
+
+    proptest! {
         #[test]
         fn slices_match_the_body(samples in arb_samples(2), a in 0u64..20_000, b in 0u64..20_000) {
             let (index, shard) = files_index(&samples, SourceFormat::Files);
             let order: Vec<u32> = (0..samples.len() as u32).collect();
-            let layout = layout(&index, &order, BatchFormat::Tar);
+            let layout = layout(&index, &order, BatchFormat::Tar, 0);
             let body = materialize(&layout, read_from(&shard));
             let (start, end) = (a.min(b).min(layout.len), a.max(b).min(layout.len));
             let segments = slice_segments(&layout.segments, start, end);
@@ -486,7 +683,7 @@ mod tests {
     }
 
     fn layout_idx(index: &Index, order: &[u32]) -> Vec<u8> {
-        let l = layout(index, order, BatchFormat::TfrecordIdx);
+        let l = layout(index, order, BatchFormat::TfrecordIdx, 0);
         materialize(&l, |_, _, _| unreachable!("the index is inline"))
     }
 

@@ -71,6 +71,12 @@ pub struct MountArgs {
     /// Epoch directories listed [default: 1]
     #[arg(long, help_heading = "Plan", value_name = "N")]
     pub epochs: Option<String>,
+    /// The epoch the first open of each rolling/ file serves [default: 0]
+    #[arg(long, help_heading = "Plan", value_name = "N")]
+    pub first_epoch: Option<String>,
+    /// Layout of TFRecord files in rolling/: auto, slots or packed [default: auto]
+    #[arg(long, help_heading = "Plan", value_name = "LAYOUT")]
+    pub rolling: Option<String>,
     /// Batches kept in flight ahead of each reader [default: 16; 0 disables]
     #[arg(long, help_heading = "Prefetch", value_name = "N")]
     pub prefetch: Option<String>,
@@ -134,6 +140,8 @@ impl MountArgs {
             ("shuffle", &self.shuffle),
             ("format", &self.format),
             ("epochs", &self.epochs),
+            ("first_epoch", &self.first_epoch),
+            ("rolling", &self.rolling),
             ("prefetch", &self.prefetch),
             ("max_prefetch_bytes", &self.max_prefetch_bytes),
             ("cache", &self.cache),

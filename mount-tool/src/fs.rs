@@ -6,10 +6,12 @@
 //! /epoch-NNNN/            batch-000000.tfrecord (+ batch-000000.tfrecord.idx) | batch-000000.tar
 //! /.batchfs/stats         live JSON counters
 //! /raw/...                the dataset directory's files as they are on the server (every source)
+//! /rolling/               one epoch's names; each open of one serves the next epoch of that file
 //! ```
 //! Inode numbers encode what they name, so no table grows with the epochs read: the root is 1,
-//! `.batchfs` 2, its `stats` 3, epoch directory *e* is `2^40 + e`, and batch *b* of epoch *e* is
-//! `2^62 + e·2^36 + b·4 + kind` (kind 0: the batch, 1: its DALI index); node *n* of the `raw/` tree
+//! `.batchfs` 2, its `stats` 3, `rolling` 4, epoch directory *e* is `2^40 + e`, and batch *b* of epoch
+//! *e* is `2^62 + e·2^36 + b·4 + kind` (kind 0: the batch, 1: its DALI index, 2 and 3: the same as seen
+//! in `rolling/`, whose layout may differ and whose opens advance its epochs); node *n* of the `raw/` tree
 //! (built from the server's file list on first use) is `2^41 + n` for a directory, `2^42 + n` for a
 //! file. Any epoch number up to 999,999 resolves by name, listed or not. `stat` and `readdir` use
 //! manifests only, never sample data.
@@ -27,6 +29,7 @@ use thiserror::Error;
 pub const ROOT: u64 = 1;
 pub const META_DIR: u64 = 2;
 pub const STATS_FILE: u64 = 3;
+pub const ROLLING_DIR: u64 = 4;
 const EPOCH_BASE: u64 = 1 << 40;
 const RAW_DIR_BASE: u64 = 1 << 41;
 const RAW_FILE_BASE: u64 = 1 << 42;
@@ -36,6 +39,8 @@ const BATCH_BASE: u64 = 1 << 62;
 pub const META_NAME: &str = ".batchfs";
 /// The name of the source-file tree.
 pub const RAW_NAME: &str = "raw";
+/// The name of the rolling epoch view.
+pub const ROLLING_NAME: &str = "rolling";
 
 /// A filesystem error; the FUSE edge maps each variant to one errno.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -81,12 +86,15 @@ pub enum Node {
     MetaDir,
     Stats,
     Epoch(u64),
-    /// A batch file; `index` for the `.tfrecord.idx` twin.
+    /// A batch file; `index` for the `.tfrecord.idx` twin; `rolling` as seen in `rolling/`.
     Batch {
         epoch: u64,
         batch: u64,
         index: bool,
+        rolling: bool,
     },
+    /// `rolling/`.
+    RollingDir,
     /// A directory of the `raw/` tree (node 0 is `raw` itself).
     RawDir(u32),
     /// A source file in the `raw/` tree.
@@ -100,7 +108,10 @@ impl Node {
             Node::MetaDir => META_DIR,
             Node::Stats => STATS_FILE,
             Node::Epoch(e) => EPOCH_BASE + e,
-            Node::Batch { epoch, batch, index } => BATCH_BASE | epoch << 36 | batch << 2 | u64::from(index),
+            Node::Batch { epoch, batch, index, rolling } => {
+                BATCH_BASE | epoch << 36 | batch << 2 | u64::from(rolling) << 1 | u64::from(index)
+            }
+            Node::RollingDir => ROLLING_DIR,
             Node::RawDir(n) => RAW_DIR_BASE + u64::from(n),
             Node::RawFile(n) => RAW_FILE_BASE + u64::from(n),
         }
@@ -111,14 +122,11 @@ impl Node {
             ROOT => Some(Node::Root),
             META_DIR => Some(Node::MetaDir),
             STATS_FILE => Some(Node::Stats),
+            ROLLING_DIR => Some(Node::RollingDir),
             i if i >= BATCH_BASE => {
                 let rest = i - BATCH_BASE;
-                let index = match rest & 3 {
-                    0 => false,
-                    1 => true,
-                    _ => return None,
-                };
-                Some(Node::Batch { epoch: rest >> 36, batch: (rest >> 2) & ((1 << 34) - 1), index })
+                let (index, rolling) = (rest & 1 == 1, rest & 2 == 2);
+                Some(Node::Batch { epoch: rest >> 36, batch: (rest >> 2) & ((1 << 34) - 1), index, rolling })
             }
             i if (EPOCH_BASE..=EPOCH_BASE + MAX_EPOCH).contains(&i) => Some(Node::Epoch(i - EPOCH_BASE)),
             i if (RAW_DIR_BASE..RAW_DIR_BASE + (1 << 32)).contains(&i) => Some(Node::RawDir((i - RAW_DIR_BASE) as u32)),
@@ -130,7 +138,7 @@ impl Node {
     }
 
     pub fn is_dir(self) -> bool {
-        matches!(self, Node::Root | Node::MetaDir | Node::Epoch(_) | Node::RawDir(_))
+        matches!(self, Node::Root | Node::MetaDir | Node::Epoch(_) | Node::RawDir(_) | Node::RollingDir)
     }
 }
 
@@ -141,7 +149,7 @@ pub fn epoch_name(e: u64) -> String {
 
 /// Name of batch file `batch` in `format` (`BatchFormat::TfrecordIdx` for the `.idx` twin).
 pub fn batch_name(batch: u64, format: BatchFormat) -> String {
-    format!("batch-{batch:06}.{}", format.as_str())
+    format!("batch-{batch:06}.{}", format.extension())
 }
 
 fn parse_epoch(name: &str) -> Option<u64> {
@@ -170,6 +178,10 @@ pub struct FsOptions {
     pub time: SystemTime,
     /// Show `raw/` (the dataset's source files).
     pub raw: bool,
+    /// The format of TFRecord batches in `rolling/`: `tfrecord` (packed) or `tfrecord.slots`.
+    pub rolling: BatchFormat,
+    /// The epoch the first open of each `rolling/` file serves.
+    pub first_epoch: u64,
 }
 
 /// One node of the `raw/` tree.
@@ -227,11 +239,20 @@ pub struct Fs {
     prefetcher: Arc<Prefetcher>,
     pub options: FsOptions,
     raw: Mutex<Option<Arc<RawTree>>>,
+    /// The epoch the next open of each `rolling/` file serves, by (batch, index twin); absent:
+    /// `first_epoch`. At most one entry per name of an epoch.
+    rolling: Mutex<std::collections::HashMap<(u64, bool), u64>>,
 }
 
 impl Fs {
     pub fn new(prefetcher: Arc<Prefetcher>, options: FsOptions) -> Self {
-        Fs { prefetcher, options, raw: Mutex::new(None) }
+        Fs { prefetcher, options, raw: Mutex::new(None), rolling: Mutex::new(Default::default()) }
+    }
+
+    /// The epoch the next open of `rolling/` file `(batch, index)` serves.
+    fn rolling_epoch(&self, batch: u64, index: bool) -> u64 {
+        let next = self.rolling.lock().expect("rolling");
+        next.get(&(batch, index)).copied().unwrap_or(self.options.first_epoch)
     }
 
     fn raw_tree(&self) -> Result<Arc<RawTree>, FsError> {
@@ -251,7 +272,7 @@ impl Fs {
     /// The parent directory of directory `ino` (the root is its own).
     pub fn parent(&self, ino: u64) -> u64 {
         match Node::from_ino(ino) {
-            Some(Node::RawDir(0)) | Some(Node::Epoch(_)) | Some(Node::MetaDir) => ROOT,
+            Some(Node::RawDir(0)) | Some(Node::Epoch(_)) | Some(Node::MetaDir) | Some(Node::RollingDir) => ROOT,
             Some(Node::RawDir(n)) => self.raw_tree().map_or(ROOT, |t| Node::RawDir(t.nodes[n as usize].parent).ino()),
             _ => ROOT,
         }
@@ -268,11 +289,16 @@ impl Fs {
         self.prefetcher.stats.passthrough.store(u64::from(on), std::sync::atomic::Ordering::Relaxed);
     }
 
-    fn batch_format(&self, index: bool) -> BatchFormat {
-        if index {
-            BatchFormat::TfrecordIdx
+    /// The format of a batch file (`rolling`: as `rolling/` shows it).
+    fn batch_format(&self, index: bool, rolling: bool) -> BatchFormat {
+        let format = if rolling && self.options.format == BatchFormat::Tfrecord {
+            self.options.rolling
         } else {
             self.options.format
+        };
+        match format.index() {
+            Some(idx) if index => idx,
+            _ => format,
         }
     }
 
@@ -302,11 +328,17 @@ impl Fs {
         let node = match Node::from_ino(parent).ok_or(FsError::NotFound)? {
             Node::Root if name == META_NAME => Node::MetaDir,
             Node::Root if name == RAW_NAME && self.options.raw => Node::RawDir(0),
+            Node::Root if name == ROLLING_NAME => Node::RollingDir,
             Node::Root => Node::Epoch(parse_epoch(name).ok_or(FsError::NotFound)?),
             Node::MetaDir if name == "stats" => Node::Stats,
             Node::Epoch(epoch) => {
                 let (batch, index) = self.parse_batch(name).ok_or(FsError::NotFound)?;
-                Node::Batch { epoch, batch, index }
+                Node::Batch { epoch, batch, index, rolling: false }
+            }
+            // The file the next open gets: the kernel asks again at every open (no entry is cached).
+            Node::RollingDir => {
+                let (batch, index) = self.parse_batch(name).ok_or(FsError::NotFound)?;
+                Node::Batch { epoch: self.rolling_epoch(batch, index), batch, index, rolling: true }
             }
             Node::RawDir(n) => {
                 let tree = self.raw_tree()?;
@@ -333,8 +365,8 @@ impl Fs {
     fn attr(&self, node: Node) -> Result<Attr, FsError> {
         let size = match node {
             Node::Stats => self.stats_json().len() as u64,
-            Node::Batch { epoch, batch, index } => {
-                let manifest = self.prefetcher.manifest(epoch, self.batch_format(index))?;
+            Node::Batch { epoch, batch, index, rolling } => {
+                let manifest = self.prefetcher.manifest(epoch, self.batch_format(index, rolling))?;
                 manifest.batches.get(batch as usize).ok_or(FsError::NotFound)?.bytes
             }
             Node::RawFile(n) => {
@@ -361,24 +393,17 @@ impl Fs {
                 if self.options.raw {
                     out.push((Node::RawDir(0), RAW_NAME.to_owned()));
                 }
+                out.push((Node::RollingDir, ROLLING_NAME.to_owned()));
                 out.extend((0..self.options.epochs.min(MAX_EPOCH + 1)).map(|e| (Node::Epoch(e), epoch_name(e))));
                 Ok(out)
             }
             Node::MetaDir => Ok(vec![(Node::Stats, "stats".to_owned())]),
-            Node::Epoch(epoch) => {
-                let manifest = self.prefetcher.manifest(epoch, self.options.format)?;
-                let with_index = self.options.format == BatchFormat::Tfrecord;
-                let mut out = Vec::with_capacity(manifest.batches.len() * 2);
-                for b in 0..manifest.batches.len() as u64 {
-                    out.push((Node::Batch { epoch, batch: b, index: false }, batch_name(b, self.batch_format(false))));
-                    if with_index {
-                        out.push((
-                            Node::Batch { epoch, batch: b, index: true },
-                            batch_name(b, self.batch_format(true)),
-                        ));
-                    }
-                }
-                Ok(out)
+            Node::Epoch(epoch) => self.batch_entries(epoch, |_, _| epoch, false),
+            // One epoch's names (every epoch has as many batches), each at the epoch its next open gets.
+            Node::RollingDir => {
+                let next = self.rolling.lock().expect("rolling").clone();
+                let first = self.options.first_epoch;
+                self.batch_entries(first, |b, index| next.get(&(b, index)).copied().unwrap_or(first), true)
             }
             Node::RawDir(n) => {
                 let tree = self.raw_tree()?;
@@ -387,6 +412,26 @@ impl Fs {
             }
             Node::Stats | Node::Batch { .. } | Node::RawFile(_) => Err(FsError::NotADirectory),
         }
+    }
+
+    /// The batch files of epoch `listed` (and their index twins), each named in the epoch `epoch_of`
+    /// gives for (batch, index twin).
+    fn batch_entries(
+        &self,
+        listed: u64,
+        epoch_of: impl Fn(u64, bool) -> u64,
+        rolling: bool,
+    ) -> Result<Vec<(Node, String)>, FsError> {
+        let manifest = self.prefetcher.manifest(listed, self.batch_format(false, rolling))?;
+        let with_index = self.options.format.index().is_some();
+        let mut out = Vec::with_capacity(manifest.batches.len() * 2);
+        for b in 0..manifest.batches.len() as u64 {
+            for index in [false, true].into_iter().filter(|&i| !i || with_index) {
+                let node = Node::Batch { epoch: epoch_of(b, index), batch: b, index, rolling };
+                out.push((node, batch_name(b, self.batch_format(index, rolling))));
+            }
+        }
+        Ok(out)
     }
 
     /// Every entry of directory `ino` as `readdir` returns it: `.`, `..`, then [`Fs::readdir`]'s, each as
@@ -398,21 +443,27 @@ impl Fs {
         Ok(out)
     }
 
-    /// Checks that `ino` can be opened for reading.
+    /// Checks that `ino` can be opened for reading. Opening a file of `rolling/` moves that name on: its
+    /// next lookup (the next open's) is the following epoch's file.
     pub fn open(&self, ino: u64, write: bool) -> Result<Node, FsError> {
         let node = Node::from_ino(ino).ok_or(FsError::NotFound)?;
         if write {
             return Err(FsError::ReadOnly);
         }
+        if let Node::Batch { epoch, batch, index, rolling: true } = node {
+            let mut next = self.rolling.lock().expect("rolling");
+            let at = next.entry((batch, index)).or_insert(self.options.first_epoch);
+            // Two opens that looked the name up together both get its epoch; the name moves on once.
+            *at = (*at).max(epoch + 1).min(MAX_EPOCH);
+        }
         Ok(node)
     }
 
-    /// The cached file behind inode `ino`: a batch, its index twin, or a source file.
     /// What file `ino` reads.
     fn source(&self, ino: u64) -> Result<Source, FsError> {
         match Node::from_ino(ino).ok_or(FsError::NotFound)? {
-            Node::Batch { epoch, batch, index } => {
-                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(index))))
+            Node::Batch { epoch, batch, index, rolling } => {
+                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(index, rolling))))
             }
             Node::RawFile(n) => {
                 let file = self.raw_tree()?.nodes.get(n as usize).and_then(|n| n.file).ok_or(FsError::NotFound)?;
@@ -488,7 +539,16 @@ mod tests {
         // Small chunks: every file but `s` is fetched in two ranges, and reads cross chunks.
         client.chunk_bytes = 16;
         let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), PrefetcherConfig::default());
-        let options = FsOptions { epochs: 2, format, uid: 0, gid: 0, time: SystemTime::UNIX_EPOCH, raw: true };
+        let options = FsOptions {
+            epochs: 2,
+            format,
+            uid: 0,
+            gid: 0,
+            time: SystemTime::UNIX_EPOCH,
+            raw: true,
+            rolling: BatchFormat::TfrecordSlots,
+            first_epoch: 0,
+        };
         (rt, Fs::new(p, options))
     }
 
@@ -496,7 +556,7 @@ mod tests {
     fn tree_and_reads() {
         let (_rt, fs) = fs(BatchFormat::Tfrecord);
         let names: Vec<String> = fs.readdir(ROOT).unwrap().into_iter().map(|(_, n)| n).collect();
-        assert_eq!(names, [".batchfs", "raw", "epoch-0000", "epoch-0001"]);
+        assert_eq!(names, [".batchfs", "raw", "rolling", "epoch-0000", "epoch-0001"]);
         let e7 = fs.lookup(ROOT, "epoch-0007").unwrap();
         assert_eq!(e7.node, Node::Epoch(7), "unlisted epochs resolve by name");
         let listing: Vec<String> = fs.readdir(e7.node.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
@@ -511,6 +571,46 @@ mod tests {
         let json: serde_json::Value =
             serde_json::from_slice(&fs.read(stats.node.ino(), 0, 1 << 16, 1).unwrap()).unwrap();
         assert_eq!(json["reads"], 2);
+    }
+
+    #[test]
+    fn each_open_of_a_rolling_name_serves_the_next_epoch_of_that_file() {
+        let (_rt, mut fs) = fs(BatchFormat::Tfrecord);
+        fs.options.first_epoch = 5;
+        let rolling = fs.lookup(ROOT, "rolling").unwrap().node;
+        assert_eq!(rolling, Node::RollingDir);
+        let names: Vec<String> = fs.readdir(rolling.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
+        assert_eq!(names[..2], ["batch-000000.tfrecord", "batch-000000.tfrecord.idx"]);
+        assert_eq!(names.len(), 6);
+        let open = |name: &str| {
+            let attr = fs.lookup(rolling.ino(), name).unwrap();
+            fs.open(attr.node.ino(), false).unwrap();
+            let body = fs.read(attr.node.ino(), 0, 100, 1).unwrap();
+            fs.closed(attr.node.ino());
+            assert_eq!(attr.size, body.len() as u64);
+            String::from_utf8(body.to_vec()).unwrap()
+        };
+        // Looking a name up (stat, ls) moves nothing; each open does, per name.
+        fs.lookup(rolling.ino(), "batch-000001.tfrecord").unwrap();
+        assert_eq!(open("batch-000001.tfrecord"), "tfrecord.slots epoch 5 batch 1");
+        assert_eq!(open("batch-000001.tfrecord"), "tfrecord.slots epoch 6 batch 1");
+        assert_eq!(open("batch-000002.tfrecord"), "tfrecord.slots epoch 5 batch 2");
+        assert_eq!(open("batch-000001.tfrecord.idx"), "tfrecord.slots.idx epoch 5 batch 1");
+        assert_eq!(open("batch-000001.tfrecord"), "tfrecord.slots epoch 7 batch 1");
+        // readdir names each file at the epoch its next open gets.
+        let listed = fs.readdir(rolling.ino()).unwrap();
+        let epoch_of = |name: &str| match listed.iter().find(|(_, n)| n == name).unwrap().0 {
+            Node::Batch { epoch, rolling: true, .. } => epoch,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((epoch_of("batch-000001.tfrecord"), epoch_of("batch-000000.tfrecord")), (8, 5));
+        // Two opens of one looked-up file (two readers that resolved it together) share its epoch.
+        let attr = fs.lookup(rolling.ino(), "batch-000000.tfrecord").unwrap();
+        fs.open(attr.node.ino(), false).unwrap();
+        fs.open(attr.node.ino(), false).unwrap();
+        assert_eq!(open("batch-000000.tfrecord"), "tfrecord.slots epoch 6 batch 0");
+        assert_eq!(fs.lookup(rolling.ino(), "batch-000003.tfrecord").unwrap_err().errno(), libc::ENOENT);
+        assert_eq!(fs.parent(rolling.ino()), ROOT);
     }
 
     #[test]
@@ -562,7 +662,10 @@ mod tests {
 
     /// The reference model of [`fs`]'s tree (tfrecord format): every path, `None` for a directory, the
     /// bytes for a file. `.batchfs/stats` changes as it is read, so the model holds only that it exists.
-    fn model() -> std::collections::BTreeMap<String, Option<Vec<u8>>> {
+    /// The epoch the next open of each `rolling/` name gets, by (batch, index twin); absent: 0.
+    type Next = std::collections::HashMap<(u64, bool), u64>;
+
+    fn model(next: &Next) -> std::collections::BTreeMap<String, Option<Vec<u8>>> {
         let mut m = std::collections::BTreeMap::new();
         for dir in ["", ".batchfs", "raw", "raw/a", "raw/b", "raw/b/c"] {
             m.insert(dir.to_owned(), None);
@@ -581,12 +684,23 @@ mod tests {
                 }
             }
         }
+        // rolling/: each name at the epoch its next open gets, in the slots layout.
+        m.insert("rolling".into(), None);
+        for b in 0..3 {
+            for (index, f) in [(false, BatchFormat::TfrecordSlots), (true, BatchFormat::TfrecordSlotsIdx)] {
+                let e = next.get(&(b, index)).copied().unwrap_or(0);
+                m.insert(
+                    format!("rolling/{}", batch_name(b, f)),
+                    Some(format!("{f} epoch {e} batch {b}").into_bytes()),
+                );
+            }
+        }
         m
     }
 
     /// The paths the operations pick from: the model's, and names that must not resolve.
     fn paths() -> Vec<String> {
-        let mut all: Vec<String> = model().into_keys().collect();
+        let mut all: Vec<String> = model(&Next::new()).into_keys().collect();
         all.extend(
             [
                 "epoch-2",
@@ -601,6 +715,8 @@ mod tests {
                 "top.txt",
                 ".batchfs/other",
                 "epoch-0001/batch-000001.tfrecord/x",
+                "rolling/batch-000003.tfrecord",
+                "rolling/batch-000000.tar",
             ]
             .map(String::from),
         );
@@ -654,13 +770,15 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
         /// Reference model (as mountpoint-s3's reftests): random sequences of lookups, listings, reads,
-        /// opens with their releases and passthrough opens give what the model says, in any order.
+        /// opens with their releases and passthrough opens give what the model says, in any order; each
+        /// open of a `rolling/` name moves it to the next epoch.
         #[test]
         fn operations_match_the_reference_model(ops in proptest::collection::vec(op(), 1..40)) {
             let (_rt, fs) = fs(BatchFormat::Tfrecord);
-            let m = model();
+            let mut next = Next::new();
             let all = paths();
             for op in ops {
+                let m = model(&next);
                 match op {
                     Op::Lookup(i) => {
                         let got = walk(&fs, &all[i]).map(|a| if all[i] == ".batchfs/stats" { 0 } else { a.size });
@@ -707,6 +825,9 @@ mod tests {
                         prop_assert_eq!(fs.open(attr.node.ino(), true).map_err(|e| e.errno()), Err(libc::EROFS));
                         prop_assert!(fs.open(attr.node.ino(), false).is_ok());
                         fs.closed(attr.node.ino());
+                        if let Node::Batch { epoch, batch, index, rolling: true } = attr.node {
+                            next.insert((batch, index), epoch + 1);
+                        }
                     }
                     Op::Backing(i) => {
                         let Ok(attr) = walk(&fs, &all[i]) else { continue };
@@ -736,7 +857,8 @@ mod tests {
         #[test]
         fn inodes_roundtrip(epoch in 0u64..=MAX_EPOCH, batch in 0u64..(1 << 34), index: bool) {
             let (dir, file) = (Node::RawDir(batch as u32), Node::RawFile(batch as u32));
-            for node in [Node::Epoch(epoch), Node::Batch { epoch, batch, index }, dir, file] {
+            let batches = [false, true].map(|rolling| Node::Batch { epoch, batch, index, rolling });
+            for node in [Node::Epoch(epoch), batches[0], batches[1], dir, file, Node::RollingDir] {
                 prop_assert_eq!(Node::from_ino(node.ino()), Some(node));
             }
         }

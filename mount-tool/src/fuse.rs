@@ -183,10 +183,10 @@ impl FuseFs {
     }
 
     fn ttl(node: Node) -> Duration {
-        if node == Node::Stats {
-            Duration::ZERO
-        } else {
-            TTL
+        match node {
+            // A name in rolling/ is a new file at each open: the kernel must look it up every time.
+            Node::Stats | Node::Batch { rolling: true, .. } => Duration::ZERO,
+            _ => TTL,
         }
     }
 }

@@ -4,10 +4,11 @@
 use crate::client::{parse_url, BatchClient, ClientError, HttpClient, HttpConfig};
 use crate::fs::{Fs, FsOptions};
 use crate::fuse::FuseFs;
-use crate::options::MountOptions;
+use crate::options::{MountOptions, Rolling};
 use crate::prefetch::{Prefetcher, PrefetcherConfig};
 use crate::sys;
 use anyhow::{anyhow, bail, Context, Result};
+use batchfs::encode::BatchFormat;
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -47,7 +48,17 @@ pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<Mount
         stall_timeout: options.stall_timeout,
         connect_timeout: Duration::from_secs(10),
     };
-    probe(&http, &options)?;
+    let info = probe(&http, &options)?;
+    let mut options = options;
+    options.rolling = options.rolling.resolve(info.slot_bytes, info.mean_frame_bytes);
+    if options.format == BatchFormat::Tfrecord && options.rolling == Rolling::Packed {
+        tracing::info!(
+            slot = info.slot_bytes,
+            mean_record = info.mean_frame_bytes,
+            "rolling/ holds packed TFRecord batches (records vary too much in size for slots): readers that read \
+             records in sequence get every epoch; a DALI pipeline built once over rolling/ needs rolling=slots"
+        );
+    }
     Ok(MountPlan { url: url.to_owned(), mountpoint, options, http })
 }
 
@@ -150,8 +161,9 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             max_prefetch_bytes: plan.options.max_prefetch_bytes,
             cache_bytes: plan.options.cache,
             timeout: plan.options.timeout,
-            // A window runs on into the next epoch only within the epochs the job reads.
-            last_epoch: plan.options.epochs.saturating_sub(1),
+            // A window runs on into the next epoch only within the epochs the job reads (from
+            // `first_epoch` in rolling/).
+            last_epoch: (plan.options.first_epoch + plan.options.epochs).saturating_sub(1),
             stale_after: plan.options.stale_after,
             ..PrefetcherConfig::default()
         },
@@ -167,6 +179,11 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             gid,
             time: SystemTime::now(),
             raw: true,
+            rolling: match plan.options.rolling {
+                Rolling::Slots => BatchFormat::TfrecordSlots,
+                _ => BatchFormat::Tfrecord,
+            },
+            first_epoch: plan.options.first_epoch,
         },
     );
     Ok((FuseFs::new(fs, plan.options.passthrough), prefetcher))

@@ -16,6 +16,10 @@ pub struct MountOptions {
     pub format: BatchFormat,
     /// Epoch directories listed.
     pub epochs: u64,
+    /// The epoch the first open of each `rolling/` file serves (a job restarted mid-run sets it).
+    pub first_epoch: u64,
+    /// How `rolling/` lays out TFRecord batches.
+    pub rolling: Rolling,
     /// Batches kept in flight ahead of each reader (0: none).
     pub prefetch: usize,
     /// Bytes of prefetches in flight at once, all readers together.
@@ -58,6 +62,8 @@ impl Default for MountOptions {
             plan: PlanOptions::default(),
             format: BatchFormat::Tfrecord,
             epochs: 1,
+            first_epoch: 0,
+            rolling: Rolling::Auto,
             prefetch: 16,
             max_prefetch_bytes: 256 << 20,
             cache: 2 << 30,
@@ -77,6 +83,30 @@ impl Default for MountOptions {
             log_file: None,
             energy_log: None,
             metrics: None,
+        }
+    }
+}
+
+/// The layout of TFRecord files in `rolling/` (docs/SEMANTICS.md, "rolling/").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rolling {
+    /// Fixed-size records (`tfrecord.slots`): one `.idx` twin holds for every epoch, so a DALI pipeline
+    /// built once reads every epoch; every record takes the largest record's room.
+    Slots,
+    /// The batch files as the epoch directories hold them; for readers that read records in sequence.
+    Packed,
+    /// Slots when the largest record is at most twice the mean (the padding costs at most about as much
+    /// as the data), else packed.
+    Auto,
+}
+
+impl Rolling {
+    /// The layout `Auto` resolves to for a dataset with this slot and mean TFRecord frame.
+    pub fn resolve(self, slot: u64, mean_frame: u64) -> Rolling {
+        match self {
+            Rolling::Auto if slot > 0 && slot <= 2 * mean_frame.max(1) => Rolling::Slots,
+            Rolling::Auto => Rolling::Packed,
+            other => other,
         }
     }
 }
@@ -105,12 +135,27 @@ impl MountOptions {
             "batch_size" | "seed" | "shuffle" | "drop_last" | "format" => {
                 let mut query = self.query();
                 query.set(key, value).map_err(|e| e.to_string())?;
-                if query.format == BatchFormat::TfrecordIdx {
-                    return Err("format=tfrecord.idx: a mount shows tfrecord (with .idx twins) or tar".into());
+                if !matches!(query.format, BatchFormat::Tfrecord | BatchFormat::Tar) {
+                    return Err(format!("format={}: a mount shows tfrecord (with .idx twins) or tar", query.format));
                 }
                 (self.plan, self.format) = (query.plan, query.format);
             }
             "epochs" => self.epochs = number(need()?)?,
+            "first_epoch" => {
+                let e = number(need()?)?;
+                if e > batchfs::plan::MAX_EPOCH {
+                    return Err(format!("first_epoch={e}: epochs go up to {}", batchfs::plan::MAX_EPOCH));
+                }
+                self.first_epoch = e;
+            }
+            "rolling" => {
+                self.rolling = match need()? {
+                    "auto" => Rolling::Auto,
+                    "slots" => Rolling::Slots,
+                    "packed" => Rolling::Packed,
+                    v => return Err(format!("rolling={v}: expected auto, slots or packed")),
+                }
+            }
             "prefetch" => self.prefetch = number(need()?)? as usize,
             "max_prefetch_bytes" => self.max_prefetch_bytes = parse_size(need()?)?.max(1),
             "cache" => self.cache = parse_size(need()?)?,
@@ -209,7 +254,21 @@ mod tests {
         assert!(o.drop_page_cache, "dropped by default");
         o.apply_list("page_cache=keep").unwrap();
         assert!(!o.drop_page_cache);
-        let bad = ["batch_size=0", "cache=lots", "format=zip", "colour=red", "seed", "drop_last=maybe", "page_cache=x"];
+        assert_eq!((o.first_epoch, o.rolling), (0, Rolling::Auto));
+        o.apply_list("first_epoch=7,rolling=packed").unwrap();
+        assert_eq!((o.first_epoch, o.rolling), (7, Rolling::Packed));
+        let bad = [
+            "batch_size=0",
+            "cache=lots",
+            "format=zip",
+            "format=tfrecord.slots",
+            "colour=red",
+            "seed",
+            "drop_last=maybe",
+            "page_cache=x",
+            "rolling=sideways",
+            "first_epoch=1000000",
+        ];
         for bad in bad {
             assert!(MountOptions::default().apply_list(bad).is_err(), "{bad}");
         }

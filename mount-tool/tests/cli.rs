@@ -92,7 +92,7 @@ fn daemonized_mount_stats_and_umount() {
     assert!(out.status.success(), "{}", stderr(&out));
     let _guard = MountGuard(mnt.clone());
     assert!(is_mounted(&mnt), "the command returns once the mount is ready");
-    assert_eq!(std::fs::read_dir(&mnt).unwrap().count(), 4, ".batchfs and three epochs");
+    assert_eq!(std::fs::read_dir(&mnt).unwrap().count(), 6, ".batchfs, raw, rolling and three epochs");
     for b in 0..8 {
         let body = std::fs::read(mnt.join(format!("epoch-0001/batch-{b:06}.tfrecord"))).unwrap();
         assert!(batchfs::tfrecord::Scanner::new(&body, true).all(|r| r.is_ok()));

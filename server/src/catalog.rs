@@ -53,6 +53,10 @@ pub struct Dataset {
     pub storage: Arc<Storage>,
     /// Every file served under `files/`, sorted by path.
     pub files: Vec<ServedFile>,
+    /// The record size of `tfrecord.slots` batches ([`encode::slot_bytes`]).
+    pub slot: u64,
+    /// The mean TFRecord frame size.
+    mean_frame: u64,
     pub origin: IndexOrigin,
     plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
     manifests: Mutex<LruCache<(u64, BatchQuery), Arc<Manifest>>>,
@@ -79,6 +83,7 @@ impl Dataset {
         }
         let storage = Arc::new(Storage::open(name, root, &index, io)?);
         let files = served_files(&index);
+        let encode::FrameSizes { slot, mean: mean_frame } = encode::frame_sizes(&index);
         let cache = NonZeroUsize::new(PLAN_CACHE).expect("nonzero");
         Ok(Dataset {
             name: name.to_owned(),
@@ -86,6 +91,8 @@ impl Dataset {
             index,
             storage,
             files,
+            slot,
+            mean_frame,
             origin,
             plans: Mutex::new(LruCache::new(cache)),
             manifests: Mutex::new(LruCache::new(cache)),
@@ -102,6 +109,8 @@ impl Dataset {
             shards: self.index.shards.len() as u64,
             classes: self.index.classes.clone(),
             skipped: self.index.skipped.len() as u64,
+            slot_bytes: self.slot,
+            mean_frame_bytes: self.mean_frame,
         }
     }
 
@@ -120,7 +129,7 @@ impl Dataset {
     pub fn layout(&self, epoch: u64, batch: u64, query: &BatchQuery) -> Result<(BatchLayout, u32), PlanError> {
         let plan = self.plan(epoch, query)?;
         let samples = plan.batch(batch)?;
-        Ok((encode::layout(&self.index, samples, query.format), samples.len() as u32))
+        Ok((encode::layout(&self.index, samples, query.format, self.slot), samples.len() as u32))
     }
 
     /// The manifest of `epoch` (cached).
@@ -133,7 +142,7 @@ impl Dataset {
         let mut batches = Vec::with_capacity(plan.batches() as usize);
         for i in 0..plan.batches() {
             let samples = plan.batch(i)?;
-            let layout = encode::layout(&self.index, samples, query.format);
+            let layout = encode::layout(&self.index, samples, query.format, self.slot);
             batches.push(BatchEntry {
                 index: i,
                 samples: samples.len() as u32,

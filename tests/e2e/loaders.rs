@@ -172,3 +172,73 @@ fn the_lmdb_package_reads_raw_data_mdb_read_only() {
     assert!(!raw.join("lock.mdb").exists(), "no lock file was made");
     rt.block_on(server.running.shutdown());
 }
+
+/// `planned_records` of `epochs`, one after another.
+fn planned_passes(fx: &common::Fixture, epochs: std::ops::Range<u64>, options: PlanOptions) -> Vec<Value> {
+    epochs.flat_map(|e| planned_records(fx, e, options)).collect()
+}
+
+/// A DALI pipeline built once over `rolling/` (its `.idx` twins read once, at build) and run for three
+/// epochs: each pass over the files is a new epoch of the server's plan, every sample once per epoch,
+/// mmap and not. The slots layout keeps every record where the twins say, whatever the epoch.
+#[test]
+fn a_dali_pipeline_built_once_over_rolling_reads_a_new_epoch_at_each_pass() {
+    let rt = common::runtime();
+    // Epochs longer than the samples DALI's mmap reader keeps alive (see the test below).
+    let fx = fixture(SourceFormat::Tfrecord, 600, 4_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let plan = PlanOptions { batch_size: 32, seed: 5, ..Default::default() };
+    let want = planned_passes(&fx, 0..3, plan);
+    for mode in [None, Some("--no-mmap")] {
+        let (_dir, mounted) = common::mount(&server, "d", "batch_size=32,seed=5,epochs=3,rolling=slots");
+        let dir = mounted.mountpoint.join("rolling");
+        let mut args = vec!["dali", dir.to_str().unwrap(), "--records", "--epochs", "3"];
+        args.extend(mode);
+        let Some(got) = run_loader("python3", "nvidia.dali", &args) else { return };
+        let got = got["records"].as_array().unwrap();
+        assert_eq!(got.len(), 1800, "{mode:?}");
+        assert!(got[..600] != got[600..1200], "a new order each epoch");
+        assert!(got == &want, "{mode:?}: every pass is the next epoch of the plan");
+        let stats = common::mount_stats(&mounted.mountpoint);
+        assert_eq!((stats["checksum_errors"].as_u64(), stats["errors"].as_u64()), (Some(0), Some(0)), "{stats}");
+    }
+    rt.block_on(server.running.shutdown());
+}
+
+/// Data-parallel nodes, each with its own mount: DALI `shard_id`/`num_shards` with `stick_to_shard`
+/// reads the same files of `rolling/` at every pass, and each node gets its half of every epoch's plan.
+/// (A node's pass is longer than the samples DALI's mmap reader keeps alive, about three batches: a file
+/// it opens again while samples of its last pass are alive gets the old mapping; see SEMANTICS.md.)
+#[test]
+fn data_parallel_nodes_each_read_their_shard_of_every_epoch_through_rolling() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 1200, 2_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let plan = PlanOptions { batch_size: 16, seed: 3, ..Default::default() };
+    for node in 0..2u64 {
+        let (_dir, mounted) = common::mount(&server, "d", "batch_size=16,seed=3,epochs=2,rolling=slots");
+        let dir = mounted.mountpoint.join("rolling");
+        let shard = format!("{node}/2");
+        let args = ["dali", dir.to_str().unwrap(), "--records", "--epochs", "2", "--shard", &shard];
+        let Some(got) = run_loader("python3", "nvidia.dali", &args) else { return };
+        let half = |e| planned_records(&fx, e, plan)[node as usize * 600..(node as usize + 1) * 600].to_vec();
+        let want: Vec<Value> = [half(0), half(1)].concat();
+        assert!(got["records"].as_array().unwrap() == &want, "node {node}");
+    }
+    rt.block_on(server.running.shutdown());
+}
+
+/// WebDataset built once over `rolling/` tars, three passes from `first_epoch=2`: epochs 2, 3 and 4.
+#[test]
+fn webdataset_over_rolling_tars_reads_a_new_epoch_at_each_pass() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tar, 120, 3_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=10,seed=9,format=tar,first_epoch=2,epochs=3");
+    let dir = mounted.mountpoint.join("rolling");
+    let args = ["wds", dir.to_str().unwrap(), "--records", "--epochs", "3"];
+    let Some(got) = run_loader("python3", "webdataset", &args) else { return };
+    let want = planned_passes(&fx, 2..5, PlanOptions { batch_size: 10, seed: 9, ..Default::default() });
+    assert!(got["records"].as_array().unwrap() == &want);
+    rt.block_on(server.running.shutdown());
+}

@@ -6,4 +6,5 @@ mod loaders;
 mod mount;
 mod netem;
 mod raw;
+mod rolling;
 mod server;

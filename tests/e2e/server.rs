@@ -554,3 +554,52 @@ async fn metrics_count_requests_bytes_and_errors() {
     assert!(text.contains("batchfs_request_latency_seconds_count"));
     server.running.shutdown().await;
 }
+
+/// `tfrecord.slots`: every record of every batch of every epoch is one slot (`slot_bytes` of the
+/// dataset), its TFRecord checks pass, and it decodes to the same sample as the packed record (the
+/// padding is a protobuf field parsers skip); its index is the same for every epoch.
+#[tokio::test]
+async fn slot_batches_hold_the_samples_in_fixed_frames() {
+    for source in [SourceFormat::Tfrecord, SourceFormat::Tar] {
+        let fx = fixture(source, 40, 3000);
+        let server = serve(&[("d", &fx.path)], ServeWith::default()).await;
+        let client = h2c();
+        let info: DatasetInfo =
+            get(&client, &format!("{}{}", server.base, api::dataset_path("d"))).await.json().await.unwrap();
+        let slot = info.slot_bytes;
+        assert!(slot > info.mean_frame_bytes && info.mean_frame_bytes > 3000, "{info:?}");
+        for epoch in 0..2 {
+            let q = |format: &str| format!("batch_size=16&seed=1&format={format}");
+            let m: Manifest =
+                get(&client, &format!("{}{}?{}", server.base, api::manifest_path("d", epoch), q("tfrecord.slots")))
+                    .await
+                    .json()
+                    .await
+                    .unwrap();
+            for b in &m.batches {
+                let url = |format| format!("{}{}?{}", server.base, api::batch_path("d", epoch, b.index), q(format));
+                let body = get(&client, &url("tfrecord.slots")).await.bytes().await.unwrap();
+                assert_eq!((body.len() as u64, crc::crc32c(&body)), (b.bytes, b.crc32c));
+                assert_eq!(body.len() as u64, slot * u64::from(b.samples));
+                let packed = get(&client, &url("tfrecord")).await.bytes().await.unwrap();
+                let records: Vec<_> = tfrecord::Scanner::new(&body, true).collect::<Result<_, _>>().unwrap();
+                let originals: Vec<_> = tfrecord::Scanner::new(&packed, true).collect::<Result<_, _>>().unwrap();
+                assert_eq!(records.len(), originals.len());
+                for (r, o) in records.iter().zip(&originals) {
+                    assert_eq!(r.frame_len(), slot);
+                    let data = &body[r.data_offset() as usize..(r.data_offset() + r.len) as usize];
+                    let orig = &packed[o.data_offset() as usize..(o.data_offset() + o.len) as usize];
+                    assert_eq!(&data[..orig.len()], orig, "the sample's record, then the padding");
+                    let key = |d| proto::example_feature(d, "key").unwrap();
+                    if source == SourceFormat::Tar {
+                        assert_eq!(key(data), key(orig));
+                    }
+                }
+                let idx = get(&client, &url("tfrecord.slots.idx")).await.text().await.unwrap();
+                let want: String = (0..u64::from(b.samples)).map(|j| format!("{} {slot}\n", j * slot)).collect();
+                assert_eq!(idx, want);
+            }
+        }
+        server.running.shutdown().await;
+    }
+}

@@ -12,6 +12,11 @@
                                         record in key order by a cursor
 
 Options:
+    --epochs N          (dali, wds) one pipeline built once, run for N epochs over the same files (a
+                        directory such as rolling/ serves a new epoch at each pass); records of all
+                        epochs, in order
+    --shard K/N         (dali) read shard K of N (shard_id, num_shards) with stick_to_shard=True, as one
+                        node of a data-parallel job does
     --consume-mbps R    a consumer at R MB/s (a GPU step per batch) that overlaps with loading, as training
                         does; without it the loader runs as fast as it can
     --records           also list every sample as [key, label, crc32c] (dali, wds) or every file as
@@ -73,7 +78,7 @@ def crc(data):
         return c ^ 0xFFFFFFFF
 
 
-def run_dali(directory, mmap, consumer, want_records):
+def run_dali(directory, mmap, consumer, want_records, epochs=1, shard=(0, 1)):
     from nvidia.dali import fn, pipeline_def
     import nvidia.dali.tfrecord as tfrec
 
@@ -92,6 +97,9 @@ def run_dali(directory, mmap, consumer, want_records):
                 "image/filename": tfrec.FixedLenFeature((), tfrec.string, ""),
             },
             dont_use_mmap=not mmap,
+            shard_id=shard[0],
+            num_shards=shard[1],
+            stick_to_shard=shard[1] > 1,
             name="Reader",
         )
         images = out["image/encoded"]
@@ -100,7 +108,10 @@ def run_dali(directory, mmap, consumer, want_records):
     p = pipe()
     p.build()
     build_s = time.monotonic() - started
-    total = p.epoch_size("Reader")
+    # The reader runs on past an epoch's end into the next pass; the shard's share of an epoch is its
+    # samples per pass.
+    n = p.epoch_size("Reader")
+    total = (n * (shard[0] + 1) // shard[1] - n * shard[0] // shard[1]) * epochs
     samples, nbytes, records = 0, 0, []
     while samples < total:
         images, sizes, labels, names = p.run()
@@ -150,7 +161,7 @@ def run_torch(directory, consumer, want_records):
     return samples, nbytes, build_s, records
 
 
-def run_wds(directory, consumer, want_records):
+def run_wds(directory, consumer, want_records, epochs=1):
     import webdataset as wds
 
     files = sorted(glob.glob(os.path.join(directory, "*.tar")))
@@ -158,7 +169,7 @@ def run_wds(directory, consumer, want_records):
     dataset = wds.WebDataset(files, shardshuffle=False)
     build_s = time.monotonic() - started
     samples, nbytes, records = 0, 0, []
-    for sample in dataset:
+    for sample in (s for _ in range(epochs) for s in dataset):
         payload = [k for k in sorted(sample) if not k.startswith("__") and k not in ("cls", "key")]
         size = sum(len(sample[k]) for k in payload)
         samples += 1
@@ -197,18 +208,25 @@ def main(argv):
     if "--consume-mbps" in rest:
         mbps = float(rest[rest.index("--consume-mbps") + 1])
     want = "--records" in rest
+    epochs = int(rest[rest.index("--epochs") + 1]) if "--epochs" in rest else 1
+    shard = (0, 1)
+    if "--shard" in rest:
+        k, n = rest[rest.index("--shard") + 1].split("/")
+        shard = (int(k), int(n))
     consumer = Consumer(mbps)
     # Imported before the clock starts: a training job has its loader imported long before an epoch.
     __import__({"dali": "nvidia.dali", "torch": "torch.utils.data", "wds": "webdataset", "lmdb": "lmdb"}[loader])
     started = time.monotonic()
     if loader == "dali":
-        samples, nbytes, build_s, records = run_dali(directory, "--no-mmap" not in rest, consumer, want)
+        samples, nbytes, build_s, records = run_dali(
+            directory, "--no-mmap" not in rest, consumer, want, epochs, shard
+        )
     elif loader == "torch":
         samples, nbytes, build_s, records = run_torch(directory, consumer, want)
     elif loader == "lmdb":
         samples, nbytes, build_s, records = run_lmdb(directory, consumer, want, "--lock" in rest)
     else:
-        samples, nbytes, build_s, records = run_wds(directory, consumer, want)
+        samples, nbytes, build_s, records = run_wds(directory, consumer, want, epochs)
     out = {
         "loader": loader + (" no-mmap" if "--no-mmap" in rest else ""),
         "samples": samples,

@@ -54,6 +54,8 @@ impl MemoryClient {
                 shards: 0,
                 classes: vec![],
                 skipped: 0,
+                slot_bytes: 0,
+                mean_frame_bytes: 0,
             },
             bodies: Box::new(bodies),
             files: Vec::new(),

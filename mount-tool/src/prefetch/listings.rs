@@ -99,12 +99,9 @@ impl Listings {
     /// What warming `epoch` (in `format`) needs, without marking anything used.
     pub fn next_epoch(&self, epoch: u64, format: BatchFormat) -> NextEpoch {
         let manifests = self.manifests.lock().expect("manifests");
-        let idx = BatchFormat::TfrecordIdx;
-        let twins = (format == BatchFormat::Tfrecord
-            && epoch > 0
-            && manifests.contains(&(epoch - 1, idx))
-            && !manifests.contains(&(epoch, idx)))
-        .then_some(idx);
+        let twins = format
+            .index()
+            .filter(|&idx| epoch > 0 && manifests.contains(&(epoch - 1, idx)) && !manifests.contains(&(epoch, idx)));
         NextEpoch { cached: manifests.peek(&(epoch, format)).cloned(), twins }
     }
 

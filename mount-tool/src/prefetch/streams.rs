@@ -30,7 +30,6 @@
 //! streams and candidates per listing, and one bit per batch of the listings tracked.
 
 use super::Listing;
-use batchfs::encode::BatchFormat;
 
 /// One batch to keep cached ahead of a reader: `listing` may be the next epoch's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,7 +141,7 @@ impl StreamTracker {
         state.used = clock;
         let first = state.read.iter().all(|&w| w == 0);
         let again = state.mark(batch);
-        if first && matches!(listing, Listing::Epoch { format: BatchFormat::TfrecordIdx, .. }) {
+        if first && matches!(listing, Listing::Epoch { format, .. } if format.is_index()) {
             // Every twin at once: DALI reads them all at pipeline build.
             return (0..batches).filter(|&b| b != batch).map(|index| Target { listing, index }).collect();
         }
@@ -254,6 +253,7 @@ fn push(streams: &mut Vec<Stream>, stream: Stream, max: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use batchfs::encode::BatchFormat;
     use proptest::prelude::*;
 
     const TF: BatchFormat = BatchFormat::Tfrecord;
