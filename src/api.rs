@@ -281,14 +281,89 @@ pub struct FileEntry {
     pub chunks: Vec<u32>,
 }
 
-/// `GET /v1/datasets/{name}/files`: every file of the dataset directory, sorted by path: the shards,
-/// the files beside them, and a DALI index (`<shard>.idx`) for each TFRecord shard that has none.
+/// `GET /v1/datasets/{name}/files?dir=DIR&cursor=N&limit=N`: one page of directory `dir` of the
+/// dataset (`""`: the top), whose files are the shards, the files beside them, and a DALI index
+/// (`<shard>.idx`) for each TFRecord shard that has none. Entries come in path order; a directory of
+/// any size is listed in pages, never one document.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileList {
     /// The chunk size of [`FileEntry::chunks`].
     #[serde(default = "default_chunk_bytes")]
     pub chunk_bytes: u64,
+    /// The directory listed.
+    #[serde(default)]
+    pub dir: String,
+    /// Names of its subdirectories on this page.
+    #[serde(default)]
+    pub dirs: Vec<String>,
+    /// Its files on this page.
     pub files: Vec<FileEntry>,
+    /// Where the next page starts (`cursor=`), if there is one.
+    #[serde(default)]
+    pub next: Option<u64>,
+}
+
+/// The query of a file-list page.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct FilesQuery {
+    /// The directory, `/`-separated, without leading or trailing `/` (`""`: the top).
+    pub dir: String,
+    /// Where to start: 0, or a page's `next`.
+    pub cursor: u64,
+    /// Entries (files and subdirectories) at most; 0: [`FILES_PAGE`].
+    pub limit: usize,
+}
+
+/// Entries of a file-list page by default, and at most.
+pub const FILES_PAGE: usize = 10_000;
+pub const FILES_PAGE_MAX: usize = 100_000;
+
+impl FilesQuery {
+    /// Parses `dir`, `cursor` and `limit` (each at most once; `limit` is capped at [`FILES_PAGE_MAX`]).
+    pub fn parse(query: &str) -> Result<FilesQuery, ApiError> {
+        let bad = |msg: String| ApiError::BadRequest(msg);
+        let mut q = FilesQuery::default();
+        let mut seen = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').ok_or_else(|| bad(format!("{pair} needs a value")))?;
+            let value = percent_decode(&value.replace('+', " ")).ok_or_else(|| bad(format!("malformed {key}")))?;
+            if seen.contains(&key) {
+                return Err(bad(format!("query parameter {key} given twice")));
+            }
+            seen.push(key);
+            match key {
+                "dir" => {
+                    let dir = value.trim_matches('/');
+                    if dir.split('/').any(|c| c == ".." || c == ".") {
+                        return Err(bad(format!("dir={value:?}: no . or .. components")));
+                    }
+                    q.dir = dir.to_owned();
+                }
+                "cursor" => q.cursor = number(key, &value)?,
+                "limit" => q.limit = (number(key, &value)? as usize).min(FILES_PAGE_MAX),
+                _ => return Err(bad(format!("unknown query parameter {key:?}; expected dir, cursor or limit"))),
+            }
+        }
+        Ok(q)
+    }
+
+    /// The query string.
+    pub fn to_query(&self) -> String {
+        let mut out = format!("dir={}&cursor={}", percent_encode_path(&self.dir), self.cursor);
+        if self.limit > 0 {
+            out.push_str(&format!("&limit={}", self.limit));
+        }
+        out
+    }
+
+    /// The page size asked for.
+    pub fn page(&self) -> usize {
+        if self.limit == 0 {
+            FILES_PAGE
+        } else {
+            self.limit
+        }
+    }
 }
 
 fn default_chunk_bytes() -> u64 {

@@ -349,6 +349,12 @@ impl Prefetcher {
         if self.config.prefetch == 0 {
             return;
         }
+        if key.listing == Listing::Raw {
+            let indexes: Vec<Target> = (self.listings.raw_indexes_at(key.index).into_iter())
+                .map(|index| Target { listing: Listing::Raw, index })
+                .collect();
+            self.start_prefetches(&indexes, manifest);
+        }
         let targets = self.streams.lock().expect("streams").observe(
             owner,
             key.listing,
@@ -781,6 +787,31 @@ mod tests {
             ranges.iter().all(|(path, offset, len)| { path == "small.idx" || (*len == 1000 && offset % 1000 == 0) }),
             "{ranges:?}"
         );
+    }
+
+    #[test]
+    fn the_first_dali_index_read_under_raw_fetches_them_all() {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        for shard in 0..6 {
+            client.files.push((format!("s{shard}.tfrecord"), Bytes::from(vec![shard as u8; 3000])));
+            client.files.push((format!("s{shard}.tfrecord.idx"), Bytes::from(format!("0 {shard}\n"))));
+        }
+        client.files.sort();
+        client.chunk_bytes = 1000;
+        let client = Arc::new(client);
+        let p = Prefetcher::new(
+            client.clone(),
+            runtime.handle().clone(),
+            PrefetcherConfig { prefetch: 2, ..Default::default() },
+        );
+        let twin = p.files().unwrap().files.iter().position(|f| f.path == "s3.tfrecord.idx").unwrap() as u64;
+        assert_eq!(p.read_file(twin, 0, 100, 0).unwrap(), Bytes::from("0 3\n"));
+        let fetched = || {
+            let ranges = client.ranges.lock().unwrap();
+            ranges.iter().filter(|(path, _, _)| path.ends_with(".idx")).count()
+        };
+        eventually("every index", || fetched() == 6);
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub(super) struct Listings {
     raw: Mutex<Option<Raw>>,
     /// Next epochs whose manifests a background task is fetching now.
     warming: Mutex<HashSet<u64>>,
+    /// A DALI index (`*.idx`) under `raw/` was read: every other one was asked for.
+    raw_indexes_warmed: std::sync::atomic::AtomicBool,
 }
 
 /// The source files and their manifest of chunks.
@@ -81,7 +83,27 @@ impl Listings {
             manifests: Mutex::new(LruCache::new(std::num::NonZeroUsize::new(MANIFESTS_KEPT).expect("nonzero"))),
             raw: Mutex::new(None),
             warming: Mutex::new(HashSet::new()),
+            raw_indexes_warmed: Default::default(),
         }
+    }
+
+    /// The chunks of every DALI index (`*.idx`) under `raw/`, the first time a read of chunk `chunk`
+    /// is one of them (DALI reads all of them, one after another, when its pipeline is built; they are
+    /// small); empty otherwise.
+    pub fn raw_indexes_at(&self, chunk: u64) -> Vec<u64> {
+        use std::sync::atomic::Ordering;
+        let raw = self.raw.lock().expect("raw");
+        let Some(raw) = raw.as_ref() else { return Vec::new() };
+        let is_index = |c| raw.chunk(c).is_some_and(|(f, _)| f.path.ends_with(".idx"));
+        if !is_index(chunk) || self.raw_indexes_warmed.swap(true, Ordering::Relaxed) {
+            return Vec::new();
+        }
+        (0..raw.files.files.len() as u64)
+            .filter(|&f| raw.files.files[f as usize].path.ends_with(".idx"))
+            .filter_map(|f| raw.chunks_of(f))
+            .flatten()
+            .filter(|&c| c != chunk)
+            .collect()
     }
 
     /// The manifest of `epoch` in `format`, if fetched (marks it used).
