@@ -118,8 +118,8 @@ pub trait BatchClient: Send + Sync + 'static {
     fn dataset(&self) -> BoxFut<'_, Result<DatasetInfo, ClientError>>;
     /// The manifest of `epoch` in `format`.
     fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>>;
-    /// The dataset's source files.
-    fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>>;
+    /// One page of directory `dir` of the dataset's files, from `cursor` (0, or a page's `next`).
+    fn files(&self, dir: &str, cursor: u64) -> BoxFut<'_, Result<FileList, ClientError>>;
     /// The body of one batch (unverified), appended to `into` (an empty buffer with room for the whole
     /// body, usually reused memory, or an empty memory file), which is returned. `expect` is the size the
     /// manifest announced: a response that says or sends more is cut off with an error rather than
@@ -324,8 +324,9 @@ impl BatchClient for HttpClient {
         Box::pin(async move { self.json(&path).await })
     }
 
-    fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>> {
-        let path = api::files_path(&self.config.dataset);
+    fn files(&self, dir: &str, cursor: u64) -> BoxFut<'_, Result<FileList, ClientError>> {
+        let query = api::FilesQuery { dir: dir.to_owned(), cursor, limit: 0 }.to_query();
+        let path = format!("{}?{query}", api::files_path(&self.config.dataset));
         Box::pin(async move { self.json(&path).await })
     }
 

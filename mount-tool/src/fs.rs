@@ -17,11 +17,9 @@
 //! manifests only, never sample data.
 
 use crate::prefetch::{BatchKey, Listing, Prefetcher, ReadError};
-use batchfs::api::FileList;
 use batchfs::encode::BatchFormat;
 use batchfs::plan::MAX_EPOCH;
 use bytes::Bytes;
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 use thiserror::Error;
@@ -39,6 +37,9 @@ const BATCH_BASE: u64 = 1 << 62;
 pub const META_NAME: &str = ".batchfs";
 /// The name of the source-file tree.
 pub const RAW_NAME: &str = "raw";
+/// Entries of a `raw/` directory one `readdir` call returns at most.
+pub const READDIR_BATCH: usize = 4096;
+
 /// The name of the rolling epoch view.
 pub const ROLLING_NAME: &str = "rolling";
 
@@ -187,58 +188,46 @@ pub struct FsOptions {
 /// One node of the `raw/` tree.
 struct RawNode {
     parent: u32,
-    /// Children by name (directories only).
-    children: BTreeMap<String, u32>,
-    /// Position in the server's file list (files only).
-    file: Option<u64>,
+    kind: RawKind,
 }
 
-/// The `raw/` tree, built from the file list.
+enum RawKind {
+    /// A directory: its path in the dataset, and its children sorted by name once it is listed.
+    Dir { path: String, children: Option<Vec<(String, u32)>> },
+    /// A file: its directory's id ([`Prefetcher::list_dir`]) and its position in that list.
+    File { dir: u32, file: u64 },
+}
+
+/// The `raw/` tree, grown one directory at a time, when a lookup or a listing first looks into it: a
+/// tree of a million files costs nothing until it is walked, and what is walked costs per directory.
 struct RawTree {
     nodes: Vec<RawNode>,
 }
 
 impl RawTree {
-    fn new(list: &FileList) -> Self {
-        let mut nodes = vec![RawNode { parent: 0, children: BTreeMap::new(), file: None }];
-        for (i, f) in list.files.iter().enumerate() {
-            let mut at = 0u32;
-            let parts: Vec<&str> = f.path.split('/').filter(|p| !p.is_empty()).collect();
-            for (k, part) in parts.iter().enumerate() {
-                let is_file = k + 1 == parts.len();
-                if let Some(&child) = nodes[at as usize].children.get(*part) {
-                    at = child;
-                    continue;
-                }
-                let id = nodes.len() as u32;
-                nodes.push(RawNode { parent: at, children: BTreeMap::new(), file: is_file.then_some(i as u64) });
-                nodes[at as usize].children.insert((*part).to_owned(), id);
-                at = id;
-            }
-        }
-        RawTree { nodes }
+    fn new() -> Self {
+        RawTree { nodes: vec![RawNode { parent: 0, kind: RawKind::Dir { path: String::new(), children: None } }] }
     }
 
     fn node(&self, n: u32) -> Node {
-        if self.nodes[n as usize].file.is_some() {
-            Node::RawFile(n)
-        } else {
-            Node::RawDir(n)
+        match self.nodes[n as usize].kind {
+            RawKind::File { .. } => Node::RawFile(n),
+            RawKind::Dir { .. } => Node::RawDir(n),
         }
     }
 }
 
-/// What a file reads: a batch, or a source file (by its position in the file list).
+/// What a file reads: a batch, or a file of `raw/` (by its directory's id and its position there).
 enum Source {
     Batch(BatchKey),
-    Raw(u64),
+    Raw { dir: u32, file: u64 },
 }
 
 /// The filesystem.
 pub struct Fs {
     prefetcher: Arc<Prefetcher>,
     pub options: FsOptions,
-    raw: Mutex<Option<Arc<RawTree>>>,
+    raw: Mutex<RawTree>,
     /// The epoch the next open of each `rolling/` file serves, by (batch, index twin); absent:
     /// `first_epoch`. At most one entry per name of an epoch.
     rolling: Mutex<std::collections::HashMap<(u64, bool), u64>>,
@@ -246,7 +235,7 @@ pub struct Fs {
 
 impl Fs {
     pub fn new(prefetcher: Arc<Prefetcher>, options: FsOptions) -> Self {
-        Fs { prefetcher, options, raw: Mutex::new(None), rolling: Mutex::new(Default::default()) }
+        Fs { prefetcher, options, raw: Mutex::new(RawTree::new()), rolling: Mutex::new(Default::default()) }
     }
 
     /// The epoch the next open of `rolling/` file `(batch, index)` serves.
@@ -255,25 +244,84 @@ impl Fs {
         next.get(&(batch, index)).copied().unwrap_or(self.options.first_epoch)
     }
 
-    fn raw_tree(&self) -> Result<Arc<RawTree>, FsError> {
+    /// Lists directory node `n` of `raw/` from the server (every page) if it is not listed yet, without
+    /// holding the tree while it waits.
+    fn raw_listed(&self, n: u32) -> Result<(), FsError> {
         if !self.options.raw {
             return Err(FsError::NotFound);
         }
-        let mut raw = self.raw.lock().expect("raw tree");
-        if let Some(tree) = &*raw {
-            return Ok(tree.clone());
+        let path = {
+            let tree = self.raw.lock().expect("raw tree");
+            match &tree.nodes.get(n as usize).ok_or(FsError::NotFound)?.kind {
+                RawKind::Dir { children: Some(_), .. } => return Ok(()),
+                RawKind::Dir { path, children: None } => path.clone(),
+                RawKind::File { .. } => return Err(FsError::NotADirectory),
+            }
+        };
+        let (dir, list) = self.prefetcher.list_dir(&path)?;
+        let mut tree = self.raw.lock().expect("raw tree");
+        // Another thread may have listed it meanwhile: its nodes stand.
+        if let RawKind::Dir { children: Some(_), .. } = &tree.nodes[n as usize].kind {
+            return Ok(());
         }
-        let files = self.prefetcher.files()?;
-        let tree = Arc::new(RawTree::new(&files));
-        *raw = Some(tree.clone());
-        Ok(tree)
+        let prefix = if path.is_empty() { String::new() } else { format!("{path}/") };
+        let mut children = Vec::with_capacity(list.dirs.len() + list.files.len());
+        for sub in &list.dirs {
+            let kind = RawKind::Dir { path: format!("{prefix}{sub}"), children: None };
+            children.push((sub.clone(), tree.nodes.len() as u32));
+            tree.nodes.push(RawNode { parent: n, kind });
+        }
+        for (file, entry) in list.files.iter().enumerate() {
+            let name = entry.path.rsplit('/').next().unwrap_or_default();
+            children.push((name.to_owned(), tree.nodes.len() as u32));
+            tree.nodes.push(RawNode { parent: n, kind: RawKind::File { dir, file: file as u64 } });
+        }
+        children.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        if let RawKind::Dir { children: slot, .. } = &mut tree.nodes[n as usize].kind {
+            *slot = Some(children);
+        }
+        Ok(())
+    }
+
+    /// Child `name` of directory node `n` of `raw/` (a binary search, whatever the directory's size).
+    fn raw_lookup(&self, n: u32, name: &str) -> Result<Node, FsError> {
+        self.raw_listed(n)?;
+        let tree = self.raw.lock().expect("raw tree");
+        let RawKind::Dir { children: Some(children), .. } = &tree.nodes[n as usize].kind else {
+            return Err(FsError::NotFound);
+        };
+        let at = children.binary_search_by(|(child, _)| child.as_str().cmp(name)).map_err(|_| FsError::NotFound)?;
+        Ok(tree.node(children[at].1))
+    }
+
+    /// At most `max` entries of directory node `n` of `raw/` from position `from`, by name.
+    fn raw_entries(&self, n: u32, from: usize, max: usize) -> Result<Vec<(String, Node)>, FsError> {
+        self.raw_listed(n)?;
+        let tree = self.raw.lock().expect("raw tree");
+        let RawKind::Dir { children: Some(children), .. } = &tree.nodes[n as usize].kind else {
+            return Err(FsError::NotFound);
+        };
+        let slice = children.get(from..).unwrap_or_default();
+        Ok(slice.iter().take(max).map(|(name, c)| (name.clone(), tree.node(*c))).collect())
+    }
+
+    /// Directory `dir` and position `file` of node `n` of `raw/`, if it is a file.
+    fn raw_file(&self, n: u32) -> Result<(u32, u64), FsError> {
+        let tree = self.raw.lock().expect("raw tree");
+        match tree.nodes.get(n as usize).map(|node| &node.kind) {
+            Some(&RawKind::File { dir, file }) => Ok((dir, file)),
+            _ => Err(FsError::NotFound),
+        }
     }
 
     /// The parent directory of directory `ino` (the root is its own).
     pub fn parent(&self, ino: u64) -> u64 {
         match Node::from_ino(ino) {
             Some(Node::RawDir(0)) | Some(Node::Epoch(_)) | Some(Node::MetaDir) | Some(Node::RollingDir) => ROOT,
-            Some(Node::RawDir(n)) => self.raw_tree().map_or(ROOT, |t| Node::RawDir(t.nodes[n as usize].parent).ino()),
+            Some(Node::RawDir(n)) => {
+                let tree = self.raw.lock().expect("raw tree");
+                tree.nodes.get(n as usize).map_or(ROOT, |node| Node::RawDir(node.parent).ino())
+            }
             _ => ROOT,
         }
     }
@@ -340,17 +388,7 @@ impl Fs {
                 let (batch, index) = self.parse_batch(name).ok_or(FsError::NotFound)?;
                 Node::Batch { epoch: self.rolling_epoch(batch, index), batch, index, rolling: true }
             }
-            Node::RawDir(n) => {
-                let tree = self.raw_tree()?;
-                let child = *tree
-                    .nodes
-                    .get(n as usize)
-                    .ok_or(FsError::NotFound)?
-                    .children
-                    .get(name)
-                    .ok_or(FsError::NotFound)?;
-                tree.node(child)
-            }
+            Node::RawDir(n) => self.raw_lookup(n, name)?,
             Node::MetaDir => return Err(FsError::NotFound),
             Node::Stats | Node::Batch { .. } | Node::RawFile(_) => return Err(FsError::NotADirectory),
         };
@@ -370,12 +408,14 @@ impl Fs {
                 manifest.batches.get(batch as usize).ok_or(FsError::NotFound)?.bytes
             }
             Node::RawFile(n) => {
-                let tree = self.raw_tree()?;
-                let file = tree.nodes.get(n as usize).and_then(|n| n.file).ok_or(FsError::NotFound)?;
-                self.prefetcher.files()?.files[file as usize].size
+                let (dir, file) = self.raw_file(n)?;
+                self.prefetcher.file_size(dir, file)?
             }
             Node::RawDir(n) => {
-                if self.raw_tree()?.nodes.get(n as usize).is_none_or(|n| n.file.is_some()) {
+                let tree = self.raw.lock().expect("raw tree");
+                if !self.options.raw
+                    || !matches!(tree.nodes.get(n as usize), Some(RawNode { kind: RawKind::Dir { .. }, .. }))
+                {
                     return Err(FsError::NotFound);
                 }
                 0
@@ -406,9 +446,7 @@ impl Fs {
                 self.batch_entries(first, |b, index| next.get(&(b, index)).copied().unwrap_or(first), true)
             }
             Node::RawDir(n) => {
-                let tree = self.raw_tree()?;
-                let dir = tree.nodes.get(n as usize).ok_or(FsError::NotFound)?;
-                Ok(dir.children.iter().map(|(name, &c)| (tree.node(c), name.clone())).collect())
+                Ok(self.raw_entries(n, 0, usize::MAX)?.into_iter().map(|(name, node)| (node, name)).collect())
             }
             Node::Stats | Node::Batch { .. } | Node::RawFile(_) => Err(FsError::NotADirectory),
         }
@@ -437,9 +475,22 @@ impl Fs {
     /// Every entry of directory `ino` as `readdir` returns it: `.`, `..`, then [`Fs::readdir`]'s, each as
     /// (inode, is a directory, name).
     pub fn dir_entries(&self, ino: u64) -> Result<Vec<(u64, bool, String)>, FsError> {
-        let entries = self.readdir(ino)?;
-        let mut out = vec![(ino, true, ".".to_owned()), (self.parent(ino), true, "..".to_owned())];
-        out.extend(entries.into_iter().map(|(n, name)| (n.ino(), n.is_dir(), name)));
+        self.dir_entries_from(ino, 0)
+    }
+
+    /// [`Fs::dir_entries`] from position `offset` on: all of them, except in a directory of `raw/`, where
+    /// a call gives at most [`READDIR_BATCH`] (the kernel asks again from where it got to), so listing a
+    /// directory of a million files costs each entry once, not the whole directory per call.
+    pub fn dir_entries_from(&self, ino: u64, offset: usize) -> Result<Vec<(u64, bool, String)>, FsError> {
+        let dots = [(ino, true, ".".to_owned()), (self.parent(ino), true, "..".to_owned())];
+        let entries = match Node::from_ino(ino) {
+            Some(Node::RawDir(n)) => self.raw_entries(n, offset.saturating_sub(2), READDIR_BATCH)?,
+            _ => {
+                self.readdir(ino)?.into_iter().map(|(node, name)| (name, node)).skip(offset.saturating_sub(2)).collect()
+            }
+        };
+        let mut out: Vec<(u64, bool, String)> = dots.into_iter().skip(offset).collect();
+        out.extend(entries.into_iter().map(|(name, n)| (n.ino(), n.is_dir(), name)));
         Ok(out)
     }
 
@@ -466,8 +517,8 @@ impl Fs {
                 Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(index, rolling))))
             }
             Node::RawFile(n) => {
-                let file = self.raw_tree()?.nodes.get(n as usize).and_then(|n| n.file).ok_or(FsError::NotFound)?;
-                Ok(Source::Raw(file))
+                let (dir, file) = self.raw_file(n)?;
+                Ok(Source::Raw { dir, file })
             }
             Node::Stats => Err(FsError::NotFound),
             _ => Err(FsError::IsADirectory),
@@ -484,7 +535,7 @@ impl Fs {
         }
         Ok(match self.source(ino)? {
             Source::Batch(key) => self.prefetcher.read(key, offset, size, owner)?,
-            Source::Raw(file) => self.prefetcher.read_file(file, offset, size, owner)?,
+            Source::Raw { dir, file } => self.prefetcher.read_file(dir, file, offset, size, owner)?,
         })
     }
 
@@ -494,12 +545,12 @@ impl Fs {
     pub fn backing_file(&self, ino: u64, owner: u32) -> Result<Option<Arc<std::fs::File>>, FsError> {
         let key = match self.source(ino)? {
             Source::Batch(key) => key,
-            Source::Raw(file) => {
-                let chunks = self.prefetcher.file_chunks(file)?;
+            Source::Raw { dir, file } => {
+                let chunks = self.prefetcher.file_chunks(dir, file)?;
                 if chunks.end - chunks.start != 1 {
                     return Ok(None);
                 }
-                BatchKey { listing: Listing::Raw, index: chunks.start }
+                BatchKey { listing: Listing::Raw { dir }, index: chunks.start }
             }
         };
         Ok(Some(self.prefetcher.backing_file(key, owner)?))
@@ -509,9 +560,9 @@ impl Fs {
     pub fn closed(&self, ino: u64) {
         match self.source(ino) {
             Ok(Source::Batch(key)) => self.prefetcher.closed(key),
-            Ok(Source::Raw(file)) => {
-                for index in self.prefetcher.file_chunks(file).unwrap_or_default() {
-                    self.prefetcher.closed(BatchKey { listing: Listing::Raw, index });
+            Ok(Source::Raw { dir, file }) => {
+                for index in self.prefetcher.file_chunks(dir, file).unwrap_or_default() {
+                    self.prefetcher.closed(BatchKey { listing: Listing::Raw { dir }, index });
                 }
             }
             Err(_) => {}
@@ -539,7 +590,11 @@ mod tests {
         // Small chunks: every file but `s` is fetched in two ranges, and reads cross chunks.
         client.chunk_bytes = 16;
         let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), PrefetcherConfig::default());
-        let options = FsOptions {
+        (rt, Fs::new(p, options(format)))
+    }
+
+    fn options(format: BatchFormat) -> FsOptions {
+        FsOptions {
             epochs: 2,
             format,
             uid: 0,
@@ -548,8 +603,7 @@ mod tests {
             raw: true,
             rolling: BatchFormat::TfrecordSlots,
             first_epoch: 0,
-        };
-        (rt, Fs::new(p, options))
+        }
     }
 
     #[test]
@@ -611,6 +665,47 @@ mod tests {
         assert_eq!(open("batch-000000.tfrecord"), "tfrecord.slots epoch 6 batch 0");
         assert_eq!(fs.lookup(rolling.ino(), "batch-000003.tfrecord").unwrap_err().errno(), libc::ENOENT);
         assert_eq!(fs.parent(rolling.ino()), ROOT);
+    }
+
+    /// `raw/` lists a directory when a lookup or a listing first looks into it, every page of it, and
+    /// no other; a large directory is read back in `readdir` calls of at most [`READDIR_BATCH`].
+    #[test]
+    fn raw_directories_are_listed_when_first_looked_into() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        client.files = (0..10_000).map(|i| (format!("big/f{i:05}"), Bytes::from_static(b"x"))).collect();
+        client.files.push(("other/y".into(), Bytes::from_static(b"y")));
+        client.page = 3000;
+        let client = Arc::new(client);
+        let p = Prefetcher::new(client.clone(), rt.handle().clone(), PrefetcherConfig::default());
+        let fs = Fs::new(p, options(BatchFormat::Tfrecord));
+        let raw = fs.lookup(ROOT, "raw").unwrap().node;
+        assert!(client.listed.lock().unwrap().is_empty(), "nothing is listed before it is looked into");
+        let big = fs.lookup(raw.ino(), "big").unwrap().node;
+        let f = fs.lookup(big.ino(), "f04321").unwrap();
+        assert_eq!(fs.read(f.node.ino(), 0, 10, 1).unwrap(), Bytes::from_static(b"x"));
+        let listed: Vec<String> = client.listed.lock().unwrap().iter().map(|(d, _)| d.clone()).collect();
+        assert!(listed.iter().all(|d| d.is_empty() || d == "big"), "{listed:?}");
+        assert_eq!(listed.iter().filter(|d| *d == "big").count(), 4, "four pages of 3,000: {listed:?}");
+        // readdir from each offset the kernel asks for: every entry once, in calls of at most a batch.
+        let mut names = Vec::new();
+        let mut offset = 0;
+        loop {
+            let got = fs.dir_entries_from(big.ino(), offset).unwrap();
+            if got.is_empty() {
+                break;
+            }
+            assert!(got.len() <= READDIR_BATCH + 2);
+            offset += got.len();
+            names.extend(got.into_iter().map(|e| e.2));
+        }
+        assert_eq!(names.len(), 10_002);
+        assert_eq!(
+            (&names[..3], names.last().unwrap().as_str()),
+            (&[".".into(), "..".into(), "f00000".into()][..], "f09999")
+        );
+        assert_eq!(fs.parent(big.ino()), raw.ino());
+        assert!(!client.listed.lock().unwrap().iter().any(|(d, _)| d == "other"), "never looked into");
     }
 
     #[test]

@@ -317,13 +317,13 @@ impl Filesystem for FuseFs {
     }
 
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        let entries = match self.fs.dir_entries(ino.0) {
+        let entries = match self.fs.dir_entries_from(ino.0, offset as usize) {
             Ok(e) => e,
             Err(e) => return reply.error(errno(&e)),
         };
-        for (i, (child, dir, name)) in entries.into_iter().enumerate().skip(offset as usize) {
+        for (i, (child, dir, name)) in entries.into_iter().enumerate() {
             let kind = if dir { FileType::Directory } else { FileType::RegularFile };
-            if reply.add(INodeNo(child), i as u64 + 1, kind, name) {
+            if reply.add(INodeNo(child), offset + i as u64 + 1, kind, name) {
                 break;
             }
         }

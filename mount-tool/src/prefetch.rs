@@ -48,12 +48,12 @@ use cache::{seal_file, Cache, Entry, State};
 use listings::{Listings, NextEpoch, Raw};
 use retry::{verify, with_retries, Failure};
 
-/// A list of files the mount shows: the batches of one epoch in one format, or the dataset's source
-/// files (`raw/`).
+/// A list of files the mount shows: the batches of one epoch in one format, or the files of one
+/// directory of `raw/` (by the id [`Prefetcher::list_dir`] gave it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Listing {
     Epoch { epoch: u64, format: BatchFormat },
-    Raw,
+    Raw { dir: u32 },
 }
 
 /// One file of a listing: a batch, or a source file, by its position.
@@ -191,34 +191,80 @@ impl Prefetcher {
         Ok(self.listings.put_manifest(manifest))
     }
 
-    /// The dataset's source files (fetched once, with retries up to `timeout`). Blocks like
-    /// [`Prefetcher::manifest`].
-    pub fn files(&self) -> Result<Arc<FileList>, ReadError> {
-        Ok(self.raw()?.files)
-    }
-
-    fn raw(&self) -> Result<Raw, ReadError> {
-        if let Some(raw) = self.listings.raw() {
-            return Ok(raw);
+    /// Directory `path` of the dataset's files (`""`: the top): its id and its list, every page fetched
+    /// once, when first asked for, with retries up to `timeout`. Blocks like [`Prefetcher::manifest`].
+    pub fn list_dir(&self, path: &str) -> Result<(u32, Arc<FileList>), ReadError> {
+        if let Some((id, raw)) = self.listings.raw_at(path) {
+            return Ok((id, raw.files));
         }
-        let client = self.client.clone();
-        let files = self.runtime.block_on(with_retries(&self.config, &self.stats, move |_| {
-            let client = client.clone();
-            async move { client.files().await.map_err(Failure::Client) }
-        }))?;
-        Ok(self.listings.put_raw(files))
+        let list = self.runtime.block_on(async {
+            let mut merged: Option<FileList> = None;
+            let mut cursor = 0;
+            loop {
+                let (client, dir) = (self.client.clone(), path.to_owned());
+                let page = with_retries(&self.config, &self.stats, move |_| {
+                    let (client, dir) = (client.clone(), dir.clone());
+                    async move { client.files(&dir, cursor).await.map_err(Failure::Client) }
+                })
+                .await?;
+                let next = page.next;
+                match &mut merged {
+                    None => merged = Some(page),
+                    Some(all) => {
+                        for d in page.dirs {
+                            // A subdirectory spanning two pages is named on both.
+                            if all.dirs.last() != Some(&d) {
+                                all.dirs.push(d);
+                            }
+                        }
+                        all.files.extend(page.files);
+                    }
+                }
+                // A cursor that does not move on would never end.
+                match next {
+                    Some(n) if n > cursor => cursor = n,
+                    _ => break,
+                }
+            }
+            Ok::<_, ReadError>(merged.expect("one page at least"))
+        })?;
+        let (id, raw) = self.listings.put_raw(list);
+        Ok((id, raw.files))
     }
 
-    /// The chunks of source file `file` (its position in [`Prefetcher::files`]): the indices of
-    /// [`Listing::Raw`] keys, one for a file fetched whole.
-    pub fn file_chunks(&self, file: u64) -> Result<std::ops::Range<u64>, ReadError> {
-        self.raw()?.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))
+    /// The size of file `file` of directory `dir` of `raw/`.
+    pub fn file_size(&self, dir: u32, file: u64) -> Result<u64, ReadError> {
+        let raw = self.raw(dir)?;
+        raw.files
+            .files
+            .get(file as usize)
+            .map(|f| f.size)
+            .ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))
     }
 
-    /// Reads `[offset, offset + size)` of source file `file`, chunk after chunk (each verified before
-    /// any of its bytes is returned; a sequential reader's next chunks are prefetched like batches).
-    pub fn read_file(self: &Arc<Self>, file: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
-        let raw = self.raw()?;
+    /// Directory `dir` of `raw/`, listed before.
+    fn raw(&self, dir: u32) -> Result<Raw, ReadError> {
+        self.listings.raw(dir).ok_or_else(|| ReadError::NotFound(format!("raw directory #{dir}")))
+    }
+
+    /// The chunks of file `file` of directory `dir` (its position in [`Prefetcher::list_dir`]'s list):
+    /// the indices of its [`Listing::Raw`] keys, one for a file fetched whole.
+    pub fn file_chunks(&self, dir: u32, file: u64) -> Result<std::ops::Range<u64>, ReadError> {
+        self.raw(dir)?.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))
+    }
+
+    /// Reads `[offset, offset + size)` of file `file` of directory `dir`, chunk after chunk (each verified
+    /// before any of its bytes is returned; a sequential reader's next chunks are prefetched like
+    /// batches).
+    pub fn read_file(
+        self: &Arc<Self>,
+        dir: u32,
+        file: u64,
+        offset: u64,
+        size: u32,
+        owner: u32,
+    ) -> Result<Bytes, ReadError> {
+        let raw = self.raw(dir)?;
         let chunks = raw.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))?;
         let chunk_bytes = raw.files.chunk_bytes;
         let file_size = raw.files.files[file as usize].size;
@@ -228,7 +274,7 @@ impl Prefetcher {
         let mut at = offset;
         while at < end {
             let (chunk, within) = if single { (0, at) } else { (at / chunk_bytes, at % chunk_bytes) };
-            let key = BatchKey { listing: Listing::Raw, index: chunks.start + chunk };
+            let key = BatchKey { listing: Listing::Raw { dir }, index: chunks.start + chunk };
             let got = self.read(key, within, (end - at).min(u64::from(u32::MAX)) as u32, owner)?;
             if got.is_empty() {
                 break;
@@ -248,7 +294,7 @@ impl Prefetcher {
     fn listing(&self, listing: Listing) -> Result<Arc<Manifest>, ReadError> {
         match listing {
             Listing::Epoch { epoch, format } => self.manifest(epoch, format),
-            Listing::Raw => Ok(self.raw()?.manifest),
+            Listing::Raw { dir } => Ok(self.raw(dir)?.manifest),
         }
     }
 
@@ -349,9 +395,9 @@ impl Prefetcher {
         if self.config.prefetch == 0 {
             return;
         }
-        if key.listing == Listing::Raw {
-            let indexes: Vec<Target> = (self.listings.raw_indexes_at(key.index).into_iter())
-                .map(|index| Target { listing: Listing::Raw, index })
+        if let Listing::Raw { dir } = key.listing {
+            let indexes: Vec<Target> = (self.listings.raw_indexes_at(dir, key.index).into_iter())
+                .map(|index| Target { listing: key.listing, index })
                 .collect();
             self.start_prefetches(&indexes, manifest);
         }
@@ -498,7 +544,7 @@ impl Prefetcher {
         let this = self.clone();
         let fetching = entry.clone();
         let path = match key.listing {
-            Listing::Raw => self.listings.raw_chunk(key.index),
+            Listing::Raw { dir } => self.listings.raw_chunk(dir, key.index),
             Listing::Epoch { .. } => None,
         };
         let mut buffer = (!memfd).then_some(buffer);
@@ -524,10 +570,10 @@ impl Prefetcher {
                         (Listing::Epoch { epoch, format }, _) => {
                             client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
                         }
-                        (Listing::Raw, Some((path, offset))) => {
+                        (Listing::Raw { .. }, Some((path, offset))) => {
                             client.fetch_file(&path, offset, attempt, into, meta.bytes).await
                         }
-                        (Listing::Raw, None) => unreachable!("raw keys exist only after the file list"),
+                        (Listing::Raw { .. }, None) => unreachable!("raw keys exist only after their directory's list"),
                     }
                     .map_err(Failure::Client)?;
                     verify(key, &meta, &body)?;
@@ -591,7 +637,7 @@ impl Prefetcher {
 fn describe(key: BatchKey) -> String {
     match key.listing {
         Listing::Epoch { epoch, format } => format!("batch {} of epoch {epoch} ({format})", key.index),
-        Listing::Raw => format!("source file chunk #{}", key.index),
+        Listing::Raw { dir } => format!("chunk #{} of raw directory #{dir}", key.index),
     }
 }
 
@@ -768,16 +814,18 @@ mod tests {
         let client = Arc::new(client);
         let config = PrefetcherConfig { prefetch: 3, cache_bytes: 5000, ..Default::default() };
         let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
-        assert_eq!(p.file_chunks(0).unwrap(), 0..10);
-        assert_eq!(p.file_chunks(1).unwrap(), 10..11);
+        let (dir, list) = p.list_dir("").unwrap();
+        assert_eq!(list.files.len(), 2, "two pages of one file each, merged");
+        assert_eq!(p.file_chunks(dir, 0).unwrap(), 0..10);
+        assert_eq!(p.file_chunks(dir, 1).unwrap(), 10..11);
         // A flipped byte in the first chunk is caught by that chunk's CRC and refetched.
         client.inject([Fault::Corrupt]);
         let mut read = Vec::new();
         for offset in (0..10_000).step_by(700) {
-            read.extend_from_slice(&p.read_file(0, offset, 700, 0).unwrap());
+            read.extend_from_slice(&p.read_file(dir, 0, offset, 700, 0).unwrap());
         }
         assert_eq!(read, big, "the whole file, in reads that straddle chunks");
-        assert_eq!(p.read_file(1, 0, 100, 0).unwrap(), Bytes::from_static(b"0 9\n"));
+        assert_eq!(p.read_file(dir, 1, 0, 100, 0).unwrap(), Bytes::from_static(b"0 9\n"));
         let s = p.stats.snapshot();
         assert_eq!(s.checksum_errors, 1, "{s:?}");
         assert!(s.prefetches >= 7, "the chunks ahead of the reader were prefetched: {s:?}");
@@ -805,8 +853,9 @@ mod tests {
             runtime.handle().clone(),
             PrefetcherConfig { prefetch: 2, ..Default::default() },
         );
-        let twin = p.files().unwrap().files.iter().position(|f| f.path == "s3.tfrecord.idx").unwrap() as u64;
-        assert_eq!(p.read_file(twin, 0, 100, 0).unwrap(), Bytes::from("0 3\n"));
+        let (dir, list) = p.list_dir("").unwrap();
+        let twin = list.files.iter().position(|f| f.path == "s3.tfrecord.idx").unwrap() as u64;
+        assert_eq!(p.read_file(dir, twin, 0, 100, 0).unwrap(), Bytes::from("0 3\n"));
         let fetched = || {
             let ranges = client.ranges.lock().unwrap();
             ranges.iter().filter(|(path, _, _)| path.ends_with(".idx")).count()

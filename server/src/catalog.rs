@@ -2,7 +2,7 @@
 //! manifests (both pure functions of the index and the query, so caching them is always correct).
 
 use crate::storage::{IoPolicy, Storage};
-use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, Manifest};
+use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest};
 use batchfs::encode::{self, BatchLayout};
 use batchfs::index::{Index, ShardInfo};
 use batchfs::plan::{EpochPlan, PlanError};
@@ -161,6 +161,42 @@ impl Dataset {
         });
         self.manifests.lock().expect("manifest cache").put(key, manifest.clone());
         Ok(manifest)
+    }
+
+    /// One page of directory `q.dir`: its subdirectories and files in path order from `q.cursor`, and
+    /// where the next page starts; `None` when no served file lies under that directory. Files are
+    /// sorted by path, so a directory's files are one run of them, and a subdirectory's a run within
+    /// it, skipped by a binary search: a page costs its entries, not the directory's size.
+    pub fn list(&self, q: &FilesQuery) -> Option<FileList> {
+        let prefix = if q.dir.is_empty() { String::new() } else { format!("{}/", q.dir) };
+        let start = self.files.partition_point(|f| f.info.path.as_str() < prefix.as_str());
+        let end = start + self.files[start..].partition_point(|f| f.info.path.starts_with(&prefix));
+        if start == end && !q.dir.is_empty() {
+            return None;
+        }
+        let (mut dirs, mut files) = (Vec::new(), Vec::new());
+        let mut at = (q.cursor as usize).clamp(start, end);
+        while at < end && dirs.len() + files.len() < q.page() {
+            let info = &self.files[at].info;
+            match info.path[prefix.len()..].split_once('/') {
+                Some((sub, _)) => {
+                    let sub_prefix = format!("{prefix}{sub}/");
+                    at += self.files[at..end].partition_point(|f| f.info.path.starts_with(&sub_prefix));
+                    dirs.push(sub.to_owned());
+                }
+                None => {
+                    files.push(FileEntry {
+                        path: info.path.clone(),
+                        size: info.size,
+                        crc32c: info.crc32c,
+                        chunks: info.chunks.clone(),
+                    });
+                    at += 1;
+                }
+            }
+        }
+        let next = (at < end).then_some(at as u64);
+        Some(FileList { chunk_bytes: batchfs::index::CHUNK_BYTES, dir: q.dir.clone(), dirs, files, next })
     }
 
     /// Resolves a `files/{path}` request, refusing anything that is not one of the served files (so no

@@ -303,21 +303,28 @@ fn serve(args: ServeArgs) -> Result<()> {
                 result
             }
         });
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
+        let signalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        tokio::spawn({
+            let signalled = signalled.clone();
+            async move {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+                tracing::info!("signal received: finishing in-flight batches");
+                signalled.store(true, std::sync::atomic::Ordering::SeqCst);
+                let _ = stop.send(true);
             }
-            tracing::info!("signal received: finishing in-flight batches");
-            let _ = stop.send(true);
         });
         server.wait().await;
         if let Some(log) = energy {
             log.finish(0.35).context("writing the energy log summary")?;
         }
         tracing::info!("stopped");
-        // Indexing that failed is the exit's reason; one still running when a signal came is left behind.
-        if opening.is_finished() {
+        // Indexing that failed is the exit's reason (it stopped the server, and may not have returned
+        // yet: waiting for it is the only way to know); one still running when a signal came is left
+        // behind.
+        if !signalled.load(std::sync::atomic::Ordering::SeqCst) || opening.is_finished() {
             opening.await.context("the indexing task")??;
         }
         Ok(())

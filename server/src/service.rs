@@ -306,17 +306,11 @@ async fn dispatch<B>(
         }
         Route::Files { name } => {
             let ds = dataset(state, &name)?;
-            let files = ds
-                .files
-                .iter()
-                .map(|f| api::FileEntry {
-                    path: f.info.path.clone(),
-                    size: f.info.size,
-                    crc32c: f.info.crc32c,
-                    chunks: f.info.chunks.clone(),
-                })
-                .collect();
-            Ok(json_response(StatusCode::OK, &api::FileList { chunk_bytes: batchfs::index::CHUNK_BYTES, files }))
+            let q = api::FilesQuery::parse(query)?;
+            let page = ds.list(&q).ok_or_else(|| {
+                Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no directory {:?}", q.dir))
+            })?;
+            Ok(json_response(StatusCode::OK, &page))
         }
         Route::File { name, path } => {
             let ds = dataset(state, &name)?;

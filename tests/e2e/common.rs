@@ -215,3 +215,25 @@ pub fn wait_for_stat(mountpoint: &Path, key: &str, at_least: u64) -> u64 {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
+
+/// Every file of dataset `name` on the server at `base`, walking its directories page by page.
+pub async fn all_files(client: &reqwest::Client, base: &str, name: &str) -> Vec<batchfs::api::FileEntry> {
+    let mut out = Vec::new();
+    let mut pending = vec![String::new()];
+    while let Some(dir) = pending.pop() {
+        let mut q = batchfs::api::FilesQuery { dir: dir.clone(), ..Default::default() };
+        loop {
+            let url = format!("{base}{}?{}", batchfs::api::files_path(name), q.to_query());
+            let page: batchfs::api::FileList = client.get(url).send().await.unwrap().json().await.unwrap();
+            let prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
+            pending.extend(page.dirs.iter().map(|d| format!("{prefix}{d}")));
+            out.extend(page.files);
+            match page.next {
+                Some(next) => q.cursor = next,
+                None => break,
+            }
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    out
+}

@@ -265,9 +265,9 @@ async fn same_bytes(fx: &common::Fixture, limits: ServerLimits) {
             }
         }
     }
-    let list: api::FileList =
-        get(&client, &format!("{}{}", pread.base, api::files_path("d"))).await.json().await.unwrap();
-    for f in &list.files {
+    let files = common::all_files(&client, &pread.base, "d").await;
+    assert!(files.len() >= 4, "{files:?}");
+    for f in &files {
         let url = |server: &common::Server| format!("{}{}", server.base, api::file_path("d", &f.path));
         let body = get(&client, &url(&pread)).await.bytes().await.unwrap();
         assert_eq!(body, get(&client, &url(&mapped)).await.bytes().await.unwrap());
@@ -283,7 +283,7 @@ async fn same_bytes(fx: &common::Fixture, limits: ServerLimits) {
     // A body holding all samples fails when a source file is cut short under the server. (The mapping
     // server stops first: a mapped shard cut short would fault it.)
     mapped.running.shutdown().await;
-    let first = fx.path.join(&list.files[0].path);
+    let first = fx.path.join(&files[0].path);
     let len = std::fs::metadata(&first).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&first).unwrap().set_len(len / 2).unwrap();
     let url = format!("{}{}?batch_size=60", pread.base, api::batch_path("d", 0, 0));
@@ -418,6 +418,40 @@ async fn source_files_are_served_and_cannot_escape() {
     {
         let r = get(&client, &format!("{}/v1/datasets/tree/files/{escape}", server.base)).await;
         assert_eq!(r.status(), StatusCode::NOT_FOUND, "{escape}");
+    }
+    // The file tree, one directory and one page at a time: every file exactly once, in path order.
+    let mut listed = Vec::new();
+    let mut pending = vec![String::new()];
+    let mut pages = 0;
+    while let Some(dir) = pending.pop() {
+        let mut q = api::FilesQuery { dir: dir.clone(), cursor: 0, limit: 2 };
+        loop {
+            let url = format!("{}{}?{}", server.base, api::files_path("tree"), q.to_query());
+            let page: api::FileList = get(&client, &url).await.json().await.unwrap();
+            pages += 1;
+            assert!(page.dirs.len() + page.files.len() <= 2);
+            assert_eq!(page.dir, dir);
+            let prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
+            pending.extend(page.dirs.iter().map(|d| format!("{prefix}{d}")));
+            for f in page.files {
+                assert!(f.path.strip_prefix(&prefix).is_some_and(|rest| !rest.contains('/')), "{}", f.path);
+                listed.push(f.path);
+            }
+            match page.next {
+                Some(next) => q.cursor = next,
+                None => break,
+            }
+        }
+    }
+    listed.sort();
+    let mut want: Vec<String> = expected_samples(&tree).iter().map(|s| format!("{}.jpg", s.key)).collect();
+    want.sort();
+    assert_eq!(listed, want);
+    assert!(pages > 6, "paged: {pages} pages");
+    for (query, status) in [("dir=class-0000/..", 400), ("dir=nope", 404), ("dir=class-0000/x.jpg", 404), ("x=1", 400)]
+    {
+        let r = get(&client, &format!("{}{}?{query}", server.base, api::files_path("tree"))).await;
+        assert_eq!(r.status().as_u16(), status, "{query}");
     }
     server.running.shutdown().await;
 }

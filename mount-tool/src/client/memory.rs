@@ -31,6 +31,10 @@ pub struct MemoryClient {
     pub files: Vec<(String, Bytes)>,
     /// The chunk size the file list gives (each file larger than one is checked chunk by chunk).
     pub chunk_bytes: u64,
+    /// Entries per page of a file list (the server's paging, small).
+    pub page: usize,
+    /// The file-list pages asked for: (directory, cursor).
+    pub listed: Mutex<Vec<(String, u64)>>,
     /// The ranges of source files fetched: (path, offset, length).
     pub ranges: Mutex<Vec<(String, u64, u64)>>,
     faults: Mutex<Vec<Fault>>,
@@ -60,6 +64,8 @@ impl MemoryClient {
             bodies: Box::new(bodies),
             files: Vec::new(),
             chunk_bytes: batchfs::index::CHUNK_BYTES,
+            page: 2,
+            listed: Mutex::new(Vec::new()),
             ranges: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
             fetches: AtomicU64::new(0),
@@ -104,20 +110,39 @@ impl BatchClient for MemoryClient {
         })
     }
 
-    fn files(&self) -> BoxFut<'_, Result<FileList, ClientError>> {
+    /// Pages of `page` entries as the server makes them: `files` sorted by path, a subdirectory one
+    /// entry, the cursor a position in the sorted list.
+    fn files(&self, dir: &str, cursor: u64) -> BoxFut<'_, Result<FileList, ClientError>> {
+        let dir = dir.to_owned();
         Box::pin(async move {
+            self.fetches.fetch_add(1, Ordering::Relaxed);
+            self.listed.lock().expect("listed").push((dir.clone(), cursor));
+            let mut sorted: Vec<&(String, Bytes)> = self.files.iter().collect();
+            sorted.sort_by(|a, b| a.0.cmp(&b.0));
+            let prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
             let chunk = self.chunk_bytes as usize;
-            let files = self
-                .files
-                .iter()
-                .map(|(path, b)| api::FileEntry {
-                    path: path.clone(),
-                    size: b.len() as u64,
-                    crc32c: crc32c::crc32c(b),
-                    chunks: if b.len() > chunk { b.chunks(chunk).map(crc32c::crc32c).collect() } else { vec![] },
-                })
-                .collect();
-            Ok(FileList { chunk_bytes: self.chunk_bytes, files })
+            let (mut dirs, mut files) = (Vec::new(), Vec::new());
+            let mut at = cursor as usize;
+            while at < sorted.len() && dirs.len() + files.len() < self.page {
+                let (path, b) = sorted[at];
+                at += 1;
+                let Some(rest) = path.strip_prefix(&prefix) else { continue };
+                match rest.split_once('/') {
+                    Some((sub, _)) => {
+                        if dirs.last() != Some(&sub.to_owned()) {
+                            dirs.push(sub.to_owned());
+                        }
+                    }
+                    None => files.push(api::FileEntry {
+                        path: path.clone(),
+                        size: b.len() as u64,
+                        crc32c: crc32c::crc32c(b),
+                        chunks: if b.len() > chunk { b.chunks(chunk).map(crc32c::crc32c).collect() } else { vec![] },
+                    }),
+                }
+            }
+            let next = (at < sorted.len()).then_some(at as u64);
+            Ok(FileList { chunk_bytes: self.chunk_bytes, dir, dirs, files, next })
         })
     }
 

@@ -1,7 +1,8 @@
 //! The listings a mount shows, as the prefetcher knows them: each epoch's manifest per format (the sizes
-//! and checksums of its batch files; the last 16 used are kept) and the dataset's source files (`raw/`,
-//! fetched once, seen as a manifest of chunks so that they are cached like batches: each file of more
-//! than one chunk is fetched and checked chunk by chunk, in ranges). Also which next
+//! and checksums of its batch files; the last 16 used are kept) and the directories of the dataset's
+//! files (`raw/`), each listed once, when first looked into, and seen as a manifest of chunks so that
+//! its files are cached like batches: each file of more than one chunk is fetched and checked chunk by
+//! chunk, in ranges. Also which next
 //! epochs a background task is warming now, so that the reads near an epoch's end start one task, not one
 //! each.
 //!
@@ -19,22 +20,30 @@ const MANIFESTS_KEPT: usize = 16;
 
 pub(super) struct Listings {
     manifests: Mutex<LruCache<(u64, BatchFormat), Arc<Manifest>>>,
-    /// The source files, and the same as a manifest.
-    raw: Mutex<Option<Raw>>,
+    /// The directories of `raw/` listed so far.
+    raw: Mutex<RawDirs>,
     /// Next epochs whose manifests a background task is fetching now.
     warming: Mutex<HashSet<u64>>,
-    /// A DALI index (`*.idx`) under `raw/` was read: every other one was asked for.
-    raw_indexes_warmed: std::sync::atomic::AtomicBool,
 }
 
-/// The source files and their manifest of chunks.
+/// The directories of `raw/` listed so far, by id (the order they were listed in) and by path.
+#[derive(Default)]
+struct RawDirs {
+    dirs: Vec<Raw>,
+    by_path: std::collections::HashMap<String, u32>,
+}
+
+/// One directory of `raw/`: its subdirectories, its files and their manifest of chunks.
 #[derive(Clone)]
 pub(super) struct Raw {
+    /// Every page of the directory's list, merged (`dirs` without repeats).
     pub files: Arc<FileList>,
     /// One entry per chunk: the chunks of file 0, then of file 1, and so on.
     pub manifest: Arc<Manifest>,
     /// The first chunk of each file, and the number of chunks last.
     pub first_chunk: Arc<Vec<u64>>,
+    /// A DALI index (`*.idx`) of this directory was read: every other one was asked for.
+    indexes_warmed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Raw {
@@ -81,21 +90,19 @@ impl Listings {
     pub fn new() -> Self {
         Listings {
             manifests: Mutex::new(LruCache::new(std::num::NonZeroUsize::new(MANIFESTS_KEPT).expect("nonzero"))),
-            raw: Mutex::new(None),
+            raw: Mutex::new(RawDirs::default()),
             warming: Mutex::new(HashSet::new()),
-            raw_indexes_warmed: Default::default(),
         }
     }
 
-    /// The chunks of every DALI index (`*.idx`) under `raw/`, the first time a read of chunk `chunk`
-    /// is one of them (DALI reads all of them, one after another, when its pipeline is built; they are
-    /// small); empty otherwise.
-    pub fn raw_indexes_at(&self, chunk: u64) -> Vec<u64> {
+    /// The chunks of every DALI index (`*.idx`) of directory `dir` of `raw/`, the first time a read of
+    /// its chunk `chunk` is one of them (DALI reads all of them, one after another, when its pipeline is
+    /// built; they are small); empty otherwise.
+    pub fn raw_indexes_at(&self, dir: u32, chunk: u64) -> Vec<u64> {
         use std::sync::atomic::Ordering;
-        let raw = self.raw.lock().expect("raw");
-        let Some(raw) = raw.as_ref() else { return Vec::new() };
+        let Some(raw) = self.raw(dir) else { return Vec::new() };
         let is_index = |c| raw.chunk(c).is_some_and(|(f, _)| f.path.ends_with(".idx"));
-        if !is_index(chunk) || self.raw_indexes_warmed.swap(true, Ordering::Relaxed) {
+        if !is_index(chunk) || raw.indexes_warmed.swap(true, Ordering::Relaxed) {
             return Vec::new();
         }
         (0..raw.files.files.len() as u64)
@@ -136,17 +143,24 @@ impl Listings {
         self.warming.lock().expect("warming").remove(&epoch);
     }
 
-    /// The source files, if fetched.
-    pub fn raw(&self) -> Option<Raw> {
-        self.raw.lock().expect("raw").clone()
+    /// Directory `dir` of `raw/`, if listed.
+    pub fn raw(&self, dir: u32) -> Option<Raw> {
+        self.raw.lock().expect("raw").dirs.get(dir as usize).cloned()
     }
 
-    /// Keeps the source files (the first list fetched wins, so every caller sees the same one) and
-    /// derives their manifest: one entry per chunk, file after file in the list's order.
-    pub fn put_raw(&self, mut files: FileList) -> Raw {
+    /// The directory of `raw/` at `path`, if listed, and its id.
+    pub fn raw_at(&self, path: &str) -> Option<(u32, Raw)> {
+        let raw = self.raw.lock().expect("raw");
+        raw.by_path.get(path).map(|&id| (id, raw.dirs[id as usize].clone()))
+    }
+
+    /// Keeps a directory's list (every page merged; the first list of a path wins, so every caller
+    /// sees the same one) and derives its manifest: one entry per chunk, file after file in the list's
+    /// order. Returns its id.
+    pub fn put_raw(&self, mut files: FileList) -> (u32, Raw) {
         let mut raw = self.raw.lock().expect("raw");
-        if let Some(raw) = &*raw {
-            return raw.clone();
+        if let Some(&id) = raw.by_path.get(&files.dir) {
+            return (id, raw.dirs[id as usize].clone());
         }
         let mut batches: Vec<BatchEntry> = Vec::with_capacity(files.files.len());
         let mut first_chunk = Vec::with_capacity(files.files.len() + 1);
@@ -171,16 +185,22 @@ impl Listings {
             bytes: batches.iter().map(|b| b.bytes).sum(),
             batches,
         };
-        let made = Raw { files: Arc::new(files), manifest: Arc::new(manifest), first_chunk: Arc::new(first_chunk) };
-        *raw = Some(made.clone());
-        made
+        let id = raw.dirs.len() as u32;
+        raw.by_path.insert(files.dir.clone(), id);
+        let made = Raw {
+            files: Arc::new(files),
+            manifest: Arc::new(manifest),
+            first_chunk: Arc::new(first_chunk),
+            indexes_warmed: Default::default(),
+        };
+        raw.dirs.push(made.clone());
+        (id, made)
     }
 
-    /// The dataset path of the file holding chunk `chunk`, and the chunk's offset in it, if the list is
-    /// here.
-    pub fn raw_chunk(&self, chunk: u64) -> Option<(String, u64)> {
-        let raw = self.raw.lock().expect("raw");
-        raw.as_ref().and_then(|r| r.chunk(chunk)).map(|(f, offset)| (f.path.clone(), offset))
+    /// The dataset path of the file of directory `dir` holding chunk `chunk`, and the chunk's offset in
+    /// it, if the directory is listed.
+    pub fn raw_chunk(&self, dir: u32, chunk: u64) -> Option<(String, u64)> {
+        self.raw(dir).and_then(|r| r.chunk(chunk).map(|(f, offset)| (f.path.clone(), offset)))
     }
 }
 
@@ -213,19 +233,26 @@ mod tests {
             // Chunks that do not match the size: fetched whole, checked by the whole file's CRC.
             entry("d", 15, vec![9]),
         ];
-        let raw = listings.put_raw(FileList { chunk_bytes: 10, files });
+        let list = |dir: &str, files| FileList { chunk_bytes: 10, dir: dir.into(), dirs: vec![], files, next: None };
+        let (id, raw) = listings.put_raw(list("", files));
+        assert_eq!(id, 0);
         assert_eq!(raw.manifest.bytes, 45);
         let entries: Vec<(u64, u32)> = raw.manifest.batches.iter().map(|b| (b.bytes, b.crc32c)).collect();
         assert_eq!(entries, [(5, 5), (10, 1), (10, 2), (5, 3), (0, 0), (15, 15)]);
         assert_eq!(raw.chunks_of(1), Some(1..4));
         assert_eq!(raw.chunks_of(2), Some(4..5));
         assert_eq!(raw.chunks_of(4), None);
-        listings.put_raw(FileList { chunk_bytes: 10, files: vec![] });
-        assert_eq!(listings.raw().unwrap().files.files.len(), 4);
-        assert_eq!(listings.raw_chunk(0), Some(("a/x.tar".into(), 0)));
-        assert_eq!(listings.raw_chunk(3), Some(("b.tar".into(), 20)));
-        assert_eq!(listings.raw_chunk(5), Some(("d".into(), 0)));
-        assert_eq!(listings.raw_chunk(6), None);
+        assert_eq!(listings.put_raw(list("", vec![])).0, 0, "the first list of a directory wins");
+        assert_eq!(listings.raw(0).unwrap().files.files.len(), 4);
+        assert_eq!(listings.raw_chunk(0, 0), Some(("a/x.tar".into(), 0)));
+        assert_eq!(listings.raw_chunk(0, 3), Some(("b.tar".into(), 20)));
+        assert_eq!(listings.raw_chunk(0, 5), Some(("d".into(), 0)));
+        assert_eq!(listings.raw_chunk(0, 6), None);
+        let (sub, _) = listings.put_raw(list("a", vec![entry("a/y", 3, vec![])]));
+        assert_eq!(sub, 1);
+        assert_eq!(listings.raw_chunk(1, 0), Some(("a/y".into(), 0)));
+        assert_eq!(listings.raw_at("a").map(|(id, _)| id), Some(1));
+        assert!(listings.raw_at("b").is_none() && listings.raw(2).is_none());
     }
 
     #[test]
