@@ -29,19 +29,30 @@ pub enum CatalogError {
     TooLarge { name: String },
 }
 
-/// One file of a dataset's directory as served under `files/`.
-pub struct ServedFile {
-    /// Path, size and checksums (of the whole file and of each chunk).
-    pub info: ShardInfo,
-    pub source: FileSource,
-}
-
-/// Where a served file's bytes come from.
-pub enum FileSource {
-    /// Storage file `n` (a shard, or a side file after the shards).
+/// One file of a dataset's directory as served under `files/`. A stored file's path, size and
+/// checksums are the index's (not copied: a tree of a million files would hold them twice).
+pub enum ServedFile {
+    /// Storage file `n`: a shard, or a side file after the shards.
     Stored(u32),
     /// Made from the index (a TFRecord shard's DALI index twin).
-    Made(Arc<Vec<u8>>),
+    Made(Arc<MadeFile>),
+}
+
+/// A file made from the index, and its details.
+pub struct MadeFile {
+    pub info: ShardInfo,
+    pub bytes: Vec<u8>,
+}
+
+/// Path, size and checksums of `file` of `index`.
+fn info_of<'a>(index: &'a Index, file: &'a ServedFile) -> &'a ShardInfo {
+    match file {
+        ServedFile::Stored(n) => {
+            let n = *n as usize;
+            index.shards.get(n).unwrap_or_else(|| &index.side[n - index.shards.len()])
+        }
+        ServedFile::Made(made) => &made.info,
+    }
 }
 
 /// One served dataset.
@@ -169,19 +180,20 @@ impl Dataset {
     /// it, skipped by a binary search: a page costs its entries, not the directory's size.
     pub fn list(&self, q: &FilesQuery) -> Option<FileList> {
         let prefix = if q.dir.is_empty() { String::new() } else { format!("{}/", q.dir) };
-        let start = self.files.partition_point(|f| f.info.path.as_str() < prefix.as_str());
-        let end = start + self.files[start..].partition_point(|f| f.info.path.starts_with(&prefix));
+        let index = &self.index;
+        let start = self.files.partition_point(|f| info_of(index, f).path < prefix);
+        let end = start + self.files[start..].partition_point(|f| info_of(index, f).path.starts_with(&prefix));
         if start == end && !q.dir.is_empty() {
             return None;
         }
         let (mut dirs, mut files) = (Vec::new(), Vec::new());
         let mut at = (q.cursor as usize).clamp(start, end);
         while at < end && dirs.len() + files.len() < q.page() {
-            let info = &self.files[at].info;
+            let info = self.file_info(&self.files[at]);
             match info.path[prefix.len()..].split_once('/') {
                 Some((sub, _)) => {
                     let sub_prefix = format!("{prefix}{sub}/");
-                    at += self.files[at..end].partition_point(|f| f.info.path.starts_with(&sub_prefix));
+                    at += self.files[at..end].partition_point(|f| info_of(index, f).path.starts_with(&sub_prefix));
                     dirs.push(sub.to_owned());
                 }
                 None => {
@@ -202,7 +214,12 @@ impl Dataset {
     /// Resolves a `files/{path}` request, refusing anything that is not one of the served files (so no
     /// path can escape the dataset directory).
     pub fn file(&self, path: &str) -> Option<&ServedFile> {
-        self.files.binary_search_by(|f| f.info.path.as_str().cmp(path)).ok().map(|i| &self.files[i])
+        self.files.binary_search_by(|f| self.file_info(f).path.as_str().cmp(path)).ok().map(|i| &self.files[i])
+    }
+
+    /// Path, size and checksums of one of the served files.
+    pub fn file_info<'a>(&'a self, file: &'a ServedFile) -> &'a ShardInfo {
+        info_of(&self.index, file)
     }
 }
 
@@ -210,14 +227,13 @@ impl Dataset {
 /// TFRecord shards that have none.
 fn served_files(index: &Index) -> Vec<ServedFile> {
     let stored = index.shards.iter().chain(&index.side).enumerate();
-    let mut files: Vec<ServedFile> =
-        stored.map(|(n, info)| ServedFile { info: info.clone(), source: FileSource::Stored(n as u32) }).collect();
+    let mut files: Vec<ServedFile> = stored.map(|(n, _)| ServedFile::Stored(n as u32)).collect();
     for (path, bytes) in encode::shard_index_twins(index) {
         let mut info = ShardInfo { path, size: bytes.len() as u64, ..Default::default() };
         info.checksum(&bytes);
-        files.push(ServedFile { info, source: FileSource::Made(Arc::new(bytes)) });
+        files.push(ServedFile::Made(Arc::new(MadeFile { info, bytes })));
     }
-    files.sort_by(|a, b| a.info.path.cmp(&b.info.path));
+    files.sort_by(|a, b| info_of(index, a).path.cmp(&info_of(index, b).path));
     files
 }
 

@@ -2,7 +2,7 @@
 //! bodies. One `tracing` span per request; errors are logged once, here, where they become a response.
 
 use crate::body::{Body, SegmentBody, StreamContext};
-use crate::catalog::{Catalog, Dataset, FileSource, Readiness};
+use crate::catalog::{Catalog, Dataset, Readiness, ServedFile};
 use crate::metrics::{Kind, Metrics};
 use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, Route};
 use batchfs::encode::{self, Segment};
@@ -317,10 +317,10 @@ async fn dispatch<B>(
             let file = ds
                 .file(&path)
                 .ok_or_else(|| Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no file {path:?}")))?;
-            let info = &file.info;
-            let segments = match &file.source {
-                FileSource::Stored(n) => vec![Segment::Data { shard: *n, offset: 0, len: info.size }],
-                FileSource::Made(bytes) => vec![Segment::Inline(bytes.to_vec())],
+            let info = ds.file_info(file);
+            let segments = match file {
+                ServedFile::Stored(n) => vec![Segment::Data { shard: *n, offset: 0, len: info.size }],
+                ServedFile::Made(made) => vec![Segment::Inline(made.bytes.clone())],
             };
             let etag = api::etag(info.crc32c, info.size);
             let mut r = ranged(state, req, &ds, segments, info.size, &etag)?;
