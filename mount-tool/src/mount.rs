@@ -52,7 +52,7 @@ pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<Mount
     let mut options = options;
     options.rolling = options.rolling.resolve(info.slot_bytes, info.mean_frame_bytes);
     if options.format == BatchFormat::Tfrecord && options.rolling == Rolling::Packed {
-        tracing::info!(
+        tracing::debug!(
             slot = info.slot_bytes,
             mean_record = info.mean_frame_bytes,
             "rolling/ holds packed TFRecord batches (records vary too much in size for slots): readers that read \

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One server whose memory is smaller than its dataset (a cgroup v1 limited to LIMIT, page cache included,
+# `io=pread`) serving MOUNTS mounts at once, each read by `batchfs bench` (4 threads) at the same time:
+# the server's peak RSS and the cgroup's peak usage against the documented bound, and the aggregate rate.
+#
+#   tests/bench/limited_fanout.sh
+#   env: SAMPLES (30000), MEAN (110000), SHARDS (32), LIMIT (1G), MOUNTS (8), ROUNDS (2), DATA (kept
+#        between runs if given)
+#
+# Needs root, the cgroup v1 memory controller at /sys/fs/cgroup/memory, /dev/fuse and a release build.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+BIN=$ROOT/target/release
+SAMPLES=${SAMPLES:-30000} MEAN=${MEAN:-110000} SHARDS=${SHARDS:-32} LIMIT=${LIMIT:-1G}
+MOUNTS=${MOUNTS:-8} ROUNDS=${ROUNDS:-2}
+[ -x "$BIN/batchfs" ] || cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
+work=$(mktemp -d)
+DATA=${DATA:-$work/data}
+CG=/sys/fs/cgroup/memory/batchfs-fanout-$$
+server=
+cleanup() {
+    for m in "$work"/mnt-*; do "$BIN/batchfs" umount --lazy "$m" 2>/dev/null || true; done
+    [ -n "$server" ] && kill "$server" 2>/dev/null || true
+    wait 2>/dev/null || true
+    rmdir "$CG" 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+if [ ! -e "$DATA/.batchfs-generated" ]; then
+    "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards "$SHARDS" \
+        --out "$DATA" >&2
+    touch "$DATA/.batchfs-generated"
+fi
+"$BIN/batchfs-server" index --dataset "d=$DATA" >&2
+sync
+echo 3 >/proc/sys/vm/drop_caches
+mkdir -p "$CG"
+echo "$LIMIT" >"$CG/memory.limit_in_bytes"
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+sh -c "echo \$\$ > $CG/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port --dataset d=$DATA \
+    --io pread" 2>"$work/server.log" &
+server=$!
+for _ in $(seq 200); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+for m in $(seq "$MOUNTS"); do
+    mkdir -p "$work/mnt-$m"
+    "$BIN/batchfs" mount "http://127.0.0.1:$port/d" "$work/mnt-$m" -o "epochs=1000,cache=256M"
+done
+peak_rss=0
+echo "round,mounts,wall_s,aggregate_mb_per_s,server_peak_rss_mb,cgroup_peak_mb"
+for round in $(seq "$ROUNDS"); do
+    epoch=$(printf 'epoch-%04d' "$round")
+    start=$(date +%s.%N)
+    jobs_pids=()
+    for m in $(seq "$MOUNTS"); do
+        "$BIN/batchfs" bench "$work/mnt-$m/$epoch" --threads 4 --json >"$work/bench-$m.json" &
+        jobs_pids+=($!)
+    done
+    while kill -0 "${jobs_pids[0]}" 2>/dev/null || [ "$(jobs -pr | wc -l)" -gt 1 ]; do
+        rss=$(awk '/VmRSS/ { print int($2 / 1024) }' "/proc/$server/status")
+        [ "$rss" -gt "$peak_rss" ] && peak_rss=$rss
+        sleep 0.2
+        [ "$(jobs -pr | grep -vc "^$server\$")" -eq 0 ] && break
+    done
+    wait "${jobs_pids[@]}"
+    wall=$(echo "$(date +%s.%N) - $start" | bc)
+    bytes=$(cat "$work"/bench-*.json | python3 -c "import json, sys; print(sum(json.loads(l)['bytes'] for l in sys.stdin))")
+    cg_peak=$(($(cat "$CG/memory.max_usage_in_bytes") / 1048576))
+    echo "$round,$MOUNTS,$wall,$(echo "$bytes / $wall / 1000000" | bc),$peak_rss,$cg_peak"
+done
+grep -m1 "storage opened" "$work/server.log" >&2 || true
