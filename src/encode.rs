@@ -162,6 +162,8 @@ pub struct BatchLayout {
 struct LayoutBuilder {
     segments: Vec<Segment>,
     crc: CrcBuilder,
+    /// Only the size and checksum are wanted (a manifest): no segment is kept.
+    summary: bool,
 }
 
 impl LayoutBuilder {
@@ -170,6 +172,9 @@ impl LayoutBuilder {
             return;
         }
         self.crc.push_bytes(bytes);
+        if self.summary {
+            return;
+        }
         if let Some(Segment::Inline(last)) = self.segments.last_mut() {
             last.extend_from_slice(bytes);
         } else {
@@ -179,7 +184,7 @@ impl LayoutBuilder {
 
     /// Appends a shard range whose CRC the caller accounts for (by `crc_pieces`).
     fn data_range(&mut self, shard: u32, offset: u64, len: u64) {
-        if len == 0 {
+        if len == 0 || self.summary {
             return;
         }
         // Coalesce with the previous range when contiguous in the same shard: one read instead of two.
@@ -411,7 +416,18 @@ pub fn shard_index_twins(index: &Index) -> Vec<(String, Vec<u8>)> {
 /// The layout of the batch made of `samples` (indices into `index.samples`), in `format`; `slot` is the
 /// record size of the slots formats ([`slot_bytes`] of the index), unused by the others.
 pub fn layout(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -> BatchLayout {
-    let mut b = LayoutBuilder::default();
+    build(index, samples, format, slot, false)
+}
+
+/// The size and CRC32C of the batch made of `samples` (what a manifest lists), as [`layout`] computes
+/// them without keeping its segments.
+pub fn summary(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -> (u64, u32) {
+    let layout = build(index, samples, format, slot, true);
+    (layout.len, layout.crc32c)
+}
+
+fn build(index: &Index, samples: &[u32], format: BatchFormat, slot: u64, summary: bool) -> BatchLayout {
+    let mut b = LayoutBuilder { summary, ..LayoutBuilder::default() };
     let samples = samples.iter().map(|&i| &index.samples[i as usize]);
     match format {
         BatchFormat::TfrecordSlots => {
@@ -657,6 +673,21 @@ mod tests {
         let zeros =
             fields.iter().all(|(n, v)| *n == 15 && matches!(v, proto::Value::Bytes(b) if b.iter().all(|&x| x == 0)));
         (zeros && (1..=2).contains(&fields.len())).then_some(15)
+    }
+
+    proptest! {
+        /// What a manifest lists is what the body is: [`summary`] equals the full layout's size and CRC.
+        #[test]
+        fn summaries_match_layouts(samples in arb_samples(3), files_source: bool) {
+            let source = if files_source { SourceFormat::Files } else { SourceFormat::Tar };
+            let (index, _) = files_index(&samples, source);
+            let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
+            let slot = slot_bytes(&index);
+            for format in BatchFormat::ALL {
+                let full = layout(&index, &order, format, slot);
+                prop_assert_eq!(summary(&index, &order, format, slot), (full.len, full.crc32c), "{}", format);
+            }
+        }
     }
 
     #[test]

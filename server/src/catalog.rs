@@ -150,16 +150,30 @@ impl Dataset {
             return Ok(m.clone());
         }
         let plan = self.plan(epoch, query)?;
-        let mut batches = Vec::with_capacity(plan.batches() as usize);
-        for i in 0..plan.batches() {
-            let samples = plan.batch(i)?;
-            let layout = encode::layout(&self.index, samples, query.format, self.slot);
-            batches.push(BatchEntry {
-                index: i,
-                samples: samples.len() as u32,
-                bytes: layout.len,
-                crc32c: layout.crc32c,
-            });
+        // Every batch's size and checksum, on every core: a million samples take seconds on one.
+        let count = plan.batches();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(count.max(1) as usize) as u64;
+        let per = count.div_ceil(threads.max(1));
+        let parts: Vec<Result<Vec<BatchEntry>, PlanError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let plan = &plan;
+                    scope.spawn(move || {
+                        (t * per..((t + 1) * per).min(count))
+                            .map(|i| {
+                                let samples = plan.batch(i)?;
+                                let (bytes, crc32c) = encode::summary(&self.index, samples, query.format, self.slot);
+                                Ok(BatchEntry { index: i, samples: samples.len() as u32, bytes, crc32c })
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("manifest thread")).collect()
+        });
+        let mut batches = Vec::with_capacity(count as usize);
+        for part in parts {
+            batches.extend(part?);
         }
         let manifest = Arc::new(Manifest {
             dataset: self.name.clone(),
