@@ -165,6 +165,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             // `first_epoch` in rolling/).
             last_epoch: (plan.options.first_epoch + plan.options.epochs).saturating_sub(1),
             stale_after: plan.options.stale_after,
+            stall_timeout: plan.options.stall_timeout,
             ..PrefetcherConfig::default()
         },
     );

@@ -93,6 +93,46 @@ pub struct PrefetcherConfig {
     /// A cached batch nobody read or asked for in this long may make room for prefetches even though
     /// no reader consumed it (a window that ran past where its reader stopped).
     pub stale_after: Duration,
+    /// The client abandons a response with no byte for this long: prefetches in flight are kept to what
+    /// the measured delivery rate brings in half of it (see [`prefetch_cap`]).
+    pub stall_timeout: Duration,
+}
+
+/// Bytes of prefetches allowed in flight: `configured`, but, once the delivery rate is measured (`rate`,
+/// bytes per second, all servers together; 0 before), no more than what it brings in half of
+/// `stall_timeout`. More than that, on a link shared by many nodes, leaves some response without a byte
+/// for `stall_timeout`: it is abandoned and fetched again, and the link carries it twice. (One prefetch
+/// may always run, whatever the cap.)
+pub fn prefetch_cap(configured: u64, rate: f64, stall_timeout: Duration) -> u64 {
+    if rate <= 0.0 {
+        return configured;
+    }
+    configured.min((rate * stall_timeout.as_secs_f64() / 2.0) as u64)
+}
+
+/// The delivery rate of fetches, all servers together: bytes delivered per second over windows of at
+/// least a second, smoothed.
+#[derive(Debug, Default)]
+struct Throughput {
+    window_start: Option<Instant>,
+    bytes: u64,
+    /// Bytes per second; 0 until a window has closed.
+    rate: f64,
+}
+
+impl Throughput {
+    const WINDOW: Duration = Duration::from_secs(1);
+
+    fn record(&mut self, bytes: u64, now: Instant) {
+        let start = *self.window_start.get_or_insert(now);
+        self.bytes += bytes;
+        let elapsed = now.duration_since(start);
+        if elapsed >= Self::WINDOW {
+            let sample = self.bytes as f64 / elapsed.as_secs_f64();
+            self.rate = if self.rate == 0.0 { sample } else { 0.5 * self.rate + 0.5 * sample };
+            (self.window_start, self.bytes) = (Some(now), 0);
+        }
+    }
 }
 
 impl Default for PrefetcherConfig {
@@ -106,6 +146,7 @@ impl Default for PrefetcherConfig {
             max_prefetch_bytes: 256 << 20,
             last_epoch: u64::MAX,
             stale_after: Duration::from_secs(10),
+            stall_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -136,6 +177,8 @@ pub struct Prefetcher {
     streams: Mutex<StreamTracker>,
     /// Bytes of prefetches in flight now.
     prefetching: crate::sync::AtomicU64,
+    /// How fast fetches deliver, all together.
+    throughput: Mutex<Throughput>,
     /// Buffers of evicted bodies, reused by the next fetches (counted in the budget).
     pool: Arc<BufferPool>,
     /// Fetch bodies into memory files rather than buffers (the mount uses passthrough).
@@ -157,6 +200,7 @@ impl Prefetcher {
             listings: Listings::new(),
             streams: Mutex::new(streams),
             prefetching: crate::sync::AtomicU64::new(0),
+            throughput: Mutex::new(Throughput::default()),
             pool: BufferPool::new(config.cache_bytes),
             memfd_bodies: AtomicBool::new(false),
             started: Instant::now(),
@@ -502,7 +546,7 @@ impl Prefetcher {
             }
             // Checked under the cache lock, so concurrent prefetchers cannot overshoot the limit.
             let prefetching = self.prefetching.load(Ordering::Relaxed);
-            if !on_demand && prefetching > 0 && prefetching + meta.bytes > self.config.max_prefetch_bytes {
+            if !on_demand && prefetching > 0 && prefetching + meta.bytes > self.prefetch_cap() {
                 return Ok(None);
             }
             // Idle buffers count in the budget: the pool admits the fetch, or frees one of them and
@@ -593,6 +637,7 @@ impl Prefetcher {
             match result {
                 Ok((body, file)) => {
                     Stats::add(&this.stats.fetched_bytes, body.len() as u64);
+                    this.throughput.lock().expect("throughput").record(body.len() as u64, Instant::now());
                     if let Some(file) = file {
                         Stats::add(&this.stats.passthrough_bytes, body.len() as u64);
                         *fetching.memfd.lock().expect("memfd") = Some(file);
@@ -625,6 +670,12 @@ impl Prefetcher {
         }
         // Woken when a fetch ends (a batch becomes evictable or its reservation is released).
         Ok(self.room.wait_timeout(cache, (deadline - now).min(Duration::from_millis(100))).expect("cache").0)
+    }
+
+    /// Bytes of prefetches allowed in flight now ([`prefetch_cap`] of the measured rate).
+    fn prefetch_cap(&self) -> u64 {
+        let rate = self.throughput.lock().expect("throughput").rate;
+        prefetch_cap(self.config.max_prefetch_bytes, rate, self.config.stall_timeout)
     }
 
     /// Bytes held or reserved now, idle reusable buffers included (never above the budget).
@@ -835,6 +886,23 @@ mod tests {
             ranges.iter().all(|(path, offset, len)| { path == "small.idx" || (*len == 1000 && offset % 1000 == 0) }),
             "{ranges:?}"
         );
+    }
+
+    #[test]
+    fn prefetches_in_flight_follow_the_delivery_rate() {
+        let stall = Duration::from_secs(10);
+        assert_eq!(prefetch_cap(256 << 20, 0.0, stall), 256 << 20, "unmeasured: the configured window");
+        assert_eq!(prefetch_cap(256 << 20, 1e9, stall), 256 << 20, "a fast link: the configured window");
+        assert_eq!(prefetch_cap(256 << 20, 5e6, stall), 25_000_000, "a share of a narrow link: 5 s of it");
+        let mut t = Throughput::default();
+        let start = Instant::now();
+        t.record(1_000_000, start);
+        assert_eq!(t.rate, 0.0, "no window closed yet");
+        t.record(1_000_000, start + Duration::from_millis(500));
+        t.record(2_000_000, start + Duration::from_secs(2));
+        assert_eq!(t.rate, 2_000_000.0, "4 MB over 2 s");
+        t.record(4_000_000, start + Duration::from_secs(3));
+        assert_eq!(t.rate, 3_000_000.0, "smoothed with the next window's 4 MB/s");
     }
 
     #[test]
