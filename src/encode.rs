@@ -237,15 +237,28 @@ fn push_tfrecord(b: &mut LayoutBuilder, index: &Index, sample: &Sample) -> u64 {
         return tfrecord::frame_len(p.len);
     }
     let pieces = example_for(sample);
-    let mut example_crc = CrcBuilder::new();
-    for piece in &pieces {
+    let example_crc = pieces_crc(sample, &pieces);
+    b.inline(&tfrecord::frame_header(example_crc.len()));
+    push_pieces(b, sample, &pieces);
+    b.inline(&tfrecord::frame_footer(example_crc.crc()));
+    tfrecord::frame_len(example_crc.len())
+}
+
+/// The CRC32C (and length) of `pieces` of `sample`, from the parts' CRCs.
+fn pieces_crc(sample: &Sample, pieces: &[Piece]) -> CrcBuilder {
+    let mut crc = CrcBuilder::new();
+    for piece in pieces {
         match piece {
-            Piece::Inline(bytes) => example_crc.push_bytes(bytes),
-            Piece::Part { index: i, .. } => example_crc.push_crc(sample.parts[*i].crc32c, sample.parts[*i].len),
+            Piece::Inline(bytes) => crc.push_bytes(bytes),
+            Piece::Part { index: i, .. } => crc.push_crc(sample.parts[*i].crc32c, sample.parts[*i].len),
         }
     }
-    b.inline(&tfrecord::frame_header(example_crc.len()));
-    for piece in &pieces {
+    crc
+}
+
+/// Appends `pieces` of `sample`: literal bytes, and the parts' shard ranges.
+fn push_pieces(b: &mut LayoutBuilder, sample: &Sample, pieces: &[Piece]) {
+    for piece in pieces {
         match piece {
             Piece::Inline(bytes) => b.inline(bytes),
             Piece::Part { index: i, .. } => {
@@ -254,8 +267,6 @@ fn push_tfrecord(b: &mut LayoutBuilder, index: &Index, sample: &Sample) -> u64 {
             }
         }
     }
-    b.inline(&tfrecord::frame_footer(example_crc.crc()));
-    tfrecord::frame_len(example_crc.len())
 }
 
 /// The field number and wire type (2: length-delimited) of the padding field of `tfrecord.slots` records.
@@ -316,25 +327,11 @@ fn push_tfrecord_slot(b: &mut LayoutBuilder, index: &Index, sample: &Sample, slo
     } else {
         example_for(sample)
     };
-    let mut payload = CrcBuilder::new();
-    for piece in &pieces {
-        match piece {
-            Piece::Inline(bytes) => payload.push_bytes(bytes),
-            Piece::Part { index: i, .. } => payload.push_crc(sample.parts[*i].crc32c, sample.parts[*i].len),
-        }
-    }
+    let mut payload = pieces_crc(sample, &pieces);
     let pad = pad_field(slot - tfrecord::frame_len(payload.len()));
     payload.push_bytes(&pad);
     b.inline(&tfrecord::frame_header(payload.len()));
-    for piece in &pieces {
-        match piece {
-            Piece::Inline(bytes) => b.inline(bytes),
-            Piece::Part { index: i, .. } => {
-                let p = &sample.parts[*i];
-                b.data(p.shard, p.offset, p.len, p.crc32c);
-            }
-        }
-    }
+    push_pieces(b, sample, &pieces);
     b.inline(&pad);
     b.inline(&tfrecord::frame_footer(payload.crc()));
 }

@@ -27,16 +27,20 @@ fn run_loader(python: &str, module: &str, args: &[&str]) -> Option<Value> {
     Some(serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap())
 }
 
-/// `[key, label, crc32c of the image]` of every sample of `epoch`, in plan order.
-fn planned_records(fx: &common::Fixture, epoch: u64, options: PlanOptions) -> Vec<Value> {
-    let plan = EpochPlan::new(fx.options.samples, epoch, options).unwrap();
-    plan.order()
-        .iter()
-        .map(|&i| {
+/// `[key, label, crc32c of the image]` of samples `order` of the fixture, in that order.
+fn records(fx: &common::Fixture, order: impl IntoIterator<Item = u32>) -> Vec<Value> {
+    order
+        .into_iter()
+        .map(|i| {
             let s = gen::sample(&fx.options, i);
             serde_json::json!([s.key, s.label, batchfs::crc::crc32c(&s.data)])
         })
         .collect()
+}
+
+/// The records of every sample of `epoch`, in plan order.
+fn planned_records(fx: &common::Fixture, epoch: u64, options: PlanOptions) -> Vec<Value> {
+    records(fx, EpochPlan::new(fx.options.samples, epoch, options).unwrap().order().iter().copied())
 }
 
 /// Two epochs through one mount (the second warmed by the first's window), each against its plan.
@@ -104,14 +108,9 @@ fn webdataset_reads_tar_batches_in_plan_order() {
     rt.block_on(server.running.shutdown());
 }
 
-/// `[key, label, crc32c of the image]` of every sample in source order (the shards' own order).
+/// The records of every sample in source order (the shards' own order).
 fn source_records(fx: &common::Fixture) -> Vec<Value> {
-    (0..fx.options.samples)
-        .map(|i| {
-            let s = gen::sample(&fx.options, i);
-            serde_json::json!([s.key, s.label, batchfs::crc::crc32c(&s.data)])
-        })
-        .collect()
+    records(fx, 0..fx.options.samples)
 }
 
 /// An unchanged DALI pipeline over the original shards, `raw/*.tfrecord` with the `.idx` twins the
