@@ -101,6 +101,10 @@ impl Listings {
     pub fn raw_indexes_at(&self, dir: u32, chunk: u64) -> Vec<u64> {
         use std::sync::atomic::Ordering;
         let Some(raw) = self.raw(dir) else { return Vec::new() };
+        // Every read of raw/ asks: once done, the answer is at hand.
+        if raw.indexes_warmed.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
         let is_index = |c| raw.chunk(c).is_some_and(|(f, _)| f.path.ends_with(".idx"));
         if !is_index(chunk) || raw.indexes_warmed.swap(true, Ordering::Relaxed) {
             return Vec::new();
