@@ -136,6 +136,12 @@ pub fn manifest_of(
     rt.block_on(async { h2c().get(url).send().await.unwrap().json().await.unwrap() })
 }
 
+/// The body of batch `batch` of `epoch` of dataset `d` as the server sends it for `query`.
+pub fn batch_body(rt: &tokio::runtime::Runtime, server: &Server, epoch: u64, batch: u64, query: &str) -> Vec<u8> {
+    let url = format!("{}{}?{query}", server.base, batchfs::api::batch_path("d", epoch, batch));
+    rt.block_on(async { h2c().get(url).send().await.unwrap().bytes().await.unwrap().to_vec() })
+}
+
 /// An HTTP/2 client with prior knowledge (h2c).
 pub fn h2c() -> reqwest::Client {
     let limits = ServerLimits::default();

@@ -17,11 +17,6 @@ fn manifest(rt: &tokio::runtime::Runtime, server: &common::Server, query: &str) 
     common::manifest_of(rt, server, "d", 0, query)
 }
 
-fn batch_body(rt: &tokio::runtime::Runtime, server: &common::Server, batch: u64, query: &str) -> Vec<u8> {
-    let url = format!("{}{}?{query}", server.base, api::batch_path("d", 0, batch));
-    rt.block_on(async { common::h2c().get(url).send().await.unwrap().bytes().await.unwrap().to_vec() })
-}
-
 /// Reads a file with small reads at odd sizes, as a loader may.
 fn read_in_pieces(path: &Path, piece: usize) -> Vec<u8> {
     let mut f = std::fs::File::open(path).unwrap();
@@ -58,7 +53,7 @@ fn reads_through_the_mount_equal_the_server_and_decode_to_the_samples() {
         let path = epoch.join(format!("batch-{:06}.tfrecord", entry.index));
         assert_eq!(std::fs::metadata(&path).unwrap().len(), entry.bytes, "stat size from the manifest");
         let via_read = read_in_pieces(&path, 7919);
-        assert_eq!(via_read, batch_body(&rt, &server, entry.index, query), "batch {}", entry.index);
+        assert_eq!(via_read, common::batch_body(&rt, &server, 0, entry.index, query), "batch {}", entry.index);
         // mmap(MAP_PRIVATE) sees the same bytes as read(2).
         let file = std::fs::File::open(&path).unwrap();
         let mut via_pread = vec![0u8; via_read.len()];

@@ -3,12 +3,6 @@
 use crate::common::{self, fixture, serve, ServeWith};
 use batchfs::index::SourceFormat;
 
-/// The body of batch `batch` of `epoch` as the server sends it for `query`.
-fn body(rt: &tokio::runtime::Runtime, server: &common::Server, epoch: u64, batch: u64, query: &str) -> Vec<u8> {
-    let url = format!("{}{}?{query}", server.base, batchfs::api::batch_path("d", epoch, batch));
-    rt.block_on(async { common::h2c().get(url).send().await.unwrap().bytes().await.unwrap().to_vec() })
-}
-
 /// Through the kernel: each open of a `rolling/` name reads the next epoch's file, from `first_epoch`,
 /// in both layouts and both read paths (the page cache, kept or not, never serves an earlier epoch's
 /// pages: each epoch's file is its own inode); `stat` shows the file the next open gets, `fstat` of an
@@ -27,12 +21,12 @@ fn each_open_of_a_rolling_name_reads_the_next_epoch() {
             let (_dir, mounted) = common::mount(&server, "d", &options);
             let path = mounted.mountpoint.join("rolling/batch-000002.tfrecord");
             for epoch in 3..6 {
-                let want = body(&rt, &server, epoch, 2, &format!("{q}&format={format}"));
+                let want = common::batch_body(&rt, &server, epoch, 2, &format!("{q}&format={format}"));
                 assert_eq!(std::fs::metadata(&path).unwrap().len(), want.len() as u64, "stat: the next open's file");
                 let file = std::fs::File::open(&path).unwrap();
                 assert_eq!(
                     std::fs::metadata(&path).unwrap().len(),
-                    body(&rt, &server, epoch + 1, 2, &format!("{q}&format={format}")).len() as u64
+                    common::batch_body(&rt, &server, epoch + 1, 2, &format!("{q}&format={format}")).len() as u64
                 );
                 assert_eq!(file.metadata().unwrap().len(), want.len() as u64, "fstat: its own file");
                 let got = std::io::Read::bytes(&file).collect::<Result<Vec<u8>, _>>().unwrap();
@@ -42,13 +36,17 @@ fn each_open_of_a_rolling_name_reads_the_next_epoch() {
             // it holds for every epoch.
             let twin = std::fs::read(mounted.mountpoint.join("rolling/batch-000002.tfrecord.idx")).unwrap();
             let idx = if layout == "slots" { "tfrecord.slots.idx" } else { "tfrecord.idx" };
-            assert_eq!(twin, body(&rt, &server, 3, 2, &format!("{q}&format={idx}")));
+            assert_eq!(twin, common::batch_body(&rt, &server, 3, 2, &format!("{q}&format={idx}")));
             if layout == "slots" {
-                assert_eq!(twin, body(&rt, &server, 9, 2, &format!("{q}&format={idx}")), "the same every epoch");
+                assert_eq!(
+                    twin,
+                    common::batch_body(&rt, &server, 9, 2, &format!("{q}&format={idx}")),
+                    "the same every epoch"
+                );
             }
             // Another name starts at first_epoch; the epoch directories are untouched.
             let other = std::fs::read(mounted.mountpoint.join("rolling/batch-000000.tfrecord")).unwrap();
-            assert_eq!(other, body(&rt, &server, 3, 0, &format!("{q}&format={format}")));
+            assert_eq!(other, common::batch_body(&rt, &server, 3, 0, &format!("{q}&format={format}")));
             let fixed = mounted.mountpoint.join("epoch-0003/batch-000002.tfrecord");
             assert_eq!(std::fs::read(&fixed).unwrap(), std::fs::read(&fixed).unwrap());
             let stats = common::mount_stats(&mounted.mountpoint);
