@@ -64,6 +64,29 @@ def cpu_of(pid):
         return 0.0
 
 
+def run_measured(args, what, netem_proc, idle_rate):
+    """Runs loaders.py with `args`: its JSON result and the machine's CPU seconds per GB it read (idle
+    background and the netem proxy's own CPU subtracted)."""
+    netem_before = cpu_of(netem_proc.pid) if netem_proc else 0.0
+    busy = busy_seconds()
+    started = time.monotonic()
+    res = subprocess.run(args, capture_output=True, text=True)
+    wall = time.monotonic() - started
+    if res.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{res.stderr[-3000:]}")
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    cpu = busy_seconds() - busy - (cpu_of(netem_proc.pid) - netem_before if netem_proc else 0.0)
+    cpu -= idle_rate * wall
+    return r, round(max(cpu, 0.0) / (r["bytes"] / 1e9), 3)
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def command(loader, directory, paced):
     python = "/usr/bin/python3" if loader == "torch" else sys.executable
     name = {"dali-nommap": "dali"}.get(loader, loader)
@@ -147,25 +170,14 @@ def run(out, work, procs, mounts):
                         directory = os.path.join(dirs[key], f"epoch-{next_epoch[key]:04d}")
                         next_epoch[key] += 1
                         netem_proc = netem[system][1]
-                    netem_before = cpu_of(netem_proc.pid) if netem_proc else 0.0
-                    busy = busy_seconds()
-                    started = time.monotonic()
-                    res = subprocess.run(command(loader, directory, mode == "paced"), capture_output=True, text=True)
-                    wall = time.monotonic() - started
-                    if res.returncode != 0:
-                        raise SystemExit(f"{loader} on {system} failed:\n{res.stderr[-3000:]}")
-                    r = json.loads(res.stdout.strip().splitlines()[-1])
-                    cpu = busy_seconds() - busy - (cpu_of(netem_proc.pid) - netem_before if netem_proc else 0.0)
-                    cpu -= idle_rate * wall
+                    args = command(loader, directory, mode == "paced")
+                    r, cpu_per_gb = run_measured(args, f"{loader} on {system}", netem_proc, idle_rate)
                     row = {"round": rnd, "mode": mode, "loader": loader, "system": system, "epoch_s": r["epoch_s"],
                            "build_s": r["build_s"], "bytes": r["bytes"], "samples": r["samples"],
-                           "cpu_s_per_gb": round(max(cpu, 0.0) / (r["bytes"] / 1e9), 3)}
+                           "cpu_s_per_gb": cpu_per_gb}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(out, "results.csv"), rows)
     report = render(rows, systems)
     open(os.path.join(out, "report.md"), "w").write(report)
     print(report)

@@ -12,7 +12,6 @@ and `raw-RTT` (a mount's `raw/` through `batchfs netem` at each RTT). Shards are
 chunks through the daemon (larger than a chunk: no passthrough). Writes results.csv and report.md to
 OUT_DIR. Needs root, /dev/fuse, a release build and DALI (see .ci/run).
 """
-import csv
 import json
 import os
 import shutil
@@ -25,7 +24,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loaders_bench import BIN, LOADERS_PY, busy_seconds, cpu_of, free_port, measure_idle  # noqa: E402
+from loaders_bench import BIN, LOADERS_PY, free_port, measure_idle, run_measured, write_csv  # noqa: E402
 
 env = os.environ.get
 SAMPLES, MEAN, SHARDS = int(env("SAMPLES", "20000")), int(env("MEAN", "110000")), int(env("SHARDS", "32"))
@@ -95,24 +94,13 @@ def run(out, work, procs, mounts):
         for loader in LOADERS:
             for system in systems:
                 args = [sys.executable, LOADERS_PY, "dali", dirs[system]] + (["--no-mmap"] if "nommap" in loader else [])
-                proc = netem.get(system)
-                netem_before = cpu_of(proc.pid) if proc else 0.0
-                busy, started = busy_seconds(), time.monotonic()
-                res = subprocess.run(args, capture_output=True, text=True)
-                wall = time.monotonic() - started
-                if res.returncode != 0:
-                    raise SystemExit(f"{loader} on {system} failed:\n{res.stderr[-3000:]}")
-                r = json.loads(res.stdout.strip().splitlines()[-1])
-                cpu = busy_seconds() - busy - (cpu_of(proc.pid) - netem_before if proc else 0.0) - idle_rate * wall
+                r, cpu_per_gb = run_measured(args, f"{loader} on {system}", netem.get(system), idle_rate)
                 row = {"round": rnd, "loader": loader, "system": system, "epoch_s": r["epoch_s"],
                        "build_s": r["build_s"], "bytes": r["bytes"], "samples": r["samples"],
-                       "cpu_s_per_gb": round(max(cpu, 0.0) / (r["bytes"] / 1e9), 3)}
+                       "cpu_s_per_gb": cpu_per_gb}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(out, "results.csv"), rows)
     report = render(rows, systems, info)
     open(os.path.join(out, "report.md"), "w").write(report)
     print(report)
