@@ -9,12 +9,15 @@
 //! between them) are read together, up to `chunk_size` per chunk, so a batch of small files costs a few
 //! blocking tasks rather than one per file.
 
+use crate::aligned::{self, DIRECT_ALIGN};
 use crate::metrics::Metrics;
-use crate::storage::{Shard, Storage};
+use crate::storage::{direct_span, Shard, Storage};
+use crate::uring::{self, ReadOp};
 use batchfs::encode::Segment;
 use batchfs::mmap::MappedFile;
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -51,18 +54,60 @@ pub struct StreamContext {
     pub metrics: Arc<Metrics>,
     /// Largest chunk handed to hyper at once.
     pub chunk_size: u64,
+    /// Chunk reads a body keeps in flight ahead of what hyper has taken.
+    pub read_depth: usize,
+    /// Aligned buffers for direct reads, one per chunk.
+    pub direct: Arc<aligned::Pool>,
 }
 
-type Pending = Pin<Box<dyn Future<Output = Result<Bytes, std::io::Error>> + Send>>;
+impl StreamContext {
+    pub fn new(storage_concurrency: usize, chunk_size: u64, read_depth: usize, metrics: Arc<Metrics>) -> Self {
+        let chunk_size = chunk_size.max(4096);
+        let storage_concurrency = storage_concurrency.max(1);
+        StreamContext {
+            storage: Arc::new(Semaphore::new(storage_concurrency)),
+            metrics,
+            chunk_size,
+            read_depth: read_depth.max(1),
+            // Room for the chunk plus the blocks around its pieces; idle buffers for the reads that may
+            // run at once.
+            direct: aligned::Pool::new((chunk_size + DIRECT_SLACK) as usize, storage_concurrency * 2),
+        }
+    }
+}
 
-/// A body streamed from shard segments.
+/// Room a direct chunk's buffer has beyond `chunk_size`, for the partial blocks around its pieces.
+const DIRECT_SLACK: u64 = 64 << 10;
+
+/// Pieces of a direct chunk shorter than this are copied together into one frame; longer ones are sent
+/// as slices of the read buffer.
+const SMALL_PIECE: u64 = 32 << 10;
+
+type Pending = Pin<Box<dyn Future<Output = Result<Vec<Bytes>, std::io::Error>> + Send>>;
+
+/// A chunk of a body, in the order it is sent.
+enum Ahead {
+    /// Frames ready to send.
+    Frames(VecDeque<Bytes>),
+    /// A read running on its own task.
+    Reading(tokio::task::JoinHandle<Result<Vec<Bytes>, std::io::Error>>),
+}
+
+/// Most chunks a body keeps queued (ready or being read) beyond its reads in flight: views of a mapping
+/// cost nothing, but the queue must stay short.
+const MAX_QUEUED: usize = 16;
+
+/// A body streamed from shard segments. Chunks that need storage are read on their own tasks, up to
+/// `read_depth` ahead of what hyper has taken, so the device works while the last chunk is being sent.
 pub struct SegmentBody {
     ctx: Arc<StreamContext>,
     storage: Arc<Storage>,
     segments: std::vec::IntoIter<Segment>,
     /// The data segment being sent: (shard, next offset, bytes left).
     current: Option<(u32, u64, u64)>,
-    pending: Option<Pending>,
+    ahead: VecDeque<Ahead>,
+    /// Reads among `ahead`.
+    reading: usize,
     remaining: u64,
 }
 
@@ -70,7 +115,29 @@ impl SegmentBody {
     pub fn new(ctx: Arc<StreamContext>, storage: Arc<Storage>, segments: Vec<Segment>) -> Self {
         let remaining = segments.iter().map(Segment::len).sum();
         ctx.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
-        SegmentBody { ctx, storage, segments: segments.into_iter(), current: None, pending: None, remaining }
+        SegmentBody {
+            ctx,
+            storage,
+            segments: segments.into_iter(),
+            current: None,
+            ahead: VecDeque::new(),
+            reading: 0,
+            remaining,
+        }
+    }
+
+    /// Queues chunks until `read_depth` reads are in flight, the queue is full or the body is all queued.
+    fn fill(&mut self) {
+        while self.reading < self.ctx.read_depth && self.ahead.len() < MAX_QUEUED {
+            match self.next_chunk() {
+                None => return,
+                Some(Ok(bytes)) => self.ahead.push_back(Ahead::Frames(VecDeque::from([bytes]))),
+                Some(Err(pending)) => {
+                    self.ahead.push_back(Ahead::Reading(tokio::spawn(pending)));
+                    self.reading += 1;
+                }
+            }
+        }
     }
 
     fn next_chunk(&mut self) -> Option<Result<Bytes, Pending>> {
@@ -78,6 +145,7 @@ impl SegmentBody {
             if let Some((shard, offset, left)) = self.current {
                 let map = match self.storage.shard(shard) {
                     Shard::Mapped(map) => map.clone(),
+                    Shard::Direct { .. } => return Some(Err(self.read_direct())),
                     Shard::Open { .. } | Shard::Closed { .. } => return Some(Err(self.read_files())),
                 };
                 let n = left.min(self.ctx.chunk_size);
@@ -92,7 +160,7 @@ impl SegmentBody {
                     ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
                     tokio::task::spawn_blocking(move || {
                         fault_in(&slice.map, offset, n);
-                        Bytes::from_owner(slice)
+                        vec![Bytes::from_owner(slice)]
                     })
                     .await
                     .map_err(std::io::Error::other)
@@ -106,38 +174,52 @@ impl SegmentBody {
         }
     }
 
-    /// The next chunk from unmapped shards, starting at `current`: that segment and the ones after it
-    /// while they are unmapped data or framing, up to `chunk_size` bytes, read in one blocking task.
-    fn read_files(&mut self) -> Pending {
-        enum Piece {
-            Inline(Vec<u8>),
-            Data(u32, u64, u64),
-        }
-        let chunk = self.ctx.chunk_size.max(1);
+    /// Takes pieces from `current` on while `more` accepts them: the data segments (split where `more`
+    /// allows only part of one) and the framing between them. `more(shard, offset, len)` answers how many
+    /// bytes of that range go into this chunk (0: none, stop; framing is taken whole or not at all); it
+    /// is asked once per piece taken. What is not taken stays for the next chunk.
+    fn take_pieces(&mut self, mut more: impl FnMut(Option<u32>, u64, u64) -> u64) -> Vec<Piece> {
         let mut pieces = Vec::new();
-        let mut total = 0;
-        while total < chunk {
+        loop {
             if let Some((shard, offset, left)) = self.current {
-                let n = left.min(chunk - total);
+                let n = more(Some(shard), offset, left).min(left);
+                if n == 0 {
+                    break;
+                }
                 self.current = (left > n).then_some((shard, offset + n, left - n));
                 pieces.push(Piece::Data(shard, offset, n));
-                total += n;
                 continue;
             }
             match self.segments.as_slice().first() {
-                Some(Segment::Inline(bytes)) => total += bytes.len() as u64,
-                Some(&Segment::Data { shard, offset, len })
-                    if !matches!(self.storage.shard(shard), Shard::Mapped(_)) =>
-                {
-                    self.current = Some((shard, offset, len));
+                Some(Segment::Inline(bytes)) => {
+                    if more(None, 0, bytes.len() as u64) < bytes.len() as u64 {
+                        break;
+                    }
                 }
-                _ => break,
+                // Taken (or left for the next chunk) as `current`, above.
+                Some(&Segment::Data { shard, offset, len }) => self.current = Some((shard, offset, len)),
+                None => break,
             }
             if let Some(Segment::Inline(bytes)) = self.segments.next() {
                 pieces.push(Piece::Inline(bytes));
             }
         }
-        let (ctx, storage) = (self.ctx.clone(), self.storage.clone());
+        pieces
+    }
+
+    /// The next chunk from unmapped shards, starting at `current`: that segment and the ones after it
+    /// while they are unmapped data or framing, up to `chunk_size` bytes, read in one blocking task.
+    fn read_files(&mut self) -> Pending {
+        let chunk = self.ctx.chunk_size;
+        let storage = self.storage.clone();
+        let mut total = 0;
+        let pieces = self.take_pieces(|shard, _, len| {
+            let ok = shard.is_none_or(|s| !matches!(storage.shard(s), Shard::Mapped(_) | Shard::Direct { .. }));
+            let n = if ok && total < chunk { len.min(chunk - total) } else { 0 };
+            total += n;
+            n
+        });
+        let ctx = self.ctx.clone();
         Box::pin(async move {
             let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
             ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
@@ -149,10 +231,46 @@ impl SegmentBody {
                         Piece::Data(shard, offset, len) => storage.read(shard, offset, len, &mut out)?,
                     }
                 }
-                Ok(Bytes::from(out))
+                Ok(vec![Bytes::from(out)])
             })
             .await
             .map_err(std::io::Error::other)?
+        })
+    }
+
+    /// The next chunk from direct shards, starting at `current`: that segment and the data and framing
+    /// after it while the chunk stays within `chunk_size` bytes and its aligned blocks within one buffer
+    /// of the pool. One blocking task reads every piece into the buffer; large pieces are sent as slices
+    /// of it (no copy), small ones and the framing copied together.
+    fn read_direct(&mut self) -> Pending {
+        let (chunk, room) = (self.ctx.chunk_size, self.ctx.direct.capacity() as u64);
+        let storage = self.storage.clone();
+        let (mut total, mut used) = (0, 0);
+        let pieces = self.take_pieces(|shard, offset, len| {
+            let Some(shard) = shard else {
+                total += len;
+                return if total <= chunk { len } else { 0 };
+            };
+            if !storage.is_direct(shard) || total >= chunk {
+                return 0;
+            }
+            // The most of this range whose blocks still fit in the buffer: its span is at most the bytes,
+            // the part of a block before them, and one block after. (The first piece of a chunk always
+            // fits: the buffer holds `chunk_size` and a block more on each side.)
+            let fit = room.saturating_sub(used + offset % DIRECT_ALIGN + DIRECT_ALIGN);
+            let n = len.min(chunk - total).min(fit);
+            total += n;
+            used += direct_span(offset, n);
+            n
+        });
+        let ctx = self.ctx.clone();
+        Box::pin(async move {
+            let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
+            ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
+            let pool = ctx.direct.clone();
+            tokio::task::spawn_blocking(move || direct_frames(&storage, &pool, pieces))
+                .await
+                .map_err(std::io::Error::other)?
         })
     }
 
@@ -163,8 +281,77 @@ impl SegmentBody {
     }
 }
 
+/// A piece of a chunk read from files.
+enum Piece {
+    Inline(Vec<u8>),
+    Data(u32, u64, u64),
+}
+
+/// Reads a direct chunk's pieces into one aligned buffer and cuts it into frames: each large piece a
+/// slice of the buffer, runs of small pieces and framing one copied frame. The reads are submitted
+/// together through io_uring where the kernel allows (`uring.rs`), else read one after another.
+fn direct_frames(storage: &Storage, pool: &Arc<aligned::Pool>, pieces: Vec<Piece>) -> std::io::Result<Vec<Bytes>> {
+    let mut buf = pool.take();
+    let mut reads = Vec::with_capacity(pieces.len());
+    let mut at = 0;
+    for piece in &pieces {
+        if let &Piece::Data(shard, offset, len) = piece {
+            let op = storage.direct_op(shard, offset, len, at)?;
+            at += op.len;
+            reads.push((shard, offset, len, op));
+        }
+    }
+    let ops: Vec<ReadOp> = reads.iter().map(|r| r.3).collect();
+    let got: Vec<usize> = match uring::read_all(buf.window(), &ops) {
+        // A read that failed or stopped short is read again (or its error reported) by `finish_direct`.
+        Ok(results) => results.into_iter().map(|r| r.unwrap_or(0)).collect(),
+        Err(uring::Failed::Abandoned(e)) => {
+            // The kernel may still write into this buffer: it must never be reused or freed.
+            std::mem::forget(buf);
+            return Err(e);
+        }
+        Err(_) => vec![0; ops.len()],
+    };
+    // Where each data piece landed in the buffer.
+    let mut placed = Vec::with_capacity(reads.len());
+    for ((shard, offset, len, op), got) in reads.into_iter().zip(got) {
+        placed.push(storage.finish_direct(shard, offset, len, buf.window(), op, got)?);
+    }
+    buf.set_len(at);
+    let shared = Bytes::from_owner(buf);
+    let mut frames = Vec::new();
+    let mut small = Vec::new();
+    let mut placed = placed.into_iter();
+    for piece in pieces {
+        match piece {
+            Piece::Inline(bytes) => small.extend_from_slice(&bytes),
+            Piece::Data(_, _, len) => {
+                let start = placed.next().expect("one place per data piece");
+                let bytes = &shared[start..start + len as usize];
+                if len < SMALL_PIECE {
+                    small.extend_from_slice(bytes);
+                    continue;
+                }
+                if !small.is_empty() {
+                    frames.push(Bytes::from(std::mem::take(&mut small)));
+                }
+                frames.push(shared.slice(start..start + len as usize));
+            }
+        }
+    }
+    if !small.is_empty() {
+        frames.push(Bytes::from(small));
+    }
+    Ok(frames)
+}
+
 impl Drop for SegmentBody {
     fn drop(&mut self) {
+        for ahead in &self.ahead {
+            if let Ahead::Reading(task) = ahead {
+                task.abort();
+            }
+        }
         self.ctx.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -175,20 +362,29 @@ impl http_body::Body for SegmentBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        if let Some(pending) = &mut this.pending {
-            let result = std::task::ready!(pending.as_mut().poll(cx));
-            this.pending = None;
-            return match result {
-                Ok(bytes) => this.emit(bytes),
-                Err(e) => Poll::Ready(Some(Err(e))),
-            };
-        }
-        match this.next_chunk() {
-            None => Poll::Ready(None),
-            Some(Ok(bytes)) => this.emit(bytes),
-            Some(Err(pending)) => {
-                this.pending = Some(pending);
-                self.poll_frame(cx)
+        this.fill();
+        loop {
+            match this.ahead.front_mut() {
+                None => return Poll::Ready(None),
+                Some(Ahead::Frames(frames)) => match frames.pop_front() {
+                    Some(bytes) => return this.emit(bytes),
+                    None => {
+                        this.ahead.pop_front();
+                        this.fill();
+                    }
+                },
+                Some(Ahead::Reading(task)) => {
+                    let result = std::task::ready!(Pin::new(task).poll(cx));
+                    this.reading -= 1;
+                    match result.map_err(std::io::Error::other).and_then(|r| r) {
+                        Ok(frames) => *this.ahead.front_mut().expect("front") = Ahead::Frames(frames.into()),
+                        Err(e) => {
+                            this.ahead.pop_front();
+                            return Poll::Ready(Some(Err(e)));
+                        }
+                    }
+                    this.fill();
+                }
             }
         }
     }
@@ -241,5 +437,111 @@ impl http_body::Body for Body {
             Body::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
             Body::Segments(s) => s.size_hint(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::{IoMode, IoPolicy};
+    use batchfs::gen::{self, GenOptions};
+    use batchfs::index::{Index, SourceFormat};
+    use batchfs::source::{self, IndexOptions, NoProgress};
+    use http_body_util::BodyExt;
+    use proptest::prelude::*;
+
+    /// Three shards of a few hundred KiB, their index and their bytes.
+    fn dataset() -> &'static (tempfile::TempDir, Index, Vec<Vec<u8>>) {
+        static DATA: std::sync::OnceLock<(tempfile::TempDir, Index, Vec<Vec<u8>>)> = std::sync::OnceLock::new();
+        DATA.get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let options = GenOptions { samples: 60, mean_bytes: 9000, shards: 3, ..Default::default() };
+            gen::generate(&options, dir.path()).unwrap();
+            let (index, _) =
+                source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
+            let bytes = index.shards.iter().map(|s| std::fs::read(dir.path().join(&s.path)).unwrap()).collect();
+            (dir, index, bytes)
+        })
+    }
+
+    /// Segments over the shards: data ranges at any offset and length (to the last byte of a shard),
+    /// framing between some of them.
+    fn arb_segments() -> impl Strategy<Value = Vec<Segment>> {
+        let sizes: Vec<u64> = dataset().1.shards.iter().map(|s| s.size).collect();
+        let piece = (0..sizes.len() as u32, any::<u64>(), 0u64..300_000, proptest::option::of(1usize..40_000));
+        proptest::collection::vec(piece, 1..12).prop_map(move |pieces| {
+            let mut segments = Vec::new();
+            for (shard, at, len, inline) in pieces {
+                let size = sizes[shard as usize];
+                let offset = at % size;
+                let len = len.min(size - offset).max(1);
+                segments.push(Segment::Data { shard, offset, len });
+                if let Some(n) = inline {
+                    segments.push(Segment::Inline((0..n).map(|i| i as u8).collect()));
+                }
+            }
+            segments
+        })
+    }
+
+    /// Many tiny ranges, each across a block boundary: their aligned blocks outgrow a chunk's buffer long
+    /// before their bytes fill the chunk.
+    fn arb_straddling() -> impl Strategy<Value = Vec<Segment>> {
+        let blocks = dataset().1.shards[0].size / DIRECT_ALIGN - 1;
+        proptest::collection::vec((1..blocks, 1u64..3), 20..120).prop_map(move |pieces| {
+            let range = |(block, len)| Segment::Data { shard: 0, offset: block * DIRECT_ALIGN - 1, len };
+            pieces.into_iter().map(range).collect()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Every way of reading shards streams the exact bytes the segments name, whatever the chunk size
+        /// and the reads in flight: mapped, positioned reads, and direct reads split into aligned blocks.
+        #[test]
+        fn bodies_hold_the_segments_bytes_whatever_the_io(
+            segments in prop_oneof![arb_segments(), arb_straddling()],
+            chunk in prop_oneof![Just(4096u64), 4096u64..200_000, Just(1 << 20)],
+            depth in 1usize..4,
+        ) {
+            let (dir, index, bytes) = dataset();
+            let want: Vec<u8> = segments.iter().flat_map(|s| match s {
+                Segment::Inline(b) => b.clone(),
+                Segment::Data { shard, offset, len } => {
+                    bytes[*shard as usize][*offset as usize..(offset + len) as usize].to_vec()
+                }
+            }).collect();
+            let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).build().unwrap();
+            for mode in [IoMode::Mmap, IoMode::Pread, IoMode::Direct] {
+                let policy = IoPolicy { mode, max_mapped_shards: usize::MAX, memory: u64::MAX };
+                let storage = Arc::new(Storage::open("t", dir.path(), index, policy).unwrap());
+                let ctx = Arc::new(StreamContext::new(4, chunk, depth, Arc::new(Metrics::default())));
+                let body = SegmentBody::new(ctx.clone(), storage, segments.clone());
+                let got = runtime.block_on(async { body.collect().await.unwrap().to_bytes() });
+                prop_assert_eq!(got.len(), want.len(), "{:?}", mode);
+                prop_assert!(got[..] == want[..], "{:?}: bytes differ", mode);
+                prop_assert_eq!(ctx.metrics.in_flight.load(Ordering::Relaxed), 0);
+            }
+        }
+    }
+
+    /// A direct body whose file shrank under it ends with an error, not with wrong or missing bytes.
+    #[test]
+    fn a_direct_body_fails_when_its_file_shrinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = GenOptions { samples: 20, mean_bytes: 20_000, shards: 1, ..Default::default() };
+        gen::generate(&options, dir.path()).unwrap();
+        let (index, _) = source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
+        let policy = IoPolicy { mode: IoMode::Direct, max_mapped_shards: usize::MAX, memory: u64::MAX };
+        let storage = Arc::new(Storage::open("t", dir.path(), &index, policy).unwrap());
+        let size = index.shards[0].size;
+        let file = std::fs::OpenOptions::new().write(true).open(dir.path().join(&index.shards[0].path)).unwrap();
+        file.set_len(size - 100).unwrap();
+        let ctx = Arc::new(StreamContext::new(2, 65536, 2, Arc::new(Metrics::default())));
+        let body = SegmentBody::new(ctx, storage, vec![Segment::Data { shard: 0, offset: 0, len: size }]);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let err = runtime.block_on(async { body.collect().await.map(|_| ()).unwrap_err() });
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "{err}");
     }
 }

@@ -156,9 +156,11 @@ limits! {
     readahead_batches: u64 = 4, value::count, "4", "N",
         "Batches of the same plan warmed ahead of each batch request (0 disables).";
     io: crate::storage::IoMode = crate::storage::IoMode::Auto, crate::storage::IoMode::parse, "auto", "MODE",
-        "How shards are read: mmap (shared mappings), pread (positioned reads, pages dropped after use when \
-         the data does not fit), or auto: mmap when the dataset fits in half the server's memory (the \
-         machine's, or its memory cgroup's limit), else pread.";
+        "How shards are read: mmap (shared mappings), direct (positioned reads with O_DIRECT into reused \
+         aligned buffers, bypassing the page cache), pread (positioned reads through the page cache, pages \
+         dropped after use when the data does not fit), or auto: mmap when the dataset fits in half the \
+         server's memory (the machine's, or its memory cgroup's limit), else direct (pread where the \
+         filesystem refuses O_DIRECT).";
     max_mapped_shards: usize = 4096, value::count, "4096", "N",
         "A dataset of more shards than this is read with positioned reads instead of mapped (a file tree of \
          many small files: one mapping per file would exceed the kernel's vm.max_map_count).";
@@ -168,6 +170,9 @@ limits! {
          bodies hold.";
     chunk_size: u64 = 1 << 20, value::size, "1M", "SIZE",
         "Largest body chunk handed to HTTP at once.";
+    read_depth: usize = 2, value::count, "2", "N",
+        "Chunk reads each body keeps in flight ahead of what HTTP/2 has sent (reads from storage, not \
+         views of pages already in memory).";
 }
 
 /// One dataset to serve.

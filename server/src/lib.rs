@@ -7,6 +7,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod aligned;
 pub mod body;
 pub mod catalog;
 pub mod cli;
@@ -17,6 +18,7 @@ pub mod progress;
 pub mod service;
 pub mod storage;
 mod tls;
+pub mod uring;
 
 use crate::catalog::Catalog;
 use crate::config::ServerLimits;
@@ -98,6 +100,7 @@ pub async fn start(catalog: impl Into<Arc<Catalog>>, options: ServeOptions) -> a
         options.token.clone(),
         limits.storage_concurrency,
         limits.chunk_size,
+        limits.read_depth,
         limits.readahead_batches,
         limits.request_timeout,
         limits.max_bodies_in_flight,

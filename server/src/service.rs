@@ -14,7 +14,6 @@ use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use subtle::ConstantTimeEq;
-use tokio::sync::Semaphore;
 use tracing::Instrument;
 
 /// Everything a request handler needs.
@@ -39,6 +38,7 @@ impl AppState {
         token: Option<Vec<u8>>,
         storage_concurrency: usize,
         chunk_size: u64,
+        read_depth: usize,
         readahead_batches: u64,
         request_timeout: Duration,
         max_bodies_in_flight: u64,
@@ -47,11 +47,7 @@ impl AppState {
         AppState {
             catalog,
             token,
-            stream: Arc::new(StreamContext {
-                storage: Arc::new(Semaphore::new(storage_concurrency.max(1))),
-                metrics: metrics.clone(),
-                chunk_size: chunk_size.max(4096),
-            }),
+            stream: Arc::new(StreamContext::new(storage_concurrency, chunk_size, read_depth, metrics.clone())),
             metrics,
             readahead_batches,
             request_timeout,

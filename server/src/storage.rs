@@ -3,15 +3,21 @@
 //! **Mapped** (`io=mmap`): each shard is mapped once and bodies share the mappings (no copy). Right for
 //! data that fits in the server's memory: the page cache holds it after the first epoch.
 //!
-//! **Positioned reads** (`io=pread`): each body chunk is read with `pread` on the blocking pool. Right
-//! for data larger than the server's memory (LMDBIO's case): a sample is one read of its exact bytes,
-//! where a mapping faults it in page by page and the kernel's readahead reads what a shuffled epoch
-//! will not use; and after a range is sent its pages are dropped from the page cache
-//! (`POSIX_FADV_DONTNEED`), so an epoch's reads do not evict each other's ranges (or everything else
-//! on the machine) before they are used. The next batches' ranges are announced to the kernel ahead
+//! **Direct reads** (`io=direct`): each body chunk is read with `pread` on a file opened `O_DIRECT`, on
+//! the blocking pool, into reused aligned buffers (`aligned.rs`) that become the body's frames without a
+//! copy. Right for data larger than the server's memory (LMDBIO's case): a sample is one read of its
+//! (block-aligned) bytes, where a mapping faults it in page by page and the kernel's readahead reads
+//! what a shuffled epoch will not use; and the page cache is not involved at all: no copy out of it, no
+//! pages to insert, charge to the cgroup and reclaim, and nothing else on the machine evicted.
+//!
+//! **Positioned reads** (`io=pread`): the same reads through the page cache, for filesystems that
+//! refuse `O_DIRECT` (tmpfs, some network filesystems). When the data does not fit, each range's pages
+//! are dropped after it is read (`POSIX_FADV_DONTNEED`) and the next batches' ranges are announced ahead
 //! (`POSIX_FADV_WILLNEED`, see `warm_ahead` in `service.rs`), so the device reads them in parallel.
+//!
 //! `io=auto` (the default) maps a dataset when it fits in half of the memory the server may use (the
-//! smaller of the machine's memory and its memory cgroup's limit), else reads it by positioned reads.
+//! smaller of the machine's memory and its memory cgroup's limit), else reads it directly, or by
+//! positioned reads where the filesystem refuses `O_DIRECT`.
 //!
 //! **Many files.** A dataset of more shards than `max_mapped_shards` (a file tree of ImageNet's 1.28 M
 //! images) is never mapped: each mapping is a kernel VMA, and the kernel allows `vm.max_map_count` of
@@ -21,6 +27,8 @@
 //! Either way a read of storage never runs on a tokio worker: the body streams (`body.rs`) and warming
 //! (`service.rs`) do it on the blocking pool, within the storage semaphore.
 
+use crate::aligned::{self, DIRECT_ALIGN};
+use crate::uring::ReadOp;
 use crate::catalog::CatalogError;
 use crate::config::ServerLimits;
 use batchfs::index::Index;
@@ -34,20 +42,23 @@ use std::sync::Arc;
 /// How datasets are read (the `io` limit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoMode {
-    /// Mapped when the dataset fits in half the server's memory, else positioned reads.
+    /// Mapped when the dataset fits in half the server's memory, else direct reads (or positioned
+    /// reads where the filesystem refuses `O_DIRECT`).
     Auto,
     Mmap,
     Pread,
+    Direct,
 }
 
 impl IoMode {
-    /// `auto`, `mmap` or `pread`.
+    /// `auto`, `mmap`, `pread` or `direct`.
     pub fn parse(text: &str) -> Result<IoMode, String> {
         match text.trim() {
             "auto" => Ok(IoMode::Auto),
             "mmap" => Ok(IoMode::Mmap),
             "pread" => Ok(IoMode::Pread),
-            other => Err(format!("{other:?} is not an I/O mode (auto, mmap or pread)")),
+            "direct" => Ok(IoMode::Direct),
+            other => Err(format!("{other:?} is not an I/O mode (auto, mmap, pread or direct)")),
         }
     }
 }
@@ -77,6 +88,12 @@ impl Default for IoPolicy {
 /// One shard, as the server reads it.
 pub enum Shard {
     Mapped(Arc<MappedFile>),
+    /// Read with positioned reads from a file held open with `O_DIRECT`, in aligned blocks.
+    Direct {
+        file: File,
+        path: PathBuf,
+        size: u64,
+    },
     /// Read with positioned reads from a file held open.
     Open {
         file: File,
@@ -104,7 +121,13 @@ impl Storage {
         let bytes: u64 = index.shards.iter().map(|s| s.size).sum();
         let fits = bytes <= policy.memory / 2;
         let many = index.shards.len() > policy.max_mapped_shards;
-        let pread = many || policy.mode == IoMode::Pread || (policy.mode == IoMode::Auto && !fits);
+        let read = match policy.mode {
+            _ if many => Read::Closed,
+            IoMode::Mmap => Read::Mapped,
+            IoMode::Auto if fits => Read::Mapped,
+            IoMode::Pread => Read::Open,
+            IoMode::Auto | IoMode::Direct => Read::Direct,
+        };
         if many && policy.mode == IoMode::Mmap {
             tracing::warn!(
                 dataset = name,
@@ -113,44 +136,72 @@ impl Storage {
                 "too many shards to map: reading them with positioned reads"
             );
         }
+        let mut read = read;
         let mut shards = Vec::with_capacity(index.shards.len());
         for shard in &index.shards {
             let path = root.join(&shard.path);
             let changed = || CatalogError::Changed { name: name.to_owned(), path: path.clone() };
             let cannot = |source| CatalogError::Map { name: name.to_owned(), path: path.clone(), source };
-            if many {
-                // A stat per file: the index's size must still hold (reads past it would fail later).
-                let size = std::fs::metadata(&path).map_err(cannot)?.len();
-                if size != shard.size {
-                    return Err(changed());
+            if read == Read::Direct {
+                match open_direct(&path) {
+                    Ok(file) => {
+                        let size = file.metadata().map_err(cannot)?.len();
+                        if size != shard.size {
+                            return Err(changed());
+                        }
+                        shards.push(Shard::Direct { file, path, size });
+                        continue;
+                    }
+                    Err(e) if shards.is_empty() && e.kind() == std::io::ErrorKind::InvalidInput => {
+                        // The filesystem refuses O_DIRECT (tmpfs, some network filesystems).
+                        tracing::warn!(dataset = name, path = %path.display(), error = %e,
+                            "O_DIRECT refused: reading with positioned reads through the page cache");
+                        read = Read::Open;
+                    }
+                    Err(e) => return Err(cannot(e)),
                 }
-                shards.push(Shard::Closed { path, size });
-            } else if pread {
-                let file = File::open(&path).map_err(cannot)?;
-                let size = file.metadata().map_err(cannot)?.len();
-                if size != shard.size {
-                    return Err(changed());
+            }
+            match read {
+                Read::Closed => {
+                    // A stat per file: the index's size must still hold (reads past it would fail later).
+                    let size = std::fs::metadata(&path).map_err(cannot)?.len();
+                    if size != shard.size {
+                        return Err(changed());
+                    }
+                    shards.push(Shard::Closed { path, size });
                 }
-                shards.push(Shard::Open { file, path, size });
-            } else {
-                let mapped = MappedFile::open(&path).map_err(cannot)?;
-                if mapped.len() != shard.size {
-                    return Err(changed());
+                Read::Open | Read::Direct => {
+                    let file = File::open(&path).map_err(cannot)?;
+                    let size = file.metadata().map_err(cannot)?.len();
+                    if size != shard.size {
+                        return Err(changed());
+                    }
+                    shards.push(Shard::Open { file, path, size });
                 }
-                // Batches of a shuffled plan read samples in random order: kernel readahead would read
-                // the wrong pages, so the server warms exactly the ranges it will send instead.
-                mapped.advise(memmap2::Advice::Random);
-                shards.push(Shard::Mapped(Arc::new(mapped)));
+                Read::Mapped => {
+                    let mapped = MappedFile::open(&path).map_err(cannot)?;
+                    if mapped.len() != shard.size {
+                        return Err(changed());
+                    }
+                    // Batches of a shuffled plan read samples in random order: kernel readahead would read
+                    // the wrong pages, so the server warms exactly the ranges it will send instead.
+                    mapped.advise(memmap2::Advice::Random);
+                    shards.push(Shard::Mapped(Arc::new(mapped)));
+                }
             }
         }
         // Side files are read whole and seldom (under `raw/`): opened per read.
         for file in &index.side {
             shards.push(Shard::Closed { path: root.join(&file.path), size: file.size });
         }
-        let drop_after_read = pread && !fits;
+        let drop_after_read = matches!(read, Read::Open | Read::Closed) && !fits;
         tracing::info!(
             dataset = name,
-            io = if pread { "pread" } else { "mmap" },
+            io = match read {
+                Read::Mapped => "mmap",
+                Read::Direct => "direct",
+                Read::Open | Read::Closed => "pread",
+            },
             bytes,
             memory = policy.memory,
             drop_after_read,
@@ -167,6 +218,11 @@ impl Storage {
     /// How many shards are mapped (all or none).
     pub fn mapped(&self) -> usize {
         self.shards.iter().filter(|s| matches!(s, Shard::Mapped(_))).count()
+    }
+
+    /// How many shards are read with `O_DIRECT` (all or none of the data shards).
+    pub fn direct(&self) -> usize {
+        self.shards.iter().filter(|s| matches!(s, Shard::Direct { .. })).count()
     }
 
     /// Whether the pages of each range read are dropped from the page cache afterwards.
@@ -187,6 +243,8 @@ impl Storage {
             }
             Shard::Open { file, .. } => advise(file, offset, len, libc::POSIX_FADV_WILLNEED),
             Shard::Closed { path, .. } => advise(&File::open(path)?, offset, len, libc::POSIX_FADV_WILLNEED),
+            // Direct reads bypass the page cache: pages brought in ahead would only be read twice.
+            Shard::Direct { .. } => Ok(()),
         }
     }
 
@@ -198,7 +256,7 @@ impl Storage {
                 let _ = advise(file, offset, len, libc::POSIX_FADV_WILLNEED);
             }
             // Opening a file to hint it costs what reading a small file does: `warm` does it.
-            Shard::Closed { .. } => {}
+            Shard::Closed { .. } | Shard::Direct { .. } => {}
         }
     }
 
@@ -216,6 +274,14 @@ impl Storage {
                 opened = File::open(path)?;
                 (&opened, path, *size)
             }
+            Shard::Direct { .. } => {
+                let pool = aligned::Pool::new(direct_span(offset, len) as usize, 0);
+                let mut buf = pool.take();
+                let op = self.direct_op(n, offset, len, 0)?;
+                let at = self.finish_direct(n, offset, len, buf.window(), op, 0)?;
+                out.extend_from_slice(&buf.window()[at..at + len as usize]);
+                return Ok(());
+            }
         };
         if offset + len > size {
             return Err(std::io::Error::other(format!("{}: range past the indexed size", path.display())));
@@ -229,6 +295,85 @@ impl Storage {
         }
         Ok(())
     }
+
+    /// The read that brings `[offset, offset + len)` of direct shard `n` into a window at `at`
+    /// (aligned): the aligned blocks around the range, [`direct_span`] bytes of room. The range's first
+    /// byte lands at `at + offset % DIRECT_ALIGN`.
+    pub fn direct_op(&self, n: u32, offset: u64, len: u64, at: usize) -> std::io::Result<ReadOp> {
+        let Shard::Direct { file, path, size } = self.shard(n) else {
+            unreachable!("a direct read of a shard not opened for direct reads")
+        };
+        if offset + len > *size {
+            return Err(std::io::Error::other(format!("{}: range past the indexed size", path.display())));
+        }
+        debug_assert_eq!(at as u64 % DIRECT_ALIGN, 0);
+        Ok(ReadOp { fd: file.as_raw_fd(), offset: aligned::align_down(offset), at, len: direct_span(offset, len) as usize })
+    }
+
+    /// Reads `[offset, offset + len)` of direct shard `n` into `window` as [`Storage::direct_op`] says,
+    /// when `got` bytes of it are already there (read some other way, e.g. by io_uring). Returns where
+    /// the range's first byte is. Blocks: call on the blocking pool.
+    pub fn finish_direct(
+        &self,
+        n: u32,
+        offset: u64,
+        len: u64,
+        window: &mut [u8],
+        op: ReadOp,
+        mut got: usize,
+    ) -> std::io::Result<usize> {
+        let Shard::Direct { file, path, .. } = self.shard(n) else {
+            unreachable!("a direct read of a shard not opened for direct reads")
+        };
+        let context = |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+        let need = (offset + len - op.offset) as usize;
+        let window = &mut window[op.at..op.at + op.len];
+        // Short reads come only at the end of the file (the last block is partial): read until the range
+        // is in, and fail if the file ends before it (it shrank under the server).
+        while got < need {
+            // A read after a partial block would be unaligned: only the file's end stops one short.
+            if got % DIRECT_ALIGN as usize != 0 {
+                return Err(context(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            match file.read_at(&mut window[got..], op.offset + got as u64) {
+                Ok(0) => return Err(context(std::io::ErrorKind::UnexpectedEof.into())),
+                Ok(k) => got += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(context(e)),
+            }
+        }
+        Ok(op.at + (offset - op.offset) as usize)
+    }
+
+    /// Whether shard `n` is read with `O_DIRECT`.
+    pub fn is_direct(&self, n: u32) -> bool {
+        matches!(self.shard(n), Shard::Direct { .. })
+    }
+}
+
+/// The aligned bytes a direct read of `[offset, offset + len)` covers.
+pub fn direct_span(offset: u64, len: u64) -> u64 {
+    aligned::align_up(offset + len) - aligned::align_down(offset)
+}
+
+/// How a dataset's data shards are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Read {
+    Mapped,
+    Direct,
+    Open,
+    Closed,
+}
+
+/// `path` opened for direct reads. A filesystem without `O_DIRECT` refuses at open (`EINVAL`) or at the
+/// first read: one aligned block is read to find out.
+fn open_direct(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)?;
+    let pool = aligned::Pool::new(DIRECT_ALIGN as usize, 0);
+    let mut probe = pool.take();
+    file.read_at(probe.window(), 0)?;
+    Ok(file)
 }
 
 /// `posix_fadvise(2)` on a range of `file`.
@@ -292,19 +437,24 @@ mod tests {
         let open = |p: IoPolicy| Storage::open("t", dir.path(), &index, p);
         let mapped = open(policy(IoMode::Mmap, usize::MAX, u64::MAX)).unwrap();
         let held = open(policy(IoMode::Pread, usize::MAX, u64::MAX)).unwrap();
+        let direct = open(policy(IoMode::Direct, usize::MAX, u64::MAX)).unwrap();
+        // Too large for a server of 1 KiB: auto reads it directly.
+        let auto_direct = open(policy(IoMode::Auto, usize::MAX, 1024)).unwrap();
         let files = open(policy(IoMode::Auto, 1, u64::MAX)).unwrap();
-        // Too large for a server of 1 KiB: read by pread, and dropped from the page cache after reading.
-        let big = open(policy(IoMode::Auto, usize::MAX, 1024)).unwrap();
+        // Too large for a server of 1 KiB, read by pread: dropped from the page cache after reading.
+        let big = open(policy(IoMode::Pread, usize::MAX, 1024)).unwrap();
         let fits = open(policy(IoMode::Auto, usize::MAX, u64::MAX)).unwrap();
         assert_eq!(mapped.mapped(), index.shards.len());
         assert_eq!(fits.mapped(), index.shards.len());
         assert_eq!((held.mapped(), files.mapped(), big.mapped()), (0, 0, 0));
         assert!(big.drops_after_read() && !held.drops_after_read() && !files.drops_after_read());
         assert!(matches!(files.shard(0), Shard::Closed { .. }) && matches!(held.shard(0), Shard::Open { .. }));
+        assert_eq!((direct.direct(), auto_direct.direct()), (index.shards.len(), index.shards.len()));
+        assert!(!direct.drops_after_read() && !auto_direct.drops_after_read());
         for (n, shard) in index.shards.iter().enumerate() {
             let mut want = Vec::new();
             mapped.read(n as u32, 1, shard.size - 1, &mut want).unwrap();
-            for other in [&held, &files, &big] {
+            for other in [&held, &files, &big, &direct] {
                 let mut got = vec![7u8];
                 other.read(n as u32, 1, shard.size - 1, &mut got).unwrap();
                 assert_eq!(&got[1..], &want[..], "shard {n}");
@@ -312,14 +462,20 @@ mod tests {
                 other.will_need(n as u32, 0, shard.size);
             }
         }
-        for other in [&held, &files] {
+        for other in [&held, &files, &direct] {
             let past = other.read(0, index.shards[0].size, 1, &mut Vec::new()).unwrap_err();
             assert!(past.to_string().contains("past the indexed size"), "{past}");
         }
-        // A file that changed size since indexing is refused at open, whatever the mode.
+        // A file that shrinks under a direct reader: the read fails, no short range is returned.
         let first = dir.path().join(&index.shards[0].path);
+        let size = index.shards[0].size;
+        std::fs::OpenOptions::new().write(true).open(&first).unwrap().set_len(size - 1).unwrap();
+        let short = direct.read(0, size / 2, size - size / 2, &mut Vec::new()).unwrap_err();
+        assert_eq!(short.kind(), std::io::ErrorKind::UnexpectedEof, "{short}");
+        // A file that changed size since indexing is refused at open, whatever the mode.
         std::fs::write(&first, b"shorter").unwrap();
-        for p in [policy(IoMode::Auto, 1, u64::MAX), policy(IoMode::Mmap, 99, 0), policy(IoMode::Pread, 99, 0)] {
+        let modes = [IoMode::Mmap, IoMode::Pread, IoMode::Direct];
+        for p in [policy(IoMode::Auto, 1, u64::MAX)].into_iter().chain(modes.map(|m| policy(m, 99, 0))) {
             assert!(matches!(open(p), Err(CatalogError::Changed { .. })));
         }
     }
@@ -328,7 +484,8 @@ mod tests {
     fn io_modes_parse_and_memory_is_detected() {
         assert_eq!(IoMode::parse("pread"), Ok(IoMode::Pread));
         assert_eq!(IoMode::parse(" mmap"), Ok(IoMode::Mmap));
-        assert!(IoMode::parse("direct").unwrap_err().contains("auto, mmap or pread"));
+        assert_eq!(IoMode::parse("direct"), Ok(IoMode::Direct));
+        assert!(IoMode::parse("odirect").unwrap_err().contains("auto, mmap, pread or direct"));
         let memory = memory_limit();
         assert!(memory > 64 << 20 && memory < u64::MAX, "{memory}");
     }

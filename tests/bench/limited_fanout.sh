@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # One server whose memory is smaller than its dataset (a cgroup v1 limited to LIMIT, page cache included,
-# `io=pread`) serving MOUNTS mounts at once, each read by `batchfs bench` (4 threads) at the same time:
+# `io=IO`) serving MOUNTS mounts at once, each read by `batchfs bench` (4 threads) at the same time:
 # the server's peak RSS and the cgroup's peak usage against the documented bound, and the aggregate rate.
 #
 #   tests/bench/limited_fanout.sh
-#   env: SAMPLES (30000), MEAN (110000), SHARDS (32), LIMIT (1G), MOUNTS (8), ROUNDS (2), DATA (kept
-#        between runs if given)
+#   env: SAMPLES (30000), MEAN (110000), SHARDS (32), LIMIT (1G), MOUNTS (8), ROUNDS (2), IO (direct, or
+#        pread), DATA (kept between runs if given)
 #
 # Needs root, the cgroup v1 memory controller at /sys/fs/cgroup/memory, /dev/fuse and a release build.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=$ROOT/target/release
 SAMPLES=${SAMPLES:-30000} MEAN=${MEAN:-110000} SHARDS=${SHARDS:-32} LIMIT=${LIMIT:-1G}
-MOUNTS=${MOUNTS:-8} ROUNDS=${ROUNDS:-2}
+MOUNTS=${MOUNTS:-8} ROUNDS=${ROUNDS:-2} IO=${IO:-direct}
 [ -x "$BIN/batchfs" ] || cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
 work=$(mktemp -d)
 DATA=${DATA:-$work/data}
@@ -38,7 +38,7 @@ mkdir -p "$CG"
 echo "$LIMIT" >"$CG/memory.limit_in_bytes"
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 sh -c "echo \$\$ > $CG/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port --dataset d=$DATA \
-    --io pread" 2>"$work/server.log" &
+    --io $IO" 2>"$work/server.log" &
 server=$!
 for _ in $(seq 200); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
 for m in $(seq "$MOUNTS"); do
