@@ -8,10 +8,11 @@ use batchfs::index::{Index, ShardInfo};
 use batchfs::plan::{EpochPlan, PlanError};
 use batchfs::source::{self, IndexOptions, IndexOrigin, Progress};
 use lru::LruCache;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use thiserror::Error;
 
 /// A dataset the server cannot open.
@@ -71,6 +72,11 @@ pub struct Dataset {
     pub origin: IndexOrigin,
     plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
     manifests: Mutex<LruCache<(u64, BatchQuery), Arc<Manifest>>>,
+    /// Manifests being computed now: a second request for one waits for it rather than computing it again.
+    computing: Mutex<HashSet<(u64, BatchQuery)>>,
+    computed: Condvar,
+    /// Manifests computed (not found in the cache).
+    computations: AtomicU64,
 }
 
 /// How many plans and manifests each dataset keeps.
@@ -107,6 +113,9 @@ impl Dataset {
             origin,
             plans: Mutex::new(LruCache::new(cache)),
             manifests: Mutex::new(LruCache::new(cache)),
+            computing: Mutex::new(HashSet::new()),
+            computed: Condvar::new(),
+            computations: AtomicU64::new(0),
         })
     }
 
@@ -143,12 +152,51 @@ impl Dataset {
         Ok((encode::layout(&self.index, samples, query.format, self.slot), samples.len() as u32))
     }
 
-    /// The manifest of `epoch` (cached).
+    /// The manifest of `epoch` (cached; computed once however many ask for it at the same time).
     pub fn manifest(&self, epoch: u64, query: &BatchQuery) -> Result<Arc<Manifest>, PlanError> {
         let key = (epoch, *query);
-        if let Some(m) = self.manifests.lock().expect("manifest cache").get(&key) {
-            return Ok(m.clone());
+        let cached = || self.manifests.lock().expect("manifest cache").get(&key).cloned();
+        let mut computing = self.computing.lock().expect("computing");
+        loop {
+            // Checked with `computing` held: a computation puts its manifest in the cache before it
+            // leaves `computing`, so a manifest is either here, being computed, or for this thread to do.
+            if let Some(m) = cached() {
+                return Ok(m);
+            }
+            if computing.insert(key) {
+                break;
+            }
+            computing = self.computed.wait(computing).expect("computing");
         }
+        drop(computing);
+        // Leaves `computing` and wakes the waiters however the computation ends (a panic included).
+        struct Done<'a>(&'a Dataset, (u64, BatchQuery));
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.computing.lock().expect("computing").remove(&self.1);
+                self.0.computed.notify_all();
+            }
+        }
+        let _done = Done(self, key);
+        let manifest = Arc::new(self.compute_manifest(epoch, query)?);
+        self.manifests.lock().expect("manifest cache").put(key, manifest.clone());
+        Ok(manifest)
+    }
+
+    /// How many manifests this dataset has computed (not found in the cache).
+    pub fn manifests_computed(&self) -> u64 {
+        self.computations.load(Ordering::Relaxed)
+    }
+
+    /// Whether the manifest of `epoch` is cached or being computed.
+    pub fn has_manifest(&self, epoch: u64, query: &BatchQuery) -> bool {
+        let key = (epoch, *query);
+        self.computing.lock().expect("computing").contains(&key)
+            || self.manifests.lock().expect("manifest cache").contains(&key)
+    }
+
+    fn compute_manifest(&self, epoch: u64, query: &BatchQuery) -> Result<Manifest, PlanError> {
+        self.computations.fetch_add(1, Ordering::Relaxed);
         let plan = self.plan(epoch, query)?;
         // Every batch's size and checksum, on every core: a million samples take seconds on one.
         let count = plan.batches();
@@ -175,7 +223,7 @@ impl Dataset {
         for part in parts {
             batches.extend(part?);
         }
-        let manifest = Arc::new(Manifest {
+        Ok(Manifest {
             dataset: self.name.clone(),
             epoch,
             options: query.plan,
@@ -183,9 +231,7 @@ impl Dataset {
             samples: plan.order().len() as u64,
             bytes: batches.iter().map(|b| b.bytes).sum(),
             batches,
-        });
-        self.manifests.lock().expect("manifest cache").put(key, manifest.clone());
-        Ok(manifest)
+        })
     }
 
     /// One page of directory `q.dir`: its subdirectories and files in path order from `q.cursor`, and

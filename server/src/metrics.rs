@@ -14,6 +14,19 @@ pub const STORAGE_READS_TOTAL: &str = "batchfs_storage_blocking_reads_total";
 pub const WARMED_BATCHES_TOTAL: &str = "batchfs_readahead_batches_total";
 pub const CONNECTIONS_TOTAL: &str = "batchfs_connections_total";
 pub const CONNECTIONS_OPEN: &str = "batchfs_connections_open";
+pub const MANIFESTS_COMPUTED_TOTAL: &str = "batchfs_manifests_computed_total";
+
+/// The per-dataset counters, in the text format: `(dataset, manifests computed)` for each dataset.
+pub fn render_datasets<'a>(datasets: impl Iterator<Item = (&'a str, u64)>) -> String {
+    let mut out = format!(
+        "# HELP {MANIFESTS_COMPUTED_TOTAL} Epoch manifests computed (not served from the cache), by dataset.\n\
+         # TYPE {MANIFESTS_COMPUTED_TOTAL} counter\n"
+    );
+    for (name, computed) in datasets {
+        let _ = writeln!(out, "{MANIFESTS_COMPUTED_TOTAL}{{dataset=\"{name}\"}} {computed}");
+    }
+    out
+}
 
 /// The kinds of request counted separately.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

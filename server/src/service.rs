@@ -258,7 +258,11 @@ async fn dispatch<B>(
         Route::Health => unreachable!("handled above"),
         Route::Metrics => Ok(Response::builder()
             .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
-            .body(Body::full(state.metrics.render()))
+            .body(Body::full({
+                let datasets = state.catalog.datasets();
+                let computed = datasets.iter().map(|d| (d.name.as_str(), d.manifests_computed()));
+                state.metrics.render() + &crate::metrics::render_datasets(computed)
+            }))
             .expect("valid")),
         Route::Datasets => {
             let datasets = state.catalog.datasets().iter().map(|d| d.info()).collect();
@@ -268,9 +272,18 @@ async fn dispatch<B>(
         Route::Manifest { name, epoch } => {
             let ds = dataset(state, &name)?;
             let query = BatchQuery::parse(query)?;
-            let manifest = tokio::task::spawn_blocking(move || ds.manifest(epoch, &query))
-                .await
-                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+            let manifest = tokio::task::spawn_blocking({
+                let ds = ds.clone();
+                move || ds.manifest(epoch, &query)
+            })
+            .await
+            .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+            // A job that asks for epoch e reads e + 1 next: its manifest (seconds at a million samples)
+            // is computed now, in the background, so that request (and a first `ls` of that epoch) finds
+            // it ready.
+            if let Some(next) = epoch.checked_add(1).filter(|&e| !ds.has_manifest(e, &query)) {
+                tokio::task::spawn_blocking(move || ds.manifest(next, &query));
+            }
             Ok(json_response(StatusCode::OK, &*manifest))
         }
         Route::Batch { .. } | Route::File { .. } if saturated(state) => Err(Failure {

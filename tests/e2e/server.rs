@@ -596,6 +596,55 @@ async fn metrics_count_requests_bytes_and_errors() {
     server.running.shutdown().await;
 }
 
+/// A manifest is computed once however many ask for it at once, and asking for epoch e's computes e + 1's
+/// in the background, so the next epoch's request (a job's next `ls`) finds it ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifests_are_computed_once_and_the_next_epochs_ahead() {
+    let fx = fixture(SourceFormat::Tfrecord, 40, 1000);
+    let server = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let client = h2c();
+    let computed = || async {
+        let text = get(&client, &format!("{}/metrics", server.base)).await.text().await.unwrap();
+        let line = text.lines().find_map(|l| l.strip_prefix("batchfs_manifests_computed_total{dataset=\"d\"} "));
+        line.expect("the counter is exported").parse::<u64>().unwrap()
+    };
+    // Settles at `want` (the background computation of the next epoch's takes a moment).
+    let settles_at = |want: u64| async move {
+        for _ in 0..200 {
+            if computed().await == want {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                assert_eq!(computed().await, want, "and stays");
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        panic!("manifests computed: {} (want {want})", computed().await);
+    };
+    let manifest = |epoch: u64| {
+        let (client, base) = (client.clone(), server.base.clone());
+        async move {
+            let url = format!("{base}{}?batch_size=8", api::manifest_path("d", epoch));
+            get(&client, &url).await.json::<Manifest>().await.unwrap()
+        }
+    };
+    assert_eq!(computed().await, 0);
+    let first = manifest(0).await;
+    settles_at(2).await;
+    let next = manifest(1).await;
+    assert_eq!((first.epoch, next.epoch), (0, 1));
+    // Epoch 1's was ready, and asking for it computes epoch 2's.
+    settles_at(3).await;
+    let tasks: Vec<_> = (0..6).map(|_| tokio::spawn(manifest(7))).collect();
+    let mut together = Vec::new();
+    for task in tasks {
+        together.push(task.await.unwrap());
+    }
+    assert!(together.iter().all(|m| m == &together[0]));
+    // Epoch 7's once, and epoch 8's once.
+    settles_at(5).await;
+    server.running.shutdown().await;
+}
+
 /// `tfrecord.slots`: every record of every batch of every epoch is one slot (`slot_bytes` of the
 /// dataset), its TFRecord checks pass, and it decodes to the same sample as the packed record (the
 /// padding is a protobuf field parsers skip); its index is the same for every epoch.
