@@ -101,11 +101,15 @@ pub struct PrefetcherConfig {
 /// Bytes of prefetches allowed in flight: `configured`, but, once the delivery rate is measured (`rate`,
 /// bytes per second, all servers together; 0 before), no more than what it brings in half of
 /// `stall_timeout`. More than that, on a link shared by many nodes, leaves some response without a byte
-/// for `stall_timeout`: it is abandoned and fetched again, and the link carries it twice. (One prefetch
-/// may always run, whatever the cap.)
-pub fn prefetch_cap(configured: u64, rate: f64, stall_timeout: Duration) -> u64 {
+/// for `stall_timeout`: it is abandoned and fetched again, and the link carries it twice. Before the
+/// rate is measured (a mount's first second of transfers), the cap starts at an eighth of `configured`
+/// and grows with what is delivered (twice the bytes `delivered` so far): a fast link reaches the whole
+/// window once half of it has arrived (in a fraction of a second), while many mounts starting together
+/// on a narrow link do not all ask for their whole window at once. (One prefetch may always run,
+/// whatever the cap.)
+pub fn prefetch_cap(configured: u64, rate: f64, delivered: u64, stall_timeout: Duration) -> u64 {
     if rate <= 0.0 {
-        return configured;
+        return configured.min((configured / 8).max(delivered.saturating_mul(2)));
     }
     configured.min((rate * stall_timeout.as_secs_f64() / 2.0) as u64)
 }
@@ -118,6 +122,8 @@ struct Throughput {
     bytes: u64,
     /// Bytes per second; 0 until a window has closed.
     rate: f64,
+    /// Bytes delivered since the mount started.
+    delivered: u64,
 }
 
 impl Throughput {
@@ -126,6 +132,7 @@ impl Throughput {
     fn record(&mut self, bytes: u64, now: Instant) {
         let start = *self.window_start.get_or_insert(now);
         self.bytes += bytes;
+        self.delivered += bytes;
         let elapsed = now.duration_since(start);
         if elapsed >= Self::WINDOW {
             let sample = self.bytes as f64 / elapsed.as_secs_f64();
@@ -674,8 +681,11 @@ impl Prefetcher {
 
     /// Bytes of prefetches allowed in flight now ([`prefetch_cap`] of the measured rate).
     fn prefetch_cap(&self) -> u64 {
-        let rate = self.throughput.lock().expect("throughput").rate;
-        prefetch_cap(self.config.max_prefetch_bytes, rate, self.config.stall_timeout)
+        let (rate, delivered) = {
+            let t = self.throughput.lock().expect("throughput");
+            (t.rate, t.delivered)
+        };
+        prefetch_cap(self.config.max_prefetch_bytes, rate, delivered, self.config.stall_timeout)
     }
 
     /// Bytes held or reserved now, idle reusable buffers included (never above the budget).
@@ -786,6 +796,7 @@ mod tests {
         // Batches 1 and 2 (1037 + 1074 bytes) fit in 2600 bytes; batch 3 (1111) would not.
         let config = PrefetcherConfig { prefetch: 16, max_prefetch_bytes: 2600, ..Default::default() };
         let (_rt, client, p, bodies) = setup(30, config);
+        p.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
         // The window's fetches hang until released.
         client.held.lock().unwrap().extend(1..20);
         assert_eq!(p.read_as0(key(0), 0, 1 << 20).unwrap(), bodies[0]);
@@ -891,9 +902,12 @@ mod tests {
     #[test]
     fn prefetches_in_flight_follow_the_delivery_rate() {
         let stall = Duration::from_secs(10);
-        assert_eq!(prefetch_cap(256 << 20, 0.0, stall), 256 << 20, "unmeasured: the configured window");
-        assert_eq!(prefetch_cap(256 << 20, 1e9, stall), 256 << 20, "a fast link: the configured window");
-        assert_eq!(prefetch_cap(256 << 20, 5e6, stall), 25_000_000, "a share of a narrow link: 5 s of it");
+        let mb = 1 << 20;
+        assert_eq!(prefetch_cap(256 * mb, 0.0, 0, stall), 32 * mb, "unmeasured, nothing delivered: an eighth");
+        assert_eq!(prefetch_cap(256 * mb, 0.0, 40 * mb, stall), 80 * mb, "unmeasured: twice what came");
+        assert_eq!(prefetch_cap(256 * mb, 0.0, 900 * mb, stall), 256 * mb, "never past the configured window");
+        assert_eq!(prefetch_cap(256 * mb, 1e9, 0, stall), 256 * mb, "a fast link: the configured window");
+        assert_eq!(prefetch_cap(256 * mb, 5e6, 9 * mb, stall), 25_000_000, "a share of a narrow link: 5 s of it");
         let mut t = Throughput::default();
         let start = Instant::now();
         t.record(1_000_000, start);
@@ -903,6 +917,7 @@ mod tests {
         assert_eq!(t.rate, 2_000_000.0, "4 MB over 2 s");
         t.record(4_000_000, start + Duration::from_secs(3));
         assert_eq!(t.rate, 3_000_000.0, "smoothed with the next window's 4 MB/s");
+        assert_eq!(t.delivered, 8_000_000);
     }
 
     #[test]
@@ -991,6 +1006,27 @@ mod tests {
     }
 
     #[test]
+    fn a_new_mount_asks_for_an_eighth_of_its_window_then_more_as_bytes_arrive() {
+        // 8 MB batches under the default 256 MB cap: before anything arrived, 32 MB (4 batches) may be in
+        // flight; once 64 MB have arrived, 128 MB (16 batches).
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let bodies: Vec<Bytes> = (0..20u8).map(|i| Bytes::from(vec![i; 8 << 20])).collect();
+        let b2 = bodies.clone();
+        let client = Arc::new(MemoryClient::new(move |_, _| b2.clone()));
+        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), PrefetcherConfig::default());
+        client.held.lock().unwrap().extend(1..20);
+        assert_eq!(p.read_as0(key(0), 0, 1 << 20).unwrap(), bodies[0][..1 << 20]);
+        let s = p.stats.snapshot();
+        // 8 MB delivered (batch 0): twice that is 16 MB, under an eighth (32 MB): 4 batches.
+        assert_eq!(s.in_flight, 4, "{s:?}");
+        p.throughput.lock().unwrap().delivered = 64 << 20;
+        // The next read (a hit) lets the window grow to what the cap now allows.
+        assert_eq!(p.read_as0(key(0), 1 << 20, 100).unwrap(), bodies[0][1 << 20..(1 << 20) + 100]);
+        eventually("the window grows", || p.stats.snapshot().in_flight == 16);
+        client.held.lock().unwrap().clear();
+    }
+
+    #[test]
     fn large_batches_keep_a_deep_window() {
         // Sixteen 8 MB batches ahead (128 MB) are in flight at once under the default byte cap: a
         // 64 MB cap once let only a few large batches run.
@@ -999,6 +1035,7 @@ mod tests {
         let b2 = bodies.clone();
         let client = Arc::new(MemoryClient::new(move |_, _| b2.clone()));
         let p = Prefetcher::new(client.clone(), runtime.handle().clone(), PrefetcherConfig::default());
+        p.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
         client.held.lock().unwrap().extend(1..20);
         assert_eq!(p.read_as0(key(0), 0, 1 << 20).unwrap(), bodies[0][..1 << 20]);
         assert_eq!(p.stats.snapshot().in_flight, 16, "{:?}", p.stats.snapshot());
