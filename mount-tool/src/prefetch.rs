@@ -797,7 +797,7 @@ mod tests {
         let config = PrefetcherConfig { prefetch: 16, max_prefetch_bytes: 2600, ..Default::default() };
         let (_rt, client, p, bodies) = setup(30, config);
         p.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
-        // The window's fetches hang until released.
+                                                          // The window's fetches hang until released.
         client.held.lock().unwrap().extend(1..20);
         assert_eq!(p.read_as0(key(0), 0, 1 << 20).unwrap(), bodies[0]);
         let s = p.stats.snapshot();

@@ -445,7 +445,7 @@ mod tests {
     use super::*;
     use crate::storage::{IoMode, IoPolicy};
     use batchfs::gen::{self, GenOptions};
-    use batchfs::index::{Index, SourceFormat};
+    use batchfs::index::Index;
     use batchfs::source::{self, IndexOptions, NoProgress};
     use http_body_util::BodyExt;
     use proptest::prelude::*;

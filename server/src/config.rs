@@ -154,7 +154,7 @@ limits! {
     storage_concurrency: usize = 16, value::count, "16", "N",
         "Concurrent blocking storage reads (page faults, warming), server-wide.";
     readahead_batches: u64 = 4, value::count, "4", "N",
-        "Batches of the same plan warmed ahead of each batch request (0 disables).";
+        "Batches of the same plan warmed ahead of each batch request (0 disables; not with io=direct).";
     io: crate::storage::IoMode = crate::storage::IoMode::Auto, crate::storage::IoMode::parse, "auto", "MODE",
         "How shards are read: mmap (shared mappings), direct (positioned reads with O_DIRECT into reused \
          aligned buffers, bypassing the page cache), pread (positioned reads through the page cache, pages \

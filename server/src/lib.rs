@@ -95,16 +95,7 @@ impl RunningServer {
 /// 503 until inserted, and `/healthz` says which are ready.
 pub async fn start(catalog: impl Into<Arc<Catalog>>, options: ServeOptions) -> anyhow::Result<RunningServer> {
     let limits = options.limits.clone();
-    let state = Arc::new(AppState::new(
-        catalog.into(),
-        options.token.clone(),
-        limits.storage_concurrency,
-        limits.chunk_size,
-        limits.read_depth,
-        limits.readahead_batches,
-        limits.request_timeout,
-        limits.max_bodies_in_flight,
-    ));
+    let state = Arc::new(AppState::new(catalog.into(), options.token.clone(), &limits));
     let tls = match &options.tls {
         Some(files) => Some(tls::acceptor(files)?),
         None => None,

@@ -3,6 +3,7 @@
 
 use crate::body::{Body, SegmentBody, StreamContext};
 use crate::catalog::{Catalog, Dataset, Readiness, ServedFile};
+use crate::config::ServerLimits;
 use crate::metrics::{Kind, Metrics};
 use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, Route};
 use batchfs::encode::{self, Segment};
@@ -33,25 +34,19 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(
-        catalog: Arc<Catalog>,
-        token: Option<Vec<u8>>,
-        storage_concurrency: usize,
-        chunk_size: u64,
-        read_depth: usize,
-        readahead_batches: u64,
-        request_timeout: Duration,
-        max_bodies_in_flight: u64,
-    ) -> Self {
+    /// The state of a server with these `limits` (the streaming, warming and admission ones).
+    pub fn new(catalog: Arc<Catalog>, token: Option<Vec<u8>>, limits: &ServerLimits) -> Self {
         let metrics = Arc::new(Metrics::default());
+        let stream =
+            StreamContext::new(limits.storage_concurrency, limits.chunk_size, limits.read_depth, metrics.clone());
         AppState {
             catalog,
             token,
-            stream: Arc::new(StreamContext::new(storage_concurrency, chunk_size, read_depth, metrics.clone())),
+            stream: Arc::new(stream),
             metrics,
-            readahead_batches,
-            request_timeout,
-            max_bodies_in_flight,
+            readahead_batches: limits.readahead_batches,
+            request_timeout: limits.request_timeout,
+            max_bodies_in_flight: limits.max_bodies_in_flight,
             warmed: Mutex::new(LruCache::new(NonZeroUsize::new(4096).expect("nonzero"))),
         }
     }
@@ -388,7 +383,9 @@ fn ranged<B>(
 /// Warms the storage ranges of the next `readahead_batches` batches of the same plan, each once, on
 /// the blocking pool within the storage semaphore.
 fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, query: BatchQuery) {
-    if state.readahead_batches == 0 {
+    // Direct reads bypass the page cache: there is nothing to warm (the mounts' windows ask for the
+    // next batches themselves, and each body reads `read_depth` chunks ahead).
+    if state.readahead_batches == 0 || ds.storage.direct() > 0 {
         return;
     }
     let Ok(plan) = ds.plan(epoch, &query) else {

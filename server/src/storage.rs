@@ -28,9 +28,9 @@
 //! (`service.rs`) do it on the blocking pool, within the storage semaphore.
 
 use crate::aligned::{self, DIRECT_ALIGN};
-use crate::uring::ReadOp;
 use crate::catalog::CatalogError;
 use crate::config::ServerLimits;
+use crate::uring::ReadOp;
 use batchfs::index::Index;
 use batchfs::mmap::MappedFile;
 use std::fs::File;
@@ -112,6 +112,8 @@ pub struct Storage {
     shards: Box<[Shard]>,
     /// Drop the pages of each range read from the page cache (the dataset does not fit in memory).
     drop_after_read: bool,
+    /// Shards read with `O_DIRECT`.
+    direct: usize,
 }
 
 impl Storage {
@@ -207,7 +209,8 @@ impl Storage {
             drop_after_read,
             "storage opened"
         );
-        Ok(Storage { shards: shards.into_boxed_slice(), drop_after_read })
+        let direct = shards.iter().filter(|s| matches!(s, Shard::Direct { .. })).count();
+        Ok(Storage { shards: shards.into_boxed_slice(), drop_after_read, direct })
     }
 
     /// Shard `n`.
@@ -222,7 +225,7 @@ impl Storage {
 
     /// How many shards are read with `O_DIRECT` (all or none of the data shards).
     pub fn direct(&self) -> usize {
-        self.shards.iter().filter(|s| matches!(s, Shard::Direct { .. })).count()
+        self.direct
     }
 
     /// Whether the pages of each range read are dropped from the page cache afterwards.
@@ -307,7 +310,12 @@ impl Storage {
             return Err(std::io::Error::other(format!("{}: range past the indexed size", path.display())));
         }
         debug_assert_eq!(at as u64 % DIRECT_ALIGN, 0);
-        Ok(ReadOp { fd: file.as_raw_fd(), offset: aligned::align_down(offset), at, len: direct_span(offset, len) as usize })
+        Ok(ReadOp {
+            fd: file.as_raw_fd(),
+            offset: aligned::align_down(offset),
+            at,
+            len: direct_span(offset, len) as usize,
+        })
     }
 
     /// Reads `[offset, offset + len)` of direct shard `n` into `window` as [`Storage::direct_op`] says,

@@ -94,15 +94,13 @@ fn read_rounds(
     for (round, batch) in ops.chunks(RING_ENTRIES as usize).enumerate() {
         let first = round * RING_ENTRIES as usize;
         for (i, op) in batch.iter().enumerate() {
-            let entry = io_uring::opcode::Read::new(
-                io_uring::types::Fd(op.fd),
-                // SAFETY (pointer arithmetic): `at + len` is within the window, checked in `read_all`.
-                unsafe { base.add(op.at) },
-                op.len as u32,
-            )
-            .offset(op.offset)
-            .build()
-            .user_data((first + i) as u64);
+            // SAFETY: `at + len` is within the window (checked in `read_all`), so the pointer stays inside
+            // the window's allocation.
+            let dest = unsafe { base.add(op.at) };
+            let entry = io_uring::opcode::Read::new(io_uring::types::Fd(op.fd), dest, op.len as u32)
+                .offset(op.offset)
+                .build()
+                .user_data((first + i) as u64);
             // SAFETY: the entry's buffer is a part of `window` that no other entry shares (the ops' ranges
             // are disjoint by construction in `body.rs`); `window` is borrowed mutably until this function
             // returns, and it returns only after every submitted read has completed (or with `Abandoned`,
@@ -152,7 +150,8 @@ mod tests {
         file.write_all(&bytes).unwrap();
         let fd = file.as_raw_fd();
         // More ops than a ring holds, to read in rounds.
-        let mut ops: Vec<ReadOp> = (0..150).map(|i| ReadOp { fd, offset: i * 97, at: i as usize * 300, len: 300 }).collect();
+        let mut ops: Vec<ReadOp> =
+            (0..150).map(|i| ReadOp { fd, offset: i * 97, at: i as usize * 300, len: 300 }).collect();
         ops.push(ReadOp { fd, offset: 99_900, at: 150 * 300, len: 300 });
         let mut window = vec![0u8; 151 * 300];
         let results = match read_all(&mut window, &ops) {
