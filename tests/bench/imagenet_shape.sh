@@ -61,7 +61,13 @@ done
 curl -s -o /dev/null -w "files_first_page %{time_total}s %{size_download}B\n" "http://127.0.0.1:$PORT/v1/datasets/in/files"
 "$BIN/batchfs" mount "http://127.0.0.1:$PORT/in" "$mnt" -o batch_size=256,format=tar 2> /dev/null
 mount_pid=$(pgrep -f "batchfs mount http://127.0.0.1:$PORT/in" | head -1)
+# Asking for epoch e's manifest computes e + 1's in the background: epoch 1's is under way (asked for at
+# the mount), epoch 2's ready once epoch 1's was asked for and a job has read a while; epoch 5's nobody
+# asked for.
 t=$(now); n=$(ls "$mnt/epoch-0001" | wc -l); echo "ls_epoch_names $n s $(since "$t")"
+sleep 8
+t=$(now); n=$(ls "$mnt/epoch-0002" | wc -l); echo "ls_next_epoch_names $n s $(since "$t")"
+t=$(now); n=$(ls "$mnt/epoch-0005" | wc -l); echo "ls_unasked_epoch_names $n s $(since "$t")"
 t=$(now); n=$(ls "$mnt/raw" | wc -l); echo "ls_raw_names $n s $(since "$t")"
 first=$(ls "$mnt/raw" | head -1)
 if [ -d "$mnt/raw/$first" ]; then
