@@ -154,16 +154,9 @@ impl SegmentBody {
                 if map.is_resident(offset, n) {
                     return Some(Ok(Bytes::from_owner(slice)));
                 }
-                let ctx = self.ctx.clone();
-                return Some(Err(Box::pin(async move {
-                    let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
-                    ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
-                    tokio::task::spawn_blocking(move || {
-                        fault_in(&slice.map, offset, n);
-                        vec![Bytes::from_owner(slice)]
-                    })
-                    .await
-                    .map_err(std::io::Error::other)
+                return Some(Err(on_storage(self.ctx.clone(), move || {
+                    fault_in(&slice.map, offset, n);
+                    Ok(vec![Bytes::from_owner(slice)])
                 })));
             }
             match self.segments.next()? {
@@ -219,22 +212,15 @@ impl SegmentBody {
             total += n;
             n
         });
-        let ctx = self.ctx.clone();
-        Box::pin(async move {
-            let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
-            ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
-            tokio::task::spawn_blocking(move || {
-                let mut out = Vec::with_capacity(total as usize);
-                for piece in pieces {
-                    match piece {
-                        Piece::Inline(bytes) => out.extend_from_slice(&bytes),
-                        Piece::Data(shard, offset, len) => storage.read(shard, offset, len, &mut out)?,
-                    }
+        on_storage(self.ctx.clone(), move || {
+            let mut out = Vec::with_capacity(total as usize);
+            for piece in pieces {
+                match piece {
+                    Piece::Inline(bytes) => out.extend_from_slice(&bytes),
+                    Piece::Data(shard, offset, len) => storage.read(shard, offset, len, &mut out)?,
                 }
-                Ok(vec![Bytes::from(out)])
-            })
-            .await
-            .map_err(std::io::Error::other)?
+            }
+            Ok(vec![Bytes::from(out)])
         })
     }
 
@@ -248,8 +234,12 @@ impl SegmentBody {
         let (mut total, mut used) = (0, 0);
         let pieces = self.take_pieces(|shard, offset, len| {
             let Some(shard) = shard else {
+                // Framing: whole, or in the next chunk.
+                if total + len > chunk {
+                    return 0;
+                }
                 total += len;
-                return if total <= chunk { len } else { 0 };
+                return len;
             };
             if !storage.is_direct(shard) || total >= chunk {
                 return 0;
@@ -263,15 +253,8 @@ impl SegmentBody {
             used += direct_span(offset, n);
             n
         });
-        let ctx = self.ctx.clone();
-        Box::pin(async move {
-            let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
-            ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
-            let pool = ctx.direct.clone();
-            tokio::task::spawn_blocking(move || direct_frames(&storage, &pool, pieces))
-                .await
-                .map_err(std::io::Error::other)?
-        })
+        let pool = self.ctx.direct.clone();
+        on_storage(self.ctx.clone(), move || direct_frames(&storage, &pool, pieces))
     }
 
     fn emit(&mut self, bytes: Bytes) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
@@ -279,6 +262,15 @@ impl SegmentBody {
         self.ctx.metrics.response_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Poll::Ready(Some(Ok(Frame::data(bytes))))
     }
+}
+
+/// A read of storage, `read`, run on the blocking pool within the storage semaphore (and counted).
+fn on_storage(ctx: Arc<StreamContext>, read: impl FnOnce() -> std::io::Result<Vec<Bytes>> + Send + 'static) -> Pending {
+    Box::pin(async move {
+        let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
+        ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
+        tokio::task::spawn_blocking(read).await.map_err(std::io::Error::other)?
+    })
 }
 
 /// A piece of a chunk read from files.
