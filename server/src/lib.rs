@@ -13,6 +13,7 @@ pub mod catalog;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod direct;
 pub mod metrics;
 pub mod progress;
 pub mod service;

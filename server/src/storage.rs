@@ -30,11 +30,10 @@
 use crate::aligned::{self, DIRECT_ALIGN};
 use crate::catalog::CatalogError;
 use crate::config::ServerLimits;
-use crate::uring::ReadOp;
 use batchfs::index::Index;
 use batchfs::mmap::MappedFile;
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -278,10 +277,12 @@ impl Storage {
                 (&opened, path, *size)
             }
             Shard::Direct { .. } => {
-                let pool = aligned::Pool::new(direct_span(offset, len) as usize, 0);
-                let mut buf = pool.take();
-                let op = self.direct_op(n, offset, len, 0)?;
-                let at = self.finish_direct(n, offset, len, buf.window(), op, 0)?;
+                self.direct_fd(n, offset, len)?;
+                let (first, span) = (aligned::align_down(offset), direct_span(offset, len) as usize);
+                let mut buf = aligned::Pool::new(span, 0).take();
+                let need = (offset + len - first) as usize;
+                self.finish_direct(n, &mut buf.window()[..span], first, need, 0)?;
+                let at = (offset - first) as usize;
                 out.extend_from_slice(&buf.window()[at..at + len as usize]);
                 return Ok(());
             }
@@ -299,43 +300,34 @@ impl Storage {
         Ok(())
     }
 
-    /// The read that brings `[offset, offset + len)` of direct shard `n` into a window at `at`
-    /// (aligned): the aligned blocks around the range, [`direct_span`] bytes of room. The range's first
-    /// byte lands at `at + offset % DIRECT_ALIGN`.
-    pub fn direct_op(&self, n: u32, offset: u64, len: u64, at: usize) -> std::io::Result<ReadOp> {
+    /// The descriptor of direct shard `n` (opened `O_DIRECT`), once `[offset, offset + len)` is checked
+    /// to lie within its indexed size.
+    pub fn direct_fd(&self, n: u32, offset: u64, len: u64) -> std::io::Result<RawFd> {
         let Shard::Direct { file, path, size } = self.shard(n) else {
             unreachable!("a direct read of a shard not opened for direct reads")
         };
         if offset + len > *size {
             return Err(std::io::Error::other(format!("{}: range past the indexed size", path.display())));
         }
-        debug_assert_eq!(at as u64 % DIRECT_ALIGN, 0);
-        Ok(ReadOp {
-            fd: file.as_raw_fd(),
-            offset: aligned::align_down(offset),
-            at,
-            len: direct_span(offset, len) as usize,
-        })
+        Ok(file.as_raw_fd())
     }
 
-    /// Reads `[offset, offset + len)` of direct shard `n` into `window` as [`Storage::direct_op`] says,
-    /// when `got` bytes of it are already there (read some other way, e.g. by io_uring). Returns where
-    /// the range's first byte is. Blocks: call on the blocking pool.
+    /// Completes a direct read of shard `n` from `start` (aligned) into `window` (aligned, the read's
+    /// whole room) once `got` bytes of it are there (read some other way, e.g. by io_uring): reads until
+    /// the first `need` bytes are in. Blocks: call on the blocking pool.
     pub fn finish_direct(
         &self,
         n: u32,
-        offset: u64,
-        len: u64,
         window: &mut [u8],
-        op: ReadOp,
+        start: u64,
+        need: usize,
         mut got: usize,
-    ) -> std::io::Result<usize> {
+    ) -> std::io::Result<()> {
         let Shard::Direct { file, path, .. } = self.shard(n) else {
             unreachable!("a direct read of a shard not opened for direct reads")
         };
         let context = |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
-        let need = (offset + len - op.offset) as usize;
-        let window = &mut window[op.at..op.at + op.len];
+        debug_assert!(start % DIRECT_ALIGN == 0 && need <= window.len());
         // Short reads come only at the end of the file (the last block is partial): read until the range
         // is in, and fail if the file ends before it (it shrank under the server).
         while got < need {
@@ -343,14 +335,14 @@ impl Storage {
             if got % DIRECT_ALIGN as usize != 0 {
                 return Err(context(std::io::ErrorKind::UnexpectedEof.into()));
             }
-            match file.read_at(&mut window[got..], op.offset + got as u64) {
+            match file.read_at(&mut window[got..], start + got as u64) {
                 Ok(0) => return Err(context(std::io::ErrorKind::UnexpectedEof.into())),
                 Ok(k) => got += k,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(context(e)),
             }
         }
-        Ok(op.at + (offset - op.offset) as usize)
+        Ok(())
     }
 
     /// Whether shard `n` is read with `O_DIRECT`.
