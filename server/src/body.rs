@@ -4,10 +4,11 @@
 //! resident; if not, the pages are touched on the blocking pool, holding a permit of the storage
 //! semaphore, which bounds concurrent storage reads (LMDBIO's staggering) for the whole server.
 //!
-//! Shards that are not mapped (see `storage.rs`) are read with positioned reads on the blocking pool,
-//! under the same semaphore; consecutive segments (the small files of a file tree, and the framing
-//! between them) are read together, up to `chunk_size` per chunk, so a batch of small files costs a few
-//! blocking tasks rather than one per file.
+//! Shards that are not mapped (see `storage.rs`) are read on the blocking pool, under the same
+//! semaphore, a chunk per task: consecutive segments (the small files of a file tree, the samples of a
+//! batch, and the framing between them) are read together, up to `chunk_size` per chunk, so a batch of
+//! small files costs a few blocking tasks rather than one per file. Direct shards' chunks are planned and
+//! read as `direct.rs` says. Every body keeps `read_depth` chunk reads in flight ahead of hyper.
 
 use crate::aligned;
 use crate::direct::ChunkPlan;

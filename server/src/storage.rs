@@ -1,11 +1,11 @@
-//! How the server reads a dataset's shards: mapped, or by positioned reads.
+//! How the server reads a dataset's shards: mapped, by direct reads, or by positioned reads.
 //!
 //! **Mapped** (`io=mmap`): each shard is mapped once and bodies share the mappings (no copy). Right for
 //! data that fits in the server's memory: the page cache holds it after the first epoch.
 //!
-//! **Direct reads** (`io=direct`): each body chunk is read with `pread` on a file opened `O_DIRECT`, on
-//! the blocking pool, into reused aligned buffers (`aligned.rs`) that become the body's frames without a
-//! copy. Right for data larger than the server's memory (LMDBIO's case): a sample is one read of its
+//! **Direct reads** (`io=direct`): each body chunk is read from files opened `O_DIRECT`, on the blocking
+//! pool, into reused aligned buffers (`aligned.rs`) that become the body's frames without a copy
+//! (`direct.rs`, `uring.rs`). Right for data larger than the server's memory (LMDBIO's case): a sample is one read of its
 //! (block-aligned) bytes, where a mapping faults it in page by page and the kernel's readahead reads
 //! what a shuffled epoch will not use; and the page cache is not involved at all: no copy out of it, no
 //! pages to insert, charge to the cgroup and reclaim, and nothing else on the machine evicted.
