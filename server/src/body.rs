@@ -416,10 +416,8 @@ impl http_body::Body for Body {
 mod tests {
     use super::*;
     use crate::aligned::DIRECT_ALIGN;
-    use crate::storage::{IoMode, IoPolicy};
-    use batchfs::gen::{self, GenOptions};
+    use crate::storage::{fixtures, IoMode};
     use batchfs::index::Index;
-    use batchfs::source::{self, IndexOptions, NoProgress};
     use http_body_util::BodyExt;
     use proptest::prelude::*;
 
@@ -427,11 +425,7 @@ mod tests {
     fn dataset() -> &'static (tempfile::TempDir, Index, Vec<Vec<u8>>) {
         static DATA: std::sync::OnceLock<(tempfile::TempDir, Index, Vec<Vec<u8>>)> = std::sync::OnceLock::new();
         DATA.get_or_init(|| {
-            let dir = tempfile::tempdir().unwrap();
-            let options = GenOptions { samples: 60, mean_bytes: 9000, shards: 3, ..Default::default() };
-            gen::generate(&options, dir.path()).unwrap();
-            let (index, _) =
-                source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
+            let (dir, index) = fixtures::dataset(60, 9000, 3);
             let bytes = index.shards.iter().map(|s| std::fs::read(dir.path().join(&s.path)).unwrap()).collect();
             (dir, index, bytes)
         })
@@ -511,8 +505,7 @@ mod tests {
             }).collect();
             let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).build().unwrap();
             for mode in [IoMode::Mmap, IoMode::Pread, IoMode::Direct] {
-                let policy = IoPolicy { mode, max_mapped_shards: usize::MAX, memory: u64::MAX };
-                let storage = Arc::new(Storage::open("t", dir.path(), index, policy).unwrap());
+                let storage = Arc::new(fixtures::open(dir.path(), index, mode));
                 let ctx = Arc::new(StreamContext::new(4, chunk, depth, Arc::new(Metrics::default())));
                 let body = SegmentBody::new(ctx.clone(), storage, segments.clone());
                 let got = runtime.block_on(async { body.collect().await.unwrap().to_bytes() });
@@ -526,12 +519,8 @@ mod tests {
     /// A direct body whose file shrank under it ends with an error, not with wrong or missing bytes.
     #[test]
     fn a_direct_body_fails_when_its_file_shrinks() {
-        let dir = tempfile::tempdir().unwrap();
-        let options = GenOptions { samples: 20, mean_bytes: 20_000, shards: 1, ..Default::default() };
-        gen::generate(&options, dir.path()).unwrap();
-        let (index, _) = source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
-        let policy = IoPolicy { mode: IoMode::Direct, max_mapped_shards: usize::MAX, memory: u64::MAX };
-        let storage = Arc::new(Storage::open("t", dir.path(), &index, policy).unwrap());
+        let (dir, index) = fixtures::dataset(20, 20_000, 1);
+        let storage = Arc::new(fixtures::open(dir.path(), &index, IoMode::Direct));
         let size = index.shards[0].size;
         let file = std::fs::OpenOptions::new().write(true).open(dir.path().join(&index.shards[0].path)).unwrap();
         file.set_len(size - 100).unwrap();

@@ -177,18 +177,12 @@ impl ChunkPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::{IoMode, IoPolicy};
-    use batchfs::gen::{self, GenOptions};
-    use batchfs::source::{self, IndexOptions, NoProgress};
+    use crate::storage::{fixtures, IoMode};
 
     #[test]
     fn ranges_whose_blocks_touch_or_lie_close_are_one_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let options = GenOptions { samples: 40, mean_bytes: 20_000, shards: 2, ..Default::default() };
-        gen::generate(&options, dir.path()).unwrap();
-        let (index, _) = source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
-        let policy = IoPolicy { mode: IoMode::Direct, max_mapped_shards: usize::MAX, memory: u64::MAX };
-        let storage = Storage::open("t", dir.path(), &index, policy).unwrap();
+        let (dir, index) = fixtures::dataset(40, 20_000, 2);
+        let storage = fixtures::open(dir.path(), &index, IoMode::Direct);
         let bytes = std::fs::read(dir.path().join(&index.shards[0].path)).unwrap();
         let shard1 = std::fs::read(dir.path().join(&index.shards[1].path)).unwrap();
         let pool = aligned::Pool::new(1 << 20, 1);

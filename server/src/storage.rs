@@ -5,10 +5,11 @@
 //!
 //! **Direct reads** (`io=direct`): each body chunk is read from files opened `O_DIRECT`, on the blocking
 //! pool, into reused aligned buffers (`aligned.rs`) that become the body's frames without a copy
-//! (`direct.rs`, `uring.rs`). Right for data larger than the server's memory (LMDBIO's case): a sample is one read of its
-//! (block-aligned) bytes, where a mapping faults it in page by page and the kernel's readahead reads
-//! what a shuffled epoch will not use; and the page cache is not involved at all: no copy out of it, no
-//! pages to insert, charge to the cgroup and reclaim, and nothing else on the machine evicted.
+//! (`direct.rs`, `uring.rs`). Right for data larger than the server's memory (LMDBIO's case): a sample
+//! is one read of its (block-aligned) bytes, where a mapping faults it in page by page and the kernel's
+//! readahead reads what a shuffled epoch will not use; and the page cache is not involved at all: no
+//! copy out of it, no pages to insert, charge to the cgroup and reclaim, and nothing else on the machine
+//! evicted.
 //!
 //! **Positioned reads** (`io=pread`): the same reads through the page cache, for filesystems that
 //! refuse `O_DIRECT` (tmpfs, some network filesystems). When the data does not fit, each range's pages
@@ -418,6 +419,29 @@ pub fn memory_limit() -> u64 {
         }
     }
     limit
+}
+
+/// Datasets for the server's unit tests.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::*;
+    use batchfs::gen::{self, GenOptions};
+    use batchfs::source::{self, IndexOptions, NoProgress};
+
+    /// `samples` generated TFRecord samples of about `mean_bytes` in `shards` shards, indexed.
+    pub fn dataset(samples: u32, mean_bytes: u64, shards: u32) -> (tempfile::TempDir, Index) {
+        let dir = tempfile::tempdir().unwrap();
+        let options = GenOptions { samples, mean_bytes, shards, ..Default::default() };
+        gen::generate(&options, dir.path()).unwrap();
+        let (index, _) = source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
+        (dir, index)
+    }
+
+    /// The storage of `index` under `root`, read as `mode` says (never too many shards to map, memory
+    /// enough for all).
+    pub fn open(root: &Path, index: &Index, mode: IoMode) -> Storage {
+        Storage::open("t", root, index, IoPolicy { mode, max_mapped_shards: usize::MAX, memory: u64::MAX }).unwrap()
+    }
 }
 
 #[cfg(test)]
