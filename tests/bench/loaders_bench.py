@@ -98,12 +98,13 @@ def command(loader, directory, paced):
     return args
 
 
-def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/batchfs-loaders"
+def with_cleanup(name, run):
+    """Runs `run(out, work, procs, mounts)`: OUT_DIR from the command line (default /tmp/batchfs-NAME),
+    a fresh work directory, and lists `run` appends the processes it starts and the mounts it makes to;
+    all are unmounted, killed and removed afterwards, also on SIGTERM."""
+    out = sys.argv[1] if len(sys.argv) > 1 else f"/tmp/batchfs-{name}"
     os.makedirs(out, exist_ok=True)
-    if not (os.path.exists(os.path.join(BIN, "batchfs")) and os.path.exists(os.path.join(BIN, "batchfs-server"))):
-        subprocess.run(["cargo", "build", "--release", "--workspace"], cwd=ROOT, check=True)
-    work = tempfile.mkdtemp(prefix="batchfs-loaders-")
+    work = tempfile.mkdtemp(prefix=f"batchfs-{name}-")
     procs, mounts = [], []
 
     def cleanup(*_):
@@ -118,6 +119,12 @@ def main():
         run(out, work, procs, mounts)
     finally:
         cleanup()
+
+
+def main():
+    if not (os.path.exists(os.path.join(BIN, "batchfs")) and os.path.exists(os.path.join(BIN, "batchfs-server"))):
+        subprocess.run(["cargo", "build", "--release", "--workspace"], cwd=ROOT, check=True)
+    with_cleanup("loaders", run)
 
 
 def run(out, work, procs, mounts):

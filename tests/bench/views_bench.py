@@ -15,16 +15,15 @@ OUT_DIR. Needs root, /dev/fuse, a release build and DALI (see .ci/run).
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loaders_bench import BIN, LOADERS_PY, free_port, measure_idle, run_measured, write_csv  # noqa: E402
+from loaders_bench import (  # noqa: E402
+    BIN, LOADERS_PY, free_port, measure_idle, run_measured, with_cleanup, write_csv)
 
 env = os.environ.get
 SAMPLES, MEAN, SHARDS = int(env("SAMPLES", "20000")), int(env("MEAN", "110000")), int(env("SHARDS", "32"))
@@ -35,23 +34,7 @@ MOUNT_OPTS = env("MOUNT_OPTS", "cache=512M")
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/batchfs-views"
-    os.makedirs(out, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="batchfs-views-")
-    procs, mounts = [], []
-
-    def cleanup(*_):
-        for m in mounts:
-            subprocess.run([os.path.join(BIN, "batchfs"), "umount", "--lazy", m], capture_output=True)
-        for p in procs:
-            p.kill()
-        shutil.rmtree(work, ignore_errors=True)
-
-    signal.signal(signal.SIGTERM, lambda *a: (cleanup(), sys.exit(1)))
-    try:
-        run(out, work, procs, mounts)
-    finally:
-        cleanup()
+    with_cleanup("views", run)
 
 
 def run(out, work, procs, mounts):
