@@ -43,6 +43,8 @@ while IFS= read -r line; do
     i=$((i + 1))
 done <<'QUERIES'
 /v1/datasets/imagenet/epochs/3/batches/17\nbatch_size=256&seed=42&shuffle=global&drop_last=true&format=tfrecord\nbytes=0-1048575\n28000000
+/v1/datasets/d/epochs/0/batches/1\nformat=tar\nbytes=0-\n900000\n40000:1a2b3c4d,80000:00000001,dbba0:ffffffff
+/v1/datasets/d/epochs/0/batches/2\n\n\n10\n10:1,10:2,:,ffffffffffffffff:0, 20 :123456789
 /v1/datasets/d/epochs/0\nbatch_size=64&format=tar\nbytes=-4096\n1000
 /v1/datasets/d/epochs/0/batches/0\nformat=tfrecord.idx&shuffle=none\nbytes=100-\n4096
 /v1/datasets/d/files/class-0001/sample-000001.jpg\n\nbytes=0-0\n1

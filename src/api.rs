@@ -23,6 +23,10 @@ use thiserror::Error;
 pub const CRC32C_HEADER: &str = "x-batchfs-crc32c";
 /// Header carrying the number of samples in a batch.
 pub const SAMPLES_HEADER: &str = "x-batchfs-samples";
+/// Header of a whole batch body (200) listing its checkpoints ([`crate::encode::BatchLayout::checkpoints`]):
+/// `END:CRC` pairs, comma-separated, both lowercase hex (`CRC` 8 digits), ends increasing, the last the
+/// body's length and CRC32C. See [`format_checkpoints`] and [`parse_checkpoints`].
+pub const CHECKPOINTS_HEADER: &str = "x-batchfs-checkpoints";
 
 /// A request that cannot be served as asked (maps to 400/404/416).
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -430,6 +434,31 @@ pub fn parse_range(header: Option<&str>, len: u64) -> RangeRequest {
     }
 }
 
+/// The value of [`CHECKPOINTS_HEADER`] for `checkpoints`.
+pub fn format_checkpoints(checkpoints: &[(u64, u32)]) -> String {
+    let pairs: Vec<String> = checkpoints.iter().map(|(end, crc)| format!("{end:x}:{crc:08x}")).collect();
+    pairs.join(",")
+}
+
+/// Parses a [`CHECKPOINTS_HEADER`] value: `None` unless it is a non-empty list of `END:CRC` pairs with
+/// ends strictly increasing and above zero.
+pub fn parse_checkpoints(value: &str) -> Option<Vec<(u64, u32)>> {
+    fn hex(s: &str, digits: usize) -> Option<u64> {
+        let ok = !s.is_empty() && s.len() <= digits && s.bytes().all(|b| b.is_ascii_hexdigit());
+        ok.then(|| u64::from_str_radix(s, 16).ok()).flatten()
+    }
+    let mut out: Vec<(u64, u32)> = Vec::new();
+    for pair in value.split(',') {
+        let (end, crc) = pair.trim().split_once(':')?;
+        let (end, crc) = (hex(end, 16)?, hex(crc, 8)? as u32);
+        if end <= out.last().map_or(0, |c| c.0) {
+            return None;
+        }
+        out.push((end, crc));
+    }
+    Some(out)
+}
+
 /// A strong ETag for a body with this checksum and length.
 pub fn etag(crc32c: u32, len: u64) -> String {
     format!("\"{crc32c:08x}-{len:x}\"")
@@ -439,6 +468,29 @@ pub fn etag(crc32c: u32, len: u64) -> String {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn checkpoints_round_trip(ends in proptest::collection::btree_set(1u64.., 1..300), crc: u32) {
+            let cps: Vec<(u64, u32)> = ends.into_iter().map(|e| (e, crc ^ e as u32)).collect();
+            prop_assert_eq!(parse_checkpoints(&format_checkpoints(&cps)), Some(cps));
+        }
+
+        #[test]
+        fn checkpoint_headers_never_panic(value in "[0-9a-fA-F:, x+-]{0,80}") {
+            if let Some(cps) = parse_checkpoints(&value) {
+                prop_assert!(!cps.is_empty() && cps[0].0 > 0 && cps.windows(2).all(|w| w[0].0 < w[1].0));
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_checkpoints_are_refused() {
+        for bad in ["", "10", "10:", ":1", "10:1,10:2", "0:1", "20:1,10:2", "10:123456789", "g:1", "10:+1", "-1:0"] {
+            assert_eq!(parse_checkpoints(bad), None, "{bad:?}");
+        }
+        assert_eq!(parse_checkpoints("400:0000abcd, 800:ffffffff"), Some(vec![(0x400, 0xabcd), (0x800, u32::MAX)]));
+    }
 
     #[test]
     fn routes() {

@@ -156,12 +156,25 @@ pub struct BatchLayout {
     pub len: u64,
     /// CRC32C of the whole body.
     pub crc32c: u32,
+    /// Points of the body with the CRC32C of every byte before them: `(end, CRC32C of [0, end))`, ends
+    /// increasing, at sample boundaries at least [`CHECKPOINT_BYTES`] apart (fewer in a large batch: at
+    /// most [`MAX_CHECKPOINTS`] + 1), the last `(len, crc32c)`. A client checks a body's bytes as they
+    /// arrive and releases each verified prefix before the rest has come. Empty for an empty body.
+    pub checkpoints: Vec<(u64, u32)>,
 }
+
+/// The least distance between two [`BatchLayout::checkpoints`].
+pub const CHECKPOINT_BYTES: u64 = 256 << 10;
+/// Checkpoints of a body at most (plus the last), so the header that carries them stays small.
+pub const MAX_CHECKPOINTS: usize = 256;
 
 #[derive(Default)]
 struct LayoutBuilder {
     segments: Vec<Segment>,
     crc: CrcBuilder,
+    checkpoints: Vec<(u64, u32)>,
+    /// The least distance between checkpoints ([`CHECKPOINT_BYTES`]; tests use less).
+    every: u64,
     /// Only the size and checksum are wanted (a manifest): no segment is kept.
     summary: bool,
 }
@@ -202,9 +215,33 @@ impl LayoutBuilder {
         self.data_range(shard, offset, len);
     }
 
-    fn finish(self) -> BatchLayout {
-        BatchLayout { len: self.crc.len(), crc32c: self.crc.crc(), segments: self.segments }
+    /// Marks the end of a sample: a checkpoint when the last is far enough behind.
+    fn sample_end(&mut self) {
+        let last = self.checkpoints.last().map_or(0, |c| c.0);
+        if !self.summary && self.crc.len() >= last + self.every {
+            self.checkpoints.push((self.crc.len(), self.crc.crc()));
+        }
     }
+
+    fn finish(mut self) -> BatchLayout {
+        let (len, crc32c) = (self.crc.len(), self.crc.crc());
+        let mut checkpoints = std::mem::take(&mut self.checkpoints);
+        if !self.summary && len > 0 && checkpoints.last().map(|c| c.0) != Some(len) {
+            checkpoints.push((len, crc32c));
+        }
+        BatchLayout { len, crc32c, segments: self.segments, checkpoints: thin(checkpoints, MAX_CHECKPOINTS) }
+    }
+}
+
+/// At most `max` of `checkpoints` (every k-th, whose prefixes are as valid as all of them), plus the last.
+fn thin(checkpoints: Vec<(u64, u32)>, max: usize) -> Vec<(u64, u32)> {
+    let k = checkpoints.len().div_ceil(max.max(1));
+    let Some(&last) = checkpoints.last().filter(|_| k > 1) else { return checkpoints };
+    let mut kept: Vec<(u64, u32)> = checkpoints.into_iter().skip(k - 1).step_by(k).collect();
+    if kept.last() != Some(&last) {
+        kept.push(last);
+    }
+    kept
 }
 
 /// The Example a non-TFRecord sample is wrapped in, as pieces referring to the sample's parts.
@@ -413,35 +450,38 @@ pub fn shard_index_twins(index: &Index) -> Vec<(String, Vec<u8>)> {
 /// The layout of the batch made of `samples` (indices into `index.samples`), in `format`; `slot` is the
 /// record size of the slots formats ([`slot_bytes`] of the index), unused by the others.
 pub fn layout(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -> BatchLayout {
-    build(index, samples, format, slot, false)
+    build(index, samples, format, slot, false, CHECKPOINT_BYTES)
 }
 
 /// The size and CRC32C of the batch made of `samples` (what a manifest lists), as [`layout`] computes
 /// them without keeping its segments.
 pub fn summary(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -> (u64, u32) {
-    let layout = build(index, samples, format, slot, true);
+    let layout = build(index, samples, format, slot, true, CHECKPOINT_BYTES);
     (layout.len, layout.crc32c)
 }
 
-fn build(index: &Index, samples: &[u32], format: BatchFormat, slot: u64, summary: bool) -> BatchLayout {
-    let mut b = LayoutBuilder { summary, ..LayoutBuilder::default() };
+fn build(index: &Index, samples: &[u32], format: BatchFormat, slot: u64, summary: bool, every: u64) -> BatchLayout {
+    let mut b = LayoutBuilder { summary, every, ..LayoutBuilder::default() };
     let samples = samples.iter().map(|&i| &index.samples[i as usize]);
     match format {
         BatchFormat::TfrecordSlots => {
             for sample in samples {
                 push_tfrecord_slot(&mut b, index, sample, slot);
+                b.sample_end();
             }
         }
         BatchFormat::TfrecordSlotsIdx => b.inline(&dali_index(samples.map(|_| slot))),
         BatchFormat::Tfrecord => {
             for sample in samples {
                 push_tfrecord(&mut b, index, sample);
+                b.sample_end();
             }
         }
         BatchFormat::TfrecordIdx => b.inline(&dali_index(samples.map(|s| tfrecord_frame_len(index, s)))),
         BatchFormat::Tar => {
             for sample in samples {
                 push_tar(&mut b, sample);
+                b.sample_end();
             }
             b.inline(&[0u8; tar::END_LEN as usize]);
         }
@@ -687,6 +727,49 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// Every checkpoint is the CRC32C of the body's bytes before it, at a sample boundary (for tar: a
+        /// member header follows it), at least `every` bytes after the one before, and the last is the
+        /// whole body: what lets a client release a prefix before the rest has arrived.
+        #[test]
+        fn checkpoints_are_the_crcs_of_the_body_prefixes(
+            samples in arb_samples(3),
+            files_source: bool,
+            every in 1u64..3_000,
+        ) {
+            let source = if files_source { SourceFormat::Files } else { SourceFormat::Tfrecord };
+            let (index, shard) = files_index(&samples, source);
+            let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
+            let slot = slot_bytes(&index);
+            for format in BatchFormat::ALL {
+                let l = build(&index, &order, format, slot, false, every);
+                let body = materialize(&l, read_from(&shard));
+                prop_assert_eq!(l.checkpoints.last().copied(), Some((l.len, l.crc32c)), "{}", format);
+                let mut last = 0;
+                for (i, &(end, crc)) in l.checkpoints.iter().enumerate() {
+                    prop_assert_eq!(crc::crc32c(&body[..end as usize]), crc, "{} at {}", format, end);
+                    prop_assert!(end > last && (end >= last + every || i + 1 == l.checkpoints.len()));
+                    last = end;
+                }
+                // (The last sample's end is followed by the end-of-archive blocks instead.)
+                let first = l.checkpoints[0].0 as usize;
+                if format == BatchFormat::Tar && (first as u64) + tar::END_LEN < l.len {
+                    prop_assert_eq!(&body[first + 257..first + 262], b"ustar");
+                }
+            }
+        }
+
+        #[test]
+        fn thinned_checkpoints_are_few_keep_the_last_and_are_a_subset(n in 0usize..2_000, max in 1usize..300) {
+            let all: Vec<(u64, u32)> = (1..=n as u64).map(|i| (i * 10, i as u32)).collect();
+            let kept = thin(all.clone(), max);
+            prop_assert!(kept.len() <= max + 1);
+            prop_assert_eq!(kept.last(), all.last());
+            prop_assert!(kept.iter().all(|c| all.contains(c)));
+            prop_assert!(kept.windows(2).all(|w| w[0].0 < w[1].0));
+        }
+    }
+
     #[test]
     fn padding_fields_are_exactly_as_long_as_asked() {
         for len in (MIN_PAD..20_000).chain([2_097_151, 2_097_152, 2_097_153, 2_097_154]) {
@@ -705,7 +788,7 @@ mod tests {
             let body = materialize(&layout, read_from(&shard));
             let (start, end) = (a.min(b).min(layout.len), a.max(b).min(layout.len));
             let segments = slice_segments(&layout.segments, start, end);
-            let part = BatchLayout { segments, len: end - start, crc32c: 0 };
+            let part = BatchLayout { segments, len: end - start, crc32c: 0, checkpoints: vec![] };
             prop_assert_eq!(materialize(&part, read_from(&shard)), &body[start as usize..end as usize]);
         }
     }

@@ -306,6 +306,11 @@ async fn dispatch<B>(
             headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(query.format.content_type()));
             headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"));
             headers.insert(api::SAMPLES_HEADER, HeaderValue::from(samples));
+            // Checkpoints describe the whole body: a range's client cannot use them.
+            if r.status() == StatusCode::OK && !layout.checkpoints.is_empty() {
+                let value = api::format_checkpoints(&layout.checkpoints);
+                r.headers_mut().insert(api::CHECKPOINTS_HEADER, HeaderValue::from_str(&value).expect("hex"));
+            }
             Ok(r)
         }
         Route::Files { name } => {

@@ -147,9 +147,11 @@ async fn every_batch_decodes_to_the_source_samples_in_plan_order() {
                     assert_eq!(header(api::CRC32C_HEADER), format!("{:08x}", entry.crc32c));
                     assert_eq!(header("etag"), api::etag(entry.crc32c, entry.bytes));
                     assert_eq!(header("content-length"), entry.bytes.to_string());
+                    let checkpoints = api::parse_checkpoints(&header(api::CHECKPOINTS_HEADER)).unwrap();
                     let body = response.bytes().await.unwrap();
                     assert_eq!(body.len() as u64, entry.bytes, "{format} batch {}", entry.index);
                     assert_eq!(crc::crc32c(&body), entry.crc32c);
+                    assert_eq!(checkpoints, [(entry.bytes, entry.crc32c)], "small batches: only the whole");
                     let want: Vec<&Expected> =
                         plan.batch(entry.index).unwrap().iter().map(|&i| &expected[i as usize]).collect();
                     assert_eq!(entry.samples as usize, want.len());
@@ -170,6 +172,39 @@ async fn every_batch_decodes_to_the_source_samples_in_plan_order() {
                     }
                 }
             }
+        }
+    }
+    server.running.shutdown().await;
+}
+
+/// A whole batch body comes with checkpoints: the CRC32C of its first bytes at a few points at least
+/// 256 KiB apart, ending with the manifest's size and CRC32C. A range does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_bodies_carry_the_crcs_of_their_prefixes() {
+    let fx = fixture(SourceFormat::Tar, 24, 100_000);
+    let server = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let client = h2c();
+    for format in [BatchFormat::Tfrecord, BatchFormat::Tar, BatchFormat::TfrecordSlots] {
+        let query = BatchQuery { plan: PlanOptions { batch_size: 12, ..Default::default() }, format };
+        let url = format!("{}{}?{}", server.base, api::manifest_path("d", 0), query.to_query());
+        let manifest: Manifest = get(&client, &url).await.json().await.unwrap();
+        for entry in &manifest.batches {
+            let url = format!("{}{}?{}", server.base, api::batch_path("d", 0, entry.index), query.to_query());
+            let r = get(&client, &url).await;
+            let value = r.headers()[api::CHECKPOINTS_HEADER].to_str().unwrap().to_owned();
+            let checkpoints = api::parse_checkpoints(&value).unwrap();
+            let body = r.bytes().await.unwrap();
+            assert!(checkpoints.len() >= 3, "{format}: {checkpoints:?} for {} bytes", body.len());
+            assert_eq!(checkpoints.last(), Some(&(entry.bytes, entry.crc32c)));
+            let mut last = 0;
+            for &(end, crc) in &checkpoints {
+                assert_eq!(crc::crc32c(&body[..end as usize]), crc, "{format}: the first {end} bytes");
+                assert!(end == entry.bytes || end >= last + batchfs::encode::CHECKPOINT_BYTES);
+                last = end;
+            }
+            let r = client.get(&url).header("range", "bytes=10-99").send().await.unwrap();
+            assert_eq!(r.status(), StatusCode::PARTIAL_CONTENT);
+            assert!(r.headers().get(api::CHECKPOINTS_HEADER).is_none(), "a range has none");
         }
     }
     server.running.shutdown().await;
