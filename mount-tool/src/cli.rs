@@ -285,7 +285,7 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
     let mut rows = vec![
         ("read path".to_owned(), path.to_owned()),
         ("bytes served".to_owned(), format!("{:.1} MB", s.bytes_served as f64 / 1e6)),
-        ("reads".to_owned(), s.reads.to_string()),
+        ("reads".to_owned(), format!("{} ({} before their batch had all arrived)", s.reads, s.early_reads)),
         (
             "opens".to_owned(),
             format!(

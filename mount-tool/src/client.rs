@@ -16,7 +16,9 @@ use std::time::Duration;
 use thiserror::Error;
 
 pub mod health;
+mod partial;
 use health::{Health, InFlight};
+pub use partial::{Filling, Partial};
 
 /// A boxed future, as trait methods return.
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -34,6 +36,9 @@ pub enum ClientError {
     Malformed { server: String, message: String },
     #[error("cannot store a body from {server}: {message}")]
     Store { server: String, message: String },
+    /// A checkpoint of the body did not match the bytes before it (see [`Partial`]).
+    #[error("{server} sent a corrupt body: {message}")]
+    Corrupt { server: String, message: String },
 }
 
 impl ClientError {
@@ -47,13 +52,22 @@ impl ClientError {
     }
 }
 
-/// Where a fetched body is written as it arrives: a buffer (usually reused memory), or a memory file
-/// (`memfd`) that the kernel can later serve reads and mmap faults from by itself (FUSE passthrough),
-/// written chunk by chunk with no buffer in between.
-#[derive(Debug)]
+/// Where a fetched body is written as it arrives: a buffer (usually reused memory) whose verified
+/// prefix readers may copy before the rest has come ([`Partial`]), or a memory file (`memfd`) that the
+/// kernel can later serve reads and mmap faults from by itself (FUSE passthrough), written chunk by chunk
+/// with no buffer in between, and released only whole.
 pub enum Sink {
-    Buffer(Vec<u8>),
+    Buffer(Filling),
     File { file: std::fs::File, len: u64 },
+}
+
+impl std::fmt::Debug for Sink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Sink::Buffer(b) => write!(f, "Sink::Buffer({} bytes)", b.len()),
+            Sink::File { len, .. } => write!(f, "Sink::File({len} bytes)"),
+        }
+    }
 }
 
 impl Sink {
@@ -62,10 +76,15 @@ impl Sink {
         Ok(Sink::File { file: crate::sys::memfd("batchfs-batch")?, len: 0 })
     }
 
+    /// A buffer for a body of the manifest's size and CRC32C (`expect`), with no reader waiting on it.
+    pub fn buffer(buffer: Vec<u8>, expect: (u64, u32)) -> Self {
+        Sink::Buffer(Filling::new(Arc::new(Partial::new(buffer, expect, || {}))))
+    }
+
     /// Bytes written so far.
     pub fn len(&self) -> u64 {
         match self {
-            Sink::Buffer(b) => b.len() as u64,
+            Sink::Buffer(b) => b.len(),
             Sink::File { len, .. } => *len,
         }
     }
@@ -75,24 +94,27 @@ impl Sink {
         self.len() == 0
     }
 
-    /// Appends `data`.
-    pub fn append(&mut self, data: &[u8]) -> std::io::Result<()> {
+    /// Offers the response's checkpoints (see [`Filling::expect_checkpoints`]); a memory file is
+    /// released only whole and ignores them.
+    pub fn expect_checkpoints(&mut self, checkpoints: Vec<(u64, u32)>) -> bool {
         match self {
-            Sink::Buffer(b) => b.extend_from_slice(data),
+            Sink::Buffer(b) => b.expect_checkpoints(checkpoints),
+            Sink::File { .. } => false,
+        }
+    }
+
+    /// Appends `data`, extending `crc` over it (and, into a buffer, checking the checkpoints reached:
+    /// `InvalidData` when one does not match).
+    pub fn append(&mut self, data: &[u8], crc: &mut u32) -> std::io::Result<()> {
+        match self {
+            Sink::Buffer(b) => b.append(data, crc)?,
             Sink::File { file, len } => {
+                *crc = crc32c::crc32c_append(*crc, data);
                 std::io::Write::write_all(file, data)?;
                 *len += data.len() as u64;
             }
         }
         Ok(())
-    }
-
-    /// The bytes of a buffer (tests).
-    pub fn bytes(&self) -> Option<&[u8]> {
-        match self {
-            Sink::Buffer(b) => Some(b),
-            Sink::File { .. } => None,
-        }
     }
 }
 
@@ -102,14 +124,6 @@ impl Sink {
 pub struct Body {
     pub sink: Sink,
     pub crc32c: u32,
-}
-
-impl Body {
-    /// `bytes` with their CRC32C computed now.
-    pub fn new(bytes: Vec<u8>) -> Self {
-        let crc32c = crc32c::crc32c(&bytes);
-        Body { sink: Sink::Buffer(bytes), crc32c }
-    }
 }
 
 /// Moves dataset descriptions, manifests and batch bodies.
@@ -417,8 +431,13 @@ impl HttpClient {
             return Err(too_long(format!("the response announced {len} bytes")));
         }
         debug_assert!(body.is_empty(), "bodies are fetched into empty sinks");
-        if let Sink::Buffer(b) = &mut body {
-            b.reserve(expect as usize);
+        let checkpoints = response.headers().get(api::CHECKPOINTS_HEADER).map(|v| v.to_str().ok());
+        if let Some(value) = checkpoints {
+            // Malformed, or not this manifest's body: the body is then released only whole.
+            let parsed = value.and_then(api::parse_checkpoints);
+            if !parsed.is_some_and(|c| body.expect_checkpoints(c)) && matches!(body, Sink::Buffer(_)) {
+                tracing::debug!(%server, path = path_and_query, "checkpoints not used");
+            }
         }
         let mut crc = 0;
         loop {
@@ -431,10 +450,14 @@ impl HttpClient {
                     if body.len() + c.len() as u64 > expect {
                         return Err(too_long(format!("the body ran past {expect} bytes")));
                     }
-                    crc = crc32c::crc32c_append(crc, &c);
                     // A memory file is written here, on the runtime: a copy into page cache, no I/O.
-                    body.append(&c)
-                        .map_err(|e| ClientError::Store { server: server.clone(), message: e.to_string() })?;
+                    body.append(&c, &mut crc).map_err(|e| {
+                        let (server, message) = (server.clone(), format!("{path_and_query}: {e}"));
+                        match e.kind() {
+                            std::io::ErrorKind::InvalidData => ClientError::Corrupt { server, message },
+                            _ => ClientError::Store { server, message },
+                        }
+                    })?;
                 }
                 None => return Ok(Body { sink: body, crc32c: crc }),
             }
@@ -504,7 +527,8 @@ mod tests {
     async fn a_body_longer_than_the_manifest_says_is_cut_off() {
         let body: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
         let fetch = |server: String, expect: u64| async move {
-            client_of(server).fetch_batch(0, 0, BatchFormat::Tfrecord, 0, Sink::Buffer(Vec::new()), expect).await
+            let sink = Sink::buffer(Vec::new(), (expect, 0));
+            client_of(server).fetch_batch(0, 0, BatchFormat::Tfrecord, 0, sink, expect).await
         };
         // The announced length is checked before any byte is read.
         let err = fetch(h2c_server(body.clone(), Some(3000)).await, 1000).await.unwrap_err();
@@ -518,7 +542,8 @@ mod tests {
         // The expected size, or less (the checksum catches a short body), is read whole with its CRC.
         for expect in [3000, 5000] {
             let got = fetch(h2c_server(body.clone(), None).await, expect).await.unwrap();
-            assert_eq!((got.sink.bytes(), got.crc32c), (Some(&body[..]), crc32c::crc32c(&body)));
+            let Sink::Buffer(filled) = got.sink else { panic!("a buffer") };
+            assert_eq!((filled.partial.take(), got.crc32c), (body.clone(), crc32c::crc32c(&body)));
         }
     }
 

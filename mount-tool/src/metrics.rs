@@ -76,6 +76,7 @@ pub fn render(s: &StatsSnapshot) -> String {
     metric("evictions_total", "counter", "Batches dropped from the cache.", s.evictions);
     metric("passthrough_opens_total", "counter", "Opens served by FUSE passthrough.", s.passthrough_opens);
     metric("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens);
+    metric("early_reads_total", "counter", "Daemon reads answered before their batch had all arrived.", s.early_reads);
     let per_server: [(&str, &str, &str, PerServer); 6] = [
         ("up", "gauge", "1 while the server is in rotation.", |v| u64::from(v.up)),
         ("requests_total", "counter", "Requests sent to the server.", |v| v.requests),

@@ -10,8 +10,10 @@
 //! blocks: the only blocking calls are made from the FUSE threads (or test threads).
 //!
 //! **Invariants.**
-//! - No byte reaches a reader before its whole batch matched the manifest's size and CRC32C; a mismatch
-//!   is refetched, never returned.
+//! - No byte reaches a reader before it is verified: its whole batch matched the manifest's size and
+//!   CRC32C, or (a read of a batch still arriving into a buffer) a checkpoint of the body at or past it
+//!   matched, its checkpoints ending at the manifest's size and CRC32C ([`Partial`]). A mismatch is
+//!   refetched, never returned.
 //! - The bytes charged (ready bodies plus reservations for fetches in flight) plus the idle body buffers
 //!   kept for reuse never exceed the budget: one ledger, kept by the [`BufferPool`]. A fetch reuses an
 //!   idle buffer when there is one; idle buffers it cannot use are freed before any cached batch is
@@ -28,7 +30,7 @@
 //! window that runs past the end of an epoch continues into the next one (whose manifest is then fetched
 //! in the background).
 
-use crate::client::{ClientError, DynClient, Sink};
+use crate::client::{ClientError, DynClient, Filling, Partial, Sink};
 use crate::pool::{Admission, BufferPool};
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
@@ -349,7 +351,8 @@ impl Prefetcher {
         }
     }
 
-    /// Reads `[offset, offset + size)` of a batch file. Blocks until the batch is verified and cached.
+    /// Reads `[offset, offset + size)` of a batch file. Blocks until those bytes are verified (the whole batch, or,
+    /// while it arrives into a buffer, its prefix up to a checkpoint past them).
     /// `owner` identifies the reading process (see [`StreamTracker`]).
     pub fn read(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
         let result = self.read_inner(key, offset, size, owner);
@@ -364,14 +367,17 @@ impl Prefetcher {
         if offset >= meta.bytes || size == 0 {
             return Ok(Bytes::new());
         }
-        let (entry, body) = self.wait_for(key, meta, &manifest, owner)?;
         let end = (offset + u64::from(size)).min(meta.bytes);
+        let (entry, bytes, early) = self.wait_for(key, meta, &manifest, owner, Some(offset..end))?;
         if end == meta.bytes {
             entry.consumed.store(true, Ordering::Relaxed);
         }
         Stats::add(&self.stats.reads, 1);
         Stats::add(&self.stats.bytes_served, end - offset);
-        Ok(body.slice(offset as usize..end as usize))
+        if early {
+            Stats::add(&self.stats.early_reads, 1);
+        }
+        Ok(bytes)
     }
 
     /// The listing's manifest and the entry of `key` in it.
@@ -381,22 +387,28 @@ impl Prefetcher {
         Ok((manifest, meta))
     }
 
-    /// Waits until batch `key` is verified and cached, starting its fetch if needed and the window of the
-    /// stream it belongs to; counts the hit or miss and any stall.
+    /// Waits until batch `key` is verified and cached (or, with `range`, until those of its bytes are
+    /// verified, which may be before the rest has arrived), starting its fetch if needed and the window of
+    /// the stream it belongs to; counts the hit or miss and any stall. Returns the body (or the range)
+    /// and whether it came before the whole body.
     fn wait_for(
         self: &Arc<Self>,
         key: BatchKey,
         meta: BatchEntry,
         manifest: &Manifest,
         owner: u32,
-    ) -> Result<(Arc<Entry>, Bytes), ReadError> {
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<(Arc<Entry>, Bytes, bool), ReadError> {
         let started = Instant::now();
         let deadline = started + self.config.timeout;
         let (entry, fresh) =
             self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
         entry.touched.store(self.clock(), Ordering::Relaxed);
         self.prefetch_after(key, manifest, owner);
-        let (body, waited) = entry.wait(deadline, self.config.timeout)?;
+        let (body, waited, early) = match range {
+            Some(range) => entry.wait_range(range, deadline, self.config.timeout)?,
+            None => entry.wait(deadline, self.config.timeout).map(|(b, waited)| (b, waited, false))?,
+        };
         let s = &self.stats;
         // A hit found its batch cached or already being fetched; a miss had to start the fetch.
         Stats::add(if fresh { &s.misses } else { &s.hits }, 1);
@@ -407,7 +419,7 @@ impl Prefetcher {
             Stats::add(&s.stalls, 1);
             Stats::add(&s.stall_ns, started.elapsed().as_nanos() as u64);
         }
-        Ok((entry, body))
+        Ok((entry, body, early))
     }
 
     /// The verified bytes of `key` in a sealed memory file, for the kernel to serve reads and mmap faults
@@ -417,7 +429,7 @@ impl Prefetcher {
     pub fn backing_file(self: &Arc<Self>, key: BatchKey, owner: u32) -> Result<Arc<std::fs::File>, ReadError> {
         let result = (|| {
             let (manifest, meta) = self.locate(key)?;
-            let (entry, body) = self.wait_for(key, meta, &manifest, owner)?;
+            let (entry, body, _) = self.wait_for(key, meta, &manifest, owner, None)?;
             // The kernel serves the whole file from here on: its bytes count as served, once.
             if !entry.handed.swap(true, Ordering::Relaxed) {
                 Stats::add(&self.stats.bytes_served, meta.bytes);
@@ -602,16 +614,26 @@ impl Prefetcher {
         self.runtime.spawn(async move {
             let client = this.client.clone();
             let pool = this.pool.clone();
+            let filled = fetching.clone();
             // The first attempt fills the reserved buffer; one that fails loses it, and a retry
             // allocates anew (the reservation covers either).
             let result = with_retries(&this.config, &this.stats, move |attempt| {
                 let client = client.clone();
                 let path = path.clone();
                 let pool = pool.clone();
+                // Readers wait on the entry for each verified prefix of a buffer (not of a memory file,
+                // which the kernel serves only whole).
+                let fill = |buffer: Vec<u8>| {
+                    let entry = Arc::downgrade(&filled);
+                    let wake = move || entry.upgrade().iter().for_each(|e| e.verified_more());
+                    let partial = Arc::new(Partial::new(buffer, (meta.bytes, meta.crc32c), wake));
+                    filled.filling(partial.clone());
+                    Sink::Buffer(Filling::new(partial))
+                };
                 let into = match buffer.take() {
-                    Some(buffer) => Ok(Sink::Buffer(buffer)),
+                    Some(buffer) => Ok(fill(buffer)),
                     None if memfd => Sink::memfd(),
-                    None => Ok(Sink::Buffer(Vec::with_capacity(meta.bytes as usize))),
+                    None => Ok(fill(Vec::new())),
                 };
                 async move {
                     let into = into.map_err(|e| {
@@ -626,10 +648,15 @@ impl Prefetcher {
                         }
                         (Listing::Raw { .. }, None) => unreachable!("raw keys exist only after their directory's list"),
                     }
-                    .map_err(Failure::Client)?;
+                    .map_err(|e| match e {
+                        ClientError::Corrupt { server, message } => {
+                            Failure::Mismatch(format!("{} from {server}: {message}", describe(key)))
+                        }
+                        e => Failure::Client(e),
+                    })?;
                     verify(key, &meta, &body)?;
                     match body.sink {
-                        Sink::Buffer(buffer) => Ok((pool.wrap(buffer), None)),
+                        Sink::Buffer(filled) => Ok((pool.wrap(filled.partial.take()), None)),
                         Sink::File { file, .. } => seal_file(file).map(|(b, f)| (b, Some(f))).map_err(|e| {
                             Failure::Client(ClientError::Store { server: "memfd".into(), message: e.to_string() })
                         }),
@@ -764,12 +791,58 @@ mod tests {
 
     #[test]
     fn corrupt_and_short_bodies_are_refetched_never_returned() {
-        let config = PrefetcherConfig { prefetch: 0, ..Default::default() };
-        let (_rt, client, p, bodies) = setup(3, config);
-        client.inject([Fault::Corrupt, Fault::Short, Fault::Unreachable]);
-        assert_eq!(p.read_as0(key(1), 0, 4096).unwrap(), bodies[1]);
+        // Without checkpoints the whole body is checked; with them, the corrupt one fails at its first.
+        for every in [0, 100] {
+            let config = PrefetcherConfig { prefetch: 0, ..Default::default() };
+            let (_rt, client, p, bodies) = setup(3, config);
+            client.checkpoint_every.store(every, Ordering::Relaxed);
+            client.inject([Fault::Corrupt, Fault::Short, Fault::Unreachable]);
+            assert_eq!(p.read_as0(key(1), 0, 4096).unwrap(), bodies[1]);
+            let s = p.stats.snapshot();
+            assert_eq!((s.checksum_errors, s.retries), (2, 3), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn reads_of_a_batch_still_arriving_get_its_verified_prefix_before_the_rest() {
+        let config = PrefetcherConfig { prefetch: 0, timeout: Duration::from_secs(20), ..Default::default() };
+        let (_rt, client, p, bodies) = setup_sized(2, 10_000, 1, config);
+        client.checkpoint_every.store(1_000, Ordering::Relaxed);
+        // The body stops after its first 3,000 bytes until released.
+        client.held_after.lock().unwrap().insert(1, 3_000);
+        assert_eq!(p.read_as0(key(1), 0, 2_500).unwrap(), bodies[1].slice(..2_500));
+        assert_eq!(p.read_as0(key(1), 1_000, 2_000).unwrap(), bodies[1].slice(1_000..3_000));
         let s = p.stats.snapshot();
-        assert_eq!((s.checksum_errors, s.retries), (2, 3), "{s:?}");
+        assert_eq!((s.reads, s.early_reads, s.in_flight), (2, 2, 1), "{s:?}");
+        // Bytes past the verified prefix wait for it (here, for the release).
+        let reader = {
+            let p = p.clone();
+            std::thread::spawn(move || p.read_as0(key(1), 3_000, 4_000))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!reader.is_finished(), "a read past the verified prefix waits");
+        client.held_after.lock().unwrap().clear();
+        assert_eq!(reader.join().unwrap().unwrap(), bodies[1].slice(3_000..7_000));
+        // Once whole, the batch is read from its body as before.
+        eventually("the fetch ends", || p.stats.snapshot().in_flight == 0);
+        assert_eq!(p.read_as0(key(1), 0, 1 << 20).unwrap(), bodies[1]);
+        assert_eq!(p.stats.snapshot().checksum_errors, 0);
+    }
+
+    #[test]
+    fn a_corrupt_body_releases_nothing_past_its_last_good_checkpoint() {
+        let config = PrefetcherConfig { prefetch: 0, timeout: Duration::from_secs(20), ..Default::default() };
+        let (_rt, client, p, bodies) = setup_sized(2, 10_000, 1, config);
+        client.checkpoint_every.store(1_000, Ordering::Relaxed);
+        // The first attempt's first byte is flipped: its first checkpoint fails, and the retry is held
+        // after 3,000 bytes, so what a reader gets can only come from the retry's verified prefix.
+        client.inject([Fault::Corrupt]);
+        client.held_after.lock().unwrap().insert(1, 3_000);
+        assert_eq!(p.read_as0(key(1), 0, 1_000).unwrap(), bodies[1].slice(..1_000));
+        let s = p.stats.snapshot();
+        assert_eq!((s.checksum_errors, s.early_reads), (1, 1), "{s:?}");
+        client.held_after.lock().unwrap().clear();
+        assert_eq!(p.read_as0(key(1), 0, 1 << 20).unwrap(), bodies[1]);
     }
 
     #[test]
@@ -1105,9 +1178,11 @@ mod tests {
             prefetch in 0usize..6,
             budget_batches in 2u64..10,
             memfds: bool,
+            checkpoint_every in proptest::option::of(1usize..1500),
         ) {
             let config = PrefetcherConfig { prefetch, cache_bytes: budget_batches * 1300, ..Default::default() };
-            let (_rt, _client, p, bodies) = setup(30, config.clone());
+            let (_rt, client, p, bodies) = setup(30, config.clone());
+            client.checkpoint_every.store(checkpoint_every.unwrap_or(0), Ordering::Relaxed);
             p.fetch_into_memfds(memfds);
             reads_match_the_model(&p, &bodies, &reads, config.cache_bytes)?;
         }
@@ -1118,9 +1193,11 @@ mod tests {
             reads in proptest::collection::vec((0u64..12, 0u64..700_000, 1u32..(1 << 20)), 1..30),
             prefetch in 0usize..4,
             budget_batches in 2u64..6,
+            checkpoint_every in proptest::option::of(1000usize..200_000),
         ) {
             let config = PrefetcherConfig { prefetch, cache_bytes: budget_batches * 600_000, ..Default::default() };
-            let (_rt, _client, p, bodies) = setup_sized(12, 300_000, 1000, config.clone());
+            let (_rt, client, p, bodies) = setup_sized(12, 300_000, 1000, config.clone());
+            client.checkpoint_every.store(checkpoint_every.unwrap_or(0), Ordering::Relaxed);
             reads_match_the_model(&p, &bodies, &reads, config.cache_bytes)?;
         }
     }

@@ -26,6 +26,7 @@ pub struct Stats {
     pub passthrough_bytes: AtomicU64,
     pub daemon_opens: AtomicU64,
     pub page_cache_drops: AtomicU64,
+    pub early_reads: AtomicU64,
     /// 1 when the kernel accepted FUSE passthrough at mount time.
     pub passthrough: AtomicU64,
     /// The servers' health, once the HTTP client exists.
@@ -83,6 +84,10 @@ pub struct StatsSnapshot {
     /// (`page_cache=drop`).
     #[serde(default)]
     pub page_cache_drops: u64,
+    /// Daemon reads answered from a batch still arriving: their bytes were verified by the body's
+    /// checkpoints before the rest of it came.
+    #[serde(default)]
+    pub early_reads: u64,
     /// Each server's counters and whether it is in rotation.
     #[serde(default)]
     pub servers: Vec<ServerSnapshot>,
@@ -116,6 +121,7 @@ impl Stats {
             passthrough_bytes: g(&self.passthrough_bytes),
             daemon_opens: g(&self.daemon_opens),
             page_cache_drops: g(&self.page_cache_drops),
+            early_reads: g(&self.early_reads),
             servers: self.servers.get().map(|h| h.snapshot()).unwrap_or_default(),
         }
     }

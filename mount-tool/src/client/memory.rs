@@ -44,6 +44,10 @@ pub struct MemoryClient {
     pub delay: Mutex<Duration>,
     /// Batches whose fetches hang until they leave this set.
     pub held: Mutex<std::collections::HashSet<u64>>,
+    /// Batches whose fetches send this many bytes, then hang until they leave this map.
+    pub held_after: Mutex<std::collections::HashMap<u64, usize>>,
+    /// Checkpoints sent with batch bodies: one every this many bytes (and the end); 0: none.
+    pub checkpoint_every: std::sync::atomic::AtomicUsize,
 }
 
 impl MemoryClient {
@@ -71,6 +75,8 @@ impl MemoryClient {
             fetches: AtomicU64::new(0),
             delay: Mutex::new(Duration::ZERO),
             held: Mutex::new(Default::default()),
+            held_after: Mutex::new(Default::default()),
+            checkpoint_every: Default::default(),
         }
     }
 
@@ -159,7 +165,7 @@ impl BatchClient for MemoryClient {
             while self.held.lock().expect("held").contains(&batch) {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
-            self.serve((self.bodies)(epoch, format).get(batch as usize).cloned(), into).await
+            self.serve((self.bodies)(epoch, format).get(batch as usize).cloned(), into, Some(batch)).await
         })
     }
 
@@ -176,13 +182,15 @@ impl BatchClient for MemoryClient {
             let start = (offset as usize).min(b.len());
             b.slice(start..(start + expect as usize).min(b.len()))
         });
-        Box::pin(self.serve(body, into))
+        Box::pin(self.serve(body, into, None))
     }
 }
 
 impl MemoryClient {
-    /// Answers with `body` (404 when absent) appended to `into`, after the delay and any queued fault.
-    async fn serve(&self, body: Option<Bytes>, mut into: Sink) -> Result<Body, ClientError> {
+    /// Answers with `body` (404 when absent) appended to `into` in 1,000-byte frames, after the delay and
+    /// any queued fault; a batch's body comes with checkpoints (`checkpoint_every`) and may hang midway
+    /// (`held_after`).
+    async fn serve(&self, body: Option<Bytes>, mut into: Sink, batch: Option<u64>) -> Result<Body, ClientError> {
         self.fetches.fetch_add(1, Ordering::Relaxed);
         let delay = *self.delay.lock().expect("delay");
         if !delay.is_zero() {
@@ -215,7 +223,27 @@ impl MemoryClient {
             }
             _ => {}
         }
-        into.append(&sent).map_err(|e| ClientError::Store { server, message: e.to_string() })?;
-        Ok(Body { sink: into, crc32c: crc32c::crc32c(&sent) })
+        let every = batch.map_or(0, |_| self.checkpoint_every.load(Ordering::Relaxed));
+        if every > 0 {
+            let ends = (every..body.len()).step_by(every).chain([body.len()]).filter(|&e| e > 0);
+            into.expect_checkpoints(ends.map(|e| (e as u64, crc32c::crc32c(&body[..e]))).collect());
+        }
+        let mut crc = 0;
+        for (i, frame) in sent.chunks(1000).enumerate() {
+            while batch.is_some_and(|b| self.held_after.lock().expect("held").get(&b).is_some_and(|&n| i * 1000 >= n)) {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            into.append(frame, &mut crc).map_err(|e| match e.kind() {
+                std::io::ErrorKind::InvalidData => {
+                    ClientError::Corrupt { server: server.clone(), message: e.to_string() }
+                }
+                _ => ClientError::Store { server: server.clone(), message: e.to_string() },
+            })?;
+            if every > 0 {
+                // Frames arrive one by one: readers may find the body part verified, part on its way.
+                tokio::task::yield_now().await;
+            }
+        }
+        Ok(Body { sink: into, crc32c: crc })
     }
 }

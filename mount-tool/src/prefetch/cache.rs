@@ -4,13 +4,16 @@
 //! the one rule of what to evict first.
 
 use super::{BatchKey, ReadError};
+use crate::client::Partial;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Condvar, Mutex, Ordering};
 use bytes::Bytes;
 use lru::LruCache;
 use std::time::{Duration, Instant};
 
 pub(super) enum State {
-    Fetching,
+    /// The body is on its way; into a buffer whose verified prefix readers may copy, once the attempt
+    /// that fills it has started (each attempt brings its own).
+    Fetching(Option<Arc<Partial>>),
     Ready(Bytes),
     Failed(ReadError),
 }
@@ -54,7 +57,7 @@ impl Entry {
         Entry {
             size,
             touched: AtomicU64::new(now),
-            state: Mutex::new(State::Fetching),
+            state: Mutex::new(State::Fetching(None)),
             changed: Condvar::new(),
             consumed: AtomicBool::new(false),
             memfd: Mutex::new(None),
@@ -96,15 +99,57 @@ impl Entry {
         self.changed.notify_all();
     }
 
+    /// A new attempt fills `partial` (while the batch is still being fetched).
+    pub(super) fn filling(&self, partial: Arc<Partial>) {
+        let mut state = self.state.lock().expect("entry");
+        if let State::Fetching(p) = &mut *state {
+            *p = Some(partial);
+        }
+    }
+
+    /// Wakes the readers waiting for more of the body to be verified.
+    pub(super) fn verified_more(&self) {
+        // Taking the lock orders this after a waiter's check of the verified length: no lost wakeup.
+        drop(self.state.lock().expect("entry"));
+        self.changed.notify_all();
+    }
+
     /// Waits until the fetch ends or `deadline`; returns the body and whether it had to wait.
     pub(super) fn wait(&self, deadline: Instant, timeout: Duration) -> Result<(Bytes, bool), ReadError> {
+        self.wait_for(None, deadline, timeout).map(|(b, waited, _)| (b, waited))
+    }
+
+    /// Waits until bytes `range` of the body can be read, verified: when the fetch ends, or, into a
+    /// buffer, as soon as the range is verified (the bytes are then a copy). Returns them, whether it
+    /// had to wait, and whether they came before the whole body.
+    pub(super) fn wait_range(
+        &self,
+        range: std::ops::Range<u64>,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<(Bytes, bool, bool), ReadError> {
+        self.wait_for(Some(range), deadline, timeout)
+    }
+
+    fn wait_for(
+        &self,
+        range: Option<std::ops::Range<u64>>,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<(Bytes, bool, bool), ReadError> {
         let mut state = self.state.lock().expect("entry");
         let mut waited = false;
         loop {
-            match &*state {
-                State::Ready(b) => return Ok((b.clone(), waited)),
-                State::Failed(e) => return Err(e.clone()),
-                State::Fetching => {}
+            match (&*state, &range) {
+                (State::Ready(b), None) => return Ok((b.clone(), waited, false)),
+                (State::Ready(b), Some(r)) => return Ok((b.slice(r.start as usize..r.end as usize), waited, false)),
+                (State::Failed(e), _) => return Err(e.clone()),
+                (State::Fetching(Some(p)), Some(r)) => {
+                    if let Some(b) = p.copy(r.clone()) {
+                        return Ok((b, waited, true));
+                    }
+                }
+                (State::Fetching(_), _) => {}
             }
             let now = Instant::now();
             if now >= deadline {
