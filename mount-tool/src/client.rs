@@ -78,7 +78,7 @@ impl Sink {
 
     /// A buffer for a body of the manifest's size and CRC32C (`expect`), with no reader waiting on it.
     pub fn buffer(buffer: Vec<u8>, expect: (u64, u32)) -> Self {
-        Sink::Buffer(Filling::new(Arc::new(Partial::new(buffer, expect, || {}))))
+        Sink::Buffer(Filling::new(Arc::new(Partial::new(buffer, expect, None, || {}))))
     }
 
     /// Bytes written so far.
@@ -543,7 +543,7 @@ mod tests {
         for expect in [3000, 5000] {
             let got = fetch(h2c_server(body.clone(), None).await, expect).await.unwrap();
             let Sink::Buffer(filled) = got.sink else { panic!("a buffer") };
-            assert_eq!((filled.partial.take(), got.crc32c), (body.clone(), crc32c::crc32c(&body)));
+            assert_eq!((filled.finish(), got.crc32c), (bytes::Bytes::from(body.clone()), crc32c::crc32c(&body)));
         }
     }
 

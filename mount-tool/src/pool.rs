@@ -12,7 +12,6 @@
 //! before the prefetcher has to evict a cached batch, so the mount's memory stays within `cache`.
 
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
-use bytes::Bytes;
 
 /// Buffers smaller than this are left to malloc: they come from its arenas, not fresh mappings.
 pub const MIN_POOLED: usize = 256 << 10;
@@ -147,12 +146,12 @@ impl BufferPool {
         self.set_used(&mut inner, used);
     }
 
-    /// `buf` as [`Bytes`] whose memory returns to the pool when the last clone or slice is dropped.
-    pub fn wrap(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
-        if buf.capacity() < MIN_POOLED {
-            return Bytes::from(buf);
+    /// Takes back the buffer of a body no longer used, once its last view is dropped (kept for reuse if
+    /// large enough and it fits; see [`crate::client::Partial`], the owner of a body's buffer).
+    pub fn recycle(&self, buf: Vec<u8>) {
+        if buf.capacity() >= MIN_POOLED {
+            self.give(buf);
         }
-        Bytes::from_owner(Pooled { buf, pool: Arc::downgrade(self) })
     }
 
     /// Keeps `buf` if it fits beside what is charged and idle, else frees it.
@@ -166,29 +165,11 @@ impl BufferPool {
     }
 }
 
-/// The owner behind a pooled [`Bytes`].
-struct Pooled {
-    buf: Vec<u8>,
-    pool: std::sync::Weak<BufferPool>,
-}
-
-impl AsRef<[u8]> for Pooled {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        if let Some(pool) = self.pool.upgrade() {
-            pool.give(std::mem::take(&mut self.buf));
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::client::{Filling, Partial};
+    use bytes::Bytes;
 
     const MB: usize = 1 << 20;
 
@@ -199,14 +180,23 @@ mod tests {
         }
     }
 
+    /// `buf` filled with `len` sevens as a verified body whose buffer returns to `pool`.
+    fn body_in(pool: &Arc<BufferPool>, buf: Vec<u8>, len: usize) -> Bytes {
+        let bytes = vec![7u8; len];
+        let partial = Partial::new(buf, (len as u64, crc32c::crc32c(&bytes)), Some(Arc::downgrade(pool)), || {});
+        let mut filling = Filling::new(Arc::new(partial));
+        filling.append(&bytes, &mut 0).unwrap();
+        filling.finish()
+    }
+
     #[test]
     fn buffers_come_back_when_the_last_slice_drops() {
         let pool = BufferPool::new(100 * MB as u64);
-        let (mut buf, charge) = fits(pool.admit(2 * MB));
+        let (buf, charge) = fits(pool.admit(2 * MB));
         assert_eq!((charge, pool.used()), (2 * MB as u64, 2 * MB as u64));
-        buf.extend(std::iter::repeat_n(7u8, 2 * MB));
         let ptr = buf.as_ptr();
-        let body = pool.wrap(buf);
+        let body = body_in(&pool, buf, 2 * MB);
+        assert_eq!(body.as_ptr(), ptr, "the body is the buffer, not a copy");
         let slice = body.slice(10..20);
         drop(body);
         assert_eq!(pool.idle_bytes(), 0, "a slice still holds the buffer");
@@ -290,9 +280,9 @@ mod tests {
     #[test]
     fn small_buffers_and_a_dropped_pool_are_not_pooled() {
         let pool = BufferPool::new(100 * MB as u64);
-        drop(pool.wrap(vec![1u8; 1000]));
+        drop(body_in(&pool, Vec::new(), 1000));
         assert_eq!(pool.idle_bytes(), 0);
-        let body = pool.wrap(vec![1u8; MIN_POOLED]);
+        let body = body_in(&pool, Vec::new(), MIN_POOLED);
         drop(pool);
         drop(body); // the pool is gone: the memory is simply freed
     }

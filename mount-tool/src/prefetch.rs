@@ -626,7 +626,8 @@ impl Prefetcher {
                 let fill = |buffer: Vec<u8>| {
                     let entry = Arc::downgrade(&filled);
                     let wake = move || entry.upgrade().iter().for_each(|e| e.verified_more());
-                    let partial = Arc::new(Partial::new(buffer, (meta.bytes, meta.crc32c), wake));
+                    let home = Some(Arc::downgrade(&pool));
+                    let partial = Arc::new(Partial::new(buffer, (meta.bytes, meta.crc32c), home, wake));
                     filled.filling(partial.clone());
                     Sink::Buffer(Filling::new(partial))
                 };
@@ -656,7 +657,7 @@ impl Prefetcher {
                     })?;
                     verify(key, &meta, &body)?;
                     match body.sink {
-                        Sink::Buffer(filled) => Ok((pool.wrap(filled.partial.take()), None)),
+                        Sink::Buffer(filled) => Ok((filled.finish(), None)),
                         Sink::File { file, .. } => seal_file(file).map(|(b, f)| (b, Some(f))).map_err(|e| {
                             Failure::Client(ClientError::Store { server: "memfd".into(), message: e.to_string() })
                         }),

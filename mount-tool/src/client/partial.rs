@@ -1,4 +1,5 @@
-//! A body buffer that readers may read from while it is still arriving: only its verified prefix.
+//! A body buffer that readers may read from while it is still arriving: only its verified prefix, and
+//! without a copy. With `sys.rs`, the mount's only `unsafe` code.
 //!
 //! A batch response carries its checkpoints (`x-batchfs-checkpoints`: the CRC32C of every byte before
 //! each of a few points, computed by the server from the index, like the manifest's CRC). The fetch
@@ -9,28 +10,55 @@
 //! announced, so no byte reaches a reader that the manifest does not vouch for. The whole body is still
 //! checked against the manifest at the end.
 
+use crate::pool::BufferPool;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::{Arc, Weak};
 
-/// A body being fetched: its buffer and how much of it is verified.
+/// A body being fetched: its buffer, written by one [`Filling`] and read up to what is verified.
+///
+/// Readers get their bytes without a copy, as views of the buffer ([`Partial::slice`]), the whole body
+/// too once complete ([`Filling::finish`]). The buffer is not a `Vec` while it is shared: the writer
+/// appends past the verified prefix while readers hold slices of it, which `&mut Vec` cannot allow. The
+/// buffer never moves or grows (its capacity is reserved for the manifest's size), and goes back to the
+/// pool when the last view and the writer are gone.
 pub struct Partial {
-    buf: RwLock<Vec<u8>>,
-    /// Bytes of `buf` verified by a checkpoint: readers may copy `[0, verified)`. Stored after the bytes
-    /// are written (release), loaded before they are read (acquire).
+    /// The allocation of the `Vec` this body was given: `cap` bytes, of which the writer has initialized a
+    /// prefix (`Filling::written`).
+    ptr: NonNull<u8>,
+    cap: usize,
+    /// Bytes verified: readers may view `[0, verified)`, and nothing writes there again. Stored after
+    /// the bytes are written (release), loaded before views are made (acquire).
     verified: AtomicU64,
     /// The size and CRC32C the manifest announced.
     expect: (u64, u32),
+    /// Where the buffer goes when the body is dropped (none: freed).
+    home: Option<Weak<BufferPool>>,
     /// Called after each verified prefix is published (wakes the readers waiting for it).
     on_verified: Box<dyn Fn() + Send + Sync>,
 }
 
+// SAFETY: the only shared mutable state is the buffer, whose bytes are written by the one `Filling` and
+// read only below `verified` (see `Filling::append` and `Partial::slice`); everything else is an atomic
+// or immutable. `on_verified` is `Send + Sync`.
+unsafe impl Send for Partial {}
+// SAFETY: as above.
+unsafe impl Sync for Partial {}
+
 impl Partial {
-    /// An empty body of `expect.0` bytes with CRC32C `expect.1`, filling `buffer` (emptied, capacity
-    /// reserved); `on_verified` runs whenever more of it is verified.
-    pub fn new(mut buffer: Vec<u8>, expect: (u64, u32), on_verified: impl Fn() + Send + Sync + 'static) -> Self {
+    /// An empty body of `expect.0` bytes with CRC32C `expect.1`, in `buffer` (emptied, its capacity
+    /// reserved), which returns to `home` at the end; `on_verified` runs whenever more of it is verified.
+    pub fn new(
+        mut buffer: Vec<u8>,
+        expect: (u64, u32),
+        home: Option<Weak<BufferPool>>,
+        on_verified: impl Fn() + Send + Sync + 'static,
+    ) -> Self {
         buffer.clear();
         buffer.reserve_exact(expect.0 as usize);
-        Partial { buf: RwLock::new(buffer), verified: AtomicU64::new(0), expect, on_verified: Box::new(on_verified) }
+        let mut buffer = std::mem::ManuallyDrop::new(buffer);
+        let (ptr, cap) = (NonNull::new(buffer.as_mut_ptr()).expect("a Vec's pointer"), buffer.capacity());
+        Partial { ptr, cap, verified: AtomicU64::new(0), expect, home, on_verified: Box::new(on_verified) }
     }
 
     /// Bytes verified so far.
@@ -38,25 +66,13 @@ impl Partial {
         self.verified.load(Ordering::Acquire)
     }
 
-    /// A copy of `range` if all of it is verified (and the buffer not yet taken).
-    pub fn copy(&self, range: std::ops::Range<u64>) -> Option<bytes::Bytes> {
-        if range.end > self.verified() {
+    /// Bytes `range`, without a copy, if all of them are verified.
+    pub fn slice(self: &Arc<Self>, range: std::ops::Range<u64>) -> Option<bytes::Bytes> {
+        if range.start > range.end || range.end > self.verified() {
             return None;
         }
-        let buf = self.buf.read().expect("partial body");
-        let bytes = buf.get(range.start as usize..range.end as usize)?;
-        Some(bytes::Bytes::copy_from_slice(bytes))
-    }
-
-    /// The buffer, once the body is complete (readers get `None` from [`Partial::copy`] from now on).
-    pub fn take(&self) -> Vec<u8> {
-        let mut buf = self.buf.write().expect("partial body");
-        self.verified.store(0, Ordering::Release);
-        std::mem::take(&mut *buf)
-    }
-
-    fn write(&self, data: &[u8]) {
-        self.buf.write().expect("partial body").extend_from_slice(data);
+        let view = View { body: self.clone(), start: range.start as usize, len: (range.end - range.start) as usize };
+        Some(bytes::Bytes::from_owner(view))
     }
 
     fn publish(&self, end: u64) {
@@ -65,15 +81,45 @@ impl Partial {
     }
 }
 
-/// The writing side of a [`Partial`], owned by one fetch attempt: the checkpoints still ahead.
+impl Drop for Partial {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` and `cap` are those of the `Vec` given to `new`, which was not freed; with length 0
+        // no element is read or dropped. No view exists any more (each holds an `Arc` of this).
+        let buffer = unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), 0, self.cap) };
+        if let Some(pool) = self.home.as_ref().and_then(Weak::upgrade) {
+            pool.recycle(buffer);
+        }
+    }
+}
+
+/// A verified range of a [`Partial`], the owner behind a [`bytes::Bytes`].
+struct View {
+    body: Arc<Partial>,
+    start: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for View {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `[start, start + len)` lay within the verified prefix when the view was made (checked
+        // in `slice` after an acquire load that pairs with the writer's release store), or within what
+        // the writer had written when it was consumed (`finish`): those bytes are initialized, within the
+        // allocation, and never written again (the writer only writes past what it has written, and
+        // publishes only that). `body` keeps the allocation alive.
+        unsafe { std::slice::from_raw_parts(self.body.ptr.as_ptr().add(self.start), self.len) }
+    }
+}
+
+/// The writing side of a [`Partial`], owned by one fetch attempt: the only one to write its buffer.
 pub struct Filling {
-    pub partial: std::sync::Arc<Partial>,
+    pub partial: Arc<Partial>,
+    /// Bytes written (and initialized) so far.
     written: u64,
     checkpoints: std::collections::VecDeque<(u64, u32)>,
 }
 
 impl Filling {
-    pub fn new(partial: std::sync::Arc<Partial>) -> Self {
+    pub fn new(partial: Arc<Partial>) -> Self {
         Filling { partial, written: 0, checkpoints: Default::default() }
     }
 
@@ -88,8 +134,7 @@ impl Filling {
     }
 
     /// Uses `checkpoints` (from the response, before its first byte) if they end at the manifest's size
-    /// and CRC32C and lie within the body; otherwise the body is released only whole. Returns whether
-    /// they are used.
+    /// and CRC32C; otherwise the body is released only whole. Returns whether they are used.
     pub fn expect_checkpoints(&mut self, checkpoints: Vec<(u64, u32)>) -> bool {
         let fits = self.written == 0 && checkpoints.last() == Some(&self.partial.expect);
         if fits {
@@ -100,13 +145,23 @@ impl Filling {
 
     /// Appends `data`, extending `crc` (the CRC32C of everything written before) over it; at each
     /// checkpoint reached, publishes the prefix if `crc` matches it, and fails with `InvalidData` if not.
+    /// Bytes past the manifest's size fail with `InvalidData` too (the client stops before).
     pub fn append(&mut self, mut data: &[u8], crc: &mut u32) -> std::io::Result<()> {
+        if self.written + data.len() as u64 > self.partial.expect.0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "the body runs past the manifest's size"));
+        }
         while !data.is_empty() {
             let next = self.checkpoints.front().copied();
             let take = next.map_or(data.len(), |(end, _)| ((end - self.written) as usize).min(data.len()));
             let (now, rest) = data.split_at(take);
             *crc = crc32c::crc32c_append(*crc, now);
-            self.partial.write(now);
+            let at = self.written as usize;
+            // The reservation in `Partial::new` made room for the manifest's size, checked above.
+            assert!(at + take <= self.partial.cap, "a body within its size fits its buffer");
+            // SAFETY: `[at, at + take)` is within the allocation (asserted) and past everything published
+            // (`verified <= written == at`), so no view covers it; this `Filling` is the only writer (it is
+            // created once per `Partial` and not cloned). `now` is another allocation (the response's).
+            unsafe { std::ptr::copy_nonoverlapping(now.as_ptr(), self.partial.ptr.as_ptr().add(at), take) };
             self.written += take as u64;
             data = rest;
             if let Some((end, want)) = next.filter(|&(end, _)| end == self.written) {
@@ -125,6 +180,13 @@ impl Filling {
         }
         Ok(())
     }
+
+    /// The whole body as written, for the caller to keep once it has verified it against the manifest
+    /// (readers of [`Partial::slice`] still see only what a checkpoint verified).
+    pub fn finish(self) -> bytes::Bytes {
+        let view = View { body: self.partial.clone(), start: 0, len: self.written as usize };
+        bytes::Bytes::from_owner(view)
+    }
 }
 
 #[cfg(test)]
@@ -134,7 +196,7 @@ mod tests {
     use std::sync::Arc;
 
     fn partial_of(body: &[u8]) -> Arc<Partial> {
-        Arc::new(Partial::new(Vec::new(), (body.len() as u64, crc32c::crc32c(body)), || {}))
+        Arc::new(Partial::new(Vec::new(), (body.len() as u64, crc32c::crc32c(body)), None, || {}))
     }
 
     fn checkpoints(body: &[u8], every: usize) -> Vec<(u64, u32)> {
@@ -171,8 +233,8 @@ mod tests {
                 }
                 let now = p.verified();
                 prop_assert!(now >= before);
-                prop_assert_eq!(p.copy(0..now).unwrap(), &body[..now as usize]);
-                prop_assert!(p.copy(0..now + 1).is_none());
+                prop_assert_eq!(p.slice(0..now).unwrap(), &body[..now as usize]);
+                prop_assert!(p.slice(0..now + 1).is_none());
                 if let Some(i) = flipped {
                     prop_assert!(now <= i as u64);
                 }
@@ -181,8 +243,10 @@ mod tests {
             if !failed {
                 prop_assert_eq!(p.verified(), body.len() as u64);
                 prop_assert_eq!(crc, crc32c::crc32c(&body));
-                prop_assert_eq!(p.take(), body);
-                prop_assert!(p.copy(0..1).is_none());
+                let early = p.slice(0..p.verified()).unwrap();
+                prop_assert_eq!(f.finish(), &body[..]);
+                prop_assert!(p.slice(0..p.verified()).is_some());
+                prop_assert_eq!(early, &body[..], "views made before the end stay valid");
             }
         }
     }

@@ -145,7 +145,7 @@ impl Entry {
                 (State::Ready(b), Some(r)) => return Ok((b.slice(r.start as usize..r.end as usize), waited, false)),
                 (State::Failed(e), _) => return Err(e.clone()),
                 (State::Fetching(Some(p)), Some(r)) => {
-                    if let Some(b) = p.copy(r.clone()) {
+                    if let Some(b) = p.slice(r.clone()) {
                         return Ok((b, waited, true));
                     }
                 }
