@@ -80,6 +80,10 @@ pub struct MountArgs {
     /// Batches kept in flight ahead of each reader [default: 16; 0 disables]
     #[arg(long, help_heading = "Prefetch", value_name = "N")]
     pub prefetch: Option<String>,
+    /// Bytes the window ahead of each reader holds at least, in batches (more than `prefetch` when they
+    /// are small) [default: 128M; 0: `prefetch` batches only]
+    #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
+    pub prefetch_bytes: Option<String>,
     /// Bytes of prefetches in flight at once, all readers together [default: 256M]
     #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
     pub max_prefetch_bytes: Option<String>,
@@ -143,6 +147,7 @@ impl MountArgs {
             ("first_epoch", &self.first_epoch),
             ("rolling", &self.rolling),
             ("prefetch", &self.prefetch),
+            ("prefetch_bytes", &self.prefetch_bytes),
             ("max_prefetch_bytes", &self.max_prefetch_bytes),
             ("cache", &self.cache),
             ("stale_after", &self.stale_after),

@@ -158,6 +158,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
         runtime.handle().clone(),
         PrefetcherConfig {
             prefetch: plan.options.prefetch,
+            prefetch_bytes: plan.options.prefetch_bytes,
             max_prefetch_bytes: plan.options.max_prefetch_bytes,
             cache_bytes: plan.options.cache,
             timeout: plan.options.timeout,

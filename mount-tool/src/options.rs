@@ -22,6 +22,8 @@ pub struct MountOptions {
     pub rolling: Rolling,
     /// Batches kept in flight ahead of each reader (0: none).
     pub prefetch: usize,
+    /// The window ahead of each reader holds at least this many bytes of batches.
+    pub prefetch_bytes: u64,
     /// Bytes of prefetches in flight at once, all readers together.
     pub max_prefetch_bytes: u64,
     /// Cache byte budget.
@@ -65,6 +67,7 @@ impl Default for MountOptions {
             first_epoch: 0,
             rolling: Rolling::Auto,
             prefetch: 16,
+            prefetch_bytes: 128 << 20,
             max_prefetch_bytes: 256 << 20,
             cache: 2 << 30,
             connections: 4,
@@ -157,6 +160,7 @@ impl MountOptions {
                 }
             }
             "prefetch" => self.prefetch = number(need()?)? as usize,
+            "prefetch_bytes" => self.prefetch_bytes = parse_size(need()?)?,
             "max_prefetch_bytes" => self.max_prefetch_bytes = parse_size(need()?)?.max(1),
             "cache" => self.cache = parse_size(need()?)?,
             "connections" => self.connections = (number(need()?)? as usize).max(1),
@@ -246,6 +250,9 @@ mod tests {
         assert_eq!(o.plan.batch_size, 64);
         assert_eq!(o.prefetch, 8);
         assert_eq!(o.cache, 512 << 20);
+        assert_eq!(o.prefetch_bytes, 128 << 20, "the default");
+        o.apply_list("prefetch_bytes=0").unwrap();
+        assert_eq!(o.prefetch_bytes, 0);
         assert_eq!(o.plan.shuffle, Shuffle::None);
         assert!(o.plan.drop_last && o.allow_other);
         assert_eq!(o.format, BatchFormat::Tar);

@@ -77,6 +77,10 @@ impl BatchKey {
 pub struct PrefetcherConfig {
     /// Batches kept cached or in flight ahead of each reader stream (0: no prefetch).
     pub prefetch: usize,
+    /// The window holds at least this many bytes of batches (by the listing's mean batch size): more than
+    /// `prefetch` batches when they are small, so that small batches get a window as deep in bytes (and in
+    /// time to arrive) as larger ones. 0: `prefetch` batches only.
+    pub prefetch_bytes: u64,
     /// Byte budget of the cache, in-flight fetches included.
     pub cache_bytes: u64,
     /// How long a read waits out failures before it fails.
@@ -148,6 +152,7 @@ impl Default for PrefetcherConfig {
     fn default() -> Self {
         PrefetcherConfig {
             prefetch: 16,
+            prefetch_bytes: 128 << 20,
             cache_bytes: 2 << 30,
             timeout: Duration::from_secs(60),
             max_streams: 64,
@@ -469,7 +474,7 @@ impl Prefetcher {
             key.listing,
             key.index,
             manifest.batches.len() as u64,
-            self.config.prefetch,
+            self.window(key.listing, manifest),
         );
         let (here, next): (Vec<Target>, Vec<Target>) = targets.into_iter().partition(|t| t.listing == key.listing);
         if !self.start_prefetches(&here, manifest) {
@@ -511,6 +516,21 @@ impl Prefetcher {
             }
             this.listings.warmed(epoch);
         });
+    }
+
+    /// The window of a stream over `manifest`'s files, in files: `prefetch`, or, for an epoch's batches,
+    /// as many as hold `prefetch_bytes` at the listing's mean size when that is more (at most 16 ×
+    /// `prefetch`, so tiny batches do not become thousands of requests, and never more than the listing).
+    /// `raw/` files keep `prefetch`: a file tree's files are single samples.
+    fn window(&self, listing: Listing, manifest: &Manifest) -> usize {
+        let prefetch = self.config.prefetch;
+        if let Listing::Raw { .. } = listing {
+            return prefetch;
+        }
+        let n = manifest.batches.len();
+        let mean = (manifest.bytes / n.max(1) as u64).max(1);
+        let by_bytes = self.config.prefetch_bytes.div_ceil(mean).min(n as u64) as usize;
+        prefetch.max(by_bytes.min(prefetch.saturating_mul(16)))
     }
 
     /// Starts the prefetch of each target (batches of `manifest`) not cached or in flight, in order,
@@ -909,7 +929,7 @@ mod tests {
             f.read_exact_at(&mut got, 0).unwrap();
             got
         };
-        let config = PrefetcherConfig { prefetch: 2, last_epoch: 0, ..Default::default() };
+        let config = PrefetcherConfig { prefetch: 2, prefetch_bytes: 0, last_epoch: 0, ..Default::default() };
         let (_rt, client, p, bodies) = setup(6, config);
         // Fetched into a buffer, copied into a memory file at the first open.
         let f = p.backing_file(key(0), 1).unwrap();
@@ -1120,12 +1140,37 @@ mod tests {
     }
 
     #[test]
+    fn small_batches_get_a_window_as_deep_in_bytes_as_prefetch_bytes() {
+        // Batches of 1000-1300 bytes: 4 batches are ~4.5 KB; 20 KB take about 18 of them. The window stops
+        // at 16 x 4 = 64 batches however small they are, and raw/ files keep 4.
+        for (prefetch_bytes, window) in [(0, 4), (20_000, 18), (10 << 20, 64)] {
+            let config = PrefetcherConfig { prefetch: 4, prefetch_bytes, last_epoch: 0, ..Default::default() };
+            let (_rt, client, p, _) = setup(100, config);
+            client.held.lock().unwrap().extend(1..100);
+            p.read_as0(key(0), 0, 10).unwrap();
+            let m = p.manifest(0, TF).unwrap();
+            let mean = m.bytes / 100;
+            let expected = if prefetch_bytes == 20_000 { prefetch_bytes.div_ceil(mean) as usize } else { window };
+            assert_eq!(p.window(key(0).listing, &m), expected);
+            assert_eq!(p.stats.snapshot().prefetches, expected as u64, "{prefetch_bytes}");
+            assert_eq!(p.window(Listing::Raw { dir: 0 }, &m), 4);
+            client.held.lock().unwrap().clear();
+        }
+    }
+
+    #[test]
     fn batches_left_unread_by_a_reader_that_stopped_make_room_once_stale() {
         // Room for about six batches; a reader reads a little of epoch 0 and stops, leaving its window
         // (four batches nobody will read) in the cache.
         let stale_after = Duration::from_millis(50);
-        let config =
-            PrefetcherConfig { prefetch: 4, cache_bytes: 7000, last_epoch: 0, stale_after, ..Default::default() };
+        let config = PrefetcherConfig {
+            prefetch: 4,
+            prefetch_bytes: 0,
+            cache_bytes: 7000,
+            last_epoch: 0,
+            stale_after,
+            ..Default::default()
+        };
         let (_rt, _client, p, bodies) = setup(10, config);
         assert_eq!(p.read_as0(key(0), 0, 10).unwrap(), bodies[0][..10]);
         eventually("the first window", || p.stats.snapshot().prefetches == 4 && p.stats.snapshot().in_flight == 0);
