@@ -26,9 +26,9 @@
 //!
 //! **Window.** [`StreamTracker`] (in `prefetch/streams.rs`) turns the batches read of each listing into
 //! streams, whoever reads them: the first read of an epoch gets the full window (`prefetch` batches, more
-//! when small: [`PrefetcherConfig::prefetch_bytes`]) at once, a rank or range shard gets its own stream at its second read, random reads start nothing, and a
-//! window that runs past the end of an epoch continues into the next one (whose manifest is then fetched
-//! in the background).
+//! when small: [`PrefetcherConfig::prefetch_bytes`]) at once, a rank or range shard gets its own stream at
+//! its second read, random reads start nothing, and a window that runs past the end of an epoch continues
+//! into the next one (whose manifest is then fetched in the background).
 
 use crate::client::{ClientError, DynClient, Filling, Partial, Sink};
 use crate::pool::{Admission, BufferPool};
