@@ -78,7 +78,7 @@ impl Sink {
 
     /// A buffer for a body of the manifest's size and CRC32C (`expect`), with no reader waiting on it.
     pub fn buffer(buffer: Vec<u8>, expect: (u64, u32)) -> Self {
-        Sink::Buffer(Filling::new(Arc::new(Partial::new(buffer, expect, None, || {}))))
+        Sink::Buffer(Filling::new(buffer, expect, None, || {}))
     }
 
     /// Bytes written so far.

@@ -168,7 +168,7 @@ impl BufferPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::client::{Filling, Partial};
+    use crate::client::Filling;
     use bytes::Bytes;
 
     const MB: usize = 1 << 20;
@@ -183,8 +183,7 @@ mod tests {
     /// `buf` filled with `len` sevens as a verified body whose buffer returns to `pool`.
     fn body_in(pool: &Arc<BufferPool>, buf: Vec<u8>, len: usize) -> Bytes {
         let bytes = vec![7u8; len];
-        let partial = Partial::new(buf, (len as u64, crc32c::crc32c(&bytes)), Some(Arc::downgrade(pool)), || {});
-        let mut filling = Filling::new(Arc::new(partial));
+        let mut filling = Filling::new(buf, (len as u64, crc32c::crc32c(&bytes)), Some(Arc::downgrade(pool)), || {});
         filling.append(&bytes, &mut 0).unwrap();
         filling.finish()
     }

@@ -12,8 +12,8 @@
 //! **Invariants.**
 //! - No byte reaches a reader before it is verified: its whole batch matched the manifest's size and
 //!   CRC32C, or (a read of a batch still arriving into a buffer) a checkpoint of the body at or past it
-//!   matched, its checkpoints ending at the manifest's size and CRC32C ([`Partial`]). A mismatch is
-//!   refetched, never returned.
+//!   matched, its checkpoints ending at the manifest's size and CRC32C
+//!   ([`Partial`](crate::client::Partial)). A mismatch is refetched, never returned.
 //! - The bytes charged (ready bodies plus reservations for fetches in flight) plus the idle body buffers
 //!   kept for reuse never exceed the budget: one ledger, kept by the [`BufferPool`]. A fetch reuses an
 //!   idle buffer when there is one; idle buffers it cannot use are freed before any cached batch is
@@ -30,7 +30,7 @@
 //! its second read, random reads start nothing, and a window that runs past the end of an epoch continues
 //! into the next one (whose manifest is then fetched in the background).
 
-use crate::client::{ClientError, DynClient, Filling, Partial, Sink};
+use crate::client::{ClientError, DynClient, Filling, Sink};
 use crate::pool::{Admission, BufferPool};
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
@@ -647,9 +647,9 @@ impl Prefetcher {
                     let entry = Arc::downgrade(&filled);
                     let wake = move || entry.upgrade().iter().for_each(|e| e.verified_more());
                     let home = Some(Arc::downgrade(&pool));
-                    let partial = Arc::new(Partial::new(buffer, (meta.bytes, meta.crc32c), home, wake));
-                    filled.filling(partial.clone());
-                    Sink::Buffer(Filling::new(partial))
+                    let filling = Filling::new(buffer, (meta.bytes, meta.crc32c), home, wake);
+                    filled.filling(filling.partial().clone());
+                    Sink::Buffer(filling)
                 };
                 let into = match buffer.take() {
                     Some(buffer) => Ok(fill(buffer)),

@@ -8,8 +8,8 @@ batchfs mounts at several RTTs, paced and unpaced, alternating, ROUNDS rounds; m
          MOUNT_OPTS (extra -o options for every mount; default cache=512M: twelve mounts, each holding
          its cache full after an epoch, beside the local copies and the server's files, must fit in this
          machine's memory, or kswapd evicts the local copies and every figure turns to noise),
-         BIN_BEFORE (a target/release directory of another build: adds `daemon-before`, its mount with
-         passthrough=false, to compare builds side by side)
+         BIN_BEFORE (a target/release directory of another build: adds `direct-before` and
+         `daemon-before`, its mounts, to compare builds side by side)
 
 Systems: `local` (the same batch files copied to a local directory, page cache warm), `direct` (a mount
 of the server on loopback), `daemon` (the same with passthrough=false: every read through the daemon) and `netem-RTT` (a mount through `batchfs netem` at each RTT, 0 included: the
@@ -138,6 +138,7 @@ def run(out, work, procs, mounts):
                                    "--dataset", f"d={data}"], stderr=subprocess.DEVNULL))
     netem = {"direct": (port, None), "daemon": (port, None)}
     if env("BIN_BEFORE"):
+        netem["direct-before"] = (port, None)
         netem["daemon-before"] = (port, None)
     for rtt in RTTS:
         p = free_port()
@@ -155,7 +156,7 @@ def run(out, work, procs, mounts):
             opts = f"batch_size={BATCH},format={fmt},epochs=100000" + (f",{MOUNT_OPTS}" if MOUNT_OPTS else "")
             if system.startswith("daemon"):
                 opts += ",passthrough=false"
-            bindir = env("BIN_BEFORE") if system == "daemon-before" else BIN
+            bindir = env("BIN_BEFORE") if system.endswith("-before") else BIN
             subprocess.run([os.path.join(bindir, "batchfs"), "mount", f"http://127.0.0.1:{p}/d", mnt, "-o", opts],
                            check=True)
             mounts.append(mnt)
@@ -207,7 +208,7 @@ def render(rows, systems):
              f"rounds; paced = a consumer at {PACE:.0f} MB/s overlapping with loading.", ""]
     slow = [s for s in systems if s.startswith("netem-") and s != "netem-0ms"]
     columns = [f"{s} s" for s in systems] + ["direct / local", "daemon / local"]
-    columns += ["daemon / daemon-before"] if "daemon-before" in systems else []
+    columns += ["direct / direct-before", "daemon / daemon-before"] if "daemon-before" in systems else []
     columns += [f"{s} / netem-0ms" for s in slow] + ["CPU s/GB local", "CPU s/GB direct"]
     header = "| loader | mode | " + " | ".join(columns) + " |"
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
@@ -221,7 +222,8 @@ def render(rows, systems):
                 cpu[s] = statistics.median(r["cpu_s_per_gb"] for r in cell)
             cells = [f"{med[s]:.2f}" for s in systems]
             cells += [f"{med['direct'] / med['local']:.2f}x", f"{med['daemon'] / med['local']:.2f}x"]
-            cells += [f"{med['daemon'] / med['daemon-before']:.3f}"] if "daemon-before" in systems else []
+            if "daemon-before" in systems:
+                cells += [f"{med['direct'] / med['direct-before']:.3f}", f"{med['daemon'] / med['daemon-before']:.3f}"]
             cells += [f"{med[s] / med['netem-0ms']:.3f}" for s in slow]
             cells += [f"{cpu['local']:.2f}", f"{cpu['direct']:.2f}"]
             lines.append(f"| {loader} | {mode} | " + " | ".join(cells) + " |")

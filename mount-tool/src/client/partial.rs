@@ -46,9 +46,8 @@ unsafe impl Send for Partial {}
 unsafe impl Sync for Partial {}
 
 impl Partial {
-    /// An empty body of `expect.0` bytes with CRC32C `expect.1`, in `buffer` (emptied, its capacity
-    /// reserved), which returns to `home` at the end; `on_verified` runs whenever more of it is verified.
-    pub fn new(
+    /// Made only by [`Filling::new`], with its one writer.
+    fn new(
         mut buffer: Vec<u8>,
         expect: (u64, u32),
         home: Option<Weak<BufferPool>>,
@@ -110,17 +109,32 @@ impl AsRef<[u8]> for View {
     }
 }
 
-/// The writing side of a [`Partial`], owned by one fetch attempt: the only one to write its buffer.
+/// The writing side of a [`Partial`], owned by one fetch attempt: the only one to write its buffer (a
+/// `Partial` is only made with its `Filling`, which cannot be cloned).
 pub struct Filling {
-    pub partial: Arc<Partial>,
+    partial: Arc<Partial>,
     /// Bytes written (and initialized) so far.
     written: u64,
     checkpoints: std::collections::VecDeque<(u64, u32)>,
 }
 
 impl Filling {
-    pub fn new(partial: Arc<Partial>) -> Self {
+    /// An empty body of `expect.0` bytes with CRC32C `expect.1`, to be written into `buffer` (emptied, its
+    /// capacity reserved), which returns to `home` once the body and every view of it are dropped;
+    /// `on_verified` runs whenever more of it is verified.
+    pub fn new(
+        buffer: Vec<u8>,
+        expect: (u64, u32),
+        home: Option<Weak<BufferPool>>,
+        on_verified: impl Fn() + Send + Sync + 'static,
+    ) -> Self {
+        let partial = Arc::new(Partial::new(buffer, expect, home, on_verified));
         Filling { partial, written: 0, checkpoints: Default::default() }
+    }
+
+    /// The body readers share.
+    pub fn partial(&self) -> &Arc<Partial> {
+        &self.partial
     }
 
     /// Bytes written so far.
@@ -195,8 +209,8 @@ mod tests {
     use proptest::prelude::*;
     use std::sync::Arc;
 
-    fn partial_of(body: &[u8]) -> Arc<Partial> {
-        Arc::new(Partial::new(Vec::new(), (body.len() as u64, crc32c::crc32c(body)), None, || {}))
+    fn filling_of(body: &[u8]) -> Filling {
+        Filling::new(Vec::new(), (body.len() as u64, crc32c::crc32c(body)), None, || {})
     }
 
     fn checkpoints(body: &[u8], every: usize) -> Vec<(u64, u32)> {
@@ -215,8 +229,8 @@ mod tests {
             frame in 1usize..700,
             flip in proptest::option::of(any::<proptest::sample::Index>()),
         ) {
-            let p = partial_of(&body);
-            let mut f = Filling::new(p.clone());
+            let mut f = filling_of(&body);
+            let p = f.partial().clone();
             prop_assert!(f.expect_checkpoints(checkpoints(&body, every)));
             let mut sent = body.clone();
             let flipped = flip.map(|i| i.index(body.len()));
@@ -254,13 +268,13 @@ mod tests {
     #[test]
     fn checkpoints_that_do_not_end_at_the_manifests_body_are_not_used() {
         let body = vec![7u8; 100];
-        let mut f = Filling::new(partial_of(&body));
+        let mut f = filling_of(&body);
         assert!(!f.expect_checkpoints(vec![(50, crc32c::crc32c(&body[..50])), (100, 0)]));
         assert!(!f.expect_checkpoints(vec![(50, crc32c::crc32c(&body[..50]))]));
         let mut crc = 0;
         f.append(&body, &mut crc).unwrap();
         assert_eq!(f.partial.verified(), 0, "without checkpoints nothing is released before the end");
-        let mut late = Filling::new(partial_of(&body));
+        let mut late = filling_of(&body);
         late.append(&body[..10], &mut 0).unwrap();
         assert!(!late.expect_checkpoints(checkpoints(&body, 50)), "checkpoints come before the first byte");
     }
