@@ -53,7 +53,7 @@ impl ClientError {
 }
 
 /// Where a fetched body is written as it arrives: a buffer (usually reused memory) whose verified
-/// prefix readers may copy before the rest has come ([`Partial`]), or a memory file (`memfd`) that the
+/// prefix readers may read, without a copy, before the rest has come ([`Partial`]), or a memory file (`memfd`) that the
 /// kernel can later serve reads and mmap faults from by itself (FUSE passthrough), written chunk by chunk
 /// with no buffer in between, and released only whole.
 pub enum Sink {

@@ -4,7 +4,7 @@
 //! A batch response carries its checkpoints (`x-batchfs-checkpoints`: the CRC32C of every byte before
 //! each of a few points, computed by the server from the index, like the manifest's CRC). The fetch
 //! writes the body into a [`Partial`] through a [`Sink`](super::Sink), keeps the CRC32C of what arrived,
-//! and at each checkpoint compares the two: equal, the prefix is *verified* and readers may copy from it;
+//! and at each checkpoint compares the two: equal, the prefix is *verified* and readers may read it;
 //! different, the attempt fails at once (and is retried) with nothing past the last verified point
 //! released. The checkpoints are only used when the last one is the size and CRC32C the manifest
 //! announced, so no byte reaches a reader that the manifest does not vouch for. The whole body is still
