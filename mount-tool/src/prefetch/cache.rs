@@ -120,8 +120,8 @@ impl Entry {
     }
 
     /// Waits until bytes `range` of the body can be read, verified: when the fetch ends, or, into a
-    /// buffer, as soon as the range is verified. Returns them, whether it
-    /// had to wait, and whether they came before the whole body.
+    /// buffer, as soon as the range is verified. Returns them, whether it had to wait, and whether they
+    /// came before the whole body.
     pub(super) fn wait_range(
         &self,
         range: std::ops::Range<u64>,
