@@ -13,34 +13,22 @@ round reads it again with `batchfs bench` (THREADS reader threads, 1 MiB reads),
 alternating. The daemon's CPU is its /proc/PID/stat user+system time over the read. Writes results.csv
 and report.md to OUT_DIR and prints the report.
 """
-import csv
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BIN = os.path.join(ROOT, "target", "release")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loaders_bench import BIN, cpu_of, free_port, write_csv  # noqa: E402
+
 env = os.environ.get
 SAMPLES, MEAN, BATCH = int(env("SAMPLES", "6000")), int(env("MEAN", "90000")), int(env("BATCH", "128"))
 ROUNDS, THREADS, MMAP = int(env("ROUNDS", "5")), int(env("THREADS", "4")), env("MMAP", "0") == "1"
 DROP = env("DROP_CACHES", "0") == "1"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_of(pid):
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def mount_pid(mnt):
@@ -102,10 +90,7 @@ def main():
                        "daemon_cpu_s_per_gb": round(cpu / (r["bytes"] / 1e9), 4)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(os.path.join(out, "results.csv"), rows)
         med = {s: statistics.median(r["mb_per_s"] for r in rows if r["system"] == s) for s in systems}
         cpu = {s: statistics.median(r["daemon_cpu_s_per_gb"] for r in rows if r["system"] == s) for s in systems}
         report = (f"{rows[0]['bytes'] / 1e9:.2f} GB epoch already cached, {THREADS} reader threads, "

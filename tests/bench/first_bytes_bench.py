@@ -16,29 +16,22 @@ One server (this build) on loopback; each system mounts it twice, directly and t
 systems alternate, in an order reversed every other round. `first_ms`: from the open to the first MiB;
 `all_ms`: to the last byte. Writes results.csv and report.md to OUT_DIR and prints the report.
 """
-import csv
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BIN = os.path.join(ROOT, "target", "release")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loaders_bench import BIN, free_port, write_csv  # noqa: E402
+
 env = os.environ.get
 BEFORE = env("BIN_BEFORE") or sys.exit("set BIN_BEFORE to the target/release directory of the build to compare")
 SAMPLES, MEAN, BATCH = int(env("SAMPLES", "4000")), int(env("MEAN", "90000")), int(env("BATCH", "512"))
 ROUNDS, RATE, RTT = int(env("ROUNDS", "7")), env("RATE_MBIT", "800"), env("RTT_MS", "2")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_timed(path):
@@ -97,10 +90,7 @@ def main():
                        "first_ms": round(first, 2), "all_ms": round(total, 2)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(os.path.join(out, "results.csv"), rows)
         med = lambda b, l, k: statistics.median(r[k] for r in rows if r["build"] == b and r["link"] == l)
         report = (f"{rows[0]['bytes'] / 1e6:.0f} MB batch files read on demand (prefetch=0), 1 MiB reads, "
                   f"medians of {ROUNDS} rounds; ms from the open\n\n"
