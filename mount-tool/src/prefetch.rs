@@ -410,10 +410,7 @@ impl Prefetcher {
             self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
         entry.touched.store(self.clock(), Ordering::Relaxed);
         self.prefetch_after(key, manifest, owner);
-        let (body, waited, early) = match range {
-            Some(range) => entry.wait_range(range, deadline, self.config.timeout)?,
-            None => entry.wait(deadline, self.config.timeout).map(|(b, waited)| (b, waited, false))?,
-        };
+        let (body, waited, early) = entry.wait(range, deadline, self.config.timeout)?;
         let s = &self.stats;
         // A hit found its batch cached or already being fetched; a miss had to start the fetch.
         Stats::add(if fresh { &s.misses } else { &s.hits }, 1);

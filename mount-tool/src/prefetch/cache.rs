@@ -114,24 +114,10 @@ impl Entry {
         self.changed.notify_all();
     }
 
-    /// Waits until the fetch ends or `deadline`; returns the body and whether it had to wait.
-    pub(super) fn wait(&self, deadline: Instant, timeout: Duration) -> Result<(Bytes, bool), ReadError> {
-        self.wait_for(None, deadline, timeout).map(|(b, waited, _)| (b, waited))
-    }
-
-    /// Waits until bytes `range` of the body can be read, verified: when the fetch ends, or, into a
-    /// buffer, as soon as the range is verified. Returns them, whether it had to wait, and whether they
-    /// came before the whole body.
-    pub(super) fn wait_range(
-        &self,
-        range: std::ops::Range<u64>,
-        deadline: Instant,
-        timeout: Duration,
-    ) -> Result<(Bytes, bool, bool), ReadError> {
-        self.wait_for(Some(range), deadline, timeout)
-    }
-
-    fn wait_for(
+    /// Waits until the body can be read, verified (at most until `deadline`): all of it (`range` None)
+    /// when the fetch ends; bytes `range` when the fetch ends or, into a buffer, as soon as they are
+    /// verified. Returns them, whether it had to wait, and whether they came before the whole body.
+    pub(super) fn wait(
         &self,
         range: Option<std::ops::Range<u64>>,
         deadline: Instant,
