@@ -207,7 +207,6 @@ impl Filling {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::sync::Arc;
 
     fn filling_of(body: &[u8]) -> Filling {
         Filling::new(Vec::new(), (body.len() as u64, crc32c::crc32c(body)), None, || {})
