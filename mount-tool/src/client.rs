@@ -42,6 +42,16 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// The error of appending a body from `server` to its [`Sink`]: a checkpoint that did not match
+    /// (`InvalidData`) is a corrupt body, anything else a store that failed.
+    pub fn appending(server: &str, e: std::io::Error) -> Self {
+        let (server, message) = (server.to_owned(), e.to_string());
+        match e.kind() {
+            std::io::ErrorKind::InvalidData => ClientError::Corrupt { server, message },
+            _ => ClientError::Store { server, message },
+        }
+    }
+
     /// Whether trying again may help (network trouble, server errors), as opposed to a refusal that
     /// will not change (bad request, unknown dataset, token refused).
     pub fn is_retryable(&self) -> bool {
@@ -452,11 +462,7 @@ impl HttpClient {
                     }
                     // A memory file is written here, on the runtime: a copy into page cache, no I/O.
                     body.append(&c, &mut crc).map_err(|e| {
-                        let (server, message) = (server.clone(), format!("{path_and_query}: {e}"));
-                        match e.kind() {
-                            std::io::ErrorKind::InvalidData => ClientError::Corrupt { server, message },
-                            _ => ClientError::Store { server, message },
-                        }
+                        ClientError::appending(&server, std::io::Error::new(e.kind(), format!("{path_and_query}: {e}")))
                     })?;
                 }
                 None => return Ok(Body { sink: body, crc32c: crc }),
