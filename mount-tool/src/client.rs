@@ -86,11 +86,6 @@ impl Sink {
         Ok(Sink::File { file: crate::sys::memfd("batchfs-batch")?, len: 0 })
     }
 
-    /// A buffer for a body of the manifest's size and CRC32C (`expect`), with no reader waiting on it.
-    pub fn buffer(buffer: Vec<u8>, expect: (u64, u32)) -> Self {
-        Sink::Buffer(Filling::new(buffer, expect, None, || {}))
-    }
-
     /// Bytes written so far.
     pub fn len(&self) -> u64 {
         match self {
@@ -533,7 +528,7 @@ mod tests {
     async fn a_body_longer_than_the_manifest_says_is_cut_off() {
         let body: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
         let fetch = |server: String, expect: u64| async move {
-            let sink = Sink::buffer(Vec::new(), (expect, 0));
+            let sink = Sink::Buffer(Filling::new(Vec::new(), (expect, 0), None, || {}));
             client_of(server).fetch_batch(0, 0, BatchFormat::Tfrecord, 0, sink, expect).await
         };
         // The announced length is checked before any byte is read.

@@ -42,12 +42,8 @@ fn chaos(read_path: &str) {
     let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(10e6) };
     let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), addr, link, faults).unwrap();
     let epochs = 3;
-    let dir = tempfile::tempdir().unwrap();
-    let mut options = batchfs_mount::options::MountOptions::default();
-    options.apply_list(&format!("batch_size=16,epochs={epochs},cache=64M,stall_timeout=2s,{read_path}")).unwrap();
-    let url = format!("http://{}/d", netem.addr);
-    let plan = batchfs_mount::mount::plan(&url, dir.path(), options).unwrap();
-    let mounted = batchfs_mount::mount::spawn(&plan).unwrap();
+    let options = format!("batch_size=16,epochs={epochs},cache=64M,stall_timeout=2s,{read_path}");
+    let (_dir, mounted) = common::mount_url(&format!("http://{}/d", netem.addr), &options);
 
     let client = common::h2c();
     let manifests: Vec<Manifest> = (0..epochs)

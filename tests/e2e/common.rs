@@ -175,11 +175,15 @@ pub fn python_read(args: &[&str]) -> Option<serde_json::Value> {
 /// A dataset mounted for real (FUSE) in this process from `server`; unmounted on drop, also when a
 /// test panics.
 pub fn mount(server: &Server, dataset: &str, options: &str) -> (TempDir, batchfs_mount::mount::Mounted) {
+    mount_url(&format!("{}/{dataset}", server.base), options)
+}
+
+/// Like [`mount`], of the dataset at `url` (a server behind `batchfs netem`, say).
+pub fn mount_url(url: &str, options: &str) -> (TempDir, batchfs_mount::mount::Mounted) {
     let dir = tempfile::tempdir().unwrap();
     let mut o = batchfs_mount::options::MountOptions::default();
     o.apply_list(options).unwrap();
-    let url = format!("{}/{dataset}", server.base);
-    let plan = batchfs_mount::mount::plan(&url, dir.path(), o).unwrap();
+    let plan = batchfs_mount::mount::plan(url, dir.path(), o).unwrap();
     let mounted = batchfs_mount::mount::spawn(&plan).unwrap();
     (dir, mounted)
 }

@@ -261,11 +261,8 @@ fn a_read_through_the_daemon_gets_the_first_bytes_before_the_whole_batch_has_arr
     let m = manifest(&rt, &server, "batch_size=40");
     let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(10e6) };
     let netem = start("127.0.0.1:0".parse().unwrap(), server.running.local_addr(), link).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let mut options = batchfs_mount::options::MountOptions::default();
-    options.apply_list("batch_size=40,prefetch=0,passthrough=false").unwrap();
     let url = format!("http://{}/d", netem.addr);
-    let mounted = batchfs_mount::mount::spawn(&batchfs_mount::mount::plan(&url, dir.path(), options).unwrap()).unwrap();
+    let (_dir, mounted) = common::mount_url(&url, "batch_size=40,prefetch=0,passthrough=false");
     let path = mounted.mountpoint.join("epoch-0000/batch-000000.tfrecord");
     let file = std::fs::File::open(&path).unwrap();
     let mut first = vec![0u8; 64 << 10];
