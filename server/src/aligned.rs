@@ -54,7 +54,7 @@ impl Pool {
 
     /// Idle buffers held now.
     #[cfg(test)]
-    fn idle(&self) -> usize {
+    pub(crate) fn idle(&self) -> usize {
         self.idle.lock().expect("pool").len()
     }
 

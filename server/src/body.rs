@@ -14,6 +14,7 @@ use crate::aligned;
 use crate::direct::ChunkPlan;
 use crate::metrics::Metrics;
 use crate::storage::{Shard, Storage};
+use crate::uring::Ring;
 use batchfs::encode::Segment;
 use batchfs::mmap::MappedFile;
 use bytes::Bytes;
@@ -22,7 +23,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use tokio::sync::Semaphore;
 
@@ -59,6 +60,9 @@ pub struct StreamContext {
     pub read_depth: usize,
     /// Aligned buffers for direct reads, one per chunk.
     pub direct: Arc<aligned::Pool>,
+    /// The ring direct reads go through, made on the first direct read (in the runtime that reaps it);
+    /// `None` where the kernel refuses io_uring: direct reads then use `pread` on the blocking pool.
+    ring: OnceLock<Option<Arc<Ring>>>,
 }
 
 impl StreamContext {
@@ -73,7 +77,20 @@ impl StreamContext {
             // Room for the chunk plus the blocks around its pieces; idle buffers for the reads that may
             // run at once.
             direct: aligned::Pool::new((chunk_size + DIRECT_SLACK) as usize, storage_concurrency * 2),
+            ring: OnceLock::new(),
         }
+    }
+
+    /// The server's ring, made now if this is the first direct read. Call in the runtime.
+    fn ring(&self) -> Option<Arc<Ring>> {
+        let made = self.ring.get_or_init(|| match Ring::new() {
+            Ok(ring) => Some(ring),
+            Err(e) => {
+                tracing::warn!(error = %e, "io_uring unavailable: direct reads use pread");
+                None
+            }
+        });
+        made.clone()
     }
 }
 
@@ -216,14 +233,20 @@ impl SegmentBody {
 
     /// The next chunk from direct shards, starting at `current`: that segment and the data and framing
     /// after it while the chunk stays within `chunk_size` bytes and its blocks within one buffer of the
-    /// pool, read and cut into frames as `direct.rs` says, in one blocking task.
+    /// pool, read and cut into frames as `direct.rs` says: through the server's ring, or where there is
+    /// none in one blocking task.
     fn read_direct(&mut self) -> Pending {
         let storage = self.storage.clone();
         let plan = ChunkPlan::new(self.ctx.direct.capacity() as u64);
         let mut chunk = DirectChunk { storage: &storage, room: self.ctx.chunk_size, total: 0, plan };
         self.take_pieces(&mut chunk);
-        let (plan, pool) = (chunk.plan, self.ctx.direct.clone());
-        on_storage(self.ctx.clone(), move || plan.read(&storage, &pool))
+        let (plan, pool, ctx) = (chunk.plan, self.ctx.direct.clone(), self.ctx.clone());
+        let Some(ring) = ctx.ring() else { return on_storage(ctx, move || plan.read(&storage, &pool)) };
+        Box::pin(async move {
+            let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
+            ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
+            plan.read_uring(storage, &pool, &ring).await
+        })
     }
 
     fn emit(&mut self, bytes: Bytes) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
@@ -503,7 +526,7 @@ mod tests {
                     bytes[*shard as usize][*offset as usize..(offset + len) as usize].to_vec()
                 }
             }).collect();
-            let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).build().unwrap();
+            let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
             for mode in [IoMode::Mmap, IoMode::Pread, IoMode::Direct] {
                 let storage = Arc::new(fixtures::open(dir.path(), index, mode));
                 let ctx = Arc::new(StreamContext::new(4, chunk, depth, Arc::new(Metrics::default())));
@@ -512,6 +535,10 @@ mod tests {
                 prop_assert_eq!(got.len(), want.len(), "{:?}", mode);
                 prop_assert!(got[..] == want[..], "{:?}: bytes differ", mode);
                 prop_assert_eq!(ctx.metrics.in_flight.load(Ordering::Relaxed), 0);
+                // Direct reads went through the server's ring where the kernel allows one (not `pread`).
+                let through_ring = ctx.ring.get().cloned().flatten().is_some_and(|ring| ring.submitted() > 0);
+                let refused = || runtime.block_on(async { Ring::new().is_err() });
+                prop_assert!(mode != IoMode::Direct || through_ring || refused());
             }
         }
     }

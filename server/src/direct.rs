@@ -9,7 +9,7 @@
 
 use crate::aligned::{self, align_down, align_up, DIRECT_ALIGN};
 use crate::storage::Storage;
-use crate::uring::{self, ReadOp};
+use crate::uring::{ReadOp, Ring};
 use bytes::Bytes;
 use std::os::fd::RawFd;
 use std::sync::Arc;
@@ -111,34 +111,43 @@ impl ChunkPlan {
         n
     }
 
-    /// Reads the plan into a buffer of `pool` and cuts it into frames. Blocks: call on the blocking pool.
+    /// Reads the plan into a buffer of `pool` with `pread` and cuts it into frames. Blocks: call on the
+    /// blocking pool. For where io_uring is refused.
     pub fn read(self, storage: &Storage, pool: &Arc<aligned::Pool>) -> std::io::Result<Vec<Bytes>> {
-        self.read_with(storage, pool, true)
+        let got = vec![0; self.reads.len()];
+        self.finish(storage, pool.take(), got)
     }
 
-    /// [`ChunkPlan::read`], through io_uring where it is available, or with `pread` alone.
-    fn read_with(self, storage: &Storage, pool: &Arc<aligned::Pool>, via_uring: bool) -> std::io::Result<Vec<Bytes>> {
-        if let Some(e) = self.error {
+    /// Reads the plan into a buffer of `pool` through `ring` and cuts it into frames. A read the ring left
+    /// short of what a piece needs, or failed, is read again (or its error reported) on the blocking pool.
+    pub async fn read_uring(
+        mut self,
+        storage: Arc<Storage>,
+        pool: &Arc<aligned::Pool>,
+        ring: &Ring,
+    ) -> std::io::Result<Vec<Bytes>> {
+        if let Some(e) = self.error.take() {
             return Err(e);
         }
-        let mut buf = pool.take();
         let ops: Vec<ReadOp> = self
             .reads
             .iter()
             .map(|r| ReadOp { fd: r.fd, offset: r.start, at: r.at, len: (r.end - r.start) as usize })
             .collect();
-        let through_uring =
-            if via_uring { uring::read_all(buf.window(), &ops) } else { Err(uring::Failed::Unavailable) };
-        let got: Vec<usize> = match through_uring {
-            // A read that failed or stopped short is read again (or its error reported) below.
-            Ok(results) => results.into_iter().map(|r| r.unwrap_or(0)).collect(),
-            Err(uring::Failed::Abandoned(e)) => {
-                // The kernel may still write into this buffer: it must never be reused or freed.
-                std::mem::forget(buf);
-                return Err(e);
-            }
-            Err(_) => vec![0; ops.len()],
-        };
+        let (buf, results) = ring.read(pool.take(), &ops).await?;
+        let got: Vec<usize> = results.into_iter().map(|r| r.unwrap_or(0)).collect();
+        if self.reads.iter().zip(&got).all(|(r, &got)| r.start + got as u64 >= r.need_end) {
+            return self.finish(&storage, buf, got);
+        }
+        tokio::task::spawn_blocking(move || self.finish(&storage, buf, got)).await.map_err(std::io::Error::other)?
+    }
+
+    /// Completes the reads that returned `got` bytes each (a short or failed one is read again with
+    /// `pread`, or its error reported) and cuts the buffer into frames.
+    fn finish(self, storage: &Storage, mut buf: aligned::Buffer, got: Vec<usize>) -> std::io::Result<Vec<Bytes>> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
         for (r, got) in self.reads.iter().zip(got) {
             let window = &mut buf.window()[r.at..r.at + (r.end - r.start) as usize];
             storage.finish_direct(r.shard, window, r.start, (r.need_end - r.start) as usize, got)?;
@@ -182,11 +191,17 @@ mod tests {
     #[test]
     fn ranges_whose_blocks_touch_or_lie_close_are_one_read() {
         let (dir, index) = fixtures::dataset(40, 20_000, 2);
-        let storage = fixtures::open(dir.path(), &index, IoMode::Direct);
+        let storage = Arc::new(fixtures::open(dir.path(), &index, IoMode::Direct));
         let bytes = std::fs::read(dir.path().join(&index.shards[0].path)).unwrap();
         let shard1 = std::fs::read(dir.path().join(&index.shards[1].path)).unwrap();
         let pool = aligned::Pool::new(1 << 20, 1);
-        // Read through io_uring, and by `pread` alone (where io_uring is refused, or a read of it failed).
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let ring = runtime.block_on(async { Ring::new() }).ok();
+        let read = |plan: ChunkPlan, via_uring: bool| match (&ring, via_uring) {
+            (Some(ring), true) => runtime.block_on(plan.read_uring(storage.clone(), &pool, ring)),
+            _ => plan.read(&storage, &pool),
+        };
+        // Read through io_uring, and by `pread` alone (where io_uring is refused).
         for via_uring in [true, false] {
             let mut plan = ChunkPlan::new(1 << 20);
             // 100..5000 and 5100..6000 share a block; 20000.. is within MERGE_GAP of that read's end;
@@ -197,7 +212,7 @@ mod tests {
             }
             plan.inline(b"framing".to_vec());
             assert_eq!(plan.reads(), 3);
-            let frames = plan.read_with(&storage, &pool, via_uring).unwrap();
+            let frames = read(plan, via_uring).unwrap();
             let got: Vec<u8> = frames.iter().flat_map(|f| f.to_vec()).collect();
             let want = [
                 &bytes[100..5000],
@@ -216,12 +231,12 @@ mod tests {
         for via_uring in [true, false] {
             let mut plan = ChunkPlan::new(1 << 20);
             assert_eq!((plan.data(&storage, 0, 100, 4900), plan.data(&storage, 0, 5100, 900)), (4900, 900));
-            let err = plan.read_with(&storage, &pool, via_uring).unwrap_err();
+            let err = read(plan, via_uring).unwrap_err();
             assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "io_uring: {via_uring}: {err}");
         }
         // A range past the shard's indexed size fails the chunk.
         let mut plan = ChunkPlan::new(1 << 20);
         assert_eq!(plan.data(&storage, 0, index.shards[0].size - 5, 10), 0);
-        assert!(plan.read(&storage, &pool).unwrap_err().to_string().contains("past the indexed size"));
+        assert!(read(plan, true).unwrap_err().to_string().contains("past the indexed size"));
     }
 }

@@ -1,28 +1,43 @@
-//! The reads of one direct chunk, submitted together through io_uring.
+//! Direct reads through one io_uring per server, its completions reaped by the runtime.
 //!
 //! A chunk of a shuffled batch is a handful of ranges in different places of different shards. Read one
 //! `pread` after another, each sleeps until the device answers: a context switch and a device
-//! notification per range, which on a virtual machine's 2 cores cost more CPU than the copy they save.
-//! Submitted together, the ranges go to the device in one call (one notification), are read in parallel,
-//! and the thread sleeps once. Each blocking-pool thread keeps its own small ring, made when it first
-//! reads. Where the kernel refuses io_uring (too old, disabled by `kernel.io_uring_disabled` or a seccomp
-//! profile), [`read_all`] says so once and the caller reads with `pread`.
+//! notification per range. Submitted together through a ring, the ranges go to the device in one call
+//! and are read in parallel. And no thread need sleep for them at all: the tokio worker that plans a
+//! chunk submits its reads (a system call that does not wait), the ring signals an eventfd as reads
+//! complete, and a driver task on the runtime, woken by that eventfd like by any socket, reaps the
+//! completions and wakes the chunks whose reads are all done. An earlier version slept a blocking-pool
+//! thread in `io_uring_enter` per chunk: on a 2-core virtual machine, 18 % of the server's CPU went to
+//! those switches (docs/BENCHMARKS.md, "Where the direct server's CPU goes").
+//!
+//! **The buffers belong to the ring while it reads into them.** A chunk hands its buffer over with its
+//! reads and gets it back when the last one completes. A chunk dropped meanwhile (its body cancelled)
+//! drops only its receiver: the buffer goes back to the pool when its reads have completed, never
+//! before. Reads the ring can no longer account for (it failed, or it is dropped with reads in flight)
+//! leak their buffers: the kernel may still write into them.
+//!
+//! Where the kernel refuses io_uring (too old, disabled by `kernel.io_uring_disabled` or a seccomp
+//! profile), [`Ring::new`] fails and the caller reads with `pread` on the blocking pool.
 
-use std::cell::RefCell;
-use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use crate::aligned::Buffer;
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
-/// Reads in flight at once on one ring (a chunk with more ranges is read in rounds).
-const RING_ENTRIES: u32 = 64;
+/// Submission queue entries, and so reads in flight at once on the ring (the completion queue holds
+/// twice as many, so it never overflows). A chunk with more reads is read in rounds.
+const ENTRIES: u32 = 256;
 
-/// Set once io_uring is found unusable: every read takes `pread` after that.
-static UNAVAILABLE: AtomicBool = AtomicBool::new(false);
+/// Bits of a completion's `user_data` that number a read within its submission; the rest number the
+/// submission.
+const OP_BITS: u32 = 16;
 
-thread_local! {
-    static RING: RefCell<Option<io_uring::IoUring>> = const { RefCell::new(None) };
-}
-
-/// One read: `len` bytes of `fd` at `offset`, into `window[at..at + len]`.
+/// One read: `len` bytes of `fd` at `offset`, into the buffer's window at `at`.
 #[derive(Debug, Clone, Copy)]
 pub struct ReadOp {
     pub fd: RawFd,
@@ -31,133 +46,245 @@ pub struct ReadOp {
     pub len: usize,
 }
 
-/// Why [`read_all`] read nothing, or stopped.
-#[derive(Debug)]
-pub enum Failed {
-    /// io_uring is not available here: read another way.
-    Unavailable,
-    /// The ring failed with reads possibly still in flight: the kernel may still write into the window,
-    /// so its memory must never be used again (the caller leaks it).
-    Abandoned(std::io::Error),
-    /// The kernel refused the first submission, with nothing in flight (inside `read_all` only).
-    Refused(std::io::Error),
+/// A server's ring. Made in a runtime, whose driver task reaps it.
+pub struct Ring {
+    state: Mutex<State>,
+    /// Reads in flight (or queued) on the ring: at most [`ENTRIES`].
+    slots: Arc<Semaphore>,
+    /// Set when the kernel refused a submission: reads queued since may never complete.
+    failed: AtomicBool,
+    /// Submissions made.
+    submitted: AtomicU64,
+    /// Dropped with the ring, which stops its driver.
+    _stop: oneshot::Sender<()>,
 }
 
-/// Reads every op into `window` and returns each op's result (bytes read, which may be short at a file's
-/// end, or the error), in order. Returns only once no read is in flight, except with `Abandoned`.
-pub fn read_all(window: &mut [u8], ops: &[ReadOp]) -> Result<Vec<std::io::Result<usize>>, Failed> {
-    if UNAVAILABLE.load(Ordering::Relaxed) {
-        return Err(Failed::Unavailable);
+struct State {
+    ring: io_uring::IoUring,
+    reads: HashMap<u64, InFlight>,
+    next: u64,
+}
+
+/// One submission's reads, and the buffer they land in, until the last completes.
+struct InFlight {
+    buffer: Option<Buffer>,
+    results: Vec<i32>,
+    left: usize,
+    done: Option<oneshot::Sender<(Buffer, Vec<i32>)>>,
+    _slots: OwnedSemaphorePermit,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.left > 0 {
+            // The kernel may still write into the buffer: it must never be reused or freed.
+            std::mem::forget(self.buffer.take());
+        }
     }
-    for op in ops {
-        assert!(op.at + op.len <= window.len() && op.len <= u32::MAX as usize, "a read past the window");
+}
+
+impl Ring {
+    /// A ring and its driver task on the current runtime. Fails where the kernel refuses io_uring.
+    pub fn new() -> std::io::Result<Arc<Ring>> {
+        let ring = io_uring::IoUring::new(ENTRIES)?;
+        // SAFETY: eventfd(2) with valid flags; a non-negative result is a new descriptor we own.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor owned by nothing else.
+        let eventfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        ring.submitter().register_eventfd(eventfd.as_raw_fd())?;
+        // SAFETY: the descriptor is open and stays open and the same file while the `AsyncFd` owns it.
+        let eventfd =
+            unsafe { AsyncFd::register_with_interest(eventfd, Interest::READABLE) }.map_err(|e| e.into_parts().1)?;
+        let (stop, stopped) = oneshot::channel();
+        let ring = Arc::new(Ring {
+            state: Mutex::new(State { ring, reads: HashMap::new(), next: 0 }),
+            slots: Arc::new(Semaphore::new(ENTRIES as usize)),
+            failed: AtomicBool::new(false),
+            submitted: AtomicU64::new(0),
+            _stop: stop,
+        });
+        tokio::spawn(drive(Arc::downgrade(&ring), eventfd, stopped));
+        Ok(ring)
     }
-    RING.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if slot.is_none() {
-            match io_uring::IoUring::new(RING_ENTRIES) {
-                Ok(ring) => *slot = Some(ring),
+
+    /// Reads every op into `buffer`'s window and returns the buffer with each op's result (bytes read,
+    /// which may be short at a file's end, or the error), in order.
+    pub async fn read(
+        &self,
+        mut buffer: Buffer,
+        ops: &[ReadOp],
+    ) -> std::io::Result<(Buffer, Vec<std::io::Result<usize>>)> {
+        let room = buffer.window().len();
+        for op in ops {
+            assert!(op.at + op.len <= room && op.len <= u32::MAX as usize, "a read past the window");
+        }
+        let mut results = Vec::with_capacity(ops.len());
+        for round in ops.chunks(ENTRIES as usize) {
+            let slots =
+                self.slots.clone().acquire_many_owned(round.len() as u32).await.map_err(std::io::Error::other)?;
+            let done = self.submit(buffer, round, slots)?;
+            let (back, got) = done.await.map_err(|_| std::io::Error::other("io_uring stopped with reads in flight"))?;
+            buffer = back;
+            results.extend(got.into_iter().map(|r| {
+                if r < 0 {
+                    Err(std::io::Error::from_raw_os_error(-r))
+                } else {
+                    Ok(r as usize)
+                }
+            }));
+        }
+        Ok((buffer, results))
+    }
+
+    /// Queues `ops` (at most the slots held) into `buffer` and submits them.
+    fn submit(
+        &self,
+        mut buffer: Buffer,
+        ops: &[ReadOp],
+        slots: OwnedSemaphorePermit,
+    ) -> std::io::Result<oneshot::Receiver<(Buffer, Vec<i32>)>> {
+        if self.failed.load(Ordering::Relaxed) {
+            return Err(std::io::Error::other("io_uring refused an earlier submission"));
+        }
+        self.submitted.fetch_add(1, Ordering::Relaxed);
+        let base = buffer.window().as_mut_ptr();
+        let mut state = self.state.lock().expect("ring");
+        let key = state.next;
+        state.next += 1;
+        let (done, receiver) = oneshot::channel();
+        {
+            let mut queue = state.ring.submission();
+            for (i, op) in ops.iter().enumerate() {
+                // SAFETY: `at + len` is within the window (checked in `read`), so the pointer stays inside
+                // the window's allocation, which does not move when the `Buffer` does.
+                let dest = unsafe { base.add(op.at) };
+                let entry = io_uring::opcode::Read::new(io_uring::types::Fd(op.fd), dest, op.len as u32)
+                    .offset(op.offset)
+                    .build()
+                    .user_data(key << OP_BITS | i as u64);
+                // SAFETY: the entry's destination is a part of the buffer that no other entry shares (a
+                // chunk's reads are disjoint by construction in `direct.rs`). The buffer is handed to
+                // the ring below, before anything is submitted, and leaves it only when every read of
+                // this submission has completed (or never, see `InFlight`). The queue has room: the
+                // slots held bound the reads queued or in flight to its size.
+                unsafe { queue.push(&entry) }.expect("the slots bound the queue");
+            }
+        }
+        let n = ops.len();
+        let flight = InFlight { buffer: Some(buffer), results: vec![0; n], left: n, done: Some(done), _slots: slots };
+        state.reads.insert(key, flight);
+        loop {
+            match state.ring.submit() {
+                Ok(_) => return Ok(receiver),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                // The kernel is short of memory or has completions to post first: the reads stay queued
+                // and the driver submits them once it has reaped (or within a few milliseconds).
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY)) => return Ok(receiver),
                 Err(e) => {
-                    if !UNAVAILABLE.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(error = %e, "io_uring unavailable: direct reads use pread");
-                    }
-                    return Err(Failed::Unavailable);
+                    // The kernel may have taken some of the reads: their buffer stays with the ring.
+                    self.failed.store(true, Ordering::Relaxed);
+                    tracing::error!(error = %e, "io_uring refused a submission; direct reads fail from now on");
+                    return Err(e);
                 }
             }
         }
-        let ring = slot.as_mut().expect("made above");
-        match read_rounds(ring, window, ops) {
-            Err(Failed::Refused(e)) => {
-                *slot = None;
-                UNAVAILABLE.store(true, Ordering::Relaxed);
-                tracing::warn!(error = %e, "io_uring refused a read: direct reads use pread");
-                Err(Failed::Unavailable)
-            }
-            Err(Failed::Abandoned(e)) => {
-                // The kernel may still complete reads into the window: keep the ring alive (never closed)
-                // and make a fresh one next time; the caller never frees the window.
-                std::mem::forget(slot.take());
-                Err(Failed::Abandoned(e))
-            }
-            result => result,
-        }
-    })
-}
-
-fn read_rounds(
-    ring: &mut io_uring::IoUring,
-    window: &mut [u8],
-    ops: &[ReadOp],
-) -> Result<Vec<std::io::Result<usize>>, Failed> {
-    let base = window.as_mut_ptr();
-    let mut results: Vec<Option<std::io::Result<usize>>> = (0..ops.len()).map(|_| None).collect();
-    for (round, batch) in ops.chunks(RING_ENTRIES as usize).enumerate() {
-        let first = round * RING_ENTRIES as usize;
-        for (i, op) in batch.iter().enumerate() {
-            // SAFETY: `at + len` is within the window (checked in `read_all`), so the pointer stays inside
-            // the window's allocation.
-            let dest = unsafe { base.add(op.at) };
-            let entry = io_uring::opcode::Read::new(io_uring::types::Fd(op.fd), dest, op.len as u32)
-                .offset(op.offset)
-                .build()
-                .user_data((first + i) as u64);
-            // SAFETY: the entry's buffer is a part of `window` that no other entry shares (the ops' ranges
-            // are disjoint by construction in `body.rs`); `window` is borrowed mutably until this function
-            // returns, and it returns only after every submitted read has completed (or with `Abandoned`,
-            // whose caller never frees the window). The ring has room: at most RING_ENTRIES per round,
-            // and every completion of the previous round was reaped.
-            unsafe { ring.submission().push(&entry) }.expect("room for a round");
-        }
-        let mut done = 0;
-        while done < batch.len() {
-            match ring.submit_and_wait(batch.len() - done) {
-                Ok(_) => {}
-                Err(e) if is_transient(&e) => {}
-                // The kernel took none of this round's reads (and every earlier one completed): nothing
-                // is in flight, and dropping the ring drops the queued entries unread.
-                Err(e) if done == 0 && ring.submission().len() == batch.len() => return Err(Failed::Refused(e)),
-                Err(e) => return Err(Failed::Abandoned(e)),
-            }
-            for cqe in ring.completion() {
-                let n = cqe.user_data() as usize;
-                let result = cqe.result();
-                results[n] = Some(if result < 0 {
-                    Err(std::io::Error::from_raw_os_error(-result))
-                } else {
-                    Ok(result as usize)
-                });
-                done += 1;
-            }
-        }
     }
-    Ok(results.into_iter().map(|r| r.expect("every read completed")).collect())
+
+    /// Submissions made so far.
+    #[cfg(test)]
+    pub fn submitted(&self) -> u64 {
+        self.submitted.load(Ordering::Relaxed)
+    }
+
+    /// Reaps every completion, submits what a busy kernel left queued, and hands back each submission
+    /// whose reads are all done. Returns whether reads are still queued unsubmitted.
+    fn reap(&self) -> bool {
+        let mut finished = Vec::new();
+        let mut guard = self.state.lock().expect("ring");
+        let state = &mut *guard;
+        for entry in state.ring.completion() {
+            let key = entry.user_data() >> OP_BITS;
+            let i = (entry.user_data() & ((1 << OP_BITS) - 1)) as usize;
+            let Some(flight) = state.reads.get_mut(&key) else { continue };
+            flight.results[i] = entry.result();
+            flight.left -= 1;
+            if flight.left == 0 {
+                finished.extend(state.reads.remove(&key));
+            }
+        }
+        if !state.ring.submission().is_empty() && !self.failed.load(Ordering::Relaxed) {
+            let _ = state.ring.submit();
+        }
+        let queued = !state.ring.submission().is_empty();
+        drop(guard);
+        for mut flight in finished {
+            if let (Some(buffer), Some(done)) = (flight.buffer.take(), flight.done.take()) {
+                // A chunk that is gone drops its buffer here: back to the pool, the kernel done with it.
+                let _ = done.send((buffer, std::mem::take(&mut flight.results)));
+            }
+        }
+        queued
+    }
 }
 
-fn is_transient(e: &std::io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY))
+/// Reaps `ring` whenever its eventfd says completions were posted, until the ring is dropped.
+async fn drive(ring: Weak<Ring>, eventfd: AsyncFd<OwnedFd>, mut stopped: oneshot::Receiver<()>) {
+    let mut queued = false;
+    loop {
+        let retry = async {
+            if queued {
+                tokio::time::sleep(Duration::from_millis(5)).await
+            } else {
+                std::future::pending().await
+            }
+        };
+        tokio::select! {
+            _ = &mut stopped => return,
+            _ = retry => {}
+            ready = eventfd.readable() => {
+                let Ok(mut ready) = ready else { return };
+                let mut count = [0u8; 8];
+                // SAFETY: reads at most 8 bytes into `count`, which has 8. Nothing to read (a spurious
+                // wake) is fine: the reap below finds nothing.
+                unsafe { libc::read(eventfd.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
+                // Every completion posted after the read signals the eventfd again, and wakes this anew.
+                ready.clear_ready();
+            }
+        }
+        let Some(ring) = ring.upgrade() else { return };
+        queued = ring.reap();
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::aligned::Pool;
+    use std::future::Future;
     use std::io::Write;
-    use std::os::fd::AsRawFd;
 
-    #[test]
-    fn reads_land_where_asked_and_stop_short_at_the_end() {
+    fn file() -> (std::fs::File, Vec<u8>) {
         let mut file = tempfile::tempfile().unwrap();
         let bytes: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         file.write_all(&bytes).unwrap();
+        (file, bytes)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_land_where_asked_and_stop_short_at_the_end() {
+        let Ok(ring) = Ring::new() else { return eprintln!("io_uring unavailable here: nothing to test") };
+        let (file, bytes) = file();
         let fd = file.as_raw_fd();
-        // More ops than a ring holds, to read in rounds.
+        // More ops than the ring holds at once, to read in rounds.
         let mut ops: Vec<ReadOp> =
-            (0..150).map(|i| ReadOp { fd, offset: i * 97, at: i as usize * 300, len: 300 }).collect();
-        ops.push(ReadOp { fd, offset: 99_900, at: 150 * 300, len: 300 });
-        let mut window = vec![0u8; 151 * 300];
-        let results = match read_all(&mut window, &ops) {
-            Err(Failed::Unavailable) => return eprintln!("io_uring unavailable here: nothing to test"),
-            other => other.unwrap(),
-        };
+            (0..600).map(|i| ReadOp { fd, offset: i * 97, at: i as usize * 100, len: 100 }).collect();
+        ops.push(ReadOp { fd, offset: 99_900, at: 600 * 100, len: 300 });
+        let pool = Pool::new(601 * 100, 1);
+        let (mut buffer, results) = ring.read(pool.take(), &ops).await.unwrap();
+        let window = buffer.window();
         for (op, result) in ops.iter().zip(&results) {
             let n = *result.as_ref().unwrap();
             let want = &bytes[op.offset as usize..(op.offset as usize + op.len).min(bytes.len())];
@@ -166,8 +293,39 @@ mod tests {
         }
         // A read of a closed descriptor is that read's error, the others still land.
         let bad = [ReadOp { fd: -1, offset: 0, at: 0, len: 10 }, ReadOp { fd, offset: 5, at: 10, len: 10 }];
-        let results = read_all(&mut window, &bad).unwrap();
+        let (mut buffer, results) = ring.read(buffer, &bad).await.unwrap();
         assert!(results[0].is_err());
-        assert_eq!((results[1].as_ref().unwrap(), &window[10..20]), (&10, &bytes[5..15]));
+        assert_eq!((results[1].as_ref().unwrap(), &buffer.window()[10..20]), (&10, &bytes[5..15]));
+    }
+
+    /// A read dropped while in flight gives its buffer back to the pool only once the kernel is done with
+    /// it, and the ring serves later reads.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cancelled_read_keeps_its_buffer_until_the_kernel_is_done() {
+        let Ok(ring) = Ring::new() else { return eprintln!("io_uring unavailable here: nothing to test") };
+        let (file, bytes) = file();
+        let fd = file.as_raw_fd();
+        let pool = Pool::new(1 << 16, 4);
+        let ops: Vec<ReadOp> =
+            (0..64).map(|i| ReadOp { fd, offset: i * 1000, at: i as usize * 1000, len: 1000 }).collect();
+        {
+            let read = ring.read(pool.take(), &ops);
+            tokio::pin!(read);
+            // Submitted on the first poll; then dropped, whether or not it is done.
+            std::future::poll_fn(|cx| {
+                let _ = read.as_mut().poll(cx);
+                std::task::Poll::Ready(())
+            })
+            .await;
+        }
+        let start = std::time::Instant::now();
+        while pool.idle() == 0 {
+            assert!(start.elapsed() < Duration::from_secs(10), "the cancelled read's buffer never came back");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(ring.state.lock().unwrap().reads.len(), 0);
+        let (mut buffer, results) = ring.read(pool.take(), &ops[..3]).await.unwrap();
+        assert_eq!(results.iter().map(|r| *r.as_ref().unwrap()).collect::<Vec<_>>(), [1000; 3]);
+        assert_eq!(&buffer.window()[..3000], &bytes[..3000]);
     }
 }
