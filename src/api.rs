@@ -240,6 +240,12 @@ pub struct DatasetInfo {
     /// The mean TFRecord frame, in bytes (what a record of a `tfrecord` batch takes on average).
     #[serde(default)]
     pub mean_frame_bytes: u64,
+    /// How the server reads the shards: `mmap`, `direct` or `pread` (empty from servers before it said).
+    #[serde(default)]
+    pub io: String,
+    /// Bytes of the shards of a direct dataset held in the server's memory (the `resident` limit).
+    #[serde(default)]
+    pub resident_bytes: u64,
 }
 
 /// `GET /v1/datasets`.

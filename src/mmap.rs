@@ -11,10 +11,13 @@ use std::fs::File;
 use std::io;
 use std::path::Path;
 
-/// A read-only mapping of a whole file. Empty files map to an empty slice.
+/// A read-only mapping of a whole file, or a file's bytes held in anonymous memory
+/// ([`MappedFile::in_memory`]). Empty files map to an empty slice.
 #[derive(Debug)]
 pub struct MappedFile {
     map: Option<Mmap>,
+    /// The file's length: the mapping's, or less for memory rounded up to whole pages.
+    len: usize,
 }
 
 impl MappedFile {
@@ -26,18 +29,32 @@ impl MappedFile {
     /// Maps an open file read-only.
     pub fn open_file(file: &File) -> io::Result<Self> {
         if file.metadata()?.len() == 0 {
-            return Ok(MappedFile { map: None });
+            return Ok(MappedFile { map: None, len: 0 });
         }
         // SAFETY: the mapping is read-only and private to this process; batchfs requires dataset files
         // to stay unmodified while mapped (module invariant), so the slice's contents do not change
         // underneath safe code.
         let map = unsafe { Mmap::map(file)? };
-        Ok(MappedFile { map: Some(map) })
+        let len = map.len();
+        Ok(MappedFile { map: Some(map), len })
+    }
+
+    /// `len` bytes of anonymous memory the process owns, filled once by `fill` and read-only after: a
+    /// file held in memory, read like a mapping but never evicted (and never read from storage again).
+    /// `fill` gets `len` rounded up to whole pages, so aligned direct reads can fill the last block
+    /// whole; it must fill the first `len`.
+    pub fn in_memory(len: usize, fill: impl FnOnce(&mut [u8]) -> io::Result<()>) -> io::Result<Self> {
+        if len == 0 {
+            return Ok(MappedFile { map: None, len: 0 });
+        }
+        let mut memory = memmap2::MmapMut::map_anon(len.div_ceil(page_size()) * page_size())?;
+        fill(&mut memory)?;
+        Ok(MappedFile { map: Some(memory.make_read_only()?), len })
     }
 
     /// The file's bytes.
     pub fn bytes(&self) -> &[u8] {
-        self.map.as_deref().unwrap_or(&[])
+        self.map.as_deref().map_or(&[], |map| &map[..self.len])
     }
 
     /// Length of the file.
@@ -60,7 +77,7 @@ impl MappedFile {
     /// Asks the kernel to start reading `[offset, offset + len)` into the page cache (non-blocking).
     pub fn will_need(&self, offset: u64, len: u64) {
         if let Some(map) = &self.map {
-            let (offset, len) = page_align(offset, len, map.len());
+            let (offset, len) = page_align(offset, len, self.len);
             let _ = map.advise_range(Advice::WillNeed, offset, len);
         }
     }
@@ -72,7 +89,7 @@ impl MappedFile {
         if len == 0 {
             return true;
         }
-        let (start, len) = page_align(offset, len, map.len());
+        let (start, len) = page_align(offset, len, self.len);
         let page = page_size();
         let pages = len.div_ceil(page);
         let mut vec = vec![0u8; pages];
@@ -162,5 +179,18 @@ mod tests {
         map.will_need(0, 100_000); // past the end is clamped
         let empty = tempfile::NamedTempFile::new().unwrap();
         assert!(MappedFile::open(empty.path()).unwrap().is_empty());
+        // Held in memory: the length asked for (not the pages'), page-aligned, resident from the start.
+        let held = MappedFile::in_memory(4097, |m| {
+            assert_eq!(
+                (m.len(), m.as_ptr() as usize % page_size()),
+                (4097usize.div_ceil(page_size()) * page_size(), 0)
+            );
+            m[..4097].fill(7);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!((held.len(), held.bytes().iter().all(|&b| b == 7)), (4097, true));
+        assert!(held.is_resident(0, 4097));
+        assert!(MappedFile::in_memory(10, |_| Err(io::ErrorKind::UnexpectedEof.into())).is_err());
     }
 }

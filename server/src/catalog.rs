@@ -131,6 +131,8 @@ impl Dataset {
             skipped: self.index.skipped.len() as u64,
             slot_bytes: self.slot,
             mean_frame_bytes: self.mean_frame,
+            io: self.storage.io().to_owned(),
+            resident_bytes: self.storage.resident(),
         }
     }
 

@@ -151,7 +151,7 @@ fn dataset_specs(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Vec<Datase
 
 /// Opens each dataset of `specs` in turn and inserts it into `catalog` when ready (reporting progress to
 /// the catalog for the datasets it announced).
-fn fill_catalog(catalog: &Catalog, specs: &[DatasetSpec], flags: &IndexFlags, io: IoPolicy) -> Result<()> {
+fn fill_catalog(catalog: &Catalog, specs: &[DatasetSpec], flags: &IndexFlags, mut io: IoPolicy) -> Result<()> {
     for spec in specs {
         let options = IndexOptions {
             format: spec.format.or(flags.format),
@@ -164,6 +164,8 @@ fn fill_catalog(catalog: &Catalog, specs: &[DatasetSpec], flags: &IndexFlags, io
         let dataset = Dataset::open(&spec.name, &spec.path, index_dir, &options, &progress, io);
         progress.finish();
         let dataset = dataset?;
+        // What this dataset holds in memory is not there for the next (`resident` is server-wide).
+        io.resident -= dataset.storage.resident();
         let info = dataset.info();
         tracing::info!(
             dataset = %info.name, format = %info.format, samples = info.samples, bytes = info.bytes,

@@ -161,6 +161,11 @@ limits! {
          dropped after use when the data does not fit), or auto: mmap when the dataset fits in half the \
          server's memory (the machine's, or its memory cgroup's limit), else direct (pread where the \
          filesystem refuses O_DIRECT).";
+    resident: crate::storage::Resident = crate::storage::Resident::Auto, crate::storage::Resident::parse,
+        "auto", "SIZE",
+        "With io=direct, whole shards up to this many bytes, over all datasets, are read once into the \
+         server's own memory and served from it; the rest are read with direct reads. auto: half the memory \
+         the server may use (the machine's, or its memory cgroup's limit); 0: none.";
     max_mapped_shards: usize = 4096, value::count, "4096", "N",
         "A dataset of more shards than this is read with positioned reads instead of mapped (a file tree of \
          many small files: one mapping per file would exceed the kernel's vm.max_map_count).";

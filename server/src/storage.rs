@@ -11,6 +11,11 @@
 //! copy out of it, no pages to insert, charge to the cgroup and reclaim, and nothing else on the machine
 //! evicted.
 //!
+//! A direct dataset may have some of its shards **held in memory** (`resident`): read once at start into
+//! anonymous memory the server owns and served from it like mapped shards. A shuffled epoch reads every
+//! sample once, so holding a fraction of the dataset spares the device that fraction of every epoch's
+//! reads; unlike the page cache, that memory is never thrashed by the rest of the data or reclaimed.
+//!
 //! **Positioned reads** (`io=pread`): the same reads through the page cache, for filesystems that
 //! refuse `O_DIRECT` (tmpfs, some network filesystems). When the data does not fit, each range's pages
 //! are dropped after it is read (`POSIX_FADV_DONTNEED`) and the next batches' ranges are announced ahead
@@ -63,6 +68,24 @@ impl IoMode {
     }
 }
 
+/// How many bytes of direct datasets' shards the server holds in its own memory (the `resident` limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resident {
+    /// Half the memory the server may use.
+    Auto,
+    Bytes(u64),
+}
+
+impl Resident {
+    /// `auto`, or a size (`512M`, `0`).
+    pub fn parse(text: &str) -> Result<Resident, String> {
+        match text.trim() {
+            "auto" => Ok(Resident::Auto),
+            size => batchfs::units::parse_size(size).map(Resident::Bytes),
+        }
+    }
+}
+
 /// What decides how a dataset is read.
 #[derive(Debug, Clone, Copy)]
 pub struct IoPolicy {
@@ -70,12 +93,22 @@ pub struct IoPolicy {
     pub max_mapped_shards: usize,
     /// Memory the server may use, for `auto` (detected: the machine's, or its memory cgroup's limit).
     pub memory: u64,
+    /// Bytes of whole shards of direct datasets still to be held in memory (`resident`; what a dataset
+    /// takes is subtracted before the next is opened).
+    pub resident: u64,
 }
 
 impl IoPolicy {
     /// The policy of `limits`, with the memory detected.
     pub fn of(limits: &ServerLimits) -> Self {
-        IoPolicy { mode: limits.io, max_mapped_shards: limits.max_mapped_shards, memory: memory_limit() }
+        let memory = memory_limit();
+        let resident = match limits.resident {
+            // Unknown memory (no /proc/meminfo): hold nothing.
+            Resident::Auto if memory == u64::MAX => 0,
+            Resident::Auto => memory / 2,
+            Resident::Bytes(n) => n,
+        };
+        IoPolicy { mode: limits.io, max_mapped_shards: limits.max_mapped_shards, memory, resident }
     }
 }
 
@@ -87,24 +120,14 @@ impl Default for IoPolicy {
 
 /// One shard, as the server reads it.
 pub enum Shard {
+    /// Mapped, or (a direct dataset's) held in the server's memory: sent from memory either way.
     Mapped(Arc<MappedFile>),
     /// Read with positioned reads from a file held open with `O_DIRECT`, in aligned blocks.
-    Direct {
-        file: File,
-        path: PathBuf,
-        size: u64,
-    },
+    Direct { file: File, path: PathBuf, size: u64 },
     /// Read with positioned reads from a file held open.
-    Open {
-        file: File,
-        path: PathBuf,
-        size: u64,
-    },
+    Open { file: File, path: PathBuf, size: u64 },
     /// Read with positioned reads from the file at `path`, opened for each read.
-    Closed {
-        path: PathBuf,
-        size: u64,
-    },
+    Closed { path: PathBuf, size: u64 },
 }
 
 /// Every shard of one dataset, by shard number.
@@ -114,6 +137,10 @@ pub struct Storage {
     drop_after_read: bool,
     /// Shards read with `O_DIRECT`.
     direct: usize,
+    /// Bytes of shards held in the server's memory (`resident`).
+    resident: u64,
+    /// How the data shards are read: `mmap`, `direct` or `pread`.
+    io: &'static str,
 }
 
 impl Storage {
@@ -140,6 +167,7 @@ impl Storage {
         }
         let mut read = read;
         let mut shards = Vec::with_capacity(index.shards.len());
+        let (mut resident, started) = (0u64, std::time::Instant::now());
         for shard in &index.shards {
             let path = root.join(&shard.path);
             let changed = || CatalogError::Changed { name: name.to_owned(), path: path.clone() };
@@ -151,7 +179,13 @@ impl Storage {
                         if size != shard.size {
                             return Err(changed());
                         }
-                        shards.push(Shard::Direct { file, path, size });
+                        if resident + size <= policy.resident {
+                            let held = hold(&file, &path, size).map_err(cannot)?;
+                            resident += size;
+                            shards.push(Shard::Mapped(Arc::new(held)));
+                        } else {
+                            shards.push(Shard::Direct { file, path, size });
+                        }
                         continue;
                     }
                     Err(e) if shards.is_empty() && e.kind() == std::io::ErrorKind::InvalidInput => {
@@ -197,20 +231,23 @@ impl Storage {
             shards.push(Shard::Closed { path: root.join(&file.path), size: file.size });
         }
         let drop_after_read = matches!(read, Read::Open | Read::Closed) && !fits;
+        let io = match read {
+            Read::Mapped => "mmap",
+            Read::Direct => "direct",
+            Read::Open | Read::Closed => "pread",
+        };
         tracing::info!(
             dataset = name,
-            io = match read {
-                Read::Mapped => "mmap",
-                Read::Direct => "direct",
-                Read::Open | Read::Closed => "pread",
-            },
+            io,
             bytes,
             memory = policy.memory,
             drop_after_read,
+            resident,
+            resident_seconds = format!("{:.2}", if resident > 0 { started.elapsed().as_secs_f64() } else { 0.0 }),
             "storage opened"
         );
         let direct = shards.iter().filter(|s| matches!(s, Shard::Direct { .. })).count();
-        Ok(Storage { shards: shards.into_boxed_slice(), drop_after_read, direct })
+        Ok(Storage { shards: shards.into_boxed_slice(), drop_after_read, direct, resident, io })
     }
 
     /// Shard `n`.
@@ -223,9 +260,19 @@ impl Storage {
         self.shards.iter().filter(|s| matches!(s, Shard::Mapped(_))).count()
     }
 
-    /// How many shards are read with `O_DIRECT` (all or none of the data shards).
+    /// How many shards are read with `O_DIRECT` (none, or the data shards not held in memory).
     pub fn direct(&self) -> usize {
         self.direct
+    }
+
+    /// How the data shards are read: `mmap`, `direct` (some perhaps held in memory) or `pread`.
+    pub fn io(&self) -> &'static str {
+        self.io
+    }
+
+    /// Bytes of direct shards held in the server's memory instead (`resident`).
+    pub fn resident(&self) -> u64 {
+        self.resident
     }
 
     /// Whether the pages of each range read are dropped from the page cache afterwards.
@@ -352,6 +399,26 @@ impl Storage {
     }
 }
 
+/// The `size` bytes of `file` (opened `O_DIRECT`) read into memory the server owns, past the page cache.
+fn hold(file: &File, path: &Path, size: u64) -> std::io::Result<MappedFile> {
+    MappedFile::in_memory(size as usize, |memory| {
+        // Whole blocks, in steps small enough that a long read is not one unbounded request.
+        const STEP: usize = 8 << 20;
+        let mut at = 0;
+        while at < size as usize {
+            let end = (at + STEP).min(memory.len());
+            match file.read_at(&mut memory[at..end], at as u64) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(k) => at += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    })
+    .map_err(|e| std::io::Error::new(e.kind(), format!("cannot hold {} in memory: {e}", path.display())))
+}
+
 /// The aligned bytes a direct read of `[offset, offset + len)` covers.
 pub fn direct_span(offset: u64, len: u64) -> u64 {
     aligned::align_up(offset + len) - aligned::align_down(offset)
@@ -440,7 +507,8 @@ pub(crate) mod fixtures {
     /// The storage of `index` under `root`, read as `mode` says (never too many shards to map, memory
     /// enough for all).
     pub fn open(root: &Path, index: &Index, mode: IoMode) -> Storage {
-        Storage::open("t", root, index, IoPolicy { mode, max_mapped_shards: usize::MAX, memory: u64::MAX }).unwrap()
+        Storage::open("t", root, index, IoPolicy { mode, max_mapped_shards: usize::MAX, memory: u64::MAX, resident: 0 })
+            .unwrap()
     }
 }
 
@@ -457,7 +525,7 @@ mod tests {
         let options = GenOptions { format: SourceFormat::Files, samples: 12, mean_bytes: 3000, ..Default::default() };
         gen::generate(&options, dir.path()).unwrap();
         let (index, _) = source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
-        let policy = |mode, max_mapped_shards, memory| IoPolicy { mode, max_mapped_shards, memory };
+        let policy = |mode, max_mapped_shards, memory| IoPolicy { mode, max_mapped_shards, memory, resident: 0 };
         let open = |p: IoPolicy| Storage::open("t", dir.path(), &index, p);
         let mapped = open(policy(IoMode::Mmap, usize::MAX, u64::MAX)).unwrap();
         let held = open(policy(IoMode::Pread, usize::MAX, u64::MAX)).unwrap();
@@ -468,6 +536,13 @@ mod tests {
         // Too large for a server of 1 KiB, read by pread: dropped from the page cache after reading.
         let big = open(policy(IoMode::Pread, usize::MAX, 1024)).unwrap();
         let fits = open(policy(IoMode::Auto, usize::MAX, u64::MAX)).unwrap();
+        // Direct, with room in memory for the first two shards and a byte: those two are held there, and
+        // the third, which does not fit whole in what is left, is read directly like the rest.
+        let room = index.shards[0].size + index.shards[1].size;
+        let partly = open(IoPolicy { resident: room + 1, ..policy(IoMode::Direct, usize::MAX, u64::MAX) }).unwrap();
+        assert!(index.shards[2].size > 1);
+        assert_eq!((partly.mapped(), partly.direct(), partly.resident()), (2, index.shards.len() - 2, room));
+        assert!(matches!(partly.shard(1), Shard::Mapped(_)) && partly.is_direct(2));
         assert_eq!(mapped.mapped(), index.shards.len());
         assert_eq!(fits.mapped(), index.shards.len());
         assert_eq!((held.mapped(), files.mapped(), big.mapped()), (0, 0, 0));
@@ -478,7 +553,7 @@ mod tests {
         for (n, shard) in index.shards.iter().enumerate() {
             let mut want = Vec::new();
             mapped.read(n as u32, 1, shard.size - 1, &mut want).unwrap();
-            for other in [&held, &files, &big, &direct] {
+            for other in [&held, &files, &big, &direct, &partly] {
                 let mut got = vec![7u8];
                 other.read(n as u32, 1, shard.size - 1, &mut got).unwrap();
                 assert_eq!(&got[1..], &want[..], "shard {n}");
@@ -510,6 +585,9 @@ mod tests {
         assert_eq!(IoMode::parse(" mmap"), Ok(IoMode::Mmap));
         assert_eq!(IoMode::parse("direct"), Ok(IoMode::Direct));
         assert!(IoMode::parse("odirect").unwrap_err().contains("auto, mmap, pread or direct"));
+        assert_eq!(Resident::parse("auto"), Ok(Resident::Auto));
+        assert_eq!(Resident::parse("512M"), Ok(Resident::Bytes(512 << 20)));
+        assert!(Resident::parse("lots").is_err());
         let memory = memory_limit();
         assert!(memory > 64 << 20 && memory < u64::MAX, "{memory}");
     }

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One server whose memory is smaller than its dataset (a cgroup v1 limited to LIMIT, page cache included,
 # `io=IO`) serving MOUNTS mounts at once, each read by `batchfs bench` (4 threads) at the same time:
-# the server's peak RSS and the cgroup's peak usage against the documented bound, and the aggregate rate.
+# the server's peak RSS and the cgroup's peak usage against the documented bound, the aggregate rate, and
+# what the dataset's block device read meanwhile (machine-wide: run nothing else).
 #
 #   tests/bench/limited_fanout.sh
 #   env: SAMPLES (30000), MEAN (110000), SHARDS (32), LIMIT (1G), MOUNTS (8), ROUNDS (2), IO (direct, or
-#        pread), DATA (kept between runs if given)
+#        pread), DATA (kept between runs if given), SERVER_ARGS (more server flags: `--resident 0`)
 #
 # Needs root, the cgroup v1 memory controller at /sys/fs/cgroup/memory, /dev/fuse and a release build.
 set -euo pipefail
@@ -38,7 +39,7 @@ mkdir -p "$CG"
 echo "$LIMIT" >"$CG/memory.limit_in_bytes"
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 sh -c "echo \$\$ > $CG/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port --dataset d=$DATA \
-    --io $IO" 2>"$work/server.log" &
+    --io $IO ${SERVER_ARGS:-}" 2>"$work/server.log" &
 server=$!
 for _ in $(seq 200); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
 for m in $(seq "$MOUNTS"); do
@@ -46,10 +47,14 @@ for m in $(seq "$MOUNTS"); do
     "$BIN/batchfs" mount "http://127.0.0.1:$port/d" "$work/mnt-$m" -o "epochs=1000,cache=256M"
 done
 peak_rss=0
-echo "round,mounts,wall_s,aggregate_mb_per_s,server_peak_rss_mb,cgroup_peak_mb"
+# Sectors (512 bytes) read by the device holding the dataset.
+device=$(basename "$(df --output=source "$DATA" | tail -1)")
+sectors() { awk '{ print $3 }' "/sys/class/block/$device/stat"; }
+echo "round,mounts,wall_s,aggregate_mb_per_s,server_peak_rss_mb,cgroup_peak_mb,device_read_mb"
 for round in $(seq "$ROUNDS"); do
     epoch=$(printf 'epoch-%04d' "$round")
     start=$(date +%s.%N)
+    read0=$(sectors)
     jobs_pids=()
     for m in $(seq "$MOUNTS"); do
         "$BIN/batchfs" bench "$work/mnt-$m/$epoch" --threads 4 --json >"$work/bench-$m.json" &
@@ -65,6 +70,7 @@ for round in $(seq "$ROUNDS"); do
     wall=$(echo "$(date +%s.%N) - $start" | bc)
     bytes=$(cat "$work"/bench-*.json | python3 -c "import json, sys; print(sum(json.loads(l)['bytes'] for l in sys.stdin))")
     cg_peak=$(($(cat "$CG/memory.max_usage_in_bytes") / 1048576))
-    echo "$round,$MOUNTS,$wall,$(echo "$bytes / $wall / 1000000" | bc),$peak_rss,$cg_peak"
+    device_mb=$((($(sectors) - read0) * 512 / 1000000))
+    echo "$round,$MOUNTS,$wall,$(echo "$bytes / $wall / 1000000" | bc),$peak_rss,$cg_peak,$device_mb"
 done
 grep -m1 "storage opened" "$work/server.log" >&2 || true

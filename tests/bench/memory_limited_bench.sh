@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A dataset larger than the server's memory: the server in a memory cgroup (v1) limited to LIMIT, reading
-# by mmap, by pread and by direct reads (`--io`), against an unlimited server; 4 reader processes read
+# by mmap, by pread and by direct reads (`--io`; direct with part of the data held in the server's memory,
+# `resident`, and without), against an unlimited server; 4 reader processes read
 # whole epochs through a mount of each (`batchfs bench --processes`), the systems alternating, ROUNDS
 # rounds, with each server's CPU seconds per epoch. Also the device's sequential rate: `cat` of every
 # shard with the page cache dropped.
@@ -12,7 +13,10 @@
 #   tests/bench/memory_limited_bench.sh [OUT.csv]
 #   env: SAMPLES (30000), MEAN (110000), SHARDS (32), LIMIT (1G), ROUNDS (3), PREAD_ARGS and DIRECT_ARGS
 #        (more flags for the pread and direct servers), DATA (a directory to keep the generated dataset
-#        in; generated if empty)
+#        in; generated if empty), SYSTEMS (which to run, of: unlimited limited-mmap limited-pread
+#        limited-direct limited-direct-unheld; all but the last by default)
+#
+# Each limited server has a cgroup of its own, so each may use LIMIT.
 #
 # Each run reads a new epoch of its mount (nothing repeats from the mount's cache). Dropping the page
 # cache (for `cat`) does not evict what the unlimited server has mapped: its epochs after the first are
@@ -26,6 +30,7 @@ SAMPLES=${SAMPLES:-30000} MEAN=${MEAN:-110000} SHARDS=${SHARDS:-32} LIMIT=${LIMI
 [ -x "$BIN/batchfs" ] || cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
 work=$(mktemp -d)
 DATA=${DATA:-$work/data}
+SYSTEMS=${SYSTEMS:-unlimited limited-mmap limited-pread limited-direct}
 CG=/sys/fs/cgroup/memory/batchfs-bench-$$
 pids=()
 declare -A server_pid
@@ -33,7 +38,7 @@ cleanup() {
     for m in "$work"/mnt-*; do "$BIN/batchfs" umount --lazy "$m" 2>/dev/null || true; done
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
-    rmdir "$CG" 2>/dev/null || true
+    rmdir "$CG"-* 2>/dev/null || true
     rm -rf "$work"
 }
 trap cleanup EXIT
@@ -43,8 +48,9 @@ if [ ! -e "$DATA/.batchfs-generated" ]; then
     touch "$DATA/.batchfs-generated"
 fi
 "$BIN/batchfs-server" index --dataset "d=$DATA" >&2
+# Direct reads leave no pages behind: the direct servers share one copy (the one `cat` reads).
 for copy in limited-mmap limited-pread limited-direct; do
-    [ -e "$DATA-$copy/.batchfs-generated" ] || cp -a "$DATA" "$DATA-$copy"
+    case " $SYSTEMS limited-direct " in *" $copy "*) [ -e "$DATA-$copy/.batchfs-generated" ] || cp -a "$DATA" "$DATA-$copy" ;; esac
 done
 sync
 bytes=$(cat "$DATA"/*.tfrecord | wc -c)
@@ -62,19 +68,20 @@ cat_cold() {
     echo "cat-cold,$1,$secs,$(echo "$bytes / $secs / 1000000" | bc),,," >>"$OUT"
 }
 echo 3 >/proc/sys/vm/drop_caches
-mkdir -p "$CG"
-echo "$LIMIT" >"$CG/memory.limit_in_bytes"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# serve NAME [cgroup] ARGS...: a server, optionally inside the limited cgroup, and a mount of it.
+# serve NAME [cgroup] ARGS...: a server, optionally inside a limited cgroup of its own, and a mount of it.
 serve() {
     local name=$1 cg=$2
     shift 2
     local port
     port=$(free_port)
     if [ "$cg" = limited ]; then
-        sh -c "echo \$\$ > $CG/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port \
-            --dataset d=$DATA-$name $*" 2>"$work/$name.log" &
+        mkdir -p "$CG-$name"
+        echo "$LIMIT" >"$CG-$name/memory.limit_in_bytes"
+        local copy=${name%-unheld}
+        sh -c "echo \$\$ > $CG-$name/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port \
+            --dataset d=$DATA-$copy $*" 2>"$work/$name.log" &
     else
         "$BIN/batchfs-server" serve --listen "127.0.0.1:$port" --dataset "d=$DATA" "$@" 2>"$work/$name.log" &
     fi
@@ -84,10 +91,16 @@ serve() {
     mkdir -p "$work/mnt-$name"
     "$BIN/batchfs" mount "http://127.0.0.1:$port/d" "$work/mnt-$name" -o "epochs=1000,cache=512M"
 }
-serve unlimited free --io mmap
-serve limited-mmap limited --io mmap
-serve limited-pread limited --io pread ${PREAD_ARGS:-}
-serve limited-direct limited --io direct ${DIRECT_ARGS:-}
+for name in $SYSTEMS; do
+    case $name in
+        unlimited) serve unlimited free --io mmap ;;
+        limited-mmap) serve limited-mmap limited --io mmap ;;
+        limited-pread) serve limited-pread limited --io pread ${PREAD_ARGS:-} ;;
+        limited-direct) serve limited-direct limited --io direct ${DIRECT_ARGS:-} ;;
+        limited-direct-unheld) serve limited-direct-unheld limited --io direct --resident 0 ${DIRECT_ARGS:-} ;;
+        *) echo "unknown system $name" >&2; exit 2 ;;
+    esac
+done
 
 echo "system,round,epoch_s,mb_per_s,server_rss_mb,major_faults,server_cpu_s" >"$OUT"
 # utime + stime of a process, in clock ticks.
@@ -97,7 +110,7 @@ hz=$(getconf CLK_TCK)
 epoch=0
 for round in $(seq "$ROUNDS"); do
     cat_cold "$round"
-    for name in unlimited limited-mmap limited-pread limited-direct; do
+    for name in $SYSTEMS; do
         dir=$work/mnt-$name/$(printf 'epoch-%04d' "$epoch")
         pid=${server_pid[$name]}
         cpu0=$(cpu_ticks "$pid")

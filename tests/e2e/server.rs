@@ -10,7 +10,7 @@ use batchfs::plan::{EpochPlan, PlanOptions, Shuffle};
 use batchfs::proto::{self, FeatureValue};
 use batchfs::{crc, tar, tfrecord};
 use batchfs_server::config::ServerLimits;
-use batchfs_server::storage::IoMode;
+use batchfs_server::storage::{IoMode, Resident};
 use reqwest::StatusCode;
 use serde_json::Value;
 
@@ -265,12 +265,15 @@ async fn positioned_reads_serve_the_same_bytes_as_mappings() {
     let small_chunks = ServerLimits { chunk_size: 5000, ..ServerLimits::default() };
     let many_files = ServerLimits { max_mapped_shards: 1, ..small_chunks.clone() };
     let pread = ServerLimits { io: IoMode::Pread, ..small_chunks.clone() };
-    let direct = ServerLimits { io: IoMode::Direct, ..small_chunks };
+    let direct = ServerLimits { io: IoMode::Direct, resident: Resident::Bytes(0), ..small_chunks };
+    // Some shards held in the server's memory, the others read directly: batches mix the two.
+    let partly = ServerLimits { resident: Resident::Bytes(6000), ..direct.clone() };
     let cases = [
         (SourceFormat::Files, many_files),
         (SourceFormat::Tfrecord, pread),
         (SourceFormat::Tfrecord, direct.clone()),
         (SourceFormat::Files, direct),
+        (SourceFormat::Files, partly),
     ];
     for (format, limits) in cases {
         // Each case cuts a file short at its end: a fixture of its own.
@@ -280,8 +283,17 @@ async fn positioned_reads_serve_the_same_bytes_as_mappings() {
 
 async fn same_bytes(fx: &common::Fixture, limits: ServerLimits) {
     let mapped = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let (io, resident) = (limits.io, limits.resident);
     let pread = serve(&[("d", &fx.path)], ServeWith { limits: Some(limits), ..ServeWith::default() }).await;
     let client = h2c();
+    // The dataset says how it is read, and what of it the server holds in memory (never past `resident`).
+    let info: DatasetInfo =
+        get(&client, &format!("{}{}", pread.base, api::dataset_path("d"))).await.json().await.unwrap();
+    if io == IoMode::Direct {
+        assert_eq!(info.io, "direct");
+        let Resident::Bytes(room) = resident else { unreachable!("the cases set it") };
+        assert!(info.resident_bytes <= room && (info.resident_bytes > 0) == (room > 0), "{info:?}");
+    }
     for query in ["batch_size=8", "batch_size=8&format=tar", "batch_size=7&format=tfrecord.idx"] {
         let url = |base: &str| format!("{base}{}?{query}", api::manifest_path("d", 1));
         let manifest: Manifest = get(&client, &url(&mapped.base)).await.json().await.unwrap();
@@ -323,9 +335,10 @@ async fn same_bytes(fx: &common::Fixture, limits: ServerLimits) {
     let blocking = |l: &str| l.starts_with("batchfs_storage_blocking_reads_total") && !l.ends_with(" 0");
     assert!(metrics.lines().any(blocking), "{metrics}");
     // A body holding all samples fails when a source file is cut short under the server. (The mapping
-    // server stops first: a mapped shard cut short would fault it.)
+    // server stops first: a mapped shard cut short would fault it.) The last file: the first ones may be
+    // held in memory (`resident`), read before the cut.
     mapped.running.shutdown().await;
-    let first = fx.path.join(&files[0].path);
+    let first = files.iter().rev().map(|f| fx.path.join(&f.path)).find(|p| p.exists()).unwrap();
     let len = std::fs::metadata(&first).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&first).unwrap().set_len(len / 2).unwrap();
     let url = format!("{}{}?batch_size=60", pread.base, api::batch_path("d", 0, 0));

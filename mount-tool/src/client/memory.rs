@@ -64,6 +64,8 @@ impl MemoryClient {
                 skipped: 0,
                 slot_bytes: 0,
                 mean_frame_bytes: 0,
+                io: "mmap".into(),
+                resident_bytes: 0,
             },
             bodies: Box::new(bodies),
             files: Vec::new(),
