@@ -81,7 +81,8 @@ impl StreamContext {
         }
     }
 
-    /// The server's ring, made now if this is the first direct read. Call in the runtime.
+    /// The server's ring, made now if this is the first direct read; `None` where there is none, or the
+    /// kernel has refused it a submission since. Call in the runtime.
     fn ring(&self) -> Option<Arc<Ring>> {
         let made = self.ring.get_or_init(|| match Ring::new() {
             Ok(ring) => Some(ring),
@@ -90,7 +91,7 @@ impl StreamContext {
                 None
             }
         });
-        made.clone()
+        made.clone().filter(|ring| !ring.failed())
     }
 }
 

@@ -51,7 +51,8 @@ pub struct Ring {
     state: Mutex<State>,
     /// Reads in flight (or queued) on the ring: at most [`ENTRIES`].
     slots: Arc<Semaphore>,
-    /// Set when the kernel refused a submission: reads queued since may never complete.
+    /// Set when the kernel refused a submission: reads queued since may never complete, and later chunks
+    /// are read with `pread`.
     failed: AtomicBool,
     /// Submissions made.
     submitted: AtomicU64,
@@ -186,11 +187,16 @@ impl Ring {
                 Err(e) => {
                     // The kernel may have taken some of the reads: their buffer stays with the ring.
                     self.failed.store(true, Ordering::Relaxed);
-                    tracing::error!(error = %e, "io_uring refused a submission; direct reads fail from now on");
+                    tracing::error!(error = %e, "io_uring refused a submission: direct reads use pread from now on");
                     return Err(e);
                 }
             }
         }
+    }
+
+    /// Whether the kernel refused a submission: the ring takes no more reads (read with `pread` instead).
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
     }
 
     /// Submissions made so far.
