@@ -167,7 +167,7 @@ impl Storage {
         }
         let mut read = read;
         let mut shards = Vec::with_capacity(index.shards.len());
-        let (mut resident, started) = (0u64, std::time::Instant::now());
+        let mut holding = Holding::new(name, index, if read == Read::Direct { policy.resident } else { 0 });
         for shard in &index.shards {
             let path = root.join(&shard.path);
             let changed = || CatalogError::Changed { name: name.to_owned(), path: path.clone() };
@@ -179,9 +179,9 @@ impl Storage {
                         if size != shard.size {
                             return Err(changed());
                         }
-                        if resident + size <= policy.resident {
+                        if holding.takes(size) {
                             let held = hold(&file, &path, size).map_err(cannot)?;
-                            resident += size;
+                            holding.add(size);
                             shards.push(Shard::Mapped(Arc::new(held)));
                         } else {
                             shards.push(Shard::Direct { file, path, size });
@@ -242,10 +242,11 @@ impl Storage {
             bytes,
             memory = policy.memory,
             drop_after_read,
-            resident,
-            resident_seconds = format!("{:.2}", if resident > 0 { started.elapsed().as_secs_f64() } else { 0.0 }),
+            resident = holding.done,
+            seconds = format!("{:.2}", holding.started.elapsed().as_secs_f64()),
             "storage opened"
         );
+        let resident = holding.done;
         let direct = shards.iter().filter(|s| matches!(s, Shard::Direct { .. })).count();
         Ok(Storage { shards: shards.into_boxed_slice(), drop_after_read, direct, resident, io })
     }
@@ -396,6 +397,52 @@ impl Storage {
     /// Whether shard `n` is read with `O_DIRECT`.
     pub fn is_direct(&self, n: u32) -> bool {
         matches!(self.shard(n), Shard::Direct { .. })
+    }
+}
+
+/// Which shards of a direct dataset are held in memory (the first that fit whole in the budget, in index
+/// order), and the progress of reading them: a log line when it starts, one every few seconds with an
+/// ETA (a budget of many GB takes a while to read), and the time taken in `storage opened`.
+struct Holding<'a> {
+    name: &'a str,
+    budget: u64,
+    /// Bytes the dataset's shards will take: the sizes [`Holding::takes`] accepts, in index order.
+    total: u64,
+    done: u64,
+    started: std::time::Instant,
+    reported: std::time::Instant,
+}
+
+impl<'a> Holding<'a> {
+    fn new(name: &'a str, index: &Index, budget: u64) -> Self {
+        let total = index.shards.iter().fold(0, |held, s| if held + s.size <= budget { held + s.size } else { held });
+        if total > 0 {
+            tracing::info!(dataset = name, bytes = total, "holding shards in memory");
+        }
+        let now = std::time::Instant::now();
+        Holding { name, budget, total, done: 0, started: now, reported: now }
+    }
+
+    /// Whether the next shard, of `size` bytes, is held.
+    fn takes(&self, size: u64) -> bool {
+        self.done + size <= self.budget
+    }
+
+    fn add(&mut self, size: u64) {
+        self.done += size;
+        if self.reported.elapsed() >= std::time::Duration::from_secs(5) && self.done < self.total {
+            self.reported = std::time::Instant::now();
+            let rate = self.done as f64 / self.started.elapsed().as_secs_f64();
+            let eta = (self.total - self.done) as f64 / rate.max(1.0);
+            let percent = self.done as f64 * 100.0 / self.total as f64;
+            tracing::info!(
+                dataset = self.name,
+                done = self.done,
+                total = self.total,
+                eta_s = format!("{eta:.0}"),
+                "holding shards in memory: {percent:.0}%"
+            );
+        }
     }
 }
 
