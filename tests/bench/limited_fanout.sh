@@ -11,6 +11,7 @@
 # Needs root, the cgroup v1 memory controller at /sys/fs/cgroup/memory, /dev/fuse and a release build.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+. "$ROOT/tests/bench/lib.sh"
 BIN=$ROOT/target/release
 SAMPLES=${SAMPLES:-30000} MEAN=${MEAN:-110000} SHARDS=${SHARDS:-32} LIMIT=${LIMIT:-1G}
 MOUNTS=${MOUNTS:-8} ROUNDS=${ROUNDS:-2} IO=${IO:-direct}
@@ -35,13 +36,12 @@ fi
 "$BIN/batchfs-server" index --dataset "d=$DATA" >&2
 sync
 echo 3 >/proc/sys/vm/drop_caches
-mkdir -p "$CG"
-echo "$LIMIT" >"$CG/memory.limit_in_bytes"
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-sh -c "echo \$\$ > $CG/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port --dataset d=$DATA \
-    --io $IO ${SERVER_ARGS:-}" 2>"$work/server.log" &
-server=$!
-for _ in $(seq 200); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+port=$(free_port)
+# SERVER_ARGS is split into words on purpose (several flags).
+# shellcheck disable=SC2086
+serve_limited "$CG" "$LIMIT" "$port" "$work/server.log" --dataset "d=$DATA" --io "$IO" ${SERVER_ARGS:-}
+server=$limited_pid
+wait_healthy "$port"
 for m in $(seq "$MOUNTS"); do
     mkdir -p "$work/mnt-$m"
     "$BIN/batchfs" mount "http://127.0.0.1:$port/d" "$work/mnt-$m" -o "epochs=1000,cache=256M"

@@ -15,19 +15,16 @@
 # loaders (see .ci/run; PyTorch runs under Debian's /usr/bin/python3).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+. "$ROOT/tests/bench/lib.sh"
 BIN=${BIN:-$ROOT/target/release}
 DATA=${1:?DATA: a TFRecord dataset directory}
 shift
 ROUNDS=${ROUNDS:-2}
 work=$(mktemp -d)
 CG=/sys/fs/cgroup/memory/batchfs-loaders-$$
-mkdir -p "$CG"
-echo "${LIMIT:-1G}" >"$CG/memory.limit_in_bytes"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 port=$(free_port)
-sh -c "echo \$\$ > $CG/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port \
-    --dataset d=$DATA --io direct $*" 2>"$work/server.log" &
-pids=($!)
+serve_limited "$CG" "${LIMIT:-1G}" "$port" "$work/server.log" --dataset "d=$DATA" --io direct "$@"
+pids=("$limited_pid")
 declare -A proxy
 for rtt in 0 30; do
     proxy[$rtt]=$(free_port)
@@ -43,7 +40,7 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-for _ in $(seq 600); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+wait_healthy "$port"
 for rtt in 0 30; do
     for fmt in tfrecord tar; do
         mkdir -p "$work/mnt-$rtt-$fmt"

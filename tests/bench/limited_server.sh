@@ -16,18 +16,16 @@
 # Needs root, the cgroup v1 memory controller at /sys/fs/cgroup/memory, /dev/fuse and a release build.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+. "$ROOT/tests/bench/lib.sh"
 BIN=${BIN:-$ROOT/target/release}
 DATA=${1:?DATA: a dataset directory}
 EPOCHS=${2:-2}
 shift 2 || true
 CG=/sys/fs/cgroup/memory/batchfs-limited-$$
-mkdir -p "$CG"
-echo "${LIMIT:-1G}" >"$CG/memory.limit_in_bytes"
 work=$(mktemp -d)
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-sh -c "echo \$\$ > $CG/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port \
-    --dataset d=$DATA --io ${IO:-direct} $*" 2>"$work/server.log" &
-server=$!
+port=$(free_port)
+serve_limited "$CG" "${LIMIT:-1G}" "$port" "$work/server.log" --dataset "d=$DATA" --io "${IO:-direct}" "$@"
+server=$limited_pid
 cleanup() {
     "$BIN/batchfs" umount --lazy "$work/mnt" 2>/dev/null || true
     kill "$server" 2>/dev/null || true
@@ -36,7 +34,7 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-for _ in $(seq 600); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+wait_healthy "$port"
 mkdir -p "$work/mnt"
 "$BIN/batchfs" mount "http://127.0.0.1:$port/d" "$work/mnt" -o epochs=1000,cache=512M
 hz=$(getconf CLK_TCK)

@@ -24,6 +24,7 @@
 # controller at /sys/fs/cgroup/memory, /dev/fuse and a release build.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+. "$ROOT/tests/bench/lib.sh"
 BIN=$ROOT/target/release
 OUT=${1:-/dev/stdout}
 SAMPLES=${SAMPLES:-30000} MEAN=${MEAN:-110000} SHARDS=${SHARDS:-32} LIMIT=${LIMIT:-1G} ROUNDS=${ROUNDS:-3}
@@ -68,7 +69,6 @@ cat_cold() {
     echo "cat-cold,$1,$secs,$(echo "$bytes / $secs / 1000000" | bc),,," >>"$OUT"
 }
 echo 3 >/proc/sys/vm/drop_caches
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 # serve NAME [cgroup] ARGS...: a server, optionally inside a limited cgroup of its own, and a mount of it.
 serve() {
@@ -77,17 +77,14 @@ serve() {
     local port
     port=$(free_port)
     if [ "$cg" = limited ]; then
-        mkdir -p "$CG-$name"
-        echo "$LIMIT" >"$CG-$name/memory.limit_in_bytes"
-        local copy=${name%-unheld}
-        sh -c "echo \$\$ > $CG-$name/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port \
-            --dataset d=$DATA-$copy $*" 2>"$work/$name.log" &
+        serve_limited "$CG-$name" "$LIMIT" "$port" "$work/$name.log" --dataset "d=$DATA-${name%-unheld}" "$@"
+        server_pid[$name]=$limited_pid
     else
         "$BIN/batchfs-server" serve --listen "127.0.0.1:$port" --dataset "d=$DATA" "$@" 2>"$work/$name.log" &
+        server_pid[$name]=$!
     fi
-    pids+=($!)
-    server_pid[$name]=$!
-    for _ in $(seq 200); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+    pids+=("${server_pid[$name]}")
+    wait_healthy "$port"
     mkdir -p "$work/mnt-$name"
     "$BIN/batchfs" mount "http://127.0.0.1:$port/d" "$work/mnt-$name" -o "epochs=1000,cache=512M"
 }

@@ -10,6 +10,7 @@
 # Needs root, /dev/fuse and a release build.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+. "$ROOT/tests/bench/lib.sh"
 BIN=$ROOT/target/release
 OUT=${1:-/dev/stdout}
 SAMPLES=${SAMPLES:-1000} MEAN=${MEAN:-110000} RATE=${RATE:-800} NS=${NS:-1 2 4 8 16}
@@ -23,7 +24,6 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$work/data" >/dev/null
 sport=$(free_port)
 # shellcheck disable=SC2086

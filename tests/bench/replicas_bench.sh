@@ -10,6 +10,7 @@
 # Needs root, /dev/fuse and a release build.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+. "$ROOT/tests/bench/lib.sh"
 BIN=$ROOT/target/release
 OUT=${1:-/dev/stdout}
 SAMPLES=${SAMPLES:-2000} MEAN=${MEAN:-110000} RATE=${RATE:-400} ROUNDS=${ROUNDS:-3}
@@ -23,7 +24,6 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$work/data" >/dev/null
 links=()
 for k in 1 2 3; do

@@ -10,6 +10,7 @@
 # mount so far) and the medians per batch size. Needs a release build and DALI (see .ci/run).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+. "$ROOT/tests/bench/lib.sh"
 B=$ROOT/target/release
 OUT=${1:-/tmp/batchfs-window-bytes.csv}
 BATCHES=${BATCHES:-16 32 128} RTT_MS=${RTT_MS:-30} ROUNDS=${ROUNDS:-5}
@@ -22,7 +23,6 @@ cleanup() {
     rm -rf "$WORK"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 "$B/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$WORK/data" >/dev/null
 SP=$(free_port); NP=$(free_port)
 "$B/batchfs-server" serve --listen "127.0.0.1:$SP" --dataset "d=$WORK/data" 2>/dev/null & PIDS+=($!)

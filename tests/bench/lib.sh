@@ -1,0 +1,27 @@
+# Shared by the shell benches (source it): ports, waiting for a server, and a server in a memory cgroup.
+#
+#   . "$(dirname "$0")/lib.sh"
+
+# A free TCP port on loopback.
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# Waits until the server on PORT answers /healthz with 200 (every dataset ready), at most TRIES × 0.1 s.
+#   wait_healthy PORT [TRIES (600)]
+wait_healthy() {
+    for _ in $(seq "${2:-600}"); do curl -sf "127.0.0.1:$1/healthz" >/dev/null && return 0; sleep 0.1; done
+    echo "the server on port $1 did not become ready" >&2
+    return 1
+}
+
+# Starts `batchfs-server serve --listen 127.0.0.1:PORT ARGS...` of BIN in the cgroup v1 memory group CG
+# (made, limited to LIMIT, page cache included), in the background, its stderr to LOG; sets
+# `limited_pid`. The caller removes CG (rmdir) once the server is gone.
+#   serve_limited CG LIMIT PORT LOG ARGS...
+serve_limited() {
+    local cg=$1 limit=$2 port=$3 log=$4
+    shift 4
+    mkdir -p "$cg"
+    echo "$limit" >"$cg/memory.limit_in_bytes"
+    sh -c "echo \$\$ > $cg/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port $*" 2>"$log" &
+    limited_pid=$!
+}
