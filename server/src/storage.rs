@@ -416,9 +416,6 @@ struct Holding<'a> {
 impl<'a> Holding<'a> {
     fn new(name: &'a str, index: &Index, budget: u64) -> Self {
         let total = index.shards.iter().fold(0, |held, s| if held + s.size <= budget { held + s.size } else { held });
-        if total > 0 {
-            tracing::info!(dataset = name, bytes = total, "holding shards in memory");
-        }
         let now = std::time::Instant::now();
         Holding { name, budget, total, done: 0, started: now, reported: now }
     }
@@ -429,6 +426,9 @@ impl<'a> Holding<'a> {
     }
 
     fn add(&mut self, size: u64) {
+        if self.done == 0 {
+            tracing::info!(dataset = self.name, bytes = self.total, "holding shards in memory");
+        }
         self.done += size;
         if self.reported.elapsed() >= std::time::Duration::from_secs(5) && self.done < self.total {
             self.reported = std::time::Instant::now();
