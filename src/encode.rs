@@ -246,15 +246,22 @@ fn thin(checkpoints: Vec<(u64, u32)>, max: usize) -> Vec<(u64, u32)> {
 
 /// The Example a non-TFRecord sample is wrapped in, as pieces referring to the sample's parts.
 pub fn example_for(sample: &Sample) -> Vec<Piece> {
-    // Part features live under `data` so that no extension can collide with `key` or `label`.
-    let names: Vec<String> = if sample.parts.len() == 1 {
-        vec!["data".to_owned()]
-    } else {
-        sample.parts.iter().map(|p| format!("data/{}", p.ext)).collect()
-    };
+    // Part features live under `data` so that no extension can collide with `key` or `label`. Several
+    // parts' names (`data/jpg`, `data/cls`) are written into one string, not one each.
+    let mut names = String::new();
+    let mut ends = Vec::with_capacity(sample.parts.len());
+    for p in &sample.parts {
+        names.push_str("data");
+        if sample.parts.len() > 1 {
+            names.push('/');
+            names.push_str(&p.ext);
+        }
+        ends.push(names.len());
+    }
     let mut features: Vec<(&str, WrapFeature<'_>)> = Vec::with_capacity(sample.parts.len() + 2);
-    for (i, (name, p)) in names.iter().zip(&sample.parts).enumerate() {
-        features.push((name, WrapFeature::Part { index: i, len: p.len }));
+    let starts = std::iter::once(0).chain(ends.iter().copied());
+    for (i, ((start, end), p)) in starts.zip(ends.iter().copied()).zip(&sample.parts).enumerate() {
+        features.push((&names[start..end], WrapFeature::Part { index: i, len: p.len }));
     }
     features.push(("key", WrapFeature::Bytes(sample.key.as_bytes())));
     features.push(("label", WrapFeature::Int64(sample.label)));
@@ -408,7 +415,7 @@ fn push_tar(b: &mut LayoutBuilder, sample: &Sample) {
     for p in &sample.parts {
         b.inline(&tar::file_header(&tar_member_name(&sample.key, &p.ext), p.len));
         b.data(p.shard, p.offset, p.len, p.crc32c);
-        b.inline(&vec![0u8; tar::padding(p.len) as usize]);
+        b.inline(&[0u8; tar::BLOCK as usize][..tar::padding(p.len) as usize]);
     }
 }
 
