@@ -249,19 +249,19 @@ pub fn example_for(sample: &Sample) -> Vec<Piece> {
     // Part features live under `data` so that no extension can collide with `key` or `label`. Several
     // parts' names (`data/jpg`, `data/cls`) are written into one string, not one each.
     let mut names = String::new();
-    let mut ends = Vec::with_capacity(sample.parts.len());
+    let mut ranges = Vec::with_capacity(sample.parts.len());
     for p in &sample.parts {
+        let start = names.len();
         names.push_str("data");
         if sample.parts.len() > 1 {
             names.push('/');
             names.push_str(&p.ext);
         }
-        ends.push(names.len());
+        ranges.push(start..names.len());
     }
     let mut features: Vec<(&str, WrapFeature<'_>)> = Vec::with_capacity(sample.parts.len() + 2);
-    let starts = std::iter::once(0).chain(ends.iter().copied());
-    for (i, ((start, end), p)) in starts.zip(ends.iter().copied()).zip(&sample.parts).enumerate() {
-        features.push((&names[start..end], WrapFeature::Part { index: i, len: p.len }));
+    for (i, (range, p)) in ranges.into_iter().zip(&sample.parts).enumerate() {
+        features.push((&names[range], WrapFeature::Part { index: i, len: p.len }));
     }
     features.push(("key", WrapFeature::Bytes(sample.key.as_bytes())));
     features.push(("label", WrapFeature::Int64(sample.label)));

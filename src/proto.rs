@@ -252,11 +252,9 @@ pub fn example_pieces(features: &[(&str, WrapFeature<'_>)]) -> Vec<Piece> {
         WrapFeature::Bytes(b) => b.len() as u64,
         WrapFeature::Int64(x) => varint_len(*x as u64),
     };
+    let list_field = |v: &WrapFeature<'_>| if matches!(v, WrapFeature::Int64(_)) { 3 } else { 1 };
     let list_len = |v: &WrapFeature<'_>| delimited_len(1, value_len(v));
-    let feature_len = |v: &WrapFeature<'_>| {
-        let field = if matches!(v, WrapFeature::Int64(_)) { 3 } else { 1 };
-        delimited_len(field, list_len(v))
-    };
+    let feature_len = |v: &WrapFeature<'_>| delimited_len(list_field(v), list_len(v));
     // A map entry: key (field 1) and value (field 2).
     let entry_len =
         |name: &str, v: &WrapFeature<'_>| delimited_len(1, name.len() as u64) + delimited_len(2, feature_len(v));
@@ -268,22 +266,12 @@ pub fn example_pieces(features: &[(&str, WrapFeature<'_>)]) -> Vec<Piece> {
         head(&mut out, 1, name.len() as u64);
         push_inline(&mut out, name.as_bytes());
         head(&mut out, 2, feature_len(value));
+        head(&mut out, list_field(value), list_len(value));
+        head(&mut out, 1, value_len(value));
         match value {
-            WrapFeature::Part { index, len } => {
-                head(&mut out, 1, list_len(value));
-                head(&mut out, 1, *len);
-                out.push(Piece::Part { index: *index, len: *len });
-            }
-            WrapFeature::Bytes(b) => {
-                head(&mut out, 1, list_len(value));
-                head(&mut out, 1, b.len() as u64);
-                push_inline(&mut out, b);
-            }
-            WrapFeature::Int64(x) => {
-                head(&mut out, 3, list_len(value));
-                head(&mut out, 1, varint_len(*x as u64));
-                put_varint(inline_tail(&mut out), *x as u64);
-            }
+            WrapFeature::Part { index, len } => out.push(Piece::Part { index: *index, len: *len }),
+            WrapFeature::Bytes(b) => push_inline(&mut out, b),
+            WrapFeature::Int64(x) => put_varint(inline_tail(&mut out), *x as u64),
         }
     }
     out
