@@ -13,6 +13,21 @@ wait_healthy() {
     return 1
 }
 
+# Unmounts every mount under WORK (`mnt`, `mnt-*`), stops PIDS (those given), removes the cgroup CG and
+# WORK: a bench's exit trap.
+#   clean_up WORK CG [PIDS...]
+clean_up() {
+    local work=$1 cg=$2
+    shift 2
+    for m in "$work"/mnt "$work"/mnt-*; do
+        [ -d "$m" ] && { "$BIN/batchfs" umount --lazy "$m" 2>/dev/null || true; }
+    done
+    [ $# -gt 0 ] && { kill "$@" 2>/dev/null || true; }
+    wait 2>/dev/null || true
+    rmdir "$cg" 2>/dev/null || true
+    rm -rf "$work"
+}
+
 # Starts `batchfs-server serve --listen 127.0.0.1:PORT ARGS...` of BIN in the cgroup v1 memory group CG
 # (made, limited to LIMIT, page cache included), in the background, its stderr to LOG; sets
 # `limited_pid`. The caller removes CG (rmdir) once the server is gone.

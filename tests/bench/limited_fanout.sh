@@ -20,14 +20,7 @@ work=$(mktemp -d)
 DATA=${DATA:-$work/data}
 CG=/sys/fs/cgroup/memory/batchfs-fanout-$$
 server=
-cleanup() {
-    for m in "$work"/mnt-*; do "$BIN/batchfs" umount --lazy "$m" 2>/dev/null || true; done
-    [ -n "$server" ] && kill "$server" 2>/dev/null || true
-    wait 2>/dev/null || true
-    rmdir "$CG" 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'clean_up "$work" "$CG" $server' EXIT
 if [ ! -e "$DATA/.batchfs-generated" ]; then
     "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards "$SHARDS" \
         --out "$DATA" >&2

@@ -32,14 +32,7 @@ for rtt in 0 30; do
         2>/dev/null &
     pids+=($!)
 done
-cleanup() {
-    for m in "$work"/mnt-*; do "$BIN/batchfs" umount --lazy "$m" 2>/dev/null || true; done
-    kill "${pids[@]}" 2>/dev/null || true
-    wait 2>/dev/null || true
-    rmdir "$CG" 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'clean_up "$work" "$CG" "${pids[@]}"' EXIT
 wait_healthy "$port"
 for rtt in 0 30; do
     for fmt in tfrecord tar; do

@@ -26,14 +26,7 @@ work=$(mktemp -d)
 port=$(free_port)
 serve_limited "$CG" "${LIMIT:-1G}" "$port" "$work/server.log" --dataset "d=$DATA" --io "${IO:-direct}" "$@"
 server=$limited_pid
-cleanup() {
-    "$BIN/batchfs" umount --lazy "$work/mnt" 2>/dev/null || true
-    kill "$server" 2>/dev/null || true
-    wait 2>/dev/null || true
-    rmdir "$CG" 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'clean_up "$work" "$CG" "$server"' EXIT
 wait_healthy "$port"
 mkdir -p "$work/mnt"
 "$BIN/batchfs" mount "http://127.0.0.1:$port/d" "$work/mnt" -o epochs=1000,cache=512M
