@@ -243,11 +243,7 @@ impl SegmentBody {
         self.take_pieces(&mut chunk);
         let (plan, pool, ctx) = (chunk.plan, self.ctx.direct.clone(), self.ctx.clone());
         let Some(ring) = ctx.ring() else { return on_storage(ctx, move || plan.read(&storage, &pool)) };
-        Box::pin(async move {
-            let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
-            ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
-            plan.read_uring(storage, &pool, &ring).await
-        })
+        within_storage(ctx, async move { plan.read_uring(storage, &pool, &ring).await })
     }
 
     fn emit(&mut self, bytes: Bytes) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
@@ -259,10 +255,18 @@ impl SegmentBody {
 
 /// A read of storage, `read`, run on the blocking pool within the storage semaphore (and counted).
 fn on_storage(ctx: Arc<StreamContext>, read: impl FnOnce() -> std::io::Result<Vec<Bytes>> + Send + 'static) -> Pending {
+    within_storage(ctx, async move { tokio::task::spawn_blocking(read).await.map_err(std::io::Error::other)? })
+}
+
+/// A read of storage, `read`, run once it holds a permit of the storage semaphore (and counted).
+fn within_storage(
+    ctx: Arc<StreamContext>,
+    read: impl Future<Output = std::io::Result<Vec<Bytes>>> + Send + 'static,
+) -> Pending {
     Box::pin(async move {
         let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
         ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
-        tokio::task::spawn_blocking(read).await.map_err(std::io::Error::other)?
+        read.await
     })
 }
 
