@@ -10,7 +10,15 @@ use std::fmt;
 /// The generated TFRecord dataset both demos read: seed 0 and 10 classes, so the same arguments write
 /// the same bytes.
 pub fn sample_dataset(samples: u32, mean_bytes: u64, shards: u32) -> GenOptions {
-    GenOptions { format: SourceFormat::Tfrecord, samples, mean_bytes, shards, classes: 10, seed: 0 }
+    GenOptions {
+        format: SourceFormat::Tfrecord,
+        samples,
+        mean_bytes,
+        shards,
+        classes: 10,
+        seed: 0,
+        ..GenOptions::default()
+    }
 }
 
 /// The arguments both demos take: the sample dataset and the batch size.

@@ -1,9 +1,12 @@
 //! Synthetic datasets for tests, demos and benchmarks, written in the real on-disk format of each source
 //! kind.
 //!
-//! Samples look like JPEG images: a JFIF header, incompressible bytes, an end marker; sizes follow a
-//! log-normal distribution around the requested mean (σ = 0.5 in log space, close to ImageNet's
-//! spread around its ~110 KB mean). Everything is a pure function of the seed.
+//! Samples look like JPEG images: a JFIF header, incompressible bytes, an end marker. Their sizes have
+//! ImageNet's shape by default ([`Sizes::ImageNet`]): most log-normal around the mean (σ = 0.5 in log
+//! space, ImageNet's spread around its ~110 KB mean), and a heavy tail, 1 % of them 10–50 times the mean
+//! (log-uniform), as the megabyte photographs among ImageNet's training JPEGs are; the overall mean is
+//! the requested one. A layout that holds only on tame sizes must fail here. [`Sizes::LogNormal`] keeps
+//! the bulk alone (no sample above 8 times the mean). Everything is a pure function of the seed.
 
 use crate::index::SourceFormat;
 use crate::mmap::LmdbEnv;
@@ -25,7 +28,45 @@ pub struct GenOptions {
     pub shards: u32,
     pub classes: u32,
     pub seed: u64,
+    /// The distribution of sample sizes.
+    pub sizes: Sizes,
 }
+
+/// How sample sizes are distributed around [`GenOptions::mean_bytes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Sizes {
+    /// Log-normal (σ = 0.5) with a heavy tail: 1 % of the samples 10–50 times the mean (log-uniform).
+    #[default]
+    ImageNet,
+    /// Log-normal (σ = 0.5) alone, cut at 8 times the mean.
+    LogNormal,
+}
+
+impl Sizes {
+    /// Name on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Sizes::ImageNet => "imagenet",
+            Sizes::LogNormal => "lognormal",
+        }
+    }
+}
+
+impl std::str::FromStr for Sizes {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "imagenet" => Ok(Sizes::ImageNet),
+            "lognormal" => Ok(Sizes::LogNormal),
+            other => Err(format!("unknown size distribution {other:?}: expected imagenet or lognormal")),
+        }
+    }
+}
+
+/// The share of the samples in [`Sizes::ImageNet`]'s tail, and the tail's range in means.
+pub const TAIL_SHARE: f64 = 0.01;
+pub const TAIL_MEANS: (f64, f64) = (10.0, 50.0);
 
 impl Default for GenOptions {
     fn default() -> Self {
@@ -36,6 +77,7 @@ impl Default for GenOptions {
             shards: 16,
             classes: 10,
             seed: 0,
+            sizes: Sizes::default(),
         }
     }
 }
@@ -72,12 +114,25 @@ pub struct GenSample {
 pub fn sample(options: &GenOptions, i: u32) -> GenSample {
     let mut rng = SplitMix64::new(options.seed ^ (u64::from(i) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
     let label = rng.below(u64::from(options.classes.max(1))) as i64;
-    // Log-normal size: exp(mu + sigma * N(0,1)) with mean exp(mu + sigma^2/2) = mean_bytes.
+    let mean = options.mean_bytes.max(1) as f64;
+    // The tail's mean in means, of a log-uniform draw from `TAIL_MEANS`: (b - a) / ln(b / a).
+    let (a, b) = TAIL_MEANS;
+    let tail_mean = (b - a) / (b / a).ln();
+    let (tail, bulk_mean) = match options.sizes {
+        Sizes::ImageNet => (rng.next_f64() < TAIL_SHARE, mean * (1.0 - TAIL_SHARE * tail_mean) / (1.0 - TAIL_SHARE)),
+        Sizes::LogNormal => (false, mean),
+    };
+    // Log-normal size: exp(mu + sigma * N(0,1)) with mean exp(mu + sigma^2/2) = the bulk's mean.
     let sigma = 0.5f64;
-    let mu = (options.mean_bytes.max(1) as f64).ln() - sigma * sigma / 2.0;
+    let mu = bulk_mean.ln() - sigma * sigma / 2.0;
     let (u1, u2) = (rng.next_f64().max(f64::MIN_POSITIVE), rng.next_f64());
     let normal = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-    let size = ((mu + sigma * normal).exp() as u64).clamp(32, options.mean_bytes.max(32) * 8) as usize;
+    let size = if tail {
+        (mean * a * (b / a).powf(u2)) as u64
+    } else {
+        ((mu + sigma * normal).exp() as u64).clamp(32, (bulk_mean as u64).max(32) * 8)
+    };
+    let size = size.max(32) as usize;
     let mut data = Vec::with_capacity(size);
     data.extend_from_slice(&[0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x10, b'J', b'F', b'I', b'F', 0, 1, 1, 0, 0, 1, 0, 1, 0, 0]);
     while data.len() + 8 <= size - 2 {
@@ -218,15 +273,25 @@ mod tests {
     use crate::source::{self, IndexOptions, NoProgress};
 
     #[test]
-    fn sizes_spread_around_the_mean() {
-        let options = GenOptions { samples: 4000, mean_bytes: 110_000, ..GenOptions::default() };
-        let sizes: Vec<f64> = (0..options.samples).map(|i| sample(&options, i).data.len() as f64).collect();
-        let mean = sizes.iter().sum::<f64>() / sizes.len() as f64;
-        assert!((mean / 110_000.0 - 1.0).abs() < 0.05, "mean {mean}");
-        let min = sizes.iter().cloned().fold(f64::MAX, f64::min);
-        let max = sizes.iter().cloned().fold(0.0, f64::max);
-        assert!(min < 60_000.0 && max > 200_000.0, "spread {min}..{max}");
-        assert_eq!(sample(&options, 7), sample(&options, 7));
+    fn sizes_spread_around_the_mean_with_imagenets_tail() {
+        for sizes in [Sizes::ImageNet, Sizes::LogNormal] {
+            let options = GenOptions { samples: 20_000, mean_bytes: 110_000, sizes, ..GenOptions::default() };
+            let sizes_of: Vec<f64> = (0..options.samples).map(|i| sample(&options, i).data.len() as f64).collect();
+            let mean = sizes_of.iter().sum::<f64>() / sizes_of.len() as f64;
+            assert!((mean / 110_000.0 - 1.0).abs() < 0.05, "{sizes:?}: mean {mean}");
+            let min = sizes_of.iter().cloned().fold(f64::MAX, f64::min);
+            let max = sizes_of.iter().cloned().fold(0.0, f64::max);
+            assert!(min < 60_000.0 && max > 200_000.0, "{sizes:?}: spread {min}..{max}");
+            let huge = sizes_of.iter().filter(|&&s| s >= 10.0 * 110_000.0).count() as f64 / sizes_of.len() as f64;
+            match sizes {
+                // ~1 % of the samples are 1.1-5.5 MB, as ImageNet's largest photographs are.
+                Sizes::ImageNet => assert!((0.007..0.013).contains(&huge) && max > 4e6, "tail {huge}, max {max}"),
+                Sizes::LogNormal => assert!(huge == 0.0 && max <= 8.0 * 110_000.0, "max {max}"),
+            }
+            assert_eq!(sample(&options, 7), sample(&options, 7));
+        }
+        assert_eq!("imagenet".parse::<Sizes>(), Ok(Sizes::ImageNet));
+        assert!("tame".parse::<Sizes>().is_err());
     }
 
     /// Every kind of generated dataset indexes back to exactly the generated samples.
@@ -234,7 +299,15 @@ mod tests {
     fn every_format_indexes_back() {
         for format in SourceFormat::ALL {
             let dir = tempfile::tempdir().unwrap();
-            let options = GenOptions { format, samples: 37, mean_bytes: 3000, shards: 4, classes: 5, seed: 9 };
+            let options = GenOptions {
+                format,
+                samples: 37,
+                mean_bytes: 3000,
+                shards: 4,
+                classes: 5,
+                seed: 9,
+                ..GenOptions::default()
+            };
             let summary = generate(&options, dir.path()).unwrap();
             assert_eq!(summary.samples, 37);
             let index = source::build(dir.path(), &IndexOptions::default(), &NoProgress).unwrap();

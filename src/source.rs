@@ -595,7 +595,8 @@ mod tests {
 
     fn generated(format: SourceFormat, samples: u32) -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
-        let options = GenOptions { format, samples, mean_bytes: 2000, shards: 2, classes: 3, seed: 1 };
+        let options =
+            GenOptions { format, samples, mean_bytes: 2000, shards: 2, classes: 3, seed: 1, ..GenOptions::default() };
         gen::generate(&options, dir.path()).unwrap();
         dir
     }

@@ -31,7 +31,15 @@ impl Drop for Server {
 
 fn server(samples: u32, mean_bytes: u64, token: Option<&str>) -> Server {
     let data = tempfile::tempdir().unwrap();
-    let options = GenOptions { format: SourceFormat::Tfrecord, samples, mean_bytes, shards: 8, classes: 4, seed: 2 };
+    let options = GenOptions {
+        format: SourceFormat::Tfrecord,
+        samples,
+        mean_bytes,
+        shards: 8,
+        classes: 4,
+        seed: 2,
+        ..Default::default()
+    };
     gen::generate(&options, data.path()).unwrap();
     let catalog = Catalog::default();
     let dataset =

@@ -97,9 +97,13 @@ pub struct GenArgs {
     /// Number of samples.
     #[arg(long, default_value_t = 2000)]
     pub samples: u32,
-    /// Mean sample size (log-normal spread, like JPEG images).
+    /// Mean sample size.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "110000")]
     pub mean_bytes: u64,
+    /// Size distribution: imagenet (log-normal, σ 0.5, and 1 % of samples 10-50 times the mean, as
+    /// ImageNet's largest JPEGs are) or lognormal (the bulk alone, at most 8 times the mean)
+    #[arg(long, value_name = "DIST", default_value = "imagenet")]
+    pub sizes: gen::Sizes,
     /// Shards (TFRecord and tar).
     #[arg(long, default_value_t = 16)]
     pub shards: u32,
@@ -216,6 +220,7 @@ fn generate(args: GenArgs) -> Result<()> {
         shards: args.shards,
         classes: args.classes,
         seed: args.seed,
+        sizes: args.sizes,
     };
     let started = Instant::now();
     let summary = gen::generate(&options, &args.out)?;

@@ -22,7 +22,7 @@ pub struct Fixture {
 pub fn fixture(format: SourceFormat, samples: u32, mean_bytes: u64) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(format.as_str());
-    let options = GenOptions { format, samples, mean_bytes, shards: 4, classes: 6, seed: 11 };
+    let options = GenOptions { format, samples, mean_bytes, shards: 4, classes: 6, seed: 11, ..Default::default() };
     gen::generate(&options, &path).unwrap();
     Fixture { _dir: dir, path, options }
 }
