@@ -8,6 +8,7 @@
 //! | `GET /v1/datasets/{name}/epochs/{epoch}/batches/{i}?{plan}&format=F` | batch body (Range) |
 //! | `GET /v1/datasets/{name}/files` | [`FileList`] |
 //! | `GET /v1/datasets/{name}/files/{path}` | a source file (Range) |
+//! | `GET /v1/datasets/{name}/rolling?{plan}&first_epoch=F&epochs=N` | [`SlotTable`] of `rolling/`'s fixed layout |
 //! | `GET /healthz`, `GET /metrics` | `ok` (503 and progress while indexing), Prometheus text |
 //!
 //! `{plan}` is `batch_size`, `seed`, `shuffle`, `drop_last`, each optional with the defaults of
@@ -16,6 +17,7 @@
 use crate::encode::BatchFormat;
 use crate::index::SourceFormat;
 use crate::plan::{PlanError, PlanOptions, Shuffle};
+pub use crate::rolling::SlotTable;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -48,6 +50,7 @@ pub enum Route {
     Batch { name: String, epoch: u64, batch: u64 },
     Files { name: String },
     File { name: String, path: String },
+    Rolling { name: String },
 }
 
 fn number(what: &str, s: &str) -> Result<u64, ApiError> {
@@ -104,6 +107,9 @@ impl Route {
         if rest == "files" || rest == "files/" {
             return Ok(Route::Files { name });
         }
+        if rest == "rolling" {
+            return Ok(Route::Rolling { name });
+        }
         if let Some(file) = rest.strip_prefix("files/") {
             let path = percent_decode(file)
                 .ok_or_else(|| ApiError::BadRequest(format!("malformed percent-encoding in {file:?}")))?;
@@ -143,6 +149,11 @@ pub fn files_path(name: &str) -> String {
 /// Path of one source file.
 pub fn file_path(name: &str, path: &str) -> String {
     format!("{}/files/{}", dataset_path(name), percent_encode_path(path))
+}
+
+/// Path of the slot table of `rolling/`'s fixed layout.
+pub fn rolling_path(name: &str) -> String {
+    format!("{}/rolling", dataset_path(name))
 }
 
 /// The query of manifest and batch requests.
@@ -218,6 +229,51 @@ impl BatchQuery {
             "batch_size={}&seed={}&shuffle={}&drop_last={}&format={}",
             self.plan.batch_size, self.plan.seed, self.plan.shuffle, self.plan.drop_last, self.format
         )
+    }
+}
+
+/// The query of a slot table: the plan options, and the span of epochs (`first_epoch`, default 0, and
+/// `epochs`, required) whose TFRecord batches the slots must hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RollingQuery {
+    pub plan: PlanOptions,
+    pub first_epoch: u64,
+    pub epochs: u64,
+}
+
+impl RollingQuery {
+    /// Parses `{plan}&first_epoch=F&epochs=N` (`format`, if given, must be `tfrecord`: the slots hold
+    /// TFRecord frames).
+    pub fn parse(query: &str) -> Result<RollingQuery, ApiError> {
+        let bad = |msg: String| ApiError::BadRequest(msg);
+        let (mut first_epoch, mut epochs) = (None, None);
+        let mut plan = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let slot = match key {
+                "first_epoch" => &mut first_epoch,
+                "epochs" => &mut epochs,
+                _ => {
+                    plan.push(pair);
+                    continue;
+                }
+            };
+            if slot.replace(number(key, value)?).is_some() {
+                return Err(bad(format!("query parameter {key} given twice")));
+            }
+        }
+        let plan = BatchQuery::parse(&plan.join("&"))?;
+        if plan.format != BatchFormat::Tfrecord {
+            return Err(bad(format!("slot tables hold TFRecord frames: format={} is not one", plan.format)));
+        }
+        let epochs = epochs.ok_or_else(|| bad("epochs=N is required (the epochs the slots must hold)".into()))?;
+        Ok(RollingQuery { plan: plan.plan, first_epoch: first_epoch.unwrap_or(0), epochs })
+    }
+
+    /// The canonical query string.
+    pub fn to_query(&self) -> String {
+        let plan = BatchQuery { plan: self.plan, format: BatchFormat::Tfrecord };
+        format!("{}&first_epoch={}&epochs={}", plan.to_query(), self.first_epoch, self.epochs)
     }
 }
 
@@ -514,6 +570,18 @@ mod tests {
         assert!(matches!(Route::parse("/v1/datasets/a/epochs/x"), Err(ApiError::BadRequest(_))));
         assert!(matches!(Route::parse("/v2"), Err(ApiError::NotFound(_))));
         assert!(matches!(Route::parse("/v1/datasets/a/epochs/1/batches/2/x"), Err(ApiError::NotFound(_))));
+        assert_eq!(Route::parse(&rolling_path("a b")), Ok(Route::Rolling { name: "a b".into() }));
+    }
+
+    #[test]
+    fn rolling_queries() {
+        let q = RollingQuery::parse("batch_size=64&first_epoch=3&epochs=10&seed=2").unwrap();
+        assert_eq!((q.plan.batch_size, q.plan.seed, q.first_epoch, q.epochs), (64, 2, 3, 10));
+        assert_eq!(RollingQuery::parse(&q.to_query()), Ok(q));
+        assert_eq!(RollingQuery::parse("epochs=1").unwrap().first_epoch, 0);
+        for bad in ["", "first_epoch=2", "epochs=2&epochs=3", "epochs=x", "epochs=2&format=tar", "epochs=1&zip=1"] {
+            assert!(matches!(RollingQuery::parse(bad), Err(ApiError::BadRequest(_))), "{bad}");
+        }
     }
 
     #[test]
@@ -606,6 +674,7 @@ mod tests {
         fn parsers_never_panic(s in "\\PC{0,60}") {
             let _ = Route::parse(&s);
             let _ = BatchQuery::parse(&s);
+            let _ = RollingQuery::parse(&s);
             let _ = parse_range(Some(&s), 100);
         }
     }

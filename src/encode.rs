@@ -380,6 +380,11 @@ fn push_tfrecord_slot(b: &mut LayoutBuilder, index: &Index, sample: &Sample, slo
     b.inline(&tfrecord::frame_footer(payload.crc()));
 }
 
+/// The TFRecord frame of each sample of `index`, in bytes, as `tfrecord` batches hold them.
+pub fn frame_lens(index: &Index) -> Vec<u64> {
+    index.samples.iter().map(|s| tfrecord_frame_len(index, s)).collect()
+}
+
 /// Size of the TFRecord frame of one sample, without building it.
 fn tfrecord_frame_len(index: &Index, sample: &Sample) -> u64 {
     if index.format() == SourceFormat::Tfrecord {

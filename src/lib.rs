@@ -15,6 +15,7 @@ pub mod index;
 pub mod mmap;
 pub mod plan;
 pub mod proto;
+pub mod rolling;
 pub mod source;
 pub mod tar;
 pub mod tfrecord;

@@ -1,18 +1,21 @@
-//! The catalog: every served dataset with its index and mapped shards, plus caches of epoch plans and
-//! manifests (both pure functions of the index and the query, so caching them is always correct).
+//! The catalog: every served dataset with its index and mapped shards, plus caches of epoch plans,
+//! manifests and `rolling/` slot tables (pure functions of the index and the query, so caching them is
+//! always correct).
 
+use crate::memo::Memo;
 use crate::storage::{IoPolicy, Storage};
-use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest};
+use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest, RollingQuery};
 use batchfs::encode::{self, BatchLayout};
 use batchfs::index::{Index, ShardInfo};
 use batchfs::plan::{EpochPlan, PlanError};
+use batchfs::rolling::{RollingError, SlotTable};
 use batchfs::source::{self, IndexOptions, IndexOrigin, Progress};
 use lru::LruCache;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use thiserror::Error;
 
 /// A dataset the server cannot open.
@@ -71,16 +74,18 @@ pub struct Dataset {
     mean_frame: u64,
     pub origin: IndexOrigin,
     plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
-    manifests: Mutex<LruCache<(u64, BatchQuery), Arc<Manifest>>>,
-    /// Manifests being computed now: a second request for one waits for it rather than computing it again.
-    computing: Mutex<HashSet<(u64, BatchQuery)>>,
-    computed: Condvar,
+    manifests: Memo<(u64, BatchQuery), Manifest>,
     /// Manifests computed (not found in the cache).
     computations: AtomicU64,
+    /// Each sample's TFRecord frame in bytes, once a slot table needs them.
+    frames: OnceLock<Vec<u64>>,
+    slot_tables: Memo<RollingQuery, SlotTable>,
 }
 
 /// How many plans and manifests each dataset keeps.
 const PLAN_CACHE: usize = 16;
+/// How many slot tables each dataset keeps (a mount asks for one, for the span of epochs its job reads).
+const SLOT_TABLE_CACHE: usize = 4;
 
 impl Dataset {
     /// Indexes (or loads the index of) dataset `name` at `root` and opens its shards: mapped when there
@@ -112,10 +117,10 @@ impl Dataset {
             mean_frame,
             origin,
             plans: Mutex::new(LruCache::new(cache)),
-            manifests: Mutex::new(LruCache::new(cache)),
-            computing: Mutex::new(HashSet::new()),
-            computed: Condvar::new(),
+            manifests: Memo::new(PLAN_CACHE),
             computations: AtomicU64::new(0),
+            frames: OnceLock::new(),
+            slot_tables: Memo::new(SLOT_TABLE_CACHE),
         })
     }
 
@@ -156,33 +161,17 @@ impl Dataset {
 
     /// The manifest of `epoch` (cached; computed once however many ask for it at the same time).
     pub fn manifest(&self, epoch: u64, query: &BatchQuery) -> Result<Arc<Manifest>, PlanError> {
-        let key = (epoch, *query);
-        let cached = || self.manifests.lock().expect("manifest cache").get(&key).cloned();
-        let mut computing = self.computing.lock().expect("computing");
-        loop {
-            // Checked with `computing` held: a computation puts its manifest in the cache before it
-            // leaves `computing`, so a manifest is either here, being computed, or for this thread to do.
-            if let Some(m) = cached() {
-                return Ok(m);
-            }
-            if computing.insert(key) {
-                break;
-            }
-            computing = self.computed.wait(computing).expect("computing");
-        }
-        drop(computing);
-        // Leaves `computing` and wakes the waiters however the computation ends (a panic included).
-        struct Done<'a>(&'a Dataset, (u64, BatchQuery));
-        impl Drop for Done<'_> {
-            fn drop(&mut self) {
-                self.0.computing.lock().expect("computing").remove(&self.1);
-                self.0.computed.notify_all();
-            }
-        }
-        let _done = Done(self, key);
-        let manifest = Arc::new(self.compute_manifest(epoch, query)?);
-        self.manifests.lock().expect("manifest cache").put(key, manifest.clone());
-        Ok(manifest)
+        self.manifests.get_or_compute((epoch, *query), || self.compute_manifest(epoch, query))
+    }
+
+    /// The slot table of `rolling/`'s fixed layout for `query`'s plan and span of epochs (cached;
+    /// computed once however many mounts ask for it at the same time, on every core).
+    pub fn slot_table(&self, query: &RollingQuery) -> Result<Arc<SlotTable>, RollingError> {
+        self.slot_tables.get_or_compute(*query, || {
+            let frames = self.frames.get_or_init(|| encode::frame_lens(&self.index));
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            batchfs::rolling::slot_table(frames, query.plan, query.first_epoch, query.epochs, threads)
+        })
     }
 
     /// How many manifests this dataset has computed (not found in the cache).
@@ -192,9 +181,7 @@ impl Dataset {
 
     /// Whether the manifest of `epoch` is cached or being computed.
     pub fn has_manifest(&self, epoch: u64, query: &BatchQuery) -> bool {
-        let key = (epoch, *query);
-        self.computing.lock().expect("computing").contains(&key)
-            || self.manifests.lock().expect("manifest cache").contains(&key)
+        self.manifests.has(&(epoch, *query))
     }
 
     fn compute_manifest(&self, epoch: u64, query: &BatchQuery) -> Result<Manifest, PlanError> {

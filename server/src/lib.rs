@@ -14,6 +14,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod direct;
+pub mod memo;
 pub mod metrics;
 pub mod progress;
 pub mod service;

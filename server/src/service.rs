@@ -5,9 +5,10 @@ use crate::body::{Body, SegmentBody, StreamContext};
 use crate::catalog::{Catalog, Dataset, Readiness, ServedFile};
 use crate::config::ServerLimits;
 use crate::metrics::{Kind, Metrics};
-use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, Route};
+use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, RollingQuery, Route};
 use batchfs::encode::{self, Segment};
 use batchfs::plan::PlanError;
+use batchfs::rolling::RollingError;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use lru::LruCache;
@@ -88,8 +89,25 @@ impl From<PlanError> for Failure {
     }
 }
 
+impl From<RollingError> for Failure {
+    fn from(e: RollingError) -> Self {
+        match e {
+            RollingError::Plan(e) => e.into(),
+            e => Failure::new(StatusCode::BAD_REQUEST, e.to_string()),
+        }
+    }
+}
+
 fn json_response<T: serde::Serialize>(status: StatusCode, value: &T) -> Response<Body> {
-    let body = serde_json::to_vec_pretty(value).expect("API types serialize");
+    body_response(status, serde_json::to_vec_pretty(value).expect("API types serialize"))
+}
+
+/// A JSON response of a large document (a slot table: one number per record of an epoch), unindented.
+fn compact_json_response<T: serde::Serialize>(status: StatusCode, value: &T) -> Response<Body> {
+    body_response(status, serde_json::to_vec(value).expect("API types serialize"))
+}
+
+fn body_response(status: StatusCode, body: Vec<u8>) -> Response<Body> {
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, "application/json")
@@ -312,6 +330,14 @@ async fn dispatch<B>(
                 r.headers_mut().insert(api::CHECKPOINTS_HEADER, HeaderValue::from_str(&value).expect("hex"));
             }
             Ok(r)
+        }
+        Route::Rolling { name } => {
+            let ds = dataset(state, &name)?;
+            let query = RollingQuery::parse(query)?;
+            let table = tokio::task::spawn_blocking(move || ds.slot_table(&query))
+                .await
+                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+            Ok(compact_json_response(StatusCode::OK, &*table))
         }
         Route::Files { name } => {
             let ds = dataset(state, &name)?;
