@@ -5,7 +5,7 @@
 //! A client only moves bytes. Verifying sizes and checksums against the manifest, retrying and giving
 //! up are the prefetcher's job, so the in-memory client can hand it wrong bytes on purpose.
 
-use batchfs::api::{self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest};
+use batchfs::api::{self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SlotTable};
 use batchfs::encode::BatchFormat;
 use std::future::Future;
 use std::path::PathBuf;
@@ -139,6 +139,9 @@ pub trait BatchClient: Send + Sync + 'static {
     fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>>;
     /// One page of directory `dir` of the dataset's files, from `cursor` (0, or a page's `next`).
     fn files(&self, dir: &str, cursor: u64) -> BoxFut<'_, Result<FileList, ClientError>>;
+    /// The slot table of `rolling/`'s fixed layout for the plan's TFRecord batches of epochs
+    /// `first_epoch..first_epoch + epochs` (see [`batchfs::rolling`]).
+    fn slot_table(&self, first_epoch: u64, epochs: u64) -> BoxFut<'_, Result<SlotTable, ClientError>>;
     /// The body of one batch (unverified), appended to `into` (an empty buffer with room for the whole
     /// body, usually reused memory, or an empty memory file), which is returned. `expect` is the size the
     /// manifest announced: a response that says or sends more is cut off with an error rather than
@@ -346,6 +349,12 @@ impl BatchClient for HttpClient {
     fn files(&self, dir: &str, cursor: u64) -> BoxFut<'_, Result<FileList, ClientError>> {
         let query = api::FilesQuery { dir: dir.to_owned(), cursor, limit: 0 }.to_query();
         let path = format!("{}?{query}", api::files_path(&self.config.dataset));
+        Box::pin(async move { self.json(&path).await })
+    }
+
+    fn slot_table(&self, first_epoch: u64, epochs: u64) -> BoxFut<'_, Result<SlotTable, ClientError>> {
+        let query = RollingQuery { plan: self.config.query.plan, first_epoch, epochs }.to_query();
+        let path = format!("{}?{query}", api::rolling_path(&self.config.dataset));
         Box::pin(async move { self.json(&path).await })
     }
 

@@ -1,9 +1,12 @@
-//! The prefetcher and its cache: batch bodies keyed by (epoch, batch, format), fetched whole, verified, and kept
-//! under a byte budget. This file coordinates (reads, windows, starting fetches, making room); its rooms:
-//! `prefetch/cache.rs` holds the entries and picks what to evict, `prefetch/listings.rs` keeps the manifests and the
-//! source file list, `prefetch/streams.rs` decides what to fetch ahead, `prefetch/retry.rs` runs one fetch's attempts
-//! and checks bodies, and [`BufferPool`] (`pool.rs`) keeps the byte budget's one ledger and the buffers reused within
-//! it.
+//! The prefetcher and its cache: the files a mount shows (batches of an epoch in a format, chunks of
+//! `raw/`, `rolling/`'s placed files), fetched whole, verified, and kept under a byte budget. This file is
+//! the facade (reads, passthrough files, what each file is, admission into the cache); its rooms:
+//! `prefetch/cache.rs` holds the entries and their contents and picks what to evict, `prefetch/fetch.rs`
+//! runs one fetch from its sink to what it publishes, `prefetch/window.rs` decides what to fetch ahead
+//! (with `prefetch/streams.rs`, which finds the readers' streams) and how much may be in flight,
+//! `prefetch/listings.rs` keeps the manifests, the slot table and the source file lists, `prefetch/raw.rs`
+//! owns `raw/`, `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`]
+//! (`pool.rs`) keeps the byte budget's one ledger and the buffers reused within it.
 //!
 //! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
 //! fuser 0.18 ignores FUSE_INTERRUPT); fetches run as tasks on a tokio runtime. No tokio worker ever
@@ -30,32 +33,66 @@
 //! its second read, random reads start nothing, and a window that runs past the end of an epoch continues
 //! into the next one (whose manifest is then fetched in the background).
 
-use crate::client::{ClientError, DynClient, Filling, Sink};
+use crate::client::DynClient;
 use crate::pool::{Admission, BufferPool};
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
-use batchfs::api::{BatchEntry, FileList, Manifest};
+use batchfs::api::{BatchEntry, Manifest, SlotTable};
 use batchfs::encode::BatchFormat;
+use batchfs::rolling::FileLayout;
 use bytes::Bytes;
 use lru::LruCache;
 use std::time::{Duration, Instant};
 pub use streams::{StreamTracker, Target};
 use thiserror::Error;
+pub use window::prefetch_cap;
 
 mod cache;
+mod fetch;
 mod listings;
+mod raw;
 mod retry;
 mod streams;
-use cache::{seal_file, Cache, Entry, State};
-use listings::{Listings, NextEpoch, Raw};
-use retry::{verify, with_retries, Failure};
+mod window;
+use cache::{Cache, Content, Entry};
+use listings::Listings;
+use retry::{with_retries, Failure};
+use window::Throughput;
 
-/// A list of files the mount shows: the batches of one epoch in one format, or the files of one
-/// directory of `raw/` (by the id [`Prefetcher::list_dir`] gave it).
+/// A list of files the mount shows: the batches of one epoch in one format, the files of one
+/// directory of `raw/` (by the id [`Prefetcher::list_dir`] gave it), or the files of `rolling/`'s
+/// indexed layout for one epoch (its TFRecord batches, their records placed at the slots of the
+/// [`SlotTable`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Listing {
     Epoch { epoch: u64, format: BatchFormat },
     Raw { dir: u32 },
+    Rolling { epoch: u64 },
+}
+
+/// The bytes of a page: a placed record's first and last pages are partly its own, and are counted whole.
+const PAGE: u64 = 4096;
+
+/// What one file of a listing is: what the server sends for it, and what readers see.
+#[derive(Debug, Clone)]
+pub(crate) struct Object {
+    /// The body the server sends: its size and CRC32C, from the manifest.
+    pub sent: BatchEntry,
+    /// For `rolling/`'s indexed layout, where the body's records go.
+    pub placed: Option<Arc<FileLayout>>,
+}
+
+impl Object {
+    /// The size of the file readers see.
+    pub fn len(&self) -> u64 {
+        self.placed.as_ref().map_or(self.sent.bytes, |l| l.len)
+    }
+
+    /// Bytes charged to the budget for it: the body, or, placed, its records and the pages they share
+    /// with the holes around them.
+    pub fn charge(&self) -> u64 {
+        self.sent.bytes + self.placed.as_ref().map_or(0, |l| 2 * PAGE * l.slots.len() as u64)
+    }
 }
 
 /// One file of a listing: a batch, or a source file, by its position.
@@ -102,50 +139,9 @@ pub struct PrefetcherConfig {
     /// The client abandons a response with no byte for this long: prefetches in flight are kept to what
     /// the measured delivery rate brings in half of it (see [`prefetch_cap`]).
     pub stall_timeout: Duration,
-}
-
-/// Bytes of prefetches allowed in flight: `configured`, but, once the delivery rate is measured (`rate`,
-/// bytes per second, all servers together; 0 before), no more than what it brings in half of
-/// `stall_timeout`. More than that, on a link shared by many nodes, leaves some response without a byte
-/// for `stall_timeout`: it is abandoned and fetched again, and the link carries it twice. Before the
-/// rate is measured (a mount's first second of transfers), the cap starts at an eighth of `configured`
-/// and grows with what is delivered (twice the bytes `delivered` so far): a fast link reaches the whole
-/// window once half of it has arrived (in a fraction of a second), while many mounts starting together
-/// on a narrow link do not all ask for their whole window at once. (One prefetch may always run,
-/// whatever the cap.)
-pub fn prefetch_cap(configured: u64, rate: f64, delivered: u64, stall_timeout: Duration) -> u64 {
-    if rate <= 0.0 {
-        return configured.min((configured / 8).max(delivered.saturating_mul(2)));
-    }
-    configured.min((rate * stall_timeout.as_secs_f64() / 2.0) as u64)
-}
-
-/// The delivery rate of fetches, all servers together: bytes delivered per second over windows of at
-/// least a second, smoothed.
-#[derive(Debug, Default)]
-struct Throughput {
-    window_start: Option<Instant>,
-    bytes: u64,
-    /// Bytes per second; 0 until a window has closed.
-    rate: f64,
-    /// Bytes delivered since the mount started.
-    delivered: u64,
-}
-
-impl Throughput {
-    const WINDOW: Duration = Duration::from_secs(1);
-
-    fn record(&mut self, bytes: u64, now: Instant) {
-        let start = *self.window_start.get_or_insert(now);
-        self.bytes += bytes;
-        self.delivered += bytes;
-        let elapsed = now.duration_since(start);
-        if elapsed >= Self::WINDOW {
-            let sample = self.bytes as f64 / elapsed.as_secs_f64();
-            self.rate = if self.rate == 0.0 { sample } else { 0.5 * self.rate + 0.5 * sample };
-            (self.window_start, self.bytes) = (Some(now), 0);
-        }
-    }
+    /// The span of epochs `(first_epoch, epochs)` whose TFRecord batches `rolling/`'s indexed layout
+    /// holds (the slot table asked of the server).
+    pub rolling: (u64, u64),
 }
 
 impl Default for PrefetcherConfig {
@@ -161,6 +157,7 @@ impl Default for PrefetcherConfig {
             last_epoch: u64::MAX,
             stale_after: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(10),
+            rolling: (0, 1),
         }
     }
 }
@@ -178,6 +175,10 @@ pub enum ReadError {
     CacheTooSmall { what: String, size: u64, budget: u64 },
     #[error("cannot make a backing file for {0}")]
     Backing(String),
+    /// A batch that the slots of `rolling/`'s indexed layout cannot hold (a server whose slot table does
+    /// not match its batches): no retry mends it.
+    #[error("cannot place {0} in rolling/'s indexed layout")]
+    Layout(String),
 }
 
 /// The prefetcher and cache of one mount.
@@ -238,6 +239,29 @@ impl Prefetcher {
         self.runtime.block_on(self.fetch_manifest(epoch, format))
     }
 
+    /// The slot table of `rolling/`'s indexed layout for [`PrefetcherConfig::rolling`] (cached; fetched
+    /// once, with retries up to `timeout`). Blocks like [`Prefetcher::manifest`].
+    pub fn slot_table(&self) -> Result<Arc<SlotTable>, ReadError> {
+        if let Some(t) = self.listings.slot_table() {
+            return Ok(t);
+        }
+        let (first_epoch, epochs) = self.config.rolling;
+        let client = self.client.clone();
+        let table = self.runtime.block_on(with_retries(&self.config, &self.stats, move |_| {
+            let client = client.clone();
+            async move { client.slot_table(first_epoch, epochs).await.map_err(Failure::Client) }
+        }))?;
+        Ok(self.listings.put_slot_table(table))
+    }
+
+    /// The layout of `rolling/`'s indexed file of batch `batch` (the slot table fetched before).
+    pub fn file_layout(&self, batch: u64) -> Result<FileLayout, ReadError> {
+        let table = self.listings.slot_table().ok_or_else(|| ReadError::Layout("the slot table is not here".into()))?;
+        let slots =
+            table.batches.get(batch as usize).ok_or_else(|| ReadError::NotFound(format!("rolling batch {batch}")))?;
+        Ok(FileLayout::new(batch, slots))
+    }
+
     /// Fetches the manifest of `epoch` in `format` (with retries up to `timeout`) and caches it.
     async fn fetch_manifest(&self, epoch: u64, format: BatchFormat) -> Result<Arc<Manifest>, ReadError> {
         let client = self.client.clone();
@@ -249,110 +273,12 @@ impl Prefetcher {
         Ok(self.listings.put_manifest(manifest))
     }
 
-    /// Directory `path` of the dataset's files (`""`: the top): its id and its list, every page fetched
-    /// once, when first asked for, with retries up to `timeout`. Blocks like [`Prefetcher::manifest`].
-    pub fn list_dir(&self, path: &str) -> Result<(u32, Arc<FileList>), ReadError> {
-        if let Some((id, raw)) = self.listings.raw_at(path) {
-            return Ok((id, raw.files));
-        }
-        let list = self.runtime.block_on(async {
-            let mut merged: Option<FileList> = None;
-            let mut cursor = 0;
-            loop {
-                let (client, dir) = (self.client.clone(), path.to_owned());
-                let page = with_retries(&self.config, &self.stats, move |_| {
-                    let (client, dir) = (client.clone(), dir.clone());
-                    async move { client.files(&dir, cursor).await.map_err(Failure::Client) }
-                })
-                .await?;
-                let next = page.next;
-                match &mut merged {
-                    None => merged = Some(page),
-                    Some(all) => {
-                        for d in page.dirs {
-                            // A subdirectory spanning two pages is named on both.
-                            if all.dirs.last() != Some(&d) {
-                                all.dirs.push(d);
-                            }
-                        }
-                        all.files.extend(page.files);
-                    }
-                }
-                // A cursor that does not move on would never end.
-                match next {
-                    Some(n) if n > cursor => cursor = n,
-                    _ => break,
-                }
-            }
-            Ok::<_, ReadError>(merged.expect("one page at least"))
-        })?;
-        let (id, raw) = self.listings.put_raw(list);
-        Ok((id, raw.files))
-    }
-
-    /// The size of file `file` of directory `dir` of `raw/`.
-    pub fn file_size(&self, dir: u32, file: u64) -> Result<u64, ReadError> {
-        let raw = self.raw(dir)?;
-        raw.files
-            .files
-            .get(file as usize)
-            .map(|f| f.size)
-            .ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))
-    }
-
-    /// Directory `dir` of `raw/`, listed before.
-    fn raw(&self, dir: u32) -> Result<Raw, ReadError> {
-        self.listings.raw(dir).ok_or_else(|| ReadError::NotFound(format!("raw directory #{dir}")))
-    }
-
-    /// The chunks of file `file` of directory `dir` (its position in [`Prefetcher::list_dir`]'s list):
-    /// the indices of its [`Listing::Raw`] keys, one for a file fetched whole.
-    pub fn file_chunks(&self, dir: u32, file: u64) -> Result<std::ops::Range<u64>, ReadError> {
-        self.raw(dir)?.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))
-    }
-
-    /// Reads `[offset, offset + size)` of file `file` of directory `dir`, chunk after chunk (each verified
-    /// before any of its bytes is returned; a sequential reader's next chunks are prefetched like
-    /// batches).
-    pub fn read_file(
-        self: &Arc<Self>,
-        dir: u32,
-        file: u64,
-        offset: u64,
-        size: u32,
-        owner: u32,
-    ) -> Result<Bytes, ReadError> {
-        let raw = self.raw(dir)?;
-        let chunks = raw.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))?;
-        let chunk_bytes = raw.files.chunk_bytes;
-        let file_size = raw.files.files[file as usize].size;
-        let end = offset.saturating_add(u64::from(size)).min(file_size);
-        let single = chunks.end - chunks.start == 1;
-        let mut out: Option<bytes::BytesMut> = None;
-        let mut at = offset;
-        while at < end {
-            let (chunk, within) = if single { (0, at) } else { (at / chunk_bytes, at % chunk_bytes) };
-            let key = BatchKey { listing: Listing::Raw { dir }, index: chunks.start + chunk };
-            let got = self.read(key, within, (end - at).min(u64::from(u32::MAX)) as u32, owner)?;
-            if got.is_empty() {
-                break;
-            }
-            at += got.len() as u64;
-            match &mut out {
-                // The common case, a read within one chunk: its bytes as they are, no copy.
-                None if at >= end => return Ok(got),
-                None => out = Some(bytes::BytesMut::from(&got[..])),
-                Some(out) => out.extend_from_slice(&got),
-            }
-        }
-        Ok(out.map_or_else(Bytes::new, bytes::BytesMut::freeze))
-    }
-
-    /// The sizes and checksums of a listing's files.
+    /// The sizes and checksums of a listing's files as the server sends them.
     fn listing(&self, listing: Listing) -> Result<Arc<Manifest>, ReadError> {
         match listing {
             Listing::Epoch { epoch, format } => self.manifest(epoch, format),
             Listing::Raw { dir } => Ok(self.raw(dir)?.manifest),
+            Listing::Rolling { epoch } => self.manifest(epoch, BatchFormat::Tfrecord),
         }
     }
 
@@ -368,13 +294,15 @@ impl Prefetcher {
     }
 
     fn read_inner(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
-        let (manifest, meta) = self.locate(key)?;
-        if offset >= meta.bytes || size == 0 {
+        let (manifest, obj) = self.locate(key)?;
+        let len = obj.len();
+        if offset >= len || size == 0 {
             return Ok(Bytes::new());
         }
-        let end = (offset + u64::from(size)).min(meta.bytes);
-        let (entry, bytes, early) = self.wait_for(key, meta, &manifest, owner, Some(offset..end))?;
-        if end == meta.bytes {
+        let end = (offset + u64::from(size)).min(len);
+        let (entry, content, early) = self.wait_for(key, &obj, &manifest, owner, Some(offset..end))?;
+        let bytes = content.into_bytes();
+        if end == len {
             entry.consumed.store(true, Ordering::Relaxed);
         }
         Stats::add(&self.stats.reads, 1);
@@ -385,11 +313,21 @@ impl Prefetcher {
         Ok(bytes)
     }
 
-    /// The listing's manifest and the entry of `key` in it.
-    fn locate(&self, key: BatchKey) -> Result<(Arc<Manifest>, BatchEntry), ReadError> {
+    /// The listing's manifest and what `key` is.
+    fn locate(&self, key: BatchKey) -> Result<(Arc<Manifest>, Object), ReadError> {
         let manifest = self.listing(key.listing)?;
-        let meta = *manifest.batches.get(key.index as usize).ok_or_else(|| ReadError::NotFound(describe(key)))?;
-        Ok((manifest, meta))
+        let obj = self.object(key, &manifest)?;
+        Ok((manifest, obj))
+    }
+
+    /// What file `key` of the listing whose manifest is `manifest` is.
+    fn object(&self, key: BatchKey, manifest: &Manifest) -> Result<Object, ReadError> {
+        let sent = *manifest.batches.get(key.index as usize).ok_or_else(|| ReadError::NotFound(describe(key)))?;
+        let placed = match key.listing {
+            Listing::Rolling { .. } => Some(Arc::new(self.file_layout(key.index)?)),
+            Listing::Epoch { .. } | Listing::Raw { .. } => None,
+        };
+        Ok(Object { sent, placed })
     }
 
     /// Waits until batch `key` is verified and cached (or, with `range`, until those of its bytes are
@@ -399,15 +337,14 @@ impl Prefetcher {
     fn wait_for(
         self: &Arc<Self>,
         key: BatchKey,
-        meta: BatchEntry,
+        obj: &Object,
         manifest: &Manifest,
         owner: u32,
         range: Option<std::ops::Range<u64>>,
-    ) -> Result<(Arc<Entry>, Bytes, bool), ReadError> {
+    ) -> Result<(Arc<Entry>, Content, bool), ReadError> {
         let started = Instant::now();
         let deadline = started + self.config.timeout;
-        let (entry, fresh) =
-            self.get_or_start(key, meta, true, deadline)?.expect("on-demand reads always get an entry");
+        let (entry, fresh) = self.get_or_start(key, obj, true, deadline)?.expect("on-demand reads always get an entry");
         entry.touched.store(self.clock(), Ordering::Relaxed);
         self.prefetch_after(key, manifest, owner);
         let (body, waited, early) = entry.wait(range, deadline, self.config.timeout)?;
@@ -430,11 +367,12 @@ impl Prefetcher {
     /// and keeps the batch in the cache, charged to the budget, while anyone holds the returned handle.
     pub fn backing_file(self: &Arc<Self>, key: BatchKey, owner: u32) -> Result<Arc<std::fs::File>, ReadError> {
         let result = (|| {
-            let (manifest, meta) = self.locate(key)?;
-            let (entry, body, _) = self.wait_for(key, meta, &manifest, owner, None)?;
-            // The kernel serves the whole file from here on: its bytes count as served, once.
+            let (manifest, obj) = self.locate(key)?;
+            let (entry, body, _) = self.wait_for(key, &obj, &manifest, owner, None)?;
+            // The kernel serves the whole file from here on: its bytes (a placed file's records) count
+            // as served, once.
             if !entry.handed.swap(true, Ordering::Relaxed) {
-                Stats::add(&self.stats.bytes_served, meta.bytes);
+                Stats::add(&self.stats.bytes_served, body.stored());
             }
             entry.backing(body).map_err(|e| ReadError::Backing(format!("{}: {e}", describe(key))))
         })();
@@ -453,96 +391,6 @@ impl Prefetcher {
         if let Some(e) = self.cache.lock().expect("cache").entries.peek(&key) {
             e.consumed.store(true, Ordering::Relaxed);
         }
-    }
-
-    /// Starts the window of the stream this read belongs to.
-    fn prefetch_after(self: &Arc<Self>, key: BatchKey, manifest: &Manifest, owner: u32) {
-        if self.config.prefetch == 0 {
-            return;
-        }
-        if let Listing::Raw { dir } = key.listing {
-            let indexes: Vec<Target> = (self.listings.raw_indexes_at(dir, key.index).into_iter())
-                .map(|index| Target { listing: key.listing, index })
-                .collect();
-            self.start_prefetches(&indexes, manifest);
-        }
-        let targets = self.streams.lock().expect("streams").observe(
-            owner,
-            key.listing,
-            key.index,
-            manifest.batches.len() as u64,
-            self.window(key.listing, manifest),
-        );
-        let (here, next): (Vec<Target>, Vec<Target>) = targets.into_iter().partition(|t| t.listing == key.listing);
-        if !self.start_prefetches(&here, manifest) {
-            return;
-        }
-        // The window runs into the next epoch: its manifest may not be here yet, and fetching it must
-        // not hold up this read.
-        let Some(&Target { listing: Listing::Epoch { epoch, format }, .. }) = next.first() else { return };
-        if epoch > self.config.last_epoch {
-            return;
-        }
-        let NextEpoch { cached, twins } = self.listings.next_epoch(epoch, format);
-        if let (Some(m), None) = (&cached, twins) {
-            self.start_prefetches(&next, m);
-            return;
-        }
-        // One task per next epoch: the reads near an epoch's end would each start one, and each would
-        // fetch the same manifests. Reads after it ends find them cached.
-        if !self.listings.start_warming(epoch) {
-            return;
-        }
-        let this = self.clone();
-        self.runtime.spawn(async move {
-            // Starting a prefetch takes the cache lock only briefly and never waits.
-            let m = match cached {
-                Some(m) => Ok(m),
-                None => this.fetch_manifest(epoch, format).await,
-            };
-            if let Ok(m) = m {
-                this.start_prefetches(&next, &m);
-            }
-            if let Some(idx) = twins {
-                if let Ok(m) = this.fetch_manifest(epoch, idx).await {
-                    let all: Vec<Target> = (0..m.batches.len() as u64)
-                        .map(|index| Target { listing: Listing::Epoch { epoch, format: idx }, index })
-                        .collect();
-                    this.start_prefetches(&all, &m);
-                }
-            }
-            this.listings.warmed(epoch);
-        });
-    }
-
-    /// The window of a stream over `manifest`'s files, in files: `prefetch`, or, for an epoch's batches,
-    /// as many as hold `prefetch_bytes` at the listing's mean size when that is more (at most 16 ×
-    /// `prefetch`, so tiny batches do not become thousands of requests, and never more than the listing).
-    /// `raw/` files keep `prefetch`: a file tree's files are single samples.
-    fn window(&self, listing: Listing, manifest: &Manifest) -> usize {
-        let prefetch = self.config.prefetch;
-        if let Listing::Raw { .. } = listing {
-            return prefetch;
-        }
-        let n = manifest.batches.len();
-        let mean = (manifest.bytes / n.max(1) as u64).max(1);
-        let by_bytes = self.config.prefetch_bytes.div_ceil(mean).min(n as u64) as usize;
-        prefetch.max(by_bytes.min(prefetch.saturating_mul(16)))
-    }
-
-    /// Starts the prefetch of each target (batches of `manifest`) not cached or in flight, in order,
-    /// until one finds no room (the window narrows until readers consume what is cached); false then.
-    fn start_prefetches(self: &Arc<Self>, targets: &[Target], manifest: &Manifest) -> bool {
-        for target in targets {
-            let Some(&meta) = manifest.batches.get(target.index as usize) else { continue };
-            let key = BatchKey { listing: target.listing, index: target.index };
-            match self.get_or_start(key, meta, false, Instant::now()) {
-                Ok(Some((_, true))) => Stats::add(&self.stats.prefetches, 1),
-                Ok(Some(_)) => {}
-                Ok(None) | Err(_) => return false,
-            }
-        }
-        true
     }
 
     /// Nanoseconds since the prefetcher started (the clock of `Entry::touched`).
@@ -569,12 +417,14 @@ impl Prefetcher {
     fn get_or_start(
         self: &Arc<Self>,
         key: BatchKey,
-        meta: BatchEntry,
+        obj: &Object,
         on_demand: bool,
         deadline: Instant,
     ) -> Result<Option<(Arc<Entry>, bool)>, ReadError> {
-        // With passthrough the body goes straight into a memory file: charged, with no buffer.
-        let memfd = self.memfd_bodies.load(Ordering::Relaxed);
+        // With passthrough the body goes straight into a memory file: charged, with no buffer. A placed
+        // file is made from its body in a buffer.
+        let memfd = self.memfd_bodies.load(Ordering::Relaxed) && obj.placed.is_none();
+        let need = obj.charge();
         let mut cache = self.cache.lock().expect("cache");
         let (buffer, charge) = loop {
             if let Some(e) = cache.entries.get(&key) {
@@ -582,22 +432,21 @@ impl Prefetcher {
             }
             // Checked under the cache lock, so concurrent prefetchers cannot overshoot the limit.
             let prefetching = self.prefetching.load(Ordering::Relaxed);
-            if !on_demand && prefetching > 0 && prefetching + meta.bytes > self.prefetch_cap() {
+            if !on_demand && prefetching > 0 && prefetching + obj.sent.bytes > self.prefetch_cap() {
                 return Ok(None);
             }
             // Idle buffers count in the budget: the pool admits the fetch, or frees one of them and
             // asks to try again, before any cached batch is evicted.
-            let admission =
-                if memfd { self.pool.charge(meta.bytes as usize) } else { self.pool.admit(meta.bytes as usize) };
+            let admission = if memfd { self.pool.charge(need as usize) } else { self.pool.admit(need as usize) };
             match admission {
                 Admission::Fits { buffer, charge } => break (buffer, charge),
                 Admission::Trimmed => continue,
                 Admission::Full => {}
             }
-            if meta.bytes > self.config.cache_bytes {
+            if need > self.config.cache_bytes {
                 return Err(ReadError::CacheTooSmall {
                     what: describe(key),
-                    size: meta.bytes,
+                    size: need,
                     budget: self.config.cache_bytes,
                 });
             }
@@ -619,95 +468,9 @@ impl Prefetcher {
         drop(cache);
         Stats::add(&self.stats.in_flight, 1);
         if !on_demand {
-            self.prefetching.fetch_add(meta.bytes, Ordering::Relaxed);
+            self.prefetching.fetch_add(obj.sent.bytes, Ordering::Relaxed);
         }
-        let this = self.clone();
-        let fetching = entry.clone();
-        let path = match key.listing {
-            Listing::Raw { dir } => self.listings.raw_chunk(dir, key.index),
-            Listing::Epoch { .. } => None,
-        };
-        let mut buffer = (!memfd).then_some(buffer);
-        self.runtime.spawn(async move {
-            let client = this.client.clone();
-            let pool = this.pool.clone();
-            let filled = fetching.clone();
-            // The first attempt fills the reserved buffer; one that fails loses it, and a retry
-            // allocates anew (the reservation covers either).
-            let result = with_retries(&this.config, &this.stats, move |attempt| {
-                let client = client.clone();
-                let path = path.clone();
-                let pool = pool.clone();
-                // Readers wait on the entry for each verified prefix of a buffer (not of a memory file,
-                // which the kernel serves only whole).
-                let fill = |buffer: Vec<u8>| {
-                    let entry = Arc::downgrade(&filled);
-                    let wake = move || entry.upgrade().iter().for_each(|e| e.verified_more());
-                    let home = Some(Arc::downgrade(&pool));
-                    let filling = Filling::new(buffer, (meta.bytes, meta.crc32c), home, wake);
-                    filled.filling(filling.partial().clone());
-                    Sink::Buffer(filling)
-                };
-                let into = match buffer.take() {
-                    Some(buffer) => Ok(fill(buffer)),
-                    None if memfd => Sink::memfd(),
-                    None => Ok(fill(Vec::new())),
-                };
-                async move {
-                    let into = into.map_err(|e| {
-                        Failure::Client(ClientError::Store { server: "memfd".into(), message: e.to_string() })
-                    })?;
-                    let body = match (key.listing, path) {
-                        (Listing::Epoch { epoch, format }, _) => {
-                            client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
-                        }
-                        (Listing::Raw { .. }, Some((path, offset))) => {
-                            client.fetch_file(&path, offset, attempt, into, meta.bytes).await
-                        }
-                        (Listing::Raw { .. }, None) => unreachable!("raw keys exist only after their directory's list"),
-                    }
-                    .map_err(|e| match e {
-                        ClientError::Corrupt { server, message } => {
-                            Failure::Mismatch(format!("{} from {server}: {message}", describe(key)))
-                        }
-                        e => Failure::Client(e),
-                    })?;
-                    verify(key, &meta, &body)?;
-                    match body.sink {
-                        Sink::Buffer(filled) => Ok((filled.finish(), None)),
-                        Sink::File { file, .. } => seal_file(file).map(|(b, f)| (b, Some(f))).map_err(|e| {
-                            Failure::Client(ClientError::Store { server: "memfd".into(), message: e.to_string() })
-                        }),
-                    }
-                }
-            })
-            .await;
-            this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-            if !on_demand {
-                this.prefetching.fetch_sub(meta.bytes, Ordering::Relaxed);
-            }
-            match result {
-                Ok((body, file)) => {
-                    Stats::add(&this.stats.fetched_bytes, body.len() as u64);
-                    this.throughput.lock().expect("throughput").record(body.len() as u64, Instant::now());
-                    if let Some(file) = file {
-                        Stats::add(&this.stats.passthrough_bytes, body.len() as u64);
-                        *fetching.memfd.lock().expect("memfd") = Some(file);
-                    }
-                    fetching.set(State::Ready(body));
-                }
-                Err(e) => {
-                    tracing::warn!(what = %describe(key), error = %e, "fetch failed");
-                    fetching.set(State::Failed(e));
-                    let mut cache = this.cache.lock().expect("cache");
-                    if cache.entries.peek(&key).is_some_and(|e| Arc::ptr_eq(e, &fetching)) {
-                        cache.entries.pop(&key);
-                        this.release(fetching.size);
-                    }
-                }
-            }
-            this.room.notify_all();
-        });
+        self.spawn_fetch(key, obj.clone(), entry.clone(), buffer, memfd, on_demand);
         Ok(Some((entry, true)))
     }
 
@@ -724,15 +487,6 @@ impl Prefetcher {
         Ok(self.room.wait_timeout(cache, (deadline - now).min(Duration::from_millis(100))).expect("cache").0)
     }
 
-    /// Bytes of prefetches allowed in flight now ([`prefetch_cap`] of the measured rate).
-    fn prefetch_cap(&self) -> u64 {
-        let (rate, delivered) = {
-            let t = self.throughput.lock().expect("throughput");
-            (t.rate, t.delivered)
-        };
-        prefetch_cap(self.config.max_prefetch_bytes, rate, delivered, self.config.stall_timeout)
-    }
-
     /// Bytes held or reserved now, idle reusable buffers included (never above the budget).
     pub fn cache_used(&self) -> u64 {
         self.pool.held()
@@ -744,6 +498,7 @@ fn describe(key: BatchKey) -> String {
     match key.listing {
         Listing::Epoch { epoch, format } => format!("batch {} of epoch {epoch} ({format})", key.index),
         Listing::Raw { dir } => format!("chunk #{} of raw directory #{dir}", key.index),
+        Listing::Rolling { epoch } => format!("rolling/ batch {} of epoch {epoch} (indexed)", key.index),
     }
 }
 

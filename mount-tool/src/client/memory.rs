@@ -2,7 +2,7 @@
 //! and faults on demand (unreachable, corrupt, short, an HTTP status). Compiled for tests only.
 
 use super::{BatchClient, Body, BoxFut, ClientError, Sink};
-use batchfs::api::{self, BatchEntry, DatasetInfo, FileList, Manifest};
+use batchfs::api::{self, BatchEntry, DatasetInfo, FileList, Manifest, SlotTable};
 use batchfs::encode::BatchFormat;
 use bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -151,6 +151,30 @@ impl BatchClient for MemoryClient {
             }
             let next = (at < sorted.len()).then_some(at as u64);
             Ok(FileList { chunk_bytes: self.chunk_bytes, dir, dirs, files, next })
+        })
+    }
+
+    /// The table as the server computes it, from the TFRecord frames of each epoch's bodies.
+    fn slot_table(&self, first_epoch: u64, epochs: u64) -> BoxFut<'_, Result<SlotTable, ClientError>> {
+        Box::pin(async move {
+            let mut batches: Vec<Vec<u64>> = Vec::new();
+            for epoch in first_epoch..first_epoch + epochs {
+                for (b, body) in (self.bodies)(epoch, BatchFormat::Tfrecord).iter().enumerate() {
+                    let Some(frames) = batchfs::rolling::frames_of(body) else {
+                        let message = format!("batch {b} of epoch {epoch} is not TFRecord frames");
+                        return Err(ClientError::Malformed { server: "memory".into(), message });
+                    };
+                    let mut sizes: Vec<u64> = frames.into_iter().map(|(_, len)| len).collect();
+                    sizes.sort_unstable_by(|a, b| b.cmp(a));
+                    if batches.len() <= b {
+                        batches.push(vec![0; sizes.len()]);
+                    }
+                    for (slot, size) in batches[b].iter_mut().zip(sizes) {
+                        *slot = (*slot).max(size);
+                    }
+                }
+            }
+            Ok(SlotTable { options: Default::default(), first_epoch, epochs, batches })
         })
     }
 

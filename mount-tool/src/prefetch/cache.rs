@@ -2,6 +2,10 @@
 //! body, or the error that ended its fetch), what the budget was charged for it, whether a reader consumed
 //! it, when it was last touched, and its sealed memory file once the kernel serves it (passthrough). And
 //! the one rule of what to evict first.
+//!
+//! A verified body is its bytes as the server sent them ([`Content::Bytes`]), or, for `rolling/`'s indexed
+//! layout, records placed at their slots ([`Content::Placed`]): the bytes of the records and where each
+//! goes, the rest of the file zeros that are never stored (holes in its memory file, zero-filled reads).
 
 use super::{BatchKey, ReadError};
 use crate::client::Partial;
@@ -14,8 +18,114 @@ pub(super) enum State {
     /// The body is on its way; into a buffer whose verified prefix readers may copy, once the attempt
     /// that fills it has started (each attempt brings its own).
     Fetching(Option<Arc<Partial>>),
-    Ready(Bytes),
+    Ready(Content),
     Failed(ReadError),
+}
+
+/// A verified file as readers see it.
+#[derive(Clone)]
+pub(super) enum Content {
+    /// The body as sent.
+    Bytes(Bytes),
+    /// Records placed at their slots.
+    Placed(Placed),
+}
+
+/// A file made of records at fixed offsets, zeros between them (`rolling/`'s indexed layout).
+#[derive(Clone)]
+pub(super) struct Placed {
+    /// Where the records' bytes are: the packed body, or the placed file's own mapping.
+    pub bytes: Bytes,
+    /// Each record, by its offset in the file.
+    pub records: Arc<[Record]>,
+    /// The file's size.
+    pub len: u64,
+}
+
+/// One record of a [`Placed`] file: `len` bytes from `from` of its bytes, at `at` in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Record {
+    pub at: u64,
+    pub from: u64,
+    pub len: u64,
+}
+
+impl Content {
+    /// The bytes a memory file of this content holds: the whole body, or the records alone.
+    pub(super) fn stored(&self) -> u64 {
+        match self {
+            Content::Bytes(b) => b.len() as u64,
+            Content::Placed(p) => p.records.iter().map(|r| r.len).sum(),
+        }
+    }
+
+    /// The content as bytes: a body as sent, or what a read of the whole of a placed file returns.
+    pub(super) fn into_bytes(self) -> Bytes {
+        match self {
+            Content::Bytes(b) => b,
+            placed => placed.read(0..placed.len()),
+        }
+    }
+
+    pub(super) fn len(&self) -> u64 {
+        match self {
+            Content::Bytes(b) => b.len() as u64,
+            Content::Placed(p) => p.len,
+        }
+    }
+
+    /// Bytes `range` of the file (within it): a view of the body, or, across records and the zeros
+    /// between them, a copy.
+    pub(super) fn read(&self, range: std::ops::Range<u64>) -> Bytes {
+        let p = match self {
+            Content::Bytes(b) => return b.slice(range.start as usize..range.end as usize),
+            Content::Placed(p) => p,
+        };
+        // The last record starting at or before the range, and those after it within the range.
+        let first = p.records.partition_point(|r| r.at <= range.start).saturating_sub(1);
+        let within = p.records[first..].iter().take_while(|r| r.at < range.end);
+        if let Some(r) = p.records.get(first).filter(|r| r.at <= range.start && range.end <= r.at + r.len) {
+            let from = (r.from + range.start - r.at) as usize;
+            return p.bytes.slice(from..from + (range.end - range.start) as usize);
+        }
+        let mut out = vec![0u8; (range.end - range.start) as usize];
+        for r in within {
+            let (start, end) = (r.at.max(range.start), (r.at + r.len).min(range.end));
+            if start < end {
+                let from = (r.from + start - r.at) as usize;
+                out[(start - range.start) as usize..(end - range.start) as usize]
+                    .copy_from_slice(&p.bytes[from..from + (end - start) as usize]);
+            }
+        }
+        Bytes::from(out)
+    }
+
+    /// Writes the file into `file` (empty): the body, or each record at its offset, the file's size set
+    /// first so that the zeros between records are holes.
+    pub(super) fn write_to(&self, file: &std::fs::File) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        match self {
+            Content::Bytes(b) => file.write_all_at(b, 0),
+            Content::Placed(p) => {
+                file.set_len(p.len)?;
+                for r in p.records.iter() {
+                    file.write_all_at(&p.bytes[r.from as usize..(r.from + r.len) as usize], r.at)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The same file read from `mapped` (the mapping of the memory file it was written to).
+    fn in_mapping(&self, mapped: Bytes) -> Content {
+        match self {
+            Content::Bytes(_) => Content::Bytes(mapped),
+            Content::Placed(p) => {
+                let records = p.records.iter().map(|r| Record { from: r.at, ..*r }).collect();
+                Content::Placed(Placed { bytes: mapped, records, len: p.len })
+            }
+        }
+    }
 }
 
 pub(super) struct Entry {
@@ -52,6 +162,17 @@ pub(super) fn seal_file(file: std::fs::File) -> std::io::Result<(Bytes, Arc<std:
     Ok((bytes, Arc::new(file)))
 }
 
+/// `content` in a new sealed memory file, and the same content read from the file's mapping.
+pub(super) fn in_memfd(content: &Content) -> std::io::Result<(Content, Arc<std::fs::File>)> {
+    let file = crate::sys::memfd("batchfs-batch")?;
+    content.write_to(&file)?;
+    let (mapped, file) = seal_file(file)?;
+    if mapped.len() as u64 != content.len() {
+        return Err(std::io::Error::other("the memory file does not hold the whole body"));
+    }
+    Ok((content.in_mapping(mapped), file))
+}
+
 impl Entry {
     pub(super) fn new(size: u64, now: u64) -> Self {
         Entry {
@@ -77,21 +198,15 @@ impl Entry {
     /// The memory file of `body` (this entry's verified body), made on first use: written, sealed, and
     /// mapped to serve the daemon's reads from the same pages (the body buffer is then released). With
     /// the bytes written now (0 when it existed).
-    pub(super) fn backing(&self, body: Bytes) -> std::io::Result<(Arc<std::fs::File>, u64)> {
-        use std::io::Write;
+    pub(super) fn backing(&self, body: Content) -> std::io::Result<(Arc<std::fs::File>, u64)> {
         let mut slot = self.memfd.lock().expect("memfd");
         if let Some(f) = &*slot {
             return Ok((f.clone(), 0));
         }
-        let mut file = crate::sys::memfd("batchfs-batch")?;
-        file.write_all(&body)?;
-        let (mapped, file) = seal_file(file)?;
-        if mapped.len() != body.len() {
-            return Err(std::io::Error::other("the memory file does not hold the whole body"));
-        }
+        let (mapped, file) = in_memfd(&body)?;
         *self.state.lock().expect("entry") = State::Ready(mapped);
         *slot = Some(file.clone());
-        Ok((file, body.len() as u64))
+        Ok((file, body.stored()))
     }
 
     pub(super) fn set(&self, state: State) {
@@ -122,17 +237,17 @@ impl Entry {
         range: Option<std::ops::Range<u64>>,
         deadline: Instant,
         timeout: Duration,
-    ) -> Result<(Bytes, bool, bool), ReadError> {
+    ) -> Result<(Content, bool, bool), ReadError> {
         let mut state = self.state.lock().expect("entry");
         let mut waited = false;
         loop {
             match (&*state, &range) {
-                (State::Ready(b), None) => return Ok((b.clone(), waited, false)),
-                (State::Ready(b), Some(r)) => return Ok((b.slice(r.start as usize..r.end as usize), waited, false)),
+                (State::Ready(c), None) => return Ok((c.clone(), waited, false)),
+                (State::Ready(c), Some(r)) => return Ok((Content::Bytes(c.read(r.clone())), waited, false)),
                 (State::Failed(e), _) => return Err(e.clone()),
                 (State::Fetching(Some(p)), Some(r)) => {
                     if let Some(b) = p.slice(r.clone()) {
-                        return Ok((b, waited, true));
+                        return Ok((Content::Bytes(b), waited, true));
                     }
                 }
                 (State::Fetching(_), _) => {}

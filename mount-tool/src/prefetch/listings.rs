@@ -9,8 +9,9 @@
 //! Fetching is the coordinator's (it holds the client, the retries and the runtime); this room keeps
 //! what was fetched and answers from it without blocking.
 
+use super::Listing;
 use crate::sync::{Arc, Mutex};
-use batchfs::api::{BatchEntry, FileEntry, FileList, Manifest};
+use batchfs::api::{BatchEntry, FileEntry, FileList, Manifest, SlotTable};
 use batchfs::encode::BatchFormat;
 use lru::LruCache;
 use std::collections::HashSet;
@@ -22,8 +23,10 @@ pub(super) struct Listings {
     manifests: Mutex<LruCache<(u64, BatchFormat), Arc<Manifest>>>,
     /// The directories of `raw/` listed so far.
     raw: Mutex<RawDirs>,
-    /// Next epochs whose manifests a background task is fetching now.
-    warming: Mutex<HashSet<u64>>,
+    /// Listings of next epochs whose manifests a background task is fetching now.
+    warming: Mutex<HashSet<Listing>>,
+    /// The slot table of `rolling/`'s indexed layout, once fetched (it holds for the mount's life).
+    slots: std::sync::OnceLock<Arc<SlotTable>>,
 }
 
 /// The directories of `raw/` listed so far, by id (the order they were listed in) and by path.
@@ -92,7 +95,18 @@ impl Listings {
             manifests: Mutex::new(LruCache::new(std::num::NonZeroUsize::new(MANIFESTS_KEPT).expect("nonzero"))),
             raw: Mutex::new(RawDirs::default()),
             warming: Mutex::new(HashSet::new()),
+            slots: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The slot table, if fetched.
+    pub fn slot_table(&self) -> Option<Arc<SlotTable>> {
+        self.slots.get().cloned()
+    }
+
+    /// Keeps the slot table (the first one kept wins, so every caller sees the same).
+    pub fn put_slot_table(&self, table: SlotTable) -> Arc<SlotTable> {
+        self.slots.get_or_init(|| Arc::new(table)).clone()
     }
 
     /// The chunks of every DALI index (`*.idx`) of directory `dir` of `raw/`, the first time a read of
@@ -138,13 +152,13 @@ impl Listings {
         NextEpoch { cached: manifests.peek(&(epoch, format)).cloned(), twins }
     }
 
-    /// Claims the warming of `epoch`: false when a task already has it.
-    pub fn start_warming(&self, epoch: u64) -> bool {
-        self.warming.lock().expect("warming").insert(epoch)
+    /// Claims the warming of `listing` (a next epoch's): false when a task already has it.
+    pub fn start_warming(&self, listing: Listing) -> bool {
+        self.warming.lock().expect("warming").insert(listing)
     }
 
-    pub fn warmed(&self, epoch: u64) {
-        self.warming.lock().expect("warming").remove(&epoch);
+    pub fn warmed(&self, listing: Listing) {
+        self.warming.lock().expect("warming").remove(&listing);
     }
 
     /// Directory `dir` of `raw/`, if listed.
@@ -272,8 +286,10 @@ mod tests {
         listings.put_manifest(manifest(2, BatchFormat::TfrecordIdx));
         assert_eq!(listings.next_epoch(2, BatchFormat::Tfrecord).twins, None, "already here");
         assert_eq!(listings.next_epoch(2, BatchFormat::Tar).twins, None, "tar has no twins");
-        assert!(listings.start_warming(2) && !listings.start_warming(2));
-        listings.warmed(2);
-        assert!(listings.start_warming(2));
+        let two = Listing::Epoch { epoch: 2, format: BatchFormat::Tfrecord };
+        assert!(listings.start_warming(two) && !listings.start_warming(two));
+        assert!(listings.start_warming(Listing::Rolling { epoch: 2 }), "another listing of the epoch");
+        listings.warmed(two);
+        assert!(listings.start_warming(two));
     }
 }

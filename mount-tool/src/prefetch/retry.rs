@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 pub(super) enum Failure {
     Client(ClientError),
     Mismatch(String),
+    /// What no retry can mend: the fetch fails with this at once.
+    Fatal(ReadError),
 }
 
 /// Checks a body against the manifest. Its CRC32C was computed from the bytes as they were stored in
@@ -48,6 +50,7 @@ where
         let last = match attempt(n).await {
             Ok(v) => return Ok(v),
             Err(Failure::Client(e)) if !e.is_retryable() => return Err(ReadError::Refused(e.to_string())),
+            Err(Failure::Fatal(e)) => return Err(e),
             Err(Failure::Client(e)) => e.to_string(),
             Err(Failure::Mismatch(m)) => {
                 Stats::add(&stats.checksum_errors, 1);

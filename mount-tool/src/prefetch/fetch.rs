@@ -1,0 +1,157 @@
+//! One fetch, from its admission to its publication: the sink it fills (the reserved buffer, whose
+//! verified prefixes readers may read before the rest has come, or a memory file the kernel will serve
+//! whole under passthrough), its attempts (`retry.rs`), the check against the manifest, and what it
+//! publishes: the verified body, sealed in its memory file; or, for `rolling/`'s indexed layout, the
+//! body's records placed at their slots (in a sparse memory file under passthrough), checked to fit.
+//! Then it counts the bytes, feeds the delivery rate, and on failure gives the entry's charge back.
+
+use super::cache::{in_memfd, seal_file, Content, Entry, Placed, Record, State};
+use super::retry::{verify, with_retries, Failure};
+use super::{describe, BatchKey, Listing, Object, Prefetcher, ReadError};
+use crate::client::{ClientError, Filling, Sink};
+use crate::stats::Stats;
+use crate::sync::{Arc, Ordering};
+use batchfs::rolling::FileLayout;
+use bytes::Bytes;
+use std::time::Instant;
+
+impl Prefetcher {
+    /// Fetches `obj` (cached under `key` as `entry`, charged already) on the runtime: into `buffer` (the
+    /// admission's, reused memory) or, with `memfd`, straight into a memory file. A prefetch
+    /// (`on_demand == false`) counts in the prefetch bytes in flight until it ends.
+    pub(super) fn spawn_fetch(
+        self: &Arc<Self>,
+        key: BatchKey,
+        obj: Object,
+        entry: Arc<Entry>,
+        buffer: Vec<u8>,
+        memfd: bool,
+        on_demand: bool,
+    ) {
+        let this = self.clone();
+        let fetching = entry;
+        let path = match key.listing {
+            Listing::Raw { dir } => self.listings.raw_chunk(dir, key.index),
+            Listing::Epoch { .. } | Listing::Rolling { .. } => None,
+        };
+        let meta = obj.sent;
+        let mut buffer = (!memfd).then_some(buffer);
+        self.runtime.spawn(async move {
+            let client = this.client.clone();
+            let pool = this.pool.clone();
+            let filled = fetching.clone();
+            let placed = obj.placed.clone();
+            // A placed file is published only whole: none of its records is where the body has it.
+            let early = placed.is_none();
+            let into_memfd = this.memfd_bodies.load(Ordering::Relaxed);
+            // The first attempt fills the reserved buffer; one that fails loses it, and a retry
+            // allocates anew (the reservation covers either).
+            let result = with_retries(&this.config, &this.stats, move |attempt| {
+                let client = client.clone();
+                let path = path.clone();
+                let pool = pool.clone();
+                let placed = placed.clone();
+                // Readers wait on the entry for each verified prefix of a buffer (not of a memory file,
+                // which the kernel serves only whole).
+                let fill = |buffer: Vec<u8>| {
+                    let entry = Arc::downgrade(&filled);
+                    let wake = move || entry.upgrade().iter().for_each(|e| e.verified_more());
+                    let home = Some(Arc::downgrade(&pool));
+                    let filling = Filling::new(buffer, (meta.bytes, meta.crc32c), home, wake);
+                    if early {
+                        filled.filling(filling.partial().clone());
+                    }
+                    Sink::Buffer(filling)
+                };
+                let into = match buffer.take() {
+                    Some(buffer) => Ok(fill(buffer)),
+                    None if memfd => Sink::memfd(),
+                    None => Ok(fill(Vec::new())),
+                };
+                async move {
+                    let into = into.map_err(store_failure)?;
+                    let body = match (key.listing, path) {
+                        (Listing::Epoch { epoch, format }, _) => {
+                            client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
+                        }
+                        (Listing::Rolling { epoch }, _) => {
+                            let format = batchfs::encode::BatchFormat::Tfrecord;
+                            client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
+                        }
+                        (Listing::Raw { .. }, Some((path, offset))) => {
+                            client.fetch_file(&path, offset, attempt, into, meta.bytes).await
+                        }
+                        (Listing::Raw { .. }, None) => unreachable!("raw keys exist only after their directory's list"),
+                    }
+                    .map_err(|e| match e {
+                        ClientError::Corrupt { server, message } => {
+                            Failure::Mismatch(format!("{} from {server}: {message}", describe(key)))
+                        }
+                        e => Failure::Client(e),
+                    })?;
+                    verify(key, &meta, &body)?;
+                    match (body.sink, placed) {
+                        (Sink::Buffer(filled), None) => Ok((Content::Bytes(filled.finish()), None)),
+                        (Sink::Buffer(filled), Some(layout)) => {
+                            let content = place(key, filled.finish(), &layout).map_err(Failure::Fatal)?;
+                            if !into_memfd {
+                                return Ok((content, None));
+                            }
+                            // Passthrough will serve it: its memory file now, its records at their slots.
+                            let (content, file) = in_memfd(&content).map_err(store_failure)?;
+                            Ok((content, Some(file)))
+                        }
+                        (Sink::File { file, .. }, _) => {
+                            seal_file(file).map(|(b, f)| (Content::Bytes(b), Some(f))).map_err(store_failure)
+                        }
+                    }
+                }
+            })
+            .await;
+            this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            if !on_demand {
+                this.prefetching.fetch_sub(meta.bytes, Ordering::Relaxed);
+            }
+            match result {
+                Ok((content, file)) => {
+                    Stats::add(&this.stats.fetched_bytes, meta.bytes);
+                    this.throughput.lock().expect("throughput").record(meta.bytes, Instant::now());
+                    if let Some(file) = file {
+                        Stats::add(&this.stats.passthrough_bytes, content.stored());
+                        *fetching.memfd.lock().expect("memfd") = Some(file);
+                    }
+                    fetching.set(State::Ready(content));
+                }
+                Err(e) => {
+                    tracing::warn!(what = %describe(key), error = %e, "fetch failed");
+                    fetching.set(State::Failed(e));
+                    let mut cache = this.cache.lock().expect("cache");
+                    if cache.entries.peek(&key).is_some_and(|e| Arc::ptr_eq(e, &fetching)) {
+                        cache.entries.pop(&key);
+                        this.release(fetching.size);
+                    }
+                }
+            }
+            this.room.notify_all();
+        });
+    }
+}
+
+fn store_failure(e: std::io::Error) -> Failure {
+    Failure::Client(ClientError::Store { server: "memfd".into(), message: e.to_string() })
+}
+
+/// The records of `body` (a verified TFRecord batch) placed by `layout`: each at the slot of its size
+/// rank. A body that is not whole frames, or whose records do not fit the slots, is an error that no
+/// retry can mend (the server's slot table does not hold this epoch's batch).
+fn place(key: BatchKey, body: Bytes, layout: &FileLayout) -> Result<Content, ReadError> {
+    let layout_error = |message: String| ReadError::Layout(format!("{}: {message}", describe(key)));
+    let frames = batchfs::rolling::frames_of(&body)
+        .ok_or_else(|| layout_error("the batch is not a sequence of TFRecord frames".into()))?;
+    let lens: Vec<u64> = frames.iter().map(|&(_, len)| len).collect();
+    let positions = layout.positions(key.index, &lens).map_err(|e| layout_error(e.to_string()))?;
+    let mut records: Vec<Record> =
+        frames.iter().zip(positions).map(|(&(from, len), p)| Record { at: layout.offsets[p], from, len }).collect();
+    records.sort_unstable_by_key(|r| r.at);
+    Ok(Content::Placed(Placed { bytes: body, records: records.into(), len: layout.len }))
+}

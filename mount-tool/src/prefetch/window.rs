@@ -1,0 +1,168 @@
+//! The window: what to fetch ahead of each reader, and how much may be in flight. A read of a listing is
+//! shown to the [`StreamTracker`] (`streams.rs`), whose stream says which files to keep ahead, nearest
+//! first; their prefetches start until one finds no room (the window narrows until readers consume what
+//! is cached: backpressure). A window that runs past an epoch's end continues into the next epoch, whose
+//! manifest a background task fetches (once, however many reads ask). Prefetch bytes in flight are
+//! capped by [`prefetch_cap`]: the configured bytes, or what the measured delivery rate brings in half of
+//! `stall_timeout`.
+
+use super::listings::NextEpoch;
+use super::streams::Target;
+use super::{BatchKey, Listing, Prefetcher};
+use crate::stats::Stats;
+use crate::sync::Arc;
+use batchfs::api::Manifest;
+use batchfs::encode::BatchFormat;
+use std::time::{Duration, Instant};
+
+/// Bytes of prefetches allowed in flight: `configured`, but, once the delivery rate is measured (`rate`,
+/// bytes per second, all servers together; 0 before), no more than what it brings in half of
+/// `stall_timeout`. More than that, on a link shared by many nodes, leaves some response without a byte
+/// for `stall_timeout`: it is abandoned and fetched again, and the link carries it twice. Before the
+/// rate is measured (a mount's first second of transfers), the cap starts at an eighth of `configured`
+/// and grows with what is delivered (twice the bytes `delivered` so far): a fast link reaches the whole
+/// window once half of it has arrived (in a fraction of a second), while many mounts starting together
+/// on a narrow link do not all ask for their whole window at once. (One prefetch may always run,
+/// whatever the cap.)
+pub fn prefetch_cap(configured: u64, rate: f64, delivered: u64, stall_timeout: Duration) -> u64 {
+    if rate <= 0.0 {
+        return configured.min((configured / 8).max(delivered.saturating_mul(2)));
+    }
+    configured.min((rate * stall_timeout.as_secs_f64() / 2.0) as u64)
+}
+
+/// The delivery rate of fetches, all servers together: bytes delivered per second over windows of at
+/// least a second, smoothed.
+#[derive(Debug, Default)]
+pub(super) struct Throughput {
+    window_start: Option<Instant>,
+    bytes: u64,
+    /// Bytes per second; 0 until a window has closed.
+    pub(super) rate: f64,
+    /// Bytes delivered since the mount started.
+    pub(super) delivered: u64,
+}
+
+impl Throughput {
+    const WINDOW: Duration = Duration::from_secs(1);
+
+    pub(super) fn record(&mut self, bytes: u64, now: Instant) {
+        let start = *self.window_start.get_or_insert(now);
+        self.bytes += bytes;
+        self.delivered += bytes;
+        let elapsed = now.duration_since(start);
+        if elapsed >= Self::WINDOW {
+            let sample = self.bytes as f64 / elapsed.as_secs_f64();
+            self.rate = if self.rate == 0.0 { sample } else { 0.5 * self.rate + 0.5 * sample };
+            (self.window_start, self.bytes) = (Some(now), 0);
+        }
+    }
+}
+
+impl Prefetcher {
+    /// Starts the window of the stream this read belongs to.
+    pub(super) fn prefetch_after(self: &Arc<Self>, key: BatchKey, manifest: &Manifest, owner: u32) {
+        if self.config.prefetch == 0 {
+            return;
+        }
+        if let Listing::Raw { dir } = key.listing {
+            let indexes: Vec<Target> = (self.listings.raw_indexes_at(dir, key.index).into_iter())
+                .map(|index| Target { listing: key.listing, index })
+                .collect();
+            self.start_prefetches(&indexes, manifest);
+        }
+        let targets = self.streams.lock().expect("streams").observe(
+            owner,
+            key.listing,
+            key.index,
+            manifest.batches.len() as u64,
+            self.window(key.listing, manifest),
+        );
+        let (here, next): (Vec<Target>, Vec<Target>) = targets.into_iter().partition(|t| t.listing == key.listing);
+        if !self.start_prefetches(&here, manifest) {
+            return;
+        }
+        // The window runs into the next epoch: its manifest may not be here yet, and fetching it must
+        // not hold up this read. (rolling/'s indexed files are placed from the epoch's TFRecord batches,
+        // and their twins are the same for every epoch.)
+        let Some(&Target { listing: next_listing, .. }) = next.first() else { return };
+        let (epoch, format, twins_too) = match next_listing {
+            Listing::Epoch { epoch, format } => (epoch, format, true),
+            Listing::Rolling { epoch } => (epoch, BatchFormat::Tfrecord, false),
+            Listing::Raw { .. } => return,
+        };
+        if epoch > self.config.last_epoch {
+            return;
+        }
+        let NextEpoch { cached, twins } = self.listings.next_epoch(epoch, format);
+        let twins = twins.filter(|_| twins_too);
+        if let (Some(m), None) = (&cached, twins) {
+            self.start_prefetches(&next, m);
+            return;
+        }
+        // One task per next epoch: the reads near an epoch's end would each start one, and each would
+        // fetch the same manifests. Reads after it ends find them cached.
+        if !self.listings.start_warming(next_listing) {
+            return;
+        }
+        let this = self.clone();
+        self.runtime.spawn(async move {
+            // Starting a prefetch takes the cache lock only briefly and never waits.
+            let m = match cached {
+                Some(m) => Ok(m),
+                None => this.fetch_manifest(epoch, format).await,
+            };
+            if let Ok(m) = m {
+                this.start_prefetches(&next, &m);
+            }
+            if let Some(idx) = twins {
+                if let Ok(m) = this.fetch_manifest(epoch, idx).await {
+                    let all: Vec<Target> = (0..m.batches.len() as u64)
+                        .map(|index| Target { listing: Listing::Epoch { epoch, format: idx }, index })
+                        .collect();
+                    this.start_prefetches(&all, &m);
+                }
+            }
+            this.listings.warmed(next_listing);
+        });
+    }
+
+    /// The window of a stream over `manifest`'s files, in files: `prefetch`, or, for an epoch's batches,
+    /// as many as hold `prefetch_bytes` at the listing's mean size when that is more (at most 16 ×
+    /// `prefetch`, so tiny batches do not become thousands of requests, and never more than the listing).
+    /// `raw/` files keep `prefetch`: a file tree's files are single samples.
+    pub(super) fn window(&self, listing: Listing, manifest: &Manifest) -> usize {
+        let prefetch = self.config.prefetch;
+        if let Listing::Raw { .. } = listing {
+            return prefetch;
+        }
+        let n = manifest.batches.len();
+        let mean = (manifest.bytes / n.max(1) as u64).max(1);
+        let by_bytes = self.config.prefetch_bytes.div_ceil(mean).min(n as u64) as usize;
+        prefetch.max(by_bytes.min(prefetch.saturating_mul(16)))
+    }
+
+    /// Starts the prefetch of each target (batches of `manifest`) not cached or in flight, in order,
+    /// until one finds no room (the window narrows until readers consume what is cached); false then.
+    pub(super) fn start_prefetches(self: &Arc<Self>, targets: &[Target], manifest: &Manifest) -> bool {
+        for target in targets {
+            let key = BatchKey { listing: target.listing, index: target.index };
+            let Ok(obj) = self.object(key, manifest) else { continue };
+            match self.get_or_start(key, &obj, false, Instant::now()) {
+                Ok(Some((_, true))) => Stats::add(&self.stats.prefetches, 1),
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    /// Bytes of prefetches allowed in flight now ([`prefetch_cap`] of the measured rate).
+    pub(super) fn prefetch_cap(&self) -> u64 {
+        let (rate, delivered) = {
+            let t = self.throughput.lock().expect("throughput");
+            (t.rate, t.delivered)
+        };
+        prefetch_cap(self.config.max_prefetch_bytes, rate, delivered, self.config.stall_timeout)
+    }
+}
