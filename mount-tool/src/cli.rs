@@ -68,13 +68,13 @@ pub struct MountArgs {
     /// tfrecord or tar
     #[arg(long, help_heading = "Plan", value_name = "FORMAT")]
     pub format: Option<String>,
-    /// Epoch directories listed [default: 1]
+    /// Epochs the job reads from first_epoch: listed, prefetched across, and the span of rolling/ [default: 100]
     #[arg(long, help_heading = "Plan", value_name = "N")]
     pub epochs: Option<String>,
     /// The epoch the first open of each rolling/ file serves [default: 0]
     #[arg(long, help_heading = "Plan", value_name = "N")]
     pub first_epoch: Option<String>,
-    /// Layout of TFRecord files in rolling/: auto, slots or packed [default: auto]
+    /// Layout of TFRecord files in rolling/: auto (per reader), indexed or packed [default: auto]
     #[arg(long, help_heading = "Plan", value_name = "LAYOUT")]
     pub rolling: Option<String>,
     /// Batches kept in flight ahead of each reader [default: 16; 0 disables]

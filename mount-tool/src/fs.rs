@@ -8,13 +8,15 @@
 //! /raw/...                the dataset directory's files as they are on the server (every source)
 //! /rolling/               one epoch's names; each open of one serves the next epoch of that file
 //! ```
-//! Inode numbers encode what they name, so no table grows with the epochs read: the root is 1,
-//! `.batchfs` 2, its `stats` 3, `rolling` 4, epoch directory *e* is `2^40 + e`, and batch *b* of epoch
-//! *e* is `2^62 + e·2^36 + b·4 + kind` (kind 0: the batch, 1: its DALI index, 2 and 3: the same as seen
-//! in `rolling/`, whose layout may differ and whose opens advance its epochs); node *n* of the `raw/` tree
-//! (built from the server's file list on first use) is `2^41 + n` for a directory, `2^42 + n` for a
-//! file. Any epoch number up to 999,999 resolves by name, listed or not. `stat` and `readdir` use
-//! manifests only, never sample data.
+//! Inode numbers encode what they name, so no table grows with the epochs read, and a new process serving
+//! the same mount numbers everything the same way: the root is 1, `.batchfs` 2, its `stats` 3, `rolling`
+//! 4, epoch directory *e* is `2^40 + e`, and batch *b* of epoch *e* is `2^62 + e·2^36 + b·8 + kind`
+//! (kind 0: the batch, 1: its DALI index; as `rolling/` serves epoch *e*: 2 the packed batch, 3 its
+//! index, 4 the indexed layout's file); the indexed layout's twin of name *b*, one file for every epoch,
+//! is `2^43 + b`; node *n* of the `raw/` tree (built from the server's file list on first use) is
+//! `2^41 + n` for a directory, `2^42 + n` for a file. Any epoch number up to 999,999 resolves by name,
+//! listed or not. `stat` and `readdir` use manifests (and `rolling/`'s slot table) only, never sample
+//! data. `rolling/`'s counters and layouts are `fs/rolling.rs`'s.
 
 use crate::prefetch::{BatchKey, Listing, Prefetcher, ReadError};
 use batchfs::encode::BatchFormat;
@@ -24,6 +26,10 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 use thiserror::Error;
 
+mod rolling;
+pub use rolling::RollingMode;
+use rolling::{Layout, RollingState};
+
 pub const ROOT: u64 = 1;
 pub const META_DIR: u64 = 2;
 pub const STATS_FILE: u64 = 3;
@@ -31,7 +37,10 @@ pub const ROLLING_DIR: u64 = 4;
 const EPOCH_BASE: u64 = 1 << 40;
 const RAW_DIR_BASE: u64 = 1 << 41;
 const RAW_FILE_BASE: u64 = 1 << 42;
+const ROLLING_INDEX_BASE: u64 = 1 << 43;
 const BATCH_BASE: u64 = 1 << 62;
+/// Batch numbers are below this (33 bits of a batch inode).
+const MAX_BATCHES: u64 = 1 << 33;
 
 /// The name of the statistics directory.
 pub const META_NAME: &str = ".batchfs";
@@ -87,32 +96,62 @@ pub enum Node {
     MetaDir,
     Stats,
     Epoch(u64),
-    /// A batch file; `index` for the `.tfrecord.idx` twin; `rolling` as seen in `rolling/`.
+    /// A batch file of an epoch directory; `index` for its `.tfrecord.idx` twin.
     Batch {
         epoch: u64,
         batch: u64,
         index: bool,
-        rolling: bool,
     },
     /// `rolling/`.
     RollingDir,
+    /// A file of `rolling/` as it serves epoch `epoch`.
+    Rolling {
+        epoch: u64,
+        batch: u64,
+        file: RollingFile,
+    },
+    /// The `.tfrecord.idx` twin of name `batch` of `rolling/` in the indexed layout: one file for every
+    /// epoch.
+    RollingIndex {
+        batch: u64,
+    },
     /// A directory of the `raw/` tree (node 0 is `raw` itself).
     RawDir(u32),
     /// A source file in the `raw/` tree.
     RawFile(u32),
 }
 
+/// What a file of `rolling/` is, in the epoch it serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RollingFile {
+    /// The epoch's batch as its epoch directory has it.
+    Packed,
+    /// Its DALI index.
+    PackedIndex,
+    /// The batch's records at the fixed offsets of the indexed layout.
+    Indexed,
+}
+
 impl Node {
     pub fn ino(self) -> u64 {
+        let batch_ino = |epoch: u64, batch: u64, kind: u64| BATCH_BASE | epoch << 36 | batch << 3 | kind;
         match self {
             Node::Root => ROOT,
             Node::MetaDir => META_DIR,
             Node::Stats => STATS_FILE,
             Node::Epoch(e) => EPOCH_BASE + e,
-            Node::Batch { epoch, batch, index, rolling } => {
-                BATCH_BASE | epoch << 36 | batch << 2 | u64::from(rolling) << 1 | u64::from(index)
-            }
+            Node::Batch { epoch, batch, index } => batch_ino(epoch, batch, u64::from(index)),
+            Node::Rolling { epoch, batch, file } => batch_ino(
+                epoch,
+                batch,
+                match file {
+                    RollingFile::Packed => 2,
+                    RollingFile::PackedIndex => 3,
+                    RollingFile::Indexed => 4,
+                },
+            ),
             Node::RollingDir => ROLLING_DIR,
+            Node::RollingIndex { batch } => ROLLING_INDEX_BASE + batch,
             Node::RawDir(n) => RAW_DIR_BASE + u64::from(n),
             Node::RawFile(n) => RAW_FILE_BASE + u64::from(n),
         }
@@ -126,8 +165,19 @@ impl Node {
             ROLLING_DIR => Some(Node::RollingDir),
             i if i >= BATCH_BASE => {
                 let rest = i - BATCH_BASE;
-                let (index, rolling) = (rest & 1 == 1, rest & 2 == 2);
-                Some(Node::Batch { epoch: rest >> 36, batch: (rest >> 2) & ((1 << 34) - 1), index, rolling })
+                let (epoch, batch) = (rest >> 36, (rest >> 3) & (MAX_BATCHES - 1));
+                let rolling = |file| Some(Node::Rolling { epoch, batch, file });
+                match rest & 7 {
+                    0 => Some(Node::Batch { epoch, batch, index: false }),
+                    1 => Some(Node::Batch { epoch, batch, index: true }),
+                    2 => rolling(RollingFile::Packed),
+                    3 => rolling(RollingFile::PackedIndex),
+                    4 => rolling(RollingFile::Indexed),
+                    _ => None,
+                }
+            }
+            i if (ROLLING_INDEX_BASE..ROLLING_INDEX_BASE + MAX_BATCHES).contains(&i) => {
+                Some(Node::RollingIndex { batch: i - ROLLING_INDEX_BASE })
             }
             i if (EPOCH_BASE..=EPOCH_BASE + MAX_EPOCH).contains(&i) => Some(Node::Epoch(i - EPOCH_BASE)),
             i if (RAW_DIR_BASE..RAW_DIR_BASE + (1 << 32)).contains(&i) => Some(Node::RawDir((i - RAW_DIR_BASE) as u32)),
@@ -179,8 +229,8 @@ pub struct FsOptions {
     pub time: SystemTime,
     /// Show `raw/` (the dataset's source files).
     pub raw: bool,
-    /// The format of TFRecord batches in `rolling/`: `tfrecord` (packed) or `tfrecord.slots`.
-    pub rolling: BatchFormat,
+    /// How `rolling/` lays out TFRecord batches.
+    pub rolling: RollingMode,
     /// The epoch the first open of each `rolling/` file serves.
     pub first_epoch: u64,
 }
@@ -217,10 +267,12 @@ impl RawTree {
     }
 }
 
-/// What a file reads: a batch, or a file of `raw/` (by its directory's id and its position there).
+/// What a file reads: a batch (or a placed file of `rolling/`), a file of `raw/` (by its directory's id
+/// and its position there), or the indexed layout's twin of a `rolling/` name (made here).
 enum Source {
     Batch(BatchKey),
     Raw { dir: u32, file: u64 },
+    RollingIndex(u64),
 }
 
 /// The filesystem.
@@ -228,20 +280,13 @@ pub struct Fs {
     prefetcher: Arc<Prefetcher>,
     pub options: FsOptions,
     raw: Mutex<RawTree>,
-    /// The epoch the next open of each `rolling/` file serves, by (batch, index twin); absent:
-    /// `first_epoch`. At most one entry per name of an epoch.
-    rolling: Mutex<std::collections::HashMap<(u64, bool), u64>>,
+    rolling: RollingState,
 }
 
 impl Fs {
     pub fn new(prefetcher: Arc<Prefetcher>, options: FsOptions) -> Self {
-        Fs { prefetcher, options, raw: Mutex::new(RawTree::new()), rolling: Mutex::new(Default::default()) }
-    }
-
-    /// The epoch the next open of `rolling/` file `(batch, index)` serves.
-    fn rolling_epoch(&self, batch: u64, index: bool) -> u64 {
-        let next = self.rolling.lock().expect("rolling");
-        next.get(&(batch, index)).copied().unwrap_or(self.options.first_epoch)
+        let rolling = RollingState::new(options.rolling, options.first_epoch, options.epochs);
+        Fs { prefetcher, options, raw: Mutex::new(RawTree::new()), rolling }
     }
 
     /// Lists directory node `n` of `raw/` from the server (every page) if it is not listed yet, without
@@ -317,7 +362,7 @@ impl Fs {
     /// The parent directory of directory `ino` (the root is its own).
     pub fn parent(&self, ino: u64) -> u64 {
         match Node::from_ino(ino) {
-            Some(Node::RawDir(0)) | Some(Node::Epoch(_)) | Some(Node::MetaDir) | Some(Node::RollingDir) => ROOT,
+            Some(Node::RawDir(0) | Node::Epoch(_) | Node::MetaDir | Node::RollingDir) => ROOT,
             Some(Node::RawDir(n)) => {
                 let tree = self.raw.lock().expect("raw tree");
                 tree.nodes.get(n as usize).map_or(ROOT, |node| Node::RawDir(node.parent).ino())
@@ -337,24 +382,20 @@ impl Fs {
         self.prefetcher.stats.passthrough.store(u64::from(on), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// The format of a batch file (`rolling`: as `rolling/` shows it).
-    fn batch_format(&self, index: bool, rolling: bool) -> BatchFormat {
-        let format = if rolling && self.options.format == BatchFormat::Tfrecord {
-            self.options.rolling
-        } else {
-            self.options.format
-        };
-        match format.index() {
+    /// The format of a batch file or its twin as the server sends it.
+    fn batch_format(&self, index: bool) -> BatchFormat {
+        match self.options.format.index() {
             Some(idx) if index => idx,
-            _ => format,
+            _ => self.options.format,
         }
     }
 
+    /// The batch and whether it is the `.idx` twin, of a batch file's name.
     fn parse_batch(&self, name: &str) -> Option<(u64, bool)> {
         let rest = name.strip_prefix("batch-")?;
         let (digits, ext) = rest.split_once('.')?;
         let batch: u64 = digits.parse().ok()?;
-        if !digits.bytes().all(|b| b.is_ascii_digit()) || format!("{batch:06}") != digits || batch >= 1 << 34 {
+        if !digits.bytes().all(|b| b.is_ascii_digit()) || format!("{batch:06}") != digits || batch >= MAX_BATCHES {
             return None;
         }
         match ext {
@@ -364,6 +405,38 @@ impl Fs {
         }
     }
 
+    /// The layout `owner` reads `rolling/` in: the indexed one holds TFRecord batches only.
+    fn rolling_layout(&self, owner: u32, twin: bool) -> Layout {
+        if self.options.format != BatchFormat::Tfrecord {
+            return Layout::Packed;
+        }
+        if twin {
+            self.rolling.twin_layout()
+        } else {
+            self.rolling.layout(owner)
+        }
+    }
+
+    /// The `rolling/` file named `(batch, twin)` as `owner` sees it now: the one its next open gets, or,
+    /// in the packed layout, the one it has open.
+    fn rolling_node(&self, batch: u64, twin: bool, owner: u32) -> Node {
+        let file = match (self.rolling_layout(owner, twin), twin) {
+            (Layout::Packed, false) => RollingFile::Packed,
+            (Layout::Packed, true) => RollingFile::PackedIndex,
+            (Layout::Indexed, false) => RollingFile::Indexed,
+            (Layout::Indexed, true) => return Node::RollingIndex { batch },
+        };
+        let next = self.rolling.epoch_of(batch, file);
+        let held = (file != RollingFile::Indexed).then(|| self.rolling.held(batch, file, owner)).flatten();
+        Node::Rolling { epoch: held.unwrap_or(next), batch, file }
+    }
+
+    /// The indexed layout's twin of `rolling/` name `batch` (the same for every epoch).
+    fn rolling_index(&self, batch: u64) -> Result<Bytes, FsError> {
+        self.prefetcher.slot_table()?;
+        Ok(Bytes::from(self.prefetcher.file_layout(batch)?.dali_index()))
+    }
+
     /// Current statistics as JSON.
     pub fn stats_json(&self) -> Vec<u8> {
         let mut out = serde_json::to_vec_pretty(&self.prefetcher.stats.snapshot()).expect("stats serialize");
@@ -371,8 +444,9 @@ impl Fs {
         out
     }
 
-    /// Resolves `name` in directory `parent`.
-    pub fn lookup(&self, parent: u64, name: &str) -> Result<Attr, FsError> {
+    /// Resolves `name` in directory `parent` for process `owner` (0: unknown; in `rolling/` the layout
+    /// depends on the reader).
+    pub fn lookup(&self, parent: u64, name: &str, owner: u32) -> Result<Attr, FsError> {
         let node = match Node::from_ino(parent).ok_or(FsError::NotFound)? {
             Node::Root if name == META_NAME => Node::MetaDir,
             Node::Root if name == RAW_NAME && self.options.raw => Node::RawDir(0),
@@ -381,16 +455,18 @@ impl Fs {
             Node::MetaDir if name == "stats" => Node::Stats,
             Node::Epoch(epoch) => {
                 let (batch, index) = self.parse_batch(name).ok_or(FsError::NotFound)?;
-                Node::Batch { epoch, batch, index, rolling: false }
+                Node::Batch { epoch, batch, index }
             }
             // The file the next open gets: the kernel asks again at every open (no entry is cached).
             Node::RollingDir => {
                 let (batch, index) = self.parse_batch(name).ok_or(FsError::NotFound)?;
-                Node::Batch { epoch: self.rolling_epoch(batch, index), batch, index, rolling: true }
+                self.rolling_node(batch, index, owner)
             }
             Node::RawDir(n) => self.raw_lookup(n, name)?,
             Node::MetaDir => return Err(FsError::NotFound),
-            Node::Stats | Node::Batch { .. } | Node::RawFile(_) => return Err(FsError::NotADirectory),
+            Node::Stats | Node::Batch { .. } | Node::Rolling { .. } | Node::RollingIndex { .. } | Node::RawFile(_) => {
+                return Err(FsError::NotADirectory)
+            }
         };
         self.attr(node)
     }
@@ -403,10 +479,21 @@ impl Fs {
     fn attr(&self, node: Node) -> Result<Attr, FsError> {
         let size = match node {
             Node::Stats => self.stats_json().len() as u64,
-            Node::Batch { epoch, batch, index, rolling } => {
-                let manifest = self.prefetcher.manifest(epoch, self.batch_format(index, rolling))?;
+            Node::Batch { epoch, batch, .. }
+            | Node::Rolling { epoch, batch, file: RollingFile::Packed | RollingFile::PackedIndex } => {
+                let index = matches!(node, Node::Batch { index: true, .. })
+                    || matches!(node, Node::Rolling { file: RollingFile::PackedIndex, .. });
+                let manifest = self.prefetcher.manifest(epoch, self.batch_format(index))?;
                 manifest.batches.get(batch as usize).ok_or(FsError::NotFound)?.bytes
             }
+            Node::Rolling { epoch, batch, file: RollingFile::Indexed } => {
+                // The batch must exist in its epoch (the manifest says), and its file is the layout's.
+                let manifest = self.prefetcher.manifest(epoch, BatchFormat::Tfrecord)?;
+                manifest.batches.get(batch as usize).ok_or(FsError::NotFound)?;
+                self.prefetcher.slot_table()?;
+                self.prefetcher.file_layout(batch)?.len
+            }
+            Node::RollingIndex { batch } => self.rolling_index(batch)?.len() as u64,
             Node::RawFile(n) => {
                 let (dir, file) = self.raw_file(n)?;
                 self.prefetcher.file_size(dir, file)?
@@ -425,8 +512,8 @@ impl Fs {
         Ok(Attr { node, size })
     }
 
-    /// The entries of directory `ino` (without `.` and `..`).
-    pub fn readdir(&self, ino: u64) -> Result<Vec<(Node, String)>, FsError> {
+    /// The entries of directory `ino` (without `.` and `..`) as process `owner` sees them.
+    pub fn readdir(&self, ino: u64, owner: u32) -> Result<Vec<(Node, String)>, FsError> {
         match Node::from_ino(ino).ok_or(FsError::NotFound)? {
             Node::Root => {
                 let mut out = vec![(Node::MetaDir, META_NAME.to_owned())];
@@ -438,35 +525,30 @@ impl Fs {
                 Ok(out)
             }
             Node::MetaDir => Ok(vec![(Node::Stats, "stats".to_owned())]),
-            Node::Epoch(epoch) => self.batch_entries(epoch, |_, _| epoch, false),
-            // One epoch's names (every epoch has as many batches), each at the epoch its next open gets.
+            Node::Epoch(epoch) => self.batch_entries(epoch, |batch, index| Node::Batch { epoch, batch, index }),
+            // One epoch's names (every epoch has as many batches), each as its next open gets it.
             Node::RollingDir => {
-                let next = self.rolling.lock().expect("rolling").clone();
-                let first = self.options.first_epoch;
-                self.batch_entries(first, |b, index| next.get(&(b, index)).copied().unwrap_or(first), true)
+                let first = self.rolling.first_epoch();
+                self.batch_entries(first, |b, index| self.rolling_node(b, index, owner))
             }
             Node::RawDir(n) => {
                 Ok(self.raw_entries(n, 0, usize::MAX)?.into_iter().map(|(name, node)| (node, name)).collect())
             }
-            Node::Stats | Node::Batch { .. } | Node::RawFile(_) => Err(FsError::NotADirectory),
+            Node::Stats | Node::Batch { .. } | Node::Rolling { .. } | Node::RollingIndex { .. } | Node::RawFile(_) => {
+                Err(FsError::NotADirectory)
+            }
         }
     }
 
-    /// The batch files of epoch `listed` (and their index twins), each named in the epoch `epoch_of`
-    /// gives for (batch, index twin).
-    fn batch_entries(
-        &self,
-        listed: u64,
-        epoch_of: impl Fn(u64, bool) -> u64,
-        rolling: bool,
-    ) -> Result<Vec<(Node, String)>, FsError> {
-        let manifest = self.prefetcher.manifest(listed, self.batch_format(false, rolling))?;
+    /// The batch files of epoch `listed` (and their index twins), each the node `node_of` gives for
+    /// (batch, index twin).
+    fn batch_entries(&self, listed: u64, node_of: impl Fn(u64, bool) -> Node) -> Result<Vec<(Node, String)>, FsError> {
+        let manifest = self.prefetcher.manifest(listed, self.options.format)?;
         let with_index = self.options.format.index().is_some();
         let mut out = Vec::with_capacity(manifest.batches.len() * 2);
         for b in 0..manifest.batches.len() as u64 {
             for index in [false, true].into_iter().filter(|&i| !i || with_index) {
-                let node = Node::Batch { epoch: epoch_of(b, index), batch: b, index, rolling };
-                out.push((node, batch_name(b, self.batch_format(index, rolling))));
+                out.push((node_of(b, index), batch_name(b, self.batch_format(index))));
             }
         }
         Ok(out)
@@ -474,19 +556,20 @@ impl Fs {
 
     /// Every entry of directory `ino` as `readdir` returns it: `.`, `..`, then [`Fs::readdir`]'s, each as
     /// (inode, is a directory, name).
-    pub fn dir_entries(&self, ino: u64) -> Result<Vec<(u64, bool, String)>, FsError> {
-        self.dir_entries_from(ino, 0)
+    pub fn dir_entries(&self, ino: u64, owner: u32) -> Result<Vec<(u64, bool, String)>, FsError> {
+        self.dir_entries_from(ino, 0, owner)
     }
 
     /// [`Fs::dir_entries`] from position `offset` on: all of them, except in a directory of `raw/`, where
     /// a call gives at most [`READDIR_BATCH`] (the kernel asks again from where it got to), so listing a
     /// directory of a million files costs each entry once, not the whole directory per call.
-    pub fn dir_entries_from(&self, ino: u64, offset: usize) -> Result<Vec<(u64, bool, String)>, FsError> {
+    pub fn dir_entries_from(&self, ino: u64, offset: usize, owner: u32) -> Result<Vec<(u64, bool, String)>, FsError> {
         let dots = [(ino, true, ".".to_owned()), (self.parent(ino), true, "..".to_owned())];
         let entries = match Node::from_ino(ino) {
             Some(Node::RawDir(n)) => self.raw_entries(n, offset.saturating_sub(2), READDIR_BATCH)?,
             _ => {
-                self.readdir(ino)?.into_iter().map(|(node, name)| (name, node)).skip(offset.saturating_sub(2)).collect()
+                let entries = self.readdir(ino, owner)?.into_iter().map(|(node, name)| (name, node));
+                entries.skip(offset.saturating_sub(2)).collect()
             }
         };
         let mut out: Vec<(u64, bool, String)> = dots.into_iter().skip(offset).collect();
@@ -494,28 +577,59 @@ impl Fs {
         Ok(out)
     }
 
-    /// Checks that `ino` can be opened for reading. Opening a file of `rolling/` moves that name on: its
-    /// next lookup (the next open's) is the following epoch's file.
+    /// Checks that `ino` can be opened for reading. [`Fs::opened`] says when the open got its file.
     pub fn open(&self, ino: u64, write: bool) -> Result<Node, FsError> {
         let node = Node::from_ino(ino).ok_or(FsError::NotFound)?;
         if write {
             return Err(FsError::ReadOnly);
         }
-        if let Node::Batch { epoch, batch, index, rolling: true } = node {
-            let mut next = self.rolling.lock().expect("rolling");
-            let at = next.entry((batch, index)).or_insert(self.options.first_epoch);
-            // Two opens that looked the name up together both get its epoch; the name moves on once.
-            *at = (*at).max(epoch + 1).min(MAX_EPOCH);
-        }
         Ok(node)
+    }
+
+    /// An open of `ino` by process `owner` succeeded. An open of a `rolling/` file moves its name on (its
+    /// next lookup, the next open's, is the following epoch's file); an open of a twin there makes
+    /// `owner` an index-driven reader (with `rolling=auto`). A failed open moves nothing.
+    pub fn opened(&self, ino: u64, owner: u32) {
+        match Node::from_ino(ino) {
+            Some(Node::Rolling { epoch, batch, file }) => {
+                self.rolling.opened(batch, file, epoch);
+                if file != RollingFile::Indexed {
+                    self.rolling.hold(batch, file, epoch, owner);
+                }
+                if file == RollingFile::PackedIndex {
+                    self.rolling.reads_twins(owner);
+                }
+            }
+            Some(Node::RollingIndex { .. }) => self.rolling.reads_twins(owner),
+            _ => {}
+        }
+    }
+
+    /// Process `owner` released a handle of `ino` that [`Fs::opened`] counted.
+    pub fn released(&self, ino: u64, owner: u32) {
+        if let Some(Node::Rolling { epoch, batch, file: file @ (RollingFile::Packed | RollingFile::PackedIndex) }) =
+            Node::from_ino(ino)
+        {
+            self.rolling.release(batch, file, epoch, owner);
+        }
     }
 
     /// What file `ino` reads.
     fn source(&self, ino: u64) -> Result<Source, FsError> {
         match Node::from_ino(ino).ok_or(FsError::NotFound)? {
-            Node::Batch { epoch, batch, index, rolling } => {
-                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(index, rolling))))
+            Node::Batch { epoch, batch, index } => {
+                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(index))))
             }
+            Node::Rolling { epoch, batch, file: RollingFile::Packed } => {
+                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(false))))
+            }
+            Node::Rolling { epoch, batch, file: RollingFile::PackedIndex } => {
+                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(true))))
+            }
+            Node::Rolling { epoch, batch, file: RollingFile::Indexed } => {
+                Ok(Source::Batch(BatchKey { listing: Listing::Rolling { epoch }, index: batch }))
+            }
+            Node::RollingIndex { batch } => Ok(Source::RollingIndex(batch)),
             Node::RawFile(n) => {
                 let (dir, file) = self.raw_file(n)?;
                 Ok(Source::Raw { dir, file })
@@ -536,6 +650,11 @@ impl Fs {
         Ok(match self.source(ino)? {
             Source::Batch(key) => self.prefetcher.read(key, offset, size, owner)?,
             Source::Raw { dir, file } => self.prefetcher.read_file(dir, file, offset, size, owner)?,
+            Source::RollingIndex(batch) => {
+                let text = self.rolling_index(batch)?;
+                let start = (offset as usize).min(text.len());
+                text.slice(start..(start + size as usize).min(text.len()))
+            }
         })
     }
 
@@ -552,6 +671,15 @@ impl Fs {
                 }
                 BatchKey { listing: Listing::Raw { dir }, index: chunks.start }
             }
+            Source::RollingIndex(batch) => {
+                let text = self.rolling_index(batch)?;
+                let file = crate::sys::memfd("batchfs-index")
+                    .and_then(|mut f| {
+                        std::io::Write::write_all(&mut f, &text).and_then(|_| crate::sys::seal(&f)).map(|_| f)
+                    })
+                    .map_err(|e| FsError::Io(ReadError::Backing(format!("the twin of rolling/ batch {batch}: {e}"))))?;
+                return Ok(Some(Arc::new(file)));
+            }
         };
         Ok(Some(self.prefetcher.backing_file(key, owner)?))
     }
@@ -565,7 +693,7 @@ impl Fs {
                     self.prefetcher.closed(BatchKey { listing: Listing::Raw { dir }, index });
                 }
             }
-            Err(_) => {}
+            Ok(Source::RollingIndex(_)) | Err(_) => {}
         }
     }
 }
@@ -601,7 +729,7 @@ mod tests {
             gid: 0,
             time: SystemTime::UNIX_EPOCH,
             raw: true,
-            rolling: BatchFormat::TfrecordSlots,
+            rolling: RollingMode::Packed,
             first_epoch: 0,
         }
     }
@@ -609,19 +737,19 @@ mod tests {
     #[test]
     fn tree_and_reads() {
         let (_rt, fs) = fs(BatchFormat::Tfrecord);
-        let names: Vec<String> = fs.readdir(ROOT).unwrap().into_iter().map(|(_, n)| n).collect();
+        let names: Vec<String> = fs.readdir(ROOT, 0).unwrap().into_iter().map(|(_, n)| n).collect();
         assert_eq!(names, [".batchfs", "raw", "rolling", "epoch-0000", "epoch-0001"]);
-        let e7 = fs.lookup(ROOT, "epoch-0007").unwrap();
+        let e7 = fs.lookup(ROOT, "epoch-0007", 0).unwrap();
         assert_eq!(e7.node, Node::Epoch(7), "unlisted epochs resolve by name");
-        let listing: Vec<String> = fs.readdir(e7.node.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
+        let listing: Vec<String> = fs.readdir(e7.node.ino(), 0).unwrap().into_iter().map(|(_, n)| n).collect();
         assert_eq!(listing[..2], ["batch-000000.tfrecord", "batch-000000.tfrecord.idx"]);
-        let f = fs.lookup(e7.node.ino(), "batch-000002.tfrecord").unwrap();
+        let f = fs.lookup(e7.node.ino(), "batch-000002.tfrecord", 0).unwrap();
         let want = "tfrecord epoch 7 batch 2";
         assert_eq!(f.size, want.len() as u64);
         assert_eq!(fs.read(f.node.ino(), 0, 100, 1).unwrap(), want.as_bytes());
-        let idx = fs.lookup(e7.node.ino(), "batch-000002.tfrecord.idx").unwrap();
+        let idx = fs.lookup(e7.node.ino(), "batch-000002.tfrecord.idx", 0).unwrap();
         assert_eq!(fs.read(idx.node.ino(), 0, 100, 1).unwrap(), "tfrecord.idx epoch 7 batch 2".as_bytes());
-        let stats = fs.lookup(META_DIR, "stats").unwrap();
+        let stats = fs.lookup(META_DIR, "stats", 0).unwrap();
         let json: serde_json::Value =
             serde_json::from_slice(&fs.read(stats.node.ino(), 0, 1 << 16, 1).unwrap()).unwrap();
         assert_eq!(json["reads"], 2);
@@ -629,42 +757,148 @@ mod tests {
 
     #[test]
     fn each_open_of_a_rolling_name_serves_the_next_epoch_of_that_file() {
-        let (_rt, mut fs) = fs(BatchFormat::Tfrecord);
+        let (rt, mut fs) = fs(BatchFormat::Tfrecord);
         fs.options.first_epoch = 5;
-        let rolling = fs.lookup(ROOT, "rolling").unwrap().node;
+        fs.options.epochs = 4;
+        // The epochs it serves are the span's: 5 to 8, then 5 again.
+        let fs = Fs::new(fs.prefetcher.clone(), fs.options.clone());
+        let _rt = rt;
+        let rolling = fs.lookup(ROOT, "rolling", 0).unwrap().node;
         assert_eq!(rolling, Node::RollingDir);
-        let names: Vec<String> = fs.readdir(rolling.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
+        let names: Vec<String> = fs.readdir(rolling.ino(), 0).unwrap().into_iter().map(|(_, n)| n).collect();
         assert_eq!(names[..2], ["batch-000000.tfrecord", "batch-000000.tfrecord.idx"]);
         assert_eq!(names.len(), 6);
         let open = |name: &str| {
-            let attr = fs.lookup(rolling.ino(), name).unwrap();
+            let attr = fs.lookup(rolling.ino(), name, 0).unwrap();
             fs.open(attr.node.ino(), false).unwrap();
+            fs.opened(attr.node.ino(), 0);
             let body = fs.read(attr.node.ino(), 0, 100, 1).unwrap();
             fs.closed(attr.node.ino());
             assert_eq!(attr.size, body.len() as u64);
             String::from_utf8(body.to_vec()).unwrap()
         };
-        // Looking a name up (stat, ls) moves nothing; each open does, per name.
-        fs.lookup(rolling.ino(), "batch-000001.tfrecord").unwrap();
-        assert_eq!(open("batch-000001.tfrecord"), "tfrecord.slots epoch 5 batch 1");
-        assert_eq!(open("batch-000001.tfrecord"), "tfrecord.slots epoch 6 batch 1");
-        assert_eq!(open("batch-000002.tfrecord"), "tfrecord.slots epoch 5 batch 2");
-        assert_eq!(open("batch-000001.tfrecord.idx"), "tfrecord.slots.idx epoch 5 batch 1");
-        assert_eq!(open("batch-000001.tfrecord"), "tfrecord.slots epoch 7 batch 1");
+        // Looking a name up (stat, ls) moves nothing; each open that got its file does, per name.
+        fs.lookup(rolling.ino(), "batch-000001.tfrecord", 0).unwrap();
+        assert_eq!(open("batch-000001.tfrecord"), "tfrecord epoch 5 batch 1");
+        assert_eq!(open("batch-000001.tfrecord"), "tfrecord epoch 6 batch 1");
+        assert_eq!(open("batch-000002.tfrecord"), "tfrecord epoch 5 batch 2");
+        assert_eq!(open("batch-000001.tfrecord.idx"), "tfrecord.idx epoch 5 batch 1");
+        let failed = fs.lookup(rolling.ino(), "batch-000001.tfrecord", 0).unwrap();
+        fs.open(failed.node.ino(), false).unwrap();
+        // (No `opened`: the open failed, as a passthrough open whose fetch fails does.)
+        assert_eq!(open("batch-000001.tfrecord"), "tfrecord epoch 7 batch 1", "a failed open skips nothing");
         // readdir names each file at the epoch its next open gets.
-        let listed = fs.readdir(rolling.ino()).unwrap();
+        let listed = fs.readdir(rolling.ino(), 0).unwrap();
         let epoch_of = |name: &str| match listed.iter().find(|(_, n)| n == name).unwrap().0 {
-            Node::Batch { epoch, rolling: true, .. } => epoch,
+            Node::Rolling { epoch, .. } => epoch,
             other => panic!("{other:?}"),
         };
         assert_eq!((epoch_of("batch-000001.tfrecord"), epoch_of("batch-000000.tfrecord")), (8, 5));
+        assert_eq!(open("batch-000001.tfrecord"), "tfrecord epoch 8 batch 1");
+        assert_eq!(open("batch-000001.tfrecord"), "tfrecord epoch 5 batch 1", "the span's first epoch again");
         // Two opens of one looked-up file (two readers that resolved it together) share its epoch.
-        let attr = fs.lookup(rolling.ino(), "batch-000000.tfrecord").unwrap();
-        fs.open(attr.node.ino(), false).unwrap();
-        fs.open(attr.node.ino(), false).unwrap();
-        assert_eq!(open("batch-000000.tfrecord"), "tfrecord.slots epoch 6 batch 0");
-        assert_eq!(fs.lookup(rolling.ino(), "batch-000003.tfrecord").unwrap_err().errno(), libc::ENOENT);
+        let attr = fs.lookup(rolling.ino(), "batch-000000.tfrecord", 0).unwrap();
+        for _ in 0..2 {
+            fs.open(attr.node.ino(), false).unwrap();
+            fs.opened(attr.node.ino(), 0);
+        }
+        assert_eq!(open("batch-000000.tfrecord"), "tfrecord epoch 6 batch 0");
+        assert_eq!(fs.lookup(rolling.ino(), "batch-000003.tfrecord", 0).unwrap_err().errno(), libc::ENOENT);
         assert_eq!(fs.parent(rolling.ino()), ROOT);
+    }
+
+    /// The TFRecord frame of record `r` of batch `b` of epoch `e`: sizes differ between epochs, with a
+    /// heavy tail (one record in seven twenty times the others).
+    fn frame(e: u64, b: u64, r: u64) -> Vec<u8> {
+        let len = 200 + ((e * 31 + b * 17 + r * 7) % 13) * 50 + if (e + b + r) % 7 == 0 { 5000 } else { 0 };
+        let mut out = Vec::new();
+        batchfs::tfrecord::encode_record(&vec![(e * 100 + b * 10 + r) as u8; len as usize], &mut out);
+        out
+    }
+
+    /// rolling/ in the indexed layout: each name is one file whose size and twin hold for every epoch of
+    /// the span; each epoch's file holds exactly that epoch's records, each at the offset its twin gives
+    /// (at most its slot long), zeros between them, which a memory file for the kernel does not store.
+    #[test]
+    fn indexed_rolling_files_hold_each_epochs_records_at_the_twins_offsets() {
+        for memfds in [false, true] {
+            indexed_rolling_files_hold_each_epochs_records(memfds);
+        }
+    }
+
+    /// The test above, with bodies fetched into buffers or (passthrough) placed into memory files.
+    fn indexed_rolling_files_hold_each_epochs_records(memfds: bool) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let records = |e: u64, b: u64| (0..5).map(|r| frame(e, b, r)).collect::<Vec<_>>();
+        let client = MemoryClient::new(move |e, f| {
+            (0..3)
+                .map(|b| match f {
+                    BatchFormat::Tfrecord => Bytes::from(records(e, b).concat()),
+                    _ => Bytes::from(format!("{f} epoch {e} batch {b}").into_bytes()),
+                })
+                .collect()
+        });
+        let config = PrefetcherConfig { rolling: (4, 3), ..PrefetcherConfig::default() };
+        let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), config);
+        p.fetch_into_memfds(memfds);
+        let o =
+            FsOptions { rolling: RollingMode::Indexed, first_epoch: 4, epochs: 3, ..options(BatchFormat::Tfrecord) };
+        let fs = Fs::new(p.clone(), o);
+        let rolling = fs.lookup(ROOT, "rolling", 0).unwrap().node.ino();
+        let twin_of = |b: u64| {
+            let twin = fs.lookup(rolling, &format!("batch-{b:06}.tfrecord.idx"), 0).unwrap();
+            assert_eq!(twin.node, Node::RollingIndex { batch: b });
+            let text = fs.read(twin.node.ino(), 0, 1 << 20, 1).unwrap();
+            assert_eq!(text.len() as u64, twin.size);
+            let lines = String::from_utf8(text.to_vec()).unwrap();
+            lines
+                .lines()
+                .map(|l| l.split_once(' ').map(|(o, s)| (o.parse().unwrap(), s.parse().unwrap())).unwrap())
+                .collect::<Vec<(u64, u64)>>()
+        };
+        let twins: Vec<Vec<(u64, u64)>> = (0..3).map(twin_of).collect();
+        // Four passes: epochs 4, 5, 6, then 4 again.
+        for (pass, epoch) in [4, 5, 6, 4].into_iter().enumerate() {
+            for b in 0..3u64 {
+                let attr = fs.lookup(rolling, &format!("batch-{b:06}.tfrecord"), 0).unwrap();
+                assert_eq!(attr.node, Node::Rolling { epoch, batch: b, file: RollingFile::Indexed }, "pass {pass}");
+                let (last_offset, last_slot) = *twins[b as usize].last().unwrap();
+                assert_eq!(attr.size, last_offset + last_slot, "one size for every epoch");
+                fs.open(attr.node.ino(), false).unwrap();
+                fs.opened(attr.node.ino(), 0);
+                let file = fs.read(attr.node.ino(), 0, 1 << 20, 1).unwrap();
+                assert_eq!(file.len() as u64, attr.size);
+                let mut found = Vec::new();
+                let mut zeros = file.to_vec();
+                for &(offset, slot) in &twins[b as usize] {
+                    let at = offset as usize;
+                    let len = u64::from_le_bytes(file[at..at + 8].try_into().unwrap()) as usize + 16;
+                    assert!(len as u64 <= slot, "a record within its slot");
+                    found.push(file[at..at + len].to_vec());
+                    zeros[at..at + len].fill(0);
+                }
+                assert!(zeros.iter().all(|&z| z == 0), "zeros between the records");
+                let mut want = records(epoch, b);
+                want.sort();
+                found.sort();
+                assert_eq!(found, want, "epoch {epoch} batch {b}: exactly its records");
+                // Reads across records and holes, and the memory file the kernel would serve.
+                assert_eq!(fs.read(attr.node.ino(), 100, 9000, 1).unwrap(), file.slice(100..(9100).min(file.len())));
+                use std::os::unix::fs::{FileExt, MetadataExt};
+                let backing = fs.backing_file(attr.node.ino(), 1).unwrap().unwrap();
+                let mut in_file = vec![7u8; file.len()];
+                backing.read_exact_at(&mut in_file, 0).unwrap();
+                assert!(in_file == file, "the memory file holds the same bytes");
+                let stored = backing.metadata().unwrap().blocks() * 512;
+                let real: u64 = want.iter().map(|r| r.len() as u64).sum();
+                assert!(stored <= real.next_multiple_of(4096) + 2 * 4096 * 5, "holes: {stored} bytes for {real}");
+                fs.closed(attr.node.ino());
+            }
+        }
+        assert_eq!(twins, (0..3).map(twin_of).collect::<Vec<_>>(), "the twins are the same every epoch");
+        let s = p.stats.snapshot();
+        assert_eq!((s.checksum_errors, s.errors), (0, 0), "{s:?}");
+        assert!(!memfds || s.passthrough_bytes > 0, "placed into memory files as they came: {s:?}");
     }
 
     /// `raw/` lists a directory when a lookup or a listing first looks into it, every page of it, and
@@ -679,10 +913,10 @@ mod tests {
         let client = Arc::new(client);
         let p = Prefetcher::new(client.clone(), rt.handle().clone(), PrefetcherConfig::default());
         let fs = Fs::new(p, options(BatchFormat::Tfrecord));
-        let raw = fs.lookup(ROOT, "raw").unwrap().node;
+        let raw = fs.lookup(ROOT, "raw", 0).unwrap().node;
         assert!(client.listed.lock().unwrap().is_empty(), "nothing is listed before it is looked into");
-        let big = fs.lookup(raw.ino(), "big").unwrap().node;
-        let f = fs.lookup(big.ino(), "f04321").unwrap();
+        let big = fs.lookup(raw.ino(), "big", 0).unwrap().node;
+        let f = fs.lookup(big.ino(), "f04321", 0).unwrap();
         assert_eq!(fs.read(f.node.ino(), 0, 10, 1).unwrap(), Bytes::from_static(b"x"));
         let listed: Vec<String> = client.listed.lock().unwrap().iter().map(|(d, _)| d.clone()).collect();
         assert!(listed.iter().all(|d| d.is_empty() || d == "big"), "{listed:?}");
@@ -691,7 +925,7 @@ mod tests {
         let mut names = Vec::new();
         let mut offset = 0;
         loop {
-            let got = fs.dir_entries_from(big.ino(), offset).unwrap();
+            let got = fs.dir_entries_from(big.ino(), offset, 0).unwrap();
             if got.is_empty() {
                 break;
             }
@@ -711,22 +945,22 @@ mod tests {
     #[test]
     fn raw_tree_shows_the_source_files() {
         let (_rt, fs) = fs(BatchFormat::Tar);
-        let raw = fs.lookup(ROOT, "raw").unwrap().node;
-        let top: Vec<String> = fs.readdir(raw.ino()).unwrap().into_iter().map(|(_, n)| n).collect();
+        let raw = fs.lookup(ROOT, "raw", 0).unwrap().node;
+        let top: Vec<String> = fs.readdir(raw.ino(), 0).unwrap().into_iter().map(|(_, n)| n).collect();
         assert_eq!(top, ["a", "b", "s", "top.txt"]);
-        let b = fs.lookup(raw.ino(), "b").unwrap().node;
-        let c = fs.lookup(b.ino(), "c").unwrap().node;
+        let b = fs.lookup(raw.ino(), "b", 0).unwrap().node;
+        let c = fs.lookup(b.ino(), "c", 0).unwrap().node;
         assert!(c.is_dir());
         // `..` of a directory deep in raw/ is its parent (it once was the directory itself).
-        let dots = |ino| fs.dir_entries(ino).unwrap()[..2].to_vec();
+        let dots = |ino| fs.dir_entries(ino, 0).unwrap()[..2].to_vec();
         assert_eq!(dots(c.ino()), [(c.ino(), true, ".".to_owned()), (b.ino(), true, "..".to_owned())]);
         assert_eq!(dots(b.ino())[1].0, raw.ino());
         assert_eq!(dots(raw.ino())[1].0, ROOT);
         assert_eq!(dots(ROOT)[1].0, ROOT);
         assert_eq!(dots(Node::Epoch(1).ino())[1].0, ROOT);
-        let listed: Vec<String> = fs.dir_entries(c.ino()).unwrap().into_iter().map(|e| e.2).collect();
+        let listed: Vec<String> = fs.dir_entries(c.ino(), 0).unwrap().into_iter().map(|e| e.2).collect();
         assert_eq!(listed, [".", "..", "z.jpg"]);
-        let z = fs.lookup(c.ino(), "z.jpg").unwrap();
+        let z = fs.lookup(c.ino(), "z.jpg", 0).unwrap();
         assert_eq!(z.size, "contents of b/c/z.jpg".len() as u64);
         assert_eq!(fs.read(z.node.ino(), 0, 1000, 1).unwrap(), "contents of b/c/z.jpg".as_bytes());
         assert_eq!(fs.read(z.node.ino(), 9, 4, 1).unwrap(), "of b".as_bytes());
@@ -734,8 +968,8 @@ mod tests {
         assert_eq!(fs.read(z.node.ino(), 12, 8, 1).unwrap(), "b/c/z.jp".as_bytes());
         assert_eq!(fs.read(z.node.ino(), 17, 100, 1).unwrap(), ".jpg".as_bytes());
         assert_eq!(fs.read(z.node.ino(), 21, 100, 1).unwrap(), "".as_bytes());
-        assert_eq!(fs.lookup(raw.ino(), "nope").unwrap_err().errno(), libc::ENOENT);
-        assert_eq!(fs.lookup(z.node.ino(), "x").unwrap_err().errno(), libc::ENOTDIR);
+        assert_eq!(fs.lookup(raw.ino(), "nope", 0).unwrap_err().errno(), libc::ENOENT);
+        assert_eq!(fs.lookup(z.node.ino(), "x", 0).unwrap_err().errno(), libc::ENOTDIR);
     }
 
     #[test]
@@ -743,13 +977,13 @@ mod tests {
         let (_rt, fs) = fs(BatchFormat::Tar);
         let e0 = Node::Epoch(0).ino();
         for missing in ["batch-000003.tar", "batch-000000.tfrecord", "batch-0.tar", "batch-0000001.tar", "x"] {
-            assert_eq!(fs.lookup(e0, missing).unwrap_err().errno(), libc::ENOENT, "{missing}");
+            assert_eq!(fs.lookup(e0, missing, 0).unwrap_err().errno(), libc::ENOENT, "{missing}");
         }
         for bad in ["epoch-1", "epoch-00001", "epoch-1000000", "epoch-+001", "nothing"] {
-            assert_eq!(fs.lookup(ROOT, bad).unwrap_err().errno(), libc::ENOENT, "{bad}");
+            assert_eq!(fs.lookup(ROOT, bad, 0).unwrap_err().errno(), libc::ENOENT, "{bad}");
         }
-        let file = fs.lookup(e0, "batch-000000.tar").unwrap().node.ino();
-        assert_eq!(fs.lookup(file, "x").unwrap_err().errno(), libc::ENOTDIR);
+        let file = fs.lookup(e0, "batch-000000.tar", 0).unwrap().node.ino();
+        assert_eq!(fs.lookup(file, "x", 0).unwrap_err().errno(), libc::ENOTDIR);
         assert_eq!(fs.open(file, true).unwrap_err().errno(), libc::EROFS);
         assert_eq!(fs.read(e0, 0, 10, 1).unwrap_err().errno(), libc::EISDIR);
         assert_eq!(fs.getattr(12345).unwrap_err().errno(), libc::ENOENT);
@@ -779,10 +1013,10 @@ mod tests {
                 }
             }
         }
-        // rolling/: each name at the epoch its next open gets, in the slots layout.
+        // rolling/: each name at the epoch its next open gets, in the packed layout.
         m.insert("rolling".into(), None);
         for b in 0..3 {
-            for (index, f) in [(false, BatchFormat::TfrecordSlots), (true, BatchFormat::TfrecordSlotsIdx)] {
+            for (index, f) in [(false, BatchFormat::Tfrecord), (true, BatchFormat::TfrecordIdx)] {
                 let e = next.get(&(b, index)).copied().unwrap_or(0);
                 m.insert(
                     format!("rolling/{}", batch_name(b, f)),
@@ -822,7 +1056,7 @@ mod tests {
     fn walk(fs: &Fs, path: &str) -> Result<Attr, i32> {
         let mut at = fs.getattr(ROOT).map_err(|e| e.errno())?;
         for part in path.split('/').filter(|p| !p.is_empty()) {
-            at = fs.lookup(at.node.ino(), part).map_err(|e| e.errno())?;
+            at = fs.lookup(at.node.ino(), part, 0).map_err(|e| e.errno())?;
         }
         Ok(at)
     }
@@ -884,7 +1118,7 @@ mod tests {
                         let Ok(attr) = walk(&fs, path) else { continue };
                         prop_assert!(want.is_ok());
                         let names = |e: Vec<(Node, String)>| e.into_iter().map(|(_, n)| n).collect::<Vec<_>>();
-                        let got = fs.readdir(attr.node.ino()).map(names);
+                        let got = fs.readdir(attr.node.ino(), 0).map(names);
                         if m.get(path.as_str()).is_some_and(|e| e.is_some()) {
                             prop_assert_eq!(got.map_err(|e| e.errno()), Err(libc::ENOTDIR), "readdir of file {}", path);
                             continue;
@@ -919,9 +1153,13 @@ mod tests {
                         let Ok(attr) = walk(&fs, &all[i]) else { continue };
                         prop_assert_eq!(fs.open(attr.node.ino(), true).map_err(|e| e.errno()), Err(libc::EROFS));
                         prop_assert!(fs.open(attr.node.ino(), false).is_ok());
+                        fs.opened(attr.node.ino(), 0);
                         fs.closed(attr.node.ino());
-                        if let Node::Batch { epoch, batch, index, rolling: true } = attr.node {
-                            next.insert((batch, index), epoch + 1);
+                        // The span is the two listed epochs: 0, 1, 0, ...
+                        if let Node::Rolling { epoch, batch, file } = attr.node {
+                            next.insert((batch, file == RollingFile::PackedIndex), (epoch + 1) % 2);
+                            // The model holds no file open: the kernel would release it at once.
+                            fs.released(attr.node.ino(), 0);
                         }
                     }
                     Op::Backing(i) => {
@@ -950,10 +1188,13 @@ mod tests {
 
     proptest! {
         #[test]
-        fn inodes_roundtrip(epoch in 0u64..=MAX_EPOCH, batch in 0u64..(1 << 34), index: bool) {
+        fn inodes_roundtrip(epoch in 0u64..=MAX_EPOCH, batch in 0u64..MAX_BATCHES, index: bool) {
             let (dir, file) = (Node::RawDir(batch as u32), Node::RawFile(batch as u32));
-            let batches = [false, true].map(|rolling| Node::Batch { epoch, batch, index, rolling });
-            for node in [Node::Epoch(epoch), batches[0], batches[1], dir, file, Node::RollingDir] {
+            let rolling = [RollingFile::Packed, RollingFile::PackedIndex, RollingFile::Indexed]
+                .map(|file| Node::Rolling { epoch, batch, file });
+            let others = [Node::Epoch(epoch), Node::Batch { epoch, batch, index }, dir, file, Node::RollingDir];
+            let twin = Node::RollingIndex { batch };
+            for node in others.into_iter().chain(rolling).chain([twin]) {
                 prop_assert_eq!(Node::from_ino(node.ino()), Some(node));
             }
         }

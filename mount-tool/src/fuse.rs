@@ -45,7 +45,8 @@ enum Mode {
 #[derive(Default)]
 struct Opens {
     inodes: HashMap<u64, (Mode, usize)>,
-    handles: HashMap<u64, u64>,
+    /// Each open handle's inode and the process that opened it.
+    handles: HashMap<u64, (u64, u32)>,
     /// Each open handle of `.batchfs/stats` reads the one snapshot taken at its open: counters move
     /// between a reader's calls, and pieces of two snapshots would not be one JSON document.
     snapshots: HashMap<u64, Arc<Vec<u8>>>,
@@ -105,6 +106,7 @@ impl FuseFs {
 
     /// Opens `ino` for reading: in the mode the inode is already open in, else by passthrough when on.
     fn open_file(&self, req: &Request, ino: u64, reply: ReplyOpen) {
+        let owner = self.owners.of(req.pid());
         let stats = self.fs.stats();
         {
             let mut opens = self.opens.lock().expect("opens");
@@ -114,13 +116,13 @@ impl FuseFs {
                 Stats::add(&stats.hits, 1);
             }
             if opens.inodes.contains_key(&ino) {
-                return self.reply_open(&mut opens, ino, None, reply);
+                return self.reply_open(&mut opens, ino, owner, None, reply);
             }
         }
         let mut mode = Mode::Daemon;
         if self.passthrough.load(Ordering::Relaxed) {
             // Waits for the file (bounded by `timeout`), holding no lock.
-            let file = match self.fs.backing_file(ino, self.owners.of(req.pid())) {
+            let file = match self.fs.backing_file(ino, owner) {
                 Ok(file) => file,
                 Err(e) => {
                     tracing::warn!(ino, error = %e, "open failed");
@@ -140,12 +142,13 @@ impl FuseFs {
             }
         }
         let mut opens = self.opens.lock().expect("opens");
-        self.reply_open(&mut opens, ino, Some(mode), reply);
+        self.reply_open(&mut opens, ino, owner, Some(mode), reply);
     }
 
-    /// Opens one more handle of `ino` in the mode it is open in, or in `mode` if it is not open (another
-    /// open may have finished meanwhile: its mode wins), and replies.
-    fn reply_open(&self, opens: &mut Opens, ino: u64, mode: Option<Mode>, reply: ReplyOpen) {
+    /// Opens one more handle of `ino` for `owner` in the mode it is open in, or in `mode` if it is not
+    /// open (another open may have finished meanwhile: its mode wins), and replies; the open got its file.
+    fn reply_open(&self, opens: &mut Opens, ino: u64, owner: u32, mode: Option<Mode>, reply: ReplyOpen) {
+        self.fs.opened(ino, owner);
         let fh = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let (mode, count) = opens.inodes.entry(ino).or_insert_with(|| (mode.unwrap_or(Mode::Daemon), 0));
         *count += 1;
@@ -156,7 +159,7 @@ impl FuseFs {
             }
             Mode::Passthrough { id, .. } => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id),
         }
-        opens.handles.insert(fh, ino);
+        opens.handles.insert(fh, (ino, owner));
     }
 
     fn file_attr(&self, a: &Attr) -> FileAttr {
@@ -184,8 +187,9 @@ impl FuseFs {
 
     fn ttl(node: Node) -> Duration {
         match node {
-            // A name in rolling/ is a new file at each open: the kernel must look it up every time.
-            Node::Stats | Node::Batch { rolling: true, .. } => Duration::ZERO,
+            // A name in rolling/ is a new file at each open (and each reader's layout): the kernel must look
+            // it up every time. The indexed layout's twins are one file for every epoch.
+            Node::Stats | Node::Rolling { .. } => Duration::ZERO,
             _ => TTL,
         }
     }
@@ -215,9 +219,9 @@ impl Filesystem for FuseFs {
         Ok(())
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let Some(name) = name.to_str() else { return reply.error(Errno::ENOENT) };
-        match self.fs.lookup(parent.0, name) {
+        match self.fs.lookup(parent.0, name, self.owners.of(req.pid())) {
             Ok(a) => reply.entry(&Self::ttl(a.node), &self.file_attr(&a), Generation(0)),
             Err(e) => reply.error(errno(&e)),
         }
@@ -258,7 +262,8 @@ impl Filesystem for FuseFs {
         let mut opens = self.opens.lock().expect("opens");
         let mut drop_pages = None;
         opens.snapshots.remove(&fh.0);
-        if let Some(ino) = opens.handles.remove(&fh.0) {
+        if let Some((ino, owner)) = opens.handles.remove(&fh.0) {
+            self.fs.released(ino, owner);
             let last = opens.inodes.get_mut(&ino).is_some_and(|(_, count)| {
                 *count -= 1;
                 *count == 0
@@ -316,8 +321,8 @@ impl Filesystem for FuseFs {
         reply.ok();
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        let entries = match self.fs.dir_entries_from(ino.0, offset as usize) {
+    fn readdir(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let entries = match self.fs.dir_entries_from(ino.0, offset as usize, self.owners.of(req.pid())) {
             Ok(e) => e,
             Err(e) => return reply.error(errno(&e)),
         };

@@ -4,11 +4,10 @@
 use crate::client::{parse_url, BatchClient, ClientError, HttpClient, HttpConfig};
 use crate::fs::{Fs, FsOptions};
 use crate::fuse::FuseFs;
-use crate::options::{MountOptions, Rolling};
+use crate::options::MountOptions;
 use crate::prefetch::{Prefetcher, PrefetcherConfig};
 use crate::sys;
 use anyhow::{anyhow, bail, Context, Result};
-use batchfs::encode::BatchFormat;
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -48,17 +47,7 @@ pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<Mount
         stall_timeout: options.stall_timeout,
         connect_timeout: Duration::from_secs(10),
     };
-    let info = probe(&http, &options)?;
-    let mut options = options;
-    options.rolling = options.rolling.resolve(info.slot_bytes, info.mean_frame_bytes);
-    if options.format == BatchFormat::Tfrecord && options.rolling == Rolling::Packed {
-        tracing::debug!(
-            slot = info.slot_bytes,
-            mean_record = info.mean_frame_bytes,
-            "rolling/ holds packed TFRecord batches (records vary too much in size for slots): readers that read \
-             records in sequence get every epoch; a DALI pipeline built once over rolling/ needs rolling=slots"
-        );
-    }
+    probe(&http, &options)?;
     Ok(MountPlan { url: url.to_owned(), mountpoint, options, http })
 }
 
@@ -167,6 +156,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             last_epoch: (plan.options.first_epoch + plan.options.epochs).saturating_sub(1),
             stale_after: plan.options.stale_after,
             stall_timeout: plan.options.stall_timeout,
+            rolling: (plan.options.first_epoch, plan.options.epochs),
             ..PrefetcherConfig::default()
         },
     );
@@ -181,10 +171,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             gid,
             time: SystemTime::now(),
             raw: true,
-            rolling: match plan.options.rolling {
-                Rolling::Slots => BatchFormat::TfrecordSlots,
-                _ => BatchFormat::Tfrecord,
-            },
+            rolling: plan.options.rolling,
             first_epoch: plan.options.first_epoch,
         },
     );

@@ -1,6 +1,7 @@
 //! Mount options: every one works as `-o key=value` (fstab style) and as a long flag. Defaults are
 //! documented in `docs/CONFIGURATION.md`.
 
+pub use crate::fs::RollingMode;
 use batchfs::api::BatchQuery;
 use batchfs::encode::BatchFormat;
 use batchfs::plan::PlanOptions;
@@ -19,7 +20,7 @@ pub struct MountOptions {
     /// The epoch the first open of each `rolling/` file serves (a job restarted mid-run sets it).
     pub first_epoch: u64,
     /// How `rolling/` lays out TFRecord batches.
-    pub rolling: Rolling,
+    pub rolling: RollingMode,
     /// Batches kept in flight ahead of each reader (0: none).
     pub prefetch: usize,
     /// The window ahead of each reader holds at least this many bytes of batches.
@@ -63,9 +64,9 @@ impl Default for MountOptions {
         MountOptions {
             plan: PlanOptions::default(),
             format: BatchFormat::Tfrecord,
-            epochs: 1,
+            epochs: 100,
             first_epoch: 0,
-            rolling: Rolling::Auto,
+            rolling: RollingMode::Auto,
             prefetch: 16,
             prefetch_bytes: 128 << 20,
             max_prefetch_bytes: 256 << 20,
@@ -86,30 +87,6 @@ impl Default for MountOptions {
             log_file: None,
             energy_log: None,
             metrics: None,
-        }
-    }
-}
-
-/// The layout of TFRecord files in `rolling/` (docs/SEMANTICS.md, "rolling/").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rolling {
-    /// Fixed-size records (`tfrecord.slots`): one `.idx` twin holds for every epoch, so a DALI pipeline
-    /// built once reads every epoch; every record takes the largest record's room.
-    Slots,
-    /// The batch files as the epoch directories hold them; for readers that read records in sequence.
-    Packed,
-    /// Slots when the largest record is at most twice the mean (the padding costs at most about as much
-    /// as the data), else packed.
-    Auto,
-}
-
-impl Rolling {
-    /// The layout `Auto` resolves to for a dataset with this slot and mean TFRecord frame.
-    pub fn resolve(self, slot: u64, mean_frame: u64) -> Rolling {
-        match self {
-            Rolling::Auto if slot > 0 && slot <= 2 * mean_frame.max(1) => Rolling::Slots,
-            Rolling::Auto => Rolling::Packed,
-            other => other,
         }
     }
 }
@@ -153,10 +130,11 @@ impl MountOptions {
             }
             "rolling" => {
                 self.rolling = match need()? {
-                    "auto" => Rolling::Auto,
-                    "slots" => Rolling::Slots,
-                    "packed" => Rolling::Packed,
-                    v => return Err(format!("rolling={v}: expected auto, slots or packed")),
+                    "auto" => RollingMode::Auto,
+                    // `slots` was the padded layout the indexed one replaced, for the same readers.
+                    "indexed" | "slots" => RollingMode::Indexed,
+                    "packed" => RollingMode::Packed,
+                    v => return Err(format!("rolling={v}: expected auto, indexed or packed")),
                 }
             }
             "prefetch" => self.prefetch = number(need()?)? as usize,
@@ -261,9 +239,11 @@ mod tests {
         assert!(o.drop_page_cache, "dropped by default");
         o.apply_list("page_cache=keep").unwrap();
         assert!(!o.drop_page_cache);
-        assert_eq!((o.first_epoch, o.rolling), (0, Rolling::Auto));
+        assert_eq!((o.first_epoch, o.rolling, o.epochs), (0, RollingMode::Auto, 100));
         o.apply_list("first_epoch=7,rolling=packed").unwrap();
-        assert_eq!((o.first_epoch, o.rolling), (7, Rolling::Packed));
+        assert_eq!((o.first_epoch, o.rolling), (7, RollingMode::Packed));
+        o.apply_list("rolling=slots").unwrap();
+        assert_eq!(o.rolling, RollingMode::Indexed, "the former name");
         let bad = [
             "batch_size=0",
             "cache=lots",

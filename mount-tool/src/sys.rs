@@ -30,6 +30,15 @@ pub fn thread_group(tid: u32) -> Option<u32> {
     status.lines().find_map(|l| l.strip_prefix("Tgid:")).and_then(|v| v.trim().parse().ok())
 }
 
+/// When process `pid` started (clock ticks since boot, `/proc/PID/stat` field 22): with the pid, an
+/// identity that a later process reusing the pid does not share. `None` once it has exited.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces and parentheses itself.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// An anonymous memory-backed file (`memfd_create`), closed on exec, that [`seal`] can make immutable.
 pub fn memfd(name: &str) -> io::Result<std::fs::File> {
     use std::os::fd::FromRawFd;
@@ -146,6 +155,19 @@ mod tests {
         .unwrap();
         assert_ne!(tid, me, "a thread has an id of its own");
         assert_eq!(group, Some(me), "and belongs to this process");
+    }
+
+    #[test]
+    fn a_process_start_time_is_its_own() {
+        let me = start_time(std::process::id()).unwrap();
+        assert_eq!(start_time(std::process::id()), Some(me), "stable");
+        let child = std::process::Command::new("sleep").arg("1").spawn().unwrap();
+        let theirs = start_time(child.id()).unwrap();
+        assert!(theirs >= me, "started later: {theirs} < {me}");
+        assert_eq!(start_time(u32::MAX), None);
+        let mut child = child;
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[test]

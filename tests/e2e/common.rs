@@ -142,6 +142,38 @@ pub fn batch_body(rt: &tokio::runtime::Runtime, server: &Server, epoch: u64, bat
     rt.block_on(async { h2c().get(url).send().await.unwrap().bytes().await.unwrap().to_vec() })
 }
 
+/// `rolling/`'s slot table of dataset `d` with plan options `query` over `epochs` epochs from
+/// `first_epoch`, straight from the server.
+pub fn slot_table(
+    rt: &tokio::runtime::Runtime,
+    server: &Server,
+    query: &str,
+    first_epoch: u64,
+    epochs: u64,
+) -> batchfs::api::SlotTable {
+    let url =
+        format!("{}{}?{query}&first_epoch={first_epoch}&epochs={epochs}", server.base, batchfs::api::rolling_path("d"));
+    rt.block_on(async {
+        let response = h2c().get(url).send().await.unwrap();
+        assert!(response.status().is_success(), "{}", response.status());
+        response.json().await.unwrap()
+    })
+}
+
+/// The file `rolling/` shows for batch `body` (a TFRecord batch as the server sends it, batch `batch`)
+/// in the indexed layout of `table`: each record at its slot, zeros elsewhere.
+pub fn placed(body: &[u8], batch: u64, table: &batchfs::api::SlotTable) -> Vec<u8> {
+    let layout = batchfs::rolling::FileLayout::new(batch, &table.batches[batch as usize]);
+    let frames = batchfs::rolling::frames_of(body).unwrap();
+    let lens: Vec<u64> = frames.iter().map(|f| f.1).collect();
+    let mut out = vec![0; layout.len as usize];
+    for ((from, len), p) in frames.into_iter().zip(layout.positions(batch, &lens).unwrap()) {
+        let at = layout.offsets[p] as usize;
+        out[at..at + len as usize].copy_from_slice(&body[from as usize..(from + len) as usize]);
+    }
+    out
+}
+
 /// An HTTP/2 client with prior knowledge (h2c).
 pub fn h2c() -> reqwest::Client {
     let limits = ServerLimits::default();

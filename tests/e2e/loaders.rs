@@ -1,10 +1,12 @@
 //! The real data loaders, with their default settings, reading epochs through a real mount: NVIDIA DALI's
-//! TFRecord reader (mmap and not), PyTorch's DataLoader with four worker processes, and WebDataset.
+//! TFRecord reader (mmap and not) and its WebDataset reader, PyTorch's DataLoader with four worker
+//! processes, WebDataset, tf.data's TFRecordDataset and the `tfrecord` package.
 //! Each must deliver every sample of the epoch, in the server's plan order, with its bytes and label.
 //! The loaders run as `tests/python/loaders.py`; where one is not installed the test says so and passes,
 //! except under CI (`CI` set), whose `.ci/run` installs them all.
 
 use crate::common::{self, fixture, serve, ServeWith};
+use batchfs::api::SlotTable;
 use batchfs::gen;
 use batchfs::index::SourceFormat;
 use batchfs::plan::{EpochPlan, PlanOptions};
@@ -177,26 +179,61 @@ fn planned_passes(fx: &common::Fixture, epochs: std::ops::Range<u64>, options: P
     epochs.flat_map(|e| planned_records(fx, e, options)).collect()
 }
 
+/// `rolling/`'s slot table for the fixture over `epochs` epochs from `first_epoch`, computed here from
+/// the generated samples' TFRecord frames (the server's must be the same).
+fn slot_table(fx: &common::Fixture, options: PlanOptions, first_epoch: u64, epochs: u64) -> SlotTable {
+    let frames: Vec<u64> =
+        (0..fx.options.samples).map(|i| gen::example_bytes(&gen::sample(&fx.options, i)).len() as u64 + 16).collect();
+    batchfs::rolling::slot_table(&frames, options, first_epoch, epochs, 2).unwrap()
+}
+
+/// The samples of each batch of `epoch`, in the order `rolling/`'s indexed files hold them (by size rank
+/// through each file's fixed permutation).
+fn indexed_batches(fx: &common::Fixture, epoch: u64, options: PlanOptions, table: &SlotTable) -> Vec<Vec<Value>> {
+    let plan = EpochPlan::new(fx.options.samples, epoch, options).unwrap();
+    let frame = |i: u32| gen::example_bytes(&gen::sample(&fx.options, i)).len() as u64 + 16;
+    (0..plan.batches())
+        .map(|b| {
+            let samples = plan.batch(b).unwrap();
+            let lens: Vec<u64> = samples.iter().map(|&i| frame(i)).collect();
+            let layout = batchfs::rolling::FileLayout::new(b, &table.batches[b as usize]);
+            let mut placed: Vec<(usize, u32)> =
+                layout.positions(b, &lens).unwrap().into_iter().zip(samples.iter().copied()).collect();
+            placed.sort_unstable();
+            records(fx, placed.into_iter().map(|(_, i)| i))
+        })
+        .collect()
+}
+
+/// [`indexed_batches`] of `epochs`, one after another, flat.
+fn indexed_passes(fx: &common::Fixture, epochs: std::ops::Range<u64>, o: PlanOptions, t: &SlotTable) -> Vec<Value> {
+    epochs.flat_map(|e| indexed_batches(fx, e, o, t).concat()).collect()
+}
+
 /// A DALI pipeline built once over `rolling/` (its `.idx` twins read once, at build) and run for three
-/// epochs: each pass over the files is a new epoch of the server's plan, every sample once per epoch,
-/// mmap and not. The slots layout keeps every record where the twins say, whatever the epoch.
+/// epochs, mmap and not, on ImageNet-shaped sizes (the generator's heavy tail) with the mount's defaults:
+/// each pass over the files is a new epoch of the server's plan, every sample once per epoch, each batch
+/// file holding exactly its planned batch, at the offsets its twin gave when the pipeline was built.
 #[test]
 fn a_dali_pipeline_built_once_over_rolling_reads_a_new_epoch_at_each_pass() {
     let rt = common::runtime();
     // Epochs longer than the samples DALI's mmap reader keeps alive (see the test below).
-    let fx = fixture(SourceFormat::Tfrecord, 600, 4_000);
+    let fx = fixture(SourceFormat::Tfrecord, 1200, 20_000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
-    let plan = PlanOptions { batch_size: 32, seed: 5, ..Default::default() };
-    let want = planned_passes(&fx, 0..3, plan);
+    let plan = PlanOptions { batch_size: 64, seed: 5, ..Default::default() };
+    // The mount's default span: 100 epochs from 0.
+    let table = slot_table(&fx, plan, 0, 100);
+    assert_eq!(common::slot_table(&rt, &server, "batch_size=64&seed=5", 0, 100), table, "the server's");
+    let want = indexed_passes(&fx, 0..3, plan, &table);
     for mode in [None, Some("--no-mmap")] {
-        let (_dir, mounted) = common::mount(&server, "d", "batch_size=32,seed=5,epochs=3,rolling=slots");
+        let (_dir, mounted) = common::mount(&server, "d", "batch_size=64,seed=5");
         let dir = mounted.mountpoint.join("rolling");
         let mut args = vec!["dali", dir.to_str().unwrap(), "--records", "--epochs", "3"];
         args.extend(mode);
         let Some(got) = run_loader("python3", "nvidia.dali", &args) else { return };
         let got = got["records"].as_array().unwrap();
-        assert_eq!(got.len(), 1800, "{mode:?}");
-        assert!(got[..600] != got[600..1200], "a new order each epoch");
+        assert_eq!(got.len(), 3600, "{mode:?}");
+        assert!(got[..1200] != got[1200..2400], "a new order each epoch");
         assert!(got == &want, "{mode:?}: every pass is the next epoch of the plan");
         let stats = common::mount_stats(&mounted.mountpoint);
         assert_eq!((stats["checksum_errors"].as_u64(), stats["errors"].as_u64()), (Some(0), Some(0)), "{stats}");
@@ -214,13 +251,15 @@ fn data_parallel_nodes_each_read_their_shard_of_every_epoch_through_rolling() {
     let fx = fixture(SourceFormat::Tfrecord, 1200, 2_000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
     let plan = PlanOptions { batch_size: 16, seed: 3, ..Default::default() };
+    let table = slot_table(&fx, plan, 0, 100);
     for node in 0..2u64 {
-        let (_dir, mounted) = common::mount(&server, "d", "batch_size=16,seed=3,epochs=2,rolling=slots");
+        let (_dir, mounted) = common::mount(&server, "d", "batch_size=16,seed=3");
         let dir = mounted.mountpoint.join("rolling");
         let shard = format!("{node}/2");
         let args = ["dali", dir.to_str().unwrap(), "--records", "--epochs", "2", "--shard", &shard];
         let Some(got) = run_loader("python3", "nvidia.dali", &args) else { return };
-        let half = |e| planned_records(&fx, e, plan)[node as usize * 600..(node as usize + 1) * 600].to_vec();
+        let half =
+            |e| indexed_batches(&fx, e, plan, &table).concat()[node as usize * 600..(node as usize + 1) * 600].to_vec();
         let want: Vec<Value> = [half(0), half(1)].concat();
         assert!(got["records"].as_array().unwrap() == &want, "node {node}");
     }
@@ -231,13 +270,135 @@ fn data_parallel_nodes_each_read_their_shard_of_every_epoch_through_rolling() {
 #[test]
 fn webdataset_over_rolling_tars_reads_a_new_epoch_at_each_pass() {
     let rt = common::runtime();
-    let fx = fixture(SourceFormat::Tar, 120, 3_000);
+    let fx = fixture(SourceFormat::Tar, 600, 10_000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
-    let (_dir, mounted) = common::mount(&server, "d", "batch_size=10,seed=9,format=tar,first_epoch=2,epochs=3");
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=50,seed=9,format=tar,first_epoch=2");
     let dir = mounted.mountpoint.join("rolling");
     let args = ["wds", dir.to_str().unwrap(), "--records", "--epochs", "3"];
     let Some(got) = run_loader("python3", "webdataset", &args) else { return };
-    let want = planned_passes(&fx, 2..5, PlanOptions { batch_size: 10, seed: 9, ..Default::default() });
+    let want = planned_passes(&fx, 2..5, PlanOptions { batch_size: 50, seed: 9, ..Default::default() });
     assert!(got["records"].as_array().unwrap() == &want);
+    rt.block_on(server.running.shutdown());
+}
+
+/// DALI's WebDataset reader over tar batches: an epoch directory in plan order, mmap and not. Over
+/// `rolling/` it opens every tar once, when its pipeline is built, and reads every pass through those
+/// handles by the offsets it found then: no layout can give it a new epoch per pass with exact bytes, so
+/// it reads `first_epoch` at every pass, exactly (docs/SEMANTICS.md).
+#[test]
+fn dali_reads_tar_batches_with_its_webdataset_reader() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tar, 600, 10_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let plan = PlanOptions { batch_size: 50, seed: 9, ..Default::default() };
+    for mode in [None, Some("--no-mmap")] {
+        let (_dir, mounted) = common::mount(&server, "d", "batch_size=50,seed=9,format=tar,first_epoch=2");
+        let epoch = mounted.mountpoint.join("epoch-0001");
+        let mut args = vec!["dali-wds", epoch.to_str().unwrap(), "--records"];
+        args.extend(mode);
+        let Some(got) = run_loader("python3", "nvidia.dali", &args) else { return };
+        assert!(got["records"].as_array().unwrap() == &planned_records(&fx, 1, plan), "{mode:?}");
+        let rolling = mounted.mountpoint.join("rolling");
+        let mut args = vec!["dali-wds", rolling.to_str().unwrap(), "--records", "--epochs", "2"];
+        args.extend(mode);
+        let got = run_loader("python3", "nvidia.dali", &args).unwrap();
+        let first = planned_records(&fx, 2, plan);
+        assert!(got["records"].as_array().unwrap() == &[first.clone(), first].concat(), "{mode:?}");
+        let stats = common::mount_stats(&mounted.mountpoint);
+        assert_eq!((stats["checksum_errors"].as_u64(), stats["errors"].as_u64()), (Some(0), Some(0)), "{stats}");
+    }
+    rt.block_on(server.running.shutdown());
+}
+
+/// Which planned batch of which epoch `got` (one batch file's records) is, if any, of those `of(e)` gives.
+fn epoch_of_batch(got: &[Value], b: usize, of: impl Fn(u64) -> Vec<Vec<Value>>) -> Option<u64> {
+    (0..12).find(|&e| of(e).get(b).is_some_and(|want| want.as_slice() == got))
+}
+
+/// One mount, its defaults, and several readers in turn, each in its own process: each gets a layout it
+/// can parse. DALI (which reads the twins) the indexed one; tf.data, the `tfrecord` package and PyTorch
+/// reading whole files (which never open a twin) the packed one, frame after frame. Every batch file a
+/// reader reads is exactly one planned batch of an epoch, in its layout's order, and every sample comes
+/// once per pass.
+#[test]
+fn every_reader_of_one_rolling_directory_gets_a_layout_it_can_parse() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 1200, 20_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let plan = PlanOptions { batch_size: 64, seed: 8, ..Default::default() };
+    let table = slot_table(&fx, plan, 0, 100);
+    let planned = |e| {
+        let p = EpochPlan::new(fx.options.samples, e, plan).unwrap();
+        (0..p.batches()).map(|b| records(&fx, p.batch(b).unwrap().iter().copied())).collect::<Vec<_>>()
+    };
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=64,seed=8");
+    let rolling = mounted.mountpoint.join("rolling");
+    let dir = rolling.to_str().unwrap();
+    let Some(dali) = run_loader("python3", "nvidia.dali", &["dali", dir, "--records"]) else { return };
+    let dali = dali["records"].as_array().unwrap();
+    assert_eq!(dali.len(), 1200);
+    let batches = indexed_batches(&fx, 0, plan, &table);
+    let mut at = 0;
+    for (b, batch) in batches.iter().enumerate() {
+        let got = &dali[at..at + batch.len()];
+        at += batch.len();
+        let epoch = epoch_of_batch(got, b, |e| indexed_batches(&fx, e, plan, &table));
+        assert!(epoch.is_some(), "DALI: batch file {b} is no epoch's indexed batch");
+    }
+    for loader in ["tfdata", "tfrecord"] {
+        let module = if loader == "tfdata" { "tensorflow" } else { "tfrecord" };
+        let Some(got) = run_loader("python3", module, &[loader, dir, "--records"]) else { continue };
+        let got = got["records"].as_array().unwrap();
+        assert_eq!(got.len(), 1200, "{loader}");
+        let mut keys: Vec<&Value> = got.iter().map(|r| &r[0]).collect();
+        keys.sort_by_key(|k| k.as_str().unwrap());
+        keys.dedup();
+        assert_eq!(keys.len(), 1200, "{loader}: every sample once");
+        for b in 0..batches.len() {
+            let name = format!("batch-{b:06}.tfrecord");
+            let file: Vec<Value> = got
+                .iter()
+                .filter(|r| r[3] == name.as_str())
+                .map(|r| Value::from(r.as_array().unwrap()[..3].to_vec()))
+                .collect();
+            assert!(epoch_of_batch(&file, b, planned).is_some(), "{loader}: {name} is no epoch's planned batch");
+        }
+    }
+    if let Some(got) = run_loader("/usr/bin/python3", "torch", &["torch", dir, "--records"]) {
+        let manifests: Vec<_> =
+            (0..12).map(|e| common::manifest_of(&rt, &server, "d", e, "batch_size=64&seed=8")).collect();
+        for file in got["records"].as_array().unwrap() {
+            let b: usize = file[0].as_str().unwrap()[6..12].parse().unwrap();
+            let whole = |m: &batchfs::api::Manifest| file[1] == m.batches[b].bytes && file[2] == m.batches[b].crc32c;
+            assert!(manifests.iter().any(whole), "PyTorch: {file} is no epoch's batch file");
+        }
+    }
+    let stats = common::mount_stats(&mounted.mountpoint);
+    assert_eq!((stats["checksum_errors"].as_u64(), stats["errors"].as_u64()), (Some(0), Some(0)), "{stats}");
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}
+
+/// tf.data's `TFRecordDataset` over an epoch directory (the plan's order) and over `raw/` (the
+/// original shards in source order).
+#[test]
+fn tf_data_reads_epoch_directories_and_raw_shards() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 300, 20_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=32,seed=6");
+    let without_file = |got: &Value| -> Vec<Value> {
+        got["records"].as_array().unwrap().iter().map(|r| Value::from(r.as_array().unwrap()[..3].to_vec())).collect()
+    };
+    let epoch = mounted.mountpoint.join("epoch-0000");
+    let Some(got) = run_loader("python3", "tensorflow", &["tfdata", epoch.to_str().unwrap(), "--records"]) else {
+        return;
+    };
+    assert!(
+        without_file(&got) == planned_records(&fx, 0, PlanOptions { batch_size: 32, seed: 6, ..Default::default() })
+    );
+    let raw = mounted.mountpoint.join("raw");
+    let got = run_loader("python3", "tensorflow", &["tfdata", raw.to_str().unwrap(), "--records"]).unwrap();
+    assert!(without_file(&got) == source_records(&fx));
     rt.block_on(server.running.shutdown());
 }

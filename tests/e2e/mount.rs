@@ -99,7 +99,8 @@ fn concurrent_and_interleaved_readers_get_prefetch_hits() {
 /// Eight threads read every 8th batch file whole; each file equals the server's batch. With passthrough
 /// no read reaches the daemon; without, every open and read does.
 fn interleaved_readers(rt: &tokio::runtime::Runtime, server: &common::Server, passthrough: bool) {
-    let options = format!("batch_size=4,format=tar,prefetch=8,passthrough={passthrough}");
+    // One epoch (the job reads one): no window runs on into the next.
+    let options = format!("batch_size=4,format=tar,prefetch=8,epochs=1,passthrough={passthrough}");
     let (_dir, mounted) = common::mount(server, "d", &options);
     let m = manifest(rt, server, "batch_size=4&format=tar");
     let epoch = mounted.mountpoint.join("epoch-0000");

@@ -6,20 +6,29 @@
     loaders.py torch DIR                PyTorch DataLoader, 4 worker processes, batch_size=None: each item
                                         is one batch file read whole (Debian's python3-torch)
     loaders.py wds DIR                  webdataset.WebDataset over DIR/*.tar
+    loaders.py dali-wds DIR [--no-mmap] NVIDIA DALI fn.readers.webdataset over DIR/*.tar (ext jpg;cls), no
+                                        index files (DALI parses the tars when its pipeline is built)
+    loaders.py tfdata DIR               tf.data.TFRecordDataset over DIR/*.tfrecord, each record parsed by
+                                        tf.io.parse_single_example (pip's tensorflow-cpu)
+    loaders.py tfrecord DIR             the tfrecord package's reader over DIR/*.tfrecord, file after
+                                        file, no index
     loaders.py lmdb DIR [--lock]        the lmdb package: the environment DIR (DIR/data.mdb) opened
                                         read-only, lock=False (with --lock, lock=True: LMDB then finds the
                                         filesystem read-only and goes on without a lock file), every
                                         record in key order by a cursor
 
 Options:
-    --epochs N          (dali, wds) one pipeline built once, run for N epochs over the same files (a
+    --epochs N          (dali, dali-wds, wds, tfdata, tfrecord) one pipeline built once, run for N
+                        epochs over the same files (a
                         directory such as rolling/ serves a new epoch at each pass); records of all
                         epochs, in order
     --shard K/N         (dali) read shard K of N (shard_id, num_shards) with stick_to_shard=True, as one
                         node of a data-parallel job does
     --consume-mbps R    a consumer at R MB/s (a GPU step per batch) that overlaps with loading, as training
                         does; without it the loader runs as fast as it can
-    --records           also list every sample as [key, label, crc32c] (dali, wds) or every file as
+    --records           also list every sample as [key, label, crc32c] (dali, dali-wds, wds, tfdata,
+                        tfrecord; with the file it came from, as a fourth item, for tfdata and
+                        tfrecord) or every file as
                         [name, bytes, crc32c] (torch) or every record as [key, bytes, crc32c] (lmdb),
                         in the order the loader delivered them
 
@@ -181,6 +190,94 @@ def run_wds(directory, consumer, want_records, epochs=1):
     return samples, nbytes, build_s, records
 
 
+def run_dali_wds(directory, mmap, consumer, want_records, epochs=1):
+    from nvidia.dali import fn, pipeline_def
+
+    files = sorted(glob.glob(os.path.join(directory, "*.tar")))
+    started = time.monotonic()
+
+    @pipeline_def(batch_size=128, num_threads=4, device_id=None)
+    def pipe():
+        jpg, cls = fn.readers.webdataset(
+            paths=files, ext=["jpg", "cls"], dont_use_mmap=not mmap, missing_component_behavior="error",
+            name="Reader",
+        )
+        return jpg, jpg.shape(), cls
+
+    p = pipe()
+    p.build()
+    build_s = time.monotonic() - started
+    total = p.epoch_size("Reader") * epochs
+    samples, nbytes, records = 0, 0, []
+    while samples < total:
+        images, sizes, labels = p.run()
+        take = min(len(images), total - samples)
+        batch_bytes = int(sizes.as_array()[:take].sum())
+        if want_records:
+            for i in range(take):
+                # The source info is "path:offset:member", the member KEY.jpg.
+                key = images[i].source_info().rsplit(":", 1)[-1].rsplit(".", 1)[0]
+                label = int(bytes(labels.at(i)).decode())
+                records.append([key, label, crc(images.at(i).tobytes())])
+        samples += take
+        nbytes += batch_bytes
+        consumer.consume(batch_bytes)
+    return samples, nbytes, build_s, records
+
+
+def run_tfdata(directory, consumer, want_records, epochs=1):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    files = sorted(glob.glob(os.path.join(directory, "*.tfrecord")))
+    features = {
+        "image/encoded": tf.io.FixedLenFeature([], tf.string),
+        "image/class/label": tf.io.FixedLenFeature([], tf.int64),
+        "image/filename": tf.io.FixedLenFeature([], tf.string),
+    }
+    started = time.monotonic()
+    # One dataset, built once: each pass reads the same files again, as a training loop's epochs do.
+    names = tf.data.Dataset.from_tensor_slices(files)
+    dataset = names.flat_map(
+        lambda f: tf.data.TFRecordDataset(f).map(lambda r: (tf.io.parse_single_example(r, features), f))
+    )
+    build_s = time.monotonic() - started
+    samples, nbytes, records = 0, 0, []
+    for _ in range(epochs):
+        for example, name in dataset:
+            image = example["image/encoded"].numpy()
+            samples += 1
+            nbytes += len(image)
+            if want_records:
+                key = example["image/filename"].numpy().decode()
+                label = int(example["image/class/label"].numpy())
+                records.append([key, label, crc(image), os.path.basename(name.numpy().decode())])
+            consumer.consume(len(image))
+    return samples, nbytes, build_s, records
+
+
+def run_tfrecord(directory, consumer, want_records, epochs=1):
+    from tfrecord.reader import tfrecord_loader
+
+    files = sorted(glob.glob(os.path.join(directory, "*.tfrecord")))
+    description = {"image/encoded": "byte", "image/class/label": "int", "image/filename": "byte"}
+    started = time.monotonic()
+    build_s = time.monotonic() - started
+    samples, nbytes, records = 0, 0, []
+    for _ in range(epochs):
+        for path in files:
+            for example in tfrecord_loader(path, None, description):
+                image = bytes(example["image/encoded"])
+                samples += 1
+                nbytes += len(image)
+                if want_records:
+                    key = bytes(example["image/filename"]).decode()
+                    label = int(example["image/class/label"][0])
+                    records.append([key, label, crc(image), os.path.basename(path)])
+                consumer.consume(len(image))
+    return samples, nbytes, build_s, records
+
+
 def run_lmdb(directory, consumer, want_records, lock):
     import lmdb
 
@@ -200,7 +297,7 @@ def run_lmdb(directory, consumer, want_records, lock):
 
 
 def main(argv):
-    if len(argv) < 3 or argv[1] not in ("dali", "torch", "wds", "lmdb"):
+    if len(argv) < 3 or argv[1] not in ("dali", "dali-wds", "torch", "wds", "lmdb", "tfdata", "tfrecord"):
         sys.exit(__doc__)
     loader, directory = argv[1], argv[2]
     rest = argv[3:]
@@ -215,7 +312,11 @@ def main(argv):
         shard = (int(k), int(n))
     consumer = Consumer(mbps)
     # Imported before the clock starts: a training job has its loader imported long before an epoch.
-    __import__({"dali": "nvidia.dali", "torch": "torch.utils.data", "wds": "webdataset", "lmdb": "lmdb"}[loader])
+    modules = {"dali": "nvidia.dali", "dali-wds": "nvidia.dali", "torch": "torch.utils.data", "wds": "webdataset",
+               "lmdb": "lmdb", "tfdata": "tensorflow", "tfrecord": "tfrecord"}
+    if loader == "tfdata":
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    __import__(modules[loader])
     started = time.monotonic()
     if loader == "dali":
         samples, nbytes, build_s, records = run_dali(
@@ -223,6 +324,12 @@ def main(argv):
         )
     elif loader == "torch":
         samples, nbytes, build_s, records = run_torch(directory, consumer, want)
+    elif loader == "dali-wds":
+        samples, nbytes, build_s, records = run_dali_wds(directory, "--no-mmap" not in rest, consumer, want, epochs)
+    elif loader == "tfdata":
+        samples, nbytes, build_s, records = run_tfdata(directory, consumer, want, epochs)
+    elif loader == "tfrecord":
+        samples, nbytes, build_s, records = run_tfrecord(directory, consumer, want, epochs)
     elif loader == "lmdb":
         samples, nbytes, build_s, records = run_lmdb(directory, consumer, want, "--lock" in rest)
     else:

@@ -213,11 +213,16 @@ impl StreamTracker {
         let wrapped: Vec<Target> =
             from_start(listing, wrap).filter(|t| t.index < batches && !out.contains(t)).collect();
         out.extend(wrapped);
-        if let Listing::Epoch { epoch, format } = listing {
-            if epoch < batchfs::plan::MAX_EPOCH {
-                out.extend(from_start(Listing::Epoch { epoch: epoch + 1, format }, spill - wrap));
+        let next = match listing {
+            Listing::Epoch { epoch, format } if epoch < batchfs::plan::MAX_EPOCH => {
+                Some(Listing::Epoch { epoch: epoch + 1, format })
             }
-        }
+            Listing::Rolling { epoch } if epoch < batchfs::plan::MAX_EPOCH => {
+                Some(Listing::Rolling { epoch: epoch + 1 })
+            }
+            _ => None,
+        };
+        out.extend(next.into_iter().flat_map(|next| from_start(next, spill - wrap)));
         out
     }
 
