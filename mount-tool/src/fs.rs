@@ -838,7 +838,7 @@ mod tests {
                 })
                 .collect()
         });
-        let config = PrefetcherConfig { rolling: (4, 3), ..PrefetcherConfig::default() };
+        let config = PrefetcherConfig { rolling: (4, 3), last_epoch: 6, ..PrefetcherConfig::default() };
         let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), config);
         p.fetch_into_memfds(memfds);
         let o =
@@ -896,6 +896,14 @@ mod tests {
             }
         }
         assert_eq!(twins, (0..3).map(twin_of).collect::<Vec<_>>(), "the twins are the same every epoch");
+        // What the cache is charged for a placed file: its records, and the two pages each shares with the
+        // holes around it; never the holes.
+        let charged = p.cache_used();
+        let placed: u64 = (4..7)
+            .flat_map(|e| (0..3).map(move |b| (e, b)))
+            .map(|(e, b)| records(e, b).concat().len() as u64 + 2 * 4096 * 5)
+            .sum();
+        assert!(charged <= placed, "{charged} charged for {placed}");
         let s = p.stats.snapshot();
         assert_eq!((s.checksum_errors, s.errors), (0, 0), "{s:?}");
         assert!(!memfds || s.passthrough_bytes > 0, "placed into memory files as they came: {s:?}");
