@@ -25,7 +25,9 @@
 //!   first, then stale ones, then the least recently used ready ones, and otherwise waits for room.
 //!   Batches whose memory file is open in the kernel are never evicted.
 //! - A failed fetch keeps retrying with jittered exponential backoff until `timeout` has passed since
-//!   it started, then fails every waiting reader with an error (EIO at the FUSE edge).
+//!   it started, then gives up. A reader waits out its own `timeout`, not the fetch's: a reader whose
+//!   time is not up when the fetch it joined gives up starts a new one (the failed entry makes way);
+//!   a read whose time is up fails with an error (EIO at the FUSE edge).
 //!
 //! **Window.** [`StreamTracker`] (in `prefetch/streams.rs`) turns the batches read of each listing into
 //! streams, whoever reads them: the first read of an epoch gets the full window (`prefetch` batches, more
@@ -347,7 +349,18 @@ impl Prefetcher {
         let (entry, fresh) = self.get_or_start(key, obj, true, deadline)?.expect("on-demand reads always get an entry");
         entry.touched.store(self.clock(), Ordering::Relaxed);
         self.prefetch_after(key, manifest, owner);
-        let (body, waited, early) = entry.wait(range, deadline, self.config.timeout)?;
+        let (mut entry, mut fresh) = (entry, fresh);
+        let (body, waited, early) = loop {
+            match entry.wait(range.clone(), deadline, self.config.timeout) {
+                // The fetch this read joined gave up, its own `timeout` after *it* started; this reader's
+                // time is its own: a new fetch (the failed entry makes way for it) until its deadline.
+                Err(ReadError::Timeout { .. }) if entry.is_failed() && Instant::now() < deadline => {
+                    (entry, fresh) =
+                        self.get_or_start(key, obj, true, deadline)?.expect("on-demand reads always get an entry");
+                }
+                other => break other?,
+            }
+        };
         let s = &self.stats;
         // A hit found its batch cached or already being fetched; a miss had to start the fetch.
         Stats::add(if fresh { &s.misses } else { &s.hits }, 1);
@@ -428,7 +441,15 @@ impl Prefetcher {
         let mut cache = self.cache.lock().expect("cache");
         let (buffer, charge) = loop {
             if let Some(e) = cache.entries.get(&key) {
-                return Ok(Some((e.clone(), false)));
+                if !e.is_failed() {
+                    return Ok(Some((e.clone(), false)));
+                }
+                // A fetch that gave up, not yet cleaned up by its task (which leaves alone an entry that is
+                // no longer its own): it makes way for a new one.
+                if let Some(failed) = cache.entries.pop(&key) {
+                    self.release(failed.size);
+                }
+                continue;
             }
             // Checked under the cache lock, so concurrent prefetchers cannot overshoot the limit.
             let prefetching = self.prefetching.load(Ordering::Relaxed);
@@ -635,6 +656,36 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(p.cache_used(), 0, "a failed fetch releases its reservation");
+    }
+
+    /// A reader that finds a batch's fetch failing waits out its own `timeout`, not the fetch's: here it
+    /// arrives 1.2 s into a 2 s timeout, the fetch gives up at 2 s, the server is back at 2.3 s, and the
+    /// reader gets the batch (it once got the first reader's error at 2 s, 0.8 s into its own wait).
+    #[test]
+    fn a_reader_joining_a_failing_fetch_waits_out_its_own_timeout() {
+        let config = PrefetcherConfig { prefetch: 0, timeout: Duration::from_secs(2), ..Default::default() };
+        let (_rt, client, p, bodies) = setup(3, config);
+        client.inject(std::iter::repeat_n(Fault::Unreachable, 10_000));
+        let first = {
+            let p = p.clone();
+            std::thread::spawn(move || p.read_as0(key(1), 0, 4096))
+        };
+        std::thread::sleep(Duration::from_millis(1200));
+        let second = {
+            let p = p.clone();
+            std::thread::spawn(move || (p.read_as0(key(1), 0, 4096), Instant::now()))
+        };
+        assert!(matches!(first.join().unwrap(), Err(ReadError::Timeout { .. })), "the first reader's time is up");
+        let failed_at = Instant::now();
+        std::thread::sleep(Duration::from_millis(300));
+        client.heal();
+        let (got, at) = second.join().unwrap();
+        assert_eq!(
+            got.unwrap(),
+            bodies[1],
+            "the second reader had time left: {:?} after the first failed",
+            at - failed_at
+        );
     }
 
     #[test]

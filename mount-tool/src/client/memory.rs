@@ -86,6 +86,11 @@ impl MemoryClient {
     pub fn inject(&self, faults: impl IntoIterator<Item = Fault>) {
         self.faults.lock().expect("faults").extend(faults);
     }
+
+    /// Drops the faults still queued: the next fetches succeed.
+    pub fn heal(&self) {
+        self.faults.lock().expect("faults").clear();
+    }
 }
 
 impl BatchClient for MemoryClient {

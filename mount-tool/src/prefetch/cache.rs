@@ -190,6 +190,11 @@ impl Entry {
         matches!(*self.state.lock().expect("entry"), State::Ready(_))
     }
 
+    /// Its fetch failed for good.
+    pub(super) fn is_failed(&self) -> bool {
+        matches!(*self.state.lock().expect("entry"), State::Failed(_))
+    }
+
     /// Someone outside the cache holds the memory file (an open passthrough file): not to be evicted.
     pub(super) fn is_pinned(&self) -> bool {
         self.memfd.lock().expect("memfd").as_ref().is_some_and(|f| Arc::strong_count(f) > 1)
