@@ -59,7 +59,7 @@ mod window;
 use cache::{Cache, Content, Entry};
 use listings::Listings;
 use retry::{with_retries, Failure};
-use window::Throughput;
+use window::{Prefetching, Throughput};
 
 /// A list of files the mount shows: the batches of one epoch in one format, the files of one
 /// directory of `raw/` (by the id [`Prefetcher::list_dir`] gave it), or the files of `rolling/`'s
@@ -192,8 +192,8 @@ pub struct Prefetcher {
     room: Condvar,
     listings: Listings,
     streams: Mutex<StreamTracker>,
-    /// Bytes of prefetches in flight now.
-    prefetching: crate::sync::AtomicU64,
+    /// Bytes of prefetches in flight now (each counted by its [`Prefetching`] guard).
+    prefetching: Arc<crate::sync::AtomicU64>,
     /// How fast fetches deliver, all together.
     throughput: Mutex<Throughput>,
     /// Buffers of evicted bodies, reused by the next fetches (counted in the budget).
@@ -216,7 +216,7 @@ impl Prefetcher {
             room: Condvar::new(),
             listings: Listings::new(),
             streams: Mutex::new(streams),
-            prefetching: crate::sync::AtomicU64::new(0),
+            prefetching: Arc::new(crate::sync::AtomicU64::new(0)),
             throughput: Mutex::new(Throughput::default()),
             pool: BufferPool::new(config.cache_bytes),
             memfd_bodies: AtomicBool::new(false),
@@ -486,12 +486,12 @@ impl Prefetcher {
         self.stats.cache_bytes.store(self.pool.used(), Ordering::Relaxed);
         let entry = Arc::new(Entry::new(charge, self.clock()));
         cache.entries.put(key, entry.clone());
+        // Counted with the cache lock still held, as it was checked: no admission passes the check on a
+        // count that another has passed it on but not raised yet.
+        let prefetching = (!on_demand).then(|| Prefetching::count(&self.prefetching, obj.sent.bytes));
         drop(cache);
         Stats::add(&self.stats.in_flight, 1);
-        if !on_demand {
-            self.prefetching.fetch_add(obj.sent.bytes, Ordering::Relaxed);
-        }
-        self.spawn_fetch(key, obj.clone(), entry.clone(), buffer, memfd, on_demand);
+        self.spawn_fetch(key, obj.clone(), entry.clone(), buffer, memfd, prefetching);
         Ok(Some((entry, true)))
     }
 
@@ -686,6 +686,38 @@ mod tests {
             "the second reader had time left: {:?} after the first failed",
             at - failed_at
         );
+    }
+
+    /// Prefetches started from many threads at once never put more bytes in flight than the cap: the
+    /// check and the count are one step under the cache lock (the count once came after the lock was
+    /// dropped, and admissions racing past the check each passed it).
+    #[test]
+    fn prefetches_started_from_many_threads_at_once_stay_under_the_cap() {
+        for _ in 0..20 {
+            let cap = 20_000;
+            let config = PrefetcherConfig { max_prefetch_bytes: cap, cache_bytes: 1 << 30, ..Default::default() };
+            let (_rt, client, p, _) = setup(1600, config);
+            p.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
+            client.held.lock().unwrap().extend(0..1600);
+            let manifest = p.manifest(0, TF).unwrap();
+            let start = std::sync::Barrier::new(16);
+            std::thread::scope(|s| {
+                for t in 0..16u64 {
+                    let (p, manifest, start) = (&p, &manifest, &start);
+                    s.spawn(move || {
+                        let targets: Vec<Target> =
+                            (t * 100..(t + 1) * 100).map(|index| Target { listing: key(0).listing, index }).collect();
+                        start.wait();
+                        for target in targets.chunks(1) {
+                            p.start_prefetches(target, manifest);
+                        }
+                    });
+                }
+            });
+            let in_flight = p.prefetching.load(Ordering::Relaxed);
+            client.held.lock().unwrap().clear();
+            assert!(in_flight <= cap, "{in_flight} bytes of prefetches in flight, over the cap of {cap}");
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 use super::cache::{in_memfd, seal_file, Content, Entry, Placed, Record, State};
 use super::retry::{verify, with_retries, Failure};
+use super::window::Prefetching;
 use super::{describe, BatchKey, Listing, Object, Prefetcher, ReadError};
 use crate::client::{ClientError, Filling, Sink};
 use crate::stats::Stats;
@@ -17,8 +18,8 @@ use std::time::Instant;
 
 impl Prefetcher {
     /// Fetches `obj` (cached under `key` as `entry`, charged already) on the runtime: into `buffer` (the
-    /// admission's, reused memory) or, with `memfd`, straight into a memory file. A prefetch
-    /// (`on_demand == false`) counts in the prefetch bytes in flight until it ends.
+    /// admission's, reused memory) or, with `memfd`, straight into a memory file. A prefetch brings the
+    /// guard that counts it in flight, dropped when the fetch ends.
     pub(super) fn spawn_fetch(
         self: &Arc<Self>,
         key: BatchKey,
@@ -26,7 +27,7 @@ impl Prefetcher {
         entry: Arc<Entry>,
         buffer: Vec<u8>,
         memfd: bool,
-        on_demand: bool,
+        prefetching: Option<Prefetching>,
     ) {
         let this = self.clone();
         let fetching = entry;
@@ -109,9 +110,7 @@ impl Prefetcher {
             })
             .await;
             this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-            if !on_demand {
-                this.prefetching.fetch_sub(meta.bytes, Ordering::Relaxed);
-            }
+            drop(prefetching);
             match result {
                 Ok((content, file)) => {
                     Stats::add(&this.stats.fetched_bytes, meta.bytes);

@@ -10,7 +10,7 @@ use super::listings::NextEpoch;
 use super::streams::Target;
 use super::{BatchKey, Listing, Prefetcher};
 use crate::stats::Stats;
-use crate::sync::Arc;
+use crate::sync::{Arc, AtomicU64, Ordering};
 use batchfs::api::Manifest;
 use batchfs::encode::BatchFormat;
 use std::time::{Duration, Instant};
@@ -56,6 +56,27 @@ impl Throughput {
             self.rate = if self.rate == 0.0 { sample } else { 0.5 * self.rate + 0.5 * sample };
             (self.window_start, self.bytes) = (Some(now), 0);
         }
+    }
+}
+
+/// The bytes of one prefetch in flight, counted in the prefetcher's total from its admission (with the
+/// cache lock held, where the cap was checked) until the guard is dropped, when its fetch ends however it
+/// ends.
+pub(super) struct Prefetching {
+    total: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Prefetching {
+    pub(super) fn count(total: &Arc<AtomicU64>, bytes: u64) -> Self {
+        total.fetch_add(bytes, Ordering::Relaxed);
+        Prefetching { total: total.clone(), bytes }
+    }
+}
+
+impl Drop for Prefetching {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
