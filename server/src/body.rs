@@ -40,16 +40,6 @@ impl AsRef<[u8]> for MapSlice {
     }
 }
 
-/// Touches every page of `[offset, offset+len)` so it is resident afterwards.
-pub(crate) fn fault_in(map: &MappedFile, offset: u64, len: u64) {
-    let bytes = &map.bytes()[offset as usize..(offset + len) as usize];
-    let mut sum = 0u8;
-    for page in bytes.chunks(4096) {
-        sum = sum.wrapping_add(page[0]);
-    }
-    std::hint::black_box(sum);
-}
-
 /// Shared by every streaming body of a server.
 pub struct StreamContext {
     pub storage: Arc<Semaphore>,
@@ -170,7 +160,7 @@ impl SegmentBody {
                     return Some(Ok(Bytes::from_owner(slice)));
                 }
                 return Some(Err(on_storage(self.ctx.clone(), move || {
-                    fault_in(&slice.map, offset, n);
+                    slice.map.fault_in(offset, n);
                     Ok(vec![Bytes::from_owner(slice)])
                 })));
             }

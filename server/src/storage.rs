@@ -288,7 +288,7 @@ impl Storage {
         match self.shard(n) {
             Shard::Mapped(map) => {
                 if !map.is_resident(offset, len) {
-                    crate::body::fault_in(map, offset, len);
+                    map.fault_in(offset, len);
                 }
                 Ok(())
             }
