@@ -65,10 +65,11 @@ impl Raw {
 }
 
 /// The CRC32C of each chunk of `file`, of `chunk_bytes` each: the one CRC of the whole file when the
-/// list gives no chunks, or gives a number that does not match the size (fetched whole then).
+/// list gives no chunks, or gives a number that does not match the size, or a chunk size of 0 (fetched
+/// whole then).
 fn chunk_crcs(file: &FileEntry, chunk_bytes: u64) -> Vec<(u64, u32)> {
     let n = file.size.div_ceil(chunk_bytes.max(1));
-    if file.chunks.is_empty() || file.chunks.len() as u64 != n || n < 2 {
+    if chunk_bytes == 0 || file.chunks.is_empty() || file.chunks.len() as u64 != n || n < 2 {
         return vec![(file.size, file.crc32c)];
     }
     let mut left = file.size;
@@ -271,6 +272,23 @@ mod tests {
         assert_eq!(listings.raw_chunk(1, 0), Some(("a/y".into(), 0)));
         assert_eq!(listings.raw_at("a").map(|(id, _)| id), Some(1));
         assert!(listings.raw_at("b").is_none() && listings.raw(2).is_none());
+    }
+
+    /// A list whose chunk size is 0 (a server that sends nonsense) has its files fetched whole, checked by
+    /// the whole file's CRC: no chunk of no bytes, and no division by it when a file is read.
+    #[test]
+    fn a_chunk_size_of_zero_fetches_files_whole() {
+        let listings = Listings::new();
+        let file = FileEntry { path: "f".into(), size: 3, crc32c: 9, chunks: vec![1, 2, 3] };
+        let (_, raw) = listings.put_raw(FileList {
+            chunk_bytes: 0,
+            dir: String::new(),
+            dirs: vec![],
+            files: vec![file],
+            next: None,
+        });
+        assert_eq!(raw.chunks_of(0), Some(0..1));
+        assert_eq!(raw.manifest.batches.iter().map(|b| (b.bytes, b.crc32c)).collect::<Vec<_>>(), [(3, 9)]);
     }
 
     #[test]
