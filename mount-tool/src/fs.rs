@@ -46,7 +46,7 @@ const MAX_BATCHES: u64 = 1 << 33;
 pub const META_NAME: &str = ".batchfs";
 /// The name of the source-file tree.
 pub const RAW_NAME: &str = "raw";
-/// Entries of a `raw/` directory one `readdir` call returns at most.
+/// Entries of a `raw/` directory, an epoch directory or `rolling/` one `readdir` call returns at most.
 pub const READDIR_BATCH: usize = 4096;
 
 /// The name of the rolling epoch view.
@@ -525,12 +525,7 @@ impl Fs {
                 Ok(out)
             }
             Node::MetaDir => Ok(vec![(Node::Stats, "stats".to_owned())]),
-            Node::Epoch(epoch) => self.batch_entries(epoch, |batch, index| Node::Batch { epoch, batch, index }),
-            // One epoch's names (every epoch has as many batches), each as its next open gets it.
-            Node::RollingDir => {
-                let first = self.rolling.first_epoch();
-                self.batch_entries(first, |b, index| self.rolling_node(b, index, owner))
-            }
+            dir @ (Node::Epoch(_) | Node::RollingDir) => self.batch_entries(dir, 0, usize::MAX, owner),
             Node::RawDir(n) => {
                 Ok(self.raw_entries(n, 0, usize::MAX)?.into_iter().map(|(name, node)| (node, name)).collect())
             }
@@ -540,18 +535,26 @@ impl Fs {
         }
     }
 
-    /// The batch files of epoch `listed` (and their index twins), each the node `node_of` gives for
-    /// (batch, index twin).
-    fn batch_entries(&self, listed: u64, node_of: impl Fn(u64, bool) -> Node) -> Result<Vec<(Node, String)>, FsError> {
+    /// At most `max` entries from position `from` of epoch directory `dir`, or of `rolling/` (one epoch's
+    /// names, every epoch has as many batches, each as `owner`'s next open gets it): each batch file and
+    /// its index twin, in order. Only those asked for are made.
+    fn batch_entries(&self, dir: Node, from: usize, max: usize, owner: u32) -> Result<Vec<(Node, String)>, FsError> {
+        let listed = match dir {
+            Node::Epoch(epoch) => epoch,
+            _ => self.rolling.first_epoch(),
+        };
         let manifest = self.prefetcher.manifest(listed, self.options.format)?;
-        let with_index = self.options.format.index().is_some();
-        let mut out = Vec::with_capacity(manifest.batches.len() * 2);
-        for b in 0..manifest.batches.len() as u64 {
-            for index in [false, true].into_iter().filter(|&i| !i || with_index) {
-                out.push((node_of(b, index), batch_name(b, self.batch_format(index))));
-            }
-        }
-        Ok(out)
+        let per = if self.options.format.index().is_some() { 2 } else { 1 };
+        let total = manifest.batches.len() * per;
+        let entry = |i: usize| {
+            let (batch, index) = ((i / per) as u64, i % per == 1);
+            let node = match dir {
+                Node::Epoch(epoch) => Node::Batch { epoch, batch, index },
+                _ => self.rolling_node(batch, index, owner),
+            };
+            (node, batch_name(batch, self.batch_format(index)))
+        };
+        Ok((from.min(total)..total.min(from.saturating_add(max))).map(entry).collect())
     }
 
     /// Every entry of directory `ino` as `readdir` returns it: `.`, `..`, then [`Fs::readdir`]'s, each as
@@ -560,13 +563,18 @@ impl Fs {
         self.dir_entries_from(ino, 0, owner)
     }
 
-    /// [`Fs::dir_entries`] from position `offset` on: all of them, except in a directory of `raw/`, where
-    /// a call gives at most [`READDIR_BATCH`] (the kernel asks again from where it got to), so listing a
-    /// directory of a million files costs each entry once, not the whole directory per call.
+    /// [`Fs::dir_entries`] from position `offset` on: all of them, except in a directory of `raw/`, an
+    /// epoch directory or `rolling/`, where a call gives at most [`READDIR_BATCH`] (the kernel asks again
+    /// from where it got to), so listing a directory of a million files costs each entry once, not the
+    /// whole directory per call.
     pub fn dir_entries_from(&self, ino: u64, offset: usize, owner: u32) -> Result<Vec<(u64, bool, String)>, FsError> {
         let dots = [(ino, true, ".".to_owned()), (self.parent(ino), true, "..".to_owned())];
         let entries = match Node::from_ino(ino) {
             Some(Node::RawDir(n)) => self.raw_entries(n, offset.saturating_sub(2), READDIR_BATCH)?,
+            Some(dir @ (Node::Epoch(_) | Node::RollingDir)) => {
+                let entries = self.batch_entries(dir, offset.saturating_sub(2), READDIR_BATCH, owner)?;
+                entries.into_iter().map(|(node, name)| (name, node)).collect()
+            }
             _ => {
                 let entries = self.readdir(ino, owner)?.into_iter().map(|(node, name)| (name, node));
                 entries.skip(offset.saturating_sub(2)).collect()
@@ -948,6 +956,32 @@ mod tests {
         );
         assert_eq!(fs.parent(big.ino()), raw.ino());
         assert!(!client.listed.lock().unwrap().iter().any(|(d, _)| d == "other"), "never looked into");
+    }
+
+    /// An epoch directory (and `rolling/`) of many batches is read back by `readdir` offsets a bounded
+    /// batch of entries per call, each entry made once: building all of them at every call made listing
+    /// an epoch of N batches cost N²/100.
+    #[test]
+    fn large_epoch_directories_are_listed_a_batch_of_entries_per_call() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let client = MemoryClient::new(|_, _| (0..6000).map(|_| Bytes::from_static(b"x")).collect());
+        let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), PrefetcherConfig::default());
+        let fs = Fs::new(p, options(BatchFormat::Tfrecord));
+        for dir in [Node::Epoch(3).ino(), ROLLING_DIR] {
+            let mut names = Vec::new();
+            let mut offset = 0;
+            loop {
+                let got = fs.dir_entries_from(dir, offset, 0).unwrap();
+                if got.is_empty() {
+                    break;
+                }
+                assert!(got.len() <= READDIR_BATCH + 2, "{} entries in one call", got.len());
+                offset += got.len();
+                names.extend(got.into_iter().map(|e| e.2));
+            }
+            assert_eq!(names.len(), 2 + 12_000, "every batch and twin once");
+            assert_eq!((&names[2][..], &names[12_001][..]), ("batch-000000.tfrecord", "batch-005999.tfrecord.idx"));
+        }
     }
 
     #[test]
