@@ -786,6 +786,26 @@ mod tests {
         assert_eq!(s.passthrough_bytes, in_files as u64, "{s:?}");
     }
 
+    /// Writing a large body into its memory file (the first passthrough open of a batch fetched into a
+    /// buffer) does not hold up the cache: choosing a batch to evict looks at every entry's memory file,
+    /// and once waited for this write, with the cache lock held, so every admission queued behind it.
+    #[test]
+    fn making_a_memory_file_does_not_hold_up_the_cache() {
+        let config = PrefetcherConfig { prefetch: 0, cache_bytes: 1 << 30, ..Default::default() };
+        let (_rt, _client, p, _) = setup_sized(1, 128 << 20, 1, config);
+        p.read_as0(key(0), 0, 10).unwrap();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                p.backing_file(key(0), 1).unwrap();
+                done.store(true, Ordering::SeqCst);
+            });
+            std::thread::sleep(Duration::from_millis(3));
+            let _ = p.cache.lock().unwrap().victim(p.clock(), Duration::from_secs(10), true);
+            assert!(!done.load(Ordering::SeqCst), "choosing a victim waited for the 128 MB write");
+        });
+    }
+
     /// Waits until `done` holds (at most 10 s).
     fn eventually(what: &str, done: impl Fn() -> bool) {
         let deadline = Instant::now() + Duration::from_secs(10);

@@ -138,8 +138,11 @@ pub(super) struct Entry {
     /// When the batch was last read or opened, or its fetch started: nanoseconds of
     /// [`super::Prefetcher::clock`].
     pub touched: AtomicU64,
-    /// The body as a sealed memory file, once one was asked for (FUSE passthrough).
+    /// The body as a sealed memory file, once one was asked for (FUSE passthrough). Held only to read or
+    /// set it: choosing a batch to evict reads it, with the cache lock held.
     pub memfd: Mutex<Option<Arc<std::fs::File>>>,
+    /// Held while the memory file is made (a whole body written), so it is made once.
+    making: Mutex<()>,
     /// The memory file was handed to a reader (counted in `bytes_served` once).
     pub handed: AtomicBool,
 }
@@ -182,6 +185,7 @@ impl Entry {
             changed: Condvar::new(),
             consumed: AtomicBool::new(false),
             memfd: Mutex::new(None),
+            making: Mutex::new(()),
             handed: AtomicBool::new(false),
         }
     }
@@ -204,13 +208,18 @@ impl Entry {
     /// mapped to serve the daemon's reads from the same pages (the body buffer is then released). With
     /// the bytes written now (0 when it existed).
     pub(super) fn backing(&self, body: Content) -> std::io::Result<(Arc<std::fs::File>, u64)> {
-        let mut slot = self.memfd.lock().expect("memfd");
-        if let Some(f) = &*slot {
-            return Ok((f.clone(), 0));
+        let existing = || self.memfd.lock().expect("memfd").clone();
+        if let Some(f) = existing() {
+            return Ok((f, 0));
+        }
+        let _making = self.making.lock().expect("making");
+        // Another open may have made it while this one waited.
+        if let Some(f) = existing() {
+            return Ok((f, 0));
         }
         let (mapped, file) = in_memfd(&body)?;
         *self.state.lock().expect("entry") = State::Ready(mapped);
-        *slot = Some(file.clone());
+        *self.memfd.lock().expect("memfd") = Some(file.clone());
         Ok((file, body.stored()))
     }
 
