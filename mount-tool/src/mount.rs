@@ -83,6 +83,10 @@ fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The epochs, from `first_epoch`, whose largest batch `mount` checks the cache can hold twice (a later
+/// one larger still fails its reads with EIO, and says to raise `cache`).
+const CHECKED_EPOCHS: u64 = 3;
+
 fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::DatasetInfo> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let client = HttpClient::new(http.clone())?;
@@ -94,8 +98,11 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
         loop {
             let attempt = async {
                 let info = client.dataset().await?;
-                let manifest = client.manifest(0, options.format).await?;
-                Ok::<_, ClientError>((info, manifest))
+                let mut manifests = Vec::new();
+                for epoch in options.first_epoch..options.first_epoch + options.epochs.clamp(1, CHECKED_EPOCHS) {
+                    manifests.push(client.manifest(epoch, options.format).await?);
+                }
+                Ok::<_, ClientError>((info, manifests))
             };
             match attempt.await {
                 Err(ClientError::Status { status: 503, .. }) if std::time::Instant::now() < deadline => {
@@ -108,15 +115,19 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
     });
     // Join the runtime's threads now: a daemonizing caller forks next.
     runtime.shutdown_timeout(Duration::from_secs(5));
-    let (info, manifest) = result.map_err(|e| match &e {
+    let (info, manifests) = result.map_err(|e| match &e {
         ClientError::Status { status: 404, .. } => anyhow!("dataset {:?} unknown to {server}: {e}", http.dataset),
         ClientError::Status { status: 401, .. } => anyhow!("{server} refused the token: {e}"),
         ClientError::Status { status: 400, .. } => anyhow!("{server} rejected the options: {e}"),
         _ => anyhow!("server unreachable: {e}"),
     })?;
-    let largest = manifest.batches.iter().map(|b| b.bytes).max().unwrap_or(0);
-    if options.cache < 2 * largest {
-        bail!("cache={} cannot hold two batches of {largest} bytes; raise cache or lower batch_size", options.cache);
+    let largest = manifests.iter().flat_map(|m| m.batches.iter().map(move |b| (b.bytes, m.epoch))).max();
+    if let Some((bytes, epoch)) = largest.filter(|&(bytes, _)| options.cache < 2 * bytes) {
+        bail!(
+            "cache={} cannot hold two batches of {bytes} bytes (the largest of epoch {epoch}); raise cache or lower \
+             batch_size",
+            options.cache
+        );
     }
     Ok(info)
 }

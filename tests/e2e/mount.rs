@@ -443,3 +443,27 @@ fn a_failed_replica_is_routed_around_and_probed_back() {
     rt.block_on(a.running.shutdown());
     rt.block_on(b2.running.shutdown());
 }
+
+/// `mount` refuses a cache that cannot hold two of the largest batches of the first epochs it serves
+/// (from `first_epoch`, three of them), not only of epoch 0: on heavy-tailed sizes a later epoch's
+/// largest batch can be well over epoch 0's.
+#[test]
+fn mount_refuses_a_cache_too_small_for_the_first_epochs_it_serves() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 400, 3_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let largest = |e: u64| {
+        let m = common::manifest_of(&rt, &server, "d", e, "batch_size=8&seed=1");
+        m.batches.iter().map(|b| b.bytes).max().unwrap()
+    };
+    // The first epoch from 5 whose largest batch is over the one before it: a cache for two of 5's only.
+    let (first, later) = (5, (6..8).find(|&e| largest(e) > largest(5)).expect("a later epoch with a larger batch"));
+    let cache = 2 * largest(first);
+    let url = format!("{}/d", server.base);
+    let mut o = batchfs_mount::options::MountOptions::default();
+    o.apply_list(&format!("batch_size=8,seed=1,first_epoch={first},cache={cache}")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let err = batchfs_mount::mount::plan(&url, dir.path(), o).err().expect("refused").to_string();
+    assert!(err.contains("cannot hold two batches") && err.contains(&format!("epoch {later}")), "{err}");
+    rt.block_on(server.running.shutdown());
+}
