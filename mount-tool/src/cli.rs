@@ -315,10 +315,11 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
         rows.push((
             format!("server {i}"),
             format!(
-                "{} {state}: {} requests, {} failures, {:.1} MB, {} MB/s, {:.1} MB in flight, out {} times",
+                "{} {state}: {} requests, {} failures, {} shed, {:.1} MB, {} MB/s, {:.1} MB in flight, out {} times",
                 v.url,
                 v.requests,
                 v.failures,
+                v.sheds,
                 v.bytes as f64 / 1e6,
                 v.mb_per_s,
                 v.in_flight_bytes as f64 / 1e6,

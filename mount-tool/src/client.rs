@@ -266,6 +266,10 @@ impl HttpClient {
         range: Option<(u64, u64)>,
     ) -> Result<(InFlight<'_>, String, reqwest::Response), ClientError> {
         let flight = self.health.begin(spread, expect);
+        // Every server is out and this one, back soonest, rests after shedding load: as it asked.
+        if let Some(rest) = self.health.resting(flight.server()) {
+            tokio::time::sleep(rest).await;
+        }
         let per = self.config.connections.max(1);
         let conn = self.next.fetch_add(1, Ordering::Relaxed) % per;
         let client = &self.clients[flight.server() * per + conn];
@@ -292,13 +296,20 @@ impl HttpClient {
         };
         let status = response.status();
         if !status.is_success() {
+            let retry_after = (status == reqwest::StatusCode::SERVICE_UNAVAILABLE)
+                .then(|| response.headers().get(reqwest::header::RETRY_AFTER))
+                .flatten()
+                .map(|v| v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(1));
             let message = match response.json::<ErrorBody>().await {
                 Ok(body) => body.error,
                 Err(_) => status.canonical_reason().unwrap_or("error").to_owned(),
             };
-            // A 4xx is the request's fault, not the server's.
-            if status.is_server_error() {
-                flight.failed();
+            // A 4xx is the request's fault, not the server's; a 503 with Retry-After is a server shedding
+            // load, saturated rather than failing: it rests as long as it asks.
+            match retry_after {
+                Some(seconds) => flight.shed(Duration::from_secs(seconds)),
+                None if status.is_server_error() => flight.failed(),
+                None => {}
             }
             return Err(ClientError::Status { server, status: status.as_u16(), message });
         }
@@ -555,6 +566,62 @@ mod tests {
             let Sink::Buffer(filled) = got.sink else { panic!("a buffer") };
             assert_eq!((filled.finish(), got.crc32c), (bytes::Bytes::from(body.clone()), crc32c::crc32c(&body)));
         }
+    }
+
+    /// An h2c server whose first `shed` answers are `503` with `Retry-After: 1` (a server shedding load),
+    /// the rest `body`; it records when each request came.
+    async fn shedding_server(shed: usize, body: Vec<u8>) -> (String, Arc<std::sync::Mutex<Vec<std::time::Instant>>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = arrivals.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let (body, seen) = (body.clone(), seen.clone());
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = conn.accept().await {
+                        let n = {
+                            let mut seen = seen.lock().unwrap();
+                            seen.push(std::time::Instant::now());
+                            seen.len()
+                        };
+                        let response = if n <= shed {
+                            http::Response::builder().status(503).header("retry-after", "1")
+                        } else {
+                            http::Response::builder().status(200)
+                        };
+                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
+                        let data = if n <= shed { b"{\"error\": \"saturated\"}".to_vec() } else { body.clone() };
+                        let _ = stream.send_data(bytes::Bytes::from(data), true);
+                    }
+                });
+            }
+        });
+        (format!("http://{addr}"), arrivals)
+    }
+
+    /// A server shedding load (`503` with `Retry-After`) is not failing: it is not taken out of rotation
+    /// for a doubling backoff, and its `Retry-After` is honoured (a request to it, when it is the only
+    /// one, waits that long).
+    #[tokio::test]
+    async fn shedding_is_not_failing_and_retry_after_is_honoured() {
+        let body = vec![7u8; 1000];
+        let (server, arrivals) = shedding_server(1, body.clone()).await;
+        let client = client_of(server);
+        let fetch = || {
+            let sink = Sink::Buffer(Filling::new(Vec::new(), (1000, 0), None, || {}));
+            client.fetch_batch(0, 0, BatchFormat::Tfrecord, 0, sink, 1000)
+        };
+        let err = fetch().await.unwrap_err();
+        assert!(err.is_retryable(), "{err}");
+        let s = &client.health().snapshot()[0];
+        assert_eq!((s.failures, s.taken_out, s.sheds), (0, 0, 1), "{s:?}");
+        let got = fetch().await.unwrap();
+        assert_eq!(got.sink.len(), 1000);
+        let arrivals = arrivals.lock().unwrap().clone();
+        let waited = arrivals[1] - arrivals[0];
+        assert!(waited >= Duration::from_millis(900), "the retry came {waited:?} after the 503 with Retry-After: 1");
     }
 
     #[test]

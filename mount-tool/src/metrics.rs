@@ -77,10 +77,11 @@ pub fn render(s: &StatsSnapshot) -> String {
     metric("passthrough_opens_total", "counter", "Opens served by FUSE passthrough.", s.passthrough_opens);
     metric("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens);
     metric("early_reads_total", "counter", "Daemon reads answered before their batch had all arrived.", s.early_reads);
-    let per_server: [(&str, &str, &str, PerServer); 6] = [
+    let per_server: [(&str, &str, &str, PerServer); 7] = [
         ("up", "gauge", "1 while the server is in rotation.", |v| u64::from(v.up)),
         ("requests_total", "counter", "Requests sent to the server.", |v| v.requests),
         ("failures_total", "counter", "Requests that failed for the server's reasons.", |v| v.failures),
+        ("sheds_total", "counter", "Requests the server shed, saturated (503 with Retry-After).", |v| v.sheds),
         ("bytes_total", "counter", "Body bytes received in full from the server.", |v| v.bytes),
         ("in_flight_bytes", "gauge", "Bytes of requests in flight on the server.", |v| v.in_flight_bytes),
         ("rate_bytes_per_second", "gauge", "The server's delivery rate estimate.", |v| v.mb_per_s * 1_000_000),

@@ -11,6 +11,11 @@
 //! passed, one request at a time probes it: a success puts it back, a failure takes it out again for
 //! longer. While every server is out, requests go to the one whose backoff ends first (a retry must
 //! try somewhere). A 4xx answer says nothing about health (the request was wrong) and is not counted.
+//!
+//! A server that sheds load (`503` with `Retry-After`: it is saturated, not failing) is not taken out: it
+//! rests for its `Retry-After` (at most 30 s), new requests go to the others meanwhile, and a request that
+//! finds every server out and this one back soonest waits for the rest to end before it is sent. Its
+//! backoff does not grow, and it needs no probe.
 
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +40,10 @@ struct Server {
     backoff_ms: AtomicU64,
     /// Times it was taken out.
     taken_out: AtomicU64,
+    /// Times it shed a request (`503` with `Retry-After`).
+    sheds: AtomicU64,
+    /// Resting until this instant after shedding (nanoseconds since `started`); 0: not.
+    rest_until: AtomicU64,
 }
 
 /// Every server's health, in the order of the mount's server list.
@@ -59,6 +68,9 @@ pub struct ServerSnapshot {
     pub mb_per_s: u64,
     /// Times it was taken out of rotation.
     pub taken_out: u64,
+    /// Times it answered that it was saturated (`503` with `Retry-After`): rested that long, not failed.
+    #[serde(default)]
+    pub sheds: u64,
 }
 
 /// A request in flight on a server; its bytes leave the server's in-flight count when dropped.
@@ -89,6 +101,15 @@ impl InFlight<'_> {
         // Back in rotation (a probe that succeeded).
         s.backoff_ms.store(0, Ordering::Relaxed);
         s.down_until.store(0, Ordering::Relaxed);
+    }
+
+    /// The server answered that it is saturated and will take requests again after `retry_after`.
+    pub fn shed(self, retry_after: Duration) {
+        let s = &self.health.servers[self.server];
+        s.sheds.fetch_add(1, Ordering::Relaxed);
+        let until = self.health.now() + retry_after.min(MAX_BACKOFF).as_nanos() as u64;
+        s.rest_until.fetch_max(until, Ordering::Relaxed);
+        tracing::debug!(server = %self.health.urls[self.server], ?retry_after, "server saturated: resting");
     }
 
     /// The request failed for a reason that is the server's (or the path's).
@@ -131,6 +152,17 @@ impl Health {
         &self.urls[n]
     }
 
+    /// How long server `n` still rests after shedding load, if it does.
+    pub fn resting(&self, n: usize) -> Option<Duration> {
+        let (until, now) = (self.servers[n].rest_until.load(Ordering::Relaxed), self.now());
+        (until > now).then(|| Duration::from_nanos(until - now))
+    }
+
+    /// When server `s` takes requests again: the later of its backoff's and its rest's ends.
+    fn back_at(s: &Server) -> u64 {
+        s.down_until.load(Ordering::Relaxed).max(s.rest_until.load(Ordering::Relaxed))
+    }
+
     /// Starts a request of about `expect` bytes on the server expected to finish it first; `spread`
     /// (e.g. the batch number) rotates ties.
     pub fn begin(&self, spread: usize, expect: u64) -> InFlight<'_> {
@@ -153,7 +185,7 @@ impl Health {
         for i in 0..n {
             let k = (spread + i) % n;
             let s = &self.servers[k];
-            if s.down_until.load(Ordering::Relaxed) > now {
+            if Self::back_at(s) > now {
                 continue;
             }
             // Recovering: one probe at a time.
@@ -168,9 +200,8 @@ impl Health {
             }
         }
         // Everything is out: the one back soonest.
-        best.map(|(k, _)| k).unwrap_or_else(|| {
-            (0..n).min_by_key(|&k| self.servers[k].down_until.load(Ordering::Relaxed)).expect("servers")
-        })
+        best.map(|(k, _)| k)
+            .unwrap_or_else(|| (0..n).min_by_key(|&k| Self::back_at(&self.servers[k])).expect("servers"))
     }
 
     /// Every server's counters now.
@@ -188,6 +219,7 @@ impl Health {
                 in_flight_bytes: s.in_flight.load(Ordering::Relaxed),
                 mb_per_s: (f64::from_bits(s.rate.load(Ordering::Relaxed)) / 1e6).round() as u64,
                 taken_out: s.taken_out.load(Ordering::Relaxed),
+                sheds: s.sheds.load(Ordering::Relaxed),
             })
             .collect()
     }
@@ -250,6 +282,23 @@ mod tests {
         h.begin(0, 1000).succeeded(1000);
         let s = h.snapshot();
         assert!(s[0].up && s[0].taken_out == 2 && s[0].bytes == 1000, "{s:?}");
+    }
+
+    #[test]
+    fn a_server_shedding_load_rests_without_being_taken_out() {
+        let h = health(2);
+        h.begin(0, 1000).shed(Duration::from_secs(5));
+        let s = h.snapshot();
+        assert!(s[0].up && s[0].failures == 0 && s[0].taken_out == 0 && s[0].sheds == 1, "{s:?}");
+        assert!(h.resting(0).is_some_and(|r| r > Duration::from_secs(4)) && h.resting(1).is_none());
+        for b in 0..4 {
+            assert_eq!(h.begin(b, 1000).server(), 1, "new requests go to the other while it rests");
+        }
+        h.begin(1, 1000).shed(Duration::from_secs(9));
+        assert_eq!(h.begin(1, 1000).server(), 0, "both rest: the one back soonest");
+        assert_eq!(h.servers[0].backoff_ms.load(Ordering::Relaxed), 0, "no backoff to grow, no probe needed");
+        h.begin(0, 1000).shed(Duration::from_secs(3600));
+        assert!(h.resting(0).unwrap() <= MAX_BACKOFF, "a rest is at most {MAX_BACKOFF:?}");
     }
 
     #[test]
