@@ -1,15 +1,20 @@
 //! The one place that maps files and opens LMDB environments: every `unsafe` block of the core lives
 //! here, each with its `SAFETY` argument.
 //!
-//! Invariant relied on everywhere: **dataset files are immutable while indexed or served.** The index
-//! records each shard's size and modification time and is rebuilt when they change; truncating a shard
-//! under a running server is outside the contract (the kernel would raise SIGBUS on access past the new
-//! end), as it is for every mmap-based reader, LMDB included.
+//! Invariant relied on by readers of the bytes: **dataset files are immutable while indexed or served.**
+//! The index records each shard's size and modification time and is rebuilt when they change. A file
+//! changed anyway under a mapping (a conversion script rewriting a shard in place) shows its new bytes,
+//! which the clients' checksums refuse; one truncated under it would raise SIGBUS at the first touch of
+//! a page past its new end, and kill the process. With [`guard_truncation`] (the server calls it at
+//! start) such a touch reads a page of zeros instead, the mapping remembers it ([`MappedFile::was_cut`]),
+//! and the server refuses what it would have served from it.
 
 use memmap2::{Advice, Mmap};
 use std::fs::File;
 use std::io;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// A read-only mapping of a whole file, or a file's bytes held in anonymous memory
 /// ([`MappedFile::in_memory`]). Empty files map to an empty slice.
@@ -18,6 +23,10 @@ pub struct MappedFile {
     map: Option<Mmap>,
     /// The file's length: the mapping's, or less for memory rounded up to whole pages.
     len: usize,
+    /// The slot of a file mapping in the truncation guard's registry.
+    guarded: Option<usize>,
+    /// A mapping of a file (not memory the process filled).
+    from_file: bool,
 }
 
 impl MappedFile {
@@ -29,14 +38,15 @@ impl MappedFile {
     /// Maps an open file read-only.
     pub fn open_file(file: &File) -> io::Result<Self> {
         if file.metadata()?.len() == 0 {
-            return Ok(MappedFile { map: None, len: 0 });
+            return Ok(MappedFile { map: None, len: 0, guarded: None, from_file: true });
         }
         // SAFETY: the mapping is read-only and private to this process; batchfs requires dataset files
         // to stay unmodified while mapped (module invariant), so the slice's contents do not change
         // underneath safe code.
         let map = unsafe { Mmap::map(file)? };
         let len = map.len();
-        Ok(MappedFile { map: Some(map), len })
+        let guarded = guard::register(map.as_ptr() as usize, len);
+        Ok(MappedFile { map: Some(map), len, guarded, from_file: true })
     }
 
     /// `len` bytes of anonymous memory the process owns, filled once by `fill` and read-only after: a
@@ -45,11 +55,11 @@ impl MappedFile {
     /// whole; it must fill the first `len`.
     pub fn in_memory(len: usize, fill: impl FnOnce(&mut [u8]) -> io::Result<()>) -> io::Result<Self> {
         if len == 0 {
-            return Ok(MappedFile { map: None, len: 0 });
+            return Ok(MappedFile { map: None, len: 0, guarded: None, from_file: false });
         }
         let mut memory = memmap2::MmapMut::map_anon(len.div_ceil(page_size()) * page_size())?;
         fill(&mut memory)?;
-        Ok(MappedFile { map: Some(memory.make_read_only()?), len })
+        Ok(MappedFile { map: Some(memory.make_read_only()?), len, guarded: None, from_file: false })
     }
 
     /// The file's bytes.
@@ -65,6 +75,17 @@ impl MappedFile {
     /// Whether the file is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether this maps a file (not memory filled by [`MappedFile::in_memory`]).
+    pub fn is_file(&self) -> bool {
+        self.from_file
+    }
+
+    /// Whether a page of the mapping was touched past the file's end (the file was truncated under it)
+    /// and reads zeros since ([`guard_truncation`]): its bytes are not the file's.
+    pub fn was_cut(&self) -> bool {
+        self.guarded.is_some_and(guard::was_cut)
     }
 
     /// Advises the kernel about the access pattern of the whole map.
@@ -114,6 +135,144 @@ impl MappedFile {
         // by `page_align`); `vec` has one byte per page of that range, as mincore(2) requires.
         let rc = unsafe { libc::mincore(map.as_ptr().add(start) as *mut libc::c_void, len, vec.as_mut_ptr()) };
         rc == 0 && vec.iter().all(|b| b & 1 == 1)
+    }
+}
+
+impl Drop for MappedFile {
+    fn drop(&mut self) {
+        // Out of the registry before the mapping goes (the fields drop after this).
+        if let Some(slot) = self.guarded {
+            guard::unregister(slot);
+        }
+    }
+}
+
+/// Makes a mapped file truncated under this process read zeros where its pages are gone, instead of
+/// killing the process with SIGBUS: a SIGBUS at an address of a file mapping (made before this call or
+/// after) replaces that page with a page of zeros and marks the mapping ([`MappedFile::was_cut`]); any
+/// other SIGBUS goes where it went before. Once per process; later calls do nothing.
+pub fn guard_truncation() -> io::Result<()> {
+    guard::install()
+}
+
+/// The registry of file mappings and the SIGBUS handler that repairs them. The handler only reads
+/// atomics, calls `mmap` (async-signal-safe) and chains to the handler it replaced.
+mod guard {
+    use super::*;
+
+    /// Mappings guarded at once at most (more, and the rest are not: the kernel allows 65,530 per process).
+    const SLOTS: usize = 1 << 16;
+
+    struct Slot {
+        start: AtomicUsize,
+        len: AtomicUsize,
+        cut: AtomicBool,
+    }
+
+    #[allow(clippy::declare_interior_mutable_const)]
+    const EMPTY: Slot = Slot { start: AtomicUsize::new(0), len: AtomicUsize::new(0), cut: AtomicBool::new(false) };
+    static REGISTRY: [Slot; SLOTS] = [EMPTY; SLOTS];
+    /// Slots below this may be in use (the handler looks at no more).
+    static USED: AtomicUsize = AtomicUsize::new(0);
+    /// Where the next registration starts looking for a free slot.
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    static PAGE: AtomicUsize = AtomicUsize::new(4096);
+    static INSTALLED: OnceLock<Result<Box<libc::sigaction>, i32>> = OnceLock::new();
+
+    pub(super) fn install() -> io::Result<()> {
+        let installed = INSTALLED.get_or_init(|| {
+            PAGE.store(page_size(), Ordering::Relaxed);
+            // SAFETY: `action` is zeroed and then filled as sigaction(2) requires (a handler taking
+            // siginfo, every signal left unblocked); `previous` receives the handler replaced, kept for
+            // the process's life so the handler can chain to it.
+            unsafe {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = on_sigbus as *const () as usize;
+                action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+                libc::sigemptyset(&mut action.sa_mask);
+                let mut previous: Box<libc::sigaction> = Box::new(std::mem::zeroed());
+                if libc::sigaction(libc::SIGBUS, &action, &mut *previous) != 0 {
+                    return Err(io::Error::last_os_error().raw_os_error().unwrap_or(0));
+                }
+                Ok(previous)
+            }
+        });
+        installed.as_ref().map(|_| ()).map_err(|&e| io::Error::from_raw_os_error(e))
+    }
+
+    /// Registers the file mapping `[start, start + len)`, whether the guard is on yet or not (a server
+    /// maps its shards before it starts serving); its slot, if one was free.
+    pub(super) fn register(start: usize, len: usize) -> Option<usize> {
+        let from = NEXT.fetch_add(1, Ordering::Relaxed);
+        for k in 0..SLOTS {
+            let i = (from + k) % SLOTS;
+            let slot = &REGISTRY[i];
+            if slot.start.compare_exchange(0, start, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                slot.cut.store(false, Ordering::Relaxed);
+                slot.len.store(len, Ordering::Release);
+                USED.fetch_max(i + 1, Ordering::AcqRel);
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    pub(super) fn unregister(slot: usize) {
+        REGISTRY[slot].len.store(0, Ordering::Release);
+        REGISTRY[slot].start.store(0, Ordering::Release);
+    }
+
+    pub(super) fn was_cut(slot: usize) -> bool {
+        REGISTRY[slot].cut.load(Ordering::Acquire)
+    }
+
+    extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
+        // SAFETY: the kernel passes a valid siginfo to a SA_SIGINFO handler; for SIGBUS `si_addr` is the
+        // faulting address.
+        let addr = unsafe { (*info).si_addr() } as usize;
+        let page = PAGE.load(Ordering::Relaxed);
+        for slot in &REGISTRY[..USED.load(Ordering::Acquire).min(SLOTS)] {
+            let start = slot.start.load(Ordering::Acquire);
+            let len = slot.len.load(Ordering::Acquire);
+            if start == 0 || addr < start || addr >= start + len {
+                continue;
+            }
+            // SAFETY: the page lies within a live read-only file mapping of this process (registered
+            // until just before it is unmapped): replacing it with a private page of zeros at the same
+            // address changes what reads of it see (zeros, where the file is gone), not what memory is
+            // valid; the faulting access is retried on the new page when the handler returns.
+            let replaced = unsafe {
+                libc::mmap(
+                    (addr & !(page - 1)) as *mut libc::c_void,
+                    page,
+                    libc::PROT_READ,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if replaced != libc::MAP_FAILED {
+                slot.cut.store(true, Ordering::Release);
+                return;
+            }
+        }
+        // Not a page of a guarded mapping: whatever the replaced handler would have done.
+        let Some(Ok(previous)) = INSTALLED.get() else { return };
+        let handler = previous.sa_sigaction;
+        if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
+            // SAFETY: restoring the default action is async-signal-safe; the faulting access then runs
+            // again and the kernel applies it (the process dies, with a core where enabled).
+            unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
+        } else if previous.sa_flags & libc::SA_SIGINFO != 0 {
+            // SAFETY: the replaced handler was installed with SA_SIGINFO, so it has this signature.
+            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                unsafe { std::mem::transmute(handler) };
+            f(signal, info, context);
+        } else {
+            // SAFETY: without SA_SIGINFO the replaced handler takes the signal number only.
+            let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(handler) };
+            f(signal);
+        }
     }
 }
 
@@ -211,6 +370,26 @@ mod tests {
             map.fault_in(offset, len);
             assert!(map.is_resident(offset, len), "[{offset}, {}) faulted in", offset + len);
         }
+    }
+
+    /// A file truncated under its mapping: with the guard on, a touch past the new end reads zeros (the
+    /// process lives) and the mapping says it was cut; the bytes before the end are the file's.
+    #[test]
+    fn a_file_truncated_under_a_guarded_mapping_reads_zeros_and_says_so() {
+        guard_truncation().unwrap();
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(&vec![5u8; 4 * 4096]).unwrap();
+        let map = MappedFile::open(file.path()).unwrap();
+        assert!(!map.was_cut());
+        file.as_file().set_len(4096).unwrap();
+        assert_eq!(map.bytes()[100], 5, "before the new end: the file's");
+        map.fault_in(0, 4 * 4096);
+        assert_eq!(map.bytes()[3 * 4096 + 7], 0, "past it: zeros, not SIGBUS");
+        assert!(map.was_cut());
+        let other = MappedFile::open(file.path()).unwrap();
+        assert!(!other.was_cut(), "another mapping is not");
+        drop(map);
+        guard_truncation().unwrap();
     }
 
     #[test]

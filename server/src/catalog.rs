@@ -174,6 +174,22 @@ impl Dataset {
         })
     }
 
+    /// Checks that the shards `segments` read are as indexed (see `Storage::check`): a shard changed
+    /// under the server refuses the body. Blocks (a `stat` at most once a second per shard).
+    pub fn check(&self, segments: &[encode::Segment]) -> Result<(), crate::storage::ShardChanged> {
+        let mut last = None;
+        for segment in segments {
+            if let encode::Segment::Data { shard, .. } = *segment {
+                // A batch's segments run shard after shard: each is looked at once.
+                if last != Some(shard) {
+                    self.storage.check(shard)?;
+                    last = Some(shard);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// How many manifests this dataset has computed (not found in the cache).
     pub fn manifests_computed(&self) -> u64 {
         self.computations.load(Ordering::Relaxed)

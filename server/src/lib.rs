@@ -97,6 +97,10 @@ impl RunningServer {
 /// 503 until inserted, and `/healthz` says which are ready.
 pub async fn start(catalog: impl Into<Arc<Catalog>>, options: ServeOptions) -> anyhow::Result<RunningServer> {
     let limits = options.limits.clone();
+    // A shard truncated under a mapping must not kill the server (see `storage.rs`).
+    if let Err(e) = batchfs::mmap::guard_truncation() {
+        tracing::warn!(error = %e, "cannot guard mapped shards: a shard truncated while served stops the server");
+    }
     let state = Arc::new(AppState::new(catalog.into(), options.token.clone(), &limits));
     let tls = match &options.tls {
         Some(files) => Some(tls::acceptor(files)?),

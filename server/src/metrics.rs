@@ -15,17 +15,25 @@ pub const WARMED_BATCHES_TOTAL: &str = "batchfs_readahead_batches_total";
 pub const CONNECTIONS_TOTAL: &str = "batchfs_connections_total";
 pub const CONNECTIONS_OPEN: &str = "batchfs_connections_open";
 pub const MANIFESTS_COMPUTED_TOTAL: &str = "batchfs_manifests_computed_total";
+/// 1 when shards of a dataset changed under the server.
+pub const DATASET_CHANGED: &str = "batchfs_dataset_changed";
 
-/// The per-dataset counters, in the text format: `(dataset, manifests computed)` for each dataset.
-pub fn render_datasets<'a>(datasets: impl Iterator<Item = (&'a str, u64)>) -> String {
+/// The per-dataset counters, in the text format: `(dataset, manifests computed, shards changed)` for each
+/// dataset.
+pub fn render_datasets<'a>(datasets: impl Iterator<Item = (&'a str, u64, usize)>) -> String {
     let mut out = format!(
         "# HELP {MANIFESTS_COMPUTED_TOTAL} Epoch manifests computed (not served from the cache), by dataset.\n\
          # TYPE {MANIFESTS_COMPUTED_TOTAL} counter\n"
     );
-    for (name, computed) in datasets {
+    let mut changed = format!(
+        "# HELP {DATASET_CHANGED} 1 when shards of the dataset changed under the server (they are refused), by \
+         dataset.\n# TYPE {DATASET_CHANGED} gauge\n"
+    );
+    for (name, computed, shards_changed) in datasets {
         let _ = writeln!(out, "{MANIFESTS_COMPUTED_TOTAL}{{dataset=\"{name}\"}} {computed}");
+        let _ = writeln!(changed, "{DATASET_CHANGED}{{dataset=\"{name}\"}} {}", u8::from(shards_changed > 0));
     }
-    out
+    out + &changed
 }
 
 /// The kinds of request counted separately.

@@ -89,6 +89,12 @@ impl From<PlanError> for Failure {
     }
 }
 
+impl From<crate::storage::ShardChanged> for Failure {
+    fn from(e: crate::storage::ShardChanged) -> Self {
+        Failure::new(StatusCode::CONFLICT, e.to_string())
+    }
+}
+
 impl From<RollingError> for Failure {
     fn from(e: RollingError) -> Self {
         match e {
@@ -233,7 +239,14 @@ fn percent(done: u64, total: u64) -> String {
 fn health(state: &AppState) -> Response<Body> {
     let pending = state.catalog.pending();
     if pending.is_empty() {
-        return Response::builder().header(header::CONTENT_TYPE, "text/plain").body(Body::full("ok\n")).expect("valid");
+        // Up; a dataset whose shards changed under the server is named, with what is refused.
+        let mut text = String::from("ok\n");
+        for ds in state.catalog.datasets() {
+            for c in ds.storage.changed() {
+                text.push_str(&format!("{} changed: {c}\n", c.dataset));
+            }
+        }
+        return Response::builder().header(header::CONTENT_TYPE, "text/plain").body(Body::full(text)).expect("valid");
     }
     let mut text = String::from("indexing\n");
     for ds in state.catalog.datasets() {
@@ -273,8 +286,9 @@ async fn dispatch<B>(
             .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
             .body(Body::full({
                 let datasets = state.catalog.datasets();
-                let computed = datasets.iter().map(|d| (d.name.as_str(), d.manifests_computed()));
-                state.metrics.render() + &crate::metrics::render_datasets(computed)
+                let each =
+                    datasets.iter().map(|d| (d.name.as_str(), d.manifests_computed(), d.storage.changed().len()));
+                state.metrics.render() + &crate::metrics::render_datasets(each)
             }))
             .expect("valid")),
         Route::Datasets => {
@@ -314,9 +328,13 @@ async fn dispatch<B>(
             let ds = dataset(state, &name)?;
             let query = BatchQuery::parse(query)?;
             let ds2 = ds.clone();
-            let (layout, samples) = tokio::task::spawn_blocking(move || ds2.layout(epoch, batch, &query))
-                .await
-                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+            let (layout, samples) = tokio::task::spawn_blocking(move || {
+                let (layout, samples) = ds2.layout(epoch, batch, &query)?;
+                ds2.check(&layout.segments)?;
+                Ok::<_, Failure>((layout, samples))
+            })
+            .await
+            .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
             warm_ahead(state, &ds, epoch, batch, query);
             let etag = api::etag(layout.crc32c, layout.len);
             let mut r = ranged(state, req, &ds, layout.segments, layout.len, &etag)?;
@@ -357,6 +375,10 @@ async fn dispatch<B>(
                 ServedFile::Stored(n) => vec![Segment::Data { shard: *n, offset: 0, len: info.size }],
                 ServedFile::Made(made) => vec![Segment::Inline(made.bytes.clone())],
             };
+            let (ds2, checked) = (ds.clone(), segments.clone());
+            tokio::task::spawn_blocking(move || ds2.check(&checked))
+                .await
+                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
             let etag = api::etag(info.crc32c, info.size);
             let mut r = ranged(state, req, &ds, segments, info.size, &etag)?;
             let headers = r.headers_mut();

@@ -32,6 +32,15 @@
 //!
 //! Either way a read of storage never runs on a tokio worker: the body streams (`body.rs`) and warming
 //! (`service.rs`) do it on the blocking pool, within the storage semaphore.
+//!
+//! **A shard changed under the server** (truncated, or rewritten in place by a conversion script) is
+//! noticed and refused: [`Storage::check`] before a batch or file is served (the shard's size and mtime
+//! against the index's, looked at once a second per shard; a file opened per read is looked at each
+//! time it is opened), a read that comes up short, and a mapped page touched past the file's new end,
+//! which reads zeros instead of killing the server ([`batchfs::mmap::guard_truncation`]). A changed
+//! shard stays refused until the server restarts and re-indexes the dataset; every other shard is
+//! served as before, and the clients' checksums keep out whatever bytes went out before it was noticed.
+//! Shards held in memory are not looked at: they are served as indexed.
 
 use crate::aligned::{self, DIRECT_ALIGN};
 use crate::catalog::CatalogError;
@@ -40,9 +49,11 @@ use batchfs::index::Index;
 use batchfs::mmap::MappedFile;
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// How datasets are read (the `io` limit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,9 +137,24 @@ pub enum Shard {
     Direct { file: File, path: PathBuf, size: u64 },
     /// Read with positioned reads from a file held open.
     Open { file: File, path: PathBuf, size: u64 },
-    /// Read with positioned reads from the file at `path`, opened for each read.
-    Closed { path: PathBuf, size: u64 },
+    /// Read with positioned reads from the file at `path`, opened for each read (and checked against
+    /// its indexed modification time `mtime_ns` each time).
+    Closed { path: PathBuf, size: u64, mtime_ns: i64 },
 }
+
+/// A shard held open or mapped, as the index saw it: looked at again now and then to notice a change.
+struct Watched {
+    path: PathBuf,
+    size: u64,
+    mtime_ns: i64,
+    /// Milliseconds since the storage opened when it was last looked at.
+    checked_ms: AtomicU64,
+    /// Held in the server's memory: served as indexed whatever happens to the file.
+    held: bool,
+}
+
+/// How often a shard held open or mapped is looked at (stat) to notice a change.
+const CHECK_EVERY_MS: u64 = 1000;
 
 /// Every shard of one dataset, by shard number.
 pub struct Storage {
@@ -141,6 +167,34 @@ pub struct Storage {
     resident: u64,
     /// How the data shards are read: `mmap`, `direct` or `pread`.
     io: &'static str,
+    /// The dataset's name, for what is logged.
+    name: String,
+    /// The shards held open or mapped, by shard number (empty for a dataset whose files are opened per
+    /// read).
+    watched: Box<[Watched]>,
+    /// The shards that changed under the server, with why: refused from then on.
+    changed: Mutex<std::collections::BTreeMap<u32, String>>,
+    any_changed: AtomicBool,
+    opened: Instant,
+}
+
+/// A shard that changed under the server since it was indexed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardChanged {
+    pub dataset: String,
+    pub shard: String,
+    pub why: String,
+}
+
+impl std::fmt::Display for ShardChanged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "dataset {}: shard {} changed since it was indexed ({}); the batches and files that read it are \
+             refused until batchfs-server restarts and re-indexes it",
+            self.dataset, self.shard, self.why
+        )
+    }
 }
 
 impl Storage {
@@ -204,7 +258,7 @@ impl Storage {
                     if size != shard.size {
                         return Err(changed());
                     }
-                    shards.push(Shard::Closed { path, size });
+                    shards.push(Shard::Closed { path, size, mtime_ns: shard.mtime_ns });
                 }
                 Read::Open | Read::Direct => {
                     let file = File::open(&path).map_err(cannot)?;
@@ -226,9 +280,23 @@ impl Storage {
                 }
             }
         }
+        let watched: Box<[Watched]> = if matches!(shards.first(), Some(Shard::Closed { .. })) {
+            Box::default()
+        } else {
+            let held = |s: &Shard| matches!(s, Shard::Mapped(m) if !m.is_file());
+            (shards.iter().zip(&index.shards))
+                .map(|(s, info)| Watched {
+                    path: root.join(&info.path),
+                    size: info.size,
+                    mtime_ns: info.mtime_ns,
+                    checked_ms: AtomicU64::new(0),
+                    held: held(s),
+                })
+                .collect()
+        };
         // Side files are read whole and seldom (under `raw/`): opened per read.
         for file in &index.side {
-            shards.push(Shard::Closed { path: root.join(&file.path), size: file.size });
+            shards.push(Shard::Closed { path: root.join(&file.path), size: file.size, mtime_ns: file.mtime_ns });
         }
         let drop_after_read = matches!(read, Read::Open | Read::Closed) && !fits;
         let io = match read {
@@ -248,7 +316,77 @@ impl Storage {
         );
         let resident = holding.done;
         let direct = shards.iter().filter(|s| matches!(s, Shard::Direct { .. })).count();
-        Ok(Storage { shards: shards.into_boxed_slice(), drop_after_read, direct, resident, io })
+        Ok(Storage {
+            shards: shards.into_boxed_slice(),
+            drop_after_read,
+            direct,
+            resident,
+            io,
+            name: name.to_owned(),
+            watched,
+            changed: Mutex::new(Default::default()),
+            any_changed: AtomicBool::new(false),
+            opened: Instant::now(),
+        })
+    }
+
+    /// Checks that shard `n` is still as indexed, before a body that reads it is served (see the module
+    /// note): a shard found changed (now, or before) is refused. Looks at the file at most once a second
+    /// per shard (a `stat`): call on the blocking pool.
+    pub fn check(&self, n: u32) -> Result<(), ShardChanged> {
+        if self.any_changed.load(Ordering::Acquire) {
+            if let Some(why) = self.changed.lock().expect("changed").get(&n) {
+                return Err(self.shard_changed(n, why.clone()));
+            }
+        }
+        let Some(w) = self.watched.get(n as usize).filter(|w| !w.held) else { return Ok(()) };
+        if let Shard::Mapped(map) = self.shard(n) {
+            if map.was_cut() {
+                return Err(self.mark(n, "a page past its end was read: it was truncated".into()));
+            }
+        }
+        let now = self.opened.elapsed().as_millis() as u64 + CHECK_EVERY_MS;
+        let last = w.checked_ms.load(Ordering::Relaxed);
+        if now < last + CHECK_EVERY_MS
+            || w.checked_ms.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_err()
+        {
+            return Ok(());
+        }
+        match std::fs::metadata(&w.path) {
+            Ok(m) => match differs(w.size, w.mtime_ns, &m) {
+                Some(why) => Err(self.mark(n, why)),
+                None => Ok(()),
+            },
+            Err(e) => Err(self.mark(n, format!("cannot stat it: {e}"))),
+        }
+    }
+
+    /// The shards that changed under the server, with why.
+    pub fn changed(&self) -> Vec<ShardChanged> {
+        let changed = self.changed.lock().expect("changed");
+        changed.iter().map(|(&n, why)| self.shard_changed(n, why.clone())).collect()
+    }
+
+    /// Records that shard `n` changed (logged once per shard) and says so.
+    fn mark(&self, n: u32, why: String) -> ShardChanged {
+        let mut changed = self.changed.lock().expect("changed");
+        let why = changed.entry(n).or_insert_with(|| {
+            let c = self.shard_changed(n, why.clone());
+            tracing::error!(dataset = %c.dataset, shard = %c.shard, why = %c.why, "{c}");
+            why
+        });
+        self.any_changed.store(true, Ordering::Release);
+        self.shard_changed(n, why.clone())
+    }
+
+    fn shard_changed(&self, n: u32, why: String) -> ShardChanged {
+        let path = match self.shard(n) {
+            Shard::Closed { path, .. } | Shard::Open { path, .. } | Shard::Direct { path, .. } => Some(path),
+            Shard::Mapped(_) => self.watched.get(n as usize).map(|w| &w.path),
+        };
+        let shard =
+            path.and_then(|p| p.file_name()).map_or_else(|| format!("#{n}"), |f| f.to_string_lossy().into_owned());
+        ShardChanged { dataset: self.name.clone(), shard, why }
     }
 
     /// Shard `n`.
@@ -321,8 +459,11 @@ impl Storage {
                 return Ok(());
             }
             Shard::Open { file, path, size } => (file, path, *size),
-            Shard::Closed { path, size } => {
+            Shard::Closed { path, size, mtime_ns } => {
                 opened = File::open(path)?;
+                if let Some(why) = differs(*size, *mtime_ns, &opened.metadata()?) {
+                    return Err(std::io::Error::other(self.mark(n, why).to_string()));
+                }
                 (&opened, path, *size)
             }
             Shard::Direct { .. } => {
@@ -341,8 +482,12 @@ impl Storage {
         }
         out.resize(start + len as usize, 0);
         // A file shorter than indexed changed under the server: the body must not go on.
-        file.read_exact_at(&mut out[start..], offset)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        file.read_exact_at(&mut out[start..], offset).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                self.mark(n, "it is shorter than indexed".into());
+            }
+            std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+        })?;
         if self.drop_after_read {
             let _ = advise(file, offset, len, libc::POSIX_FADV_DONTNEED);
         }
@@ -375,7 +520,12 @@ impl Storage {
         let Shard::Direct { file, path, .. } = self.shard(n) else {
             unreachable!("a direct read of a shard not opened for direct reads")
         };
-        let context = |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+        let context = |e: std::io::Error| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                self.mark(n, "it is shorter than indexed".into());
+            }
+            std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+        };
         debug_assert!(start % DIRECT_ALIGN == 0 && need <= window.len());
         // Short reads come only at the end of the file (the last block is partial): read until the range
         // is in, and fail if the file ends before it (it shrank under the server).
@@ -397,6 +547,19 @@ impl Storage {
     /// Whether shard `n` is read with `O_DIRECT`.
     pub fn is_direct(&self, n: u32) -> bool {
         matches!(self.shard(n), Shard::Direct { .. })
+    }
+}
+
+/// Why a file of `size` bytes modified at `mtime_ns` (as indexed) is not the file `now` describes, if
+/// it is not.
+fn differs(size: u64, mtime_ns: i64, now: &std::fs::Metadata) -> Option<String> {
+    let mtime = now.mtime() * 1_000_000_000 + now.mtime_nsec();
+    if now.len() != size {
+        Some(format!("{} bytes, {size} when indexed", now.len()))
+    } else if mtime != mtime_ns {
+        Some("modified since it was indexed, its size kept".into())
+    } else {
+        None
     }
 }
 

@@ -1,5 +1,6 @@
 //! End-to-end tests: the real server on generated datasets, read over real HTTP/2 connections.
 
+mod changed;
 mod chaos;
 mod common;
 mod loaders;
