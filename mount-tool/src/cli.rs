@@ -205,8 +205,7 @@ pub fn run() -> Result<()> {
             crate::sys::release_large_allocations();
             let options = m.mount_options()?;
             init_tracing(if m.foreground { None } else { options.log_file.as_deref() }, "info");
-            let plan = crate::mount::plan(&m.url, &m.mountpoint, options)?;
-            crate::mount::run(plan, !m.foreground)
+            crate::mount::mount(&m.url, &m.mountpoint, options, !m.foreground)
         }
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
         Command::Stats { mountpoint, json } => stats(&mountpoint, json),
@@ -251,11 +250,11 @@ fn mount_helper(args: &[OsString]) -> Result<()> {
     };
     init_tracing(options.log_file.as_deref(), "info");
     crate::sys::release_large_allocations();
-    let plan = crate::mount::plan(spec, Path::new(dir), options)?;
     if fake {
-        return Ok(());
+        // `mount -f`: every check, nothing mounted.
+        return crate::mount::plan(spec, Path::new(dir), options).map(|_| ());
     }
-    crate::mount::run(plan, true)
+    crate::mount::mount(spec, Path::new(dir), options, true)
 }
 
 fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {

@@ -275,9 +275,11 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
     Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
 }
 
-/// Mounts and serves until unmounted (or SIGTERM/SIGINT, which unmount). With `daemonize`, the command
-/// returns once the mount is ready, or fails with the reason.
-pub fn run(plan: MountPlan, daemonize: bool) -> Result<()> {
+/// Checks everything ([`plan`]), mounts and serves until unmounted (or SIGTERM/SIGINT, which unmount).
+/// With `daemonize`, the process forks first, before anything starts a thread (the checks start a
+/// runtime), and the command returns once the daemon's mount is ready, or fails with the daemon's
+/// reason, checks included.
+pub fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: bool) -> Result<()> {
     let mut ready = None;
     if daemonize {
         let (mut parent_end, child_end) = std::os::unix::net::UnixStream::pair()?;
@@ -299,7 +301,7 @@ pub fn run(plan: MountPlan, daemonize: bool) -> Result<()> {
             }
         }
     }
-    let result = serve(&plan, ready.as_mut());
+    let result = plan(url, mountpoint, options).and_then(|plan| serve(&plan, ready.as_mut()));
     if let (Err(e), Some(pipe)) = (&result, ready.as_mut()) {
         let _ = write!(pipe, "{e:#}");
     }

@@ -84,10 +84,15 @@ pub enum Forked {
     Child,
 }
 
-/// Forks. Must be called while the process has a single thread (no runtime started yet).
+/// Forks, while the process has a single thread (no runtime started yet): with another one alive it
+/// refuses, since the child could inherit a lock that thread held and wait on it for ever.
 pub fn fork() -> io::Result<Forked> {
-    // SAFETY: called before any other thread exists (the caller's contract), so the child cannot inherit
-    // a lock held by a thread that no longer exists.
+    let threads = std::fs::read_dir("/proc/self/task")?.count();
+    if threads != 1 {
+        return Err(io::Error::other(format!("cannot fork with {threads} threads running (one may hold a lock)")));
+    }
+    // SAFETY: the process has one thread (checked above; only this thread can start another), so the
+    // child cannot inherit a lock held by a thread that no longer exists.
     match unsafe { libc::fork() } {
         -1 => Err(io::Error::last_os_error()),
         0 => Ok(Forked::Child),
@@ -168,6 +173,23 @@ mod tests {
         let mut child = child;
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    /// A fork with another thread alive could leave the child a lock that thread held (a DNS lookup
+    /// still running on a runtime's blocking pool): `fork` refuses, and the mount forks before it
+    /// starts any thread.
+    #[test]
+    fn fork_refuses_while_another_thread_runs() {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let other = std::thread::spawn(move || stopped.recv());
+        let forked = fork();
+        if let Ok(Forked::Child) = forked {
+            // SAFETY: the child of a fork that should not have happened leaves at once.
+            unsafe { libc::_exit(0) }
+        }
+        assert!(forked.is_err(), "forked with another thread alive");
+        drop(stop);
+        let _ = other.join();
     }
 
     #[test]
