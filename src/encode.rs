@@ -12,7 +12,7 @@
 //!   single-part sample, else one bytes feature per part named `data/EXT` (`data/jpg`, `data/cls`...).
 //! - `tfrecord.idx`: DALI's index of that TFRecord batch: one `offset size` line per record.
 //! - `tfrecord.slots`: TFRecord frames of one fixed size, the dataset's *slot* (its largest frame plus
-//!   2 bytes, [`slot_bytes`]): each record is the sample's Example (or stored record) followed by one
+//!   2 bytes, [`FrameSizes::slot`]): each record is the sample's Example (or stored record) followed by one
 //!   padding field, field 15 of wire type 2 holding zeros, that fills the frame to the slot. Protobuf
 //!   parsers skip an unknown field, so the record decodes to the same features; and record *j* of every
 //!   batch of every epoch sits at `j * slot` with size `slot`, so a DALI pipeline that read the index
@@ -318,11 +318,6 @@ const PAD_TAG: u8 = (15 << 3) | 2;
 /// The smallest padding field: its tag and a zero length.
 pub const MIN_PAD: u64 = 2;
 
-/// The slot of `tfrecord.slots` batches: the dataset's largest TFRecord frame plus [`MIN_PAD`].
-pub fn slot_bytes(index: &Index) -> u64 {
-    frame_sizes(index).slot
-}
-
 /// The TFRecord frames of a dataset's samples, as `tfrecord` batches hold them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FrameSizes {
@@ -460,7 +455,7 @@ pub fn shard_index_twins(index: &Index) -> Vec<(String, Vec<u8>)> {
 }
 
 /// The layout of the batch made of `samples` (indices into `index.samples`), in `format`; `slot` is the
-/// record size of the slots formats ([`slot_bytes`] of the index), unused by the others.
+/// record size of the slots formats ([`FrameSizes::slot`] of the index), unused by the others.
 pub fn layout(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -> BatchLayout {
     build(index, samples, format, slot, false, CHECKPOINT_BYTES)
 }
@@ -686,7 +681,7 @@ mod tests {
             let samples: Vec<TestSample> =
                 if tfrecord_source { samples.into_iter().map(one_part).collect() } else { samples };
             let (index, shard) = files_index(&samples, source);
-            let slot = slot_bytes(&index);
+            let slot = frame_sizes(&index).slot;
             let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
             let packed = materialize(&layout(&index, &order, BatchFormat::Tfrecord, 0), read_from(&shard));
             let slots = layout(&index, &order, BatchFormat::TfrecordSlots, slot);
@@ -731,7 +726,7 @@ mod tests {
             let source = if files_source { SourceFormat::Files } else { SourceFormat::Tar };
             let (index, _) = files_index(&samples, source);
             let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
-            let slot = slot_bytes(&index);
+            let slot = frame_sizes(&index).slot;
             for format in BatchFormat::ALL {
                 let full = layout(&index, &order, format, slot);
                 prop_assert_eq!(summary(&index, &order, format, slot), (full.len, full.crc32c), "{}", format);
@@ -752,7 +747,7 @@ mod tests {
             let source = if files_source { SourceFormat::Files } else { SourceFormat::Tfrecord };
             let (index, shard) = files_index(&samples, source);
             let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
-            let slot = slot_bytes(&index);
+            let slot = frame_sizes(&index).slot;
             for format in BatchFormat::ALL {
                 let l = build(&index, &order, format, slot, false, every);
                 let body = materialize(&l, read_from(&shard));

@@ -131,11 +131,6 @@ pub fn detect(root: &Path) -> Result<SourceFormat, IndexError> {
     }
 }
 
-/// Lists the shards of a dataset of `format` at `root`, sorted by path, with their current sizes and mtimes.
-pub fn discover_shards(root: &Path, format: SourceFormat) -> Result<Vec<ShardInfo>, IndexError> {
-    Ok(discover(root, format)?.0)
-}
-
 /// LMDB's lock file: the state of the processes using the environment where it lies, meaningless
 /// elsewhere and rewritten by every reader there, so it is neither served nor a reason to re-index.
 pub const LMDB_LOCK: &str = "lock.mdb";

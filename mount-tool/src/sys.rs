@@ -131,6 +131,17 @@ pub fn children_cpu_seconds() -> Option<f64> {
     Some(secs(u.ru_utime) + secs(u.ru_stime))
 }
 
+/// Clock ticks per second, the unit of `/proc`'s CPU times (100 where sysconf says nothing).
+pub fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 {
+        hz as f64
+    } else {
+        100.0
+    }
+}
+
 /// Makes the allocator return large buffers to the system as soon as they are freed: batch bodies of
 /// several MB come and go all the time, and glibc's adaptive mmap threshold would otherwise serve them
 /// from heap arenas that keep the freed memory, growing RSS well past the cache budget.

@@ -68,7 +68,7 @@ pub struct Dataset {
     pub storage: Arc<Storage>,
     /// Every file served under `files/`, sorted by path.
     pub files: Vec<ServedFile>,
-    /// The record size of `tfrecord.slots` batches ([`encode::slot_bytes`]).
+    /// The record size of `tfrecord.slots` batches ([`encode::FrameSizes::slot`]).
     pub slot: u64,
     /// The mean TFRecord frame size.
     mean_frame: u64,

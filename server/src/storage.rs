@@ -220,38 +220,40 @@ impl Storage {
             );
         }
         let mut read = read;
+        // The filesystem may refuse O_DIRECT (tmpfs, some network filesystems): the first shard says so.
+        if let (Read::Direct, Some(first)) = (read, index.shards.first()) {
+            let path = root.join(&first.path);
+            match open_direct(&path) {
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                    tracing::warn!(dataset = name, path = %path.display(), error = %e,
+                        "O_DIRECT refused: reading with positioned reads through the page cache");
+                    read = Read::Open;
+                }
+                // Another error is the file's, for its own open below to report.
+                _ => {}
+            }
+        }
         let mut shards = Vec::with_capacity(index.shards.len());
         let mut holding = Holding::new(name, index, if read == Read::Direct { policy.resident } else { 0 });
         for shard in &index.shards {
             let path = root.join(&shard.path);
             let changed = || CatalogError::Changed { name: name.to_owned(), path: path.clone() };
             let cannot = |source| CatalogError::Map { name: name.to_owned(), path: path.clone(), source };
-            if read == Read::Direct {
-                match open_direct(&path) {
-                    Ok(file) => {
-                        let size = file.metadata().map_err(cannot)?.len();
-                        if size != shard.size {
-                            return Err(changed());
-                        }
-                        if holding.takes(size) {
-                            let held = hold(&file, &path, size).map_err(cannot)?;
-                            holding.add(size);
-                            shards.push(Shard::Mapped(Arc::new(held)));
-                        } else {
-                            shards.push(Shard::Direct { file, path, size });
-                        }
-                        continue;
-                    }
-                    Err(e) if shards.is_empty() && e.kind() == std::io::ErrorKind::InvalidInput => {
-                        // The filesystem refuses O_DIRECT (tmpfs, some network filesystems).
-                        tracing::warn!(dataset = name, path = %path.display(), error = %e,
-                            "O_DIRECT refused: reading with positioned reads through the page cache");
-                        read = Read::Open;
-                    }
-                    Err(e) => return Err(cannot(e)),
-                }
-            }
             match read {
+                Read::Direct => {
+                    let file = open_direct(&path).map_err(cannot)?;
+                    let size = file.metadata().map_err(cannot)?.len();
+                    if size != shard.size {
+                        return Err(changed());
+                    }
+                    if holding.takes(size) {
+                        let held = hold(&file, &path, size).map_err(cannot)?;
+                        holding.add(size);
+                        shards.push(Shard::Mapped(Arc::new(held)));
+                    } else {
+                        shards.push(Shard::Direct { file, path, size });
+                    }
+                }
                 Read::Closed => {
                     // A stat per file: the index's size must still hold (reads past it would fail later).
                     let size = std::fs::metadata(&path).map_err(cannot)?.len();
@@ -260,7 +262,7 @@ impl Storage {
                     }
                     shards.push(Shard::Closed { path, size, mtime_ns: shard.mtime_ns });
                 }
-                Read::Open | Read::Direct => {
+                Read::Open => {
                     let file = File::open(&path).map_err(cannot)?;
                     let size = file.metadata().map_err(cannot)?.len();
                     if size != shard.size {
@@ -394,7 +396,7 @@ impl Storage {
         &self.shards[n as usize]
     }
 
-    /// How many shards are mapped (all or none).
+    /// How many shards are mapped, or held in memory (a direct dataset's `resident` shards).
     pub fn mapped(&self) -> usize {
         self.shards.iter().filter(|s| matches!(s, Shard::Mapped(_))).count()
     }
@@ -449,15 +451,13 @@ impl Storage {
         }
     }
 
-    /// Appends `[offset, offset + len)` of shard `n` to `out`. Blocks: call on the blocking pool.
+    /// Appends `[offset, offset + len)` of shard `n`, read by positioned reads (held open, or opened
+    /// now), to `out`. Blocks: call on the blocking pool. (Mapped shards are sent as views of their
+    /// mapping, and direct ones read into aligned buffers: `body.rs`.)
     pub fn read(&self, n: u32, offset: u64, len: u64, out: &mut Vec<u8>) -> std::io::Result<()> {
         let start = out.len();
         let opened;
         let (file, path, size) = match self.shard(n) {
-            Shard::Mapped(map) => {
-                out.extend_from_slice(&map.bytes()[offset as usize..(offset + len) as usize]);
-                return Ok(());
-            }
             Shard::Open { file, path, size } => (file, path, *size),
             Shard::Closed { path, size, mtime_ns } => {
                 opened = File::open(path)?;
@@ -466,15 +466,8 @@ impl Storage {
                 }
                 (&opened, path, *size)
             }
-            Shard::Direct { .. } => {
-                self.direct_fd(n, offset, len)?;
-                let (first, span) = (aligned::align_down(offset), direct_span(offset, len) as usize);
-                let mut buf = aligned::Pool::new(span, 0).take();
-                let need = (offset + len - first) as usize;
-                self.finish_direct(n, &mut buf.window()[..span], first, need, 0)?;
-                let at = (offset - first) as usize;
-                out.extend_from_slice(&buf.window()[at..at + len as usize]);
-                return Ok(());
+            Shard::Mapped(_) | Shard::Direct { .. } => {
+                return Err(std::io::Error::other(format!("shard #{n} is not read by positioned reads")));
             }
         };
         if offset + len > size {
@@ -725,6 +718,25 @@ pub(crate) mod fixtures {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `[offset, offset + len)` of shard `n` of `storage` appended to `out`, however it is read: from the
+    /// mapping, by a direct read into an aligned buffer, or by positioned reads.
+    fn read_any(storage: &Storage, n: u32, offset: u64, len: u64, out: &mut Vec<u8>) -> std::io::Result<()> {
+        match storage.shard(n) {
+            Shard::Mapped(map) => out.extend_from_slice(&map.bytes()[offset as usize..(offset + len) as usize]),
+            Shard::Direct { .. } => {
+                storage.direct_fd(n, offset, len)?;
+                let (first, span) = (aligned::align_down(offset), direct_span(offset, len) as usize);
+                let mut buf = aligned::Pool::new(span, 0).take();
+                let need = (offset + len - first) as usize;
+                storage.finish_direct(n, &mut buf.window()[..span], first, need, 0)?;
+                let at = (offset - first) as usize;
+                out.extend_from_slice(&buf.window()[at..at + len as usize]);
+            }
+            Shard::Open { .. } | Shard::Closed { .. } => storage.read(n, offset, len, out)?,
+        }
+        Ok(())
+    }
     use batchfs::gen::{self, GenOptions};
     use batchfs::index::SourceFormat;
     use batchfs::source::{self, IndexOptions, NoProgress};
@@ -762,24 +774,24 @@ mod tests {
         assert!(!direct.drops_after_read() && !auto_direct.drops_after_read());
         for (n, shard) in index.shards.iter().enumerate() {
             let mut want = Vec::new();
-            mapped.read(n as u32, 1, shard.size - 1, &mut want).unwrap();
+            read_any(&mapped, n as u32, 1, shard.size - 1, &mut want).unwrap();
             for other in [&held, &files, &big, &direct, &partly] {
                 let mut got = vec![7u8];
-                other.read(n as u32, 1, shard.size - 1, &mut got).unwrap();
+                read_any(other, n as u32, 1, shard.size - 1, &mut got).unwrap();
                 assert_eq!(&got[1..], &want[..], "shard {n}");
                 other.warm(n as u32, 0, shard.size).unwrap();
                 other.will_need(n as u32, 0, shard.size);
             }
         }
         for other in [&held, &files, &direct] {
-            let past = other.read(0, index.shards[0].size, 1, &mut Vec::new()).unwrap_err();
+            let past = read_any(other, 0, index.shards[0].size, 1, &mut Vec::new()).unwrap_err();
             assert!(past.to_string().contains("past the indexed size"), "{past}");
         }
         // A file that shrinks under a direct reader: the read fails, no short range is returned.
         let first = dir.path().join(&index.shards[0].path);
         let size = index.shards[0].size;
         std::fs::OpenOptions::new().write(true).open(&first).unwrap().set_len(size - 1).unwrap();
-        let short = direct.read(0, size / 2, size - size / 2, &mut Vec::new()).unwrap_err();
+        let short = read_any(&direct, 0, size / 2, size - size / 2, &mut Vec::new()).unwrap_err();
         assert_eq!(short.kind(), std::io::ErrorKind::UnexpectedEof, "{short}");
         // A file that changed size since indexing is refused at open, whatever the mode.
         std::fs::write(&first, b"shorter").unwrap();

@@ -117,9 +117,14 @@ async fn gen_index_serve_and_stop() {
         std::fs::read_to_string(&energy).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let summary = &lines.last().unwrap()["summary"];
     assert!(lines.len() >= 2 && summary["bytes"].as_u64().unwrap() > 0, "{summary}");
-    assert!(
-        !summary["sensors"].as_array().unwrap().is_empty() || !summary["unavailable"].as_array().unwrap().is_empty()
-    );
+    // Exactly the sensors this machine has, and each one it lacks with its reason: never a made-up number.
+    let (sensors, unavailable) = batchfs::energy::detect(std::path::Path::new("/"), true, batchfs::energy::PROBE);
+    let listed = |key: &str| -> Vec<String> {
+        summary[key].as_array().unwrap().iter().map(|s| s["sensor"].as_str().unwrap().to_owned()).collect()
+    };
+    assert_eq!(listed("sensors"), sensors.iter().map(|s| s.name().to_owned()).collect::<Vec<_>>(), "{summary}");
+    assert_eq!(listed("unavailable"), unavailable.iter().map(|u| u.sensor.clone()).collect::<Vec<_>>(), "{summary}");
+    assert!(summary["unavailable"].as_array().unwrap().iter().all(|u| !u["reason"].as_str().unwrap().is_empty()));
 }
 
 fn fails_with(args: &[&str], needle: &str) {

@@ -153,9 +153,7 @@ fn parse_proc_stat(stat: &str) -> Option<f64> {
     let ticks: Vec<u64> = line.split_whitespace().skip(1).map(|v| v.parse().ok()).collect::<Option<_>>()?;
     // user nice system idle iowait irq softirq steal: busy is all but idle, iowait and steal.
     let busy = [0, 1, 2, 5, 6].iter().map(|&i| ticks.get(i).copied()).sum::<Option<u64>>()?;
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    Some(busy as f64 / if hz > 0 { hz as f64 } else { 100.0 })
+    Some(busy as f64 / crate::sys::clock_ticks())
 }
 
 fn list(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
@@ -490,8 +488,7 @@ mod tests {
     #[test]
     fn proc_stat_busy_time() {
         let stat = "cpu  100 20 30 5000 40 5 7 11 0 0\ncpu0 50 10 15 2500 20 2 3 5 0 0\nintr 1\n";
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        let hz = crate::sys::clock_ticks();
         // user + nice + system + irq + softirq; idle, iowait and steal excluded.
         assert_eq!(parse_proc_stat(stat), Some(162.0 / hz));
         assert_eq!(parse_proc_stat("intr 1\n"), None);
