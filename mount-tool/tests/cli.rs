@@ -7,6 +7,7 @@ use batchfs::gen::{self, GenOptions};
 use batchfs::index::SourceFormat;
 use batchfs::source::{IndexOptions, NoProgress};
 use batchfs_server::catalog::{Catalog, Dataset};
+use batchfs_server::config::ServerLimits;
 use batchfs_server::{RunningServer, ServeOptions};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -42,8 +43,15 @@ fn server(samples: u32, mean_bytes: u64, token: Option<&str>) -> Server {
     };
     gen::generate(&options, data.path()).unwrap();
     let catalog = Catalog::default();
-    let dataset =
-        Dataset::open("d", data.path(), None, &IndexOptions::default(), &NoProgress, Default::default()).unwrap();
+    let dataset = Dataset::open(
+        "d",
+        data.path(),
+        None,
+        &IndexOptions::default(),
+        &NoProgress,
+        ServerLimits::default().io_policy(),
+    )
+    .unwrap();
     catalog.insert(dataset).unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let serve = ServeOptions {

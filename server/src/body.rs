@@ -10,11 +10,11 @@
 //! small files costs a few blocking tasks rather than one per file. Direct shards' chunks are planned and
 //! read as `direct.rs` says. Every body keeps `read_depth` chunk reads in flight ahead of hyper.
 
-use crate::aligned;
-use crate::direct::ChunkPlan;
 use crate::metrics::Metrics;
+use crate::storage::aligned;
+use crate::storage::direct::ChunkPlan;
+use crate::storage::uring::Ring;
 use crate::storage::{Shard, Storage};
-use crate::uring::Ring;
 use batchfs::encode::Segment;
 use batchfs::mmap::MappedFile;
 use bytes::Bytes;
@@ -56,6 +56,14 @@ pub struct StreamContext {
 }
 
 impl StreamContext {
+    /// A permit of the storage semaphore, for one read of storage (bodies' reads and warming alike),
+    /// counted in `storage_reads` when granted.
+    pub async fn storage_permit(&self) -> std::io::Result<tokio::sync::OwnedSemaphorePermit> {
+        let permit = self.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
+        self.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
+        Ok(permit)
+    }
+
     pub fn new(storage_concurrency: usize, chunk_size: u64, read_depth: usize, metrics: Arc<Metrics>) -> Self {
         let chunk_size = chunk_size.max(4096);
         let storage_concurrency = storage_concurrency.max(1);
@@ -254,8 +262,7 @@ fn within_storage(
     read: impl Future<Output = std::io::Result<Vec<Bytes>>> + Send + 'static,
 ) -> Pending {
     Box::pin(async move {
-        let _permit = ctx.storage.clone().acquire_owned().await.map_err(std::io::Error::other)?;
-        ctx.metrics.storage_reads.fetch_add(1, Ordering::Relaxed);
+        let _permit = ctx.storage_permit().await?;
         read.await
     })
 }
@@ -433,7 +440,7 @@ impl http_body::Body for Body {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::aligned::DIRECT_ALIGN;
+    use crate::storage::aligned::DIRECT_ALIGN;
     use crate::storage::{fixtures, IoMode};
     use batchfs::index::Index;
     use http_body_util::BodyExt;

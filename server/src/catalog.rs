@@ -3,7 +3,7 @@
 //! always correct).
 
 use crate::memo::Memo;
-use crate::storage::{IoPolicy, Storage};
+use crate::storage::{IoPolicy, OpenError, Storage};
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest, RollingQuery};
 use batchfs::encode::{self, BatchLayout};
 use batchfs::index::{Index, ShardInfo};
@@ -103,7 +103,10 @@ impl Dataset {
         if index.samples.len() > u32::MAX as usize {
             return Err(CatalogError::TooLarge { name: name.to_owned() });
         }
-        let storage = Arc::new(Storage::open(name, root, &index, io)?);
+        let storage = Arc::new(Storage::open(name, root, &index, io).map_err(|e| match e {
+            OpenError::Changed { path } => CatalogError::Changed { name: name.to_owned(), path },
+            OpenError::Cannot { path, source } => CatalogError::Map { name: name.to_owned(), path, source },
+        })?);
         let files = served_files(&index);
         let encode::FrameSizes { slot, mean: mean_frame } = encode::frame_sizes(&index);
         let cache = NonZeroUsize::new(PLAN_CACHE).expect("nonzero");

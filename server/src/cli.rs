@@ -189,7 +189,7 @@ fn fill_catalog(catalog: &Catalog, specs: &[DatasetSpec], flags: &IndexFlags, mu
 
 fn index(args: IndexArgs) -> Result<()> {
     let started = Instant::now();
-    let catalog = open_catalog(&args.index, &[], IoPolicy::default())?;
+    let catalog = open_catalog(&args.index, &[], ServerLimits::default().io_policy())?;
     println!(
         "{:<16} {:>8} {:>10} {:>14} {:>8} {:>8} {:>9}",
         "dataset", "format", "samples", "bytes", "shards", "skipped", "index"
@@ -280,7 +280,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     for spec in &specs {
         catalog.announce(&spec.name)?;
     }
-    let io = IoPolicy::of(&limits);
+    let io = limits.io_policy();
     let energy_log = args.energy_log.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let result = runtime.block_on(async move {

@@ -155,13 +155,13 @@ limits! {
         "Concurrent blocking storage reads (page faults, warming), server-wide.";
     readahead_batches: u64 = 4, value::count, "4", "N",
         "Batches of the same plan warmed ahead of each batch request (0 disables; not with io=direct).";
-    io: crate::storage::IoMode = crate::storage::IoMode::Auto, crate::storage::IoMode::parse, "auto", "MODE",
+    io: crate::policy::IoMode = crate::policy::IoMode::Auto, crate::policy::IoMode::parse, "auto", "MODE",
         "How shards are read: mmap (shared mappings), direct (positioned reads with O_DIRECT into reused \
          aligned buffers, bypassing the page cache), pread (positioned reads through the page cache, pages \
          dropped after use when the data does not fit), or auto: mmap when the dataset fits in half the \
          server's memory (the machine's, or its memory cgroup's limit), else direct (pread where the \
          filesystem refuses O_DIRECT).";
-    resident: crate::storage::Resident = crate::storage::Resident::Auto, crate::storage::Resident::parse,
+    resident: crate::policy::Resident = crate::policy::Resident::Auto, crate::policy::Resident::parse,
         "auto", "SIZE",
         "With io=direct, whole shards up to this many bytes, over all datasets, are read once into the \
          server's own memory and served from it; the rest are read with direct reads. auto: half the memory \
@@ -225,6 +225,12 @@ pub struct ConfigFile {
 }
 
 impl ServerLimits {
+    /// How these limits say datasets are read (`io`, `max_mapped_shards`, `resident`), with the memory the
+    /// server may use detected.
+    pub fn io_policy(&self) -> crate::policy::IoPolicy {
+        crate::policy::IoPolicy::new(self.io, self.max_mapped_shards, self.resident)
+    }
+
     /// Rejects values hyper or the protocol would refuse.
     pub fn validate(&self) -> Result<(), String> {
         if !(16_384..=16_777_215).contains(&self.max_frame_size) {

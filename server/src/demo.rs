@@ -111,7 +111,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let gen_secs = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let progress = IndexProgress::new("sample");
-    let io = crate::storage::IoPolicy::default();
+    let io = crate::config::ServerLimits::default().io_policy();
     let dataset = Dataset::open("sample", &dir, None, &IndexOptions::default(), &progress, io)?;
     let index_secs = t.elapsed().as_secs_f64();
     let info = dataset.info();

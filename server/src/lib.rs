@@ -7,20 +7,18 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-pub mod aligned;
 pub mod body;
 pub mod catalog;
 pub mod cli;
 pub mod config;
 pub mod demo;
-pub mod direct;
 pub mod memo;
 pub mod metrics;
+pub mod policy;
 pub mod progress;
 pub mod service;
 pub mod storage;
 mod tls;
-pub mod uring;
 
 use crate::catalog::Catalog;
 use crate::config::ServerLimits;

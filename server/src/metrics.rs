@@ -133,7 +133,7 @@ impl Metrics {
         for (name, help, kind, value) in [
             (
                 STORAGE_READS_TOTAL,
-                "Body chunks read on the blocking pool: pages not resident, or shards not mapped.",
+                "Reads of storage in the storage semaphore: body chunks not resident or not mapped, and warming.",
                 "counter",
                 &self.storage_reads,
             ),

@@ -454,7 +454,7 @@ fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, 
     for b in todo {
         let (state, ds) = (state.clone(), ds.clone());
         tokio::spawn(async move {
-            let Ok(_permit) = state.stream.storage.clone().acquire_owned().await else {
+            let Ok(_permit) = state.stream.storage_permit().await else {
                 return;
             };
             let _ = tokio::task::spawn_blocking(move || {

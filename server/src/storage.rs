@@ -42,9 +42,12 @@
 //! served as before, and the clients' checksums keep out whatever bytes went out before it was noticed.
 //! Shards held in memory are not looked at: they are served as indexed.
 
-use crate::aligned::{self, DIRECT_ALIGN};
-use crate::catalog::CatalogError;
-use crate::config::ServerLimits;
+pub use crate::policy::{IoMode, IoPolicy, Resident};
+use aligned::DIRECT_ALIGN;
+
+pub mod aligned;
+pub mod direct;
+pub mod uring;
 use batchfs::index::Index;
 use batchfs::mmap::MappedFile;
 use std::fs::File;
@@ -54,80 +57,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-
-/// How datasets are read (the `io` limit).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IoMode {
-    /// Mapped when the dataset fits in half the server's memory, else direct reads (or positioned
-    /// reads where the filesystem refuses `O_DIRECT`).
-    Auto,
-    Mmap,
-    Pread,
-    Direct,
-}
-
-impl IoMode {
-    /// `auto`, `mmap`, `pread` or `direct`.
-    pub fn parse(text: &str) -> Result<IoMode, String> {
-        match text.trim() {
-            "auto" => Ok(IoMode::Auto),
-            "mmap" => Ok(IoMode::Mmap),
-            "pread" => Ok(IoMode::Pread),
-            "direct" => Ok(IoMode::Direct),
-            other => Err(format!("{other:?} is not an I/O mode (auto, mmap, pread or direct)")),
-        }
-    }
-}
-
-/// How many bytes of direct datasets' shards the server holds in its own memory (the `resident` limit).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Resident {
-    /// Half the memory the server may use.
-    Auto,
-    Bytes(u64),
-}
-
-impl Resident {
-    /// `auto`, or a size (`512M`, `0`).
-    pub fn parse(text: &str) -> Result<Resident, String> {
-        match text.trim() {
-            "auto" => Ok(Resident::Auto),
-            size => batchfs::units::parse_size(size).map(Resident::Bytes),
-        }
-    }
-}
-
-/// What decides how a dataset is read.
-#[derive(Debug, Clone, Copy)]
-pub struct IoPolicy {
-    pub mode: IoMode,
-    pub max_mapped_shards: usize,
-    /// Memory the server may use, for `auto` (detected: the machine's, or its memory cgroup's limit).
-    pub memory: u64,
-    /// Bytes of whole shards of direct datasets still to be held in memory (`resident`; what a dataset
-    /// takes is subtracted before the next is opened).
-    pub resident: u64,
-}
-
-impl IoPolicy {
-    /// The policy of `limits`, with the memory detected.
-    pub fn of(limits: &ServerLimits) -> Self {
-        let memory = memory_limit();
-        let resident = match limits.resident {
-            // Unknown memory (no /proc/meminfo): hold nothing.
-            Resident::Auto if memory == u64::MAX => 0,
-            Resident::Auto => memory / 2,
-            Resident::Bytes(n) => n,
-        };
-        IoPolicy { mode: limits.io, max_mapped_shards: limits.max_mapped_shards, memory, resident }
-    }
-}
-
-impl Default for IoPolicy {
-    fn default() -> Self {
-        IoPolicy::of(&ServerLimits::default())
-    }
-}
 
 /// One shard, as the server reads it.
 pub enum Shard {
@@ -178,6 +107,15 @@ pub struct Storage {
     opened: Instant,
 }
 
+/// Why a dataset's shards cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("a shard changed since it was indexed ({path}); restart to re-index")]
+    Changed { path: PathBuf },
+    #[error("cannot open shard {path}: {source}")]
+    Cannot { path: PathBuf, source: std::io::Error },
+}
+
 /// A shard that changed under the server since it was indexed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardChanged {
@@ -200,7 +138,7 @@ impl std::fmt::Display for ShardChanged {
 impl Storage {
     /// Opens the shards of `index` under `root` as `policy` says (see the module note), checking that
     /// each still has its indexed size.
-    pub fn open(name: &str, root: &Path, index: &Index, policy: IoPolicy) -> Result<Storage, CatalogError> {
+    pub fn open(name: &str, root: &Path, index: &Index, policy: IoPolicy) -> Result<Storage, OpenError> {
         let bytes: u64 = index.shards.iter().map(|s| s.size).sum();
         let fits = bytes <= policy.memory / 2;
         let many = index.shards.len() > policy.max_mapped_shards;
@@ -237,8 +175,8 @@ impl Storage {
         let mut holding = Holding::new(name, index, if read == Read::Direct { policy.resident } else { 0 });
         for shard in &index.shards {
             let path = root.join(&shard.path);
-            let changed = || CatalogError::Changed { name: name.to_owned(), path: path.clone() };
-            let cannot = |source| CatalogError::Map { name: name.to_owned(), path: path.clone(), source };
+            let changed = || OpenError::Changed { path: path.clone() };
+            let cannot = |source| OpenError::Cannot { path: path.clone(), source };
             match read {
                 Read::Direct => {
                     let file = open_direct(&path).map_err(cannot)?;
@@ -659,38 +597,6 @@ fn advise(file: &File, offset: u64, len: u64, advice: libc::c_int) -> std::io::R
     }
 }
 
-/// The memory this process may use: the machine's, or less where a memory cgroup (v1 or v2) on its path
-/// limits it.
-pub fn memory_limit() -> u64 {
-    let total = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| m.lines().find_map(|l| l.strip_prefix("MemTotal:").map(str::to_owned)))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(u64::MAX, |kb| kb * 1024);
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let mut limit = total;
-    for line in cgroups.lines() {
-        let mut fields = line.splitn(3, ':');
-        let (_, controllers, path) = (fields.next(), fields.next().unwrap_or(""), fields.next().unwrap_or(""));
-        let (base, file) = match controllers {
-            "" => ("/sys/fs/cgroup", "memory.max"),
-            c if c.split(',').any(|c| c == "memory") => ("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
-            _ => continue,
-        };
-        // Every ancestor's limit applies too.
-        let mut dir = PathBuf::from(format!("{base}{path}"));
-        loop {
-            if let Some(v) = std::fs::read_to_string(dir.join(file)).ok().and_then(|v| v.trim().parse::<u64>().ok()) {
-                limit = limit.min(v);
-            }
-            if dir.as_os_str().len() <= base.len() || !dir.pop() {
-                break;
-            }
-        }
-    }
-    limit
-}
-
 /// Datasets for the server's unit tests.
 #[cfg(test)]
 pub(crate) mod fixtures {
@@ -797,7 +703,7 @@ mod tests {
         std::fs::write(&first, b"shorter").unwrap();
         let modes = [IoMode::Mmap, IoMode::Pread, IoMode::Direct];
         for p in [policy(IoMode::Auto, 1, u64::MAX)].into_iter().chain(modes.map(|m| policy(m, 99, 0))) {
-            assert!(matches!(open(p), Err(CatalogError::Changed { .. })));
+            assert!(matches!(open(p), Err(OpenError::Changed { .. })));
         }
     }
 
@@ -810,7 +716,7 @@ mod tests {
         assert_eq!(Resident::parse("auto"), Ok(Resident::Auto));
         assert_eq!(Resident::parse("512M"), Ok(Resident::Bytes(512 << 20)));
         assert!(Resident::parse("lots").is_err());
-        let memory = memory_limit();
+        let memory = crate::policy::memory_limit();
         assert!(memory > 64 << 20 && memory < u64::MAX, "{memory}");
     }
 }

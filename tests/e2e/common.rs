@@ -100,7 +100,7 @@ pub async fn serve(datasets: &[(&str, &Path)], with: ServeWith) -> Server {
     let limits = with.limits.unwrap_or_default();
     let catalog = Catalog::default();
     for (name, path) in datasets {
-        let io = batchfs_server::storage::IoPolicy::of(&limits);
+        let io = limits.io_policy();
         catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, io).unwrap()).unwrap();
     }
     let scheme = if with.tls.is_some() { "https" } else { "http" };
@@ -223,7 +223,7 @@ pub fn mount_url(url: &str, options: &str) -> (TempDir, batchfs_mount::mount::Mo
 /// Starts a server on a given address (to restart one where it was).
 pub async fn serve_on(addr: std::net::SocketAddr, datasets: &[(&str, &Path)]) -> Server {
     let catalog = Catalog::default();
-    let io = batchfs_server::storage::IoPolicy::default();
+    let io = ServerLimits::default().io_policy();
     for (name, path) in datasets {
         catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, io).unwrap()).unwrap();
     }

@@ -356,7 +356,8 @@ async fn the_server_answers_while_datasets_are_indexed() {
     use batchfs_server::catalog::{Catalog, Dataset};
     let (ready, later) = (fixture(SourceFormat::Tar, 20, 1000), fixture(SourceFormat::Files, 20, 1000));
     let open = |name: &str, fx: &common::Fixture| {
-        Dataset::open(name, &fx.path, None, &IndexOptions::default(), &NoProgress, Default::default()).unwrap()
+        Dataset::open(name, &fx.path, None, &IndexOptions::default(), &NoProgress, ServerLimits::default().io_policy())
+            .unwrap()
     };
     let catalog = std::sync::Arc::new(Catalog::default());
     catalog.insert(open("ready", &ready)).unwrap();

@@ -7,9 +7,9 @@
 //! (`uring.rs`); large pieces are then sent as slices of the buffer, small ones and the framing copied
 //! together into one frame.
 
-use crate::aligned::{self, align_down, align_up, DIRECT_ALIGN};
+use crate::storage::aligned::{self, align_down, align_up, DIRECT_ALIGN};
+use crate::storage::uring::{ReadOp, Ring};
 use crate::storage::Storage;
-use crate::uring::{ReadOp, Ring};
 use bytes::Bytes;
 use std::os::fd::RawFd;
 use std::sync::Arc;

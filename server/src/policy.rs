@@ -1,0 +1,105 @@
+//! How the server reads datasets, as the `io`, `resident` and `max_mapped_shards` limits say, and the
+//! memory it may use: the policy types `config` parses and `storage` follows (a leaf: it uses neither).
+
+use std::path::PathBuf;
+
+/// How datasets are read (the `io` limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoMode {
+    /// Mapped when the dataset fits in half the server's memory, else direct reads (or positioned
+    /// reads where the filesystem refuses `O_DIRECT`).
+    Auto,
+    Mmap,
+    Pread,
+    Direct,
+}
+
+impl IoMode {
+    /// `auto`, `mmap`, `pread` or `direct`.
+    pub fn parse(text: &str) -> Result<IoMode, String> {
+        match text.trim() {
+            "auto" => Ok(IoMode::Auto),
+            "mmap" => Ok(IoMode::Mmap),
+            "pread" => Ok(IoMode::Pread),
+            "direct" => Ok(IoMode::Direct),
+            other => Err(format!("{other:?} is not an I/O mode (auto, mmap, pread or direct)")),
+        }
+    }
+}
+
+/// How many bytes of direct datasets' shards the server holds in its own memory (the `resident` limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resident {
+    /// Half the memory the server may use.
+    Auto,
+    Bytes(u64),
+}
+
+impl Resident {
+    /// `auto`, or a size (`512M`, `0`).
+    pub fn parse(text: &str) -> Result<Resident, String> {
+        match text.trim() {
+            "auto" => Ok(Resident::Auto),
+            size => batchfs::units::parse_size(size).map(Resident::Bytes),
+        }
+    }
+}
+
+/// What decides how a dataset is read.
+#[derive(Debug, Clone, Copy)]
+pub struct IoPolicy {
+    pub mode: IoMode,
+    pub max_mapped_shards: usize,
+    /// Memory the server may use, for `auto` (detected: the machine's, or its memory cgroup's limit).
+    pub memory: u64,
+    /// Bytes of whole shards of direct datasets still to be held in memory (`resident`; what a dataset
+    /// takes is subtracted before the next is opened).
+    pub resident: u64,
+}
+
+impl IoPolicy {
+    /// The policy of reading in `mode`, mapping at most `max_mapped_shards` files per dataset and holding
+    /// `resident` in memory, with the memory the server may use detected.
+    pub fn new(mode: IoMode, max_mapped_shards: usize, resident: Resident) -> Self {
+        let memory = memory_limit();
+        let resident = match resident {
+            // Unknown memory (no /proc/meminfo): hold nothing.
+            Resident::Auto if memory == u64::MAX => 0,
+            Resident::Auto => memory / 2,
+            Resident::Bytes(n) => n,
+        };
+        IoPolicy { mode, max_mapped_shards, memory, resident }
+    }
+}
+
+/// The memory this process may use: the machine's, or less where a memory cgroup (v1 or v2) on its path
+/// limits it.
+pub fn memory_limit() -> u64 {
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().find_map(|l| l.strip_prefix("MemTotal:").map(str::to_owned)))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(u64::MAX, |kb| kb * 1024);
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut limit = total;
+    for line in cgroups.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next(), fields.next().unwrap_or(""), fields.next().unwrap_or(""));
+        let (base, file) = match controllers {
+            "" => ("/sys/fs/cgroup", "memory.max"),
+            c if c.split(',').any(|c| c == "memory") => ("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+            _ => continue,
+        };
+        // Every ancestor's limit applies too.
+        let mut dir = PathBuf::from(format!("{base}{path}"));
+        loop {
+            if let Some(v) = std::fs::read_to_string(dir.join(file)).ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+                limit = limit.min(v);
+            }
+            if dir.as_os_str().len() <= base.len() || !dir.pop() {
+                break;
+            }
+        }
+    }
+    limit
+}
