@@ -22,13 +22,15 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loaders_bench import free_port, wait_healthy  # noqa: E402
 
 CHILDREN = []  # every server and netem started, stopped at the end whatever happens
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,22 +55,6 @@ for b in manifest["batches"][r::n]:
         print("WRONG", name, len(data), file=sys.stderr)
 print(json.dumps({"ok": ok, "wrong": wrong}))
 """
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(port):
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"server on {port} did not come up")
 
 
 class Replica:

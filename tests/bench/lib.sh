@@ -13,18 +13,18 @@ wait_healthy() {
     return 1
 }
 
-# Unmounts every mount under WORK (`mnt`, `mnt-*`), stops PIDS (those given), removes the cgroup CG and
-# WORK: a bench's exit trap.
+# Unmounts every mount under WORK (`mnt`, `mnt-*`, `m-*`), stops PIDS (those given), removes the cgroups
+# CG and CG-* (none with CG empty) and WORK: a bench's exit trap. Uses $BIN/batchfs.
 #   clean_up WORK CG [PIDS...]
 clean_up() {
     local work=$1 cg=$2
     shift 2
-    for m in "$work"/mnt "$work"/mnt-*; do
+    for m in "$work"/mnt "$work"/mnt-* "$work"/m-*; do
         [ -d "$m" ] && { "$BIN/batchfs" umount --lazy "$m" 2>/dev/null || true; }
     done
     [ $# -gt 0 ] && { kill "$@" 2>/dev/null || true; }
     wait 2>/dev/null || true
-    rmdir "$cg" 2>/dev/null || true
+    [ -n "$cg" ] && { rmdir "$cg" "$cg"-* 2>/dev/null || true; }
     rm -rf "$work"
 }
 

@@ -52,6 +52,19 @@ def free_port():
         return s.getsockname()[1]
 
 
+def wait_healthy(port, tries=300):
+    """Waits until the server on `port` answers /healthz (at most `tries` x 0.1 s)."""
+    import urllib.request
+
+    for _ in range(tries):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"server on {port} did not come up")
+
+
 def busy_seconds():
     fields = open("/proc/stat").readline().split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])

@@ -35,14 +35,7 @@ SYSTEMS=${SYSTEMS:-unlimited limited-mmap limited-pread limited-direct}
 CG=/sys/fs/cgroup/memory/batchfs-bench-$$
 pids=()
 declare -A server_pid
-cleanup() {
-    for m in "$work"/mnt-*; do "$BIN/batchfs" umount --lazy "$m" 2>/dev/null || true; done
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rmdir "$CG"-* 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'clean_up "$work" "$CG" "${pids[@]}"' EXIT
 if [ ! -e "$DATA/.batchfs-generated" ]; then
     "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards "$SHARDS" \
         --out "$DATA" >&2

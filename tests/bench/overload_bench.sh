@@ -17,13 +17,7 @@ SAMPLES=${SAMPLES:-1000} MEAN=${MEAN:-110000} RATE=${RATE:-800} NS=${NS:-1 2 4 8
 [ -x "$BIN/batchfs" ] || cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
 work=$(mktemp -d)
 pids=()
-cleanup() {
-    for m in "$work"/mnt-*; do "$BIN/batchfs" umount --lazy "$m" 2>/dev/null || true; done
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'clean_up "$work" "" "${pids[@]}"' EXIT
 "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$work/data" >/dev/null
 sport=$(free_port)
 # shellcheck disable=SC2086

@@ -17,13 +17,7 @@ SAMPLES=${SAMPLES:-2000} MEAN=${MEAN:-110000} RATE=${RATE:-400} ROUNDS=${ROUNDS:
 [ -x "$BIN/batchfs" ] || cargo build --release --workspace --manifest-path "$ROOT/Cargo.toml"
 work=$(mktemp -d)
 pids=()
-cleanup() {
-    "$BIN/batchfs" umount --lazy "$work/mnt" 2>/dev/null || true
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'clean_up "$work" "" "${pids[@]}"' EXIT
 "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$work/data" >/dev/null
 links=()
 for k in 1 2 3; do

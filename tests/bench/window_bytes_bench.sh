@@ -17,12 +17,8 @@ BATCHES=${BATCHES:-16 32 128} RTT_MS=${RTT_MS:-30} ROUNDS=${ROUNDS:-5}
 SAMPLES=${SAMPLES:-12000} MEAN=${MEAN:-110000}
 WORK=$(mktemp -d /tmp/batchfs-window-bytes-XXXXXX)
 PIDS=()
-cleanup() {
-    for m in "$WORK"/m-*; do [ -d "$m" ] && "$B/batchfs" umount --lazy "$m" >/dev/null 2>&1 || true; done
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
+BIN=$B
+trap 'clean_up "$WORK" "" "${PIDS[@]}"' EXIT
 "$B/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$WORK/data" >/dev/null
 SP=$(free_port); NP=$(free_port)
 "$B/batchfs-server" serve --listen "127.0.0.1:$SP" --dataset "d=$WORK/data" 2>/dev/null & PIDS+=($!)
