@@ -14,6 +14,7 @@ pub mod gen;
 pub mod index;
 pub mod mmap;
 pub mod plan;
+pub mod prometheus;
 pub mod proto;
 pub mod rolling;
 pub mod source;

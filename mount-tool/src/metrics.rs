@@ -5,7 +5,7 @@
 
 use crate::client::health::ServerSnapshot;
 use crate::stats::{Stats, StatsSnapshot};
-use std::fmt::Write as _;
+use batchfs::prometheus::Exposition;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
@@ -55,28 +55,29 @@ type PerServer = fn(&ServerSnapshot) -> u64;
 
 /// The counters as Prometheus text: `batchfs_mount_*`, and `batchfs_mount_server_*{server="URL"}`.
 pub fn render(s: &StatsSnapshot) -> String {
-    let mut out = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
-        let _ = writeln!(out, "# HELP batchfs_mount_{name} {help}\n# TYPE batchfs_mount_{name} {kind}");
-        let _ = writeln!(out, "batchfs_mount_{name} {value}");
-    };
-    metric("bytes_served_total", "counter", "Bytes returned to readers.", s.bytes_served);
-    metric("reads_total", "counter", "Reads answered by the daemon.", s.reads);
-    metric("hits_total", "counter", "Reads and passthrough opens whose file was cached or in flight.", s.hits);
-    metric("misses_total", "counter", "Reads and passthrough opens that started their file's fetch.", s.misses);
-    metric("stalls_total", "counter", "Reads and passthrough opens that waited for a fetch.", s.stalls);
-    metric("stall_seconds_total", "counter", "Time readers waited, whole seconds.", s.stall_us / 1_000_000);
-    metric("fetches_in_flight", "gauge", "Fetches in flight.", s.in_flight);
-    metric("cache_bytes", "gauge", "Bytes held or reserved by the cache.", s.cache_bytes);
-    metric("prefetches_total", "counter", "Fetches started ahead of a reader.", s.prefetches);
-    metric("fetched_bytes_total", "counter", "Bytes received from servers.", s.fetched_bytes);
-    metric("retries_total", "counter", "Fetch attempts retried after a failure.", s.retries);
-    metric("checksum_errors_total", "counter", "Bodies refetched after a size or CRC32C mismatch.", s.checksum_errors);
-    metric("errors_total", "counter", "Reads answered with an error.", s.errors);
-    metric("evictions_total", "counter", "Batches dropped from the cache.", s.evictions);
-    metric("passthrough_opens_total", "counter", "Opens served by FUSE passthrough.", s.passthrough_opens);
-    metric("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens);
-    metric("early_reads_total", "counter", "Daemon reads answered before their batch had all arrived.", s.early_reads);
+    let mut out = Exposition::new();
+    let whole: [(&str, &str, &str, u64); 17] = [
+        ("bytes_served_total", "counter", "Bytes returned to readers.", s.bytes_served),
+        ("reads_total", "counter", "Reads answered by the daemon.", s.reads),
+        ("hits_total", "counter", "Reads and passthrough opens whose file was cached or in flight.", s.hits),
+        ("misses_total", "counter", "Reads and passthrough opens that started their file's fetch.", s.misses),
+        ("stalls_total", "counter", "Reads and passthrough opens that waited for a fetch.", s.stalls),
+        ("stall_seconds_total", "counter", "Time readers waited, whole seconds.", s.stall_us / 1_000_000),
+        ("fetches_in_flight", "gauge", "Fetches in flight.", s.in_flight),
+        ("cache_bytes", "gauge", "Bytes held or reserved by the cache.", s.cache_bytes),
+        ("prefetches_total", "counter", "Fetches started ahead of a reader.", s.prefetches),
+        ("fetched_bytes_total", "counter", "Bytes received from servers.", s.fetched_bytes),
+        ("retries_total", "counter", "Fetch attempts retried after a failure.", s.retries),
+        ("checksum_errors_total", "counter", "Bodies refetched after a size or CRC32C mismatch.", s.checksum_errors),
+        ("errors_total", "counter", "Reads answered with an error.", s.errors),
+        ("evictions_total", "counter", "Batches dropped from the cache.", s.evictions),
+        ("passthrough_opens_total", "counter", "Opens served by FUSE passthrough.", s.passthrough_opens),
+        ("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens),
+        ("early_reads_total", "counter", "Daemon reads answered before their batch had all arrived.", s.early_reads),
+    ];
+    for (name, kind, help, value) in whole {
+        out.metric(&format!("batchfs_mount_{name}"), kind, help, value);
+    }
     let per_server: [(&str, &str, &str, PerServer); 7] = [
         ("up", "gauge", "1 while the server is in rotation.", |v| u64::from(v.up)),
         ("requests_total", "counter", "Requests sent to the server.", |v| v.requests),
@@ -87,13 +88,13 @@ pub fn render(s: &StatsSnapshot) -> String {
         ("rate_bytes_per_second", "gauge", "The server's delivery rate estimate.", |v| v.mb_per_s * 1_000_000),
     ];
     for (name, kind, help, get) in per_server {
-        let _ = writeln!(out, "# HELP batchfs_mount_server_{name} {help}\n# TYPE batchfs_mount_server_{name} {kind}");
+        let name = format!("batchfs_mount_server_{name}");
+        out.family(&name, kind, help);
         for v in &s.servers {
-            let url = v.url.replace('\\', "\\\\").replace('"', "\\\"");
-            let _ = writeln!(out, "batchfs_mount_server_{name}{{server=\"{url}\"}} {}", get(v));
+            out.sample(&name, &[("server", &v.url)], get(v));
         }
     }
-    out
+    out.finish()
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Server metrics, exported at `GET /metrics` in the Prometheus text format. Every name is a constant
 //! here and documented in `docs/METRICS.md`.
 
-use std::fmt::Write;
+use batchfs::prometheus::Exposition;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -20,20 +20,25 @@ pub const DATASET_CHANGED: &str = "batchfs_dataset_changed";
 
 /// The per-dataset counters, in the text format: `(dataset, manifests computed, shards changed)` for each
 /// dataset.
-pub fn render_datasets<'a>(datasets: impl Iterator<Item = (&'a str, u64, usize)>) -> String {
-    let mut out = format!(
-        "# HELP {MANIFESTS_COMPUTED_TOTAL} Epoch manifests computed (not served from the cache), by dataset.\n\
-         # TYPE {MANIFESTS_COMPUTED_TOTAL} counter\n"
+pub fn render_datasets<'a>(datasets: impl Iterator<Item = (&'a str, u64, usize)> + Clone) -> String {
+    let mut out = Exposition::new();
+    out.family(
+        MANIFESTS_COMPUTED_TOTAL,
+        "counter",
+        "Epoch manifests computed (not served from the cache), by dataset.",
     );
-    let mut changed = format!(
-        "# HELP {DATASET_CHANGED} 1 when shards of the dataset changed under the server (they are refused), by \
-         dataset.\n# TYPE {DATASET_CHANGED} gauge\n"
-    );
-    for (name, computed, shards_changed) in datasets {
-        let _ = writeln!(out, "{MANIFESTS_COMPUTED_TOTAL}{{dataset=\"{name}\"}} {computed}");
-        let _ = writeln!(changed, "{DATASET_CHANGED}{{dataset=\"{name}\"}} {}", u8::from(shards_changed > 0));
+    for (name, computed, _) in datasets.clone() {
+        out.sample(MANIFESTS_COMPUTED_TOTAL, &[("dataset", name)], computed);
     }
-    out + &changed
+    out.family(
+        DATASET_CHANGED,
+        "gauge",
+        "1 when shards of the dataset changed under the server (they are refused), by dataset.",
+    );
+    for (name, _, shards_changed) in datasets {
+        out.sample(DATASET_CHANGED, &[("dataset", name)], u8::from(shards_changed > 0));
+    }
+    out.finish()
 }
 
 /// The kinds of request counted separately.
@@ -98,38 +103,29 @@ impl Metrics {
 
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
-        let mut out = String::new();
+        let mut out = Exposition::new();
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let _ = writeln!(out, "# HELP {REQUESTS_TOTAL} Requests answered, by kind.\n# TYPE {REQUESTS_TOTAL} counter");
+        out.family(REQUESTS_TOTAL, "counter", "Requests answered, by kind.");
         for kind in Kind::ALL {
-            let _ =
-                writeln!(out, "{REQUESTS_TOTAL}{{kind=\"{}\"}} {}", kind.label(), get(&self.requests[kind as usize]));
+            out.sample(REQUESTS_TOTAL, &[("kind", kind.label())], get(&self.requests[kind as usize]));
         }
-        let _ = writeln!(out, "# HELP {RESPONSE_BYTES_TOTAL} Body bytes sent.\n# TYPE {RESPONSE_BYTES_TOTAL} counter");
-        let _ = writeln!(out, "{RESPONSE_BYTES_TOTAL} {}", get(&self.response_bytes));
-        let _ = writeln!(
-            out,
-            "# HELP {ERRORS_TOTAL} Error responses, by status (500 counts every 5xx).\n# TYPE {ERRORS_TOTAL} counter"
-        );
+        out.metric(RESPONSE_BYTES_TOTAL, "counter", "Body bytes sent.", get(&self.response_bytes));
+        out.family(ERRORS_TOTAL, "counter", "Error responses, by status (500 counts every 5xx).");
         for (i, status) in ERROR_STATUSES.iter().enumerate() {
-            let _ = writeln!(out, "{ERRORS_TOTAL}{{status=\"{status}\"}} {}", get(&self.errors[i]));
+            out.sample(ERRORS_TOTAL, &[("status", &status.to_string())], get(&self.errors[i]));
         }
-        let _ =
-            writeln!(out, "# HELP {IN_FLIGHT} Requests being handled or streaming a body.\n# TYPE {IN_FLIGHT} gauge");
-        let _ = writeln!(out, "{IN_FLIGHT} {}", get(&self.in_flight));
-        let _ = writeln!(
-            out,
-            "# HELP {LATENCY_SECONDS} Time from request to response head.\n# TYPE {LATENCY_SECONDS} histogram"
-        );
+        out.metric(IN_FLIGHT, "gauge", "Requests being handled or streaming a body.", get(&self.in_flight));
+        out.family(LATENCY_SECONDS, "histogram", "Time from request to response head.");
+        let bucket = format!("{LATENCY_SECONDS}_bucket");
         let mut cumulative = 0;
         for (i, bound) in BUCKETS.iter().enumerate() {
             cumulative += get(&self.latency_buckets[i]);
-            let _ = writeln!(out, "{LATENCY_SECONDS}_bucket{{le=\"{bound}\"}} {cumulative}");
+            out.sample(&bucket, &[("le", &bound.to_string())], cumulative);
         }
         let count = get(&self.latency_count);
-        let _ = writeln!(out, "{LATENCY_SECONDS}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{LATENCY_SECONDS}_sum {}", get(&self.latency_sum_ns) as f64 / 1e9);
-        let _ = writeln!(out, "{LATENCY_SECONDS}_count {count}");
+        out.sample(&bucket, &[("le", "+Inf")], count);
+        out.sample(&format!("{LATENCY_SECONDS}_sum"), &[], get(&self.latency_sum_ns) as f64 / 1e9);
+        out.sample(&format!("{LATENCY_SECONDS}_count"), &[], count);
         for (name, help, kind, value) in [
             (
                 STORAGE_READS_TOTAL,
@@ -146,9 +142,9 @@ impl Metrics {
             (CONNECTIONS_TOTAL, "Connections accepted.", "counter", &self.connections_total),
             (CONNECTIONS_OPEN, "Connections open.", "gauge", &self.connections_open),
         ] {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}", get(value));
+            out.metric(name, kind, help, get(value));
         }
-        out
+        out.finish()
     }
 }
 

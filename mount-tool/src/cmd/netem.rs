@@ -20,6 +20,7 @@
 //! seed replays the same faults for the same traffic.
 
 use anyhow::{Context, Result};
+use batchfs::plan::SplitMix64;
 use clap::Args;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -130,30 +131,19 @@ impl FaultCounts {
     }
 }
 
-/// A small seeded generator (xorshift64*), one per connection.
-struct Rng(u64);
+/// The connection's generator: the plan's SplitMix64, one stream per connection.
+fn rng(seed: u64, connection: u64) -> SplitMix64 {
+    SplitMix64::new(seed ^ connection.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
 
-impl Rng {
-    fn new(seed: u64, stream: u64) -> Self {
-        Rng((seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0x2545_F491_4F6C_DD1D) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// About `n`: uniform in [n/2, 3n/2].
-    fn about(&mut self, n: u64) -> u64 {
-        n / 2 + self.next() % n.max(1) + 1
-    }
+/// About `n`: uniform in [n/2, 3n/2].
+fn about(rng: &mut SplitMix64, n: u64) -> u64 {
+    n / 2 + rng.next_u64() % n.max(1) + 1
 }
 
 /// The next byte offset (toward the client) of each fault of one connection.
 struct Schedule {
-    rng: Rng,
+    rng: SplitMix64,
     reset: Option<u64>,
     corrupt: Option<u64>,
     stall: Option<u64>,
@@ -161,8 +151,8 @@ struct Schedule {
 
 impl Schedule {
     fn new(faults: &Faults, connection: u64) -> Self {
-        let mut rng = Rng::new(faults.seed, connection);
-        let mut first = |every: Option<u64>| every.map(|n| rng.about(n));
+        let mut rng = rng(faults.seed, connection);
+        let mut first = |every: Option<u64>| every.map(|n| about(&mut rng, n));
         let (reset, corrupt, stall) =
             (first(faults.reset_every), first(faults.corrupt_every), first(faults.stall_every));
         Schedule { rng, reset, corrupt, stall }
@@ -220,18 +210,18 @@ impl Injector {
         let (start, end) = (self.passed, self.passed + buf.len() as u64);
         self.passed = end;
         while let Some(at) = self.schedule.corrupt.filter(|&at| at < end) {
-            let bit = self.schedule.rng.next() % 8;
+            let bit = self.schedule.rng.next_u64() % 8;
             buf[(at - start) as usize] ^= 1 << bit;
             self.counts.corruptions.fetch_add(1, Ordering::Relaxed);
             let every = self.faults.corrupt_every.expect("scheduled");
-            self.schedule.corrupt = Some(at + self.schedule.rng.about(every));
+            self.schedule.corrupt = Some(at + about(&mut self.schedule.rng, every));
         }
         let mut stall = Duration::ZERO;
         while let Some(at) = self.schedule.stall.filter(|&at| at < end) {
             stall += self.faults.stall;
             self.counts.stalls.fetch_add(1, Ordering::Relaxed);
             let every = self.faults.stall_every.expect("scheduled");
-            self.schedule.stall = Some(at + self.schedule.rng.about(every));
+            self.schedule.stall = Some(at + about(&mut self.schedule.rng, every));
         }
         if let Some(at) = self.schedule.reset.filter(|&at| at < end) {
             buf.truncate((at - start) as usize);

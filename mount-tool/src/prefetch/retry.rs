@@ -7,6 +7,7 @@ use super::{describe, PrefetcherConfig, ReadError};
 use crate::client::{Body, ClientError};
 use crate::stats::Stats;
 use batchfs::api::BatchEntry;
+use batchfs::plan::SplitMix64;
 use std::time::{Duration, Instant};
 
 /// A failed attempt.
@@ -71,10 +72,12 @@ where
     }
 }
 
-/// A cheap uniform number in [0, 1) for backoff jitter.
+/// A uniform number in [0, 1) for backoff jitter: the plan's SplitMix64, one per thread, seeded apart.
 fn jitter() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(Instant::now().elapsed().as_nanos());
-    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+    use std::hash::BuildHasher;
+    thread_local! {
+        static RNG: std::cell::RefCell<SplitMix64> =
+            std::cell::RefCell::new(SplitMix64::new(std::collections::hash_map::RandomState::new().hash_one(0u8)));
+    }
+    RNG.with(|r| (r.borrow_mut().next_u64() >> 11) as f64 / (1u64 << 53) as f64)
 }
