@@ -18,15 +18,17 @@
 //! listed or not. `stat` and `readdir` use manifests (and `rolling/`'s slot table) only, never sample
 //! data. `rolling/`'s counters and layouts are `fs/rolling.rs`'s.
 
-use crate::prefetch::{BatchKey, Listing, Prefetcher, ReadError};
+use crate::prefetch::{Listing, ObjectKey, Prefetcher, ReadError};
 use batchfs::encode::BatchFormat;
 use batchfs::plan::MAX_EPOCH;
 use bytes::Bytes;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::SystemTime;
 use thiserror::Error;
 
+mod raw;
 mod rolling;
+use raw::RawTree;
 pub use rolling::RollingMode;
 use rolling::{Layout, RollingState};
 
@@ -235,42 +237,10 @@ pub struct FsOptions {
     pub first_epoch: u64,
 }
 
-/// One node of the `raw/` tree.
-struct RawNode {
-    parent: u32,
-    kind: RawKind,
-}
-
-enum RawKind {
-    /// A directory: its path in the dataset, and its children sorted by name once it is listed.
-    Dir { path: String, children: Option<Vec<(String, u32)>> },
-    /// A file: its directory's id ([`Prefetcher::list_dir`]) and its position in that list.
-    File { dir: u32, file: u64 },
-}
-
-/// The `raw/` tree, grown one directory at a time, when a lookup or a listing first looks into it: a
-/// tree of a million files costs nothing until it is walked, and what is walked costs per directory.
-struct RawTree {
-    nodes: Vec<RawNode>,
-}
-
-impl RawTree {
-    fn new() -> Self {
-        RawTree { nodes: vec![RawNode { parent: 0, kind: RawKind::Dir { path: String::new(), children: None } }] }
-    }
-
-    fn node(&self, n: u32) -> Node {
-        match self.nodes[n as usize].kind {
-            RawKind::File { .. } => Node::RawFile(n),
-            RawKind::Dir { .. } => Node::RawDir(n),
-        }
-    }
-}
-
 /// What a file reads: a batch (or a placed file of `rolling/`), a file of `raw/` (by its directory's id
 /// and its position there), or the indexed layout's twin of a `rolling/` name (made here).
 enum Source {
-    Batch(BatchKey),
+    Batch(ObjectKey),
     Raw { dir: u32, file: u64 },
     RollingIndex(u64),
 }
@@ -279,94 +249,29 @@ enum Source {
 pub struct Fs {
     prefetcher: Arc<Prefetcher>,
     pub options: FsOptions,
-    raw: Mutex<RawTree>,
+    raw: RawTree,
     rolling: RollingState,
 }
 
 impl Fs {
     pub fn new(prefetcher: Arc<Prefetcher>, options: FsOptions) -> Self {
         let rolling = RollingState::new(options.rolling, options.first_epoch, options.epochs);
-        Fs { prefetcher, options, raw: Mutex::new(RawTree::new()), rolling }
+        Fs { prefetcher, options, raw: RawTree::new(), rolling }
     }
 
-    /// Lists directory node `n` of `raw/` from the server (every page) if it is not listed yet, without
-    /// holding the tree while it waits.
+    /// Directory node `n` of `raw/`, listed from the server if it is not yet (`raw/` hidden: none).
     fn raw_listed(&self, n: u32) -> Result<(), FsError> {
         if !self.options.raw {
             return Err(FsError::NotFound);
         }
-        let path = {
-            let tree = self.raw.lock().expect("raw tree");
-            match &tree.nodes.get(n as usize).ok_or(FsError::NotFound)?.kind {
-                RawKind::Dir { children: Some(_), .. } => return Ok(()),
-                RawKind::Dir { path, children: None } => path.clone(),
-                RawKind::File { .. } => return Err(FsError::NotADirectory),
-            }
-        };
-        let (dir, list) = self.prefetcher.list_dir(&path)?;
-        let mut tree = self.raw.lock().expect("raw tree");
-        // Another thread may have listed it meanwhile: its nodes stand.
-        if let RawKind::Dir { children: Some(_), .. } = &tree.nodes[n as usize].kind {
-            return Ok(());
-        }
-        let prefix = if path.is_empty() { String::new() } else { format!("{path}/") };
-        let mut children = Vec::with_capacity(list.dirs.len() + list.files.len());
-        for sub in &list.dirs {
-            let kind = RawKind::Dir { path: format!("{prefix}{sub}"), children: None };
-            children.push((sub.clone(), tree.nodes.len() as u32));
-            tree.nodes.push(RawNode { parent: n, kind });
-        }
-        for (file, entry) in list.files.iter().enumerate() {
-            let name = entry.path.rsplit('/').next().unwrap_or_default();
-            children.push((name.to_owned(), tree.nodes.len() as u32));
-            tree.nodes.push(RawNode { parent: n, kind: RawKind::File { dir, file: file as u64 } });
-        }
-        children.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        if let RawKind::Dir { children: slot, .. } = &mut tree.nodes[n as usize].kind {
-            *slot = Some(children);
-        }
-        Ok(())
-    }
-
-    /// Child `name` of directory node `n` of `raw/` (a binary search, whatever the directory's size).
-    fn raw_lookup(&self, n: u32, name: &str) -> Result<Node, FsError> {
-        self.raw_listed(n)?;
-        let tree = self.raw.lock().expect("raw tree");
-        let RawKind::Dir { children: Some(children), .. } = &tree.nodes[n as usize].kind else {
-            return Err(FsError::NotFound);
-        };
-        let at = children.binary_search_by(|(child, _)| child.as_str().cmp(name)).map_err(|_| FsError::NotFound)?;
-        Ok(tree.node(children[at].1))
-    }
-
-    /// At most `max` entries of directory node `n` of `raw/` from position `from`, by name.
-    fn raw_entries(&self, n: u32, from: usize, max: usize) -> Result<Vec<(String, Node)>, FsError> {
-        self.raw_listed(n)?;
-        let tree = self.raw.lock().expect("raw tree");
-        let RawKind::Dir { children: Some(children), .. } = &tree.nodes[n as usize].kind else {
-            return Err(FsError::NotFound);
-        };
-        let slice = children.get(from..).unwrap_or_default();
-        Ok(slice.iter().take(max).map(|(name, c)| (name.clone(), tree.node(*c))).collect())
-    }
-
-    /// Directory `dir` and position `file` of node `n` of `raw/`, if it is a file.
-    fn raw_file(&self, n: u32) -> Result<(u32, u64), FsError> {
-        let tree = self.raw.lock().expect("raw tree");
-        match tree.nodes.get(n as usize).map(|node| &node.kind) {
-            Some(&RawKind::File { dir, file }) => Ok((dir, file)),
-            _ => Err(FsError::NotFound),
-        }
+        self.raw.listed(&self.prefetcher, n)
     }
 
     /// The parent directory of directory `ino` (the root is its own).
     pub fn parent(&self, ino: u64) -> u64 {
         match Node::from_ino(ino) {
             Some(Node::RawDir(0) | Node::Epoch(_) | Node::MetaDir | Node::RollingDir) => ROOT,
-            Some(Node::RawDir(n)) => {
-                let tree = self.raw.lock().expect("raw tree");
-                tree.nodes.get(n as usize).map_or(ROOT, |node| Node::RawDir(node.parent).ino())
-            }
+            Some(Node::RawDir(n)) => self.raw.parent(n).map_or(ROOT, |p| Node::RawDir(p).ino()),
             _ => ROOT,
         }
     }
@@ -462,7 +367,10 @@ impl Fs {
                 let (batch, index) = self.parse_batch(name).ok_or(FsError::NotFound)?;
                 self.rolling_node(batch, index, owner)
             }
-            Node::RawDir(n) => self.raw_lookup(n, name)?,
+            Node::RawDir(n) => {
+                self.raw_listed(n)?;
+                self.raw.lookup(n, name)?
+            }
             Node::MetaDir => return Err(FsError::NotFound),
             Node::Stats | Node::Batch { .. } | Node::Rolling { .. } | Node::RollingIndex { .. } | Node::RawFile(_) => {
                 return Err(FsError::NotADirectory)
@@ -495,14 +403,11 @@ impl Fs {
             }
             Node::RollingIndex { batch } => self.rolling_index(batch)?.len() as u64,
             Node::RawFile(n) => {
-                let (dir, file) = self.raw_file(n)?;
+                let (dir, file) = self.raw.file(n)?;
                 self.prefetcher.file_size(dir, file)?
             }
             Node::RawDir(n) => {
-                let tree = self.raw.lock().expect("raw tree");
-                if !self.options.raw
-                    || !matches!(tree.nodes.get(n as usize), Some(RawNode { kind: RawKind::Dir { .. }, .. }))
-                {
+                if !self.options.raw || !self.raw.is_dir(n) {
                     return Err(FsError::NotFound);
                 }
                 0
@@ -527,7 +432,8 @@ impl Fs {
             Node::MetaDir => Ok(vec![(Node::Stats, "stats".to_owned())]),
             dir @ (Node::Epoch(_) | Node::RollingDir) => self.batch_entries(dir, 0, usize::MAX, owner),
             Node::RawDir(n) => {
-                Ok(self.raw_entries(n, 0, usize::MAX)?.into_iter().map(|(name, node)| (node, name)).collect())
+                self.raw_listed(n)?;
+                Ok(self.raw.entries(n, 0, usize::MAX)?.into_iter().map(|(name, node)| (node, name)).collect())
             }
             Node::Stats | Node::Batch { .. } | Node::Rolling { .. } | Node::RollingIndex { .. } | Node::RawFile(_) => {
                 Err(FsError::NotADirectory)
@@ -570,7 +476,10 @@ impl Fs {
     pub fn dir_entries_from(&self, ino: u64, offset: usize, owner: u32) -> Result<Vec<(u64, bool, String)>, FsError> {
         let dots = [(ino, true, ".".to_owned()), (self.parent(ino), true, "..".to_owned())];
         let entries = match Node::from_ino(ino) {
-            Some(Node::RawDir(n)) => self.raw_entries(n, offset.saturating_sub(2), READDIR_BATCH)?,
+            Some(Node::RawDir(n)) => {
+                self.raw_listed(n)?;
+                self.raw.entries(n, offset.saturating_sub(2), READDIR_BATCH)?
+            }
             Some(dir @ (Node::Epoch(_) | Node::RollingDir)) => {
                 let entries = self.batch_entries(dir, offset.saturating_sub(2), READDIR_BATCH, owner)?;
                 entries.into_iter().map(|(node, name)| (name, node)).collect()
@@ -626,20 +535,20 @@ impl Fs {
     fn source(&self, ino: u64) -> Result<Source, FsError> {
         match Node::from_ino(ino).ok_or(FsError::NotFound)? {
             Node::Batch { epoch, batch, index } => {
-                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(index))))
+                Ok(Source::Batch(ObjectKey::batch(epoch, batch, self.batch_format(index))))
             }
             Node::Rolling { epoch, batch, file: RollingFile::Packed } => {
-                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(false))))
+                Ok(Source::Batch(ObjectKey::batch(epoch, batch, self.batch_format(false))))
             }
             Node::Rolling { epoch, batch, file: RollingFile::PackedIndex } => {
-                Ok(Source::Batch(BatchKey::batch(epoch, batch, self.batch_format(true))))
+                Ok(Source::Batch(ObjectKey::batch(epoch, batch, self.batch_format(true))))
             }
             Node::Rolling { epoch, batch, file: RollingFile::Indexed } => {
-                Ok(Source::Batch(BatchKey { listing: Listing::Rolling { epoch }, index: batch }))
+                Ok(Source::Batch(ObjectKey { listing: Listing::Rolling { epoch }, index: batch }))
             }
             Node::RollingIndex { batch } => Ok(Source::RollingIndex(batch)),
             Node::RawFile(n) => {
-                let (dir, file) = self.raw_file(n)?;
+                let (dir, file) = self.raw.file(n)?;
                 Ok(Source::Raw { dir, file })
             }
             Node::Stats => Err(FsError::NotFound),
@@ -671,7 +580,7 @@ impl Fs {
                 if chunks.end - chunks.start != 1 {
                     return Ok(None);
                 }
-                BatchKey { listing: Listing::Raw { dir }, index: chunks.start }
+                ObjectKey { listing: Listing::Raw { dir }, index: chunks.start }
             }
             Source::RollingIndex(batch) => {
                 let text = self.rolling_index(batch)?;
@@ -692,7 +601,7 @@ impl Fs {
             Ok(Source::Batch(key)) => self.prefetcher.closed(key),
             Ok(Source::Raw { dir, file }) => {
                 for index in self.prefetcher.file_chunks(dir, file).unwrap_or_default() {
-                    self.prefetcher.closed(BatchKey { listing: Listing::Raw { dir }, index });
+                    self.prefetcher.closed(ObjectKey { listing: Listing::Raw { dir }, index });
                 }
             }
             Ok(Source::RollingIndex(_)) | Err(_) => {}

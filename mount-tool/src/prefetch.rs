@@ -1,12 +1,14 @@
-//! The prefetcher and its cache: the files a mount shows (batches of an epoch in a format, chunks of
-//! `raw/`, `rolling/`'s placed files), fetched whole, verified, and kept under a byte budget. This file is
-//! the facade (reads, passthrough files, what each file is, admission into the cache); its rooms:
-//! `prefetch/cache.rs` holds the entries and their contents and picks what to evict, `prefetch/fetch.rs`
-//! runs one fetch from its sink to what it publishes, `prefetch/window.rs` decides what to fetch ahead
-//! (with `prefetch/streams.rs`, which finds the readers' streams) and how much may be in flight,
-//! `prefetch/listings.rs` keeps the manifests, the slot table and the source file lists, `prefetch/raw.rs`
-//! owns `raw/`, `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`]
-//! (`pool.rs`) keeps the byte budget's one ledger and the buffers reused within it.
+//! The prefetcher and its cache: the objects a mount shows (batches of an epoch in a format, chunks of
+//! `raw/`'s files, `rolling/`'s placed files), fetched whole, verified, and kept under a byte budget. This
+//! file is the facade (reads, passthrough files, what each object is); its rooms:
+//! `prefetch/admission.rs` charges an object to the budget before its fetch (a guard that gives the bytes
+//! back when the cache drops the entry) and evicts or waits for room, `prefetch/cache.rs` holds the entries
+//! and their contents and picks what to evict, `prefetch/fetch.rs` runs one fetch from its sink to what it
+//! publishes, `prefetch/window.rs` decides what to fetch ahead (with `prefetch/streams.rs`, which finds the
+//! readers' streams) and how much may be in flight, `prefetch/listings.rs` keeps the epochs' manifests and
+//! the slot table, `prefetch/raw.rs` owns `raw/` (its directories' lists and chunks, reads across chunks),
+//! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`] (`pool.rs`) keeps
+//! the byte budget's one ledger and the buffers reused within it.
 //!
 //! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
 //! fuser 0.18 ignores FUSE_INTERRUPT); fetches run as tasks on a tokio runtime. No tokio worker ever
@@ -36,10 +38,10 @@
 //! into the next one (whose manifest is then fetched in the background).
 
 use crate::client::DynClient;
-use crate::pool::{Admission, BufferPool};
+use crate::pool::BufferPool;
 use crate::stats::Stats;
-use crate::sync::{Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
-use batchfs::api::{BatchEntry, Manifest, SlotTable};
+use crate::sync::{Arc, AtomicBool, Condvar, Mutex, Ordering};
+use batchfs::api::{Manifest, SlotTable};
 use batchfs::encode::BatchFormat;
 use batchfs::rolling::FileLayout;
 use bytes::Bytes;
@@ -49,6 +51,7 @@ pub use streams::{StreamTracker, Target};
 use thiserror::Error;
 pub use window::prefetch_cap;
 
+mod admission;
 mod cache;
 mod fetch;
 mod listings;
@@ -58,8 +61,9 @@ mod streams;
 mod window;
 use cache::{Cache, Content, Entry};
 use listings::Listings;
+use raw::{Raw, RawDirs};
 use retry::{with_retries, Failure};
-use window::{Prefetching, Throughput};
+use window::Throughput;
 
 /// A list of files the mount shows: the batches of one epoch in one format, the files of one
 /// directory of `raw/` (by the id [`Prefetcher::list_dir`] gave it), or the files of `rolling/`'s
@@ -75,11 +79,52 @@ pub enum Listing {
 /// The bytes of a page: a placed record's first and last pages are partly its own, and are counted whole.
 const PAGE: u64 = 4096;
 
-/// What one file of a listing is: what the server sends for it, and what readers see.
+/// What the server sends for one object: its size and CRC32C (from the manifest, or the file list).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sent {
+    pub bytes: u64,
+    pub crc32c: u32,
+}
+
+/// The objects of a listing, by position, as the server sends them: an epoch's batches (its manifest), or
+/// the chunks of a directory of `raw/`.
+#[derive(Clone)]
+enum Objects {
+    Batches(Arc<Manifest>),
+    Chunks(Raw),
+}
+
+impl Objects {
+    /// What the server sends for object `index`, if there is one.
+    pub fn get(&self, index: u64) -> Option<Sent> {
+        match self {
+            Objects::Batches(m) => m.batches.get(index as usize).map(|b| Sent { bytes: b.bytes, crc32c: b.crc32c }),
+            Objects::Chunks(raw) => raw.chunks.get(index as usize).copied(),
+        }
+    }
+
+    /// How many objects there are.
+    pub fn len(&self) -> u64 {
+        match self {
+            Objects::Batches(m) => m.batches.len() as u64,
+            Objects::Chunks(raw) => raw.chunks.len() as u64,
+        }
+    }
+
+    /// Their bytes, all together.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Objects::Batches(m) => m.bytes,
+            Objects::Chunks(raw) => raw.bytes,
+        }
+    }
+}
+
+/// What one object of a listing is: what the server sends for it, and what readers see.
 #[derive(Debug, Clone)]
 pub(crate) struct Object {
-    /// The body the server sends: its size and CRC32C, from the manifest.
-    pub sent: BatchEntry,
+    /// The body the server sends.
+    pub sent: Sent,
     /// For `rolling/`'s indexed layout, where the body's records go.
     pub placed: Option<Arc<FileLayout>>,
 }
@@ -97,17 +142,18 @@ impl Object {
     }
 }
 
-/// One file of a listing: a batch, or a source file, by its position.
+/// One object of the cache: a file of a listing (a batch, a placed file of `rolling/`) or a chunk of a
+/// file of `raw/`, by its position in its listing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct BatchKey {
+pub struct ObjectKey {
     pub listing: Listing,
     pub index: u64,
 }
 
-impl BatchKey {
+impl ObjectKey {
     /// Batch `batch` of `epoch` in `format`.
     pub fn batch(epoch: u64, batch: u64, format: BatchFormat) -> Self {
-        BatchKey { listing: Listing::Epoch { epoch, format }, index: batch }
+        ObjectKey { listing: Listing::Epoch { epoch, format }, index: batch }
     }
 }
 
@@ -191,6 +237,8 @@ pub struct Prefetcher {
     cache: Mutex<Cache>,
     room: Condvar,
     listings: Listings,
+    /// The directories of `raw/` listed so far.
+    raw: RawDirs,
     streams: Mutex<StreamTracker>,
     /// Bytes of prefetches in flight now (each counted by its [`Prefetching`] guard).
     prefetching: Arc<crate::sync::AtomicU64>,
@@ -215,6 +263,7 @@ impl Prefetcher {
             cache: Mutex::new(Cache { entries: LruCache::unbounded() }),
             room: Condvar::new(),
             listings: Listings::new(),
+            raw: RawDirs::default(),
             streams: Mutex::new(streams),
             prefetching: Arc::new(crate::sync::AtomicU64::new(0)),
             throughput: Mutex::new(Throughput::default()),
@@ -275,19 +324,19 @@ impl Prefetcher {
         Ok(self.listings.put_manifest(manifest))
     }
 
-    /// The sizes and checksums of a listing's files as the server sends them.
-    fn listing(&self, listing: Listing) -> Result<Arc<Manifest>, ReadError> {
+    /// The objects of a listing as the server sends them.
+    fn listing(&self, listing: Listing) -> Result<Objects, ReadError> {
         match listing {
-            Listing::Epoch { epoch, format } => self.manifest(epoch, format),
-            Listing::Raw { dir } => Ok(self.raw(dir)?.manifest),
-            Listing::Rolling { epoch } => self.manifest(epoch, BatchFormat::Tfrecord),
+            Listing::Epoch { epoch, format } => self.manifest(epoch, format).map(Objects::Batches),
+            Listing::Raw { dir } => self.raw_dir(dir).map(Objects::Chunks),
+            Listing::Rolling { epoch } => self.manifest(epoch, BatchFormat::Tfrecord).map(Objects::Batches),
         }
     }
 
     /// Reads `[offset, offset + size)` of a batch file. Blocks until those bytes are verified (the whole batch, or,
     /// while it arrives into a buffer, its prefix up to a checkpoint past them).
     /// `owner` identifies the reading process (see [`StreamTracker`]).
-    pub fn read(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
+    pub fn read(self: &Arc<Self>, key: ObjectKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
         let result = self.read_inner(key, offset, size, owner);
         if result.is_err() {
             Stats::add(&self.stats.errors, 1);
@@ -295,14 +344,14 @@ impl Prefetcher {
         result
     }
 
-    fn read_inner(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
-        let (manifest, obj) = self.locate(key)?;
+    fn read_inner(self: &Arc<Self>, key: ObjectKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
+        let (objects, obj) = self.locate(key)?;
         let len = obj.len();
         if offset >= len || size == 0 {
             return Ok(Bytes::new());
         }
         let end = (offset + u64::from(size)).min(len);
-        let (entry, content, early) = self.wait_for(key, &obj, &manifest, owner, Some(offset..end))?;
+        let (entry, content, early) = self.wait_for(key, &obj, &objects, owner, Some(offset..end))?;
         let bytes = content.into_bytes();
         if end == len {
             entry.consumed.store(true, Ordering::Relaxed);
@@ -315,16 +364,16 @@ impl Prefetcher {
         Ok(bytes)
     }
 
-    /// The listing's manifest and what `key` is.
-    fn locate(&self, key: BatchKey) -> Result<(Arc<Manifest>, Object), ReadError> {
-        let manifest = self.listing(key.listing)?;
-        let obj = self.object(key, &manifest)?;
-        Ok((manifest, obj))
+    /// The objects of `key`'s listing and what `key` is.
+    fn locate(&self, key: ObjectKey) -> Result<(Objects, Object), ReadError> {
+        let objects = self.listing(key.listing)?;
+        let obj = self.object(key, &objects)?;
+        Ok((objects, obj))
     }
 
-    /// What file `key` of the listing whose manifest is `manifest` is.
-    fn object(&self, key: BatchKey, manifest: &Manifest) -> Result<Object, ReadError> {
-        let sent = *manifest.batches.get(key.index as usize).ok_or_else(|| ReadError::NotFound(describe(key)))?;
+    /// What object `key` of the listing of `objects` is.
+    fn object(&self, key: ObjectKey, objects: &Objects) -> Result<Object, ReadError> {
+        let sent = objects.get(key.index).ok_or_else(|| ReadError::NotFound(describe(key)))?;
         let placed = match key.listing {
             Listing::Rolling { .. } => Some(Arc::new(self.file_layout(key.index)?)),
             Listing::Epoch { .. } | Listing::Raw { .. } => None,
@@ -338,9 +387,9 @@ impl Prefetcher {
     /// and whether it came before the whole body.
     fn wait_for(
         self: &Arc<Self>,
-        key: BatchKey,
+        key: ObjectKey,
         obj: &Object,
-        manifest: &Manifest,
+        objects: &Objects,
         owner: u32,
         range: Option<std::ops::Range<u64>>,
     ) -> Result<(Arc<Entry>, Content, bool), ReadError> {
@@ -348,7 +397,7 @@ impl Prefetcher {
         let deadline = started + self.config.timeout;
         let (entry, fresh) = self.get_or_start(key, obj, true, deadline)?.expect("on-demand reads always get an entry");
         entry.touched.store(self.clock(), Ordering::Relaxed);
-        self.prefetch_after(key, manifest, owner);
+        self.prefetch_after(key, objects, owner);
         let (mut entry, mut fresh) = (entry, fresh);
         let (body, waited, early) = loop {
             match entry.wait(range.clone(), deadline, self.config.timeout) {
@@ -378,10 +427,10 @@ impl Prefetcher {
     /// from without asking the daemon (FUSE passthrough). Blocks like [`Prefetcher::read`] until the batch
     /// is cached. The file replaces the batch's body buffer (its pages are the cache's copy from now on)
     /// and keeps the batch in the cache, charged to the budget, while anyone holds the returned handle.
-    pub fn backing_file(self: &Arc<Self>, key: BatchKey, owner: u32) -> Result<Arc<std::fs::File>, ReadError> {
+    pub fn backing_file(self: &Arc<Self>, key: ObjectKey, owner: u32) -> Result<Arc<std::fs::File>, ReadError> {
         let result = (|| {
-            let (manifest, obj) = self.locate(key)?;
-            let (entry, body, _) = self.wait_for(key, &obj, &manifest, owner, None)?;
+            let (objects, obj) = self.locate(key)?;
+            let (entry, body, _) = self.wait_for(key, &obj, &objects, owner, None)?;
             // The kernel serves the whole file from here on: its bytes (a placed file's records) count
             // as served, once.
             if !entry.handed.swap(true, Ordering::Relaxed) {
@@ -400,112 +449,15 @@ impl Prefetcher {
     }
 
     /// A reader closed its last handle of `key`: the batch goes first when room is needed.
-    pub fn closed(&self, key: BatchKey) {
-        if let Some(e) = self.cache.lock().expect("cache").entries.peek(&key) {
-            e.consumed.store(true, Ordering::Relaxed);
+    pub fn closed(&self, key: ObjectKey) {
+        if let Some(c) = self.cache.lock().expect("cache").entries.peek(&key) {
+            c.entry.consumed.store(true, Ordering::Relaxed);
         }
     }
 
     /// Nanoseconds since the prefetcher started (the clock of `Entry::touched`).
     fn clock(&self) -> u64 {
         self.started.elapsed().as_nanos() as u64
-    }
-
-    fn evict(&self, cache: &mut Cache, key: BatchKey) {
-        if let Some(e) = cache.entries.pop(&key) {
-            self.release(e.size);
-            Stats::add(&self.stats.evictions, 1);
-            // Dropping `e` now may return its buffer to the pool, into the room just released.
-        }
-    }
-
-    /// Returns `bytes` charged to an entry to the budget.
-    fn release(&self, bytes: u64) {
-        self.pool.release(bytes);
-        self.stats.cache_bytes.store(self.pool.used(), Ordering::Relaxed);
-    }
-
-    /// The cache entry of `key`, starting its fetch if it is absent: `(entry, started now)`. A prefetch
-    /// (`on_demand == false`) gets `None` when its bytes do not fit; a read evicts or waits for room.
-    fn get_or_start(
-        self: &Arc<Self>,
-        key: BatchKey,
-        obj: &Object,
-        on_demand: bool,
-        deadline: Instant,
-    ) -> Result<Option<(Arc<Entry>, bool)>, ReadError> {
-        // With passthrough the body goes straight into a memory file: charged, with no buffer. A placed
-        // file is made from its body in a buffer.
-        let memfd = self.memfd_bodies.load(Ordering::Relaxed) && obj.placed.is_none();
-        let need = obj.charge();
-        let mut cache = self.cache.lock().expect("cache");
-        let (buffer, charge) = loop {
-            if let Some(e) = cache.entries.get(&key) {
-                if !e.is_failed() {
-                    return Ok(Some((e.clone(), false)));
-                }
-                // A fetch that gave up, not yet cleaned up by its task (which leaves alone an entry that is
-                // no longer its own): it makes way for a new one.
-                if let Some(failed) = cache.entries.pop(&key) {
-                    self.release(failed.size);
-                }
-                continue;
-            }
-            // Checked under the cache lock, so concurrent prefetchers cannot overshoot the limit.
-            let prefetching = self.prefetching.load(Ordering::Relaxed);
-            if !on_demand && prefetching > 0 && prefetching + obj.sent.bytes > self.prefetch_cap() {
-                return Ok(None);
-            }
-            // Idle buffers count in the budget: the pool admits the fetch, or frees one of them and
-            // asks to try again, before any cached batch is evicted.
-            let admission = if memfd { self.pool.charge(need as usize) } else { self.pool.admit(need as usize) };
-            match admission {
-                Admission::Fits { buffer, charge } => break (buffer, charge),
-                Admission::Trimmed => continue,
-                Admission::Full => {}
-            }
-            if need > self.config.cache_bytes {
-                return Err(ReadError::CacheTooSmall {
-                    what: describe(key),
-                    size: need,
-                    budget: self.config.cache_bytes,
-                });
-            }
-            // An evicted batch's buffer joins the pool (unless a reader still holds a slice of it),
-            // where the next round reuses it or frees it.
-            if let Some(victim) = cache.victim(self.clock(), self.config.stale_after, on_demand) {
-                self.evict(&mut cache, victim);
-                continue;
-            }
-            if !on_demand {
-                return Ok(None);
-            }
-            cache = self.wait_for_room(cache, deadline)?;
-        };
-        // The pool has charged `charge` to the budget.
-        self.stats.cache_bytes.store(self.pool.used(), Ordering::Relaxed);
-        let entry = Arc::new(Entry::new(charge, self.clock()));
-        cache.entries.put(key, entry.clone());
-        // Counted with the cache lock still held, as it was checked: no admission passes the check on a
-        // count that another has passed it on but not raised yet.
-        let prefetching = (!on_demand).then(|| Prefetching::count(&self.prefetching, obj.sent.bytes));
-        drop(cache);
-        Stats::add(&self.stats.in_flight, 1);
-        self.spawn_fetch(key, obj.clone(), entry.clone(), buffer, memfd, prefetching);
-        Ok(Some((entry, true)))
-    }
-
-    fn wait_for_room<'a>(
-        &self,
-        cache: MutexGuard<'a, Cache>,
-        deadline: Instant,
-    ) -> Result<MutexGuard<'a, Cache>, ReadError> {
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(ReadError::Timeout { after: self.config.timeout, last: "no room in the cache".into() });
-        }
-        // Woken when a fetch ends (a batch becomes evictable or its reservation is released).
-        Ok(self.room.wait_timeout(cache, (deadline - now).min(Duration::from_millis(100))).expect("cache").0)
     }
 
     /// Bytes held or reserved now, idle reusable buffers included (never above the budget).
@@ -515,7 +467,7 @@ impl Prefetcher {
 }
 
 /// Names a file for messages.
-fn describe(key: BatchKey) -> String {
+fn describe(key: ObjectKey) -> String {
     match key.listing {
         Listing::Epoch { epoch, format } => format!("batch {} of epoch {epoch} ({format})", key.index),
         Listing::Raw { dir } => format!("chunk #{} of raw directory #{dir}", key.index),
@@ -533,7 +485,7 @@ mod tests {
     const L2: Listing = Listing::Epoch { epoch: 2, format: TF };
 
     impl Prefetcher {
-        fn read_as0(self: &Arc<Self>, key: BatchKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
+        fn read_as0(self: &Arc<Self>, key: ObjectKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
             self.read(key, offset, size, 0)
         }
     }
@@ -563,8 +515,8 @@ mod tests {
         (runtime, client, p, bodies)
     }
 
-    fn key(batch: u64) -> BatchKey {
-        BatchKey::batch(0, batch, TF)
+    fn key(batch: u64) -> ObjectKey {
+        ObjectKey::batch(0, batch, TF)
     }
 
     #[test]
@@ -709,7 +661,7 @@ mod tests {
                             (t * 100..(t + 1) * 100).map(|index| Target { listing: key(0).listing, index }).collect();
                         start.wait();
                         for target in targets.chunks(1) {
-                            p.start_prefetches(target, manifest);
+                            p.start_prefetches(target, &Objects::Batches(manifest.clone()));
                         }
                     });
                 }
@@ -898,7 +850,7 @@ mod tests {
     #[test]
     fn index_twins_are_all_fetched_at_the_first_one() {
         let (_rt, client, p, bodies) = setup(40, PrefetcherConfig { prefetch: 4, ..Default::default() });
-        let idx = |b| BatchKey::batch(0, b, BatchFormat::TfrecordIdx);
+        let idx = |b| ObjectKey::batch(0, b, BatchFormat::TfrecordIdx);
         assert_eq!(p.read_as0(idx(0), 0, 1 << 20).unwrap(), bodies[0]);
         eventually("every twin", || client.fetches.load(Ordering::Relaxed) == 40);
         for (b, body) in bodies.iter().enumerate() {
@@ -936,7 +888,7 @@ mod tests {
     fn reading_to_the_end_of_an_epoch_warms_the_next_one_but_not_past_the_last() {
         let config = PrefetcherConfig { prefetch: 4, last_epoch: 1, ..Default::default() };
         let (_rt, _client, p, bodies) = setup(20, config);
-        let at = |epoch, b| BatchKey::batch(epoch, b, TF);
+        let at = |epoch, b| ObjectKey::batch(epoch, b, TF);
         for epoch in 0..2 {
             for (b, body) in bodies.iter().enumerate() {
                 assert_eq!(&p.read_as0(at(epoch, b as u64), 0, 1 << 20).unwrap(), body);
@@ -1003,8 +955,8 @@ mod tests {
             let (_rt, client, p, _) = setup(100, config);
             client.held.lock().unwrap().extend(1..100);
             p.read_as0(key(0), 0, 10).unwrap();
-            let m = p.manifest(0, TF).unwrap();
-            let mean = m.bytes / 100;
+            let m = Objects::Batches(p.manifest(0, TF).unwrap());
+            let mean = m.bytes() / 100;
             let expected = if prefetch_bytes == 20_000 { prefetch_bytes.div_ceil(mean) as usize } else { window };
             assert_eq!(p.window(key(0).listing, &m), expected);
             assert_eq!(p.stats.snapshot().prefetches, expected as u64, "{prefetch_bytes}");
@@ -1031,7 +983,7 @@ mod tests {
         eventually("the first window", || p.stats.snapshot().prefetches == 4 && p.stats.snapshot().in_flight == 0);
         std::thread::sleep(stale_after * 2);
         // Another reader starts on another epoch: its whole window starts, in place of the stale one.
-        let other = |b| BatchKey::batch(5, b, TF);
+        let other = |b| ObjectKey::batch(5, b, TF);
         assert_eq!(p.read_as0(other(0), 0, 1 << 20).unwrap(), bodies[0]);
         eventually("the second window", || p.stats.snapshot().in_flight == 0);
         assert_eq!(p.stats.snapshot().prefetches, 8, "{:?}", p.stats.snapshot());

@@ -1,5 +1,5 @@
 //! The cache's entries: one per batch fetched or being fetched, with its state (fetching, a verified
-//! body, or the error that ended its fetch), what the budget was charged for it, whether a reader consumed
+//! body, or the error that ended its fetch), what the budget was charged for it (`admission.rs`'s guard), whether a reader consumed
 //! it, when it was last touched, and its sealed memory file once the kernel serves it (passthrough). And
 //! the one rule of what to evict first.
 //!
@@ -7,7 +7,8 @@
 //! layout, records placed at their slots ([`Content::Placed`]): the bytes of the records and where each
 //! goes, the rest of the file zeros that are never stored (holes in its memory file, zero-filled reads).
 
-use super::{BatchKey, ReadError};
+use super::admission::Charge;
+use super::{ObjectKey, ReadError};
 use crate::client::Partial;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Condvar, Mutex, Ordering};
 use bytes::Bytes;
@@ -129,8 +130,6 @@ impl Content {
 }
 
 pub(super) struct Entry {
-    /// Bytes charged to the budget: the body's size, or the capacity of the reused buffer it fills.
-    pub size: u64,
     pub state: Mutex<State>,
     pub changed: Condvar,
     /// A reader has read the batch's last byte, or closed it: first to go when room is needed.
@@ -177,9 +176,8 @@ pub(super) fn in_memfd(content: &Content) -> std::io::Result<(Content, Arc<std::
 }
 
 impl Entry {
-    pub(super) fn new(size: u64, now: u64) -> Self {
+    pub(super) fn new(now: u64) -> Self {
         Entry {
-            size,
             touched: AtomicU64::new(now),
             state: Mutex::new(State::Fetching(None)),
             changed: Condvar::new(),
@@ -277,7 +275,15 @@ impl Entry {
 }
 
 pub(super) struct Cache {
-    pub entries: LruCache<BatchKey, Arc<Entry>>,
+    pub entries: LruCache<ObjectKey, Cached>,
+}
+
+/// An entry as the cache holds it, with the bytes the budget was charged for it (given back when the
+/// cache drops it, before the entry: its buffer then comes back to the pool into the room released).
+pub(super) struct Cached {
+    /// Held for its drop.
+    pub _charge: Charge,
+    pub entry: Arc<Entry>,
 }
 
 impl Cache {
@@ -287,11 +293,11 @@ impl Cache {
     /// never read, a wrap-around that did not come); else, for reads only, any ready batch. Without the
     /// second rule such batches filled a small cache for good, and prefetch stopped: every batch then cost
     /// a round trip.
-    pub fn victim(&self, now: u64, stale_after: Duration, any_ready: bool) -> Option<BatchKey> {
+    pub fn victim(&self, now: u64, stale_after: Duration, any_ready: bool) -> Option<ObjectKey> {
         let ready = |e: &Entry| e.is_ready() && !e.is_pinned();
         let stale_after = stale_after.as_nanos() as u64;
         let stale = |e: &Entry| now.saturating_sub(e.touched.load(Ordering::Relaxed)) >= stale_after;
-        let lru = || self.entries.iter().rev();
+        let lru = || self.entries.iter().rev().map(|(k, c)| (k, &*c.entry));
         lru()
             .find(|(_, e)| e.consumed.load(Ordering::Relaxed) && ready(e))
             .or_else(|| lru().find(|(_, e)| stale(e) && ready(e)))

@@ -3,12 +3,12 @@
 //! whole under passthrough), its attempts (`retry.rs`), the check against the manifest, and what it
 //! publishes: the verified body, sealed in its memory file; or, for `rolling/`'s indexed layout, the
 //! body's records placed at their slots (in a sparse memory file under passthrough), checked to fit.
-//! Then it counts the bytes, feeds the delivery rate, and on failure gives the entry's charge back.
+//! Then it counts the bytes, feeds the delivery rate, and on failure drops the entry (its charge with it).
 
 use super::cache::{in_memfd, seal_file, Content, Entry, Placed, Record, State};
 use super::retry::{verify, with_retries, Failure};
 use super::window::Prefetching;
-use super::{describe, BatchKey, Listing, Object, Prefetcher, ReadError};
+use super::{describe, Listing, Object, ObjectKey, Prefetcher, ReadError};
 use crate::client::{ClientError, Filling, Sink};
 use crate::stats::Stats;
 use crate::sync::{Arc, Ordering};
@@ -22,7 +22,7 @@ impl Prefetcher {
     /// guard that counts it in flight, dropped when the fetch ends.
     pub(super) fn spawn_fetch(
         self: &Arc<Self>,
-        key: BatchKey,
+        key: ObjectKey,
         obj: Object,
         entry: Arc<Entry>,
         buffer: Vec<u8>,
@@ -32,7 +32,7 @@ impl Prefetcher {
         let this = self.clone();
         let fetching = entry;
         let path = match key.listing {
-            Listing::Raw { dir } => self.listings.raw_chunk(dir, key.index),
+            Listing::Raw { dir } => self.raw.chunk_path(dir, key.index),
             Listing::Epoch { .. } | Listing::Rolling { .. } => None,
         };
         let meta = obj.sent;
@@ -125,9 +125,9 @@ impl Prefetcher {
                     tracing::warn!(what = %describe(key), error = %e, "fetch failed");
                     fetching.set(State::Failed(e));
                     let mut cache = this.cache.lock().expect("cache");
-                    if cache.entries.peek(&key).is_some_and(|e| Arc::ptr_eq(e, &fetching)) {
+                    // Its charge goes back with it.
+                    if cache.entries.peek(&key).is_some_and(|c| Arc::ptr_eq(&c.entry, &fetching)) {
                         cache.entries.pop(&key);
-                        this.release(fetching.size);
                     }
                 }
             }
@@ -143,7 +143,7 @@ fn store_failure(e: std::io::Error) -> Failure {
 /// The records of `body` (a verified TFRecord batch) placed by `layout`: each at the slot of its size
 /// rank. A body that is not whole frames, or whose records do not fit the slots, is an error that no
 /// retry can mend (the server's slot table does not hold this epoch's batch).
-fn place(key: BatchKey, body: Bytes, layout: &FileLayout) -> Result<Content, ReadError> {
+fn place(key: ObjectKey, body: Bytes, layout: &FileLayout) -> Result<Content, ReadError> {
     let layout_error = |message: String| ReadError::Layout(format!("{}: {message}", describe(key)));
     let frames = batchfs::rolling::frames_of(&body)
         .ok_or_else(|| layout_error("the batch is not a sequence of TFRecord frames".into()))?;

@@ -1,20 +1,153 @@
-//! `raw/`, the dataset's own files, as the prefetcher sees them: each directory listed once from the
-//! server (every page), when first looked into, and kept as a listing of chunks (`listings.rs`): a file of
-//! one chunk is fetched whole like a batch; a larger one chunk by chunk, each a range checked against its
-//! own CRC32C, so a shard larger than the cache streams through it. Reads within a file cross chunks here.
+//! `raw/`, the dataset's own files, as the prefetcher sees them (the filesystem's tree of them is
+//! `fs/raw.rs`): each directory listed once from the server (every page), when first looked into, and kept
+//! as a list of chunks, the objects of its [`Listing::Raw`]: a file of one chunk is fetched whole like a
+//! batch; a larger one chunk by chunk, each a range checked against its own CRC32C, so a shard larger than
+//! the cache streams through it. Reads within a file cross chunks here; the first read of a DALI index
+//! asks for every other index of its directory.
 
-use super::listings::Raw;
 use super::retry::{with_retries, Failure};
-use super::{BatchKey, Listing, Prefetcher, ReadError};
-use crate::sync::Arc;
-use batchfs::api::FileList;
+use super::{Listing, ObjectKey, Prefetcher, ReadError, Sent};
+use crate::sync::{Arc, Mutex};
+use batchfs::api::{FileEntry, FileList};
 use bytes::Bytes;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The directories of `raw/` listed so far, by id (the order they were listed in) and by path.
+#[derive(Default)]
+pub(super) struct RawDirs(Mutex<Dirs>);
+
+#[derive(Default)]
+struct Dirs {
+    dirs: Vec<Raw>,
+    by_path: std::collections::HashMap<String, u32>,
+}
+
+/// One directory of `raw/`: its subdirectories, its files and their chunks.
+#[derive(Clone)]
+pub(super) struct Raw {
+    /// Every page of the directory's list, merged (`dirs` without repeats).
+    pub files: Arc<FileList>,
+    /// What the server sends for each chunk: the chunks of file 0, then of file 1, and so on.
+    pub chunks: Arc<[Sent]>,
+    /// The bytes of all the chunks.
+    pub bytes: u64,
+    /// The first chunk of each file, and the number of chunks last.
+    pub first_chunk: Arc<Vec<u64>>,
+    /// A DALI index (`*.idx`) of this directory was read: every other one was asked for.
+    indexes_warmed: Arc<AtomicBool>,
+}
+
+impl Raw {
+    /// The chunks of file `file`, if it exists.
+    pub fn chunks_of(&self, file: u64) -> Option<std::ops::Range<u64>> {
+        let f = file as usize;
+        Some(*self.first_chunk.get(f)?..*self.first_chunk.get(f + 1)?)
+    }
+
+    /// The file holding chunk `chunk`, and the chunk's offset in it.
+    pub fn chunk(&self, chunk: u64) -> Option<(&FileEntry, u64)> {
+        let file = self.first_chunk.partition_point(|&c| c <= chunk).checked_sub(1)?;
+        let entry = self.files.files.get(file)?;
+        Some((entry, (chunk - self.first_chunk[file]) * self.files.chunk_bytes))
+    }
+}
+
+/// The CRC32C of each chunk of `file`, of `chunk_bytes` each: the one CRC of the whole file when the
+/// list gives no chunks, or gives a number that does not match the size, or a chunk size of 0 (fetched
+/// whole then).
+fn chunk_crcs(file: &FileEntry, chunk_bytes: u64) -> Vec<(u64, u32)> {
+    let n = file.size.div_ceil(chunk_bytes.max(1));
+    if chunk_bytes == 0 || file.chunks.is_empty() || file.chunks.len() as u64 != n || n < 2 {
+        return vec![(file.size, file.crc32c)];
+    }
+    let mut left = file.size;
+    file.chunks
+        .iter()
+        .map(|&crc| {
+            let len = left.min(chunk_bytes);
+            left -= len;
+            (len, crc)
+        })
+        .collect()
+}
+
+impl RawDirs {
+    /// The chunks of every DALI index (`*.idx`) of directory `dir`, the first time a read of
+    /// its chunk `chunk` is one of them (DALI reads all of them, one after another, when its pipeline is
+    /// built; they are small); empty otherwise.
+    pub fn indexes_at(&self, dir: u32, chunk: u64) -> Vec<u64> {
+        let Some(raw) = self.get(dir) else { return Vec::new() };
+        // Every read of raw/ asks: once done, the answer is at hand.
+        if raw.indexes_warmed.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
+        let is_index = |c| raw.chunk(c).is_some_and(|(f, _)| f.path.ends_with(".idx"));
+        if !is_index(chunk) || raw.indexes_warmed.swap(true, Ordering::Relaxed) {
+            return Vec::new();
+        }
+        (0..raw.files.files.len() as u64)
+            .filter(|&f| raw.files.files[f as usize].path.ends_with(".idx"))
+            .filter_map(|f| raw.chunks_of(f))
+            .flatten()
+            .filter(|&c| c != chunk)
+            .collect()
+    }
+
+    /// Directory `dir`, if listed.
+    pub fn get(&self, dir: u32) -> Option<Raw> {
+        self.0.lock().expect("raw").dirs.get(dir as usize).cloned()
+    }
+
+    /// The directory at `path`, if listed, and its id.
+    pub fn at(&self, path: &str) -> Option<(u32, Raw)> {
+        let raw = self.0.lock().expect("raw");
+        raw.by_path.get(path).map(|&id| (id, raw.dirs[id as usize].clone()))
+    }
+
+    /// Keeps a directory's list (every page merged; the first list of a path wins, so every caller
+    /// sees the same one) and derives its chunks, file after file in the list's order. Returns its id.
+    pub fn put(&self, mut files: FileList) -> (u32, Raw) {
+        let mut raw = self.0.lock().expect("raw");
+        if let Some(&id) = raw.by_path.get(&files.dir) {
+            return (id, raw.dirs[id as usize].clone());
+        }
+        let mut sent: Vec<Sent> = Vec::with_capacity(files.files.len());
+        let mut first_chunk = Vec::with_capacity(files.files.len() + 1);
+        for file in &mut files.files {
+            first_chunk.push(sent.len() as u64);
+            let chunks = chunk_crcs(file, files.chunk_bytes);
+            if chunks.len() == 1 {
+                // Fetched whole: the chunk list, if any, is not needed.
+                file.chunks = Vec::new();
+            }
+            sent.extend(chunks.into_iter().map(|(bytes, crc32c)| Sent { bytes, crc32c }));
+        }
+        first_chunk.push(sent.len() as u64);
+        let id = raw.dirs.len() as u32;
+        raw.by_path.insert(files.dir.clone(), id);
+        let made = Raw {
+            files: Arc::new(files),
+            bytes: sent.iter().map(|c| c.bytes).sum(),
+            chunks: sent.into(),
+            first_chunk: Arc::new(first_chunk),
+            indexes_warmed: Default::default(),
+        };
+        raw.dirs.push(made.clone());
+        (id, made)
+    }
+
+    /// The dataset path of the file of directory `dir` holding chunk `chunk`, and the chunk's offset in
+    /// it, if the directory is listed.
+    pub fn chunk_path(&self, dir: u32, chunk: u64) -> Option<(String, u64)> {
+        self.get(dir).and_then(|r| r.chunk(chunk).map(|(f, offset)| (f.path.clone(), offset)))
+    }
+}
 
 impl Prefetcher {
     /// Directory `path` of the dataset's files (`""`: the top): its id and its list, every page fetched
     /// once, when first asked for, with retries up to `timeout`. Blocks like [`Prefetcher::manifest`].
     pub fn list_dir(&self, path: &str) -> Result<(u32, Arc<FileList>), ReadError> {
-        if let Some((id, raw)) = self.listings.raw_at(path) {
+        if let Some((id, raw)) = self.raw.at(path) {
             return Ok((id, raw.files));
         }
         let list = self.runtime.block_on(async {
@@ -48,13 +181,13 @@ impl Prefetcher {
             }
             Ok::<_, ReadError>(merged.expect("one page at least"))
         })?;
-        let (id, raw) = self.listings.put_raw(list);
+        let (id, raw) = self.raw.put(list);
         Ok((id, raw.files))
     }
 
     /// The size of file `file` of directory `dir` of `raw/`.
     pub fn file_size(&self, dir: u32, file: u64) -> Result<u64, ReadError> {
-        let raw = self.raw(dir)?;
+        let raw = self.raw_dir(dir)?;
         raw.files
             .files
             .get(file as usize)
@@ -63,14 +196,14 @@ impl Prefetcher {
     }
 
     /// Directory `dir` of `raw/`, listed before.
-    pub(super) fn raw(&self, dir: u32) -> Result<Raw, ReadError> {
-        self.listings.raw(dir).ok_or_else(|| ReadError::NotFound(format!("raw directory #{dir}")))
+    pub(super) fn raw_dir(&self, dir: u32) -> Result<Raw, ReadError> {
+        self.raw.get(dir).ok_or_else(|| ReadError::NotFound(format!("raw directory #{dir}")))
     }
 
     /// The chunks of file `file` of directory `dir` (its position in [`Prefetcher::list_dir`]'s list):
     /// the indices of its [`Listing::Raw`] keys, one for a file fetched whole.
     pub fn file_chunks(&self, dir: u32, file: u64) -> Result<std::ops::Range<u64>, ReadError> {
-        self.raw(dir)?.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))
+        self.raw_dir(dir)?.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))
     }
 
     /// Reads `[offset, offset + size)` of file `file` of directory `dir`, chunk after chunk (each verified
@@ -84,7 +217,7 @@ impl Prefetcher {
         size: u32,
         owner: u32,
     ) -> Result<Bytes, ReadError> {
-        let raw = self.raw(dir)?;
+        let raw = self.raw_dir(dir)?;
         let chunks = raw.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))?;
         let chunk_bytes = raw.files.chunk_bytes;
         let file_size = raw.files.files[file as usize].size;
@@ -94,7 +227,7 @@ impl Prefetcher {
         let mut at = offset;
         while at < end {
             let (chunk, within) = if single { (0, at) } else { (at / chunk_bytes, at % chunk_bytes) };
-            let key = BatchKey { listing: Listing::Raw { dir }, index: chunks.start + chunk };
+            let key = ObjectKey { listing: Listing::Raw { dir }, index: chunks.start + chunk };
             let got = self.read(key, within, (end - at).min(u64::from(u32::MAX)) as u32, owner)?;
             if got.is_empty() {
                 break;
@@ -108,5 +241,56 @@ impl Prefetcher {
             }
         }
         Ok(out.map_or_else(Bytes::new, bytes::BytesMut::freeze))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_files_are_lists_of_chunks_and_the_first_list_wins() {
+        let raw_dirs = RawDirs::default();
+        let entry =
+            |path: &str, size, chunks: Vec<u32>| FileEntry { path: path.into(), size, crc32c: size as u32, chunks };
+        let files = vec![
+            entry("a/x.tar", 5, vec![]),
+            entry("b.tar", 25, vec![1, 2, 3]),
+            entry("c", 0, vec![]),
+            // Chunks that do not match the size: fetched whole, checked by the whole file's CRC.
+            entry("d", 15, vec![9]),
+        ];
+        let list = |dir: &str, files| FileList { chunk_bytes: 10, dir: dir.into(), dirs: vec![], files, next: None };
+        let (id, raw) = raw_dirs.put(list("", files));
+        assert_eq!(id, 0);
+        assert_eq!(raw.bytes, 45);
+        let entries: Vec<(u64, u32)> = raw.chunks.iter().map(|c| (c.bytes, c.crc32c)).collect();
+        assert_eq!(entries, [(5, 5), (10, 1), (10, 2), (5, 3), (0, 0), (15, 15)]);
+        assert_eq!(raw.chunks_of(1), Some(1..4));
+        assert_eq!(raw.chunks_of(2), Some(4..5));
+        assert_eq!(raw.chunks_of(4), None);
+        assert_eq!(raw_dirs.put(list("", vec![])).0, 0, "the first list of a directory wins");
+        assert_eq!(raw_dirs.get(0).unwrap().files.files.len(), 4);
+        assert_eq!(raw_dirs.chunk_path(0, 0), Some(("a/x.tar".into(), 0)));
+        assert_eq!(raw_dirs.chunk_path(0, 3), Some(("b.tar".into(), 20)));
+        assert_eq!(raw_dirs.chunk_path(0, 5), Some(("d".into(), 0)));
+        assert_eq!(raw_dirs.chunk_path(0, 6), None);
+        let (sub, _) = raw_dirs.put(list("a", vec![entry("a/y", 3, vec![])]));
+        assert_eq!(sub, 1);
+        assert_eq!(raw_dirs.chunk_path(1, 0), Some(("a/y".into(), 0)));
+        assert_eq!(raw_dirs.at("a").map(|(id, _)| id), Some(1));
+        assert!(raw_dirs.at("b").is_none() && raw_dirs.get(2).is_none());
+    }
+
+    /// A list whose chunk size is 0 (a server that sends nonsense) has its files fetched whole, checked by
+    /// the whole file's CRC: no chunk of no bytes, and no division by it when a file is read.
+    #[test]
+    fn a_chunk_size_of_zero_fetches_files_whole() {
+        let raw_dirs = RawDirs::default();
+        let file = FileEntry { path: "f".into(), size: 3, crc32c: 9, chunks: vec![1, 2, 3] };
+        let (_, raw) =
+            raw_dirs.put(FileList { chunk_bytes: 0, dir: String::new(), dirs: vec![], files: vec![file], next: None });
+        assert_eq!(raw.chunks_of(0), Some(0..1));
+        assert_eq!(raw.chunks.iter().map(|c| (c.bytes, c.crc32c)).collect::<Vec<_>>(), [(3, 9)]);
     }
 }

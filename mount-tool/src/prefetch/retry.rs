@@ -2,11 +2,10 @@
 //! jittered exponential backoff until it succeeds, fails for good (a refusal that cannot change), or the
 //! prefetcher's `timeout` has passed since the first attempt.
 
-use super::BatchKey;
 use super::{describe, PrefetcherConfig, ReadError};
+use super::{ObjectKey, Sent};
 use crate::client::{Body, ClientError};
 use crate::stats::Stats;
-use batchfs::api::BatchEntry;
 use batchfs::plan::SplitMix64;
 use std::time::{Duration, Instant};
 
@@ -20,7 +19,7 @@ pub(super) enum Failure {
 
 /// Checks a body against the manifest. Its CRC32C was computed from the bytes as they were stored in
 /// the buffer, which nothing writes to afterwards.
-pub(super) fn verify(key: BatchKey, meta: &BatchEntry, body: &Body) -> Result<(), Failure> {
+pub(super) fn verify(key: ObjectKey, meta: &Sent, body: &Body) -> Result<(), Failure> {
     let crc = body.crc32c;
     if body.sink.len() != meta.bytes || crc != meta.crc32c {
         return Err(Failure::Mismatch(format!(

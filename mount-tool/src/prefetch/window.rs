@@ -8,10 +8,9 @@
 
 use super::listings::NextEpoch;
 use super::streams::Target;
-use super::{BatchKey, Listing, Prefetcher};
+use super::{Listing, ObjectKey, Objects, Prefetcher};
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicU64, Ordering};
-use batchfs::api::Manifest;
 use batchfs::encode::BatchFormat;
 use std::time::{Duration, Instant};
 
@@ -82,25 +81,25 @@ impl Drop for Prefetching {
 
 impl Prefetcher {
     /// Starts the window of the stream this read belongs to.
-    pub(super) fn prefetch_after(self: &Arc<Self>, key: BatchKey, manifest: &Manifest, owner: u32) {
+    pub(super) fn prefetch_after(self: &Arc<Self>, key: ObjectKey, objects: &Objects, owner: u32) {
         if self.config.prefetch == 0 {
             return;
         }
         if let Listing::Raw { dir } = key.listing {
-            let indexes: Vec<Target> = (self.listings.raw_indexes_at(dir, key.index).into_iter())
+            let indexes: Vec<Target> = (self.raw.indexes_at(dir, key.index).into_iter())
                 .map(|index| Target { listing: key.listing, index })
                 .collect();
-            self.start_prefetches(&indexes, manifest);
+            self.start_prefetches(&indexes, objects);
         }
         let targets = self.streams.lock().expect("streams").observe(
             owner,
             key.listing,
             key.index,
-            manifest.batches.len() as u64,
-            self.window(key.listing, manifest),
+            objects.len(),
+            self.window(key.listing, objects),
         );
         let (here, next): (Vec<Target>, Vec<Target>) = targets.into_iter().partition(|t| t.listing == key.listing);
-        if !self.start_prefetches(&here, manifest) {
+        if !self.start_prefetches(&here, objects) {
             return;
         }
         // The window runs into the next epoch: its manifest may not be here yet, and fetching it must
@@ -118,7 +117,7 @@ impl Prefetcher {
         let NextEpoch { cached, twins } = self.listings.next_epoch(epoch, format);
         let twins = twins.filter(|_| twins_too);
         if let (Some(m), None) = (&cached, twins) {
-            self.start_prefetches(&next, m);
+            self.start_prefetches(&next, &Objects::Batches(m.clone()));
             return;
         }
         // One task per next epoch: the reads near an epoch's end would each start one, and each would
@@ -134,41 +133,41 @@ impl Prefetcher {
                 None => this.fetch_manifest(epoch, format).await,
             };
             if let Ok(m) = m {
-                this.start_prefetches(&next, &m);
+                this.start_prefetches(&next, &Objects::Batches(m));
             }
             if let Some(idx) = twins {
                 if let Ok(m) = this.fetch_manifest(epoch, idx).await {
                     let all: Vec<Target> = (0..m.batches.len() as u64)
                         .map(|index| Target { listing: Listing::Epoch { epoch, format: idx }, index })
                         .collect();
-                    this.start_prefetches(&all, &m);
+                    this.start_prefetches(&all, &Objects::Batches(m));
                 }
             }
             this.listings.warmed(next_listing);
         });
     }
 
-    /// The window of a stream over `manifest`'s files, in files: `prefetch`, or, for an epoch's batches,
+    /// The window of a stream over a listing's `objects`, in files: `prefetch`, or, for an epoch's batches,
     /// as many as hold `prefetch_bytes` at the listing's mean size when that is more (at most 16 ×
     /// `prefetch`, so tiny batches do not become thousands of requests, and never more than the listing).
     /// `raw/` files keep `prefetch`: a file tree's files are single samples.
-    pub(super) fn window(&self, listing: Listing, manifest: &Manifest) -> usize {
+    pub(super) fn window(&self, listing: Listing, objects: &Objects) -> usize {
         let prefetch = self.config.prefetch;
         if let Listing::Raw { .. } = listing {
             return prefetch;
         }
-        let n = manifest.batches.len();
-        let mean = (manifest.bytes / n.max(1) as u64).max(1);
-        let by_bytes = self.config.prefetch_bytes.div_ceil(mean).min(n as u64) as usize;
+        let n = objects.len();
+        let mean = (objects.bytes() / n.max(1)).max(1);
+        let by_bytes = self.config.prefetch_bytes.div_ceil(mean).min(n) as usize;
         prefetch.max(by_bytes.min(prefetch.saturating_mul(16)))
     }
 
-    /// Starts the prefetch of each target (batches of `manifest`) not cached or in flight, in order,
+    /// Starts the prefetch of each target (of the listing of `objects`) not cached or in flight, in order,
     /// until one finds no room (the window narrows until readers consume what is cached); false then.
-    pub(super) fn start_prefetches(self: &Arc<Self>, targets: &[Target], manifest: &Manifest) -> bool {
+    pub(super) fn start_prefetches(self: &Arc<Self>, targets: &[Target], objects: &Objects) -> bool {
         for target in targets {
-            let key = BatchKey { listing: target.listing, index: target.index };
-            let Ok(obj) = self.object(key, manifest) else { continue };
+            let key = ObjectKey { listing: target.listing, index: target.index };
+            let Ok(obj) = self.object(key, objects) else { continue };
             match self.get_or_start(key, &obj, false, Instant::now()) {
                 Ok(Some((_, true))) => Stats::add(&self.stats.prefetches, 1),
                 Ok(Some(_)) => {}
