@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 use thiserror::Error;
 
+pub mod handles;
 mod raw;
 mod rolling;
 use raw::RawTree;

@@ -8,13 +8,13 @@
 //! waits until the file is verified and cached, then hands the kernel a sealed memory file holding it
 //! (`open_backing`), so the reads and mmap faults of that handle never reach the daemon. The kernel
 //! demands one backing file per inode at a time, and no mixing of passthrough and cached opens of one
-//! inode; the adapter's `Opens` table keeps that: an inode open in one mode is opened again in the same
-//! mode, with the same backing id, until its last handle is released. The backing id lives until then: the kernel
-//! resolves it after the open reply, so dropping it at once makes opens fail with EIO.
+//! inode; the handle table (`fs/handles.rs`) keeps that. The backing id lives until the inode's last
+//! handle is released.
 //!
 //! **Readers.** FUSE reports the thread that made a request; the prefetcher is told its process
-//! (thread group), read from `/proc` once per thread id and remembered.
+//! (`fs/handles.rs`'s `Owners`).
 
+use crate::fs::handles::{Handles, Mode, Owners, Released};
 use crate::fs::{Attr, Fs, FsError, Node};
 use crate::stats::Stats;
 use fuser::{BackingId, InitFlags, Notifier};
@@ -23,52 +23,20 @@ use fuser::{
     OpenFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
     ReplyWrite, Request,
 };
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::File;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// How long the kernel may cache names and attributes: batch files never change.
 const TTL: Duration = Duration::from_secs(3600);
 
-/// How the open handles of one inode read.
-enum Mode {
-    /// Through the kernel's page cache and the daemon.
-    Daemon,
-    /// From a backing file, in the kernel.
-    Passthrough { id: BackingId, _file: Arc<File> },
-}
-
-/// The open handles of each inode, and which handle is which inode's.
-#[derive(Default)]
-struct Opens {
-    inodes: HashMap<u64, (Mode, usize)>,
-    /// Each open handle's inode and the process that opened it.
-    handles: HashMap<u64, (u64, u32)>,
-    /// Each open handle of `.batchfs/stats` reads the one snapshot taken at its open: counters move
-    /// between a reader's calls, and pieces of two snapshots would not be one JSON document.
-    snapshots: HashMap<u64, Arc<Vec<u8>>>,
-}
-
-/// Thread ids to process ids, bounded (cleared when full: thread ids are reused).
-#[derive(Default)]
-struct Owners(Mutex<HashMap<u32, u32>>);
-
-impl Owners {
-    fn of(&self, tid: u32) -> u32 {
-        let mut map = self.0.lock().expect("owners");
-        if let Some(&pid) = map.get(&tid) {
-            return pid;
-        }
-        let pid = crate::sys::thread_group(tid).unwrap_or(tid);
-        if map.len() >= 4096 {
-            map.clear();
-        }
-        map.insert(tid, pid);
-        pid
-    }
+/// A backing file registered with the kernel: the id lives until the inode's last handle is released
+/// (the kernel resolves it after the open reply, so dropping it at once makes opens fail with EIO).
+struct Backing {
+    id: BackingId,
+    _file: Arc<File>,
 }
 
 /// The fuser-facing filesystem.
@@ -79,8 +47,7 @@ pub struct FuseFs {
     /// Tells the kernel to drop the page cache of files read through the daemon at their last close
     /// (`page_cache=drop`); set once the session exists.
     drop_page_cache: Option<Arc<OnceLock<Notifier>>>,
-    opens: Mutex<Opens>,
-    next_handle: AtomicU64,
+    opens: Mutex<Handles<Backing>>,
     owners: Owners,
 }
 
@@ -91,8 +58,7 @@ impl FuseFs {
             fs,
             passthrough: AtomicBool::new(passthrough),
             drop_page_cache: None,
-            opens: Mutex::new(Opens::default()),
-            next_handle: AtomicU64::new(1),
+            opens: Mutex::new(Handles::default()),
             owners: Owners::default(),
         }
     }
@@ -110,13 +76,13 @@ impl FuseFs {
         let stats = self.fs.stats();
         {
             let mut opens = self.opens.lock().expect("opens");
-            if let Some((Mode::Passthrough { .. }, _)) = opens.inodes.get(&ino) {
-                // The file's bytes are in the kernel already: a hit.
-                Stats::add(&stats.passthrough_opens, 1);
-                Stats::add(&stats.hits, 1);
-            }
-            if opens.inodes.contains_key(&ino) {
-                return self.reply_open(&mut opens, ino, owner, None, reply);
+            if let Some(mode) = opens.mode(ino) {
+                if let Mode::Passthrough(_) = mode {
+                    // The file's bytes are in the kernel already: a hit.
+                    Stats::add(&stats.passthrough_opens, 1);
+                    Stats::add(&stats.hits, 1);
+                }
+                return self.reply_open(&mut opens, ino, owner, Mode::Daemon, reply);
             }
         }
         let mut mode = Mode::Daemon;
@@ -132,7 +98,7 @@ impl FuseFs {
             // A large source file has no backing file: it reads through the daemon, chunk by chunk.
             if let Some(file) = file {
                 match reply.open_backing(&*file) {
-                    Ok(id) => mode = Mode::Passthrough { id, _file: file },
+                    Ok(id) => mode = Mode::Passthrough(Backing { id, _file: file }),
                     Err(e) => {
                         tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
                         self.passthrough.store(false, Ordering::Relaxed);
@@ -142,24 +108,20 @@ impl FuseFs {
             }
         }
         let mut opens = self.opens.lock().expect("opens");
-        self.reply_open(&mut opens, ino, owner, Some(mode), reply);
+        self.reply_open(&mut opens, ino, owner, mode, reply);
     }
 
     /// Opens one more handle of `ino` for `owner` in the mode it is open in, or in `mode` if it is not
     /// open (another open may have finished meanwhile: its mode wins), and replies; the open got its file.
-    fn reply_open(&self, opens: &mut Opens, ino: u64, owner: u32, mode: Option<Mode>, reply: ReplyOpen) {
+    fn reply_open(&self, opens: &mut Handles<Backing>, ino: u64, owner: u32, mode: Mode<Backing>, reply: ReplyOpen) {
         self.fs.opened(ino, owner);
-        let fh = self.next_handle.fetch_add(1, Ordering::Relaxed);
-        let (mode, count) = opens.inodes.entry(ino).or_insert_with(|| (mode.unwrap_or(Mode::Daemon), 0));
-        *count += 1;
-        match mode {
-            Mode::Daemon => {
+        match opens.open(ino, owner, mode) {
+            (fh, Mode::Daemon) => {
                 Stats::add(&self.fs.stats().daemon_opens, 1);
                 reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
             }
-            Mode::Passthrough { id, .. } => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id),
+            (fh, Mode::Passthrough(b)) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &b.id),
         }
-        opens.handles.insert(fh, (ino, owner));
     }
 
     fn file_attr(&self, a: &Attr) -> FileAttr {
@@ -238,9 +200,7 @@ impl Filesystem for FuseFs {
         let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
         match self.fs.open(ino.0, write) {
             Ok(Node::Stats) => {
-                let fh = self.next_handle.fetch_add(1, Ordering::Relaxed);
-                let snapshot = Arc::new(self.fs.stats_json());
-                self.opens.lock().expect("opens").snapshots.insert(fh, snapshot);
+                let fh = self.opens.lock().expect("opens").open_snapshot(self.fs.stats_json());
                 reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO)
             }
             // Immutable data: keep the page cache across opens (mmap readers need the page cache too).
@@ -259,21 +219,14 @@ impl Filesystem for FuseFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let mut opens = self.opens.lock().expect("opens");
+        let released = self.opens.lock().expect("opens").release(fh.0);
         let mut drop_pages = None;
-        opens.snapshots.remove(&fh.0);
-        if let Some((ino, owner)) = opens.handles.remove(&fh.0) {
+        if let Some(Released { ino, owner, last }) = released {
             self.fs.released(ino, owner);
-            let last = opens.inodes.get_mut(&ino).is_some_and(|(_, count)| {
-                *count -= 1;
-                *count == 0
-            });
-            if last {
+            if let Some(mode) = last {
                 // Dropping the mode closes the backing id and lets the cache evict the batch.
-                let mode = opens.inodes.remove(&ino).map(|(mode, _)| mode);
-                drop(opens);
                 self.fs.closed(ino);
-                if let (Some(Mode::Daemon), Some(notifier)) = (mode, &self.drop_page_cache) {
+                if let (Mode::Daemon, Some(notifier)) = (mode, &self.drop_page_cache) {
                     drop_pages = notifier.get().map(|n| (n, ino));
                 }
             }
@@ -302,7 +255,7 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let snapshot = self.opens.lock().expect("opens").snapshots.get(&fh.0).cloned();
+        let snapshot = self.opens.lock().expect("opens").snapshot(fh.0);
         if let Some(json) = snapshot {
             let start = (offset as usize).min(json.len());
             let end = start.saturating_add(size as usize).min(json.len());
