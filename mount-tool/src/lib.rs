@@ -2,6 +2,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod buffers;
 pub mod cli;
 pub mod client;
 pub mod cmd;
@@ -10,7 +11,6 @@ pub mod fuse;
 pub mod metrics;
 pub mod mount;
 pub mod options;
-pub mod pool;
 pub mod prefetch;
 pub mod stats;
 pub mod sync;

@@ -7,7 +7,7 @@
 //! publishes, `prefetch/window.rs` decides what to fetch ahead (with `prefetch/streams.rs`, which finds the
 //! readers' streams) and how much may be in flight, `prefetch/listings.rs` keeps the epochs' manifests and
 //! the slot table, `prefetch/raw.rs` owns `raw/` (its directories' lists and chunks, reads across chunks),
-//! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`] (`pool.rs`) keeps
+//! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`] (`buffers/pool.rs`) keeps
 //! the byte budget's one ledger and the buffers reused within it.
 //!
 //! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
@@ -18,7 +18,7 @@
 //! - No byte reaches a reader before it is verified: its whole batch matched the manifest's size and
 //!   CRC32C, or (a read of a batch still arriving into a buffer) a checkpoint of the body at or past it
 //!   matched, its checkpoints ending at the manifest's size and CRC32C
-//!   ([`Partial`](crate::client::Partial)). A mismatch is refetched, never returned.
+//!   ([`Partial`](crate::buffers::Partial)). A mismatch is refetched, never returned.
 //! - The bytes charged (ready bodies plus reservations for fetches in flight) plus the idle body buffers
 //!   kept for reuse never exceed the budget: one ledger, kept by the [`BufferPool`]. A fetch reuses an
 //!   idle buffer when there is one; idle buffers it cannot use are freed before any cached batch is
@@ -37,8 +37,8 @@
 //! its second read, random reads start nothing, and a window that runs past the end of an epoch continues
 //! into the next one (whose manifest is then fetched in the background).
 
+use crate::buffers::BufferPool;
 use crate::client::DynClient;
-use crate::pool::BufferPool;
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, Ordering};
 use batchfs::api::{Manifest, SlotTable};
@@ -478,7 +478,9 @@ fn describe(key: ObjectKey) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::client::{Fault, MemoryClient};
+    use crate::client::{Failure, Fault, FaultClient, MemoryClient};
+
+    type Client = FaultClient<MemoryClient>;
     use proptest::prelude::*;
 
     const TF: BatchFormat = BatchFormat::Tfrecord;
@@ -494,7 +496,7 @@ mod tests {
     fn setup(
         n: usize,
         config: PrefetcherConfig,
-    ) -> (tokio::runtime::Runtime, Arc<MemoryClient>, Arc<Prefetcher>, Vec<Bytes>) {
+    ) -> (tokio::runtime::Runtime, Arc<Client>, Arc<Prefetcher>, Vec<Bytes>) {
         setup_sized(n, 1000, 1, config)
     }
 
@@ -504,13 +506,13 @@ mod tests {
         base: usize,
         step: usize,
         config: PrefetcherConfig,
-    ) -> (tokio::runtime::Runtime, Arc<MemoryClient>, Arc<Prefetcher>, Vec<Bytes>) {
+    ) -> (tokio::runtime::Runtime, Arc<Client>, Arc<Prefetcher>, Vec<Bytes>) {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let bodies: Vec<Bytes> = (0..n)
             .map(|i| Bytes::from((0..base + (i * 37) % 300 * step).map(|j| (i * 7 + j) as u8).collect::<Vec<u8>>()))
             .collect();
         let b2 = bodies.clone();
-        let client = Arc::new(MemoryClient::new(move |_, _| b2.clone()));
+        let client = Arc::new(FaultClient::new(MemoryClient::new(move |_, _| b2.clone())));
         let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
         (runtime, client, p, bodies)
     }
@@ -542,7 +544,8 @@ mod tests {
             let config = PrefetcherConfig { prefetch: 0, ..Default::default() };
             let (_rt, client, p, bodies) = setup(3, config);
             client.checkpoint_every.store(every, Ordering::Relaxed);
-            client.inject([Fault::Corrupt, Fault::Short, Fault::Unreachable]);
+            client.inject([Fault::Corrupt, Fault::Short]);
+            client.fail_next([Failure::Pass, Failure::Pass, Failure::Unreachable]);
             assert_eq!(p.read_as0(key(1), 0, 4096).unwrap(), bodies[1]);
             let s = p.stats.snapshot();
             assert_eq!((s.checksum_errors, s.retries), (2, 3), "{s:?}");
@@ -595,9 +598,9 @@ mod tests {
     fn refusals_fail_at_once_and_outages_after_the_timeout() {
         let config = PrefetcherConfig { prefetch: 0, timeout: Duration::from_millis(600), ..Default::default() };
         let (_rt, client, p, _) = setup(3, config);
-        client.inject([Fault::Status(401)]);
+        client.fail_next([Failure::Status(401)]);
         assert!(matches!(p.read_as0(key(0), 0, 10), Err(ReadError::Refused(_))));
-        client.inject(std::iter::repeat_n(Fault::Unreachable, 1000));
+        client.fail_next(std::iter::repeat_n(Failure::Unreachable, 1000));
         let started = Instant::now();
         assert!(matches!(p.read_as0(key(1), 0, 10), Err(ReadError::Timeout { .. })));
         let took = started.elapsed();
@@ -617,7 +620,7 @@ mod tests {
     fn a_reader_joining_a_failing_fetch_waits_out_its_own_timeout() {
         let config = PrefetcherConfig { prefetch: 0, timeout: Duration::from_secs(2), ..Default::default() };
         let (_rt, client, p, bodies) = setup(3, config);
-        client.inject(std::iter::repeat_n(Fault::Unreachable, 10_000));
+        client.fail_next(std::iter::repeat_n(Failure::Unreachable, 10_000));
         let first = {
             let p = p.clone();
             std::thread::spawn(move || p.read_as0(key(1), 0, 4096))

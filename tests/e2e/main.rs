@@ -3,6 +3,7 @@
 mod changed;
 mod chaos;
 mod common;
+mod faults;
 mod loaders;
 mod mount;
 mod netem;

@@ -1,5 +1,7 @@
-//! An in-memory dataset server for unit tests: fixed batch bodies per epoch, fetch counters, latency,
-//! and faults on demand (unreachable, corrupt, short, an HTTP status). Compiled for tests only.
+//! An in-memory dataset server: fixed batch bodies per epoch, fetch counters, latency, bodies held midway,
+//! and wrong bodies on demand (corrupt, short): what only the server of the bytes can get wrong.
+//! Failures that send nothing are [`super::FaultClient`]'s, in front of it. Compiled for tests, and with
+//! the `testing` feature.
 
 use super::{BatchClient, Body, BoxFut, ClientError, Sink};
 use batchfs::api::{self, BatchEntry, DatasetInfo, FileList, Manifest, SlotTable};
@@ -9,20 +11,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-/// A fault the [`MemoryClient`] injects into the next fetches.
+/// A wrong body the [`MemoryClient`] sends in answer to the next fetches.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fault {
-    /// Fail as if the server were unreachable.
-    Unreachable,
-    /// Return the body with one byte flipped.
+    /// The body with one byte flipped.
     Corrupt,
-    /// Return the body one byte short.
+    /// The body one byte short.
     Short,
-    /// Answer with this HTTP status.
-    Status(u16),
 }
 
-/// An in-memory dataset server for tests: fixed batch bodies per epoch, fetch counters, faults on demand.
+/// An in-memory dataset server for tests: fixed batch bodies per epoch, fetch counters, wrong bodies on
+/// demand.
 pub struct MemoryClient {
     info: DatasetInfo,
     /// Bodies by (epoch, format), batch-indexed.
@@ -82,14 +81,9 @@ impl MemoryClient {
         }
     }
 
-    /// Queues faults for the next fetches, in order.
+    /// Queues wrong bodies for the next fetches, in order.
     pub fn inject(&self, faults: impl IntoIterator<Item = Fault>) {
         self.faults.lock().expect("faults").extend(faults);
-    }
-
-    /// Drops the faults still queued: the next fetches succeed.
-    pub fn heal(&self) {
-        self.faults.lock().expect("faults").clear();
     }
 }
 
@@ -235,13 +229,6 @@ impl MemoryClient {
         let Some(body) = body else {
             return Err(ClientError::Status { server, status: 404, message: "no such file".into() });
         };
-        match fault {
-            Some(Fault::Unreachable) => return Err(ClientError::Unreachable { server, message: "injected".into() }),
-            Some(Fault::Status(status)) => {
-                return Err(ClientError::Status { server, status, message: "injected".into() })
-            }
-            None | Some(Fault::Corrupt) | Some(Fault::Short) => {}
-        }
         let mut sent = body.to_vec();
         match fault {
             Some(Fault::Corrupt) => {
@@ -252,7 +239,7 @@ impl MemoryClient {
             Some(Fault::Short) => {
                 sent.pop();
             }
-            _ => {}
+            None => {}
         }
         let every = batch.map_or(0, |_| self.checkpoint_every.load(Ordering::Relaxed));
         if every > 0 {

@@ -7,7 +7,7 @@
 use super::cache::{Cache, Cached, Entry};
 use super::window::Prefetching;
 use super::{describe, Object, ObjectKey, Prefetcher, ReadError};
-use crate::pool::{Admission, BufferPool};
+use crate::buffers::{Admission, BufferPool};
 use crate::stats::Stats;
 use crate::sync::{Arc, MutexGuard, Ordering};
 use std::time::{Duration, Instant};

@@ -9,7 +9,7 @@
 
 use super::admission::Charge;
 use super::{ObjectKey, ReadError};
-use crate::client::Partial;
+use crate::buffers::Partial;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Condvar, Mutex, Ordering};
 use bytes::Bytes;
 use lru::LruCache;

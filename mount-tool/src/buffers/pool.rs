@@ -147,7 +147,7 @@ impl BufferPool {
     }
 
     /// Takes back the buffer of a body no longer used, once its last view is dropped (kept for reuse if
-    /// large enough and it fits; see [`crate::client::Partial`], the owner of a body's buffer).
+    /// large enough and it fits; see [`crate::buffers::Partial`], the owner of a body's buffer).
     pub fn recycle(&self, buf: Vec<u8>) {
         if buf.capacity() >= MIN_POOLED {
             self.give(buf);
@@ -168,7 +168,7 @@ impl BufferPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::client::Filling;
+    use crate::buffers::Filling;
     use bytes::Bytes;
 
     const MB: usize = 1 << 20;

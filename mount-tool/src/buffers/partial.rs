@@ -10,7 +10,7 @@
 //! announced, so no byte reaches a reader that the manifest does not vouch for. The whole body is still
 //! checked against the manifest at the end.
 
-use crate::pool::BufferPool;
+use super::pool::BufferPool;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};

@@ -1,0 +1,462 @@
+//! The HTTP/2 client: reqwest over `connections` multiplexed connections to each server, every request
+//! routed by the servers' health (`health.rs`), bodies streamed into their [`Sink`] with the CRC32C
+//! computed as they arrive, a response that stalls or runs past its announced size cut off.
+
+use super::health::{Health, InFlight};
+use super::{BatchClient, Body, BoxFut, ClientError, Sink};
+use batchfs::api::{self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SlotTable};
+use batchfs::encode::BatchFormat;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Where and how to reach the servers.
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    /// Base URLs (`http://host:port`), one per server holding the dataset.
+    pub servers: Vec<String>,
+    pub dataset: String,
+    /// Plan options (the format is given per request).
+    pub query: BatchQuery,
+    pub token: Option<String>,
+    /// HTTP/2 connections per server.
+    pub connections: usize,
+    /// PEM file of extra CA certificates for `https://` servers.
+    pub ca_file: Option<PathBuf>,
+    /// A response with no bytes for this long is abandoned (and retried).
+    pub stall_timeout: Duration,
+    pub connect_timeout: Duration,
+}
+
+/// Splits `http(s)://host:port/DATASET` into the server base URL and the dataset name.
+pub fn parse_url(url: &str) -> Result<(String, String), String> {
+    let (scheme, rest) =
+        url.split_once("://").ok_or_else(|| format!("{url:?}: expected http(s)://host:port/DATASET"))?;
+    if scheme != "http" && scheme != "https" {
+        return Err(format!("{url:?}: the scheme must be http or https"));
+    }
+    let (host, dataset) = rest.split_once('/').ok_or_else(|| format!("{url:?}: the URL names no dataset"))?;
+    let dataset = dataset.trim_end_matches('/');
+    if host.is_empty() || dataset.is_empty() || dataset.contains('/') {
+        return Err(format!("{url:?}: expected http(s)://host:port/DATASET"));
+    }
+    let dataset = api::percent_decode(dataset).ok_or_else(|| format!("{url:?}: malformed dataset name"))?;
+    Ok((format!("{scheme}://{host}"), dataset))
+}
+
+/// The HTTP/2 client.
+pub struct HttpClient {
+    config: HttpConfig,
+    /// `connections` clients per server (each keeps one HTTP/2 connection), server-major.
+    clients: Vec<reqwest::Client>,
+    next: AtomicUsize,
+    /// Every server's health, which routes each request (see `client/health.rs`).
+    health: Arc<Health>,
+}
+
+impl HttpClient {
+    /// Builds the clients; connects lazily.
+    pub fn new(config: HttpConfig) -> anyhow::Result<Self> {
+        let mut ca = None;
+        if let Some(path) = &config.ca_file {
+            let pem =
+                std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read ca_file {}: {e}", path.display()))?;
+            ca = Some(
+                reqwest::Certificate::from_pem(&pem).map_err(|e| anyhow::anyhow!("ca_file {}: {e}", path.display()))?,
+            );
+        }
+        let mut clients = Vec::new();
+        for server in &config.servers {
+            for _ in 0..config.connections.max(1) {
+                let mut b = reqwest::Client::builder()
+                    .use_rustls_tls()
+                    .connect_timeout(config.connect_timeout)
+                    .http2_initial_stream_window_size(16 << 20)
+                    .http2_initial_connection_window_size(64 << 20)
+                    .http2_max_frame_size(1 << 20)
+                    .http2_keep_alive_interval(Duration::from_secs(15))
+                    .http2_keep_alive_timeout(Duration::from_secs(15))
+                    .http2_keep_alive_while_idle(true)
+                    .tcp_nodelay(true)
+                    .pool_max_idle_per_host(1);
+                // h2c needs prior knowledge; over TLS, ALPN picks h2.
+                if server.starts_with("http://") {
+                    b = b.http2_prior_knowledge();
+                }
+                if let Some(ca) = &ca {
+                    b = b.add_root_certificate(ca.clone());
+                }
+                clients.push(b.build()?);
+            }
+        }
+        let health = Arc::new(Health::new(&config.servers));
+        Ok(HttpClient { config, clients, next: AtomicUsize::new(0), health })
+    }
+
+    /// Every server's health (for `batchfs stats` and the metrics endpoint).
+    pub fn health(&self) -> Arc<Health> {
+        self.health.clone()
+    }
+
+    /// Sends a GET of `path_and_query` (a body of about `expect` bytes) to the server the health view
+    /// picks; `spread` rotates ties. A failure that is the server's takes it out of rotation.
+    async fn get(
+        &self,
+        spread: usize,
+        expect: u64,
+        path_and_query: &str,
+        range: Option<(u64, u64)>,
+    ) -> Result<(InFlight<'_>, String, reqwest::Response), ClientError> {
+        let flight = self.health.begin(spread, expect);
+        // Every server is out and this one, back soonest, rests after shedding load: as it asked.
+        if let Some(rest) = self.health.resting(flight.server()) {
+            tokio::time::sleep(rest).await;
+        }
+        let per = self.config.connections.max(1);
+        let conn = self.next.fetch_add(1, Ordering::Relaxed) % per;
+        let client = &self.clients[flight.server() * per + conn];
+        let server = self.health.url(flight.server()).to_owned();
+        let mut request = client.get(format!("{server}{path_and_query}"));
+        if let Some(token) = &self.config.token {
+            request = request.bearer_auth(token);
+        }
+        if let Some((offset, len)) = range {
+            request = request.header(reqwest::header::RANGE, format!("bytes={offset}-{}", offset + len - 1));
+        }
+        let sent = tokio::time::timeout(self.config.stall_timeout, request.send()).await;
+        let response = match sent {
+            Err(_) => Err(ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout }),
+            Ok(Err(e)) => Err(ClientError::Unreachable { server: server.clone(), message: error_chain(&e) }),
+            Ok(Ok(r)) => Ok(r),
+        };
+        let response = match response {
+            Ok(r) => r,
+            Err(e) => {
+                flight.failed();
+                return Err(e);
+            }
+        };
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = (status == reqwest::StatusCode::SERVICE_UNAVAILABLE)
+                .then(|| response.headers().get(reqwest::header::RETRY_AFTER))
+                .flatten()
+                .map(|v| v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(1));
+            let message = match response.json::<ErrorBody>().await {
+                Ok(body) => body.error,
+                Err(_) => status.canonical_reason().unwrap_or("error").to_owned(),
+            };
+            // A 4xx is the request's fault, not the server's; a 503 with Retry-After is a server shedding
+            // load, saturated rather than failing: it rests as long as it asks.
+            match retry_after {
+                Some(seconds) => flight.shed(Duration::from_secs(seconds)),
+                None if status.is_server_error() => flight.failed(),
+                None => {}
+            }
+            return Err(ClientError::Status { server, status: status.as_u16(), message });
+        }
+        Ok((flight, server, response))
+    }
+
+    async fn json<T: serde::de::DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
+        let (flight, server, response) = self.get(0, 0, path_and_query, None).await?;
+        match response.json().await {
+            Ok(v) => {
+                flight.succeeded(0);
+                Ok(v)
+            }
+            Err(e) => {
+                flight.failed();
+                Err(ClientError::Malformed { server, message: error_chain(&e) })
+            }
+        }
+    }
+
+    fn query(&self, format: BatchFormat) -> String {
+        BatchQuery { format, ..self.config.query }.to_query()
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+impl BatchClient for HttpClient {
+    fn dataset(&self) -> BoxFut<'_, Result<DatasetInfo, ClientError>> {
+        let path = api::dataset_path(&self.config.dataset);
+        Box::pin(async move { self.json(&path).await })
+    }
+
+    fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>> {
+        let path = format!("{}?{}", api::manifest_path(&self.config.dataset, epoch), self.query(format));
+        Box::pin(async move { self.json(&path).await })
+    }
+
+    fn files(&self, dir: &str, cursor: u64) -> BoxFut<'_, Result<FileList, ClientError>> {
+        let query = api::FilesQuery { dir: dir.to_owned(), cursor, limit: 0 }.to_query();
+        let path = format!("{}?{query}", api::files_path(&self.config.dataset));
+        Box::pin(async move { self.json(&path).await })
+    }
+
+    fn slot_table(&self, first_epoch: u64, epochs: u64) -> BoxFut<'_, Result<SlotTable, ClientError>> {
+        let query = RollingQuery { plan: self.config.query.plan, first_epoch, epochs }.to_query();
+        let path = format!("{}?{query}", api::rolling_path(&self.config.dataset));
+        Box::pin(async move { self.json(&path).await })
+    }
+
+    fn fetch_batch(
+        &self,
+        epoch: u64,
+        batch: u64,
+        format: BatchFormat,
+        attempt: u32,
+        into: Sink,
+        expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>> {
+        Box::pin(async move {
+            let path = format!("{}?{}", api::batch_path(&self.config.dataset, epoch, batch), self.query(format));
+            // Ties between idle servers rotate by batch; a retry finds the server that failed out of
+            // rotation (and rotates on as well).
+            self.body((batch as usize).wrapping_add(attempt as usize), &path, into, expect).await
+        })
+    }
+
+    fn fetch_file(
+        &self,
+        path: &str,
+        offset: u64,
+        attempt: u32,
+        into: Sink,
+        expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>> {
+        let url_path = api::file_path(&self.config.dataset, path);
+        let spread = path.len().wrapping_add((offset / batchfs::index::CHUNK_BYTES) as usize);
+        // An empty file has no range to ask for.
+        let range = (expect > 0).then_some((offset, expect));
+        Box::pin(async move { self.fetch(spread.wrapping_add(attempt as usize), &url_path, range, into, expect).await })
+    }
+}
+
+impl HttpClient {
+    /// A whole response body of at most `expect` bytes, appended to `body`; a response with no bytes for
+    /// `stall_timeout` is abandoned.
+    async fn body(&self, spread: usize, path_and_query: &str, body: Sink, expect: u64) -> Result<Body, ClientError> {
+        self.fetch(spread, path_and_query, None, body, expect).await
+    }
+
+    /// Like [`HttpClient::body`], of the `(offset, len)` range of the resource if given: a server that
+    /// answers a range from a non-zero offset with the whole resource is refused, not trusted.
+    async fn fetch(
+        &self,
+        spread: usize,
+        path_and_query: &str,
+        range: Option<(u64, u64)>,
+        body: Sink,
+        expect: u64,
+    ) -> Result<Body, ClientError> {
+        let (flight, server, response) = self.get(spread, expect, path_and_query, range).await?;
+        if let Some((offset, _)) = range.filter(|&(offset, _)| offset > 0) {
+            if response.status() != reqwest::StatusCode::PARTIAL_CONTENT {
+                flight.failed();
+                return Err(ClientError::Malformed {
+                    server,
+                    message: format!("{path_and_query}: asked for bytes from {offset}, got the whole file"),
+                });
+            }
+        }
+        let result = self.read_body(&server, response, path_and_query, body, expect).await;
+        match &result {
+            Ok(b) => flight.succeeded(b.sink.len()),
+            Err(_) => flight.failed(),
+        }
+        result
+    }
+
+    /// Reads a response body into `body`, at most `expect` bytes, abandoning it after `stall_timeout`
+    /// without a byte.
+    async fn read_body(
+        &self,
+        server: &str,
+        mut response: reqwest::Response,
+        path_and_query: &str,
+        mut body: Sink,
+        expect: u64,
+    ) -> Result<Body, ClientError> {
+        let server = server.to_owned();
+        let too_long = |what: String| ClientError::Malformed {
+            server: server.clone(),
+            message: format!("{path_and_query}: {what}, but the manifest announced {expect} bytes"),
+        };
+        if let Some(len) = response.content_length().filter(|&len| len > expect) {
+            return Err(too_long(format!("the response announced {len} bytes")));
+        }
+        debug_assert!(body.is_empty(), "bodies are fetched into empty sinks");
+        let checkpoints = response.headers().get(api::CHECKPOINTS_HEADER).map(|v| v.to_str().ok());
+        if let Some(value) = checkpoints {
+            // Malformed, or not this manifest's body: the body is then released only whole.
+            let parsed = value.and_then(api::parse_checkpoints);
+            if !parsed.is_some_and(|c| body.expect_checkpoints(c)) && matches!(body, Sink::Buffer(_)) {
+                tracing::debug!(%server, path = path_and_query, "checkpoints not used");
+            }
+        }
+        let mut crc = 0;
+        loop {
+            let chunk = tokio::time::timeout(self.config.stall_timeout, response.chunk())
+                .await
+                .map_err(|_| ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout })?
+                .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
+            match chunk {
+                Some(c) => {
+                    if body.len() + c.len() as u64 > expect {
+                        return Err(too_long(format!("the body ran past {expect} bytes")));
+                    }
+                    // A memory file is written here, on the runtime: a copy into page cache, no I/O.
+                    body.append(&c, &mut crc).map_err(|e| {
+                        ClientError::appending(&server, std::io::Error::new(e.kind(), format!("{path_and_query}: {e}")))
+                    })?;
+                }
+                None => return Ok(Body { sink: body, crc32c: crc }),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::buffers::Filling;
+
+    #[test]
+    fn urls() {
+        assert_eq!(parse_url("http://storage:7878/imagenet"), Ok(("http://storage:7878".into(), "imagenet".into())));
+        assert_eq!(parse_url("https://h/a%20b/"), Ok(("https://h".into(), "a b".into())));
+        for bad in ["storage:7878/x", "ftp://h/x", "http://h", "http://h/", "http:///x", "http://h/a/b"] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// An h2c server that answers every request with `body`, announcing `content_length` if given.
+    async fn h2c_server(body: Vec<u8>, content_length: Option<usize>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = conn.accept().await {
+                        let mut response = http::Response::builder().status(200);
+                        if let Some(len) = content_length {
+                            response = response.header("content-length", len);
+                        }
+                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
+                        let _ = stream.send_data(bytes::Bytes::from(body.clone()), true);
+                    }
+                });
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    fn client_of(server: String) -> HttpClient {
+        HttpClient::new(HttpConfig {
+            servers: vec![server],
+            dataset: "d".into(),
+            query: BatchQuery::default(),
+            token: None,
+            connections: 1,
+            ca_file: None,
+            stall_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_body_longer_than_the_manifest_says_is_cut_off() {
+        let body: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        let fetch = |server: String, expect: u64| async move {
+            let sink = Sink::Buffer(Filling::new(Vec::new(), (expect, 0), None, || {}));
+            client_of(server).fetch_batch(0, 0, BatchFormat::Tfrecord, 0, sink, expect).await
+        };
+        // The announced length is checked before any byte is read.
+        let err = fetch(h2c_server(body.clone(), Some(3000)).await, 1000).await.unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Malformed { message, .. } if message.contains("announced 3000 bytes")),
+            "{err}"
+        );
+        // Without a length, reading stops at the expected size.
+        let err = fetch(h2c_server(body.clone(), None).await, 1000).await.unwrap_err();
+        assert!(matches!(&err, ClientError::Malformed { message, .. } if message.contains("ran past 1000")), "{err}");
+        // The expected size, or less (the checksum catches a short body), is read whole with its CRC.
+        for expect in [3000, 5000] {
+            let got = fetch(h2c_server(body.clone(), None).await, expect).await.unwrap();
+            let Sink::Buffer(filled) = got.sink else { panic!("a buffer") };
+            assert_eq!((filled.finish(), got.crc32c), (bytes::Bytes::from(body.clone()), crc32c::crc32c(&body)));
+        }
+    }
+
+    /// An h2c server whose first `shed` answers are `503` with `Retry-After: 1` (a server shedding load),
+    /// the rest `body`; it records when each request came.
+    async fn shedding_server(shed: usize, body: Vec<u8>) -> (String, Arc<std::sync::Mutex<Vec<std::time::Instant>>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = arrivals.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let (body, seen) = (body.clone(), seen.clone());
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = conn.accept().await {
+                        let n = {
+                            let mut seen = seen.lock().unwrap();
+                            seen.push(std::time::Instant::now());
+                            seen.len()
+                        };
+                        let response = if n <= shed {
+                            http::Response::builder().status(503).header("retry-after", "1")
+                        } else {
+                            http::Response::builder().status(200)
+                        };
+                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
+                        let data = if n <= shed { b"{\"error\": \"saturated\"}".to_vec() } else { body.clone() };
+                        let _ = stream.send_data(bytes::Bytes::from(data), true);
+                    }
+                });
+            }
+        });
+        (format!("http://{addr}"), arrivals)
+    }
+
+    /// A server shedding load (`503` with `Retry-After`) is not failing: it is not taken out of rotation
+    /// for a doubling backoff, and its `Retry-After` is honoured (a request to it, when it is the only
+    /// one, waits that long).
+    #[tokio::test]
+    async fn shedding_is_not_failing_and_retry_after_is_honoured() {
+        let body = vec![7u8; 1000];
+        let (server, arrivals) = shedding_server(1, body.clone()).await;
+        let client = client_of(server);
+        let fetch = || {
+            let sink = Sink::Buffer(Filling::new(Vec::new(), (1000, 0), None, || {}));
+            client.fetch_batch(0, 0, BatchFormat::Tfrecord, 0, sink, 1000)
+        };
+        let err = fetch().await.unwrap_err();
+        assert!(err.is_retryable(), "{err}");
+        let s = &client.health().snapshot()[0];
+        assert_eq!((s.failures, s.taken_out, s.sheds), (0, 0, 1), "{s:?}");
+        let got = fetch().await.unwrap();
+        assert_eq!(got.sink.len(), 1000);
+        let arrivals = arrivals.lock().unwrap().clone();
+        let waited = arrivals[1] - arrivals[0];
+        assert!(waited >= Duration::from_millis(900), "the retry came {waited:?} after the 503 with Retry-After: 1");
+    }
+}
