@@ -37,7 +37,7 @@ pub enum ClientError {
     Malformed { server: String, message: String },
     #[error("cannot store a body from {server}: {message}")]
     Store { server: String, message: String },
-    /// A checkpoint of the body did not match the bytes before it (see [`Partial`]).
+    /// A checkpoint of the body did not match the bytes before it (see [`crate::buffers::Partial`]).
     #[error("{server} sent a corrupt body: {message}")]
     Corrupt { server: String, message: String },
 }
