@@ -2,7 +2,7 @@
 //! `netem`, `energy`); also `mount.batchfs` (the helper mount(8) runs for fstab entries of type `batchfs`)
 //! and `batchfs URL DIR -o ...` (how mount.fuse3 runs a `fuse.batchfs` entry).
 
-use crate::options::MountOptions;
+use crate::options::{MountOptions, OptionFlags};
 use crate::stats::StatsSnapshot;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -68,67 +68,8 @@ pub struct MountArgs {
     /// tfrecord or tar
     #[arg(long, help_heading = "Plan", value_name = "FORMAT")]
     pub format: Option<String>,
-    /// Epochs the job reads from first_epoch: listed, prefetched across, and the span of rolling/ [default: 100]
-    #[arg(long, help_heading = "Plan", value_name = "N")]
-    pub epochs: Option<String>,
-    /// The epoch the first open of each rolling/ file serves [default: 0]
-    #[arg(long, help_heading = "Plan", value_name = "N")]
-    pub first_epoch: Option<String>,
-    /// Layout of TFRecord files in rolling/: auto (per reader), indexed or packed [default: auto]
-    #[arg(long, help_heading = "Plan", value_name = "LAYOUT")]
-    pub rolling: Option<String>,
-    /// Batches kept in flight ahead of each reader [default: 16; 0 disables]
-    #[arg(long, help_heading = "Prefetch", value_name = "N")]
-    pub prefetch: Option<String>,
-    /// Bytes the window ahead of each reader holds at least, in batches (more than `prefetch` when they
-    /// are small) [default: 128M; 0: `prefetch` batches only]
-    #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
-    pub prefetch_bytes: Option<String>,
-    /// Bytes of prefetches in flight at once, all readers together [default: 256M]
-    #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
-    pub max_prefetch_bytes: Option<String>,
-    /// Cache byte budget [default: 2G]
-    #[arg(long, help_heading = "Prefetch", value_name = "SIZE")]
-    pub cache: Option<String>,
-    /// A cached batch unread for this long may make room for prefetches [default: 10s]
-    #[arg(long, help_heading = "Prefetch", value_name = "DURATION")]
-    pub stale_after: Option<String>,
-    /// HTTP/2 connections per server [default: 4]
-    #[arg(long, help_heading = "Network", value_name = "N")]
-    pub connections: Option<String>,
-    /// How long reads wait out an unreachable server before EIO [default: 60s]
-    #[arg(long, help_heading = "Network", value_name = "DURATION")]
-    pub timeout: Option<String>,
-    /// Abandon a response with no bytes for this long [default: 10s]
-    #[arg(long, help_heading = "Network", value_name = "DURATION")]
-    pub stall_timeout: Option<String>,
-    /// More servers with the same dataset, `;`-separated base URLs
-    #[arg(long, help_heading = "Network", value_name = "URLS")]
-    pub servers: Option<String>,
-    #[arg(long, help_heading = "Security", value_name = "FILE")]
-    pub token_file: Option<String>,
-    #[arg(long, help_heading = "Security", value_name = "FILE")]
-    pub ca_file: Option<String>,
-    /// Let other users read the mount (sets default_permissions)
-    #[arg(long, help_heading = "FUSE")]
-    pub allow_other: bool,
-    #[arg(long, help_heading = "FUSE")]
-    pub auto_unmount: bool,
-    /// FUSE worker threads [default: 16]
-    #[arg(long, help_heading = "FUSE", value_name = "N")]
-    pub threads: Option<String>,
-    /// Hand verified files to the kernel (FUSE passthrough) where it allows: true or false [default: true]
-    #[arg(long, help_heading = "FUSE", value_name = "BOOL")]
-    pub passthrough: Option<String>,
-    /// Kernel readahead of the mount in KiB, set as root [default: 1024]
-    #[arg(long, help_heading = "FUSE", value_name = "KB")]
-    pub read_ahead_kb: Option<String>,
-    /// Log file of a daemonized mount
-    #[arg(long, value_name = "FILE")]
-    pub log_file: Option<String>,
-    /// Energy timeline with the bytes served, as JSON lines
-    #[arg(long, value_name = "FILE")]
-    pub energy_log: Option<String>,
+    #[command(flatten)]
+    pub flags: OptionFlags,
 }
 
 impl MountArgs {
@@ -138,43 +79,16 @@ impl MountArgs {
         for list in &self.options {
             o.apply_list(list).map_err(anyhow::Error::msg)?;
         }
-        let flags = [
-            ("batch_size", &self.batch_size),
-            ("seed", &self.seed),
-            ("shuffle", &self.shuffle),
-            ("format", &self.format),
-            ("epochs", &self.epochs),
-            ("first_epoch", &self.first_epoch),
-            ("rolling", &self.rolling),
-            ("prefetch", &self.prefetch),
-            ("prefetch_bytes", &self.prefetch_bytes),
-            ("max_prefetch_bytes", &self.max_prefetch_bytes),
-            ("cache", &self.cache),
-            ("stale_after", &self.stale_after),
-            ("connections", &self.connections),
-            ("timeout", &self.timeout),
-            ("stall_timeout", &self.stall_timeout),
-            ("servers", &self.servers),
-            ("token_file", &self.token_file),
-            ("ca_file", &self.ca_file),
-            ("threads", &self.threads),
-            ("read_ahead_kb", &self.read_ahead_kb),
-            ("passthrough", &self.passthrough),
-            ("log_file", &self.log_file),
-            ("energy_log", &self.energy_log),
-        ];
-        for (key, value) in flags {
+        let plan = [("batch_size", &self.batch_size), ("seed", &self.seed), ("shuffle", &self.shuffle)];
+        for (key, value) in plan.into_iter().chain([("format", &self.format)]) {
             if let Some(v) = value {
                 o.set(key, Some(v)).map_err(anyhow::Error::msg)?;
             }
         }
-        for (key, on) in
-            [("drop_last", self.drop_last), ("allow_other", self.allow_other), ("auto_unmount", self.auto_unmount)]
-        {
-            if on {
-                o.set(key, None).map_err(anyhow::Error::msg)?;
-            }
+        if self.drop_last {
+            o.set("drop_last", None).map_err(anyhow::Error::msg)?;
         }
+        self.flags.apply(&mut o);
         Ok(o)
     }
 }

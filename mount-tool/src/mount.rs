@@ -153,24 +153,7 @@ fn fuser_config(plan: &MountPlan) -> fuser::Config {
 fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(FuseFs, Arc<Prefetcher>)> {
     let client = Arc::new(HttpClient::new(plan.http.clone())?);
     let health = client.health();
-    let prefetcher = Prefetcher::new(
-        client,
-        runtime.handle().clone(),
-        PrefetcherConfig {
-            prefetch: plan.options.prefetch,
-            prefetch_bytes: plan.options.prefetch_bytes,
-            max_prefetch_bytes: plan.options.max_prefetch_bytes,
-            cache_bytes: plan.options.cache,
-            timeout: plan.options.timeout,
-            // A window runs on into the next epoch only within the epochs the job reads (from
-            // `first_epoch` in rolling/).
-            last_epoch: (plan.options.first_epoch + plan.options.epochs).saturating_sub(1),
-            stale_after: plan.options.stale_after,
-            stall_timeout: plan.options.stall_timeout,
-            rolling: (plan.options.first_epoch, plan.options.epochs),
-            ..PrefetcherConfig::default()
-        },
-    );
+    let prefetcher = Prefetcher::new(client, runtime.handle().clone(), PrefetcherConfig::from(&plan.options));
     let _ = prefetcher.stats.servers.set(health);
     let (uid, gid) = sys::ids();
     let fs = Fs::new(
@@ -260,7 +243,7 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
     let runtime = runtime()?;
     let (mut fs, prefetcher) = filesystem(plan, &runtime)?;
     let notifier = Arc::new(std::sync::OnceLock::new());
-    if plan.options.drop_page_cache {
+    if plan.options.page_cache == crate::options::PageCache::Drop {
         fs = fs.drop_page_cache(notifier.clone());
     }
     let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))

@@ -1,94 +1,219 @@
-//! Mount options: every one works as `-o key=value` (fstab style) and as a long flag. Defaults are
-//! documented in `docs/CONFIGURATION.md`.
+//! Mount options, each declared once (the `options!` table below): its field, its default, its parser, its
+//! default as shown in `--help` and in docs/CONFIGURATION.md (a test keeps the three in step), its
+//! placeholder and its help. Every one works as `-o key=value` (fstab style) and as a long flag. The plan
+//! options (`batch_size`, `seed`, `shuffle`, `drop_last`, `format`) are the core's, parsed as the server
+//! parses them in a query ([`BatchQuery::set`]).
 
 pub use crate::fs::RollingMode;
 use batchfs::api::BatchQuery;
 use batchfs::encode::BatchFormat;
 use batchfs::plan::PlanOptions;
-use batchfs::units::{parse_duration, parse_size};
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Everything a mount is configured with.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MountOptions {
-    pub plan: PlanOptions,
-    /// `tfrecord` or `tar`.
-    pub format: BatchFormat,
-    /// Epoch directories listed.
-    pub epochs: u64,
-    /// The epoch the first open of each `rolling/` file serves (a job restarted mid-run sets it).
-    pub first_epoch: u64,
-    /// How `rolling/` lays out TFRecord batches.
-    pub rolling: RollingMode,
-    /// Batches kept in flight ahead of each reader (0: none).
-    pub prefetch: usize,
-    /// The window ahead of each reader holds at least this many bytes of batches.
-    pub prefetch_bytes: u64,
-    /// Bytes of prefetches in flight at once, all readers together.
-    pub max_prefetch_bytes: u64,
-    /// Cache byte budget.
-    pub cache: u64,
-    /// HTTP/2 connections per server.
-    pub connections: usize,
-    /// How long reads wait out an unreachable server before EIO.
-    pub timeout: Duration,
-    /// A response with no bytes for this long is abandoned and retried.
-    pub stall_timeout: Duration,
-    pub token_file: Option<PathBuf>,
-    pub ca_file: Option<PathBuf>,
-    pub allow_other: bool,
-    pub auto_unmount: bool,
-    /// More servers holding the same dataset (base URLs).
-    pub servers: Vec<String>,
-    /// FUSE worker threads.
-    pub threads: usize,
-    /// Hand verified files to the kernel (FUSE passthrough) where it allows.
-    pub passthrough: bool,
-    /// Drop a file's kernel page cache at its last close when it was read through the daemon.
-    pub drop_page_cache: bool,
-    /// A cached batch unread for this long may make room for prefetches.
-    pub stale_after: Duration,
-    /// Kernel readahead of the mount in KiB (set when running as root; 0 leaves the default).
-    pub read_ahead_kb: u32,
-    /// Where a daemonized mount logs (nothing when absent).
-    pub log_file: Option<PathBuf>,
-    /// Energy timeline with the bytes served, as JSON lines (docs/ENERGY.md).
-    pub energy_log: Option<PathBuf>,
-    /// Serve the counters for Prometheus at `GET /metrics` on this address.
-    pub metrics: Option<std::net::SocketAddr>,
+/// Base URLs of servers (an alias, so that the flag takes one `;`-separated value, as `-o` does).
+pub type Urls = Vec<String>;
+
+/// Whether a file read through the daemon leaves the kernel page cache at its last close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageCache {
+    Drop,
+    Keep,
 }
 
-impl Default for MountOptions {
-    fn default() -> Self {
-        MountOptions {
-            plan: PlanOptions::default(),
-            format: BatchFormat::Tfrecord,
-            epochs: 100,
-            first_epoch: 0,
-            rolling: RollingMode::Auto,
-            prefetch: 16,
-            prefetch_bytes: 128 << 20,
-            max_prefetch_bytes: 256 << 20,
-            cache: 2 << 30,
-            connections: 4,
-            timeout: Duration::from_secs(60),
-            stall_timeout: Duration::from_secs(10),
-            token_file: None,
-            ca_file: None,
-            allow_other: false,
-            auto_unmount: false,
-            servers: Vec::new(),
-            threads: 16,
-            passthrough: true,
-            drop_page_cache: true,
-            stale_after: Duration::from_secs(10),
-            read_ahead_kb: 1024,
-            log_file: None,
-            energy_log: None,
-            metrics: None,
+/// The parsers of option values (each also a clap value parser).
+mod value {
+    use super::{PageCache, RollingMode};
+    use std::path::PathBuf;
+
+    pub fn count(v: &str) -> Result<u64, String> {
+        v.parse().map_err(|_| "expected a number".to_owned())
+    }
+
+    pub fn at_least_one(v: &str) -> Result<usize, String> {
+        Ok((count(v)? as usize).max(1))
+    }
+
+    pub fn batches(v: &str) -> Result<usize, String> {
+        Ok(count(v)? as usize)
+    }
+
+    pub fn kb(v: &str) -> Result<u32, String> {
+        u32::try_from(count(v)?).map_err(|_| "too large".to_owned())
+    }
+
+    pub fn epoch(v: &str) -> Result<u64, String> {
+        let e = count(v)?;
+        if e > batchfs::plan::MAX_EPOCH {
+            return Err(format!("epochs go up to {}", batchfs::plan::MAX_EPOCH));
+        }
+        Ok(e)
+    }
+
+    pub fn size(v: &str) -> Result<u64, String> {
+        batchfs::units::parse_size(v)
+    }
+
+    pub fn nonzero_size(v: &str) -> Result<u64, String> {
+        Ok(size(v)?.max(1))
+    }
+
+    pub fn duration(v: &str) -> Result<std::time::Duration, String> {
+        batchfs::units::parse_duration(v)
+    }
+
+    /// A switch: given alone (`-o allow_other`, `--allow-other`) it is on.
+    pub fn switch(v: &str) -> Result<bool, String> {
+        match v {
+            "" | "true" | "1" | "yes" | "on" => Ok(true),
+            "false" | "0" | "no" | "off" => Ok(false),
+            _ => Err("expected true or false".into()),
         }
     }
+
+    pub fn path(v: &str) -> Result<Option<PathBuf>, String> {
+        Ok(Some(PathBuf::from(v)))
+    }
+
+    pub fn servers(v: &str) -> Result<Vec<String>, String> {
+        Ok(v.split(';').filter(|s| !s.is_empty()).map(|s| s.trim_end_matches('/').to_owned()).collect())
+    }
+
+    pub fn addr(v: &str) -> Result<Option<std::net::SocketAddr>, String> {
+        v.parse().map(Some).map_err(|_| "expected ADDR:PORT, e.g. 127.0.0.1:9187".into())
+    }
+
+    pub fn rolling(v: &str) -> Result<RollingMode, String> {
+        match v {
+            "auto" => Ok(RollingMode::Auto),
+            // `slots` was the padded layout the indexed one replaced, for the same readers.
+            "indexed" | "slots" => Ok(RollingMode::Indexed),
+            "packed" => Ok(RollingMode::Packed),
+            _ => Err("expected auto, indexed or packed".into()),
+        }
+    }
+
+    pub fn page_cache(v: &str) -> Result<PageCache, String> {
+        match v {
+            "drop" => Ok(PageCache::Drop),
+            "keep" => Ok(PageCache::Keep),
+            _ => Err("expected drop or keep".into()),
+        }
+    }
+}
+
+macro_rules! options {
+    ($(
+        $name:ident: $ty:ty = $default:expr, $parse:path, $shown:literal, $placeholder:literal, $heading:literal,
+            $help:literal;
+    )+) => {
+        /// Everything a mount is configured with. Defaults are documented in `docs/CONFIGURATION.md`.
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct MountOptions {
+            /// The plan (`batch_size`, `seed`, `shuffle`, `drop_last`).
+            pub plan: PlanOptions,
+            /// `tfrecord` or `tar`.
+            pub format: BatchFormat,
+            $( #[doc = $help] pub $name: $ty, )+
+        }
+
+        impl Default for MountOptions {
+            fn default() -> Self {
+                MountOptions { plan: PlanOptions::default(), format: BatchFormat::Tfrecord, $( $name: $default, )+ }
+            }
+        }
+
+        /// The options as long flags (each overrides the `-o` lists and the default).
+        #[derive(Debug, Default, clap::Args)]
+        pub struct OptionFlags {
+            $(
+                #[arg(long, value_name = $placeholder, value_parser = $parse as fn(&str) -> Result<$ty, String>,
+                      num_args = if $placeholder == "BOOL" { 0..=1 } else { 1..=1 }, default_missing_value = "",
+                      help = concat!($help, " [default: ", $shown, "]"), help_heading = $heading)]
+                pub $name: Option<$ty>,
+            )+
+        }
+
+        impl OptionFlags {
+            /// Applies the flags given to `options`.
+            pub fn apply(&self, options: &mut MountOptions) {
+                $( if let Some(v) = &self.$name { options.$name = v.clone(); } )+
+            }
+        }
+
+        impl MountOptions {
+            /// Applies option `key` (not a plan option) if it is one: `None` if it is not.
+            fn set_declared(&mut self, key: &str, value: &str) -> Option<Result<(), String>> {
+                match key {
+                    $( stringify!($name) => Some($parse(value).map(|v| self.$name = v)), )+
+                    _ => None,
+                }
+            }
+        }
+
+        /// Each option's name, its default as shown in the help and the docs, and whether that text is
+        /// the default (parsed to it, or an unset default shown as text).
+        #[cfg(test)]
+        fn documented_defaults() -> Vec<(&'static str, &'static str, bool)> {
+            let defaults = MountOptions::default();
+            vec![$(
+                (stringify!($name), $shown, match $parse($shown.trim_matches('`')) {
+                    Ok(v) if v == defaults.$name => true,
+                    _ => Unset::is_unset(&defaults.$name) && ["—", "off", "system roots"].contains(&$shown),
+                }),
+            )+]
+        }
+    };
+}
+
+options! {
+    epochs: u64 = 100, value::count, "100", "N", "Plan",
+        "Epochs the job reads from first_epoch: listed, prefetched across, and the span of rolling/.";
+    first_epoch: u64 = 0, value::epoch, "0", "N", "Plan",
+        "The epoch the first open of each rolling/ file serves (a job restarted mid-run sets it).";
+    rolling: RollingMode = RollingMode::Auto, value::rolling, "`auto`", "LAYOUT", "Plan",
+        "Layout of TFRecord files in rolling/: auto (per reader), indexed or packed.";
+    prefetch: usize = 16, value::batches, "16", "N", "Prefetch",
+        "Batches kept cached or in flight ahead of each reader stream (0: no prefetch).";
+    prefetch_bytes: u64 = 128 << 20, value::size, "128M", "SIZE", "Prefetch",
+        "The window ahead of each reader holds at least this many bytes of batches (more than `prefetch` \
+         when they are small; 0: `prefetch` batches only).";
+    max_prefetch_bytes: u64 = 256 << 20, value::nonzero_size, "256M", "SIZE", "Prefetch",
+        "Bytes of prefetches in flight at once, all readers together.";
+    cache: u64 = 2 << 30, value::size, "2G", "SIZE", "Prefetch",
+        "Byte budget of the cache, fetches in flight included.";
+    stale_after: Duration = Duration::from_secs(10), value::duration, "10s", "DURATION", "Prefetch",
+        "A cached batch unread for this long may make room for prefetches.";
+    connections: usize = 4, value::at_least_one, "4", "N", "Network",
+        "HTTP/2 connections per server.";
+    timeout: Duration = Duration::from_secs(60), value::duration, "60s", "DURATION", "Network",
+        "How long reads wait out an unreachable server before EIO.";
+    stall_timeout: Duration = Duration::from_secs(10), value::duration, "10s", "DURATION", "Network",
+        "A response with no bytes for this long is abandoned and retried.";
+    servers: Urls = Vec::new(), value::servers, "—", "URLS", "Network",
+        "More servers holding the same dataset, `;`-separated base URLs.";
+    token_file: Option<PathBuf> = None, value::path, "—", "FILE", "Security",
+        "File holding the bearer token.";
+    ca_file: Option<PathBuf> = None, value::path, "system roots", "FILE", "Security",
+        "PEM CA certificates for https:// servers.";
+    allow_other: bool = false, value::switch, "off", "BOOL", "FUSE",
+        "Let other users read the mount (sets default_permissions).";
+    auto_unmount: bool = false, value::switch, "off", "BOOL", "FUSE",
+        "Ask the kernel to unmount when the daemon exits.";
+    threads: usize = 16, value::at_least_one, "16", "N", "FUSE",
+        "FUSE worker threads.";
+    passthrough: bool = true, value::switch, "true", "BOOL", "FUSE",
+        "Hand verified files to the kernel (FUSE passthrough) where it allows.";
+    page_cache: PageCache = PageCache::Drop, value::page_cache, "drop", "MODE", "FUSE",
+        "drop: a file read through the daemon leaves the kernel page cache at its last close; keep.";
+    read_ahead_kb: u32 = 1024, value::kb, "1024", "KB", "FUSE",
+        "Kernel readahead of the mount in KiB, set as root (0: the kernel's default).";
+    log_file: Option<PathBuf> = None, value::path, "—", "FILE", "Daemon",
+        "Where a daemonized mount logs.";
+    energy_log: Option<PathBuf> = None, value::path, "—", "FILE", "Daemon",
+        "Energy timeline with the bytes served, as JSON lines.";
+    metrics: Option<std::net::SocketAddr> = None, value::addr, "off", "ADDR", "Daemon",
+        "Serve the counters for Prometheus at GET /metrics on this address.";
 }
 
 /// Options mount(8) passes that mean nothing to batchfs.
@@ -97,19 +222,9 @@ const IGNORED: &[&str] = &[
     "noexec", "suid", "nosuid", "dev", "nodev", "atime", "noatime", "relatime", "async", "sync",
 ];
 
-fn boolean(key: &str, value: Option<&str>) -> Result<bool, String> {
-    match value {
-        None | Some("true") | Some("1") | Some("yes") => Ok(true),
-        Some("false") | Some("0") | Some("no") => Ok(false),
-        Some(v) => Err(format!("{key}={v}: expected true or false")),
-    }
-}
-
 impl MountOptions {
     /// Applies one `key[=value]` option.
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<(), String> {
-        let need = || value.ok_or_else(|| format!("option {key} needs a value ({key}=...)"));
-        let number = |v: &str| v.parse::<u64>().map_err(|_| format!("{key}={v}: expected a number"));
         match key {
             // The plan options and the format: parsed as the server parses them in a query.
             "batch_size" | "seed" | "shuffle" | "drop_last" | "format" => {
@@ -119,62 +234,16 @@ impl MountOptions {
                     return Err(format!("format={}: a mount shows tfrecord (with .idx twins) or tar", query.format));
                 }
                 (self.plan, self.format) = (query.plan, query.format);
+                Ok(())
             }
-            "epochs" => self.epochs = number(need()?)?,
-            "first_epoch" => {
-                let e = number(need()?)?;
-                if e > batchfs::plan::MAX_EPOCH {
-                    return Err(format!("first_epoch={e}: epochs go up to {}", batchfs::plan::MAX_EPOCH));
-                }
-                self.first_epoch = e;
-            }
-            "rolling" => {
-                self.rolling = match need()? {
-                    "auto" => RollingMode::Auto,
-                    // `slots` was the padded layout the indexed one replaced, for the same readers.
-                    "indexed" | "slots" => RollingMode::Indexed,
-                    "packed" => RollingMode::Packed,
-                    v => return Err(format!("rolling={v}: expected auto, indexed or packed")),
-                }
-            }
-            "prefetch" => self.prefetch = number(need()?)? as usize,
-            "prefetch_bytes" => self.prefetch_bytes = parse_size(need()?)?,
-            "max_prefetch_bytes" => self.max_prefetch_bytes = parse_size(need()?)?.max(1),
-            "cache" => self.cache = parse_size(need()?)?,
-            "connections" => self.connections = (number(need()?)? as usize).max(1),
-            "timeout" => self.timeout = parse_duration(need()?)?,
-            "stall_timeout" => self.stall_timeout = parse_duration(need()?)?,
-            "token_file" => self.token_file = Some(need()?.into()),
-            "ca_file" => self.ca_file = Some(need()?.into()),
-            "allow_other" => self.allow_other = boolean(key, value)?,
-            "auto_unmount" => self.auto_unmount = boolean(key, value)?,
-            "servers" => self
-                .servers
-                .extend(need()?.split(';').filter(|s| !s.is_empty()).map(|s| s.trim_end_matches('/').to_owned())),
-            "threads" => self.threads = (number(need()?)? as usize).max(1),
-            "read_ahead_kb" => {
-                self.read_ahead_kb = u32::try_from(number(need()?)?).map_err(|_| format!("{key} too large"))?
-            }
-            "passthrough" => self.passthrough = boolean(key, value)?,
-            "metrics" => {
-                let v = need()?;
-                self.metrics =
-                    Some(v.parse().map_err(|_| format!("metrics={v}: expected ADDR:PORT, e.g. 127.0.0.1:9187"))?)
-            }
-            "page_cache" => {
-                self.drop_page_cache = match need()? {
-                    "drop" => true,
-                    "keep" => false,
-                    v => return Err(format!("page_cache={v}: expected drop or keep")),
-                }
-            }
-            "stale_after" => self.stale_after = parse_duration(need()?)?,
-            "log_file" => self.log_file = Some(need()?.into()),
-            "energy_log" => self.energy_log = Some(need()?.into()),
-            k if IGNORED.contains(&k) || k.starts_with("x-") || k.starts_with("comment=") => {}
-            other => return Err(format!("unknown mount option {other:?} (see docs/CONFIGURATION.md)")),
+            k if IGNORED.contains(&k) || k.starts_with("x-") || k.starts_with("comment=") => Ok(()),
+            _ => match self.set_declared(key, value.unwrap_or("")) {
+                Some(Ok(())) => Ok(()),
+                Some(Err(_)) if value.is_none() => Err(format!("option {key} needs a value ({key}=...)")),
+                Some(Err(e)) => Err(format!("{key}={}: {e}", value.unwrap_or(""))),
+                None => Err(format!("unknown mount option {key:?} (see docs/CONFIGURATION.md)")),
+            },
         }
-        Ok(())
     }
 
     /// Applies a comma-separated `-o` list.
@@ -194,6 +263,43 @@ impl MountOptions {
         BatchQuery { plan: self.plan, format: self.format }
     }
 }
+
+/// A value a default may leave unset (for the docs test) (shown as `—`, `off` or the like in the docs, not as a value).
+#[cfg(test)]
+trait Unset {
+    fn is_unset(&self) -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+impl<T> Unset for Option<T> {
+    fn is_unset(&self) -> bool {
+        self.is_none()
+    }
+}
+
+#[cfg(test)]
+impl Unset for Vec<String> {
+    fn is_unset(&self) -> bool {
+        self.is_empty()
+    }
+}
+
+#[cfg(test)]
+impl Unset for u64 {}
+#[cfg(test)]
+impl Unset for u32 {}
+#[cfg(test)]
+impl Unset for usize {}
+#[cfg(test)]
+impl Unset for bool {}
+#[cfg(test)]
+impl Unset for Duration {}
+#[cfg(test)]
+impl Unset for RollingMode {}
+#[cfg(test)]
+impl Unset for PageCache {}
 
 #[cfg(test)]
 mod tests {
@@ -236,9 +342,9 @@ mod tests {
         assert_eq!(o.format, BatchFormat::Tar);
         assert_eq!(o.timeout, Duration::from_secs(5));
         assert_eq!(o.servers, ["http://a:1", "http://b:2"]);
-        assert!(o.drop_page_cache, "dropped by default");
+        assert_eq!(o.page_cache, PageCache::Drop, "dropped by default");
         o.apply_list("page_cache=keep").unwrap();
-        assert!(!o.drop_page_cache);
+        assert_eq!(o.page_cache, PageCache::Keep);
         assert_eq!((o.first_epoch, o.rolling, o.epochs), (0, RollingMode::Auto, 100));
         o.apply_list("first_epoch=7,rolling=packed").unwrap();
         assert_eq!((o.first_epoch, o.rolling), (7, RollingMode::Packed));
@@ -259,5 +365,41 @@ mod tests {
         for bad in bad {
             assert!(MountOptions::default().apply_list(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn each_option_has_one_default_shown_in_help_and_docs() {
+        let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/CONFIGURATION.md")).unwrap();
+        let section = &docs[docs.find("## batchfs mount").unwrap()..];
+        for (name, shown, is_default) in documented_defaults() {
+            assert!(is_default, "{name}: the default shown, {shown:?}, is not the default value");
+            let row = format!("| `{name}` | {shown} |");
+            assert!(section.contains(&row), "docs/CONFIGURATION.md lacks the row {row:?}");
+        }
+    }
+
+    #[test]
+    fn flags_and_lists_set_options_alike() {
+        use clap::Parser;
+        #[derive(Debug, Parser)]
+        struct Flags {
+            #[command(flatten)]
+            options: OptionFlags,
+        }
+        let parse = |args: &[&str]| Flags::try_parse_from(std::iter::once("x").chain(args.iter().copied()));
+        let mut by_flags = MountOptions::default();
+        parse(&["--cache", "1G", "--allow-other", "--passthrough", "false", "--servers", "http://a:1;http://b:2"])
+            .unwrap()
+            .options
+            .apply(&mut by_flags);
+        let mut by_list = MountOptions::default();
+        by_list.apply_list("cache=1G,allow_other,passthrough=false,servers=http://a:1;http://b:2").unwrap();
+        assert_eq!(by_flags, by_list);
+        assert_eq!((by_list.cache, by_list.allow_other, by_list.passthrough), (1 << 30, true, false));
+        assert!(parse(&["--cache", "lots"]).is_err() && parse(&["--cache"]).is_err());
+        let e = MountOptions::default().apply_list("cache").unwrap_err();
+        assert!(e.contains("needs a value"), "{e}");
+        let e = MountOptions::default().apply_list("threads=many").unwrap_err();
+        assert!(e.contains("threads=many"), "{e}");
     }
 }

@@ -39,6 +39,7 @@
 
 use crate::buffers::BufferPool;
 use crate::client::DynClient;
+use crate::options::MountOptions;
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, Ordering};
 use batchfs::api::{Manifest, SlotTable};
@@ -157,7 +158,7 @@ impl ObjectKey {
     }
 }
 
-/// Prefetcher settings. Defaults are documented in `docs/CONFIGURATION.md`.
+/// Prefetcher settings, from the mount's options (`options.rs`, documented in `docs/CONFIGURATION.md`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrefetcherConfig {
     /// Batches kept cached or in flight ahead of each reader stream (0: no prefetch).
@@ -192,21 +193,32 @@ pub struct PrefetcherConfig {
     pub rolling: (u64, u64),
 }
 
-impl Default for PrefetcherConfig {
-    fn default() -> Self {
+impl From<&MountOptions> for PrefetcherConfig {
+    fn from(o: &MountOptions) -> Self {
         PrefetcherConfig {
-            prefetch: 16,
-            prefetch_bytes: 128 << 20,
-            cache_bytes: 2 << 30,
-            timeout: Duration::from_secs(60),
+            prefetch: o.prefetch,
+            prefetch_bytes: o.prefetch_bytes,
+            cache_bytes: o.cache,
+            timeout: o.timeout,
             max_streams: 64,
             max_stride: 64,
-            max_prefetch_bytes: 256 << 20,
-            last_epoch: u64::MAX,
-            stale_after: Duration::from_secs(10),
-            stall_timeout: Duration::from_secs(10),
-            rolling: (0, 1),
+            max_prefetch_bytes: o.max_prefetch_bytes,
+            // A window runs on into the next epoch only within the epochs the job reads (from
+            // `first_epoch` in rolling/).
+            last_epoch: (o.first_epoch + o.epochs).saturating_sub(1),
+            stale_after: o.stale_after,
+            stall_timeout: o.stall_timeout,
+            rolling: (o.first_epoch, o.epochs),
         }
+    }
+}
+
+/// The mount's defaults (declared once, in `options.rs`), with no last epoch and a one-epoch span of
+/// `rolling/`.
+impl Default for PrefetcherConfig {
+    fn default() -> Self {
+        let config = PrefetcherConfig::from(&MountOptions::default());
+        PrefetcherConfig { last_epoch: u64::MAX, rolling: (0, 1), ..config }
     }
 }
 
