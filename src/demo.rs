@@ -1,4 +1,4 @@
-//! What the two demos share (`batchfs-server demo` reads an epoch over HTTP/2, `batchfs demo` through a
+//! What the two demos share (`batchfs-server demo` reads an epoch over HTTP/2, `batchfs-lab demo` through a
 //! mount): the sample dataset, the end-to-end check of every batch read against its manifest entry, and
 //! the result table. Each demo keeps only what differs: how it serves and how it reads.
 

@@ -9,7 +9,6 @@ pub mod api;
 pub mod crc;
 pub mod demo;
 pub mod encode;
-pub mod energy;
 pub mod gen;
 pub mod index;
 pub mod mmap;

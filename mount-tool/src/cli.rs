@@ -1,5 +1,5 @@
-//! The `batchfs` command line: `mount`, `umount`, `stats`, and the side tools in `cmd/` (`demo`, `bench`,
-//! `netem`, `energy`); also `mount.batchfs` (the helper mount(8) runs for fstab entries of type `batchfs`)
+//! The `batchfs` command line: `mount`, `umount`, `stats` (the lab tools are `batchfs-lab`'s); also
+//! `mount.batchfs` (the helper mount(8) runs for fstab entries of type `batchfs`)
 //! and `batchfs URL DIR -o ...` (how mount.fuse3 runs a `fuse.batchfs` entry).
 
 use crate::options::{MountOptions, OptionFlags};
@@ -35,14 +35,6 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Generate a sample dataset, serve it, mount it, read one epoch, print a result table.
-    Demo(crate::cmd::demo::DemoArgs),
-    /// Run a command and report the energy it used per sensor, idle baseline subtracted.
-    Energy(crate::cmd::energy::EnergyArgs),
-    /// A TCP proxy that adds latency and caps throughput (user-space netem, for loopback links).
-    Netem(crate::cmd::netem::NetemArgs),
-    /// Read every file under a path as a loader would; report throughput, read latency, time stalled.
-    Bench(crate::cmd::bench::BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -123,20 +115,6 @@ pub fn run() -> Result<()> {
         }
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
         Command::Stats { mountpoint, json } => stats(&mountpoint, json),
-        Command::Demo(args) => {
-            init_tracing(None, "warn");
-            crate::cmd::demo::run(args)
-        }
-        Command::Bench(args) => crate::cmd::bench::run(args),
-        Command::Netem(args) => {
-            init_tracing(None, "info");
-            crate::cmd::netem::run(args)
-        }
-        Command::Energy(args) => {
-            init_tracing(None, "warn");
-            let code = crate::cmd::energy::run(args)?;
-            std::process::exit(code)
-        }
     }
 }
 

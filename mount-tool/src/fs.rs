@@ -25,11 +25,11 @@ pub mod handles;
 mod inode;
 mod raw;
 mod rolling;
+pub use crate::options::RollingMode;
 pub use error::FsError;
 pub use inode::*;
 use inode::{parse_epoch, MAX_BATCHES};
 use raw::RawTree;
-pub use rolling::RollingMode;
 use rolling::{Layout, RollingState};
 
 /// The name of the statistics directory.

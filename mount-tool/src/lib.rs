@@ -5,7 +5,6 @@
 pub mod buffers;
 pub mod cli;
 pub mod client;
-pub mod cmd;
 pub mod fs;
 pub mod fuse;
 pub mod metrics;

@@ -294,7 +294,7 @@ pub fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: boo
 fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -> Result<()> {
     let energy = match &plan.options.energy_log {
         Some(path) => Some(
-            batchfs::energy::EnergyLog::prepare(path)
+            batchfs_energy::EnergyLog::prepare(path)
                 .with_context(|| format!("cannot write energy_log {}", path.display()))?,
         ),
         None => None,

@@ -4,12 +4,23 @@
 //! options (`batch_size`, `seed`, `shuffle`, `drop_last`, `format`) are the core's, parsed as the server
 //! parses them in a query ([`BatchQuery::set`]).
 
-pub use crate::fs::RollingMode;
 use batchfs::api::BatchQuery;
 use batchfs::encode::BatchFormat;
 use batchfs::plan::PlanOptions;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// How `rolling/` lays out TFRecord batches (the `rolling` mount option).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RollingMode {
+    /// Each reader its layout: indexed for processes that opened a twin, packed for the others.
+    #[default]
+    Auto,
+    /// Every reader the indexed layout.
+    Indexed,
+    /// Every reader the packed layout (twins per epoch).
+    Packed,
+}
 
 /// Base URLs of servers (an alias, so that the flag takes one `;`-separated value, as `-o` does).
 pub type Urls = Vec<String>;
@@ -264,7 +275,8 @@ impl MountOptions {
     }
 }
 
-/// A value a default may leave unset (for the docs test) (shown as `—`, `off` or the like in the docs, not as a value).
+/// A value a default may leave unset, shown as `—`, `off` or the like in the docs, not as a value (for the
+/// docs test).
 #[cfg(test)]
 trait Unset {
     fn is_unset(&self) -> bool {

@@ -288,7 +288,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let energy = match &energy_log {
             Some(path) => Some(
-                batchfs::energy::EnergyLog::prepare(path)
+                batchfs_energy::EnergyLog::prepare(path)
                     .with_context(|| format!("cannot write --energy-log {}", path.display()))?,
             ),
             None => None,

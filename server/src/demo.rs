@@ -137,7 +137,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let Tally { batches, bytes } = read.tally;
     let protocol = if read.http2 { "HTTP/2 (h2c)" } else { "HTTP/1.1" };
     let table = Table {
-        title: "batchfs demo: one epoch of a generated TFRecord dataset served over HTTP/2 on loopback".into(),
+        title: "batchfs-lab demo: one epoch of a generated TFRecord dataset served over HTTP/2 on loopback".into(),
         rows: vec![
             (
                 "dataset",

@@ -67,7 +67,7 @@ impl RunningServer {
     }
 
     /// A counter of body bytes sent, for energy attribution.
-    pub fn bytes_sent(&self) -> batchfs::energy::ByteCounter {
+    pub fn bytes_sent(&self) -> batchfs_energy::ByteCounter {
         let metrics = self.state.metrics.clone();
         Arc::new(move || metrics.response_bytes.load(Ordering::Relaxed))
     }

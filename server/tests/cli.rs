@@ -118,7 +118,7 @@ async fn gen_index_serve_and_stop() {
     let summary = &lines.last().unwrap()["summary"];
     assert!(lines.len() >= 2 && summary["bytes"].as_u64().unwrap() > 0, "{summary}");
     // Exactly the sensors this machine has, and each one it lacks with its reason: never a made-up number.
-    let (sensors, unavailable) = batchfs::energy::detect(std::path::Path::new("/"), true, batchfs::energy::PROBE);
+    let (sensors, unavailable) = batchfs_energy::detect(std::path::Path::new("/"), true, batchfs_energy::PROBE);
     let listed = |key: &str| -> Vec<String> {
         summary[key].as_array().unwrap().iter().map(|s| s["sensor"].as_str().unwrap().to_owned()).collect()
     };

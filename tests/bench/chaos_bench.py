@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The chaos benchmark: whole epochs read by 4 reader processes through a mount of two replicas, each
-behind its own `batchfs netem`, clean and then under faults, alternating, ROUNDS rounds.
+behind its own `batchfs-lab netem`, clean and then under faults, alternating, ROUNDS rounds.
 
     tests/bench/chaos_bench.py [OUT_DIR]
     env: SAMPLES (6000), MEAN (110000), BATCH (64), ROUNDS (3), EPOCHS (6 per run),
@@ -76,7 +76,7 @@ class Replica:
 def netem(work, name, upstream, extra):
     port = free_port()
     log = open(os.path.join(work, f"netem-{name}.log"), "w")
-    proc = subprocess.Popen([f"{BIN}/batchfs", "netem", "--listen", f"127.0.0.1:{port}", "--upstream",
+    proc = subprocess.Popen([f"{BIN}/batchfs-lab", "netem", "--listen", f"127.0.0.1:{port}", "--upstream",
                              f"127.0.0.1:{upstream}", "--rtt-ms", "2"] + extra, stderr=log)
     CHILDREN.append(proc)
     time.sleep(0.3)

@@ -9,7 +9,7 @@ passthrough and through the daemon, against the same bytes in a local tmpfs file
          first time)
 
 Both mounts read the epoch once first (fetched, verified, cached: the cache holds it whole), then each
-round reads it again with `batchfs bench` (THREADS reader threads, 1 MiB reads), the three systems
+round reads it again with `batchfs-lab bench` (THREADS reader threads, 1 MiB reads), the three systems
 alternating. The daemon's CPU is its /proc/PID/stat user+system time over the read. Writes results.csv
 and report.md to OUT_DIR and prints the report.
 """
@@ -44,7 +44,7 @@ def mount_pid(mnt):
 
 
 def bench(directory):
-    args = [os.path.join(BIN, "batchfs"), "bench", directory, "--threads", str(THREADS), "--json"]
+    args = [os.path.join(BIN, "batchfs-lab"), "bench", directory, "--threads", str(THREADS), "--json"]
     if MMAP:
         args.append("--mmap")
     return json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)

@@ -10,7 +10,7 @@ batch (this build, `passthrough`): the choice the kernel leaves for a batch stil
          RATE_MBIT (800: the netem link's cap), RTT_MS (2)
 
 One server (this build) on loopback; each system mounts it twice, directly and through its own
-`batchfs netem` link (RATE_MBIT, RTT_MS), with `prefetch=0`, so each read is a miss fetched on demand
+`batchfs-lab netem` link (RATE_MBIT, RTT_MS), with `prefetch=0`, so each read is a miss fetched on demand
 (`passthrough=false` but for `passthrough`). Each round, every mount opens batch ROUND of epoch 0
 (a file it has never read) and reads it from the start in 1 MiB reads, as a streaming reader does; the
 systems alternate, in an order reversed every other round. `first_ms`: from the open to the first MiB;
@@ -68,7 +68,7 @@ def main():
                 p = port
                 if link != "loopback":
                     p = free_port()
-                    procs.append(subprocess.Popen([os.path.join(BIN, "batchfs"), "netem", "--listen",
+                    procs.append(subprocess.Popen([os.path.join(BIN, "batchfs-lab"), "netem", "--listen",
                                                    f"127.0.0.1:{p}", "--upstream", f"127.0.0.1:{port}", "--rtt-ms",
                                                    RTT, "--rate-mbit", RATE], stderr=subprocess.DEVNULL))
                 systems[(build, link)] = (bindir, p, "true" if build == "passthrough" else "false")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The latency-lab matrix: one generated dataset's epoch-0 batch files read by five systems through the
-# same user-space link (`batchfs netem`), at several RTTs, paced and unpaced, systems alternating,
+# same user-space link (`batchfs-lab netem`), at several RTTs, paced and unpaced, systems alternating,
 # ROUNDS rounds; then bandwidth-capped links. Prints medians and ratios; writes results.csv, report.md
 # and the figures (epoch-vs-rtt.png, throughput-vs-link.png) to OUT.
 #
@@ -8,9 +8,9 @@
 #   env: SAMPLES (2000), MEAN (110000), RTTS ("0 1 10 30"), PACE (200 MB/s), ROUNDS (3), RATES ("250 500 1000" Mbit/s),
 #        SAMPLE_PEERS (0; 1 adds sshfs-samples and rclone-samples: the peers reading the same samples as one
 #        file each, an ImageFolder tree, the way a loader without batchfs reads them), RATES="" skips the caps,
-#        READERS (processes; or threads), ENERGY (auto: an energy column when `batchfs energy` finds a sensor)
+#        READERS (processes; or threads), ENERGY (auto: an energy column when `batchfs-lab energy` finds a sensor)
 #
-# Every cell also records CPU seconds: the whole machine's busy time during the read (`batchfs bench`
+# Every cell also records CPU seconds: the whole machine's busy time during the read (`batchfs-lab bench`
 # reads /proc/stat), minus the netem proxy's own CPU and the idle machine's background rate measured at
 # the start; the report divides it by the GB read.
 #
@@ -82,7 +82,7 @@ nginx -c "$work/nginx.conf"
 start_netem() { # upstream rtt [rate]: sets NETEM_PORT, NETEM_PID
   NETEM_PORT=$(port)
   local extra=(); [ -n "${3:-}" ] && extra=(--rate-mbit "$3")
-  "$bin/batchfs" netem --listen "127.0.0.1:$NETEM_PORT" --upstream "127.0.0.1:$1" --rtt-ms "$2" "${extra[@]}" 2>/dev/null &
+  "$bin/batchfs-lab" netem --listen "127.0.0.1:$NETEM_PORT" --upstream "127.0.0.1:$1" --rtt-ms "$2" "${extra[@]}" 2>/dev/null &
   NETEM_PID=$!
   for _ in $(seq 50); do (echo > "/dev/tcp/127.0.0.1/$NETEM_PORT") 2>/dev/null && break; sleep 0.05; done
 }
@@ -126,9 +126,9 @@ machine_cpu() { awk -v hz="$(getconf CLK_TCK)" '/^cpu / { print ($2 + $3 + $4 + 
 # The idle machine's background CPU rate (daemons, the idle mounts of the other systems), per second.
 c0=$(machine_cpu); sleep 5; IDLE_CPU=$(python3 -c "print(max(0.0, ($(machine_cpu) - $c0) / 5))")
 echo "idle machine: $IDLE_CPU CPU s/s" >&2
-# Energy: a column only where `batchfs energy` finds a sensor (it says which are unavailable, and why).
+# Energy: a column only where `batchfs-lab energy` finds a sensor (it says which are unavailable, and why).
 if [ "$ENERGY" = auto ]; then
-  "$bin/batchfs" energy --idle 0s --out "$OUT/energy-idle.jsonl" -- sleep 5 2> "$OUT/energy-probe.txt" || true
+  "$bin/batchfs-lab" energy --idle 0s --out "$OUT/energy-idle.jsonl" -- sleep 5 2> "$OUT/energy-probe.txt" || true
   if python3 -c 'import json,sys; s=json.loads(open(sys.argv[1]).read().splitlines()[-1])["summary"]; sys.exit(0 if s["sensors"] else 1)' "$OUT/energy-idle.jsonl"; then
     ENERGY=1
   else
@@ -141,9 +141,9 @@ bench() { # dir mode -> "wall_s mb_per_s cpu_s energy_file"
   [ "$READERS" = processes ] && extra+=(--processes)
   local wrap=() efile=-
   CELL=$((CELL + 1))
-  if [ "$ENERGY" = 1 ]; then efile=$OUT/energy/cell-$CELL.jsonl; mkdir -p "$OUT/energy"; wrap=("$bin/batchfs" energy --idle 0s --out "$efile" --); fi
+  if [ "$ENERGY" = 1 ]; then efile=$OUT/energy/cell-$CELL.jsonl; mkdir -p "$OUT/energy"; wrap=("$bin/batchfs-lab" energy --idle 0s --out "$efile" --); fi
   local n0; n0=$(proc_cpu "${NETEM_PID:-}")
-  "${wrap[@]}" "$bin/batchfs" bench "$1" --threads 4 --pattern interleaved --json "${extra[@]}" 2>/dev/null |
+  "${wrap[@]}" "$bin/batchfs-lab" bench "$1" --threads 4 --pattern interleaved --json "${extra[@]}" 2>/dev/null |
     python3 -c 'import json,sys; r=json.load(sys.stdin); n0, n1, idle, e = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 cpu = r["machine_cpu_s"] - (n1 - n0) - idle * r["wall_s"]
 print(r["wall_s"], r["mb_per_s"], round(max(cpu, 0.0), 3), e)' "$n0" "$(proc_cpu "${NETEM_PID:-}")" "$IDLE_CPU" "$efile"

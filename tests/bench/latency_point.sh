@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One point of the latency lab: the same epoch read from local disk (page cache warm), through batchfs
-# mounted directly (RTT ~0) and through batchfs behind `batchfs netem` at RTT X ms, paced and unpaced,
+# mounted directly (RTT ~0) and through batchfs behind `batchfs-lab netem` at RTT X ms, paced and unpaced,
 # the systems alternating, ROUNDS rounds; prints medians and ratios.
 #
 #   tests/bench/latency_point.sh [RTT_MS] [PACE_MBPS] [ROUNDS]
@@ -26,7 +26,7 @@ mkdir -p "$work/mnt"
 "$bin/batchfs-server" gen --format tfrecord --samples 2000 --mean-bytes 110000 --shards 16 --out "$work/data" >/dev/null
 pa=$((20000 + RANDOM % 10000)); pb=$((pa + 1))
 RUST_LOG=warn "$bin/batchfs-server" serve --listen "127.0.0.1:$pa" --dataset d="$work/data" & pids+=($!)
-"$bin/batchfs" netem --listen "127.0.0.1:$pb" --upstream "127.0.0.1:$pa" --rtt-ms "$RTT" 2>/dev/null & pids+=($!)
+"$bin/batchfs-lab" netem --listen "127.0.0.1:$pb" --upstream "127.0.0.1:$pa" --rtt-ms "$RTT" 2>/dev/null & pids+=($!)
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$pa/healthz" >/dev/null && break; sleep 0.1; done
 opts="batch_size=64,epochs=1"
 
@@ -38,7 +38,7 @@ cp -r "$work/mnt/epoch-0000" "$work/local"
 bench() { # dir paced? -> wall seconds
   local extra=()
   [ "$2" = paced ] && extra=(--consume-mbps "$PACE")
-  "$bin/batchfs" bench "$1" --threads 4 --pattern interleaved --json "${extra[@]}" | python3 -c 'import json,sys; print(json.load(sys.stdin)["wall_s"])'
+  "$bin/batchfs-lab" bench "$1" --threads 4 --pattern interleaved --json "${extra[@]}" | python3 -c 'import json,sys; print(json.load(sys.stdin)["wall_s"])'
 }
 : > "$work/results"
 for round in $(seq "$ROUNDS"); do

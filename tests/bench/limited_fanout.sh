@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One server whose memory is smaller than its dataset (a cgroup v1 limited to LIMIT, page cache included,
-# `io=IO`) serving MOUNTS mounts at once, each read by `batchfs bench` (4 threads) at the same time:
+# `io=IO`) serving MOUNTS mounts at once, each read by `batchfs-lab bench` (4 threads) at the same time:
 # the server's peak RSS and the cgroup's peak usage against the documented bound, the aggregate rate, and
 # what the dataset's block device read meanwhile (machine-wide: run nothing else).
 #
@@ -50,7 +50,7 @@ for round in $(seq "$ROUNDS"); do
     read0=$(sectors)
     jobs_pids=()
     for m in $(seq "$MOUNTS"); do
-        "$BIN/batchfs" bench "$work/mnt-$m/$epoch" --threads 4 --json >"$work/bench-$m.json" &
+        "$BIN/batchfs-lab" bench "$work/mnt-$m/$epoch" --threads 4 --json >"$work/bench-$m.json" &
         jobs_pids+=($!)
     done
     while kill -0 "${jobs_pids[0]}" 2>/dev/null || [ "$(jobs -pr | wc -l)" -gt 1 ]; do

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real loaders (DALI, PyTorch DataLoader, WebDataset; tests/python/loaders.py, default settings,
 # unpaced) reading whole epochs through mounts of one server in a memory cgroup (v1) limited to LIMIT
-# (`io=direct`), behind `batchfs netem` at 0 and 30 ms RTT, alternating; ROUNDS rounds. One line per
+# (`io=direct`), behind `batchfs-lab netem` at 0 and 30 ms RTT, alternating; ROUNDS rounds. One line per
 # epoch: loader, RTT, samples, GB, seconds, MB/s.
 #
 #   tests/bench/limited_loaders.sh DATA [SERVER FLAGS...]
@@ -28,7 +28,7 @@ pids=("$limited_pid")
 declare -A proxy
 for rtt in 0 30; do
     proxy[$rtt]=$(free_port)
-    "$BIN/batchfs" netem --listen "127.0.0.1:${proxy[$rtt]}" --upstream "127.0.0.1:$port" --rtt-ms "$rtt" \
+    "$BIN/batchfs-lab" netem --listen "127.0.0.1:${proxy[$rtt]}" --upstream "127.0.0.1:$port" --rtt-ms "$rtt" \
         2>/dev/null &
     pids+=($!)
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One server in a memory cgroup (v1) limited to LIMIT, a mount of it, and EPOCHS epochs read through the
-# mount by 4 reader processes (`batchfs bench --processes --threads 4`): per epoch, MB/s, the server's CPU
+# mount by 4 reader processes (`batchfs-lab bench --processes --threads 4`): per epoch, MB/s, the server's CPU
 # seconds and the machine's idle CPU seconds. For comparing builds (BIN) or settings on one dataset, run
 # after run, alternating; memory_limited_bench.sh compares the I/O modes side by side.
 #
@@ -34,7 +34,7 @@ hz=$(getconf CLK_TCK)
 for e in $(seq 0 $((EPOCHS - 1))); do
     c0=$(awk '{ print $14 + $15 }' "/proc/$server/stat")
     i0=$(awk '/^cpu / { print $5 + $6 }' /proc/stat)
-    json=$("$BIN/batchfs" bench "$work/mnt/$(printf 'epoch-%04d' "$e")" --threads 4 --processes --json)
+    json=$("$BIN/batchfs-lab" bench "$work/mnt/$(printf 'epoch-%04d' "$e")" --threads 4 --processes --json)
     c1=$(awk '{ print $14 + $15 }' "/proc/$server/stat")
     i1=$(awk '/^cpu / { print $5 + $6 }' /proc/stat)
     echo "$json" | python3 -c "import json, sys; j = json.load(sys.stdin); \

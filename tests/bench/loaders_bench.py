@@ -12,7 +12,7 @@ batchfs mounts at several RTTs, paced and unpaced, alternating, ROUNDS rounds; m
          `daemon-before`, its mounts, to compare builds side by side)
 
 Systems: `local` (the same batch files copied to a local directory, page cache warm), `direct` (a mount
-of the server on loopback), `daemon` (the same with passthrough=false: every read through the daemon) and `netem-RTT` (a mount through `batchfs netem` at each RTT, 0 included: the
+of the server on loopback), `daemon` (the same with passthrough=false: every read through the daemon) and `netem-RTT` (a mount through `batchfs-lab netem` at each RTT, 0 included: the
 user-space proxy costs CPU on these 2 cores, so the latency's own cost is netem-RTT / netem-0ms). Each run on a mount reads a fresh epoch
 (epoch 1, 2, ... of that mount), so nothing is served from the mount's cache of an earlier run except
 what the previous epoch's window warmed, as in training. Loaders: tests/python/loaders.py (DALI with and
@@ -155,7 +155,7 @@ def run(out, work, procs, mounts):
         netem["daemon-before"] = (port, None)
     for rtt in RTTS:
         p = free_port()
-        proc = subprocess.Popen([os.path.join(BIN, "batchfs"), "netem", "--listen", f"127.0.0.1:{p}",
+        proc = subprocess.Popen([os.path.join(BIN, "batchfs-lab"), "netem", "--listen", f"127.0.0.1:{p}",
                                  "--upstream", f"127.0.0.1:{port}", "--rtt-ms", str(rtt)], stderr=subprocess.DEVNULL)
         procs.append(proc)
         netem[f"netem-{rtt}ms"] = (p, proc)

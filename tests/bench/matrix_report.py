@@ -4,7 +4,7 @@
     matrix_report.py results.csv BYTES PACE_MBPS [READERS] [ENERGY_IDLE_JSONL]
 
 CPU seconds per GB come from the cpu_s column (machine busy time minus the proxy and the idle background);
-energy per GB from each cell's `batchfs energy` log, less the idle power measured at the start.
+energy per GB from each cell's `batchfs-lab energy` log, less the idle power measured at the start.
 """
 import csv
 import json

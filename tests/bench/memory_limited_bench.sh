@@ -2,7 +2,7 @@
 # A dataset larger than the server's memory: the server in a memory cgroup (v1) limited to LIMIT, reading
 # by mmap, by pread and by direct reads (`--io`; direct with part of the data held in the server's memory,
 # `resident`, and without), against an unlimited server; 4 reader processes read
-# whole epochs through a mount of each (`batchfs bench --processes`), the systems alternating, ROUNDS
+# whole epochs through a mount of each (`batchfs-lab bench --processes`), the systems alternating, ROUNDS
 # rounds, with each server's CPU seconds per epoch. Also the device's sequential rate: `cat` of every
 # shard with the page cache dropped.
 #
@@ -104,7 +104,7 @@ for round in $(seq "$ROUNDS"); do
         dir=$work/mnt-$name/$(printf 'epoch-%04d' "$epoch")
         pid=${server_pid[$name]}
         cpu0=$(cpu_ticks "$pid")
-        json=$("$BIN/batchfs" bench "$dir" --threads 4 --processes --json)
+        json=$("$BIN/batchfs-lab" bench "$dir" --threads 4 --processes --json)
         cpu=$(echo "($(cpu_ticks "$pid") - $cpu0) / $hz" | bc -l)
         rss=$(awk '/VmRSS/ { print int($2 / 1024) }' "/proc/$pid/status")
         majflt=$(awk '{ print $12 }' "/proc/$pid/stat")

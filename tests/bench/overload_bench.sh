@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Overload: one server behind one capped link (`batchfs netem`, RATE Mbit/s, shared by all connections),
-# N = 1, 2, 4, 8, 16 mounts reading the same epoch at once (`batchfs bench --threads 2` on each); for
+# Overload: one server behind one capped link (`batchfs-lab netem`, RATE Mbit/s, shared by all connections),
+# N = 1, 2, 4, 8, 16 mounts reading the same epoch at once (`batchfs-lab bench --threads 2` on each); for
 # each N: the aggregate rate, each mount's share (min, median, max), the server's peak RSS, the 503s it
 # answered (saturation: `--max-bodies-in-flight`) and the mounts' retries and read errors.
 #
@@ -26,7 +26,7 @@ server=$!
 pids+=("$server")
 for _ in $(seq 200); do curl -sf "127.0.0.1:$sport/healthz" >/dev/null && break; sleep 0.1; done
 nport=$(free_port)
-"$BIN/batchfs" netem --listen "127.0.0.1:$nport" --upstream "127.0.0.1:$sport" --rtt-ms 2 --rate-mbit "$RATE" \
+"$BIN/batchfs-lab" netem --listen "127.0.0.1:$nport" --upstream "127.0.0.1:$sport" --rtt-ms 2 --rate-mbit "$RATE" \
     2>"$work/netem.log" &
 pids+=($!)
 sleep 0.3
@@ -43,7 +43,7 @@ for n in $NS; do
     start=$(date +%s.%N)
     readers=()
     for i in $(seq "$n"); do
-        "$BIN/batchfs" bench "$work/mnt-$n-$i/epoch-0000" --threads 2 --json >"$work/bench-$n-$i.json" &
+        "$BIN/batchfs-lab" bench "$work/mnt-$n-$i/epoch-0000" --threads 2 --json >"$work/bench-$n-$i.json" &
         readers+=($!)
     done
     wait "${readers[@]}"

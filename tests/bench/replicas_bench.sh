@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Replicas: K = 1, 2, 3 servers of the same dataset, each behind its own capped link (`batchfs netem`,
-# RATE Mbit/s each), one mount of all K (`servers=`), an epoch read with `batchfs bench --threads 4`; the
+# Replicas: K = 1, 2, 3 servers of the same dataset, each behind its own capped link (`batchfs-lab netem`,
+# RATE Mbit/s each), one mount of all K (`servers=`), an epoch read with `batchfs-lab bench --threads 4`; the
 # K alternate, ROUNDS rounds, each run on a fresh mount. Reports MB/s per run and the median per K with
 # its ratio to K = 1 (the goal: 1.9x for 2, 2.8x for 3).
 #
@@ -26,7 +26,7 @@ for k in 1 2 3; do
     pids+=($!)
     for _ in $(seq 200); do curl -sf "127.0.0.1:$sport/healthz" >/dev/null && break; sleep 0.1; done
     nport=$(free_port)
-    "$BIN/batchfs" netem --listen "127.0.0.1:$nport" --upstream "127.0.0.1:$sport" --rtt-ms 2 \
+    "$BIN/batchfs-lab" netem --listen "127.0.0.1:$nport" --upstream "127.0.0.1:$sport" --rtt-ms 2 \
         --rate-mbit "$RATE" 2>"$work/netem-$k.log" &
     pids+=($!)
     links+=("http://127.0.0.1:$nport")
@@ -40,7 +40,7 @@ for round in $(seq "$ROUNDS"); do
         [ -n "$others" ] && opts="$opts,servers=$others"
         mkdir -p "$work/mnt"
         "$BIN/batchfs" mount "${links[0]}/d" "$work/mnt" -o "$opts"
-        json=$("$BIN/batchfs" bench "$work/mnt/epoch-0000" --threads 4 --json)
+        json=$("$BIN/batchfs-lab" bench "$work/mnt/epoch-0000" --threads 4 --json)
         "$BIN/batchfs" umount "$work/mnt"
         echo "$json" | python3 -c "import json, sys; j = json.load(sys.stdin); \
 print('$round,$k,%.3f,%.1f' % (j['wall_s'], j['mb_per_s']))" >>"$work/rows.csv"

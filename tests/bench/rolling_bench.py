@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """rolling/ on ImageNet-shaped sizes: a DALI pipeline built once over rolling/ against the same pipeline over
 epoch directories, the bytes fetched, the memory the mount's cache holds, and what the twins say a reader
-reads; at several RTTs through `batchfs netem`, mmap and not, alternating, ROUNDS rounds; medians, ratios.
+reads; at several RTTs through `batchfs-lab netem`, mmap and not, alternating, ROUNDS rounds; medians, ratios.
 
     tests/bench/rolling_bench.py OUT_DIR
     env: SAMPLES (4000), MEAN (110000 bytes; `batchfs-server gen`'s default sizes: log-normal with a heavy
@@ -119,7 +119,7 @@ def run(out, work, procs, mounts):
     upstream = {}
     for rtt in RTTS:
         p = free_port()
-        procs.append(subprocess.Popen([os.path.join(BIN, "batchfs"), "netem", "--listen", f"127.0.0.1:{p}",
+        procs.append(subprocess.Popen([os.path.join(BIN, "batchfs-lab"), "netem", "--listen", f"127.0.0.1:{p}",
                                        "--upstream", f"127.0.0.1:{port}", "--rtt-ms", str(rtt)],
                                       stderr=subprocess.DEVNULL))
         upstream[rtt] = p

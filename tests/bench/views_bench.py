@@ -8,7 +8,7 @@ ROUNDS rounds; medians and ratios. Also the cost of `rolling=slots` for this dat
          LOADERS ("dali dali-nommap"), MOUNT_OPTS (default cache=512M)
 
 Systems: `local` (the shards and the mount's `.idx` twins copied to a local directory, page cache warm)
-and `raw-RTT` (a mount's `raw/` through `batchfs netem` at each RTT). Shards are read in 4 MiB verified
+and `raw-RTT` (a mount's `raw/` through `batchfs-lab netem` at each RTT). Shards are read in 4 MiB verified
 chunks through the daemon (larger than a chunk: no passthrough). Writes results.csv and report.md to
 OUT_DIR. Needs root, /dev/fuse, a release build and DALI (see .ci/run).
 """
@@ -49,7 +49,7 @@ def run(out, work, procs, mounts):
     dirs, netem = {}, {}
     for rtt in RTTS:
         p = free_port()
-        proc = subprocess.Popen([os.path.join(BIN, "batchfs"), "netem", "--listen", f"127.0.0.1:{p}",
+        proc = subprocess.Popen([os.path.join(BIN, "batchfs-lab"), "netem", "--listen", f"127.0.0.1:{p}",
                                  "--upstream", f"127.0.0.1:{port}", "--rtt-ms", str(rtt)], stderr=subprocess.DEVNULL)
         procs.append(proc)
         time.sleep(0.5)

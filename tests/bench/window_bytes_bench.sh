@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The window in bytes for small batches: DALI (default settings, unpaced) reading fresh epochs through two
-# mounts of one server behind `batchfs netem`, one with the window in batches only (prefetch_bytes=0, as
+# mounts of one server behind `batchfs-lab netem`, one with the window in batches only (prefetch_bytes=0, as
 # before) and one with the default prefetch_bytes, alternating, ROUNDS rounds per batch size.
 #
 #   tests/bench/window_bytes_bench.sh [OUT_CSV]
@@ -22,7 +22,7 @@ trap 'clean_up "$WORK" "" "${PIDS[@]}"' EXIT
 "$B/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$WORK/data" >/dev/null
 SP=$(free_port); NP=$(free_port)
 "$B/batchfs-server" serve --listen "127.0.0.1:$SP" --dataset "d=$WORK/data" 2>/dev/null & PIDS+=($!)
-"$B/batchfs" netem --listen "127.0.0.1:$NP" --upstream "127.0.0.1:$SP" --rtt-ms "$RTT_MS" 2>/dev/null & PIDS+=($!)
+"$B/batchfs-lab" netem --listen "127.0.0.1:$NP" --upstream "127.0.0.1:$SP" --rtt-ms "$RTT_MS" 2>/dev/null & PIDS+=($!)
 sleep 1.5
 echo "batch_size,round,window,epoch_s,stalls,stall_s" >"$OUT"
 stat_of() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["stalls"], d["stall_us"] / 1e6)' "$1"; }

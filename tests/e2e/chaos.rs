@@ -1,4 +1,4 @@
-//! The small chaos test: four reader threads read whole epochs through a mount while `batchfs netem`
+//! The small chaos test: four reader threads read whole epochs through a mount while `batchfs-lab netem`
 //! flips bits, cuts connections mid-body, stalls them and takes the link down for a while, and the
 //! server is killed and restarted on its address. Every file read equals the server's batch byte for
 //! byte (its manifest's size and CRC32C); every flip that reached a body was caught (`checksum_errors`),
@@ -11,7 +11,7 @@ use crate::common::{self, fixture, runtime, serve, ServeWith};
 use batchfs::api::{self, Manifest};
 use batchfs::crc;
 use batchfs::index::SourceFormat;
-use batchfs_mount::cmd::netem::{start_with_faults, Faults, Link};
+use batchfs_lab::netem::{start_with_faults, Faults, Link};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 

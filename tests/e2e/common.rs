@@ -189,7 +189,7 @@ pub fn h2c() -> reqwest::Client {
 /// Runs `tests/python/read_batches.py` on a batch file, or `None` where its Python modules are missing
 /// (outside CI; `.ci/run` installs them, and there a missing module fails the test).
 pub fn python_read(args: &[&str]) -> Option<serde_json::Value> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/read_batches.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/read_batches.py");
     let probe = Command::new("python3").args(["-c", "import tfrecord, webdataset, crc32c"]).output();
     if !probe.as_ref().is_ok_and(|o| o.status.success()) {
         assert!(
@@ -210,7 +210,7 @@ pub fn mount(server: &Server, dataset: &str, options: &str) -> (TempDir, batchfs
     mount_url(&format!("{}/{dataset}", server.base), options)
 }
 
-/// Like [`mount`], of the dataset at `url` (a server behind `batchfs netem`, say).
+/// Like [`mount`], of the dataset at `url` (a server behind `batchfs-lab netem`, say).
 pub fn mount_url(url: &str, options: &str) -> (TempDir, batchfs_mount::mount::Mounted) {
     let dir = tempfile::tempdir().unwrap();
     let mut o = batchfs_mount::options::MountOptions::default();

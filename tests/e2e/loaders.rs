@@ -22,7 +22,7 @@ fn run_loader(python: &str, module: &str, args: &[&str]) -> Option<Value> {
         eprintln!("skipping the {module} loader test: {module} does not import in {python}");
         return None;
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/loaders.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/loaders.py");
     let out = Command::new(python).arg(script).args(args).output().unwrap();
     assert!(out.status.success(), "loaders.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -255,7 +255,7 @@ fn writes_fail_with_erofs_and_unknown_names_with_enoent() {
 /// whole file is still exactly the server's batch.
 #[test]
 fn a_read_through_the_daemon_gets_the_first_bytes_before_the_whole_batch_has_arrived() {
-    use batchfs_mount::cmd::netem::{start, Link};
+    use batchfs_lab::netem::{start, Link};
     let rt = runtime();
     let fx = fixture(SourceFormat::Tfrecord, 40, 100_000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));

@@ -1,8 +1,8 @@
-//! The latency lab's instrument, measured: `batchfs netem` adds the RTT it is asked for (within 1 ms or
+//! The latency lab's instrument, measured: `batchfs-lab netem` adds the RTT it is asked for (within 1 ms or
 //! 10 %) and caps throughput within 10 %, without reordering or changing a byte; and injects the faults it is
 //! asked for (flipped bits, cut connections, stalls, a link down), each counted and replayed by its seed.
 
-use batchfs_mount::cmd::netem::{start, start_with_faults, Faults, Link};
+use batchfs_lab::netem::{start, start_with_faults, Faults, Link};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;

@@ -1,11 +1,10 @@
-//! What each inode is. Inode numbers encode what they name, so no table grows with the epochs read, and a new process serving
-//! the same mount numbers everything the same way: the root is 1, `.batchfs` 2, its `stats` 3, `rolling`
-//! 4, epoch directory *e* is `2^40 + e`, and batch *b* of epoch *e* is `2^62 + e·2^36 + b·8 + kind`
-//! (kind 0: the batch, 1: its DALI index; as `rolling/` serves epoch *e*: 2 the packed batch, 3 its
-//! index, 4 the indexed layout's file); the indexed layout's twin of name *b*, one file for every epoch,
-//! is `2^43 + b`; node *n* of the `raw/` tree (built from the server's file list on first use) is
-//! `2^41 + n` for a directory, `2^42 + n` for a file. Any epoch number up to 999,999 resolves by name,
-//! (`fs.rs`'s tree diagram shows what each names.)
+//! What each inode is. Inode numbers encode what they name, so no table grows with the epochs read, and a
+//! new process serving the same mount numbers everything the same way: the root is 1, `.batchfs` 2, its
+//! `stats` 3, `rolling` 4, epoch directory *e* is `2^40 + e`, and batch *b* of epoch *e* is
+//! `2^62 + e·2^36 + b·8 + kind` (kind 0: the batch, 1: its DALI index; as `rolling/` serves epoch *e*: 2 the
+//! packed batch, 3 its index, 4 the indexed layout's file); the indexed layout's twin of name *b*, one file
+//! for every epoch, is `2^43 + b`; node *n* of the `raw/` tree (built from the server's file list on first
+//! use) is `2^41 + n` for a directory, `2^42 + n` for a file. (`fs.rs`'s tree shows what each names.)
 
 use batchfs::encode::BatchFormat;
 use batchfs::plan::MAX_EPOCH;

@@ -24,20 +24,9 @@
 //! known by its pid and start time, so a later process that reuses a pid starts over.
 
 use super::RollingFile;
+use crate::options::RollingMode;
 use crate::sync::{AtomicBool, Mutex, Ordering};
 use std::collections::{HashMap, VecDeque};
-
-/// How `rolling/` lays out TFRecord batches (the `rolling` mount option).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum RollingMode {
-    /// Each reader its layout: indexed for processes that opened a twin, packed for the others.
-    #[default]
-    Auto,
-    /// Every reader the indexed layout.
-    Indexed,
-    /// Every reader the packed layout (twins per epoch).
-    Packed,
-}
 
 /// The layout one reader gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,7 @@
-//! The cache's entries: one per batch fetched or being fetched, with its state (fetching, a verified
-//! body, or the error that ended its fetch), what the budget was charged for it (`admission.rs`'s guard), whether a reader consumed
-//! it, when it was last touched, and its sealed memory file once the kernel serves it (passthrough). And
-//! the one rule of what to evict first.
+//! The cache's entries: one per batch fetched or being fetched, with its state (fetching, a verified body, or the error
+//! that ended its fetch), what the budget was charged for it (`admission.rs`'s guard), whether a reader consumed it,
+//! when it was last touched, and its sealed memory file once the kernel serves it (passthrough). And the one rule of
+//! what to evict first.
 //!
 //! A verified body is its bytes as the server sent them ([`Content::Bytes`]), or, for `rolling/`'s indexed
 //! layout, records placed at their slots ([`Content::Placed`]): the bytes of the records and where each

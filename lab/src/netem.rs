@@ -1,4 +1,4 @@
-//! `batchfs netem`: a user-space network emulator for loopback, where the kernel has no netem qdisc. A
+//! `batchfs-lab netem`: a user-space network emulator for loopback, where the kernel has no netem qdisc. A
 //! TCP proxy that delays each direction by half the RTT and caps its throughput, as a delay line (bytes
 //! keep flowing while earlier ones are in flight), preserving byte order.
 //!
@@ -402,13 +402,13 @@ pub fn start_with_faults(listen: SocketAddr, upstream: SocketAddr, link: Link, f
     Ok(Netem { addr, faults: counts, stop })
 }
 
-/// `batchfs netem`: runs until killed.
+/// `batchfs-lab netem`: runs until killed.
 pub fn run(args: NetemArgs) -> Result<()> {
     let link = Link::from(&args);
     let faults = Faults::from(&args);
     let netem = start_with_faults(args.listen, args.upstream, link, faults)?;
     eprintln!(
-        "batchfs netem: {} -> {} with RTT {} ms{}{}",
+        "batchfs-lab netem: {} -> {} with RTT {} ms{}{}",
         netem.addr,
         args.upstream,
         args.rtt_ms,
@@ -420,7 +420,7 @@ pub fn run(args: NetemArgs) -> Result<()> {
         || faults.stall_every.is_some()
         || faults.down.is_some();
     if injecting {
-        eprintln!("batchfs netem: injecting faults ({faults:?}); totals follow whenever they change");
+        eprintln!("batchfs-lab netem: injecting faults ({faults:?}); totals follow whenever they change");
     }
     // The report: the fault totals, every second in which they changed.
     let mut last = String::new();
@@ -428,7 +428,7 @@ pub fn run(args: NetemArgs) -> Result<()> {
         std::thread::sleep(Duration::from_secs(1));
         let now = netem.faults.summary();
         if injecting && now != last {
-            eprintln!("batchfs netem: faults injected: {now}");
+            eprintln!("batchfs-lab netem: faults injected: {now}");
             last = now;
         }
     }

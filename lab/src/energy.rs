@@ -1,11 +1,11 @@
-//! `batchfs energy [--idle 10s] [--interval 100ms] [--out FILE.jsonl] -- COMMAND ...`: like `perf stat`
+//! `batchfs-lab energy [--idle 10s] [--interval 100ms] [--out FILE.jsonl] -- COMMAND ...`: like `perf stat`
 //! for energy. Measures the idle baseline, runs the command while sampling every sensor, and prints
 //! joules per sensor (total, idle power, above idle), the command's CPU seconds (perf task-clock), and
 //! which sensors are unavailable and why.
 
 use anyhow::{bail, Context, Result};
-use batchfs::energy::{self, Monitor};
 use batchfs::units::parse_duration;
+use batchfs_energy::{self as energy, Monitor};
 use clap::Args;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -46,7 +46,7 @@ pub fn run(args: EnergyArgs) -> Result<i32> {
     let (sensors, idle) = if sensors.is_empty() || args.idle.is_zero() {
         (sensors, vec![None; names.len()])
     } else {
-        eprintln!("batchfs energy: measuring the idle baseline for {:?}...", args.idle);
+        eprintln!("batchfs-lab energy: measuring the idle baseline for {:?}...", args.idle);
         let (sensors, samples) = energy::measure_idle(sensors, args.idle, args.interval);
         let idle = energy::idle_watts(&samples, names.len(), max_gap, &wraps);
         (sensors, idle)
@@ -68,9 +68,9 @@ pub fn run(args: EnergyArgs) -> Result<i32> {
     let cpu = match counter {
         Ok(mut c) => match c.read() {
             Ok(ns) => (Some(ns as f64 / 1e9), "perf task-clock of the command and its children".to_owned()),
-            Err(e) => (crate::sys::children_cpu_seconds(), format!("rusage (task-clock read failed: {e})")),
+            Err(e) => (batchfs_mount::sys::children_cpu_seconds(), format!("rusage (task-clock read failed: {e})")),
         },
-        Err(e) => (crate::sys::children_cpu_seconds(), format!("rusage ({e})")),
+        Err(e) => (batchfs_mount::sys::children_cpu_seconds(), format!("rusage ({e})")),
     };
     let report = energy::report(&samples, &names, &wraps, &idle, max_gap, cpu, unavailable);
     print!("{}", format_report(&args.command.join(" "), status.code(), &report));

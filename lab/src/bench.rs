@@ -1,4 +1,4 @@
-//! `batchfs bench PATH`: reads every file under PATH the way a data loader does and reports wall time,
+//! `batchfs-lab bench PATH`: reads every file under PATH the way a data loader does and reports wall time,
 //! throughput, per-read latency and time stalled. N reader threads share the files by `pattern`:
 //! `sequential` (reader r takes the r-th contiguous slice), `interleaved` (files r, r+N, r+2N..., as DDP
 //! ranks and DataLoader workers do) or `random` (a seeded shuffle, then interleaved). With
@@ -153,7 +153,7 @@ fn parse_proc_stat(stat: &str) -> Option<f64> {
     let ticks: Vec<u64> = line.split_whitespace().skip(1).map(|v| v.parse().ok()).collect::<Option<_>>()?;
     // user nice system idle iowait irq softirq steal: busy is all but idle, iowait and steal.
     let busy = [0, 1, 2, 5, 6].iter().map(|&i| ticks.get(i).copied()).sum::<Option<u64>>()?;
-    Some(busy as f64 / crate::sys::clock_ticks())
+    Some(busy as f64 / batchfs_mount::sys::clock_ticks())
 }
 
 fn list(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
@@ -360,7 +360,7 @@ pub fn measure(args: &BenchArgs) -> Result<BenchResult> {
     })
 }
 
-/// `batchfs bench`.
+/// `batchfs-lab bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(r) = args.reader {
         let n = args.threads.max(1);
@@ -392,7 +392,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "batchfs bench {} ({} reader {}, {:?}{}{})",
+        "batchfs-lab bench {} ({} reader {}, {:?}{}{})",
         args.path.display(),
         r.threads,
         if r.processes { "processes" } else { "threads" },
@@ -488,7 +488,7 @@ mod tests {
     #[test]
     fn proc_stat_busy_time() {
         let stat = "cpu  100 20 30 5000 40 5 7 11 0 0\ncpu0 50 10 15 2500 20 2 3 5 0 0\nintr 1\n";
-        let hz = crate::sys::clock_ticks();
+        let hz = batchfs_mount::sys::clock_ticks();
         // user + nice + system + irq + softirq; idle, iowait and steal excluded.
         assert_eq!(parse_proc_stat(stat), Some(162.0 / hz));
         assert_eq!(parse_proc_stat("intr 1\n"), None);

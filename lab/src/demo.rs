@@ -1,13 +1,13 @@
-//! `batchfs demo`: the README's first command. Generates a sample dataset, starts `batchfs-server` on
+//! `batchfs-lab demo`: the README's first command. Generates a sample dataset, starts `batchfs-server` on
 //! loopback, mounts it, reads one epoch with several reader threads as a loader would (each reading every
 //! k-th batch file), checks every file against the manifest's CRC32C, prints a result table, unmounts and
 //! cleans up.
 
-use crate::options::MountOptions;
 use anyhow::{Context, Result};
 use batchfs::demo::{SampleArgs, Table, Tally};
 use batchfs::encode::BatchFormat;
 use batchfs::gen;
+use batchfs_mount::options::MountOptions;
 use clap::Args;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -93,7 +93,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     mount_options.plan.batch_size = args.sample.batch_size;
     let deadline = Instant::now() + Duration::from_secs(60);
     let plan = loop {
-        match crate::mount::plan(&url, &mountpoint, mount_options.clone()) {
+        match batchfs_mount::mount::plan(&url, &mountpoint, mount_options.clone()) {
             Ok(p) => break p,
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!(error = %e, "waiting for the server");
@@ -102,11 +102,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
             Err(e) => return Err(e.context("the server did not come up")),
         }
     };
-    let mounted = crate::mount::spawn(&plan)?;
+    let mounted = batchfs_mount::mount::spawn(&plan)?;
     let manifest = mounted.prefetcher.manifest(0, BatchFormat::Tfrecord).map_err(anyhow::Error::msg)?;
-    let epoch = mountpoint.join(crate::fs::epoch_name(0));
+    let epoch = mountpoint.join(batchfs_mount::fs::epoch_name(0));
     let files: Vec<PathBuf> = (0..manifest.batches.len() as u64)
-        .map(|b| epoch.join(crate::fs::batch_name(b, BatchFormat::Tfrecord)))
+        .map(|b| epoch.join(batchfs_mount::fs::batch_name(b, BatchFormat::Tfrecord)))
         .collect();
     let listed = std::fs::read_dir(&epoch)?.count();
 
@@ -182,8 +182,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
         ("time stalled", format!("{:.3} s over {} stalled reads/opens", stats.stall_us as f64 / 1e6, stats.stalls)),
         ("checksums", format!("{verified}/{} batch files match the manifest (CRC32C)", files.len())),
     ];
-    let table =
-        Table { title: "batchfs demo: one epoch read through a FUSE mount of batchfs-server on loopback".into(), rows };
+    let table = Table {
+        title: "batchfs-lab demo: one epoch read through a FUSE mount of batchfs-server on loopback".into(),
+        rows,
+    };
     println!("\n{table}");
     Ok(())
 }

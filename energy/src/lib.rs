@@ -529,7 +529,7 @@ pub fn measure_idle(
 
 /// `--energy-log FILE` of a long-running process: the timeline as JSON lines (one [`Sample`] per
 /// interval, with the process's byte counter), then a `{"summary": Report}` line when it ends (no idle
-/// baseline: a server or mount cannot stop its own work to measure idle; `batchfs energy` can).
+/// baseline: a server or mount cannot stop its own work to measure idle; `batchfs-lab energy` can).
 pub struct EnergyLog {
     monitor: Monitor,
     path: PathBuf,

@@ -1,0 +1,57 @@
+//! batchfs's lab tools, kept out of the daemons (the `batchfs` mount runs as root; none of this is
+//! compiled into it): `demo` (generate, serve, mount, read one epoch, report: the README's first
+//! command), `bench` (read a tree as a loader does), `netem` (a delay-line and rate-cap TCP proxy for
+//! loopback links, with faults) and `energy` (a command's energy per sensor, idle baseline subtracted).
+
+pub mod bench;
+pub mod demo;
+pub mod energy;
+pub mod netem;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+/// batchfs-lab: the demo and the instruments of the latency lab.
+#[derive(Debug, Parser)]
+#[command(name = "batchfs-lab", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate a sample dataset, serve it, mount it, read one epoch, print a result table.
+    Demo(demo::DemoArgs),
+    /// Read every file under a path as a loader would; report throughput, read latency, time stalled.
+    Bench(bench::BenchArgs),
+    /// A TCP proxy that adds latency and caps throughput (user-space netem, for loopback links).
+    Netem(netem::NetemArgs),
+    /// Run a command and report the energy it used per sensor, idle baseline subtracted.
+    Energy(energy::EnergyArgs),
+}
+
+fn init_tracing(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Entry point of the binary.
+pub fn run() -> Result<()> {
+    match Cli::parse().command {
+        Command::Demo(args) => {
+            init_tracing("warn");
+            demo::run(args)
+        }
+        Command::Bench(args) => bench::run(args),
+        Command::Netem(args) => {
+            init_tracing("info");
+            netem::run(args)
+        }
+        Command::Energy(args) => {
+            init_tracing("warn");
+            let code = energy::run(args)?;
+            std::process::exit(code)
+        }
+    }
+}
