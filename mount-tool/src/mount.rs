@@ -51,10 +51,22 @@ pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<Mount
     Ok(MountPlan { url: url.to_owned(), mountpoint, options, http })
 }
 
-fn is_mountpoint(path: &Path) -> bool {
+/// Whether something is mounted at `path` (as `/proc/self/mountinfo` names it: canonical).
+pub fn is_mountpoint(path: &Path) -> bool {
     let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
     let target = path.to_string_lossy().replace(' ', "\\040");
     mounts.lines().any(|l| l.split(' ').nth(4) == Some(target.as_str()))
+}
+
+/// Unmounts `path` (lazily) when dropped, also while a panic unwinds: what a test or a tool that mounts
+/// holds so that nothing stays mounted behind it.
+pub struct UnmountOnDrop(pub PathBuf);
+
+impl Drop for UnmountOnDrop {
+    fn drop(&mut self) {
+        // Nothing mounted there (already unmounted): an error, ignored.
+        let _ = sys::unmount(&self.0, true);
+    }
 }
 
 fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {

@@ -3,66 +3,16 @@
 //! util-linux `mount -T`, memory held under the cache budget while reading an epoch four times larger
 //! than the cache, and the energy log of a mount. (The lab tools' tests are `lab/tests/cli.rs`.)
 
-use batchfs::gen::{self, GenOptions};
-use batchfs::index::SourceFormat;
-use batchfs::source::{IndexOptions, NoProgress};
-use batchfs_server::catalog::{Catalog, Dataset};
-use batchfs_server::config::ServerLimits;
-use batchfs_server::{RunningServer, ServeOptions};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_batchfs");
 
-struct Server {
-    runtime: tokio::runtime::Runtime,
-    running: Option<RunningServer>,
-    _data: tempfile::TempDir,
-    url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(s) = self.running.take() {
-            self.runtime.block_on(s.shutdown());
-        }
-    }
-}
+type Server = batchfs_server::testing::GeneratedServer;
 
 fn server(samples: u32, mean_bytes: u64, token: Option<&str>) -> Server {
-    let data = tempfile::tempdir().unwrap();
-    let options = GenOptions {
-        format: SourceFormat::Tfrecord,
-        samples,
-        mean_bytes,
-        shards: 8,
-        classes: 4,
-        seed: 2,
-        ..Default::default()
-    };
-    gen::generate(&options, data.path()).unwrap();
-    let catalog = Catalog::default();
-    let dataset = Dataset::open(
-        "d",
-        data.path(),
-        None,
-        &IndexOptions::default(),
-        &NoProgress,
-        ServerLimits::default().io_policy(),
-    )
-    .unwrap();
-    catalog.insert(dataset).unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let serve = ServeOptions {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tls: None,
-        token: token.map(|t| t.as_bytes().to_vec()),
-        limits: Default::default(),
-    };
-    let running = runtime.block_on(batchfs_server::start(catalog, serve)).unwrap();
-    let url = format!("http://127.0.0.1:{}/d", running.local_addr().port());
-    Server { runtime, running: Some(running), _data: data, url }
+    batchfs_server::testing::serve_generated(samples, mean_bytes, token)
 }
 
 /// Batch `batch` of epoch 0 with plan options `query`, straight from the server.
@@ -78,13 +28,7 @@ fn server_batch(server: &Server, query: &str, batch: u64) -> Vec<u8> {
 }
 
 /// Unmounts (lazily) on drop, so a failing test leaves nothing mounted.
-struct MountGuard(PathBuf);
-
-impl Drop for MountGuard {
-    fn drop(&mut self) {
-        let _ = Command::new(BIN).args(["umount", "--lazy"]).arg(&self.0).output();
-    }
-}
+use batchfs_mount::mount::UnmountOnDrop as MountGuard;
 
 fn batchfs(args: &[&str]) -> Output {
     Command::new(BIN).args(args).env("RUST_LOG", "warn").output().unwrap()
@@ -95,8 +39,7 @@ fn stderr(o: &Output) -> String {
 }
 
 fn is_mounted(path: &Path) -> bool {
-    let target = path.to_string_lossy().into_owned();
-    std::fs::read_to_string("/proc/self/mountinfo").unwrap().lines().any(|l| l.split(' ').nth(4) == Some(&target))
+    batchfs_mount::mount::is_mountpoint(path)
 }
 
 #[test]

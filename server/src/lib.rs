@@ -18,6 +18,8 @@ pub mod policy;
 pub mod progress;
 pub mod service;
 pub mod storage;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod tls;
 
 use crate::catalog::Catalog;

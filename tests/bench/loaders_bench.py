@@ -142,13 +142,20 @@ def main():
     with_cleanup("loaders", run)
 
 
-def run(out, work, procs, mounts):
+def serve_generated(work, procs, samples, mean):
+    """Generates a TFRecord dataset of `samples` (ImageNet-shaped sizes around `mean` bytes) under `work`
+    and serves it as `d` on a free loopback port (the server joins `procs`); returns (data dir, port)."""
     data = os.path.join(work, "data")
-    subprocess.run([os.path.join(BIN, "batchfs-server"), "gen", "--format", "tfrecord", "--samples", str(SAMPLES),
-                    "--mean-bytes", str(MEAN), "--out", data], check=True, capture_output=True)
+    subprocess.run([os.path.join(BIN, "batchfs-server"), "gen", "--format", "tfrecord", "--samples", str(samples),
+                    "--mean-bytes", str(mean), "--out", data], check=True, capture_output=True)
     port = free_port()
     procs.append(subprocess.Popen([os.path.join(BIN, "batchfs-server"), "serve", "--listen", f"127.0.0.1:{port}",
                                    "--dataset", f"d={data}"], stderr=subprocess.DEVNULL))
+    return data, port
+
+
+def run(out, work, procs, mounts):
+    _, port = serve_generated(work, procs, SAMPLES, MEAN)
     netem = {"direct": (port, None), "daemon": (port, None)}
     if env("BIN_BEFORE"):
         netem["direct-before"] = (port, None)

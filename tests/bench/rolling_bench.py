@@ -33,7 +33,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loaders_bench import BIN, LOADERS_PY, free_port, with_cleanup, write_csv  # noqa: E402
+from loaders_bench import BIN, LOADERS_PY, free_port, serve_generated, with_cleanup, write_csv  # noqa: E402
 
 env = os.environ.get
 SAMPLES, MEAN, BATCH = int(env("SAMPLES", "4000")), int(env("MEAN", "110000")), int(env("BATCH", "128"))
@@ -110,12 +110,7 @@ def main():
 
 
 def run(out, work, procs, mounts):
-    data = os.path.join(work, "data")
-    subprocess.run([os.path.join(BIN, "batchfs-server"), "gen", "--format", "tfrecord", "--samples", str(SAMPLES),
-                    "--mean-bytes", str(MEAN), "--out", data], check=True, capture_output=True)
-    port = free_port()
-    procs.append(subprocess.Popen([os.path.join(BIN, "batchfs-server"), "serve", "--listen", f"127.0.0.1:{port}",
-                                   "--dataset", f"d={data}"], stderr=subprocess.DEVNULL))
+    _, port = serve_generated(work, procs, SAMPLES, MEAN)
     upstream = {}
     for rtt in RTTS:
         p = free_port()
