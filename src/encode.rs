@@ -496,6 +496,19 @@ fn build(index: &Index, samples: &[u32], format: BatchFormat, slot: u64, summary
     b.finish()
 }
 
+/// The data of `samples`, one after another (each sample's parts in order, nothing between them): the body
+/// of a data request (`GET .../samples/data`), with checkpoints at sample ends as batches have.
+pub fn data_layout(index: &Index, samples: &[u32]) -> BatchLayout {
+    let mut b = LayoutBuilder { every: CHECKPOINT_BYTES, ..LayoutBuilder::default() };
+    for &i in samples {
+        for p in &index.samples[i as usize].parts {
+            b.data(p.shard, p.offset, p.len, p.crc32c);
+        }
+        b.sample_end();
+    }
+    b.finish()
+}
+
 /// Materializes a layout, given a way to read shard ranges (tests, small tools; the server streams).
 pub fn materialize(layout: &BatchLayout, mut read: impl FnMut(u32, u64, u64) -> Vec<u8>) -> Vec<u8> {
     let mut out = Vec::with_capacity(layout.len as usize);
@@ -630,6 +643,24 @@ mod tests {
             let idx = layout_idx(&index, &order);
             let expected: String = records.iter().map(|r| format!("{} {}\n", r.frame_offset, r.frame_len())).collect();
             prop_assert_eq!(String::from_utf8(idx).unwrap(), expected);
+        }
+
+        #[test]
+        fn data_layouts_are_the_samples_parts_back_to_back(
+            samples in arb_samples(3),
+            pick in proptest::collection::vec(0usize..12, 1..20),
+        ) {
+            let (index, shard) = files_index(&samples, SourceFormat::Files);
+            let ids: Vec<u32> = pick.iter().map(|&i| (i % samples.len()) as u32).collect();
+            let layout = data_layout(&index, &ids);
+            let body = materialize(&layout, read_from(&shard));
+            let parts = |i: u32| samples[i as usize].2.iter().flat_map(|(_, b)| b.clone()).collect::<Vec<u8>>();
+            let expected: Vec<u8> = ids.iter().flat_map(|&i| parts(i)).collect();
+            prop_assert_eq!(&body, &expected);
+            prop_assert_eq!((layout.len, layout.crc32c), (body.len() as u64, crc::crc32c(&body)));
+            if !body.is_empty() {
+                prop_assert_eq!(layout.checkpoints.last(), Some(&(layout.len, layout.crc32c)));
+            }
         }
 
         #[test]

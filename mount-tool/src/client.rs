@@ -8,7 +8,7 @@
 //! A client only moves bytes. Verifying sizes and checksums against the manifest, retrying and giving
 //! up are the prefetcher's job, so the in-memory client can hand it wrong bytes on purpose.
 
-use batchfs::api::{DatasetInfo, FileList, Manifest, SlotTable};
+use batchfs::api::{DatasetInfo, FileList, Manifest, SampleTable, SlotTable};
 use batchfs::encode::BatchFormat;
 use std::future::Future;
 use std::pin::Pin;
@@ -84,6 +84,17 @@ pub trait BatchClient: Send + Sync + 'static {
         epoch: u64,
         batch: u64,
         format: BatchFormat,
+        attempt: u32,
+        into: Sink,
+        expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>>;
+    /// Every sample's label, data size and CRC32C (for `shuffled/`).
+    fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>>;
+    /// The data of samples `ids`, one after another (unverified), `expect` bytes, appended to `into` like
+    /// [`BatchClient::fetch_batch`].
+    fn fetch_samples(
+        &self,
+        ids: &[u32],
         attempt: u32,
         into: Sink,
         expect: u64,

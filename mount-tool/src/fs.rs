@@ -13,7 +13,7 @@
 //! encode what they name, and the names), `fs/error.rs` (errors and their errnos), `fs/rolling.rs`
 //! (`rolling/`'s counters and layouts), `fs/raw.rs` (`raw/`'s tree) and `fs/handles.rs` (open handles).
 
-use crate::prefetch::{Listing, ObjectKey, Prefetcher, ReadError};
+use crate::prefetch::{Listing, ObjectKey, Prefetcher, ReadError, WINDOW_GROUPS};
 use batchfs::encode::BatchFormat;
 use batchfs::plan::MAX_EPOCH;
 use bytes::Bytes;
@@ -25,12 +25,14 @@ pub mod handles;
 mod inode;
 mod raw;
 mod rolling;
+mod shuffled;
 pub use crate::options::RollingMode;
 pub use error::FsError;
 pub use inode::*;
 use inode::{parse_epoch, MAX_BATCHES};
 use raw::RawTree;
 use rolling::{Layout, RollingState};
+use shuffled::ShuffledView;
 
 /// The name of the statistics directory.
 pub const META_NAME: &str = ".batchfs";
@@ -41,6 +43,8 @@ pub const READDIR_BATCH: usize = 4096;
 
 /// The name of the rolling epoch view.
 pub const ROLLING_NAME: &str = "rolling";
+/// The name of the class-folder view.
+pub const SHUFFLED_NAME: &str = "shuffled";
 
 /// Attributes of a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +70,8 @@ pub struct FsOptions {
     pub rolling: RollingMode,
     /// The epoch the first open of each `rolling/` file serves.
     pub first_epoch: u64,
+    /// The class folders of `shuffled/` (a file tree's first directories); none: no `shuffled/`.
+    pub classes: Vec<String>,
 }
 
 /// What a file reads: a batch (or a placed file of `rolling/`), a file of `raw/` (by its directory's id
@@ -74,6 +80,7 @@ enum Source {
     Batch(ObjectKey),
     Raw { dir: u32, file: u64 },
     RollingIndex(u64),
+    Shuffled { epoch: u64, class: u32, k: u64 },
 }
 
 /// The filesystem.
@@ -82,12 +89,14 @@ pub struct Fs {
     pub options: FsOptions,
     raw: RawTree,
     rolling: RollingState,
+    shuffled: ShuffledView,
 }
 
 impl Fs {
     pub fn new(prefetcher: Arc<Prefetcher>, options: FsOptions) -> Self {
         let rolling = RollingState::new(options.rolling, options.first_epoch, options.epochs);
-        Fs { prefetcher, options, raw: RawTree::new(), rolling }
+        let shuffled = ShuffledView::new(options.classes.clone(), options.first_epoch, options.epochs);
+        Fs { prefetcher, options, raw: RawTree::new(), rolling, shuffled }
     }
 
     /// Directory node `n` of `raw/`, listed from the server if it is not yet (`raw/` hidden: none).
@@ -101,7 +110,8 @@ impl Fs {
     /// The parent directory of directory `ino` (the root is its own).
     pub fn parent(&self, ino: u64) -> u64 {
         match Node::from_ino(ino) {
-            Some(Node::RawDir(0) | Node::Epoch(_) | Node::MetaDir | Node::RollingDir) => ROOT,
+            Some(Node::RawDir(0) | Node::Epoch(_) | Node::MetaDir | Node::RollingDir | Node::ShuffledDir) => ROOT,
+            Some(Node::ShuffledClass(_)) => SHUFFLED_DIR,
             Some(Node::RawDir(n)) => self.raw.parent(n).map_or(ROOT, |p| Node::RawDir(p).ino()),
             _ => ROOT,
         }
@@ -174,6 +184,49 @@ impl Fs {
     }
 
     /// Current statistics as JSON.
+    /// The sample the lookup of `name` in class `class` by thread `tid` gets, and the windows it starts.
+    fn shuffled_node(&self, class: u32, name: &str, tid: u32) -> Result<Node, FsError> {
+        let names = self.shuffled.names(&self.prefetcher, class)?;
+        names.binary_search_by(|n| n.as_str().cmp(name)).map_err(|_| FsError::NotFound)?;
+        let samples = names.len() as u64;
+        let (epoch, k) = self.shuffled.reserve(tid, class, samples).ok_or(FsError::NotFound)?;
+        let plan = self.shuffled.plan(&self.prefetcher, epoch)?;
+        if self.shuffled.first_time(epoch) {
+            for c in 0..plan.order.len() {
+                self.prefetcher.prefetch_shuffled(&plan, c, 0..WINDOW_GROUPS);
+            }
+        }
+        // The groups holding the class's next samples, on into the next epoch's when they run past.
+        let group = plan.group as u64;
+        let (first, last) = (k / group, (k + WINDOW_GROUPS * group) / group);
+        self.prefetcher.prefetch_shuffled(&plan, class as usize, first..last + 1);
+        let groups = samples.div_ceil(group);
+        if last >= groups {
+            let next = self.shuffled.plan(&self.prefetcher, self.next_epoch(epoch))?;
+            self.prefetcher.prefetch_shuffled(&next, class as usize, 0..last + 1 - groups);
+        }
+        Ok(Node::Shuffled { epoch, class, k })
+    }
+
+    /// The epoch after `epoch` in the job's span (after its last, its first).
+    fn next_epoch(&self, epoch: u64) -> u64 {
+        let next = epoch + 1;
+        if next >= self.options.first_epoch + self.options.epochs.max(1) {
+            self.options.first_epoch
+        } else {
+            next
+        }
+    }
+
+    /// At most `max` entries of class folder `class` of `shuffled/` from position `from`: its names (their
+    /// inodes stand for no sample: a lookup hands one out).
+    fn shuffled_entries(&self, class: u32, from: usize, max: usize) -> Result<Vec<(Node, String)>, FsError> {
+        let names = self.shuffled.names(&self.prefetcher, class)?;
+        let epoch = self.options.first_epoch;
+        let entry = |(k, n): (usize, &String)| (Node::Shuffled { epoch, class, k: k as u64 }, n.clone());
+        Ok(names.iter().enumerate().skip(from).take(max).map(entry).collect())
+    }
+
     pub fn stats_json(&self) -> Vec<u8> {
         let mut out = serde_json::to_vec_pretty(&self.prefetcher.stats.snapshot()).expect("stats serialize");
         out.push(b'\n');
@@ -183,10 +236,18 @@ impl Fs {
     /// Resolves `name` in directory `parent` for process `owner` (0: unknown; in `rolling/` the layout
     /// depends on the reader).
     pub fn lookup(&self, parent: u64, name: &str, owner: u32) -> Result<Attr, FsError> {
+        self.lookup_as(parent, name, owner, owner)
+    }
+
+    /// [`Fs::lookup`] by thread `tid` of process `owner` (a name of `shuffled/` hands its thread a sample).
+    pub fn lookup_as(&self, parent: u64, name: &str, owner: u32, tid: u32) -> Result<Attr, FsError> {
         let node = match Node::from_ino(parent).ok_or(FsError::NotFound)? {
             Node::Root if name == META_NAME => Node::MetaDir,
             Node::Root if name == RAW_NAME && self.options.raw => Node::RawDir(0),
             Node::Root if name == ROLLING_NAME => Node::RollingDir,
+            Node::Root if name == SHUFFLED_NAME && !self.shuffled.classes.is_empty() => Node::ShuffledDir,
+            Node::ShuffledDir => Node::ShuffledClass(self.shuffled.class(name).ok_or(FsError::NotFound)?),
+            Node::ShuffledClass(class) => self.shuffled_node(class, name, tid)?,
             Node::Root => Node::Epoch(parse_epoch(name).ok_or(FsError::NotFound)?),
             Node::MetaDir if name == "stats" => Node::Stats,
             Node::Epoch(epoch) => {
@@ -203,9 +264,12 @@ impl Fs {
                 self.raw.lookup(n, name)?
             }
             Node::MetaDir => return Err(FsError::NotFound),
-            Node::Stats | Node::Batch { .. } | Node::Rolling { .. } | Node::RollingIndex { .. } | Node::RawFile(_) => {
-                return Err(FsError::NotADirectory)
-            }
+            Node::Stats
+            | Node::Batch { .. }
+            | Node::Rolling { .. }
+            | Node::RollingIndex { .. }
+            | Node::RawFile(_)
+            | Node::Shuffled { .. } => return Err(FsError::NotADirectory),
         };
         self.attr(node)
     }
@@ -243,6 +307,15 @@ impl Fs {
                 }
                 0
             }
+            Node::ShuffledDir if self.shuffled.classes.is_empty() => return Err(FsError::NotFound),
+            Node::ShuffledClass(class) if class as usize >= self.shuffled.classes.len() => {
+                return Err(FsError::NotFound)
+            }
+            Node::Shuffled { epoch, class, k } => {
+                let plan = self.shuffled.plan(&self.prefetcher, epoch)?;
+                let id = plan.order.get(class as usize).and_then(|o| o.get(k as usize)).ok_or(FsError::NotFound)?;
+                self.prefetcher.sample_table()?.bytes[*id as usize]
+            }
             _ => 0,
         };
         Ok(Attr { node, size })
@@ -257,6 +330,9 @@ impl Fs {
                     out.push((Node::RawDir(0), RAW_NAME.to_owned()));
                 }
                 out.push((Node::RollingDir, ROLLING_NAME.to_owned()));
+                if !self.shuffled.classes.is_empty() {
+                    out.push((Node::ShuffledDir, SHUFFLED_NAME.to_owned()));
+                }
                 out.extend((0..self.options.epochs.min(MAX_EPOCH + 1)).map(|e| (Node::Epoch(e), epoch_name(e))));
                 Ok(out)
             }
@@ -266,9 +342,20 @@ impl Fs {
                 self.raw_listed(n)?;
                 Ok(self.raw.entries(n, 0, usize::MAX)?.into_iter().map(|(name, node)| (node, name)).collect())
             }
-            Node::Stats | Node::Batch { .. } | Node::Rolling { .. } | Node::RollingIndex { .. } | Node::RawFile(_) => {
-                Err(FsError::NotADirectory)
-            }
+            Node::ShuffledDir => Ok(self
+                .shuffled
+                .classes
+                .iter()
+                .enumerate()
+                .map(|(c, n)| (Node::ShuffledClass(c as u32), n.clone()))
+                .collect()),
+            Node::ShuffledClass(class) => self.shuffled_entries(class, 0, usize::MAX),
+            Node::Stats
+            | Node::Batch { .. }
+            | Node::Rolling { .. }
+            | Node::RollingIndex { .. }
+            | Node::RawFile(_)
+            | Node::Shuffled { .. } => Err(FsError::NotADirectory),
         }
     }
 
@@ -315,6 +402,10 @@ impl Fs {
                 let entries = self.batch_entries(dir, offset.saturating_sub(2), READDIR_BATCH, owner)?;
                 entries.into_iter().map(|(node, name)| (name, node)).collect()
             }
+            Some(Node::ShuffledClass(class)) => {
+                let entries = self.shuffled_entries(class, offset.saturating_sub(2), READDIR_BATCH)?;
+                entries.into_iter().map(|(node, name)| (name, node)).collect()
+            }
             _ => {
                 let entries = self.readdir(ino, owner)?.into_iter().map(|(node, name)| (name, node));
                 entries.skip(offset.saturating_sub(2)).collect()
@@ -338,7 +429,13 @@ impl Fs {
     /// next lookup, the next open's, is the following epoch's file); an open of a twin there makes
     /// `owner` an index-driven reader (with `rolling=auto`). A failed open moves nothing.
     pub fn opened(&self, ino: u64, owner: u32) {
+        self.opened_as(ino, owner, owner)
+    }
+
+    /// [`Fs::opened`] by thread `tid` of process `owner`: a sample of `shuffled/` is the thread's file now.
+    pub fn opened_as(&self, ino: u64, owner: u32, tid: u32) {
         match Node::from_ino(ino) {
+            Some(Node::Shuffled { epoch, class, k }) => self.shuffled.opened(tid, class, epoch, k),
             Some(Node::Rolling { epoch, batch, file }) => {
                 self.rolling.opened(batch, file, epoch);
                 if file != RollingFile::Indexed {
@@ -382,6 +479,7 @@ impl Fs {
                 let (dir, file) = self.raw.file(n)?;
                 Ok(Source::Raw { dir, file })
             }
+            Node::Shuffled { epoch, class, k } => Ok(Source::Shuffled { epoch, class, k }),
             Node::Stats => Err(FsError::NotFound),
             _ => Err(FsError::IsADirectory),
         }
@@ -397,6 +495,10 @@ impl Fs {
                 let start = (offset as usize).min(text.len());
                 text.slice(start..(start + size as usize).min(text.len()))
             }
+            Source::Shuffled { epoch, class, k } => {
+                let plan = self.shuffled.plan(&self.prefetcher, epoch)?;
+                self.prefetcher.read_shuffled(&plan, class as usize, k, offset, size, owner)?
+            }
         })
     }
 
@@ -406,6 +508,8 @@ impl Fs {
     pub fn backing_file(&self, ino: u64, owner: u32) -> Result<Option<Arc<std::fs::File>>, FsError> {
         let key = match self.source(ino)? {
             Source::Batch(key) => key,
+            // A sample is part of its group: it reads through the daemon.
+            Source::Shuffled { .. } => return Ok(None),
             Source::Raw { dir, file } => {
                 let chunks = self.prefetcher.file_chunks(dir, file)?;
                 if chunks.end - chunks.start != 1 {
@@ -435,7 +539,8 @@ impl Fs {
                     self.prefetcher.closed(ObjectKey { listing: Listing::Raw { dir }, index });
                 }
             }
-            Ok(Source::RollingIndex(_)) | Err(_) => {}
+            // A group is consumed once its last sample is read to its end (the prefetcher marks it).
+            Ok(Source::RollingIndex(_) | Source::Shuffled { .. }) | Err(_) => {}
         }
     }
 }
@@ -473,7 +578,106 @@ mod tests {
             raw: true,
             rolling: RollingMode::Packed,
             first_epoch: 0,
+            classes: vec![],
         }
+    }
+
+    /// A class-folder tree of `per_class[c]` files in class `c` (`c0/f000.jpg`...), each holding its own
+    /// path, as a mount of `share` sees it through `shuffled/`.
+    fn class_tree(per_class: &[usize], share: (u32, u32)) -> (tokio::runtime::Runtime, Fs, Vec<(String, Bytes)>) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        for (c, &n) in per_class.iter().enumerate() {
+            for i in 0..n {
+                let path = format!("c{c}/f{i:03}.jpg");
+                let body = format!("{path}:{}", "x".repeat(i * 37 % 200));
+                client.files.push((path, Bytes::from(body.into_bytes())));
+            }
+        }
+        let files = client.files.clone();
+        let classes: Vec<String> = (0..per_class.len()).map(|c| format!("c{c}")).collect();
+        let mut config = PrefetcherConfig::default();
+        config.shuffled.share = share;
+        let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), config);
+        (rt, Fs::new(p, FsOptions { classes, epochs: 3, ..options(BatchFormat::Tfrecord) }), files)
+    }
+
+    /// Every name of every class opened once by one of four threads, in a random order: the bytes of each
+    /// class's files, each exactly once per epoch, in a new order each epoch; `stat` says each one's size.
+    #[test]
+    fn each_open_in_shuffled_gets_the_next_sample_of_its_class_once_an_epoch() {
+        let (_rt, fs, files) = class_tree(&[5, 9, 1], (0, 1));
+        let root: Vec<String> = fs.readdir(ROOT, 0).unwrap().into_iter().map(|(_, n)| n).collect();
+        assert!(root.contains(&"shuffled".to_owned()), "{root:?}");
+        let dir = fs.lookup(ROOT, "shuffled", 0).unwrap().node;
+        let classes: Vec<String> = fs.readdir(dir.ino(), 0).unwrap().into_iter().map(|(_, n)| n).collect();
+        assert_eq!(classes, ["c0", "c1", "c2"]);
+        let mut orders = Vec::new();
+        for epoch in 0..2 {
+            let mut got: Vec<(usize, Vec<u8>)> = Vec::new();
+            let mut names = Vec::new();
+            for (c, class) in classes.iter().enumerate() {
+                let class_ino = fs.lookup(dir.ino(), class, 0).unwrap().node.ino();
+                let listed = fs.dir_entries(class_ino, 0).unwrap();
+                names.extend(listed[2..].iter().map(|e| (c, class_ino, e.2.clone())));
+            }
+            // A shuffled walk, as a sampler's: four threads taking turns.
+            let mut rng = batchfs::plan::SplitMix64::new(epoch);
+            for i in (1..names.len()).rev() {
+                names.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
+            for (i, (c, class_ino, name)) in names.iter().enumerate() {
+                let tid = 100 + (i % 4) as u32;
+                let attr = fs.lookup_as(*class_ino, name, 7, tid).unwrap();
+                assert_eq!(fs.lookup_as(*class_ino, name, 7, tid).unwrap(), attr, "looked up again: the same");
+                fs.opened_as(attr.node.ino(), 7, tid);
+                let body = fs.read(attr.node.ino(), 0, 1 << 20, 7).unwrap();
+                assert_eq!(body.len() as u64, attr.size);
+                got.push((*c, body.to_vec()));
+            }
+            for (c, _) in classes.iter().enumerate() {
+                let mut mine: Vec<&[u8]> = got.iter().filter(|g| g.0 == c).map(|g| &g.1[..]).collect();
+                let mut want: Vec<&[u8]> =
+                    files.iter().filter(|f| f.0.starts_with(&format!("c{c}/"))).map(|f| &f.1[..]).collect();
+                orders.push(mine.iter().map(|b| b.to_vec()).collect::<Vec<_>>());
+                mine.sort();
+                want.sort();
+                assert_eq!(mine, want, "class {c}, epoch {epoch}: each of its samples once");
+            }
+        }
+        assert_ne!(orders[1], orders[4], "class 1's order differs between epochs");
+        assert_eq!(fs.lookup(dir.ino(), "c9", 0).unwrap_err().errno(), libc::ENOENT);
+        let c0 = fs.lookup(dir.ino(), "c0", 0).unwrap().node.ino();
+        assert_eq!(fs.lookup(c0, "nope.jpg", 0).unwrap_err().errno(), libc::ENOENT);
+    }
+
+    /// Two mounts of shares 0/2 and 1/2: each shows half of each class's names and serves half of its
+    /// samples; together every sample once.
+    #[test]
+    fn shares_of_shuffled_split_every_class() {
+        let mut all: Vec<Vec<u8>> = Vec::new();
+        let mut files = Vec::new();
+        for rank in 0..2 {
+            let (_rt, fs, f) = class_tree(&[7, 4], (rank, 2));
+            files = f;
+            let dir = fs.lookup(ROOT, "shuffled", 0).unwrap().node.ino();
+            for class in ["c0", "c1"] {
+                let class_ino = fs.lookup(dir, class, 0).unwrap().node.ino();
+                let names: Vec<String> =
+                    fs.dir_entries(class_ino, 0).unwrap()[2..].iter().map(|e| e.2.clone()).collect();
+                let total = if class == "c0" { 7 } else { 4 };
+                assert_eq!(names.len(), (total + 1 - rank as usize) / 2, "{class} of rank {rank}");
+                for name in names {
+                    let attr = fs.lookup_as(class_ino, &name, 1, 1).unwrap();
+                    fs.opened_as(attr.node.ino(), 1, 1);
+                    all.push(fs.read(attr.node.ino(), 0, 1 << 20, 1).unwrap().to_vec());
+                }
+            }
+        }
+        let mut want: Vec<Vec<u8>> = files.iter().map(|f| f.1.to_vec()).collect();
+        all.sort();
+        want.sort();
+        assert_eq!(all, want);
     }
 
     #[test]

@@ -82,7 +82,7 @@ impl FuseFs {
                     Stats::add(&stats.passthrough_opens, 1);
                     Stats::add(&stats.hits, 1);
                 }
-                return self.reply_open(&mut opens, ino, owner, Mode::Daemon, reply);
+                return self.reply_open(req, &mut opens, ino, Mode::Daemon, reply);
             }
         }
         let mut mode = Mode::Daemon;
@@ -108,13 +108,14 @@ impl FuseFs {
             }
         }
         let mut opens = self.opens.lock().expect("opens");
-        self.reply_open(&mut opens, ino, owner, mode, reply);
+        self.reply_open(req, &mut opens, ino, mode, reply);
     }
 
     /// Opens one more handle of `ino` for `owner` in the mode it is open in, or in `mode` if it is not
     /// open (another open may have finished meanwhile: its mode wins), and replies; the open got its file.
-    fn reply_open(&self, opens: &mut Handles<Backing>, ino: u64, owner: u32, mode: Mode<Backing>, reply: ReplyOpen) {
-        self.fs.opened(ino, owner);
+    fn reply_open(&self, req: &Request, opens: &mut Handles<Backing>, ino: u64, mode: Mode<Backing>, reply: ReplyOpen) {
+        let owner = self.owners.of(req.pid());
+        self.fs.opened_as(ino, owner, req.pid());
         match opens.open(ino, owner, mode) {
             (fh, Mode::Daemon) => {
                 Stats::add(&self.fs.stats().daemon_opens, 1);
@@ -151,7 +152,7 @@ impl FuseFs {
         match node {
             // A name in rolling/ is a new file at each open (and each reader's layout): the kernel must look
             // it up every time. The indexed layout's twins are one file for every epoch.
-            Node::Stats | Node::Rolling { .. } => Duration::ZERO,
+            Node::Stats | Node::Rolling { .. } | Node::Shuffled { .. } => Duration::ZERO,
             _ => TTL,
         }
     }
@@ -183,7 +184,7 @@ impl Filesystem for FuseFs {
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let Some(name) = name.to_str() else { return reply.error(Errno::ENOENT) };
-        match self.fs.lookup(parent.0, name, self.owners.of(req.pid())) {
+        match self.fs.lookup_as(parent.0, name, self.owners.of(req.pid()), req.pid()) {
             Ok(a) => reply.entry(&Self::ttl(a.node), &self.file_attr(&a), Generation(0)),
             Err(e) => reply.error(errno(&e)),
         }

@@ -20,6 +20,8 @@ pub struct MountPlan {
     pub mountpoint: PathBuf,
     pub options: MountOptions,
     pub http: HttpConfig,
+    /// The dataset as the server described it when the mount was planned.
+    pub info: batchfs::api::DatasetInfo,
 }
 
 /// Checks the options, the mountpoint (cleaning up a stale mount left by a killed daemon) and the
@@ -47,8 +49,8 @@ pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<Mount
         stall_timeout: options.stall_timeout,
         connect_timeout: Duration::from_secs(10),
     };
-    probe(&http, &options)?;
-    Ok(MountPlan { url: url.to_owned(), mountpoint, options, http })
+    let info = probe(&http, &options)?;
+    Ok(MountPlan { url: url.to_owned(), mountpoint, options, http, info })
 }
 
 /// Whether something is mounted at `path` (as `/proc/self/mountinfo` names it: canonical).
@@ -179,6 +181,11 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             raw: true,
             rolling: plan.options.rolling,
             first_epoch: plan.options.first_epoch,
+            // A file tree labelled by its first directories: ImageFolder's layout.
+            classes: match plan.info.format {
+                batchfs::index::SourceFormat::Files => plan.info.classes.clone(),
+                _ => Vec::new(),
+            },
         },
     );
     Ok((FuseFs::new(fs, plan.options.passthrough), prefetcher))

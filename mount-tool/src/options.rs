@@ -104,6 +104,15 @@ mod value {
         }
     }
 
+    /// `R/W`: rank R (from 0) of W.
+    pub fn share(v: &str) -> Result<(u32, u32), String> {
+        let parsed = v.split_once('/').and_then(|(r, w)| Some((r.parse::<u32>().ok()?, w.parse::<u32>().ok()?)));
+        match parsed {
+            Some((r, w)) if w >= 1 && r < w => Ok((r, w)),
+            _ => Err("expected R/W, a rank below the number of mounts, e.g. 0/8".into()),
+        }
+    }
+
     pub fn page_cache(v: &str) -> Result<PageCache, String> {
         match v {
             "drop" => Ok(PageCache::Drop),
@@ -184,6 +193,8 @@ options! {
         "The epoch the first open of each rolling/ file serves (a job restarted mid-run sets it).";
     rolling: RollingMode = RollingMode::Auto, value::rolling, "`auto`", "LAYOUT", "Plan",
         "Layout of TFRecord files in rolling/: auto (per reader), indexed or packed.";
+    share: (u32, u32) = (0, 1), value::share, "0/1", "R/W", "Plan",
+        "This mount's share of each class in shuffled/: rank R of W mounts of a data-parallel job.";
     prefetch: usize = 16, value::batches, "16", "N", "Prefetch",
         "Batches kept cached or in flight ahead of each reader stream (0: no prefetch).";
     prefetch_bytes: u64 = 128 << 20, value::size, "128M", "SIZE", "Prefetch",
@@ -312,6 +323,8 @@ impl Unset for Duration {}
 impl Unset for RollingMode {}
 #[cfg(test)]
 impl Unset for PageCache {}
+#[cfg(test)]
+impl Unset for (u32, u32) {}
 
 #[cfg(test)]
 mod tests {

@@ -58,12 +58,14 @@ mod fetch;
 mod listings;
 mod raw;
 mod retry;
+mod shuffled;
 mod streams;
 mod window;
 use cache::{Cache, Content, Entry};
 use listings::Listings;
 use raw::{Raw, RawDirs};
 use retry::{with_retries, Failure};
+pub use shuffled::{ClassPlan, ShuffledConfig, WINDOW_GROUPS};
 use window::Throughput;
 
 /// A list of files the mount shows: the batches of one epoch in one format, the files of one
@@ -72,9 +74,21 @@ use window::Throughput;
 /// [`SlotTable`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Listing {
-    Epoch { epoch: u64, format: BatchFormat },
-    Raw { dir: u32 },
-    Rolling { epoch: u64 },
+    Epoch {
+        epoch: u64,
+        format: BatchFormat,
+    },
+    Raw {
+        dir: u32,
+    },
+    Rolling {
+        epoch: u64,
+    },
+    /// The groups of one class's samples in one epoch of `shuffled/` (`prefetch/shuffled.rs`).
+    Shuffled {
+        epoch: u64,
+        class: u32,
+    },
 }
 
 /// The bytes of a page: a placed record's first and last pages are partly its own, and are counted whole.
@@ -82,7 +96,7 @@ const PAGE: u64 = 4096;
 
 /// What the server sends for one object: its size and CRC32C (from the manifest, or the file list).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Sent {
+pub struct Sent {
     pub bytes: u64,
     pub crc32c: u32,
 }
@@ -93,6 +107,8 @@ pub(crate) struct Sent {
 enum Objects {
     Batches(Arc<Manifest>),
     Chunks(Raw),
+    /// The groups of one class of a plan of `shuffled/`.
+    Groups(Arc<ClassPlan>, usize),
 }
 
 impl Objects {
@@ -101,6 +117,7 @@ impl Objects {
         match self {
             Objects::Batches(m) => m.batches.get(index as usize).map(|b| Sent { bytes: b.bytes, crc32c: b.crc32c }),
             Objects::Chunks(raw) => raw.chunks.get(index as usize).copied(),
+            Objects::Groups(plan, class) => plan.groups.get(*class)?.get(index as usize).copied(),
         }
     }
 
@@ -109,6 +126,7 @@ impl Objects {
         match self {
             Objects::Batches(m) => m.batches.len() as u64,
             Objects::Chunks(raw) => raw.chunks.len() as u64,
+            Objects::Groups(plan, class) => plan.groups.get(*class).map_or(0, |g| g.len() as u64),
         }
     }
 
@@ -117,6 +135,7 @@ impl Objects {
         match self {
             Objects::Batches(m) => m.bytes,
             Objects::Chunks(raw) => raw.bytes,
+            Objects::Groups(plan, class) => plan.groups.get(*class).map_or(0, |g| g.iter().map(|s| s.bytes).sum()),
         }
     }
 }
@@ -191,6 +210,8 @@ pub struct PrefetcherConfig {
     /// The span of epochs `(first_epoch, epochs)` whose TFRecord batches `rolling/`'s indexed layout
     /// holds (the slot table asked of the server).
     pub rolling: (u64, u64),
+    /// The plan and share of `shuffled/`.
+    pub shuffled: ShuffledConfig,
 }
 
 impl From<&MountOptions> for PrefetcherConfig {
@@ -209,6 +230,7 @@ impl From<&MountOptions> for PrefetcherConfig {
             stale_after: o.stale_after,
             stall_timeout: o.stall_timeout,
             rolling: (o.first_epoch, o.epochs),
+            shuffled: ShuffledConfig { plan: o.plan, share: o.share },
         }
     }
 }
@@ -251,6 +273,8 @@ pub struct Prefetcher {
     listings: Listings,
     /// The directories of `raw/` listed so far.
     raw: RawDirs,
+    /// The sample table and the plans of `shuffled/`.
+    shuffled: shuffled::Shuffled,
     streams: Mutex<StreamTracker>,
     /// Bytes of prefetches in flight now (each counted by its [`Prefetching`] guard).
     prefetching: Arc<crate::sync::AtomicU64>,
@@ -276,6 +300,7 @@ impl Prefetcher {
             room: Condvar::new(),
             listings: Listings::new(),
             raw: RawDirs::default(),
+            shuffled: Default::default(),
             streams: Mutex::new(streams),
             prefetching: Arc::new(crate::sync::AtomicU64::new(0)),
             throughput: Mutex::new(Throughput::default()),
@@ -342,6 +367,10 @@ impl Prefetcher {
             Listing::Epoch { epoch, format } => self.manifest(epoch, format).map(Objects::Batches),
             Listing::Raw { dir } => self.raw_dir(dir).map(Objects::Chunks),
             Listing::Rolling { epoch } => self.manifest(epoch, BatchFormat::Tfrecord).map(Objects::Batches),
+            Listing::Shuffled { epoch, class } => self
+                .cached_class_plan(epoch)
+                .map(|plan| Objects::Groups(plan, class as usize))
+                .ok_or_else(|| ReadError::NotFound(format!("the plan of epoch {epoch} of shuffled/"))),
         }
     }
 
@@ -388,7 +417,7 @@ impl Prefetcher {
         let sent = objects.get(key.index).ok_or_else(|| ReadError::NotFound(describe(key)))?;
         let placed = match key.listing {
             Listing::Rolling { .. } => Some(Arc::new(self.file_layout(key.index)?)),
-            Listing::Epoch { .. } | Listing::Raw { .. } => None,
+            Listing::Epoch { .. } | Listing::Raw { .. } | Listing::Shuffled { .. } => None,
         };
         Ok(Object { sent, placed })
     }
@@ -484,6 +513,9 @@ fn describe(key: ObjectKey) -> String {
         Listing::Epoch { epoch, format } => format!("batch {} of epoch {epoch} ({format})", key.index),
         Listing::Raw { dir } => format!("chunk #{} of raw directory #{dir}", key.index),
         Listing::Rolling { epoch } => format!("rolling/ batch {} of epoch {epoch} (indexed)", key.index),
+        Listing::Shuffled { epoch, class } => {
+            format!("group {} of class #{class} of epoch {epoch} (shuffled/)", key.index)
+        }
     }
 }
 

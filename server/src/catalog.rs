@@ -80,6 +80,8 @@ pub struct Dataset {
     /// Each sample's TFRecord frame in bytes, once a slot table needs them.
     frames: OnceLock<Vec<u64>>,
     slot_tables: Memo<RollingQuery, SlotTable>,
+    /// The sample table's encoding, once asked for.
+    sample_table: OnceLock<bytes::Bytes>,
 }
 
 /// How many plans and manifests each dataset keeps.
@@ -124,6 +126,7 @@ impl Dataset {
             computations: AtomicU64::new(0),
             frames: OnceLock::new(),
             slot_tables: Memo::new(SLOT_TABLE_CACHE),
+            sample_table: OnceLock::new(),
         })
     }
 
@@ -175,6 +178,33 @@ impl Dataset {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             batchfs::rolling::slot_table(frames, query.plan, query.first_epoch, query.epochs, threads)
         })
+    }
+
+    /// Every sample's label, data size and CRC32C, encoded ([`batchfs::api::SampleTable`]; made once).
+    pub fn sample_table(&self) -> bytes::Bytes {
+        self.sample_table
+            .get_or_init(|| {
+                let samples = &self.index.samples;
+                let mut t = batchfs::api::SampleTable {
+                    labels: Vec::with_capacity(samples.len()),
+                    crc32c: Vec::with_capacity(samples.len()),
+                    bytes: Vec::with_capacity(samples.len()),
+                };
+                for sample in samples {
+                    let label = u32::try_from(sample.label).unwrap_or(batchfs::api::SampleTable::NO_LABEL);
+                    let crc = sample.parts.iter().fold(0, |crc, p| batchfs::crc::combine(crc, p.crc32c, p.len));
+                    t.labels.push(label);
+                    t.crc32c.push(crc);
+                    t.bytes.push(sample.bytes());
+                }
+                t.encode().into()
+            })
+            .clone()
+    }
+
+    /// The layout of the data of samples `ids`, one after another.
+    pub fn data_layout(&self, ids: &[u32]) -> BatchLayout {
+        encode::data_layout(&self.index, ids)
     }
 
     /// Checks that the shards `segments` read are as indexed (see `Storage::check`): a shard changed

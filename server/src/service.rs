@@ -135,7 +135,7 @@ fn failure_response(f: &Failure) -> Response<Body> {
 
 fn kind_of(route: &Result<Route, ApiError>) -> Kind {
     match route {
-        Ok(Route::Batch { .. }) => Kind::Batch,
+        Ok(Route::Batch { .. }) | Ok(Route::SampleData { .. }) => Kind::Batch,
         Ok(Route::Manifest { .. }) => Kind::Manifest,
         Ok(Route::File { .. }) | Ok(Route::Files { .. }) => Kind::File,
         _ => Kind::Other,
@@ -313,7 +313,7 @@ async fn dispatch<B>(
             }
             Ok(json_response(StatusCode::OK, &*manifest))
         }
-        Route::Batch { .. } | Route::File { .. } if saturated(state) => Err(Failure {
+        Route::Batch { .. } | Route::File { .. } | Route::SampleData { .. } if saturated(state) => Err(Failure {
             retry_after: Some(1),
             ..Failure::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -356,6 +356,39 @@ async fn dispatch<B>(
                 .await
                 .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
             Ok(compact_json_response(StatusCode::OK, &*table))
+        }
+        Route::Samples { name } => {
+            let ds = dataset(state, &name)?;
+            let table = tokio::task::spawn_blocking(move || ds.sample_table())
+                .await
+                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+            Ok(Response::builder()
+                .header(header::CONTENT_TYPE, "application/octet-stream")
+                .header(api::CRC32C_HEADER, format!("{:08x}", batchfs::crc::crc32c(&table)))
+                .body(Body::full(table))
+                .expect("valid"))
+        }
+        Route::SampleData { name } => {
+            let ds = dataset(state, &name)?;
+            let ids = api::parse_sample_ids(query, ds.index.samples.len() as u64)?;
+            let ds2 = ds.clone();
+            let layout = tokio::task::spawn_blocking(move || {
+                let layout = ds2.data_layout(&ids);
+                ds2.check(&layout.segments)?;
+                Ok::<_, Failure>(layout)
+            })
+            .await
+            .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+            let etag = api::etag(layout.crc32c, layout.len);
+            let mut r = ranged(state, req, &ds, layout.segments, layout.len, &etag)?;
+            let headers = r.headers_mut();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+            headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"));
+            if r.status() == StatusCode::OK && !layout.checkpoints.is_empty() {
+                let value = api::format_checkpoints(&layout.checkpoints);
+                r.headers_mut().insert(api::CHECKPOINTS_HEADER, HeaderValue::from_str(&value).expect("hex"));
+            }
+            Ok(r)
         }
         Route::Files { name } => {
             let ds = dataset(state, &name)?;

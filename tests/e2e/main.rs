@@ -10,3 +10,4 @@ mod netem;
 mod raw;
 mod rolling;
 mod server;
+mod shuffled;

@@ -742,3 +742,40 @@ async fn slot_batches_hold_the_samples_in_fixed_frames() {
         server.running.shutdown().await;
     }
 }
+
+/// The sample table lists every sample's label, size and CRC32C in index order; a data request sends the
+/// samples it names, one after another, with their CRC32C; bad ids are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sample_table_and_sample_data_are_the_samples() {
+    for format in [SourceFormat::Files, SourceFormat::Tfrecord] {
+        let fx = fixture(format, 40, 3000);
+        let server = serve(&[("d", &fx.path)], ServeWith::default()).await;
+        let client = h2c();
+        let expected = expected_samples(&fx);
+        let r = get(&client, &format!("{}{}", server.base, api::samples_path("d"))).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let table = api::SampleTable::decode(&r.bytes().await.unwrap()).unwrap();
+        assert_eq!(table.len(), expected.len());
+        for (i, want) in expected.iter().enumerate() {
+            let data: Vec<u8> = want.parts.iter().flat_map(|p| p.1.clone()).collect();
+            assert_eq!((table.bytes[i], table.crc32c[i]), (data.len() as u64, crc::crc32c(&data)), "{format:?} {i}");
+            assert_eq!(table.labels[i], u32::try_from(want.label).unwrap_or(api::SampleTable::NO_LABEL));
+        }
+        let ids = [7u32, 0, 39, 7];
+        let url = format!("{}{}?{}", server.base, api::sample_data_path("d"), api::sample_ids_query(&ids));
+        let r = get(&client, &url).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let crc_header = r.headers()[api::CRC32C_HEADER].to_str().unwrap().to_owned();
+        let body = r.bytes().await.unwrap();
+        let want: Vec<u8> =
+            ids.iter().flat_map(|&i| expected[i as usize].parts.iter().flat_map(|p| p.1.clone())).collect();
+        assert_eq!(&body[..], &want[..]);
+        assert_eq!(crc_header, format!("{:08x}", crc::crc32c(&want)));
+        for bad in ["ids=40", "ids=", "", "ids=1&x=2"] {
+            let url = format!("{}{}?{bad}", server.base, api::sample_data_path("d"));
+            let msg = error_of(get(&client, &url).await, StatusCode::BAD_REQUEST).await;
+            assert!(!msg.is_empty(), "{bad}");
+        }
+        server.running.shutdown().await;
+    }
+}

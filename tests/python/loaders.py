@@ -12,13 +12,16 @@
                                         tf.io.parse_single_example (pip's tensorflow-cpu)
     loaders.py tfrecord DIR             the tfrecord package's reader over DIR/*.tfrecord, file after
                                         file, no index
+    loaders.py imagefolder DIR          torchvision.datasets.ImageFolder over the class folders of DIR, read by
+                                        a DataLoader with shuffle=True and 4 worker processes, batch_size=None
+                                        (each item one file read whole; Debian's python3-torchvision)
     loaders.py lmdb DIR [--lock]        the lmdb package: the environment DIR (DIR/data.mdb) opened
                                         read-only, lock=False (with --lock, lock=True: LMDB then finds the
                                         filesystem read-only and goes on without a lock file), every
                                         record in key order by a cursor
 
 Options:
-    --epochs N          (dali, dali-wds, wds, tfdata, tfrecord) one pipeline built once, run for N
+    --epochs N          (dali, dali-wds, wds, tfdata, tfrecord, imagefolder) one pipeline built once, run for N
                         epochs over the same files (a
                         directory such as rolling/ serves a new epoch at each pass); records of all
                         epochs, in order
@@ -29,7 +32,8 @@ Options:
     --records           also list every sample as [key, label, crc32c] (dali, dali-wds, wds, tfdata,
                         tfrecord; with the file it came from, as a fourth item, for tfdata and
                         tfrecord) or every file as
-                        [name, bytes, crc32c] (torch) or every record as [key, bytes, crc32c] (lmdb),
+                        [name, bytes, crc32c] (torch) or every record as [key, bytes, crc32c] (lmdb)
+                        or every item as [class, bytes, crc32c, epoch] (imagefolder),
                         in the order the loader delivered them
 
 The JSON: loader, samples, bytes, build_s (pipeline build, for DALI: reading the .idx twins), epoch_s
@@ -170,6 +174,47 @@ def run_torch(directory, consumer, want_records):
     return samples, nbytes, build_s, records
 
 
+def read_whole(path):
+    """ImageFolder's loader: the file's bytes (a decoder would come next in training)."""
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class Checked:
+    """An ImageFolder item as the worker made it: the class and the bytes' size and CRC32C (the workers
+    compute the CRC, as they would decode, so the parent does not carry every byte)."""
+
+    def __init__(self, folder, want_records):
+        self.folder = folder
+        self.want_records = want_records
+
+    def __len__(self):
+        return len(self.folder)
+
+    def __getitem__(self, i):
+        data, target = self.folder[i]
+        return self.folder.classes[target], len(data), crc(data) if self.want_records else 0
+
+
+def run_imagefolder(directory, consumer, want_records, epochs=1):
+    import torch.utils.data
+    import torchvision
+
+    started = time.monotonic()
+    folder = torchvision.datasets.ImageFolder(directory, loader=read_whole)
+    loader = torch.utils.data.DataLoader(Checked(folder, want_records), batch_size=None, shuffle=True, num_workers=4)
+    build_s = time.monotonic() - started
+    samples, nbytes, records = 0, 0, []
+    for epoch in range(epochs):
+        for name, size, checksum in loader:
+            samples += 1
+            nbytes += size
+            if want_records:
+                records.append([name, size, checksum, epoch])
+            consumer.consume(size)
+    return samples, nbytes, build_s, records
+
+
 def run_wds(directory, consumer, want_records, epochs=1):
     import webdataset as wds
 
@@ -297,7 +342,8 @@ def run_lmdb(directory, consumer, want_records, lock):
 
 
 def main(argv):
-    if len(argv) < 3 or argv[1] not in ("dali", "dali-wds", "torch", "wds", "lmdb", "tfdata", "tfrecord"):
+    known = ("dali", "dali-wds", "torch", "wds", "lmdb", "tfdata", "tfrecord", "imagefolder")
+    if len(argv) < 3 or argv[1] not in known:
         sys.exit(__doc__)
     loader, directory = argv[1], argv[2]
     rest = argv[3:]
@@ -313,7 +359,7 @@ def main(argv):
     consumer = Consumer(mbps)
     # Imported before the clock starts: a training job has its loader imported long before an epoch.
     modules = {"dali": "nvidia.dali", "dali-wds": "nvidia.dali", "torch": "torch.utils.data", "wds": "webdataset",
-               "lmdb": "lmdb", "tfdata": "tensorflow", "tfrecord": "tfrecord"}
+               "lmdb": "lmdb", "tfdata": "tensorflow", "tfrecord": "tfrecord", "imagefolder": "torchvision"}
     if loader == "tfdata":
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     __import__(modules[loader])
@@ -330,6 +376,8 @@ def main(argv):
         samples, nbytes, build_s, records = run_tfdata(directory, consumer, want, epochs)
     elif loader == "tfrecord":
         samples, nbytes, build_s, records = run_tfrecord(directory, consumer, want, epochs)
+    elif loader == "imagefolder":
+        samples, nbytes, build_s, records = run_imagefolder(directory, consumer, want, epochs)
     elif loader == "lmdb":
         samples, nbytes, build_s, records = run_lmdb(directory, consumer, want, "--lock" in rest)
     else:

@@ -3,7 +3,7 @@
 //! and lists pass through. Compiled for tests, and with the `testing` feature.
 
 use super::{BatchClient, Body, BoxFut, ClientError, Sink};
-use batchfs::api::{DatasetInfo, FileList, Manifest, SlotTable};
+use batchfs::api::{DatasetInfo, FileList, Manifest, SampleTable, SlotTable};
 use batchfs::encode::BatchFormat;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,6 +101,24 @@ impl<C: BatchClient> BatchClient for FaultClient<C> {
         Box::pin(async move {
             self.next().await?;
             self.inner.fetch_batch(epoch, batch, format, attempt, into, expect).await
+        })
+    }
+
+    fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>> {
+        self.inner.sample_table()
+    }
+
+    fn fetch_samples(
+        &self,
+        ids: &[u32],
+        attempt: u32,
+        into: Sink,
+        expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>> {
+        let ids = ids.to_vec();
+        Box::pin(async move {
+            self.next().await?;
+            self.inner.fetch_samples(&ids, attempt, into, expect).await
         })
     }
 

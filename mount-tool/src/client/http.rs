@@ -4,7 +4,9 @@
 
 use super::health::{Health, InFlight};
 use super::{BatchClient, Body, BoxFut, ClientError, Sink};
-use batchfs::api::{self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SlotTable};
+use batchfs::api::{
+    self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SampleTable, SlotTable,
+};
 use batchfs::encode::BatchFormat;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -173,6 +175,20 @@ impl HttpClient {
         }
     }
 
+    async fn bytes(&self, path_and_query: &str) -> Result<bytes::Bytes, ClientError> {
+        let (flight, server, response) = self.get(0, 0, path_and_query, None).await?;
+        match response.bytes().await {
+            Ok(v) => {
+                flight.succeeded(v.len() as u64);
+                Ok(v)
+            }
+            Err(e) => {
+                flight.failed();
+                Err(ClientError::Unreachable { server, message: error_chain(&e) })
+            }
+        }
+    }
+
     fn query(&self, format: BatchFormat) -> String {
         BatchQuery { format, ..self.config.query }.to_query()
     }
@@ -227,6 +243,29 @@ impl BatchClient for HttpClient {
             // rotation (and rotates on as well).
             self.body((batch as usize).wrapping_add(attempt as usize), &path, into, expect).await
         })
+    }
+
+    fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>> {
+        let path = api::samples_path(&self.config.dataset);
+        Box::pin(async move {
+            let data = self.bytes(&path).await?;
+            SampleTable::decode(&data).ok_or_else(|| ClientError::Malformed {
+                server: self.config.servers[0].clone(),
+                message: format!("{path}: {} bytes are not whole sample records", data.len()),
+            })
+        })
+    }
+
+    fn fetch_samples(
+        &self,
+        ids: &[u32],
+        attempt: u32,
+        into: Sink,
+        expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>> {
+        let path = format!("{}?{}", api::sample_data_path(&self.config.dataset), api::sample_ids_query(ids));
+        let spread = ids.first().map_or(0, |&i| i as usize).wrapping_add(attempt as usize);
+        Box::pin(async move { self.body(spread, &path, into, expect).await })
     }
 
     fn fetch_file(

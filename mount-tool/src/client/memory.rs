@@ -4,7 +4,7 @@
 //! the `testing` feature.
 
 use super::{BatchClient, Body, BoxFut, ClientError, Sink};
-use batchfs::api::{self, BatchEntry, DatasetInfo, FileList, Manifest, SlotTable};
+use batchfs::api::{self, BatchEntry, DatasetInfo, FileList, Manifest, SampleTable, SlotTable};
 use batchfs::encode::BatchFormat;
 use bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,6 +34,8 @@ pub struct MemoryClient {
     pub page: usize,
     /// The file-list pages asked for: (directory, cursor).
     pub listed: Mutex<Vec<(String, u64)>>,
+    /// The sample ids of each data request.
+    pub sampled: Mutex<Vec<Vec<u32>>>,
     /// The ranges of source files fetched: (path, offset, length).
     pub ranges: Mutex<Vec<(String, u64, u64)>>,
     faults: Mutex<Vec<Fault>>,
@@ -72,6 +74,7 @@ impl MemoryClient {
             page: 2,
             listed: Mutex::new(Vec::new()),
             ranges: Mutex::new(Vec::new()),
+            sampled: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
             fetches: AtomicU64::new(0),
             delay: Mutex::new(Duration::ZERO),
@@ -89,7 +92,41 @@ impl MemoryClient {
 
 impl BatchClient for MemoryClient {
     fn dataset(&self) -> BoxFut<'_, Result<DatasetInfo, ClientError>> {
-        Box::pin(async move { Ok(self.info.clone()) })
+        Box::pin(async move {
+            let (sorted, classes) = self.samples();
+            let samples = sorted.len() as u64;
+            Ok(DatasetInfo { classes, samples, ..self.info.clone() })
+        })
+    }
+
+    /// The files as the server indexes a file tree: sorted by path, each one sample, labelled by its first
+    /// directory (classes sorted by name).
+    fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>> {
+        Box::pin(async move {
+            let (sorted, classes) = self.samples();
+            let mut t = SampleTable::default();
+            for (path, body) in sorted {
+                let class = path.split_once('/').and_then(|(c, _)| classes.iter().position(|x| x == c));
+                t.labels.push(class.map_or(SampleTable::NO_LABEL, |c| c as u32));
+                t.crc32c.push(crc32c::crc32c(body));
+                t.bytes.push(body.len() as u64);
+            }
+            Ok(t)
+        })
+    }
+
+    fn fetch_samples(
+        &self,
+        ids: &[u32],
+        _attempt: u32,
+        into: Sink,
+        _expect: u64,
+    ) -> BoxFut<'_, Result<Body, ClientError>> {
+        self.sampled.lock().expect("sampled").push(ids.to_vec());
+        let (sorted, _) = self.samples();
+        let body = ids.iter().map(|&i| sorted.get(i as usize).map(|(_, b)| b.clone())).collect::<Option<Vec<Bytes>>>();
+        let body = body.map(|parts| Bytes::from(parts.concat()));
+        Box::pin(self.serve(body, into, None))
     }
 
     fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>> {
@@ -212,6 +249,15 @@ impl BatchClient for MemoryClient {
 }
 
 impl MemoryClient {
+    /// The files sorted by path, and the class names (the first directories, sorted).
+    fn samples(&self) -> (Vec<&(String, Bytes)>, Vec<String>) {
+        let mut sorted: Vec<&(String, Bytes)> = self.files.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        let classes: std::collections::BTreeSet<String> =
+            sorted.iter().filter_map(|(p, _)| p.split_once('/').map(|(c, _)| c.to_owned())).collect();
+        (sorted, classes.into_iter().collect())
+    }
+
     /// Answers with `body` (404 when absent) appended to `into` in 1,000-byte frames, after the delay and
     /// any queued fault; a batch's body comes with checkpoints (`checkpoint_every`) and may hang midway
     /// (`held_after`).

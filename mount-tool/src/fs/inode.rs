@@ -4,7 +4,9 @@
 //! `2^62 + e·2^36 + b·8 + kind` (kind 0: the batch, 1: its DALI index; as `rolling/` serves epoch *e*: 2 the
 //! packed batch, 3 its index, 4 the indexed layout's file); the indexed layout's twin of name *b*, one file
 //! for every epoch, is `2^43 + b`; node *n* of the `raw/` tree (built from the server's file list on first
-//! use) is `2^41 + n` for a directory, `2^42 + n` for a file. (`fs.rs`'s tree shows what each names.)
+//! use) is `2^41 + n` for a directory, `2^42 + n` for a file; `shuffled/` is 5, its class folder *c* is
+//! `2^44 + c`, and sample *k* of class *c* in epoch *e* is `2^61 + e·2^41 + c·2^24 + k`. (`fs.rs`'s tree
+//! shows what each names.)
 
 use batchfs::encode::BatchFormat;
 use batchfs::plan::MAX_EPOCH;
@@ -13,10 +15,17 @@ pub const ROOT: u64 = 1;
 pub const META_DIR: u64 = 2;
 pub const STATS_FILE: u64 = 3;
 pub const ROLLING_DIR: u64 = 4;
+pub const SHUFFLED_DIR: u64 = 5;
 const EPOCH_BASE: u64 = 1 << 40;
 const RAW_DIR_BASE: u64 = 1 << 41;
 const RAW_FILE_BASE: u64 = 1 << 42;
 const ROLLING_INDEX_BASE: u64 = 1 << 43;
+const SHUFFLED_CLASS_BASE: u64 = 1 << 44;
+const SHUFFLED_BASE: u64 = 1 << 61;
+/// Classes of `shuffled/` are below this (17 bits of a sample's inode).
+pub const MAX_CLASSES: u64 = 1 << 17;
+/// Samples of one class in one epoch (of a mount's share) are below this (24 bits).
+pub const MAX_CLASS_SAMPLES: u64 = 1 << 24;
 const BATCH_BASE: u64 = 1 << 62;
 /// Batch numbers are below this (33 bits of a batch inode).
 pub(super) const MAX_BATCHES: u64 = 1 << 33;
@@ -51,6 +60,17 @@ pub enum Node {
     RawDir(u32),
     /// A source file in the `raw/` tree.
     RawFile(u32),
+    /// `shuffled/`.
+    ShuffledDir,
+    /// A class folder of `shuffled/`.
+    ShuffledClass(u32),
+    /// Sample `k` of class `class` in epoch `epoch` of `shuffled/` (this mount's share, plan order), as an
+    /// open of a name of the class got it.
+    Shuffled {
+        epoch: u64,
+        class: u32,
+        k: u64,
+    },
 }
 
 /// What a file of `rolling/` is, in the epoch it serves.
@@ -86,6 +106,9 @@ impl Node {
             Node::RollingIndex { batch } => ROLLING_INDEX_BASE + batch,
             Node::RawDir(n) => RAW_DIR_BASE + u64::from(n),
             Node::RawFile(n) => RAW_FILE_BASE + u64::from(n),
+            Node::ShuffledDir => SHUFFLED_DIR,
+            Node::ShuffledClass(c) => SHUFFLED_CLASS_BASE + u64::from(c),
+            Node::Shuffled { epoch, class, k } => SHUFFLED_BASE | epoch << 41 | u64::from(class) << 24 | k,
         }
     }
 
@@ -95,6 +118,7 @@ impl Node {
             META_DIR => Some(Node::MetaDir),
             STATS_FILE => Some(Node::Stats),
             ROLLING_DIR => Some(Node::RollingDir),
+            SHUFFLED_DIR => Some(Node::ShuffledDir),
             i if i >= BATCH_BASE => {
                 let rest = i - BATCH_BASE;
                 let (epoch, batch) = (rest >> 36, (rest >> 3) & (MAX_BATCHES - 1));
@@ -116,12 +140,30 @@ impl Node {
             i if (RAW_FILE_BASE..RAW_FILE_BASE + (1 << 32)).contains(&i) => {
                 Some(Node::RawFile((i - RAW_FILE_BASE) as u32))
             }
+            i if (SHUFFLED_CLASS_BASE..SHUFFLED_CLASS_BASE + MAX_CLASSES).contains(&i) => {
+                Some(Node::ShuffledClass((i - SHUFFLED_CLASS_BASE) as u32))
+            }
+            i if (SHUFFLED_BASE..BATCH_BASE).contains(&i) => {
+                let rest = i - SHUFFLED_BASE;
+                let epoch = rest >> 41;
+                let class = ((rest >> 24) & (MAX_CLASSES - 1)) as u32;
+                (epoch <= MAX_EPOCH).then_some(Node::Shuffled { epoch, class, k: rest & (MAX_CLASS_SAMPLES - 1) })
+            }
             _ => None,
         }
     }
 
     pub fn is_dir(self) -> bool {
-        matches!(self, Node::Root | Node::MetaDir | Node::Epoch(_) | Node::RawDir(_) | Node::RollingDir)
+        matches!(
+            self,
+            Node::Root
+                | Node::MetaDir
+                | Node::Epoch(_)
+                | Node::RawDir(_)
+                | Node::RollingDir
+                | Node::ShuffledDir
+                | Node::ShuffledClass(_)
+        )
     }
 }
 
@@ -139,4 +181,49 @@ pub(super) fn parse_epoch(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("epoch-")?;
     let e: u64 = digits.parse().ok()?;
     (digits.bytes().all(|b| b.is_ascii_digit()) && epoch_name(e) == name && e <= MAX_EPOCH).then_some(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn any_node() -> impl Strategy<Value = Node> {
+        let epoch = 0..=MAX_EPOCH;
+        prop_oneof![
+            Just(Node::Root),
+            Just(Node::MetaDir),
+            Just(Node::Stats),
+            Just(Node::RollingDir),
+            Just(Node::ShuffledDir),
+            epoch.clone().prop_map(Node::Epoch),
+            (epoch.clone(), 0..MAX_BATCHES, any::<bool>()).prop_map(|(epoch, batch, index)| Node::Batch {
+                epoch,
+                batch,
+                index
+            }),
+            (epoch.clone(), 0..MAX_BATCHES, 0..3u8).prop_map(|(epoch, batch, f)| Node::Rolling {
+                epoch,
+                batch,
+                file: [RollingFile::Packed, RollingFile::PackedIndex, RollingFile::Indexed][f as usize],
+            }),
+            (0..MAX_BATCHES).prop_map(|batch| Node::RollingIndex { batch }),
+            any::<u32>().prop_map(Node::RawDir),
+            any::<u32>().prop_map(Node::RawFile),
+            (0..MAX_CLASSES as u32).prop_map(Node::ShuffledClass),
+            (epoch, 0..MAX_CLASSES as u32, 0..MAX_CLASS_SAMPLES).prop_map(|(epoch, class, k)| Node::Shuffled {
+                epoch,
+                class,
+                k
+            }),
+        ]
+    }
+
+    proptest! {
+        /// Every node's inode names it and no other: numbers of different kinds never meet.
+        #[test]
+        fn inodes_round_trip(node in any_node()) {
+            prop_assert_eq!(Node::from_ino(node.ino()), Some(node));
+        }
+    }
 }

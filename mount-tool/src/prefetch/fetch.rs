@@ -34,7 +34,14 @@ impl Prefetcher {
         let fetching = entry;
         let path = match key.listing {
             Listing::Raw { dir } => self.raw.chunk_path(dir, key.index),
-            Listing::Epoch { .. } | Listing::Rolling { .. } => None,
+            Listing::Epoch { .. } | Listing::Rolling { .. } | Listing::Shuffled { .. } => None,
+        };
+        // A group's samples, from the plan its listing was made of (kept while its groups are fetched).
+        let ids: Option<Arc<[u32]>> = match key.listing {
+            Listing::Shuffled { epoch, class } => {
+                self.cached_class_plan(epoch).map(|p| p.group_ids(class as usize, key.index).into())
+            }
+            _ => None,
         };
         let meta = obj.sent;
         let mut buffer = (!memfd).then_some(buffer);
@@ -51,6 +58,7 @@ impl Prefetcher {
             let result = with_retries(&this.config, &this.stats, move |attempt| {
                 let client = client.clone();
                 let path = path.clone();
+                let ids = ids.clone();
                 let pool = pool.clone();
                 let placed = placed.clone();
                 // Readers wait on the entry for each verified prefix of a buffer (not of a memory file,
@@ -84,6 +92,10 @@ impl Prefetcher {
                             client.fetch_file(&path, offset, attempt, into, meta.bytes).await
                         }
                         (Listing::Raw { .. }, None) => unreachable!("raw keys exist only after their directory's list"),
+                        (Listing::Shuffled { .. }, _) => match ids {
+                            Some(ids) => client.fetch_samples(&ids, attempt, into, meta.bytes).await,
+                            None => unreachable!("shuffled keys exist only after their plan"),
+                        },
                     }
                     .map_err(|e| match e {
                         ClientError::Corrupt { server, message } => {

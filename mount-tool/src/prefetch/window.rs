@@ -82,7 +82,8 @@ impl Drop for Prefetching {
 impl Prefetcher {
     /// Starts the window of the stream this read belongs to.
     pub(super) fn prefetch_after(self: &Arc<Self>, key: ObjectKey, objects: &Objects, owner: u32) {
-        if self.config.prefetch == 0 {
+        // shuffled/'s classes have windows of their own (fs/shuffled.rs asks for them).
+        if self.config.prefetch == 0 || matches!(key.listing, Listing::Shuffled { .. }) {
             return;
         }
         if let Listing::Raw { dir } = key.listing {
@@ -109,7 +110,7 @@ impl Prefetcher {
         let (epoch, format, twins_too) = match next_listing {
             Listing::Epoch { epoch, format } => (epoch, format, true),
             Listing::Rolling { epoch } => (epoch, BatchFormat::Tfrecord, false),
-            Listing::Raw { .. } => return,
+            Listing::Raw { .. } | Listing::Shuffled { .. } => return,
         };
         if epoch > self.config.last_epoch {
             return;

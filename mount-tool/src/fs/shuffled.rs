@@ -1,0 +1,256 @@
+//! `shuffled/` (docs/SEMANTICS.md, "shuffled/"): the class folders of a file-tree dataset, each showing
+//! this mount's share of the class's names; each open of a name in class *c* gets the next sample of class
+//! *c* in the epoch's plan, whatever the name.
+//!
+//! **Who gets what.** A sample is handed out at lookup, to the thread that looked the name up (an open is a
+//! lookup and an open by one thread, in one system call): the thread keeps it, whichever name of the class
+//! it looks up again, until it opens it (the sample is then its file) or looks up a name of another class,
+//! or [`STALE`] passes (the sample then goes back, to be handed out before the class's next one: a `stat`
+//! or an `ls -l` that never opens loses nothing). So concurrent readers never share a sample, and every
+//! sample of an epoch is handed out once. Each class runs through its samples of one epoch, then of the
+//! next, from `first_epoch` through `first_epoch + epochs`, then from `first_epoch` again.
+//!
+//! **Windows.** When a class hands out sample *k*, the groups holding its next samples are fetched
+//! ([`crate::prefetch`]'s `shuffled` room), and the first time an epoch is reached, the first groups of
+//! every class are: a reader's first sample of each class is not a round trip.
+
+use super::FsError;
+use crate::prefetch::{ClassPlan, Prefetcher};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a thread keeps a sample it looked up and did not open before it goes back.
+pub const STALE: Duration = Duration::from_secs(10);
+
+/// A sample handed out to a thread: `(epoch, k)` of its class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pending {
+    class: u32,
+    epoch: u64,
+    k: u64,
+    at: Instant,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Per class: the next sample `(epoch, k)` not yet handed out.
+    cursors: HashMap<u32, (u64, u64)>,
+    /// Per class: samples handed out and given back unopened, handed out before the cursor's.
+    returned: HashMap<u32, VecDeque<(u64, u64)>>,
+    /// Per thread: the sample its last lookup got, not yet opened.
+    pending: HashMap<u32, Pending>,
+    /// Epochs whose first groups of every class were asked for.
+    warmed: HashSet<u64>,
+}
+
+/// The view's state.
+pub(super) struct ShuffledView {
+    /// Class names (the dataset's first directories), by label.
+    pub classes: Vec<String>,
+    first_epoch: u64,
+    epochs: u64,
+    inner: Mutex<Inner>,
+    /// Each class's names (this mount's share, sorted), once listed.
+    names: Mutex<HashMap<u32, Arc<Vec<String>>>>,
+}
+
+impl ShuffledView {
+    pub fn new(classes: Vec<String>, first_epoch: u64, epochs: u64) -> Self {
+        ShuffledView { classes, first_epoch, epochs: epochs.max(1), inner: Mutex::default(), names: Mutex::default() }
+    }
+
+    /// The class named `name`.
+    pub fn class(&self, name: &str) -> Option<u32> {
+        self.classes.iter().position(|c| c == name).map(|c| c as u32)
+    }
+
+    /// The plan of `epoch`.
+    pub fn plan(&self, prefetcher: &Prefetcher, epoch: u64) -> Result<Arc<ClassPlan>, FsError> {
+        Ok(prefetcher.class_plan(epoch, self.classes.len())?)
+    }
+
+    /// Class `class`'s names: its files (below its folder, a deeper path's `/` written `_`), sorted, this
+    /// mount's share of them (`share=R/W`: every W-th from the R-th), as many as it has samples.
+    pub fn names(&self, prefetcher: &Prefetcher, class: u32) -> Result<Arc<Vec<String>>, FsError> {
+        if let Some(n) = self.names.lock().expect("names").get(&class) {
+            return Ok(n.clone());
+        }
+        let root = self.classes.get(class as usize).ok_or(FsError::NotFound)?;
+        let mut all = Vec::new();
+        let mut dirs = vec![root.clone()];
+        while let Some(dir) = dirs.pop() {
+            let (_, list) = prefetcher.list_dir(&dir)?;
+            dirs.extend(list.dirs.iter().map(|d| format!("{dir}/{d}")));
+            let below = |p: &str| p.strip_prefix(root.as_str()).map(|r| r.trim_start_matches('/').replace('/', "_"));
+            all.extend(list.files.iter().filter_map(|f| below(&f.path)));
+        }
+        all.sort_unstable();
+        let (rank, world) = prefetcher.shuffled_share();
+        let samples = self.plan(prefetcher, self.first_epoch)?.order.get(class as usize).map_or(0, Vec::len);
+        let mut names: Vec<String> = all.into_iter().skip(rank as usize).step_by(world.max(1) as usize).collect();
+        if names.len() != samples {
+            tracing::warn!(
+                class = %root,
+                names = names.len(),
+                samples,
+                "shuffled/: a class folder's files are not its samples one for one; names shown: one per sample"
+            );
+            names.truncate(samples);
+            while names.len() < samples {
+                names.push(format!("sample-{:07}", names.len()));
+            }
+            names.sort_unstable();
+        }
+        let names = Arc::new(names);
+        self.names.lock().expect("names").insert(class, names.clone());
+        Ok(names)
+    }
+
+    /// The sample thread `tid` gets by looking up a name of class `class`: `(epoch, k)`. `samples` is the
+    /// class's count per epoch (the same every epoch).
+    pub fn reserve(&self, tid: u32, class: u32, samples: u64) -> Option<(u64, u64)> {
+        if samples == 0 {
+            return None;
+        }
+        let now = Instant::now();
+        let mut inner = self.inner.lock().expect("shuffled");
+        let inner = &mut *inner;
+        if let Some(p) = inner.pending.get_mut(&tid) {
+            if p.class == class {
+                p.at = now;
+                return Some((p.epoch, p.k));
+            }
+        }
+        // What this thread, or any, looked up and never opened goes back.
+        let stale: Vec<u32> = inner
+            .pending
+            .iter()
+            .filter(|(&t, p)| t == tid || now.duration_since(p.at) >= STALE)
+            .map(|(&t, _)| t)
+            .collect();
+        for t in stale {
+            let p = inner.pending.remove(&t).expect("listed");
+            inner.returned.entry(p.class).or_default().push_back((p.epoch, p.k));
+        }
+        let got = match inner.returned.get_mut(&class).and_then(VecDeque::pop_front) {
+            Some(back) => back,
+            None => {
+                let cursor = inner.cursors.entry(class).or_insert((self.first_epoch, 0));
+                let got = *cursor;
+                *cursor = if got.1 + 1 < samples { (got.0, got.1 + 1) } else { (self.next_epoch(got.0), 0) };
+                got
+            }
+        };
+        inner.pending.insert(tid, Pending { class, epoch: got.0, k: got.1, at: now });
+        Some(got)
+    }
+
+    /// The epoch after `epoch` in the span (after the last, the first again).
+    fn next_epoch(&self, epoch: u64) -> u64 {
+        let next = epoch + 1;
+        if next >= self.first_epoch + self.epochs {
+            tracing::info!(first_epoch = self.first_epoch, "shuffled/: past the last epoch, the first again");
+            self.first_epoch
+        } else {
+            next
+        }
+    }
+
+    /// Thread `tid` opened sample `(epoch, k)` of `class`: it is its own now.
+    pub fn opened(&self, tid: u32, class: u32, epoch: u64, k: u64) {
+        let mut inner = self.inner.lock().expect("shuffled");
+        if inner.pending.get(&tid).is_some_and(|p| (p.class, p.epoch, p.k) == (class, epoch, k)) {
+            inner.pending.remove(&tid);
+        }
+    }
+
+    /// Whether `epoch` is reached for the first time (its first groups are to be fetched).
+    pub fn first_time(&self, epoch: u64) -> bool {
+        self.inner.lock().expect("shuffled").warmed.insert(epoch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn view() -> ShuffledView {
+        ShuffledView::new(vec!["a".into(), "b".into()], 3, 2)
+    }
+
+    #[test]
+    fn a_thread_keeps_its_sample_until_it_opens_it() {
+        let v = view();
+        assert_eq!(v.reserve(7, 0, 3), Some((3, 0)));
+        assert_eq!(v.reserve(7, 0, 3), Some((3, 0)), "a second lookup of the class: the same sample");
+        assert_eq!(v.reserve(8, 0, 3), Some((3, 1)), "another thread: the next");
+        v.opened(7, 0, 3, 0);
+        assert_eq!(v.reserve(7, 0, 3), Some((3, 2)), "opened: the next lookup gets the next");
+        v.opened(7, 0, 3, 2);
+        assert_eq!(v.reserve(7, 0, 3), Some((4, 0)), "the class's epoch is done: the next epoch");
+        v.opened(7, 0, 4, 0);
+        assert_eq!(v.reserve(9, 1, 1), Some((3, 0)), "each class its own cursor");
+        v.opened(9, 1, 3, 0);
+        assert_eq!(v.reserve(9, 1, 1), Some((4, 0)));
+        v.opened(9, 1, 4, 0);
+        assert_eq!(v.reserve(9, 1, 1), Some((3, 0)), "past the span: its first epoch again");
+        assert_eq!(v.reserve(9, 1, 0), None, "a class with no samples in this share");
+    }
+
+    #[test]
+    fn a_sample_looked_up_and_never_opened_goes_back() {
+        let v = view();
+        assert_eq!(v.reserve(1, 0, 10), Some((3, 0)));
+        // Thread 1 looks up a name of another class: its class-0 sample goes back, handed out next.
+        assert_eq!(v.reserve(1, 1, 10), Some((3, 0)));
+        assert_eq!(v.reserve(2, 0, 10), Some((3, 0)), "the sample given back");
+        assert_eq!(v.reserve(3, 0, 10), Some((3, 1)));
+    }
+
+    proptest! {
+        /// Threads looking up and opening in any interleaving, some never opening what they looked up:
+        /// every sample of an epoch is opened at most once, and, once every thread has opened, those
+        /// handed out and given back are handed out again: nothing is lost.
+        #[test]
+        fn no_two_opens_share_a_sample_and_none_is_lost(
+            steps in proptest::collection::vec((0u32..4, 0u32..2, any::<bool>()), 1..200),
+        ) {
+            let v = ShuffledView::new(vec!["a".into(), "b".into()], 0, 1000);
+            let n = 1_000_000;
+            let mut opened = HashSet::new();
+            let mut held: HashMap<u32, (u32, u64, u64)> = HashMap::new();
+            for (tid, class, open) in steps {
+                let (epoch, k) = v.reserve(tid, class, n).unwrap();
+                held.insert(tid, (class, epoch, k));
+                if open {
+                    v.opened(tid, class, epoch, k);
+                    prop_assert!(opened.insert((class, epoch, k)), "opened twice: {:?}", (class, epoch, k));
+                    held.remove(&tid);
+                }
+            }
+            // Each thread opens what it holds; then every class's samples below its cursor were opened.
+            for (tid, (class, epoch, k)) in held {
+                v.opened(tid, class, epoch, k);
+                prop_assert!(opened.insert((class, epoch, k)));
+            }
+            for class in 0..2u32 {
+                loop {
+                    let inner = v.inner.lock().unwrap();
+                    let back = inner.returned.get(&class).is_some_and(|r| !r.is_empty());
+                    drop(inner);
+                    if !back {
+                        break;
+                    }
+                    let (epoch, k) = v.reserve(99, class, n).unwrap();
+                    v.opened(99, class, epoch, k);
+                    prop_assert!(opened.insert((class, epoch, k)));
+                }
+                let next = v.inner.lock().unwrap().cursors.get(&class).copied().unwrap_or((0, 0));
+                let below = opened.iter().filter(|&&(c, e, k)| c == class && (e, k) < next).count() as u64;
+                prop_assert_eq!(below, next.1, "class {}: every sample before the cursor opened once", class);
+            }
+        }
+    }
+}
