@@ -246,7 +246,10 @@ impl Fs {
             Node::Root if name == RAW_NAME && self.options.raw => Node::RawDir(0),
             Node::Root if name == ROLLING_NAME => Node::RollingDir,
             Node::Root if name == SHUFFLED_NAME && !self.shuffled.classes.is_empty() => Node::ShuffledDir,
-            Node::ShuffledDir => Node::ShuffledClass(self.shuffled.class(name).ok_or(FsError::NotFound)?),
+            Node::ShuffledDir => {
+                self.shuffled.ahead(&self.prefetcher);
+                Node::ShuffledClass(self.shuffled.class(name).ok_or(FsError::NotFound)?)
+            }
             Node::ShuffledClass(class) => self.shuffled_node(class, name, tid)?,
             Node::Root => Node::Epoch(parse_epoch(name).ok_or(FsError::NotFound)?),
             Node::MetaDir if name == "stats" => Node::Stats,

@@ -24,6 +24,8 @@ PACE=${PACE:-200}; ROUNDS=${ROUNDS:-3}; RATES=${RATES-"250 500 1000"}; SAMPLE_PE
 READERS=${READERS:-processes}; ENERGY=${ENERGY:-auto}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$root/target/release
+BIN=$bin
+. "$root/tests/bench/lib.sh"
 [ -x "$bin/batchfs" ] && [ -x "$bin/batchfs-server" ] || cargo build --release --workspace --manifest-path "$root/Cargo.toml"
 for tool in sshfs sshd rclone nginx; do command -v $tool >/dev/null || [ -x /usr/sbin/$tool ] || { echo "missing $tool" >&2; exit 1; }; done
 mkdir -p "$OUT"
@@ -32,21 +34,12 @@ pids=()
 cleanup() {
   for m in "$work"/mnt-*; do umount -l "$m" 2>/dev/null || true; done
   kill "${pids[@]}" ${NETEM_PID:-} 2>/dev/null || true
-  [ -f "$work/nginx.pid" ] && kill "$(cat "$work/nginx.pid")" 2>/dev/null || true
-  [ -f "$work/sshd.pid" ] && kill "$(cat "$work/sshd.pid")" 2>/dev/null || true
-  # Take back the key this run authorized for root.
-  # (grep -v exits 1 when it keeps no line, so its status is ignored: the key must go even when it was
-  # the only one, and a file this run created goes with it.)
-  if [ -f "$work/id.pub" ] && [ -f /root/.ssh/authorized_keys ]; then
-    grep -vF "$(cat "$work/id.pub")" /root/.ssh/authorized_keys > "$work/keys" || true
-    cat "$work/keys" > /root/.ssh/authorized_keys
-    [ -s /root/.ssh/authorized_keys ] || [ -z "${KEYS_CREATED:-}" ] || rm -f /root/.ssh/authorized_keys
-  fi
+  peers_stop "$work"
   wait 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+port() { free_port; }
 
 # The dataset, the server, and the batch files as plain files (for local, sshfs and rclone).
 "$bin/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards 16 --out "$work/data" >/dev/null
@@ -64,20 +57,8 @@ chmod -R a+rX "$work/files"; [ -d "$work/tree" ] && chmod -R a+rX "$work/tree"
 bytes=$(du -sb "$work/files" | cut -f1)
 
 # Peers' servers: sshd and nginx on loopback.
-p_sshd=$(port); p_nginx=$(port)
-ssh-keygen -q -t ed25519 -N "" -f "$work/hostkey"; ssh-keygen -q -t ed25519 -N "" -f "$work/id"
-mkdir -p /root/.ssh /run/sshd
-[ -e /root/.ssh/authorized_keys ] || { KEYS_CREATED=1; touch /root/.ssh/authorized_keys; }
-grep -qF "$(cat "$work/id.pub")" /root/.ssh/authorized_keys || cat "$work/id.pub" >> /root/.ssh/authorized_keys
-/usr/sbin/sshd -p "$p_sshd" -h "$work/hostkey" -o ListenAddress=127.0.0.1 -o PidFile="$work/sshd.pid" -o PermitRootLogin=prohibit-password
-cat > "$work/nginx.conf" <<CONF
-worker_processes 2;
-pid $work/nginx.pid;
-error_log $work/nginx.err warn;
-events {}
-http { access_log off; sendfile on; server { listen 127.0.0.1:$p_nginx; root $work; autoindex on; } }
-CONF
-nginx -c "$work/nginx.conf"
+peers_start "$work"
+p_sshd=$P_SSHD; p_nginx=$P_NGINX
 
 start_netem() { # upstream rtt [rate]: sets NETEM_PORT, NETEM_PID
   NETEM_PORT=$(port)

@@ -40,3 +40,40 @@ serve_limited() {
     sh -c "echo \$\$ > $cg/cgroup.procs && exec $BIN/batchfs-server serve --listen 127.0.0.1:$port $*" 2>"$log" &
     limited_pid=$!
 }
+
+# The peers' servers on loopback, serving WORK's files: an sshd that takes the key WORK/id (authorized for
+# root until peers_stop) and an nginx with WORK as its root; sets P_SSHD and P_NGINX.
+#   peers_start WORK
+peers_start() {
+    local work=$1
+    P_SSHD=$(free_port); P_NGINX=$(free_port)
+    ssh-keygen -q -t ed25519 -N "" -f "$work/hostkey"; ssh-keygen -q -t ed25519 -N "" -f "$work/id"
+    mkdir -p /root/.ssh /run/sshd
+    [ -e /root/.ssh/authorized_keys ] || { touch /root/.ssh/authorized_keys; touch "$work/keys-created"; }
+    grep -qF "$(cat "$work/id.pub")" /root/.ssh/authorized_keys || cat "$work/id.pub" >> /root/.ssh/authorized_keys
+    /usr/sbin/sshd -p "$P_SSHD" -h "$work/hostkey" -o ListenAddress=127.0.0.1 -o PidFile="$work/sshd.pid" \
+        -o PermitRootLogin=prohibit-password
+    cat > "$work/nginx.conf" <<CONF
+worker_processes 2;
+pid $work/nginx.pid;
+error_log $work/nginx.err warn;
+events {}
+http { access_log off; sendfile on; server { listen 127.0.0.1:$P_NGINX; root $work; autoindex on; } }
+CONF
+    nginx -c "$work/nginx.conf"
+}
+
+# Stops what peers_start started in WORK and takes back the key it authorized.
+#   peers_stop WORK
+peers_stop() {
+    local work=$1
+    [ -f "$work/nginx.pid" ] && kill "$(cat "$work/nginx.pid")" 2>/dev/null || true
+    [ -f "$work/sshd.pid" ] && kill "$(cat "$work/sshd.pid")" 2>/dev/null || true
+    # grep -v exits 1 when it keeps no line, so its status is ignored: the key must go even when it was
+    # the only one, and a file peers_start created goes with it.
+    if [ -f "$work/id.pub" ] && [ -f /root/.ssh/authorized_keys ]; then
+        grep -vF "$(cat "$work/id.pub")" /root/.ssh/authorized_keys > "$work/keys" || true
+        cat "$work/keys" > /root/.ssh/authorized_keys
+        [ -s /root/.ssh/authorized_keys ] || [ ! -f "$work/keys-created" ] || rm -f /root/.ssh/authorized_keys
+    fi
+}

@@ -25,6 +25,7 @@ Options:
                         epochs over the same files (a
                         directory such as rolling/ serves a new epoch at each pass); records of all
                         epochs, in order
+    --limit N           (imagefolder) stop after N items (a slow path's rate, without a whole epoch)
     --shard K/N         (dali) read shard K of N (shard_id, num_shards) with stick_to_shard=True, as one
                         node of a data-parallel job does
     --consume-mbps R    a consumer at R MB/s (a GPU step per batch) that overlaps with loading, as training
@@ -196,7 +197,7 @@ class Checked:
         return self.folder.classes[target], len(data), crc(data) if self.want_records else 0
 
 
-def run_imagefolder(directory, consumer, want_records, epochs=1):
+def run_imagefolder(directory, consumer, want_records, epochs=1, limit=None):
     import torch.utils.data
     import torchvision
 
@@ -212,6 +213,8 @@ def run_imagefolder(directory, consumer, want_records, epochs=1):
             if want_records:
                 records.append([name, size, checksum, epoch])
             consumer.consume(size)
+            if limit and samples >= limit:
+                return samples, nbytes, build_s, records
     return samples, nbytes, build_s, records
 
 
@@ -377,7 +380,8 @@ def main(argv):
     elif loader == "tfrecord":
         samples, nbytes, build_s, records = run_tfrecord(directory, consumer, want, epochs)
     elif loader == "imagefolder":
-        samples, nbytes, build_s, records = run_imagefolder(directory, consumer, want, epochs)
+        limit = int(rest[rest.index("--limit") + 1]) if "--limit" in rest else None
+        samples, nbytes, build_s, records = run_imagefolder(directory, consumer, want, epochs, limit)
     elif loader == "lmdb":
         samples, nbytes, build_s, records = run_lmdb(directory, consumer, want, "--lock" in rest)
     else:

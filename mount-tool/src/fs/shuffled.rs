@@ -15,7 +15,7 @@
 //! every class are: a reader's first sample of each class is not a round trip.
 
 use super::FsError;
-use crate::prefetch::{ClassPlan, Prefetcher};
+use crate::prefetch::{ClassPlan, Prefetcher, WINDOW_GROUPS};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -53,11 +53,39 @@ pub(super) struct ShuffledView {
     inner: Mutex<Inner>,
     /// Each class's names (this mount's share, sorted), once listed.
     names: Mutex<HashMap<u32, Arc<Vec<String>>>>,
+    /// The class folders' lists and the first epoch's first groups were asked for.
+    asked_ahead: std::sync::atomic::AtomicBool,
 }
 
 impl ShuffledView {
     pub fn new(classes: Vec<String>, first_epoch: u64, epochs: u64) -> Self {
-        ShuffledView { classes, first_epoch, epochs: epochs.max(1), inner: Mutex::default(), names: Mutex::default() }
+        ShuffledView {
+            classes,
+            first_epoch,
+            epochs: epochs.max(1),
+            inner: Mutex::default(),
+            names: Mutex::default(),
+            asked_ahead: Default::default(),
+        }
+    }
+
+    /// The first time `shuffled/` is looked into: lists every class folder in the background (a walk
+    /// then finds them listed) and fetches the sample table, the first epoch's plan and every class's
+    /// first groups, so that neither the walk nor the first samples of each class wait a round trip each.
+    pub fn ahead(&self, prefetcher: &Arc<Prefetcher>) {
+        if self.asked_ahead.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        prefetcher.list_dirs_ahead(self.classes.clone());
+        self.first_time(self.first_epoch);
+        let (prefetcher, classes, epoch) = (prefetcher.clone(), self.classes.len(), self.first_epoch);
+        let warm = move || match prefetcher.class_plan(epoch, classes) {
+            Ok(plan) => (0..classes).for_each(|c| prefetcher.prefetch_shuffled(&plan, c, 0..WINDOW_GROUPS)),
+            Err(e) => tracing::debug!(error = %e, "shuffled/: the first epoch's plan, ahead, failed"),
+        };
+        if let Err(e) = std::thread::Builder::new().name("batchfs-shuffled".into()).spawn(warm) {
+            tracing::debug!(error = %e, "shuffled/: cannot warm ahead");
+        }
     }
 
     /// The class named `name`.

@@ -150,38 +150,63 @@ impl Prefetcher {
         if let Some((id, raw)) = self.raw.at(path) {
             return Ok((id, raw.files));
         }
-        let list = self.runtime.block_on(async {
-            let mut merged: Option<FileList> = None;
-            let mut cursor = 0;
-            loop {
-                let (client, dir) = (self.client.clone(), path.to_owned());
-                let page = with_retries(&self.config, &self.stats, move |_| {
-                    let (client, dir) = (client.clone(), dir.clone());
-                    async move { client.files(&dir, cursor).await.map_err(Failure::Client) }
-                })
-                .await?;
-                let next = page.next;
-                match &mut merged {
-                    None => merged = Some(page),
-                    Some(all) => {
-                        for d in page.dirs {
-                            // A subdirectory spanning two pages is named on both.
-                            if all.dirs.last() != Some(&d) {
-                                all.dirs.push(d);
-                            }
-                        }
-                        all.files.extend(page.files);
+        self.runtime.block_on(self.fetch_dir(path))
+    }
+
+    /// Lists directories `paths` in the background, a few at a time, those not listed yet: a walk that
+    /// will look into each of them (ImageFolder's, over `shuffled/`'s class folders) then finds them
+    /// listed instead of waiting a round trip for each in turn.
+    pub fn list_dirs_ahead(self: &Arc<Self>, paths: Vec<String>) {
+        /// Directories listed at once.
+        const AT_ONCE: usize = 32;
+        let this = self.clone();
+        self.runtime.spawn(async move {
+            use futures_util::StreamExt;
+            let todo = paths.into_iter().filter(|p| this.raw.at(p).is_none());
+            let fetches = futures_util::stream::iter(todo.map(|p| {
+                let this = this.clone();
+                async move {
+                    if let Err(e) = this.fetch_dir(&p).await {
+                        tracing::debug!(dir = %p, error = %e, "listing ahead failed (listed when looked into)");
                     }
                 }
-                // A cursor that does not move on would never end.
-                match next {
-                    Some(n) if n > cursor => cursor = n,
-                    _ => break,
+            }));
+            fetches.buffer_unordered(AT_ONCE).collect::<Vec<()>>().await;
+        });
+    }
+
+    /// Fetches directory `path`'s list, every page, with retries up to `timeout`, and keeps it (the first
+    /// list of a path kept wins).
+    async fn fetch_dir(&self, path: &str) -> Result<(u32, Arc<FileList>), ReadError> {
+        let mut merged: Option<FileList> = None;
+        let mut cursor = 0;
+        loop {
+            let (client, dir) = (self.client.clone(), path.to_owned());
+            let page = with_retries(&self.config, &self.stats, move |_| {
+                let (client, dir) = (client.clone(), dir.clone());
+                async move { client.files(&dir, cursor).await.map_err(Failure::Client) }
+            })
+            .await?;
+            let next = page.next;
+            match &mut merged {
+                None => merged = Some(page),
+                Some(all) => {
+                    for d in page.dirs {
+                        // A subdirectory spanning two pages is named on both.
+                        if all.dirs.last() != Some(&d) {
+                            all.dirs.push(d);
+                        }
+                    }
+                    all.files.extend(page.files);
                 }
             }
-            Ok::<_, ReadError>(merged.expect("one page at least"))
-        })?;
-        let (id, raw) = self.raw.put(list);
+            // A cursor that does not move on would never end.
+            match next {
+                Some(n) if n > cursor => cursor = n,
+                _ => break,
+            }
+        }
+        let (id, raw) = self.raw.put(merged.expect("one page at least"));
         Ok((id, raw.files))
     }
 

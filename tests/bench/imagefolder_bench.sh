@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# ImageFolder's pattern, unmodified: torchvision.datasets.ImageFolder over a class-folder tree of the
+# heavy-tailed generator, read by a DataLoader (shuffle=True, 4 worker processes, one file per item), from
+# the local tree and through each remote system behind the same user-space link (`batchfs-lab netem`) at
+# each RTT, systems alternating, ROUNDS rounds. Prints medians and ratios; writes results.csv and
+# report.md to OUT.
+#
+#   tests/bench/imagefolder_bench.sh [OUT_DIR]
+#   env: SAMPLES (20000), MEAN (110000), RTTS ("0 30 100"), ROUNDS (3), SYSTEMS ("local shuffled raw sshfs
+#        rclone"), LIMIT (2000: the items a slow path reads, per run, at an RTT above 0; its epoch time is
+#        scaled from them), MOUNT_OPTS (extra -o options of batchfs mounts)
+#
+# Systems: local (the tree on local disk, page cache warm), shuffled (a batchfs mount's shuffled/), raw (the
+# same mount's raw/: the files under their own names), sshfs (Debian sshfs of the tree to a loopback sshd),
+# rclone (rclone mount of the tree as an :http: remote served by nginx). Every run reads through a fresh
+# mount. shuffled/ and local read every item of an epoch; raw, sshfs and rclone at an RTT above 0 read LIMIT
+# items (an epoch of them would take minutes per run) and their epoch is scaled: SAMPLES × seconds / items.
+# `mount_mb`: the peak RSS of the batchfs mount's daemon in the run (shuffled and raw).
+# Needs root, /dev/fuse, a release build, torchvision for /usr/bin/python3 (python3-torchvision), and:
+# apt-get install sshfs openssh-server rclone nginx fuse3
+set -euo pipefail
+OUT=${1:-/tmp/batchfs-imagefolder}
+SAMPLES=${SAMPLES:-20000}; MEAN=${MEAN:-110000}; RTTS=${RTTS:-"0 30 100"}; ROUNDS=${ROUNDS:-3}
+SYSTEMS=${SYSTEMS:-"local shuffled raw sshfs rclone"}; LIMIT=${LIMIT:-2000}; MOUNT_OPTS=${MOUNT_OPTS:-}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+BIN=$root/target/release
+. "$root/tests/bench/lib.sh"
+[ -x "$BIN/batchfs" ] && [ -x "$BIN/batchfs-server" ] && [ -x "$BIN/batchfs-lab" ] ||
+  cargo build --release --workspace --manifest-path "$root/Cargo.toml"
+mkdir -p "$OUT"
+work=$(mktemp -d); chmod 755 "$work"
+pids=()
+trap 'umount -l "$work"/mnt-sshfs "$work"/mnt-rclone 2>/dev/null || true; peers_stop "$work"; clean_up "$work" "" "${pids[@]}" ${NETEM_PID:-}' EXIT
+
+"$BIN/batchfs-server" gen --format files --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$work/tree" >/dev/null
+chmod -R a+rX "$work/tree"
+p_server=$(free_port)
+RUST_LOG=warn "$BIN/batchfs-server" serve --listen "127.0.0.1:$p_server" --dataset d="$work/tree" & pids+=($!)
+wait_healthy "$p_server"
+peers_start "$work"
+mkdir -p "$work/mnt-batchfs" "$work/mnt-sshfs" "$work/mnt-rclone"
+
+start_netem() { # upstream rtt: sets NETEM_PORT, NETEM_PID
+  NETEM_PORT=$(free_port)
+  "$BIN/batchfs-lab" netem --listen "127.0.0.1:$NETEM_PORT" --upstream "127.0.0.1:$1" --rtt-ms "$2" 2>/dev/null &
+  NETEM_PID=$!
+  for _ in $(seq 50); do (echo > "/dev/tcp/127.0.0.1/$NETEM_PORT") 2>/dev/null && break; sleep 0.05; done
+}
+mount_system() { # system rtt: sets DIR
+  local sys=$1 rtt=$2
+  NETEM_PID=
+  case $sys in
+    local) DIR=$work/tree ;;
+    shuffled|raw)
+      start_netem "$p_server" "$rtt"
+      "$BIN/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${MOUNT_OPTS:+-o "$MOUNT_OPTS"}
+      DIR=$work/mnt-batchfs/$sys ;;
+    sshfs)
+      start_netem "$P_SSHD" "$rtt"
+      sshfs -p "$NETEM_PORT" -o "IdentityFile=$work/id,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,ro" \
+        "root@127.0.0.1:$work/tree" "$work/mnt-sshfs"
+      DIR=$work/mnt-sshfs ;;
+    rclone)
+      start_netem "$P_NGINX" "$rtt"
+      rclone mount :http: "$work/mnt-rclone" --http-url "http://127.0.0.1:$NETEM_PORT/tree/" --read-only --daemon \
+        2>/dev/null
+      for _ in $(seq 100); do [ -n "$(ls "$work/mnt-rclone" 2>/dev/null)" ] && break; sleep 0.1; done
+      DIR=$work/mnt-rclone ;;
+  esac
+}
+unmount_system() {
+  case $1 in
+    local) ;;
+    shuffled|raw) "$BIN/batchfs" umount "$work/mnt-batchfs" ;;
+    sshfs) umount "$work/mnt-sshfs" ;;
+    rclone) umount "$work/mnt-rclone" ;;
+  esac
+  if [ -n "$NETEM_PID" ]; then kill "$NETEM_PID" 2>/dev/null || true; wait "$NETEM_PID" 2>/dev/null || true; fi
+}
+daemon_pid() { pgrep -f "batchfs mount http://127.0.0.1:$NETEM_PORT/d" | head -1; }
+
+echo "round,system,rtt_ms,items,seconds,bytes,epoch_s,mount_mb" > "$OUT/results.csv"
+for round in $(seq "$ROUNDS"); do
+  for rtt in $RTTS; do
+    for sys in $SYSTEMS; do
+      [ "$sys" = local ] && [ "$rtt" != "$(echo $RTTS | cut -d' ' -f1)" ] && continue
+      mount_system "$sys" "$rtt"
+      limit=()
+      case $sys in raw|sshfs|rclone) [ "$rtt" != 0 ] && limit=(--limit "$LIMIT") ;; esac
+      json=$(/usr/bin/python3 -W ignore "$root/tests/python/loaders.py" imagefolder "$DIR" "${limit[@]}")
+      mb=0
+      case $sys in shuffled|raw)
+        pid=$(daemon_pid); mb=$(awk '/VmHWM/ { print int($2 / 1024) }' "/proc/$pid/status") ;;
+      esac
+      unmount_system "$sys"
+      row=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); n=int(sys.argv[2])
+print(",".join(str(v) for v in [r["samples"], r["epoch_s"], r["bytes"], round(r["epoch_s"] * n / r["samples"], 3)]))' \
+        "$json" "$SAMPLES")
+      echo "$round,$sys,$rtt,$row,$mb" | tee -a "$OUT/results.csv"
+    done
+  done
+done
+
+python3 - "$OUT" "$SAMPLES" <<'PY' | tee "$OUT/report.md"
+import csv, statistics, sys
+from collections import defaultdict
+out, samples = sys.argv[1], int(sys.argv[2])
+rows = list(csv.DictReader(open(f"{out}/results.csv")))
+cells = defaultdict(list)
+mem = defaultdict(list)
+for r in rows:
+    cells[(r["system"], int(r["rtt_ms"]))].append(float(r["epoch_s"]))
+    mem[(r["system"], int(r["rtt_ms"]))].append(int(r["mount_mb"]))
+med = {k: statistics.median(v) for k, v in cells.items()}
+rtts = sorted({k[1] for k in med})
+systems = [s for s in ["local", "shuffled", "raw", "sshfs", "rclone"] if any(k[0] == s for k in med)]
+print(f"ImageFolder, DataLoader(shuffle=True, num_workers=4), {samples} files; epoch seconds, medians of "
+      f"{max(len(v) for v in cells.values())} rounds (scaled from the items read where fewer than an epoch)\n")
+print("| system | " + " | ".join(f"{r} ms" for r in rtts) + " |")
+print("|---|" + "---|" * len(rtts))
+for s in systems:
+    print(f"| {s} | " + " | ".join(f"{med[(s, r)]:.2f}" if (s, r) in med else "—" for r in rtts) + " |")
+print()
+def ratio(a, b):
+    return f"{med[a] / med[b]:.2f}x" if a in med and b in med else "—"
+for r in rtts[1:]:
+    print(f"- shuffled {r} ms / shuffled {rtts[0]} ms: {ratio(('shuffled', r), ('shuffled', rtts[0]))}")
+    for peer in ["raw", "sshfs", "rclone"]:
+        print(f"- {peer} {r} ms / shuffled {r} ms: {ratio((peer, r), ('shuffled', r))}")
+if ("local", rtts[0]) in med:
+    print(f"- shuffled {rtts[0]} ms / local: {ratio(('shuffled', rtts[0]), ('local', rtts[0]))}")
+for s in ["shuffled", "raw"]:
+    m = [v for k, vs in mem.items() if k[0] == s for v in vs]
+    if m:
+        print(f"- peak RSS of the mount, {s}: median {statistics.median(m)} MB, max {max(m)} MB")
+PY
