@@ -28,6 +28,16 @@ pub enum Command {
         #[arg(long, short)]
         lazy: bool,
     },
+    /// Fill a node cache with every file of a file-tree dataset, in batches, without a mount: `batchfs warm
+    /// http://storage:7878/imagenet -o cache_dir=/nvme/batchfs` (mounts with that cache_dir read it first).
+    Warm {
+        /// http(s)://host:port/DATASET
+        url: String,
+        /// Options as key=value[,key=value...]: cache_dir (required), cache_dir_size, seed, first_epoch
+        /// (the plan whose order it warms in), token_file, ca_file, connections, servers
+        #[arg(short = 'o', value_name = "OPTIONS")]
+        options: Vec<String>,
+    },
     /// Show a mount's live counters.
     Stats {
         mountpoint: PathBuf,
@@ -114,6 +124,18 @@ pub fn run() -> Result<()> {
             crate::mount::mount(&m.url, &m.mountpoint, options, !m.foreground)
         }
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
+        Command::Warm { url, options } => {
+            init_tracing(None, "warn");
+            let mut o = MountOptions::default();
+            for list in &options {
+                o.apply_list(list).map_err(anyhow::Error::msg)?;
+            }
+            let failed = crate::mount::warm_only(&url, &o)?;
+            if failed > 0 {
+                bail!("{failed} files could not be fetched (they are fetched on demand by the mounts)");
+            }
+            Ok(())
+        }
         Command::Stats { mountpoint, json } => stats(&mountpoint, json),
     }
 }
@@ -200,6 +222,21 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
         ("checksum errors".to_owned(), s.checksum_errors.to_string()),
         ("errors".to_owned(), s.errors.to_string()),
         ("evictions".to_owned(), s.evictions.to_string()),
+        (
+            "node cache".to_owned(),
+            match &s.node_cache {
+                Some(n) => format!(
+                    "{:.1} MB held; {} hits ({:.1} MB); {:.1} MB written; {} corrupt, {} evicted",
+                    n.bytes as f64 / 1e6,
+                    n.hits,
+                    n.hit_bytes as f64 / 1e6,
+                    n.written_bytes as f64 / 1e6,
+                    n.corrupt,
+                    n.evictions
+                ),
+                None => "none (cache_dir)".to_owned(),
+            },
+        ),
     ];
     for (i, v) in s.servers.iter().enumerate() {
         let state = if v.up { "in rotation" } else { "out (failed; probed after its backoff)" };
@@ -215,6 +252,26 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
                 v.mb_per_s,
                 v.in_flight_bytes as f64 / 1e6,
                 v.taken_out
+            ),
+        ));
+    }
+    if let Some(w) = &s.warm {
+        let rate = w.bytes as f64 / w.seconds.max(1) as f64;
+        let eta = if rate > 0.0 {
+            format!("{:.0} s", w.bytes_total.saturating_sub(w.bytes) as f64 / rate)
+        } else {
+            "—".into()
+        };
+        let done = if w.files >= w.files_total { "done".to_owned() } else { format!("ETA {eta}") };
+        rows.push((
+            "warm".to_owned(),
+            format!(
+                "{}/{} files, {:.1}/{:.1} MB, {:.0} MB/s, {done}",
+                w.files,
+                w.files_total,
+                w.bytes as f64 / 1e6,
+                w.bytes_total as f64 / 1e6,
+                rate / 1e6
             ),
         ));
     }

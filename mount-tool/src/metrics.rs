@@ -78,6 +78,29 @@ pub fn render(s: &StatsSnapshot) -> String {
     for (name, kind, help, value) in whole {
         out.metric(&format!("batchfs_mount_{name}"), kind, help, value);
     }
+    if let Some(n) = &s.node_cache {
+        let node_cache: [(&str, &str, &str, u64); 5] = [
+            ("node_cache_bytes", "gauge", "Bytes in the node cache (cache_dir).", n.bytes),
+            ("node_cache_hits_total", "counter", "Objects read from the node cache instead of the network.", n.hits),
+            ("node_cache_hit_bytes_total", "counter", "Bytes read from the node cache.", n.hit_bytes),
+            ("node_cache_written_bytes_total", "counter", "Bytes written to the node cache.", n.written_bytes),
+            ("node_cache_corrupt_total", "counter", "Node cache files found corrupt and fetched anew.", n.corrupt),
+        ];
+        for (name, kind, help, value) in node_cache {
+            out.metric(&format!("batchfs_mount_{name}"), kind, help, value);
+        }
+    }
+    if let Some(w) = &s.warm {
+        let warm: [(&str, &str, u64); 4] = [
+            ("warm_files", "Files warmed into the node cache so far.", w.files),
+            ("warm_files_total", "Files warming fills the node cache with.", w.files_total),
+            ("warm_bytes", "Bytes warmed into the node cache so far.", w.bytes),
+            ("warm_bytes_total", "Bytes warming fills the node cache with.", w.bytes_total),
+        ];
+        for (name, help, value) in warm {
+            out.metric(&format!("batchfs_mount_{name}"), "gauge", help, value);
+        }
+    }
     let per_server: [(&str, &str, &str, PerServer); 7] = [
         ("up", "gauge", "1 while the server is in rotation.", |v| u64::from(v.up)),
         ("requests_total", "counter", "Requests sent to the server.", |v| v.requests),

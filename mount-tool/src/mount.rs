@@ -4,6 +4,7 @@
 use crate::client::{parse_url, BatchClient, ClientError, HttpClient, HttpConfig};
 use crate::fs::{Fs, FsOptions};
 use crate::fuse::FuseFs;
+use crate::node_cache::NodeCache;
 use crate::options::MountOptions;
 use crate::prefetch::{Prefetcher, PrefetcherConfig};
 use crate::sys;
@@ -24,11 +25,9 @@ pub struct MountPlan {
     pub info: batchfs::api::DatasetInfo,
 }
 
-/// Checks the options, the mountpoint (cleaning up a stale mount left by a killed daemon) and the
-/// server (reachable, dataset known, token accepted) before mounting.
-pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<MountPlan> {
+/// How to reach the servers of dataset `url` with `options` (its token read from `token_file`).
+pub fn http_config(url: &str, options: &MountOptions) -> Result<HttpConfig> {
     let (base, dataset) = parse_url(url).map_err(anyhow::Error::msg)?;
-    let mountpoint = prepare_mountpoint(mountpoint)?;
     let token = match &options.token_file {
         Some(path) => {
             let t =
@@ -39,7 +38,7 @@ pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<Mount
     };
     let mut servers = vec![base];
     servers.extend(options.servers.iter().cloned());
-    let http = HttpConfig {
+    Ok(HttpConfig {
         servers,
         dataset,
         query: options.query(),
@@ -48,8 +47,72 @@ pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<Mount
         ca_file: options.ca_file.clone(),
         stall_timeout: options.stall_timeout,
         connect_timeout: Duration::from_secs(10),
+    })
+}
+
+/// `batchfs warm`: fills the node cache (`cache_dir`, which every mount of the node then reads before the
+/// network) with every file of the file-tree dataset at `url`, without a mount, printing progress; the
+/// number of files it could not fetch.
+pub fn warm_only(url: &str, options: &MountOptions) -> Result<u64> {
+    let dir = options.cache_dir.as_ref().context("batchfs warm fills a node cache: give it one (-o cache_dir=PATH)")?;
+    let http = http_config(url, options)?;
+    let runtime = runtime()?;
+    let client: crate::client::DynClient = Arc::new(HttpClient::new(http)?);
+    let info = runtime.block_on(client.dataset()).context("cannot describe the dataset")?;
+    if info.format != batchfs::index::SourceFormat::Files {
+        bail!("batchfs warm warms a file tree's files; dataset {:?} is {} shards", info.name, info.format.as_str());
+    }
+    let cache =
+        NodeCache::open(dir, options.cache_dir_size).with_context(|| format!("cannot use {}", dir.display()))?;
+    let stats = Arc::new(crate::stats::Stats::default());
+    let table = Arc::new(runtime.block_on(client.sample_table()).context("cannot fetch the sample table")?);
+    let progress = {
+        let stats = stats.clone();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_secs(2));
+            let s = stats.snapshot();
+            let Some(w) = s.warm else { continue };
+            eprintln!(
+                "warm: {}/{} files, {:.1}/{:.1} MB",
+                w.files,
+                w.files_total,
+                w.bytes as f64 / 1e6,
+                w.bytes_total as f64 / 1e6
+            );
+            if w.files >= w.files_total {
+                return;
+            }
+        })
     };
+    let (plan, epoch) = (options.plan, options.first_epoch);
+    let failed = runtime.block_on(crate::warm::warm(client, cache, table, plan, epoch, stats.clone()));
+    let s = stats.snapshot().warm.unwrap_or_default();
+    drop(progress);
+    println!(
+        "warmed {}/{} files ({:.1} MB) into {} in {} s",
+        s.files,
+        s.files_total,
+        s.bytes as f64 / 1e6,
+        dir.display(),
+        s.seconds
+    );
+    Ok(failed)
+}
+
+/// Checks the options, the mountpoint (cleaning up a stale mount left by a killed daemon) and the
+/// server (reachable, dataset known, token accepted) before mounting.
+pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<MountPlan> {
+    let http = http_config(url, &options)?;
+    let mountpoint = prepare_mountpoint(mountpoint)?;
     let info = probe(&http, &options)?;
+    if options.warm == crate::options::Warm::Raw {
+        if options.cache_dir.is_none() {
+            bail!("warm=raw fills the node cache: give it one (cache_dir=PATH)");
+        }
+        if info.format != batchfs::index::SourceFormat::Files {
+            bail!("warm=raw warms a file tree's files; dataset {:?} is {} shards", info.name, info.format.as_str());
+        }
+    }
     Ok(MountPlan { url: url.to_owned(), mountpoint, options, http, info })
 }
 
@@ -169,6 +232,12 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
     let health = client.health();
     let prefetcher = Prefetcher::new(client, runtime.handle().clone(), PrefetcherConfig::from(&plan.options));
     let _ = prefetcher.stats.servers.set(health);
+    if let Some(dir) = &plan.options.cache_dir {
+        let cache = NodeCache::open(dir, plan.options.cache_dir_size)
+            .with_context(|| format!("cannot use cache_dir {}", dir.display()))?;
+        prefetcher.use_node_cache(cache.clone());
+        let _ = prefetcher.stats.node_cache.set(cache);
+    }
     let (uid, gid) = sys::ids();
     let fs = Fs::new(
         prefetcher.clone(),
@@ -274,6 +343,18 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
             .with_context(|| format!("cannot serve metrics on {addr}"))?;
     }
     tune_readahead(&plan.mountpoint, plan.options.read_ahead_kb);
+    if let (crate::options::Warm::Raw, Some(cache)) = (plan.options.warm, prefetcher.node_cache().cloned()) {
+        let (client, stats) = (prefetcher.client(), prefetcher.stats.clone());
+        let (plan_options, epoch) = (plan.options.plan, plan.options.first_epoch);
+        runtime.spawn(async move {
+            match client.sample_table().await {
+                Ok(table) => {
+                    crate::warm::warm(client, cache, Arc::new(table), plan_options, epoch, stats).await;
+                }
+                Err(e) => tracing::warn!(error = %e, "warm=raw: cannot fetch the sample table; nothing warmed"),
+            }
+        });
+    }
     Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
 }
 

@@ -22,6 +22,15 @@ pub enum RollingMode {
     Packed,
 }
 
+/// What the mount fetches into its node cache on its own (`warm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Warm {
+    /// Nothing: objects are kept as readers fetch them.
+    None,
+    /// Every file of the dataset (a file tree's samples), in batches, once mounted.
+    Raw,
+}
+
 /// Base URLs of servers (an alias, so that the flag takes one `;`-separated value, as `-o` does).
 pub type Urls = Vec<String>;
 
@@ -110,6 +119,14 @@ mod value {
         match parsed {
             Some((r, w)) if w >= 1 && r < w => Ok((r, w)),
             _ => Err("expected R/W, a rank below the number of mounts, e.g. 0/8".into()),
+        }
+    }
+
+    pub fn warm(v: &str) -> Result<super::Warm, String> {
+        match v {
+            "none" => Ok(super::Warm::None),
+            "raw" => Ok(super::Warm::Raw),
+            _ => Err("expected none or raw".into()),
         }
     }
 
@@ -204,6 +221,12 @@ options! {
         "Bytes of prefetches in flight at once, all readers together.";
     cache: u64 = 2 << 30, value::size, "2G", "SIZE", "Prefetch",
         "Byte budget of the cache, fetches in flight included.";
+    cache_dir: Option<PathBuf> = None, value::path, "—", "DIR", "Prefetch",
+        "A node cache on local disk: verified objects kept by content, across remounts and mounts.";
+    cache_dir_size: u64 = 100 << 30, value::size, "100G", "SIZE", "Prefetch",
+        "Bytes the node cache keeps at most (the least recently used go first).";
+    warm: Warm = Warm::None, value::warm, "`none`", "WHAT", "Prefetch",
+        "raw: fetch every file of the dataset into the node cache, in batches, once mounted.";
     stale_after: Duration = Duration::from_secs(10), value::duration, "10s", "DURATION", "Prefetch",
         "A cached batch unread for this long may make room for prefetches.";
     connections: usize = 4, value::at_least_one, "4", "N", "Network",
@@ -325,6 +348,8 @@ impl Unset for RollingMode {}
 impl Unset for PageCache {}
 #[cfg(test)]
 impl Unset for (u32, u32) {}
+#[cfg(test)]
+impl Unset for Warm {}
 
 #[cfg(test)]
 mod tests {

@@ -39,6 +39,7 @@
 
 use crate::buffers::BufferPool;
 use crate::client::DynClient;
+use crate::node_cache::NodeCache;
 use crate::options::MountOptions;
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, Ordering};
@@ -275,6 +276,8 @@ pub struct Prefetcher {
     raw: RawDirs,
     /// The sample table and the plans of `shuffled/`.
     shuffled: shuffled::Shuffled,
+    /// The node cache (`cache_dir`), if the mount has one.
+    node_cache: std::sync::OnceLock<Arc<NodeCache>>,
     streams: Mutex<StreamTracker>,
     /// Bytes of prefetches in flight now (each counted by its [`Prefetching`] guard).
     prefetching: Arc<crate::sync::AtomicU64>,
@@ -301,6 +304,7 @@ impl Prefetcher {
             listings: Listings::new(),
             raw: RawDirs::default(),
             shuffled: Default::default(),
+            node_cache: std::sync::OnceLock::new(),
             streams: Mutex::new(streams),
             prefetching: Arc::new(crate::sync::AtomicU64::new(0)),
             throughput: Mutex::new(Throughput::default()),
@@ -310,6 +314,42 @@ impl Prefetcher {
             stats: Arc::new(Stats::default()),
             config,
         })
+    }
+
+    /// Keeps verified objects in `cache` too, and looks there before the network (set once, before the
+    /// first read).
+    pub fn use_node_cache(&self, cache: Arc<NodeCache>) {
+        let _ = self.node_cache.set(cache);
+    }
+
+    /// The client it fetches through.
+    pub fn client(&self) -> DynClient {
+        self.client.clone()
+    }
+
+    /// The node cache, if the mount has one.
+    pub fn node_cache(&self) -> Option<&Arc<NodeCache>> {
+        self.node_cache.get()
+    }
+
+    /// What `obj` (under `key`) is in the node cache: itself (a batch, a chunk of `raw/`), or each of its
+    /// samples (a group of `shuffled/`: a sample of a file tree is its file, so `raw/` and `shuffled/` share
+    /// what either fetched); `None` for `rolling/`'s placed files, made here.
+    fn on_disk(&self, key: ObjectKey, obj: &Object) -> Option<Vec<Sent>> {
+        match key.listing {
+            _ if obj.placed.is_some() => None,
+            Listing::Epoch { .. } | Listing::Raw { .. } => Some(vec![obj.sent]),
+            Listing::Shuffled { epoch, class } => {
+                let (plan, table) = (self.cached_class_plan(epoch)?, self.shuffled_table()?);
+                let ids = plan.group_ids(class as usize, key.index);
+                Some(
+                    ids.iter()
+                        .map(|&i| Sent { bytes: table.bytes[i as usize], crc32c: table.crc32c[i as usize] })
+                        .collect(),
+                )
+            }
+            Listing::Rolling { .. } => None,
+        }
     }
 
     /// Fetches bodies into sealed memory files from now on, ready to be handed to the kernel (when the

@@ -31,6 +31,15 @@ pub struct Stats {
     pub passthrough: AtomicU64,
     /// The servers' health, once the HTTP client exists.
     pub servers: OnceLock<Arc<Health>>,
+    /// The node cache (`cache_dir`), if the mount has one.
+    pub node_cache: OnceLock<Arc<crate::node_cache::NodeCache>>,
+    /// Warming (`warm=raw`): files and bytes in the node cache so far, of all there are.
+    pub warm_files: AtomicU64,
+    pub warm_files_total: AtomicU64,
+    pub warm_bytes: AtomicU64,
+    pub warm_bytes_total: AtomicU64,
+    /// Seconds since the epoch when warming started (0: not started).
+    pub warm_started: AtomicU64,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -91,6 +100,44 @@ pub struct StatsSnapshot {
     /// Each server's counters and whether it is in rotation.
     #[serde(default)]
     pub servers: Vec<ServerSnapshot>,
+    /// The node cache (`cache_dir`), if the mount has one.
+    #[serde(default)]
+    pub node_cache: Option<NodeCacheSnapshot>,
+    /// Warming into the node cache (`warm=raw`), if asked for.
+    #[serde(default)]
+    pub warm: Option<WarmSnapshot>,
+}
+
+/// What the node cache did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeCacheSnapshot {
+    /// Bytes in it (this mount's count).
+    pub bytes: u64,
+    /// Objects read from it instead of the network, and their bytes.
+    pub hits: u64,
+    pub hit_bytes: u64,
+    /// Bytes written to it.
+    pub written_bytes: u64,
+    /// Files found corrupt, removed and fetched anew.
+    pub corrupt: u64,
+    /// Files removed to stay under `cache_dir_size`.
+    pub evictions: u64,
+}
+
+/// How far warming has got.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmSnapshot {
+    pub files: u64,
+    pub files_total: u64,
+    pub bytes: u64,
+    pub bytes_total: u64,
+    /// Seconds since it started.
+    pub seconds: u64,
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 impl Stats {
@@ -123,6 +170,24 @@ impl Stats {
             page_cache_drops: g(&self.page_cache_drops),
             early_reads: g(&self.early_reads),
             servers: self.servers.get().map(|h| h.snapshot()).unwrap_or_default(),
+            node_cache: self.node_cache.get().map(|nc| {
+                let c = &nc.stats;
+                NodeCacheSnapshot {
+                    bytes: nc.used(),
+                    hits: g(&c.hits),
+                    hit_bytes: g(&c.hit_bytes),
+                    written_bytes: g(&c.written_bytes),
+                    corrupt: g(&c.corrupt),
+                    evictions: g(&c.evictions),
+                }
+            }),
+            warm: (g(&self.warm_started) > 0).then(|| WarmSnapshot {
+                files: g(&self.warm_files),
+                files_total: g(&self.warm_files_total),
+                bytes: g(&self.warm_bytes),
+                bytes_total: g(&self.warm_bytes_total),
+                seconds: crate::stats::unix_now().saturating_sub(g(&self.warm_started)),
+            }),
         }
     }
 }

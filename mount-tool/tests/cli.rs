@@ -267,3 +267,31 @@ fn a_mount_records_an_energy_log_with_the_bytes_it_served() {
     assert_eq!(samples.last().unwrap()["bytes"].as_u64(), Some(read), "the timeline carries the bytes served");
     assert_eq!(lines.last().unwrap()["summary"]["bytes"].as_u64(), Some(read));
 }
+
+/// `batchfs warm` fills a node cache with every file of a file tree, without a mount (a mount with that
+/// `cache_dir` then fetches nothing); a dataset of shards is refused with the reason.
+#[test]
+fn warm_fills_a_node_cache_without_a_mount() {
+    let server = batchfs_server::testing::serve_generated_as(batchfs::index::SourceFormat::Files, 120, 5000, None);
+    let cache = tempfile::tempdir().unwrap();
+    let option = format!("cache_dir={}", cache.path().display());
+    let out = batchfs(&["warm", &server.url, "-o", &option]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("warmed 120/120 files"), "{:?}", out);
+    let files: usize =
+        std::fs::read_dir(cache.path()).unwrap().map(|d| std::fs::read_dir(d.unwrap().path()).unwrap().count()).sum();
+    assert_eq!(files, 120);
+    // Again: nothing left to fetch.
+    let again = batchfs(&["warm", &server.url, "-o", &option]);
+    assert!(String::from_utf8_lossy(&again.stdout).contains("warmed 120/120 files"), "{:?}", again);
+    let shards = server_of_shards();
+    let refused = batchfs(&["warm", &shards.url, "-o", &option]);
+    assert!(!refused.status.success());
+    assert!(stderr(&refused).contains("file tree"), "{}", stderr(&refused));
+    let none = batchfs(&["warm", &server.url]);
+    assert!(stderr(&none).contains("cache_dir"), "{}", stderr(&none));
+}
+
+fn server_of_shards() -> Server {
+    server(16, 2000, None)
+}

@@ -29,16 +29,13 @@ impl Drop for GeneratedServer {
 /// Generates a TFRecord dataset of `samples` (8 shards, sizes around `mean_bytes`) and serves it as `d`,
 /// asking for `token` if given.
 pub fn serve_generated(samples: u32, mean_bytes: u64, token: Option<&str>) -> GeneratedServer {
+    serve_generated_as(SourceFormat::Tfrecord, samples, mean_bytes, token)
+}
+
+/// Like [`serve_generated`], of a dataset in source format `format`.
+pub fn serve_generated_as(format: SourceFormat, samples: u32, mean_bytes: u64, token: Option<&str>) -> GeneratedServer {
     let data = tempfile::tempdir().expect("a temporary directory");
-    let options = GenOptions {
-        format: SourceFormat::Tfrecord,
-        samples,
-        mean_bytes,
-        shards: 8,
-        classes: 4,
-        seed: 2,
-        ..Default::default()
-    };
+    let options = GenOptions { format, samples, mean_bytes, shards: 8, classes: 4, seed: 2, ..Default::default() };
     gen::generate(&options, data.path()).expect("the dataset generates");
     let catalog = Catalog::default();
     let io = ServerLimits::default().io_policy();

@@ -7,6 +7,7 @@ mod faults;
 mod loaders;
 mod mount;
 mod netem;
+mod node_cache;
 mod raw;
 mod rolling;
 mod server;

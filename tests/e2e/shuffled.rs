@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Command;
 
 /// `(class, crc32c)` of every file of the tree, as a sorted multiset per class.
-fn tree(root: &Path) -> BTreeMap<String, Vec<u64>> {
+pub(crate) fn tree(root: &Path) -> BTreeMap<String, Vec<u64>> {
     let mut out: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     for class in std::fs::read_dir(root).unwrap() {
         let class = class.unwrap();
@@ -29,7 +29,7 @@ fn tree(root: &Path) -> BTreeMap<String, Vec<u64>> {
 }
 
 /// Runs the ImageFolder loader over `dir` for `epochs`; `None` where torchvision is missing (outside CI).
-fn imagefolder(dir: &Path, epochs: u32) -> Option<Value> {
+pub(crate) fn imagefolder(dir: &Path, epochs: u32) -> Option<Value> {
     let python = "/usr/bin/python3";
     let probe = Command::new(python).args(["-c", "import torchvision"]).output();
     if !probe.as_ref().is_ok_and(|o| o.status.success()) {
@@ -46,7 +46,7 @@ fn imagefolder(dir: &Path, epochs: u32) -> Option<Value> {
 }
 
 /// The records of one epoch: `(class, crc32c)` per class, sorted, and the order they came in.
-fn epoch_of(records: &[Value], epoch: u64) -> (BTreeMap<String, Vec<u64>>, Vec<u64>) {
+pub(crate) fn epoch_of(records: &[Value], epoch: u64) -> (BTreeMap<String, Vec<u64>>, Vec<u64>) {
     let mut per: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     let mut order = Vec::new();
     for r in records.iter().filter(|r| r[3] == epoch) {

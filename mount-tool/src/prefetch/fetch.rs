@@ -8,9 +8,10 @@
 use super::cache::{in_memfd, seal_file, Content, Entry, Placed, Record, State};
 use super::retry::{verify, with_retries, Failure};
 use super::window::Prefetching;
-use super::{describe, Listing, Object, ObjectKey, Prefetcher, ReadError};
+use super::{describe, Listing, Object, ObjectKey, Prefetcher, ReadError, Sent};
 use crate::buffers::{Filling, Sink};
 use crate::client::ClientError;
+use crate::node_cache::NodeCache;
 use crate::stats::Stats;
 use crate::sync::{Arc, Ordering};
 use batchfs::rolling::FileLayout;
@@ -44,8 +45,25 @@ impl Prefetcher {
             _ => None,
         };
         let meta = obj.sent;
+        let on_disk = self.node_cache.get().cloned().and_then(|nc| self.on_disk(key, &obj).map(|pieces| (nc, pieces)));
         let mut buffer = (!memfd).then_some(buffer);
         self.runtime.spawn(async move {
+            // The node cache first: the object, or each of a group's samples, verified on the way in.
+            if let Some((nc, pieces)) = on_disk.clone() {
+                let into_memfd = memfd;
+                let found = tokio::task::spawn_blocking(move || from_disk(&nc, &pieces, meta, into_memfd)).await;
+                if let Ok(Some((content, file))) = found {
+                    this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    drop(prefetching);
+                    if let Some(file) = file {
+                        Stats::add(&this.stats.passthrough_bytes, content.stored());
+                        *fetching.memfd.lock().expect("memfd") = Some(file);
+                    }
+                    fetching.set(State::Ready(content));
+                    this.room.notify_all();
+                    return;
+                }
+            }
             let client = this.client.clone();
             let pool = this.pool.clone();
             let filled = fetching.clone();
@@ -128,6 +146,10 @@ impl Prefetcher {
                 Ok((content, file)) => {
                     Stats::add(&this.stats.fetched_bytes, meta.bytes);
                     this.throughput.lock().expect("throughput").record(meta.bytes, Instant::now());
+                    if let (Some((nc, pieces)), Content::Bytes(bytes)) = (on_disk, &content) {
+                        let bytes = bytes.clone();
+                        tokio::task::spawn_blocking(move || to_disk(&nc, &pieces, &bytes));
+                    }
                     if let Some(file) = file {
                         Stats::add(&this.stats.passthrough_bytes, content.stored());
                         *fetching.memfd.lock().expect("memfd") = Some(file);
@@ -146,6 +168,45 @@ impl Prefetcher {
             }
             this.room.notify_all();
         });
+    }
+}
+
+/// An object's bytes from the node cache: its pieces (the object, or a group's samples) read and checked
+/// one by one, then the whole against `meta`; into a sealed memory file for passthrough with `memfd`.
+/// `None` when a piece is missing or wrong (then fetched).
+fn from_disk(
+    nc: &NodeCache,
+    pieces: &[Sent],
+    meta: Sent,
+    memfd: bool,
+) -> Option<(Content, Option<Arc<std::fs::File>>)> {
+    let mut data = Vec::with_capacity(meta.bytes as usize);
+    for &piece in pieces {
+        data.extend_from_slice(&nc.get(piece)?);
+    }
+    if data.len() as u64 != meta.bytes || batchfs::crc::crc32c(&data) != meta.crc32c {
+        return None;
+    }
+    if !memfd {
+        return Some((Content::Bytes(Bytes::from(data)), None));
+    }
+    let file = crate::sys::memfd("batchfs-batch").ok()?;
+    std::io::Write::write_all(&mut &file, &data).ok()?;
+    let (bytes, file) = seal_file(file).ok()?;
+    Some((Content::Bytes(bytes), Some(file)))
+}
+
+/// Files a fetched object's verified bytes into the node cache: whole, or each of a group's samples.
+fn to_disk(nc: &NodeCache, pieces: &[Sent], bytes: &[u8]) {
+    let mut at = 0usize;
+    for &piece in pieces {
+        let end = at + piece.bytes as usize;
+        let Some(data) = bytes.get(at..end) else { return };
+        if let Err(e) = nc.put(piece, data) {
+            tracing::warn!(error = %e, "node cache: cannot keep an object (the mount goes on without it)");
+            return;
+        }
+        at = end;
     }
 }
 

@@ -138,6 +138,11 @@ impl Prefetcher {
         Ok(plan)
     }
 
+    /// The sample table, if fetched.
+    pub(super) fn shuffled_table(&self) -> Option<Arc<SampleTable>> {
+        self.shuffled.table.get().cloned()
+    }
+
     /// This mount's share of `shuffled/`: `(rank, world)`.
     pub fn shuffled_share(&self) -> (u32, u32) {
         self.config.shuffled.share

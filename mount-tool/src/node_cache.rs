@@ -1,0 +1,240 @@
+//! The node cache (`cache_dir=PATH`): verified objects kept on a local disk, in front of the network and
+//! behind the memory cache, surviving remounts and restarts and shared by every mount on the node.
+//!
+//! **Keys are contents.** An object is filed under its size and CRC32C as the server lists them
+//! (`PATH/ab/abcdef01-SIZE`, `ab` the CRC's first byte): a file changed on the server has a new key, so
+//! nothing in the cache is ever stale, and two mounts of one dataset (pods of one job, or of several)
+//! find each other's objects. A file is written under a temporary name and renamed into place, so a reader
+//! never opens a partial one; every read checks the size and CRC32C again before a byte is used, and a
+//! file that fails (a disk's corruption, a truncation) is removed and fetched anew.
+//!
+//! **Bounded.** The bytes written are counted against `cache_dir_size`; past it, the least recently used
+//! files (by modification time, touched at each hit) are removed until the cache is under 90 % of it. The
+//! count starts from a walk of the directory at mount time, in the background.
+
+use crate::prefetch::Sent;
+use crate::sync::{AtomicU64, Ordering};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// A node cache in a directory.
+#[derive(Debug)]
+pub struct NodeCache {
+    dir: PathBuf,
+    limit: u64,
+    /// Bytes in the cache (the walk's count, plus what this mount wrote, minus what it removed).
+    used: AtomicU64,
+    /// One eviction at a time (in this mount).
+    evicting: Mutex<()>,
+    pub stats: NodeCacheStats,
+}
+
+/// What the node cache did.
+#[derive(Debug, Default)]
+pub struct NodeCacheStats {
+    /// Objects read from the disk instead of the network.
+    pub hits: AtomicU64,
+    pub hit_bytes: AtomicU64,
+    /// Objects written to it.
+    pub writes: AtomicU64,
+    pub written_bytes: AtomicU64,
+    /// Files found corrupt (size or CRC32C), removed and fetched anew.
+    pub corrupt: AtomicU64,
+    /// Files removed to stay under the limit.
+    pub evictions: AtomicU64,
+}
+
+impl NodeCache {
+    /// The cache in `dir` (made if missing), at most `limit` bytes.
+    pub fn open(dir: &Path, limit: u64) -> std::io::Result<std::sync::Arc<Self>> {
+        std::fs::create_dir_all(dir)?;
+        let cache = std::sync::Arc::new(NodeCache {
+            dir: dir.to_owned(),
+            limit,
+            used: AtomicU64::new(0),
+            evicting: Mutex::new(()),
+            stats: NodeCacheStats::default(),
+        });
+        let walker = cache.clone();
+        std::thread::Builder::new().name("batchfs-node-cache".into()).spawn(move || {
+            let found: u64 = walker.entries().iter().map(|e| e.1).sum();
+            walker.used.fetch_add(found, Ordering::Relaxed);
+            walker.evict_if_full();
+        })?;
+        Ok(cache)
+    }
+
+    /// The path of the object `sent`.
+    pub fn path_of(&self, sent: Sent) -> PathBuf {
+        let name = format!("{:08x}-{}", sent.crc32c, sent.bytes);
+        self.dir.join(&name[..2]).join(name)
+    }
+
+    /// The object `sent`, if the cache holds it whole and right (a wrong file is removed).
+    pub fn get(&self, sent: Sent) -> Option<Vec<u8>> {
+        let path = self.path_of(sent);
+        let mut file = std::fs::File::open(&path).ok()?;
+        let mut data = Vec::with_capacity(sent.bytes as usize);
+        let read = file.read_to_end(&mut data);
+        if read.is_err() || data.len() as u64 != sent.bytes || batchfs::crc::crc32c(&data) != sent.crc32c {
+            tracing::warn!(path = %path.display(), "node cache: a corrupt file, removed (fetched anew)");
+            if std::fs::remove_file(&path).is_ok() {
+                self.used.fetch_sub(data.len() as u64, Ordering::Relaxed);
+            }
+            self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        // Recently used: the last to go.
+        let _ = file.set_modified(std::time::SystemTime::now());
+        self.stats.hits.fetch_add(1, Ordering::Relaxed);
+        self.stats.hit_bytes.fetch_add(sent.bytes, Ordering::Relaxed);
+        Some(data)
+    }
+
+    /// Whether the cache holds the object `sent` (not checked).
+    pub fn contains(&self, sent: Sent) -> bool {
+        self.path_of(sent).exists()
+    }
+
+    /// Files `data` (the verified bytes of `sent`) unless it is there: written under a temporary name
+    /// and renamed into place; then evicts if the cache is over its limit.
+    pub fn put(&self, sent: Sent, data: &[u8]) -> std::io::Result<()> {
+        debug_assert_eq!(data.len() as u64, sent.bytes);
+        if sent.bytes > self.limit {
+            return Ok(());
+        }
+        let path = self.path_of(sent);
+        if path.exists() {
+            return Ok(());
+        }
+        let dir = path.parent().expect("a file in a subdirectory");
+        std::fs::create_dir_all(dir)?;
+        let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+        tmp.write_all(data)?;
+        tmp.persist(&path).map_err(|e| e.error)?;
+        self.used.fetch_add(sent.bytes, Ordering::Relaxed);
+        self.stats.writes.fetch_add(1, Ordering::Relaxed);
+        self.stats.written_bytes.fetch_add(sent.bytes, Ordering::Relaxed);
+        self.evict_if_full();
+        Ok(())
+    }
+
+    /// Bytes in the cache, as this mount counts them.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Every object file: its path, size and modification time.
+    fn entries(&self) -> Vec<(PathBuf, u64, std::time::SystemTime)> {
+        let mut out = Vec::new();
+        let Ok(subdirs) = std::fs::read_dir(&self.dir) else { return out };
+        for sub in subdirs.flatten() {
+            let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
+            for f in files.flatten() {
+                // Temporary files (another writer's, in flight) are not objects.
+                if f.file_name().to_string_lossy().starts_with('.') {
+                    continue;
+                }
+                if let Ok(m) = f.metadata() {
+                    out.push((f.path(), m.len(), m.modified().unwrap_or(std::time::UNIX_EPOCH)));
+                }
+            }
+        }
+        out
+    }
+
+    /// Past the limit: removes the least recently used files until under 90 % of it.
+    fn evict_if_full(&self) {
+        if self.used() <= self.limit {
+            return;
+        }
+        let Ok(_one) = self.evicting.try_lock() else { return };
+        let mut entries = self.entries();
+        // Another mount's files count too: the walk is the truth.
+        let mut used: u64 = entries.iter().map(|e| e.1).sum();
+        entries.sort_by_key(|e| e.2);
+        let target = self.limit / 10 * 9;
+        for (path, size, _) in entries {
+            if used <= target {
+                break;
+            }
+            if std::fs::remove_file(&path).is_ok() {
+                used -= size;
+                self.stats.evictions.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.used.store(used, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sent(data: &[u8]) -> Sent {
+        Sent { bytes: data.len() as u64, crc32c: batchfs::crc::crc32c(data) }
+    }
+
+    fn eventually(what: &str, done: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn objects_are_kept_by_content_and_checked_at_every_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 20).unwrap();
+        let (a, b) = (b"the first object".to_vec(), b"another".to_vec());
+        assert_eq!(cache.get(sent(&a)), None);
+        cache.put(sent(&a), &a).unwrap();
+        cache.put(sent(&b), &b).unwrap();
+        assert_eq!(cache.get(sent(&a)), Some(a.clone()));
+        // A second cache over the same directory (another mount, or this one remounted) finds them.
+        let again = NodeCache::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(again.get(sent(&b)), Some(b.clone()));
+        eventually("the walk counts what is there", || again.used() == (a.len() + b.len()) as u64);
+        // A file flipped on disk is refused, removed, and counted.
+        let path = cache.path_of(sent(&a));
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[3] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(cache.get(sent(&a)), None);
+        assert!(!path.exists());
+        assert_eq!(cache.stats.corrupt.load(Ordering::Relaxed), 1);
+        // A truncated one too.
+        let path = cache.path_of(sent(&b));
+        std::fs::write(&path, &b[..3]).unwrap();
+        assert_eq!(cache.get(sent(&b)), None);
+    }
+
+    #[test]
+    fn the_least_recently_used_go_past_the_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), 1000).unwrap();
+        let objects: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 300]).collect();
+        for (i, o) in objects.iter().enumerate() {
+            cache.put(sent(o), o).unwrap();
+            // Distinct times, the first used again after the third was written.
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            if i == 2 {
+                assert!(cache.get(sent(&objects[0])).is_some());
+            }
+        }
+        assert!(cache.used() <= 1000, "{}", cache.used());
+        let kept: Vec<bool> = objects.iter().map(|o| cache.contains(sent(o))).collect();
+        assert_eq!(
+            kept,
+            [true, false, false, true, true],
+            "the first was used after the third: the second and third went"
+        );
+        assert!(cache.stats.evictions.load(Ordering::Relaxed) >= 2);
+        // An object larger than the whole cache is not kept.
+        let big = vec![9u8; 2000];
+        cache.put(sent(&big), &big).unwrap();
+        assert!(!cache.contains(sent(&big)));
+    }
+}

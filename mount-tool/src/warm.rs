@@ -1,0 +1,156 @@
+//! Warming the node cache (`warm=raw`, and `batchfs warm` on its own): every file of a file-tree dataset
+//! fetched into `cache_dir` ahead of its readers, as pre-batched bodies (`GET .../samples/data?ids=`, a
+//! few megabytes each, several in flight) in the plan's order of the first epoch, each checked whole
+//! against its samples' combined CRC32C and filed sample by sample under its content key: the key `raw/`
+//! finds the file by and `shuffled/` the sample by. Files already there are skipped. Reads of files not
+//! yet warm go on being fetched on demand, ahead of this.
+
+use crate::buffers::{Filling, Sink};
+use crate::client::{ClientError, DynClient};
+use crate::node_cache::NodeCache;
+use crate::prefetch::Sent;
+use crate::stats::Stats;
+use batchfs::api::{SampleTable, MAX_SAMPLE_IDS};
+use batchfs::plan::{EpochPlan, PlanOptions};
+use futures_util::StreamExt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Bytes of one warming request at most (a group of whole samples; a larger sample is one alone).
+pub const WARM_REQUEST_BYTES: u64 = 8 << 20;
+/// Warming requests in flight at once.
+pub const WARM_IN_FLIGHT: usize = 8;
+/// Attempts of one warming request before its files are left to be fetched on demand.
+const ATTEMPTS: u32 = 5;
+
+/// The groups of samples to fetch: `order`'s samples not in `cache`, consecutive ones together up to
+/// [`WARM_REQUEST_BYTES`] and [`MAX_SAMPLE_IDS`].
+pub fn groups(table: &SampleTable, order: &[u32], cache: &NodeCache) -> Vec<Vec<u32>> {
+    let mut out: Vec<Vec<u32>> = Vec::new();
+    let mut bytes = 0;
+    for &id in order {
+        let size = table.bytes[id as usize];
+        if cache.contains(sent_of(table, id)) {
+            continue;
+        }
+        match out.last_mut() {
+            Some(g) if bytes + size <= WARM_REQUEST_BYTES && g.len() < MAX_SAMPLE_IDS => {
+                g.push(id);
+                bytes += size;
+            }
+            _ => {
+                out.push(vec![id]);
+                bytes = size;
+            }
+        }
+    }
+    out
+}
+
+fn sent_of(table: &SampleTable, id: u32) -> Sent {
+    Sent { bytes: table.bytes[id as usize], crc32c: table.crc32c[id as usize] }
+}
+
+/// Warms `cache` with every sample of `table` (a file tree's files), in the order of epoch `epoch` of
+/// `plan`, counting progress in `stats` (`warm_*`). Returns the samples it could not fetch.
+pub async fn warm(
+    client: DynClient,
+    cache: Arc<NodeCache>,
+    table: Arc<SampleTable>,
+    plan: PlanOptions,
+    epoch: u64,
+    stats: Arc<Stats>,
+) -> u64 {
+    let order = EpochPlan::new(table.len() as u32, epoch, PlanOptions { drop_last: false, ..plan })
+        .map(|p| p.order().to_vec())
+        .unwrap_or_else(|_| (0..table.len() as u32).collect());
+    stats.warm_started.store(crate::stats::unix_now().max(1), Ordering::Relaxed);
+    stats.warm_files_total.store(order.len() as u64, Ordering::Relaxed);
+    stats.warm_bytes_total.store(table.bytes.iter().sum(), Ordering::Relaxed);
+    let todo = {
+        let (cache, table, order) = (cache.clone(), table.clone(), order.clone());
+        tokio::task::spawn_blocking(move || groups(&table, &order, &cache)).await.unwrap_or_default()
+    };
+    let left: u64 = todo.iter().map(|g| g.len() as u64).sum();
+    let left_bytes: u64 = todo.iter().flatten().map(|&i| table.bytes[i as usize]).sum();
+    Stats::add(&stats.warm_files, order.len() as u64 - left);
+    Stats::add(&stats.warm_bytes, stats.warm_bytes_total.load(Ordering::Relaxed) - left_bytes);
+    tracing::info!(files = left, bytes = left_bytes, "warming the node cache");
+    let failed = futures_util::stream::iter(todo.into_iter().map(|ids| {
+        let (client, cache, table, stats) = (client.clone(), cache.clone(), table.clone(), stats.clone());
+        async move {
+            match fetch_group(&client, &cache, &table, &ids).await {
+                Ok(bytes) => {
+                    Stats::add(&stats.warm_files, ids.len() as u64);
+                    Stats::add(&stats.warm_bytes, bytes);
+                    0
+                }
+                Err(e) => {
+                    let samples = ids.len();
+                    tracing::warn!(samples, error = %e, "warming: a request failed; its files are fetched on demand");
+                    ids.len() as u64
+                }
+            }
+        }
+    }))
+    .buffer_unordered(WARM_IN_FLIGHT)
+    .fold(0, |n, f| async move { n + f })
+    .await;
+    tracing::info!(failed, "warming the node cache: done");
+    failed
+}
+
+/// Fetches the samples `ids` in one request (with retries), checks them, and files each.
+async fn fetch_group(
+    client: &DynClient,
+    cache: &Arc<NodeCache>,
+    table: &SampleTable,
+    ids: &[u32],
+) -> Result<u64, ClientError> {
+    let pieces: Vec<Sent> = ids.iter().map(|&i| sent_of(table, i)).collect();
+    let total = pieces.iter().fold(Sent { bytes: 0, crc32c: 0 }, |acc, p| Sent {
+        bytes: acc.bytes + p.bytes,
+        crc32c: batchfs::crc::combine(acc.crc32c, p.crc32c, p.bytes),
+    });
+    let mut last = None;
+    for attempt in 0..ATTEMPTS {
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+        }
+        let into = Sink::Buffer(Filling::new(Vec::new(), (total.bytes, total.crc32c), None, || {}));
+        let body = match client.fetch_samples(ids, attempt, into, total.bytes).await {
+            Ok(body) => body,
+            Err(e) => {
+                last = Some(e);
+                continue;
+            }
+        };
+        let Sink::Buffer(filled) = body.sink else { unreachable!("fetched into a buffer") };
+        let bytes = filled.finish();
+        if bytes.len() as u64 != total.bytes || body.crc32c != total.crc32c {
+            last = Some(ClientError::Corrupt {
+                server: "warming".into(),
+                message: format!("{} samples: {} bytes with CRC32C {:08x}", ids.len(), bytes.len(), body.crc32c),
+            });
+            continue;
+        }
+        let cache = cache.clone();
+        let filed = tokio::task::spawn_blocking(move || {
+            let mut at = 0usize;
+            for p in pieces {
+                let end = at + p.bytes as usize;
+                cache.put(p, &bytes[at..end])?;
+                at = end;
+            }
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+        return match filed {
+            Ok(Ok(())) => Ok(total.bytes),
+            Ok(Err(e)) => Err(ClientError::Store { server: "node cache".into(), message: e.to_string() }),
+            Err(e) => Err(ClientError::Store { server: "node cache".into(), message: e.to_string() }),
+        };
+    }
+    Err(last.expect("an attempt failed"))
+}

@@ -1,0 +1,146 @@
+//! The node cache (`cache_dir`) and warming (`warm=raw`) through real mounts of a real server, read by
+//! torchvision's ImageFolder with a shuffled DataLoader over `raw/` and `shuffled/`, with a memory cache
+//! far smaller than the dataset so that what is not fetched comes from the disk.
+
+use crate::common::{self, fixture, serve, ServeWith};
+use crate::shuffled::{epoch_of, imagefolder, tree};
+use batchfs::index::SourceFormat;
+use std::path::Path;
+
+fn fetched(mountpoint: &Path) -> u64 {
+    common::mount_stats(mountpoint)["fetched_bytes"].as_u64().unwrap()
+}
+
+/// Epochs after the first, and a remount with the same `cache_dir`, read nothing from the server; every
+/// byte is right; a file corrupted on the disk is found and fetched anew.
+#[test]
+fn imagefolder_over_raw_with_a_node_cache_reads_the_server_once() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Files, 400, 150_000);
+    let want = tree(&fx.path);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let disk = tempfile::tempdir().unwrap();
+    // The memory cache holds a quarter of the epoch: most of the second epoch cannot come from it.
+    let options = format!("batch_size=1,cache=16M,cache_dir={}", disk.path().display());
+    let (_dir, mounted) = common::mount(&server, "d", &options);
+    let Some(got) = imagefolder(&mounted.mountpoint.join("raw"), 2) else { return };
+    let records = got["records"].as_array().unwrap();
+    assert_eq!(epoch_of(records, 0).0, want);
+    assert_eq!(epoch_of(records, 1).0, want);
+    let first = fetched(&mounted.mountpoint);
+    let stats = common::mount_stats(&mounted.mountpoint);
+    let epoch = got["bytes"].as_u64().unwrap() / 2;
+    // Each file from the server once (a second fetch may start before the first is on the disk).
+    assert!(first >= epoch && first <= epoch + epoch / 10, "{first} for an epoch of {epoch}: {stats}");
+    assert!(stats["node_cache"]["hits"].as_u64().unwrap() >= 200, "the second epoch from the disk: {stats}");
+    drop(mounted);
+
+    // A remount with the same node cache: nothing from the server.
+    let (_dir, mounted) = common::mount(&server, "d", &options);
+    let Some(got) = imagefolder(&mounted.mountpoint.join("raw"), 1) else { return };
+    assert_eq!(epoch_of(got["records"].as_array().unwrap(), 0).0, want);
+    assert_eq!(fetched(&mounted.mountpoint), 0, "{}", common::mount_stats(&mounted.mountpoint));
+    drop(mounted);
+
+    // One file flipped on the disk: refused at its read, fetched anew, every byte still right.
+    let mut files: Vec<_> = walk(disk.path());
+    files.sort();
+    let victim = &files[files.len() / 2];
+    let mut bytes = std::fs::read(victim).unwrap();
+    bytes[10] ^= 0x40;
+    std::fs::write(victim, &bytes).unwrap();
+    let (_dir, mounted) = common::mount(&server, "d", &options);
+    let Some(got) = imagefolder(&mounted.mountpoint.join("raw"), 1) else { return };
+    assert_eq!(epoch_of(got["records"].as_array().unwrap(), 0).0, want);
+    let stats = common::mount_stats(&mounted.mountpoint);
+    assert_eq!(stats["node_cache"]["corrupt"], 1, "{stats}");
+    assert_eq!(stats["fetched_bytes"].as_u64().unwrap(), bytes.len() as u64, "only that file fetched: {stats}");
+    rt.block_on(server.running.shutdown());
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.file_type().unwrap().is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out
+}
+
+/// Two mounts sharing one `cache_dir`, read at the same time: every byte right in both.
+#[test]
+fn two_mounts_share_one_node_cache_under_concurrent_reads() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Files, 500, 80_000);
+    let want = tree(&fx.path);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let disk = tempfile::tempdir().unwrap();
+    let options = format!("batch_size=1,cache=16M,cache_dir={}", disk.path().display());
+    let (_a, one) = common::mount(&server, "d", &options);
+    let (_b, two) = common::mount(&server, "d", &options);
+    let readers: Vec<_> = [one.mountpoint.join("raw"), two.mountpoint.join("shuffled")]
+        .into_iter()
+        .map(|dir| std::thread::spawn(move || imagefolder(&dir, 2)))
+        .collect();
+    let mut epoch = 0;
+    for r in readers {
+        let Some(got) = r.join().unwrap() else { return };
+        let records = got["records"].as_array().unwrap();
+        assert_eq!(epoch_of(records, 0).0, want);
+        assert_eq!(epoch_of(records, 1).0, want);
+        epoch = got["bytes"].as_u64().unwrap() / 2;
+    }
+    // Four epochs read, through memory caches of a fraction of one: without the shared disk each mount
+    // would fetch about two. Together they fetched one and a part (a file both asked for at once comes
+    // twice; what either fetched, the other found on the disk).
+    let total: u64 = [&one, &two].iter().map(|m| fetched(&m.mountpoint)).sum();
+    assert!(total >= epoch && total <= 2 * epoch, "{total} fetched for an epoch of {epoch}");
+    rt.block_on(server.running.shutdown());
+}
+
+/// `warm=raw` fills the node cache with every file, in batches; then ImageFolder over `raw/` and over
+/// `shuffled/` fetches nothing.
+#[test]
+fn warm_raw_fills_the_node_cache_so_readers_fetch_nothing() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Files, 300, 30_000);
+    let want = tree(&fx.path);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let disk = tempfile::tempdir().unwrap();
+    let options = format!("batch_size=1,cache=16M,warm=raw,cache_dir={}", disk.path().display());
+    let (_dir, mounted) = common::mount(&server, "d", &options);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let stats = common::mount_stats(&mounted.mountpoint);
+        let warm = &stats["warm"];
+        if warm["files"].as_u64().is_some() && warm["files"] == warm["files_total"] {
+            assert_eq!(warm["files_total"], 300, "{stats}");
+            assert_eq!(warm["bytes"], warm["bytes_total"], "{stats}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "warming did not end: {stats}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let warmed = fetched(&mounted.mountpoint);
+    assert_eq!(walk(disk.path()).len(), 300, "one file per sample");
+    for view in ["raw", "shuffled"] {
+        let Some(got) = imagefolder(&mounted.mountpoint.join(view), 1) else { return };
+        assert_eq!(epoch_of(got["records"].as_array().unwrap(), 0).0, want, "{view}");
+    }
+    assert_eq!(fetched(&mounted.mountpoint), warmed, "nothing fetched after warming");
+    // Without a cache_dir, warm=raw is refused before mounting.
+    let dir = tempfile::tempdir().unwrap();
+    let Err(err) = batchfs_mount::mount::plan(
+        &format!("{}/d", server.base),
+        dir.path(),
+        batchfs_mount::options::MountOptions { warm: batchfs_mount::options::Warm::Raw, ..Default::default() },
+    ) else {
+        panic!("warm=raw without a cache_dir was accepted");
+    };
+    assert!(format!("{err:#}").contains("cache_dir"), "{err:#}");
+    rt.block_on(server.running.shutdown());
+}
