@@ -638,6 +638,10 @@ mod tests {
                 assert_eq!(body.len() as u64, attr.size);
                 got.push((*c, body.to_vec()));
             }
+            // Every group of the epoch read whole has left the memory cache at once.
+            let groups: usize = fs.shuffled.plan(&fs.prefetcher, epoch).unwrap().groups.iter().map(Vec::len).sum();
+            let evicted = fs.prefetcher.stats.snapshot().evictions;
+            assert!(evicted >= (groups * (epoch as usize + 1)) as u64, "{evicted} evicted of {groups} groups an epoch");
             for (c, _) in classes.iter().enumerate() {
                 let mut mine: Vec<&[u8]> = got.iter().filter(|g| g.0 == c).map(|g| &g.1[..]).collect();
                 let mut want: Vec<&[u8]> =

@@ -101,6 +101,17 @@ impl Prefetcher {
         Ok(Some((entry, true)))
     }
 
+    /// Drops `key` from the cache now (an object no reader will ask for again), if it is there and its
+    /// memory file is not open.
+    pub(super) fn forget(&self, key: ObjectKey) {
+        let mut cache = self.cache.lock().expect("cache");
+        if cache.entries.peek(&key).is_some_and(|c| c.entry.is_ready() && !c.entry.is_pinned()) {
+            self.evict(&mut cache, key);
+            drop(cache);
+            self.room.notify_all();
+        }
+    }
+
     /// Drops `key` from the cache: its charge goes back to the budget, then its buffer (unless a reader
     /// still holds a slice of it) to the pool, into the room just released.
     fn evict(&self, cache: &mut Cache, key: ObjectKey) {

@@ -67,6 +67,9 @@ pub(super) struct Shuffled {
     plans: Mutex<Option<LruCache<u64, Arc<ClassPlan>>>>,
     /// Serializes the computation of plans (one at a time; readers of a computed one do not wait).
     making: Mutex<()>,
+    /// Per group being read, a bit per sample read to its end: a group whose samples have all been read
+    /// leaves the cache at once (no epoch reads it again: the next epoch's groups are other samples).
+    read: Mutex<std::collections::HashMap<(u64, u32, u64), u64>>,
 }
 
 /// Samples per group for a dataset of `classes` classes of `mean` bytes a sample: enough that the windows
@@ -175,7 +178,20 @@ impl Prefetcher {
         let start: u64 = ids[..within].iter().map(|&i| table.bytes[i as usize]).sum();
         let size = (len - offset).min(u64::from(size)) as u32;
         let key = ObjectKey { listing: Listing::Shuffled { epoch: plan.epoch, class: class as u32 }, index: g };
-        self.read(key, start + offset, size, owner)
+        let bytes = self.read(key, start + offset, size, owner)?;
+        if offset + bytes.len() as u64 >= len {
+            let members = ids.len();
+            let all = if members >= 64 { u64::MAX } else { (1u64 << members) - 1 };
+            let mut read = self.shuffled.read.lock().expect("read");
+            let mask = read.entry((plan.epoch, class as u32, g)).or_insert(0);
+            *mask |= 1 << within;
+            if *mask == all {
+                read.remove(&(plan.epoch, class as u32, g));
+                drop(read);
+                self.forget(key);
+            }
+        }
+        Ok(bytes)
     }
 
     /// Starts fetching groups `groups` of class `class` in `plan`, ahead of its readers (those not cached
