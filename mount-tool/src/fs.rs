@@ -197,13 +197,11 @@ impl Fs {
             }
         }
         // The groups holding the class's next samples, on into the next epoch's when they run past.
-        let group = plan.group as u64;
-        let (first, last) = (k / group, (k + WINDOW_GROUPS * group) / group);
-        self.prefetcher.prefetch_shuffled(&plan, class as usize, first..last + 1);
-        let groups = samples.div_ceil(group);
-        if last >= groups {
-            let next = self.shuffled.plan(&self.prefetcher, self.next_epoch(epoch))?;
-            self.prefetcher.prefetch_shuffled(&next, class as usize, 0..last + 1 - groups);
+        let (here, next) = shuffled::window(k, plan.group as u64, samples, WINDOW_GROUPS);
+        self.prefetcher.prefetch_shuffled(&plan, class as usize, here);
+        if !next.is_empty() {
+            let next_plan = self.shuffled.plan(&self.prefetcher, self.next_epoch(epoch))?;
+            self.prefetcher.prefetch_shuffled(&next_plan, class as usize, next);
         }
         Ok(Node::Shuffled { epoch, class, k })
     }

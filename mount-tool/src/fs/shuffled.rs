@@ -199,6 +199,17 @@ impl ShuffledView {
     }
 }
 
+/// The window of a class that hands out sample `k` of its `samples` an epoch, in groups of `group`: the
+/// groups of this epoch from `k`'s, and of the next epoch's, that hold the class's next `window × group`
+/// samples after `k`.
+pub fn window(k: u64, group: u64, samples: u64, window: u64) -> (std::ops::Range<u64>, std::ops::Range<u64>) {
+    let group = group.max(1);
+    let end = k + window * group;
+    let here = k / group..(end.min(samples) - 1) / group + 1;
+    let next = if end > samples { 0..((end - samples).min(samples) - 1) / group + 1 } else { 0..0 };
+    (here, next)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,6 +249,33 @@ mod tests {
     }
 
     proptest! {
+        /// No class starves and none holds more than its share: the window always holds the group of the
+        /// sample handed out and the class's next `window × group` samples (on into the next epoch), and
+        /// never more than `window + 2` groups (an epoch's last group may be short).
+        #[test]
+        fn windows_hold_the_next_samples_and_no_more(
+            samples in 1u64..500,
+            group in 1u64..65,
+            window in 1u64..4,
+            at in 0u64..500,
+        ) {
+            let k = at % samples;
+            let (here, next) = super::window(k, group, samples, window);
+            let groups = samples.div_ceil(group);
+            prop_assert!(here.contains(&(k / group)), "the sample's own group");
+            prop_assert!(here.end <= groups && next.end <= groups);
+            prop_assert!((here.end - here.start) + (next.end - next.start) <= window + 2);
+            // Every sample among the next window × group (wrapping into the next epoch) is covered.
+            for ahead in 0..(window * group).min(2 * samples) {
+                let j = k + ahead;
+                if j < samples {
+                    prop_assert!(here.contains(&(j / group)), "{} of this epoch", j);
+                } else if j - samples < samples {
+                    prop_assert!(next.contains(&((j - samples) / group)), "{} of the next", j - samples);
+                }
+            }
+        }
+
         /// Threads looking up and opening in any interleaving, some never opening what they looked up:
         /// every sample of an epoch is opened at most once, and, once every thread has opened, those
         /// handed out and given back are handed out again: nothing is lost.
