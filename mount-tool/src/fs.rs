@@ -900,6 +900,46 @@ mod tests {
         assert!(!client.listed.lock().unwrap().iter().any(|(d, _)| d == "other"), "never looked into");
     }
 
+    /// A walk into a second subdirectory of a directory lists the others ahead (once each, even when the
+    /// walk gets to one while it is being listed).
+    #[test]
+    fn a_walk_lists_the_next_directories_ahead() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        client.files = (0..20).map(|d| (format!("c{d:02}/f.jpg"), Bytes::from_static(b"x"))).collect();
+        let client = Arc::new(client);
+        let p = Prefetcher::new(client.clone(), rt.handle().clone(), PrefetcherConfig::default());
+        let fs = Fs::new(p, options(BatchFormat::Tfrecord));
+        let raw = fs.lookup(ROOT, "raw", 0).unwrap().node;
+        let pages = || client.listed.lock().unwrap().clone();
+        let listed = || {
+            let mut dirs: Vec<String> = pages().into_iter().map(|(d, _)| d).collect();
+            dirs.dedup();
+            dirs
+        };
+        for (i, dir) in ["c00", "c01"].iter().enumerate() {
+            let node = fs.lookup(raw.ino(), dir, 0).unwrap().node;
+            fs.readdir(node.ino(), 0).unwrap();
+            if i == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                assert_eq!(listed(), ["", "c00"], "one look lists nothing more");
+            }
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while listed().len() < 21 {
+            assert!(std::time::Instant::now() < deadline, "{:?}", listed());
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        for d in 2..20 {
+            let node = fs.lookup(raw.ino(), &format!("c{d:02}"), 0).unwrap().node;
+            assert_eq!(fs.readdir(node.ino(), 0).unwrap().len(), 1);
+        }
+        let mut all = pages();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), pages().len(), "each page of each directory asked for once: {:?}", pages());
+    }
+
     /// An epoch directory (and `rolling/`) of many batches is read back by `readdir` offsets a bounded
     /// batch of entries per call, each entry made once: building all of them at every call made listing
     /// an epoch of N batches cost N²/100.

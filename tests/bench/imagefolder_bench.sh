@@ -6,12 +6,14 @@
 # report.md to OUT.
 #
 #   tests/bench/imagefolder_bench.sh [OUT_DIR]
-#   env: SAMPLES (20000), MEAN (110000), RTTS ("0 30 100"), ROUNDS (3), SYSTEMS ("local shuffled raw sshfs
-#        rclone"), LIMIT (2000: the items a slow path reads, per run, at an RTT above 0; its epoch time is
-#        scaled from them), MOUNT_OPTS (extra -o options of batchfs mounts)
+#   env: SAMPLES (20000), MEAN (110000), RTTS ("0 30 100"), ROUNDS (3), SYSTEMS ("local shuffled raw
+#        raw-cached sshfs rclone"), LIMIT (400: the items a slow path reads, per run, at an RTT above 0; its
+#        epoch time is scaled from them), RATE (1000 Mbit/s: raw-cached's link, to compare warming with),
+#        MOUNT_OPTS (extra -o options of batchfs mounts)
 #
 # Systems: local (the tree on local disk, page cache warm), shuffled (a batchfs mount's shuffled/), raw (the
-# same mount's raw/: the files under their own names), sshfs (Debian sshfs of the tree to a loopback sshd),
+# same mount's raw/: the files under their own names), raw-cached (raw/ of a mount with a fresh cache_dir
+# and warm=raw over a link capped at RATE: `warm_s` the warming's time, then the epoch read timed), sshfs (Debian sshfs of the tree to a loopback sshd),
 # rclone (rclone mount of the tree as an :http: remote served by nginx). Every run reads through a fresh
 # mount. shuffled/ and local read every item of an epoch; raw, sshfs and rclone at an RTT above 0 read LIMIT
 # items (an epoch of them would take minutes per run) and their epoch is scaled: SAMPLES × seconds / items.
@@ -21,7 +23,8 @@
 set -euo pipefail
 OUT=${1:-/tmp/batchfs-imagefolder}
 SAMPLES=${SAMPLES:-20000}; MEAN=${MEAN:-110000}; RTTS=${RTTS:-"0 30 100"}; ROUNDS=${ROUNDS:-3}
-SYSTEMS=${SYSTEMS:-"local shuffled raw sshfs rclone"}; LIMIT=${LIMIT:-2000}; MOUNT_OPTS=${MOUNT_OPTS:-}
+SYSTEMS=${SYSTEMS:-"local shuffled raw raw-cached sshfs rclone"}; LIMIT=${LIMIT:-400}; RATE=${RATE:-1000}
+MOUNT_OPTS=${MOUNT_OPTS:-}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=$root/target/release
 . "$root/tests/bench/lib.sh"
@@ -40,9 +43,11 @@ wait_healthy "$p_server"
 peers_start "$work"
 mkdir -p "$work/mnt-batchfs" "$work/mnt-sshfs" "$work/mnt-rclone"
 
-start_netem() { # upstream rtt: sets NETEM_PORT, NETEM_PID
+start_netem() { # upstream rtt [rate]: sets NETEM_PORT, NETEM_PID
   NETEM_PORT=$(free_port)
-  "$BIN/batchfs-lab" netem --listen "127.0.0.1:$NETEM_PORT" --upstream "127.0.0.1:$1" --rtt-ms "$2" 2>/dev/null &
+  local extra=(); [ -n "${3:-}" ] && extra=(--rate-mbit "$3")
+  "$BIN/batchfs-lab" netem --listen "127.0.0.1:$NETEM_PORT" --upstream "127.0.0.1:$1" --rtt-ms "$2" "${extra[@]}" \
+    2>/dev/null &
   NETEM_PID=$!
   for _ in $(seq 50); do (echo > "/dev/tcp/127.0.0.1/$NETEM_PORT") 2>/dev/null && break; sleep 0.05; done
 }
@@ -55,6 +60,17 @@ mount_system() { # system rtt: sets DIR
       start_netem "$p_server" "$rtt"
       "$BIN/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${MOUNT_OPTS:+-o "$MOUNT_OPTS"}
       DIR=$work/mnt-batchfs/$sys ;;
+    raw-cached)
+      start_netem "$p_server" "$rtt" "$RATE"
+      rm -rf "$work/node-cache"
+      local o="cache_dir=$work/node-cache,warm=raw${MOUNT_OPTS:+,$MOUNT_OPTS}"
+      local t0; t0=$(date +%s.%N)
+      "$BIN/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" -o "$o"
+      until "$BIN/batchfs" stats --json "$work/mnt-batchfs" | python3 -c 'import json,sys; w=json.load(sys.stdin).get("warm") or {}; sys.exit(0 if w and w["files"] >= w["files_total"] else 1)'; do
+        sleep 0.2
+      done
+      WARM_S=$(python3 -c "import time; print(round(time.time() - $t0, 3))")
+      DIR=$work/mnt-batchfs/raw ;;
     sshfs)
       start_netem "$P_SSHD" "$rtt"
       sshfs -p "$NETEM_PORT" -o "IdentityFile=$work/id,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,ro" \
@@ -71,7 +87,7 @@ mount_system() { # system rtt: sets DIR
 unmount_system() {
   case $1 in
     local) ;;
-    shuffled|raw) "$BIN/batchfs" umount "$work/mnt-batchfs" ;;
+    shuffled|raw|raw-cached) "$BIN/batchfs" umount "$work/mnt-batchfs" ;;
     sshfs) umount "$work/mnt-sshfs" ;;
     rclone) umount "$work/mnt-rclone" ;;
   esac
@@ -79,32 +95,33 @@ unmount_system() {
 }
 daemon_pid() { pgrep -f "batchfs mount http://127.0.0.1:$NETEM_PORT/d" | head -1; }
 
-echo "round,system,rtt_ms,items,seconds,bytes,epoch_s,mount_mb" > "$OUT/results.csv"
+echo "round,system,rtt_ms,items,seconds,bytes,epoch_s,mount_mb,warm_s" > "$OUT/results.csv"
 for round in $(seq "$ROUNDS"); do
   for rtt in $RTTS; do
     for sys in $SYSTEMS; do
       [ "$sys" = local ] && [ "$rtt" != "$(echo $RTTS | cut -d' ' -f1)" ] && continue
+      WARM_S=0
       mount_system "$sys" "$rtt"
       limit=()
       case $sys in raw|sshfs|rclone) [ "$rtt" != 0 ] && limit=(--limit "$LIMIT") ;; esac
       json=$(/usr/bin/python3 -W ignore "$root/tests/python/loaders.py" imagefolder "$DIR" "${limit[@]}")
       mb=0
-      case $sys in shuffled|raw)
+      case $sys in shuffled|raw|raw-cached)
         pid=$(daemon_pid); mb=$(awk '/VmHWM/ { print int($2 / 1024) }' "/proc/$pid/status") ;;
       esac
       unmount_system "$sys"
       row=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); n=int(sys.argv[2])
 print(",".join(str(v) for v in [r["samples"], r["epoch_s"], r["bytes"], round(r["epoch_s"] * n / r["samples"], 3)]))' \
         "$json" "$SAMPLES")
-      echo "$round,$sys,$rtt,$row,$mb" | tee -a "$OUT/results.csv"
+      echo "$round,$sys,$rtt,$row,$mb,$WARM_S" | tee -a "$OUT/results.csv"
     done
   done
 done
 
-python3 - "$OUT" "$SAMPLES" <<'PY' | tee "$OUT/report.md"
+python3 - "$OUT" "$SAMPLES" "$RATE" <<'PY' | tee "$OUT/report.md"
 import csv, statistics, sys
 from collections import defaultdict
-out, samples = sys.argv[1], int(sys.argv[2])
+out, samples, rate = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 rows = list(csv.DictReader(open(f"{out}/results.csv")))
 cells = defaultdict(list)
 mem = defaultdict(list)
@@ -113,7 +130,11 @@ for r in rows:
     mem[(r["system"], int(r["rtt_ms"]))].append(int(r["mount_mb"]))
 med = {k: statistics.median(v) for k, v in cells.items()}
 rtts = sorted({k[1] for k in med})
-systems = [s for s in ["local", "shuffled", "raw", "sshfs", "rclone"] if any(k[0] == s for k in med)]
+systems = [s for s in ["local", "shuffled", "raw", "raw-cached", "sshfs", "rclone"] if any(k[0] == s for k in med)]
+warm = defaultdict(list)
+for r in rows:
+    if r["system"] == "raw-cached":
+        warm[int(r["rtt_ms"])].append(int(r["bytes"]) / 1e6 / float(r["warm_s"]))
 print(f"ImageFolder, DataLoader(shuffle=True, num_workers=4), {samples} files; epoch seconds, medians of "
       f"{max(len(v) for v in cells.values())} rounds (scaled from the items read where fewer than an epoch)\n")
 print("| system | " + " | ".join(f"{r} ms" for r in rtts) + " |")
@@ -127,9 +148,16 @@ for r in rtts[1:]:
     print(f"- shuffled {r} ms / shuffled {rtts[0]} ms: {ratio(('shuffled', r), ('shuffled', rtts[0]))}")
     for peer in ["raw", "sshfs", "rclone"]:
         print(f"- {peer} {r} ms / shuffled {r} ms: {ratio((peer, r), ('shuffled', r))}")
+for r in rtts:
+    if ("raw-cached", r) in med and ("raw", rtts[0]) in med:
+        print(f"- raw-cached {r} ms (an epoch after warming) / raw {rtts[0]} ms: {ratio(('raw-cached', r), ('raw', rtts[0]))}")
+    if warm.get(r):
+        mbs = statistics.median(warm[r])
+        print(f"- warm=raw at {r} ms over a {rate:.0f} Mbit/s link: {mbs:.0f} MB/s, {mbs / (rate / 8):.2f} of the link "
+              "(mount to warm, the mount's start included)")
 if ("local", rtts[0]) in med:
     print(f"- shuffled {rtts[0]} ms / local: {ratio(('shuffled', rtts[0]), ('local', rtts[0]))}")
-for s in ["shuffled", "raw"]:
+for s in ["shuffled", "raw", "raw-cached"]:
     m = [v for k, vs in mem.items() if k[0] == s for v in vs]
     if m:
         print(f"- peak RSS of the mount, {s}: median {statistics.median(m)} MB, max {max(m)} MB")

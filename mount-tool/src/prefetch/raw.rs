@@ -14,12 +14,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The directories of `raw/` listed so far, by id (the order they were listed in) and by path.
 #[derive(Default)]
-pub(super) struct RawDirs(Mutex<Dirs>);
+pub(super) struct RawDirs(Mutex<Dirs>, std::sync::Condvar);
 
 #[derive(Default)]
 struct Dirs {
     dirs: Vec<Raw>,
     by_path: std::collections::HashMap<String, u32>,
+    /// Directories being listed now: another who wants one waits for that listing.
+    listing: std::collections::HashSet<String>,
 }
 
 /// One directory of `raw/`: its subdirectories, its files and their chunks.
@@ -72,6 +74,38 @@ fn chunk_crcs(file: &FileEntry, chunk_bytes: u64) -> Vec<(u64, u32)> {
 }
 
 impl RawDirs {
+    /// Claims the listing of `path` if nobody lists it; else waits (up to `timeout`) until that listing
+    /// ends and returns false (the caller looks again).
+    pub fn claim(&self, path: &str, timeout: std::time::Duration) -> bool {
+        let mut dirs = self.0.lock().expect("raw");
+        let deadline = std::time::Instant::now() + timeout;
+        while dirs.listing.contains(path) {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                break;
+            }
+            dirs = self.1.wait_timeout(dirs, deadline - now).expect("raw").0;
+        }
+        if dirs.by_path.contains_key(path) {
+            return false;
+        }
+        // Nobody lists it now, or its lister has taken longer than `timeout`: this caller lists it.
+        dirs.listing.insert(path.to_owned());
+        true
+    }
+
+    /// Claims the listing of `path` if nobody lists it (and it is not listed).
+    pub fn try_claim(&self, path: &str) -> bool {
+        let mut dirs = self.0.lock().expect("raw");
+        !dirs.by_path.contains_key(path) && dirs.listing.insert(path.to_owned())
+    }
+
+    /// The listing of `path` ended (listed or failed).
+    pub fn release(&self, path: &str) {
+        self.0.lock().expect("raw").listing.remove(path);
+        self.1.notify_all();
+    }
+
     /// The chunks of every DALI index (`*.idx`) of directory `dir`, the first time a read of
     /// its chunk `chunk` is one of them (DALI reads all of them, one after another, when its pipeline is
     /// built; they are small); empty otherwise.
@@ -147,10 +181,17 @@ impl Prefetcher {
     /// Directory `path` of the dataset's files (`""`: the top): its id and its list, every page fetched
     /// once, when first asked for, with retries up to `timeout`. Blocks like [`Prefetcher::manifest`].
     pub fn list_dir(&self, path: &str) -> Result<(u32, Arc<FileList>), ReadError> {
-        if let Some((id, raw)) = self.raw.at(path) {
-            return Ok((id, raw.files));
+        loop {
+            if let Some((id, raw)) = self.raw.at(path) {
+                return Ok((id, raw.files));
+            }
+            // Being listed (ahead, or by another reader): wait for that listing rather than ask again.
+            if self.raw.claim(path, self.config.timeout) {
+                let listed = self.runtime.block_on(self.fetch_dir(path));
+                self.raw.release(path);
+                return listed;
+            }
         }
-        self.runtime.block_on(self.fetch_dir(path))
     }
 
     /// Lists directories `paths` in the background, a few at a time, those not listed yet: a walk that
@@ -159,6 +200,9 @@ impl Prefetcher {
     pub fn list_dirs_ahead(self: &Arc<Self>, paths: Vec<String>) {
         /// Directories listed at once.
         const AT_ONCE: usize = 32;
+        if paths.is_empty() {
+            return;
+        }
         let this = self.clone();
         self.runtime.spawn(async move {
             use futures_util::StreamExt;
@@ -166,9 +210,14 @@ impl Prefetcher {
             let fetches = futures_util::stream::iter(todo.map(|p| {
                 let this = this.clone();
                 async move {
+                    // One being listed already is left to its lister.
+                    if !this.raw.try_claim(&p) {
+                        return;
+                    }
                     if let Err(e) = this.fetch_dir(&p).await {
                         tracing::debug!(dir = %p, error = %e, "listing ahead failed (listed when looked into)");
                     }
+                    this.raw.release(&p);
                 }
             }));
             fetches.buffer_unordered(AT_ONCE).collect::<Vec<()>>().await;
