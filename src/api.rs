@@ -457,6 +457,9 @@ pub struct FileEntry {
     /// (absent otherwise: the one chunk's CRC is `crc32c`). A client reading ranges checks each chunk.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub chunks: Vec<u32>,
+    /// In a file tree, the id of the sample the file is (its data is the file; see [`SampleTable`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample: Option<u32>,
 }
 
 /// `GET /v1/datasets/{name}/files?dir=DIR&cursor=N&limit=N`: one page of directory `dir` of the

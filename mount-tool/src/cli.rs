@@ -28,13 +28,16 @@ pub enum Command {
         #[arg(long, short)]
         lazy: bool,
     },
-    /// Fill a node cache with every file of a file-tree dataset, in batches, without a mount: `batchfs warm
-    /// http://storage:7878/imagenet -o cache_dir=/nvme/batchfs` (mounts with that cache_dir read it first).
+    /// Fill a node cache with the files of a file-tree dataset, in batches: `batchfs warm
+    /// /mnt/imagenet/raw/train` (a directory of a mount with a cache_dir: its files) or `batchfs warm
+    /// http://storage:7878/imagenet -o cache_dir=/nvme/batchfs` (every file, no mount needed). Mounts with
+    /// that cache_dir read it first.
     Warm {
-        /// http(s)://host:port/DATASET
-        url: String,
-        /// Options as key=value[,key=value...]: cache_dir (required), cache_dir_size, seed, first_epoch
-        /// (the plan whose order it warms in), token_file, ca_file, connections, servers
+        /// A directory of a batchfs mount (`raw/...` or `shuffled/CLASS`), or http(s)://host:port/DATASET
+        target: String,
+        /// Options as key=value[,key=value...]: cache_dir (required with a URL; a mount's own by default),
+        /// cache_dir_size, seed, first_epoch (the plan whose order it warms in), token_file, ca_file,
+        /// connections, servers
         #[arg(short = 'o', value_name = "OPTIONS")]
         options: Vec<String>,
     },
@@ -124,13 +127,14 @@ pub fn run() -> Result<()> {
             crate::mount::mount(&m.url, &m.mountpoint, options, !m.foreground)
         }
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
-        Command::Warm { url, options } => {
+        Command::Warm { target, options } => {
             init_tracing(None, "warn");
             let mut o = MountOptions::default();
             for list in &options {
                 o.apply_list(list).map_err(anyhow::Error::msg)?;
             }
-            let failed = crate::mount::warm_only(&url, &o)?;
+            let (url, dir) = warm_target(&target, &mut o)?;
+            let failed = crate::mount::warm_only(&url, &dir, &o)?;
             if failed > 0 {
                 bail!("{failed} files could not be fetched (they are fetched on demand by the mounts)");
             }
@@ -138,6 +142,45 @@ pub fn run() -> Result<()> {
         }
         Command::Stats { mountpoint, json } => stats(&mountpoint, json),
     }
+}
+
+/// What `batchfs warm TARGET` warms: a URL's whole dataset, or, for a directory of a batchfs mount, that
+/// mount's dataset (its source in the mount table) below the directory (`raw/SUB` or `shuffled/CLASS`: the
+/// files of SUB or of CLASS; the mount's root or `raw/`: all), into the mount's own `cache_dir` unless one
+/// is given.
+fn warm_target(target: &str, options: &mut MountOptions) -> Result<(String, String)> {
+    if target.starts_with("http://") || target.starts_with("https://") {
+        return Ok((target.to_owned(), String::new()));
+    }
+    let dir = std::fs::canonicalize(target).with_context(|| format!("{target}: no such directory"))?;
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
+    // Fields: ... 5: mount point ... " - " type source options.
+    let mount = mountinfo
+        .lines()
+        .filter_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            let point = left.split(' ').nth(4)?.replace("\\040", " ");
+            let mut right = right.split(' ');
+            let (fstype, source) = (right.next()?, right.next()?);
+            // Mounted as root the type is plain `fuse`: the source (the dataset's URL) says it is ours.
+            let ours = (fstype == "fuse" || fstype == "fuse.batchfs")
+                && (source.starts_with("http://") || source.starts_with("https://"));
+            (ours && dir.starts_with(&point)).then(|| (point, source.to_owned()))
+        })
+        .max_by_key(|(point, _)| point.len());
+    let Some((point, url)) = mount else { bail!("{} is not in a batchfs mount (give a URL instead)", dir.display()) };
+    let rel = dir.strip_prefix(&point).unwrap_or(&dir).to_string_lossy().into_owned();
+    let sub = match rel.split_once('/').unwrap_or((rel.as_str(), "")) {
+        ("", _) => String::new(),
+        (crate::fs::RAW_NAME, sub) | (crate::fs::SHUFFLED_NAME, sub) => sub.to_owned(),
+        _ => bail!("{}: warm a directory of raw/ or shuffled/ (or the mount itself)", dir.display()),
+    };
+    if options.cache_dir.is_none() {
+        let stats = std::fs::read(Path::new(&point).join(crate::fs::META_NAME).join("stats"))?;
+        let s: StatsSnapshot = serde_json::from_slice(&stats).context("malformed stats")?;
+        options.cache_dir = s.node_cache.map(|n| PathBuf::from(n.dir));
+    }
+    Ok((url, sub))
 }
 
 /// `mount.batchfs SPEC DIR [-sfnv] [-o OPTIONS] [-t TYPE]`, as mount(8) calls it.

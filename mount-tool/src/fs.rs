@@ -95,7 +95,14 @@ pub struct Fs {
 impl Fs {
     pub fn new(prefetcher: Arc<Prefetcher>, options: FsOptions) -> Self {
         let rolling = RollingState::new(options.rolling, options.first_epoch, options.epochs);
-        let shuffled = ShuffledView::new(options.classes.clone(), options.first_epoch, options.epochs);
+        // Inode numbers hold 17 bits of class: a tree of more first directories is not a class-folder tree.
+        let classes = if options.classes.len() as u64 > MAX_CLASSES {
+            tracing::warn!(classes = options.classes.len(), "no shuffled/: more first directories than it numbers");
+            Vec::new()
+        } else {
+            options.classes.clone()
+        };
+        let shuffled = ShuffledView::new(classes, options.first_epoch, options.epochs);
         Fs { prefetcher, options, raw: RawTree::new(), rolling, shuffled }
     }
 
@@ -189,6 +196,9 @@ impl Fs {
         let names = self.shuffled.names(&self.prefetcher, class)?;
         names.binary_search_by(|n| n.as_str().cmp(name)).map_err(|_| FsError::NotFound)?;
         let samples = names.len() as u64;
+        if samples >= MAX_CLASS_SAMPLES {
+            return Err(FsError::NotFound);
+        }
         let (epoch, k) = self.shuffled.reserve(tid, class, samples).ok_or(FsError::NotFound)?;
         let plan = self.shuffled.plan(&self.prefetcher, epoch)?;
         if self.shuffled.first_time(epoch) {

@@ -51,10 +51,11 @@ pub fn http_config(url: &str, options: &MountOptions) -> Result<HttpConfig> {
 }
 
 /// `batchfs warm`: fills the node cache (`cache_dir`, which every mount of the node then reads before the
-/// network) with every file of the file-tree dataset at `url`, without a mount, printing progress; the
-/// number of files it could not fetch.
-pub fn warm_only(url: &str, options: &MountOptions) -> Result<u64> {
-    let dir = options.cache_dir.as_ref().context("batchfs warm fills a node cache: give it one (-o cache_dir=PATH)")?;
+/// network) with the files below `dir` (`""`: all) of the file-tree dataset at `url`, without a mount, in
+/// the first epoch's plan order, printing progress; the number of files it could not fetch.
+pub fn warm_only(url: &str, dir: &str, options: &MountOptions) -> Result<u64> {
+    let cache_path =
+        options.cache_dir.as_ref().context("batchfs warm fills a node cache: give it one (-o cache_dir=PATH)")?;
     let http = http_config(url, options)?;
     let runtime = runtime()?;
     let client: crate::client::DynClient = Arc::new(HttpClient::new(http)?);
@@ -62,8 +63,8 @@ pub fn warm_only(url: &str, options: &MountOptions) -> Result<u64> {
     if info.format != batchfs::index::SourceFormat::Files {
         bail!("batchfs warm warms a file tree's files; dataset {:?} is {} shards", info.name, info.format.as_str());
     }
-    let cache =
-        NodeCache::open(dir, options.cache_dir_size).with_context(|| format!("cannot use {}", dir.display()))?;
+    let cache = NodeCache::open(cache_path, options.cache_dir_size)
+        .with_context(|| format!("cannot use {}", cache_path.display()))?;
     let stats = Arc::new(crate::stats::Stats::default());
     let table = Arc::new(runtime.block_on(client.sample_table()).context("cannot fetch the sample table")?);
     let progress = {
@@ -84,8 +85,19 @@ pub fn warm_only(url: &str, options: &MountOptions) -> Result<u64> {
             }
         })
     };
-    let (plan, epoch) = (options.plan, options.first_epoch);
-    let failed = runtime.block_on(crate::warm::warm(client, cache, table, plan, epoch, stats.clone()));
+    let mut order = crate::warm::plan_order(&table, options.plan, options.first_epoch);
+    if !dir.is_empty() {
+        let below: std::collections::HashSet<u32> = runtime
+            .block_on(crate::warm::samples_under(&client, dir))
+            .with_context(|| format!("cannot list {dir:?} of the dataset"))?
+            .into_iter()
+            .collect();
+        if below.is_empty() {
+            bail!("the dataset has no file below {dir:?}");
+        }
+        order.retain(|id| below.contains(id));
+    }
+    let failed = runtime.block_on(crate::warm::warm(client, cache, table, order, stats.clone()));
     let s = stats.snapshot().warm.unwrap_or_default();
     drop(progress);
     println!(
@@ -93,7 +105,7 @@ pub fn warm_only(url: &str, options: &MountOptions) -> Result<u64> {
         s.files,
         s.files_total,
         s.bytes as f64 / 1e6,
-        dir.display(),
+        cache_path.display(),
         s.seconds
     );
     Ok(failed)
@@ -349,7 +361,8 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
         runtime.spawn(async move {
             match client.sample_table().await {
                 Ok(table) => {
-                    crate::warm::warm(client, cache, Arc::new(table), plan_options, epoch, stats).await;
+                    let order = crate::warm::plan_order(&table, plan_options, epoch);
+                    crate::warm::warm(client, cache, Arc::new(table), order, stats).await;
                 }
                 Err(e) => tracing::warn!(error = %e, "warm=raw: cannot fetch the sample table; nothing warmed"),
             }

@@ -120,6 +120,11 @@ impl NodeCache {
         Ok(())
     }
 
+    /// Its directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Bytes in the cache, as this mount counts them.
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::Relaxed)

@@ -141,6 +141,14 @@ impl Objects {
     }
 }
 
+/// Where an object may be in the node cache: its pieces, each an object there (the object itself, or a
+/// group's samples), or else a range of a whole object there (a chunk of a file warming kept whole).
+#[derive(Debug, Clone)]
+pub(crate) struct OnDisk {
+    pub pieces: Vec<Sent>,
+    pub within: Option<(Sent, u64)>,
+}
+
 /// What one object of a listing is: what the server sends for it, and what readers see.
 #[derive(Debug, Clone)]
 pub(crate) struct Object {
@@ -334,19 +342,25 @@ impl Prefetcher {
 
     /// What `obj` (under `key`) is in the node cache: itself (a batch, a chunk of `raw/`), or each of its
     /// samples (a group of `shuffled/`: a sample of a file tree is its file, so `raw/` and `shuffled/` share
-    /// what either fetched); `None` for `rolling/`'s placed files, made here.
-    fn on_disk(&self, key: ObjectKey, obj: &Object) -> Option<Vec<Sent>> {
+    /// what either fetched); a chunk of a larger file may also be found as a range of the whole file (as
+    /// warming keeps it). `None` for `rolling/`'s placed files, made here.
+    fn on_disk(&self, key: ObjectKey, obj: &Object) -> Option<OnDisk> {
         match key.listing {
             _ if obj.placed.is_some() => None,
-            Listing::Epoch { .. } | Listing::Raw { .. } => Some(vec![obj.sent]),
+            Listing::Epoch { .. } => Some(OnDisk { pieces: vec![obj.sent], within: None }),
+            Listing::Raw { dir } => {
+                let raw = self.raw.get(dir)?;
+                let (file, offset) = raw.chunk(key.index)?;
+                let whole = Sent { bytes: file.size, crc32c: file.crc32c };
+                let within = (whole != obj.sent).then_some((whole, offset));
+                Some(OnDisk { pieces: vec![obj.sent], within })
+            }
             Listing::Shuffled { epoch, class } => {
                 let (plan, table) = (self.cached_class_plan(epoch)?, self.shuffled_table()?);
                 let ids = plan.group_ids(class as usize, key.index);
-                Some(
-                    ids.iter()
-                        .map(|&i| Sent { bytes: table.bytes[i as usize], crc32c: table.crc32c[i as usize] })
-                        .collect(),
-                )
+                let pieces =
+                    ids.iter().map(|&i| Sent { bytes: table.bytes[i as usize], crc32c: table.crc32c[i as usize] });
+                Some(OnDisk { pieces: pieces.collect(), within: None })
             }
             Listing::Rolling { .. } => None,
         }
@@ -563,6 +577,7 @@ fn describe(key: ObjectKey) -> String {
 mod tests {
     use super::*;
     use crate::client::{Failure, Fault, FaultClient, MemoryClient};
+    use crate::node_cache::NodeCache;
 
     type Client = FaultClient<MemoryClient>;
     use proptest::prelude::*;
@@ -885,6 +900,44 @@ mod tests {
             ranges.iter().all(|(path, offset, len)| { path == "small.idx" || (*len == 1000 && offset % 1000 == 0) }),
             "{ranges:?}"
         );
+    }
+
+    /// With a node cache, a large file kept there whole (as warming keeps it) is read chunk by chunk from
+    /// it, each chunk checked against its own CRC: nothing from the server; chunks fetched are kept too.
+    #[test]
+    fn chunks_of_a_file_the_node_cache_holds_whole_are_read_from_it() {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        let big: Bytes = (0..10_000u32).map(|i| (i * 7 % 253) as u8).collect::<Vec<u8>>().into();
+        let other: Bytes = (0..3_000u32).map(|i| (i % 13) as u8).collect::<Vec<u8>>().into();
+        client.files = vec![("big.jpg".into(), big.clone()), ("other.jpg".into(), other.clone())];
+        client.chunk_bytes = 1000;
+        let client = Arc::new(client);
+        let disk = tempfile::tempdir().unwrap();
+        let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
+        nc.put(Sent { bytes: big.len() as u64, crc32c: crc32c::crc32c(&big) }, &big).unwrap();
+        let config = PrefetcherConfig { prefetch: 3, cache_bytes: 5000, ..Default::default() };
+        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
+        p.use_node_cache(nc.clone());
+        let (dir, _) = p.list_dir("").unwrap();
+        let mut read = Vec::new();
+        for offset in (0..10_000).step_by(700) {
+            read.extend_from_slice(&p.read_file(dir, 0, offset, 700, 0).unwrap());
+        }
+        assert_eq!(read, big);
+        let of = |name: &str| client.ranges.lock().unwrap().iter().filter(|r| r.0 == name).count();
+        assert_eq!(of("big.jpg"), 0, "{:?}", client.ranges.lock().unwrap());
+        // A file the node cache lacks is fetched (the window ran into it already), each chunk once, and
+        // its chunks kept: a new mount's read of it fetches nothing.
+        assert_eq!(p.read_file(dir, 1, 0, 5000, 0).unwrap(), other);
+        let fetched = of("other.jpg");
+        assert_eq!(fetched, 3, "three chunks, once each");
+        eventually("the chunks on the disk", || nc.stats.writes.load(Ordering::Relaxed) >= 1 + 3);
+        let fresh = Prefetcher::new(client.clone(), runtime.handle().clone(), PrefetcherConfig::default());
+        fresh.use_node_cache(nc);
+        let (dir, _) = fresh.list_dir("").unwrap();
+        assert_eq!(fresh.read_file(dir, 1, 0, 5000, 0).unwrap(), other);
+        assert_eq!(of("other.jpg"), fetched, "a new mount finds them");
     }
 
     #[test]

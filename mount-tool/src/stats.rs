@@ -111,6 +111,8 @@ pub struct StatsSnapshot {
 /// What the node cache did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeCacheSnapshot {
+    /// Its directory.
+    pub dir: String,
     /// Bytes in it (this mount's count).
     pub bytes: u64,
     /// Objects read from it instead of the network, and their bytes.
@@ -173,6 +175,7 @@ impl Stats {
             node_cache: self.node_cache.get().map(|nc| {
                 let c = &nc.stats;
                 NodeCacheSnapshot {
+                    dir: nc.dir().display().to_string(),
                     bytes: nc.used(),
                     hits: g(&c.hits),
                     hit_bytes: g(&c.hit_bytes),

@@ -52,22 +52,46 @@ fn sent_of(table: &SampleTable, id: u32) -> Sent {
     Sent { bytes: table.bytes[id as usize], crc32c: table.crc32c[id as usize] }
 }
 
-/// Warms `cache` with every sample of `table` (a file tree's files), in the order of epoch `epoch` of
-/// `plan`, counting progress in `stats` (`warm_*`). Returns the samples it could not fetch.
+/// Every sample of `table`, in the order of epoch `epoch` of `plan`.
+pub fn plan_order(table: &SampleTable, plan: PlanOptions, epoch: u64) -> Vec<u32> {
+    EpochPlan::new(table.len() as u32, epoch, PlanOptions { drop_last: false, ..plan })
+        .map(|p| p.order().to_vec())
+        .unwrap_or_else(|_| (0..table.len() as u32).collect())
+}
+
+/// The samples of the files below directory `dir` of a file tree (`""`: all), every page of every
+/// directory listed.
+pub async fn samples_under(client: &DynClient, dir: &str) -> Result<Vec<u32>, ClientError> {
+    let mut out = Vec::new();
+    let mut dirs = vec![dir.trim_matches('/').to_owned()];
+    while let Some(dir) = dirs.pop() {
+        let mut cursor = 0;
+        loop {
+            let page = client.files(&dir, cursor).await?;
+            let prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
+            dirs.extend(page.dirs.iter().map(|d| format!("{prefix}{d}")));
+            out.extend(page.files.iter().filter_map(|f| f.sample));
+            match page.next {
+                Some(n) if n > cursor => cursor = n,
+                _ => break,
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Warms `cache` with the samples `order` of `table` (a file tree's files), in that order, counting
+/// progress in `stats` (`warm_*`). Returns how many it could not fetch.
 pub async fn warm(
     client: DynClient,
     cache: Arc<NodeCache>,
     table: Arc<SampleTable>,
-    plan: PlanOptions,
-    epoch: u64,
+    order: Vec<u32>,
     stats: Arc<Stats>,
 ) -> u64 {
-    let order = EpochPlan::new(table.len() as u32, epoch, PlanOptions { drop_last: false, ..plan })
-        .map(|p| p.order().to_vec())
-        .unwrap_or_else(|_| (0..table.len() as u32).collect());
     stats.warm_started.store(crate::stats::unix_now().max(1), Ordering::Relaxed);
     stats.warm_files_total.store(order.len() as u64, Ordering::Relaxed);
-    stats.warm_bytes_total.store(table.bytes.iter().sum(), Ordering::Relaxed);
+    stats.warm_bytes_total.store(order.iter().map(|&i| table.bytes[i as usize]).sum(), Ordering::Relaxed);
     let todo = {
         let (cache, table, order) = (cache.clone(), table.clone(), order.clone());
         tokio::task::spawn_blocking(move || groups(&table, &order, &cache)).await.unwrap_or_default()

@@ -292,6 +292,35 @@ fn warm_fills_a_node_cache_without_a_mount() {
     assert!(stderr(&none).contains("cache_dir"), "{}", stderr(&none));
 }
 
+/// `batchfs warm DIR` of a mount with a cache_dir: the files below DIR (a class folder of `raw/`), into
+/// the mount's own cache_dir, then the whole tree from the mount's root.
+#[test]
+fn warm_a_directory_of_a_mount_into_its_node_cache() {
+    let server = batchfs_server::testing::serve_generated_as(batchfs::index::SourceFormat::Files, 90, 4000, None);
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = std::fs::canonicalize(dir.path()).unwrap();
+    let option = format!("cache_dir={}", cache.path().display());
+    let out = batchfs(&["mount", &server.url, mnt.to_str().unwrap(), "-o", &option]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let _guard = MountGuard(mnt.clone());
+    let count = || -> usize {
+        std::fs::read_dir(cache.path()).unwrap().map(|d| std::fs::read_dir(d.unwrap().path()).unwrap().count()).sum()
+    };
+    let class = std::fs::read_dir(mnt.join("raw")).unwrap().next().unwrap().unwrap().path();
+    let in_class = std::fs::read_dir(&class).unwrap().count();
+    let out = batchfs(&["warm", class.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("warmed {in_class}/{in_class} files")), "{out:?}");
+    assert_eq!(count(), in_class, "the class's files only");
+    let out = batchfs(&["warm", mnt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(count(), 90);
+    let elsewhere = batchfs(&["warm", "/tmp"]);
+    assert!(stderr(&elsewhere).contains("not in a batchfs mount"), "{}", stderr(&elsewhere));
+    assert!(batchfs(&["umount", mnt.to_str().unwrap()]).status.success());
+}
+
 fn server_of_shards() -> Server {
     server(16, 2000, None)
 }

@@ -82,6 +82,8 @@ pub struct Dataset {
     slot_tables: Memo<RollingQuery, SlotTable>,
     /// The sample table's encoding, once asked for.
     sample_table: OnceLock<bytes::Bytes>,
+    /// For each shard that is one sample whole (a file of a file tree), that sample's id.
+    shard_samples: Vec<Option<u32>>,
 }
 
 /// How many plans and manifests each dataset keeps.
@@ -110,6 +112,16 @@ impl Dataset {
             OpenError::Cannot { path, source } => CatalogError::Map { name: name.to_owned(), path, source },
         })?);
         let files = served_files(&index);
+        let mut shard_samples = vec![None; index.shards.len()];
+        for (id, sample) in index.samples.iter().enumerate() {
+            if let [part] = sample.parts.as_slice() {
+                let whole =
+                    index.shards.get(part.shard as usize).is_some_and(|s| part.offset == 0 && part.len == s.size);
+                if whole {
+                    shard_samples[part.shard as usize] = Some(id as u32);
+                }
+            }
+        }
         let encode::FrameSizes { slot, mean: mean_frame } = encode::frame_sizes(&index);
         let cache = NonZeroUsize::new(PLAN_CACHE).expect("nonzero");
         Ok(Dataset {
@@ -127,6 +139,7 @@ impl Dataset {
             frames: OnceLock::new(),
             slot_tables: Memo::new(SLOT_TABLE_CACHE),
             sample_table: OnceLock::new(),
+            shard_samples,
         })
     }
 
@@ -295,11 +308,16 @@ impl Dataset {
                     dirs.push(sub.to_owned());
                 }
                 None => {
+                    let sample = match self.files[at] {
+                        ServedFile::Stored(n) => self.shard_samples.get(n as usize).copied().flatten(),
+                        ServedFile::Made(_) => None,
+                    };
                     files.push(FileEntry {
                         path: info.path.clone(),
                         size: info.size,
                         crc32c: info.crc32c,
                         chunks: info.chunks.clone(),
+                        sample,
                     });
                     at += 1;
                 }

@@ -16,7 +16,8 @@
 # and warm=raw over a link capped at RATE: `warm_s` the warming's time, then the epoch read timed), sshfs (Debian sshfs of the tree to a loopback sshd),
 # rclone (rclone mount of the tree as an :http: remote served by nginx). Every run reads through a fresh
 # mount. shuffled/ and local read every item of an epoch; raw, sshfs and rclone at an RTT above 0 read LIMIT
-# items (an epoch of them would take minutes per run) and their epoch is scaled: SAMPLES × seconds / items.
+# items (an epoch of them would take minutes per run) and their epoch is scaled: the walk (ImageFolder's
+# build, `build_s`) plus SAMPLES × the per-item time after it.
 # `mount_mb`: the peak RSS of the batchfs mount's daemon in the run (shuffled and raw).
 # Needs root, /dev/fuse, a release build, torchvision for /usr/bin/python3 (python3-torchvision), and:
 # apt-get install sshfs openssh-server rclone nginx fuse3
@@ -111,7 +112,8 @@ for round in $(seq "$ROUNDS"); do
       esac
       unmount_system "$sys"
       row=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); n=int(sys.argv[2])
-print(",".join(str(v) for v in [r["samples"], r["epoch_s"], r["bytes"], round(r["epoch_s"] * n / r["samples"], 3)]))' \
+e = r["build_s"] + (r["epoch_s"] - r["build_s"]) * n / r["samples"]
+print(",".join(str(v) for v in [r["samples"], r["epoch_s"], r["bytes"], round(e, 3)]))' \
         "$json" "$SAMPLES")
       echo "$round,$sys,$rtt,$row,$mb,$WARM_S" | tee -a "$OUT/results.csv"
     done

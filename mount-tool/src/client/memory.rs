@@ -182,6 +182,8 @@ impl BatchClient for MemoryClient {
                         size: b.len() as u64,
                         crc32c: crc32c::crc32c(b),
                         chunks: if b.len() > chunk { b.chunks(chunk).map(crc32c::crc32c).collect() } else { vec![] },
+                        // The files are the samples, in path order.
+                        sample: Some(at as u32 - 1),
                     }),
                 }
             }

@@ -8,7 +8,7 @@
 use super::cache::{in_memfd, seal_file, Content, Entry, Placed, Record, State};
 use super::retry::{verify, with_retries, Failure};
 use super::window::Prefetching;
-use super::{describe, Listing, Object, ObjectKey, Prefetcher, ReadError, Sent};
+use super::{describe, Listing, Object, ObjectKey, OnDisk, Prefetcher, ReadError, Sent};
 use crate::buffers::{Filling, Sink};
 use crate::client::ClientError;
 use crate::node_cache::NodeCache;
@@ -172,18 +172,22 @@ impl Prefetcher {
 }
 
 /// An object's bytes from the node cache: its pieces (the object, or a group's samples) read and checked
-/// one by one, then the whole against `meta`; into a sealed memory file for passthrough with `memfd`.
-/// `None` when a piece is missing or wrong (then fetched).
-fn from_disk(
-    nc: &NodeCache,
-    pieces: &[Sent],
-    meta: Sent,
-    memfd: bool,
-) -> Option<(Content, Option<Arc<std::fs::File>>)> {
-    let mut data = Vec::with_capacity(meta.bytes as usize);
-    for &piece in pieces {
-        data.extend_from_slice(&nc.get(piece)?);
-    }
+/// one by one, or its range of a whole object there; then checked against `meta`; into a sealed memory
+/// file for passthrough with `memfd`. `None` when a piece is missing or wrong (then fetched).
+fn from_disk(nc: &NodeCache, on: &OnDisk, meta: Sent, memfd: bool) -> Option<(Content, Option<Arc<std::fs::File>>)> {
+    let pieces = || -> Option<Vec<u8>> {
+        let mut data = Vec::with_capacity(meta.bytes as usize);
+        for &piece in &on.pieces {
+            data.extend_from_slice(&nc.get(piece)?);
+        }
+        Some(data)
+    };
+    let within = || -> Option<Vec<u8>> {
+        let (whole, offset) = on.within?;
+        let data = nc.get(whole)?;
+        data.get(offset as usize..(offset + meta.bytes) as usize).map(<[u8]>::to_vec)
+    };
+    let data = pieces().or_else(within)?;
     if data.len() as u64 != meta.bytes || batchfs::crc::crc32c(&data) != meta.crc32c {
         return None;
     }
@@ -197,9 +201,9 @@ fn from_disk(
 }
 
 /// Files a fetched object's verified bytes into the node cache: whole, or each of a group's samples.
-fn to_disk(nc: &NodeCache, pieces: &[Sent], bytes: &[u8]) {
+fn to_disk(nc: &NodeCache, on: &OnDisk, bytes: &[u8]) {
     let mut at = 0usize;
-    for &piece in pieces {
+    for &piece in &on.pieces {
         let end = at + piece.bytes as usize;
         let Some(data) = bytes.get(at..end) else { return };
         if let Err(e) = nc.put(piece, data) {

@@ -325,8 +325,13 @@ mod tests {
     #[test]
     fn source_files_are_lists_of_chunks_and_the_first_list_wins() {
         let raw_dirs = RawDirs::default();
-        let entry =
-            |path: &str, size, chunks: Vec<u32>| FileEntry { path: path.into(), size, crc32c: size as u32, chunks };
+        let entry = |path: &str, size, chunks: Vec<u32>| FileEntry {
+            path: path.into(),
+            size,
+            crc32c: size as u32,
+            chunks,
+            sample: None,
+        };
         let files = vec![
             entry("a/x.tar", 5, vec![]),
             entry("b.tar", 25, vec![1, 2, 3]),
@@ -361,7 +366,7 @@ mod tests {
     #[test]
     fn a_chunk_size_of_zero_fetches_files_whole() {
         let raw_dirs = RawDirs::default();
-        let file = FileEntry { path: "f".into(), size: 3, crc32c: 9, chunks: vec![1, 2, 3] };
+        let file = FileEntry { path: "f".into(), size: 3, crc32c: 9, chunks: vec![1, 2, 3], sample: None };
         let (_, raw) =
             raw_dirs.put(FileList { chunk_bytes: 0, dir: String::new(), dirs: vec![], files: vec![file], next: None });
         assert_eq!(raw.chunks_of(0), Some(0..1));
