@@ -41,7 +41,7 @@ fn reads_through_the_mount_equal_the_server_and_decode_to_the_samples() {
     let mut names: Vec<String> =
         std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
-    assert_eq!(names, [".batchfs", "epoch-0000", "epoch-0001", "raw", "rolling"]);
+    assert_eq!(names, [".batchfs", "epoch-0000", "epoch-0001", "raw", "rolling", "shuffled"]);
     let query = "batch_size=8&seed=3";
     let m = manifest(&rt, &server, query);
     let epoch = root.join("epoch-0000");
