@@ -377,6 +377,17 @@ impl Storage {
         }
     }
 
+    /// Whether `[offset, offset + len)` of shard `n` is known to be in memory, so that reading it ahead
+    /// would do nothing: a mapped shard's pages all resident (mincore), or a direct shard (read past the
+    /// page cache, never ahead). Files read by `pread` are not asked.
+    pub fn is_resident(&self, n: u32, offset: u64, len: u64) -> bool {
+        match self.shard(n) {
+            Shard::Mapped(map) => map.is_resident(offset, len),
+            Shard::Direct { .. } => true,
+            Shard::Open { .. } | Shard::Closed { .. } => false,
+        }
+    }
+
     /// Hints that `[offset, offset + len)` of shard `n` will be read soon (does not block).
     pub fn will_need(&self, n: u32, offset: u64, len: u64) {
         match self.shard(n) {
@@ -688,6 +699,11 @@ mod tests {
                 other.warm(n as u32, 0, shard.size).unwrap();
                 other.will_need(n as u32, 0, shard.size);
             }
+            // Read ahead only what may not be in memory: a mapped shard just read is; files read by
+            // pread are always asked; direct reads are never read ahead.
+            assert!(mapped.is_resident(n as u32, 0, shard.size), "shard {n}");
+            assert!(!held.is_resident(n as u32, 0, shard.size) && !files.is_resident(n as u32, 0, shard.size));
+            assert!(direct.is_resident(n as u32, 0, shard.size));
         }
         for other in [&held, &files, &direct] {
             let past = read_any(other, 0, index.shards[0].size, 1, &mut Vec::new()).unwrap_err();
