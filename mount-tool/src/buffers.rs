@@ -4,44 +4,46 @@
 //! the rest has come, and [`BufferPool`] (`buffers/pool.rs`) the cache's byte budget and the buffers
 //! reused within it.
 
+use bytes::Bytes;
+
 mod partial;
 pub mod pool;
 pub use partial::{Filling, Partial};
 pub use pool::{Admission, BufferPool};
 
 /// Where a fetched body is written as it arrives: a buffer (usually reused memory) whose verified
-/// prefix readers may read, without a copy, before the rest has come ([`Partial`]), or a memory file (`memfd`) that the
-/// kernel can later serve reads and mmap faults from by itself (FUSE passthrough), written chunk by chunk
-/// with no buffer in between, and released only whole.
+/// prefix readers may read, without a copy, before the rest has come ([`Partial`]), or a memory file
+/// that the kernel can later serve reads and mmap faults from by itself (FUSE passthrough), written with
+/// no buffer in between ([`MemoryFile`]), and released only whole.
 pub enum Sink {
     Buffer(Filling),
-    File { file: std::fs::File, len: u64 },
+    File(MemoryFile),
 }
 
 impl std::fmt::Debug for Sink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Sink::Buffer(b) => write!(f, "Sink::Buffer({} bytes)", b.len()),
-            Sink::File { len, .. } => write!(f, "Sink::File({len} bytes)"),
+            Sink::File(m) => write!(f, "Sink::File({} bytes)", m.len()),
         }
     }
 }
 
 impl Sink {
-    /// An empty memory file.
-    pub fn memfd() -> std::io::Result<Self> {
-        Ok(Sink::File { file: crate::sys::memfd("batchfs-batch")?, len: 0 })
+    /// An empty memory file for a body of `len` bytes (see [`crate::sys::memory_file`]).
+    pub fn memory_file(len: u64) -> std::io::Result<Self> {
+        Ok(Sink::File(MemoryFile::new(crate::sys::memory_file("batchfs-batch", len)?)))
     }
 
-    /// Bytes written so far.
+    /// Bytes appended so far.
     pub fn len(&self) -> u64 {
         match self {
             Sink::Buffer(b) => b.len(),
-            Sink::File { len, .. } => *len,
+            Sink::File(m) => m.len(),
         }
     }
 
-    /// Whether nothing was written yet.
+    /// Whether nothing was appended yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -51,22 +53,97 @@ impl Sink {
     pub fn expect_checkpoints(&mut self, checkpoints: Vec<(u64, u32)>) -> bool {
         match self {
             Sink::Buffer(b) => b.expect_checkpoints(checkpoints),
-            Sink::File { .. } => false,
+            Sink::File(_) => false,
         }
     }
 
     /// Appends `data`, extending `crc` over it (and, into a buffer, checking the checkpoints reached:
     /// `InvalidData` when one does not match).
-    pub fn append(&mut self, data: &[u8], crc: &mut u32) -> std::io::Result<()> {
+    pub fn append(&mut self, data: &Bytes, crc: &mut u32) -> std::io::Result<()> {
         match self {
             Sink::Buffer(b) => b.append(data, crc)?,
-            Sink::File { file, len } => {
+            Sink::File(m) => {
                 *crc = crc32c::crc32c_append(*crc, data);
-                std::io::Write::write_all(file, data)?;
-                *len += data.len() as u64;
+                m.append(data.clone())?;
             }
         }
         Ok(())
+    }
+}
+
+/// A memory file being filled. The body's pieces (the HTTP/2 frames as they came, held, not copied)
+/// are written a huge page's span (2 MiB, aligned) at a time, in one `writev`: the kernel then fills
+/// each huge page of the file with one copy, where a write of part of a page it has not filled yet
+/// first zeroes the rest of it (a tenth of the mount's CPU with 128 KiB frames), and makes one system
+/// call where it would make sixteen. [`MemoryFile::finish`] writes the rest.
+pub struct MemoryFile {
+    file: std::fs::File,
+    /// Bytes written to the file.
+    written: u64,
+    /// Appended, not written yet: always short of the next span's end.
+    pending: Vec<Bytes>,
+    pending_len: u64,
+}
+
+/// The span written at once: a transparent huge page (x86-64, arm64 with 4 KiB pages).
+pub const WRITE_SPAN: u64 = 2 << 20;
+
+impl MemoryFile {
+    pub fn new(file: std::fs::File) -> Self {
+        MemoryFile { file, written: 0, pending: Vec::new(), pending_len: 0 }
+    }
+
+    /// Bytes appended (written and pending).
+    pub fn len(&self) -> u64 {
+        self.written + self.pending_len
+    }
+
+    /// Whether nothing was appended yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn append(&mut self, mut data: Bytes) -> std::io::Result<()> {
+        while !data.is_empty() {
+            let span_end = (self.written / WRITE_SPAN + 1) * WRITE_SPAN;
+            let room = span_end - self.written - self.pending_len;
+            if (data.len() as u64) < room {
+                self.pending_len += data.len() as u64;
+                self.pending.push(data);
+                return Ok(());
+            }
+            // This piece reaches the span's end: the span goes out whole, the rest waits for the next.
+            let rest = data.split_off(room as usize);
+            self.pending_len += data.len() as u64;
+            self.pending.push(data);
+            self.write_pending()?;
+            data = rest;
+        }
+        Ok(())
+    }
+
+    fn write_pending(&mut self) -> std::io::Result<()> {
+        use std::io::{IoSlice, Write};
+        let mut slices: Vec<IoSlice<'_>> = self.pending.iter().map(|b| IoSlice::new(b)).collect();
+        let mut slices = &mut slices[..];
+        while !slices.is_empty() {
+            match (&self.file).write_vectored(slices) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => IoSlice::advance_slices(&mut slices, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.written += self.pending_len;
+        self.pending.clear();
+        self.pending_len = 0;
+        Ok(())
+    }
+
+    /// The file, with everything appended written to it.
+    pub fn finish(mut self) -> std::io::Result<std::fs::File> {
+        self.write_pending()?;
+        Ok(self.file)
     }
 }
 
@@ -76,4 +153,39 @@ impl Sink {
 pub struct Body {
     pub sink: Sink,
     pub crc32c: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::io::Read;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Whatever the pieces' sizes, the file holds exactly the bytes appended, in order, and nothing
+        /// is written but whole aligned spans until the end.
+        #[test]
+        fn a_memory_file_holds_its_pieces_and_is_written_in_whole_spans(
+            sizes in proptest::collection::vec(0usize..(3 << 20), 0..8),
+        ) {
+            let body: Vec<u8> = (0..sizes.iter().sum::<usize>()).map(|i| (i * 7 % 251) as u8).collect();
+            let mut m = MemoryFile::new(crate::sys::memfd("batchfs-test").unwrap());
+            let mut at = 0;
+            for n in sizes {
+                m.append(Bytes::copy_from_slice(&body[at..at + n])).unwrap();
+                at += n;
+                prop_assert_eq!(m.written % WRITE_SPAN, 0, "only whole spans are written");
+                prop_assert!(m.pending_len < WRITE_SPAN, "a full span is never held back");
+                prop_assert_eq!(m.len(), at as u64);
+                prop_assert_eq!(m.file.metadata().unwrap().len(), m.written);
+            }
+            let mut file = m.finish().unwrap();
+            let mut all = Vec::new();
+            std::io::Seek::rewind(&mut file).unwrap();
+            file.read_to_end(&mut all).unwrap();
+            prop_assert!(all == body, "the file is the body");
+        }
+    }
 }

@@ -242,7 +242,11 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
     // Daemon reads and passthrough opens each look their file up in the cache.
     let lookups = s.reads + s.passthrough_opens;
     let hit_rate = if lookups > 0 { 100.0 * s.hits as f64 / lookups as f64 } else { 0.0 };
-    let path = if s.passthrough { "kernel passthrough (reads stay in the kernel)" } else { "through the daemon" };
+    let path = match (s.passthrough, s.huge_pages) {
+        (true, true) => "kernel passthrough (reads stay in the kernel), memory files of huge pages",
+        (true, false) => "kernel passthrough (reads stay in the kernel), memory files of 4 KiB pages",
+        (false, _) => "through the daemon",
+    };
     let mut rows = vec![
         ("read path".to_owned(), path.to_owned()),
         ("bytes served".to_owned(), format!("{:.1} MB", s.bytes_served as f64 / 1e6)),

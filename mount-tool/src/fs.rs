@@ -531,9 +531,7 @@ impl Fs {
             Source::RollingIndex(batch) => {
                 let text = self.rolling_index(batch)?;
                 let file = crate::sys::memfd("batchfs-index")
-                    .and_then(|mut f| {
-                        std::io::Write::write_all(&mut f, &text).and_then(|_| crate::sys::seal(&f)).map(|_| f)
-                    })
+                    .and_then(|mut f| std::io::Write::write_all(&mut f, &text).and_then(|_| crate::sys::seal(f)))
                     .map_err(|e| FsError::Io(ReadError::Backing(format!("the twin of rolling/ batch {batch}: {e}"))))?;
                 return Ok(Some(Arc::new(file)));
             }

@@ -47,6 +47,7 @@ pub fn http_config(url: &str, options: &MountOptions) -> Result<HttpConfig> {
         ca_file: options.ca_file.clone(),
         stall_timeout: options.stall_timeout,
         connect_timeout: Duration::from_secs(10),
+        frame_size: options.frame_size,
     })
 }
 
@@ -240,6 +241,12 @@ fn fuser_config(plan: &MountPlan) -> fuser::Config {
 
 /// Builds the filesystem on `runtime`.
 fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(FuseFs, Arc<Prefetcher>)> {
+    if plan.options.passthrough && plan.options.huge_pages {
+        match sys::use_huge_pages() {
+            Ok(()) => tracing::debug!("memory files on a private huge-page tmpfs"),
+            Err(e) => tracing::info!(error = %e, "memory files are memfds of 4 KiB pages: no huge-page tmpfs"),
+        }
+    }
     let client = Arc::new(HttpClient::new(plan.http.clone())?);
     let health = client.health();
     let prefetcher = Prefetcher::new(client, runtime.handle().clone(), PrefetcherConfig::from(&plan.options));

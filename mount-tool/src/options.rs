@@ -74,6 +74,15 @@ mod value {
         batchfs::units::parse_size(v)
     }
 
+    /// An HTTP/2 frame size: 16K to 16M-1, as the protocol allows.
+    pub fn frame_size(v: &str) -> Result<u32, String> {
+        let n = size(v)?;
+        match u32::try_from(n) {
+            Ok(n) if (16_384..=16_777_215).contains(&n) => Ok(n),
+            _ => Err(format!("an HTTP/2 frame is 16K to 16M-1 bytes, not {n}")),
+        }
+    }
+
     pub fn nonzero_size(v: &str) -> Result<u64, String> {
         Ok(size(v)?.max(1))
     }
@@ -235,6 +244,8 @@ options! {
         "How long reads wait out an unreachable server before EIO.";
     stall_timeout: Duration = Duration::from_secs(10), value::duration, "10s", "DURATION", "Network",
         "A response with no bytes for this long is abandoned and retried.";
+    frame_size: u32 = 128 << 10, value::frame_size, "128K", "SIZE", "Network",
+        "The largest HTTP/2 DATA frame the servers may send (16K to 16M-1).";
     servers: Urls = Vec::new(), value::servers, "—", "URLS", "Network",
         "More servers holding the same dataset, `;`-separated base URLs.";
     token_file: Option<PathBuf> = None, value::path, "—", "FILE", "Security",
@@ -249,6 +260,8 @@ options! {
         "FUSE worker threads.";
     passthrough: bool = true, value::switch, "true", "BOOL", "FUSE",
         "Hand verified files to the kernel (FUSE passthrough) where it allows.";
+    huge_pages: bool = true, value::switch, "true", "BOOL", "FUSE",
+        "Make passthrough's memory files on a private huge-page tmpfs (root), not 4 KiB memfds.";
     page_cache: PageCache = PageCache::Drop, value::page_cache, "drop", "MODE", "FUSE",
         "drop: a file read through the daemon leaves the kernel page cache at its last close; keep.";
     read_ahead_kb: u32 = 1024, value::kb, "1024", "KB", "FUSE",

@@ -86,6 +86,10 @@ pub struct StatsSnapshot {
     /// Bytes put into memory files for passthrough (fetched into them, or copied at the first open).
     #[serde(default)]
     pub passthrough_bytes: u64,
+    /// Whether the memory files are made on the mount's private huge-page tmpfs (`huge_pages`), not as
+    /// memfds of 4 KiB pages.
+    #[serde(default)]
+    pub huge_pages: bool,
     /// Opens whose reads go through the daemon (passthrough off, refused, or the file already open so).
     #[serde(default)]
     pub daemon_opens: u64,
@@ -168,6 +172,7 @@ impl Stats {
             passthrough: g(&self.passthrough) != 0,
             passthrough_opens: g(&self.passthrough_opens),
             passthrough_bytes: g(&self.passthrough_bytes),
+            huge_pages: crate::sys::huge_pages(),
             daemon_opens: g(&self.daemon_opens),
             page_cache_drops: g(&self.page_cache_drops),
             early_reads: g(&self.early_reads),

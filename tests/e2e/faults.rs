@@ -24,6 +24,7 @@ fn refusals_fail_at_once_and_outages_are_retried_through_to_the_servers_bytes() 
         ca_file: None,
         stall_timeout: Duration::from_secs(10),
         connect_timeout: Duration::from_secs(5),
+        frame_size: 128 << 10,
     })
     .unwrap();
     let client = Arc::new(FaultClient::new(http));

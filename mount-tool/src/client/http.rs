@@ -29,6 +29,10 @@ pub struct HttpConfig {
     /// A response with no bytes for this long is abandoned (and retried).
     pub stall_timeout: Duration,
     pub connect_timeout: Duration,
+    /// The largest DATA frame a server may send (SETTINGS_MAX_FRAME_SIZE). Each frame is read into a
+    /// buffer of its size: above glibc's mmap threshold (256 KiB, see [`crate::sys`]) every one is a fresh
+    /// mapping, faulted in page by page and unmapped again, which cost more than the copy of the bytes.
+    pub frame_size: u32,
 }
 
 /// Splits `http(s)://host:port/DATASET` into the server base URL and the dataset name.
@@ -76,7 +80,7 @@ impl HttpClient {
                     .connect_timeout(config.connect_timeout)
                     .http2_initial_stream_window_size(16 << 20)
                     .http2_initial_connection_window_size(64 << 20)
-                    .http2_max_frame_size(1 << 20)
+                    .http2_max_frame_size(config.frame_size)
                     .http2_keep_alive_interval(Duration::from_secs(15))
                     .http2_keep_alive_timeout(Duration::from_secs(15))
                     .http2_keep_alive_while_idle(true)
@@ -415,6 +419,7 @@ mod tests {
             ca_file: None,
             stall_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
+            frame_size: 128 << 10,
         })
         .unwrap()
     }

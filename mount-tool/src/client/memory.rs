@@ -299,7 +299,8 @@ impl MemoryClient {
             while batch.is_some_and(|b| self.held_after.lock().expect("held").get(&b).is_some_and(|&n| i * 1000 >= n)) {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
-            into.append(frame, &mut crc).map_err(|e| ClientError::appending(&server, e))?;
+            into.append(&bytes::Bytes::copy_from_slice(frame), &mut crc)
+                .map_err(|e| ClientError::appending(&server, e))?;
             if every > 0 {
                 // Frames arrive one by one: readers may find the body part verified, part on its way.
                 tokio::task::yield_now().await;

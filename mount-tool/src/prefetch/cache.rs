@@ -158,7 +158,7 @@ impl AsRef<[u8]> for MappedBody {
 /// Seals a memory file holding a verified body, and maps it: the bytes the daemon reads, and the file the
 /// kernel serves (passthrough).
 pub(super) fn seal_file(file: std::fs::File) -> std::io::Result<(Bytes, Arc<std::fs::File>)> {
-    crate::sys::seal(&file)?;
+    let file = crate::sys::seal(file)?;
     let map = batchfs::mmap::MappedFile::open_file(&file)?;
     let bytes = if map.is_empty() { Bytes::new() } else { Bytes::from_owner(MappedBody(map)) };
     Ok((bytes, Arc::new(file)))
@@ -166,7 +166,7 @@ pub(super) fn seal_file(file: std::fs::File) -> std::io::Result<(Bytes, Arc<std:
 
 /// `content` in a new sealed memory file, and the same content read from the file's mapping.
 pub(super) fn in_memfd(content: &Content) -> std::io::Result<(Content, Arc<std::fs::File>)> {
-    let file = crate::sys::memfd("batchfs-batch")?;
+    let file = crate::sys::memory_file("batchfs-batch", content.len())?;
     content.write_to(&file)?;
     let (mapped, file) = seal_file(file)?;
     if mapped.len() as u64 != content.len() {

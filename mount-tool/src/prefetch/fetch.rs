@@ -93,7 +93,7 @@ impl Prefetcher {
                 };
                 let into = match buffer.take() {
                     Some(buffer) => Ok(fill(buffer)),
-                    None if memfd => Sink::memfd(),
+                    None if memfd => Sink::memory_file(meta.bytes),
                     None => Ok(fill(Vec::new())),
                 };
                 async move {
@@ -133,9 +133,11 @@ impl Prefetcher {
                             let (content, file) = in_memfd(&content).map_err(store_failure)?;
                             Ok((content, Some(file)))
                         }
-                        (Sink::File { file, .. }, _) => {
-                            seal_file(file).map(|(b, f)| (Content::Bytes(b), Some(f))).map_err(store_failure)
-                        }
+                        (Sink::File(m), _) => m
+                            .finish()
+                            .and_then(seal_file)
+                            .map(|(b, f)| (Content::Bytes(b), Some(f)))
+                            .map_err(store_failure),
                     }
                 }
             })
@@ -194,7 +196,7 @@ fn from_disk(nc: &NodeCache, on: &OnDisk, meta: Sent, memfd: bool) -> Option<(Co
     if !memfd {
         return Some((Content::Bytes(Bytes::from(data)), None));
     }
-    let file = crate::sys::memfd("batchfs-batch").ok()?;
+    let file = crate::sys::memory_file("batchfs-batch", data.len() as u64).ok()?;
     std::io::Write::write_all(&mut &file, &data).ok()?;
     let (bytes, file) = seal_file(file).ok()?;
     Some((Content::Bytes(bytes), Some(file)))
