@@ -37,7 +37,8 @@ Options:
                         or every item as [class, bytes, crc32c, epoch] (imagefolder),
                         in the order the loader delivered them
 
-The JSON: loader, samples, bytes, build_s (pipeline build, for DALI: reading the .idx twins), epoch_s
+The JSON: loader, samples, bytes, build_s (pipeline build, for DALI: reading the .idx twins), cpu_s (CPU
+seconds from the clock's start, worker processes included once joined), epoch_s
 (build included), records if asked. Files are taken in name order, as a user's glob would list them.
 """
 import glob
@@ -344,6 +345,14 @@ def run_lmdb(directory, consumer, want_records, lock):
     return samples, nbytes, build_s, records
 
 
+def cpu_seconds():
+    """CPU seconds (user + system) of this process and of the children it has waited for."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def main(argv):
     known = ("dali", "dali-wds", "torch", "wds", "lmdb", "tfdata", "tfrecord", "imagefolder")
     if len(argv) < 3 or argv[1] not in known:
@@ -366,6 +375,7 @@ def main(argv):
     if loader == "tfdata":
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     __import__(modules[loader])
+    cpu_before = cpu_seconds()
     started = time.monotonic()
     if loader == "dali":
         samples, nbytes, build_s, records = run_dali(
@@ -392,6 +402,8 @@ def main(argv):
         "bytes": nbytes,
         "build_s": round(build_s, 4),
         "epoch_s": round(time.monotonic() - started, 4),
+        # From the clock's start: the loader's threads and the worker processes it has joined.
+        "cpu_s": round(cpu_seconds() - cpu_before, 4),
     }
     if want:
         out["records"] = records

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Per-node cost: CPU seconds per GB of the mount's daemon, of the server and of the loader, each process
+on its own core, as a GPU node and a storage node would have them. Real loaders, default settings.
+
+    tests/bench/cpu_bench.py OUT_DIR
+    env: SAMPLES (20000), MEAN (110000 bytes), BATCH (128), RTTS ("0 30"), ROUNDS (3),
+         LOADERS ("dali dali-nommap torch"), TRANSPORTS ("h2c tls"),
+         MOUNT_OPTS (extra -o options of every mount; default cache=1G: up to eight mounts hold their
+         cache full, beside the local copy and the server's files, in this machine's memory),
+         BIN_BEFORE (a target/release directory of another build: its server and mounts run beside this
+         build's, alternating, for before/after), SERVER_CPU (0), NODE_CPU (1): the cores (taskset)
+
+Shape: the server (and `batchfs-lab netem`, where an RTT is emulated) on SERVER_CPU; every mount and
+every loader on NODE_CPU, so neither side steals the other's cycles. One server per build and
+transport (h2c, or TLS with a self-signed certificate the mounts trust through ca_file), one mount per
+build, transport and RTT (0 ms: straight to the server; above: through netem). Each mount first reads
+one epoch that is not counted (a mount's first epoch also pays for memory the machine has not touched
+lately: see docs/BENCHMARKS.md); each counted run reads a fresh epoch. `local` is the same loader over
+a copy of epoch 0 on local disk, page cache warm (the loader's own cost for the same bytes).
+
+CPU: utime + stime from /proc of the server and of the mount's daemon, before and after each run, and
+the loader's own over the epoch (`cpu_s` of tests/python/loaders.py: its threads and joined workers,
+its imports left out). Writes results.csv (every run) and report.md
+(medians) to OUT_DIR and prints the report. Needs root, /dev/fuse, openssl, a release build, the loaders
+(see .ci/run).
+"""
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loaders_bench import BIN, command, cpu_of, free_port, wait_healthy, with_cleanup, write_csv  # noqa: E402
+
+env = os.environ.get
+SAMPLES, MEAN, BATCH = int(env("SAMPLES", "20000")), int(env("MEAN", "110000")), int(env("BATCH", "128"))
+RTTS = [int(r) for r in env("RTTS", "0 30").split()]
+ROUNDS = int(env("ROUNDS", "3"))
+LOADERS = env("LOADERS", "dali dali-nommap torch").split()
+TRANSPORTS = env("TRANSPORTS", "h2c tls").split()
+MOUNT_OPTS = env("MOUNT_OPTS", "cache=1G")
+SERVER_CPU, NODE_CPU = env("SERVER_CPU", "0"), env("NODE_CPU", "1")
+
+
+def pinned(cpu, args):
+    return ["taskset", "-c", cpu] + args
+
+
+def certificate(work):
+    """A CA (what the mounts trust, through ca_file) and a certificate for 127.0.0.1 it signed, with its key."""
+    ca, ca_key = os.path.join(work, "ca.pem"), os.path.join(work, "ca-key.pem")
+    cert, key, csr = os.path.join(work, "cert.pem"), os.path.join(work, "key.pem"), os.path.join(work, "cert.csr")
+    ext = os.path.join(work, "ext.cnf")
+    open(ext, "w").write("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=batchfs bench CA",
+                  "-keyout", ca_key, "-out", ca],
+                 ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", key, "-out", csr],
+                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2",
+                  "-extfile", ext, "-out", cert]):
+        subprocess.run(["openssl"] + args, check=True, capture_output=True)
+    return ca, cert, key
+
+
+def wait_port(port, tries=300):
+    import socket
+
+    for _ in range(tries):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise SystemExit(f"nothing listens on {port}")
+
+
+def daemon_pid(mnt):
+    """The pid of the daemon serving the mount at `mnt` (its command line names the directory)."""
+    out = subprocess.run(["pgrep", "-f", f" mount .* {mnt}( |$)"], capture_output=True, text=True).stdout.split()
+    if len(out) != 1:
+        raise SystemExit(f"cannot tell the daemon of {mnt}: {out}")
+    return int(out[0])
+
+
+def run_loader(args):
+    """Runs a loader pinned to NODE_CPU: its JSON result (`cpu_s`: its CPU over the epoch, its imports
+    left out, its workers in)."""
+    proc = subprocess.Popen(pinned(NODE_CPU, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(out, work, procs, mounts):
+    data = os.path.join(work, "data")
+    subprocess.run([os.path.join(BIN, "batchfs-server"), "gen", "--format", "tfrecord", "--samples", str(SAMPLES),
+                    "--mean-bytes", str(MEAN), "--out", data], check=True, capture_output=True)
+    ca, cert, key = certificate(work)
+    builds = {"after": BIN}
+    if env("BIN_BEFORE"):
+        builds["before"] = env("BIN_BEFORE")
+    servers, systems = {}, {}
+    for build, bindir in builds.items():
+        for transport in TRANSPORTS:
+            port = free_port()
+            args = [os.path.join(bindir, "batchfs-server"), "serve", "--listen", f"127.0.0.1:{port}", "--dataset",
+                    f"d={data}"]
+            if transport == "tls":
+                args += ["--tls-cert", cert, "--tls-key", key]
+            proc = subprocess.Popen(pinned(SERVER_CPU, args), stderr=subprocess.DEVNULL)
+            procs.append(proc)
+            if transport == "tls":
+                wait_port(port)
+            else:
+                wait_healthy(port)
+            servers[(build, transport)] = proc
+            for rtt in RTTS:
+                p = port
+                if rtt > 0:
+                    p = free_port()
+                    procs.append(subprocess.Popen(pinned(SERVER_CPU, [
+                        os.path.join(BIN, "batchfs-lab"), "netem", "--listen", f"127.0.0.1:{p}", "--upstream",
+                        f"127.0.0.1:{port}", "--rtt-ms", str(rtt)]), stderr=subprocess.DEVNULL))
+                    wait_port(p)
+                mnt = os.path.join(work, f"mnt-{build}-{transport}-{rtt}")
+                os.makedirs(mnt)
+                scheme = "https" if transport == "tls" else "http"
+                opts = f"batch_size={BATCH},epochs=100000" + (f",ca_file={ca}" if transport == "tls" else "")
+                opts += f",{MOUNT_OPTS}" if MOUNT_OPTS else ""
+                subprocess.run(pinned(NODE_CPU, [os.path.join(bindir, "batchfs"), "mount", f"{scheme}://127.0.0.1:{p}/d",
+                                                 mnt, "-o", opts]), check=True)
+                mounts.append(mnt)
+                systems[(build, transport, rtt)] = {"mnt": mnt, "pid": daemon_pid(mnt), "epoch": 0,
+                                                   "server": proc.pid}
+    local = os.path.join(work, "local")
+    first = next(iter(systems.values()))
+    subprocess.run(["cp", "-r", os.path.join(first["mnt"], "epoch-0000"), local], check=True)
+    first["epoch"] = 1
+    # The uncounted first epoch of every mount.
+    for s in systems.values():
+        run_loader(command(LOADERS[0], os.path.join(s["mnt"], f"epoch-{s['epoch']:04d}"), False))
+        s["epoch"] += 1
+    rows = []
+    for rnd in range(ROUNDS):
+        for loader in LOADERS:
+            order = [None] + list(systems)
+            for key in order:
+                if key is None:
+                    r = run_loader(command(loader, local, False))
+                    gb = r["bytes"] / 1e9
+                    row = {"round": rnd, "loader": loader, "build": "-", "transport": "-", "rtt_ms": 0,
+                           "system": "local", "epoch_s": r["epoch_s"], "bytes": r["bytes"],
+                           "mount_s_per_gb": 0, "server_s_per_gb": 0,
+                           "loader_s_per_gb": round(r["cpu_s"] / gb, 3)}
+                else:
+                    s = systems[key]
+                    directory = os.path.join(s["mnt"], f"epoch-{s['epoch']:04d}")
+                    s["epoch"] += 1
+                    m0, s0 = cpu_of(s["pid"]), cpu_of(s["server"])
+                    r = run_loader(command(loader, directory, False))
+                    m1, s1 = cpu_of(s["pid"]), cpu_of(s["server"])
+                    gb = r["bytes"] / 1e9
+                    build, transport, rtt = key
+                    row = {"round": rnd, "loader": loader, "build": build, "transport": transport, "rtt_ms": rtt,
+                           "system": f"{build}-{transport}-{rtt}ms", "epoch_s": r["epoch_s"], "bytes": r["bytes"],
+                           "mount_s_per_gb": round((m1 - m0) / gb, 3), "server_s_per_gb": round((s1 - s0) / gb, 3),
+                           "loader_s_per_gb": round(r["cpu_s"] / gb, 3)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    write_csv(os.path.join(out, "results.csv"), rows)
+    report = render(rows)
+    open(os.path.join(out, "report.md"), "w").write(report)
+    print(report)
+
+
+def render(rows):
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["loader"], r["system"]), []).append(r)
+    lines = [f"CPU seconds per GB, medians of {ROUNDS} rounds (server on core {SERVER_CPU}, mount and loader on "
+             f"core {NODE_CPU})", "",
+             "| loader | system | epoch s | mount | server | loader | loader / local |",
+             "|---|---|---|---|---|---|---|"]
+    med = {k: {f: statistics.median(float(x[f]) for x in v) for f in
+               ("epoch_s", "mount_s_per_gb", "server_s_per_gb", "loader_s_per_gb")} for k, v in cells.items()}
+    for (loader, system), m in med.items():
+        local = med.get((loader, "local"), {}).get("loader_s_per_gb")
+        ratio = f"{m['loader_s_per_gb'] / local:.2f}" if local else "—"
+        lines.append(f"| {loader} | {system} | {m['epoch_s']:.2f} | {m['mount_s_per_gb']:.3f} | "
+                     f"{m['server_s_per_gb']:.3f} | {m['loader_s_per_gb']:.3f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    with_cleanup("cpu", run)
