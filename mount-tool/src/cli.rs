@@ -263,6 +263,19 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
         ("stalls".to_owned(), format!("{} ({:.3} s waiting)", s.stalls, s.stall_us as f64 / 1e6)),
         ("prefetches".to_owned(), s.prefetches.to_string()),
         ("in flight".to_owned(), s.in_flight.to_string()),
+        (
+            "prefetch window".to_owned(),
+            format!(
+                "{:.1} MB in flight, cap {:.1} MB, delivery {}",
+                s.prefetch_bytes_in_flight as f64 / 1e6,
+                s.prefetch_cap as f64 / 1e6,
+                if s.delivery_rate > 0 {
+                    format!("{:.0} MB/s", s.delivery_rate as f64 / 1e6)
+                } else {
+                    "not measured yet".to_owned()
+                }
+            ),
+        ),
         ("cache bytes".to_owned(), format!("{:.1} MB", s.cache_bytes as f64 / 1e6)),
         ("fetched".to_owned(), format!("{:.1} MB", s.fetched_bytes as f64 / 1e6)),
         ("retries".to_owned(), s.retries.to_string()),

@@ -56,7 +56,7 @@ type PerServer = fn(&ServerSnapshot) -> u64;
 /// The counters as Prometheus text: `batchfs_mount_*`, and `batchfs_mount_server_*{server="URL"}`.
 pub fn render(s: &StatsSnapshot) -> String {
     let mut out = Exposition::new();
-    let whole: [(&str, &str, &str, u64); 17] = [
+    let whole: [(&str, &str, &str, u64); 20] = [
         ("bytes_served_total", "counter", "Bytes returned to readers.", s.bytes_served),
         ("reads_total", "counter", "Reads answered by the daemon.", s.reads),
         ("hits_total", "counter", "Reads and passthrough opens whose file was cached or in flight.", s.hits),
@@ -74,6 +74,9 @@ pub fn render(s: &StatsSnapshot) -> String {
         ("passthrough_opens_total", "counter", "Opens served by FUSE passthrough.", s.passthrough_opens),
         ("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens),
         ("early_reads_total", "counter", "Daemon reads answered before their batch had all arrived.", s.early_reads),
+        ("prefetch_bytes_in_flight", "gauge", "Bytes of prefetches in flight.", s.prefetch_bytes_in_flight),
+        ("prefetch_cap_bytes", "gauge", "The cap on bytes of prefetches in flight.", s.prefetch_cap),
+        ("delivery_rate_bytes", "gauge", "Measured delivery rate, bytes per second in flight.", s.delivery_rate),
     ];
     for (name, kind, help, value) in whole {
         out.metric(&format!("batchfs_mount_{name}"), kind, help, value);

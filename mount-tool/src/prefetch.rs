@@ -304,6 +304,7 @@ impl Prefetcher {
     /// A prefetcher fetching through `client` on `runtime`.
     pub fn new(client: DynClient, runtime: tokio::runtime::Handle, config: PrefetcherConfig) -> Arc<Self> {
         let streams = StreamTracker::new(config.max_streams, config.max_stride);
+        let stats = Arc::new(Stats::default());
         Arc::new(Prefetcher {
             client,
             runtime,
@@ -314,12 +315,12 @@ impl Prefetcher {
             shuffled: Default::default(),
             node_cache: std::sync::OnceLock::new(),
             streams: Mutex::new(streams),
-            prefetching: Arc::new(crate::sync::AtomicU64::new(0)),
+            prefetching: stats.prefetching.clone(),
             throughput: Mutex::new(Throughput::default()),
             pool: BufferPool::new(config.cache_bytes),
             memfd_bodies: AtomicBool::new(false),
             started: Instant::now(),
-            stats: Arc::new(Stats::default()),
+            stats,
             config,
         })
     }
@@ -952,14 +953,30 @@ mod tests {
         assert_eq!(prefetch_cap(256 * mb, 5e6, 9 * mb, stall), 25_000_000, "a share of a narrow link: 5 s of it");
         let mut t = Throughput::default();
         let start = Instant::now();
-        t.record(1_000_000, start);
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        // One fetch in flight from 0 on, delivering as it goes (a stream of fetches, one after another).
+        t.started(at(0));
+        t.record(1_000_000, at(0));
         assert_eq!(t.rate, 0.0, "no window closed yet");
-        t.record(1_000_000, start + Duration::from_millis(500));
-        t.record(2_000_000, start + Duration::from_secs(2));
+        t.record(1_000_000, at(500));
+        t.record(2_000_000, at(2000));
         assert_eq!(t.rate, 2_000_000.0, "4 MB over 2 s");
-        t.record(4_000_000, start + Duration::from_secs(3));
+        t.record(4_000_000, at(3000));
         assert_eq!(t.rate, 3_000_000.0, "smoothed with the next window's 4 MB/s");
         assert_eq!(t.delivered, 8_000_000);
+        // Half a second more, then nothing in flight for a minute (the loader rebuilds its pipeline):
+        // the next epoch's first second of fetches is measured alone, at the link's rate, not as 5 MB
+        // over 61 s.
+        t.record(1_000_000, at(3500));
+        t.ended(at(3500));
+        t.started(at(63_500));
+        t.record(2_000_000, at(63_800));
+        t.ended(at(63_800));
+        assert_eq!(t.rate, 3_000_000.0, "idle time is not a window");
+        t.started(at(64_000));
+        t.record(1_000_000, at(64_200));
+        assert_eq!(t.rate, 3_500_000.0, "4 MB over the window's 1 s in flight (0.5 + 0.3 + 0.2), smoothed");
+        t.ended(at(64_200));
     }
 
     #[test]

@@ -40,6 +40,11 @@ pub struct Stats {
     pub warm_bytes_total: AtomicU64,
     /// Seconds since the epoch when warming started (0: not started).
     pub warm_started: AtomicU64,
+    /// Bytes of prefetches in flight (the prefetcher's own count, shared).
+    pub prefetching: crate::sync::Arc<AtomicU64>,
+    /// The cap on them when last checked, and the measured delivery rate (bytes per second).
+    pub prefetch_cap: AtomicU64,
+    pub delivery_rate: AtomicU64,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -101,6 +106,15 @@ pub struct StatsSnapshot {
     /// checkpoints before the rest of it came.
     #[serde(default)]
     pub early_reads: u64,
+    /// Bytes of prefetches in flight now, the cap on them (`max_prefetch_bytes`, or what the measured
+    /// delivery rate brings in half of `stall_timeout`), and that rate in bytes per second of time with
+    /// a fetch in flight (0 until a second of it is measured).
+    #[serde(default)]
+    pub prefetch_bytes_in_flight: u64,
+    #[serde(default)]
+    pub prefetch_cap: u64,
+    #[serde(default)]
+    pub delivery_rate: u64,
     /// Each server's counters and whether it is in rotation.
     #[serde(default)]
     pub servers: Vec<ServerSnapshot>,
@@ -173,6 +187,9 @@ impl Stats {
             passthrough_opens: g(&self.passthrough_opens),
             passthrough_bytes: g(&self.passthrough_bytes),
             huge_pages: crate::sys::huge_pages(),
+            prefetch_bytes_in_flight: g(&self.prefetching),
+            prefetch_cap: g(&self.prefetch_cap),
+            delivery_rate: g(&self.delivery_rate),
             daemon_opens: g(&self.daemon_opens),
             page_cache_drops: g(&self.page_cache_drops),
             early_reads: g(&self.early_reads),

@@ -8,14 +8,17 @@ on its own core, as a GPU node and a storage node would have them. Real loaders,
          MOUNT_OPTS (extra -o options of every mount; default cache=1G: up to eight mounts hold their
          cache full, beside the local copy and the server's files, in this machine's memory),
          BIN_BEFORE (a target/release directory of another build: its server and mounts run beside this
-         build's, alternating, for before/after), SERVER_CPU (0), NODE_CPU (1): the cores (taskset)
+         build's, alternating, for before/after), SERVER_CPU (0), NODE_CPU (1): the cores (taskset),
+         LEAD (1): epochs each visit reads just before the counted one, back to back, as training reads
+         its epochs (the first of them, `cold`, follows the other systems' runs; reported apart)
 
 Shape: the server (and `batchfs-lab netem`, where an RTT is emulated) on SERVER_CPU; every mount and
 every loader on NODE_CPU, so neither side steals the other's cycles. One server per build and
 transport (h2c, or TLS with a self-signed certificate the mounts trust through ca_file), one mount per
 build, transport and RTT (0 ms: straight to the server; above: through netem). Each mount first reads
 one epoch that is not counted (a mount's first epoch also pays for memory the machine has not touched
-lately: see docs/BENCHMARKS.md); each counted run reads a fresh epoch. `local` is the same loader over
+lately: see docs/BENCHMARKS.md); each run reads a fresh epoch, and each visit of a system LEAD epochs
+before the counted (`steady`) one, so that the counted epoch follows one of its own as in training. `local` is the same loader over
 a copy of epoch 0 on local disk, page cache warm (the loader's own cost for the same bytes).
 
 CPU: utime + stime from /proc of the server and of the mount's daemon, before and after each run, and
@@ -43,6 +46,7 @@ LOADERS = env("LOADERS", "dali dali-nommap torch").split()
 TRANSPORTS = env("TRANSPORTS", "h2c tls").split()
 MOUNT_OPTS = env("MOUNT_OPTS", "cache=1G")
 SERVER_CPU, NODE_CPU = env("SERVER_CPU", "0"), env("NODE_CPU", "1")
+LEAD = int(env("LEAD", "1"))
 
 
 def pinned(cpu, args):
@@ -117,12 +121,13 @@ def run(out, work, procs, mounts):
                 wait_healthy(port)
             servers[(build, transport)] = proc
             for rtt in RTTS:
-                p = port
+                p, netem = port, None
                 if rtt > 0:
                     p = free_port()
-                    procs.append(subprocess.Popen(pinned(SERVER_CPU, [
+                    netem = subprocess.Popen(pinned(SERVER_CPU, [
                         os.path.join(BIN, "batchfs-lab"), "netem", "--listen", f"127.0.0.1:{p}", "--upstream",
-                        f"127.0.0.1:{port}", "--rtt-ms", str(rtt)]), stderr=subprocess.DEVNULL))
+                        f"127.0.0.1:{port}", "--rtt-ms", str(rtt)]), stderr=subprocess.DEVNULL)
+                    procs.append(netem)
                     wait_port(p)
                 mnt = os.path.join(work, f"mnt-{build}-{transport}-{rtt}")
                 os.makedirs(mnt)
@@ -133,7 +138,7 @@ def run(out, work, procs, mounts):
                                                  mnt, "-o", opts]), check=True)
                 mounts.append(mnt)
                 systems[(build, transport, rtt)] = {"mnt": mnt, "pid": daemon_pid(mnt), "epoch": 0,
-                                                   "server": proc.pid}
+                                                   "server": proc.pid, "netem": netem}
     local = os.path.join(work, "local")
     first = next(iter(systems.values()))
     subprocess.run(["cp", "-r", os.path.join(first["mnt"], "epoch-0000"), local], check=True)
@@ -143,30 +148,37 @@ def run(out, work, procs, mounts):
         run_loader(command(LOADERS[0], os.path.join(s["mnt"], f"epoch-{s['epoch']:04d}"), False))
         s["epoch"] += 1
     rows = []
+
+    def visit(rnd, loader, key, phase):
+        if key is None:
+            r = run_loader(command(loader, local, False))
+            gb = r["bytes"] / 1e9
+            return {"round": rnd, "phase": phase, "loader": loader, "build": "-", "transport": "-", "rtt_ms": 0,
+                    "system": "local", "epoch_s": r["epoch_s"], "bytes": r["bytes"], "mount_s_per_gb": 0,
+                    "server_s_per_gb": 0, "netem_s_per_gb": 0, "loader_s_per_gb": round(r["cpu_s"] / gb, 3)}
+        s = systems[key]
+        directory = os.path.join(s["mnt"], f"epoch-{s['epoch']:04d}")
+        s["epoch"] += 1
+        netem = s["netem"].pid if s["netem"] else None
+        m0, s0, n0 = cpu_of(s["pid"]), cpu_of(s["server"]), cpu_of(netem) if netem else 0.0
+        r = run_loader(command(loader, directory, False))
+        m1, s1, n1 = cpu_of(s["pid"]), cpu_of(s["server"]), cpu_of(netem) if netem else 0.0
+        gb = r["bytes"] / 1e9
+        build, transport, rtt = key
+        return {"round": rnd, "phase": phase, "loader": loader, "build": build, "transport": transport,
+                "rtt_ms": rtt, "system": f"{build}-{transport}-{rtt}ms", "epoch_s": r["epoch_s"], "bytes": r["bytes"],
+                "mount_s_per_gb": round((m1 - m0) / gb, 3), "server_s_per_gb": round((s1 - s0) / gb, 3),
+                "netem_s_per_gb": round((n1 - n0) / gb, 3), "loader_s_per_gb": round(r["cpu_s"] / gb, 3)}
+
     for rnd in range(ROUNDS):
         for loader in LOADERS:
-            order = [None] + list(systems)
-            for key in order:
-                if key is None:
-                    r = run_loader(command(loader, local, False))
-                    gb = r["bytes"] / 1e9
-                    row = {"round": rnd, "loader": loader, "build": "-", "transport": "-", "rtt_ms": 0,
-                           "system": "local", "epoch_s": r["epoch_s"], "bytes": r["bytes"],
-                           "mount_s_per_gb": 0, "server_s_per_gb": 0,
-                           "loader_s_per_gb": round(r["cpu_s"] / gb, 3)}
-                else:
-                    s = systems[key]
-                    directory = os.path.join(s["mnt"], f"epoch-{s['epoch']:04d}")
-                    s["epoch"] += 1
-                    m0, s0 = cpu_of(s["pid"]), cpu_of(s["server"])
-                    r = run_loader(command(loader, directory, False))
-                    m1, s1 = cpu_of(s["pid"]), cpu_of(s["server"])
-                    gb = r["bytes"] / 1e9
-                    build, transport, rtt = key
-                    row = {"round": rnd, "loader": loader, "build": build, "transport": transport, "rtt_ms": rtt,
-                           "system": f"{build}-{transport}-{rtt}ms", "epoch_s": r["epoch_s"], "bytes": r["bytes"],
-                           "mount_s_per_gb": round((m1 - m0) / gb, 3), "server_s_per_gb": round((s1 - s0) / gb, 3),
-                           "loader_s_per_gb": round(r["cpu_s"] / gb, 3)}
+            for key in [None] + list(systems):
+                # LEAD epochs first, back to back with the counted one (`cold`: after the others' runs).
+                for lead in range(LEAD):
+                    row = visit(rnd, loader, key, "cold" if lead == 0 else "lead")
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                row = visit(rnd, loader, key, "steady" if LEAD else "cold")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     write_csv(os.path.join(out, "results.csv"), rows)
@@ -176,20 +188,27 @@ def run(out, work, procs, mounts):
 
 
 def render(rows):
+    fields = ("epoch_s", "mount_s_per_gb", "server_s_per_gb", "netem_s_per_gb", "loader_s_per_gb")
     cells = {}
     for r in rows:
-        cells.setdefault((r["loader"], r["system"]), []).append(r)
-    lines = [f"CPU seconds per GB, medians of {ROUNDS} rounds (server on core {SERVER_CPU}, mount and loader on "
-             f"core {NODE_CPU})", "",
-             "| loader | system | epoch s | mount | server | loader | loader / local |",
-             "|---|---|---|---|---|---|---|"]
-    med = {k: {f: statistics.median(float(x[f]) for x in v) for f in
-               ("epoch_s", "mount_s_per_gb", "server_s_per_gb", "loader_s_per_gb")} for k, v in cells.items()}
-    for (loader, system), m in med.items():
-        local = med.get((loader, "local"), {}).get("loader_s_per_gb")
+        cells.setdefault((r["phase"], r["loader"], r["system"]), []).append(r)
+    med = {k: {f: statistics.median(float(x[f]) for x in v) for f in fields} for k, v in cells.items()}
+    counted = "steady" if LEAD else "cold"
+    lines = [f"CPU seconds per GB, medians of {ROUNDS} rounds (server and netem on core {SERVER_CPU}, mount and "
+             f"loader on core {NODE_CPU}); `{counted}` epochs" + (", and the `cold` one of each visit" if LEAD else ""),
+             "",
+             "| loader | system | epoch s | mount | server | netem | loader | loader / local | cold epoch s | cold mount |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (phase, loader, system), m in med.items():
+        if phase != counted:
+            continue
+        local = med.get((counted, loader, "local"), {}).get("loader_s_per_gb")
         ratio = f"{m['loader_s_per_gb'] / local:.2f}" if local else "—"
+        cold = med.get(("cold", loader, system)) if LEAD else None
+        cold_cells = f"{cold['epoch_s']:.2f} | {cold['mount_s_per_gb']:.3f}" if cold else "— | —"
         lines.append(f"| {loader} | {system} | {m['epoch_s']:.2f} | {m['mount_s_per_gb']:.3f} | "
-                     f"{m['server_s_per_gb']:.3f} | {m['loader_s_per_gb']:.3f} | {ratio} |")
+                     f"{m['server_s_per_gb']:.3f} | {m['netem_s_per_gb']:.3f} | {m['loader_s_per_gb']:.3f} | {ratio} | "
+                     f"{cold_cells} |")
     return "\n".join(lines) + "\n"
 
 

@@ -97,6 +97,7 @@ impl Prefetcher {
         let prefetching = (!on_demand).then(|| Prefetching::count(&self.prefetching, obj.sent.bytes));
         drop(cache);
         Stats::add(&self.stats.in_flight, 1);
+        self.throughput.lock().expect("throughput").started(std::time::Instant::now());
         self.spawn_fetch(key, obj.clone(), entry.clone(), buffer, memfd, prefetching);
         Ok(Some((entry, true)))
     }

@@ -54,6 +54,7 @@ impl Prefetcher {
                 let found = tokio::task::spawn_blocking(move || from_disk(&nc, &pieces, meta, into_memfd)).await;
                 if let Ok(Some((content, file))) = found {
                     this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    this.throughput.lock().expect("throughput").ended(Instant::now());
                     drop(prefetching);
                     if let Some(file) = file {
                         Stats::add(&this.stats.passthrough_bytes, content.stored());
@@ -144,10 +145,16 @@ impl Prefetcher {
             .await;
             this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
             drop(prefetching);
+            {
+                let mut throughput = this.throughput.lock().expect("throughput");
+                if result.is_ok() {
+                    throughput.record(meta.bytes, Instant::now());
+                }
+                throughput.ended(Instant::now());
+            }
             match result {
                 Ok((content, file)) => {
                     Stats::add(&this.stats.fetched_bytes, meta.bytes);
-                    this.throughput.lock().expect("throughput").record(meta.bytes, Instant::now());
                     if let (Some((nc, pieces)), Content::Bytes(bytes)) = (on_disk, &content) {
                         let bytes = bytes.clone();
                         tokio::task::spawn_blocking(move || to_disk(&nc, &pieces, &bytes));

@@ -30,11 +30,20 @@ pub fn prefetch_cap(configured: u64, rate: f64, delivered: u64, stall_timeout: D
     configured.min((rate * stall_timeout.as_secs_f64() / 2.0) as u64)
 }
 
-/// The delivery rate of fetches, all servers together: bytes delivered per second over windows of at
-/// least a second, smoothed.
+/// The delivery rate of fetches, all servers together: bytes delivered per second of time with a fetch
+/// in flight, over windows of at least a second of it, smoothed. Time with nothing in flight does not
+/// count: a mount idle between two jobs' epochs (a loader rebuilding its pipeline, a validation pass)
+/// would otherwise close its window on the next epoch's first delivery with the idle seconds in it,
+/// measure a fraction of the link's rate, and cap the next epoch's window to what that fraction brings
+/// in, at 30 ms a window too shallow for the round trip: the stalls of short epochs at 30 ms.
 #[derive(Debug, Default)]
 pub(super) struct Throughput {
-    window_start: Option<Instant>,
+    /// Fetches in flight.
+    active: u64,
+    /// When the present stretch of time with a fetch in flight began.
+    busy_since: Option<Instant>,
+    /// Time with a fetch in flight in the present window, before `busy_since`.
+    busy: Duration,
     bytes: u64,
     /// Bytes per second; 0 until a window has closed.
     pub(super) rate: f64,
@@ -45,15 +54,37 @@ pub(super) struct Throughput {
 impl Throughput {
     const WINDOW: Duration = Duration::from_secs(1);
 
+    /// A fetch starts.
+    pub(super) fn started(&mut self, now: Instant) {
+        if self.active == 0 {
+            self.busy_since = Some(now);
+        }
+        self.active += 1;
+    }
+
+    /// A fetch ends (before or after [`Throughput::record`] of what it delivered, if it did).
+    pub(super) fn ended(&mut self, now: Instant) {
+        self.active = self.active.saturating_sub(1);
+        if self.active == 0 {
+            if let Some(since) = self.busy_since.take() {
+                self.busy += now.saturating_duration_since(since);
+            }
+        }
+    }
+
+    /// `bytes` delivered by a fetch that ends now.
     pub(super) fn record(&mut self, bytes: u64, now: Instant) {
-        let start = *self.window_start.get_or_insert(now);
         self.bytes += bytes;
         self.delivered += bytes;
-        let elapsed = now.duration_since(start);
-        if elapsed >= Self::WINDOW {
-            let sample = self.bytes as f64 / elapsed.as_secs_f64();
+        let busy = self.busy + self.busy_since.map_or(Duration::ZERO, |s| now.saturating_duration_since(s));
+        if busy >= Self::WINDOW {
+            let sample = self.bytes as f64 / busy.as_secs_f64();
             self.rate = if self.rate == 0.0 { sample } else { 0.5 * self.rate + 0.5 * sample };
-            (self.window_start, self.bytes) = (Some(now), 0);
+            self.bytes = 0;
+            self.busy = Duration::ZERO;
+            if self.busy_since.is_some() {
+                self.busy_since = Some(now);
+            }
         }
     }
 }
@@ -184,6 +215,9 @@ impl Prefetcher {
             let t = self.throughput.lock().expect("throughput");
             (t.rate, t.delivered)
         };
-        prefetch_cap(self.config.max_prefetch_bytes, rate, delivered, self.config.stall_timeout)
+        let cap = prefetch_cap(self.config.max_prefetch_bytes, rate, delivered, self.config.stall_timeout);
+        self.stats.delivery_rate.store(rate as u64, Ordering::Relaxed);
+        self.stats.prefetch_cap.store(cap, Ordering::Relaxed);
+        cap
     }
 }
