@@ -74,7 +74,7 @@ impl Sink {
 /// A memory file being filled. The body's pieces (the HTTP/2 frames as they came, held, not copied)
 /// are written a huge page's span (2 MiB, aligned) at a time, in one `writev`: the kernel then fills
 /// each huge page of the file with one copy, where a write of part of a page it has not filled yet
-/// first zeroes the rest of it (a tenth of the mount's CPU with 128 KiB frames), and makes one system
+/// first zeroes the rest of it (6 % of the daemon's CPU with 128 KiB frames), and makes one system
 /// call where it would make sixteen. [`MemoryFile::finish`] writes the rest.
 pub struct MemoryFile {
     file: std::fs::File,

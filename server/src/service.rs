@@ -503,7 +503,7 @@ fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, 
                         Segment::Data { shard, offset, len } => Some((*shard, *offset, *len)),
                         Segment::Inline(_) => None,
                     })
-                    .filter(|&(shard, offset, len)| !ds.storage.is_resident(shard, offset, len))
+                    .filter(|&(shard, offset, len)| !ds.storage.nothing_to_read_ahead(shard, offset, len))
                     .collect();
                 // Hint everything first so the kernel reads in parallel, then wait for it.
                 for &(shard, offset, len) in &ranges {

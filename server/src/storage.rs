@@ -377,10 +377,10 @@ impl Storage {
         }
     }
 
-    /// Whether `[offset, offset + len)` of shard `n` is known to be in memory, so that reading it ahead
-    /// would do nothing: a mapped shard's pages all resident (mincore), or a direct shard (read past the
-    /// page cache, never ahead). Files read by `pread` are not asked.
-    pub fn is_resident(&self, n: u32, offset: u64, len: u64) -> bool {
+    /// Whether reading `[offset, offset + len)` of shard `n` ahead would do nothing: a mapped shard whose
+    /// pages are all resident (mincore), or a direct shard (read past the page cache, never ahead). Files
+    /// read by `pread` are not asked, so they are always hinted.
+    pub fn nothing_to_read_ahead(&self, n: u32, offset: u64, len: u64) -> bool {
         match self.shard(n) {
             Shard::Mapped(map) => map.is_resident(offset, len),
             Shard::Direct { .. } => true,
@@ -701,9 +701,12 @@ mod tests {
             }
             // Read ahead only what may not be in memory: a mapped shard just read is; files read by
             // pread are always asked; direct reads are never read ahead.
-            assert!(mapped.is_resident(n as u32, 0, shard.size), "shard {n}");
-            assert!(!held.is_resident(n as u32, 0, shard.size) && !files.is_resident(n as u32, 0, shard.size));
-            assert!(direct.is_resident(n as u32, 0, shard.size));
+            assert!(mapped.nothing_to_read_ahead(n as u32, 0, shard.size), "shard {n}");
+            assert!(
+                !held.nothing_to_read_ahead(n as u32, 0, shard.size)
+                    && !files.nothing_to_read_ahead(n as u32, 0, shard.size)
+            );
+            assert!(direct.nothing_to_read_ahead(n as u32, 0, shard.size));
         }
         for other in [&held, &files, &direct] {
             let past = read_any(other, 0, index.shards[0].size, 1, &mut Vec::new()).unwrap_err();
