@@ -44,25 +44,17 @@ wait_healthy "$p_server"
 peers_start "$work"
 mkdir -p "$work/mnt-batchfs" "$work/mnt-sshfs" "$work/mnt-rclone"
 
-start_netem() { # upstream rtt [rate]: sets NETEM_PORT, NETEM_PID
-  NETEM_PORT=$(free_port)
-  local extra=(); [ -n "${3:-}" ] && extra=(--rate-mbit "$3")
-  "$BIN/batchfs-lab" netem --listen "127.0.0.1:$NETEM_PORT" --upstream "127.0.0.1:$1" --rtt-ms "$2" "${extra[@]}" \
-    2>/dev/null &
-  NETEM_PID=$!
-  for _ in $(seq 50); do (echo > "/dev/tcp/127.0.0.1/$NETEM_PORT") 2>/dev/null && break; sleep 0.05; done
-}
 mount_system() { # system rtt: sets DIR
   local sys=$1 rtt=$2
   NETEM_PID=
   case $sys in
     local) DIR=$work/tree ;;
     shuffled|raw)
-      start_netem "$p_server" "$rtt"
+      start_netem "$BIN" "$p_server" "$rtt"
       "$BIN/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${MOUNT_OPTS:+-o "$MOUNT_OPTS"}
       DIR=$work/mnt-batchfs/$sys ;;
     raw-cached)
-      start_netem "$p_server" "$rtt" "$RATE"
+      start_netem "$BIN" "$p_server" "$rtt" "$RATE"
       rm -rf "$work/node-cache"
       local o="cache_dir=$work/node-cache,warm=raw${MOUNT_OPTS:+,$MOUNT_OPTS}"
       local t0; t0=$(date +%s.%N)
@@ -73,15 +65,12 @@ mount_system() { # system rtt: sets DIR
       WARM_S=$(python3 -c "import time; print(round(time.time() - $t0, 3))")
       DIR=$work/mnt-batchfs/raw ;;
     sshfs)
-      start_netem "$P_SSHD" "$rtt"
-      sshfs -p "$NETEM_PORT" -o "IdentityFile=$work/id,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,ro" \
-        "root@127.0.0.1:$work/tree" "$work/mnt-sshfs"
+      start_netem "$BIN" "$P_SSHD" "$rtt"
+      mount_sshfs "$work" "$NETEM_PORT" "$work/tree" "$work/mnt-sshfs"
       DIR=$work/mnt-sshfs ;;
     rclone)
-      start_netem "$P_NGINX" "$rtt"
-      rclone mount :http: "$work/mnt-rclone" --http-url "http://127.0.0.1:$NETEM_PORT/tree/" --read-only --daemon \
-        2>/dev/null
-      for _ in $(seq 100); do [ -n "$(ls "$work/mnt-rclone" 2>/dev/null)" ] && break; sleep 0.1; done
+      start_netem "$BIN" "$P_NGINX" "$rtt"
+      mount_rclone "$NETEM_PORT" tree "$work/mnt-rclone"
       DIR=$work/mnt-rclone ;;
   esac
 }

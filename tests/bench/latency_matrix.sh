@@ -60,33 +60,25 @@ bytes=$(du -sb "$work/files" | cut -f1)
 peers_start "$work"
 p_sshd=$P_SSHD; p_nginx=$P_NGINX
 
-start_netem() { # upstream rtt [rate]: sets NETEM_PORT, NETEM_PID
-  NETEM_PORT=$(port)
-  local extra=(); [ -n "${3:-}" ] && extra=(--rate-mbit "$3")
-  "$bin/batchfs-lab" netem --listen "127.0.0.1:$NETEM_PORT" --upstream "127.0.0.1:$1" --rtt-ms "$2" "${extra[@]}" 2>/dev/null &
-  NETEM_PID=$!
-  for _ in $(seq 50); do (echo > "/dev/tcp/127.0.0.1/$NETEM_PORT") 2>/dev/null && break; sleep 0.05; done
-}
 mount_system() { # system rtt [rate]: sets DIR (and starts a netem for remote systems)
   local sys=$1 rtt=$2 rate=${3:-}
   NETEM_PID=
   case $sys in
     local) DIR=$work/files ;;
     batchfs|batchfs-noprefetch)
-      start_netem "$p_server" "$rtt" "$rate"
+      start_netem "$bin" "$p_server" "$rtt" "$rate"
       local o=$opts; [ "$sys" = batchfs-noprefetch ] && o="$o,prefetch=0"
       "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" -o "$o"
       DIR=$work/mnt-batchfs/epoch-0000 ;;
     sshfs|sshfs-samples)
       local src=files; [ "$sys" = sshfs-samples ] && src=tree
-      start_netem "$p_sshd" "$rtt" "$rate"
-      sshfs -p "$NETEM_PORT" -o "IdentityFile=$work/id,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,ro" "root@127.0.0.1:$work/$src" "$work/mnt-sshfs"
+      start_netem "$bin" "$p_sshd" "$rtt" "$rate"
+      mount_sshfs "$work" "$NETEM_PORT" "$work/$src" "$work/mnt-sshfs"
       DIR=$work/mnt-sshfs ;;
     rclone|rclone-samples)
       local src=files; [ "$sys" = rclone-samples ] && src=tree
-      start_netem "$p_nginx" "$rtt" "$rate"
-      rclone mount :http: "$work/mnt-rclone" --http-url "http://127.0.0.1:$NETEM_PORT/$src/" --read-only --daemon 2>/dev/null
-      for _ in $(seq 100); do [ -n "$(ls "$work/mnt-rclone" 2>/dev/null)" ] && break; sleep 0.1; done
+      start_netem "$bin" "$p_nginx" "$rtt" "$rate"
+      mount_rclone "$NETEM_PORT" "$src" "$work/mnt-rclone"
       DIR=$work/mnt-rclone ;;
   esac
 }

@@ -77,3 +77,31 @@ peers_stop() {
         [ -s /root/.ssh/authorized_keys ] || [ ! -f "$work/keys-created" ] || rm -f /root/.ssh/authorized_keys
     fi
 }
+
+# A batchfs-lab netem (of the build in BIN_DIR) in front of 127.0.0.1:UPSTREAM at RTT ms, and at RATE
+# Mbit/s if given; waits until it listens. Sets NETEM_PORT and NETEM_PID.
+#   start_netem BIN_DIR UPSTREAM RTT [RATE]
+start_netem() {
+    NETEM_PORT=$(free_port)
+    local extra=(); [ -n "${4:-}" ] && extra=(--rate-mbit "$4")
+    "$1/batchfs-lab" netem --listen "127.0.0.1:$NETEM_PORT" --upstream "127.0.0.1:$2" --rtt-ms "$3" "${extra[@]}" \
+        2>/dev/null &
+    NETEM_PID=$!
+    for _ in $(seq 50); do (echo > "/dev/tcp/127.0.0.1/$NETEM_PORT") 2>/dev/null && break; sleep 0.05; done
+}
+
+# Mounts SRC of peers_start's sshd (through PORT: the sshd's, or a netem's in front of it) read-only
+# at MNT with sshfs's defaults.
+#   mount_sshfs WORK PORT SRC MNT
+mount_sshfs() {
+    sshfs -p "$2" -o "IdentityFile=$1/id,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,ro" \
+        "root@127.0.0.1:$3" "$4"
+}
+
+# Mounts the directory PATH of peers_start's nginx (through PORT) read-only at MNT with rclone's
+# defaults (an :http: remote), and waits until it lists.
+#   mount_rclone PORT PATH MNT
+mount_rclone() {
+    rclone mount :http: "$3" --http-url "http://127.0.0.1:$1/$2/" --read-only --daemon 2>/dev/null
+    for _ in $(seq 100); do [ -n "$(ls "$3" 2>/dev/null)" ] && break; sleep 0.1; done
+}
