@@ -56,7 +56,8 @@ type PerServer = fn(&ServerSnapshot) -> u64;
 /// The counters as Prometheus text: `batchfs_mount_*`, and `batchfs_mount_server_*{server="URL"}`.
 pub fn render(s: &StatsSnapshot) -> String {
     let mut out = Exposition::new();
-    let whole: [(&str, &str, &str, u64); 20] = [
+    // Every single-valued metric, in the order they are written: the mount's, the node cache's, warming's.
+    let mut whole: Vec<(&str, &str, &str, u64)> = vec![
         ("bytes_served_total", "counter", "Bytes returned to readers.", s.bytes_served),
         ("reads_total", "counter", "Reads answered by the daemon.", s.reads),
         ("hits_total", "counter", "Reads and passthrough opens whose file was cached or in flight.", s.hits),
@@ -78,31 +79,25 @@ pub fn render(s: &StatsSnapshot) -> String {
         ("prefetch_cap_bytes", "gauge", "The cap on bytes of prefetches in flight.", s.prefetch_cap),
         ("delivery_rate_bytes", "gauge", "Measured delivery rate, bytes per second in flight.", s.delivery_rate),
     ];
-    for (name, kind, help, value) in whole {
-        out.metric(&format!("batchfs_mount_{name}"), kind, help, value);
-    }
     if let Some(n) = &s.node_cache {
-        let node_cache: [(&str, &str, &str, u64); 5] = [
+        whole.extend([
             ("node_cache_bytes", "gauge", "Bytes in the node cache (cache_dir).", n.bytes),
             ("node_cache_hits_total", "counter", "Objects read from the node cache instead of the network.", n.hits),
             ("node_cache_hit_bytes_total", "counter", "Bytes read from the node cache.", n.hit_bytes),
             ("node_cache_written_bytes_total", "counter", "Bytes written to the node cache.", n.written_bytes),
             ("node_cache_corrupt_total", "counter", "Node cache files found corrupt and fetched anew.", n.corrupt),
-        ];
-        for (name, kind, help, value) in node_cache {
-            out.metric(&format!("batchfs_mount_{name}"), kind, help, value);
-        }
+        ]);
     }
     if let Some(w) = &s.warm {
-        let warm: [(&str, &str, u64); 4] = [
-            ("warm_files", "Files warmed into the node cache so far.", w.files),
-            ("warm_files_total", "Files warming fills the node cache with.", w.files_total),
-            ("warm_bytes", "Bytes warmed into the node cache so far.", w.bytes),
-            ("warm_bytes_total", "Bytes warming fills the node cache with.", w.bytes_total),
-        ];
-        for (name, help, value) in warm {
-            out.metric(&format!("batchfs_mount_{name}"), "gauge", help, value);
-        }
+        whole.extend([
+            ("warm_files", "gauge", "Files warmed into the node cache so far.", w.files),
+            ("warm_files_total", "gauge", "Files warming fills the node cache with.", w.files_total),
+            ("warm_bytes", "gauge", "Bytes warmed into the node cache so far.", w.bytes),
+            ("warm_bytes_total", "gauge", "Bytes warming fills the node cache with.", w.bytes_total),
+        ]);
+    }
+    for (name, kind, help, value) in whole {
+        out.metric(&format!("batchfs_mount_{name}"), kind, help, value);
     }
     let per_server: [(&str, &str, &str, PerServer); 7] = [
         ("up", "gauge", "1 while the server is in rotation.", |v| u64::from(v.up)),
@@ -150,5 +145,26 @@ mod tests {
         assert!(text.contains("\nbatchfs_mount_server_up{server=\"http://b:2\"} 0\n"), "{text}");
         assert!(text.contains("\nbatchfs_mount_server_failures_total{server=\"http://b:2\"} 1\n"), "{text}");
         assert!(get("/other").starts_with("HTTP/1.1 404"));
+    }
+
+    /// The node cache's and warming's metrics follow the mount's, each with its type, only when there
+    /// is a node cache or warming.
+    #[test]
+    fn node_cache_and_warming_metrics_appear_with_them() {
+        let mut snap = StatsSnapshot { reads: 3, ..Default::default() };
+        assert!(!render(&snap).contains("node_cache") && !render(&snap).contains("warm_"));
+        snap.node_cache = Some(crate::stats::NodeCacheSnapshot { bytes: 11, corrupt: 2, ..Default::default() });
+        snap.warm = Some(crate::stats::WarmSnapshot { files: 4, files_total: 9, ..Default::default() });
+        let text = render(&snap);
+        for line in [
+            "# TYPE batchfs_mount_node_cache_bytes gauge\nbatchfs_mount_node_cache_bytes 11\n",
+            "# TYPE batchfs_mount_node_cache_corrupt_total counter\nbatchfs_mount_node_cache_corrupt_total 2\n",
+            "# TYPE batchfs_mount_warm_files gauge\nbatchfs_mount_warm_files 4\n",
+            "# TYPE batchfs_mount_warm_files_total gauge\nbatchfs_mount_warm_files_total 9\n",
+        ] {
+            assert!(text.contains(line), "{line:?} in {text}");
+        }
+        let at = |name: &str| text.find(name).unwrap();
+        assert!(at("batchfs_mount_reads_total") < at("node_cache_bytes") && at("node_cache_bytes") < at("warm_files"));
     }
 }
