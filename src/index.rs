@@ -74,7 +74,7 @@ impl FromStr for SourceFormat {
 pub const CHUNK_BYTES: u64 = 4 << 20;
 
 /// A file of the dataset (a shard, or a file beside the shards) as it was when indexed; a change of
-/// size or mtime makes the index stale.
+/// size, mtime or (an object's) ETag makes the index stale.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ShardInfo {
     /// Path relative to the dataset root, `/`-separated.
@@ -82,6 +82,9 @@ pub struct ShardInfo {
     pub size: u64,
     /// Modification time, nanoseconds since the epoch.
     pub mtime_ns: i64,
+    /// An object's entity tag as the store listed it (empty for a local file): a rewritten object has a
+    /// new one.
+    pub etag: String,
     /// CRC32C of the whole file (computed while indexing; 0 before).
     pub crc32c: u32,
     /// CRC32C of each [`CHUNK_BYTES`] chunk, the last one shorter, when the file is larger than one
@@ -90,9 +93,9 @@ pub struct ShardInfo {
 }
 
 impl ShardInfo {
-    /// Same file as when indexed: path, size and mtime (the CRC is not recomputed to compare).
+    /// Same file as when indexed: path, size, mtime and ETag (the CRC is not recomputed to compare).
     pub fn same_file(&self, other: &ShardInfo) -> bool {
-        self.path == other.path && self.size == other.size && self.mtime_ns == other.mtime_ns
+        self.path == other.path && self.size == other.size && self.mtime_ns == other.mtime_ns && self.etag == other.etag
     }
 
     /// Sets the whole file's CRC32C and its chunks' from its bytes (one pass).
@@ -217,6 +220,7 @@ impl Index {
                 w.str(&s.path);
                 w.u64(s.size);
                 w.u64(s.mtime_ns as u64);
+                w.str(&s.etag);
                 w.u64(u64::from(s.crc32c));
                 // As many as the size says (none for a file of one chunk).
                 for &c in &s.chunks {
@@ -270,10 +274,11 @@ impl Index {
             skip_corrupt: r.u8()? != 0,
         };
         let file = |r: &mut Reader| {
-            let (path, size, mtime_ns, crc32c) = (r.str()?, r.u64()?, r.u64()? as i64, u32::try_from(r.u64()?).ok()?);
+            let (path, size, mtime_ns, etag) = (r.str()?, r.u64()?, r.u64()? as i64, r.str()?);
+            let crc32c = u32::try_from(r.u64()?).ok()?;
             let n = if size > CHUNK_BYTES { chunk_count(size) } else { 0 };
             let chunks = (0..n).map(|_| r.u32()).collect::<Option<Vec<u32>>>()?;
-            Some(ShardInfo { path, size, mtime_ns, crc32c, chunks })
+            Some(ShardInfo { path, size, mtime_ns, etag, crc32c, chunks })
         };
         let shards = r.list(file)?;
         let side = r.list(file)?;
@@ -310,7 +315,7 @@ impl Index {
 }
 
 const MAGIC: &[u8; 8] = b"BATCHFSI";
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 
 #[derive(Default)]
 struct Writer(Vec<u8>);
@@ -393,12 +398,19 @@ mod tests {
                         path: format!("s{i}.tar"),
                         size: 5000 + i as u64 * CHUNK_BYTES,
                         mtime_ns: -5 + i,
+                        etag: if i == 1 { format!("\"{reason}\"") } else { String::new() },
                         crc32c: 7,
                         chunks: (0..if i == 0 { 0 } else { chunk_count(5000 + i as u64 * CHUNK_BYTES) as u32 })
                             .collect(),
                     })
                     .collect(),
-                side: vec![ShardInfo { path: "s0.tar.idx".into(), size: 9, mtime_ns: 1, crc32c: 2, chunks: vec![] }],
+                side: vec![ShardInfo {
+                    path: "s0.tar.idx".into(),
+                    size: 9,
+                    mtime_ns: 1,
+                    crc32c: 2,
+                    ..Default::default()
+                }],
                 samples,
                 classes: vec!["cat".into(), "dog".into()],
                 skipped: vec![Skipped { shard: "s1.tar".into(), offset: 77, reason }],

@@ -118,16 +118,21 @@ pub fn detect(root: &Path) -> Result<SourceFormat, IndexError> {
     if !root.is_dir() {
         return Err(IndexError::NotADirectory(root.to_owned()));
     }
-    if root.join("data.mdb").is_file() {
-        return Ok(SourceFormat::Lmdb);
-    }
     let files = walk(root)?;
-    if files.iter().any(|(p, _)| is_tfrecord(p)) {
-        Ok(SourceFormat::Tfrecord)
-    } else if files.iter().any(|(p, _)| p.ends_with(".tar")) {
-        Ok(SourceFormat::Tar)
+    Ok(detect_listed(files.iter().map(|(p, _)| p.as_str())))
+}
+
+/// The format of a dataset whose files have these paths (relative to its root, `/`-separated), by the
+/// rules of [`detect`].
+pub fn detect_listed<'a>(paths: impl Iterator<Item = &'a str> + Clone) -> SourceFormat {
+    if paths.clone().any(|p| p == "data.mdb") {
+        SourceFormat::Lmdb
+    } else if paths.clone().any(is_tfrecord) {
+        SourceFormat::Tfrecord
+    } else if paths.clone().any(|p| p.ends_with(".tar")) {
+        SourceFormat::Tar
     } else {
-        Ok(SourceFormat::Files)
+        SourceFormat::Files
     }
 }
 
@@ -141,6 +146,17 @@ pub fn discover(root: &Path, format: SourceFormat) -> Result<(Vec<ShardInfo>, Ve
     if !root.is_dir() {
         return Err(IndexError::NotADirectory(root.to_owned()));
     }
+    let files = walk(root)?.into_iter().map(|(path, meta)| shard_info(path, &meta)).collect();
+    classify(root, format, files)
+}
+
+/// Splits a dataset's files (sorted by path, hidden ones left out) into the shards of `format` and the
+/// side files, leaving out LMDB's lock file; an LMDB dataset without `data.mdb` is an error.
+pub fn classify(
+    root: &Path,
+    format: SourceFormat,
+    files: Vec<ShardInfo>,
+) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
     let is_shard = |p: &str| match format {
         SourceFormat::Tfrecord => is_tfrecord(p),
         SourceFormat::Tar => p.ends_with(".tar"),
@@ -148,17 +164,46 @@ pub fn discover(root: &Path, format: SourceFormat) -> Result<(Vec<ShardInfo>, Ve
         SourceFormat::Files => true,
     };
     let (mut shards, mut side) = (Vec::new(), Vec::new());
-    for (path, meta) in walk(root)? {
-        if format == SourceFormat::Lmdb && path == LMDB_LOCK {
+    for file in files {
+        if format == SourceFormat::Lmdb && file.path == LMDB_LOCK {
             continue;
         }
-        if is_shard(&path) { &mut shards } else { &mut side }.push(shard_info(path, &meta));
+        if is_shard(&file.path) { &mut shards } else { &mut side }.push(file);
     }
     if format == SourceFormat::Lmdb && shards.is_empty() {
         let path = root.join("data.mdb");
         return Err(io_err(&path)(io::Error::from(io::ErrorKind::NotFound)));
     }
     Ok((shards, side))
+}
+
+/// Where indexing reads a dataset's files: a local directory ([`Directory`]), or an object store (the
+/// server's object sources, which stage each object on local disk while it is indexed).
+pub trait Files: Sync {
+    /// Where the dataset is, for messages: its directory, or its URL.
+    fn root(&self) -> &Path;
+    /// A local file holding the bytes of `file`, under `file`'s own name (LMDB opens the directory of
+    /// `data.mdb`), for as long as the returned [`Local`] lives.
+    fn local(&self, file: &ShardInfo) -> io::Result<Local>;
+}
+
+/// A dataset file on local disk, while indexing reads it ([`Files::local`]).
+pub struct Local {
+    pub path: PathBuf,
+    /// What removes a staged copy when dropped (nothing for a file of a local dataset).
+    pub staged: Option<Box<dyn Send>>,
+}
+
+/// A dataset in a local directory.
+pub struct Directory<'a>(pub &'a Path);
+
+impl Files for Directory<'_> {
+    fn root(&self) -> &Path {
+        self.0
+    }
+    fn local(&self, file: &ShardInfo) -> io::Result<Local> {
+        Ok(Local { path: self.0.join(&file.path), staged: None })
+    }
 }
 
 /// How an index was obtained.
@@ -184,29 +229,54 @@ pub fn load_or_build(
         Some(f) => f,
         None => detect(root)?,
     };
-    let settings =
-        IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
     let (shards, side) = discover(root, format)?;
     let path = index_path(root, name, index_dir);
+    load_or_build_listed(&Directory(root), name, Some(&path), settings(format, options), shards, side, progress)
+}
+
+fn settings(format: SourceFormat, options: &IndexOptions) -> IndexSettings {
+    IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt }
+}
+
+/// [`load_or_build`] for a dataset already listed (its `shards` and `side` files, as [`classify`] splits
+/// them) whose files `files` reads: the index persisted at `path` is reused if its settings and files
+/// are the same, else the index is built and persisted there (`None`: kept in memory only).
+pub fn load_or_build_listed(
+    files: &dyn Files,
+    name: &str,
+    path: Option<&Path>,
+    settings: IndexSettings,
+    shards: Vec<ShardInfo>,
+    side: Vec<ShardInfo>,
+    progress: &dyn Progress,
+) -> Result<(Index, IndexOrigin), IndexError> {
     let same = |a: &[ShardInfo], b: &[ShardInfo]| a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.same_file(b));
-    if let Ok(bytes) = std::fs::read(&path) {
+    if let Some(bytes) = path.and_then(|path| std::fs::read(path).ok()) {
         match Index::from_bytes(&bytes) {
             Some(index) if index.settings == settings && same(&index.shards, &shards) && same(&index.side, &side) => {
-                tracing::debug!(dataset = name, path = %path.display(), "reusing persisted index");
+                tracing::debug!(dataset = name, path = ?path, "reusing persisted index");
                 return Ok((index, IndexOrigin::Loaded));
             }
             Some(_) => {
-                tracing::info!(dataset = name, "shards or settings changed since the index was built; rebuilding")
+                tracing::info!(dataset = name, "files or settings changed since the index was built; rebuilding")
             }
-            None => {
-                tracing::warn!(dataset = name, path = %path.display(), "persisted index is unreadable; rebuilding")
-            }
+            None => tracing::warn!(dataset = name, path = ?path, "persisted index is unreadable; rebuilding"),
         }
     }
-    let index = build_with_shards(root, settings, shards, side, progress)?;
-    if let Err(e) = write_atomically(&path, &index.to_bytes()) {
-        tracing::warn!(dataset = name, path = %path.display(), error = %e,
-            "cannot persist the index (it will be rebuilt at the next start); pass --index-dir to keep it elsewhere");
+    let index = build_from(files, settings, shards, side, progress)?;
+    match path {
+        Some(path) => {
+            if let Err(e) = write_atomically(path, &index.to_bytes()) {
+                tracing::warn!(dataset = name, path = %path.display(), error = %e,
+                    "cannot persist the index (it will be rebuilt at the next start); \
+                     pass --index-dir to keep it elsewhere");
+            }
+        }
+        None => tracing::warn!(
+            dataset = name,
+            "the index is not persisted (it will be rebuilt at the next start); \
+            pass --index-dir to keep it"
+        ),
     }
     Ok((index, IndexOrigin::Built))
 }
@@ -228,14 +298,13 @@ pub fn build(root: &Path, options: &IndexOptions, progress: &dyn Progress) -> Re
         Some(f) => f,
         None => detect(root)?,
     };
-    let settings =
-        IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
     let (shards, side) = discover(root, format)?;
-    build_with_shards(root, settings, shards, side, progress)
+    build_from(&Directory(root), settings(format, options), shards, side, progress)
 }
 
-fn build_with_shards(
-    root: &Path,
+/// Builds the index of a dataset listed as `shards` and `side` files, reading them through `files`.
+pub fn build_from(
+    files: &dyn Files,
     settings: IndexSettings,
     shards: Vec<ShardInfo>,
     side: Vec<ShardInfo>,
@@ -248,20 +317,20 @@ fn build_with_shards(
     index.side = side
         .into_iter()
         .map(|mut file| {
-            let map = map_shard(root, &file)?;
+            let map = map_shard(files, &file)?;
             file.checksum(map.bytes());
             progress.advance(file.size);
             Ok(file)
         })
         .collect::<Result<_, IndexError>>()?;
     match settings.format {
-        SourceFormat::Tfrecord => index_tfrecord(root, &mut index, progress)?,
-        SourceFormat::Lmdb => index_lmdb(root, &mut index, progress)?,
-        SourceFormat::Tar => index_tar(root, &mut index, progress)?,
-        SourceFormat::Files => index_files(root, &mut index, progress)?,
+        SourceFormat::Tfrecord => index_tfrecord(files, &mut index, progress)?,
+        SourceFormat::Lmdb => index_lmdb(files, &mut index, progress)?,
+        SourceFormat::Tar => index_tar(files, &mut index, progress)?,
+        SourceFormat::Files => index_files(files, &mut index, progress)?,
     }
     if index.samples.is_empty() && index.skipped.is_empty() {
-        return Err(IndexError::Empty { path: root.to_owned(), format: settings.format });
+        return Err(IndexError::Empty { path: files.root().to_owned(), format: settings.format });
     }
     Ok(index)
 }
@@ -277,9 +346,11 @@ fn corrupt(index: &mut Index, root: &Path, shard: &str, offset: u64, message: St
     }
 }
 
-fn map_shard(root: &Path, shard: &ShardInfo) -> Result<MappedFile, IndexError> {
-    let path = root.join(&shard.path);
-    MappedFile::open(&path).map_err(io_err(&path))
+/// The bytes of `shard`, mapped (a staged copy is removed once mapped: the mapping keeps its pages).
+fn map_shard(files: &dyn Files, shard: &ShardInfo) -> Result<MappedFile, IndexError> {
+    let path = files.root().join(&shard.path);
+    let local = files.local(shard).map_err(io_err(&path))?;
+    MappedFile::open(&local.path).map_err(io_err(&path))
 }
 
 /// Names under which a `tf.train.Example` commonly carries its key and its label.
@@ -301,10 +372,10 @@ fn example_key_label(record: &[u8]) -> (Option<String>, i64) {
     (key, label)
 }
 
-fn index_tfrecord(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+fn index_tfrecord(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
     let shards = index.shards.clone();
     for (shard_no, shard) in shards.iter().enumerate() {
-        let map = map_shard(root, shard)?;
+        let map = map_shard(files, shard)?;
         map.advise(memmap2::Advice::Sequential);
         let stem = shard.path.rsplit_once('.').map_or(shard.path.as_str(), |(s, _)| s);
         let mut scanner = tfrecord::Scanner::new(map.bytes(), index.settings.verify_data_crc);
@@ -335,7 +406,7 @@ fn index_tfrecord(root: &Path, index: &mut Index, progress: &dyn Progress) -> Re
                         | tfrecord::TfRecordError::TooLong { offset, .. } => *offset,
                     };
                     let rest = if e.is_recoverable() { "" } else { "; the rest of the shard is skipped" };
-                    corrupt(index, root, &shard.path, offset, format!("{e}{rest}"))?;
+                    corrupt(index, files.root(), &shard.path, offset, format!("{e}{rest}"))?;
                 }
             }
             record_no += 1;
@@ -348,11 +419,15 @@ fn index_tfrecord(root: &Path, index: &mut Index, progress: &dyn Progress) -> Re
     Ok(())
 }
 
-fn index_lmdb(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+fn index_lmdb(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+    let root = files.root();
     let lmdb_err = |e: heed::Error| IndexError::Lmdb { path: root.to_owned(), message: e.to_string() };
-    let data_path = root.join("data.mdb");
+    // A staged copy must stay while LMDB has it open.
+    let local = files.local(&index.shards[0]).map_err(io_err(&root.join("data.mdb")))?;
+    let data_path = local.path.clone();
     let ours = MappedFile::open(&data_path).map_err(io_err(&data_path))?;
-    let env = LmdbEnv::open_read_only(root).map_err(lmdb_err)?;
+    let dir = data_path.parent().unwrap_or(root);
+    let env = LmdbEnv::open_read_only(dir).map_err(lmdb_err)?;
     let result = (|| {
         let mut base = None;
         let rtxn = env.env().read_txn().map_err(lmdb_err)?;
@@ -451,10 +526,10 @@ fn text_label(bytes: &[u8]) -> Option<i64> {
 
 const LABEL_EXTS: [&str; 3] = ["cls", "label", "cls2"];
 
-fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+fn index_tar(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
     let shards = index.shards.clone();
     for (shard_no, shard) in shards.iter().enumerate() {
-        let map = map_shard(root, shard)?;
+        let map = map_shard(files, shard)?;
         map.advise(memmap2::Advice::Sequential);
         let bytes = map.bytes();
         let mut group: Option<Sample> = None;
@@ -517,7 +592,7 @@ fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<
                     } else if let Some(g) = group.take() {
                         message.push_str(&format!(", with sample {:?} whose members may be incomplete", g.key));
                     }
-                    corrupt(index, root, &shard.path, offset, message)?;
+                    corrupt(index, files.root(), &shard.path, offset, message)?;
                 }
             }
         }
@@ -528,7 +603,7 @@ fn index_tar(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<
     Ok(())
 }
 
-fn index_files(root: &Path, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+fn index_files(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
     // Classes: the first directory of every file, sorted (ImageFolder's rule); files at the top level
     // carry no label.
     let mut classes = BTreeMap::new();
@@ -543,11 +618,11 @@ fn index_files(root: &Path, index: &mut Index, progress: &dyn Progress) -> Resul
     index.classes = classes.keys().cloned().collect();
     let shards = index.shards.clone();
     for (shard_no, shard) in shards.iter().enumerate() {
-        let map = map_shard(root, shard)?;
+        let map = map_shard(files, shard)?;
         if map.len() != shard.size {
             // Changed between listing and reading: the dataset is being written to.
             return Err(IndexError::Io {
-                path: root.join(&shard.path),
+                path: files.root().join(&shard.path),
                 source: io::Error::other("file changed size while indexing; datasets must not change while served"),
             });
         }

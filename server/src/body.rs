@@ -159,7 +159,9 @@ impl SegmentBody {
                 let map = match self.storage.shard(shard) {
                     Shard::Mapped(map) => map.clone(),
                     Shard::Direct { .. } => return Some(Err(self.read_direct())),
-                    Shard::Open { .. } | Shard::Closed { .. } => return Some(Err(self.read_files())),
+                    Shard::Open { .. } | Shard::Closed { .. } | Shard::Object { .. } => {
+                        return Some(Err(self.read_files()))
+                    }
                 };
                 let n = left.min(self.ctx.chunk_size);
                 self.current = (left > n).then_some((shard, offset + n, left - n));
@@ -219,6 +221,26 @@ impl SegmentBody {
         self.take_pieces(&mut chunk);
         let (total, pieces) = (chunk.total, chunk.pieces);
         on_storage(self.ctx.clone(), move || {
+            // An object dataset's pieces are read all at once (ranged GETs in parallel, coalesced) and
+            // sent as they came, without a copy.
+            if storage.objects().is_some() {
+                let wanted: Vec<(u32, u64, u64)> = pieces
+                    .iter()
+                    .filter_map(|p| match *p {
+                        Piece::Data(shard, offset, len) => Some((shard, offset, len)),
+                        Piece::Inline(_) => None,
+                    })
+                    .collect();
+                let mut data = storage.read_objects(&wanted)?.into_iter();
+                return Ok(pieces
+                    .into_iter()
+                    .map(|p| match p {
+                        Piece::Inline(bytes) => Bytes::from(bytes),
+                        Piece::Data(..) => data.next().expect("one per piece"),
+                    })
+                    .filter(|b| !b.is_empty())
+                    .collect());
+            }
             let mut out = Vec::with_capacity(total as usize);
             for piece in pieces {
                 match piece {

@@ -3,13 +3,14 @@
 //! always correct).
 
 use crate::memo::Memo;
+use crate::objects::{ObjectLimits, ObjectSource};
 use crate::storage::{IoPolicy, OpenError, Storage};
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest, RollingQuery};
 use batchfs::encode::{self, BatchLayout};
-use batchfs::index::{Index, ShardInfo};
+use batchfs::index::{Index, IndexSettings, ShardInfo};
 use batchfs::plan::{EpochPlan, PlanError};
 use batchfs::rolling::{RollingError, SlotTable};
-use batchfs::source::{self, IndexOptions, IndexOrigin, Progress};
+use batchfs::source::{self, Files, IndexOptions, IndexOrigin, Progress};
 use lru::LruCache;
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
@@ -27,6 +28,8 @@ pub enum CatalogError {
     Map { name: String, path: PathBuf, source: std::io::Error },
     #[error("dataset {name}: a shard changed since it was indexed ({path}); restart to re-index")]
     Changed { name: String, path: PathBuf },
+    #[error("dataset {name}: {source}")]
+    Objects { name: String, source: Box<crate::objects::ObjectError> },
     #[error("dataset {name} is configured twice")]
     Duplicate { name: String },
     #[error("dataset {name}: more than {max} samples are not supported", max = u32::MAX)]
@@ -111,6 +114,42 @@ impl Dataset {
             OpenError::Changed { path } => CatalogError::Changed { name: name.to_owned(), path },
             OpenError::Cannot { path, source } => CatalogError::Map { name: name.to_owned(), path, source },
         })?);
+        Ok(Dataset::of(name, root, index, origin, storage))
+    }
+
+    /// Lists (or loads the index of, when the listing is unchanged) the object dataset `name` at `url`
+    /// (`s3://BUCKET/PREFIX`, `settings` over the `AWS_*` environment) and indexes it from ranged reads
+    /// (see `objects.rs`). The index is kept in `index_dir` (`NAME.batchfs-index`), objects are staged
+    /// there while indexed (else in the system's temporary directory, and the index is not kept).
+    pub fn open_objects(
+        name: &str,
+        url: &str,
+        settings: &BTreeMap<String, String>,
+        index_dir: Option<&Path>,
+        options: &IndexOptions,
+        progress: &dyn Progress,
+        limits: ObjectLimits,
+    ) -> Result<Dataset, CatalogError> {
+        let stage_dir = index_dir.map_or_else(std::env::temp_dir, Path::to_owned);
+        let (objects, listed) = ObjectSource::open(url, settings, limits, stage_dir)
+            .map_err(|source| CatalogError::Objects { name: name.to_owned(), source: Box::new(source) })?;
+        let index_err = |source| CatalogError::Index { name: name.to_owned(), source };
+        let format = options.format.unwrap_or_else(|| source::detect_listed(listed.iter().map(|f| f.path.as_str())));
+        let (shards, side) = source::classify(objects.root(), format, listed).map_err(index_err)?;
+        let settings =
+            IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
+        let path = index_dir.map(|dir| dir.join(format!("{name}.batchfs-index")));
+        let (index, origin) =
+            source::load_or_build_listed(&objects, name, path.as_deref(), settings, shards, side, progress)
+                .map_err(index_err)?;
+        if index.samples.len() > u32::MAX as usize {
+            return Err(CatalogError::TooLarge { name: name.to_owned() });
+        }
+        let storage = Arc::new(Storage::of_objects(name, Arc::new(objects), &index));
+        Ok(Dataset::of(name, Path::new(url), index, origin, storage))
+    }
+
+    fn of(name: &str, root: &Path, index: Index, origin: IndexOrigin, storage: Arc<Storage>) -> Dataset {
         let files = served_files(&index);
         let mut shard_samples = vec![None; index.shards.len()];
         for (id, sample) in index.samples.iter().enumerate() {
@@ -124,7 +163,7 @@ impl Dataset {
         }
         let encode::FrameSizes { slot, mean: mean_frame } = encode::frame_sizes(&index);
         let cache = NonZeroUsize::new(PLAN_CACHE).expect("nonzero");
-        Ok(Dataset {
+        Dataset {
             name: name.to_owned(),
             root: root.to_owned(),
             index,
@@ -140,7 +179,7 @@ impl Dataset {
             slot_tables: Memo::new(SLOT_TABLE_CACHE),
             sample_table: OnceLock::new(),
             shard_samples,
-        })
+        }
     }
 
     /// The API description.

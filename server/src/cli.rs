@@ -2,6 +2,7 @@
 
 use crate::catalog::{Catalog, Dataset};
 use crate::config::{ConfigFile, DatasetSpec, LimitArgs, ServerLimits};
+use crate::objects::{is_object_url, ObjectLimits};
 use crate::progress::IndexProgress;
 use crate::storage::IoPolicy;
 use crate::{ServeOptions, TlsFiles};
@@ -137,10 +138,10 @@ fn init_tracing() {
 
 /// Opens every dataset, indexing where needed, with progress and a summary line each.
 /// Datasets are read as `io` says: mapped, or by positioned reads (see `storage.rs`).
-pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], io: IoPolicy) -> Result<Catalog> {
+pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], limits: &ServerLimits) -> Result<Catalog> {
     let catalog = Catalog::default();
     let specs = dataset_specs(flags, extra)?;
-    fill_catalog(&catalog, &specs, flags, io)?;
+    fill_catalog(&catalog, &specs, flags, limits.io_policy(), &ObjectLimits::of(limits))?;
     Ok(catalog)
 }
 
@@ -155,7 +156,13 @@ fn dataset_specs(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Vec<Datase
 
 /// Opens each dataset of `specs` in turn and inserts it into `catalog` when ready (reporting progress to
 /// the catalog for the datasets it announced).
-fn fill_catalog(catalog: &Catalog, specs: &[DatasetSpec], flags: &IndexFlags, mut io: IoPolicy) -> Result<()> {
+fn fill_catalog(
+    catalog: &Catalog,
+    specs: &[DatasetSpec],
+    flags: &IndexFlags,
+    mut io: IoPolicy,
+    objects: &ObjectLimits,
+) -> Result<()> {
     for spec in specs {
         let options = IndexOptions {
             format: spec.format.or(flags.format),
@@ -165,7 +172,19 @@ fn fill_catalog(catalog: &Catalog, specs: &[DatasetSpec], flags: &IndexFlags, mu
         let started = Instant::now();
         let progress = IndexProgress::new(&spec.name).reporting_to(catalog);
         let index_dir = flags.index_dir.as_deref();
-        let dataset = Dataset::open(&spec.name, &spec.path, index_dir, &options, &progress, io);
+        let dataset = if is_object_url(&spec.path) {
+            let url = spec.path.to_string_lossy();
+            Dataset::open_objects(&spec.name, &url, &spec.s3, index_dir, &options, &progress, objects.clone())
+        } else {
+            if !spec.s3.is_empty() {
+                bail!(
+                    "dataset {}: [dataset.s3] settings are for s3:// datasets, not {}",
+                    spec.name,
+                    spec.path.display()
+                );
+            }
+            Dataset::open(&spec.name, &spec.path, index_dir, &options, &progress, io)
+        };
         progress.finish();
         let dataset = dataset?;
         // What this dataset holds in memory is not there for the next (`resident` is server-wide).
@@ -189,7 +208,7 @@ fn fill_catalog(catalog: &Catalog, specs: &[DatasetSpec], flags: &IndexFlags, mu
 
 fn index(args: IndexArgs) -> Result<()> {
     let started = Instant::now();
-    let catalog = open_catalog(&args.index, &[], ServerLimits::default().io_policy())?;
+    let catalog = open_catalog(&args.index, &[], &ServerLimits::default())?;
     println!(
         "{:<16} {:>8} {:>10} {:>14} {:>8} {:>8} {:>9}",
         "dataset", "format", "samples", "bytes", "shards", "skipped", "index"
@@ -281,6 +300,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         catalog.announce(&spec.name)?;
     }
     let io = limits.io_policy();
+    let objects = ObjectLimits::of(&limits);
+    crate::objects::set_cache_size(limits.object_cache);
     let energy_log = args.energy_log.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let result = runtime.block_on(async move {
@@ -299,7 +320,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         let opening = tokio::task::spawn_blocking({
             let stop = stop.clone();
             move || {
-                let result = fill_catalog(&catalog, &specs, &flags, io);
+                let result = fill_catalog(&catalog, &specs, &flags, io, &objects);
                 match &result {
                     Ok(()) => tracing::info!("every dataset is ready"),
                     Err(e) => {

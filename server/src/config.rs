@@ -178,6 +178,22 @@ limits! {
     read_depth: usize = 2, value::count, "2", "N",
         "Chunk reads each body keeps in flight ahead of what HTTP/2 has sent (reads from storage, not \
          views of pages already in memory).";
+    object_requests: usize = 64, value::count, "64", "N",
+        "Ranged GETs in flight to one bucket, server-wide (object datasets, s3://).";
+    object_cache: u64 = 1 << 30, value::size, "1G", "SIZE",
+        "Memory of the block cache of object datasets' checked reads, server-wide: mounts reading the \
+         same epoch read the bucket once.";
+    object_gap: u64 = 64 << 10, value::size, "64K", "SIZE",
+        "Ranges of one object at most this far apart are read with one GET (the bytes between are read \
+         and dropped).";
+    object_part: u64 = 8 << 20, value::size, "8M", "SIZE",
+        "Largest ranged GET: indexing reads each object in parts of this size, several at once, and \
+         merged reads stop growing here.";
+    object_timeout: Duration = Duration::from_secs(30), value::duration, "30s", "DURATION",
+        "Time allowed for one request to the object store (a stalled one is retried).";
+    object_retry_for: Duration = Duration::from_secs(60), value::duration, "60s", "DURATION",
+        "How long failed or throttled requests to the object store are retried, with backoff, before the \
+         read fails.";
 }
 
 /// One dataset to serve.
@@ -189,6 +205,10 @@ pub struct DatasetSpec {
     /// Forces the source format (detected when absent).
     #[serde(default)]
     pub format: Option<SourceFormat>,
+    /// Settings of an `s3://` dataset's store (`endpoint`, `region`, `access_key_id`, ...: the keys of
+    /// `object_store`'s S3 builder), over the `AWS_*` environment.
+    #[serde(default)]
+    pub s3: std::collections::BTreeMap<String, String>,
 }
 
 impl std::str::FromStr for DatasetSpec {
@@ -203,7 +223,7 @@ impl std::str::FromStr for DatasetSpec {
         if name.contains(['/', '?', '#', '%']) {
             return Err(format!("dataset name {name:?} must not contain '/', '?', '#' or '%'"));
         }
-        Ok(DatasetSpec { name: name.to_owned(), path: PathBuf::from(path), format: None })
+        Ok(DatasetSpec { name: name.to_owned(), path: PathBuf::from(path), format: None, s3: Default::default() })
     }
 }
 
@@ -278,6 +298,19 @@ mod tests {
         assert_eq!(limits.idle_timeout, Duration::from_secs(90));
         assert_eq!(limits.chunk_size, 262_144);
         assert!(toml::from_str::<ConfigFile>("bogus = 1").is_err());
+    }
+
+    #[test]
+    fn the_documented_example_parses_with_its_object_dataset_settings() {
+        let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/CONFIGURATION.md")).unwrap();
+        let example = docs.split("### Example config file").nth(1).unwrap();
+        let toml_text = example.split("```toml").nth(1).unwrap().split("```").next().unwrap();
+        let file: ConfigFile = toml::from_str(toml_text).unwrap();
+        let s3 = file.datasets.iter().find(|d| d.path.starts_with("s3:")).expect("an s3:// dataset");
+        assert_eq!(s3.s3.get("allow_http").map(String::as_str), Some("true"));
+        assert!(file.datasets.iter().filter(|d| !d.path.starts_with("s3:")).all(|d| d.s3.is_empty()));
+        let mut limits = ServerLimits::default();
+        file.limits.apply(&mut limits).unwrap();
     }
 
     #[test]

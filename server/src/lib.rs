@@ -14,6 +14,7 @@ pub mod config;
 pub mod demo;
 pub mod memo;
 pub mod metrics;
+pub mod objects;
 pub mod policy;
 pub mod progress;
 pub mod service;

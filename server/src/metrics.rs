@@ -17,17 +17,24 @@ pub const CONNECTIONS_OPEN: &str = "batchfs_connections_open";
 pub const MANIFESTS_COMPUTED_TOTAL: &str = "batchfs_manifests_computed_total";
 /// 1 when shards of a dataset changed under the server.
 pub const DATASET_CHANGED: &str = "batchfs_dataset_changed";
+/// An object dataset's reads of its bucket (`objects.rs`).
+pub const OBJECT_GETS_TOTAL: &str = "batchfs_object_gets_total";
+pub const OBJECT_BYTES_TOTAL: &str = "batchfs_object_bytes_total";
+pub const OBJECT_CACHE_HIT_BYTES_TOTAL: &str = "batchfs_object_cache_hit_bytes_total";
+pub const OBJECT_BAD_CHECKSUMS_TOTAL: &str = "batchfs_object_bad_checksums_total";
 
-/// The per-dataset counters, in the text format: `(dataset, manifests computed, shards changed)` for each
-/// dataset.
-pub fn render_datasets<'a>(datasets: impl Iterator<Item = (&'a str, u64, usize)> + Clone) -> String {
+/// The per-dataset counters, in the text format: `(dataset, manifests computed, shards changed, the
+/// object source's counters)` for each dataset.
+pub fn render_datasets<'a>(
+    datasets: impl Iterator<Item = (&'a str, u64, usize, Option<&'a crate::objects::ObjectCounters>)> + Clone,
+) -> String {
     let mut out = Exposition::new();
     out.family(
         MANIFESTS_COMPUTED_TOTAL,
         "counter",
         "Epoch manifests computed (not served from the cache), by dataset.",
     );
-    for (name, computed, _) in datasets.clone() {
+    for (name, computed, _, _) in datasets.clone() {
         out.sample(MANIFESTS_COMPUTED_TOTAL, &[("dataset", name)], computed);
     }
     out.family(
@@ -35,8 +42,33 @@ pub fn render_datasets<'a>(datasets: impl Iterator<Item = (&'a str, u64, usize)>
         "gauge",
         "1 when shards of the dataset changed under the server (they are refused), by dataset.",
     );
-    for (name, _, shards_changed) in datasets {
+    for (name, _, shards_changed, _) in datasets.clone() {
         out.sample(DATASET_CHANGED, &[("dataset", name)], u8::from(shards_changed > 0));
+    }
+    type Counter = fn(&crate::objects::ObjectCounters) -> &AtomicU64;
+    let objects: [(&str, &str, Counter); 4] = [
+        (OBJECT_GETS_TOTAL, "Ranged GET requests sent to the bucket, by object dataset.", |c| &c.gets),
+        (OBJECT_BYTES_TOTAL, "Bytes read from the bucket, by object dataset.", |c| &c.bytes),
+        (
+            OBJECT_CACHE_HIT_BYTES_TOTAL,
+            "Bytes served from the block cache instead of the bucket, by object dataset.",
+            |c| &c.cache_hit_bytes,
+        ),
+        (
+            OBJECT_BAD_CHECKSUMS_TOTAL,
+            "Ranges the bucket returned that failed the index's checksum (read again), by object dataset.",
+            |c| &c.bad_checksums,
+        ),
+    ];
+    if datasets.clone().any(|d| d.3.is_some()) {
+        for (metric, help, counter) in objects {
+            out.family(metric, "counter", help);
+            for (name, _, _, counters) in datasets.clone() {
+                if let Some(c) = counters {
+                    out.sample(metric, &[("dataset", name)], counter(c).load(Ordering::Relaxed));
+                }
+            }
+        }
     }
     out.finish()
 }

@@ -286,8 +286,10 @@ async fn dispatch<B>(
             .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
             .body(Body::full({
                 let datasets = state.catalog.datasets();
-                let each =
-                    datasets.iter().map(|d| (d.name.as_str(), d.manifests_computed(), d.storage.changed().len()));
+                let each = datasets.iter().map(|d| {
+                    let objects = d.storage.objects().map(|o| &o.counters);
+                    (d.name.as_str(), d.manifests_computed(), d.storage.changed().len(), objects)
+                });
                 state.metrics.render() + &crate::metrics::render_datasets(each)
             }))
             .expect("valid")),
@@ -505,15 +507,9 @@ fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, 
                     })
                     .filter(|&(shard, offset, len)| !ds.storage.nothing_to_read_ahead(shard, offset, len))
                     .collect();
-                // Hint everything first so the kernel reads in parallel, then wait for it.
-                for &(shard, offset, len) in &ranges {
-                    ds.storage.will_need(shard, offset, len);
-                }
-                for &(shard, offset, len) in &ranges {
-                    if let Err(e) = ds.storage.warm(shard, offset, len) {
-                        tracing::debug!(dataset = %ds.name, shard, error = %e, "cannot warm a range");
-                        return;
-                    }
+                if let Err(e) = ds.storage.warm_all(&ranges) {
+                    tracing::debug!(dataset = %ds.name, error = %e, "cannot warm a batch");
+                    return;
                 }
                 state.metrics.warmed_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             })

@@ -42,6 +42,7 @@
 //! served as before, and the clients' checksums keep out whatever bytes went out before it was noticed.
 //! Shards held in memory are not looked at: they are served as indexed.
 
+use crate::objects::{ObjectSource, ReadError};
 pub use crate::policy::{IoMode, IoPolicy, Resident};
 use aligned::DIRECT_ALIGN;
 
@@ -69,6 +70,8 @@ pub enum Shard {
     /// Read with positioned reads from the file at `path`, opened for each read (and checked against
     /// its indexed modification time `mtime_ns` each time).
     Closed { path: PathBuf, size: u64, mtime_ns: i64 },
+    /// An object of an object store, read by ranged GETs through the storage's [`ObjectSource`].
+    Object { path: PathBuf, size: u64 },
 }
 
 /// A shard held open or mapped, as the index saw it: looked at again now and then to notice a change.
@@ -105,6 +108,8 @@ pub struct Storage {
     changed: Mutex<std::collections::BTreeMap<u32, String>>,
     any_changed: AtomicBool,
     opened: Instant,
+    /// The object store an object dataset's shards are read from.
+    objects: Option<Arc<ObjectSource>>,
 }
 
 /// Why a dataset's shards cannot be opened.
@@ -267,7 +272,67 @@ impl Storage {
             changed: Mutex::new(Default::default()),
             any_changed: AtomicBool::new(false),
             opened: Instant::now(),
+            objects: None,
         })
+    }
+
+    /// The storage of an object dataset: every shard and side file of `index` an object of `source`.
+    pub fn of_objects(name: &str, source: Arc<ObjectSource>, index: &Index) -> Storage {
+        source.attach(index);
+        let shards: Vec<Shard> = (0..index.shards.len() + index.side.len())
+            .map(|n| {
+                let info = index.shards.get(n).unwrap_or_else(|| &index.side[n - index.shards.len()]);
+                Shard::Object { path: source.path_of(n as u32), size: info.size }
+            })
+            .collect();
+        tracing::info!(dataset = name, url = source.url(), objects = shards.len(), "storage opened: ranged GETs");
+        Storage {
+            shards: shards.into_boxed_slice(),
+            drop_after_read: false,
+            direct: 0,
+            resident: 0,
+            io: "objects",
+            name: name.to_owned(),
+            watched: Box::new([]),
+            changed: Mutex::new(Default::default()),
+            any_changed: AtomicBool::new(false),
+            opened: Instant::now(),
+            objects: Some(source),
+        }
+    }
+
+    /// The object source of an object dataset.
+    pub fn objects(&self) -> Option<&Arc<ObjectSource>> {
+        self.objects.as_ref()
+    }
+
+    /// Reads every `(shard, offset, len)` of `wanted` from the object store at once (coalesced, through
+    /// the block cache, each checked against the index): their bytes in order. An object found changed
+    /// is marked so. Blocks: call on the blocking pool.
+    pub fn read_objects(&self, wanted: &[(u32, u64, u64)]) -> std::io::Result<Vec<bytes::Bytes>> {
+        let Some(source) = &self.objects else {
+            return Err(std::io::Error::other(format!("dataset {} is not in an object store", self.name)));
+        };
+        source.read_many(wanted).map_err(|e| match e {
+            ReadError::Changed { shard, why } => std::io::Error::other(self.mark(shard, why).to_string()),
+            ReadError::Io(e) => e,
+        })
+    }
+
+    /// Brings every range of `ranges` toward memory ahead of its request ([`Storage::warm`] for each,
+    /// hinted all first so the kernel reads them in parallel; an object dataset's read into its block
+    /// cache, all at once). Blocks: call on the blocking pool.
+    pub fn warm_all(&self, ranges: &[(u32, u64, u64)]) -> std::io::Result<()> {
+        if self.objects.is_some() {
+            return self.read_objects(ranges).map(drop);
+        }
+        for &(shard, offset, len) in ranges {
+            self.will_need(shard, offset, len);
+        }
+        for &(shard, offset, len) in ranges {
+            self.warm(shard, offset, len)?;
+        }
+        Ok(())
     }
 
     /// Checks that shard `n` is still as indexed, before a body that reads it is served (see the module
@@ -321,7 +386,10 @@ impl Storage {
 
     fn shard_changed(&self, n: u32, why: String) -> ShardChanged {
         let path = match self.shard(n) {
-            Shard::Closed { path, .. } | Shard::Open { path, .. } | Shard::Direct { path, .. } => Some(path),
+            Shard::Closed { path, .. }
+            | Shard::Open { path, .. }
+            | Shard::Direct { path, .. }
+            | Shard::Object { path, .. } => Some(path),
             Shard::Mapped(_) => self.watched.get(n as usize).map(|w| &w.path),
         };
         let shard =
@@ -374,6 +442,7 @@ impl Storage {
             Shard::Closed { path, .. } => advise(&File::open(path)?, offset, len, libc::POSIX_FADV_WILLNEED),
             // Direct reads bypass the page cache: pages brought in ahead would only be read twice.
             Shard::Direct { .. } => Ok(()),
+            Shard::Object { .. } => self.read_objects(&[(n, offset, len)]).map(drop),
         }
     }
 
@@ -384,7 +453,7 @@ impl Storage {
         match self.shard(n) {
             Shard::Mapped(map) => map.is_resident(offset, len),
             Shard::Direct { .. } => true,
-            Shard::Open { .. } | Shard::Closed { .. } => false,
+            Shard::Open { .. } | Shard::Closed { .. } | Shard::Object { .. } => false,
         }
     }
 
@@ -396,7 +465,7 @@ impl Storage {
                 let _ = advise(file, offset, len, libc::POSIX_FADV_WILLNEED);
             }
             // Opening a file to hint it costs what reading a small file does: `warm` does it.
-            Shard::Closed { .. } | Shard::Direct { .. } => {}
+            Shard::Closed { .. } | Shard::Direct { .. } | Shard::Object { .. } => {}
         }
     }
 
@@ -414,6 +483,11 @@ impl Storage {
                     return Err(std::io::Error::other(self.mark(n, why).to_string()));
                 }
                 (&opened, path, *size)
+            }
+            Shard::Object { .. } => {
+                let bytes = self.read_objects(&[(n, offset, len)])?;
+                out.extend_from_slice(&bytes[0]);
+                return Ok(());
             }
             Shard::Mapped(_) | Shard::Direct { .. } => {
                 return Err(std::io::Error::other(format!("shard #{n} is not read by positioned reads")));
@@ -650,7 +724,7 @@ mod tests {
                 let at = (offset - first) as usize;
                 out.extend_from_slice(&buf.window()[at..at + len as usize]);
             }
-            Shard::Open { .. } | Shard::Closed { .. } => storage.read(n, offset, len, out)?,
+            Shard::Open { .. } | Shard::Closed { .. } | Shard::Object { .. } => storage.read(n, offset, len, out)?,
         }
         Ok(())
     }

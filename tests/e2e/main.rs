@@ -8,6 +8,7 @@ mod loaders;
 mod mount;
 mod netem;
 mod node_cache;
+mod objects;
 mod raw;
 mod rolling;
 mod server;
