@@ -177,6 +177,9 @@ pub fn classify(
     Ok((shards, side))
 }
 
+/// What [`Files::read_each`] hands each file's bytes to, with the file's position in the list.
+pub type EachFile<'a> = dyn FnMut(usize, &[u8]) -> Result<(), IndexError> + 'a;
+
 /// Where indexing reads a dataset's files: a local directory ([`Directory`]), or an object store (the
 /// server's object sources, which stage each object on local disk while it is indexed).
 pub trait Files: Sync {
@@ -185,6 +188,17 @@ pub trait Files: Sync {
     /// A local file holding the bytes of `file`, under `file`'s own name (LMDB opens the directory of
     /// `data.mdb`), for as long as the returned [`Local`] lives.
     fn local(&self, file: &ShardInfo) -> io::Result<Local>;
+
+    /// Reads each of `files` whole and hands its bytes to `each` with its position in `files`, in any
+    /// order, stopping at the first error. Many small files (a file tree) are read this way: an object
+    /// store reads many at once. By default, one at a time through [`Files::local`].
+    fn read_each(&self, files: &[ShardInfo], each: &mut EachFile) -> Result<(), IndexError> {
+        for (i, file) in files.iter().enumerate() {
+            let map = map_shard(self, file)?;
+            each(i, map.bytes())?;
+        }
+        Ok(())
+    }
 }
 
 /// A dataset file on local disk, while indexing reads it ([`Files::local`]).
@@ -314,15 +328,14 @@ pub fn build_from(
     let mut index =
         Index { settings, shards, side: Vec::new(), samples: Vec::new(), classes: Vec::new(), skipped: Vec::new() };
     // Side files are served as they are: only their checksums are needed.
-    index.side = side
-        .into_iter()
-        .map(|mut file| {
-            let map = map_shard(files, &file)?;
-            file.checksum(map.bytes());
-            progress.advance(file.size);
-            Ok(file)
-        })
-        .collect::<Result<_, IndexError>>()?;
+    index.side = side;
+    let mut side = std::mem::take(&mut index.side);
+    files.read_each(&side.clone(), &mut |i, bytes| {
+        side[i].checksum(bytes);
+        progress.advance(bytes.len() as u64);
+        Ok(())
+    })?;
+    index.side = side;
     match settings.format {
         SourceFormat::Tfrecord => index_tfrecord(files, &mut index, progress)?,
         SourceFormat::Lmdb => index_lmdb(files, &mut index, progress)?,
@@ -347,7 +360,7 @@ fn corrupt(index: &mut Index, root: &Path, shard: &str, offset: u64, message: St
 }
 
 /// The bytes of `shard`, mapped (a staged copy is removed once mapped: the mapping keeps its pages).
-fn map_shard(files: &dyn Files, shard: &ShardInfo) -> Result<MappedFile, IndexError> {
+fn map_shard<F: Files + ?Sized>(files: &F, shard: &ShardInfo) -> Result<MappedFile, IndexError> {
     let path = files.root().join(&shard.path);
     let local = files.local(shard).map_err(io_err(&path))?;
     MappedFile::open(&local.path).map_err(io_err(&path))
@@ -617,29 +630,33 @@ fn index_files(files: &dyn Files, index: &mut Index, progress: &dyn Progress) ->
     }
     index.classes = classes.keys().cloned().collect();
     let shards = index.shards.clone();
-    for (shard_no, shard) in shards.iter().enumerate() {
-        let map = map_shard(files, shard)?;
-        if map.len() != shard.size {
+    let mut crcs = vec![(0u32, Vec::new()); shards.len()];
+    files.read_each(&shards, &mut |shard_no, bytes| {
+        let shard = &shards[shard_no];
+        if bytes.len() as u64 != shard.size {
             // Changed between listing and reading: the dataset is being written to.
             return Err(IndexError::Io {
                 path: files.root().join(&shard.path),
                 source: io::Error::other("file changed size while indexing; datasets must not change while served"),
             });
         }
+        crcs[shard_no] = crate::index::chunk_crcs(bytes);
+        progress.advance(shard.size);
+        Ok(())
+    })?;
+    for (shard_no, (shard, (crc, chunks))) in shards.iter().zip(crcs).enumerate() {
         let base_start = shard.path.rfind('/').map_or(0, |i| i + 1);
         let (key, ext) = match shard.path[base_start..].rfind('.') {
             Some(dot) if dot > 0 => (&shard.path[..base_start + dot], &shard.path[base_start + dot + 1..]),
             _ => (shard.path.as_str(), ""),
         };
         let label = shard.path.split_once('/').map_or(NO_LABEL, |(class, _)| classes[class]);
-        index.shards[shard_no].checksum(map.bytes());
-        let crc = index.shards[shard_no].crc32c;
+        (index.shards[shard_no].crc32c, index.shards[shard_no].chunks) = (crc, chunks);
         index.samples.push(Sample {
             key: key.to_owned(),
             label,
             parts: vec![Part { ext: ext.to_owned(), shard: shard_no as u32, offset: 0, len: shard.size, crc32c: crc }],
         });
-        progress.advance(shard.size);
     }
     Ok(())
 }

@@ -326,18 +326,23 @@ fn proxy(client: TcpStream, upstream: SocketAddr, link: Link, shared: Arc<Shared
     Ok(())
 }
 
-/// A running emulator (for tests and the latency lab); stops accepting when dropped.
+/// A running emulator (for tests and the latency lab); when dropped it stops accepting and cuts its
+/// live connections, as a link (or a peer) gone for good.
 pub struct Netem {
     pub addr: SocketAddr,
     /// The faults injected so far.
     pub faults: Arc<FaultCounts>,
     stop: Arc<AtomicBool>,
+    shared: Arc<Shared>,
 }
 
 impl Drop for Netem {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         let _ = TcpStream::connect(self.addr); // wake the accept loop
+        for (_, conn) in self.shared.live.lock().expect("live").drain() {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
     }
 }
 
@@ -378,7 +383,7 @@ pub fn start_with_faults(listen: SocketAddr, upstream: SocketAddr, link: Link, f
             }
         });
     }
-    let flag = stop.clone();
+    let (flag, kept) = (stop.clone(), shared.clone());
     std::thread::spawn(move || {
         for (id, conn) in listener.incoming().enumerate() {
             if flag.load(Ordering::Relaxed) {
@@ -399,7 +404,7 @@ pub fn start_with_faults(listen: SocketAddr, upstream: SocketAddr, link: Link, f
             });
         }
     });
-    Ok(Netem { addr, faults: counts, stop })
+    Ok(Netem { addr, faults: counts, stop, shared: kept })
 }
 
 /// `batchfs-lab netem`: runs until killed.

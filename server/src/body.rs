@@ -318,7 +318,12 @@ impl Chunk for FileChunk<'_> {
         if matches!(self.storage.shard(shard), Shard::Mapped(_) | Shard::Direct { .. }) {
             return 0;
         }
-        let n = len.min(self.room.saturating_sub(self.total));
+        let room = self.room.saturating_sub(self.total);
+        let n = match self.storage.objects() {
+            // An object's chunk ends where one of its units does, so no unit is fetched for two chunks.
+            Some(objects) => objects.take(shard, offset, len, room, self.total == 0),
+            None => len.min(room),
+        };
         if n > 0 {
             self.total += n;
             self.pieces.push(Piece::Data(shard, offset, n));

@@ -3,7 +3,7 @@
 //! always correct).
 
 use crate::memo::Memo;
-use crate::objects::{ObjectLimits, ObjectSource};
+use crate::objects::{ObjectSource, ObjectsAt};
 use crate::storage::{IoPolicy, OpenError, Storage};
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest, RollingQuery};
 use batchfs::encode::{self, BatchLayout};
@@ -117,21 +117,22 @@ impl Dataset {
         Ok(Dataset::of(name, root, index, origin, storage))
     }
 
-    /// Lists (or loads the index of, when the listing is unchanged) the object dataset `name` at `url`
-    /// (`s3://BUCKET/PREFIX`, `settings` over the `AWS_*` environment) and indexes it from ranged reads
-    /// (see `objects.rs`). The index is kept in `index_dir` (`NAME.batchfs-index`), objects are staged
+    /// Lists (or loads the index of, when the listing is unchanged) the object dataset `name` at
+    /// `at.url` (`s3://BUCKET/PREFIX`, `at.settings` over the `AWS_*` environment) and indexes it from
+    /// ranged reads (see `objects.rs`). The index is kept in `index_dir` (`NAME.batchfs-index`), objects are staged
     /// there while indexed (else in the system's temporary directory, and the index is not kept).
+    /// Whole shards that fit in `io.resident` are held in the server's memory (see `storage.rs`).
     pub fn open_objects(
         name: &str,
-        url: &str,
-        settings: &BTreeMap<String, String>,
+        at: ObjectsAt,
         index_dir: Option<&Path>,
         options: &IndexOptions,
         progress: &dyn Progress,
-        limits: ObjectLimits,
+        io: IoPolicy,
     ) -> Result<Dataset, CatalogError> {
         let stage_dir = index_dir.map_or_else(std::env::temp_dir, Path::to_owned);
-        let (objects, listed) = ObjectSource::open(url, settings, limits, stage_dir)
+        let url = at.url;
+        let (objects, listed) = ObjectSource::open(url, at.settings, at.limits, stage_dir)
             .map_err(|source| CatalogError::Objects { name: name.to_owned(), source: Box::new(source) })?;
         let index_err = |source| CatalogError::Index { name: name.to_owned(), source };
         let format = options.format.unwrap_or_else(|| source::detect_listed(listed.iter().map(|f| f.path.as_str())));
@@ -145,7 +146,10 @@ impl Dataset {
         if index.samples.len() > u32::MAX as usize {
             return Err(CatalogError::TooLarge { name: name.to_owned() });
         }
-        let storage = Arc::new(Storage::of_objects(name, Arc::new(objects), &index));
+        let storage = Arc::new(Storage::of_objects(name, Arc::new(objects), &index, io).map_err(|e| match e {
+            OpenError::Changed { path } => CatalogError::Changed { name: name.to_owned(), path },
+            OpenError::Cannot { path, source } => CatalogError::Map { name: name.to_owned(), path, source },
+        })?);
         Ok(Dataset::of(name, Path::new(url), index, origin, storage))
     }
 

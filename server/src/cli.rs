@@ -2,7 +2,7 @@
 
 use crate::catalog::{Catalog, Dataset};
 use crate::config::{ConfigFile, DatasetSpec, LimitArgs, ServerLimits};
-use crate::objects::{is_object_url, ObjectLimits};
+use crate::objects::{is_object_url, ObjectLimits, ObjectsAt};
 use crate::progress::IndexProgress;
 use crate::storage::IoPolicy;
 use crate::{ServeOptions, TlsFiles};
@@ -174,7 +174,8 @@ fn fill_catalog(
         let index_dir = flags.index_dir.as_deref();
         let dataset = if is_object_url(&spec.path) {
             let url = spec.path.to_string_lossy();
-            Dataset::open_objects(&spec.name, &url, &spec.s3, index_dir, &options, &progress, objects.clone())
+            let at = ObjectsAt { url: &url, settings: &spec.s3, limits: objects.clone() };
+            Dataset::open_objects(&spec.name, at, index_dir, &options, &progress, io)
         } else {
             if !spec.s3.is_empty() {
                 bail!(

@@ -74,6 +74,15 @@ pub enum ObjectError {
     Empty { url: String },
 }
 
+/// Where an object dataset is and how to read it.
+pub struct ObjectsAt<'a> {
+    /// `s3://BUCKET/PREFIX`.
+    pub url: &'a str,
+    /// The `[dataset.s3]` settings, over the `AWS_*` environment.
+    pub settings: &'a BTreeMap<String, String>,
+    pub limits: ObjectLimits,
+}
+
 /// How object datasets are read: the server's `object_*` limits.
 #[derive(Debug, Clone)]
 pub struct ObjectLimits {
@@ -121,7 +130,8 @@ fn wait<T: Send + 'static>(work: impl std::future::Future<Output = T> + Send + '
     rx.recv().expect("the object store runtime stopped")
 }
 
-/// GETs in flight to each bucket, server-wide (every dataset of one bucket shares its bound).
+/// GETs in flight to each bucket (an endpoint's), server-wide: every dataset of one bucket shares its
+/// bound.
 fn bucket_requests(bucket: &str, requests: usize) -> Arc<Semaphore> {
     static BUCKETS: OnceLock<Mutex<HashMap<String, Arc<Semaphore>>>> = OnceLock::new();
     let mut buckets = BUCKETS.get_or_init(Default::default).lock().expect("buckets");
@@ -180,6 +190,7 @@ impl Unit {
 /// An object dataset: its store, its objects and the index's checksums of their units.
 pub struct ObjectSource {
     url: String,
+    bucket: String,
     shown: PathBuf,
     endpoint: String,
     store: Arc<dyn ObjectStore>,
@@ -199,7 +210,7 @@ pub struct ObjectSource {
 }
 
 /// How many times a unit is read before its failing checksum is an error.
-pub const FETCH_ATTEMPTS: u32 = 5;
+pub const FETCH_ATTEMPTS: u32 = 8;
 
 impl ObjectSource {
     /// Connects to the bucket of `url` and lists it, so that a wrong bucket, endpoint or credential is
@@ -245,10 +256,11 @@ impl ObjectSource {
         let prefix = prefix.trim_end_matches('/');
         let source = ObjectSource {
             url: url.trim_end_matches('/').to_owned(),
+            bucket: bucket.to_owned(),
             shown: PathBuf::from(url.trim_end_matches('/')),
+            requests: bucket_requests(&format!("{endpoint} {bucket}"), limits.requests),
             endpoint,
             store: Arc::new(store),
-            requests: bucket_requests(bucket, limits.requests),
             limits,
             stage_dir,
             objects: OnceLock::new(),
@@ -369,7 +381,8 @@ impl ObjectSource {
     /// Object `n`'s path shown in messages.
     pub fn path_of(&self, n: u32) -> PathBuf {
         let objects = self.objects.get().map_or(&[][..], Vec::as_slice);
-        objects.get(n as usize).map_or_else(|| self.shown.clone(), |o| PathBuf::from(format!("s3://{}", o.location)))
+        let at = |o: &Object| PathBuf::from(format!("s3://{}/{}", self.bucket, o.location));
+        objects.get(n as usize).map_or_else(|| self.shown.clone(), at)
     }
 
     /// The units whose bytes hold `len` bytes at `offset` of object `n` ([`units_of`]).
@@ -379,6 +392,81 @@ impl ObjectSource {
             Some(file) => units_of(parts, file, n, offset, len),
             None => Vec::new(),
         }
+    }
+
+    /// How many of the `len` bytes at `offset` of object `n` a body chunk with `room` bytes left takes:
+    /// up to the last unit end that fits, so that a unit is never split between two chunks (each would
+    /// fetch it whole); where none fits, nothing, or, in a chunk still `empty`, the first unit whole
+    /// (a sample larger than `chunk_size` is one chunk).
+    pub fn take(&self, n: u32, offset: u64, len: u64, room: u64, empty: bool) -> u64 {
+        let end = offset + len;
+        let mut fits = 0;
+        for unit in self.units(n, offset, len) {
+            let unit_end = (unit.offset + unit.len).min(end);
+            if unit_end - offset > room {
+                return if fits == 0 && empty { unit_end - offset } else { fits };
+            }
+            fits = unit_end - offset;
+        }
+        fits.max(len.min(room))
+    }
+
+    /// Object `n` (`file`, as indexed) read whole into the server's own memory, by ranged GETs of
+    /// `object_part` several at once, each `If-Match` its ETag, and checked against the index's CRC32C
+    /// of each of its chunks (read again, up to [`FETCH_ATTEMPTS`] times, where one differs).
+    pub fn hold(&self, n: u32, file: &ShardInfo) -> io::Result<batchfs::mmap::MappedFile> {
+        let object = &self.objects.get().expect("attached")[n as usize];
+        batchfs::mmap::MappedFile::in_memory(file.size as usize, |memory| {
+            std::thread::scope(|s| s.spawn(|| runtime().block_on(self.read_into(n, object, file, memory))).join())
+                .expect("reading an object panicked")
+        })
+    }
+
+    async fn read_into(&self, n: u32, object: &Object, file: &ShardInfo, memory: &mut [u8]) -> io::Result<()> {
+        let failed = |e| match e {
+            ReadError::Changed { why, .. } => io::Error::other(why),
+            ReadError::Io(e) => e,
+        };
+        let part = self.limits.part.div_ceil(CHUNK_BYTES).max(1) * CHUNK_BYTES;
+        let window = self.limits.requests.clamp(1, 8);
+        let mut todo: Vec<(u64, &mut [u8])> = memory[..file.size as usize]
+            .chunks_mut(part as usize)
+            .enumerate()
+            .map(|(k, slice)| (k as u64 * part, slice))
+            .collect();
+        for attempt in 1..=FETCH_ATTEMPTS {
+            let results: Vec<io::Result<(u64, &mut [u8])>> = futures_util::stream::iter(todo)
+                .map(|(offset, slice)| async move {
+                    let bytes = self.get(n, object, offset, slice.len() as u64).await.map_err(failed)?;
+                    slice.copy_from_slice(&bytes);
+                    Ok((offset, slice))
+                })
+                .buffer_unordered(window)
+                .collect()
+                .await;
+            todo = Vec::new();
+            for result in results {
+                let (offset, slice) = result?;
+                // Each CHUNK_BYTES chunk of the slice against its CRC32C from the index; a chunk that
+                // differs is read again by itself.
+                for (k, chunk) in slice.chunks_mut(CHUNK_BYTES as usize).enumerate() {
+                    let at = offset + k as u64 * CHUNK_BYTES;
+                    if file.chunk_crc(at / CHUNK_BYTES) != Some(batchfs::crc::crc32c(chunk)) {
+                        self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
+                        todo.push((at, chunk));
+                    }
+                }
+            }
+            if todo.is_empty() {
+                return Ok(());
+            }
+            let object = &file.path;
+            tracing::warn!(dataset = %self.url, %object, attempt, "ranges failed their checksums: reading them again");
+        }
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: its bytes keep differing from the index's checksums", self.path_of(n).display()),
+        ))
     }
 
     /// The bytes of each wanted range `(object, offset, len)`, in order, read through the cache.
@@ -393,25 +481,31 @@ impl ObjectSource {
         units.sort_unstable();
         units.dedup();
         let got = cache().get_or_fetch(self, &units).await?;
-        let by_start: BTreeMap<(u32, u64), (&Unit, &Bytes)> =
-            units.iter().zip(&got).map(|(u, b)| ((u.object, u.offset), (u, b))).collect();
+        let by_unit: HashMap<Unit, Bytes> = units.into_iter().zip(got).collect();
         wanted
             .iter()
             .map(|&(n, offset, len)| {
-                let mut out = Vec::with_capacity(len as usize);
-                let mut at = offset;
-                for (_, (unit, bytes)) in by_start.range((n, 0)..=(n, offset + len)) {
-                    let (start, end) = (at.max(unit.offset), (offset + len).min(unit.offset + unit.len));
-                    if start >= end || start != at {
+                // The same units as above, in order: each range is cut out of its own.
+                let mine = self.units(n, offset, len);
+                let (end, mut at) = (offset + len, offset);
+                let mut out = Vec::new();
+                for unit in &mine {
+                    let bytes = &by_unit[unit];
+                    let (start, stop) = (at.max(unit.offset), end.min(unit.offset + unit.len));
+                    if start > at {
+                        break;
+                    }
+                    if start >= stop {
                         continue;
                     }
-                    if start == offset && end == offset + len {
-                        return Ok(bytes.slice((start - unit.offset) as usize..(end - unit.offset) as usize));
+                    let piece = bytes.slice((start - unit.offset) as usize..(stop - unit.offset) as usize);
+                    if start == offset && stop == end {
+                        return Ok(piece);
                     }
-                    out.extend_from_slice(&bytes[(start - unit.offset) as usize..(end - unit.offset) as usize]);
-                    at = end;
+                    out.extend_from_slice(&piece);
+                    at = stop;
                 }
-                if out.len() as u64 != len {
+                if at != end {
                     return Err(ReadError::Io(io::Error::other(format!(
                         "{}: {len} bytes at {offset} lie outside the indexed object",
                         self.path_of(n).display()
@@ -572,11 +666,90 @@ impl Files for ObjectSource {
         let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(&self.stage_dir)?;
         let file = file.clone();
         let at = dir.path().to_owned();
-        // The source is borrowed: run the copy here, on the object runtime's handle.
+        // The source is borrowed: run the copy in a thread of this scope, on the object runtime.
         let path = std::thread::scope(|s| {
             s.spawn(|| runtime().block_on(self.stage(&file, &at))).join().expect("staging panicked")
         })?;
         Ok(Local { path, staged: Some(Box::new(dir)) })
+    }
+
+    /// Many objects at once (`object_requests`, at most 64), each one GET, checked against its ETag's
+    /// MD5 where it is one, kept in memory only until `each` has seen it. Objects larger than
+    /// `object_part` are staged as [`Files::local`] does.
+    fn read_each(
+        &self,
+        files: &[ShardInfo],
+        each: &mut batchfs::source::EachFile,
+    ) -> Result<(), batchfs::source::IndexError> {
+        let io_err = |file: &ShardInfo| {
+            let path = self.shown.join(&file.path);
+            move |source| batchfs::source::IndexError::Io { path, source }
+        };
+        let (small, large): (Vec<usize>, Vec<usize>) =
+            (0..files.len()).partition(|&i| files[i].size <= self.limits.part);
+        for i in large {
+            let local = self.local(&files[i]).map_err(io_err(&files[i]))?;
+            let map = batchfs::mmap::MappedFile::open(&local.path).map_err(io_err(&files[i]))?;
+            each(i, map.bytes())?;
+        }
+        let window = self.limits.requests.clamp(1, 64);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, io::Result<Bytes>)>(window);
+        std::thread::scope(|s| {
+            // The sender moves into the thread: when the reads end, so does the loop below.
+            let reads = s.spawn(move || {
+                runtime().block_on(async {
+                    let mut reads = futures_util::stream::iter(small)
+                        .map(|i| async move { (i, self.read_whole(&files[i]).await) })
+                        .buffer_unordered(window);
+                    while let Some(done) = reads.next().await {
+                        if tx.send(done).is_err() {
+                            return;
+                        }
+                    }
+                })
+            });
+            let mut result = Ok(());
+            for (i, read) in rx.iter() {
+                result = read.map_err(io_err(&files[i])).and_then(|bytes| each(i, &bytes));
+                if result.is_err() {
+                    break;
+                }
+            }
+            drop(rx);
+            reads.join().expect("the reads panicked");
+            result
+        })
+    }
+}
+
+impl ObjectSource {
+    /// All of `file` by one GET, checked against its ETag's MD5 where it is one (read again, up to
+    /// [`FETCH_ATTEMPTS`] times, where it differs).
+    async fn read_whole(&self, file: &ShardInfo) -> io::Result<Bytes> {
+        let object = Object { location: self.location(&file.path), size: file.size, etag: file.etag.clone() };
+        let md5 = etag_md5(&file.etag);
+        for _ in 0..FETCH_ATTEMPTS {
+            let bytes = self.get(u32::MAX, &object, 0, file.size).await.map_err(|e| match e {
+                ReadError::Changed { why, .. } => io::Error::other(format!("{why} (changed while indexing)")),
+                ReadError::Io(e) => e,
+            })?;
+            let Some(want) = md5 else { return Ok(bytes) };
+            let (bytes, got) = tokio::task::spawn_blocking(move || {
+                use md5::Digest;
+                let got = md5::Md5::digest(&bytes);
+                (bytes, got)
+            })
+            .await
+            .map_err(io::Error::other)?;
+            if got[..] == want {
+                return Ok(bytes);
+            }
+            self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}/{}: every copy read differs from the object's MD5 (its ETag)", self.url, file.path),
+        ))
     }
 }
 
@@ -660,14 +833,14 @@ pub fn coalesce(units: &[Unit], gap: u64, max: u64) -> Vec<Read> {
 /// A unit's bytes, once fetched and checked (or the fetch's failure), shared by everyone waiting on it.
 type Pending = Shared<BoxFuture<'static, Result<Bytes, Arc<str>>>>;
 
-/// The block cache of object datasets: checked units by (dataset, object, offset), least recently used
+/// The block cache of object datasets: checked units by dataset and unit, least recently used
 /// evicted past `object_cache` bytes. A unit being fetched is in it too, as the fetch to wait for.
 struct BlockCache {
     inner: Mutex<CacheInner>,
 }
 
 struct CacheInner {
-    units: lru::LruCache<(u64, u32, u64), (u64, Pending)>,
+    units: lru::LruCache<(u64, Unit), (u64, Pending)>,
     bytes: u64,
     cap: u64,
 }
@@ -679,6 +852,13 @@ fn cache() -> &'static BlockCache {
 }
 
 static CACHE: OnceLock<BlockCache> = OnceLock::new();
+
+/// Whether reading `bytes` ahead into the block cache is worth it: only while the cache can hold them
+/// several times over (8), or the units read ahead would be evicted, under the bodies' own traffic,
+/// before the bodies that want them come, and read twice.
+pub fn worth_reading_ahead(bytes: u64) -> bool {
+    bytes.saturating_mul(8) <= cache().inner.lock().expect("cache").cap
+}
 
 /// Sets the block cache's size (`object_cache`), server-wide.
 pub fn set_cache_size(bytes: u64) {
@@ -707,7 +887,7 @@ impl BlockCache {
             {
                 let mut inner = self.inner.lock().expect("cache");
                 for (i, u) in units.iter().enumerate() {
-                    let key = (source.id, u.object, u.offset);
+                    let key = (source.id, *u);
                     if let Some((_, pending)) = inner.units.get(&key) {
                         waits.push(Some(pending.clone()));
                         continue;
@@ -748,7 +928,7 @@ impl BlockCache {
                         });
                         let mut inner = self.inner.lock().expect("cache");
                         for k in read.first..read.past {
-                            if let Some((len, _)) = inner.units.pop(&(source.id, ours[k].object, ours[k].offset)) {
+                            if let Some((len, _)) = inner.units.pop(&(source.id, ours[k])) {
                                 inner.bytes -= len;
                             }
                             if let Some(tx) = senders[k].take() {

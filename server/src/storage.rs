@@ -277,20 +277,45 @@ impl Storage {
     }
 
     /// The storage of an object dataset: every shard and side file of `index` an object of `source`.
-    pub fn of_objects(name: &str, source: Arc<ObjectSource>, index: &Index) -> Storage {
+    /// Whole shards that fit in `resident` (the server-wide budget `policy.resident`, as for a direct
+    /// dataset) are read once now into the server's own memory, by ranged GETs several at once, checked
+    /// against the index's CRC32Cs, and served from there like mapped shards; the rest are read by
+    /// ranged GETs as bodies need them.
+    pub fn of_objects(
+        name: &str,
+        source: Arc<ObjectSource>,
+        index: &Index,
+        policy: IoPolicy,
+    ) -> Result<Storage, OpenError> {
         source.attach(index);
-        let shards: Vec<Shard> = (0..index.shards.len() + index.side.len())
-            .map(|n| {
-                let info = index.shards.get(n).unwrap_or_else(|| &index.side[n - index.shards.len()]);
-                Shard::Object { path: source.path_of(n as u32), size: info.size }
-            })
-            .collect();
-        tracing::info!(dataset = name, url = source.url(), objects = shards.len(), "storage opened: ranged GETs");
-        Storage {
+        let mut holding = Holding::new(name, index, policy.resident);
+        let mut shards: Vec<Shard> = Vec::with_capacity(index.shards.len() + index.side.len());
+        for n in 0..index.shards.len() + index.side.len() {
+            let info = index.shards.get(n).unwrap_or_else(|| &index.side[n - index.shards.len()]);
+            let path = source.path_of(n as u32);
+            if n < index.shards.len() && holding.takes(info.size) {
+                let held =
+                    source.hold(n as u32, info).map_err(|source| OpenError::Cannot { path: path.clone(), source })?;
+                holding.add(info.size);
+                shards.push(Shard::Mapped(Arc::new(held)));
+            } else {
+                shards.push(Shard::Object { path, size: info.size });
+            }
+        }
+        let held = holding.done;
+        tracing::info!(
+            dataset = name,
+            url = source.url(),
+            objects = shards.len(),
+            resident = held,
+            seconds = format!("{:.2}", holding.started.elapsed().as_secs_f64()),
+            "storage opened: objects held in memory, the rest read by ranged GETs"
+        );
+        Ok(Storage {
             shards: shards.into_boxed_slice(),
             drop_after_read: false,
             direct: 0,
-            resident: 0,
+            resident: held,
             io: "objects",
             name: name.to_owned(),
             watched: Box::new([]),
@@ -298,7 +323,7 @@ impl Storage {
             any_changed: AtomicBool::new(false),
             opened: Instant::now(),
             objects: Some(source),
-        }
+        })
     }
 
     /// The object source of an object dataset.
@@ -321,10 +346,20 @@ impl Storage {
 
     /// Brings every range of `ranges` toward memory ahead of its request ([`Storage::warm`] for each,
     /// hinted all first so the kernel reads them in parallel; an object dataset's read into its block
-    /// cache, all at once). Blocks: call on the blocking pool.
+    /// cache, all at once, where the cache can hold them: [`crate::objects::worth_reading_ahead`]).
+    /// Blocks: call on the blocking pool.
     pub fn warm_all(&self, ranges: &[(u32, u64, u64)]) -> std::io::Result<()> {
         if self.objects.is_some() {
-            return self.read_objects(ranges).map(drop);
+            let (remote, held): (Vec<_>, Vec<_>) =
+                ranges.iter().partition(|r| matches!(self.shard(r.0), Shard::Object { .. }));
+            for (shard, offset, len) in held {
+                self.warm(shard, offset, len)?;
+            }
+            let bytes = remote.iter().map(|r| r.2).sum();
+            if remote.is_empty() || !crate::objects::worth_reading_ahead(bytes) {
+                return Ok(());
+            }
+            return self.read_objects(&remote).map(drop);
         }
         for &(shard, offset, len) in ranges {
             self.will_need(shard, offset, len);

@@ -9,7 +9,7 @@ use batchfs::index::SourceFormat;
 use batchfs::source::{IndexOptions, NoProgress};
 use batchfs_server::catalog::{Catalog, CatalogError, Dataset};
 use batchfs_server::config::ServerLimits;
-use batchfs_server::objects::ObjectLimits;
+use batchfs_server::objects::{ObjectLimits, ObjectsAt};
 use batchfs_server::ServeOptions;
 use object_store::ObjectStoreExt;
 use std::collections::BTreeMap;
@@ -215,8 +215,14 @@ fn open_objects(
     index_dir: &Path,
     limits: &ServerLimits,
 ) -> Result<Dataset, CatalogError> {
-    let objects = ObjectLimits::of(limits);
-    Dataset::open_objects(name, url, settings, Some(index_dir), &IndexOptions::default(), &NoProgress, objects)
+    let at = ObjectsAt { url, settings, limits: ObjectLimits::of(limits) };
+    Dataset::open_objects(name, at, Some(index_dir), &IndexOptions::default(), &NoProgress, limits.io_policy())
+}
+
+/// Limits under which an object dataset's every read is a ranged GET (`resident=0`: no shard held in
+/// the server's memory).
+fn by_gets() -> ServerLimits {
+    ServerLimits { resident: batchfs_server::policy::Resident::Bytes(0), ..Default::default() }
 }
 
 /// A server of the local dataset `local` and whatever object datasets are given.
@@ -317,10 +323,13 @@ fn every_format_in_a_bucket_is_served_byte_identical_to_its_local_copy() {
         let prefix = format!("sets/{format}");
         weed.upload(&fx.path, &prefix);
         let url = format!("s3://{BUCKET}/{prefix}");
-        let limits = ServerLimits::default();
+        let limits = by_gets();
         let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
-        assert_eq!(ds.storage.io(), "objects");
-        let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+        assert_eq!((ds.storage.io(), ds.storage.resident()), ("objects", 0));
+        // The same objects held in the server's memory (the default `resident` holds them all).
+        let held = open_objects("held", &url, &weed.settings(), index_dir.path(), &ServerLimits::default()).unwrap();
+        assert_eq!(held.storage.resident(), held.index.shards.iter().map(|s| s.size).sum::<u64>());
+        let server = rt.block_on(serve(Some(&fx.path), vec![ds, held], limits));
         rt.block_on(async {
             let client = common::h2c();
             let before = metric(&client, &server.base, "batchfs_object_bytes_total", "s3").await;
@@ -338,12 +347,13 @@ fn every_format_in_a_bucket_is_served_byte_identical_to_its_local_copy() {
             let data = ds_bytes(&server, &client).await;
             assert!((read as f64) <= data as f64 * 1.05, "{format}: read {read} bytes of the bucket for {data}");
             same_bytes(&server, "local", "s3", format).await;
+            same_bytes(&server, "local", "held", format).await;
             let hits = metric(&client, &server.base, "batchfs_object_cache_hit_bytes_total", "s3").await;
             assert!(hits > data, "{format}: the second pass over the bytes did not come from the cache ({hits})");
         });
         rt.block_on(server.running.shutdown());
         // Opened again with the listing unchanged: the kept index is loaded, not rebuilt.
-        let again = open_objects("s3", &url, &weed.settings(), index_dir.path(), &ServerLimits::default()).unwrap();
+        let again = open_objects("s3", &url, &weed.settings(), index_dir.path(), &by_gets()).unwrap();
         assert_eq!(again.origin, batchfs::source::IndexOrigin::Loaded, "{format}");
     }
 }
@@ -363,7 +373,7 @@ fn a_mount_of_an_object_dataset_reads_what_a_mount_of_the_local_copy_reads() {
     let index_dir = tempfile::tempdir().unwrap();
     let fx = heavy(SourceFormat::Tfrecord, 400);
     weed.upload(&fx.path, "tfr");
-    let limits = ServerLimits::default();
+    let limits = by_gets();
     let ds = open_objects("s3", &format!("s3://{BUCKET}/tfr"), &weed.settings(), index_dir.path(), &limits).unwrap();
     let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
     let (_a, local) = common::mount(&server, "local", "batch_size=32");
@@ -395,7 +405,8 @@ fn faults_between_server_and_store_never_reach_a_reader() {
     let url = format!("s3://{BUCKET}/tfr");
     // Indexed over a clean link (an index is only as right as the bytes it was built from; see
     // docs/SEMANTICS.md), then served through the faulty one.
-    drop(open_objects("s3", &url, &weed.settings(), index_dir.path(), &ServerLimits::default()).unwrap());
+    drop(open_objects("s3", &url, &weed.settings(), index_dir.path(), &by_gets()).unwrap());
+    drop(open_objects("held", &url, &weed.settings(), index_dir.path(), &by_gets()).unwrap());
     let faults = Faults {
         corrupt_every: Some(2 << 20),
         reset_every: Some(5 << 20),
@@ -409,14 +420,31 @@ fn faults_between_server_and_store_never_reach_a_reader() {
     let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, link, faults).unwrap();
     let limits = ServerLimits {
         object_timeout: Duration::from_secs(2),
-        object_retry_for: Duration::from_secs(20),
+        object_retry_for: Duration::from_secs(6),
         readahead_batches: 0,
-        ..Default::default()
+        ..by_gets()
     };
     let through = settings(&format!("http://{}", netem.addr), ACCESS_KEY, SECRET_KEY);
     let ds = open_objects("s3", &url, &through, index_dir.path(), &limits).unwrap();
     assert_eq!(ds.origin, batchfs::source::IndexOrigin::Loaded);
-    let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+    // Held in memory too: read whole at start through the same faults, but fewer flips (each 4 MiB chunk
+    // read until it passes its checksum, so a flip every 2 MiB would rarely let one through).
+    let netem_held = start_with_faults(
+        "127.0.0.1:0".parse().unwrap(),
+        upstream,
+        link,
+        Faults { corrupt_every: Some(12 << 20), ..faults },
+    )
+    .unwrap();
+    let through_held = settings(&format!("http://{}", netem_held.addr), ACCESS_KEY, SECRET_KEY);
+    let held = ServerLimits { resident: batchfs_server::policy::Resident::Auto, ..limits.clone() };
+    let held = open_objects("held", &url, &through_held, index_dir.path(), &held).unwrap();
+    assert!(held.storage.resident() > 0);
+    // And one more, through a clean link that will go away for good before any of its batches is read.
+    let netem_late = batchfs_lab::netem::start("127.0.0.1:0".parse().unwrap(), upstream, link).unwrap();
+    let through_late = settings(&format!("http://{}", netem_late.addr), ACCESS_KEY, SECRET_KEY);
+    let late = open_objects("late", &url, &through_late, index_dir.path(), &limits).unwrap();
+    let server = rt.block_on(serve(Some(&fx.path), vec![ds, held, late], limits));
     rt.block_on(async {
         let client = common::h2c();
         for epoch in 0..2 {
@@ -427,12 +455,25 @@ fn faults_between_server_and_store_never_reach_a_reader() {
                 let want = get(&client, &path("local")).await;
                 let got = get(&client, &path("s3")).await;
                 assert!(got == want, "epoch {epoch} batch {batch}: status {} (want {})", got.0, want.0);
+                assert!(get(&client, &path("held")).await == want, "epoch {epoch} batch {batch} held");
             }
         }
         let bad = metric(&client, &server.base, "batchfs_object_bad_checksums_total", "s3").await;
         assert!(bad > 0, "no flipped byte was caught: were faults injected? {}", netem.faults.summary());
     });
     assert!(netem.faults.resets.load(std::sync::atomic::Ordering::Relaxed) > 0, "{}", netem.faults.summary());
+    // The store gone for good: a batch not read yet (nor cached) fails, once the retries have run for
+    // `object_retry_for`, not before.
+    drop(netem_late);
+    rt.block_on(async {
+        let client = common::h2c();
+        let url = format!("{}{}?batch_size=16", server.base, api::batch_path("late", 7, 0));
+        let started = Instant::now();
+        let (status, body) = get(&client, &url).await;
+        let waited = started.elapsed();
+        assert!(status != 200 || body.is_none(), "a batch was served with the store gone");
+        assert!(waited >= Duration::from_secs(4) && waited < Duration::from_secs(40), "failed after {waited:?}");
+    });
     rt.block_on(server.running.shutdown());
 }
 
@@ -447,7 +488,7 @@ fn an_object_rewritten_after_indexing_is_refused_never_mixed() {
     let fx = heavy(SourceFormat::Tfrecord, 200);
     weed.upload(&fx.path, "tfr");
     let url = format!("s3://{BUCKET}/tfr");
-    let limits = ServerLimits { readahead_batches: 0, ..Default::default() };
+    let limits = ServerLimits { readahead_batches: 0, ..by_gets() };
     let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
     let before = rt.block_on(serve(Some(&fx.path), vec![ds], limits.clone()));
     // The same shard with other records (another seed): same name, new bytes.
@@ -533,7 +574,7 @@ fn two_servers_over_one_bucket_are_replicas_and_one_may_die_mid_epoch() {
     weed.upload(&fx.path, "tfr");
     let url = format!("s3://{BUCKET}/tfr");
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let limits = ServerLimits { drain_timeout: Duration::ZERO, ..Default::default() };
+    let limits = ServerLimits { drain_timeout: Duration::ZERO, ..by_gets() };
     let a = open_objects("d", &url, &weed.settings(), dir_a.path(), &limits).unwrap();
     let b = open_objects("d", &url, &weed.settings(), dir_b.path(), &limits).unwrap();
     let a = rt.block_on(serve(None, vec![a], limits.clone()));

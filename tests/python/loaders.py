@@ -4,7 +4,8 @@
     loaders.py dali DIR [--no-mmap]     NVIDIA DALI fn.readers.tfrecord over DIR/*.tfrecord and their .idx
                                         twins (CPU only: device_id=None), batch_size 128, 4 threads
     loaders.py torch DIR                PyTorch DataLoader, 4 worker processes, batch_size=None: each item
-                                        is one batch file read whole (Debian's python3-torch)
+                                        is one batch file read whole (Debian's python3-torch); in a
+                                        directory without batch files, each *.tfrecord shard
     loaders.py wds DIR                  webdataset.WebDataset over DIR/*.tar
     loaders.py dali-wds DIR [--no-mmap] NVIDIA DALI fn.readers.webdataset over DIR/*.tar (ext jpg;cls), no
                                         index files (DALI parses the tars when its pipeline is built)
@@ -163,6 +164,8 @@ def run_torch(directory, consumer, want_records):
     import torch.utils.data
 
     files = sorted(f for f in glob.glob(os.path.join(directory, "batch-*")) if not f.endswith(".idx"))
+    # A directory of original shards (a bucket mounted by s3fs or rclone) rather than of batch files.
+    files = files or sorted(glob.glob(os.path.join(directory, "*.tfrecord")))
     started = time.monotonic()
     loader = torch.utils.data.DataLoader(BatchFiles(files, want_records), batch_size=None, num_workers=4)
     build_s = time.monotonic() - started
