@@ -399,16 +399,7 @@ impl ObjectSource {
     /// fetch it whole); where none fits, nothing, or, in a chunk still `empty`, the first unit whole
     /// (a sample larger than `chunk_size` is one chunk).
     pub fn take(&self, n: u32, offset: u64, len: u64, room: u64, empty: bool) -> u64 {
-        let end = offset + len;
-        let mut fits = 0;
-        for unit in self.units(n, offset, len) {
-            let unit_end = (unit.offset + unit.len).min(end);
-            if unit_end - offset > room {
-                return if fits == 0 && empty { unit_end - offset } else { fits };
-            }
-            fits = unit_end - offset;
-        }
-        fits.max(len.min(room))
+        take_of(&self.units(n, offset, len), offset, len, room, empty)
     }
 
     /// Object `n` (`file`, as indexed) read whole into the server's own memory, by ranged GETs of
@@ -753,6 +744,20 @@ impl ObjectSource {
     }
 }
 
+/// [`ObjectSource::take`] over `units`, the units of `len` bytes at `offset`.
+pub fn take_of(units: &[Unit], offset: u64, len: u64, room: u64, empty: bool) -> u64 {
+    let end = offset + len;
+    let mut fits = 0;
+    for unit in units {
+        let unit_end = (unit.offset + unit.len).min(end);
+        if unit_end - offset > room {
+            return if fits == 0 && empty { unit_end - offset } else { fits };
+        }
+        fits = unit_end - offset;
+    }
+    fits.max(len.min(room))
+}
+
 /// The units whose bytes hold `len` bytes at `offset` of object `n` (`file`, whose parts, or frames, are
 /// `parts`, sorted): the parts it overlaps where they cover it without a gap, else the [`CHUNK_BYTES`]
 /// chunks it spans.
@@ -1011,6 +1016,21 @@ mod tests {
             spans,
             vec![(0, CHUNK_BYTES), (CHUNK_BYTES, CHUNK_BYTES), (2 * CHUNK_BYTES, CHUNK_BYTES), (3 * CHUNK_BYTES, 5)]
         );
+    }
+
+    #[test]
+    fn a_body_chunk_ends_where_a_unit_does() {
+        let unit = |offset, len| Unit { object: 0, offset, len, crc32c: 0, frame: true };
+        let units = [unit(0, 100), unit(100, 300), unit(400, 50)];
+        // Room for the first unit only: the chunk takes it, and the next chunk starts at a unit.
+        assert_eq!(take_of(&units, 0, 450, 150, true), 100);
+        assert_eq!(take_of(&units, 0, 450, 400, false), 400);
+        assert_eq!(take_of(&units, 0, 450, 1000, false), 450);
+        // A unit larger than a whole chunk: taken whole by an empty chunk, left by one that is not.
+        assert_eq!(take_of(&units[1..], 100, 350, 50, true), 300);
+        assert_eq!(take_of(&units[1..], 100, 350, 50, false), 0);
+        // A segment ending inside its last unit (a range request): up to the segment's end.
+        assert_eq!(take_of(&units, 0, 120, 1000, false), 120);
     }
 
     #[test]

@@ -278,7 +278,8 @@ impl Storage {
 
     /// The storage of an object dataset: every shard and side file of `index` an object of `source`.
     /// Whole shards that fit in `resident` (the server-wide budget `policy.resident`, as for a direct
-    /// dataset) are read once now into the server's own memory, by ranged GETs several at once, checked
+    /// dataset; none for a dataset of more than `max_mapped_shards` objects) are read once now into the
+    /// server's own memory, by ranged GETs several at once, checked
     /// against the index's CRC32Cs, and served from there like mapped shards; the rest are read by
     /// ranged GETs as bodies need them.
     pub fn of_objects(
@@ -288,7 +289,10 @@ impl Storage {
         policy: IoPolicy,
     ) -> Result<Storage, OpenError> {
         source.attach(index);
-        let mut holding = Holding::new(name, index, policy.resident);
+        // Each held object is a mapping of its own: a dataset of more objects than `max_mapped_shards`
+        // (a file tree) is read by GETs only, as a local one is by positioned reads.
+        let budget = if index.shards.len() > policy.max_mapped_shards { 0 } else { policy.resident };
+        let mut holding = Holding::new(name, index, budget);
         let mut shards: Vec<Shard> = Vec::with_capacity(index.shards.len() + index.side.len());
         for n in 0..index.shards.len() + index.side.len() {
             let info = index.shards.get(n).unwrap_or_else(|| &index.side[n - index.shards.len()]);
