@@ -245,11 +245,14 @@ pub fn load_or_build(
     };
     let (shards, side) = discover(root, format)?;
     let path = index_path(root, name, index_dir);
-    load_or_build_listed(&Directory(root), name, Some(&path), settings(format, options), shards, side, progress)
+    load_or_build_listed(&Directory(root), name, Some(&path), options.settings(format), shards, side, progress)
 }
 
-fn settings(format: SourceFormat, options: &IndexOptions) -> IndexSettings {
-    IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt }
+impl IndexOptions {
+    /// The settings an index of `format` built with these options records.
+    pub fn settings(&self, format: SourceFormat) -> IndexSettings {
+        IndexSettings { format, verify_data_crc: self.verify_data_crc, skip_corrupt: self.skip_corrupt }
+    }
 }
 
 /// [`load_or_build`] for a dataset already listed (its `shards` and `side` files, as [`classify`] splits
@@ -313,7 +316,7 @@ pub fn build(root: &Path, options: &IndexOptions, progress: &dyn Progress) -> Re
         None => detect(root)?,
     };
     let (shards, side) = discover(root, format)?;
-    build_from(&Directory(root), settings(format, options), shards, side, progress)
+    build_from(&Directory(root), options.settings(format), shards, side, progress)
 }
 
 /// Builds the index of a dataset listed as `shards` and `side` files, reading them through `files`.
@@ -328,14 +331,9 @@ pub fn build_from(
     let mut index =
         Index { settings, shards, side: Vec::new(), samples: Vec::new(), classes: Vec::new(), skipped: Vec::new() };
     // Side files are served as they are: only their checksums are needed.
-    index.side = side;
-    let mut side = std::mem::take(&mut index.side);
-    files.read_each(&side.clone(), &mut |i, bytes| {
-        side[i].checksum(bytes);
-        progress.advance(bytes.len() as u64);
-        Ok(())
-    })?;
-    index.side = side;
+    let crcs = checksums(files, &side, progress)?;
+    index.side =
+        side.into_iter().zip(crcs).map(|(file, (crc32c, chunks))| ShardInfo { crc32c, chunks, ..file }).collect();
     match settings.format {
         SourceFormat::Tfrecord => index_tfrecord(files, &mut index, progress)?,
         SourceFormat::Lmdb => index_lmdb(files, &mut index, progress)?,
@@ -357,6 +355,28 @@ fn corrupt(index: &mut Index, root: &Path, shard: &str, offset: u64, message: St
     } else {
         Err(IndexError::Corrupt { shard: root.join(shard), offset, message })
     }
+}
+
+/// The CRC32C of each of `list` and of its chunks ([`crate::index::chunk_crcs`]), read through
+/// [`Files::read_each`]; a file whose size is not the listed one is an error (it is being written to).
+fn checksums(
+    files: &dyn Files,
+    list: &[ShardInfo],
+    progress: &dyn Progress,
+) -> Result<Vec<(u32, Vec<u32>)>, IndexError> {
+    let mut crcs = vec![(0u32, Vec::new()); list.len()];
+    files.read_each(list, &mut |i, bytes| {
+        if bytes.len() as u64 != list[i].size {
+            return Err(IndexError::Io {
+                path: files.root().join(&list[i].path),
+                source: io::Error::other("file changed size while indexing; datasets must not change while served"),
+            });
+        }
+        crcs[i] = crate::index::chunk_crcs(bytes);
+        progress.advance(list[i].size);
+        Ok(())
+    })?;
+    Ok(crcs)
 }
 
 /// The bytes of `shard`, mapped (a staged copy is removed once mapped: the mapping keeps its pages).
@@ -630,20 +650,7 @@ fn index_files(files: &dyn Files, index: &mut Index, progress: &dyn Progress) ->
     }
     index.classes = classes.keys().cloned().collect();
     let shards = index.shards.clone();
-    let mut crcs = vec![(0u32, Vec::new()); shards.len()];
-    files.read_each(&shards, &mut |shard_no, bytes| {
-        let shard = &shards[shard_no];
-        if bytes.len() as u64 != shard.size {
-            // Changed between listing and reading: the dataset is being written to.
-            return Err(IndexError::Io {
-                path: files.root().join(&shard.path),
-                source: io::Error::other("file changed size while indexing; datasets must not change while served"),
-            });
-        }
-        crcs[shard_no] = crate::index::chunk_crcs(bytes);
-        progress.advance(shard.size);
-        Ok(())
-    })?;
+    let crcs = checksums(files, &shards, progress)?;
     for (shard_no, (shard, (crc, chunks))) in shards.iter().zip(crcs).enumerate() {
         let base_start = shard.path.rfind('/').map_or(0, |i| i + 1);
         let (key, ext) = match shard.path[base_start..].rfind('.') {

@@ -7,7 +7,7 @@ use crate::objects::{ObjectSource, ObjectsAt};
 use crate::storage::{IoPolicy, OpenError, Storage};
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest, RollingQuery};
 use batchfs::encode::{self, BatchLayout};
-use batchfs::index::{Index, IndexSettings, ShardInfo};
+use batchfs::index::{Index, ShardInfo};
 use batchfs::plan::{EpochPlan, PlanError};
 use batchfs::rolling::{RollingError, SlotTable};
 use batchfs::source::{self, Files, IndexOptions, IndexOrigin, Progress};
@@ -137,8 +137,7 @@ impl Dataset {
         let index_err = |source| CatalogError::Index { name: name.to_owned(), source };
         let format = options.format.unwrap_or_else(|| source::detect_listed(listed.iter().map(|f| f.path.as_str())));
         let (shards, side) = source::classify(objects.root(), format, listed).map_err(index_err)?;
-        let settings =
-            IndexSettings { format, verify_data_crc: options.verify_data_crc, skip_corrupt: options.skip_corrupt };
+        let settings = options.settings(format);
         let path = index_dir.map(|dir| dir.join(format!("{name}.batchfs-index")));
         let (index, origin) =
             source::load_or_build_listed(&objects, name, path.as_deref(), settings, shards, side, progress)

@@ -130,6 +130,13 @@ fn wait<T: Send + 'static>(work: impl std::future::Future<Output = T> + Send + '
     rx.recv().expect("the object store runtime stopped")
 }
 
+/// Runs `work`, which may borrow from the caller, on the object runtime, in a thread of its own (the
+/// caller may be in another runtime, where `block_on` is refused), and waits for it. For the reads at
+/// start (indexing, holding); bodies use [`wait`], which starts no thread.
+fn block_here<T: Send>(work: impl std::future::Future<Output = T> + Send) -> T {
+    std::thread::scope(|s| s.spawn(|| runtime().block_on(work)).join()).expect("a read of the object store panicked")
+}
+
 /// GETs in flight to each bucket (an endpoint's), server-wide: every dataset of one bucket shares its
 /// bound.
 fn bucket_requests(bucket: &str, requests: usize) -> Arc<Semaphore> {
@@ -408,49 +415,27 @@ impl ObjectSource {
     pub fn hold(&self, n: u32, file: &ShardInfo) -> io::Result<batchfs::mmap::MappedFile> {
         let object = &self.objects.get().expect("attached")[n as usize];
         batchfs::mmap::MappedFile::in_memory(file.size as usize, |memory| {
-            std::thread::scope(|s| s.spawn(|| runtime().block_on(self.read_into(n, object, file, memory))).join())
-                .expect("reading an object panicked")
+            block_here(self.read_into(n, object, file, memory))
         })
     }
 
     async fn read_into(&self, n: u32, object: &Object, file: &ShardInfo, memory: &mut [u8]) -> io::Result<()> {
-        let failed = |e| match e {
-            ReadError::Changed { why, .. } => io::Error::other(why),
-            ReadError::Io(e) => e,
-        };
         let part = self.limits.part.div_ceil(CHUNK_BYTES).max(1) * CHUNK_BYTES;
-        let window = self.limits.requests.clamp(1, 8);
-        let mut todo: Vec<(u64, &mut [u8])> = memory[..file.size as usize]
-            .chunks_mut(part as usize)
-            .enumerate()
-            .map(|(k, slice)| (k as u64 * part, slice))
-            .collect();
+        let mut todo = parts_of(&mut memory[..file.size as usize], part);
         for attempt in 1..=FETCH_ATTEMPTS {
-            let results: Vec<io::Result<(u64, &mut [u8])>> = futures_util::stream::iter(todo)
-                .map(|(offset, slice)| async move {
-                    let bytes = self.get(n, object, offset, slice.len() as u64).await.map_err(failed)?;
-                    slice.copy_from_slice(&bytes);
-                    Ok((offset, slice))
-                })
-                .buffer_unordered(window)
-                .collect()
-                .await;
-            todo = Vec::new();
-            for result in results {
-                let (offset, slice) = result?;
-                // Each CHUNK_BYTES chunk of the slice against its CRC32C from the index; a chunk that
-                // differs is read again by itself.
-                for (k, chunk) in slice.chunks_mut(CHUNK_BYTES as usize).enumerate() {
-                    let at = offset + k as u64 * CHUNK_BYTES;
-                    if file.chunk_crc(at / CHUNK_BYTES) != Some(batchfs::crc::crc32c(chunk)) {
-                        self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
-                        todo.push((at, chunk));
-                    }
-                }
-            }
+            // Each CHUNK_BYTES chunk of what was read against its CRC32C from the index; a chunk that
+            // differs is read again by itself.
+            todo = self
+                .read_parts(n, object, todo)
+                .await?
+                .into_iter()
+                .flat_map(|(offset, slice)| parts_of(slice, CHUNK_BYTES).into_iter().map(move |(k, c)| (offset + k, c)))
+                .filter(|(at, chunk)| file.chunk_crc(at / CHUNK_BYTES) != Some(batchfs::crc::crc32c(chunk)))
+                .collect();
             if todo.is_empty() {
                 return Ok(());
             }
+            self.counters.bad_checksums.fetch_add(todo.len() as u64, Ordering::Relaxed);
             let object = &file.path;
             tracing::warn!(dataset = %self.url, %object, attempt, "ranges failed their checksums: reading them again");
         }
@@ -458,6 +443,30 @@ impl ObjectSource {
             io::ErrorKind::InvalidData,
             format!("{}: its bytes keep differing from the index's checksums", self.path_of(n).display()),
         ))
+    }
+
+    /// Fills each `(offset, slice)` with the bytes at `offset` of `object` (storage number `n`), by one
+    /// ranged GET each, up to 8 at once; returns them, filled.
+    async fn read_parts<'a>(
+        &self,
+        n: u32,
+        object: &Object,
+        parts: Vec<(u64, &'a mut [u8])>,
+    ) -> io::Result<Vec<(u64, &'a mut [u8])>> {
+        let reads: Vec<_> = parts.into_iter().map(|(offset, slice)| self.read_part(n, object, offset, slice)).collect();
+        futures_util::stream::iter(reads).buffer_unordered(self.limits.requests.clamp(1, 8)).try_collect().await
+    }
+
+    async fn read_part<'a>(
+        &self,
+        n: u32,
+        object: &Object,
+        offset: u64,
+        slice: &'a mut [u8],
+    ) -> io::Result<(u64, &'a mut [u8])> {
+        let bytes = self.get(n, object, offset, slice.len() as u64).await.map_err(ReadError::into_io)?;
+        slice.copy_from_slice(&bytes);
+        Ok((offset, slice))
     }
 
     /// The bytes of each wanted range `(object, offset, len)`, in order, read through the cache.
@@ -595,43 +604,42 @@ impl ObjectSource {
         let name = file.path.rsplit('/').next().unwrap_or(&file.path);
         let path = dir.join(name);
         let object = Object { location: self.location(&file.path), size: file.size, etag: file.etag.clone() };
-        let md5 = etag_md5(&file.etag);
+        let out = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path)?;
+        out.set_len(file.size)?;
+        if file.size == 0 {
+            return Ok(path);
+        }
+        // SAFETY: the file was made here, in a directory of our own, and nothing else writes it.
+        let mut copy = unsafe { memmap2::MmapMut::map_mut(&out)? };
         for attempt in 1..=FETCH_ATTEMPTS {
-            let out = std::fs::File::create(&path)?;
-            out.set_len(file.size)?;
-            let part = self.limits.part;
-            let parts = (0..file.size.div_ceil(part)).map(|k| (k * part, part.min(file.size - k * part)));
-            let mut reads = futures_util::stream::iter(parts)
-                .map(|(offset, len)| {
-                    let object = &object;
-                    async move { self.get(u32::MAX, object, offset, len).await.map(|bytes| (offset, bytes)) }
-                })
-                .buffer_unordered(self.limits.requests.clamp(1, 8));
-            while let Some(read) = reads.next().await {
-                let (offset, bytes) = read.map_err(|e| match e {
-                    ReadError::Changed { why, .. } => io::Error::other(format!("{why} (changed while indexing)")),
-                    ReadError::Io(e) => e,
-                })?;
-                std::os::unix::fs::FileExt::write_all_at(&out, &bytes, offset)?;
-            }
-            let Some(want) = md5 else { return Ok(path) };
-            let got = {
-                use md5::Digest;
-                let map = batchfs::mmap::MappedFile::open(&path)?;
-                md5::Md5::digest(map.bytes())
-            };
-            if got[..] == want {
+            self.read_parts(u32::MAX, &object, parts_of(&mut copy, self.limits.part)).await?;
+            if matches_etag(&file.etag, &copy) {
                 return Ok(path);
             }
             self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
             let object = &file.path;
             tracing::warn!(dataset = %self.url, %object, attempt, "the copy read does not match the ETag's MD5");
         }
-        Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{}/{}: every copy read differs from the object's MD5 (its ETag)", self.url, file.path),
-        ))
+        Err(differs_from_etag(&self.url, file))
     }
+}
+
+/// `memory` cut into `(offset, slice)` parts of `part` bytes (the last one shorter).
+fn parts_of(memory: &mut [u8], part: u64) -> Vec<(u64, &mut [u8])> {
+    memory.chunks_mut(part as usize).enumerate().map(|(k, slice)| (k as u64 * part, slice)).collect()
+}
+
+/// Whether `bytes` have the MD5 that `etag` is, where it is one (else nothing to check them against).
+fn matches_etag(etag: &str, bytes: &[u8]) -> bool {
+    use md5::Digest;
+    etag_md5(etag).is_none_or(|want| md5::Md5::digest(bytes)[..] == want)
+}
+
+fn differs_from_etag(url: &str, file: &ShardInfo) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("{url}/{}: every copy read differs from the object's MD5 (its ETag)", file.path),
+    )
 }
 
 /// The MD5 an ETag is, where it is one (a single-part upload's: 32 hex digits, quoted).
@@ -655,12 +663,7 @@ impl Files for ObjectSource {
     fn local(&self, file: &ShardInfo) -> io::Result<Local> {
         std::fs::create_dir_all(&self.stage_dir)?;
         let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(&self.stage_dir)?;
-        let file = file.clone();
-        let at = dir.path().to_owned();
-        // The source is borrowed: run the copy in a thread of this scope, on the object runtime.
-        let path = std::thread::scope(|s| {
-            s.spawn(|| runtime().block_on(self.stage(&file, &at))).join().expect("staging panicked")
-        })?;
+        let path = block_here(self.stage(file, dir.path()))?;
         Ok(Local { path, staged: Some(Box::new(dir)) })
     }
 
@@ -718,29 +721,21 @@ impl ObjectSource {
     /// [`FETCH_ATTEMPTS`] times, where it differs).
     async fn read_whole(&self, file: &ShardInfo) -> io::Result<Bytes> {
         let object = Object { location: self.location(&file.path), size: file.size, etag: file.etag.clone() };
-        let md5 = etag_md5(&file.etag);
         for _ in 0..FETCH_ATTEMPTS {
-            let bytes = self.get(u32::MAX, &object, 0, file.size).await.map_err(|e| match e {
-                ReadError::Changed { why, .. } => io::Error::other(format!("{why} (changed while indexing)")),
-                ReadError::Io(e) => e,
-            })?;
-            let Some(want) = md5 else { return Ok(bytes) };
-            let (bytes, got) = tokio::task::spawn_blocking(move || {
-                use md5::Digest;
-                let got = md5::Md5::digest(&bytes);
-                (bytes, got)
+            let bytes = self.get(u32::MAX, &object, 0, file.size).await.map_err(ReadError::into_io)?;
+            let etag = file.etag.clone();
+            let (bytes, good) = tokio::task::spawn_blocking(move || {
+                let good = matches_etag(&etag, &bytes);
+                (bytes, good)
             })
             .await
             .map_err(io::Error::other)?;
-            if got[..] == want {
+            if good {
                 return Ok(bytes);
             }
             self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
         }
-        Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{}/{}: every copy read differs from the object's MD5 (its ETag)", self.url, file.path),
-        ))
+        Err(differs_from_etag(&self.url, file))
     }
 }
 
@@ -798,6 +793,16 @@ pub enum ReadError {
         why: String,
     },
     Io(io::Error),
+}
+
+impl ReadError {
+    /// As an I/O error (a change found while reading an object whole: the listing is no longer true).
+    fn into_io(self) -> io::Error {
+        match self {
+            ReadError::Changed { why, .. } => io::Error::other(format!("{why} (changed since it was listed)")),
+            ReadError::Io(e) => e,
+        }
+    }
 }
 
 impl From<io::Error> for ReadError {

@@ -304,6 +304,23 @@ async fn same_bytes(server: &Server, a: &str, b: &str, format: SourceFormat) {
     }
 }
 
+/// A store holding a heavy-tailed TFRecord dataset of `samples` under `tfr/`: the store, the local copy,
+/// its `s3://` URL and an `index_dir` for the servers; `None` where `weed` is not installed.
+struct Bucket {
+    weed: Weed,
+    fx: Fixture,
+    url: String,
+    index_dir: tempfile::TempDir,
+}
+
+fn tfrecord_bucket(samples: u32) -> Option<Bucket> {
+    let weed = Weed::start()?;
+    let fx = heavy(SourceFormat::Tfrecord, samples);
+    weed.upload(&fx.path, "tfr");
+    let (url, index_dir) = (format!("s3://{BUCKET}/tfr"), tempfile::tempdir().unwrap());
+    Some(Bucket { weed, fx, url, index_dir })
+}
+
 /// A dataset of `format` whose sizes have ImageNet's heavy tail (the generator's default): a few
 /// samples 10-50 times the mean.
 fn heavy(format: SourceFormat, samples: u32) -> Fixture {
@@ -368,13 +385,10 @@ async fn ds_bytes(server: &Server, client: &reqwest::Client) -> u64 {
 /// dataset's, file for file, and so is `raw/`.
 #[test]
 fn a_mount_of_an_object_dataset_reads_what_a_mount_of_the_local_copy_reads() {
-    let Some(weed) = Weed::start() else { return };
+    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(400) else { return };
     let rt = runtime();
-    let index_dir = tempfile::tempdir().unwrap();
-    let fx = heavy(SourceFormat::Tfrecord, 400);
-    weed.upload(&fx.path, "tfr");
     let limits = by_gets();
-    let ds = open_objects("s3", &format!("s3://{BUCKET}/tfr"), &weed.settings(), index_dir.path(), &limits).unwrap();
+    let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
     let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
     let (_a, local) = common::mount(&server, "local", "batch_size=32");
     let (_b, objects) = common::mount(&server, "s3", "batch_size=32");
@@ -397,12 +411,8 @@ fn a_mount_of_an_object_dataset_reads_what_a_mount_of_the_local_copy_reads() {
 #[test]
 fn faults_between_server_and_store_never_reach_a_reader() {
     use batchfs_lab::netem::{start_with_faults, Faults, Link};
-    let Some(weed) = Weed::start() else { return };
+    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(300) else { return };
     let rt = runtime();
-    let index_dir = tempfile::tempdir().unwrap();
-    let fx = heavy(SourceFormat::Tfrecord, 300);
-    weed.upload(&fx.path, "tfr");
-    let url = format!("s3://{BUCKET}/tfr");
     // Indexed over a clean link (an index is only as right as the bytes it was built from; see
     // docs/SEMANTICS.md), then served through the faulty one.
     drop(open_objects("s3", &url, &weed.settings(), index_dir.path(), &by_gets()).unwrap());
@@ -482,12 +492,8 @@ fn faults_between_server_and_store_never_reach_a_reader() {
 /// served.
 #[test]
 fn an_object_rewritten_after_indexing_is_refused_never_mixed() {
-    let Some(weed) = Weed::start() else { return };
+    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(200) else { return };
     let rt = runtime();
-    let index_dir = tempfile::tempdir().unwrap();
-    let fx = heavy(SourceFormat::Tfrecord, 200);
-    weed.upload(&fx.path, "tfr");
-    let url = format!("s3://{BUCKET}/tfr");
     let limits = ServerLimits { readahead_batches: 0, ..by_gets() };
     let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
     let before = rt.block_on(serve(Some(&fx.path), vec![ds], limits.clone()));
@@ -568,12 +574,9 @@ fn wrong_credentials_a_missing_bucket_and_no_store_are_clear_errors_at_start() {
 /// plans, and when one stops mid-epoch (its responses cut) the epoch completes from the other, intact.
 #[test]
 fn two_servers_over_one_bucket_are_replicas_and_one_may_die_mid_epoch() {
-    let Some(weed) = Weed::start() else { return };
+    let Some(Bucket { weed, fx, url, index_dir: dir_a }) = tfrecord_bucket(400) else { return };
     let rt = runtime();
-    let fx = heavy(SourceFormat::Tfrecord, 400);
-    weed.upload(&fx.path, "tfr");
-    let url = format!("s3://{BUCKET}/tfr");
-    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let dir_b = tempfile::tempdir().unwrap();
     let limits = ServerLimits { drain_timeout: Duration::ZERO, ..by_gets() };
     let a = open_objects("d", &url, &weed.settings(), dir_a.path(), &limits).unwrap();
     let b = open_objects("d", &url, &weed.settings(), dir_b.path(), &limits).unwrap();
