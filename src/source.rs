@@ -192,6 +192,17 @@ pub trait Files: Sync {
     /// Reads each of `files` whole and hands its bytes to `each` with its position in `files`, in any
     /// order, stopping at the first error. Many small files (a file tree) are read this way: an object
     /// store reads many at once. By default, one at a time through [`Files::local`].
+    /// The index the source keeps beside the data itself (an object store's `.batchfs-index`, where
+    /// asked to), if it keeps one and has it. By default none.
+    fn kept_index(&self) -> Option<Vec<u8>> {
+        None
+    }
+
+    /// Keeps `index` (its bytes) beside the data; `Ok(false)` where the source keeps none (the default).
+    fn keep_index(&self, _index: &[u8]) -> io::Result<bool> {
+        Ok(false)
+    }
+
     fn read_each(&self, files: &[ShardInfo], each: &mut EachFile) -> Result<(), IndexError> {
         for (i, file) in files.iter().enumerate() {
             let map = map_shard(self, file)?;
@@ -256,8 +267,9 @@ impl IndexOptions {
 }
 
 /// [`load_or_build`] for a dataset already listed (its `shards` and `side` files, as [`classify`] splits
-/// them) whose files `files` reads: the index persisted at `path` is reused if its settings and files
-/// are the same, else the index is built and persisted there (`None`: kept in memory only).
+/// them) whose files `files` reads: the index persisted at `path`, else the one `files` keeps beside the
+/// data ([`Files::kept_index`]), is reused if its settings and files are the same; else the index is
+/// built and persisted at both (neither: kept in memory only).
 pub fn load_or_build_listed(
     files: &dyn Files,
     name: &str,
@@ -268,27 +280,46 @@ pub fn load_or_build_listed(
     progress: &dyn Progress,
 ) -> Result<(Index, IndexOrigin), IndexError> {
     let same = |a: &[ShardInfo], b: &[ShardInfo]| a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.same_file(b));
-    if let Some(bytes) = path.and_then(|path| std::fs::read(path).ok()) {
-        match Index::from_bytes(&bytes) {
-            Some(index) if index.settings == settings && same(&index.shards, &shards) && same(&index.side, &side) => {
-                tracing::debug!(dataset = name, path = ?path, "reusing persisted index");
-                return Ok((index, IndexOrigin::Loaded));
-            }
-            Some(_) => {
-                tracing::info!(dataset = name, "files or settings changed since the index was built; rebuilding")
-            }
-            None => tracing::warn!(dataset = name, path = ?path, "persisted index is unreadable; rebuilding"),
+    // An index persisted before, if it is still the dataset's.
+    let fresh = |bytes: Vec<u8>, at: &str| match Index::from_bytes(&bytes) {
+        Some(index) if index.settings == settings && same(&index.shards, &shards) && same(&index.side, &side) => {
+            tracing::debug!(dataset = name, at, "reusing persisted index");
+            Some(index)
         }
+        Some(_) => {
+            tracing::info!(dataset = name, at, "files or settings changed since the index was built; rebuilding");
+            None
+        }
+        None => {
+            tracing::warn!(dataset = name, at, "persisted index is unreadable; rebuilding");
+            None
+        }
+    };
+    let at_path = path.and_then(|path| Some((std::fs::read(path).ok()?, path.display().to_string())));
+    if let Some(index) = at_path.and_then(|(bytes, at)| fresh(bytes, &at)) {
+        return Ok((index, IndexOrigin::Loaded));
+    }
+    if let Some(index) = files.kept_index().and_then(|bytes| fresh(bytes, "beside the data")) {
+        return Ok((index, IndexOrigin::Loaded));
     }
     let index = build_from(files, settings, shards, side, progress)?;
+    let bytes = index.to_bytes();
+    let kept_beside = match files.keep_index(&bytes) {
+        Ok(kept) => kept,
+        Err(e) => {
+            tracing::warn!(dataset = name, error = %e, "cannot keep the index beside the data");
+            false
+        }
+    };
     match path {
         Some(path) => {
-            if let Err(e) = write_atomically(path, &index.to_bytes()) {
+            if let Err(e) = write_atomically(path, &bytes) {
                 tracing::warn!(dataset = name, path = %path.display(), error = %e,
                     "cannot persist the index (it will be rebuilt at the next start); \
                      pass --index-dir to keep it elsewhere");
             }
         }
+        None if kept_beside => {}
         None => tracing::warn!(
             dataset = name,
             "the index is not persisted (it will be rebuilt at the next start); \

@@ -132,7 +132,7 @@ impl Dataset {
     ) -> Result<Dataset, CatalogError> {
         let stage_dir = index_dir.map_or_else(std::env::temp_dir, Path::to_owned);
         let url = at.url;
-        let (objects, listed) = ObjectSource::open(url, at.settings, at.limits, stage_dir)
+        let (objects, listed) = ObjectSource::open(at, stage_dir)
             .map_err(|source| CatalogError::Objects { name: name.to_owned(), source: Box::new(source) })?;
         let index_err = |source| CatalogError::Index { name: name.to_owned(), source };
         let format = options.format.unwrap_or_else(|| source::detect_listed(listed.iter().map(|f| f.path.as_str())));

@@ -49,6 +49,10 @@ pub struct IndexFlags {
     /// Keep indexes in DIR (as NAME.batchfs-index) instead of beside the data.
     #[arg(long, value_name = "DIR", help_heading = "Datasets")]
     pub index_dir: Option<PathBuf>,
+    /// Keep the index of every s3:// dataset in its bucket too (PREFIX/.batchfs-index) and reuse it from
+    /// there: servers started later (replicas) read no sample to start.
+    #[arg(long, help_heading = "Datasets")]
+    pub index_in_bucket: bool,
     /// Index around corrupt records and tar members, listing what was skipped, instead of failing.
     #[arg(long, help_heading = "Datasets")]
     pub skip_corrupt: bool,
@@ -174,7 +178,8 @@ fn fill_catalog(
         let index_dir = flags.index_dir.as_deref();
         let dataset = if is_object_url(&spec.path) {
             let url = spec.path.to_string_lossy();
-            let at = ObjectsAt { url: &url, settings: &spec.s3, limits: objects.clone() };
+            let index_in_bucket = spec.index_in_bucket || flags.index_in_bucket;
+            let at = ObjectsAt { url: &url, settings: &spec.s3, limits: objects.clone(), index_in_bucket };
             Dataset::open_objects(&spec.name, at, index_dir, &options, &progress, io)
         } else {
             if !spec.s3.is_empty() {

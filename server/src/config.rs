@@ -209,6 +209,10 @@ pub struct DatasetSpec {
     /// `object_store`'s S3 builder), over the `AWS_*` environment.
     #[serde(default)]
     pub s3: std::collections::BTreeMap<String, String>,
+    /// An `s3://` dataset's index is kept in its bucket too (`PREFIX/.batchfs-index`) and reused from
+    /// there.
+    #[serde(default)]
+    pub index_in_bucket: bool,
 }
 
 impl std::str::FromStr for DatasetSpec {
@@ -223,7 +227,8 @@ impl std::str::FromStr for DatasetSpec {
         if name.contains(['/', '?', '#', '%']) {
             return Err(format!("dataset name {name:?} must not contain '/', '?', '#' or '%'"));
         }
-        Ok(DatasetSpec { name: name.to_owned(), path: PathBuf::from(path), format: None, s3: Default::default() })
+        let path = PathBuf::from(path);
+        Ok(DatasetSpec { name: name.to_owned(), path, format: None, s3: Default::default(), index_in_bucket: false })
     }
 }
 
@@ -308,6 +313,7 @@ mod tests {
         let file: ConfigFile = toml::from_str(toml_text).unwrap();
         let s3 = file.datasets.iter().find(|d| d.path.starts_with("s3:")).expect("an s3:// dataset");
         assert_eq!(s3.s3.get("allow_http").map(String::as_str), Some("true"));
+        assert!(s3.index_in_bucket);
         assert!(file.datasets.iter().filter(|d| !d.path.starts_with("s3:")).all(|d| d.s3.is_empty()));
         let mut limits = ServerLimits::default();
         file.limits.apply(&mut limits).unwrap();

@@ -81,6 +81,9 @@ pub struct ObjectsAt<'a> {
     /// The `[dataset.s3]` settings, over the `AWS_*` environment.
     pub settings: &'a BTreeMap<String, String>,
     pub limits: ObjectLimits,
+    /// Keep the index beside the data too, as `PREFIX/.batchfs-index` in the bucket, and reuse it from
+    /// there (a new replica then reads no sample to start).
+    pub index_in_bucket: bool,
 }
 
 /// How object datasets are read: the server's `object_*` limits.
@@ -205,6 +208,8 @@ pub struct ObjectSource {
     limits: ObjectLimits,
     /// Where indexing stages each object.
     stage_dir: PathBuf,
+    /// The index is kept in the bucket too ([`ObjectsAt::index_in_bucket`]).
+    index_in_bucket: bool,
     /// By storage number, once [`ObjectSource::attach`]ed to the index.
     objects: OnceLock<Vec<Object>>,
     /// Each shard's parts as units (TFRecord shards': their frames), sorted by offset; and every
@@ -223,12 +228,8 @@ impl ObjectSource {
     /// Connects to the bucket of `url` and lists it, so that a wrong bucket, endpoint or credential is
     /// reported now, before anything is served. Returns the source and its objects (relative paths,
     /// sorted; hidden names left out), as [`ShardInfo`]s.
-    pub fn open(
-        url: &str,
-        settings: &BTreeMap<String, String>,
-        limits: ObjectLimits,
-        stage_dir: PathBuf,
-    ) -> Result<(ObjectSource, Vec<ShardInfo>), ObjectError> {
+    pub fn open(at: ObjectsAt, stage_dir: PathBuf) -> Result<(ObjectSource, Vec<ShardInfo>), ObjectError> {
+        let ObjectsAt { url, settings, limits, index_in_bucket } = at;
         let rest = url.strip_prefix("s3://").or_else(|| url.strip_prefix("s3a://"));
         let (bucket, prefix) = match rest {
             Some(rest) => rest.split_once('/').unwrap_or((rest, "")),
@@ -270,6 +271,7 @@ impl ObjectSource {
             store: Arc::new(store),
             limits,
             stage_dir,
+            index_in_bucket,
             objects: OnceLock::new(),
             parts: OnceLock::new(),
             chunks: OnceLock::new(),
@@ -655,9 +657,39 @@ fn etag_md5(etag: &str) -> Option<[u8; 16]> {
     Some(out)
 }
 
+/// The name of the index kept beside the data in the bucket (hidden: never listed as a file).
+const INDEX_OBJECT: &str = batchfs::source::INDEX_FILE_NAME;
+
 impl Files for ObjectSource {
     fn root(&self) -> &Path {
         &self.shown
+    }
+
+    fn kept_index(&self) -> Option<Vec<u8>> {
+        if !self.index_in_bucket {
+            return None;
+        }
+        let at = self.location(INDEX_OBJECT);
+        let read =
+            block_here(async { object_store::ObjectStoreExt::get(self.store.as_ref(), &at).await?.bytes().await });
+        match read {
+            Ok(bytes) => Some(bytes.to_vec()),
+            Err(object_store::Error::NotFound { .. }) => None,
+            Err(e) => {
+                tracing::warn!(dataset = %self.url, error = %e, "cannot read the index kept in the bucket");
+                None
+            }
+        }
+    }
+
+    fn keep_index(&self, index: &[u8]) -> io::Result<bool> {
+        if !self.index_in_bucket {
+            return Ok(false);
+        }
+        let (at, payload) = (self.location(INDEX_OBJECT), bytes::Bytes::copy_from_slice(index).into());
+        block_here(async { object_store::ObjectStoreExt::put(self.store.as_ref(), &at, payload).await })
+            .map_err(|e| io::Error::other(format!("{}/{INDEX_OBJECT}: {e}", self.url)))?;
+        Ok(true)
     }
 
     fn local(&self, file: &ShardInfo) -> io::Result<Local> {

@@ -215,8 +215,20 @@ fn open_objects(
     index_dir: &Path,
     limits: &ServerLimits,
 ) -> Result<Dataset, CatalogError> {
-    let at = ObjectsAt { url, settings, limits: ObjectLimits::of(limits) };
-    Dataset::open_objects(name, at, Some(index_dir), &IndexOptions::default(), &NoProgress, limits.io_policy())
+    open_objects_with(name, url, settings, Some(index_dir), limits, false)
+}
+
+/// [`open_objects`] with or without an `index_dir`, the index kept in the bucket or not.
+fn open_objects_with(
+    name: &str,
+    url: &str,
+    settings: &BTreeMap<String, String>,
+    index_dir: Option<&Path>,
+    limits: &ServerLimits,
+    index_in_bucket: bool,
+) -> Result<Dataset, CatalogError> {
+    let at = ObjectsAt { url, settings, limits: ObjectLimits::of(limits), index_in_bucket };
+    Dataset::open_objects(name, at, index_dir, &IndexOptions::default(), &NoProgress, limits.io_policy())
 }
 
 /// Limits under which an object dataset's every read is a ranged GET (`resident=0`: no shard held in
@@ -570,16 +582,23 @@ fn wrong_credentials_a_missing_bucket_and_no_store_are_clear_errors_at_start() {
     assert!(e.contains("unknown setting \"no_such_setting\""), "{e}");
 }
 
-/// Two servers over one bucket, each with its own `index_dir`, behind one mount: they serve the same
-/// plans, and when one stops mid-epoch (its responses cut) the epoch completes from the other, intact.
+/// Two servers over one bucket behind one mount: they serve the same plans, and when one stops
+/// mid-epoch (its responses cut) the epoch completes from the other, intact. The first keeps its index
+/// in the bucket (`index_in_bucket`), and the second, with no `index_dir` of its own, starts from it,
+/// reading no sample.
 #[test]
 fn two_servers_over_one_bucket_are_replicas_and_one_may_die_mid_epoch() {
     let Some(Bucket { weed, fx, url, index_dir: dir_a }) = tfrecord_bucket(400) else { return };
     let rt = runtime();
-    let dir_b = tempfile::tempdir().unwrap();
     let limits = ServerLimits { drain_timeout: Duration::ZERO, ..by_gets() };
-    let a = open_objects("d", &url, &weed.settings(), dir_a.path(), &limits).unwrap();
-    let b = open_objects("d", &url, &weed.settings(), dir_b.path(), &limits).unwrap();
+    let a = open_objects_with("d", &url, &weed.settings(), Some(dir_a.path()), &limits, true).unwrap();
+    assert_eq!(a.origin, batchfs::source::IndexOrigin::Built);
+    let b = open_objects_with("d", &url, &weed.settings(), None, &limits, true).unwrap();
+    assert_eq!(b.origin, batchfs::source::IndexOrigin::Loaded);
+    let read = b.storage.objects().unwrap().counters.gets.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(read, 0, "the replica read objects to start");
+    // The kept index is never a file of the dataset.
+    assert!(b.index.side.iter().chain(&b.index.shards).all(|f| !f.path.contains("batchfs-index")));
     let a = rt.block_on(serve(None, vec![a], limits.clone()));
     let b = rt.block_on(serve(None, vec![b], limits));
     let local = rt.block_on(common::serve(&[("d", &fx.path)], Default::default()));
