@@ -15,7 +15,7 @@ use std::path::Path;
 use std::process::Command;
 
 /// Runs `loaders.py` with `python`, or `None` when `module` does not import there (outside CI).
-fn run_loader(python: &str, module: &str, args: &[&str]) -> Option<Value> {
+pub(crate) fn run_loader(python: &str, module: &str, args: &[&str]) -> Option<Value> {
     let probe = Command::new(python).args(["-c", &format!("import {module}")]).output();
     if !probe.as_ref().is_ok_and(|o| o.status.success()) {
         assert!(std::env::var_os("CI").is_none(), "CI must install {module} for {python} (see .ci/run)");
@@ -41,7 +41,7 @@ fn records(fx: &common::Fixture, order: impl IntoIterator<Item = u32>) -> Vec<Va
 }
 
 /// The records of every sample of `epoch`, in plan order.
-fn planned_records(fx: &common::Fixture, epoch: u64, options: PlanOptions) -> Vec<Value> {
+pub(crate) fn planned_records(fx: &common::Fixture, epoch: u64, options: PlanOptions) -> Vec<Value> {
     records(fx, EpochPlan::new(fx.options.samples, epoch, options).unwrap().order().iter().copied())
 }
 

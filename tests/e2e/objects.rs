@@ -394,7 +394,8 @@ async fn ds_bytes(server: &Server, client: &reqwest::Client) -> u64 {
 }
 
 /// The same through the real mount: an epoch read through FUSE from the object dataset is the local
-/// dataset's, file for file, and so is `raw/`.
+/// dataset's, file for file, and so is `raw/`; and DALI's TFRecord reader and PyTorch's DataLoader, at
+/// their defaults, read a later epoch of it, every sample in the plan's order.
 #[test]
 fn a_mount_of_an_object_dataset_reads_what_a_mount_of_the_local_copy_reads() {
     let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(400) else { return };
@@ -413,6 +414,24 @@ fn a_mount_of_an_object_dataset_reads_what_a_mount_of_the_local_copy_reads() {
             assert!(want == got, "{} differs", rel.display());
         }
     }
+    let plan = batchfs::plan::PlanOptions { batch_size: 32, ..Default::default() };
+    let epoch = objects.mountpoint.join("epoch-0002");
+    let dir = epoch.to_str().unwrap();
+    if let Some(got) = crate::loaders::run_loader("python3", "nvidia.dali", &["dali", dir, "--records"]) {
+        assert!(got["records"].as_array().unwrap() == &crate::loaders::planned_records(&fx, 2, plan), "DALI");
+    }
+    if let Some(got) = crate::loaders::run_loader("/usr/bin/python3", "torch", &["torch", dir]) {
+        // Every batch file whole: as many, and as many bytes, as the local copy's.
+        let batches: Vec<u64> = walk(&local.mountpoint.join("epoch-0002"))
+            .iter()
+            .filter(|p| !p.to_string_lossy().ends_with(".idx"))
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .collect();
+        let (files, bytes) = (batches.len() as u64, batches.iter().sum::<u64>());
+        assert_eq!((got["samples"].as_u64(), got["bytes"].as_u64()), (Some(files), Some(bytes)), "PyTorch");
+    }
+    let stats = common::mount_stats(&objects.mountpoint);
+    assert_eq!((stats["checksum_errors"].as_u64(), stats["errors"].as_u64()), (Some(0), Some(0)), "{stats}");
     drop((local, objects));
     rt.block_on(server.running.shutdown());
 }
