@@ -8,25 +8,32 @@
 //! `object_store`'s (`endpoint`, `region`, `access_key_id`, `allow_http`, ...).
 //!
 //! **Indexing** lists the prefix (names, sizes, ETags, last-modified: the index records them, and a
-//! listing that differs rebuilds it), then reads each object once, by ranged GETs of `object_part`
-//! bytes, `object_requests` at once, into a file staged on local disk that the format's indexer reads
-//! like a local shard (an LMDB environment is opened by LMDB itself, so it must be a file). The staged
-//! copy is removed as soon as the object is indexed: the disk holds one object at a time.
+//! listing that differs rebuilds it), then reads each object once: one larger than `object_part` by
+//! ranged GETs of that size, 8 at once, into a file staged on local disk that the format's indexer reads
+//! like a local shard (an LMDB environment is opened by LMDB itself, so it must be a file; the copy is
+//! removed as soon as the object is indexed), smaller ones (a file tree's) many at once, in memory. A
+//! copy is checked against the object's ETag where that is its MD5. The index is kept in `index_dir`
+//! and, with `index_in_bucket`, beside the data as `PREFIX/.batchfs-index`.
+//!
+//! **Held in memory.** Whole objects within the server's `resident` budget are read once at start and
+//! served from memory like mapped shards (`storage.rs`); what follows is for the others.
 //!
 //! **Serving** reads what a body needs by ranged GETs, each carrying `If-Match` with the indexed ETag.
-//! What is fetched is always whole *units* whose CRC32C the index holds: a sample's part, or (for the
-//! ranges of `raw/` and whatever lies outside the parts) the [`CHUNK_BYTES`] chunks of the object. Units
-//! of one object that lie within `object_gap` bytes of each other are read by one GET (LMDBIO's
-//! coalescing, [`coalesce`]), and every unit is checked against its CRC32C before anything is sent or
-//! kept, so a byte the store (or the network) gets wrong is refetched, never served. Checked units are
-//! kept in a block cache of `object_cache` bytes shared by every object dataset of the server; a unit
-//! being fetched is waited for rather than fetched twice, so two mounts reading the same epoch read the
-//! bucket once. The server's readahead along the plan (`readahead_batches`) fills the same cache.
+//! What is fetched is always whole *units* the index can check ([`Unit`]): a sample's part, a TFRecord
+//! part's whole frame, or (for the ranges of `raw/` and whatever lies outside the parts) the
+//! [`CHUNK_BYTES`] chunks of the object. A body chunk ends where a unit does ([`take_of`]). Units of one
+//! object that lie within `object_gap` bytes of each other are read by one GET (LMDBIO's coalescing,
+//! [`coalesce`]), and every unit is checked before anything is sent or kept, so a byte the store (or the
+//! network) gets wrong is refetched, never served. Checked units are kept in a block cache of
+//! `object_cache` bytes shared by every object dataset of the server; a unit being fetched is waited for
+//! rather than fetched twice, so two mounts reading the same epoch read the bucket once. The server's
+//! readahead along the plan (`readahead_batches`) fills the same cache where it can hold it
+//! ([`worth_reading_ahead`]).
 //!
 //! **Faults.** `object_store` retries throttling (`503 SlowDown`), `5xx`, resets and timeouts with
-//! backoff; a unit that still fails its checksum after [`FETCH_ATTEMPTS`] reads is an error. An object
-//! whose ETag is no longer the indexed one (`412`, a different ETag, or gone) is *changed*: its shard is
-//! refused from then on (see `storage.rs`), and a restart re-indexes it.
+//! backoff for `object_retry_for`; a unit that still fails its check after [`FETCH_ATTEMPTS`] reads is an
+//! error. An object whose ETag is no longer the indexed one (`412`, a different ETag or size, or gone) is
+//! *changed*: its shard is refused from then on (see `storage.rs`), and a restart re-indexes it.
 
 use crate::config::ServerLimits;
 use batchfs::index::{chunk_count, Index, ShardInfo, CHUNK_BYTES};
@@ -924,14 +931,14 @@ impl BlockCache {
     /// Each unit's bytes: from the cache, from a fetch already running, or fetched now (coalesced).
     async fn get_or_fetch(&self, source: &Arc<ObjectSource>, units: &[Unit]) -> Result<Vec<Bytes>, ReadError> {
         for round in 0..2 {
-            let mut waits: Vec<Option<Pending>> = Vec::with_capacity(units.len());
+            let mut waits: Vec<Pending> = Vec::with_capacity(units.len());
             let mut senders = Vec::new();
             {
                 let mut inner = self.inner.lock().expect("cache");
                 for (i, u) in units.iter().enumerate() {
                     let key = (source.id, *u);
                     if let Some((_, pending)) = inner.units.get(&key) {
-                        waits.push(Some(pending.clone()));
+                        waits.push(pending.clone());
                         continue;
                     }
                     let (tx, rx) = tokio::sync::oneshot::channel::<Result<Bytes, Arc<str>>>();
@@ -941,7 +948,7 @@ impl BlockCache {
                             .shared();
                     inner.units.put(key, (u.len, pending.clone()));
                     inner.bytes += u.len;
-                    waits.push(Some(pending));
+                    waits.push(pending);
                     senders.push((i, tx));
                 }
                 inner.evict();
@@ -988,7 +995,7 @@ impl BlockCache {
             let mut waited = 0u64;
             let mut retry = false;
             for pending in waits {
-                match pending.expect("every unit waits").await {
+                match pending.await {
                     Ok(bytes) => {
                         waited += bytes.len() as u64;
                         out.push(bytes);
