@@ -192,8 +192,8 @@ limits! {
     object_timeout: Duration = Duration::from_secs(30), value::duration, "30s", "DURATION",
         "Time allowed for one request to the object store (a stalled one is retried).";
     object_retry_for: Duration = Duration::from_secs(60), value::duration, "60s", "DURATION",
-        "How long failed or throttled requests to the object store are retried, with backoff, before the \
-         read fails.";
+        "How long failed or throttled requests to the object store are retried at most (with backoff, 10 \
+         retries at most) before the read fails.";
 }
 
 /// One dataset to serve.
