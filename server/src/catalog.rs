@@ -36,6 +36,24 @@ pub enum CatalogError {
     TooLarge { name: String },
 }
 
+impl CatalogError {
+    /// Why the storage of dataset `name` cannot be opened.
+    fn opening(name: &str, e: OpenError) -> Self {
+        match e {
+            OpenError::Changed { path } => CatalogError::Changed { name: name.to_owned(), path },
+            OpenError::Cannot { path, source } => CatalogError::Map { name: name.to_owned(), path, source },
+        }
+    }
+
+    /// Whether dataset `name`'s samples can be numbered (`u32`), before its storage is opened.
+    fn fits(name: &str, index: &Index) -> Result<(), Self> {
+        match index.samples.len() > u32::MAX as usize {
+            true => Err(CatalogError::TooLarge { name: name.to_owned() }),
+            false => Ok(()),
+        }
+    }
+}
+
 /// One file of a dataset's directory as served under `files/`. A stored file's path, size and
 /// checksums are the index's (not copied: a tree of a million files would hold them twice).
 pub enum ServedFile {
@@ -107,20 +125,16 @@ impl Dataset {
     ) -> Result<Dataset, CatalogError> {
         let (index, origin) = source::load_or_build(root, name, index_dir, options, progress)
             .map_err(|source| CatalogError::Index { name: name.to_owned(), source })?;
-        if index.samples.len() > u32::MAX as usize {
-            return Err(CatalogError::TooLarge { name: name.to_owned() });
-        }
-        let storage = Arc::new(Storage::open(name, root, &index, io).map_err(|e| match e {
-            OpenError::Changed { path } => CatalogError::Changed { name: name.to_owned(), path },
-            OpenError::Cannot { path, source } => CatalogError::Map { name: name.to_owned(), path, source },
-        })?);
+        CatalogError::fits(name, &index)?;
+        let storage = Arc::new(Storage::open(name, root, &index, io).map_err(|e| CatalogError::opening(name, e))?);
         Ok(Dataset::of(name, root, index, origin, storage))
     }
 
     /// Lists (or loads the index of, when the listing is unchanged) the object dataset `name` at
     /// `at.url` (`s3://BUCKET/PREFIX`, `at.settings` over the `AWS_*` environment) and indexes it from
-    /// ranged reads (see `objects.rs`). The index is kept in `index_dir` (`NAME.batchfs-index`), objects are staged
-    /// there while indexed (else in the system's temporary directory, and the index is not kept).
+    /// ranged reads (see `objects.rs`). The index is kept in `index_dir` (`NAME.batchfs-index`), objects
+    /// are staged there while indexed (else in the system's temporary directory, and the index is not
+    /// kept).
     /// Whole shards that fit in `io.resident` are held in the server's memory (see `storage.rs`).
     pub fn open_objects(
         name: &str,
@@ -142,13 +156,10 @@ impl Dataset {
         let (index, origin) =
             source::load_or_build_listed(&objects, name, path.as_deref(), settings, shards, side, progress)
                 .map_err(index_err)?;
-        if index.samples.len() > u32::MAX as usize {
-            return Err(CatalogError::TooLarge { name: name.to_owned() });
-        }
-        let storage = Arc::new(Storage::of_objects(name, Arc::new(objects), &index, io).map_err(|e| match e {
-            OpenError::Changed { path } => CatalogError::Changed { name: name.to_owned(), path },
-            OpenError::Cannot { path, source } => CatalogError::Map { name: name.to_owned(), path, source },
-        })?);
+        CatalogError::fits(name, &index)?;
+        let storage = Arc::new(
+            Storage::of_objects(name, Arc::new(objects), &index, io).map_err(|e| CatalogError::opening(name, e))?,
+        );
         Ok(Dataset::of(name, Path::new(url), index, origin, storage))
     }
 

@@ -353,23 +353,17 @@ impl Storage {
     /// cache, all at once, where the cache can hold them: [`crate::objects::worth_reading_ahead`]).
     /// Blocks: call on the blocking pool.
     pub fn warm_all(&self, ranges: &[(u32, u64, u64)]) -> std::io::Result<()> {
-        if self.objects.is_some() {
-            let (remote, held): (Vec<_>, Vec<_>) =
-                ranges.iter().partition(|r| matches!(self.shard(r.0), Shard::Object { .. }));
-            for (shard, offset, len) in held {
-                self.warm(shard, offset, len)?;
-            }
-            let bytes = remote.iter().map(|r| r.2).sum();
-            if remote.is_empty() || !crate::objects::worth_reading_ahead(bytes) {
-                return Ok(());
-            }
-            return self.read_objects(&remote).map(drop);
-        }
-        for &(shard, offset, len) in ranges {
+        let (remote, local): (Vec<_>, Vec<_>) =
+            ranges.iter().partition(|r| matches!(self.shard(r.0), Shard::Object { .. }));
+        for &(shard, offset, len) in &local {
             self.will_need(shard, offset, len);
         }
-        for &(shard, offset, len) in ranges {
+        for &(shard, offset, len) in &local {
             self.warm(shard, offset, len)?;
+        }
+        let bytes = remote.iter().map(|r| r.2).sum();
+        if !remote.is_empty() && crate::objects::worth_reading_ahead(bytes) {
+            self.read_objects(&remote)?;
         }
         Ok(())
     }
@@ -481,6 +475,7 @@ impl Storage {
             Shard::Closed { path, .. } => advise(&File::open(path)?, offset, len, libc::POSIX_FADV_WILLNEED),
             // Direct reads bypass the page cache: pages brought in ahead would only be read twice.
             Shard::Direct { .. } => Ok(()),
+            // Read into the block cache (`warm_all` reads a batch's ranges at once, where the cache holds them).
             Shard::Object { .. } => self.read_objects(&[(n, offset, len)]).map(drop),
         }
     }
