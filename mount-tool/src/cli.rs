@@ -20,6 +20,8 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Mount a dataset: `batchfs mount http://storage:7878/imagenet /mnt/imagenet -o batch_size=256`.
+    /// `batchfs mount --upgrade DIR` replaces the worker serving the mount at DIR by the program installed
+    /// now, without unmounting.
     Mount(Box<MountArgs>),
     /// Unmount a batchfs mount.
     Umount {
@@ -117,6 +119,11 @@ pub fn run() -> Result<()> {
     // `batchfs URL DIR -o ...`, as mount.fuse3 runs the program of a `fuse.batchfs` entry.
     if args.get(1).and_then(|a| a.to_str()).is_some_and(|a| a.starts_with("http://") || a.starts_with("https://")) {
         args.insert(1, "mount".into());
+    }
+    // `batchfs mount --upgrade DIR`: the mount's supervisor replaces its worker by the program installed now.
+    if args.get(1).is_some_and(|a| a == "mount") && args.get(2).is_some_and(|a| a == "--upgrade") {
+        let Some(dir) = args.get(3).filter(|_| args.len() == 4) else { bail!("usage: batchfs mount --upgrade DIR") };
+        return crate::supervise::upgrade(Path::new(dir));
     }
     let cli = Cli::parse_from(args);
     match cli.command {
@@ -275,6 +282,18 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
                     "not measured yet".to_owned()
                 }
             ),
+        ),
+        (
+            "worker".to_owned(),
+            match s.supervisor_pid {
+                0 => format!("pid {} (unsupervised)", s.worker_pid),
+                sup => format!(
+                    "pid {} under supervisor {sup}; {} takeovers (last {:.1} ms without service)",
+                    s.worker_pid,
+                    s.worker_restarts,
+                    s.last_takeover_us as f64 / 1e3
+                ),
+            },
         ),
         ("cache bytes".to_owned(), format!("{:.1} MB", s.cache_bytes as f64 / 1e6)),
         ("fetched".to_owned(), format!("{:.1} MB", s.fetched_bytes as f64 / 1e6)),

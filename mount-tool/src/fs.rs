@@ -106,6 +106,25 @@ impl Fs {
         Fs { prefetcher, options, raw: RawTree::new(), rolling, shuffled }
     }
 
+    /// Writes the views' state through to `ledger` (for a worker that takes over this mount), having taken
+    /// what it holds (a worker before this one wrote it): `rolling/`'s counters and readers, `shuffled/`'s
+    /// cursors, and `raw/`'s listings, listed again in their order before `raw/` answers.
+    pub fn record_in(&mut self, ledger: Arc<crate::ledger::Ledger>) {
+        self.rolling.record_in(ledger.clone());
+        self.shuffled.record_in(ledger.clone());
+        self.raw.record_in(ledger, self.prefetcher.clone());
+    }
+
+    /// Process `owner` has handle of `ino` open, opened under a worker before this one: held again as the
+    /// open held it (a `rolling/` packed file is found by name by its process until released).
+    pub fn adopted(&self, ino: u64, owner: u32) {
+        if let Some(Node::Rolling { epoch, batch, file: file @ (RollingFile::Packed | RollingFile::PackedIndex) }) =
+            Node::from_ino(ino)
+        {
+            self.rolling.hold(batch, file, epoch, owner);
+        }
+    }
+
     /// Directory node `n` of `raw/`, listed from the server if it is not yet (`raw/` hidden: none).
     fn raw_listed(&self, n: u32) -> Result<(), FsError> {
         if !self.options.raw {
@@ -1019,6 +1038,79 @@ mod tests {
         assert_eq!(fs.open(file, true).unwrap_err().errno(), libc::EROFS);
         assert_eq!(fs.read(e0, 0, 10, 1).unwrap_err().errno(), libc::EISDIR);
         assert_eq!(fs.getattr(12345).unwrap_err().errno(), libc::ENOENT);
+    }
+
+    /// Resolves `path` from the root for process `owner`: its inode.
+    fn resolve(fs: &Fs, path: &str, owner: u32) -> u64 {
+        path.split('/').fold(ROOT, |dir, name| fs.lookup(dir, name, owner).unwrap().node.ino())
+    }
+
+    /// A new worker (a new `Fs` over the same ledger) numbers every view as the last one did, whatever
+    /// order it is asked in: `raw/` walked in another order, `rolling/` names at the epochs the last worker
+    /// moved them to, epoch directories, `.batchfs`.
+    #[test]
+    fn a_new_worker_numbers_every_view_as_the_last_one_did() {
+        let ledger = Arc::new(crate::ledger::Ledger::create().unwrap());
+        let (_rt, mut old) = fs(BatchFormat::Tfrecord);
+        old.record_in(ledger.clone());
+        let paths = [
+            "raw/b/c/z.jpg",
+            "raw/top.txt",
+            "raw/a/y.jpg",
+            "raw/a",
+            ".batchfs/stats",
+            "epoch-0001/batch-000002.tfrecord",
+        ];
+        let inos: Vec<u64> = paths.iter().map(|p| resolve(&old, p, 0)).collect();
+        // rolling/: batch 0 opened twice (at epoch 1 next), batch 1 once.
+        for name in ["batch-000000.tfrecord", "batch-000000.tfrecord", "batch-000001.tfrecord"] {
+            let ino = resolve(&old, &format!("rolling/{name}"), 0);
+            old.opened(ino, 0);
+        }
+        let rolling: Vec<u64> = (0..3).map(|b| resolve(&old, &format!("rolling/batch-{b:06}.tfrecord"), 0)).collect();
+        drop(old);
+
+        let (_rt, mut new) = fs(BatchFormat::Tfrecord);
+        new.record_in(ledger);
+        // The kernel holds the inodes: asked first by number, before any lookup.
+        assert_eq!(new.getattr(inos[0]).unwrap().size, "contents of b/c/z.jpg".len() as u64);
+        let mut again: Vec<(usize, u64)> =
+            paths.iter().enumerate().rev().map(|(i, p)| (i, resolve(&new, p, 0))).collect();
+        again.reverse();
+        assert_eq!(again.into_iter().map(|(_, ino)| ino).collect::<Vec<_>>(), inos);
+        let now: Vec<u64> = (0..3).map(|b| resolve(&new, &format!("rolling/batch-{b:06}.tfrecord"), 0)).collect();
+        assert_eq!(now, rolling, "each rolling/ name at the epoch the last worker moved it to");
+        assert_eq!(Node::from_ino(now[0]), Some(Node::Rolling { epoch: 0, batch: 0, file: RollingFile::Packed }));
+        assert_eq!(Node::from_ino(now[1]), Some(Node::Rolling { epoch: 1, batch: 1, file: RollingFile::Packed }));
+        // A fresh tree numbers raw/ by its own walk: the same paths, other numbers (what the ledger prevents).
+        let (_rt, fresh) = fs(BatchFormat::Tfrecord);
+        assert_ne!(resolve(&fresh, "raw/a/y.jpg", 0), inos[2]);
+    }
+
+    /// A new worker's `shuffled/` hands out the sample after the last one the old worker handed out.
+    #[test]
+    fn a_new_worker_hands_out_shuffled_samples_from_where_the_last_one_stopped() {
+        let take = |fs: &Fs, n: usize| -> Vec<u64> {
+            let dir = resolve(fs, "shuffled/c0", 0);
+            let names = fs.dir_entries(dir, 0).unwrap();
+            (0..n)
+                .map(|i| {
+                    let ino = fs.lookup_as(dir, &names[2 + i].2, 1, 50).unwrap().node.ino();
+                    fs.opened_as(ino, 1, 50);
+                    ino
+                })
+                .collect()
+        };
+        let (_rt, reference, _) = class_tree(&[6, 2], (0, 1));
+        let all = take(&reference, 5);
+        let ledger = Arc::new(crate::ledger::Ledger::create().unwrap());
+        let (_rt, mut old, _) = class_tree(&[6, 2], (0, 1));
+        old.record_in(ledger.clone());
+        assert_eq!(take(&old, 3), all[..3]);
+        drop(old);
+        let (_rt, mut new, _) = class_tree(&[6, 2], (0, 1));
+        new.record_in(ledger);
+        assert_eq!(take(&new, 2), all[3..], "the samples after the old worker's, not its first again");
     }
 
     /// The reference model of [`fs`]'s tree (tfrecord format): every path, `None` for a directory, the

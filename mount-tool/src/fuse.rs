@@ -16,15 +16,18 @@
 
 use crate::fs::handles::{Handles, Mode, Owners, Released};
 use crate::fs::{Attr, Fs, FsError, Node};
+use crate::ledger::{Ledger, Settings};
 use crate::stats::Stats;
-use fuser::{BackingId, InitFlags, Notifier};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig, LockOwner,
     OpenFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
     ReplyWrite, Request,
 };
+use fuser::{InitFlags, Notifier};
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -32,12 +35,8 @@ use std::time::Duration;
 /// How long the kernel may cache names and attributes: batch files never change.
 const TTL: Duration = Duration::from_secs(3600);
 
-/// A backing file registered with the kernel: the id lives until the inode's last handle is released
-/// (the kernel resolves it after the open reply, so dropping it at once makes opens fail with EIO).
-struct Backing {
-    id: BackingId,
-    _file: Arc<File>,
-}
+/// The bit the kernel sets in the id of a request it re-sends (`FUSE_UNIQUE_RESEND`, Linux 6.9).
+pub const RESENT: u64 = 1 << 63;
 
 /// The fuser-facing filesystem.
 pub struct FuseFs {
@@ -47,8 +46,12 @@ pub struct FuseFs {
     /// Tells the kernel to drop the page cache of files read through the daemon at their last close
     /// (`page_cache=drop`); set once the session exists.
     drop_page_cache: Option<Arc<OnceLock<Notifier>>>,
-    opens: Mutex<Handles<Backing>>,
+    opens: Mutex<Handles>,
+    /// The memory files of inodes open by passthrough, held while they are (the cache keeps a held file).
+    files: Mutex<HashMap<u64, Arc<File>>>,
     owners: Owners,
+    /// The connection's `/dev/fuse` descriptor (set once the session exists): backing ids close on it.
+    device: Arc<OnceLock<OwnedFd>>,
 }
 
 impl FuseFs {
@@ -59,7 +62,9 @@ impl FuseFs {
             passthrough: AtomicBool::new(passthrough),
             drop_page_cache: None,
             opens: Mutex::new(Handles::default()),
+            files: Mutex::new(HashMap::new()),
             owners: Owners::default(),
+            device: Arc::new(OnceLock::new()),
         }
     }
 
@@ -70,22 +75,88 @@ impl FuseFs {
         self
     }
 
-    /// Opens `ino` for reading: in the mode the inode is already open in, else by passthrough when on.
+    /// Where the caller puts the connection's descriptor once the session exists (backing ids are closed
+    /// on it).
+    pub fn device(&self) -> Arc<OnceLock<OwnedFd>> {
+        self.device.clone()
+    }
+
+    /// Serves a connection whose `INIT` an earlier process answered (`settings`), taking over from the
+    /// worker before this one what `ledger` holds: every open handle with its mode and backing id, the
+    /// views' state, and the backing ids it left registered and unrecorded (closed now). `device` is the
+    /// connection's descriptor.
+    pub fn take_over(mut self, ledger: Arc<Ledger>, settings: Settings, device: OwnedFd) -> Self {
+        self.passthrough.store(settings.passthrough, Ordering::Relaxed);
+        self.fs.set_passthrough(settings.passthrough);
+        self.fs.record_in(ledger.clone());
+        let (handles, closing) = Handles::restore(ledger.clone(), || self.fs.stats_json());
+        let files = handles.files();
+        for &(_, ino, owner) in &files {
+            self.fs.adopted(ino, owner);
+        }
+        let live: HashSet<u32> = files
+            .iter()
+            .filter_map(|&(_, ino, _)| match handles.mode(ino) {
+                Some(Mode::Passthrough(id)) => Some(id),
+                _ => None,
+            })
+            .collect();
+        // A worker killed between registering a backing id and recording it leaves the id registered:
+        // ids are handed out in turn, so it is one of the last few; none that a live handle uses is closed.
+        let max = ledger.max_backing();
+        let mut closed = 0;
+        for id in closing.into_iter().chain(max.saturating_sub(SWEPT) + 1..=max.saturating_add(SWEPT)) {
+            if !live.contains(&id) && crate::sys::close_backing(device.as_fd(), id).is_ok() {
+                closed += 1;
+            }
+        }
+        tracing::info!(handles = files.len(), passthrough = live.len(), closed, "took over the open handles");
+        *self.opens.get_mut().expect("opens") = handles;
+        let _ = self.device.set(device);
+        self
+    }
+
+    /// Records handles in `ledger` from the first open (the first worker of a supervised mount).
+    pub fn record_in(mut self, ledger: Arc<Ledger>) -> Self {
+        self.fs.record_in(ledger.clone());
+        *self.opens.get_mut().expect("opens") = Handles::recorded(ledger);
+        self
+    }
+
+    /// Closes backing id `id` on the connection.
+    fn close_backing(&self, id: u32) {
+        if let Some(device) = self.device.get() {
+            if let Err(e) = crate::sys::close_backing(device.as_fd(), id) {
+                tracing::debug!(id, error = %e, "cannot close a backing id");
+            }
+        }
+    }
+
+    /// Opens `ino` for reading: in the mode the inode is already open in, else by passthrough when on. An
+    /// open the kernel re-sends (its last worker died before answering it) gets the handle recorded for it.
     fn open_file(&self, req: &Request, ino: u64, reply: ReplyOpen) {
         let owner = self.owners.of(req.pid());
         let stats = self.fs.stats();
+        let unique = req.unique().0;
         {
             let mut opens = self.opens.lock().expect("opens");
+            if unique & RESENT != 0 {
+                if let Some((fh, mode)) = opens.resent(unique & !RESENT) {
+                    return reply_open(fh, mode.unwrap_or(Mode::Daemon), reply);
+                }
+            }
             if let Some(mode) = opens.mode(ino) {
                 if let Mode::Passthrough(_) = mode {
                     // The file's bytes are in the kernel already: a hit.
                     Stats::add(&stats.passthrough_opens, 1);
                     Stats::add(&stats.hits, 1);
                 }
-                return self.reply_open(req, &mut opens, ino, Mode::Daemon, reply);
+                self.open_as(req, &mut opens, ino, Mode::Daemon, reply);
+                return;
             }
         }
         let mut mode = Mode::Daemon;
+        let mut made = None;
         if self.passthrough.load(Ordering::Relaxed) {
             // Waits for the file (bounded by `timeout`), holding no lock.
             let file = match self.fs.backing_file(ino, owner) {
@@ -98,7 +169,14 @@ impl FuseFs {
             // A large source file has no backing file: it reads through the daemon, chunk by chunk.
             if let Some(file) = file {
                 match reply.open_backing(&*file) {
-                    Ok(id) => mode = Mode::Passthrough(Backing { id, _file: file }),
+                    Ok(id) => {
+                        let id = id.into_raw();
+                        if let Some(ledger) = self.opens.lock().expect("opens").ledger() {
+                            ledger.backing_registered(id);
+                        }
+                        mode = Mode::Passthrough(id);
+                        made = Some((id, file));
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
                         self.passthrough.store(false, Ordering::Relaxed);
@@ -108,21 +186,28 @@ impl FuseFs {
             }
         }
         let mut opens = self.opens.lock().expect("opens");
-        self.reply_open(req, &mut opens, ino, mode, reply);
+        let got = self.open_as(req, &mut opens, ino, mode, reply);
+        if let Some((id, file)) = made {
+            if got == Mode::Passthrough(id) {
+                self.files.lock().expect("files").insert(ino, file);
+            } else {
+                // Another open of the inode finished first: its mode stands, this backing id goes.
+                self.close_backing(id);
+            }
+        }
     }
 
     /// Opens one more handle of `ino` for `owner` in the mode it is open in, or in `mode` if it is not
     /// open (another open may have finished meanwhile: its mode wins), and replies; the open got its file.
-    fn reply_open(&self, req: &Request, opens: &mut Handles<Backing>, ino: u64, mode: Mode<Backing>, reply: ReplyOpen) {
+    fn open_as(&self, req: &Request, opens: &mut Handles, ino: u64, mode: Mode, reply: ReplyOpen) -> Mode {
         let owner = self.owners.of(req.pid());
         self.fs.opened_as(ino, owner, req.pid());
-        match opens.open(ino, owner, mode) {
-            (fh, Mode::Daemon) => {
-                Stats::add(&self.fs.stats().daemon_opens, 1);
-                reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
-            }
-            (fh, Mode::Passthrough(b)) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &b.id),
+        let (fh, mode) = opens.open(ino, owner, mode, req.unique().0 & !RESENT);
+        if mode == Mode::Daemon {
+            Stats::add(&self.fs.stats().daemon_opens, 1);
         }
+        reply_open(fh, mode, reply);
+        mode
     }
 
     fn file_attr(&self, a: &Attr) -> FileAttr {
@@ -158,25 +243,50 @@ impl FuseFs {
     }
 }
 
+/// Backing ids on each side of the largest recorded that a takeover closes unless a handle uses them.
+const SWEPT: u32 = 256;
+
+/// Replies to an open with handle `fh` reading in `mode`.
+fn reply_open(fh: u64, mode: Mode, reply: ReplyOpen) {
+    match mode {
+        Mode::Daemon => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+        Mode::Passthrough(id) => {
+            // SAFETY: `id` is open on this connection (the handle table holds it) and is not closed here:
+            // `into_raw` takes it back from the wrapper.
+            let backing = unsafe { reply.wrap_backing(id) };
+            reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &backing);
+            let _ = backing.into_raw();
+        }
+    }
+}
+
+/// What `INIT` settles, for a mount that wants `passthrough`: the largest readahead, a deep background
+/// queue, and passthrough where the kernel offers it (returned). The supervisor's negotiation and an
+/// unsupervised mount's share it.
+pub fn negotiate(config: &mut KernelConfig, passthrough: bool) -> bool {
+    // The largest readahead the kernel allows (it offers its bdi's), and a deep background queue:
+    // readahead and async reads of many reader threads in flight at once.
+    if let Err(max) = config.set_max_readahead(16 << 20) {
+        let _ = config.set_max_readahead(max);
+    }
+    let _ = config.set_max_background(256);
+    let _ = config.set_congestion_threshold(192);
+    let on = passthrough
+        && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+        && config.set_max_stack_depth(1).is_ok();
+    if passthrough && !on {
+        tracing::info!("the kernel offers no FUSE passthrough: reads go through the daemon");
+    }
+    on
+}
+
 fn errno(e: &FsError) -> Errno {
     Errno::from_i32(e.errno())
 }
 
 impl Filesystem for FuseFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        // The largest readahead the kernel allows (it offers its bdi's), and a deep background queue:
-        // readahead and async reads of many reader threads in flight at once.
-        if let Err(max) = config.set_max_readahead(16 << 20) {
-            let _ = config.set_max_readahead(max);
-        }
-        let _ = config.set_max_background(256);
-        let _ = config.set_congestion_threshold(192);
-        let on = self.passthrough.load(Ordering::Relaxed)
-            && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
-            && config.set_max_stack_depth(1).is_ok();
-        if self.passthrough.load(Ordering::Relaxed) && !on {
-            tracing::info!("the kernel offers no FUSE passthrough: reads go through the daemon");
-        }
+        let on = negotiate(config, self.passthrough.load(Ordering::Relaxed));
         self.passthrough.store(on, Ordering::Relaxed);
         self.fs.set_passthrough(on);
         Ok(())
@@ -201,7 +311,8 @@ impl Filesystem for FuseFs {
         let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
         match self.fs.open(ino.0, write) {
             Ok(Node::Stats) => {
-                let fh = self.opens.lock().expect("opens").open_snapshot(self.fs.stats_json());
+                let json = self.fs.stats_json();
+                let fh = self.opens.lock().expect("opens").open_snapshot(json, req.unique().0 & !RESENT);
                 reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO)
             }
             // Immutable data: keep the page cache across opens (mmap readers need the page cache too).
@@ -225,7 +336,12 @@ impl Filesystem for FuseFs {
         if let Some(Released { ino, owner, last }) = released {
             self.fs.released(ino, owner);
             if let Some(mode) = last {
-                // Dropping the mode closes the backing id and lets the cache evict the batch.
+                // The backing id closes, and the cache may evict the batch.
+                if let Mode::Passthrough(id) = mode {
+                    self.close_backing(id);
+                    self.files.lock().expect("files").remove(&ino);
+                    self.opens.lock().expect("opens").closed(fh.0);
+                }
                 self.fs.closed(ino);
                 if let (Mode::Daemon, Some(notifier)) = (mode, &self.drop_page_cache) {
                     drop_pages = notifier.get().map(|n| (n, ino));

@@ -222,7 +222,7 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
     Ok(info)
 }
 
-fn fuser_config(plan: &MountPlan) -> fuser::Config {
+pub(crate) fn fuser_config(plan: &MountPlan) -> fuser::Config {
     use fuser::MountOption as M;
     let mut config = fuser::Config::default();
     config.mount_options =
@@ -353,10 +353,50 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
     if plan.options.page_cache == crate::options::PageCache::Drop {
         fs = fs.drop_page_cache(notifier.clone());
     }
+    let device = fs.device();
     let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
         .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?;
     let _ = notifier.set(session.notifier());
+    let _ = device.set(std::os::fd::AsFd::as_fd(&session).try_clone_to_owned()?);
     let session = session.spawn()?;
+    serving(plan, &runtime, &prefetcher)?;
+    Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
+}
+
+/// A worker's mount: serves the connection the supervisor holds (`start`), taking over from the worker
+/// before it (`supervise.rs`), in background threads.
+fn take_over(plan: &MountPlan, start: &crate::supervise::WorkerStart) -> Result<Mounted> {
+    let runtime = runtime()?;
+    let (mut fs, prefetcher) = filesystem(plan, &runtime)?;
+    let _ = prefetcher.stats.ledger.set(start.ledger.clone());
+    let notifier = Arc::new(std::sync::OnceLock::new());
+    if plan.options.page_cache == crate::options::PageCache::Drop {
+        fs = fs.drop_page_cache(notifier.clone());
+    }
+    let fs = fs.take_over(start.ledger.clone(), start.settings, start.fuse.try_clone()?);
+    let mut config = fuser_config(plan);
+    // Re-sent requests are the connection's only if every thread reads the supervisor's descriptor; else
+    // each reads a clone of its own, whose requests fail when this worker dies.
+    config.clone_fd = !start.settings.resend;
+    let fd = match start.settings.resend {
+        true => start.fuse.try_clone()?,
+        false => sys::clone_fuse(std::os::fd::AsFd::as_fd(&start.fuse)).context("cannot clone the connection")?,
+    };
+    let session = fuser::Session::from_fd_initialized(fs, fd, config.acl, config);
+    let _ = notifier.set(session.notifier());
+    let session = session.spawn()?;
+    if start.settings.resend {
+        // What the dead worker had read and not answered comes again, to this one.
+        if let Err(e) = sys::notify_resend(std::os::fd::AsFd::as_fd(&start.fuse)) {
+            tracing::warn!(error = %e, "the kernel refused to re-send the dead worker's requests");
+        }
+    }
+    serving(plan, &runtime, &prefetcher)?;
+    Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
+}
+
+/// What starts once a mount serves: metrics, the kernel readahead, warming.
+fn serving(plan: &MountPlan, runtime: &tokio::runtime::Runtime, prefetcher: &Arc<Prefetcher>) -> Result<()> {
     if let Some(addr) = plan.options.metrics {
         crate::metrics::serve(addr, prefetcher.stats.clone())
             .with_context(|| format!("cannot serve metrics on {addr}"))?;
@@ -375,7 +415,7 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
             }
         });
     }
-    Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
+    Ok(())
 }
 
 /// Checks everything ([`plan`]), mounts and serves until unmounted (or SIGTERM/SIGINT, which unmount).
@@ -383,6 +423,9 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
 /// runtime), and the command returns once the daemon's mount is ready, or fails with the daemon's
 /// reason, checks included.
 pub fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: bool) -> Result<()> {
+    if let Some(start) = crate::supervise::WorkerStart::from_env()? {
+        return work(url, options, start);
+    }
     let mut ready = None;
     if daemonize {
         let (mut parent_end, child_end) = std::os::unix::net::UnixStream::pair()?;
@@ -404,14 +447,36 @@ pub fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: boo
             }
         }
     }
-    let result = plan(url, mountpoint, options).and_then(|plan| serve(&plan, ready.as_mut()));
+    let result = plan(url, mountpoint, options).and_then(|plan| match plan.options.supervise {
+        true => crate::supervise::supervise(&plan, fuser_config(&plan), ready.as_mut()),
+        false => serve(&plan, ready.as_mut(), None),
+    });
     if let (Err(e), Some(pipe)) = (&result, ready.as_mut()) {
         let _ = write!(pipe, "{e:#}");
     }
     result
 }
 
-fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -> Result<()> {
+/// A worker: serves the mount its supervisor holds until the mount ends (exit 0), or until SIGTERM asks
+/// it to step down for a new worker ([`crate::supervise::EXIT_REPLACE`]).
+fn work(url: &str, options: MountOptions, start: crate::supervise::WorkerStart) -> Result<()> {
+    let http = http_config(url, &options)?;
+    let plan = MountPlan {
+        url: url.to_owned(),
+        mountpoint: start.mountpoint.clone(),
+        options,
+        http,
+        info: start.info.clone(),
+    };
+    serve(&plan, None, Some(start))
+}
+
+/// Serves `plan` until it is unmounted: mounted here, or, for a worker, the connection in `start`.
+fn serve(
+    plan: &MountPlan,
+    ready: Option<&mut std::os::unix::net::UnixStream>,
+    start: Option<crate::supervise::WorkerStart>,
+) -> Result<()> {
     let energy = match &plan.options.energy_log {
         Some(path) => Some(
             batchfs_energy::EnergyLog::prepare(path)
@@ -419,18 +484,40 @@ fn serve(plan: &MountPlan, ready: Option<&mut std::os::unix::net::UnixStream>) -
         ),
         None => None,
     };
-    let mounted = spawn(plan)?;
+    let mounted = match &start {
+        Some(start) => take_over(plan, start),
+        None => spawn(plan),
+    };
+    let mounted = match (mounted, start) {
+        (Ok(m), start) => {
+            if let Some(start) = start {
+                start.ready();
+            }
+            m
+        }
+        (Err(e), Some(start)) => {
+            start.failed(&e);
+            return Err(e);
+        }
+        (Err(e), None) => return Err(e),
+    };
     let mountpoint = plan.mountpoint.clone();
+    let worker = plan.options.supervise && ready.is_none() && mounted.prefetcher.stats.ledger.get().is_some();
     mounted.runtime().spawn(async move {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal");
         tokio::select! {
             _ = term.recv() => {}
             _ = tokio::signal::ctrl_c() => {}
         }
+        if worker {
+            // The supervisor holds the mount: this worker steps down for the next.
+            tracing::info!("signal received: the worker steps down");
+            std::process::exit(crate::supervise::EXIT_REPLACE);
+        }
         tracing::info!("signal received: unmounting");
         let _ = sys::unmount(&mountpoint, true);
     });
-    tracing::info!(mountpoint = %plan.mountpoint.display(), url = %plan.url, "mounted");
+    tracing::info!(mountpoint = %plan.mountpoint.display(), url = %plan.url, pid = std::process::id(), "serving");
     if let Some(pipe) = ready {
         let _ = pipe.write_all(b"ok");
         let _ = pipe.shutdown(std::net::Shutdown::Both);

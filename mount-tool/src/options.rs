@@ -272,6 +272,10 @@ options! {
         "Energy timeline with the bytes served, as JSON lines.";
     metrics: Option<std::net::SocketAddr> = None, value::addr, "off", "ADDR", "Daemon",
         "Serve the counters for Prometheus at GET /metrics on this address.";
+    supervise: bool = true, value::switch, "true", "BOOL", "Daemon",
+        "Serve from a worker that a small supervisor holding the mount replaces when it dies or is upgraded.";
+    resend: bool = true, value::switch, "true", "BOOL", "Daemon",
+        "On a takeover, have the kernel re-send what the dead worker had read (Linux 6.9; off: those fail).";
 }
 
 /// Options mount(8) passes that mean nothing to batchfs.

@@ -40,6 +40,8 @@ pub struct Stats {
     pub warm_bytes_total: AtomicU64,
     /// Seconds since the epoch when warming started (0: not started).
     pub warm_started: AtomicU64,
+    /// The supervised mount's ledger, where the supervisor counts its workers.
+    pub ledger: OnceLock<Arc<crate::ledger::Ledger>>,
     /// Bytes of prefetches in flight (the prefetcher's own count, shared).
     pub prefetching: crate::sync::Arc<AtomicU64>,
     /// The cap on them when last checked, and the measured delivery rate (bytes per second).
@@ -124,6 +126,19 @@ pub struct StatsSnapshot {
     /// Warming into the node cache (`warm=raw`), if asked for.
     #[serde(default)]
     pub warm: Option<WarmSnapshot>,
+    /// The process serving the mount now (the worker, under a supervisor).
+    #[serde(default)]
+    pub worker_pid: u32,
+    /// The supervisor holding the mount (0: none; the mount ends with its one process).
+    #[serde(default)]
+    pub supervisor_pid: u32,
+    /// Workers started after the first (each a takeover: a worker died, or was upgraded).
+    #[serde(default)]
+    pub worker_restarts: u64,
+    /// How long the last takeover left the mount without service (µs; 0 before the first). The other
+    /// counters count from the current worker's start.
+    #[serde(default)]
+    pub last_takeover_us: u64,
 }
 
 /// What the node cache did.
@@ -213,6 +228,10 @@ impl Stats {
                 bytes_total: g(&self.warm_bytes_total),
                 seconds: crate::stats::unix_now().saturating_sub(g(&self.warm_started)),
             }),
+            worker_pid: std::process::id(),
+            supervisor_pid: self.ledger.get().map_or(0, |l| l.counters().supervisor_pid),
+            worker_restarts: self.ledger.get().map_or(0, |l| l.counters().restarts),
+            last_takeover_us: self.ledger.get().map_or(0, |l| l.counters().last_takeover_us),
         }
     }
 }

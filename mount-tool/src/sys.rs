@@ -235,6 +235,88 @@ pub fn release_large_allocations() {
     }
 }
 
+/// Closes backing id `id` of the FUSE connection `device` (`FUSE_DEV_IOC_BACKING_CLOSE`).
+pub fn close_backing(device: std::os::fd::BorrowedFd<'_>, id: u32) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // _IOW(229, 2, uint32_t)
+    const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
+    // SAFETY: the ioctl reads one u32 through the pointer, which outlives the call.
+    let rc = unsafe { libc::ioctl(device.as_raw_fd(), FUSE_DEV_IOC_BACKING_CLOSE as _, &id as *const u32) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Asks the kernel to send again every request of the FUSE connection `device` that was read and not
+/// answered (`FUSE_NOTIFY_RESEND`, Linux 6.9: a worker that read them died).
+pub fn notify_resend(device: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // struct fuse_out_header { len: u32, error: i32 (the notify code), unique: u64 (0: a notification) }
+    const FUSE_NOTIFY_RESEND: i32 = 7;
+    let mut header = [0u8; 16];
+    header[..4].copy_from_slice(&16u32.to_ne_bytes());
+    header[4..8].copy_from_slice(&FUSE_NOTIFY_RESEND.to_ne_bytes());
+    // SAFETY: writes the 16 bytes of `header`, which outlives the call.
+    let n = unsafe { libc::write(device.as_raw_fd(), header.as_ptr().cast(), header.len()) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A new descriptor of the FUSE connection `device` that reads requests of its own
+/// (`FUSE_DEV_IOC_CLONE`): what it read and did not answer fails when it closes, instead of staying with
+/// the connection.
+pub fn clone_fuse(device: std::os::fd::BorrowedFd<'_>) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::AsRawFd;
+    // _IOR(229, 0, uint32_t)
+    const FUSE_DEV_IOC_CLONE: libc::c_ulong = 0x8004_e500;
+    let clone = std::fs::OpenOptions::new().read(true).write(true).open("/dev/fuse")?;
+    let source = device.as_raw_fd() as u32;
+    // SAFETY: the ioctl reads one u32 through the pointer, which outlives the call.
+    let rc = unsafe { libc::ioctl(clone.as_raw_fd(), FUSE_DEV_IOC_CLONE as _, &source as *const u32) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(clone.into())
+}
+
+/// Sends `message` on `socket` to `target`, with descriptor `fd` attached (`SCM_RIGHTS`) if given: how a
+/// service hands systemd a descriptor to keep.
+pub fn send_with_fd(
+    socket: &std::os::unix::net::UnixDatagram,
+    target: &std::os::unix::net::SocketAddr,
+    message: &[u8],
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    socket.connect_addr(target)?;
+    let mut iov = libc::iovec { iov_base: message.as_ptr() as *mut libc::c_void, iov_len: message.len() };
+    // Room for one descriptor's control message, aligned as cmsghdr.
+    let mut control = [0u64; 4];
+    // SAFETY: msghdr is plain data; the pointers set below (iov, control) outlive the sendmsg call, and
+    // the control message is written within `control` (CMSG_SPACE of one int fits in 32 bytes).
+    unsafe {
+        let mut msg = std::mem::zeroed::<libc::msghdr>();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if let Some(fd) = fd {
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(4) as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(4) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<i32>(), fd.as_raw_fd());
+        }
+        if libc::sendmsg(socket.as_raw_fd(), &msg, 0) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

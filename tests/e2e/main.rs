@@ -13,3 +13,4 @@ mod raw;
 mod rolling;
 mod server;
 mod shuffled;
+mod takeover;

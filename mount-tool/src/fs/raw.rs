@@ -3,8 +3,10 @@
 //! costs nothing until it is walked, and what is walked costs per directory. Node 0 is `raw` itself.
 
 use super::{FsError, Node};
+use crate::ledger::Ledger;
 use crate::prefetch::Prefetcher;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// One node of the tree.
 struct RawNode {
@@ -19,12 +21,64 @@ enum RawKind {
     File { dir: u32, file: u64 },
 }
 
-/// The tree of `raw/`.
-pub(super) struct RawTree(Mutex<Vec<RawNode>>);
+/// Listings to make again: through this prefetcher, these (node, path), in order.
+type Replay = (Arc<Prefetcher>, Vec<(u32, String)>);
+
+/// The tree of `raw/`. With a ledger, each listing is journaled in the order it numbered the tree, and a
+/// new worker lists the same directories again in that order before it answers anything of `raw/`, so that
+/// every node keeps its number (the kernel holds them).
+pub(super) struct RawTree {
+    nodes: Mutex<Vec<RawNode>>,
+    ledger: OnceLock<Arc<Ledger>>,
+    /// The last worker's listings, (node, path) in order, until they are listed again.
+    replay: Mutex<Option<Replay>>,
+    replaying: AtomicBool,
+}
 
 impl RawTree {
     pub fn new() -> Self {
-        RawTree(Mutex::new(vec![RawNode { parent: 0, kind: RawKind::Dir { path: String::new(), children: None } }]))
+        let root = RawNode { parent: 0, kind: RawKind::Dir { path: String::new(), children: None } };
+        RawTree {
+            nodes: Mutex::new(vec![root]),
+            ledger: OnceLock::new(),
+            replay: Mutex::new(None),
+            replaying: AtomicBool::new(false),
+        }
+    }
+
+    /// Journals listings in `ledger` from now on; the listings it holds (a worker before this one listed
+    /// them) are listed again, through `prefetcher`, before the tree answers.
+    pub fn record_in(&self, ledger: Arc<Ledger>, prefetcher: Arc<Prefetcher>) {
+        let listings: Vec<(u32, String)> = ledger
+            .records()
+            .into_iter()
+            .filter_map(|r| {
+                let n = u32::from_le_bytes(r.get(..4)?.try_into().ok()?);
+                Some((n, String::from_utf8(r[4..].to_vec()).ok()?))
+            })
+            .collect();
+        if !listings.is_empty() {
+            *self.replay.lock().expect("replay") = Some((prefetcher, listings));
+            self.replaying.store(true, Ordering::Release);
+        }
+        let _ = self.ledger.set(ledger);
+    }
+
+    /// Lists the last worker's directories again, in its order (all asked for at once first), once.
+    fn caught_up(&self) -> Result<(), FsError> {
+        if !self.replaying.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut replay = self.replay.lock().expect("replay");
+        let Some((prefetcher, listings)) = replay.as_ref() else { return Ok(()) };
+        prefetcher.list_dirs_ahead(listings.iter().map(|(_, path)| path.clone()).collect());
+        for (n, path) in listings {
+            self.list(prefetcher, *n, false)?;
+            tracing::debug!(n, path, "raw/: listed again as the last worker had");
+        }
+        *replay = None;
+        self.replaying.store(false, Ordering::Release);
+        Ok(())
     }
 
     fn node(nodes: &[RawNode], n: u32) -> Node {
@@ -40,8 +94,14 @@ impl RawTree {
     /// looks into each in turn, and at 30 ms a thousand class folders listed one after another take half
     /// a minute; a look into one directory lists nothing more.
     pub fn listed(&self, prefetcher: &Arc<Prefetcher>, n: u32) -> Result<(), FsError> {
+        self.caught_up()?;
+        self.list(prefetcher, n, true)
+    }
+
+    /// [`Self::listed`], journaled when `journal`.
+    fn list(&self, prefetcher: &Arc<Prefetcher>, n: u32, journal: bool) -> Result<(), FsError> {
         let path = {
-            let nodes = self.0.lock().expect("raw tree");
+            let nodes = self.nodes.lock().expect("raw tree");
             match &nodes.get(n as usize).ok_or(FsError::NotFound)?.kind {
                 RawKind::Dir { children: Some(_), .. } => return Ok(()),
                 RawKind::Dir { path, children: None } => path.clone(),
@@ -49,10 +109,17 @@ impl RawTree {
             }
         };
         let (dir, list) = prefetcher.list_dir(&path)?;
-        let mut nodes = self.0.lock().expect("raw tree");
+        let mut nodes = self.nodes.lock().expect("raw tree");
         // Another thread may have listed it meanwhile: its nodes stand.
         if let RawKind::Dir { children: Some(_), .. } = &nodes[n as usize].kind {
             return Ok(());
+        }
+        if let Some(ledger) = self.ledger.get().filter(|_| journal) {
+            let mut record = n.to_le_bytes().to_vec();
+            record.extend_from_slice(path.as_bytes());
+            if !ledger.append(&record) {
+                tracing::warn!("the ledger's journal is full: a worker taking over this mount renumbers raw/");
+            }
         }
         let prefix = if path.is_empty() { String::new() } else { format!("{path}/") };
         let mut children = Vec::with_capacity(list.dirs.len() + list.files.len());
@@ -101,7 +168,8 @@ impl RawTree {
 
     /// Child `name` of directory node `n`, listed before (a binary search, whatever the directory's size).
     pub fn lookup(&self, n: u32, name: &str) -> Result<Node, FsError> {
-        let nodes = self.0.lock().expect("raw tree");
+        self.caught_up()?;
+        let nodes = self.nodes.lock().expect("raw tree");
         let RawKind::Dir { children: Some(children), .. } = &nodes[n as usize].kind else {
             return Err(FsError::NotFound);
         };
@@ -111,7 +179,8 @@ impl RawTree {
 
     /// At most `max` entries of directory node `n`, listed before, from position `from`, by name.
     pub fn entries(&self, n: u32, from: usize, max: usize) -> Result<Vec<(String, Node)>, FsError> {
-        let nodes = self.0.lock().expect("raw tree");
+        self.caught_up()?;
+        let nodes = self.nodes.lock().expect("raw tree");
         let RawKind::Dir { children: Some(children), .. } = &nodes[n as usize].kind else {
             return Err(FsError::NotFound);
         };
@@ -121,7 +190,8 @@ impl RawTree {
 
     /// Directory id and position of node `n`, if it is a file.
     pub fn file(&self, n: u32) -> Result<(u32, u64), FsError> {
-        match self.0.lock().expect("raw tree").get(n as usize).map(|node| &node.kind) {
+        self.caught_up()?;
+        match self.nodes.lock().expect("raw tree").get(n as usize).map(|node| &node.kind) {
             Some(&RawKind::File { dir, file }) => Ok((dir, file)),
             _ => Err(FsError::NotFound),
         }
@@ -129,11 +199,14 @@ impl RawTree {
 
     /// Whether node `n` is a directory.
     pub fn is_dir(&self, n: u32) -> bool {
-        matches!(self.0.lock().expect("raw tree").get(n as usize), Some(RawNode { kind: RawKind::Dir { .. }, .. }))
+        // Not caught up (the server unreachable): no directory yet, as an unknown node is none.
+        let _ = self.caught_up();
+        matches!(self.nodes.lock().expect("raw tree").get(n as usize), Some(RawNode { kind: RawKind::Dir { .. }, .. }))
     }
 
     /// The parent of node `n`, if it exists.
     pub fn parent(&self, n: u32) -> Option<u32> {
-        self.0.lock().expect("raw tree").get(n as usize).map(|node| node.parent)
+        let _ = self.caught_up();
+        self.nodes.lock().expect("raw tree").get(n as usize).map(|node| node.parent)
     }
 }

@@ -24,9 +24,11 @@
 //! known by its pid and start time, so a later process that reuses a pid starts over.
 
 use super::RollingFile;
+use crate::ledger::{key, tags, Ledger};
 use crate::options::RollingMode;
 use crate::sync::{AtomicBool, Mutex, Ordering};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 /// The layout one reader gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +54,8 @@ pub struct RollingState {
     /// Opens of packed files not released yet, by (batch, file).
     held: Mutex<HashMap<(u64, RollingFile), Vec<Held>>>,
     wrapped: AtomicBool,
+    /// Where the counters and readers are written through to, for a worker that takes over.
+    ledger: Option<Arc<Ledger>>,
 }
 
 impl RollingState {
@@ -65,7 +69,31 @@ impl RollingState {
             indexed: Mutex::new(VecDeque::new()),
             held: Mutex::new(HashMap::new()),
             wrapped: AtomicBool::new(false),
+            ledger: None,
         }
+    }
+
+    /// Takes the counters and index-driven readers `ledger` holds (a worker before this one wrote them) and
+    /// writes every change through to it. The held files come back with the handles ([`Self::hold`]).
+    pub fn record_in(&mut self, ledger: Arc<Ledger>) {
+        let mut next = self.next.lock().expect("rolling");
+        for (k, epoch) in ledger.cells(tags::ROLLING_NEXT) {
+            let rest = k & ((1 << 56) - 1);
+            if let Some(file) = file_of(rest & 7) {
+                next.insert((rest >> 3, file), epoch - 1);
+            }
+        }
+        drop(next);
+        let mut readers = self.indexed.lock().expect("readers");
+        for (k, start) in ledger.cells(tags::ROLLING_READER) {
+            let pid = (k & ((1 << 56) - 1)) as u32;
+            // A reader gone since (its pid reused or free) is forgotten.
+            if crate::sys::start_time(pid) == Some(start) && readers.len() < READERS_KEPT {
+                readers.push_back((pid, start));
+            }
+        }
+        drop(readers);
+        self.ledger = Some(ledger);
     }
 
     pub fn first_epoch(&self) -> u64 {
@@ -123,6 +151,9 @@ impl RollingState {
             return;
         }
         *at = if epoch >= last { self.first_epoch } else { epoch + 1 };
+        if let Some(ledger) = &self.ledger {
+            ledger.set(key(tags::ROLLING_NEXT, batch << 3 | code(file)), *at + 1);
+        }
         if epoch >= last && !self.wrapped.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 first_epoch = self.first_epoch,
@@ -170,9 +201,30 @@ impl RollingState {
                 readers.pop_front();
             }
             readers.push_back(id);
+            if let Some(ledger) = &self.ledger {
+                ledger.set(key(tags::ROLLING_READER, id.0.into()), id.1);
+            }
             tracing::info!(pid = owner, "a reader of rolling/'s twins: it reads the indexed layout");
         }
     }
+}
+
+/// A file's code in the ledger's keys.
+fn code(file: RollingFile) -> u64 {
+    match file {
+        RollingFile::Packed => 1,
+        RollingFile::PackedIndex => 2,
+        RollingFile::Indexed => 3,
+    }
+}
+
+fn file_of(code: u64) -> Option<RollingFile> {
+    Some(match code {
+        1 => RollingFile::Packed,
+        2 => RollingFile::PackedIndex,
+        3 => RollingFile::Indexed,
+        _ => return None,
+    })
 }
 
 /// A process as (pid, start time); `None` for an unknown or gone one.
@@ -199,6 +251,37 @@ mod tests {
         assert_eq!(r.epoch_of(1, Packed), 5, "after the last epoch of the span, the first again");
         assert_eq!((r.epoch_of(1, PackedIndex), r.epoch_of(2, Packed)), (5, 5), "each name its own counter");
         assert_eq!(r.epoch_of(1, Indexed), 5, "and each layout");
+    }
+
+    #[test]
+    fn a_new_worker_serves_each_name_the_epoch_the_last_one_would_have_and_knows_its_readers() {
+        use RollingFile::{Indexed, Packed, PackedIndex};
+        let ledger = Arc::new(Ledger::create().unwrap());
+        let mut old = RollingState::new(RollingMode::Auto, 2, 4);
+        old.record_in(ledger.clone());
+        old.opened(0, Packed, 2);
+        old.opened(0, Packed, 3);
+        old.opened(7, PackedIndex, 2);
+        old.opened(7, Indexed, 2);
+        old.opened(9, Packed, 2);
+        old.opened(9, Packed, 3);
+        old.opened(9, Packed, 4);
+        old.opened(9, Packed, 5);
+        let me = std::process::id();
+        old.reads_twins(me);
+        let files = [(0, Packed), (7, PackedIndex), (7, Indexed), (7, Packed), (9, Packed), (1, Indexed)];
+        let before: Vec<u64> = files.iter().map(|&(b, f)| old.epoch_of(b, f)).collect();
+        assert_eq!(before, [4, 3, 3, 2, 2, 2]);
+        drop(old);
+        let mut new = RollingState::new(RollingMode::Auto, 2, 4);
+        new.record_in(ledger.clone());
+        let after: Vec<u64> = files.iter().map(|&(b, f)| new.epoch_of(b, f)).collect();
+        assert_eq!(after, before, "every name where it was, the wrapped one too");
+        assert_eq!(new.layout(me), Layout::Indexed, "an index-driven reader still is");
+        new.opened(0, Packed, 4);
+        let mut third = RollingState::new(RollingMode::Auto, 2, 4);
+        third.record_in(ledger);
+        assert_eq!(third.epoch_of(0, Packed), 5, "the new worker writes through too");
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! every class are: a reader's first sample of each class is not a round trip.
 
 use super::FsError;
+use crate::ledger::{key, tags, Ledger};
 use crate::prefetch::{ClassPlan, Prefetcher, WINDOW_GROUPS};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -55,6 +56,8 @@ pub(super) struct ShuffledView {
     names: Mutex<HashMap<u32, Arc<Vec<String>>>>,
     /// The class folders' lists and the first epoch's first groups were asked for.
     asked_ahead: std::sync::atomic::AtomicBool,
+    /// Where the cursors are written through to, for a worker that takes over.
+    ledger: Option<Arc<Ledger>>,
 }
 
 impl ShuffledView {
@@ -66,7 +69,19 @@ impl ShuffledView {
             inner: Mutex::default(),
             names: Mutex::default(),
             asked_ahead: Default::default(),
+            ledger: None,
         }
+    }
+
+    /// Takes the class cursors `ledger` holds (a worker before this one wrote them) and writes every move
+    /// through to it. Samples handed out and not opened before the takeover are not handed out again.
+    pub fn record_in(&mut self, ledger: Arc<Ledger>) {
+        let inner = self.inner.get_mut().expect("shuffled");
+        for (k, v) in ledger.cells(tags::SHUFFLED_CURSOR) {
+            let class = (k & ((1 << 56) - 1)) as u32;
+            inner.cursors.insert(class, ((v - 1) >> 24, (v - 1) & ((1 << 24) - 1)));
+        }
+        self.ledger = Some(ledger);
     }
 
     /// The first time `shuffled/` is looked into: lists every class folder in the background (a walk
@@ -167,6 +182,9 @@ impl ShuffledView {
                 let cursor = inner.cursors.entry(class).or_insert((self.first_epoch, 0));
                 let got = *cursor;
                 *cursor = if got.1 + 1 < samples { (got.0, got.1 + 1) } else { (self.next_epoch(got.0), 0) };
+                if let Some(ledger) = &self.ledger {
+                    ledger.set(key(tags::SHUFFLED_CURSOR, class.into()), (cursor.0 << 24 | cursor.1) + 1);
+                }
                 got
             }
         };

@@ -1,0 +1,519 @@
+//! The supervisor and its worker (docs/DESIGN.md, "Takeover"). `batchfs mount` mounts, answers the kernel's
+//! `INIT` and holds the connection's `/dev/fuse` descriptor; a worker process (the same program, started
+//! with the descriptor) serves it: cache, prefetch, network. When the worker dies (a signal, a panic, the
+//! OOM killer) the supervisor starts another at once on the same descriptor; the kernel keeps the
+//! connection, its open files and its backing files all the while, since the supervisor holds it.
+//!
+//! **Takeover.** The new worker does not wait for an `INIT` (the kernel sends one per connection): it
+//! takes the settings `INIT` settled, the open handles and the views' state from the ledger
+//! (`ledger.rs`), serves the same inode numbers, and asks the kernel to re-send the requests the dead
+//! worker had read and not answered (`FUSE_NOTIFY_RESEND`, Linux 6.9). Every worker thread reads the
+//! supervisor's descriptor itself, so what a dead worker read stays with the connection to be re-sent.
+//! Where the kernel cannot re-send (or with `resend=off`), each worker reads its own clones of the
+//! descriptor instead: the kernel fails what a dead worker's clones had read (`ECONNABORTED`) rather than
+//! leave it waiting for ever.
+//!
+//! **Upgrades.** `batchfs mount --upgrade DIR` (or SIGHUP to the supervisor) replaces a healthy worker by
+//! one of the program now installed at the path the supervisor was started from.
+//!
+//! **systemd.** Under a unit with `FileDescriptorStoreMax=`, the supervisor stores the descriptor and the
+//! ledger with systemd (`FDSTORE=1`); a supervisor started again by systemd finds them (`LISTEN_FDS`) and
+//! takes the mount over instead of mounting.
+//!
+//! The supervisor starts no thread and no runtime: it waits on a signalfd and the worker's ready socket.
+
+use crate::fuse::negotiate;
+use crate::ledger::{Ledger, Settings};
+use crate::mount::MountPlan;
+use anyhow::{bail, Context, Result};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The environment variable that makes `batchfs mount` a worker.
+pub const WORKER_ENV: &str = "BATCHFS_WORKER";
+/// Where a worker finds the mountpoint, as the supervisor resolved it.
+const MOUNTPOINT_ENV: &str = "BATCHFS_WORKER_MOUNTPOINT";
+/// A worker's descriptors: the connection, the ledger, the dataset's description, the ready socket.
+const FUSE_FD: RawFd = 3;
+const LEDGER_FD: RawFd = 4;
+const INFO_FD: RawFd = 5;
+const READY_FD: RawFd = 6;
+/// A worker that exits with this asks to be replaced (it was told to, for an upgrade).
+pub const EXIT_REPLACE: i32 = 75;
+/// How long a new worker may take to serve before it is given up on.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+/// The names of the descriptors stored with systemd.
+const STORED_FUSE: &str = "batchfs-fuse";
+const STORED_LEDGER: &str = "batchfs-ledger";
+const STORED_INFO: &str = "batchfs-info";
+
+/// The filesystem the supervisor mounts with: it only answers `INIT`, as a worker would have.
+struct Negotiator {
+    passthrough: bool,
+    resend: bool,
+    settled: std::sync::Arc<std::sync::Mutex<Option<Settings>>>,
+}
+
+impl fuser::Filesystem for Negotiator {
+    fn init(&mut self, _req: &fuser::Request, config: &mut fuser::KernelConfig) -> std::io::Result<()> {
+        let passthrough = negotiate(config, self.passthrough);
+        let resend = self.resend && config.capabilities().contains(fuser::InitFlags::FUSE_HAS_RESEND);
+        if self.resend && !resend {
+            tracing::warn!(
+                "the kernel cannot re-send requests (Linux < 6.9): a read in flight when a worker dies fails"
+            );
+        }
+        *self.settled.lock().expect("settled") = Some(Settings { passthrough, resend });
+        Ok(())
+    }
+}
+
+/// What the supervisor holds: the connection (and, when it mounted, the mount itself), the ledger and
+/// the dataset's description.
+struct Held {
+    fuse: OwnedFd,
+    ledger: Ledger,
+    info: File,
+    /// The session that mounted (never run): dropping it unmounts.
+    _mounted: Option<fuser::Session<Negotiator>>,
+}
+
+/// Mounts `plan` (or takes over the mount systemd kept), starts the first worker, reports through `ready`
+/// once it serves, and supervises until the mount ends: unmounted from outside, or SIGTERM/SIGINT here.
+pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut UnixStream>) -> Result<()> {
+    let held = match stored_with_systemd()? {
+        Some(held) => {
+            tracing::info!(mountpoint = %plan.mountpoint.display(), "taking over the mount systemd kept");
+            held
+        }
+        None => mount(plan, config)?,
+    };
+    if let Err(e) = store_with_systemd(&held) {
+        tracing::warn!(error = %e, "cannot store the mount with systemd: a restart of this unit unmounts");
+    }
+    let signals = Signals::block()?;
+    let exe = std::env::current_exe().context("cannot tell which program to start workers from")?;
+    let mut supervisor = Supervisor { plan, held, signals, exe, worker: None, died_at: None, quick_deaths: 0 };
+    supervisor.start_worker()?;
+    if let Some(pipe) = ready {
+        let _ = pipe.write_all(b"ok");
+        let _ = pipe.shutdown(std::net::Shutdown::Both);
+    }
+    supervisor.run()
+}
+
+fn mount(plan: &MountPlan, config: fuser::Config) -> Result<Held> {
+    let settled = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let negotiator =
+        Negotiator { passthrough: plan.options.passthrough, resend: plan.options.resend, settled: settled.clone() };
+    let session = fuser::Session::new(negotiator, &plan.mountpoint, &config)
+        .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?;
+    let settings = settled.lock().expect("settled").context("the kernel sent no INIT")?;
+    let fuse = session.as_fd().try_clone_to_owned()?;
+    let ledger = Ledger::create().context("cannot make the mount's ledger")?;
+    ledger.settle(settings);
+    let mut info = crate::sys::memfd("batchfs-info")?;
+    info.write_all(&serde_json::to_vec(&plan.info)?)?;
+    tracing::info!(passthrough = settings.passthrough, resend = settings.resend, "mounted; starting the worker");
+    Ok(Held { fuse, ledger, info, _mounted: Some(session) })
+}
+
+struct Worker {
+    child: std::process::Child,
+    started: Instant,
+}
+
+struct Supervisor<'a> {
+    plan: &'a MountPlan,
+    held: Held,
+    signals: Signals,
+    exe: PathBuf,
+    worker: Option<Worker>,
+    /// When the last worker died (the mount is without service until the next serves).
+    died_at: Option<Instant>,
+    /// Workers in a row that died within a second of serving.
+    quick_deaths: u32,
+}
+
+impl Supervisor<'_> {
+    /// Starts a worker and waits until it serves (it said so on the ready socket), trying the program this
+    /// supervisor runs when the installed one fails to start.
+    fn start_worker(&mut self) -> Result<()> {
+        let installed = self.exe.clone();
+        match self.spawn(&installed) {
+            Ok(w) => self.serving(w),
+            Err(e) if self.worker.is_none() && self.died_at.is_some() => {
+                tracing::error!(error = %format!("{e:#}"), exe = %installed.display(), "the installed program \
+                                cannot serve the mount: starting the one this supervisor runs");
+                let w = self.spawn(Path::new("/proc/self/exe"))?;
+                self.serving(w)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn serving(&mut self, w: Worker) -> Result<()> {
+        let pid = w.child.id();
+        let took = self.died_at.take().map(|t| t.elapsed());
+        self.held.ledger.worker_started(std::process::id(), pid, took.map(|d| d.as_micros() as u64));
+        match took {
+            Some(d) => tracing::warn!(pid, ms = d.as_secs_f64() * 1e3, "takeover: a new worker serves the mount"),
+            None => tracing::info!(pid, "the worker serves the mount"),
+        }
+        self.worker = Some(w);
+        Ok(())
+    }
+
+    fn spawn(&mut self, exe: &Path) -> Result<Worker> {
+        let (mut mine, theirs) = UnixStream::pair()?;
+        let fds = [
+            self.held.fuse.as_raw_fd(),
+            self.held.ledger.file().as_raw_fd(),
+            self.held.info.as_raw_fd(),
+            theirs.as_raw_fd(),
+        ];
+        let supervisor = std::process::id() as libc::pid_t;
+        let mut args = std::env::args_os();
+        let mut command = std::process::Command::new(exe);
+        command.arg0(args.next().unwrap_or_else(|| "batchfs".into())).args(args);
+        command.env(WORKER_ENV, "1").env(MOUNTPOINT_ENV, &self.plan.mountpoint);
+        // SAFETY: between fork and exec the closure only makes async-signal-safe calls (dup2, fcntl,
+        // sigprocmask, prctl, getppid) on descriptors this process holds open across the spawn.
+        unsafe {
+            command.pre_exec(move || {
+                // Above every target first, so that no dup2 overwrites a descriptor still to be moved (these
+                // copies close at exec; the targets stay open).
+                let mut moved = [0; 4];
+                for (i, &fd) in fds.iter().enumerate() {
+                    moved[i] = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10);
+                    if moved[i] < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                for (target, &fd) in (FUSE_FD..).zip(moved.iter()) {
+                    if libc::dup2(fd, target) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                let empty = std::mem::zeroed::<libc::sigset_t>();
+                libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+                // The worker goes with its supervisor: a mount the supervisor no longer holds is gone.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::getppid() != supervisor {
+                    return Err(std::io::Error::other("the supervisor is gone"));
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn().with_context(|| format!("cannot start a worker from {}", exe.display()))?;
+        drop(theirs);
+        let started = Instant::now();
+        let mut w = Worker { child, started };
+        // "ready" once it serves; "error: ..." or nothing (the socket closed) if it cannot.
+        mine.set_read_timeout(Some(READY_WITHIN))?;
+        let mut said = Vec::new();
+        let mut buf = [0u8; 512];
+        while let Ok(n @ 1..) = mine.read(&mut buf) {
+            said.extend_from_slice(&buf[..n]);
+            if said == b"ready" {
+                return Ok(w);
+            }
+        }
+        let said = String::from_utf8_lossy(&said).into_owned();
+        let _ = w.child.kill();
+        let status = w.child.wait()?;
+        let why = said.strip_prefix("error: ").map(str::trim).unwrap_or("it exited before serving");
+        bail!("the worker ({}) did not serve the mount: {why} ({status})", exe.display())
+    }
+
+    /// Waits on signals: a worker that died is replaced, SIGHUP upgrades, SIGTERM/SIGINT unmount.
+    fn run(mut self) -> Result<()> {
+        loop {
+            match self.signals.next()? {
+                libc::SIGCHLD => {
+                    let Some(w) = self.worker.as_mut() else { continue };
+                    let Some(status) = w.child.try_wait()? else { continue };
+                    let lived = w.started.elapsed();
+                    self.worker = None;
+                    self.died_at = Some(Instant::now());
+                    use std::os::unix::process::ExitStatusExt;
+                    if status.code() == Some(0) {
+                        // Its session ended: the mount is gone (unmounted, or its connection aborted).
+                        tracing::info!("the mount ended: the supervisor exits");
+                        return self.unmount();
+                    }
+                    if status.code() == Some(EXIT_REPLACE) {
+                        tracing::info!("the worker stepped down: starting the installed program");
+                    } else {
+                        tracing::warn!(signal = status.signal(), code = status.code(), "the worker died: taking over");
+                    }
+                    // A worker that fails by itself right after it started (not one killed from outside): a
+                    // pause between attempts, growing to 2 s, never giving the mount up.
+                    let failing = lived < Duration::from_secs(1) && status.signal() != Some(libc::SIGKILL);
+                    self.quick_deaths = if failing { self.quick_deaths + 1 } else { 0 };
+                    if self.quick_deaths > 3 {
+                        std::thread::sleep(Duration::from_millis((125 << self.quick_deaths.min(7)).min(2000)));
+                    }
+                    if let Err(e) = self.start_worker() {
+                        tracing::error!(error = %format!("{e:#}"), "no worker serves the mount: trying again");
+                        self.died_at = Some(Instant::now());
+                        self.signals.retry_after(Duration::from_secs(1));
+                    }
+                }
+                libc::SIGHUP => {
+                    if let Some(w) = &self.worker {
+                        tracing::info!(pid = w.child.id(), "upgrade: replacing the worker");
+                        // SAFETY: kill has no memory-safety preconditions.
+                        unsafe { libc::kill(w.child.id() as libc::pid_t, libc::SIGTERM) };
+                    }
+                }
+                RETRY => {
+                    if self.worker.is_none() {
+                        if let Err(e) = self.start_worker() {
+                            tracing::error!(error = %format!("{e:#}"), "no worker serves the mount: trying again");
+                            self.signals.retry_after(Duration::from_secs(1));
+                        }
+                    }
+                }
+                _ => {
+                    tracing::info!("signal received: unmounting");
+                    return self.unmount();
+                }
+            }
+        }
+    }
+
+    fn unmount(mut self) -> Result<()> {
+        if let Some(mut w) = self.worker.take() {
+            let _ = w.child.kill();
+            let _ = w.child.wait();
+        }
+        if crate::mount::is_mountpoint(&self.plan.mountpoint) {
+            let _ = crate::sys::unmount(&self.plan.mountpoint, true);
+        }
+        // Unmounted already: the session must not try again (it would only log that it cannot).
+        std::mem::forget(self.held._mounted.take());
+        Ok(())
+    }
+}
+
+/// "Retry now", from the signal loop's timer.
+const RETRY: i32 = 0;
+
+/// The signals the supervisor waits on, blocked and read from a signalfd.
+struct Signals {
+    fd: OwnedFd,
+    retry: Option<Instant>,
+}
+
+impl Signals {
+    fn block() -> Result<Signals> {
+        // SAFETY: sigset functions write the set they are given; signalfd returns a new descriptor.
+        unsafe {
+            let mut set = std::mem::zeroed::<libc::sigset_t>();
+            libc::sigemptyset(&mut set);
+            for s in [libc::SIGCHLD, libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+                libc::sigaddset(&mut set, s);
+            }
+            if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+                bail!("cannot block signals");
+            }
+            let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error().into());
+            }
+            Ok(Signals { fd: OwnedFd::from_raw_fd(fd), retry: None })
+        }
+    }
+
+    fn retry_after(&mut self, d: Duration) {
+        self.retry = Some(Instant::now() + d);
+    }
+
+    /// The next signal (or [`RETRY`] when the retry timer is due).
+    fn next(&mut self) -> Result<i32> {
+        loop {
+            let timeout = match self.retry {
+                Some(at) => at.saturating_duration_since(Instant::now()).as_millis() as i32,
+                None => -1,
+            };
+            let mut poll = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one pollfd, valid for the call.
+            let n = unsafe { libc::poll(&mut poll, 1, timeout) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e.into());
+            }
+            if n == 0 {
+                self.retry = None;
+                return Ok(RETRY);
+            }
+            let mut info = std::mem::MaybeUninit::<libc::signalfd_siginfo>::uninit();
+            let size = std::mem::size_of::<libc::signalfd_siginfo>();
+            // SAFETY: reads at most one siginfo into memory of its size.
+            let got = unsafe { libc::read(self.fd.as_raw_fd(), info.as_mut_ptr().cast(), size) };
+            if got == size as isize {
+                // SAFETY: the kernel wrote the whole struct.
+                return Ok(unsafe { info.assume_init() }.ssi_signo as i32);
+            }
+        }
+    }
+}
+
+/// The descriptors systemd passed this process (`LISTEN_FDS` for this pid), by `LISTEN_FDNAMES`.
+fn listen_fds() -> Vec<(String, RawFd)> {
+    let pid_ok = std::env::var("LISTEN_PID").ok().and_then(|p| p.parse::<u32>().ok()) == Some(std::process::id());
+    let count = std::env::var("LISTEN_FDS").ok().and_then(|n| n.parse::<i32>().ok()).unwrap_or(0);
+    if !pid_ok || count <= 0 {
+        return Vec::new();
+    }
+    let names = std::env::var("LISTEN_FDNAMES").unwrap_or_default();
+    let names: Vec<&str> = names.split(':').collect();
+    (0..count).map(|i| (names.get(i as usize).unwrap_or(&"").to_string(), 3 + i)).collect()
+}
+
+/// The mount systemd kept for this unit (stored by a supervisor before this one), if it passed it.
+fn stored_with_systemd() -> Result<Option<Held>> {
+    let fds = listen_fds();
+    let find = |name: &str| fds.iter().find(|(n, _)| n == name).map(|&(_, fd)| fd);
+    let (Some(fuse), Some(ledger), Some(info)) = (find(STORED_FUSE), find(STORED_LEDGER), find(STORED_INFO)) else {
+        return Ok(None);
+    };
+    // SAFETY: systemd passed these descriptors to this process, and nothing else owns them.
+    let (fuse, ledger, info) =
+        unsafe { (OwnedFd::from_raw_fd(fuse), File::from_raw_fd(ledger), File::from_raw_fd(info)) };
+    for fd in [fuse.as_raw_fd(), ledger.as_raw_fd(), info.as_raw_fd()] {
+        // SAFETY: F_SETFD on a descriptor this process owns.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
+    let ledger = Ledger::open(ledger).context("the mount systemd kept")?;
+    for key in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
+        std::env::remove_var(key);
+    }
+    Ok(Some(Held { fuse, ledger, info, _mounted: None }))
+}
+
+/// Stores the connection, the ledger and the description with systemd, when it supervises this process
+/// (`NOTIFY_SOCKET`), and says the mount is ready.
+fn store_with_systemd(held: &Held) -> std::io::Result<()> {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return Ok(()) };
+    let socket = std::os::unix::net::UnixDatagram::unbound()?;
+    let target = notify_address(&path)?;
+    let stored = [
+        (STORED_FUSE, held.fuse.as_fd()),
+        (STORED_LEDGER, held.ledger.file().as_fd()),
+        (STORED_INFO, held.info.as_fd()),
+    ];
+    for (name, fd) in stored {
+        // Stored again by a supervisor that took over: systemd replaces a name's descriptor only with
+        // FDSTOREREMOVE first.
+        crate::sys::send_with_fd(&socket, &target, format!("FDSTOREREMOVE=1\nFDNAME={name}").as_bytes(), None)?;
+        crate::sys::send_with_fd(&socket, &target, format!("FDSTORE=1\nFDNAME={name}").as_bytes(), Some(fd))?;
+    }
+    crate::sys::send_with_fd(&socket, &target, b"READY=1", None)
+}
+
+fn notify_address(path: &std::ffi::OsStr) -> std::io::Result<std::os::unix::net::SocketAddr> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::ffi::OsStrExt;
+    match path.as_bytes().strip_prefix(b"@") {
+        Some(name) => std::os::unix::net::SocketAddr::from_abstract_name(name),
+        None => std::os::unix::net::SocketAddr::from_pathname(Path::new(path)),
+    }
+}
+
+/// A worker's inheritance, when this process is one (started by a supervisor).
+pub struct WorkerStart {
+    pub fuse: OwnedFd,
+    pub ledger: std::sync::Arc<Ledger>,
+    pub settings: Settings,
+    pub info: batchfs::api::DatasetInfo,
+    pub mountpoint: PathBuf,
+    ready: UnixStream,
+}
+
+impl WorkerStart {
+    /// The descriptors and settings a supervisor handed this process, if it started it as a worker.
+    pub fn from_env() -> Result<Option<WorkerStart>> {
+        if std::env::var_os(WORKER_ENV).is_none() {
+            return Ok(None);
+        }
+        std::env::remove_var(WORKER_ENV);
+        let mountpoint = PathBuf::from(std::env::var_os(MOUNTPOINT_ENV).context("a worker without a mountpoint")?);
+        // SAFETY: the supervisor placed these descriptors for this process, which owns them from here.
+        let (fuse, ledger, info, ready) = unsafe {
+            (
+                OwnedFd::from_raw_fd(FUSE_FD),
+                File::from_raw_fd(LEDGER_FD),
+                File::from_raw_fd(INFO_FD),
+                UnixStream::from_raw_fd(READY_FD),
+            )
+        };
+        for fd in [FUSE_FD, LEDGER_FD, INFO_FD, READY_FD] {
+            // SAFETY: F_SETFD on a descriptor this process owns: not inherited by what it may run.
+            unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+        }
+        let ledger = std::sync::Arc::new(Ledger::open(ledger)?);
+        let settings = ledger.settings().context("the mount's ledger holds no settings")?;
+        let mut text = Vec::new();
+        let mut info = info;
+        std::io::Seek::seek(&mut info, std::io::SeekFrom::Start(0))?;
+        info.read_to_end(&mut text)?;
+        let info = serde_json::from_slice(&text).context("the dataset's description the supervisor kept")?;
+        Ok(Some(WorkerStart { fuse, ledger, settings, info, mountpoint, ready }))
+    }
+
+    /// Tells the supervisor this worker serves the mount.
+    pub fn ready(mut self) {
+        let _ = self.ready.write_all(b"ready");
+    }
+
+    /// Tells the supervisor why this worker cannot serve.
+    pub fn failed(mut self, e: &anyhow::Error) {
+        let _ = write!(self.ready, "error: {e:#}");
+    }
+}
+
+/// `batchfs mount --upgrade DIR`: has the supervisor of the mount at `dir` replace its worker by the
+/// program now installed, and waits until the new worker serves.
+pub fn upgrade(dir: &Path) -> Result<()> {
+    let read = || -> Result<crate::stats::StatsSnapshot> {
+        let path = dir.join(crate::fs::META_NAME).join("stats");
+        let text =
+            std::fs::read(&path).with_context(|| format!("cannot read {} (a batchfs mount?)", path.display()))?;
+        serde_json::from_slice(&text).context("malformed stats")
+    };
+    let before = read()?;
+    if before.supervisor_pid == 0 {
+        bail!("{} is served by one process (supervise=false): remount it to upgrade", dir.display());
+    }
+    // SAFETY: kill has no memory-safety preconditions.
+    if unsafe { libc::kill(before.supervisor_pid as libc::pid_t, libc::SIGHUP) } != 0 {
+        bail!("cannot signal the supervisor (pid {}): {}", before.supervisor_pid, std::io::Error::last_os_error());
+    }
+    let deadline = Instant::now() + READY_WITHIN;
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        if let Ok(now) = read() {
+            if now.worker_pid != before.worker_pid && now.worker_restarts > before.worker_restarts {
+                println!(
+                    "upgraded {}: worker {} replaced by {} ({:.1} ms without service)",
+                    dir.display(),
+                    before.worker_pid,
+                    now.worker_pid,
+                    now.last_takeover_us as f64 / 1e3
+                );
+                return Ok(());
+            }
+        }
+    }
+    bail!("the worker of {} was not replaced within {READY_WITHIN:?} (see the mount's log)", dir.display())
+}

@@ -1,0 +1,341 @@
+//! The mount outlives its worker: `batchfs mount` (the real program, supervisor and worker processes) over
+//! the real server, four reader threads holding files open (one reading through `mmap`) while the worker
+//! is killed with SIGKILL ten times in a row; the server restarting meanwhile; an upgrade under load; a
+//! read in flight at the kill (re-sent by the kernel, or with `resend=off` failed at once, not hung); and
+//! the supervisor itself killed (the mount is gone, and a new mount cleans it up). Every byte read is
+//! checked against the server's manifest (size and CRC32C); no reader may see an error.
+
+use crate::common::{self, fixture, runtime, serve, ServeWith};
+use batchfs::api::{self, Manifest};
+use batchfs::crc;
+use batchfs::index::SourceFormat;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The `batchfs` program under test.
+fn program() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_batchfs-e2e-mount"))
+}
+
+/// A supervised mount started as a user starts it (`batchfs mount ... --foreground`); its supervisor is
+/// stopped and the mountpoint detached on drop, also when a test panics.
+struct Supervised {
+    _dir: tempfile::TempDir,
+    mountpoint: PathBuf,
+    supervisor: Child,
+    log: PathBuf,
+}
+
+impl Supervised {
+    fn start(program: &Path, url: &str, options: &str) -> Supervised {
+        let dir = tempfile::tempdir().unwrap();
+        let mountpoint = dir.path().join("mnt");
+        std::fs::create_dir(&mountpoint).unwrap();
+        Supervised::start_at(dir, mountpoint, program, url, options)
+    }
+
+    fn start_at(dir: tempfile::TempDir, mountpoint: PathBuf, program: &Path, url: &str, options: &str) -> Self {
+        let log = dir.path().join(format!("mount-{}.log", Instant::now().elapsed().as_nanos()));
+        let supervisor = Command::new(program)
+            .args(["mount", url])
+            .arg(&mountpoint)
+            .args(["-o", options, "--foreground"])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let m = Supervised { _dir: dir, mountpoint, supervisor, log };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::fs::read(m.mountpoint.join(".batchfs/stats")).is_err() {
+            assert!(Instant::now() < deadline, "the mount never came up:\n{}", m.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        m
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        common::mount_stats(&self.mountpoint)
+    }
+
+    fn worker(&self) -> u32 {
+        self.stats()["worker_pid"].as_u64().unwrap() as u32
+    }
+
+    /// Kills the worker with SIGKILL and waits until its successor serves: the time without service the
+    /// supervisor measured for the takeover.
+    fn kill_worker(&self) -> Duration {
+        let before = self.stats();
+        let pid = before["worker_pid"].as_u64().unwrap() as i32;
+        assert_ne!(pid as u32, self.supervisor.id(), "the worker is a process of its own");
+        // SAFETY: kill has no memory-safety preconditions.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        self.wait_restarts(before["worker_restarts"].as_u64().unwrap() + 1)
+    }
+
+    fn wait_restarts(&self, n: u64) -> Duration {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(text) = std::fs::read(self.mountpoint.join(".batchfs/stats")) {
+                let s: serde_json::Value = serde_json::from_slice(&text).unwrap();
+                if s["worker_restarts"].as_u64().unwrap() >= n {
+                    return Duration::from_micros(s["last_takeover_us"].as_u64().unwrap());
+                }
+            }
+            assert!(Instant::now() < deadline, "no takeover {n} within 30 s:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Supervised {
+    fn drop(&mut self) {
+        if let Ok(None) = self.supervisor.try_wait() {
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(self.supervisor.id() as i32, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.supervisor.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.supervisor.kill();
+        let _ = self.supervisor.wait();
+        drop(batchfs_mount::mount::UnmountOnDrop(self.mountpoint.clone()));
+    }
+}
+
+fn manifest(rt: &tokio::runtime::Runtime, base: &str, epoch: u64, query: &str) -> Manifest {
+    let url = format!("{base}{}?{query}", api::manifest_path("d", epoch));
+    let client = common::h2c();
+    rt.block_on(async { client.get(url).send().await.unwrap().json().await.unwrap() })
+}
+
+/// Four readers over `epochs` of the mount until `stop`: three read each file in 64 KiB pieces with a
+/// pause between pieces (so files are open across the kills), one maps each file and reads it through
+/// the mapping. Every file is checked whole; the number of files read is returned. Any error fails.
+fn readers(root: &Path, manifests: &[Manifest], stop: &AtomicBool, read: &AtomicU64) {
+    std::thread::scope(|s| {
+        for r in 0..4 {
+            s.spawn(move || {
+                let mut pass = 0;
+                while !stop.load(Ordering::Relaxed) || pass == 0 {
+                    let m = &manifests[pass % manifests.len()];
+                    let epoch = root.join(format!("epoch-{:04}", m.epoch));
+                    for entry in m.batches.iter().skip(r).step_by(4) {
+                        let path = epoch.join(format!("batch-{:06}.tfrecord", entry.index));
+                        let fail = |e: std::io::Error| -> ! { panic!("reader {r}: {}: {e}", path.display()) };
+                        let mut file = std::fs::File::open(&path).unwrap_or_else(|e| fail(e));
+                        let body = if r == 3 {
+                            let body = common::map_file(&file);
+                            std::thread::sleep(Duration::from_millis(2));
+                            body
+                        } else {
+                            let mut body = Vec::new();
+                            let mut piece = vec![0u8; 64 << 10];
+                            loop {
+                                let n = file.read(&mut piece).unwrap_or_else(|e| fail(e));
+                                if n == 0 {
+                                    break;
+                                }
+                                body.extend_from_slice(&piece[..n]);
+                                std::thread::sleep(Duration::from_micros(500));
+                            }
+                            body
+                        };
+                        assert_eq!(body.len() as u64, entry.bytes, "reader {r}: {}", path.display());
+                        assert_eq!(crc::crc32c(&body), entry.crc32c, "reader {r}: {}: a wrong byte", path.display());
+                        read.fetch_add(1, Ordering::Relaxed);
+                    }
+                    pass += 1;
+                }
+            });
+        }
+    });
+}
+
+fn median(mut d: Vec<Duration>) -> Duration {
+    d.sort();
+    d[d.len() / 2]
+}
+
+/// Ten SIGKILLs of the worker, 300 ms apart, under four readers; with `restart_server`, the server is
+/// also shut down and started again on its address meanwhile.
+fn killed_ten_times(options: &str, restart_server: bool) {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 2_000, 30_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let addr = server.running.local_addr();
+    let query = "batch_size=16";
+    let manifests: Vec<Manifest> = (0..2).map(|e| manifest(&rt, &server.base, e, query)).collect();
+    let url = format!("{}/d", server.base);
+    let m = Supervised::start(&program(), &url, &format!("batch_size=16,{options}"));
+    let first = m.worker();
+    let (stop, read) = (AtomicBool::new(false), AtomicU64::new(0));
+    let mut server = Some(server);
+    let mut restarted = None;
+    let took: Vec<Duration> = std::thread::scope(|s| {
+        s.spawn(|| readers(&m.mountpoint, &manifests, &stop, &read));
+        let took = (0..10)
+            .map(|i| {
+                std::thread::sleep(Duration::from_millis(300));
+                if restart_server && i == 4 {
+                    rt.block_on(server.take().unwrap().running.shutdown());
+                }
+                let took = m.kill_worker();
+                if restart_server && i == 5 {
+                    restarted = Some(rt.block_on(common::serve_on(addr, &[("d", &fx.path)])));
+                }
+                took
+            })
+            .collect();
+        stop.store(true, Ordering::Relaxed);
+        took
+    });
+    let s = m.stats();
+    assert_eq!(s["worker_restarts"].as_u64(), Some(10), "{s}");
+    assert_ne!(s["worker_pid"].as_u64(), Some(first.into()));
+    assert!(read.load(Ordering::Relaxed) > 0);
+    eprintln!(
+        "{options} restart_server={restart_server}: {} files read whole; without service per takeover: median {:?}, \
+         worst {:?}",
+        read.load(Ordering::Relaxed),
+        median(took.clone()),
+        took.iter().max().unwrap()
+    );
+    drop(restarted);
+}
+
+#[test]
+fn a_worker_killed_ten_times_mid_epoch_is_replaced_and_every_read_completes() {
+    killed_ten_times("passthrough=true", false);
+}
+
+#[test]
+fn through_the_daemon_a_worker_killed_ten_times_is_replaced_and_every_read_completes() {
+    killed_ten_times("passthrough=false", false);
+}
+
+#[test]
+fn the_worker_killed_while_the_server_restarts_is_replaced_and_every_read_completes() {
+    killed_ten_times("passthrough=true", true);
+}
+
+/// `batchfs mount --upgrade` under load: the program at the path the mount was started from is replaced
+/// by a new file, and the supervisor's new worker runs it; no reader sees an error.
+#[test]
+fn an_upgrade_under_load_replaces_the_worker_by_the_installed_program() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 1_500, 30_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let manifests: Vec<Manifest> = (0..2).map(|e| manifest(&rt, &server.base, e, "batch_size=16")).collect();
+    let bin = tempfile::tempdir().unwrap();
+    let installed = bin.path().join("batchfs");
+    std::fs::copy(program(), &installed).unwrap();
+    let m = Supervised::start(&installed, &format!("{}/d", server.base), "batch_size=16");
+    let old = m.worker();
+    let (stop, read) = (AtomicBool::new(false), AtomicU64::new(0));
+    std::thread::scope(|s| {
+        s.spawn(|| readers(&m.mountpoint, &manifests, &stop, &read));
+        std::thread::sleep(Duration::from_millis(500));
+        // A package upgrade: the new program is written beside and renamed over the old one.
+        let staged = bin.path().join(".batchfs.new");
+        std::fs::copy(program(), &staged).unwrap();
+        std::fs::rename(&staged, &installed).unwrap();
+        let out = Command::new(&installed).args(["mount", "--upgrade"]).arg(&m.mountpoint).output().unwrap();
+        assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), m.log_text());
+        assert!(String::from_utf8_lossy(&out.stdout).contains("upgraded"), "{out:?}");
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::Relaxed);
+    });
+    let new = m.worker();
+    assert_ne!(new, old);
+    let exe = std::fs::read_link(format!("/proc/{new}/exe")).unwrap();
+    assert_eq!(exe, installed, "the new worker runs the program installed now, not the replaced one");
+    let exe = std::fs::read_link(format!("/proc/{}/exe", m.supervisor.id())).unwrap();
+    assert!(exe.to_string_lossy().ends_with("(deleted)"), "the supervisor still runs the old one: {exe:?}");
+    assert!(m.log_text().contains("upgrade: replacing the worker"), "{}", m.log_text());
+}
+
+/// A read in flight when the worker dies: the kernel re-sends it to the next worker, which answers it
+/// once the server is back; with `resend=false` it fails at once with ECONNABORTED (no hang), and the
+/// mount goes on serving.
+#[test]
+fn a_read_in_flight_at_the_kill_is_resent_or_with_resend_off_fails_at_once() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 600, 30_000);
+    let mut server = Some(rt.block_on(serve(&[("d", &fx.path)], ServeWith::default())));
+    let addr = server.as_ref().unwrap().running.local_addr();
+    let base = server.as_ref().unwrap().base.clone();
+    let m0 = manifest(&rt, &base, 0, "batch_size=16");
+    let entry = m0.batches[5];
+    let url = format!("{base}/d");
+    for resend in [true, false] {
+        let m = Supervised::start(&program(), &url, &format!("batch_size=16,resend={resend}"));
+        let path = m.mountpoint.join("epoch-0000").join(format!("batch-{:06}.tfrecord", entry.index));
+        // The server goes away: the read waits in the worker for it.
+        rt.block_on(server.take().unwrap().running.shutdown());
+        let reader = std::thread::spawn({
+            let path = path.clone();
+            move || {
+                let started = Instant::now();
+                (std::fs::read(&path), started)
+            }
+        });
+        std::thread::sleep(Duration::from_millis(700));
+        assert!(!reader.is_finished(), "the read waits for the server");
+        let killed = Instant::now();
+        m.kill_worker();
+        if resend {
+            std::thread::sleep(Duration::from_millis(500));
+            assert!(!reader.is_finished(), "re-sent to the new worker, which waits for the server too");
+            server = Some(rt.block_on(common::serve_on(addr, &[("d", &fx.path)])));
+            let (body, _) = reader.join().unwrap();
+            let body = body.expect("the re-sent read completes");
+            assert_eq!(crc::crc32c(&body), entry.crc32c, "the server's bytes");
+        } else {
+            let (got, _) = reader.join().unwrap();
+            let e = got.expect_err("with resend=false the read in flight fails");
+            assert_eq!(e.raw_os_error(), Some(libc::ECONNABORTED), "{e}");
+            assert!(killed.elapsed() < Duration::from_secs(5), "at once, not at a timeout: {:?}", killed.elapsed());
+            server = Some(rt.block_on(common::serve_on(addr, &[("d", &fx.path)])));
+            let body = std::fs::read(&path).expect("the next read is served");
+            assert_eq!(crc::crc32c(&body), entry.crc32c);
+        }
+    }
+}
+
+/// The supervisor itself killed: the worker goes with it and the mount is gone (ENOTCONN), as a single
+/// daemon's is; a new `batchfs mount` on the directory cleans it up and serves.
+#[test]
+fn the_supervisor_killed_takes_the_mount_and_a_new_mount_cleans_it_up() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 300, 20_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let entry = manifest(&rt, &server.base, 0, "batch_size=16").batches[0];
+    let url = format!("{}/d", server.base);
+    let mut m = Supervised::start(&program(), &url, "batch_size=16");
+    let worker = m.worker() as i32;
+    m.supervisor.kill().unwrap();
+    m.supervisor.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // SAFETY: kill(pid, 0) only asks whether the process exists.
+    while unsafe { libc::kill(worker, 0) } == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_ne!(unsafe { libc::kill(worker, 0) }, 0, "the worker goes with its supervisor");
+    let err = std::fs::read_dir(&m.mountpoint).map(|_| ()).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "{err}");
+    // `m` stays (and detaches the directory last): the new mount finds the stale one there.
+    let again =
+        Supervised::start_at(tempfile::tempdir().unwrap(), m.mountpoint.clone(), &program(), &url, "batch_size=16");
+    let body = std::fs::read(again.mountpoint.join(format!("epoch-0000/batch-{:06}.tfrecord", entry.index))).unwrap();
+    assert_eq!(crc::crc32c(&body), entry.crc32c);
+    assert!(again.log_text().contains("cleaning up a stale mount"), "{}", again.log_text());
+}
