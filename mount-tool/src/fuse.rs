@@ -246,15 +246,17 @@ impl FuseFs {
 /// Backing ids on each side of the largest recorded that a takeover closes unless a handle uses them.
 const SWEPT: u32 = 256;
 
-/// Replies to an open with handle `fh` reading in `mode`.
+/// Replies to an open with handle `fh` reading in `mode`. No file of a read-only mount has anything to
+/// flush: the kernel sends no FLUSH at each close (`FOPEN_NOFLUSH`), so a close never waits on the daemon
+/// (nor, while a worker is being replaced, on the next one).
 fn reply_open(fh: u64, mode: Mode, reply: ReplyOpen) {
     match mode {
-        Mode::Daemon => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+        Mode::Daemon => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_NOFLUSH),
         Mode::Passthrough(id) => {
             // SAFETY: `id` is open on this connection (the handle table holds it) and is not closed here:
             // `into_raw` takes it back from the wrapper.
             let backing = unsafe { reply.wrap_backing(id) };
-            reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &backing);
+            reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &backing);
             let _ = backing.into_raw();
         }
     }
@@ -313,7 +315,7 @@ impl Filesystem for FuseFs {
             Ok(Node::Stats) => {
                 let json = self.fs.stats_json();
                 let fh = self.opens.lock().expect("opens").open_snapshot(json, req.unique().0 & !RESENT);
-                reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO)
+                reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH)
             }
             // Immutable data: keep the page cache across opens (mmap readers need the page cache too).
             Ok(_) => self.open_file(req, ino.0, reply),

@@ -115,8 +115,17 @@ pub fn warm_only(url: &str, dir: &str, options: &MountOptions) -> Result<u64> {
 /// Checks the options, the mountpoint (cleaning up a stale mount left by a killed daemon) and the
 /// server (reachable, dataset known, token accepted) before mounting.
 pub fn plan(url: &str, mountpoint: &Path, options: MountOptions) -> Result<MountPlan> {
+    plan_at(url, mountpoint, options, true)
+}
+
+/// [`plan`]; without `check_mountpoint`, the mountpoint is taken as it is (a mount systemd kept for a
+/// supervisor to take over: no worker answers there yet, so looking into it would wait for ever).
+fn plan_at(url: &str, mountpoint: &Path, options: MountOptions, check_mountpoint: bool) -> Result<MountPlan> {
     let http = http_config(url, &options)?;
-    let mountpoint = prepare_mountpoint(mountpoint)?;
+    let mountpoint = match check_mountpoint {
+        true => prepare_mountpoint(mountpoint)?,
+        false => std::fs::canonicalize(mountpoint).with_context(|| format!("mountpoint {}", mountpoint.display()))?,
+    };
     let info = probe(&http, &options)?;
     if options.warm == crate::options::Warm::Raw {
         if options.cache_dir.is_none() {
@@ -447,7 +456,8 @@ pub fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: boo
             }
         }
     }
-    let result = plan(url, mountpoint, options).and_then(|plan| match plan.options.supervise {
+    let kept = crate::supervise::kept_by_systemd();
+    let result = plan_at(url, mountpoint, options, !kept).and_then(|plan| match plan.options.supervise || kept {
         true => crate::supervise::supervise(&plan, fuser_config(&plan), ready.as_mut()),
         false => serve(&plan, ready.as_mut(), None),
     });

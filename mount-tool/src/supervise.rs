@@ -86,19 +86,22 @@ struct Held {
 /// Mounts `plan` (or takes over the mount systemd kept), starts the first worker, reports through `ready`
 /// once it serves, and supervises until the mount ends: unmounted from outside, or SIGTERM/SIGINT here.
 pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut UnixStream>) -> Result<()> {
-    let held = match stored_with_systemd()? {
+    let (held, adopted) = match stored_with_systemd()? {
         Some(held) => {
             tracing::info!(mountpoint = %plan.mountpoint.display(), "taking over the mount systemd kept");
-            held
+            (held, true)
         }
-        None => mount(plan, config)?,
+        None => (mount(plan, config)?, false),
     };
     if let Err(e) = store_with_systemd(&held) {
         tracing::warn!(error = %e, "cannot store the mount with systemd: a restart of this unit unmounts");
     }
     let signals = Signals::block()?;
     let exe = std::env::current_exe().context("cannot tell which program to start workers from")?;
-    let mut supervisor = Supervisor { plan, held, signals, exe, worker: None, died_at: None, quick_deaths: 0 };
+    // A mount taken over from systemd is without service since its last supervisor died (when, is not
+    // known here: counted from now).
+    let died_at = adopted.then(Instant::now);
+    let mut supervisor = Supervisor { plan, held, signals, exe, worker: None, died_at, quick_deaths: 0 };
     supervisor.start_worker()?;
     if let Some(pipe) = ready {
         let _ = pipe.write_all(b"ok");
@@ -378,6 +381,11 @@ fn listen_fds() -> Vec<(String, RawFd)> {
     let names = std::env::var("LISTEN_FDNAMES").unwrap_or_default();
     let names: Vec<&str> = names.split(':').collect();
     (0..count).map(|i| (names.get(i as usize).unwrap_or(&"").to_string(), 3 + i)).collect()
+}
+
+/// Whether systemd passed this process a mount to take over (stored by a supervisor before it).
+pub fn kept_by_systemd() -> bool {
+    listen_fds().iter().any(|(name, _)| name == STORED_FUSE)
 }
 
 /// The mount systemd kept for this unit (stored by a supervisor before this one), if it passed it.

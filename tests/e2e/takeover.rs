@@ -177,6 +177,12 @@ fn killed_ten_times(options: &str, restart_server: bool) {
     let url = format!("{}/d", server.base);
     let m = Supervised::start(&program(), &url, &format!("batch_size=16,{options}"));
     let first = m.worker();
+    // One file open and mapped through every takeover: with passthrough its backing file belongs to the
+    // connection, not to the worker that registered it.
+    let entry = manifests[1].batches[3];
+    let held = std::fs::File::open(m.mountpoint.join(format!("epoch-0001/batch-{:06}.tfrecord", entry.index))).unwrap();
+    let map = batchfs::mmap::MappedFile::open_file(&held).unwrap();
+    assert_eq!(crc::crc32c(map.bytes()), entry.crc32c);
     let (stop, read) = (AtomicBool::new(false), AtomicU64::new(0));
     let mut server = Some(server);
     let mut restarted = None;
@@ -200,6 +206,11 @@ fn killed_ten_times(options: &str, restart_server: bool) {
     });
     let s = m.stats();
     assert_eq!(s["worker_restarts"].as_u64(), Some(10), "{s}");
+    assert_eq!(crc::crc32c(map.bytes()), entry.crc32c, "the mapping made before the kills");
+    let mut again = Vec::new();
+    (&held).read_to_end(&mut again).unwrap();
+    assert_eq!(crc::crc32c(&again), entry.crc32c, "the handle opened before the kills");
+    drop((map, held));
     assert_ne!(s["worker_pid"].as_u64(), Some(first.into()));
     assert!(read.load(Ordering::Relaxed) > 0);
     eprintln!(
@@ -338,4 +349,136 @@ fn the_supervisor_killed_takes_the_mount_and_a_new_mount_cleans_it_up() {
     let body = std::fs::read(again.mountpoint.join(format!("epoch-0000/batch-{:06}.tfrecord", entry.index))).unwrap();
     assert_eq!(crc::crc32c(&body), entry.crc32c);
     assert!(again.log_text().contains("cleaning up a stale mount"), "{}", again.log_text());
+}
+
+/// A datagram from `socket` with the descriptors it carries (`SCM_RIGHTS`), as systemd receives them.
+fn receive_with_fds(socket: &std::os::unix::net::UnixDatagram) -> (String, Vec<std::os::fd::OwnedFd>) {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let mut data = [0u8; 4096];
+    let mut control = [0u64; 16];
+    let mut iov = libc::iovec { iov_base: data.as_mut_ptr().cast(), iov_len: data.len() };
+    // SAFETY: msghdr is plain data; its buffers (data, control) outlive the recvmsg call, and the control
+    // messages are read within the length the kernel reports.
+    unsafe {
+        let mut msg = std::mem::zeroed::<libc::msghdr>();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&control) as _;
+        let n = libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
+        assert!(n >= 0, "{}", std::io::Error::last_os_error());
+        let mut fds = Vec::new();
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                for i in 0..count {
+                    let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<i32>().add(i));
+                    fds.push(std::os::fd::OwnedFd::from_raw_fd(fd));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+        (String::from_utf8_lossy(&data[..n as usize]).into_owned(), fds)
+    }
+}
+
+/// Under systemd (emulated here: its notify socket, and its way of passing stored descriptors back), the
+/// supervisor stores the connection and the ledger (`FDSTORE=1`); killed, with its worker, it is started
+/// again with them and takes the mount over: a file held open throughout reads on.
+#[test]
+fn under_systemd_a_restarted_supervisor_takes_over_the_mount_it_stored() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 600, 30_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let manifest = manifest(&rt, &server.base, 0, "batch_size=16");
+    let url = format!("{}/d", server.base);
+    let dir = tempfile::tempdir().unwrap();
+    let notify = dir.path().join("notify");
+    let socket = std::os::unix::net::UnixDatagram::bind(&notify).unwrap();
+    socket.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mountpoint = dir.path().join("mnt");
+    std::fs::create_dir(&mountpoint).unwrap();
+    let start = |extra: &dyn Fn(&mut Command)| {
+        // As systemd starts a unit: LISTEN_PID is the pid of the program itself (the shell execs it).
+        let mut c = Command::new("sh");
+        c.args(["-c", "[ -n \"$LISTEN_FDS\" ] && export LISTEN_PID=$$; exec \"$0\" \"$@\""]).arg(program());
+        c.args(["mount", &url]).arg(&mountpoint).args(["-o", "batch_size=16", "--foreground"]);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.path().join("log")).unwrap();
+        c.env("NOTIFY_SOCKET", &notify).stdout(Stdio::null()).stderr(log);
+        extra(&mut c);
+        c.spawn().unwrap()
+    };
+    let mut first = start(&|_| {});
+    let mut stored: Vec<(String, std::os::fd::OwnedFd)> = Vec::new();
+    loop {
+        let (text, mut fds) = receive_with_fds(&socket);
+        if text == "READY=1" {
+            break;
+        }
+        if text.starts_with("FDSTORE=1") {
+            let name = text.split("FDNAME=").nth(1).unwrap().trim().to_owned();
+            assert_eq!(fds.len(), 1, "{text}");
+            stored.push((name, fds.remove(0)));
+        }
+    }
+    let names: Vec<&str> = stored.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["batchfs-fuse", "batchfs-ledger", "batchfs-info"]);
+    let entry = manifest.batches[2];
+    let path = mountpoint.join(format!("epoch-0000/batch-{:06}.tfrecord", entry.index));
+    let held = std::fs::File::open(&path).unwrap();
+    let worker = common::mount_stats(&mountpoint)["worker_pid"].as_u64().unwrap() as i32;
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // SAFETY: kill(pid, 0) only asks whether the process exists.
+    while unsafe { libc::kill(worker, 0) } == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // systemd starts the unit again with what it stored, as descriptors 3, 4, 5.
+    let fds: [i32; 3] = std::array::from_fn(|i| stored[i].1.as_raw_fd());
+    let mut second = start(&|c: &mut Command| {
+        c.env("LISTEN_FDS", "3").env("LISTEN_FDNAMES", "batchfs-fuse:batchfs-ledger:batchfs-info");
+        // SAFETY: between fork and exec: fcntl and dup2 only, on descriptors this process holds open across
+        // the spawn.
+        unsafe {
+            c.pre_exec(move || {
+                let mut moved = [0; 3];
+                for (m, &fd) in moved.iter_mut().zip(fds.iter()) {
+                    *m = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 20);
+                }
+                for (target, &fd) in (3..).zip(moved.iter()) {
+                    libc::dup2(fd, target);
+                }
+                Ok(())
+            });
+        }
+    });
+    drop(stored);
+    // Nothing on the mount is touched before the log says a worker serves it (until then a look would
+    // wait for one).
+    let log = || std::fs::read_to_string(dir.path().join("log")).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !log().contains("takeover: a new worker serves the mount") {
+        assert!(second.try_wait().unwrap().is_none(), "the restarted supervisor exited:\n{}", log());
+        assert!(Instant::now() < deadline, "the restarted supervisor did not take the mount over:\n{}", log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(log().contains("taking over the mount systemd kept"), "{}", log());
+    let stats = common::mount_stats(&mountpoint);
+    assert_eq!(stats["supervisor_pid"].as_u64(), Some(second.id().into()), "{stats}");
+    assert_eq!(stats["worker_restarts"].as_u64(), Some(1), "{stats}");
+    let mut body = Vec::new();
+    (&held).read_to_end(&mut body).unwrap();
+    assert_eq!(crc::crc32c(&body), entry.crc32c, "a file held open through the supervisor's restart");
+    let other = manifest.batches[7];
+    let body = std::fs::read(mountpoint.join(format!("epoch-0000/batch-{:06}.tfrecord", other.index))).unwrap();
+    assert_eq!(crc::crc32c(&body), other.crc32c);
+    drop(held);
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(second.id() as i32, libc::SIGTERM) };
+    second.wait().unwrap();
+    assert!(!batchfs_mount::mount::is_mountpoint(&mountpoint), "SIGTERM unmounts");
 }
