@@ -93,9 +93,6 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
         }
         None => (mount(plan, config)?, false),
     };
-    if let Err(e) = store_with_systemd(&held) {
-        tracing::warn!(error = %e, "cannot store the mount with systemd: a restart of this unit unmounts");
-    }
     let signals = Signals::block()?;
     let exe = std::env::current_exe().context("cannot tell which program to start workers from")?;
     // A mount taken over from systemd is without service since its last supervisor died (when, is not
@@ -103,10 +100,17 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
     let died_at = adopted.then(Instant::now);
     let mut supervisor = Supervisor { plan, held, signals, exe, worker: None, died_at, quick_deaths: 0 };
     supervisor.start_worker()?;
+    // Ready once a worker serves.
+    if let Err(e) = store_with_systemd(&supervisor.held) {
+        tracing::warn!(error = %e, "cannot store the mount with systemd: a restart of this unit unmounts");
+    }
     if let Some(pipe) = ready {
         let _ = pipe.write_all(b"ok");
         let _ = pipe.shutdown(std::net::Shutdown::Both);
     }
+    // The checks before mounting touched much of the program (HTTP, TLS, a runtime) that the loop never
+    // runs again.
+    crate::sys::shed_pages();
     supervisor.run()
 }
 

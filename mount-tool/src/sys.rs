@@ -235,6 +235,49 @@ pub fn release_large_allocations() {
     }
 }
 
+/// Gives back what this process no longer uses of what the checks before mounting touched: the heap's free
+/// memory, and the pages of read-only file mappings (the program's and libraries' code and constants,
+/// faulted in again from the page cache if they are run again). For the supervisor, whose loop uses little
+/// of the program; never for a writable mapping (its pages would be lost).
+pub fn shed_pages() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap memory to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else { return };
+    // Each mapping: its header line (start-end perms offset dev inode path), then its counters. Only
+    // mappings all of whose pages are the file's own are dropped: a read-only mapping may hold pages
+    // written before it was made read-only (relocations), which the file does not have.
+    let mut candidate: Option<(usize, usize)> = None;
+    let mut clean = true;
+    let flush = |candidate: Option<(usize, usize)>, clean: bool| {
+        if let (Some((a, b)), true) = (candidate, clean) {
+            // SAFETY: a read-only, file-backed mapping of this process none of whose pages differ from
+            // the file: dropping them loses nothing (they are read again from the file at the next touch).
+            unsafe { libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_DONTNEED) };
+        }
+    };
+    for line in smaps.lines() {
+        let mut f = line.split_whitespace();
+        let Some(first) = f.next() else { continue };
+        if let Some((a, b)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+            flush(candidate.take(), clean);
+            clean = true;
+            let perms = f.next().unwrap_or("");
+            let path = f.nth(3).unwrap_or("");
+            if path.starts_with('/') && perms.starts_with('r') && !perms.contains('w') {
+                if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                    candidate = Some((a, b));
+                }
+            }
+        } else if matches!(first, "Private_Dirty:" | "Anonymous:" | "Swap:") && f.next() != Some("0") {
+            clean = false;
+        }
+    }
+    flush(candidate, clean);
+}
+
 /// Closes backing id `id` of the FUSE connection `device` (`FUSE_DEV_IOC_BACKING_CLOSE`).
 pub fn close_backing(device: std::os::fd::BorrowedFd<'_>, id: u32) -> io::Result<()> {
     use std::os::fd::AsRawFd;
