@@ -110,7 +110,9 @@ impl FuseFs {
                 closed += 1;
             }
         }
-        tracing::info!(handles = files.len(), passthrough = live.len(), closed, "took over the open handles");
+        if ledger.counters().restarts > 0 || !files.is_empty() {
+            tracing::info!(handles = files.len(), passthrough = live.len(), closed, "took over the open handles");
+        }
         *self.opens.get_mut().expect("opens") = handles;
         let _ = self.device.set(device);
         self

@@ -460,6 +460,7 @@ impl WorkerStart {
         }
         std::env::remove_var(WORKER_ENV);
         let mountpoint = PathBuf::from(std::env::var_os(MOUNTPOINT_ENV).context("a worker without a mountpoint")?);
+        std::env::remove_var(MOUNTPOINT_ENV);
         // SAFETY: the supervisor placed these descriptors for this process, which owns them from here.
         let (fuse, ledger, info, ready) = unsafe {
             (

@@ -136,8 +136,16 @@ fn a_stale_mount_of_a_killed_daemon_is_cleaned_up() {
     let _guard = MountGuard(mnt.clone());
     let mut child = foreground(&server.url, &mnt, "batch_size=4");
     wait_until("the mount", || is_mounted(&mnt));
+    // The daemon is a supervisor (`child`) and its worker, which goes with it a moment later; an access
+    // the worker had read as it went fails with ECONNABORTED, the next ones with ENOTCONN.
+    let stats: serde_json::Value = serde_json::from_slice(&std::fs::read(mnt.join(".batchfs/stats")).unwrap()).unwrap();
+    let worker = stats["worker_pid"].as_u64().unwrap() as i32;
     child.kill().unwrap();
     child.wait().unwrap();
+    wait_until("the worker to go with its supervisor", || {
+        // Gone, or a zombie (nothing left of it but its exit status).
+        std::fs::read_to_string(format!("/proc/{worker}/stat")).map_or(true, |s| s.contains(") Z "))
+    });
     let err = std::fs::read_dir(&mnt).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "a dead daemon leaves 'Transport endpoint is not connected'");
     let out = batchfs(&["mount", &server.url, mnt.to_str().unwrap(), "-o", "batch_size=4"]);
