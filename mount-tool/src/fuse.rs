@@ -118,13 +118,6 @@ impl FuseFs {
         self
     }
 
-    /// Records handles in `ledger` from the first open (the first worker of a supervised mount).
-    pub fn record_in(mut self, ledger: Arc<Ledger>) -> Self {
-        self.fs.record_in(ledger.clone());
-        *self.opens.get_mut().expect("opens") = Handles::recorded(ledger);
-        self
-    }
-
     /// Closes backing id `id` on the connection.
     fn close_backing(&self, id: u32) {
         if let Some(device) = self.device.get() {
@@ -315,8 +308,14 @@ impl Filesystem for FuseFs {
         let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
         match self.fs.open(ino.0, write) {
             Ok(Node::Stats) => {
-                let json = self.fs.stats_json();
-                let fh = self.opens.lock().expect("opens").open_snapshot(json, req.unique().0 & !RESENT);
+                let unique = req.unique().0;
+                let mut opens = self.opens.lock().expect("opens");
+                // Re-sent after a takeover: the handle the last worker recorded for it (a fresh snapshot).
+                let resent = (unique & RESENT != 0).then(|| opens.resent(unique & !RESENT)).flatten();
+                let fh = match resent {
+                    Some((fh, _)) => fh,
+                    None => opens.open_snapshot(self.fs.stats_json(), unique & !RESENT),
+                };
                 reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH)
             }
             // Immutable data: keep the page cache across opens (mmap readers need the page cache too).

@@ -365,6 +365,11 @@ pub fn key(tag: u8, rest: u64) -> u64 {
     u64::from(tag) << 56 | rest
 }
 
+/// What a cell key holds under its tag (the `rest` of [`key`]).
+pub fn rest(key: u64) -> u64 {
+    key & ((1 << 56) - 1)
+}
+
 /// Cell tags of the views.
 pub mod tags {
     /// `rolling/`: the epoch (+1) the next open of a name serves, by `batch << 3 | file`.

@@ -161,8 +161,9 @@ fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
     let probe =
         std::fs::metadata(path).and_then(|m| if m.is_dir() { std::fs::read_dir(path).map(|_| m) } else { Ok(m) });
     match probe {
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
-            // A FUSE mount whose daemon died ("Transport endpoint is not connected"): detach it.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)) => {
+            // A FUSE mount whose daemon died ("Transport endpoint is not connected", or "Software caused
+            // connection abort" for a request made as it went): detach it.
             tracing::warn!(path = %path.display(), "cleaning up a stale mount (its daemon is gone)");
             sys::unmount(path, true)
                 .with_context(|| format!("cannot clean up the stale mount at {}", path.display()))?;
@@ -356,12 +357,7 @@ impl Drop for Mounted {
 /// Mounts in this process, serving from background threads (the session loop answers before the
 /// readahead tuning stats the mountpoint).
 pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
-    let runtime = runtime()?;
-    let (mut fs, prefetcher) = filesystem(plan, &runtime)?;
-    let notifier = Arc::new(std::sync::OnceLock::new());
-    if plan.options.page_cache == crate::options::PageCache::Drop {
-        fs = fs.drop_page_cache(notifier.clone());
-    }
+    let (runtime, fs, prefetcher, notifier) = prepare(plan)?;
     let device = fs.device();
     let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
         .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?;
@@ -375,13 +371,8 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
 /// A worker's mount: serves the connection the supervisor holds (`start`), taking over from the worker
 /// before it (`supervise.rs`), in background threads.
 fn take_over(plan: &MountPlan, start: &crate::supervise::WorkerStart) -> Result<Mounted> {
-    let runtime = runtime()?;
-    let (mut fs, prefetcher) = filesystem(plan, &runtime)?;
+    let (runtime, fs, prefetcher, notifier) = prepare(plan)?;
     let _ = prefetcher.stats.ledger.set(start.ledger.clone());
-    let notifier = Arc::new(std::sync::OnceLock::new());
-    if plan.options.page_cache == crate::options::PageCache::Drop {
-        fs = fs.drop_page_cache(notifier.clone());
-    }
     let fs = fs.take_over(start.ledger.clone(), start.settings, start.fuse.try_clone()?);
     let mut config = fuser_config(plan);
     // Re-sent requests are the connection's only if every thread reads the supervisor's descriptor; else
@@ -402,6 +393,20 @@ fn take_over(plan: &MountPlan, start: &crate::supervise::WorkerStart) -> Result<
     }
     serving(plan, &runtime, &prefetcher)?;
     Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
+}
+
+/// The runtime, the filesystem and its prefetcher, and where the session's notifier goes once it exists
+/// (to drop the page cache of closed files, with `page_cache=drop`).
+type Prepared = (tokio::runtime::Runtime, FuseFs, Arc<Prefetcher>, Arc<std::sync::OnceLock<fuser::Notifier>>);
+
+fn prepare(plan: &MountPlan) -> Result<Prepared> {
+    let runtime = runtime()?;
+    let (mut fs, prefetcher) = filesystem(plan, &runtime)?;
+    let notifier = Arc::new(std::sync::OnceLock::new());
+    if plan.options.page_cache == crate::options::PageCache::Drop {
+        fs = fs.drop_page_cache(notifier.clone());
+    }
+    Ok((runtime, fs, prefetcher, notifier))
 }
 
 /// What starts once a mount serves: metrics, the kernel readahead, warming.
@@ -494,25 +499,19 @@ fn serve(
         ),
         None => None,
     };
-    let mounted = match &start {
-        Some(start) => take_over(plan, start),
-        None => spawn(plan),
-    };
-    let mounted = match (mounted, start) {
-        (Ok(m), start) => {
-            if let Some(start) = start {
-                start.ready();
+    let worker = start.is_some();
+    let mounted = match start {
+        Some(start) => {
+            let mounted = take_over(plan, &start);
+            match &mounted {
+                Ok(_) => start.ready(),
+                Err(e) => start.failed(e),
             }
-            m
+            mounted?
         }
-        (Err(e), Some(start)) => {
-            start.failed(&e);
-            return Err(e);
-        }
-        (Err(e), None) => return Err(e),
+        None => spawn(plan)?,
     };
     let mountpoint = plan.mountpoint.clone();
-    let worker = plan.options.supervise && ready.is_none() && mounted.prefetcher.stats.ledger.get().is_some();
     mounted.runtime().spawn(async move {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal");
         tokio::select! {

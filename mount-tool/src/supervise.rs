@@ -80,7 +80,7 @@ struct Held {
     ledger: Ledger,
     info: File,
     /// The session that mounted (never run): dropping it unmounts.
-    _mounted: Option<fuser::Session<Negotiator>>,
+    mounted: Option<fuser::Session<Negotiator>>,
 }
 
 /// Mounts `plan` (or takes over the mount systemd kept), starts the first worker, reports through `ready`
@@ -127,7 +127,7 @@ fn mount(plan: &MountPlan, config: fuser::Config) -> Result<Held> {
     let mut info = crate::sys::memfd("batchfs-info")?;
     info.write_all(&serde_json::to_vec(&plan.info)?)?;
     tracing::info!(passthrough = settings.passthrough, resend = settings.resend, "mounted; starting the worker");
-    Ok(Held { fuse, ledger, info, _mounted: Some(session) })
+    Ok(Held { fuse, ledger, info, mounted: Some(session) })
 }
 
 struct Worker {
@@ -304,7 +304,7 @@ impl Supervisor<'_> {
             let _ = crate::sys::unmount(&self.plan.mountpoint, true);
         }
         // Unmounted already: the session must not try again (it would only log that it cannot).
-        std::mem::forget(self.held._mounted.take());
+        std::mem::forget(self.held.mounted.take());
         Ok(())
     }
 }
@@ -410,7 +410,7 @@ fn stored_with_systemd() -> Result<Option<Held>> {
     for key in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
         std::env::remove_var(key);
     }
-    Ok(Some(Held { fuse, ledger, info, _mounted: None }))
+    Ok(Some(Held { fuse, ledger, info, mounted: None }))
 }
 
 /// Stores the connection, the ledger and the description with systemd, when it supervises this process

@@ -5,7 +5,10 @@
 //! **One mode per inode.** The kernel demands one backing file per inode at a time, and no mixing of
 //! passthrough and daemon opens of one inode: an inode open in one mode is opened again in the same mode
 //! (with the same backing file), whatever the new open asked for, until its last handle is released; the
-//! mode (and with it the backing file) is handed back then, to be dropped.
+//! mode (and with it the backing id) is handed back then, to be closed.
+//!
+//! **Takeover.** Under a supervisor every handle is a slot of the ledger (`ledger.rs`), so that a new
+//! worker serves the same handles, in the same modes, with the same backing ids ([`Handles::restore`]).
 
 use crate::ledger::{Ledger, Slot, SlotKind, SLOTS};
 use std::collections::HashMap;
@@ -87,11 +90,6 @@ impl Handles {
         }
         h.free = (1..=SLOTS as u64).rev().filter(|&fh| !used[fh as usize]).collect();
         (h, closing)
-    }
-
-    /// Handles numbered as slots of `ledger`, none open (the first worker's).
-    pub fn recorded(ledger: Arc<Ledger>) -> Handles {
-        Handles::restore(ledger, Vec::new).0
     }
 
     /// The ledger the handles are recorded in.
@@ -267,7 +265,7 @@ mod tests {
     #[test]
     fn a_new_worker_restores_every_handle_the_last_one_recorded() {
         let ledger = Arc::new(Ledger::create().unwrap());
-        let mut old = Handles::recorded(ledger.clone());
+        let mut old = Handles::restore(ledger.clone(), Vec::new).0;
         let (a, _) = old.open(7, 100, Mode::Passthrough(9), 11);
         let (b, _) = old.open(7, 200, Mode::Daemon, 12);
         let (c, _) = old.open(8, 100, Mode::Daemon, 13);

@@ -24,7 +24,7 @@
 //! known by its pid and start time, so a later process that reuses a pid starts over.
 
 use super::RollingFile;
-use crate::ledger::{key, tags, Ledger};
+use crate::ledger::{key, rest, tags, Ledger};
 use crate::options::RollingMode;
 use crate::sync::{AtomicBool, Mutex, Ordering};
 use std::collections::{HashMap, VecDeque};
@@ -78,15 +78,15 @@ impl RollingState {
     pub fn record_in(&mut self, ledger: Arc<Ledger>) {
         let mut next = self.next.lock().expect("rolling");
         for (k, epoch) in ledger.cells(tags::ROLLING_NEXT) {
-            let rest = k & ((1 << 56) - 1);
-            if let Some(file) = file_of(rest & 7) {
-                next.insert((rest >> 3, file), epoch - 1);
+            let name = rest(k);
+            if let Some(file) = file_of(name & 7) {
+                next.insert((name >> 3, file), epoch - 1);
             }
         }
         drop(next);
         let mut readers = self.indexed.lock().expect("readers");
         for (k, start) in ledger.cells(tags::ROLLING_READER) {
-            let pid = (k & ((1 << 56) - 1)) as u32;
+            let pid = rest(k) as u32;
             // A reader gone since (its pid reused or free) is forgotten.
             if crate::sys::start_time(pid) == Some(start) && readers.len() < READERS_KEPT {
                 readers.push_back((pid, start));

@@ -15,7 +15,7 @@
 //! every class are: a reader's first sample of each class is not a round trip.
 
 use super::FsError;
-use crate::ledger::{key, tags, Ledger};
+use crate::ledger::{key, rest, tags, Ledger};
 use crate::prefetch::{ClassPlan, Prefetcher, WINDOW_GROUPS};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -78,7 +78,7 @@ impl ShuffledView {
     pub fn record_in(&mut self, ledger: Arc<Ledger>) {
         let inner = self.inner.get_mut().expect("shuffled");
         for (k, v) in ledger.cells(tags::SHUFFLED_CURSOR) {
-            let class = (k & ((1 << 56) - 1)) as u32;
+            let class = rest(k) as u32;
             inner.cursors.insert(class, ((v - 1) >> 24, (v - 1) & ((1 << 24) - 1)));
         }
         self.ledger = Some(ledger);
