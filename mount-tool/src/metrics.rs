@@ -88,6 +88,17 @@ pub fn render(s: &StatsSnapshot) -> String {
             ("node_cache_corrupt_total", "counter", "Node cache files found corrupt and fetched anew.", n.corrupt),
         ]);
     }
+    if s.supervisor_pid != 0 {
+        whole.extend([
+            (
+                "worker_restarts_total",
+                "counter",
+                "Workers started after the first: each a takeover.",
+                s.worker_restarts,
+            ),
+            ("last_takeover_microseconds", "gauge", "Time without service of the last takeover.", s.last_takeover_us),
+        ]);
+    }
     if let Some(w) = &s.warm {
         whole.extend([
             ("warm_files", "gauge", "Files warmed into the node cache so far.", w.files),
@@ -164,6 +175,14 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line:?} in {text}");
         }
+        assert!(!text.contains("worker_restarts"), "an unsupervised mount has no takeovers to count");
+        snap.supervisor_pid = 40;
+        snap.worker_restarts = 3;
+        snap.last_takeover_us = 6100;
+        let text = render(&snap);
+        assert!(text
+            .contains("# TYPE batchfs_mount_worker_restarts_total counter\nbatchfs_mount_worker_restarts_total 3\n"));
+        assert!(text.contains("\nbatchfs_mount_last_takeover_microseconds 6100\n"), "{text}");
         let at = |name: &str| text.find(name).unwrap();
         assert!(at("batchfs_mount_reads_total") < at("node_cache_bytes") && at("node_cache_bytes") < at("warm_files"));
     }
