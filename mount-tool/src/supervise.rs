@@ -154,7 +154,8 @@ impl Supervisor<'_> {
         let installed = self.exe.clone();
         match self.spawn(&installed) {
             Ok(w) => self.serving(w),
-            Err(e) if self.worker.is_none() && self.died_at.is_some() => {
+            // Replacing a worker (not mounting): the mount must not stay without one.
+            Err(e) if self.died_at.is_some() => {
                 tracing::error!(error = %format!("{e:#}"), exe = %installed.display(), "the installed program \
                                 cannot serve the mount: starting the one this supervisor runs");
                 let w = self.spawn(Path::new("/proc/self/exe"))?;
@@ -268,7 +269,6 @@ impl Supervisor<'_> {
                     }
                     if let Err(e) = self.start_worker() {
                         tracing::error!(error = %format!("{e:#}"), "no worker serves the mount: trying again");
-                        self.died_at = Some(Instant::now());
                         self.signals.retry_after(Duration::from_secs(1));
                     }
                 }
