@@ -556,11 +556,36 @@ impl ObjectSource {
         Ok(out)
     }
 
-    /// One ranged GET of `object` (storage number `n`), `If-Match` its indexed ETag.
+    /// One ranged GET of `object` (storage number `n`), `If-Match` its indexed ETag. A request that fails
+    /// on the way (object_store's own retries given up, or a body cut short) is made again, with backoff,
+    /// while `object_retry_for` from the first attempt lasts; an object changed since it was indexed is not.
     async fn get(&self, n: u32, object: &Object, offset: u64, len: u64) -> Result<Bytes, ReadError> {
         if len == 0 {
             return Ok(Bytes::new());
         }
+        let deadline = tokio::time::Instant::now() + self.limits.retry_for;
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let result = match tokio::time::timeout(left, self.get_once(n, object, offset, len)).await {
+                Ok(result) => result,
+                Err(_) => Err(ReadError::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{}: no answer within object_retry_for", self.path_of(n).display()),
+                ))),
+            };
+            match result {
+                Err(ReadError::Io(e)) if tokio::time::Instant::now() + backoff < deadline => {
+                    tracing::debug!(dataset = %self.url, error = %e, "a GET failed: asking again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn get_once(&self, n: u32, object: &Object, offset: u64, len: u64) -> Result<Bytes, ReadError> {
         let _permit = self.requests.acquire().await.map_err(io::Error::other)?;
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let options = GetOptions {
