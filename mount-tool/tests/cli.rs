@@ -146,7 +146,16 @@ fn a_stale_mount_of_a_killed_daemon_is_cleaned_up() {
         // Gone, or a zombie (nothing left of it but its exit status).
         std::fs::read_to_string(format!("/proc/{worker}/stat")).map_or(true, |s| s.contains(") Z "))
     });
-    let err = std::fs::read_dir(&mnt).unwrap_err();
+    // A request already queued as the connection went fails with ECONNABORTED; then every access gets
+    // ENOTCONN.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let err = loop {
+        let err = std::fs::read_dir(&mnt).unwrap_err();
+        if err.raw_os_error() != Some(libc::ECONNABORTED) || Instant::now() > deadline {
+            break err;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "a dead daemon leaves 'Transport endpoint is not connected'");
     let out = batchfs(&["mount", &server.url, mnt.to_str().unwrap(), "-o", "batch_size=4"]);
     assert!(out.status.success(), "{}", stderr(&out));
