@@ -5,8 +5,24 @@
 //! whole batch body from per-sample CRCs recorded at index time, without reading any sample data.
 
 /// CRC32C of `data`.
+///
+/// By `crc-fast`'s folding with carry-less multiplication (AVX-512 `VPCLMULQDQ` where the CPU has it,
+/// SSE `PCLMULQDQ` otherwise, ARMv8 `PMULL`), about twice the rate of the `crc32c` crate's three
+/// streams of `crc32` instructions: 66 against 31 GB/s from cache and 31 against 14 from memory on this
+/// machine's EPYC. Every body the mount receives is checked by it (18 % of the daemon's CPU before).
 pub fn crc32c(data: &[u8]) -> u32 {
-    crc32c::crc32c(data)
+    crc_fast::crc32_iscsi(data)
+}
+
+/// The CRC32C of `A ++ data` from `crc`, the CRC32C of `A`.
+pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
+    if data.is_empty() {
+        return crc;
+    }
+    // crc-fast's state is the register before the final inversion, which is the CRC inverted.
+    let mut digest = crc_fast::Digest::new_with_init_state(crc_fast::CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
+    digest.update(data);
+    digest.finalize() as u32
 }
 
 /// TFRecord's masked CRC: `((crc >> 15) | (crc << 17)) + 0xa282ead8`.
@@ -35,7 +51,7 @@ impl CrcBuilder {
 
     /// Appends bytes.
     pub fn push_bytes(&mut self, data: &[u8]) {
-        self.crc = crc32c::crc32c_append(self.crc, data);
+        self.crc = crc32c_append(self.crc, data);
         self.len += data.len() as u64;
     }
 
@@ -178,6 +194,24 @@ mod tests {
         fn combine_matches_the_crate(a: u32, b: u32, len in prop_oneof![0u64..(1 << 40), 0u64..5000]) {
             let expected = if len == 0 { a } else { crc32c::crc32c_combine(a, b, len as usize) };
             prop_assert_eq!(combine(a, b, len), expected);
+        }
+
+        /// The fast CRC against the `crc32c` crate's, at every length and alignment its paths split on
+        /// (below and above each fold width, tails of 0..63 bytes, buffers not 8-byte aligned), whole
+        /// and appended in two pieces.
+        #[test]
+        fn fast_crc_matches_the_crate(
+            data in proptest::collection::vec(any::<u8>(), 0..20_000),
+            skip in 0usize..64,
+            cut in any::<prop::sample::Index>(),
+            seed: u32,
+        ) {
+            let data = &data[skip.min(data.len())..];
+            prop_assert_eq!(crc32c(data), crc32c::crc32c(data));
+            let cut = cut.index(data.len() + 1);
+            let (a, b) = data.split_at(cut);
+            prop_assert_eq!(crc32c_append(crc32c(a), b), crc32c::crc32c(data));
+            prop_assert_eq!(crc32c_append(seed, data), crc32c::crc32c_append(seed, data));
         }
 
         #[test]

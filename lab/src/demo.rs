@@ -64,7 +64,7 @@ fn read_file(path: &Path) -> Result<(u64, u32)> {
         if n == 0 {
             return Ok((len, crc));
         }
-        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        crc = batchfs::crc::crc32c_append(crc, &buf[..n]);
         len += n as u64;
     }
 }

@@ -63,7 +63,7 @@ impl Sink {
         match self {
             Sink::Buffer(b) => b.append(data, crc)?,
             Sink::File(m) => {
-                *crc = crc32c::crc32c_append(*crc, data);
+                *crc = batchfs::crc::crc32c_append(*crc, data);
                 m.append(data.clone())?;
             }
         }

@@ -74,7 +74,7 @@ async fn read_epoch(
                 let http2 = response.version() == reqwest::Version::HTTP_2;
                 let (mut crc, mut len) = (0u32, 0u64);
                 while let Some(chunk) = response.chunk().await? {
-                    crc = crc32c::crc32c_append(crc, &chunk);
+                    crc = batchfs::crc::crc32c_append(crc, &chunk);
                     len += chunk.len() as u64;
                 }
                 Ok::<_, anyhow::Error>((entry, len, crc, http2))

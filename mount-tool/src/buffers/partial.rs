@@ -168,7 +168,7 @@ impl Filling {
             let next = self.checkpoints.front().copied();
             let take = next.map_or(data.len(), |(end, _)| ((end - self.written) as usize).min(data.len()));
             let (now, rest) = data.split_at(take);
-            *crc = crc32c::crc32c_append(*crc, now);
+            *crc = batchfs::crc::crc32c_append(*crc, now);
             let at = self.written as usize;
             // The reservation in `Partial::new` made room for the manifest's size, checked above.
             assert!(at + take <= self.partial.cap, "a body within its size fits its buffer");

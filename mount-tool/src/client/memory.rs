@@ -108,7 +108,7 @@ impl BatchClient for MemoryClient {
             for (path, body) in sorted {
                 let class = path.split_once('/').and_then(|(c, _)| classes.iter().position(|x| x == c));
                 t.labels.push(class.map_or(SampleTable::NO_LABEL, |c| c as u32));
-                t.crc32c.push(crc32c::crc32c(body));
+                t.crc32c.push(batchfs::crc::crc32c(body));
                 t.bytes.push(body.len() as u64);
             }
             Ok(t)
@@ -139,7 +139,7 @@ impl BatchClient for MemoryClient {
                     index: i as u64,
                     samples: 1,
                     bytes: b.len() as u64,
-                    crc32c: crc32c::crc32c(b),
+                    crc32c: batchfs::crc::crc32c(b),
                 })
                 .collect();
             Ok(Manifest {
@@ -180,8 +180,8 @@ impl BatchClient for MemoryClient {
                     None => files.push(api::FileEntry {
                         path: path.clone(),
                         size: b.len() as u64,
-                        crc32c: crc32c::crc32c(b),
-                        chunks: if b.len() > chunk { b.chunks(chunk).map(crc32c::crc32c).collect() } else { vec![] },
+                        crc32c: batchfs::crc::crc32c(b),
+                        chunks: if b.len() > chunk { b.chunks(chunk).map(batchfs::crc::crc32c).collect() } else { vec![] },
                         // The files are the samples, in path order.
                         sample: Some(at as u32 - 1),
                     }),
@@ -292,7 +292,7 @@ impl MemoryClient {
         let every = batch.map_or(0, |_| self.checkpoint_every.load(Ordering::Relaxed));
         if every > 0 {
             let ends = (every..body.len()).step_by(every).chain([body.len()]).filter(|&e| e > 0);
-            into.expect_checkpoints(ends.map(|e| (e as u64, crc32c::crc32c(&body[..e]))).collect());
+            into.expect_checkpoints(ends.map(|e| (e as u64, batchfs::crc::crc32c(&body[..e]))).collect());
         }
         let mut crc = 0;
         for (i, frame) in sent.chunks(1000).enumerate() {
