@@ -253,7 +253,7 @@ impl SampleTable {
 
     /// Decodes [`SampleTable::encode`]'s bytes; `None` unless they are whole records.
     pub fn decode(data: &[u8]) -> Option<SampleTable> {
-        if data.len() % Self::RECORD != 0 {
+        if !data.len().is_multiple_of(Self::RECORD) {
             return None;
         }
         let n = data.len() / Self::RECORD;

@@ -787,7 +787,7 @@ mod tests {
     /// The TFRecord frame of record `r` of batch `b` of epoch `e`: sizes differ between epochs, with a
     /// heavy tail (one record in seven twenty times the others).
     fn frame(e: u64, b: u64, r: u64) -> Vec<u8> {
-        let len = 200 + ((e * 31 + b * 17 + r * 7) % 13) * 50 + if (e + b + r) % 7 == 0 { 5000 } else { 0 };
+        let len = 200 + ((e * 31 + b * 17 + r * 7) % 13) * 50 + if (e + b + r).is_multiple_of(7) { 5000 } else { 0 };
         let mut out = Vec::new();
         batchfs::tfrecord::encode_record(&vec![(e * 100 + b * 10 + r) as u8; len as usize], &mut out);
         out

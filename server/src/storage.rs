@@ -576,12 +576,12 @@ impl Storage {
             }
             std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
         };
-        debug_assert!(start % DIRECT_ALIGN == 0 && need <= window.len());
+        debug_assert!(start.is_multiple_of(DIRECT_ALIGN) && need <= window.len());
         // Short reads come only at the end of the file (the last block is partial): read until the range
         // is in, and fail if the file ends before it (it shrank under the server).
         while got < need {
             // A read after a partial block would be unaligned: only the file's end stops one short.
-            if got % DIRECT_ALIGN as usize != 0 {
+            if !got.is_multiple_of(DIRECT_ALIGN as usize) {
                 return Err(context(std::io::ErrorKind::UnexpectedEof.into()));
             }
             match file.read_at(&mut window[got..], start + got as u64) {
