@@ -10,11 +10,12 @@
 //! and the server refuses what it would have served from it.
 
 use memmap2::{Advice, Mmap};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock, RwLock};
 
 /// A read-only mapping of a whole file, or a file's bytes held in anonymous memory
 /// ([`MappedFile::in_memory`]). Empty files map to an empty slice.
@@ -27,18 +28,30 @@ pub struct MappedFile {
     guarded: Option<usize>,
     /// A mapping of a file (not memory the process filled).
     from_file: bool,
+    /// Registered in [`source_of`]'s table (a mapping made by [`MappedFile::open`]).
+    sourced: bool,
 }
 
 impl MappedFile {
     /// Maps `path` read-only.
+    ///
+    /// The file stays open with the mapping, and [`source_of`] finds it from the mapping's bytes: a
+    /// sender can then have the kernel send them from the file's pages (`sendfile(2)`) instead of copying
+    /// them out of the mapping.
     pub fn open(path: &Path) -> io::Result<Self> {
-        Self::open_file(&File::open(path)?)
+        let file = File::open(path)?;
+        let mut mapped = Self::open_file(&file)?;
+        if let Some(map) = &mapped.map {
+            sources::register(map.as_ptr() as usize, mapped.len, Arc::new(file));
+            mapped.sourced = true;
+        }
+        Ok(mapped)
     }
 
     /// Maps an open file read-only.
     pub fn open_file(file: &File) -> io::Result<Self> {
         if file.metadata()?.len() == 0 {
-            return Ok(MappedFile { map: None, len: 0, guarded: None, from_file: true });
+            return Ok(MappedFile { map: None, len: 0, guarded: None, from_file: true, sourced: false });
         }
         // SAFETY: the mapping is read-only and private to this process; batchfs requires dataset files
         // to stay unmodified while mapped (module invariant), so the slice's contents do not change
@@ -46,7 +59,7 @@ impl MappedFile {
         let map = unsafe { Mmap::map(file)? };
         let len = map.len();
         let guarded = guard::register(map.as_ptr() as usize, len);
-        Ok(MappedFile { map: Some(map), len, guarded, from_file: true })
+        Ok(MappedFile { map: Some(map), len, guarded, from_file: true, sourced: false })
     }
 
     /// `len` bytes of anonymous memory the process owns, filled once by `fill` and read-only after: a
@@ -55,11 +68,11 @@ impl MappedFile {
     /// whole; it must fill the first `len`.
     pub fn in_memory(len: usize, fill: impl FnOnce(&mut [u8]) -> io::Result<()>) -> io::Result<Self> {
         if len == 0 {
-            return Ok(MappedFile { map: None, len: 0, guarded: None, from_file: false });
+            return Ok(MappedFile { map: None, len: 0, guarded: None, from_file: false, sourced: false });
         }
         let mut memory = memmap2::MmapMut::map_anon(len.div_ceil(page_size()) * page_size())?;
         fill(&mut memory)?;
-        Ok(MappedFile { map: Some(memory.make_read_only()?), len, guarded: None, from_file: false })
+        Ok(MappedFile { map: Some(memory.make_read_only()?), len, guarded: None, from_file: false, sourced: false })
     }
 
     /// The file's bytes.
@@ -140,10 +153,49 @@ impl MappedFile {
 
 impl Drop for MappedFile {
     fn drop(&mut self) {
+        // Out of the table before the mapping goes (the fields drop after this), so that an address in
+        // the table is always one of a live mapping of that file.
+        if let (true, Some(map)) = (self.sourced, &self.map) {
+            sources::unregister(map.as_ptr() as usize);
+        }
         // Out of the registry before the mapping goes (the fields drop after this).
         if let Some(slot) = self.guarded {
             guard::unregister(slot);
         }
+    }
+}
+
+/// The file `bytes` were mapped from and their offset in it, if they lie within one mapping made by
+/// [`MappedFile::open`] that is still alive (as it is while `bytes` borrows it). The file is the one the
+/// mapping was made of, shared: its pages are the mapping's.
+pub fn source_of(bytes: &[u8]) -> Option<(Arc<File>, u64)> {
+    sources::find(bytes.as_ptr() as usize, bytes.len())
+}
+
+/// The files of live mappings by address, for [`source_of`].
+mod sources {
+    use super::*;
+
+    struct Source {
+        len: usize,
+        file: Arc<File>,
+    }
+
+    static TABLE: RwLock<BTreeMap<usize, Source>> = RwLock::new(BTreeMap::new());
+
+    pub(super) fn register(start: usize, len: usize, file: Arc<File>) {
+        TABLE.write().unwrap_or_else(|e| e.into_inner()).insert(start, Source { len, file });
+    }
+
+    pub(super) fn unregister(start: usize) {
+        TABLE.write().unwrap_or_else(|e| e.into_inner()).remove(&start);
+    }
+
+    pub(super) fn find(at: usize, len: usize) -> Option<(Arc<File>, u64)> {
+        let table = TABLE.read().unwrap_or_else(|e| e.into_inner());
+        let (&start, source) = table.range(..=at).next_back()?;
+        let end = at.checked_add(len)?;
+        (end <= start + source.len).then(|| (source.file.clone(), (at - start) as u64))
     }
 }
 
@@ -342,6 +394,41 @@ impl LmdbEnv {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A mapping made by `open` is found from any slice within it, with the slice's offset and the file
+    /// it was mapped from; a slice reaching past it, memory of another kind, and the mapping once dropped
+    /// are not.
+    #[test]
+    fn slices_of_opened_mappings_find_their_file() {
+        use std::io::{Read, Seek, SeekFrom};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard");
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let mapped = MappedFile::open(&path).unwrap();
+        let bytes = mapped.bytes();
+        let (file, offset) = source_of(&bytes[12_345..60_000]).unwrap();
+        assert_eq!(offset, 12_345);
+        let mut read = vec![0; 10];
+        let mut file = &*file;
+        file.seek(SeekFrom::Start(offset)).unwrap();
+        file.read_exact(&mut read).unwrap();
+        assert_eq!(read, data[12_345..12_355]);
+        assert_eq!(source_of(bytes).map(|(_, at)| at), Some(0));
+        // SAFETY: the slice, one byte past the file's end, lies within the mapping's last page; it is never read.
+        let past = unsafe { std::slice::from_raw_parts(bytes.as_ptr().add(50_000), 50_001) };
+        assert!(source_of(past).is_none());
+        assert!(source_of(&data).is_none());
+        let held = MappedFile::in_memory(data.len(), |m| {
+            let _: () = m[..data.len()].copy_from_slice(&data);
+            Ok(())
+        })
+        .unwrap();
+        assert!(source_of(held.bytes()).is_none());
+        let at = bytes.as_ptr() as usize;
+        drop(mapped);
+        assert!(sources::find(at, 10).is_none());
+    }
     use std::io::Write;
 
     /// Every page a range touches is faulted in, the last one of a range that starts mid-page included

@@ -31,13 +31,23 @@ mod value {
     pub fn duration(text: &str) -> Result<Duration, String> {
         parse_duration(text)
     }
+
+    /// On or off: `on`, `off` (`true`, `false`).
+    pub fn switch(text: &str) -> Result<bool, String> {
+        match text.trim() {
+            "on" | "true" => Ok(true),
+            "off" | "false" => Ok(false),
+            _ => Err(format!("{text:?} is not on or off")),
+        }
+    }
 }
 
-/// A `[limits]` value in the config file: a TOML integer or a string (`"16M"`, `"30s"`).
+/// A `[limits]` value in the config file: a TOML integer, boolean or string (`"16M"`, `"30s"`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum LimitValue {
     Integer(u64),
+    Switch(bool),
     Text(String),
 }
 
@@ -45,6 +55,7 @@ impl LimitValue {
     fn text(&self) -> String {
         match self {
             LimitValue::Integer(n) => n.to_string(),
+            LimitValue::Switch(b) => b.to_string(),
             LimitValue::Text(s) => s.clone(),
         }
     }
@@ -173,6 +184,10 @@ limits! {
         "Batch and file bodies being sent at once, server-wide; past this a request is answered 503 with \
          Retry-After at once (mounts back off or move to another replica), which bounds the memory the \
          bodies hold.";
+    sendfile: bool = false, value::switch, "off", "on|off",
+        "Over h2c, body bytes of mapped shards are sent from their file with sendfile(2), not copied out \
+         of the mapping: the socket takes the file's pages (TLS always encrypts a copy). Off by default: \
+         over loopback it saved the server nothing and cost the receiver more (docs/BENCHMARKS.md).";
     chunk_size: u64 = 1 << 20, value::size, "1M", "SIZE",
         "Largest body chunk handed to HTTP at once.";
     read_depth: usize = 2, value::count, "2", "N",

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod objects;
 pub mod policy;
 pub mod progress;
+pub mod sendfile;
 pub mod service;
 pub mod storage;
 #[cfg(feature = "testing")]
@@ -179,6 +180,10 @@ async fn accept_loop(
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     }
+                }
+                None if limits.sendfile => {
+                    let stream = sendfile::FileSendStream::new(stream, state.metrics.clone());
+                    serve_connection(stream, state.clone(), &builder, &limits, shutdown).await
                 }
                 None => serve_connection(stream, state.clone(), &builder, &limits, shutdown).await,
             }

@@ -14,6 +14,7 @@ pub const STORAGE_READS_TOTAL: &str = "batchfs_storage_blocking_reads_total";
 pub const WARMED_BATCHES_TOTAL: &str = "batchfs_readahead_batches_total";
 pub const CONNECTIONS_TOTAL: &str = "batchfs_connections_total";
 pub const CONNECTIONS_OPEN: &str = "batchfs_connections_open";
+pub const SENDFILE_BYTES_TOTAL: &str = "batchfs_sendfile_bytes_total";
 pub const MANIFESTS_COMPUTED_TOTAL: &str = "batchfs_manifests_computed_total";
 /// 1 when shards of a dataset changed under the server.
 pub const DATASET_CHANGED: &str = "batchfs_dataset_changed";
@@ -112,6 +113,8 @@ pub struct Metrics {
     pub warmed_batches: AtomicU64,
     pub connections_total: AtomicU64,
     pub connections_open: AtomicU64,
+    /// Body bytes sent from their file (`sendfile`, see `sendfile.rs`).
+    pub sendfile_bytes: AtomicU64,
 }
 
 /// Status codes counted as errors.
@@ -173,6 +176,12 @@ impl Metrics {
             ),
             (CONNECTIONS_TOTAL, "Connections accepted.", "counter", &self.connections_total),
             (CONNECTIONS_OPEN, "Connections open.", "gauge", &self.connections_open),
+            (
+                SENDFILE_BYTES_TOTAL,
+                "Body bytes sent from their file by sendfile(2) (limit sendfile), not copied out of a mapping.",
+                "counter",
+                &self.sendfile_bytes,
+            ),
         ] {
             out.metric(name, kind, help, get(value));
         }

@@ -347,6 +347,72 @@ async fn same_bytes(fx: &common::Fixture, limits: ServerLimits) {
     pread.running.shutdown().await;
 }
 
+/// With `sendfile`, the bytes of mapped shards go out from their files: every batch (TFRecord and tar,
+/// samples of 40 KB: each past the size sent from the file), ranges of one, and every source file (whole
+/// shards) are the bytes a copying server sends, the metric says the file sent them, and a shard cut short
+/// under the server fails the body: no wrong byte arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sendfile_sends_the_bytes_a_copying_server_sends() {
+    let fx = fixture(SourceFormat::Tfrecord, 48, 40_000);
+    let copying = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let limits = ServerLimits { sendfile: true, io: IoMode::Mmap, ..ServerLimits::default() };
+    let sending = serve(&[("d", &fx.path)], ServeWith { limits: Some(limits), ..ServeWith::default() }).await;
+    let client = h2c();
+    let sent_from_files = |server: &common::Server| {
+        let (client, url) = (client.clone(), format!("{}/metrics", server.base));
+        async move {
+            let text = get(&client, &url).await.text().await.unwrap();
+            let line = text.lines().find(|l| l.starts_with("batchfs_sendfile_bytes_total ")).unwrap().to_owned();
+            line.rsplit(' ').next().unwrap().parse::<u64>().unwrap()
+        }
+    };
+    for query in ["batch_size=8", "batch_size=8&format=tar"] {
+        let manifest: Manifest = get(&client, &format!("{}{}?{query}", sending.base, api::manifest_path("d", 2)))
+            .await
+            .json()
+            .await
+            .unwrap();
+        for entry in &manifest.batches {
+            let path = format!("{}?{query}", api::batch_path("d", 2, entry.index));
+            let want = get(&client, &format!("{}{path}", copying.base)).await.bytes().await.unwrap();
+            let got = get(&client, &format!("{}{path}", sending.base)).await.bytes().await.unwrap();
+            assert_eq!(got, want, "{query} batch {}", entry.index);
+            assert_eq!(crc::crc32c(&got), entry.crc32c);
+            if entry.index == 1 {
+                for start in (0..got.len()).step_by(70_001) {
+                    let end = (start + 100_000).min(got.len());
+                    let r = client
+                        .get(format!("{}{path}", sending.base))
+                        .header("range", format!("bytes={start}-{}", end - 1))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(r.bytes().await.unwrap(), want[start..end], "{query} range at {start}");
+                }
+            }
+        }
+    }
+    let files = common::all_files(&client, &sending.base, "d").await;
+    for f in files.iter().filter(|f| f.path.ends_with(".tfrecord")) {
+        let url = format!("{}{}", sending.base, api::file_path("d", &f.path));
+        assert_eq!(get(&client, &url).await.bytes().await.unwrap(), std::fs::read(fx.path.join(&f.path)).unwrap());
+    }
+    let sent = sent_from_files(&sending).await;
+    let total: u64 = std::fs::read_dir(&fx.path).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
+    assert!(sent > total, "only {sent} bytes were sent from files, of more than {total} sent");
+    assert_eq!(sent_from_files(&copying).await, 0);
+    copying.running.shutdown().await;
+    // A shard cut short: the whole epoch's batch holds samples of every shard.
+    let shard = files.iter().find(|f| f.path.ends_with(".tfrecord")).unwrap();
+    let path = fx.path.join(&shard.path);
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
+    let url = format!("{}{}?batch_size=48", sending.base, api::batch_path("d", 0, 0));
+    let result = async { client.get(&url).send().await?.error_for_status()?.bytes().await }.await;
+    assert!(result.is_err(), "a body with a truncated shard must fail, not arrive");
+    sending.running.shutdown().await;
+}
+
 /// A server answers while it indexes: `/healthz` is 503 with `Retry-After` and says which datasets are
 /// ready and how far the others are; a dataset not ready yet gets 503 with `Retry-After`, a ready one is
 /// served; once the last is inserted, `/healthz` is 200 and every dataset is served.
