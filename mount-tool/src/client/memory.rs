@@ -181,7 +181,11 @@ impl BatchClient for MemoryClient {
                         path: path.clone(),
                         size: b.len() as u64,
                         crc32c: batchfs::crc::crc32c(b),
-                        chunks: if b.len() > chunk { b.chunks(chunk).map(batchfs::crc::crc32c).collect() } else { vec![] },
+                        chunks: if b.len() > chunk {
+                            b.chunks(chunk).map(batchfs::crc::crc32c).collect()
+                        } else {
+                            vec![]
+                        },
                         // The files are the samples, in path order.
                         sample: Some(at as u32 - 1),
                     }),
