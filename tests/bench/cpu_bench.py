@@ -7,6 +7,7 @@ on its own core, as a GPU node and a storage node would have them. Real loaders,
          LOADERS ("dali dali-nommap torch"), TRANSPORTS ("h2c tls"),
          MOUNT_OPTS (extra -o options of every mount; default cache=1G: up to eight mounts hold their
          cache full, beside the local copy and the server's files, in this machine's memory),
+         SERVER_OPTS (extra arguments of every server, e.g. "--sendfile on"),
          BIN_BEFORE (a target/release directory of another build: its server and mounts run beside this
          build's, alternating, for before/after), SERVER_CPU (0), NODE_CPU (1): the cores (taskset),
          LEAD (1): epochs each visit reads just before the counted one, back to back, as training reads
@@ -45,6 +46,7 @@ ROUNDS = int(env("ROUNDS", "3"))
 LOADERS = env("LOADERS", "dali dali-nommap torch").split()
 TRANSPORTS = env("TRANSPORTS", "h2c tls").split()
 MOUNT_OPTS = env("MOUNT_OPTS", "cache=1G")
+SERVER_OPTS = env("SERVER_OPTS", "").split()
 SERVER_CPU, NODE_CPU = env("SERVER_CPU", "0"), env("NODE_CPU", "1")
 LEAD = int(env("LEAD", "1"))
 
@@ -79,12 +81,22 @@ def wait_port(port, tries=300):
     raise SystemExit(f"nothing listens on {port}")
 
 
-def daemon_pid(mnt):
-    """The pid of the daemon serving the mount at `mnt` (its command line names the directory)."""
-    out = subprocess.run(["pgrep", "-f", f" mount .* {mnt}( |$)"], capture_output=True, text=True).stdout.split()
-    if len(out) != 1:
+def daemon_pids(mnt):
+    """The pids of the daemon serving the mount at `mnt` (their command lines name the directory): the
+    supervisor and its worker (the same program, which serves; see docs/DESIGN.md, "Takeover"), or the one
+    process of a mount that is not supervised."""
+    out = [int(p) for p in subprocess.run(["pgrep", "-f", f" mount .* {mnt}( |$)"], capture_output=True,
+                                          text=True).stdout.split()]
+    parent = {p: int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) for p in out}
+    workers = [p for p in out if parent[p] in out]
+    if not (len(out) == 1 or (len(out) == 2 and len(workers) == 1)):
         raise SystemExit(f"cannot tell the daemon of {mnt}: {out}")
-    return int(out[0])
+    return out
+
+
+def daemon_cpu(pids):
+    """CPU seconds of the daemon's processes so far."""
+    return sum(cpu_of(p) for p in pids)
 
 
 def run_loader(args):
@@ -110,7 +122,7 @@ def run(out, work, procs, mounts):
         for transport in TRANSPORTS:
             port = free_port()
             args = [os.path.join(bindir, "batchfs-server"), "serve", "--listen", f"127.0.0.1:{port}", "--dataset",
-                    f"d={data}"]
+                    f"d={data}"] + SERVER_OPTS
             if transport == "tls":
                 args += ["--tls-cert", cert, "--tls-key", key]
             proc = subprocess.Popen(pinned(SERVER_CPU, args), stderr=subprocess.DEVNULL)
@@ -137,7 +149,7 @@ def run(out, work, procs, mounts):
                 subprocess.run(pinned(NODE_CPU, [os.path.join(bindir, "batchfs"), "mount", f"{scheme}://127.0.0.1:{p}/d",
                                                  mnt, "-o", opts]), check=True)
                 mounts.append(mnt)
-                systems[(build, transport, rtt)] = {"mnt": mnt, "pid": daemon_pid(mnt), "epoch": 0,
+                systems[(build, transport, rtt)] = {"mnt": mnt, "pids": daemon_pids(mnt), "epoch": 0,
                                                    "server": proc.pid, "netem": netem}
     local = os.path.join(work, "local")
     first = next(iter(systems.values()))
@@ -160,9 +172,9 @@ def run(out, work, procs, mounts):
         directory = os.path.join(s["mnt"], f"epoch-{s['epoch']:04d}")
         s["epoch"] += 1
         netem = s["netem"].pid if s["netem"] else None
-        m0, s0, n0 = cpu_of(s["pid"]), cpu_of(s["server"]), cpu_of(netem) if netem else 0.0
+        m0, s0, n0 = daemon_cpu(s["pids"]), cpu_of(s["server"]), cpu_of(netem) if netem else 0.0
         r = run_loader(command(loader, directory, False))
-        m1, s1, n1 = cpu_of(s["pid"]), cpu_of(s["server"]), cpu_of(netem) if netem else 0.0
+        m1, s1, n1 = daemon_cpu(s["pids"]), cpu_of(s["server"]), cpu_of(netem) if netem else 0.0
         gb = r["bytes"] / 1e9
         build, transport, rtt = key
         return {"round": rnd, "phase": phase, "loader": loader, "build": build, "transport": transport,
