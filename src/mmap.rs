@@ -28,17 +28,21 @@ pub struct MappedFile {
     guarded: Option<usize>,
     /// A mapping of a file (not memory the process filled).
     from_file: bool,
-    /// Registered in [`source_of`]'s table (a mapping made by [`MappedFile::open`]).
+    /// Registered in [`source_of`]'s table (a mapping made by [`MappedFile::open_sourced`]).
     sourced: bool,
 }
 
 impl MappedFile {
     /// Maps `path` read-only.
-    ///
-    /// The file stays open with the mapping, and [`source_of`] finds it from the mapping's bytes: a
-    /// sender can then have the kernel send them from the file's pages (`sendfile(2)`) instead of copying
-    /// them out of the mapping.
     pub fn open(path: &Path) -> io::Result<Self> {
+        Self::open_file(&File::open(path)?)
+    }
+
+    /// Maps `path` read-only, like [`MappedFile::open`], and keeps the file open with the mapping, so that
+    /// [`source_of`] finds it from the mapping's bytes: a sender can then have the kernel send them from
+    /// the file's pages (`sendfile(2)`) instead of copying them out of the mapping. One descriptor per
+    /// mapping, for as long as it lives.
+    pub fn open_sourced(path: &Path) -> io::Result<Self> {
         let file = File::open(path)?;
         let mut mapped = Self::open_file(&file)?;
         if let Some(map) = &mapped.map {
@@ -166,7 +170,7 @@ impl Drop for MappedFile {
 }
 
 /// The file `bytes` were mapped from and their offset in it, if they lie within one mapping made by
-/// [`MappedFile::open`] that is still alive (as it is while `bytes` borrows it). The file is the one the
+/// [`MappedFile::open_sourced`] that is still alive (as it is while `bytes` borrows it). The file is the one the
 /// mapping was made of, shared: its pages are the mapping's.
 pub fn source_of(bytes: &[u8]) -> Option<(Arc<File>, u64)> {
     sources::find(bytes.as_ptr() as usize, bytes.len())
@@ -395,7 +399,7 @@ impl LmdbEnv {
 mod tests {
     use super::*;
 
-    /// A mapping made by `open` is found from any slice within it, with the slice's offset and the file
+    /// A mapping made by `open_sourced` is found from any slice within it, with the slice's offset and the file
     /// it was mapped from; a slice reaching past it, memory of another kind, and the mapping once dropped
     /// are not.
     #[test]
@@ -405,7 +409,8 @@ mod tests {
         let path = dir.path().join("shard");
         let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         std::fs::write(&path, &data).unwrap();
-        let mapped = MappedFile::open(&path).unwrap();
+        assert!(source_of(MappedFile::open(&path).unwrap().bytes()).is_none(), "not kept without asking");
+        let mapped = MappedFile::open_sourced(&path).unwrap();
         let bytes = mapped.bytes();
         let (file, offset) = source_of(&bytes[12_345..60_000]).unwrap();
         assert_eq!(offset, 12_345);

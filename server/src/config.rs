@@ -265,10 +265,11 @@ pub struct ConfigFile {
 }
 
 impl ServerLimits {
-    /// How these limits say datasets are read (`io`, `max_mapped_shards`, `resident`), with the memory the
-    /// server may use detected.
+    /// How these limits say datasets are read (`io`, `max_mapped_shards`, `resident`, `sendfile`), with the
+    /// memory the server may use detected.
     pub fn io_policy(&self) -> crate::policy::IoPolicy {
-        crate::policy::IoPolicy::new(self.io, self.max_mapped_shards, self.resident)
+        let policy = crate::policy::IoPolicy::new(self.io, self.max_mapped_shards, self.resident);
+        crate::policy::IoPolicy { sendfile: self.sendfile, ..policy }
     }
 
     /// Rejects values hyper or the protocol would refuse.

@@ -55,6 +55,8 @@ pub struct IoPolicy {
     /// Bytes of whole shards of direct datasets still to be held in memory (`resident`; what a dataset
     /// takes is subtracted before the next is opened).
     pub resident: u64,
+    /// Mapped shards keep their file open, for `sendfile` (the limit): see `sendfile.rs`.
+    pub sendfile: bool,
 }
 
 impl IoPolicy {
@@ -68,7 +70,7 @@ impl IoPolicy {
             Resident::Auto => memory / 2,
             Resident::Bytes(n) => n,
         };
-        IoPolicy { mode, max_mapped_shards, memory, resident }
+        IoPolicy { mode, max_mapped_shards, memory, resident, sendfile: false }
     }
 }
 

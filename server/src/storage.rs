@@ -214,7 +214,8 @@ impl Storage {
                     shards.push(Shard::Open { file, path, size });
                 }
                 Read::Mapped => {
-                    let mapped = MappedFile::open(&path).map_err(cannot)?;
+                    let open = if policy.sendfile { MappedFile::open_sourced } else { MappedFile::open };
+                    let mapped = open(&path).map_err(cannot)?;
                     if mapped.len() != shard.size {
                         return Err(changed());
                     }
@@ -735,8 +736,13 @@ pub(crate) mod fixtures {
     /// The storage of `index` under `root`, read as `mode` says (never too many shards to map, memory
     /// enough for all).
     pub fn open(root: &Path, index: &Index, mode: IoMode) -> Storage {
-        Storage::open("t", root, index, IoPolicy { mode, max_mapped_shards: usize::MAX, memory: u64::MAX, resident: 0 })
-            .unwrap()
+        Storage::open(
+            "t",
+            root,
+            index,
+            IoPolicy { mode, max_mapped_shards: usize::MAX, memory: u64::MAX, resident: 0, sendfile: false },
+        )
+        .unwrap()
     }
 }
 
@@ -772,7 +778,13 @@ mod tests {
         let options = GenOptions { format: SourceFormat::Files, samples: 12, mean_bytes: 3000, ..Default::default() };
         gen::generate(&options, dir.path()).unwrap();
         let (index, _) = source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
-        let policy = |mode, max_mapped_shards, memory| IoPolicy { mode, max_mapped_shards, memory, resident: 0 };
+        let policy = |mode, max_mapped_shards, memory| IoPolicy {
+            mode,
+            max_mapped_shards,
+            memory,
+            resident: 0,
+            sendfile: false,
+        };
         let open = |p: IoPolicy| Storage::open("t", dir.path(), &index, p);
         let mapped = open(policy(IoMode::Mmap, usize::MAX, u64::MAX)).unwrap();
         let held = open(policy(IoMode::Pread, usize::MAX, u64::MAX)).unwrap();
