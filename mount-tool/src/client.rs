@@ -1,5 +1,5 @@
 //! The network side of the mount, behind the [`BatchClient`] trait: the real HTTP/2 client
-//! (`client/http.rs`: reqwest over a few multiplexed connections to one or more servers, routed by each
+//! (`client/http.rs`: hyper over a few multiplexed connections to one or more servers, routed by each
 //! server's health, `client/health.rs`), and, for tests (the unit tests, and with the `testing` feature
 //! the e2e tests and benches), an in-memory server that can hand out wrong bodies (`client/memory.rs`) and
 //! a client that fails on demand in front of any other (`client/faults.rs`). Bodies land in the buffers
@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 
+mod connect;
 pub mod health;
 mod http;
 pub use crate::buffers::{Body, Sink};

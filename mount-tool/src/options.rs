@@ -205,7 +205,7 @@ macro_rules! options {
             vec![$(
                 (stringify!($name), $shown, match $parse($shown.trim_matches('`')) {
                     Ok(v) if v == defaults.$name => true,
-                    _ => Unset::is_unset(&defaults.$name) && ["—", "off", "system roots"].contains(&$shown),
+                    _ => Unset::is_unset(&defaults.$name) && ["—", "off", "web roots"].contains(&$shown),
                 }),
             )+]
         }
@@ -250,7 +250,7 @@ options! {
         "More servers holding the same dataset, `;`-separated base URLs.";
     token_file: Option<PathBuf> = None, value::path, "—", "FILE", "Security",
         "File holding the bearer token.";
-    ca_file: Option<PathBuf> = None, value::path, "system roots", "FILE", "Security",
+    ca_file: Option<PathBuf> = None, value::path, "web roots", "FILE", "Security",
         "PEM CA certificates for https:// servers.";
     allow_other: bool = false, value::switch, "off", "BOOL", "FUSE",
         "Let other users read the mount (sets default_permissions).";

@@ -467,3 +467,46 @@ fn mount_refuses_a_cache_too_small_for_the_first_epochs_it_serves() {
     assert!(err.contains("cannot hold two batches") && err.contains(&format!("epoch {later}")), "{err}");
     rt.block_on(server.running.shutdown());
 }
+
+/// Over TLS: a mount of an `https://` server it trusts through `ca_file`, with a token, reads every
+/// batch of an epoch with the bytes a cleartext server of the same dataset sends (bodies of many TLS
+/// records, the socket read ahead in large pieces). Without the CA, the mount does not start, and says
+/// why.
+#[test]
+fn a_mount_over_tls_reads_the_bytes_of_a_cleartext_server() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 96, 60_000);
+    let dir = tempfile::tempdir().unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (cert_path, key_path, token) = (dir.path().join("cert.pem"), dir.path().join("key.pem"), dir.path().join("t"));
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    std::fs::write(&token, "s3cret\n").unwrap();
+    let tls = batchfs_server::TlsFiles { cert: cert_path.clone(), key: key_path };
+    let with = ServeWith { tls: Some(tls), token: Some("s3cret".into()), ..ServeWith::default() };
+    let server = rt.block_on(serve(&[("d", &fx.path)], with));
+    assert!(server.base.starts_with("https://localhost:"), "{}", server.base);
+    let plain = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let options = format!("batch_size=16,ca_file={},token_file={}", cert_path.display(), token.display());
+    let (_dir, mounted) = common::mount(&server, "d", &options);
+    let m = manifest(&rt, &plain, "batch_size=16");
+    assert_eq!(m.batches.len(), 6);
+    for entry in &m.batches {
+        let path = mounted.mountpoint.join(format!("epoch-0000/batch-{:06}.tfrecord", entry.index));
+        let got = read_in_pieces(&path, 1 << 20);
+        assert_eq!(got, common::batch_body(&rt, &plain, 0, entry.index, "batch_size=16"), "batch {}", entry.index);
+        assert_eq!(crc::crc32c(&got), entry.crc32c);
+    }
+    drop(mounted);
+    let mut o = batchfs_mount::options::MountOptions::default();
+    o.apply_list(&format!("batch_size=16,token_file={}", token.display())).unwrap();
+    let Err(err) = batchfs_mount::mount::plan(&format!("{}/d", server.base), dir.path(), o) else {
+        panic!("a mount that does not trust the server's certificate started");
+    };
+    let message = format!("{err:#}");
+    assert!(message.contains("certificate") || message.contains("UnknownIssuer"), "{message}");
+    rt.block_on(async {
+        server.running.shutdown().await;
+        plain.running.shutdown().await;
+    });
+}

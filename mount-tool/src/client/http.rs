@@ -1,13 +1,20 @@
-//! The HTTP/2 client: reqwest over `connections` multiplexed connections to each server, every request
-//! routed by the servers' health (`health.rs`), bodies streamed into their [`Sink`] with the CRC32C
-//! computed as they arrive, a response that stalls or runs past its announced size cut off.
+//! The HTTP/2 client: hyper over `connections` multiplexed connections to each server (made by
+//! `connect.rs`: TCP, or TLS over a socket read ahead), every request routed by the servers' health
+//! (`health.rs`), bodies streamed into their [`Sink`] with the CRC32C computed as they arrive, a response
+//! that stalls or runs past its announced size cut off.
 
+use super::connect::Connector;
 use super::health::{Health, InFlight};
 use super::{BatchClient, Body, BoxFut, ClientError, Sink};
 use batchfs::api::{
     self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SampleTable, SlotTable,
 };
 use batchfs::encode::BatchFormat;
+use bytes::Bytes;
+use http::{header, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -51,11 +58,14 @@ pub fn parse_url(url: &str) -> Result<(String, String), String> {
     Ok((format!("{scheme}://{host}"), dataset))
 }
 
+/// A response as hyper gives it: the head, and the body still to be read.
+type Response = http::Response<hyper::body::Incoming>;
+
 /// The HTTP/2 client.
 pub struct HttpClient {
     config: HttpConfig,
     /// `connections` clients per server (each keeps one HTTP/2 connection), server-major.
-    clients: Vec<reqwest::Client>,
+    clients: Vec<Client<Connector, Empty<Bytes>>>,
     next: AtomicUsize,
     /// Every server's health, which routes each request (see `client/health.rs`).
     health: Arc<Health>,
@@ -68,32 +78,30 @@ impl HttpClient {
         if let Some(path) = &config.ca_file {
             let pem =
                 std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read ca_file {}: {e}", path.display()))?;
-            ca = Some(
-                reqwest::Certificate::from_pem(&pem).map_err(|e| anyhow::anyhow!("ca_file {}: {e}", path.display()))?,
-            );
+            ca = Some(pem);
         }
+        let connector = Connector::new(ca.as_deref(), config.connect_timeout).map_err(|e| match &config.ca_file {
+            Some(path) => anyhow::anyhow!("ca_file {}: {e}", path.display()),
+            None => anyhow::anyhow!("TLS: {e}"),
+        })?;
         let mut clients = Vec::new();
-        for server in &config.servers {
+        for _ in &config.servers {
             for _ in 0..config.connections.max(1) {
-                let mut b = reqwest::Client::builder()
-                    .use_rustls_tls()
-                    .connect_timeout(config.connect_timeout)
+                // HTTP/2 only: h2c with prior knowledge, and over TLS what ALPN agreed (`connect.rs`
+                // refuses a server that does not offer h2).
+                let client = Client::builder(TokioExecutor::new())
+                    .http2_only(true)
+                    .timer(TokioTimer::new())
+                    .pool_timer(TokioTimer::new())
+                    .pool_max_idle_per_host(1)
                     .http2_initial_stream_window_size(16 << 20)
                     .http2_initial_connection_window_size(64 << 20)
                     .http2_max_frame_size(config.frame_size)
                     .http2_keep_alive_interval(Duration::from_secs(15))
                     .http2_keep_alive_timeout(Duration::from_secs(15))
                     .http2_keep_alive_while_idle(true)
-                    .tcp_nodelay(true)
-                    .pool_max_idle_per_host(1);
-                // h2c needs prior knowledge; over TLS, ALPN picks h2.
-                if server.starts_with("http://") {
-                    b = b.http2_prior_knowledge();
-                }
-                if let Some(ca) = &ca {
-                    b = b.add_root_certificate(ca.clone());
-                }
-                clients.push(b.build()?);
+                    .build(connector.clone());
+                clients.push(client);
             }
         }
         let health = Arc::new(Health::new(&config.servers));
@@ -113,7 +121,7 @@ impl HttpClient {
         expect: u64,
         path_and_query: &str,
         range: Option<(u64, u64)>,
-    ) -> Result<(InFlight<'_>, String, reqwest::Response), ClientError> {
+    ) -> Result<(InFlight<'_>, String, Response), ClientError> {
         let flight = self.health.begin(spread, expect);
         // Every server is out and this one, back soonest, rests after shedding load: as it asked.
         if let Some(rest) = self.health.resting(flight.server()) {
@@ -123,14 +131,22 @@ impl HttpClient {
         let conn = self.next.fetch_add(1, Ordering::Relaxed) % per;
         let client = &self.clients[flight.server() * per + conn];
         let server = self.health.url(flight.server()).to_owned();
-        let mut request = client.get(format!("{server}{path_and_query}"));
+        let mut request = http::Request::get(format!("{server}{path_and_query}"));
         if let Some(token) = &self.config.token {
-            request = request.bearer_auth(token);
+            request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
         }
         if let Some((offset, len)) = range {
-            request = request.header(reqwest::header::RANGE, format!("bytes={offset}-{}", offset + len - 1));
+            request = request.header(header::RANGE, format!("bytes={offset}-{}", offset + len - 1));
         }
-        let sent = tokio::time::timeout(self.config.stall_timeout, request.send()).await;
+        let request = match request.body(Empty::new()) {
+            Ok(r) => r,
+            Err(e) => {
+                flight.failed();
+                let message = format!("{path_and_query}: cannot make the request: {e}");
+                return Err(ClientError::Malformed { server, message });
+            }
+        };
+        let sent = tokio::time::timeout(self.config.stall_timeout, client.request(request)).await;
         let response = match sent {
             Err(_) => Err(ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout }),
             Ok(Err(e)) => Err(ClientError::Unreachable { server: server.clone(), message: error_chain(&e) }),
@@ -145,14 +161,16 @@ impl HttpClient {
         };
         let status = response.status();
         if !status.is_success() {
-            let retry_after = (status == reqwest::StatusCode::SERVICE_UNAVAILABLE)
-                .then(|| response.headers().get(reqwest::header::RETRY_AFTER))
+            let retry_after = (status == StatusCode::SERVICE_UNAVAILABLE)
+                .then(|| response.headers().get(header::RETRY_AFTER))
                 .flatten()
                 .map(|v| v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(1));
-            let message = match response.json::<ErrorBody>().await {
-                Ok(body) => body.error,
-                Err(_) => status.canonical_reason().unwrap_or("error").to_owned(),
-            };
+            let body = tokio::time::timeout(self.config.stall_timeout, response.into_body().collect()).await;
+            let message =
+                match body.ok().and_then(|b| b.ok()).map(|b| serde_json::from_slice::<ErrorBody>(&b.to_bytes())) {
+                    Some(Ok(body)) => body.error,
+                    _ => status.canonical_reason().unwrap_or("error").to_owned(),
+                };
             // A 4xx is the request's fault, not the server's; a 503 with Retry-After is a server shedding
             // load, saturated rather than failing: it rests as long as it asks.
             match retry_after {
@@ -166,29 +184,33 @@ impl HttpClient {
     }
 
     async fn json<T: serde::de::DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
-        let (flight, server, response) = self.get(0, 0, path_and_query, None).await?;
-        match response.json().await {
-            Ok(v) => {
-                flight.succeeded(0);
-                Ok(v)
-            }
-            Err(e) => {
-                flight.failed();
-                Err(ClientError::Malformed { server, message: error_chain(&e) })
-            }
-        }
+        let (server, data) = self.small_body(path_and_query).await?;
+        serde_json::from_slice(&data)
+            .map_err(|e| ClientError::Malformed { server, message: format!("{path_and_query}: {e}") })
     }
 
-    async fn bytes(&self, path_and_query: &str) -> Result<bytes::Bytes, ClientError> {
+    async fn bytes(&self, path_and_query: &str) -> Result<Bytes, ClientError> {
+        Ok(self.small_body(path_and_query).await?.1)
+    }
+
+    /// A whole small body (JSON, the sample table) and the server that sent it, abandoned after
+    /// `stall_timeout`.
+    async fn small_body(&self, path_and_query: &str) -> Result<(String, Bytes), ClientError> {
         let (flight, server, response) = self.get(0, 0, path_and_query, None).await?;
-        match response.bytes().await {
-            Ok(v) => {
+        let collected = tokio::time::timeout(self.config.stall_timeout, response.into_body().collect()).await;
+        match collected {
+            Ok(Ok(v)) => {
+                let v = v.to_bytes();
                 flight.succeeded(v.len() as u64);
-                Ok(v)
+                Ok((server, v))
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 flight.failed();
                 Err(ClientError::Unreachable { server, message: error_chain(&e) })
+            }
+            Err(_) => {
+                flight.failed();
+                Err(ClientError::Stalled { server, after: self.config.stall_timeout })
             }
         }
     }
@@ -307,7 +329,7 @@ impl HttpClient {
     ) -> Result<Body, ClientError> {
         let (flight, server, response) = self.get(spread, expect, path_and_query, range).await?;
         if let Some((offset, _)) = range.filter(|&(offset, _)| offset > 0) {
-            if response.status() != reqwest::StatusCode::PARTIAL_CONTENT {
+            if response.status() != StatusCode::PARTIAL_CONTENT {
                 flight.failed();
                 return Err(ClientError::Malformed {
                     server,
@@ -328,7 +350,7 @@ impl HttpClient {
     async fn read_body(
         &self,
         server: &str,
-        mut response: reqwest::Response,
+        response: Response,
         path_and_query: &str,
         mut body: Sink,
         expect: u64,
@@ -338,7 +360,8 @@ impl HttpClient {
             server: server.clone(),
             message: format!("{path_and_query}: {what}, but the manifest announced {expect} bytes"),
         };
-        if let Some(len) = response.content_length().filter(|&len| len > expect) {
+        let announced = response.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse().ok());
+        if let Some(len) = announced.filter(|&len: &u64| len > expect) {
             return Err(too_long(format!("the response announced {len} bytes")));
         }
         debug_assert!(body.is_empty(), "bodies are fetched into empty sinks");
@@ -351,11 +374,19 @@ impl HttpClient {
             }
         }
         let mut crc = 0;
+        let mut incoming = response.into_body();
         loop {
-            let chunk = tokio::time::timeout(self.config.stall_timeout, response.chunk())
+            let frame = tokio::time::timeout(self.config.stall_timeout, incoming.frame())
                 .await
                 .map_err(|_| ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout })?
+                .transpose()
                 .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
+            // Trailers carry no bytes of the body.
+            let chunk = match frame.map(|f| f.into_data()) {
+                Some(Err(_)) => continue,
+                Some(Ok(c)) => Some(c),
+                None => None,
+            };
             match chunk {
                 Some(c) => {
                     if body.len() + c.len() as u64 > expect {
