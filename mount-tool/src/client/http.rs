@@ -183,27 +183,34 @@ impl HttpClient {
         Ok((flight, server, response))
     }
 
+    /// A JSON reply; one that does not parse counts against its server, as a failed transfer does.
     async fn json<T: serde::de::DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
-        let (server, data) = self.small_body(path_and_query).await?;
-        serde_json::from_slice(&data)
-            .map_err(|e| ClientError::Malformed { server, message: format!("{path_and_query}: {e}") })
+        let (flight, server, data) = self.small_body(path_and_query).await?;
+        match serde_json::from_slice(&data) {
+            Ok(v) => {
+                flight.succeeded(data.len() as u64);
+                Ok(v)
+            }
+            Err(e) => {
+                flight.failed();
+                Err(ClientError::Malformed { server, message: format!("{path_and_query}: {e}") })
+            }
+        }
     }
 
     async fn bytes(&self, path_and_query: &str) -> Result<Bytes, ClientError> {
-        Ok(self.small_body(path_and_query).await?.1)
+        let (flight, _, data) = self.small_body(path_and_query).await?;
+        flight.succeeded(data.len() as u64);
+        Ok(data)
     }
 
-    /// A whole small body (JSON, the sample table) and the server that sent it, abandoned after
-    /// `stall_timeout`.
-    async fn small_body(&self, path_and_query: &str) -> Result<(String, Bytes), ClientError> {
+    /// A whole small body (JSON, the sample table), abandoned after `stall_timeout`, with its flight for
+    /// the caller to close and the server that sent it.
+    async fn small_body(&self, path_and_query: &str) -> Result<(InFlight<'_>, String, Bytes), ClientError> {
         let (flight, server, response) = self.get(0, 0, path_and_query, None).await?;
         let collected = tokio::time::timeout(self.config.stall_timeout, response.into_body().collect()).await;
         match collected {
-            Ok(Ok(v)) => {
-                let v = v.to_bytes();
-                flight.succeeded(v.len() as u64);
-                Ok((server, v))
-            }
+            Ok(Ok(v)) => Ok((flight, server, v.to_bytes())),
             Ok(Err(e)) => {
                 flight.failed();
                 Err(ClientError::Unreachable { server, message: error_chain(&e) })
@@ -477,6 +484,24 @@ mod tests {
             let Sink::Buffer(filled) = got.sink else { panic!("a buffer") };
             assert_eq!((filled.finish(), got.crc32c), (bytes::Bytes::from(body.clone()), crc32c::crc32c(&body)));
         }
+    }
+
+    /// A JSON reply that does not parse is an error naming the server and the request, and counts against
+    /// that server's health as a failed transfer does; a reply that parses does not.
+    #[tokio::test]
+    async fn a_reply_that_is_not_json_names_its_server_and_counts_as_a_failure() {
+        let server = h2c_server(b"<html>a proxy's page</html>".to_vec(), None).await;
+        let client = client_of(server.clone());
+        let err = client.dataset().await.unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Malformed { server: s, message } if *s == server && message.contains("/d")),
+            "{err}"
+        );
+        assert_eq!(client.health().snapshot()[0].failures, 1);
+        let info = serde_json::to_vec(&serde_json::json!({"error": "x"})).unwrap();
+        let client = client_of(h2c_server(info, None).await);
+        let body: ErrorBody = client.json("/v1/anything").await.unwrap();
+        assert_eq!((body.error.as_str(), client.health().snapshot()[0].failures), ("x", 0));
     }
 
     /// An h2c server whose first `shed` answers are `503` with `Retry-After: 1` (a server shedding load),
