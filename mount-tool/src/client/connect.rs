@@ -27,7 +27,7 @@ pub const READ_AHEAD: usize = 64 << 10;
 /// Makes the connections of one client: `tls` for `https://` URLs.
 #[derive(Clone)]
 pub struct Connector {
-    tls: Option<tokio_rustls::TlsConnector>,
+    tls: tokio_rustls::TlsConnector,
     timeout: Duration,
 }
 
@@ -49,7 +49,7 @@ impl Connector {
             .with_root_certificates(roots)
             .with_no_client_auth();
         config.alpn_protocols = vec![b"h2".to_vec()];
-        Ok(Connector { tls: Some(tokio_rustls::TlsConnector::from(Arc::new(config))), timeout })
+        Ok(Connector { tls: tokio_rustls::TlsConnector::from(Arc::new(config)), timeout })
     }
 
     async fn connect(self, uri: http::Uri) -> io::Result<Conn> {
@@ -70,9 +70,8 @@ impl Connector {
         if !https {
             return Ok(Conn { io: TokioIo::new(Stream::Plain(tcp)) });
         }
-        let tls = self.tls.ok_or_else(|| invalid("no TLS configuration"))?;
         let name = rustls::pki_types::ServerName::try_from(host.to_owned()).map_err(|_| invalid("not a TLS name"))?;
-        let stream = tokio::time::timeout(self.timeout, tls.connect(name, ReadAhead::new(tcp)))
+        let stream = tokio::time::timeout(self.timeout, self.tls.connect(name, ReadAhead::new(tcp)))
             .await
             .map_err(|_| timed_out())??;
         if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
