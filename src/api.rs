@@ -13,8 +13,11 @@
 //! | `GET /v1/datasets/{name}/samples/data?ids=I,J,...` | the samples' data, one after another (Range) |
 //! | `GET /healthz`, `GET /metrics` | `ok` (503 and progress while indexing), Prometheus text |
 //!
-//! `{plan}` is `batch_size`, `seed`, `shuffle`, `drop_last`, each optional with the defaults of
-//! [`PlanOptions`]. Errors are [`ErrorBody`] JSON.
+//! `{plan}` is `batch_size`, `seed`, `shuffle` (`global`, `none` or `blocks`), `drop_last` and
+//! `block_bytes`, each optional with the defaults of [`PlanOptions`]. `block_bytes` is a size (`4G`,
+//! `512M`, bytes; see [`crate::units::parse_size`]): with `shuffle=blocks`, the bytes of objects in use at
+//! a time, 0 or absent for the server's default. [`BatchQuery::to_query`] writes it only when it is not 0,
+//! so the query strings of the other modes are those of servers before it. Errors are [`ErrorBody`] JSON.
 
 use crate::encode::BatchFormat;
 use crate::index::SourceFormat;
@@ -276,10 +279,10 @@ pub struct BatchQuery {
 }
 
 /// The keys [`BatchQuery::set`] takes.
-pub const QUERY_KEYS: &str = "batch_size, seed, shuffle, drop_last, format";
+pub const QUERY_KEYS: &str = "batch_size, seed, shuffle, drop_last, block_bytes, format";
 
 impl BatchQuery {
-    /// Parses `batch_size=..&seed=..&shuffle=..&drop_last=..&format=..` (all optional, each as
+    /// Parses `batch_size=..&seed=..&shuffle=..&drop_last=..&block_bytes=..&format=..` (all optional, each as
     /// [`BatchQuery::set`] takes it). Unknown or repeated keys and bad values are errors that say what is
     /// allowed.
     pub fn parse(query: &str) -> Result<BatchQuery, ApiError> {
@@ -306,9 +309,10 @@ impl BatchQuery {
     }
 
     /// Applies one plan option or the batch format, given as text: the one parser of `batch_size`,
-    /// `seed`, `shuffle`, `drop_last` and `format`, for the server's query strings and the mount's
-    /// options alike. `value` is `None` for a bare key: `drop_last` alone means true. Booleans are
-    /// `true`/`1`/`yes` or `false`/`0`/`no`. Returns false, changing nothing, for any other key.
+    /// `seed`, `shuffle`, `drop_last`, `block_bytes` and `format`, for the server's query strings and the
+    /// mount's options alike. `value` is `None` for a bare key: `drop_last` alone means true. Booleans are
+    /// `true`/`1`/`yes` or `false`/`0`/`no`; `block_bytes` is a size as [`crate::units::parse_size`] reads
+    /// it (`4G`). Returns false, changing nothing, for any other key.
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<bool, ApiError> {
         let bad = |msg: String| ApiError::BadRequest(msg);
         let need = || value.ok_or_else(|| bad(format!("{key} needs a value ({key}=...)")));
@@ -329,16 +333,26 @@ impl BatchQuery {
                     Some(other) => return Err(bad(format!("drop_last must be true or false, got {other:?}"))),
                 }
             }
+            "block_bytes" => {
+                let value = need()?;
+                self.plan.block_bytes = crate::units::parse_size(value)
+                    .map_err(|e| bad(format!("block_bytes must be a size such as 4G or 512M: {e}")))?;
+            }
             "format" => self.format = need()?.parse().map_err(bad)?,
             _ => return Ok(false),
         }
         Ok(true)
     }
 
-    /// The canonical query string (every key, fixed order).
+    /// The canonical query string: every key in a fixed order, but `block_bytes` only when it is not 0
+    /// (in bytes), so that a query without it reads as before the key existed.
     pub fn to_query(&self) -> String {
+        let block_bytes = match self.plan.block_bytes {
+            0 => String::new(),
+            n => format!("&block_bytes={n}"),
+        };
         format!(
-            "batch_size={}&seed={}&shuffle={}&drop_last={}&format={}",
+            "batch_size={}&seed={}&shuffle={}&drop_last={}{block_bytes}&format={}",
             self.plan.batch_size, self.plan.seed, self.plan.shuffle, self.plan.drop_last, self.format
         )
     }
@@ -735,7 +749,10 @@ mod tests {
     #[test]
     fn queries() {
         let q = BatchQuery::parse("batch_size=32&seed=7&shuffle=none&drop_last=true&format=tar").unwrap();
-        assert_eq!(q.plan, PlanOptions { batch_size: 32, seed: 7, shuffle: Shuffle::None, drop_last: true });
+        assert_eq!(
+            q.plan,
+            PlanOptions { batch_size: 32, seed: 7, shuffle: Shuffle::None, drop_last: true, block_bytes: 0 }
+        );
         assert_eq!(q.format, BatchFormat::Tar);
         assert_eq!(BatchQuery::parse(&q.to_query()), Ok(q));
         assert_eq!(BatchQuery::parse(""), Ok(BatchQuery::default()));
@@ -750,8 +767,62 @@ mod tests {
             "seed=1&seed=2",
             "drop_last=maybe",
             "seed",
+            "block_bytes=4Q",
+            "block_bytes=-1",
+            "block_bytes",
+            "block_bytes=1&block_bytes=2",
         ] {
             assert!(matches!(BatchQuery::parse(bad), Err(ApiError::BadRequest(_))), "{bad}");
+        }
+    }
+
+    #[test]
+    fn block_bytes_queries() {
+        let q = BatchQuery::parse("shuffle=blocks&block_bytes=4G&batch_size=64").unwrap();
+        assert_eq!((q.plan.shuffle, q.plan.block_bytes, q.plan.batch_size), (Shuffle::Blocks, 4 << 30, 64));
+        assert_eq!(
+            q.to_query(),
+            "batch_size=64&seed=0&shuffle=blocks&drop_last=false&block_bytes=4294967296&format=tfrecord"
+        );
+        assert_eq!(BatchQuery::parse(&q.to_query()), Ok(q));
+        assert_eq!(BatchQuery::parse("block_bytes=512M").unwrap().plan.block_bytes, 512 << 20);
+        assert_eq!(BatchQuery::parse("block_bytes=1048577").unwrap().plan.block_bytes, 1_048_577);
+        // Not given and 0 are one: the server's default. The string is what it was before the key.
+        assert_eq!(BatchQuery::parse("block_bytes=0"), Ok(BatchQuery::default()));
+        let blocks = BatchQuery::parse("shuffle=blocks").unwrap();
+        assert_eq!(blocks.plan.block_bytes, 0);
+        assert_eq!(blocks.to_query(), "batch_size=256&seed=0&shuffle=blocks&drop_last=false&format=tfrecord");
+        assert_eq!(
+            BatchQuery::default().to_query(),
+            "batch_size=256&seed=0&shuffle=global&drop_last=false&format=tfrecord"
+        );
+        let err = BatchQuery::parse("block_bytes=4Q").unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "block_bytes must be a size such as 4G or 512M: \"4Q\" has an unknown size suffix (use K, M, G or T)"
+        );
+        let rolling = RollingQuery::parse("shuffle=blocks&block_bytes=2G&epochs=3").unwrap();
+        assert_eq!(rolling.plan.block_bytes, 2 << 30);
+        assert_eq!(RollingQuery::parse(&rolling.to_query()), Ok(rolling));
+        let mut q = BatchQuery::default();
+        assert_eq!(q.set("block_bytes", Some("1G")), Ok(true), "the mount's -o block_bytes=1G");
+        assert_eq!(q.plan.block_bytes, 1 << 30);
+        assert!(QUERY_KEYS.contains("block_bytes"));
+    }
+
+    proptest! {
+        #[test]
+        fn plan_queries_round_trip(
+            batch_size in 1u32..=crate::plan::MAX_BATCH_SIZE,
+            seed: u64,
+            shuffle in prop_oneof![Just(Shuffle::Global), Just(Shuffle::None), Just(Shuffle::Blocks)],
+            drop_last: bool,
+            block_bytes in prop_oneof![Just(0u64), any::<u64>()],
+        ) {
+            let plan = PlanOptions { batch_size, seed, shuffle, drop_last, block_bytes };
+            let q = BatchQuery { plan, format: BatchFormat::Tar };
+            prop_assert_eq!(BatchQuery::parse(&q.to_query()), Ok(q));
+            prop_assert_eq!(q.to_query().contains("block_bytes"), block_bytes != 0);
         }
     }
 

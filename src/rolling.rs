@@ -72,6 +72,18 @@ pub fn slot_table(
     epochs: u64,
     threads: usize,
 ) -> Result<SlotTable, RollingError> {
+    slot_table_of(frames, None, options, first_epoch, epochs, threads)
+}
+
+/// [`slot_table`] of plans that may need the dataset's `objects` (`shuffle=blocks`).
+pub fn slot_table_of(
+    frames: &[u64],
+    objects: Option<&crate::plan::Objects>,
+    options: PlanOptions,
+    first_epoch: u64,
+    epochs: u64,
+    threads: usize,
+) -> Result<SlotTable, RollingError> {
     options.validate()?;
     let last = first_epoch.checked_add(epochs).and_then(|e| e.checked_sub(1));
     if epochs == 0 || epochs > MAX_SPAN || last.is_none_or(|l| l > crate::plan::MAX_EPOCH) {
@@ -79,14 +91,18 @@ pub fn slot_table(
     }
     let samples = u32::try_from(frames.len()).map_err(|_| RollingError::Span { first_epoch, epochs })?;
     // Every epoch has the same batches, of the same sizes: the shape comes from any of them.
-    let shape = EpochPlan::new(samples, first_epoch, options)?;
+    let plan_of = |epoch| match objects {
+        Some(objects) => EpochPlan::of_objects(objects, epoch, options),
+        None => EpochPlan::new(samples, epoch, options),
+    };
+    let shape = plan_of(first_epoch)?;
     let empty: Vec<Vec<u64>> = (0..shape.batches()).map(|b| vec![0; shape.batch(b).map_or(0, <[u32]>::len)]).collect();
     let threads = threads.clamp(1, epochs as usize);
     let partial = |from: u64| -> Result<Vec<Vec<u64>>, RollingError> {
         let mut table = empty.clone();
         let mut sizes = Vec::new();
         for epoch in (first_epoch + from..first_epoch + epochs).step_by(threads) {
-            let plan = EpochPlan::new(samples, epoch, options)?;
+            let plan = plan_of(epoch)?;
             for (b, slots) in table.iter_mut().enumerate() {
                 sizes.clear();
                 sizes.extend(plan.batch(b as u64)?.iter().map(|&s| frames[s as usize]));

@@ -67,9 +67,12 @@ pub struct MountArgs {
     pub batch_size: Option<String>,
     #[arg(long, help_heading = "Plan", value_name = "N")]
     pub seed: Option<String>,
-    /// global or none
+    /// global, none or blocks (each object read once an epoch, block_bytes of objects at a time)
     #[arg(long, help_heading = "Plan", value_name = "MODE")]
     pub shuffle: Option<String>,
+    /// With shuffle=blocks: the most bytes of objects in use at once (default: the server's)
+    #[arg(long, help_heading = "Plan", value_name = "SIZE")]
+    pub block_bytes: Option<String>,
     #[arg(long, help_heading = "Plan")]
     pub drop_last: bool,
     /// tfrecord or tar
@@ -86,7 +89,12 @@ impl MountArgs {
         for list in &self.options {
             o.apply_list(list).map_err(anyhow::Error::msg)?;
         }
-        let plan = [("batch_size", &self.batch_size), ("seed", &self.seed), ("shuffle", &self.shuffle)];
+        let plan = [
+            ("batch_size", &self.batch_size),
+            ("seed", &self.seed),
+            ("shuffle", &self.shuffle),
+            ("block_bytes", &self.block_bytes),
+        ];
         for (key, value) in plan.into_iter().chain([("format", &self.format)]) {
             if let Some(v) = value {
                 o.set(key, Some(v)).map_err(anyhow::Error::msg)?;

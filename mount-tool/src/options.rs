@@ -289,7 +289,7 @@ impl MountOptions {
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<(), String> {
         match key {
             // The plan options and the format: parsed as the server parses them in a query.
-            "batch_size" | "seed" | "shuffle" | "drop_last" | "format" => {
+            "batch_size" | "seed" | "shuffle" | "block_bytes" | "drop_last" | "format" => {
                 let mut query = self.query();
                 query.set(key, value).map_err(|e| e.to_string())?;
                 if !matches!(query.format, BatchFormat::Tfrecord | BatchFormat::Tar) {

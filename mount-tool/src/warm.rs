@@ -54,7 +54,7 @@ fn sent_of(table: &SampleTable, id: u32) -> Sent {
 
 /// Every sample of `table`, in the order of epoch `epoch` of `plan`.
 pub fn plan_order(table: &SampleTable, plan: PlanOptions, epoch: u64) -> Vec<u32> {
-    EpochPlan::new(table.len() as u32, epoch, PlanOptions { drop_last: false, ..plan })
+    EpochPlan::new(table.len() as u32, epoch, PlanOptions { drop_last: false, ..plan.per_sample() })
         .map(|p| p.order().to_vec())
         .unwrap_or_else(|_| (0..table.len() as u32).collect())
 }

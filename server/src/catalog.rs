@@ -8,7 +8,7 @@ use crate::storage::{IoPolicy, OpenError, Storage};
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest, RollingQuery};
 use batchfs::encode::{self, BatchLayout};
 use batchfs::index::{Index, ShardInfo};
-use batchfs::plan::{EpochPlan, PlanError};
+use batchfs::plan::{EpochPlan, Objects, PlanError, Shuffle};
 use batchfs::rolling::{RollingError, SlotTable};
 use batchfs::source::{self, Files, IndexOptions, IndexOrigin, Progress};
 use lru::LruCache;
@@ -84,7 +84,7 @@ fn info_of<'a>(index: &'a Index, file: &'a ServedFile) -> &'a ShardInfo {
 pub struct Dataset {
     pub name: String,
     pub root: PathBuf,
-    pub index: Index,
+    pub index: Arc<Index>,
     /// The shards, mapped or read by positioned reads, then the side files.
     pub storage: Arc<Storage>,
     /// Every file served under `files/`, sorted by path.
@@ -103,6 +103,9 @@ pub struct Dataset {
     slot_tables: Memo<RollingQuery, SlotTable>,
     /// The sample table's encoding, once asked for.
     sample_table: OnceLock<bytes::Bytes>,
+    /// Each sample's object (the shard of its first part) and each shard's bytes, once a `shuffle=blocks`
+    /// plan needs them.
+    objects: OnceLock<(Vec<u32>, Vec<u64>)>,
     /// For each shard that is one sample whole (a file of a file tree), that sample's id.
     shard_samples: Vec<Option<u32>>,
 }
@@ -126,6 +129,7 @@ impl Dataset {
         let (index, origin) = source::load_or_build(root, name, index_dir, options, progress)
             .map_err(|source| CatalogError::Index { name: name.to_owned(), source })?;
         CatalogError::fits(name, &index)?;
+        let index = Arc::new(index);
         let storage = Arc::new(Storage::open(name, root, &index, io).map_err(|e| CatalogError::opening(name, e))?);
         Ok(Dataset::of(name, root, index, origin, storage))
     }
@@ -145,9 +149,21 @@ impl Dataset {
         io: IoPolicy,
     ) -> Result<Dataset, CatalogError> {
         let stage_dir = index_dir.map_or_else(std::env::temp_dir, Path::to_owned);
-        let url = at.url;
-        let (objects, listed) = ObjectSource::open(at, stage_dir)
+        let opened = ObjectSource::open(at, stage_dir)
             .map_err(|source| CatalogError::Objects { name: name.to_owned(), source: Box::new(source) })?;
+        Self::of_objects(name, opened, index_dir, options, progress, io)
+    }
+
+    /// [`Dataset::open_objects`] of a source already listed (one of an in-memory store, in tests).
+    pub fn of_objects(
+        name: &str,
+        (objects, listed): (ObjectSource, Vec<ShardInfo>),
+        index_dir: Option<&Path>,
+        options: &IndexOptions,
+        progress: &dyn Progress,
+        io: IoPolicy,
+    ) -> Result<Dataset, CatalogError> {
+        let url = PathBuf::from(objects.url());
         let index_err = |source| CatalogError::Index { name: name.to_owned(), source };
         let format = options.format.unwrap_or_else(|| source::detect_listed(listed.iter().map(|f| f.path.as_str())));
         let (shards, side) = source::classify(objects.root(), format, listed).map_err(index_err)?;
@@ -157,13 +173,19 @@ impl Dataset {
             source::load_or_build_listed(&objects, name, path.as_deref(), settings, shards, side, progress)
                 .map_err(index_err)?;
         CatalogError::fits(name, &index)?;
+        let index = Arc::new(index);
         let storage = Arc::new(
-            Storage::of_objects(name, Arc::new(objects), &index, io).map_err(|e| CatalogError::opening(name, e))?,
+            Storage::of_objects(name, Arc::new(objects), index.clone(), io)
+                .map_err(|e| CatalogError::opening(name, e))?,
         );
-        Ok(Dataset::of(name, Path::new(url), index, origin, storage))
+        let dataset = Dataset::of(name, &url, index, origin, storage);
+        if let Some(note) = dataset.tier_note() {
+            tracing::warn!(dataset = name, "{note}");
+        }
+        Ok(dataset)
     }
 
-    fn of(name: &str, root: &Path, index: Index, origin: IndexOrigin, storage: Arc<Storage>) -> Dataset {
+    fn of(name: &str, root: &Path, index: Arc<Index>, origin: IndexOrigin, storage: Arc<Storage>) -> Dataset {
         let files = served_files(&index);
         let mut shard_samples = vec![None; index.shards.len()];
         for (id, sample) in index.samples.iter().enumerate() {
@@ -192,6 +214,7 @@ impl Dataset {
             frames: OnceLock::new(),
             slot_tables: Memo::new(SLOT_TABLE_CACHE),
             sample_table: OnceLock::new(),
+            objects: OnceLock::new(),
             shard_samples,
         }
     }
@@ -213,15 +236,77 @@ impl Dataset {
         }
     }
 
-    /// The plan of `epoch` (cached).
+    /// The plan of `epoch` (cached). `shuffle=blocks` without `block_bytes` takes the server's default
+    /// ([`Dataset::default_block_bytes`]).
     pub fn plan(&self, epoch: u64, query: &BatchQuery) -> Result<Arc<EpochPlan>, PlanError> {
-        let key = (epoch, query.plan);
+        let mut options = query.plan;
+        if options.shuffle == Shuffle::Blocks && options.block_bytes == 0 {
+            options.block_bytes = self.default_block_bytes();
+        }
+        let key = (epoch, options);
         if let Some(plan) = self.plans.lock().expect("plan cache").get(&key) {
             return Ok(plan.clone());
         }
-        let plan = Arc::new(EpochPlan::new(self.index.samples.len() as u32, epoch, query.plan)?);
+        let plan = Arc::new(match options.shuffle {
+            Shuffle::Blocks => {
+                let (of_sample, bytes) = self.objects();
+                EpochPlan::of_objects(&Objects { of_sample, bytes }, epoch, options)?
+            }
+            _ => EpochPlan::new(self.index.samples.len() as u32, epoch, options)?,
+        });
         self.plans.lock().expect("plan cache").put(key, plan.clone());
         Ok(plan)
+    }
+
+    /// Each sample's object (the shard of its first part) and each shard's bytes, for `shuffle=blocks`.
+    fn objects(&self) -> (&[u32], &[u64]) {
+        let (of_sample, bytes) = self.objects.get_or_init(|| {
+            let of_sample = self.index.samples.iter().map(|s| s.parts.first().map_or(0, |p| p.shard)).collect();
+            (of_sample, self.index.shards.iter().map(|s| s.size).collect())
+        });
+        (of_sample, bytes)
+    }
+
+    /// `block_bytes` of a `shuffle=blocks` plan that does not say: half the disk tier, for an object
+    /// dataset of a server with one (a block is read while the next is copied in); else a quarter of the
+    /// memory the server may use (the page cache holds a block of a local dataset).
+    pub fn default_block_bytes(&self) -> u64 {
+        match self.storage.objects().and_then(|o| o.tier()) {
+            Some(tier) => (tier.cap() / 2).max(1),
+            None => (crate::policy::memory_limit() / 4).max(1),
+        }
+    }
+
+    /// What the disk tier does for this object dataset, where it cannot hold it whole: a line for the log
+    /// and `/healthz`.
+    pub fn tier_note(&self) -> Option<String> {
+        let tier = self.storage.objects()?.tier()?;
+        let bytes: u64 = self.index.shards.iter().map(|s| s.size).sum();
+        (bytes > tier.cap()).then(|| {
+            format!(
+                "dataset {}: {bytes} bytes do not fit in the disk tier ({} bytes): read with shuffle=global, each \
+                 epoch reads the store by GETs; read it with shuffle=blocks (block_bytes at most {}) to read each \
+                 object once per epoch from the tier",
+                self.name,
+                tier.cap(),
+                tier.cap() / 2
+            )
+        })
+    }
+
+    /// Has the disk tier of an object dataset follow `plan`: its objects are copied in in the order the
+    /// plan first reads them, all of them where the dataset fits in the tier, else under
+    /// `shuffle=blocks` as far ahead of the reads as the tier holds beside one block.
+    fn follow(&self, plan: &EpochPlan) {
+        let Some(objects) = self.storage.objects() else { return };
+        let Some(tier) = objects.tier() else { return };
+        let bytes: u64 = self.index.shards.iter().map(|s| s.size).sum();
+        let ahead = match plan.options.shuffle {
+            _ if bytes <= tier.cap() => u64::MAX,
+            Shuffle::Blocks => tier.cap().saturating_sub(plan.options.block_bytes),
+            _ => return,
+        };
+        objects.follow(plan.order(), ahead);
     }
 
     /// The layout of one batch.
@@ -239,10 +324,23 @@ impl Dataset {
     /// The slot table of `rolling/`'s fixed layout for `query`'s plan and span of epochs (cached;
     /// computed once however many mounts ask for it at the same time, on every core).
     pub fn slot_table(&self, query: &RollingQuery) -> Result<Arc<SlotTable>, RollingError> {
-        self.slot_tables.get_or_compute(*query, || {
+        let mut query = *query;
+        if query.plan.shuffle == Shuffle::Blocks && query.plan.block_bytes == 0 {
+            query.plan.block_bytes = self.default_block_bytes();
+        }
+        self.slot_tables.get_or_compute(query, || {
             let frames = self.frames.get_or_init(|| encode::frame_lens(&self.index));
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            batchfs::rolling::slot_table(frames, query.plan, query.first_epoch, query.epochs, threads)
+            let objects = (query.plan.shuffle == Shuffle::Blocks).then(|| self.objects());
+            let objects = objects.as_ref().map(|(of_sample, bytes)| Objects { of_sample, bytes });
+            batchfs::rolling::slot_table_of(
+                frames,
+                objects.as_ref(),
+                query.plan,
+                query.first_epoch,
+                query.epochs,
+                threads,
+            )
         })
     }
 
@@ -302,6 +400,7 @@ impl Dataset {
     fn compute_manifest(&self, epoch: u64, query: &BatchQuery) -> Result<Manifest, PlanError> {
         self.computations.fetch_add(1, Ordering::Relaxed);
         let plan = self.plan(epoch, query)?;
+        self.follow(&plan);
         // Every batch's size and checksum, on every core: a million samples take seconds on one.
         let count = plan.batches();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(count.max(1) as usize) as u64;
@@ -330,7 +429,7 @@ impl Dataset {
         Ok(Manifest {
             dataset: self.name.clone(),
             epoch,
-            options: query.plan,
+            options: plan.options,
             format: query.format,
             samples: plan.order().len() as u64,
             bytes: batches.iter().map(|b| b.bytes).sum(),

@@ -2,7 +2,7 @@
 
 use crate::catalog::{Catalog, Dataset};
 use crate::config::{ConfigFile, DatasetSpec, LimitArgs, ServerLimits};
-use crate::objects::{is_object_url, ObjectLimits, ObjectsAt};
+use crate::objects::{is_object_url, ObjectContext, ObjectsAt};
 use crate::progress::IndexProgress;
 use crate::storage::IoPolicy;
 use crate::{ServeOptions, TlsFiles};
@@ -145,8 +145,20 @@ fn init_tracing() {
 pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], limits: &ServerLimits) -> Result<Catalog> {
     let catalog = Catalog::default();
     let specs = dataset_specs(flags, extra)?;
-    fill_catalog(&catalog, &specs, flags, limits.io_policy(), &ObjectLimits::of(limits))?;
+    fill_catalog(&catalog, &specs, flags, limits.io_policy(), &objects_context(&specs, limits)?)?;
     Ok(catalog)
+}
+
+/// What the object datasets of `specs` will share: the runtime, the block cache and the disk tier (opened
+/// now: a tier that cannot be used stops the server with why). `None` where no dataset is in a store.
+fn objects_context(specs: &[DatasetSpec], limits: &ServerLimits) -> Result<Option<Arc<ObjectContext>>> {
+    if !specs.iter().any(|s| is_object_url(&s.path)) {
+        if let Some(dir) = &limits.disk_cache {
+            tracing::warn!(dir = %dir.display(), "disk_cache is for s3:// datasets: no dataset uses it");
+        }
+        return Ok(None);
+    }
+    Ok(Some(ObjectContext::new(limits)?))
 }
 
 /// The datasets of the command line and the config file.
@@ -165,7 +177,7 @@ fn fill_catalog(
     specs: &[DatasetSpec],
     flags: &IndexFlags,
     mut io: IoPolicy,
-    objects: &ObjectLimits,
+    objects: &Option<Arc<ObjectContext>>,
 ) -> Result<()> {
     for spec in specs {
         let options = IndexOptions {
@@ -179,7 +191,8 @@ fn fill_catalog(
         let dataset = if is_object_url(&spec.path) {
             let url = spec.path.to_string_lossy();
             let index_in_bucket = spec.index_in_bucket || flags.index_in_bucket;
-            let at = ObjectsAt { url: &url, settings: &spec.s3, limits: objects.clone(), index_in_bucket };
+            let context = objects.clone().expect("a context for object datasets");
+            let at = ObjectsAt { url: &url, settings: &spec.s3, index_in_bucket, context };
             Dataset::open_objects(&spec.name, at, index_dir, &options, &progress, io)
         } else {
             if !spec.s3.is_empty() {
@@ -325,8 +338,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         catalog.announce(&spec.name)?;
     }
     let io = limits.io_policy();
-    let objects = ObjectLimits::of(&limits);
-    crate::objects::set_cache_size(limits.object_cache);
+    let objects = objects_context(&specs, &limits)?;
     let energy_log = args.energy_log.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let result = runtime.block_on(async move {

@@ -32,6 +32,15 @@ mod value {
         parse_duration(text)
     }
 
+    /// A directory, or `none`.
+    pub fn dir(text: &str) -> Result<Option<PathBuf>, String> {
+        match text.trim() {
+            "" => Err("expected a directory, or none".into()),
+            "none" => Ok(None),
+            dir => Ok(Some(PathBuf::from(dir))),
+        }
+    }
+
     /// On or off: `on`, `off` (`true`, `false`).
     pub fn switch(text: &str) -> Result<bool, String> {
         match text.trim() {
@@ -209,6 +218,16 @@ limits! {
     object_retry_for: Duration = Duration::from_secs(60), value::duration, "60s", "DURATION",
         "How long failed or throttled requests to the object store are retried at most (with backoff, 10 \
          retries at most) before the read fails.";
+    disk_cache: Option<PathBuf> = None, value::dir, "none", "DIR",
+        "A directory on the server's local disks where whole objects of s3:// datasets are kept (the disk \
+         tier), checked, found again after a restart and evicted least recently used; what it holds is read \
+         from there instead of the store, and objects are copied in in the order the plan reads them.";
+    disk_cache_size: crate::policy::AutoSize = crate::policy::AutoSize::Auto, crate::policy::AutoSize::parse,
+        "auto", "SIZE",
+        "The most bytes the disk tier holds. auto: 90 % of what its filesystem has free at start, plus what \
+         it already holds.";
+    stage_objects: usize = 4, value::count, "4", "N",
+        "Objects copied into the disk tier at once, each by ranged GETs of object_part, up to 8 in flight.";
 }
 
 /// One dataset to serve.

@@ -23,6 +23,17 @@ pub const OBJECT_GETS_TOTAL: &str = "batchfs_object_gets_total";
 pub const OBJECT_BYTES_TOTAL: &str = "batchfs_object_bytes_total";
 pub const OBJECT_CACHE_HIT_BYTES_TOTAL: &str = "batchfs_object_cache_hit_bytes_total";
 pub const OBJECT_BAD_CHECKSUMS_TOTAL: &str = "batchfs_object_bad_checksums_total";
+pub const OBJECT_TIER_HIT_BYTES_TOTAL: &str = "batchfs_object_tier_hit_bytes_total";
+/// The disk tier of object datasets (`objects/tier.rs`), server-wide.
+pub const TIER_BYTES: &str = "batchfs_tier_bytes";
+pub const TIER_CAPACITY_BYTES: &str = "batchfs_tier_capacity_bytes";
+pub const TIER_OBJECTS: &str = "batchfs_tier_objects";
+pub const TIER_HITS_TOTAL: &str = "batchfs_tier_hits_total";
+pub const TIER_HIT_BYTES_TOTAL: &str = "batchfs_tier_hit_bytes_total";
+pub const TIER_STAGED_TOTAL: &str = "batchfs_tier_staged_objects_total";
+pub const TIER_FETCHED_BYTES_TOTAL: &str = "batchfs_tier_fetched_bytes_total";
+pub const TIER_EVICTED_TOTAL: &str = "batchfs_tier_evicted_objects_total";
+pub const TIER_FAILURES_TOTAL: &str = "batchfs_tier_failures_total";
 
 /// The per-dataset counters, in the text format: `(dataset, manifests computed, shards changed, the
 /// object source's counters)` for each dataset.
@@ -47,7 +58,7 @@ pub fn render_datasets<'a>(
         out.sample(DATASET_CHANGED, &[("dataset", name)], u8::from(shards_changed > 0));
     }
     type Counter = fn(&crate::objects::ObjectCounters) -> &AtomicU64;
-    let objects: [(&str, &str, Counter); 4] = [
+    let objects: [(&str, &str, Counter); 5] = [
         (OBJECT_GETS_TOTAL, "Ranged GET requests sent to the bucket, by object dataset.", |c| &c.gets),
         (OBJECT_BYTES_TOTAL, "Bytes read from the bucket, by object dataset.", |c| &c.bytes),
         (
@@ -60,6 +71,11 @@ pub fn render_datasets<'a>(
             "Ranges the bucket returned that failed the index's checksum (read again), by object dataset.",
             |c| &c.bad_checksums,
         ),
+        (
+            OBJECT_TIER_HIT_BYTES_TOTAL,
+            "Bytes served from copies in the disk tier instead of the bucket, by object dataset.",
+            |c| &c.tier_hit_bytes,
+        ),
     ];
     if datasets.clone().any(|d| d.3.is_some()) {
         for (metric, help, counter) in objects {
@@ -70,6 +86,35 @@ pub fn render_datasets<'a>(
                 }
             }
         }
+    }
+    out.finish()
+}
+
+/// The disk tier's gauges and counters, in the text format (nothing without a tier).
+pub fn render_tier(tier: Option<&crate::objects::tier::Tier>) -> String {
+    let Some(tier) = tier else { return String::new() };
+    let mut out = Exposition::new();
+    let gauges = [
+        (TIER_BYTES, "Bytes of the copies the disk tier holds.", tier.bytes()),
+        (TIER_CAPACITY_BYTES, "The most bytes the disk tier holds (disk_cache_size).", tier.cap()),
+        (TIER_OBJECTS, "Copies the disk tier holds.", tier.copies() as u64),
+    ];
+    for (metric, help, value) in gauges {
+        out.family(metric, "gauge", help);
+        out.sample(metric, &[], value);
+    }
+    let c = &tier.counters;
+    let counters = [
+        (TIER_HITS_TOTAL, "Reads served from copies in the disk tier.", &c.hits),
+        (TIER_HIT_BYTES_TOTAL, "Bytes served from copies in the disk tier.", &c.hit_bytes),
+        (TIER_STAGED_TOTAL, "Objects copied into the disk tier.", &c.staged),
+        (TIER_FETCHED_BYTES_TOTAL, "Bytes read from the store to copy objects into the disk tier.", &c.fetched_bytes),
+        (TIER_EVICTED_TOTAL, "Copies evicted from the disk tier to make room.", &c.evicted),
+        (TIER_FAILURES_TOTAL, "Copies lost to a failing disk, or removed for differing from the index.", &c.failures),
+    ];
+    for (metric, help, counter) in counters {
+        out.family(metric, "counter", help);
+        out.sample(metric, &[], counter.load(Ordering::Relaxed));
     }
     out.finish()
 }

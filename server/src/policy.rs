@@ -27,20 +27,24 @@ impl IoMode {
     }
 }
 
-/// How many bytes of direct datasets' shards the server holds in its own memory (the `resident` limit).
+/// A size the server may work out itself: how many bytes of direct datasets' shards it holds in its own
+/// memory (the `resident` limit: auto is half the memory the server may use), or how large its disk tier
+/// is (`disk_cache_size`: auto is 90 % of what the tier's filesystem has free).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Resident {
-    /// Half the memory the server may use.
+pub enum AutoSize {
     Auto,
     Bytes(u64),
 }
 
-impl Resident {
+/// The `resident` limit.
+pub type Resident = AutoSize;
+
+impl AutoSize {
     /// `auto`, or a size (`512M`, `0`).
-    pub fn parse(text: &str) -> Result<Resident, String> {
+    pub fn parse(text: &str) -> Result<AutoSize, String> {
         match text.trim() {
-            "auto" => Ok(Resident::Auto),
-            size => batchfs::units::parse_size(size).map(Resident::Bytes),
+            "auto" => Ok(AutoSize::Auto),
+            size => batchfs::units::parse_size(size).map(AutoSize::Bytes),
         }
     }
 }

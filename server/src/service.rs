@@ -245,6 +245,9 @@ fn health(state: &AppState) -> Response<Body> {
             for c in ds.storage.changed() {
                 text.push_str(&format!("{} changed: {c}\n", c.dataset));
             }
+            if let Some(note) = ds.tier_note() {
+                text.push_str(&format!("{} disk tier: {note}\n", ds.name));
+            }
         }
         return Response::builder().header(header::CONTENT_TYPE, "text/plain").body(Body::full(text)).expect("valid");
     }
@@ -290,7 +293,10 @@ async fn dispatch<B>(
                     let objects = d.storage.objects().map(|o| &o.counters);
                     (d.name.as_str(), d.manifests_computed(), d.storage.changed().len(), objects)
                 });
-                state.metrics.render() + &crate::metrics::render_datasets(each)
+                let tier = datasets.iter().find_map(|d| d.storage.objects().and_then(|o| o.tier()).cloned());
+                state.metrics.render()
+                    + &crate::metrics::render_datasets(each)
+                    + &crate::metrics::render_tier(tier.as_deref())
             }))
             .expect("valid")),
         Route::Datasets => {

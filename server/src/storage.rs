@@ -286,14 +286,14 @@ impl Storage {
     pub fn of_objects(
         name: &str,
         source: Arc<ObjectSource>,
-        index: &Index,
+        index: Arc<Index>,
         policy: IoPolicy,
     ) -> Result<Storage, OpenError> {
-        source.attach(index);
+        source.attach(index.clone());
         // Each held object is a mapping of its own: a dataset of more objects than `max_mapped_shards`
         // (a file tree) is read by GETs only, as a local one is by positioned reads.
         let budget = if index.shards.len() > policy.max_mapped_shards { 0 } else { policy.resident };
-        let mut holding = Holding::new(name, index, budget);
+        let mut holding = Holding::new(name, &index, budget);
         let mut shards: Vec<Shard> = Vec::with_capacity(index.shards.len() + index.side.len());
         for n in 0..index.shards.len() + index.side.len() {
             let info = index.shards.get(n).unwrap_or_else(|| &index.side[n - index.shards.len()]);
@@ -308,6 +308,7 @@ impl Storage {
             }
         }
         let held = holding.done;
+        source.copy_all();
         tracing::info!(
             dataset = name,
             url = source.url(),
@@ -351,7 +352,7 @@ impl Storage {
 
     /// Brings every range of `ranges` toward memory ahead of its request ([`Storage::warm`] for each,
     /// hinted all first so the kernel reads them in parallel; an object dataset's read into its block
-    /// cache, all at once, where the cache can hold them: [`crate::objects::worth_reading_ahead`]).
+    /// cache, all at once, where the cache can hold them: [`ObjectSource::worth_reading_ahead`]).
     /// Blocks: call on the blocking pool.
     pub fn warm_all(&self, ranges: &[(u32, u64, u64)]) -> std::io::Result<()> {
         let (remote, local): (Vec<_>, Vec<_>) =
@@ -363,7 +364,7 @@ impl Storage {
             self.warm(shard, offset, len)?;
         }
         let bytes = remote.iter().map(|r| r.2).sum();
-        if !remote.is_empty() && crate::objects::worth_reading_ahead(bytes) {
+        if self.objects.as_ref().is_some_and(|o| !remote.is_empty() && o.worth_reading_ahead(bytes)) {
             self.read_objects(&remote)?;
         }
         Ok(())

@@ -9,7 +9,7 @@ use batchfs::index::SourceFormat;
 use batchfs::source::{IndexOptions, NoProgress};
 use batchfs_server::catalog::{Catalog, CatalogError, Dataset};
 use batchfs_server::config::ServerLimits;
-use batchfs_server::objects::{ObjectLimits, ObjectsAt};
+use batchfs_server::objects::{ObjectContext, ObjectsAt};
 use batchfs_server::ServeOptions;
 use object_store::ObjectStoreExt;
 use std::collections::BTreeMap;
@@ -227,7 +227,8 @@ fn open_objects_with(
     limits: &ServerLimits,
     index_in_bucket: bool,
 ) -> Result<Dataset, CatalogError> {
-    let at = ObjectsAt { url, settings, limits: ObjectLimits::of(limits), index_in_bucket };
+    let context = ObjectContext::new(limits).unwrap();
+    let at = ObjectsAt { url, settings, index_in_bucket, context };
     Dataset::open_objects(name, at, index_dir, &IndexOptions::default(), &NoProgress, limits.io_policy())
 }
 

@@ -122,8 +122,8 @@ async fn every_batch_decodes_to_the_source_samples_in_plan_order() {
     let client = h2c();
     let scratch = tempfile::tempdir().unwrap();
     let plans = [
-        (3, PlanOptions { batch_size: 7, seed: 5, shuffle: Shuffle::Global, drop_last: false }),
-        (0, PlanOptions { batch_size: 10, seed: 0, shuffle: Shuffle::None, drop_last: true }),
+        (3, PlanOptions { batch_size: 7, seed: 5, shuffle: Shuffle::Global, drop_last: false, block_bytes: 0 }),
+        (0, PlanOptions { batch_size: 10, seed: 0, shuffle: Shuffle::None, drop_last: true, block_bytes: 0 }),
     ];
     for (format, fx) in &fixtures {
         let expected = expected_samples(fx);

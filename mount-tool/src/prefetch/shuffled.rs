@@ -81,7 +81,7 @@ pub fn group_size(window_bytes: u64, classes: usize, mean: u64) -> usize {
 
 /// The plan of `epoch` over `table`'s samples for `config`'s share, in groups of `group`.
 pub fn class_plan(table: &SampleTable, classes: usize, epoch: u64, config: ShuffledConfig, group: usize) -> ClassPlan {
-    let options = PlanOptions { drop_last: false, ..config.plan };
+    let options = PlanOptions { drop_last: false, ..config.plan.per_sample() };
     let plan = EpochPlan::new(table.len() as u32, epoch, options).expect("validated options, an epoch in range");
     let mut all: Vec<Vec<u32>> = vec![Vec::new(); classes];
     for &id in plan.order() {

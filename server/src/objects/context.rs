@@ -1,0 +1,111 @@
+//! What every object dataset of one server shares: the runtime its requests run on, the bound on GETs
+//! in flight to each bucket, the block cache and the disk tier. One [`ObjectContext`] is made per server
+//! (`cli.rs`) and handed to each dataset it opens; nothing of it is process-global, so tests build as
+//! many as they like.
+
+use super::cache::BlockCache;
+use super::tier::{Tier, TierError};
+use super::ObjectLimits;
+use crate::config::ServerLimits;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::Semaphore;
+
+/// The shared state of a server's object datasets.
+pub struct ObjectContext {
+    pub limits: ObjectLimits,
+    /// Every object request runs here: bodies and warming wait for it from the blocking pool, indexing
+    /// from the thread that opens the datasets, so it must be neither's runtime. Shut down in the
+    /// background on drop (a runtime may not be dropped inside another).
+    runtime: Option<tokio::runtime::Runtime>,
+    /// GETs in flight to each bucket (an endpoint's): every dataset of one bucket shares its bound.
+    buckets: Mutex<HashMap<String, Arc<Semaphore>>>,
+    pub cache: BlockCache,
+    /// Whole objects kept on the server's disks (`disk_cache`), if any.
+    pub tier: Option<Arc<Tier>>,
+    /// Numbers the datasets, whose units share the block cache.
+    next_id: AtomicU64,
+}
+
+impl ObjectContext {
+    /// The context of a server with `limits`; its tier is opened (and cleaned up) now where
+    /// `disk_cache` names one.
+    pub fn new(limits: &ServerLimits) -> Result<Arc<ObjectContext>, TierError> {
+        let tier = match &limits.disk_cache {
+            Some(dir) => Some(Arc::new(Tier::open(dir, limits.disk_cache_size)?)),
+            None => None,
+        };
+        Ok(Self::with(ObjectLimits::of(limits), tier))
+    }
+
+    /// A context of `limits` with `tier`.
+    pub fn with(limits: ObjectLimits, tier: Option<Arc<Tier>>) -> Arc<ObjectContext> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("batchfs-objects")
+            .enable_all()
+            .build()
+            .expect("cannot start the object store runtime");
+        Arc::new(ObjectContext {
+            cache: BlockCache::new(limits.cache),
+            limits,
+            runtime: Some(runtime),
+            buckets: Mutex::default(),
+            tier,
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    fn runtime(&self) -> &tokio::runtime::Runtime {
+        self.runtime.as_ref().expect("the runtime lives as long as the context")
+    }
+
+    /// Runs `work` on the object runtime and waits for it (from any thread, runtime or not).
+    pub fn wait<T: Send + 'static>(&self, work: impl Future<Output = T> + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.runtime().spawn(async move {
+            let _ = tx.send(work.await);
+        });
+        rx.recv().expect("the object store runtime stopped")
+    }
+
+    /// Runs `work`, which may borrow from the caller, on the object runtime, in a thread of its own (the
+    /// caller may be in another runtime, where `block_on` is refused), and waits for it. For the reads at
+    /// start (indexing, holding); bodies use [`ObjectContext::wait`], which starts no thread.
+    pub fn block_here<T: Send>(&self, work: impl Future<Output = T> + Send) -> T {
+        std::thread::scope(|s| s.spawn(|| self.runtime().block_on(work)).join())
+            .expect("a read of the object store panicked")
+    }
+
+    /// Runs `work` on the object runtime from this thread, which must not be a runtime's, and waits for
+    /// it (a thread of the caller's own for long work: indexing's reads, the stager).
+    pub fn block_on<T>(&self, work: impl Future<Output = T>) -> T {
+        self.runtime().block_on(work)
+    }
+
+    /// Starts `work` on the object runtime and returns at once.
+    pub fn spawn(&self, work: impl Future<Output = ()> + Send + 'static) {
+        self.runtime().spawn(work);
+    }
+
+    /// The bound on GETs in flight to `bucket` (named with its endpoint).
+    pub fn bucket_requests(&self, bucket: &str) -> Arc<Semaphore> {
+        let mut buckets = self.buckets.lock().expect("buckets");
+        buckets.entry(bucket.to_owned()).or_insert_with(|| Arc::new(Semaphore::new(self.limits.requests))).clone()
+    }
+
+    /// A number of its own for a new dataset.
+    pub fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+impl Drop for ObjectContext {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}

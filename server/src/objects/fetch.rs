@@ -1,0 +1,369 @@
+//! Reads of an object dataset's bytes: from the disk tier where it holds the object, else by ranged GETs
+//! of checked units through the block cache; and whole objects read into memory (`resident`).
+//!
+//! **Bridge.** Bodies call [`ObjectSource::read_many`] from the blocking pool: copies in the tier are read
+//! there, in that thread; GETs run on the object runtime ([`super::ObjectContext::wait`]).
+
+use super::units::{Read, Unit};
+use super::{ObjectSource, FETCH_ATTEMPTS};
+use batchfs::index::{ShardInfo, CHUNK_BYTES};
+use bytes::Bytes;
+use futures_util::{StreamExt, TryStreamExt};
+use object_store::{GetOptions, GetRange};
+use std::collections::HashMap;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why a read of an object dataset failed.
+#[derive(Debug)]
+pub enum ReadError {
+    /// Object `shard` is not the one indexed: refuse it.
+    Changed {
+        shard: u32,
+        why: String,
+    },
+    Io(io::Error),
+}
+
+impl ReadError {
+    /// As an I/O error (a change found while reading an object whole: the listing is no longer true).
+    pub(super) fn into_io(self) -> io::Error {
+        match self {
+            ReadError::Changed { why, .. } => io::Error::other(format!("{why} (changed since it was listed)")),
+            ReadError::Io(e) => e,
+        }
+    }
+}
+
+impl From<io::Error> for ReadError {
+    fn from(e: io::Error) -> Self {
+        ReadError::Io(e)
+    }
+}
+
+impl ObjectSource {
+    /// Object `n` (`file`, as indexed) read whole into the server's own memory and checked against the
+    /// index's CRC32C of each of its chunks: from its copy in the disk tier (made now where the tier has
+    /// none, so a restarted server reads it from there), else by ranged GETs of `object_part` several at
+    /// once, each `If-Match` its ETag (a chunk that differs is read again, up to [`FETCH_ATTEMPTS`] times).
+    pub fn hold(&self, n: u32, file: &ShardInfo) -> io::Result<batchfs::mmap::MappedFile> {
+        if let Some(copy) = self.context.tier.as_ref().filter(|t| file.size <= t.cap()).map(|_| self.stage_now(n)) {
+            match copy.and_then(|path| self.read_copy(n, file, &path)) {
+                Ok(held) => return Ok(held),
+                Err(e) => tracing::warn!(dataset = %self.bucket.url, error = %e, "holding from the store instead"),
+            }
+        }
+        batchfs::mmap::MappedFile::in_memory(file.size as usize, |memory| {
+            self.context.block_here(self.read_into(n, file, memory))
+        })
+    }
+
+    /// The copy of object `n` at `path` read into memory, checked against the index.
+    fn read_copy(&self, n: u32, file: &ShardInfo, path: &std::path::Path) -> io::Result<batchfs::mmap::MappedFile> {
+        let copy = std::fs::File::open(path)?;
+        let held = batchfs::mmap::MappedFile::in_memory(file.size as usize, |memory| copy.read_exact_at(memory, 0))?;
+        match differing_chunk(file, held.bytes()) {
+            None => Ok(held),
+            Some(k) => {
+                let why = format!("chunk {k} differs from the index");
+                if let Some(tier) = self.tier() {
+                    tier.remove(&self.tier_name(file), &why);
+                }
+                Err(io::Error::new(io::ErrorKind::InvalidData, format!("{}: {why}", self.path_of(n).display())))
+            }
+        }
+    }
+
+    pub(super) async fn read_into(&self, n: u32, file: &ShardInfo, memory: &mut [u8]) -> io::Result<()> {
+        let part = self.limits().part.div_ceil(CHUNK_BYTES).max(1) * CHUNK_BYTES;
+        let mut todo = parts_of(&mut memory[..file.size as usize], part);
+        for attempt in 1..=FETCH_ATTEMPTS {
+            // Each CHUNK_BYTES chunk of what was read against its CRC32C from the index; a chunk that
+            // differs is read again by itself.
+            todo = self
+                .read_parts(n, file, todo)
+                .await?
+                .into_iter()
+                .flat_map(|(offset, slice)| parts_of(slice, CHUNK_BYTES).into_iter().map(move |(k, c)| (offset + k, c)))
+                .filter(|(at, chunk)| file.chunk_crc(at / CHUNK_BYTES) != Some(batchfs::crc::crc32c(chunk)))
+                .collect();
+            if todo.is_empty() {
+                return Ok(());
+            }
+            self.counters.bad_checksums.fetch_add(todo.len() as u64, Ordering::Relaxed);
+            let object = &file.path;
+            tracing::warn!(dataset = %self.bucket.url, %object, attempt, "ranges failed their checksums: reading them again");
+        }
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: its bytes keep differing from the index's checksums", self.shown(file).display()),
+        ))
+    }
+
+    /// Fills each `(offset, slice)` with the bytes at `offset` of `object` (storage number `n`), by one
+    /// ranged GET each, up to 8 at once; returns them, filled.
+    pub(super) async fn read_parts<'a>(
+        &self,
+        n: u32,
+        file: &ShardInfo,
+        parts: Vec<(u64, &'a mut [u8])>,
+    ) -> io::Result<Vec<(u64, &'a mut [u8])>> {
+        let reads: Vec<_> = parts.into_iter().map(|(offset, slice)| self.read_part(n, file, offset, slice)).collect();
+        futures_util::stream::iter(reads).buffer_unordered(self.limits().requests.clamp(1, 8)).try_collect().await
+    }
+
+    async fn read_part<'a>(
+        &self,
+        n: u32,
+        file: &ShardInfo,
+        offset: u64,
+        slice: &'a mut [u8],
+    ) -> io::Result<(u64, &'a mut [u8])> {
+        let bytes = self.get(n, file, offset, slice.len() as u64).await.map_err(ReadError::into_io)?;
+        slice.copy_from_slice(&bytes);
+        Ok((offset, slice))
+    }
+
+    /// The bytes of each wanted range `(object, offset, len)`, in order: from the disk tier where it holds
+    /// the object (read here: call on the blocking pool), else read through the block cache.
+    pub fn read_many(self: &Arc<Self>, wanted: &[(u32, u64, u64)]) -> Result<Vec<Bytes>, ReadError> {
+        let mut out: Vec<Option<Bytes>> = vec![None; wanted.len()];
+        if self.tier().is_some() {
+            let mut copies: HashMap<u32, Option<std::fs::File>> = HashMap::new();
+            for (i, &(n, offset, len)) in wanted.iter().enumerate() {
+                let copy = copies.entry(n).or_insert_with(|| {
+                    let copy = self.open_copy(n);
+                    self.touched(n, copy.is_some());
+                    copy
+                });
+                if let Some(file) = copy {
+                    out[i] = self.read_from_copy(n, file, offset, len);
+                }
+            }
+        }
+        let missing: Vec<(u32, u64, u64)> =
+            wanted.iter().zip(&out).filter(|(_, got)| got.is_none()).map(|(w, _)| *w).collect();
+        if !missing.is_empty() {
+            let this = self.clone();
+            let mut fetched = self.context.wait(async move { this.read_many_async(&missing).await })?.into_iter();
+            for slot in out.iter_mut().filter(|got| got.is_none()) {
+                *slot = fetched.next();
+            }
+        }
+        Ok(out.into_iter().map(|b| b.expect("every range read")).collect())
+    }
+
+    /// Object `n`'s copy in the tier, opened, if the tier holds one: a copy found at start is read whole
+    /// and checked against the index first (removed where it differs).
+    fn open_copy(&self, n: u32) -> Option<std::fs::File> {
+        let (tier, file) = (self.tier()?, self.file(n)?);
+        let name = self.tier_name(file);
+        let (path, checked) = tier.get(&name)?;
+        let copy = std::fs::File::open(&path).ok()?;
+        if !checked {
+            let mut bytes = vec![0; file.size as usize];
+            let read = copy.read_exact_at(&mut bytes, 0);
+            match read.map(|()| differing_chunk(file, &bytes)) {
+                Ok(None) => tier.mark_checked(&name),
+                Ok(Some(k)) => {
+                    tier.remove(&name, &format!("chunk {k} differs from the index"));
+                    return None;
+                }
+                Err(e) => {
+                    tier.remove(&name, &e.to_string());
+                    return None;
+                }
+            }
+        }
+        Some(copy)
+    }
+
+    /// `len` bytes at `offset` of object `n` from its open copy `copy`; `None` where the read fails (the
+    /// copy is then removed, and the bytes read from the store).
+    fn read_from_copy(&self, n: u32, copy: &std::fs::File, offset: u64, len: u64) -> Option<Bytes> {
+        let mut bytes = vec![0; len as usize];
+        match copy.read_exact_at(&mut bytes, offset) {
+            Ok(()) => {
+                let tier = self.tier()?;
+                tier.counters.hits.fetch_add(1, Ordering::Relaxed);
+                tier.counters.hit_bytes.fetch_add(len, Ordering::Relaxed);
+                self.counters.tier_hit_bytes.fetch_add(len, Ordering::Relaxed);
+                Some(Bytes::from(bytes))
+            }
+            Err(e) => {
+                if let (Some(tier), Some(file)) = (self.tier(), self.file(n)) {
+                    tier.remove(&self.tier_name(file), &e.to_string());
+                }
+                None
+            }
+        }
+    }
+
+    async fn read_many_async(self: &Arc<Self>, wanted: &[(u32, u64, u64)]) -> Result<Vec<Bytes>, ReadError> {
+        let mut units: Vec<Unit> = wanted.iter().flat_map(|&(n, o, l)| self.units(n, o, l)).collect();
+        units.sort_unstable();
+        units.dedup();
+        let got = self.context.cache.get_or_fetch(self, &units).await?;
+        let by_unit: HashMap<Unit, Bytes> = units.into_iter().zip(got).collect();
+        wanted
+            .iter()
+            .map(|&(n, offset, len)| {
+                // The same units as above, in order: each range is cut out of its own.
+                let mine = self.units(n, offset, len);
+                let (end, mut at) = (offset + len, offset);
+                let mut out = Vec::new();
+                for unit in &mine {
+                    let bytes = &by_unit[unit];
+                    let (start, stop) = (at.max(unit.offset), end.min(unit.offset + unit.len));
+                    if start > at {
+                        break;
+                    }
+                    if start >= stop {
+                        continue;
+                    }
+                    let piece = bytes.slice((start - unit.offset) as usize..(stop - unit.offset) as usize);
+                    if start == offset && stop == end {
+                        return Ok(piece);
+                    }
+                    out.extend_from_slice(&piece);
+                    at = stop;
+                }
+                if at != end {
+                    return Err(ReadError::Io(io::Error::other(format!(
+                        "{}: {len} bytes at {offset} lie outside the indexed object",
+                        self.path_of(n).display()
+                    ))));
+                }
+                Ok(Bytes::from(out))
+            })
+            .collect()
+    }
+
+    /// Reads `read` (units of one object, coalesced) with one ranged GET, checks every unit, and returns
+    /// each unit's bytes; a unit that fails its check is read again by itself, up to [`FETCH_ATTEMPTS`]
+    /// reads in all.
+    pub(super) async fn fetch(&self, read: &Read, units: &[Unit]) -> Result<Vec<Bytes>, ReadError> {
+        let file = self.file(read.object).expect("an indexed object");
+        let bytes = self.get(read.object, file, read.offset, read.len).await?;
+        let mut out: Vec<Bytes> = units
+            .iter()
+            .map(|u| bytes.slice((u.offset - read.offset) as usize..(u.offset - read.offset + u.len) as usize))
+            .collect();
+        for (unit, got) in units.iter().zip(&mut out) {
+            let mut attempt = 1;
+            while !unit.holds(got) {
+                self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
+                let why = format!(
+                    "{}: {} bytes at {} do not match the index's checksum",
+                    self.shown(file).display(),
+                    unit.len,
+                    unit.offset
+                );
+                if attempt >= FETCH_ATTEMPTS {
+                    return Err(ReadError::Io(io::Error::new(io::ErrorKind::InvalidData, why)));
+                }
+                tracing::warn!(dataset = %self.bucket.url, %why, attempt, "reading it again");
+                attempt += 1;
+                *got = self.get(read.object, file, unit.offset, unit.len).await?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One ranged GET of `object` (storage number `n`), `If-Match` its indexed ETag. A request that fails
+    /// on the way (object_store's own retries given up, or a body cut short) is made again, with backoff,
+    /// while `object_retry_for` from the first attempt lasts; an object changed since it was indexed is not.
+    pub(super) async fn get(&self, n: u32, file: &ShardInfo, offset: u64, len: u64) -> Result<Bytes, ReadError> {
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let deadline = tokio::time::Instant::now() + self.limits().retry_for;
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let result = match tokio::time::timeout(left, self.get_once(n, file, offset, len)).await {
+                Ok(result) => result,
+                Err(_) => Err(ReadError::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{}: no answer within object_retry_for", self.shown(file).display()),
+                ))),
+            };
+            match result {
+                Err(ReadError::Io(e)) if tokio::time::Instant::now() + backoff < deadline => {
+                    tracing::debug!(dataset = %self.bucket.url, error = %e, "a GET failed: asking again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn get_once(&self, n: u32, file: &ShardInfo, offset: u64, len: u64) -> Result<Bytes, ReadError> {
+        let _permit = self.requests.acquire().await.map_err(io::Error::other)?;
+        self.counters.gets.fetch_add(1, Ordering::Relaxed);
+        let options = GetOptions {
+            range: Some(GetRange::Bounded(offset..offset + len)),
+            if_match: (!file.etag.is_empty()).then(|| file.etag.clone()),
+            ..Default::default()
+        };
+        let changed = |why: String| ReadError::Changed { shard: n, why };
+        let result = match self.bucket.store.get_opts(&self.bucket.location(&file.path), options).await {
+            Ok(result) => result,
+            Err(object_store::Error::Precondition { .. }) => {
+                return Err(changed(format!("{} has a new ETag since it was indexed", self.shown(file).display())))
+            }
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(changed(format!("{} is gone since it was indexed", self.shown(file).display())))
+            }
+            Err(e) => return Err(ReadError::Io(io::Error::other(format!("{}: {e}", self.shown(file).display())))),
+        };
+        if let Some(etag) = result.meta.e_tag.as_ref().filter(|e| !file.etag.is_empty() && **e != file.etag) {
+            return Err(changed(format!(
+                "{} has ETag {etag}, not the indexed {} (rewritten since it was indexed)",
+                self.shown(file).display(),
+                file.etag
+            )));
+        }
+        if result.meta.size != file.size {
+            return Err(changed(format!(
+                "{} is {} bytes, not the indexed {}",
+                self.shown(file).display(),
+                result.meta.size,
+                file.size
+            )));
+        }
+        let bytes =
+            result.bytes().await.map_err(|e| io::Error::other(format!("{}: {e}", self.shown(file).display())))?;
+        self.counters.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        if bytes.len() as u64 != len {
+            return Err(ReadError::Io(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{}: {} bytes at {offset} came back for {len}", self.shown(file).display(), bytes.len()),
+            )));
+        }
+        Ok(bytes)
+    }
+
+    /// Object `file`'s path shown in messages.
+    pub(super) fn shown(&self, file: &ShardInfo) -> std::path::PathBuf {
+        std::path::PathBuf::from(format!("s3://{}/{}", self.bucket.bucket, self.bucket.location(&file.path)))
+    }
+}
+
+/// `memory` cut into `(offset, slice)` parts of `part` bytes (the last one shorter).
+pub(super) fn parts_of(memory: &mut [u8], part: u64) -> Vec<(u64, &mut [u8])> {
+    memory.chunks_mut(part as usize).enumerate().map(|(k, slice)| (k as u64 * part, slice)).collect()
+}
+
+/// The first [`CHUNK_BYTES`] chunk of `bytes` (all of `file`) whose CRC32C is not the index's, if any.
+pub(super) fn differing_chunk(file: &ShardInfo, bytes: &[u8]) -> Option<u64> {
+    if bytes.len() as u64 != file.size {
+        return Some(0);
+    }
+    let chunks = bytes.chunks(CHUNK_BYTES as usize).enumerate();
+    chunks.map(|(k, c)| (k as u64, c)).find(|&(k, c)| file.chunk_crc(k) != Some(batchfs::crc::crc32c(c))).map(|c| c.0)
+}

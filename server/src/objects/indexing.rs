@@ -1,0 +1,227 @@
+//! Indexing an object dataset: the [`Files`] a format's indexer reads, each object read once (whole, by
+//! ranged GETs) and kept in the disk tier where the server has one; and the index kept in the bucket.
+
+use super::fetch::parts_of;
+use super::{ObjectSource, ReadError, FETCH_ATTEMPTS};
+use batchfs::index::ShardInfo;
+use batchfs::source::{Files, Local};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use object_store::ObjectStoreExt;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+
+/// Whether `bytes` have the MD5 that `etag` is, where it is one (else nothing to check them against).
+fn matches_etag(etag: &str, bytes: &[u8]) -> bool {
+    use md5::Digest;
+    etag_md5(etag).is_none_or(|want| md5::Md5::digest(bytes)[..] == want)
+}
+
+fn differs_from_etag(url: &str, file: &ShardInfo) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("{url}/{}: every copy read differs from the object's MD5 (its ETag)", file.path),
+    )
+}
+
+/// The MD5 an ETag is, where it is one (a single-part upload's: 32 hex digits, quoted).
+fn etag_md5(etag: &str) -> Option<[u8; 16]> {
+    let hex = etag.trim_matches('"');
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// The name of the index kept beside the data in the bucket (hidden: never listed as a file).
+const INDEX_OBJECT: &str = batchfs::source::INDEX_FILE_NAME;
+
+impl Files for ObjectSource {
+    fn root(&self) -> &Path {
+        &self.shown
+    }
+
+    fn kept_index(&self) -> Option<Vec<u8>> {
+        if !self.index_in_bucket {
+            return None;
+        }
+        let at = self.bucket.location(INDEX_OBJECT);
+        let read = self
+            .context
+            .block_here(async { ObjectStoreExt::get(self.bucket.store.as_ref(), &at).await?.bytes().await });
+        match read {
+            Ok(bytes) => Some(bytes.to_vec()),
+            Err(object_store::Error::NotFound { .. }) => None,
+            Err(e) => {
+                tracing::warn!(dataset = %self.bucket.url, error = %e, "cannot read the index kept in the bucket");
+                None
+            }
+        }
+    }
+
+    fn keep_index(&self, index: &[u8]) -> io::Result<bool> {
+        if !self.index_in_bucket {
+            return Ok(false);
+        }
+        let (at, payload) = (self.bucket.location(INDEX_OBJECT), bytes::Bytes::copy_from_slice(index).into());
+        self.context
+            .block_here(async { ObjectStoreExt::put(self.bucket.store.as_ref(), &at, payload).await })
+            .map_err(|e| io::Error::other(format!("{}/{INDEX_OBJECT}: {e}", self.bucket.url)))?;
+        Ok(true)
+    }
+
+    /// A copy of `file` on local disk: made in the disk tier and kept there, where the server has one
+    /// (linked under the object's own name in a directory of its own, for LMDB), else made in
+    /// `index_dir` and removed once indexed.
+    fn local(&self, file: &ShardInfo) -> io::Result<Local> {
+        let tiered = self.tier().filter(|t| file.size <= t.cap());
+        let within = tiered.map_or_else(|| self.stage_dir.clone(), |t| t.dir().join("staging"));
+        std::fs::create_dir_all(&within)?;
+        let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(&within)?;
+        let name = file.path.rsplit('/').next().unwrap_or(&file.path);
+        let path = dir.path().join(name);
+        match tiered {
+            Some(tier) => {
+                let copy = tier.begin(&self.tier_name(file), file.size)?;
+                self.context.block_here(self.copy_whole(file, copy.file()))?;
+                std::fs::hard_link(copy.commit()?, &path)?;
+            }
+            None => {
+                let out = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+                out.set_len(file.size)?;
+                self.context.block_here(self.copy_whole(file, &out))?;
+            }
+        }
+        Ok(Local { path, staged: Some(Box::new(dir)) })
+    }
+
+    /// Many objects at once (`object_requests`, at most 64), each one GET, checked against its ETag's
+    /// MD5 where it is one, kept in memory only until `each` has seen it. Objects larger than
+    /// `object_part` are staged as [`Files::local`] does.
+    fn read_each(
+        &self,
+        files: &[ShardInfo],
+        each: &mut batchfs::source::EachFile,
+    ) -> Result<(), batchfs::source::IndexError> {
+        let io_err = |file: &ShardInfo| {
+            let path = self.shown.join(&file.path);
+            move |source| batchfs::source::IndexError::Io { path, source }
+        };
+        let (small, large): (Vec<usize>, Vec<usize>) =
+            (0..files.len()).partition(|&i| files[i].size <= self.limits().part);
+        for i in large {
+            let local = self.local(&files[i]).map_err(io_err(&files[i]))?;
+            let map = batchfs::mmap::MappedFile::open(&local.path).map_err(io_err(&files[i]))?;
+            each(i, map.bytes())?;
+        }
+        let window = self.limits().requests.clamp(1, 64);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, io::Result<Bytes>)>(window);
+        std::thread::scope(|s| {
+            // The sender moves into the thread: when the reads end, so does the loop below.
+            let reads = s.spawn(move || {
+                self.context.block_on(async {
+                    let mut reads = futures_util::stream::iter(small)
+                        .map(|i| async move { (i, self.read_whole(&files[i]).await) })
+                        .buffer_unordered(window);
+                    while let Some(done) = reads.next().await {
+                        if tx.send(done).is_err() {
+                            return;
+                        }
+                    }
+                })
+            });
+            let mut result = Ok(());
+            for (i, read) in rx.iter() {
+                if let Ok(bytes) = &read {
+                    self.keep_copy(&files[i], bytes);
+                }
+                result = read.map_err(io_err(&files[i])).and_then(|bytes| each(i, &bytes));
+                if result.is_err() {
+                    break;
+                }
+            }
+            drop(rx);
+            reads.join().expect("the reads panicked");
+            result
+        })
+    }
+}
+
+impl ObjectSource {
+    /// All of `file` by one GET, checked against its ETag's MD5 where it is one (read again, up to
+    /// [`FETCH_ATTEMPTS`] times, where it differs).
+    async fn read_whole(&self, file: &ShardInfo) -> io::Result<Bytes> {
+        for _ in 0..FETCH_ATTEMPTS {
+            let bytes = self.get(u32::MAX, file, 0, file.size).await.map_err(ReadError::into_io)?;
+            let etag = file.etag.clone();
+            let (bytes, good) = tokio::task::spawn_blocking(move || {
+                let good = matches_etag(&etag, &bytes);
+                (bytes, good)
+            })
+            .await
+            .map_err(io::Error::other)?;
+            if good {
+                return Ok(bytes);
+            }
+            self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(differs_from_etag(&self.bucket.url, file))
+    }
+
+    /// Copies all of `file` into `out` (a file of its size) by ranged GETs of `object_part`, several at
+    /// once, and checks the copy against the object's ETag where that is its MD5 (a single-part upload);
+    /// a copy that does not match is made again, up to [`FETCH_ATTEMPTS`] times.
+    async fn copy_whole(&self, file: &ShardInfo, out: &std::fs::File) -> io::Result<()> {
+        out.set_len(file.size)?;
+        if file.size == 0 {
+            return Ok(());
+        }
+        // SAFETY: the file was made by this server, in a directory of its own, and nothing else writes it.
+        let mut copy = unsafe { memmap2::MmapMut::map_mut(out)? };
+        for attempt in 1..=FETCH_ATTEMPTS {
+            self.read_parts(u32::MAX, file, parts_of(&mut copy, self.limits().part)).await?;
+            if matches_etag(&file.etag, &copy) {
+                return Ok(());
+            }
+            self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
+            let object = &file.path;
+            tracing::warn!(dataset = %self.bucket.url, %object, attempt, "the copy read does not match the ETag's MD5");
+        }
+        Err(differs_from_etag(&self.bucket.url, file))
+    }
+
+    /// Keeps `bytes` (all of `file`, checked) in the disk tier, where there is one; a copy the disk
+    /// refuses is only logged (the object is then read from the store).
+    fn keep_copy(&self, file: &ShardInfo, bytes: &[u8]) {
+        let Some(tier) = self.tier().filter(|t| file.size <= t.cap()) else { return };
+        let kept = tier.begin(&self.tier_name(file), file.size).and_then(|copy| {
+            copy.file().write_all_at(bytes, 0).map_err(|e| copy.failed(e))?;
+            copy.commit()
+        });
+        if let Err(e) = kept {
+            tracing::debug!(dataset = %self.bucket.url, error = %e, "not kept in the disk tier");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_single_part_etag_is_an_md5() {
+        assert_eq!(
+            etag_md5("\"d41d8cd98f00b204e9800998ecf8427e\""),
+            Some(*b"\xd4\x1d\x8c\xd9\x8f\x00\xb2\x04\xe9\x80\x09\x98\xec\xf8\x42\x7e")
+        );
+        assert_eq!(etag_md5("\"d41d8cd98f00b204e9800998ecf8427e-3\""), None);
+        assert_eq!(etag_md5("W/\"xyz\""), None);
+        assert_eq!(etag_md5(""), None);
+    }
+}

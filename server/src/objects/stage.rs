@@ -1,0 +1,259 @@
+//! Copying whole objects into the disk tier in the order the epoch's plan first reads them, so the store
+//! is read in large parts (ranged GETs of `object_part`, several per object, `stage_objects` objects at
+//! once, within the bucket's `object_requests`) while bodies still read what they need now by the
+//! coalesced GETs of `fetch.rs`: the first batch never waits for a whole object.
+//!
+//! **What is copied.** A dataset that fits in the tier is copied whole: each epoch's plan, as its
+//! manifest is computed, gives the order ([`ObjectSource::follow`]), and an object a body reads that is
+//! not in the tier yet goes first. A dataset larger than the tier is copied only under `shuffle=blocks`
+//! (each epoch reads each object once, within `block_bytes` of objects at a time): then the stager stays
+//! at most `ahead` bytes of objects (the tier less one block) beyond the furthest object read, so what
+//! it copies never evicts what the current block still reads. Under `shuffle=global` such a dataset is
+//! not copied at all (each object would be evicted before its next sample came): it is read by GETs,
+//! and the server says so at start and in `/healthz`.
+//!
+//! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
+//! driving the object runtime: copies are written through a mapping of their file, off the runtime's
+//! workers. It holds its dataset weakly and ends when the dataset is gone.
+
+use super::fetch::differing_chunk;
+use super::ObjectSource;
+use futures_util::stream::FuturesUnordered;
+use futures_util::StreamExt;
+use std::collections::{HashSet, VecDeque};
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// The order objects are copied in, and where the readers are.
+#[derive(Default)]
+pub(super) struct Stager {
+    queue: Mutex<Queue>,
+    wake: Arc<Notify>,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// Objects in the order the plan being followed first reads them, and the bytes of `order[..i]`.
+    order: Vec<u32>,
+    before: Vec<u64>,
+    /// Each object's position in `order` (`u32::MAX`: none), by object number.
+    position: Vec<u32>,
+    /// The next position to look at, and the furthest position a body read.
+    next: usize,
+    cursor: usize,
+    /// Bytes of objects beyond `cursor` that may be copied (`u64::MAX`: all).
+    ahead: u64,
+    /// Orders of the epochs planned next (at most two: one epoch's manifest is asked for while the one
+    /// before it is read).
+    later: VecDeque<(Vec<u32>, u64)>,
+    /// Objects bodies read before they were copied: copied first (a dataset that fits).
+    urgent: VecDeque<u32>,
+    /// Objects being copied.
+    busy: HashSet<u32>,
+    started: bool,
+    /// `order` is the index's, until a plan gives its own ([`ObjectSource::copy_all`]).
+    provisional: bool,
+}
+
+impl ObjectSource {
+    /// Follows the plan whose samples, in epoch order, are `samples`: copies its objects into the tier
+    /// in the order it first reads them, at most `ahead` bytes of objects beyond the furthest one read
+    /// (`u64::MAX`: all of them). Nothing without a tier.
+    pub fn follow(self: &Arc<Self>, samples: &[u32], ahead: u64) {
+        let (Some(_), Some(index)) = (self.tier(), self.index.get()) else { return };
+        let mut seen = vec![false; index.shards.len()];
+        let mut order = Vec::new();
+        for &s in samples {
+            if let Some(part) = index.samples[s as usize].parts.first() {
+                let n = part.shard as usize;
+                if !std::mem::replace(&mut seen[n], true) {
+                    order.push(n as u32);
+                }
+            }
+        }
+        self.queue_order(order, ahead, false);
+    }
+
+    /// Copies every shard into the tier, in index order until a plan gives its own, where the dataset
+    /// fits in the tier (called as the dataset opens: its next epochs then read nothing from the store).
+    pub fn copy_all(self: &Arc<Self>) {
+        let (Some(tier), Some(index)) = (self.tier(), self.index.get()) else { return };
+        if index.shards.iter().map(|s| s.size).sum::<u64>() <= tier.cap() {
+            self.queue_order((0..index.shards.len() as u32).collect(), u64::MAX, true);
+        }
+    }
+
+    fn queue_order(self: &Arc<Self>, order: Vec<u32>, ahead: u64, provisional: bool) {
+        let mut q = self.stager.queue.lock().expect("stager");
+        if q.later.back().is_some_and(|(o, _)| *o == order) || (q.later.is_empty() && q.order == order) {
+            return;
+        }
+        q.later.push_back((order, ahead));
+        while q.later.len() > 2 {
+            q.later.pop_front();
+        }
+        if q.next >= q.order.len() || q.provisional {
+            self.next_order(&mut q);
+        }
+        q.provisional = provisional;
+        self.start(&mut q);
+    }
+
+    /// Takes the next planned order, if any, as the one followed.
+    fn next_order(&self, q: &mut Queue) {
+        let Some((order, ahead)) = q.later.pop_front() else { return };
+        let sizes = |n: &u32| self.file(*n).map_or(0, |f| f.size);
+        q.before = std::iter::once(0)
+            .chain(order.iter().scan(0, |sum, n| Some(*sum + sizes(n)).inspect(|s| *sum = *s)))
+            .collect();
+        q.position = vec![u32::MAX; self.objects()];
+        for (p, &n) in order.iter().enumerate() {
+            q.position[n as usize] = p as u32;
+        }
+        (q.order, q.ahead, q.next, q.cursor) = (order, ahead, 0, 0);
+    }
+
+    /// Starts the stager's thread, once.
+    fn start(self: &Arc<Self>, q: &mut Queue) {
+        if std::mem::replace(&mut q.started, true) {
+            self.stager.wake.notify_one();
+            return;
+        }
+        let (source, context, wake) = (Arc::downgrade(self), self.context.clone(), self.stager.wake.clone());
+        let spawned = std::thread::Builder::new()
+            .name("batchfs-stager".into())
+            .spawn(move || context.block_on(run(source, wake)));
+        if let Err(e) = spawned {
+            tracing::warn!(dataset = %self.bucket.url, error = %e, "cannot start the stager: objects are read by GETs");
+        }
+    }
+
+    /// Notes that a body read object `n`, which the tier holds or not (`held`): the stager may go on
+    /// past it, and copies it first if it is missing and the dataset is copied whole.
+    pub(super) fn touched(self: &Arc<Self>, n: u32, held: bool) {
+        let mut q = self.stager.queue.lock().expect("stager");
+        let at = q.position.get(n as usize).copied().unwrap_or(u32::MAX);
+        let mut wake = false;
+        if at != u32::MAX && at as usize > q.cursor {
+            q.cursor = at as usize;
+            wake = q.ahead != u64::MAX;
+        }
+        if !held && q.ahead == u64::MAX && !q.busy.contains(&n) && !q.urgent.contains(&n) {
+            q.urgent.push_back(n);
+            wake = true;
+        }
+        if wake && q.started {
+            self.stager.wake.notify_one();
+        }
+    }
+
+    /// The next object to copy, if one may be copied now.
+    fn next_to_copy(&self) -> Option<u32> {
+        let mut q = self.stager.queue.lock().expect("stager");
+        let held = |n: u32| self.tier().zip(self.file(n)).is_none_or(|(t, f)| t.contains(&self.tier_name(f)));
+        while let Some(n) = q.urgent.pop_front() {
+            if !q.busy.contains(&n) && !held(n) {
+                q.busy.insert(n);
+                return Some(n);
+            }
+        }
+        loop {
+            if q.next >= q.order.len() {
+                if q.later.is_empty() {
+                    return None;
+                }
+                self.next_order(&mut q);
+                continue;
+            }
+            let p = q.next;
+            let n = q.order[p];
+            if q.ahead != u64::MAX && q.before[p + 1] - q.before[q.cursor.min(p)] > q.ahead && p > q.cursor {
+                return None;
+            }
+            q.next += 1;
+            if !q.busy.contains(&n) && !held(n) {
+                q.busy.insert(n);
+                return Some(n);
+            }
+        }
+    }
+
+    /// Whether the stager copies nothing now and has nothing it may copy (for tests).
+    #[cfg(test)]
+    pub(super) fn stager_idle(&self) -> bool {
+        let q = self.stager.queue.lock().expect("stager");
+        q.busy.is_empty() && q.urgent.is_empty() && q.later.is_empty()
+    }
+
+    /// Copies object `n` whole into the tier now, if it is not there (for `hold`; call outside a
+    /// runtime). Returns the copy's path.
+    pub(super) fn stage_now(&self, n: u32) -> io::Result<PathBuf> {
+        self.context.block_here(self.stage_object(n))
+    }
+
+    /// Copies object `n` whole into the tier, if it is not there: by ranged GETs of `object_part`, several
+    /// at once, into a file under `staging/`, each 4 MiB chunk checked against the index's CRC32C (and
+    /// read again where it differs), then renamed into place. Returns the copy's path.
+    async fn stage_object(&self, n: u32) -> io::Result<PathBuf> {
+        let tier = self.tier().ok_or_else(|| io::Error::other("no disk tier"))?;
+        let file = self.file(n).ok_or_else(|| io::Error::other(format!("no object #{n}")))?;
+        let name = self.tier_name(file);
+        if let Some((path, _)) = tier.get(&name) {
+            return Ok(path);
+        }
+        let copy = tier.begin(&name, file.size)?;
+        if file.size > 0 {
+            // SAFETY: the file was made by the tier under `staging/` for this copy alone, and nothing else
+            // writes it; the mapping is dropped before the file is renamed.
+            let mut map = unsafe { memmap2::MmapMut::map_mut(copy.file()) }.map_err(|e| copy.failed(e))?;
+            let fetched = self.read_into(n, file, &mut map).await;
+            fetched?;
+            // The copy is whole and checked: make sure no chunk was left unread.
+            if let Some(k) = differing_chunk(file, &map) {
+                return Err(io::Error::other(format!(
+                    "{}: chunk {k} differs after staging",
+                    self.path_of(n).display()
+                )));
+            }
+        }
+        let path = copy.commit()?;
+        tier.counters.fetched_bytes.fetch_add(file.size, Ordering::Relaxed);
+        tracing::debug!(dataset = %self.bucket.url, object = %file.path, bytes = file.size, "copied into the disk tier");
+        Ok(path)
+    }
+}
+
+/// The stager's loop: copies what [`ObjectSource::next_to_copy`] gives, `stage_objects` at once, until
+/// the dataset is gone.
+async fn run(source: Weak<ObjectSource>, wake: Arc<Notify>) {
+    let mut copying = FuturesUnordered::new();
+    loop {
+        let Some(this) = source.upgrade() else { return };
+        while copying.len() < this.limits().stage_objects {
+            let Some(n) = this.next_to_copy() else { break };
+            let this = this.clone();
+            copying.push(async move {
+                if let Err(e) = this.stage_object(n).await {
+                    let object = this.path_of(n);
+                    tracing::warn!(dataset = %this.bucket.url, object = %object.display(), error = %e,
+                        "not copied into the disk tier: read by GETs");
+                }
+                this.stager.queue.lock().expect("stager").busy.remove(&n);
+            });
+        }
+        drop(this);
+        if copying.is_empty() {
+            // Idle: woken by a new order or a body's read; looks now and then whether the dataset is gone.
+            let _ = tokio::time::timeout(Duration::from_secs(1), wake.notified()).await;
+        } else {
+            tokio::select! {
+                _ = copying.next() => {}
+                _ = wake.notified() => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! The store behind an object dataset: its URL parsed, its client built from the settings, and its
+//! listing, with the errors a user can fix told apart ([`ObjectError`]). A store may also be given
+//! ready-made ([`Bucket::of_store`]): the unit tests give an in-memory one.
+
+use super::{ObjectError, ObjectLimits};
+use batchfs::index::ShardInfo;
+use futures_util::TryStreamExt;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::path::Path as ObjectPath;
+use object_store::ObjectStore;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A bucket (and prefix) of a store, and how to reach it.
+pub struct Bucket {
+    pub store: Arc<dyn ObjectStore>,
+    /// `s3://BUCKET/PREFIX`, without a trailing `/`.
+    pub url: String,
+    pub bucket: String,
+    /// The prefix, without a trailing `/` (empty: the whole bucket).
+    pub prefix: String,
+    /// Where the store is, for messages.
+    pub endpoint: String,
+}
+
+/// `(bucket, prefix)` of `s3://BUCKET/PREFIX` (or `s3a://`).
+fn parse_url(url: &str) -> Result<(&str, &str), ObjectError> {
+    let rest = url.strip_prefix("s3://").or_else(|| url.strip_prefix("s3a://"));
+    let (bucket, prefix) = match rest {
+        Some(rest) => rest.split_once('/').unwrap_or((rest, "")),
+        None => return Err(ObjectError::BadUrl { url: url.to_owned() }),
+    };
+    if bucket.is_empty() {
+        return Err(ObjectError::BadUrl { url: url.to_owned() });
+    }
+    Ok((bucket, prefix.trim_end_matches('/')))
+}
+
+impl Bucket {
+    /// The S3 client of `url`: the `AWS_*` environment, then `settings` (`object_store`'s S3 keys), with
+    /// `limits`' timeouts and retries.
+    pub fn connect(
+        url: &str,
+        settings: &BTreeMap<String, String>,
+        limits: &ObjectLimits,
+    ) -> Result<Bucket, ObjectError> {
+        let (bucket, prefix) = parse_url(url)?;
+        let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+        let ms = |d: Duration| format!("{}ms", d.as_millis().max(1));
+        builder = builder.with_config("timeout".parse().expect("a client key"), ms(limits.timeout)).with_config(
+            "connect_timeout".parse().expect("a client key"),
+            ms(limits.timeout.min(Duration::from_secs(10))),
+        );
+        for (key, value) in settings {
+            let parsed: AmazonS3ConfigKey = key
+                .to_ascii_lowercase()
+                .parse()
+                .map_err(|_| ObjectError::BadSetting { url: url.to_owned(), key: key.clone() })?;
+            builder = builder.with_config(parsed, value);
+        }
+        let retry = object_store::RetryConfig {
+            backoff: object_store::BackoffConfig::default(),
+            max_retries: 10,
+            retry_timeout: limits.retry_for,
+        };
+        builder = builder.with_retry(retry);
+        let endpoint = builder
+            .get_config_value(&AmazonS3ConfigKey::Endpoint)
+            .unwrap_or_else(|| "the AWS endpoint of the bucket's region".to_owned());
+        let store = builder.build().map_err(|e| ObjectError::Config { url: url.to_owned(), source: Box::new(e) })?;
+        Ok(Bucket {
+            store: Arc::new(store),
+            url: url.trim_end_matches('/').to_owned(),
+            bucket: bucket.to_owned(),
+            prefix: prefix.to_owned(),
+            endpoint,
+        })
+    }
+
+    /// `url` read from `store` as it is (no settings): for tests, with an in-memory store.
+    pub fn of_store(url: &str, store: Arc<dyn ObjectStore>, endpoint: &str) -> Result<Bucket, ObjectError> {
+        let (bucket, prefix) = parse_url(url)?;
+        Ok(Bucket {
+            store,
+            url: url.trim_end_matches('/').to_owned(),
+            bucket: bucket.to_owned(),
+            prefix: prefix.to_owned(),
+            endpoint: endpoint.to_owned(),
+        })
+    }
+
+    /// Where `path` (relative to the prefix) is in the bucket.
+    pub fn location(&self, path: &str) -> ObjectPath {
+        match self.prefix.is_empty() {
+            true => ObjectPath::from(path),
+            false => ObjectPath::from(format!("{}/{path}", self.prefix)),
+        }
+    }
+
+    /// The objects under the prefix (relative paths, sorted; hidden names, those with a component that
+    /// starts with `.`, left out) with their sizes, modification times and ETags.
+    pub async fn list(&self) -> Result<Vec<ShardInfo>, ObjectError> {
+        let at = (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
+        let listed = self.store.list(at.as_ref()).try_collect::<Vec<_>>().await.map_err(|e| self.list_error(e))?;
+        let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };
+        let mut files: Vec<ShardInfo> = listed
+            .into_iter()
+            .filter_map(|meta| {
+                let path = meta.location.as_ref().get(strip..)?.to_owned();
+                if path.is_empty() || path.split('/').any(|c| c.starts_with('.')) {
+                    return None;
+                }
+                let mtime_ns = meta.last_modified.timestamp_nanos_opt().unwrap_or(0);
+                Some(ShardInfo {
+                    path,
+                    size: meta.size,
+                    mtime_ns,
+                    etag: meta.e_tag.unwrap_or_default(),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+        if files.is_empty() {
+            return Err(ObjectError::Empty { url: self.url.clone() });
+        }
+        Ok(files)
+    }
+
+    /// What a failed listing means to the user, by the error's kind: `object_store`'s own, the HTTP
+    /// client's (a connection or a timeout), or the S3 error code the store answered with.
+    fn list_error(&self, source: object_store::Error) -> ObjectError {
+        let (url, endpoint) = (self.url.clone(), self.endpoint.clone());
+        let code = s3_code(&source);
+        let http = http_kind(&source);
+        let source = Box::new(source);
+        use object_store::client::HttpErrorKind;
+        match (source.as_ref(), code.as_deref(), http) {
+            (object_store::Error::NotFound { .. }, ..) | (_, Some("NoSuchBucket"), _) => {
+                ObjectError::NoBucket { url, bucket: self.bucket.clone(), endpoint, source }
+            }
+            (object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }, ..)
+            | (_, Some("AccessDenied" | "InvalidAccessKeyId" | "SignatureDoesNotMatch"), _) => {
+                ObjectError::Denied { url, endpoint, source }
+            }
+            (_, _, Some(HttpErrorKind::Connect | HttpErrorKind::Timeout)) => {
+                ObjectError::Unreachable { url, endpoint, source }
+            }
+            _ => ObjectError::List { url, source },
+        }
+    }
+}
+
+/// The kind of the HTTP client's error behind `e`, if one is.
+fn http_kind(e: &(dyn std::error::Error + 'static)) -> Option<object_store::client::HttpErrorKind> {
+    let mut at = Some(e);
+    while let Some(e) = at {
+        if let Some(http) = e.downcast_ref::<object_store::client::HttpError>() {
+            return Some(http.kind());
+        }
+        at = e.source();
+    }
+    None
+}
+
+/// The S3 error code (`<Code>NoSuchBucket</Code>` of the store's answer) that `e` carries, if any:
+/// `object_store` keeps the answer's body in its error but no type of its own for the code.
+fn s3_code(e: &object_store::Error) -> Option<String> {
+    let text = format!("{e:?}");
+    let start = text.find("<Code>")? + "<Code>".len();
+    let len = text[start..].find("</Code>")?;
+    Some(text[start..start + len].to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_and_locations_join_the_prefix() {
+        assert_eq!(parse_url("s3://b/p/q/").unwrap(), ("b", "p/q"));
+        assert_eq!(parse_url("s3a://b").unwrap(), ("b", ""));
+        assert!(matches!(parse_url("s3:///p"), Err(ObjectError::BadUrl { .. })));
+        assert!(matches!(parse_url("gs://b"), Err(ObjectError::BadUrl { .. })));
+        let store = Arc::new(object_store::memory::InMemory::new());
+        let b = Bucket::of_store("s3://b/data/", store.clone(), "memory").unwrap();
+        assert_eq!((b.url.as_str(), b.location("x/y").as_ref()), ("s3://b/data", "data/x/y"));
+        assert_eq!(Bucket::of_store("s3://b", store, "memory").unwrap().location("x").as_ref(), "x");
+    }
+
+    #[test]
+    fn an_s3_error_code_is_read_from_the_answer() {
+        let e = object_store::Error::Generic {
+            store: "S3",
+            source: "Client error with status 404 Not Found: <?xml version=\"1.0\"?><Error><Code>NoSuchBucket</Code>\
+                     <Message>The specified bucket does not exist</Message></Error>"
+                .into(),
+        };
+        assert_eq!(s3_code(&e).as_deref(), Some("NoSuchBucket"));
+        let b = Bucket::of_store("s3://b", Arc::new(object_store::memory::InMemory::new()), "memory").unwrap();
+        assert!(matches!(b.list_error(e), ObjectError::NoBucket { .. }));
+        let other = object_store::Error::Generic { store: "S3", source: "a reset".into() };
+        assert!(matches!(b.list_error(other), ObjectError::List { .. }));
+    }
+}

@@ -1,0 +1,430 @@
+//! The disk tier (`disk_cache`): whole objects of object datasets kept on the server's local disks, so a
+//! dataset larger than the server's memory is read from the store once and then from local disk.
+//!
+//! **Layout.** `DIR/objects/NAME` holds one object's bytes, whole. `NAME` is `K-E`: `K` the MD5 (hex)
+//! of the object's endpoint, bucket and key, `E` the first 16 hex digits of the MD5 of its ETag, so a
+//! rewritten object (a new ETag) is never found under its old copy's name, and the old copy is found
+//! (by `K`) and removed when the new one is staged. `DIR/staging/` holds copies being written.
+//!
+//! **Only checked copies reach their name.** A copy is written under `staging/`, checked, and then
+//! renamed into `objects/` ([`Staging::commit`]); a copy that is dropped unfinished is removed. Copies
+//! made to serve are checked chunk by chunk (4 MiB) against the index's CRC32Cs; copies made while
+//! indexing (before there is an index) against the object's ETag where that is an MD5, and the index is
+//! then computed from the copy itself. A server killed while staging leaves files under `staging/` only,
+//! and the next start removes them ([`Tier::open`]). Copies found at start are read whole and checked
+//! against the index before each is first served (a crash or a disk may have changed them since; so no
+//! `fsync` is needed to keep a wrong byte out): see `Entry::checked`.
+//!
+//! **Room.** The tier holds at most `disk_cache_size` bytes (auto: 90 % of what its filesystem has free
+//! at start, plus what the tier already holds), copies being written counted from their start; the
+//! least recently used copies are evicted to make room. At start, what is found is ordered by
+//! modification time, oldest first to go. A copy evicted while a read has it open is read to the end
+//! (the kernel keeps an unlinked file for its open descriptors).
+//!
+//! A failing disk (a write or `fsync` that fails, a full filesystem) loses the copy being written, is
+//! logged and counted, and the object is read from the store as if the tier were not there.
+
+use lru::LruCache;
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Why the tier cannot be used: each says what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum TierError {
+    #[error("disk_cache {dir}: cannot create it ({source})")]
+    Create { dir: PathBuf, source: io::Error },
+    #[error("disk_cache {dir}: cannot write there ({source}): give a writable directory on a local disk")]
+    NotWritable { dir: PathBuf, source: io::Error },
+    #[error("disk_cache {dir}: cannot read what it holds ({source})")]
+    Scan { dir: PathBuf, source: io::Error },
+    #[error("disk_cache {dir}: its filesystem has no room ({free} bytes free): free some, or set disk_cache_size")]
+    NoRoom { dir: PathBuf, free: u64 },
+}
+
+/// What the tier did, counted (exported at `/metrics`).
+#[derive(Debug, Default)]
+pub struct TierCounters {
+    /// Reads served from a copy in the tier, and their bytes.
+    pub hits: AtomicU64,
+    pub hit_bytes: AtomicU64,
+    /// Objects copied into the tier, and the bytes read from the store to copy them.
+    pub staged: AtomicU64,
+    pub fetched_bytes: AtomicU64,
+    /// Copies evicted to make room.
+    pub evicted: AtomicU64,
+    /// Copies lost to a failing disk, or found differing from the index and removed.
+    pub failures: AtomicU64,
+}
+
+/// One copy in the tier.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    size: u64,
+    /// Checked against the index in this process (staged here, or read and checked once since start).
+    checked: bool,
+}
+
+struct Inner {
+    entries: LruCache<String, Entry>,
+    /// Bytes of the copies in `entries`.
+    bytes: u64,
+    /// Bytes of copies being written.
+    reserved: u64,
+}
+
+/// The disk tier of a server, shared by its object datasets.
+pub struct Tier {
+    dir: PathBuf,
+    objects: PathBuf,
+    staging: PathBuf,
+    cap: u64,
+    inner: Mutex<Inner>,
+    seq: AtomicU64,
+    pub counters: TierCounters,
+}
+
+impl Tier {
+    /// Opens the tier in `dir` (made if missing), removes what a server killed while staging left, and
+    /// takes the copies found as the least recently used first (oldest modification time first). `size`:
+    /// the most bytes it holds.
+    pub fn open(dir: &Path, size: crate::policy::AutoSize) -> Result<Tier, TierError> {
+        let objects = dir.join("objects");
+        let staging = dir.join("staging");
+        for d in [&objects, &staging] {
+            std::fs::create_dir_all(d).map_err(|source| TierError::Create { dir: dir.to_owned(), source })?;
+        }
+        let not_writable = |source| TierError::NotWritable { dir: dir.to_owned(), source };
+        let probe = staging.join(format!(".probe-{}", std::process::id()));
+        std::fs::write(&probe, b"batchfs").map_err(not_writable)?;
+        std::fs::remove_file(&probe).map_err(not_writable)?;
+        let scan = |source| TierError::Scan { dir: dir.to_owned(), source };
+        let mut left = 0;
+        for entry in std::fs::read_dir(&staging).map_err(scan)? {
+            let entry = entry.map_err(scan)?;
+            if std::fs::remove_file(entry.path()).is_ok() {
+                left += 1;
+            }
+        }
+        if left > 0 {
+            tracing::info!(dir = %dir.display(), files = left, "disk tier: removed copies left unfinished");
+        }
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir(&objects).map_err(scan)? {
+            let entry = entry.map_err(scan)?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let meta = entry.metadata().map_err(scan)?;
+            if !meta.is_file() || !is_name(&name) {
+                tracing::warn!(dir = %dir.display(), %name, "disk tier: not a copy of ours, left alone");
+                continue;
+            }
+            let mtime = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
+            found.push((mtime, name, meta.len()));
+        }
+        found.sort();
+        let held: u64 = found.iter().map(|f| f.2).sum();
+        let cap = match size {
+            crate::policy::AutoSize::Bytes(n) => n,
+            crate::policy::AutoSize::Auto => {
+                let free = free_bytes(dir).map_err(scan)?;
+                (free + held) / 10 * 9
+            }
+        };
+        if cap == 0 {
+            return Err(TierError::NoRoom { dir: dir.to_owned(), free: free_bytes(dir).unwrap_or(0) });
+        }
+        let mut entries = LruCache::unbounded();
+        for (_, name, size) in found {
+            entries.put(name, Entry { size, checked: false });
+        }
+        let tier = Tier {
+            dir: dir.to_owned(),
+            objects,
+            staging,
+            cap,
+            inner: Mutex::new(Inner { entries, bytes: held, reserved: 0 }),
+            seq: AtomicU64::new(0),
+            counters: TierCounters::default(),
+        };
+        tier.make_room(&mut tier.inner.lock().expect("tier"), 0);
+        let inner = tier.inner.lock().expect("tier");
+        tracing::info!(
+            dir = %dir.display(), cap, copies = inner.entries.len(), bytes = inner.bytes, "disk tier opened"
+        );
+        drop(inner);
+        Ok(tier)
+    }
+
+    /// The name of the copy of `key` (endpoint, bucket and key) with `etag`.
+    pub fn name(key: &str, etag: &str) -> String {
+        use md5::Digest;
+        let k = md5::Md5::digest(key.as_bytes());
+        let e = md5::Md5::digest(etag.as_bytes());
+        format!("{}-{}", hex(&k), &hex(&e)[..16])
+    }
+
+    /// The most bytes the tier holds.
+    pub fn cap(&self) -> u64 {
+        self.cap
+    }
+
+    /// Bytes of the copies it holds.
+    pub fn bytes(&self) -> u64 {
+        self.inner.lock().expect("tier").bytes
+    }
+
+    /// How many copies it holds.
+    pub fn copies(&self) -> usize {
+        self.inner.lock().expect("tier").entries.len()
+    }
+
+    /// Where the tier is.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether copy `name` is held (not counted as a use).
+    pub fn contains(&self, name: &str) -> bool {
+        self.inner.lock().expect("tier").entries.contains(name)
+    }
+
+    /// Copy `name`, counted as used: its path and whether it was checked in this process.
+    pub fn get(&self, name: &str) -> Option<(PathBuf, bool)> {
+        let mut inner = self.inner.lock().expect("tier");
+        let entry = *inner.entries.get(name)?;
+        Some((self.objects.join(name), entry.checked))
+    }
+
+    /// Records that copy `name` was read whole and matched the index.
+    pub fn mark_checked(&self, name: &str) {
+        if let Some(entry) = self.inner.lock().expect("tier").entries.get_mut(name) {
+            entry.checked = true;
+        }
+    }
+
+    /// Removes copy `name` (it differs from the index, or the disk failed reading it).
+    pub fn remove(&self, name: &str, why: &str) {
+        let mut inner = self.inner.lock().expect("tier");
+        if let Some(entry) = inner.entries.pop(name) {
+            inner.bytes -= entry.size;
+            self.counters.failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(dir = %self.dir.display(), %name, %why, "disk tier: copy removed");
+            let _ = std::fs::remove_file(self.objects.join(name));
+        }
+    }
+
+    /// Starts a copy `name` of `size` bytes: room is made for it now (the least recently used copies
+    /// evicted), and the file is made under `staging/`. Refused where it is larger than the tier.
+    pub fn begin(self: &Arc<Self>, name: &str, size: u64) -> io::Result<Staging> {
+        if size > self.cap {
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                format!("{size} bytes do not fit in a disk tier of {} bytes", self.cap),
+            ));
+        }
+        {
+            let mut inner = self.inner.lock().expect("tier");
+            self.make_room(&mut inner, size);
+            inner.reserved += size;
+        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let path = self.staging.join(format!("{name}.{}.{seq}", std::process::id()));
+        // Made before the file, so a failure below gives the room back as it drops.
+        let mut staging =
+            Staging { tier: self.clone(), name: name.to_owned(), path, file: None, size, committed: false };
+        let file =
+            std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&staging.path).and_then(|f| {
+                f.set_len(size)?;
+                Ok(f)
+            });
+        match file {
+            Ok(file) => {
+                staging.file = Some(file);
+                Ok(staging)
+            }
+            Err(e) => Err(self.failed(&staging.path, e)),
+        }
+    }
+
+    /// Evicts the least recently used copies until `more` bytes fit beside what is held and reserved.
+    fn make_room(&self, inner: &mut Inner, more: u64) {
+        while inner.bytes + inner.reserved + more > self.cap {
+            let Some((name, entry)) = inner.entries.pop_lru() else { break };
+            inner.bytes -= entry.size;
+            self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = std::fs::remove_file(self.objects.join(&name)) {
+                tracing::warn!(dir = %self.dir.display(), %name, error = %e, "disk tier: cannot remove an evicted copy");
+            }
+        }
+    }
+
+    /// Counts and logs a write of the tier that failed, and says so with the file's path.
+    fn failed(&self, path: &Path, e: io::Error) -> io::Error {
+        self.counters.failures.fetch_add(1, Ordering::Relaxed);
+        let e = io::Error::new(e.kind(), format!("disk tier: {}: {e}", path.display()));
+        tracing::warn!(error = %e, "disk tier: a copy is lost; the object is read from the store");
+        e
+    }
+}
+
+/// A copy being written ([`Tier::begin`]): removed when dropped unless [`Staging::commit`]ted.
+pub struct Staging {
+    tier: Arc<Tier>,
+    name: String,
+    path: PathBuf,
+    file: Option<File>,
+    size: u64,
+    committed: bool,
+}
+
+impl Staging {
+    /// The file to write the copy's bytes into (its length is already the object's).
+    pub fn file(&self) -> &File {
+        self.file.as_ref().expect("a staging copy has its file")
+    }
+
+    /// Makes the checked copy the tier's: renamed into place, the copies of the same object with another
+    /// ETag removed. Returns its path.
+    pub fn commit(mut self) -> io::Result<PathBuf> {
+        let tier = self.tier.clone();
+        let at = tier.objects.join(&self.name);
+        if let Err(e) = std::fs::rename(&self.path, &at) {
+            return Err(tier.failed(&self.path, e));
+        }
+        self.committed = true;
+        let key = self.name.split('-').next().unwrap_or("").to_owned();
+        let mut inner = tier.inner.lock().expect("tier");
+        inner.reserved -= self.size;
+        let stale: Vec<String> = inner
+            .entries
+            .iter()
+            .filter(|(n, _)| n.split('-').next() == Some(key.as_str()) && **n != self.name)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in stale {
+            if let Some(entry) = inner.entries.pop(&name) {
+                inner.bytes -= entry.size;
+                let _ = std::fs::remove_file(tier.objects.join(&name));
+            }
+        }
+        if let Some(old) = inner.entries.put(self.name.clone(), Entry { size: self.size, checked: true }) {
+            inner.bytes -= old.size;
+        }
+        inner.bytes += self.size;
+        tier.counters.staged.fetch_add(1, Ordering::Relaxed);
+        Ok(at)
+    }
+
+    /// Counts and logs a write into the copy that failed ([`Tier`]'s note): the copy is dropped.
+    pub fn failed(&self, e: io::Error) -> io::Error {
+        self.tier.failed(&self.path, e)
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.committed {
+            self.file = None;
+            let _ = std::fs::remove_file(&self.path);
+            self.tier.inner.lock().expect("tier").reserved -= self.size;
+        }
+    }
+}
+
+/// Whether `name` is a copy's name ([`Tier::name`]).
+fn is_name(name: &str) -> bool {
+    let hexes = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    matches!(name.split_once('-'), Some((k, e)) if hexes(k, 32) && hexes(e, 16))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Bytes free (for an unprivileged user) on the filesystem of `dir`.
+fn free_bytes(dir: &Path) -> io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    // SAFETY: statvfs writes only the struct passed, which lives for the call; `path` is a valid C string.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut stat) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(stat.f_bavail as u64 * stat.f_frsize as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::AutoSize;
+    use std::os::unix::fs::FileExt;
+
+    fn stage(tier: &Arc<Tier>, name: &str, bytes: &[u8]) -> PathBuf {
+        let copy = tier.begin(name, bytes.len() as u64).unwrap();
+        copy.file().write_all_at(bytes, 0).unwrap();
+        copy.commit().unwrap()
+    }
+
+    #[test]
+    fn copies_are_found_again_evicted_least_recently_used_and_never_half_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(100)).unwrap());
+        let (a, b, c) =
+            (Tier::name("s3 b/k1", "\"e1\""), Tier::name("s3 b/k2", "\"e\""), Tier::name("s3 b/k3", "\"e\""));
+        assert_ne!(a, Tier::name("s3 b/k1", "\"e2\""), "a new ETag is another copy");
+        assert!(is_name(&a), "{a}");
+        let path = stage(&tier, &a, &[1; 40]);
+        assert_eq!(std::fs::read(&path).unwrap(), vec![1; 40]);
+        stage(&tier, &b, &[2; 40]);
+        assert_eq!((tier.bytes(), tier.copies()), (80, 2));
+        // `a` used last: `b` goes to make room for `c`.
+        assert!(tier.get(&a).is_some());
+        stage(&tier, &c, &[3; 40]);
+        assert!(tier.contains(&a) && !tier.contains(&b) && tier.contains(&c));
+        assert_eq!(tier.counters.evicted.load(Ordering::Relaxed), 1);
+        // A copy dropped unfinished leaves nothing, and gives its room back.
+        let unfinished = tier.begin(&b, 20).unwrap();
+        assert_eq!(std::fs::read_dir(dir.path().join("staging")).unwrap().count(), 1);
+        drop(unfinished);
+        assert_eq!(std::fs::read_dir(dir.path().join("staging")).unwrap().count(), 0);
+        // Too large for the tier: refused, nothing evicted.
+        assert_eq!(tier.begin(&b, 101).err().unwrap().kind(), io::ErrorKind::StorageFull);
+        assert_eq!(tier.copies(), 2);
+        // A new ETag of `a` replaces the old copy.
+        let a2 = Tier::name("s3 b/k1", "\"e2\"");
+        stage(&tier, &a2, &[4; 10]);
+        assert!(!tier.contains(&a) && tier.contains(&a2) && !dir.path().join("objects").join(&a).exists());
+        // A server killed while staging: its file under staging/ is removed at the next start, and the
+        // copies are found again, not yet checked in the new process.
+        let killed = tier.begin(&b, 5).unwrap();
+        std::mem::forget(killed);
+        drop(tier);
+        let again = Tier::open(dir.path(), AutoSize::Bytes(100)).unwrap();
+        assert_eq!(std::fs::read_dir(dir.path().join("staging")).unwrap().count(), 0);
+        assert_eq!((again.copies(), again.bytes()), (2, 50));
+        let (path, checked) = again.get(&c).unwrap();
+        assert!(!checked && std::fs::read(path).unwrap() == vec![3; 40]);
+        again.mark_checked(&c);
+        assert!(again.get(&c).unwrap().1);
+        again.remove(&c, "differs");
+        assert!(!again.contains(&c) && again.bytes() == 10);
+        // Smaller now: what does not fit is evicted at start.
+        drop(again);
+        assert_eq!(Tier::open(dir.path(), AutoSize::Bytes(5)).unwrap().copies(), 0);
+    }
+
+    #[test]
+    fn a_tier_that_cannot_be_written_is_refused_with_its_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, b"x").unwrap();
+        let e = Tier::open(&file.join("tier"), AutoSize::Bytes(100)).err().unwrap();
+        assert!(matches!(e, TierError::Create { .. }), "{e}");
+        assert!(e.to_string().contains("disk_cache"), "{e}");
+        let auto = Tier::open(&dir.path().join("auto"), AutoSize::Auto).unwrap();
+        assert!(auto.cap() > 0);
+    }
+}
