@@ -153,7 +153,7 @@ pub fn open_catalog(flags: &IndexFlags, extra: &[DatasetSpec], limits: &ServerLi
 /// now: a tier that cannot be used stops the server with why). `None` where no dataset is in a store.
 fn objects_context(specs: &[DatasetSpec], limits: &ServerLimits) -> Result<Option<Arc<ObjectContext>>> {
     if !specs.iter().any(|s| is_object_url(&s.path)) {
-        if let Some(dir) = &limits.disk_cache {
+        if let Some(dir) = &limits.disk_cache.0 {
             tracing::warn!(dir = %dir.display(), "disk_cache is for s3:// datasets: no dataset uses it");
         }
         return Ok(None);

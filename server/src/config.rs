@@ -32,15 +32,6 @@ mod value {
         parse_duration(text)
     }
 
-    /// A directory, or `none`.
-    pub fn dir(text: &str) -> Result<Option<PathBuf>, String> {
-        match text.trim() {
-            "" => Err("expected a directory, or none".into()),
-            "none" => Ok(None),
-            dir => Ok(Some(PathBuf::from(dir))),
-        }
-    }
-
     /// On or off: `on`, `off` (`true`, `false`).
     pub fn switch(text: &str) -> Result<bool, String> {
         match text.trim() {
@@ -218,7 +209,7 @@ limits! {
     object_retry_for: Duration = Duration::from_secs(60), value::duration, "60s", "DURATION",
         "How long failed or throttled requests to the object store are retried at most (with backoff, 10 \
          retries at most) before the read fails.";
-    disk_cache: Option<PathBuf> = None, value::dir, "none", "DIR",
+    disk_cache: crate::policy::TierDir = crate::policy::TierDir(None), crate::policy::TierDir::parse, "none", "DIR",
         "A directory on the server's local disks where whole objects of s3:// datasets are kept (the disk \
          tier), checked, found again after a restart and evicted least recently used; what it holds is read \
          from there instead of the store, and objects are copied in in the order the plan reads them.";
@@ -380,11 +371,22 @@ mod tests {
             Ok(limits)
         };
         let mut from_flags = ServerLimits::default();
-        parse_flags(&["--stream-window", "32M", "--idle-timeout", "90s", "--max-connections", "7"])
-            .unwrap()
-            .limits
-            .apply(&mut from_flags);
-        let from_file = parse_file("stream_window = \"32M\"\nidle_timeout = \"90s\"\nmax_connections = 7").unwrap();
+        parse_flags(&[
+            "--stream-window",
+            "32M",
+            "--idle-timeout",
+            "90s",
+            "--max-connections",
+            "7",
+            "--disk-cache",
+            "/t",
+        ])
+        .unwrap()
+        .limits
+        .apply(&mut from_flags);
+        let from_file =
+            parse_file("stream_window = \"32M\"\nidle_timeout = \"90s\"\nmax_connections = 7\ndisk_cache = \"/t\"")
+                .unwrap();
         assert_eq!(from_flags, from_file);
         assert_eq!(from_file.stream_window, 32 << 20);
         // A size as a TOML integer, a count as a string: both read as written.

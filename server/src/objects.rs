@@ -321,7 +321,7 @@ mod tests {
     /// A context with a tier of `tier` bytes in `dir` (none where `dir` is `None`).
     fn context(dir: Option<&Path>, tier: u64) -> Arc<ObjectContext> {
         let limits = ServerLimits {
-            disk_cache: dir.map(Path::to_owned),
+            disk_cache: crate::policy::TierDir(dir.map(Path::to_owned)),
             disk_cache_size: AutoSize::Bytes(tier),
             ..Default::default()
         };
@@ -461,7 +461,7 @@ mod tests {
         // Objects larger than a part are copied by ranged GETs into the tier while indexing (and linked
         // under their own names for the indexer).
         let limits = ServerLimits {
-            disk_cache: Some(tier_dir.path().to_owned()),
+            disk_cache: crate::policy::TierDir(Some(tier_dir.path().to_owned())),
             disk_cache_size: AutoSize::Bytes(total / 2),
             object_part: 64 << 10,
             ..Default::default()

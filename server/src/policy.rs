@@ -27,6 +27,21 @@ impl IoMode {
     }
 }
 
+/// The directory of the disk tier (`disk_cache`), if any.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierDir(pub Option<PathBuf>);
+
+impl TierDir {
+    /// A directory, or `none`.
+    pub fn parse(text: &str) -> Result<TierDir, String> {
+        match text.trim() {
+            "" => Err("expected a directory, or none".into()),
+            "none" => Ok(TierDir(None)),
+            dir => Ok(TierDir(Some(PathBuf::from(dir)))),
+        }
+    }
+}
+
 /// A size the server may work out itself: how many bytes of direct datasets' shards it holds in its own
 /// memory (the `resident` limit: auto is half the memory the server may use), or how large its disk tier
 /// is (`disk_cache_size`: auto is 90 % of what the tier's filesystem has free).

@@ -1,7 +1,9 @@
 //! Datasets in an object store: a real S3-compatible store (SeaweedFS, `weed mini`, started here on
 //! loopback with telemetry off), datasets uploaded to a bucket and served from `s3://` by the real
 //! server, compared byte for byte with the same datasets served from a local path; faults between the
-//! server and the store; an object rewritten after indexing; wrong settings; two servers over one bucket.
+//! server and the store; an object rewritten after indexing; wrong settings; two servers over one bucket;
+//! the disk tier (`disk_cache`): every format served from it, a restart that reads nothing from the store,
+//! a server killed while copying, a tier smaller than the dataset under `shuffle=global` and `blocks`.
 
 use crate::common::{self, fixture, runtime, Fixture, Server};
 use batchfs::api;
@@ -654,4 +656,163 @@ fn two_servers_over_one_bucket_are_replicas_and_one_may_die_mid_epoch() {
     drop(mounted);
     rt.block_on(a.running.shutdown());
     rt.block_on(local.running.shutdown());
+}
+
+/// Limits of a server with a disk tier in `dir` of `size` bytes (every other read a ranged GET).
+fn tiered(dir: &Path, size: u64) -> ServerLimits {
+    ServerLimits {
+        disk_cache: batchfs_server::policy::TierDir(Some(dir.to_owned())),
+        disk_cache_size: batchfs_server::policy::AutoSize::Bytes(size),
+        ..by_gets()
+    }
+}
+
+/// Every format in the bucket, served through the disk tier: every batch and `raw/` file byte-identical
+/// to the same dataset served from its local copy; restarted, the server reads every byte of it again
+/// without one GET of the store (the tier holds it all, found again and checked).
+#[test]
+fn every_format_is_served_from_the_disk_tier_and_a_restart_reads_nothing_from_the_store() {
+    let Some(weed) = Weed::start() else { return };
+    let rt = runtime();
+    let index_dir = tempfile::tempdir().unwrap();
+    for format in SourceFormat::ALL {
+        let tier = tempfile::tempdir().unwrap();
+        let fx = heavy(format, 240);
+        let prefix = format!("tiered/{format}");
+        weed.upload(&fx.path, &prefix);
+        let url = format!("s3://{BUCKET}/{prefix}");
+        // Objects over 256 KiB are read in parts while indexing: LMDB's data.mdb and the larger shards.
+        let limits = ServerLimits { object_part: 256 << 10, ..tiered(tier.path(), 1 << 30) };
+        let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
+        let shards = ds.index.shards.len();
+        let held = ds.storage.objects().unwrap().tier().unwrap().clone();
+        assert_eq!(held.copies(), shards + ds.index.side.len(), "{format}: indexing kept every object it read");
+        let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits.clone()));
+        rt.block_on(same_bytes(&server, "local", "s3", format));
+        rt.block_on(server.running.shutdown());
+        // Restarted over the same tier: the index loaded, every object read from the tier, none from the
+        // store.
+        let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
+        assert_eq!(ds.origin, batchfs::source::IndexOrigin::Loaded);
+        let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+        rt.block_on(async {
+            same_bytes(&server, "local", "s3", format).await;
+            let client = common::h2c();
+            let gets = metric(&client, &server.base, "batchfs_object_gets_total", "s3").await;
+            assert_eq!(gets, 0, "{format}: a restarted server read the store for what its tier holds");
+            let hits = metric(&client, &server.base, "batchfs_object_tier_hit_bytes_total", "s3").await;
+            assert!(hits > 0, "{format}");
+            let text = client.get(format!("{}/metrics", server.base)).send().await.unwrap().text().await.unwrap();
+            assert!(text.contains(&format!("batchfs_tier_objects {}", held.copies())), "{text}");
+        });
+        rt.block_on(server.running.shutdown());
+    }
+}
+
+/// A server killed with SIGKILL while it copies objects into its tier: what it left is never served (the
+/// next start removes the unfinished copies and checks the finished ones before serving them), and an
+/// epoch read from the restarted server is the local copy's, batch for batch.
+#[test]
+fn a_server_killed_while_copying_into_its_tier_leaves_nothing_torn_to_serve() {
+    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(600) else { return };
+    let tier = tempfile::tempdir().unwrap();
+    // Through a slow link (24 Mbit/s), so the copies of indexing take a few seconds.
+    let upstream = format!("127.0.0.1:{}", weed.s3).parse().unwrap();
+    let link = batchfs_lab::netem::Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(3e6) };
+    let netem = batchfs_lab::netem::start("127.0.0.1:0".parse().unwrap(), upstream, link).unwrap();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_batchfs-e2e-server"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--object-part", "256K", "--stage-objects", "1"])
+        .arg(format!("--dataset=s3={url}"))
+        .arg(format!("--disk-cache={}", tier.path().display()))
+        .arg(format!("--index-dir={}", index_dir.path().display()))
+        .env("AWS_ENDPOINT_URL", format!("http://{}", netem.addr))
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ALLOW_HTTP", "true")
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let staging = tier.path().join("staging");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let copying = |d: &Path| std::fs::read_dir(d).map(|e| e.count()).unwrap_or(0) > 0;
+    while !copying(&staging) || !copying(&tier.path().join("objects")) {
+        assert!(server.try_wait().unwrap().is_none(), "the server stopped before it copied anything");
+        assert!(Instant::now() < deadline, "no copy was started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let left = std::fs::read_dir(&staging).unwrap().count();
+    assert!(left > 0, "killed while copying: an unfinished copy is left under staging/");
+    drop(netem);
+    // Restarted (indexing again where the index was not kept yet): the unfinished copies are gone, and
+    // every batch is the local copy's.
+    let limits = tiered(tier.path(), 1 << 30);
+    let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
+    let names: Vec<String> =
+        std::fs::read_dir(&staging).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(names.iter().all(|n| n.starts_with("batchfs-stage-")), "left after the restart: {names:?}");
+    let rt = runtime();
+    let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+    rt.block_on(async {
+        let client = common::h2c();
+        for epoch in 0..2 {
+            let url = format!("{}{}?batch_size=32", server.base, api::manifest_path("local", epoch));
+            let m: api::Manifest = client.get(url).send().await.unwrap().json().await.unwrap();
+            for batch in 0..m.batches.len() as u64 {
+                let path = |d| format!("{}{}?batch_size=32", server.base, api::batch_path(d, epoch, batch));
+                assert!(get(&client, &path("local")).await == get(&client, &path("s3")).await, "batch {batch}");
+            }
+        }
+    });
+    rt.block_on(server.running.shutdown());
+}
+
+/// A tier smaller than the dataset (half of it): under `shuffle=global` the server says so (log and
+/// `/healthz`) and reads by GETs; under `shuffle=blocks` each epoch copies each object into the tier at
+/// most once, the tier never holds more than its size, and every batch is the local copy's.
+#[test]
+fn a_tier_smaller_than_the_dataset_reads_each_object_once_an_epoch_under_blocks() {
+    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(1200) else { return };
+    let tier = tempfile::tempdir().unwrap();
+    let bytes: u64 = walk(&fx.path)
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "tfrecord"))
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum();
+    let limits = ServerLimits { readahead_batches: 0, ..tiered(tier.path(), bytes / 2) };
+    let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
+    let copies = ds.storage.objects().unwrap().tier().unwrap().clone();
+    let rt = runtime();
+    let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+    rt.block_on(async {
+        let client = common::h2c();
+        let health = client.get(format!("{}/healthz", server.base)).send().await.unwrap().text().await.unwrap();
+        assert!(health.contains("do not fit in the disk tier") && health.contains("shuffle=blocks"), "{health}");
+        for (shuffle, epochs) in [("global", 0..1), ("blocks", 1..3)] {
+            for epoch in epochs {
+                // `block_bytes` given: the local dataset's default (a quarter of the memory) is not the
+                // tiered one's (half the tier), and the two must plan alike to compare.
+                let q = format!("batch_size=32&shuffle={shuffle}&block_bytes={}", copies.cap() / 2);
+                let fetched = copies.counters.fetched_bytes.load(std::sync::atomic::Ordering::Relaxed);
+                let gets_before = metric(&client, &server.base, "batchfs_object_bytes_total", "s3").await;
+                let url = format!("{}{}?{q}", server.base, api::manifest_path("s3", epoch));
+                let m: api::Manifest = client.get(url).send().await.unwrap().json().await.unwrap();
+                for batch in 0..m.batches.len() as u64 {
+                    let path = |d| format!("{}{}?{q}", server.base, api::batch_path(d, epoch, batch));
+                    assert!(get(&client, &path("local")).await == get(&client, &path("s3")).await, "{q} {batch}");
+                    assert!(copies.bytes() <= copies.cap());
+                }
+                let copied = copies.counters.fetched_bytes.load(std::sync::atomic::Ordering::Relaxed) - fetched;
+                let read = metric(&client, &server.base, "batchfs_object_bytes_total", "s3").await - gets_before;
+                eprintln!("{shuffle} epoch {epoch}: {read} bytes read from the store, {copied} of them copied into the tier, dataset {bytes}");
+                match shuffle {
+                    "global" => assert_eq!(copied, 0, "a dataset larger than the tier is not copied under global"),
+                    _ => assert!(copied > 0 && copied <= bytes, "{shuffle} epoch {epoch}: {copied} copied of {bytes}"),
+                }
+            }
+        }
+    });
+    rt.block_on(server.running.shutdown());
 }

@@ -33,7 +33,7 @@ impl ObjectContext {
     /// The context of a server with `limits`; its tier is opened (and cleaned up) now where
     /// `disk_cache` names one.
     pub fn new(limits: &ServerLimits) -> Result<Arc<ObjectContext>, TierError> {
-        let tier = match &limits.disk_cache {
+        let tier = match &limits.disk_cache.0 {
             Some(dir) => Some(Arc::new(Tier::open(dir, limits.disk_cache_size)?)),
             None => None,
         };
