@@ -806,7 +806,9 @@ fn a_tier_smaller_than_the_dataset_reads_each_object_once_an_epoch_under_blocks(
                 }
                 let copied = copies.counters.fetched_bytes.load(std::sync::atomic::Ordering::Relaxed) - fetched;
                 let read = metric(&client, &server.base, "batchfs_object_bytes_total", "s3").await - gets_before;
-                eprintln!("{shuffle} epoch {epoch}: {read} bytes read from the store, {copied} of them copied into the tier, dataset {bytes}");
+                eprintln!(
+                    "{shuffle} epoch {epoch}: {read} bytes read from the store, {copied} copied, dataset {bytes}"
+                );
                 match shuffle {
                     "global" => assert_eq!(copied, 0, "a dataset larger than the tier is not copied under global"),
                     _ => assert!(copied > 0 && copied <= bytes, "{shuffle} epoch {epoch}: {copied} copied of {bytes}"),

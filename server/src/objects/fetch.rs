@@ -95,7 +95,8 @@ impl ObjectSource {
             }
             self.counters.bad_checksums.fetch_add(todo.len() as u64, Ordering::Relaxed);
             let object = &file.path;
-            tracing::warn!(dataset = %self.bucket.url, %object, attempt, "ranges failed their checksums: reading them again");
+            let dataset = &self.bucket.url;
+            tracing::warn!(%dataset, %object, attempt, "ranges failed their checksums: reading them again");
         }
         Err(io::Error::new(
             io::ErrorKind::InvalidData,

@@ -222,7 +222,8 @@ impl ObjectSource {
         }
         let path = copy.commit()?;
         tier.counters.fetched_bytes.fetch_add(file.size, Ordering::Relaxed);
-        tracing::debug!(dataset = %self.bucket.url, object = %file.path, bytes = file.size, "copied into the disk tier");
+        let (dataset, object) = (&self.bucket.url, &file.path);
+        tracing::debug!(%dataset, %object, bytes = file.size, "copied into the disk tier");
         Ok(path)
     }
 }

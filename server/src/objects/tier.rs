@@ -255,7 +255,8 @@ impl Tier {
             inner.bytes -= entry.size;
             self.counters.evicted.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = std::fs::remove_file(self.objects.join(&name)) {
-                tracing::warn!(dir = %self.dir.display(), %name, error = %e, "disk tier: cannot remove an evicted copy");
+                let dir = self.dir.display();
+                tracing::warn!(%dir, %name, error = %e, "disk tier: cannot remove an evicted copy");
             }
         }
     }
