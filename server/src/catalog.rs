@@ -130,7 +130,8 @@ impl Dataset {
             .map_err(|source| CatalogError::Index { name: name.to_owned(), source })?;
         CatalogError::fits(name, &index)?;
         let index = Arc::new(index);
-        let storage = Arc::new(Storage::open(name, root, &index, io).map_err(|e| CatalogError::opening(name, e))?);
+        let storage =
+            Arc::new(Storage::open(name, root, index.clone(), io).map_err(|e| CatalogError::opening(name, e))?);
         Ok(Dataset::of(name, root, index, origin, storage))
     }
 

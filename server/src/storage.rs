@@ -64,14 +64,22 @@ pub enum Shard {
     /// Mapped, or (a direct dataset's) held in the server's memory: sent from memory either way.
     Mapped(Arc<MappedFile>),
     /// Read with positioned reads from a file held open with `O_DIRECT`, in aligned blocks.
-    Direct { file: File, path: PathBuf, size: u64 },
+    Direct(Box<HeldFile>),
     /// Read with positioned reads from a file held open.
-    Open { file: File, path: PathBuf, size: u64 },
-    /// Read with positioned reads from the file at `path`, opened for each read (and checked against
-    /// its indexed modification time `mtime_ns` each time).
-    Closed { path: PathBuf, size: u64, mtime_ns: i64 },
-    /// An object of an object store, read by ranged GETs through the storage's [`ObjectSource`].
-    Object { path: PathBuf, size: u64 },
+    Open(Box<HeldFile>),
+    /// Read with positioned reads from its file (the index's path under the dataset's root), opened for
+    /// each read and checked against its indexed size and modification time each time. Holds nothing:
+    /// a dataset of a million files keeps no path or descriptor per file beside its index.
+    Closed,
+    /// An object of an object store, read through the storage's [`ObjectSource`].
+    Object,
+}
+
+/// A shard's file held open.
+pub struct HeldFile {
+    pub file: File,
+    pub path: PathBuf,
+    pub size: u64,
 }
 
 /// A shard held open or mapped, as the index saw it: looked at again now and then to notice a change.
@@ -110,6 +118,9 @@ pub struct Storage {
     opened: Instant,
     /// The object store an object dataset's shards are read from.
     objects: Option<Arc<ObjectSource>>,
+    /// The dataset's directory and index: where a file opened per read is, and what it should be.
+    root: PathBuf,
+    index: Arc<Index>,
 }
 
 /// Why a dataset's shards cannot be opened.
@@ -143,7 +154,7 @@ impl std::fmt::Display for ShardChanged {
 impl Storage {
     /// Opens the shards of `index` under `root` as `policy` says (see the module note), checking that
     /// each still has its indexed size.
-    pub fn open(name: &str, root: &Path, index: &Index, policy: IoPolicy) -> Result<Storage, OpenError> {
+    pub fn open(name: &str, root: &Path, index: Arc<Index>, policy: IoPolicy) -> Result<Storage, OpenError> {
         let bytes: u64 = index.shards.iter().map(|s| s.size).sum();
         let fits = bytes <= policy.memory / 2;
         let many = index.shards.len() > policy.max_mapped_shards;
@@ -177,7 +188,7 @@ impl Storage {
             }
         }
         let mut shards = Vec::with_capacity(index.shards.len());
-        let mut holding = Holding::new(name, index, if read == Read::Direct { policy.resident } else { 0 });
+        let mut holding = Holding::new(name, &index, if read == Read::Direct { policy.resident } else { 0 });
         for shard in &index.shards {
             let path = root.join(&shard.path);
             let changed = || OpenError::Changed { path: path.clone() };
@@ -194,7 +205,7 @@ impl Storage {
                         holding.add(size);
                         shards.push(Shard::Mapped(Arc::new(held)));
                     } else {
-                        shards.push(Shard::Direct { file, path, size });
+                        shards.push(Shard::Direct(Box::new(HeldFile { file, path, size })));
                     }
                 }
                 Read::Closed => {
@@ -203,7 +214,7 @@ impl Storage {
                     if size != shard.size {
                         return Err(changed());
                     }
-                    shards.push(Shard::Closed { path, size, mtime_ns: shard.mtime_ns });
+                    shards.push(Shard::Closed);
                 }
                 Read::Open => {
                     let file = File::open(&path).map_err(cannot)?;
@@ -211,7 +222,7 @@ impl Storage {
                     if size != shard.size {
                         return Err(changed());
                     }
-                    shards.push(Shard::Open { file, path, size });
+                    shards.push(Shard::Open(Box::new(HeldFile { file, path, size })));
                 }
                 Read::Mapped => {
                     let open = if policy.sendfile { MappedFile::open_sourced } else { MappedFile::open };
@@ -226,7 +237,7 @@ impl Storage {
                 }
             }
         }
-        let watched: Box<[Watched]> = if matches!(shards.first(), Some(Shard::Closed { .. })) {
+        let watched: Box<[Watched]> = if matches!(shards.first(), Some(Shard::Closed)) {
             Box::default()
         } else {
             let held = |s: &Shard| matches!(s, Shard::Mapped(m) if !m.is_file());
@@ -241,9 +252,7 @@ impl Storage {
                 .collect()
         };
         // Side files are read whole and seldom (under `raw/`): opened per read.
-        for file in &index.side {
-            shards.push(Shard::Closed { path: root.join(&file.path), size: file.size, mtime_ns: file.mtime_ns });
-        }
+        shards.extend(index.side.iter().map(|_| Shard::Closed));
         let drop_after_read = matches!(read, Read::Open | Read::Closed) && !fits;
         let io = match read {
             Read::Mapped => "mmap",
@@ -261,7 +270,7 @@ impl Storage {
             "storage opened"
         );
         let resident = holding.done;
-        let direct = shards.iter().filter(|s| matches!(s, Shard::Direct { .. })).count();
+        let direct = shards.iter().filter(|s| matches!(s, Shard::Direct(_))).count();
         Ok(Storage {
             shards: shards.into_boxed_slice(),
             drop_after_read,
@@ -274,6 +283,8 @@ impl Storage {
             any_changed: AtomicBool::new(false),
             opened: Instant::now(),
             objects: None,
+            root: root.to_owned(),
+            index,
         })
     }
 
@@ -304,7 +315,7 @@ impl Storage {
                 holding.add(info.size);
                 shards.push(Shard::Mapped(Arc::new(held)));
             } else {
-                shards.push(Shard::Object { path, size: info.size });
+                shards.push(Shard::Object);
             }
         }
         let held = holding.done;
@@ -329,7 +340,20 @@ impl Storage {
             any_changed: AtomicBool::new(false),
             opened: Instant::now(),
             objects: Some(source),
+            root: PathBuf::new(),
+            index,
         })
+    }
+
+    /// File `n` of the index (a shard, or a side file after the shards).
+    fn info(&self, n: u32) -> Option<&batchfs::index::ShardInfo> {
+        let (index, n) = (&self.index, n as usize);
+        index.shards.get(n).or_else(|| index.side.get(n.checked_sub(index.shards.len())?))
+    }
+
+    /// Where file `n` of a local dataset is.
+    fn path_of(&self, n: u32) -> PathBuf {
+        self.root.join(self.info(n).map_or("", |i| i.path.as_str()))
     }
 
     /// The object source of an object dataset.
@@ -355,8 +379,7 @@ impl Storage {
     /// cache, all at once, where the cache can hold them: [`ObjectSource::worth_reading_ahead`]).
     /// Blocks: call on the blocking pool.
     pub fn warm_all(&self, ranges: &[(u32, u64, u64)]) -> std::io::Result<()> {
-        let (remote, local): (Vec<_>, Vec<_>) =
-            ranges.iter().partition(|r| matches!(self.shard(r.0), Shard::Object { .. }));
+        let (remote, local): (Vec<_>, Vec<_>) = ranges.iter().partition(|r| matches!(self.shard(r.0), Shard::Object));
         for &(shard, offset, len) in &local {
             self.will_need(shard, offset, len);
         }
@@ -420,13 +443,7 @@ impl Storage {
     }
 
     fn shard_changed(&self, n: u32, why: String) -> ShardChanged {
-        let path = match self.shard(n) {
-            Shard::Closed { path, .. }
-            | Shard::Open { path, .. }
-            | Shard::Direct { path, .. }
-            | Shard::Object { path, .. } => Some(path),
-            Shard::Mapped(_) => self.watched.get(n as usize).map(|w| &w.path),
-        };
+        let path = self.info(n).map(|i| Path::new(&i.path));
         let shard =
             path.and_then(|p| p.file_name()).map_or_else(|| format!("#{n}"), |f| f.to_string_lossy().into_owned());
         ShardChanged { dataset: self.name.clone(), shard, why }
@@ -473,12 +490,12 @@ impl Storage {
                 }
                 Ok(())
             }
-            Shard::Open { file, .. } => advise(file, offset, len, libc::POSIX_FADV_WILLNEED),
-            Shard::Closed { path, .. } => advise(&File::open(path)?, offset, len, libc::POSIX_FADV_WILLNEED),
+            Shard::Open(held) => advise(&held.file, offset, len, libc::POSIX_FADV_WILLNEED),
+            Shard::Closed => advise(&File::open(self.path_of(n))?, offset, len, libc::POSIX_FADV_WILLNEED),
             // Direct reads bypass the page cache: pages brought in ahead would only be read twice.
-            Shard::Direct { .. } => Ok(()),
+            Shard::Direct(_) => Ok(()),
             // Read into the block cache (`warm_all` reads a batch's ranges at once, where the cache holds them).
-            Shard::Object { .. } => self.read_objects(&[(n, offset, len)]).map(drop),
+            Shard::Object => self.read_objects(&[(n, offset, len)]).map(drop),
         }
     }
 
@@ -488,8 +505,8 @@ impl Storage {
     pub fn nothing_to_read_ahead(&self, n: u32, offset: u64, len: u64) -> bool {
         match self.shard(n) {
             Shard::Mapped(map) => map.is_resident(offset, len),
-            Shard::Direct { .. } => true,
-            Shard::Open { .. } | Shard::Closed { .. } | Shard::Object { .. } => false,
+            Shard::Direct(_) => true,
+            Shard::Open(_) | Shard::Closed | Shard::Object => false,
         }
     }
 
@@ -497,11 +514,11 @@ impl Storage {
     pub fn will_need(&self, n: u32, offset: u64, len: u64) {
         match self.shard(n) {
             Shard::Mapped(map) => map.will_need(offset, len),
-            Shard::Open { file, .. } => {
-                let _ = advise(file, offset, len, libc::POSIX_FADV_WILLNEED);
+            Shard::Open(held) => {
+                let _ = advise(&held.file, offset, len, libc::POSIX_FADV_WILLNEED);
             }
             // Opening a file to hint it costs what reading a small file does: `warm` does it.
-            Shard::Closed { .. } | Shard::Direct { .. } | Shard::Object { .. } => {}
+            Shard::Closed | Shard::Direct(_) | Shard::Object => {}
         }
     }
 
@@ -510,22 +527,24 @@ impl Storage {
     /// mapping, and direct ones read into aligned buffers: `body.rs`.)
     pub fn read(&self, n: u32, offset: u64, len: u64, out: &mut Vec<u8>) -> std::io::Result<()> {
         let start = out.len();
-        let opened;
+        let (opened, at);
         let (file, path, size) = match self.shard(n) {
-            Shard::Open { file, path, size } => (file, path, *size),
-            Shard::Closed { path, size, mtime_ns } => {
-                opened = File::open(path)?;
-                if let Some(why) = differs(*size, *mtime_ns, &opened.metadata()?) {
+            Shard::Open(held) => (&held.file, &held.path, held.size),
+            Shard::Closed => {
+                let info = self.info(n).expect("a file of the index");
+                at = self.path_of(n);
+                opened = File::open(&at)?;
+                if let Some(why) = differs(info.size, info.mtime_ns, &opened.metadata()?) {
                     return Err(std::io::Error::other(self.mark(n, why).to_string()));
                 }
-                (&opened, path, *size)
+                (&opened, &at, info.size)
             }
-            Shard::Object { .. } => {
+            Shard::Object => {
                 let bytes = self.read_objects(&[(n, offset, len)])?;
                 out.extend_from_slice(&bytes[0]);
                 return Ok(());
             }
-            Shard::Mapped(_) | Shard::Direct { .. } => {
+            Shard::Mapped(_) | Shard::Direct(_) => {
                 return Err(std::io::Error::other(format!("shard #{n} is not read by positioned reads")));
             }
         };
@@ -549,9 +568,10 @@ impl Storage {
     /// The descriptor of direct shard `n` (opened `O_DIRECT`), once `[offset, offset + len)` is checked
     /// to lie within its indexed size.
     pub fn direct_fd(&self, n: u32, offset: u64, len: u64) -> std::io::Result<RawFd> {
-        let Shard::Direct { file, path, size } = self.shard(n) else {
+        let Shard::Direct(held) = self.shard(n) else {
             unreachable!("a direct read of a shard not opened for direct reads")
         };
+        let HeldFile { file, path, size } = &**held;
         if offset + len > *size {
             return Err(std::io::Error::other(format!("{}: range past the indexed size", path.display())));
         }
@@ -569,9 +589,10 @@ impl Storage {
         need: usize,
         mut got: usize,
     ) -> std::io::Result<()> {
-        let Shard::Direct { file, path, .. } = self.shard(n) else {
+        let Shard::Direct(held) = self.shard(n) else {
             unreachable!("a direct read of a shard not opened for direct reads")
         };
+        let HeldFile { file, path, .. } = &**held;
         let context = |e: std::io::Error| {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 self.mark(n, "it is shorter than indexed".into());
@@ -598,7 +619,7 @@ impl Storage {
 
     /// Whether shard `n` is read with `O_DIRECT`.
     pub fn is_direct(&self, n: u32) -> bool {
-        matches!(self.shard(n), Shard::Direct { .. })
+        matches!(self.shard(n), Shard::Direct(_))
     }
 }
 
@@ -740,7 +761,7 @@ pub(crate) mod fixtures {
         Storage::open(
             "t",
             root,
-            index,
+            Arc::new(index.clone()),
             IoPolicy { mode, max_mapped_shards: usize::MAX, memory: u64::MAX, resident: 0, sendfile: false },
         )
         .unwrap()
@@ -756,7 +777,7 @@ mod tests {
     fn read_any(storage: &Storage, n: u32, offset: u64, len: u64, out: &mut Vec<u8>) -> std::io::Result<()> {
         match storage.shard(n) {
             Shard::Mapped(map) => out.extend_from_slice(&map.bytes()[offset as usize..(offset + len) as usize]),
-            Shard::Direct { .. } => {
+            Shard::Direct(_) => {
                 storage.direct_fd(n, offset, len)?;
                 let (first, span) = (aligned::align_down(offset), direct_span(offset, len) as usize);
                 let mut buf = aligned::Pool::new(span, 0).take();
@@ -765,7 +786,7 @@ mod tests {
                 let at = (offset - first) as usize;
                 out.extend_from_slice(&buf.window()[at..at + len as usize]);
             }
-            Shard::Open { .. } | Shard::Closed { .. } | Shard::Object { .. } => storage.read(n, offset, len, out)?,
+            Shard::Open(_) | Shard::Closed | Shard::Object => storage.read(n, offset, len, out)?,
         }
         Ok(())
     }
@@ -786,7 +807,8 @@ mod tests {
             resident: 0,
             sendfile: false,
         };
-        let open = |p: IoPolicy| Storage::open("t", dir.path(), &index, p);
+        let shared = Arc::new(index.clone());
+        let open = |p: IoPolicy| Storage::open("t", dir.path(), shared.clone(), p);
         let mapped = open(policy(IoMode::Mmap, usize::MAX, u64::MAX)).unwrap();
         let held = open(policy(IoMode::Pread, usize::MAX, u64::MAX)).unwrap();
         let direct = open(policy(IoMode::Direct, usize::MAX, u64::MAX)).unwrap();
@@ -807,7 +829,7 @@ mod tests {
         assert_eq!(fits.mapped(), index.shards.len());
         assert_eq!((held.mapped(), files.mapped(), big.mapped()), (0, 0, 0));
         assert!(big.drops_after_read() && !held.drops_after_read() && !files.drops_after_read());
-        assert!(matches!(files.shard(0), Shard::Closed { .. }) && matches!(held.shard(0), Shard::Open { .. }));
+        assert!(matches!(files.shard(0), Shard::Closed) && matches!(held.shard(0), Shard::Open(_)));
         assert_eq!((direct.direct(), auto_direct.direct()), (index.shards.len(), index.shards.len()));
         assert!(!direct.drops_after_read() && !auto_direct.drops_after_read());
         for (n, shard) in index.shards.iter().enumerate() {
@@ -852,7 +874,7 @@ mod tests {
         assert_eq!(IoMode::parse("pread"), Ok(IoMode::Pread));
         assert_eq!(IoMode::parse(" mmap"), Ok(IoMode::Mmap));
         assert_eq!(IoMode::parse("direct"), Ok(IoMode::Direct));
-        assert!(IoMode::parse("odirect").unwrap_err().contains("auto, mmap, pread or direct"));
+        assert!(IoMode::parse("odirect").unwrap_err().to_string().contains("auto, mmap, pread or direct"));
         assert_eq!(Resident::parse("auto"), Ok(Resident::Auto));
         assert_eq!(Resident::parse("512M"), Ok(Resident::Bytes(512 << 20)));
         assert!(Resident::parse("lots").is_err());
