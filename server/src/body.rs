@@ -158,8 +158,8 @@ impl SegmentBody {
             if let Some((shard, offset, left)) = self.current {
                 let map = match self.storage.shard(shard) {
                     Shard::Mapped(map) => map.clone(),
-                    Shard::Direct { .. } => return Some(Err(self.read_direct())),
-                    Shard::Open { .. } | Shard::Closed { .. } | Shard::Object { .. } => {
+                    Shard::Direct(_) => return Some(Err(self.read_direct())),
+                    Shard::Open(_) | Shard::Closed | Shard::Object => {
                         return Some(Err(self.read_files()))
                     }
                 };
@@ -315,7 +315,7 @@ struct FileChunk<'a> {
 
 impl Chunk for FileChunk<'_> {
     fn data(&mut self, shard: u32, offset: u64, len: u64) -> u64 {
-        if matches!(self.storage.shard(shard), Shard::Mapped(_) | Shard::Direct { .. }) {
+        if matches!(self.storage.shard(shard), Shard::Mapped(_) | Shard::Direct(_)) {
             return 0;
         }
         let room = self.room.saturating_sub(self.total);

@@ -302,18 +302,20 @@ fn raise_open_files_limit() {
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
+    let mut limits = ServerLimits::default();
     let file: ConfigFile = match &args.config {
         Some(path) => {
             let text =
                 std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
-            toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))?
+            let file: ConfigFile =
+                toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))?;
+            file.limits.apply(&mut limits).with_context(|| format!("invalid config {}", path.display()))?;
+            file
         }
         None => ConfigFile::default(),
     };
-    let mut limits = ServerLimits::default();
-    file.limits.apply(&mut limits).map_err(anyhow::Error::msg)?;
     args.limits.apply(&mut limits);
-    limits.validate().map_err(anyhow::Error::msg)?;
+    limits.validate().context("invalid limits (the flags, and the config's [limits])")?;
     raise_open_files_limit();
     let listen = match (args.listen, &file.listen) {
         (Some(a), _) => a,

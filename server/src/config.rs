@@ -5,39 +5,85 @@
 //! count, a size such as `16M`, or a duration such as `30s`), its default and its help. From that one list
 //! come [`ServerLimits`], the `[limits]` table of the config file ([`LimitsFile`]) and the
 //! `--limit-name VALUE` flags ([`LimitArgs`]), all three parsed by the same functions.
+//!
+//! A value that does not parse (a limit's, or a `--dataset NAME=PATH`) is a [`ValueError`]; limits that
+//! cannot be used are a [`LimitError`]: a `[limits]` value of the file, named (`limits.NAME: ...`), or a
+//! value hyper or the protocol would refuse.
 
+use crate::policy::PolicyError;
 use batchfs::index::SourceFormat;
 use batchfs::units::{parse_duration, parse_size};
 use serde::Deserialize;
+use std::num::ParseIntError;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// Why a value, on the command line or in the config file, does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValueError {
+    #[error("{text:?} is not a number in range")]
+    NotACount { text: String, source: ParseIntError },
+    /// `message` is the size parser's (`batchfs::units::parse_size`).
+    #[error("{message}")]
+    NotASize { text: String, message: String },
+    #[error("{text:?} is too large")]
+    TooLarge { text: String },
+    /// `message` is the duration parser's (`batchfs::units::parse_duration`).
+    #[error("{message}")]
+    NotADuration { text: String, message: String },
+    #[error("{text:?} is not on or off")]
+    NotASwitch { text: String },
+    /// An `io`, `resident`, `disk_cache` or `disk_cache_size` value.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error("{text:?}: expected NAME=PATH")]
+    NotADatasetSpec { text: String },
+    #[error("{text:?}: expected NAME=PATH with both parts non-empty")]
+    EmptyDatasetSpec { text: String },
+    #[error("dataset name {name:?} must not contain '/', '?', '#' or '%'")]
+    DatasetName { name: String },
+}
+
+/// Why the limits cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    /// A `[limits]` value of the config file.
+    #[error("limits.{name}: {source}")]
+    Value { name: &'static str, source: ValueError },
+    #[error("max_frame_size must be between 16K and 16M-1, got {got}")]
+    FrameSize { got: u32 },
+    #[error("HTTP/2 windows must be below 2 GiB")]
+    WindowTooLarge,
+    #[error("max_connections, max_concurrent_streams and storage_concurrency must be at least 1")]
+    Zero,
+}
 
 /// How a limit's value is written, on the command line and in the config file.
 mod value {
     use super::*;
 
     /// A plain number: `256`.
-    pub fn count<T: std::str::FromStr>(text: &str) -> Result<T, String> {
-        text.trim().parse().map_err(|_| format!("{text:?} is not a number in range"))
+    pub fn count<T: std::str::FromStr<Err = ParseIntError>>(text: &str) -> Result<T, ValueError> {
+        text.trim().parse().map_err(|source| ValueError::NotACount { text: text.to_owned(), source })
     }
 
     /// A size: `1048576`, `1M`, `16K`.
-    pub fn size<T: TryFrom<u64>>(text: &str) -> Result<T, String> {
-        let bytes = parse_size(text)?;
-        T::try_from(bytes).map_err(|_| format!("{text:?} is too large"))
+    pub fn size<T: TryFrom<u64>>(text: &str) -> Result<T, ValueError> {
+        let bytes = parse_size(text).map_err(|message| ValueError::NotASize { text: text.to_owned(), message })?;
+        T::try_from(bytes).map_err(|_| ValueError::TooLarge { text: text.to_owned() })
     }
 
     /// A duration: `30s`, `5m`, `250ms`.
-    pub fn duration(text: &str) -> Result<Duration, String> {
-        parse_duration(text)
+    pub fn duration(text: &str) -> Result<Duration, ValueError> {
+        parse_duration(text).map_err(|message| ValueError::NotADuration { text: text.to_owned(), message })
     }
 
     /// On or off: `on`, `off` (`true`, `false`).
-    pub fn switch(text: &str) -> Result<bool, String> {
+    pub fn switch(text: &str) -> Result<bool, ValueError> {
         match text.trim() {
             "on" | "true" => Ok(true),
             "off" | "false" => Ok(false),
-            _ => Err(format!("{text:?} is not on or off")),
+            _ => Err(ValueError::NotASwitch { text: text.to_owned() }),
         }
     }
 }
@@ -87,11 +133,12 @@ macro_rules! limits {
 
         impl LimitsFile {
             /// Applies the values present to `limits`.
-            pub fn apply(&self, limits: &mut ServerLimits) -> Result<(), String> {
+            pub fn apply(&self, limits: &mut ServerLimits) -> Result<(), LimitError> {
                 $(
                     if let Some(v) = &self.$name {
-                        let parse: fn(&str) -> Result<$ty, String> = $parse;
-                        limits.$name = parse(&v.text()).map_err(|e| format!("limits.{}: {e}", stringify!($name)))?;
+                        let parse: fn(&str) -> Result<$ty, _> = $parse;
+                        limits.$name = parse(&v.text())
+                            .map_err(|e| LimitError::Value { name: stringify!($name), source: ValueError::from(e) })?;
                     }
                 )+
                 Ok(())
@@ -102,7 +149,7 @@ macro_rules! limits {
         #[derive(Debug, Default, clap::Args)]
         pub struct LimitArgs {
             $(
-                #[arg(long, value_name = $placeholder, value_parser = $parse as fn(&str) -> Result<$ty, String>,
+                #[arg(long, value_name = $placeholder, value_parser = $parse as fn(&str) -> Result<$ty, _>,
                       help = concat!($help, " [default: ", $shown, "]"), help_heading = "Limits")]
                 pub $name: Option<$ty>,
             )+
@@ -122,7 +169,7 @@ macro_rules! limits {
             let defaults = ServerLimits::default();
             vec![$(
                 (stringify!($name), $shown, {
-                    let parse: fn(&str) -> Result<$ty, String> = $parse;
+                    let parse: fn(&str) -> Result<$ty, _> = $parse;
                     parse($shown).map(|v| v == defaults.$name).unwrap_or(false)
                 }),
             )+]
@@ -241,16 +288,16 @@ pub struct DatasetSpec {
 }
 
 impl std::str::FromStr for DatasetSpec {
-    type Err = String;
+    type Err = ValueError;
 
     /// `NAME=PATH`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (name, path) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected NAME=PATH"))?;
+        let (name, path) = s.split_once('=').ok_or_else(|| ValueError::NotADatasetSpec { text: s.to_owned() })?;
         if name.is_empty() || path.is_empty() {
-            return Err(format!("{s:?}: expected NAME=PATH with both parts non-empty"));
+            return Err(ValueError::EmptyDatasetSpec { text: s.to_owned() });
         }
         if name.contains(['/', '?', '#', '%']) {
-            return Err(format!("dataset name {name:?} must not contain '/', '?', '#' or '%'"));
+            return Err(ValueError::DatasetName { name: name.to_owned() });
         }
         let path = PathBuf::from(path);
         Ok(DatasetSpec { name: name.to_owned(), path, format: None, s3: Default::default(), index_in_bucket: false })
@@ -283,15 +330,15 @@ impl ServerLimits {
     }
 
     /// Rejects values hyper or the protocol would refuse.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LimitError> {
         if !(16_384..=16_777_215).contains(&self.max_frame_size) {
-            return Err(format!("max_frame_size must be between 16K and 16M-1, got {}", self.max_frame_size));
+            return Err(LimitError::FrameSize { got: self.max_frame_size });
         }
         if self.stream_window > i32::MAX as u32 || self.connection_window > i32::MAX as u32 {
-            return Err("HTTP/2 windows must be below 2 GiB".into());
+            return Err(LimitError::WindowTooLarge);
         }
         if self.max_connections == 0 || self.max_concurrent_streams == 0 || self.storage_concurrency == 0 {
-            return Err("max_connections, max_concurrent_streams and storage_concurrency must be at least 1".into());
+            return Err(LimitError::Zero);
         }
         Ok(())
     }
@@ -367,7 +414,7 @@ mod tests {
         let parse_file = |text: &str| -> Result<ServerLimits, String> {
             let file: LimitsFile = toml::from_str(text).map_err(|e| e.to_string())?;
             let mut limits = ServerLimits::default();
-            file.apply(&mut limits)?;
+            file.apply(&mut limits).map_err(|e| e.to_string())?;
             Ok(limits)
         };
         let mut from_flags = ServerLimits::default();

@@ -1,7 +1,20 @@
 //! How the server reads datasets, as the `io`, `resident` and `max_mapped_shards` limits say, and the
 //! memory it may use: the policy types `config` parses and `storage` follows (a leaf: it uses neither).
+//! A value that does not parse is a [`PolicyError`].
 
 use std::path::PathBuf;
+
+/// Why an `io`, `disk_cache`, `resident` or `disk_cache_size` value does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error("{text:?} is not an I/O mode (auto, mmap, pread or direct)")]
+    NotAnIoMode { text: String },
+    #[error("expected a directory, or none")]
+    NoDirectory,
+    /// Neither `auto` nor a size; `message` is the size parser's (`batchfs::units::parse_size`).
+    #[error("{message}")]
+    NotAutoOrSize { text: String, message: String },
+}
 
 /// How datasets are read (the `io` limit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,13 +29,13 @@ pub enum IoMode {
 
 impl IoMode {
     /// `auto`, `mmap`, `pread` or `direct`.
-    pub fn parse(text: &str) -> Result<IoMode, String> {
+    pub fn parse(text: &str) -> Result<IoMode, PolicyError> {
         match text.trim() {
             "auto" => Ok(IoMode::Auto),
             "mmap" => Ok(IoMode::Mmap),
             "pread" => Ok(IoMode::Pread),
             "direct" => Ok(IoMode::Direct),
-            other => Err(format!("{other:?} is not an I/O mode (auto, mmap, pread or direct)")),
+            other => Err(PolicyError::NotAnIoMode { text: other.to_owned() }),
         }
     }
 }
@@ -33,9 +46,9 @@ pub struct TierDir(pub Option<PathBuf>);
 
 impl TierDir {
     /// A directory, or `none`.
-    pub fn parse(text: &str) -> Result<TierDir, String> {
+    pub fn parse(text: &str) -> Result<TierDir, PolicyError> {
         match text.trim() {
-            "" => Err("expected a directory, or none".into()),
+            "" => Err(PolicyError::NoDirectory),
             "none" => Ok(TierDir(None)),
             dir => Ok(TierDir(Some(PathBuf::from(dir)))),
         }
@@ -56,10 +69,12 @@ pub type Resident = AutoSize;
 
 impl AutoSize {
     /// `auto`, or a size (`512M`, `0`).
-    pub fn parse(text: &str) -> Result<AutoSize, String> {
+    pub fn parse(text: &str) -> Result<AutoSize, PolicyError> {
         match text.trim() {
             "auto" => Ok(AutoSize::Auto),
-            size => batchfs::units::parse_size(size).map(AutoSize::Bytes),
+            size => batchfs::units::parse_size(size)
+                .map(AutoSize::Bytes)
+                .map_err(|message| PolicyError::NotAutoOrSize { text: size.to_owned(), message }),
         }
     }
 }

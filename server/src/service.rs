@@ -1,12 +1,20 @@
 //! Request handling: routing, authentication, the JSON endpoints and the streamed batch and file
 //! bodies. One `tracing` span per request; errors are logged once, here, where they become a response.
+//!
+//! The file reads top down: the state, `Failure` (an error with its HTTP status, each error type mapped
+//! once) and how it becomes a response; [`handle`] (span, timeout, metrics, HEAD); `dispatch`, which
+//! checks the method, answers `/healthz`, checks the token and admits bodies of bytes (503 past
+//! `max_bodies_in_flight`), then calls one function per route (`metrics`, `datasets`, `dataset_info`,
+//! `manifest`, `batch`, `rolling`, `samples`, `sample_data`, `files`, `file`); last, what those share:
+//! `layout_response` (a body's headers), `ranged` (conditional and range requests) and `warm_ahead`.
+//! Planning, shard checks and tables run on the blocking pool through `blocking`, never on a worker.
 
 use crate::body::{Body, SegmentBody, StreamContext};
 use crate::catalog::{Catalog, Dataset, Readiness, ServedFile};
 use crate::config::ServerLimits;
 use crate::metrics::{Kind, Metrics};
 use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, RollingQuery, Route};
-use batchfs::encode::{self, Segment};
+use batchfs::encode::{self, BatchLayout, Segment};
 use batchfs::plan::PlanError;
 use batchfs::rolling::RollingError;
 use http::header::{self, HeaderValue};
@@ -221,9 +229,23 @@ fn dataset(state: &AppState, name: &str) -> Result<Arc<Dataset>, Failure> {
     }
 }
 
-/// Whether as many bodies are in flight as `max_bodies_in_flight` allows.
-fn saturated(state: &AppState) -> bool {
-    state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed) >= state.max_bodies_in_flight
+/// Admits a body of bytes (a batch, samples' data, a file) unless as many bodies are in flight as
+/// `max_bodies_in_flight` allows: then a 503 at once, with `Retry-After`.
+fn admit(state: &AppState) -> Result<(), Failure> {
+    let in_flight = state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed);
+    if in_flight < state.max_bodies_in_flight {
+        return Ok(());
+    }
+    Err(Failure {
+        retry_after: Some(1),
+        ..Failure::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "the server is saturated ({in_flight} bodies in flight, max_bodies_in_flight); retry shortly or \
+                 use another replica"
+            ),
+        )
+    })
 }
 
 fn percent(done: u64, total: u64) -> String {
@@ -266,6 +288,8 @@ fn health(state: &AppState) -> Response<Body> {
         .expect("valid")
 }
 
+/// Answers a request: the method, `/healthz`, the token and, for a body of bytes, admission are checked
+/// here, in that order, then one function per route answers it.
 async fn dispatch<B>(
     state: &Arc<AppState>,
     req: &Request<B>,
@@ -282,152 +306,176 @@ async fn dispatch<B>(
         return Ok(health(state));
     }
     check_token(state, req)?;
+    if matches!(route, Route::Batch { .. } | Route::File { .. } | Route::SampleData { .. }) {
+        admit(state)?;
+    }
     let query = req.uri().query().unwrap_or("");
     match route {
         Route::Health => unreachable!("handled above"),
-        Route::Metrics => Ok(Response::builder()
-            .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
-            .body(Body::full({
-                let datasets = state.catalog.datasets();
-                let each = datasets.iter().map(|d| {
-                    let objects = d.storage.objects().map(|o| &o.counters);
-                    (d.name.as_str(), d.manifests_computed(), d.storage.changed().len(), objects)
-                });
-                let tier = datasets.iter().find_map(|d| d.storage.objects().and_then(|o| o.tier()).cloned());
-                state.metrics.render()
-                    + &crate::metrics::render_datasets(each)
-                    + &crate::metrics::render_tier(tier.as_deref())
-            }))
-            .expect("valid")),
-        Route::Datasets => {
-            let datasets = state.catalog.datasets().iter().map(|d| d.info()).collect();
-            Ok(json_response(StatusCode::OK, &DatasetList { datasets }))
-        }
-        Route::Dataset { name } => Ok(json_response(StatusCode::OK, &dataset(state, &name)?.info())),
-        Route::Manifest { name, epoch } => {
-            let ds = dataset(state, &name)?;
-            let query = BatchQuery::parse(query)?;
-            let manifest = tokio::task::spawn_blocking({
-                let ds = ds.clone();
-                move || ds.manifest(epoch, &query)
-            })
-            .await
-            .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-            // A job that asks for epoch e reads e + 1 next: its manifest (seconds at a million samples)
-            // is computed now, in the background, so that request (and a first `ls` of that epoch) finds
-            // it ready.
-            if let Some(next) = epoch.checked_add(1).filter(|&e| !ds.has_manifest(e, &query)) {
-                tokio::task::spawn_blocking(move || ds.manifest(next, &query));
-            }
-            Ok(json_response(StatusCode::OK, &*manifest))
-        }
-        Route::Batch { .. } | Route::File { .. } | Route::SampleData { .. } if saturated(state) => Err(Failure {
-            retry_after: Some(1),
-            ..Failure::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!(
-                    "the server is saturated ({} bodies in flight, max_bodies_in_flight); retry shortly or use \
-                     another replica",
-                    state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed)
-                ),
-            )
-        }),
-        Route::Batch { name, epoch, batch } => {
-            let ds = dataset(state, &name)?;
-            let query = BatchQuery::parse(query)?;
-            let ds2 = ds.clone();
-            let (layout, samples) = tokio::task::spawn_blocking(move || {
-                let (layout, samples) = ds2.layout(epoch, batch, &query)?;
-                ds2.check(&layout.segments)?;
-                Ok::<_, Failure>((layout, samples))
-            })
-            .await
-            .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-            warm_ahead(state, &ds, epoch, batch, query);
-            let etag = api::etag(layout.crc32c, layout.len);
-            let mut r = ranged(state, req, &ds, layout.segments, layout.len, &etag)?;
-            let headers = r.headers_mut();
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(query.format.content_type()));
-            headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"));
-            headers.insert(api::SAMPLES_HEADER, HeaderValue::from(samples));
-            // Checkpoints describe the whole body: a range's client cannot use them.
-            if r.status() == StatusCode::OK && !layout.checkpoints.is_empty() {
-                let value = api::format_checkpoints(&layout.checkpoints);
-                r.headers_mut().insert(api::CHECKPOINTS_HEADER, HeaderValue::from_str(&value).expect("hex"));
-            }
-            Ok(r)
-        }
-        Route::Rolling { name } => {
-            let ds = dataset(state, &name)?;
-            let query = RollingQuery::parse(query)?;
-            let table = tokio::task::spawn_blocking(move || ds.slot_table(&query))
-                .await
-                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-            Ok(compact_json_response(StatusCode::OK, &*table))
-        }
-        Route::Samples { name } => {
-            let ds = dataset(state, &name)?;
-            let table = tokio::task::spawn_blocking(move || ds.sample_table())
-                .await
-                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-            Ok(Response::builder()
-                .header(header::CONTENT_TYPE, "application/octet-stream")
-                .header(api::CRC32C_HEADER, format!("{:08x}", batchfs::crc::crc32c(&table)))
-                .body(Body::full(table))
-                .expect("valid"))
-        }
-        Route::SampleData { name } => {
-            let ds = dataset(state, &name)?;
-            let ids = api::parse_sample_ids(query, ds.index.samples.len() as u64)?;
-            let ds2 = ds.clone();
-            let layout = tokio::task::spawn_blocking(move || {
-                let layout = ds2.data_layout(&ids);
-                ds2.check(&layout.segments)?;
-                Ok::<_, Failure>(layout)
-            })
-            .await
-            .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-            let etag = api::etag(layout.crc32c, layout.len);
-            let mut r = ranged(state, req, &ds, layout.segments, layout.len, &etag)?;
-            let headers = r.headers_mut();
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
-            headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"));
-            if r.status() == StatusCode::OK && !layout.checkpoints.is_empty() {
-                let value = api::format_checkpoints(&layout.checkpoints);
-                r.headers_mut().insert(api::CHECKPOINTS_HEADER, HeaderValue::from_str(&value).expect("hex"));
-            }
-            Ok(r)
-        }
-        Route::Files { name } => {
-            let ds = dataset(state, &name)?;
-            let q = api::FilesQuery::parse(query)?;
-            let page = ds.list(&q).ok_or_else(|| {
-                Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no directory {:?}", q.dir))
-            })?;
-            Ok(json_response(StatusCode::OK, &page))
-        }
-        Route::File { name, path } => {
-            let ds = dataset(state, &name)?;
-            let file = ds
-                .file(&path)
-                .ok_or_else(|| Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no file {path:?}")))?;
-            let info = ds.file_info(file);
-            let segments = match file {
-                ServedFile::Stored(n) => vec![Segment::Data { shard: *n, offset: 0, len: info.size }],
-                ServedFile::Made(made) => vec![Segment::Inline(made.bytes.clone())],
-            };
-            let (ds2, checked) = (ds.clone(), segments.clone());
-            tokio::task::spawn_blocking(move || ds2.check(&checked))
-                .await
-                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-            let etag = api::etag(info.crc32c, info.size);
-            let mut r = ranged(state, req, &ds, segments, info.size, &etag)?;
-            let headers = r.headers_mut();
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
-            headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", info.crc32c)).expect("hex"));
-            Ok(r)
-        }
+        Route::Metrics => Ok(metrics(state)),
+        Route::Datasets => Ok(datasets(state)),
+        Route::Dataset { name } => dataset_info(state, &name),
+        Route::Manifest { name, epoch } => manifest(state, &name, epoch, query).await,
+        Route::Batch { name, epoch, batch: number } => batch(state, req, &name, epoch, number).await,
+        Route::Rolling { name } => rolling(state, &name, query).await,
+        Route::Samples { name } => samples(state, &name).await,
+        Route::SampleData { name } => sample_data(state, req, &name).await,
+        Route::Files { name } => files(state, &name, query),
+        Route::File { name, path } => file(state, req, &name, &path).await,
     }
+}
+
+/// Runs `f` on the blocking pool (planning, shard checks and tables take milliseconds to seconds: never
+/// on a tokio worker); a task that panicked or was cancelled is a 500.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Failure> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
+/// `/metrics`: the server's counters, each dataset's and the disk tier's, in Prometheus' text format.
+fn metrics(state: &AppState) -> Response<Body> {
+    let datasets = state.catalog.datasets();
+    let each = datasets.iter().map(|d| {
+        let objects = d.storage.objects().map(|o| &o.counters);
+        (d.name.as_str(), d.manifests_computed(), d.storage.changed().len(), objects)
+    });
+    let tier = datasets.iter().find_map(|d| d.storage.objects().and_then(|o| o.tier()).cloned());
+    let text =
+        state.metrics.render() + &crate::metrics::render_datasets(each) + &crate::metrics::render_tier(tier.as_deref());
+    Response::builder().header(header::CONTENT_TYPE, "text/plain; version=0.0.4").body(Body::full(text)).expect("valid")
+}
+
+/// `/datasets`: every dataset ready.
+fn datasets(state: &AppState) -> Response<Body> {
+    let datasets = state.catalog.datasets().iter().map(|d| d.info()).collect();
+    json_response(StatusCode::OK, &DatasetList { datasets })
+}
+
+/// `/datasets/NAME`.
+fn dataset_info(state: &AppState, name: &str) -> Result<Response<Body>, Failure> {
+    Ok(json_response(StatusCode::OK, &dataset(state, name)?.info()))
+}
+
+/// An epoch's manifest; the next epoch's is computed in the background.
+async fn manifest(state: &AppState, name: &str, epoch: u64, query: &str) -> Result<Response<Body>, Failure> {
+    let ds = dataset(state, name)?;
+    let query = BatchQuery::parse(query)?;
+    let manifest = blocking({
+        let ds = ds.clone();
+        move || ds.manifest(epoch, &query)
+    })
+    .await??;
+    // A job that asks for epoch e reads e + 1 next: its manifest (seconds at a million samples) is computed
+    // now, in the background, so that request (and a first `ls` of that epoch) finds it ready.
+    if let Some(next) = epoch.checked_add(1).filter(|&e| !ds.has_manifest(e, &query)) {
+        tokio::task::spawn_blocking(move || ds.manifest(next, &query));
+    }
+    Ok(json_response(StatusCode::OK, &*manifest))
+}
+
+/// A batch's body, with its sample count; the next batches of the plan are warmed.
+async fn batch<B>(
+    state: &Arc<AppState>,
+    req: &Request<B>,
+    name: &str,
+    epoch: u64,
+    batch: u64,
+) -> Result<Response<Body>, Failure> {
+    let ds = dataset(state, name)?;
+    let query = BatchQuery::parse(req.uri().query().unwrap_or(""))?;
+    let ds2 = ds.clone();
+    let (layout, samples) = blocking(move || {
+        let (layout, samples) = ds2.layout(epoch, batch, &query)?;
+        ds2.check(&layout.segments)?;
+        Ok::<_, Failure>((layout, samples))
+    })
+    .await??;
+    warm_ahead(state, &ds, epoch, batch, query);
+    let mut r = layout_response(state, req, &ds, layout, query.format.content_type())?;
+    r.headers_mut().insert(api::SAMPLES_HEADER, HeaderValue::from(samples));
+    Ok(r)
+}
+
+/// A rolling plan's slot table (one number per record of an epoch: compact JSON).
+async fn rolling(state: &AppState, name: &str, query: &str) -> Result<Response<Body>, Failure> {
+    let ds = dataset(state, name)?;
+    let query = RollingQuery::parse(query)?;
+    let table = blocking(move || ds.slot_table(&query)).await??;
+    Ok(compact_json_response(StatusCode::OK, &*table))
+}
+
+/// The sample table, with its CRC32C.
+async fn samples(state: &AppState, name: &str) -> Result<Response<Body>, Failure> {
+    let ds = dataset(state, name)?;
+    let table = blocking(move || ds.sample_table()).await?;
+    Ok(Response::builder()
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(api::CRC32C_HEADER, format!("{:08x}", batchfs::crc::crc32c(&table)))
+        .body(Body::full(table))
+        .expect("valid"))
+}
+
+/// The data of the samples the query names, in its order.
+async fn sample_data<B>(state: &AppState, req: &Request<B>, name: &str) -> Result<Response<Body>, Failure> {
+    let ds = dataset(state, name)?;
+    let ids = api::parse_sample_ids(req.uri().query().unwrap_or(""), ds.index.samples.len() as u64)?;
+    let ds2 = ds.clone();
+    let layout = blocking(move || {
+        let layout = ds2.data_layout(&ids);
+        ds2.check(&layout.segments)?;
+        Ok::<_, Failure>(layout)
+    })
+    .await??;
+    layout_response(state, req, &ds, layout, "application/octet-stream")
+}
+
+/// A page of a dataset's directory listing.
+fn files(state: &AppState, name: &str, query: &str) -> Result<Response<Body>, Failure> {
+    let ds = dataset(state, name)?;
+    let q = api::FilesQuery::parse(query)?;
+    let page = ds
+        .list(&q)
+        .ok_or_else(|| Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no directory {:?}", q.dir)))?;
+    Ok(json_response(StatusCode::OK, &page))
+}
+
+/// A file of a dataset: a shard, or a file made beside them.
+async fn file<B>(state: &AppState, req: &Request<B>, name: &str, path: &str) -> Result<Response<Body>, Failure> {
+    let ds = dataset(state, name)?;
+    let file = ds
+        .file(path)
+        .ok_or_else(|| Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no file {path:?}")))?;
+    let info = ds.file_info(file);
+    let segments = match file {
+        ServedFile::Stored(n) => vec![Segment::Data { shard: *n, offset: 0, len: info.size }],
+        ServedFile::Made(made) => vec![Segment::Inline(made.bytes.clone())],
+    };
+    let layout = BatchLayout { segments, len: info.size, crc32c: info.crc32c, checkpoints: Vec::new() };
+    let (ds2, checked) = (ds.clone(), layout.segments.clone());
+    blocking(move || ds2.check(&checked)).await??;
+    layout_response(state, req, &ds, layout, "application/octet-stream")
+}
+
+/// The response for a body of bytes laid out as `layout` (a batch, samples' data, a file): `ranged`'s,
+/// with its type, its CRC32C and, on a 200, its checkpoints (they describe the whole body: a range's
+/// client cannot use them).
+fn layout_response<B>(
+    state: &AppState,
+    req: &Request<B>,
+    ds: &Dataset,
+    layout: BatchLayout,
+    content_type: &'static str,
+) -> Result<Response<Body>, Failure> {
+    let etag = api::etag(layout.crc32c, layout.len);
+    let mut r = ranged(state, req, ds, layout.segments, layout.len, &etag)?;
+    let ok = r.status() == StatusCode::OK;
+    let headers = r.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"));
+    if ok && !layout.checkpoints.is_empty() {
+        let value = api::format_checkpoints(&layout.checkpoints);
+        headers.insert(api::CHECKPOINTS_HEADER, HeaderValue::from_str(&value).expect("hex"));
+    }
+    Ok(r)
 }
 
 /// A 200, 206, 304 or 416 response for a body of `len` bytes made of `segments`.
