@@ -280,9 +280,9 @@ impl ObjectSource {
         }
     }
 
-    /// Whether reading `bytes` ahead of the bodies that want them is worth it: where the tier holds the
-    /// objects they are read from there anyway, so only while the block cache can hold them several
-    /// times over ([`cache::BlockCache::worth_reading_ahead`]).
+    /// Whether reading `bytes` ahead of the bodies that want them into the block cache is worth it: only
+    /// while the cache can hold them several times over (8), or they would be evicted by the bodies' own
+    /// traffic before they are wanted, and read twice.
     pub fn worth_reading_ahead(&self, bytes: u64) -> bool {
         self.context.cache.worth_reading_ahead(bytes)
     }

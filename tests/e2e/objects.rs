@@ -818,3 +818,50 @@ fn a_tier_smaller_than_the_dataset_reads_each_object_once_an_epoch_under_blocks(
     });
     rt.block_on(server.running.shutdown());
 }
+
+/// A tmpfs of `size` mounted (options `options`) at a directory of its own, unmounted on drop (also on
+/// panic).
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn mount(options: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let status =
+            Command::new("mount").args(["-t", "tmpfs", "-o", options, "batchfs-test"]).arg(dir.path()).status();
+        assert!(status.is_ok_and(|s| s.success()), "cannot mount a tmpfs (root is needed)");
+        Tmpfs { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+/// A disk tier that cannot be written is refused at start with why; one on a disk too small for the
+/// objects (a full disk) loses its copies, counts them, and every batch is still the local copy's, read
+/// from the store.
+#[test]
+fn a_tier_on_a_read_only_or_full_disk_never_costs_a_reader_a_byte() {
+    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(300) else { return };
+    let read_only = Tmpfs::mount("ro,size=4m");
+    let e = ObjectContext::new(&tiered(read_only.path(), 1 << 30)).err().map(|e| e.to_string());
+    assert!(e.as_ref().is_some_and(|e| e.contains("disk_cache") && e.contains("cannot write")), "{e:?}");
+    // 4 MiB of disk, a tier that thinks it has 1 GiB: the copies find the disk full.
+    let full = Tmpfs::mount("size=4m");
+    let limits = ServerLimits { object_part: 256 << 10, ..tiered(full.path(), 1 << 30) };
+    let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
+    let tier = ds.storage.objects().unwrap().tier().unwrap().clone();
+    let rt = runtime();
+    let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+    rt.block_on(same_bytes(&server, "local", "s3", SourceFormat::Tfrecord));
+    assert!(tier.counters.failures.load(std::sync::atomic::Ordering::Relaxed) > 0, "no copy found the disk full");
+    rt.block_on(server.running.shutdown());
+}

@@ -94,7 +94,7 @@ impl Files for ObjectSource {
             }
             None => {
                 let out = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
-                out.set_len(file.size)?;
+                super::tier::allocate(&out, file.size)?;
                 self.context.block_here(self.copy_whole(file, &out))?;
             }
         }
@@ -174,11 +174,10 @@ impl ObjectSource {
         Err(differs_from_etag(&self.bucket.url, file))
     }
 
-    /// Copies all of `file` into `out` (a file of its size) by ranged GETs of `object_part`, several at
+    /// Copies all of `file` into `out` (a file of its size, allocated on the disk) by ranged GETs of `object_part`, several at
     /// once, and checks the copy against the object's ETag where that is its MD5 (a single-part upload);
     /// a copy that does not match is made again, up to [`FETCH_ATTEMPTS`] times.
     async fn copy_whole(&self, file: &ShardInfo, out: &std::fs::File) -> io::Result<()> {
-        out.set_len(file.size)?;
         if file.size == 0 {
             return Ok(());
         }

@@ -93,10 +93,13 @@ impl Tier {
     pub fn open(dir: &Path, size: crate::policy::AutoSize) -> Result<Tier, TierError> {
         let objects = dir.join("objects");
         let staging = dir.join("staging");
-        for d in [&objects, &staging] {
-            std::fs::create_dir_all(d).map_err(|source| TierError::Create { dir: dir.to_owned(), source })?;
-        }
         let not_writable = |source| TierError::NotWritable { dir: dir.to_owned(), source };
+        for d in [&objects, &staging] {
+            std::fs::create_dir_all(d).map_err(|source| match dir.is_dir() {
+                true => not_writable(source),
+                false => TierError::Create { dir: dir.to_owned(), source },
+            })?;
+        }
         let probe = staging.join(format!(".probe-{}", std::process::id()));
         std::fs::write(&probe, b"batchfs").map_err(not_writable)?;
         std::fs::remove_file(&probe).map_err(not_writable)?;
@@ -236,7 +239,7 @@ impl Tier {
             Staging { tier: self.clone(), name: name.to_owned(), path, file: None, size, committed: false };
         let file =
             std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&staging.path).and_then(|f| {
-                f.set_len(size)?;
+                allocate(&f, size)?;
                 Ok(f)
             });
         match file {
@@ -331,6 +334,23 @@ impl Drop for Staging {
             let _ = std::fs::remove_file(&self.path);
             self.tier.inner.lock().expect("tier").reserved -= self.size;
         }
+    }
+}
+
+/// Gives `file` its `size` bytes on the disk now (`posix_fallocate`), so that a copy written through a
+/// mapping never finds the disk full halfway (a store into a mapped page the filesystem cannot back is a
+/// SIGBUS, not an error): a full disk is an error here, before the first byte.
+pub fn allocate(file: &File, size: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    file.set_len(size)?;
+    if size == 0 {
+        return Ok(());
+    }
+    // SAFETY: posix_fallocate reads no memory of ours; the descriptor is open for the call (borrowed).
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
+    match rc {
+        0 => Ok(()),
+        rc => Err(io::Error::from_raw_os_error(rc)),
     }
 }
 
