@@ -563,7 +563,7 @@ mod tests {
                     let start = shard.len() as u64;
                     tfrecord::encode_record(data, &mut shard);
                     ps.push(Part {
-                        ext: ext.clone(),
+                        ext: ext.as_str().into(),
                         shard: 0,
                         offset: start + 12,
                         len: data.len() as u64,
@@ -571,7 +571,7 @@ mod tests {
                     });
                 } else {
                     ps.push(Part {
-                        ext: ext.clone(),
+                        ext: ext.as_str().into(),
                         shard: 0,
                         offset: shard.len() as u64,
                         len: data.len() as u64,
@@ -580,7 +580,7 @@ mod tests {
                     shard.extend_from_slice(data);
                 }
             }
-            out.push(Sample { key: key.clone(), label: *label, parts: ps });
+            out.push(Sample { key: key.clone().into(), label: *label, parts: ps.into() });
         }
         let index = Index {
             settings: IndexSettings { format, verify_data_crc: true, skip_corrupt: false },

@@ -3,11 +3,20 @@
 //!
 //! On disk the index is `BATCHFSI`, a format version, a little-endian payload and a CRC32C of the
 //! payload. A file that fails any check is ignored (and rebuilt), never trusted.
+//!
+//! In memory a server holds the index of every dataset it serves, a sample and a file (a
+//! [`ShardInfo`]) per image of a file tree or bucket: they are held in the compact forms of
+//! `index/compact.rs` (56 and 72 bytes, and the key's and the path's text), and the index persisted
+//! for a dataset listed now is taken with the listed files ([`Index::from_bytes_listed`]), so each path
+//! is held once. These forms change nothing on disk: the bytes read are the bytes written again.
 
 use crate::crc;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
+
+mod compact;
+pub use compact::{ChunkCrcs, ETag, Ext, Exts, Name, Parts};
 
 /// The kind of source a dataset directory holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -75,21 +84,25 @@ pub const CHUNK_BYTES: u64 = 4 << 20;
 
 /// A file of the dataset (a shard, or a file beside the shards) as it was when indexed; a change of
 /// size, mtime or (an object's) ETag makes the index stale.
+///
+/// A tree of a million files holds a million of these: the path is a [`Name`] (no spare capacity), the ETag
+/// compact ([`ETag`]), and the chunk list a thin pointer, null for a file of one chunk ([`ChunkCrcs`]):
+/// 72 bytes and the path's.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ShardInfo {
     /// Path relative to the dataset root, `/`-separated.
-    pub path: String,
+    pub path: Name,
     pub size: u64,
     /// Modification time, nanoseconds since the epoch.
     pub mtime_ns: i64,
     /// An object's entity tag as the store listed it (empty for a local file): a rewritten object has a
     /// new one.
-    pub etag: String,
+    pub etag: ETag,
     /// CRC32C of the whole file (computed while indexing; 0 before).
     pub crc32c: u32,
     /// CRC32C of each [`CHUNK_BYTES`] chunk, the last one shorter, when the file is larger than one
     /// chunk; empty otherwise (the one chunk's CRC is [`ShardInfo::crc32c`]).
-    pub chunks: Vec<u32>,
+    pub chunks: ChunkCrcs,
 }
 
 impl ShardInfo {
@@ -121,14 +134,14 @@ pub fn chunk_count(size: u64) -> u64 {
 }
 
 /// The CRC32C of `bytes` and, when they are longer than one chunk, of each [`CHUNK_BYTES`] chunk.
-pub fn chunk_crcs(bytes: &[u8]) -> (u32, Vec<u32>) {
+pub fn chunk_crcs(bytes: &[u8]) -> (u32, ChunkCrcs) {
     if bytes.len() as u64 <= CHUNK_BYTES {
-        return (crc::crc32c(bytes), Vec::new());
+        return (crc::crc32c(bytes), ChunkCrcs::default());
     }
-    let chunks: Vec<u32> = bytes.chunks(CHUNK_BYTES as usize).map(crc::crc32c).collect();
+    let chunks: ChunkCrcs = bytes.chunks(CHUNK_BYTES as usize).map(crc::crc32c).collect();
     let whole = bytes
         .chunks(CHUNK_BYTES as usize)
-        .zip(&chunks)
+        .zip(chunks.iter())
         .fold(crc::crc32c(&[]), |acc, (c, &crc)| crc::combine(acc, crc, c.len() as u64));
     (whole, chunks)
 }
@@ -137,7 +150,7 @@ pub fn chunk_crcs(bytes: &[u8]) -> (u32, Vec<u32>) {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Part {
     /// Extension naming the part (`jpg`, `cls`, `example`, `datum`...).
-    pub ext: String,
+    pub ext: Ext,
     /// Index into [`Index::shards`].
     pub shard: u32,
     /// Byte offset of the part's data in the shard.
@@ -148,13 +161,16 @@ pub struct Part {
 }
 
 /// One sample.
+///
+/// A dataset of a million samples holds a million of these: the key is a [`Name`] (no spare capacity)
+/// and a single part is inline ([`Parts`]): 56 bytes and the key's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sample {
     /// Unique name of the sample within the dataset.
-    pub key: String,
+    pub key: Name,
     /// Class label, or [`NO_LABEL`].
     pub label: i64,
-    pub parts: Vec<Part>,
+    pub parts: Parts,
 }
 
 /// Label of a sample that has none.
@@ -220,10 +236,10 @@ impl Index {
                 w.str(&s.path);
                 w.u64(s.size);
                 w.u64(s.mtime_ns as u64);
-                w.str(&s.etag);
+                w.etag(&s.etag);
                 w.u64(u64::from(s.crc32c));
                 // As many as the size says (none for a file of one chunk).
-                for &c in &s.chunks {
+                for &c in s.chunks.iter() {
                     w.u32(c);
                 }
             }
@@ -262,55 +278,164 @@ impl Index {
     /// Parses an index written by [`Index::to_bytes`]; `None` if it is not one, is of another version, or
     /// fails its checksum or any consistency check.
     pub fn from_bytes(buf: &[u8]) -> Option<Index> {
-        let payload = buf.strip_prefix(MAGIC)?.strip_prefix(&VERSION.to_le_bytes()[..])?;
-        let (payload, sum) = payload.split_at(payload.len().checked_sub(4)?);
-        if crc::crc32c(payload) != u32::from_le_bytes(sum.try_into().ok()?) {
-            return None;
-        }
-        let mut r = Reader(payload);
-        let settings = IndexSettings {
-            format: SourceFormat::from_code(r.u8()?)?,
-            verify_data_crc: r.u8()? != 0,
-            skip_corrupt: r.u8()? != 0,
-        };
-        let file = |r: &mut Reader| {
-            let (path, size, mtime_ns, etag) = (r.str()?, r.u64()?, r.u64()? as i64, r.str()?);
-            let crc32c = u32::try_from(r.u64()?).ok()?;
-            let n = if size > CHUNK_BYTES { chunk_count(size) } else { 0 };
-            let chunks = (0..n).map(|_| r.u32()).collect::<Option<Vec<u32>>>()?;
-            Some(ShardInfo { path, size, mtime_ns, etag, crc32c, chunks })
-        };
-        let shards = r.list(file)?;
-        let side = r.list(file)?;
-        let classes = r.list(|r| r.str())?;
-        let skipped = r.list(|r| Some(Skipped { shard: r.str()?, offset: r.u64()?, reason: r.str()? }))?;
-        let samples = r.list(|r| {
-            Some(Sample {
-                key: r.str()?,
-                label: r.u64()? as i64,
-                parts: r.list(|r| {
-                    Some(Part {
-                        ext: r.str()?,
-                        shard: u32::try_from(r.u64()?).ok()?,
-                        offset: r.u64()?,
-                        len: r.u64()?,
-                        crc32c: u32::try_from(r.u64()?).ok()?,
-                    })
-                })?,
-            })
-        })?;
-        if !r.0.is_empty() {
-            return None;
-        }
-        let index = Index { settings, shards, side, samples, classes, skipped };
-        index.is_consistent().then_some(index)
+        Self::parse(buf, None).ok()
     }
 
-    /// Every part lies inside its shard.
-    fn is_consistent(&self) -> bool {
-        self.samples.iter().flat_map(|s| &s.parts).all(|p| {
-            self.shards.get(p.shard as usize).is_some_and(|s| p.offset.checked_add(p.len).is_some_and(|e| e <= s.size))
-        })
+    /// [`Index::from_bytes`] of the index persisted for a dataset listed now as `listed`: taken only if
+    /// it was built with the listed settings, of the very files listed ([`ShardInfo::same_file`]). The
+    /// index then holds the listed files (given the checksums it recorded; `listed` is left empty), not
+    /// a copy read from `buf`: the paths of a million files are held once, never twice.
+    pub fn from_bytes_listed(buf: &[u8], listed: &mut Listed) -> Result<Index, Refused> {
+        Self::parse(buf, Some(listed))
+    }
+
+    fn parse(buf: &[u8], listed: Option<&mut Listed>) -> Result<Index, Refused> {
+        let version = VERSION.to_le_bytes();
+        let payload = buf.strip_prefix(MAGIC).and_then(|b| b.strip_prefix(&version[..])).ok_or(Refused::Unreadable)?;
+        let (payload, sum) = payload.split_at(payload.len().checked_sub(4).ok_or(Refused::Unreadable)?);
+        if sum.try_into().ok().map(u32::from_le_bytes) != Some(crc::crc32c(payload)) {
+            return Err(Refused::Unreadable);
+        }
+        let mut r = Reader(payload);
+        let read = (|| {
+            let settings = IndexSettings {
+                format: SourceFormat::from_code(r.u8()?)?,
+                verify_data_crc: r.u8()? != 0,
+                skip_corrupt: r.u8()? != 0,
+            };
+            let shards = FilesRead::read(&mut r, listed.as_deref().map(|l| &l.shards[..]))?;
+            let side = FilesRead::read(&mut r, listed.as_deref().map(|l| &l.side[..]))?;
+            let classes = r.list(|r| r.str())?;
+            let skipped = r.list(|r| Some(Skipped { shard: r.str()?, offset: r.u64()?, reason: r.str()? }))?;
+            let mut exts = Exts::default();
+            let mut part = |r: &mut Reader| {
+                Some(Part {
+                    ext: exts.get(r.text()?),
+                    shard: u32::try_from(r.u64()?).ok()?,
+                    offset: r.u64()?,
+                    len: r.u64()?,
+                    crc32c: u32::try_from(r.u64()?).ok()?,
+                })
+            };
+            let samples = r.list(|r| {
+                let (key, label) = (r.text()?.into(), r.u64()? as i64);
+                // A single part straight into its place; several through a list.
+                let parts = match r.u64()? {
+                    1 => Parts::from(part(r)?),
+                    n => r.items(n, &mut part)?.into(),
+                };
+                Some(Sample { key, label, parts })
+            })?;
+            r.0.is_empty().then_some((settings, shards, side, classes, skipped, samples))
+        })();
+        let (settings, shards, side, classes, skipped, samples) = read.ok_or(Refused::Unreadable)?;
+        let (shards, side) = match (shards, side, listed) {
+            (FilesRead::Whole(shards), FilesRead::Whole(side), None) => (shards, side),
+            (FilesRead::Checksums(shards), FilesRead::Checksums(side), Some(listed)) if listed.settings == settings => {
+                if !consistent(&samples, &listed.shards) {
+                    return Err(Refused::Unreadable);
+                }
+                let take = |files: &mut Vec<ShardInfo>, sums: Vec<(u32, ChunkCrcs)>| {
+                    for (file, (crc32c, chunks)) in files.iter_mut().zip(sums) {
+                        (file.crc32c, file.chunks) = (crc32c, chunks);
+                    }
+                    std::mem::take(files)
+                };
+                (take(&mut listed.shards, shards), take(&mut listed.side, side))
+            }
+            _ => return Err(Refused::Stale),
+        };
+        let index = Index { settings, shards, side, samples, classes, skipped };
+        match consistent(&index.samples, &index.shards) {
+            true => Ok(index),
+            false => Err(Refused::Unreadable),
+        }
+    }
+}
+
+/// Every part lies inside its shard.
+fn consistent(samples: &[Sample], shards: &[ShardInfo]) -> bool {
+    samples
+        .iter()
+        .flat_map(|s| &s.parts)
+        .all(|p| shards.get(p.shard as usize).is_some_and(|s| p.offset.checked_add(p.len).is_some_and(|e| e <= s.size)))
+}
+
+/// A dataset as listed now, to take its persisted index ([`Index::from_bytes_listed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// The settings the index should have been built with.
+    pub settings: IndexSettings,
+    pub shards: Vec<ShardInfo>,
+    pub side: Vec<ShardInfo>,
+}
+
+/// Why a persisted index was not taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Not an index of this version, or damaged.
+    Unreadable,
+    /// An index of other settings, or of files that have changed since.
+    Stale,
+}
+
+/// One list of files (shards, or side files) as an index records it.
+enum FilesRead {
+    /// The files.
+    Whole(Vec<ShardInfo>),
+    /// Each file's checksums, the files being the very ones listed now.
+    Checksums(Vec<(u32, ChunkCrcs)>),
+    /// Not the files listed now.
+    Differ,
+}
+
+impl FilesRead {
+    /// The list at `r`: the files, or, given the files `listed` now, whether they are the same, and
+    /// their checksums if so.
+    fn read(r: &mut Reader, listed: Option<&[ShardInfo]>) -> Option<FilesRead> {
+        let n = r.u64()?;
+        let Some(listed) = listed else {
+            return Some(FilesRead::Whole(r.items(n, |r| {
+                let f = FileRecord::read(r)?;
+                let (path, etag) = (f.path.into(), ETag::new(f.etag));
+                Some(ShardInfo { path, size: f.size, mtime_ns: f.mtime_ns, etag, crc32c: f.crc32c, chunks: f.chunks })
+            })?));
+        };
+        let mut same = n == listed.len() as u64;
+        let mut at = listed.iter();
+        let sums = r.items(n, |r| {
+            let f = FileRecord::read(r)?;
+            same &= at.next().is_some_and(|l| f.is(l));
+            Some((f.crc32c, f.chunks))
+        })?;
+        Some(if same { FilesRead::Checksums(sums) } else { FilesRead::Differ })
+    }
+}
+
+/// A file as an index records it, its strings borrowed from the bytes read.
+struct FileRecord<'a> {
+    path: &'a str,
+    size: u64,
+    mtime_ns: i64,
+    etag: &'a str,
+    crc32c: u32,
+    chunks: ChunkCrcs,
+}
+
+impl<'a> FileRecord<'a> {
+    fn read(r: &mut Reader<'a>) -> Option<Self> {
+        let (path, size, mtime_ns, etag) = (r.text()?, r.u64()?, r.u64()? as i64, r.text()?);
+        let crc32c = u32::try_from(r.u64()?).ok()?;
+        let n = if size > CHUNK_BYTES { chunk_count(size) } else { 0 };
+        let chunks = (0..n).map(|_| r.u32()).collect::<Option<ChunkCrcs>>()?;
+        Some(FileRecord { path, size, mtime_ns, etag, crc32c, chunks })
+    }
+
+    /// Whether this is the file `listed` ([`ShardInfo::same_file`]).
+    fn is(&self, listed: &ShardInfo) -> bool {
+        *listed.path == *self.path
+            && (listed.size, listed.mtime_ns) == (self.size, self.mtime_ns)
+            && listed.etag == self.etag
     }
 }
 
@@ -334,11 +459,17 @@ impl Writer {
         self.u64(s.len() as u64);
         self.0.extend_from_slice(s.as_bytes());
     }
+    /// An ETag as [`Writer::str`] writes its text (an MD5's spelled out, not allocated).
+    fn etag(&mut self, etag: &ETag) {
+        use std::io::Write;
+        self.u64(etag.len() as u64);
+        write!(self.0, "{etag}").expect("a Vec takes every byte");
+    }
 }
 
 struct Reader<'a>(&'a [u8]);
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
     fn u8(&mut self) -> Option<u8> {
         let (&b, rest) = self.0.split_first()?;
         self.0 = rest;
@@ -360,17 +491,26 @@ impl Reader<'_> {
         }
         None
     }
-    fn str(&mut self) -> Option<String> {
+    /// A string, borrowed from the bytes read.
+    fn text(&mut self) -> Option<&'a str> {
         let len = usize::try_from(self.u64()?).ok()?;
         if len > self.0.len() {
             return None;
         }
         let (s, rest) = self.0.split_at(len);
         self.0 = rest;
-        String::from_utf8(s.to_vec()).ok()
+        std::str::from_utf8(s).ok()
     }
-    fn list<T>(&mut self, mut item: impl FnMut(&mut Self) -> Option<T>) -> Option<Vec<T>> {
-        let n = usize::try_from(self.u64()?).ok()?;
+    fn str(&mut self) -> Option<String> {
+        self.text().map(str::to_owned)
+    }
+    fn list<T>(&mut self, item: impl FnMut(&mut Self) -> Option<T>) -> Option<Vec<T>> {
+        let n = self.u64()?;
+        self.items(n, item)
+    }
+    /// `n` items (a count read already).
+    fn items<T>(&mut self, n: u64, mut item: impl FnMut(&mut Self) -> Option<T>) -> Option<Vec<T>> {
+        let n = usize::try_from(n).ok()?;
         // Each item takes at least one byte: a corrupt count cannot make us reserve absurd memory.
         let mut out = Vec::with_capacity(n.min(self.0.len()));
         for _ in 0..n {
@@ -386,19 +526,24 @@ mod tests {
     use proptest::prelude::*;
 
     fn arb_index() -> impl Strategy<Value = Index> {
-        let part = ("[a-z]{0,4}", 0u32..3, 0u64..1000, 0u64..1000, any::<u32>())
-            .prop_map(|(ext, shard, offset, len, crc32c)| Part { ext, shard, offset, len, crc32c });
+        let part = ("[a-z]{0,4}", 0u32..3, 0u64..1000, 0u64..1000, any::<u32>()).prop_map(
+            |(ext, shard, offset, len, crc32c)| Part { ext: ext.as_str().into(), shard, offset, len, crc32c },
+        );
         let sample = ("[a-z0-9/]{0,12}", -1i64..1000, proptest::collection::vec(part, 0..3))
-            .prop_map(|(key, label, parts)| Sample { key, label, parts });
+            .prop_map(|(key, label, parts)| Sample { key: key.into(), label, parts: parts.into() });
         (proptest::collection::vec(sample, 0..30), any::<bool>(), "[ -~]{0,20}").prop_map(|(samples, flag, reason)| {
             Index {
                 settings: IndexSettings { format: SourceFormat::Tar, verify_data_crc: flag, skip_corrupt: !flag },
                 shards: (0..3)
                     .map(|i| ShardInfo {
-                        path: format!("s{i}.tar"),
+                        path: format!("s{i}.tar").into(),
                         size: 5000 + i as u64 * CHUNK_BYTES,
                         mtime_ns: -5 + i,
-                        etag: if i == 1 { format!("\"{reason}\"") } else { String::new() },
+                        etag: match i {
+                            0 => ETag::default(),
+                            1 => format!("\"{reason}\"").into(),
+                            _ => ETag::new("\"0123456789abcdef0123456789abcdef\""),
+                        },
                         crc32c: 7,
                         chunks: (0..if i == 0 { 0 } else { chunk_count(5000 + i as u64 * CHUNK_BYTES) as u32 })
                             .collect(),
@@ -424,6 +569,44 @@ mod tests {
             prop_assert_eq!(Index::from_bytes(&index.to_bytes()), Some(index));
         }
 
+        /// The bytes read are the bytes written again: the compact forms in memory change nothing on disk.
+        #[test]
+        fn rewritten_bytes_are_the_same(index in arb_index()) {
+            let bytes = index.to_bytes();
+            prop_assert_eq!(Index::from_bytes(&bytes).map(|i| i.to_bytes()), Some(bytes));
+        }
+
+        /// The index persisted for the files listed now is taken with the listed files; one of other
+        /// files or settings is stale, and the listing is left as it was.
+        #[test]
+        fn a_persisted_index_is_taken_only_for_the_files_listed(index in arb_index(), which in 0usize..6) {
+            let bytes = index.to_bytes();
+            let as_listed = |f: &ShardInfo| ShardInfo { crc32c: 0, chunks: ChunkCrcs::default(), ..f.clone() };
+            let listing = Listed {
+                settings: index.settings,
+                shards: index.shards.iter().map(as_listed).collect(),
+                side: index.side.iter().map(as_listed).collect(),
+            };
+            let mut listed = listing.clone();
+            prop_assert_eq!(Index::from_bytes_listed(&bytes, &mut listed), Ok(index.clone()));
+            prop_assert!(listed.shards.is_empty() && listed.side.is_empty());
+            let mut changed = listing.clone();
+            match which {
+                0 => changed.shards[1].size += 1,
+                1 => changed.shards[2].mtime_ns += 1,
+                2 => changed.shards[1].etag = format!("{}x", changed.shards[1].etag).into(),
+                3 => changed.side[0].path = "t0.tar.idx".into(),
+                4 => changed.side.push(ShardInfo { path: "z".into(), ..Default::default() }),
+                _ => changed.settings.skip_corrupt ^= true,
+            }
+            let mut listed = changed.clone();
+            prop_assert_eq!(Index::from_bytes_listed(&bytes, &mut listed), Err(Refused::Stale));
+            prop_assert_eq!(listed, changed);
+            let mut listed = listing.clone();
+            prop_assert_eq!(Index::from_bytes_listed(&bytes[1..], &mut listed), Err(Refused::Unreadable));
+            prop_assert_eq!(listed, listing);
+        }
+
         #[test]
         fn any_corruption_is_rejected(index in arb_index(), at: prop::sample::Index, bit in 0u8..8) {
             let mut bytes = index.to_bytes();
@@ -431,6 +614,20 @@ mod tests {
             bytes[i] ^= 1 << bit;
             prop_assert_eq!(Index::from_bytes(&bytes), None);
         }
+    }
+
+    /// What a sample and a file cost in memory (the heap holds the key and the path beside them): a
+    /// million of each are what a large file tree or bucket holds.
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn samples_and_files_are_compact() {
+        use std::mem::size_of;
+        assert_eq!(size_of::<ETag>(), 24);
+        assert_eq!((size_of::<Ext>(), size_of::<ChunkCrcs>()), (8, 8));
+        assert_eq!(size_of::<Part>(), 32);
+        assert_eq!(size_of::<Parts>(), 32, "a single part is held inline, without a tag of its own");
+        assert_eq!(size_of::<Sample>(), 56);
+        assert_eq!(size_of::<ShardInfo>(), 72);
     }
 
     #[test]

@@ -3,9 +3,13 @@
 //! Indexing reads every byte once (to validate framing and record each part's CRC32C), reports
 //! progress in bytes, and either fails on the first corrupt region with its shard and byte offset, or,
 //! with `skip_corrupt`, indexes around it and lists what it skipped. [`load_or_build`] reuses a
-//! persisted index whose shard list (paths, sizes, mtimes) and settings still match.
+//! persisted index whose shard list (paths, sizes, mtimes) and settings still match; the index then holds
+//! the files as listed, so that each path is held once ([`Index::from_bytes_listed`]).
 
-use crate::index::{Index, IndexSettings, Part, Sample, ShardInfo, Skipped, SourceFormat, NO_LABEL};
+use crate::index::{
+    ChunkCrcs, Ext, Exts, Index, IndexSettings, Listed, Part, Parts, Refused, Sample, ShardInfo, Skipped, SourceFormat,
+    NO_LABEL,
+};
 use crate::mmap::{LmdbEnv, MappedFile};
 use crate::{crc, proto, tar, tfrecord};
 use std::collections::BTreeMap;
@@ -105,7 +109,7 @@ fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
 fn shard_info(path: String, meta: &std::fs::Metadata) -> ShardInfo {
     let mtime_ns =
         meta.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos() as i64);
-    ShardInfo { path, size: meta.len(), mtime_ns, ..Default::default() }
+    ShardInfo { path: path.into(), size: meta.len(), mtime_ns, ..Default::default() }
 }
 
 fn is_tfrecord(path: &str) -> bool {
@@ -279,18 +283,18 @@ pub fn load_or_build_listed(
     side: Vec<ShardInfo>,
     progress: &dyn Progress,
 ) -> Result<(Index, IndexOrigin), IndexError> {
-    let same = |a: &[ShardInfo], b: &[ShardInfo]| a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.same_file(b));
-    // An index persisted before, if it is still the dataset's.
-    let fresh = |bytes: Vec<u8>, at: &str| match Index::from_bytes(&bytes) {
-        Some(index) if index.settings == settings && same(&index.shards, &shards) && same(&index.side, &side) => {
+    let mut listed = Listed { settings, shards, side };
+    // An index persisted before, if it is still the dataset's (it then holds the listed files).
+    let mut fresh = |bytes: Vec<u8>, at: &str| match Index::from_bytes_listed(&bytes, &mut listed) {
+        Ok(index) => {
             tracing::debug!(dataset = name, at, "reusing persisted index");
             Some(index)
         }
-        Some(_) => {
+        Err(Refused::Stale) => {
             tracing::info!(dataset = name, at, "files or settings changed since the index was built; rebuilding");
             None
         }
-        None => {
+        Err(Refused::Unreadable) => {
             tracing::warn!(dataset = name, at, "persisted index is unreadable; rebuilding");
             None
         }
@@ -302,6 +306,7 @@ pub fn load_or_build_listed(
     if let Some(index) = files.kept_index().and_then(|bytes| fresh(bytes, "beside the data")) {
         return Ok((index, IndexOrigin::Loaded));
     }
+    let Listed { shards, side, .. } = listed;
     let index = build_from(files, settings, shards, side, progress)?;
     let bytes = index.to_bytes();
     let kept_beside = match files.keep_index(&bytes) {
@@ -394,8 +399,8 @@ fn checksums(
     files: &dyn Files,
     list: &[ShardInfo],
     progress: &dyn Progress,
-) -> Result<Vec<(u32, Vec<u32>)>, IndexError> {
-    let mut crcs = vec![(0u32, Vec::new()); list.len()];
+) -> Result<Vec<(u32, ChunkCrcs)>, IndexError> {
+    let mut crcs = vec![(0u32, ChunkCrcs::default()); list.len()];
     files.read_each(list, &mut |i, bytes| {
         if bytes.len() as u64 != list[i].size {
             return Err(IndexError::Io {
@@ -438,6 +443,7 @@ fn example_key_label(record: &[u8]) -> (Option<String>, i64) {
 
 fn index_tfrecord(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
     let shards = index.shards.clone();
+    let ext = Ext::from("example");
     for (shard_no, shard) in shards.iter().enumerate() {
         let map = map_shard(files, shard)?;
         map.advise(memmap2::Advice::Sequential);
@@ -451,15 +457,15 @@ fn index_tfrecord(files: &dyn Files, index: &mut Index, progress: &dyn Progress)
                     let data = &map.bytes()[pos.data_offset() as usize..(pos.data_offset() + pos.len) as usize];
                     let (key, label) = example_key_label(data);
                     index.samples.push(Sample {
-                        key: key.unwrap_or_else(|| format!("{stem}/{record_no:08}")),
+                        key: key.unwrap_or_else(|| format!("{stem}/{record_no:08}")).into(),
                         label,
-                        parts: vec![Part {
-                            ext: "example".into(),
+                        parts: Parts::from(Part {
+                            ext: ext.clone(),
                             shard: shard_no as u32,
                             offset: pos.data_offset(),
                             len: pos.len,
                             crc32c: pos.data_crc,
-                        }],
+                        }),
                     });
                 }
                 Err(e) => {
@@ -501,6 +507,7 @@ fn index_lmdb(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> 
             .map_err(lmdb_err)?
             .ok_or_else(|| IndexError::Lmdb { path: root.to_owned(), message: "no main database".into() })?;
         let mut last = 0u64;
+        let mut exts = Exts::default();
         for item in db.iter(&rtxn).map_err(lmdb_err)? {
             let (key, value) = item.map_err(lmdb_err)?;
             let base = match base {
@@ -527,15 +534,15 @@ fn index_lmdb(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> 
             }
             let label = proto::datum_label(value).ok().flatten();
             index.samples.push(Sample {
-                key: String::from_utf8_lossy(key).into_owned(),
+                key: String::from_utf8_lossy(key).into(),
                 label: label.unwrap_or(NO_LABEL),
-                parts: vec![Part {
-                    ext: if label.is_some() { "datum" } else { "bin" }.into(),
+                parts: Parts::from(Part {
+                    ext: exts.get(if label.is_some() { "datum" } else { "bin" }),
                     shard: 0,
                     offset,
                     len: value.len() as u64,
                     crc32c: crc::crc32c(value),
-                }],
+                }),
             });
             progress.advance(value.len() as u64);
             last += value.len() as u64;
@@ -590,23 +597,30 @@ fn text_label(bytes: &[u8]) -> Option<i64> {
 
 const LABEL_EXTS: [&str; 3] = ["cls", "label", "cls2"];
 
+/// The members of one WebDataset sample, while a shard's members are grouped by key.
+struct Group {
+    key: String,
+    parts: Vec<Part>,
+}
+
 fn index_tar(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
     let shards = index.shards.clone();
+    let mut exts = Exts::default();
     for (shard_no, shard) in shards.iter().enumerate() {
         let map = map_shard(files, shard)?;
         map.advise(memmap2::Advice::Sequential);
         let bytes = map.bytes();
-        let mut group: Option<Sample> = None;
-        let flush = |group: &mut Option<Sample>, index: &mut Index| {
-            if let Some(mut sample) = group.take() {
-                sample.label = LABEL_EXTS
+        let mut group: Option<Group> = None;
+        let flush = |group: &mut Option<Group>, index: &mut Index| {
+            if let Some(Group { key, parts }) = group.take() {
+                let label = LABEL_EXTS
                     .iter()
                     .find_map(|ext| {
-                        let p = sample.parts.iter().find(|p| p.ext == *ext)?;
+                        let p = parts.iter().find(|p| p.ext == *ext)?;
                         text_label(&bytes[p.offset as usize..(p.offset + p.len) as usize])
                     })
                     .unwrap_or(NO_LABEL);
-                index.samples.push(sample);
+                index.samples.push(Sample { key: key.into(), label, parts: parts.into() });
             }
         };
         let mut reported = 0;
@@ -619,16 +633,13 @@ fn index_tar(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> R
                     }
                     let data = &bytes[member.data_offset as usize..(member.data_offset + member.size) as usize];
                     let part = Part {
-                        ext: ext.to_owned(),
+                        ext: exts.get(ext),
                         shard: shard_no as u32,
                         offset: member.data_offset,
                         len: member.size,
                         crc32c: crc::crc32c(data),
                     };
-                    group
-                        .get_or_insert_with(|| Sample { key: key.to_owned(), label: NO_LABEL, parts: vec![] })
-                        .parts
-                        .push(part);
+                    group.get_or_insert_with(|| Group { key: key.to_owned(), parts: Vec::new() }).parts.push(part);
                     let done = member.data_offset + member.size;
                     progress.advance(done - reported);
                     reported = done;
@@ -682,6 +693,7 @@ fn index_files(files: &dyn Files, index: &mut Index, progress: &dyn Progress) ->
     index.classes = classes.keys().cloned().collect();
     let shards = index.shards.clone();
     let crcs = checksums(files, &shards, progress)?;
+    let mut exts = Exts::default();
     for (shard_no, (shard, (crc, chunks))) in shards.iter().zip(crcs).enumerate() {
         let base_start = shard.path.rfind('/').map_or(0, |i| i + 1);
         let (key, ext) = match shard.path[base_start..].rfind('.') {
@@ -690,11 +702,8 @@ fn index_files(files: &dyn Files, index: &mut Index, progress: &dyn Progress) ->
         };
         let label = shard.path.split_once('/').map_or(NO_LABEL, |(class, _)| classes[class]);
         (index.shards[shard_no].crc32c, index.shards[shard_no].chunks) = (crc, chunks);
-        index.samples.push(Sample {
-            key: key.to_owned(),
-            label,
-            parts: vec![Part { ext: ext.to_owned(), shard: shard_no as u32, offset: 0, len: shard.size, crc32c: crc }],
-        });
+        let part = Part { ext: exts.get(ext), shard: shard_no as u32, offset: 0, len: shard.size, crc32c: crc };
+        index.samples.push(Sample { key: key.into(), label, parts: part.into() });
     }
     Ok(())
 }
@@ -886,7 +895,7 @@ mod tests {
         let big = &index.shards[0];
         assert_eq!(big.crc32c, crc::crc32c(&bytes));
         let want: Vec<u32> = bytes.chunks(CHUNK_BYTES as usize).map(crc::crc32c).collect();
-        assert_eq!((big.chunks.len(), &big.chunks), (3, &want));
+        assert_eq!((big.chunks.len(), &big.chunks[..]), (3, &want[..]));
         assert_eq!(big.chunk_crc(2), Some(want[2]));
         assert_eq!(big.chunk_crc(3), None);
         let small = &index.shards[1];

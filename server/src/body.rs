@@ -159,9 +159,16 @@ impl SegmentBody {
                 let map = match self.storage.shard(shard) {
                     Shard::Mapped(map) => map.clone(),
                     Shard::Direct(_) => return Some(Err(self.read_direct())),
-                    Shard::Open(_) | Shard::Closed | Shard::Object => {
-                        return Some(Err(self.read_files()))
-                    }
+                    // An object whose copy the disk tier holds: sent from its mapping, as a mapped shard.
+                    Shard::Object => match self.storage.mapping(shard) {
+                        Some(map) => {
+                            let objects = self.storage.objects().expect("an object dataset");
+                            objects.served_from_tier(left.min(self.ctx.chunk_size));
+                            map
+                        }
+                        None => return Some(Err(self.read_files())),
+                    },
+                    Shard::Open(_) | Shard::Closed => return Some(Err(self.read_files())),
                 };
                 let n = left.min(self.ctx.chunk_size);
                 self.current = (left > n).then_some((shard, offset + n, left - n));
@@ -316,6 +323,10 @@ struct FileChunk<'a> {
 impl Chunk for FileChunk<'_> {
     fn data(&mut self, shard: u32, offset: u64, len: u64) -> u64 {
         if matches!(self.storage.shard(shard), Shard::Mapped(_) | Shard::Direct(_)) {
+            return 0;
+        }
+        // An object whose copy is mapped now is sent from the mapping, in a chunk of its own.
+        if matches!(self.storage.shard(shard), Shard::Object) && self.storage.mapping(shard).is_some() {
             return 0;
         }
         let room = self.room.saturating_sub(self.total);

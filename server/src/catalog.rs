@@ -106,9 +106,14 @@ pub struct Dataset {
     /// Each sample's object (the shard of its first part) and each shard's bytes, once a `shuffle=blocks`
     /// plan needs them.
     objects: OnceLock<(Vec<u32>, Vec<u64>)>,
-    /// For each shard that is one sample whole (a file of a file tree), that sample's id.
-    shard_samples: Vec<Option<u32>>,
+    /// For each shard that is one sample whole (a file of a file tree), that sample's id; [`NO_SAMPLE`]
+    /// for the others (4 bytes a shard, where an `Option` takes 8).
+    shard_samples: Vec<u32>,
 }
+
+/// A shard that is not one sample whole, in [`Dataset::shard_samples`]: no sample has this id, as a
+/// dataset has at most `u32::MAX` samples ([`CatalogError::fits`]).
+const NO_SAMPLE: u32 = u32::MAX;
 
 /// How many plans and manifests each dataset keeps.
 const PLAN_CACHE: usize = 16;
@@ -188,13 +193,13 @@ impl Dataset {
 
     fn of(name: &str, root: &Path, index: Arc<Index>, origin: IndexOrigin, storage: Arc<Storage>) -> Dataset {
         let files = served_files(&index);
-        let mut shard_samples = vec![None; index.shards.len()];
+        let mut shard_samples = vec![NO_SAMPLE; index.shards.len()];
         for (id, sample) in index.samples.iter().enumerate() {
             if let [part] = sample.parts.as_slice() {
                 let whole =
                     index.shards.get(part.shard as usize).is_some_and(|s| part.offset == 0 && part.len == s.size);
                 if whole {
-                    shard_samples[part.shard as usize] = Some(id as u32);
+                    shard_samples[part.shard as usize] = id as u32;
                 }
             }
         }
@@ -462,14 +467,16 @@ impl Dataset {
                 }
                 None => {
                     let sample = match self.files[at] {
-                        ServedFile::Stored(n) => self.shard_samples.get(n as usize).copied().flatten(),
+                        ServedFile::Stored(n) => {
+                            self.shard_samples.get(n as usize).copied().filter(|&id| id != NO_SAMPLE)
+                        }
                         ServedFile::Made(_) => None,
                     };
                     files.push(FileEntry {
-                        path: info.path.clone(),
+                        path: info.path.to_string(),
                         size: info.size,
                         crc32c: info.crc32c,
-                        chunks: info.chunks.clone(),
+                        chunks: info.chunks.to_vec(),
                         sample,
                     });
                     at += 1;
@@ -498,7 +505,7 @@ fn served_files(index: &Index) -> Vec<ServedFile> {
     let stored = index.shards.iter().chain(&index.side).enumerate();
     let mut files: Vec<ServedFile> = stored.map(|(n, _)| ServedFile::Stored(n as u32)).collect();
     for (path, bytes) in encode::shard_index_twins(index) {
-        let mut info = ShardInfo { path, size: bytes.len() as u64, ..Default::default() };
+        let mut info = ShardInfo { path: path.into(), size: bytes.len() as u64, ..Default::default() };
         info.checksum(&bytes);
         files.push(ServedFile::Made(Arc::new(MadeFile { info, bytes })));
     }

@@ -11,7 +11,8 @@
 //! - `indexing.rs`: reading each object once to index it;
 //! - `units.rs`: the checkable units of an object, chunks that end at one, and coalescing;
 //! - `fetch.rs`: ranged GETs, checked, retried, through the block cache (`cache.rs`) or the tier;
-//! - `tier.rs` and `stage.rs`: the disk tier, and copying whole objects into it in plan order.
+//! - `tier.rs`, `stage.rs` and `maps.rs`: the disk tier, copying whole objects into it in plan order,
+//!   and serving its copies mapped, as local shards are.
 //!
 //! **Indexing** lists the prefix (names, sizes, ETags, last-modified: the index records them, and a
 //! listing that differs rebuilds it), then reads each object once: one larger than `object_part` by
@@ -45,6 +46,7 @@ mod cache;
 mod context;
 mod fetch;
 mod indexing;
+mod maps;
 mod stage;
 mod store;
 pub mod tier;
@@ -172,6 +174,8 @@ pub struct ObjectSource {
     pub counters: ObjectCounters,
     /// Copies whole objects into the tier in plan order (with a tier).
     stager: stage::Stager,
+    /// The copies in the tier, mapped.
+    maps: maps::Maps,
 }
 
 impl ObjectSource {
@@ -202,6 +206,7 @@ impl ObjectSource {
             parts: OnceLock::new(),
             counters: ObjectCounters::default(),
             stager: stage::Stager::default(),
+            maps: maps::Maps::default(),
         };
         let listed = source.context.block_here(source.bucket.list())?;
         Ok((source, listed))
@@ -267,7 +272,7 @@ impl ObjectSource {
     /// The name of object `file`'s copy in the disk tier (its endpoint, bucket, key and ETag).
     fn tier_name(&self, file: &ShardInfo) -> String {
         let key = format!("{} {}/{}", self.bucket.endpoint, self.bucket.bucket, self.bucket.location(&file.path));
-        tier::Tier::name(&key, &file.etag)
+        tier::Tier::name(&key, &file.etag.to_string())
     }
 
     /// The units whose bytes hold `len` bytes at `offset` of object `n` ([`units_of`]).

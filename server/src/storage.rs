@@ -319,6 +319,9 @@ impl Storage {
             }
         }
         let held = holding.done;
+        // Copies in the tier are mapped as local shards are, where local shards would be.
+        let objects = index.shards.len() + index.side.len();
+        source.map_copies(if objects > policy.max_mapped_shards { 0 } else { policy.max_mapped_shards });
         source.copy_all();
         tracing::info!(
             dataset = name,
@@ -361,6 +364,15 @@ impl Storage {
         self.objects.as_ref()
     }
 
+    /// Shard `n`'s mapping: a mapped (or held) shard's, or an object's copy in the disk tier, mapped.
+    pub fn mapping(&self, n: u32) -> Option<Arc<MappedFile>> {
+        match self.shard(n) {
+            Shard::Mapped(map) => Some(map.clone()),
+            Shard::Object => self.objects.as_ref()?.mapping(n),
+            _ => None,
+        }
+    }
+
     /// Reads every `(shard, offset, len)` of `wanted` from the object store at once (coalesced, through
     /// the block cache, each checked against the index): their bytes in order. An object found changed
     /// is marked so. Blocks: call on the blocking pool.
@@ -379,7 +391,8 @@ impl Storage {
     /// cache, all at once, where the cache can hold them: [`ObjectSource::worth_reading_ahead`]).
     /// Blocks: call on the blocking pool.
     pub fn warm_all(&self, ranges: &[(u32, u64, u64)]) -> std::io::Result<()> {
-        let (remote, local): (Vec<_>, Vec<_>) = ranges.iter().partition(|r| matches!(self.shard(r.0), Shard::Object));
+        let (remote, local): (Vec<_>, Vec<_>) =
+            ranges.iter().partition(|r| matches!(self.shard(r.0), Shard::Object) && self.mapping(r.0).is_none());
         for &(shard, offset, len) in &local {
             self.will_need(shard, offset, len);
         }
@@ -494,8 +507,16 @@ impl Storage {
             Shard::Closed => advise(&File::open(self.path_of(n))?, offset, len, libc::POSIX_FADV_WILLNEED),
             // Direct reads bypass the page cache: pages brought in ahead would only be read twice.
             Shard::Direct(_) => Ok(()),
-            // Read into the block cache (`warm_all` reads a batch's ranges at once, where the cache holds them).
-            Shard::Object => self.read_objects(&[(n, offset, len)]).map(drop),
+            // A copy in the tier is warmed as a mapped shard is; else read into the block cache (`warm_all`
+            // reads a batch's ranges at once, where the cache holds them).
+            Shard::Object => match self.mapping(n) {
+                Some(map) if !map.is_resident(offset, len) => {
+                    map.fault_in(offset, len);
+                    Ok(())
+                }
+                Some(_) => Ok(()),
+                None => self.read_objects(&[(n, offset, len)]).map(drop),
+            },
         }
     }
 
@@ -505,8 +526,9 @@ impl Storage {
     pub fn nothing_to_read_ahead(&self, n: u32, offset: u64, len: u64) -> bool {
         match self.shard(n) {
             Shard::Mapped(map) => map.is_resident(offset, len),
+            Shard::Object => self.mapping(n).is_some_and(|map| map.is_resident(offset, len)),
             Shard::Direct(_) => true,
-            Shard::Open(_) | Shard::Closed | Shard::Object => false,
+            Shard::Open(_) | Shard::Closed => false,
         }
     }
 
@@ -514,11 +536,16 @@ impl Storage {
     pub fn will_need(&self, n: u32, offset: u64, len: u64) {
         match self.shard(n) {
             Shard::Mapped(map) => map.will_need(offset, len),
+            Shard::Object => {
+                if let Some(map) = self.mapping(n) {
+                    map.will_need(offset, len);
+                }
+            }
             Shard::Open(held) => {
                 let _ = advise(&held.file, offset, len, libc::POSIX_FADV_WILLNEED);
             }
             // Opening a file to hint it costs what reading a small file does: `warm` does it.
-            Shard::Closed | Shard::Direct(_) | Shard::Object => {}
+            Shard::Closed | Shard::Direct(_) => {}
         }
     }
 

@@ -308,7 +308,7 @@ impl ObjectSource {
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let options = GetOptions {
             range: Some(GetRange::Bounded(offset..offset + len)),
-            if_match: (!file.etag.is_empty()).then(|| file.etag.clone()),
+            if_match: (!file.etag.is_empty()).then(|| file.etag.to_string()),
             ..Default::default()
         };
         let changed = |why: String| ReadError::Changed { shard: n, why };

@@ -80,24 +80,29 @@ impl Files for ObjectSource {
     /// (linked under the object's own name in a directory of its own, for LMDB), else made in
     /// `index_dir` and removed once indexed.
     fn local(&self, file: &ShardInfo) -> io::Result<Local> {
-        let tiered = self.tier().filter(|t| file.size <= t.cap());
-        let within = tiered.map_or_else(|| self.stage_dir.clone(), |t| t.dir().join("staging"));
-        std::fs::create_dir_all(&within)?;
-        let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(&within)?;
         let name = file.path.rsplit('/').next().unwrap_or(&file.path);
-        let path = dir.path().join(name);
-        match tiered {
-            Some(tier) => {
+        if let Some(tier) = self.tier().filter(|t| file.size <= t.cap()) {
+            let kept = || -> io::Result<Local> {
+                let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(tier.dir().join("staging"))?;
                 let copy = tier.begin(&self.tier_name(file), file.size)?;
                 self.context.block_here(self.copy_whole(file, copy.file()))?;
+                let path = dir.path().join(name);
                 std::fs::hard_link(copy.commit()?, &path)?;
-            }
-            None => {
-                let out = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
-                super::tier::allocate(&out, file.size)?;
-                self.context.block_here(self.copy_whole(file, &out))?;
+                Ok(Local { path, staged: Some(Box::new(dir)) })
+            };
+            match kept() {
+                Ok(local) => return Ok(local),
+                // A disk tier that cannot take it (full, failing): a copy of the indexing's own, as without.
+                Err(e) => tracing::warn!(dataset = %self.bucket.url, object = %file.path, error = %e,
+                    "not kept in the disk tier: staged apart while indexed"),
             }
         }
+        std::fs::create_dir_all(&self.stage_dir)?;
+        let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(&self.stage_dir)?;
+        let path = dir.path().join(name);
+        let out = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+        super::tier::allocate(&out, file.size)?;
+        self.context.block_here(self.copy_whole(file, &out))?;
         Ok(Local { path, staged: Some(Box::new(dir)) })
     }
 
@@ -161,7 +166,7 @@ impl ObjectSource {
             let bytes = self.get(u32::MAX, file, 0, file.size).await.map_err(ReadError::into_io)?;
             let etag = file.etag.clone();
             let (bytes, good) = tokio::task::spawn_blocking(move || {
-                let good = matches_etag(&etag, &bytes);
+                let good = matches_etag(&etag.to_string(), &bytes);
                 (bytes, good)
             })
             .await
@@ -174,9 +179,9 @@ impl ObjectSource {
         Err(differs_from_etag(&self.bucket.url, file))
     }
 
-    /// Copies all of `file` into `out` (a file of its size, allocated on the disk) by ranged GETs of `object_part`, several at
-    /// once, and checks the copy against the object's ETag where that is its MD5 (a single-part upload);
-    /// a copy that does not match is made again, up to [`FETCH_ATTEMPTS`] times.
+    /// Copies all of `file` into `out` (a file of its size, allocated on the disk) by ranged GETs of
+    /// `object_part`, several at once, and checks the copy against the object's ETag where that is its MD5
+    /// (a single-part upload); a copy that does not match is made again, up to [`FETCH_ATTEMPTS`] times.
     async fn copy_whole(&self, file: &ShardInfo, out: &std::fs::File) -> io::Result<()> {
         if file.size == 0 {
             return Ok(());
@@ -185,7 +190,7 @@ impl ObjectSource {
         let mut copy = unsafe { memmap2::MmapMut::map_mut(out)? };
         for attempt in 1..=FETCH_ATTEMPTS {
             self.read_parts(u32::MAX, file, parts_of(&mut copy, self.limits().part)).await?;
-            if matches_etag(&file.etag, &copy) {
+            if matches_etag(&file.etag.to_string(), &copy) {
                 return Ok(());
             }
             self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);

@@ -53,6 +53,8 @@ struct Queue {
     urgent: VecDeque<u32>,
     /// Objects being copied.
     busy: HashSet<u32>,
+    /// Objects whose copy failed (a full or failing disk): not tried again until the next order.
+    failed: HashSet<u32>,
     started: bool,
     /// `order` is the index's, until a plan gives its own ([`ObjectSource::copy_all`]).
     provisional: bool,
@@ -114,6 +116,7 @@ impl ObjectSource {
             q.position[n as usize] = p as u32;
         }
         (q.order, q.ahead, q.next, q.cursor) = (order, ahead, 0, 0);
+        q.failed.clear();
     }
 
     /// Starts the stager's thread, once.
@@ -141,7 +144,7 @@ impl ObjectSource {
             q.cursor = at as usize;
             wake = q.ahead != u64::MAX;
         }
-        if !held && q.ahead == u64::MAX && !q.busy.contains(&n) && !q.urgent.contains(&n) {
+        if !held && q.ahead == u64::MAX && !q.busy.contains(&n) && !q.failed.contains(&n) && !q.urgent.contains(&n) {
             q.urgent.push_back(n);
             wake = true;
         }
@@ -174,7 +177,7 @@ impl ObjectSource {
                 return None;
             }
             q.next += 1;
-            if !q.busy.contains(&n) && !held(n) {
+            if !q.busy.contains(&n) && !q.failed.contains(&n) && !held(n) {
                 q.busy.insert(n);
                 return Some(n);
             }
@@ -233,12 +236,17 @@ async fn run(source: Weak<ObjectSource>, wake: Arc<Notify>) {
             let Some(n) = this.next_to_copy() else { break };
             let this = this.clone();
             copying.push(async move {
-                if let Err(e) = this.stage_object(n).await {
+                let copied = this.stage_object(n).await;
+                if let Err(e) = &copied {
                     let object = this.path_of(n);
                     tracing::warn!(dataset = %this.bucket.url, object = %object.display(), error = %e,
                         "not copied into the disk tier: read by GETs");
                 }
-                this.stager.queue.lock().expect("stager").busy.remove(&n);
+                let mut q = this.stager.queue.lock().expect("stager");
+                q.busy.remove(&n);
+                if copied.is_err() {
+                    q.failed.insert(n);
+                }
             });
         }
         drop(this);

@@ -3,7 +3,7 @@
 //! ready-made ([`Bucket::of_store`]): the unit tests give an in-memory one.
 
 use super::{ObjectError, ObjectLimits};
-use batchfs::index::ShardInfo;
+use batchfs::index::{ETag, ShardInfo};
 use futures_util::TryStreamExt;
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path as ObjectPath;
@@ -102,25 +102,29 @@ impl Bucket {
     /// starts with `.`, left out) with their sizes, modification times and ETags.
     pub async fn list(&self) -> Result<Vec<ShardInfo>, ObjectError> {
         let at = (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
-        let listed = self.store.list(at.as_ref()).try_collect::<Vec<_>>().await.map_err(|e| self.list_error(e))?;
         let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };
-        let mut files: Vec<ShardInfo> = listed
-            .into_iter()
-            .filter_map(|meta| {
-                let path = meta.location.as_ref().get(strip..)?.to_owned();
-                if path.is_empty() || path.split('/').any(|c| c.starts_with('.')) {
-                    return None;
-                }
-                let mtime_ns = meta.last_modified.timestamp_nanos_opt().unwrap_or(0);
-                Some(ShardInfo {
-                    path,
-                    size: meta.size,
-                    mtime_ns,
-                    etag: meta.e_tag.unwrap_or_default(),
-                    ..Default::default()
-                })
+        // Each object as it comes: a page's metadata is dropped before the next page is read.
+        let file = |meta: object_store::ObjectMeta| {
+            let path = meta.location.as_ref().get(strip..)?;
+            if path.is_empty() || path.split('/').any(|c| c.starts_with('.')) {
+                return None;
+            }
+            let mtime_ns = meta.last_modified.timestamp_nanos_opt().unwrap_or(0);
+            Some(ShardInfo {
+                path: path.into(),
+                size: meta.size,
+                mtime_ns,
+                etag: meta.e_tag.map(ETag::from).unwrap_or_default(),
+                ..Default::default()
             })
-            .collect();
+        };
+        let mut files: Vec<ShardInfo> = self
+            .store
+            .list(at.as_ref())
+            .try_filter_map(|meta| std::future::ready(Ok(file(meta))))
+            .try_collect()
+            .await
+            .map_err(|e| self.list_error(e))?;
         files.sort_by(|a, b| a.path.cmp(&b.path));
         if files.is_empty() {
             return Err(ObjectError::Empty { url: self.url.clone() });
