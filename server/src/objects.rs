@@ -335,10 +335,14 @@ mod tests {
 
     /// The dataset `s3://b/ds` of `store`, read by GETs (nothing held in memory), its index in `index_dir`.
     fn open(store: &Arc<InMemory>, context: &Arc<ObjectContext>, index_dir: &Path) -> Dataset {
+        open_holding(store, context, index_dir, 0)
+    }
+
+    /// [`open`], with `resident` bytes of whole objects held in the server's memory.
+    fn open_holding(store: &Arc<InMemory>, context: &Arc<ObjectContext>, index_dir: &Path, resident: u64) -> Dataset {
         let bucket = Bucket::of_store("s3://b/ds", store.clone(), "memory").unwrap();
         let opened = ObjectSource::of_bucket(bucket, context.clone(), index_dir.to_owned(), false).unwrap();
-        let io =
-            IoPolicy { mode: IoMode::Auto, max_mapped_shards: 4096, memory: u64::MAX, resident: 0, sendfile: false };
+        let io = IoPolicy { mode: IoMode::Auto, max_mapped_shards: 4096, memory: u64::MAX, resident, sendfile: false };
         Dataset::of_objects("ds", opened, Some(index_dir), &IndexOptions::default(), &NoProgress, io).unwrap()
     }
 
@@ -399,6 +403,25 @@ mod tests {
         wait_for("the copy made again", || tier.copies() == ds.index.shards.len());
         read_all_and_compare(&ds, local.path());
         assert_eq!(source.counters.gets.load(Ordering::Relaxed), reads_of_one);
+    }
+
+    #[test]
+    fn objects_held_in_memory_are_read_from_their_copies_in_the_tier() {
+        // Shards whose sizes are not whole pages: a copy is read into whole pages of memory.
+        let (local, _) = crate::storage::fixtures::dataset(150, 30_001, 3);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let ctx = context(Some(tier_dir.path()), 1 << 30);
+        let ds = open(&store, &ctx, index_dir.path());
+        assert!(ds.index.shards.iter().any(|s| s.size % 4096 != 0));
+        assert_eq!(ctx.tier.as_ref().unwrap().copies(), ds.index.shards.len());
+        drop(ds);
+        // Restarted with room to hold every shard: each is read from its copy, none from the store.
+        let ds = open_holding(&store, &ctx, index_dir.path(), u64::MAX);
+        let source = ds.storage.objects().unwrap().clone();
+        assert_eq!(source.counters.gets.load(Ordering::Relaxed), 0, "a held object was read from the store");
+        read_all_and_compare(&ds, local.path());
     }
 
     #[test]

@@ -64,7 +64,9 @@ impl ObjectSource {
     /// The copy of object `n` at `path` read into memory, checked against the index.
     fn read_copy(&self, n: u32, file: &ShardInfo, path: &std::path::Path) -> io::Result<batchfs::mmap::MappedFile> {
         let copy = std::fs::File::open(path)?;
-        let held = batchfs::mmap::MappedFile::in_memory(file.size as usize, |memory| copy.read_exact_at(memory, 0))?;
+        // `in_memory` hands over whole pages: only the object's own bytes are read into them.
+        let len = file.size as usize;
+        let held = batchfs::mmap::MappedFile::in_memory(len, |memory| copy.read_exact_at(&mut memory[..len], 0))?;
         match differing_chunk(file, held.bytes()) {
             None => Ok(held),
             Some(k) => {
