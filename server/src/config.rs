@@ -243,8 +243,8 @@ limits! {
     object_requests: usize = 64, value::count, "64", "N",
         "Ranged GETs in flight to one bucket, server-wide (object datasets, s3://).";
     object_cache: u64 = 1 << 30, value::size, "1G", "SIZE",
-        "Memory of the block cache of object datasets' checked reads, server-wide: mounts reading the \
-         same epoch read the bucket once.";
+        "Memory of the block cache of object datasets' checked reads, server-wide (at most an eighth of \
+         the memory the server may use): mounts reading the same epoch read the bucket once.";
     object_gap: u64 = 64 << 10, value::size, "64K", "SIZE",
         "Ranges of one object at most this far apart are read with one GET (the bytes between are read \
          and dropped).";
@@ -265,7 +265,9 @@ limits! {
         "The most bytes the disk tier holds. auto: 90 % of what its filesystem has free at start, plus what \
          it already holds.";
     stage_objects: usize = 4, value::count, "4", "N",
-        "Objects copied into the disk tier at once, each by ranged GETs of object_part, up to 8 in flight.";
+        "Objects copied into the disk tier at once, each by ranged GETs of object_part, up to 8 in flight; \
+         the parts read and not yet written take at most an eighth of the memory the server may use \
+         (256 MiB at most).";
 }
 
 /// One dataset to serve.

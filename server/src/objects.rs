@@ -119,18 +119,25 @@ pub struct ObjectLimits {
     pub retry_for: Duration,
     /// Whole objects copied into the tier at once, and GETs in flight for them (`stage_objects`).
     pub stage_objects: usize,
+    /// Bytes of parts read for copies into the tier and not yet handed to the disk, server-wide: an
+    /// eighth of the memory the server may use, within 2 parts and 256 MiB.
+    pub staging_bytes: u64,
 }
 
 impl ObjectLimits {
-    pub fn of(limits: &ServerLimits) -> Self {
+    /// The limits of a server with `limits`, which may use `memory` bytes (the machine's, or its memory
+    /// cgroup's limit): the block cache takes at most an eighth of it.
+    pub fn of(limits: &ServerLimits, memory: u64) -> Self {
+        let part = limits.object_part.max(64 << 10);
         ObjectLimits {
             requests: limits.object_requests.max(1),
-            cache: limits.object_cache,
+            cache: limits.object_cache.min(memory / 8),
             gap: limits.object_gap,
-            part: limits.object_part.max(64 << 10),
+            part,
             timeout: limits.object_timeout,
             retry_for: limits.object_retry_for,
             stage_objects: limits.stage_objects.max(1),
+            staging_bytes: (memory / 8).clamp(2 * part, (256 << 20).max(2 * part)),
         }
     }
 }

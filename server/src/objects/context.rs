@@ -13,6 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Semaphore;
 
+/// The unit `staging_bytes` is counted in.
+const STAGING_UNIT: u64 = 64 << 10;
+
 /// The shared state of a server's object datasets.
 pub struct ObjectContext {
     pub limits: ObjectLimits,
@@ -23,6 +26,9 @@ pub struct ObjectContext {
     /// GETs in flight to each bucket (an endpoint's): every dataset of one bucket shares its bound.
     buckets: Mutex<HashMap<String, Arc<Semaphore>>>,
     pub cache: BlockCache,
+    /// Room for parts of copies into the tier read and not yet written (`staging_bytes`), in units of
+    /// [`STAGING_UNIT`].
+    staging: Semaphore,
     /// Whole objects kept on the server's disks (`disk_cache`), if any.
     pub tier: Option<Arc<Tier>>,
     /// Numbers the datasets, whose units share the block cache.
@@ -37,7 +43,7 @@ impl ObjectContext {
             Some(dir) => Some(Arc::new(Tier::open(dir, limits.disk_cache_size)?)),
             None => None,
         };
-        Ok(Self::with(ObjectLimits::of(limits), tier))
+        Ok(Self::with(ObjectLimits::of(limits, crate::policy::memory_limit()), tier))
     }
 
     /// A context of `limits` with `tier`.
@@ -48,14 +54,24 @@ impl ObjectContext {
             .enable_all()
             .build()
             .expect("cannot start the object store runtime");
+        let units = (limits.staging_bytes / STAGING_UNIT).clamp(1, Semaphore::MAX_PERMITS as u64);
         Arc::new(ObjectContext {
             cache: BlockCache::new(limits.cache),
+            staging: Semaphore::new(units as usize),
             limits,
             runtime: Some(runtime),
             buckets: Mutex::default(),
             tier,
             next_id: AtomicU64::new(0),
         })
+    }
+
+    /// Waits for room to hold `bytes` of a copy's part until it is written (`staging_bytes`); the room is
+    /// given back when the permit drops. A part larger than all the room takes all of it.
+    pub async fn staging_room(&self, bytes: u64) -> tokio::sync::SemaphorePermit<'_> {
+        let units = bytes.div_ceil(STAGING_UNIT).clamp(1, (self.limits.staging_bytes / STAGING_UNIT).max(1));
+        let units = units.min(u32::MAX as u64) as u32;
+        self.staging.acquire_many(units).await.expect("the staging semaphore is never closed")
     }
 
     fn runtime(&self) -> &tokio::runtime::Runtime {
@@ -107,5 +123,39 @@ impl Drop for ObjectContext {
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_bounds_the_block_cache_and_the_parts_staged_at_once() {
+        let limits = ServerLimits::default();
+        // A server in 256 MiB: an eighth of it for the cache (not the default 1 GiB), and for staging.
+        let small = ObjectLimits::of(&limits, 256 << 20);
+        assert_eq!((small.cache, small.staging_bytes), (32 << 20, 32 << 20));
+        // A large machine: the defaults, staging within 256 MiB; a tiny one: two parts still fit.
+        let large = ObjectLimits::of(&limits, 64 << 30);
+        assert_eq!((large.cache, large.staging_bytes), (limits.object_cache, 256 << 20));
+        assert_eq!(ObjectLimits::of(&limits, 16 << 20).staging_bytes, 2 * limits.object_part);
+
+        // Parts wait for room: with room for two, a third waits until one is written.
+        let ctx = ObjectContext::with(ObjectLimits { staging_bytes: 2 * small.part, ..small.clone() }, None);
+        ctx.block_on(async {
+            let first = ctx.staging_room(small.part).await;
+            let _second = ctx.staging_room(small.part).await;
+            let third = tokio::time::timeout(std::time::Duration::from_millis(50), ctx.staging_room(small.part));
+            assert!(third.await.is_err(), "a third part found room");
+            drop(first);
+            let third = tokio::time::timeout(std::time::Duration::from_secs(5), ctx.staging_room(small.part));
+            assert!(third.await.is_ok());
+        });
+        // A part larger than all the room takes all of it, and does not wait for ever.
+        let big = ctx.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_secs(5), ctx.staging_room(10 * small.part)).await.is_ok()
+        });
+        assert!(big);
     }
 }

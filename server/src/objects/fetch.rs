@@ -80,8 +80,21 @@ impl ObjectSource {
     }
 
     pub(super) async fn read_into(&self, n: u32, file: &ShardInfo, memory: &mut [u8]) -> io::Result<()> {
-        let part = self.limits().part.div_ceil(CHUNK_BYTES).max(1) * CHUNK_BYTES;
-        let mut todo = parts_of(&mut memory[..file.size as usize], part);
+        self.read_range_into(n, file, 0, &mut memory[..file.size as usize]).await
+    }
+
+    /// The largest read of an object in one GET (`object_part`, whole [`CHUNK_BYTES`] chunks).
+    pub(super) fn part_bytes(&self) -> u64 {
+        self.limits().part.div_ceil(CHUNK_BYTES).max(1) * CHUNK_BYTES
+    }
+
+    /// Fills `memory` with the bytes at `at` (a multiple of [`CHUNK_BYTES`]) of object `n`, by ranged
+    /// GETs of [`ObjectSource::part_bytes`] several at once, each chunk checked against the index's CRC32C
+    /// and read again by itself where it differs, up to [`FETCH_ATTEMPTS`] times.
+    pub(super) async fn read_range_into(&self, n: u32, file: &ShardInfo, at: u64, memory: &mut [u8]) -> io::Result<()> {
+        debug_assert_eq!(at % CHUNK_BYTES, 0, "ranges are checked by whole chunks");
+        let part = self.part_bytes();
+        let mut todo: Vec<_> = parts_of(memory, part).into_iter().map(|(k, slice)| (at + k, slice)).collect();
         for attempt in 1..=FETCH_ATTEMPTS {
             // Each CHUNK_BYTES chunk of what was read against its CRC32C from the index; a chunk that
             // differs is read again by itself.

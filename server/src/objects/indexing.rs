@@ -1,7 +1,6 @@
 //! Indexing an object dataset: the [`Files`] a format's indexer reads, each object read once (whole, by
 //! ranged GETs) and kept in the disk tier where the server has one; and the index kept in the bucket.
 
-use super::fetch::parts_of;
 use super::{ObjectSource, ReadError, FETCH_ATTEMPTS};
 use batchfs::index::ShardInfo;
 use batchfs::source::{Files, Local};
@@ -186,10 +185,11 @@ impl ObjectSource {
         if file.size == 0 {
             return Ok(());
         }
-        // SAFETY: the file was made by this server, in a directory of its own, and nothing else writes it.
-        let mut copy = unsafe { memmap2::MmapMut::map_mut(out)? };
         for attempt in 1..=FETCH_ATTEMPTS {
-            self.read_parts(u32::MAX, file, parts_of(&mut copy, self.limits().part)).await?;
+            self.write_whole(u32::MAX, file, out, |e| e, false).await?;
+            // SAFETY: the file was made by this server, in a directory of its own, and nothing else writes
+            // it; the mapping only reads, and is dropped before the file is used.
+            let copy = unsafe { memmap2::Mmap::map(out)? };
             if matches_etag(&file.etag.to_string(), &copy) {
                 return Ok(());
             }

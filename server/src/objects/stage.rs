@@ -13,12 +13,12 @@
 //! and the server says so at start and in `/healthz`.
 //!
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
-//! driving the object runtime: copies are written through a mapping of their file, off the runtime's
-//! workers. It holds its dataset weakly and ends when the dataset is gone.
+//! driving the object runtime: copies are written with `pwrite`, off the runtime's workers. It holds its dataset weakly and ends when the dataset is gone.
 
 use super::ObjectSource;
+use batchfs::index::ShardInfo;
 use futures_util::stream::FuturesUnordered;
-use futures_util::StreamExt;
+use futures_util::{StreamExt, TryStreamExt};
 use std::collections::{HashSet, VecDeque};
 use std::io;
 use std::path::PathBuf;
@@ -200,6 +200,12 @@ impl ObjectSource {
     /// Copies object `n` whole into the tier, if it is not there: by ranged GETs of `object_part`, several
     /// at once, into a file under `staging/`, each 4 MiB chunk checked against the index's CRC32C (and
     /// read again where it differs), then renamed into place. Returns the copy's path.
+    ///
+    /// **Memory.** Each part is read into a buffer of its own within the server's `staging_bytes`, written
+    /// with `pwrite` and handed to the disk at once (`sync_file_range`), so what copies hold in memory is
+    /// bounded and their pages are clean soon after: a server in a small memory cgroup copying several
+    /// objects is not filled with dirty pages its reclaim cannot drop (writes through a mapping of the
+    /// copy were, and the OOM killer came).
     async fn stage_object(&self, n: u32) -> io::Result<PathBuf> {
         let tier = self.tier().ok_or_else(|| io::Error::other("no disk tier"))?;
         let file = self.file(n).ok_or_else(|| io::Error::other(format!("no object #{n}")))?;
@@ -208,22 +214,72 @@ impl ObjectSource {
             return Ok(path);
         }
         let copy = tier.begin(&name, file.size)?;
-        if file.size > 0 {
-            // SAFETY: the file was made by the tier under `staging/` for this copy alone, and nothing else
-            // writes it; the mapping is dropped before the file is renamed.
-            let mut map = unsafe { memmap2::MmapMut::map_mut(copy.file()) }.map_err(|e| copy.failed(e))?;
-            let fetched = self.read_into(n, file, &mut map).await;
-            // Every chunk was checked as it came (`read_into`); the disk must have taken them too (an error
-            // of the disk's shows at the flush, not at the stores into the mapping).
-            fetched?;
-            map.flush().map_err(|e| copy.failed(e))?;
-        }
+        self.write_whole(n, file, copy.file(), |e| copy.failed(e), true).await?;
+        // The disk must have taken every part before the copy is the tier's (an error of the disk's shows
+        // here, not at the writes).
+        copy.file().sync_data().map_err(|e| copy.failed(e))?;
         let path = copy.commit()?;
         tier.counters.fetched_bytes.fetch_add(file.size, Ordering::Relaxed);
         let (dataset, object) = (&self.bucket.url, &file.path);
         tracing::debug!(%dataset, %object, bytes = file.size, "copied into the disk tier");
         Ok(path)
     }
+}
+
+impl ObjectSource {
+    /// Reads all of object `n` (`file`) into `out` (a file of its size) by ranged GETs of `object_part`,
+    /// up to 8 at once, each within the server's `staging_bytes` until it is written; with `checked`, each
+    /// 4 MiB chunk against the index's CRC32C (read again where it differs). A write that fails is
+    /// `disk`'s error.
+    pub(super) async fn write_whole(
+        &self,
+        n: u32,
+        file: &ShardInfo,
+        out: &std::fs::File,
+        disk: impl Fn(io::Error) -> io::Error,
+        checked: bool,
+    ) -> io::Result<()> {
+        let part = self.part_bytes();
+        let disk = &disk;
+        let parts = (0..file.size.div_ceil(part)).map(|k| async move {
+            let (at, len) = (k * part, part.min(file.size - k * part));
+            let _room = self.context.staging_room(len).await;
+            let mut bytes = vec![0; len as usize];
+            if checked {
+                self.read_range_into(n, file, at, &mut bytes).await?;
+            } else {
+                self.read_parts(n, file, vec![(at, &mut bytes[..])]).await?;
+            }
+            write_part(out, &bytes, at).map_err(disk)
+        });
+        futures_util::stream::iter(parts).buffer_unordered(self.limits().requests.clamp(1, 8)).try_collect().await
+    }
+}
+
+/// Writes `bytes` at `at` of `file` and starts their writeback now, so they do not stay dirty in memory
+/// (Linux; elsewhere the flush before the rename writes them).
+fn write_part(file: &std::fs::File, bytes: &[u8], at: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    file.write_all_at(bytes, at)?;
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: sync_file_range reads no memory of ours; the descriptor is open for the call (borrowed).
+        let rc = unsafe {
+            libc::sync_file_range(
+                file.as_raw_fd(),
+                at as libc::off64_t,
+                bytes.len() as libc::off64_t,
+                libc::SYNC_FILE_RANGE_WRITE,
+            )
+        };
+        // A filesystem that cannot start writeback this way (EINVAL) leaves it to the flush.
+        let e = io::Error::last_os_error();
+        if rc != 0 && e.raw_os_error() != Some(libc::EINVAL) {
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// The stager's loop: copies what [`ObjectSource::next_to_copy`] gives, `stage_objects` at once, until
