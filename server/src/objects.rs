@@ -46,6 +46,7 @@ mod cache;
 mod context;
 mod fetch;
 mod indexing;
+mod making;
 mod maps;
 mod stage;
 mod store;
@@ -122,6 +123,9 @@ pub struct ObjectLimits {
     /// Bytes of parts read for copies into the tier and not yet handed to the disk, server-wide: an
     /// eighth of the memory the server may use, within 2 parts and 256 MiB.
     pub staging_bytes: u64,
+    /// Bytes of GETs in flight, server-wide (their bodies are held whole until they are checked): an
+    /// eighth of the memory the server may use, within 2 parts and 512 MiB.
+    pub get_bytes: u64,
 }
 
 impl ObjectLimits {
@@ -138,6 +142,7 @@ impl ObjectLimits {
             retry_for: limits.object_retry_for,
             stage_objects: limits.stage_objects.max(1),
             staging_bytes: (memory / 8).clamp(2 * part, (256 << 20).max(2 * part)),
+            get_bytes: (memory / 8).clamp(2 * part, (512 << 20).max(2 * part)),
         }
     }
 }
@@ -315,6 +320,8 @@ mod tests {
     use crate::policy::{AutoSize, IoMode, IoPolicy};
     use batchfs::source::{IndexOptions, NoProgress};
     use object_store::memory::InMemory;
+    use object_store::throttle::{ThrottleConfig, ThrottledStore};
+    use object_store::ObjectStore;
     use object_store::ObjectStoreExt;
     use std::sync::atomic::Ordering;
     use std::time::Instant;
@@ -341,13 +348,18 @@ mod tests {
     }
 
     /// The dataset `s3://b/ds` of `store`, read by GETs (nothing held in memory), its index in `index_dir`.
-    fn open(store: &Arc<InMemory>, context: &Arc<ObjectContext>, index_dir: &Path) -> Dataset {
+    fn open<S: ObjectStore>(store: &Arc<S>, context: &Arc<ObjectContext>, index_dir: &Path) -> Dataset {
         open_holding(store, context, index_dir, 0)
     }
 
     /// [`open`], with `resident` bytes of whole objects held in the server's memory.
-    fn open_holding(store: &Arc<InMemory>, context: &Arc<ObjectContext>, index_dir: &Path, resident: u64) -> Dataset {
-        let bucket = Bucket::of_store("s3://b/ds", store.clone(), "memory").unwrap();
+    fn open_holding<S: ObjectStore>(
+        store: &Arc<S>,
+        context: &Arc<ObjectContext>,
+        index_dir: &Path,
+        resident: u64,
+    ) -> Dataset {
+        let bucket = Bucket::of_store("s3://b/ds", store.clone() as Arc<dyn ObjectStore>, "memory").unwrap();
         let opened = ObjectSource::of_bucket(bucket, context.clone(), index_dir.to_owned(), false).unwrap();
         let io = IoPolicy { mode: IoMode::Auto, max_mapped_shards: 4096, memory: u64::MAX, resident, sendfile: false };
         Dataset::of_objects("ds", opened, Some(index_dir), &IndexOptions::default(), &NoProgress, io).unwrap()
@@ -484,8 +496,15 @@ mod tests {
     #[test]
     fn blocks_copy_each_object_once_per_epoch_within_a_tier_smaller_than_the_dataset() {
         let (local, _) = crate::storage::fixtures::dataset(1200, 20_000, 12);
-        let store = Arc::new(InMemory::new());
-        upload(&store, local.path(), "ds");
+        let memory = Arc::new(InMemory::new());
+        upload(&memory, local.path(), "ds");
+        // A store that takes its time, as a real one does: bodies come while objects are being copied.
+        let slow = ThrottleConfig {
+            wait_get_per_call: Duration::from_millis(5),
+            wait_get_per_byte: Duration::from_nanos(50),
+            ..Default::default()
+        };
+        let store = Arc::new(ThrottledStore::new(memory, slow));
         let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let total: u64 = std::fs::read_dir(local.path())
             .unwrap()
@@ -510,14 +529,20 @@ mod tests {
         let query = batchfs::api::BatchQuery::parse("shuffle=blocks&batch_size=32").unwrap();
         for epoch in 0..2 {
             let fetched = tier.counters.fetched_bytes.load(Ordering::Relaxed);
+            let read = source.counters.bytes.load(Ordering::Relaxed);
             let manifest = ds.manifest(epoch, &query).unwrap();
             assert_eq!(manifest.options.block_bytes, tier.cap() / 2, "the server's default");
             let plan = ds.plan(epoch, &query).unwrap();
-            for &sample in plan.order() {
-                let part = &ds.index.samples[sample as usize].parts[0];
-                let got = ds.storage.read_objects(&[(part.shard, part.offset, part.len)]).unwrap();
-                let file = std::fs::read(local.path().join(&ds.index.shards[part.shard as usize].path)).unwrap();
-                assert_eq!(&got[0][..], &file[part.offset as usize..(part.offset + part.len) as usize]);
+            // A batch's samples read at once, as a body's chunk reads them.
+            for batch in plan.order().chunks(32) {
+                let parts: Vec<_> = batch.iter().map(|&s| ds.index.samples[s as usize].parts[0].clone()).collect();
+                let wanted: Vec<(u32, u64, u64)> = parts.iter().map(|p| (p.shard, p.offset, p.len)).collect();
+                let got = ds.storage.read_objects(&wanted).unwrap();
+                for (part, got) in parts.iter().zip(got) {
+                    let path = local.path().join(&ds.index.shards[part.shard as usize].path);
+                    let file = std::fs::read(path).unwrap();
+                    assert_eq!(&got[..], &file[part.offset as usize..(part.offset + part.len) as usize]);
+                }
                 assert!(tier.bytes() <= tier.cap());
             }
             // Each object is copied at most once an epoch: the stager never evicts what the block reads.
@@ -525,6 +550,10 @@ mod tests {
             let copied = tier.counters.fetched_bytes.load(Ordering::Relaxed) - fetched;
             assert!(copied <= total, "epoch {epoch}: {copied} bytes copied of a {total}-byte dataset");
             assert!(copied > 0, "epoch {epoch}: the stager copied nothing");
+            // Bodies read the objects being copied from their parts as they land, not by GETs of their
+            // own: the store is read about once an epoch (a part a body could not wait for aside).
+            let from_store = source.counters.bytes.load(Ordering::Relaxed) - read;
+            assert!(from_store <= total + total / 10, "epoch {epoch}: {from_store} bytes read from the store");
             eprintln!(
                 "epoch {epoch}: {copied} of {total} bytes copied, tier hits {} bytes",
                 source.counters.tier_hit_bytes.load(Ordering::Relaxed)

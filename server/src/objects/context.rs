@@ -13,8 +13,28 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Semaphore;
 
-/// The unit `staging_bytes` is counted in.
-const STAGING_UNIT: u64 = 64 << 10;
+/// Bytes of memory some reads may take at once, waited for: `staging_bytes` and `get_bytes`.
+pub struct Room {
+    units: Semaphore,
+    total: u64,
+}
+
+impl Room {
+    /// The unit room is counted in.
+    const UNIT: u64 = 64 << 10;
+
+    fn new(bytes: u64) -> Room {
+        let total = (bytes / Self::UNIT).clamp(1, Semaphore::MAX_PERMITS as u64);
+        Room { units: Semaphore::new(total as usize), total }
+    }
+
+    /// Waits for room for `bytes`, given back when the permit drops; more than all the room takes all of
+    /// it (and does not wait for ever).
+    pub async fn take(&self, bytes: u64) -> tokio::sync::SemaphorePermit<'_> {
+        let units = bytes.div_ceil(Self::UNIT).clamp(1, self.total).min(u32::MAX as u64) as u32;
+        self.units.acquire_many(units).await.expect("a room's semaphore is never closed")
+    }
+}
 
 /// The shared state of a server's object datasets.
 pub struct ObjectContext {
@@ -26,9 +46,10 @@ pub struct ObjectContext {
     /// GETs in flight to each bucket (an endpoint's): every dataset of one bucket shares its bound.
     buckets: Mutex<HashMap<String, Arc<Semaphore>>>,
     pub cache: BlockCache,
-    /// Room for parts of copies into the tier read and not yet written (`staging_bytes`), in units of
-    /// [`STAGING_UNIT`].
-    staging: Semaphore,
+    /// Room for parts of copies into the tier read and not yet written (`staging_bytes`).
+    pub staging: Room,
+    /// Room for the bodies of GETs in flight (`get_bytes`).
+    pub gets: Room,
     /// Whole objects kept on the server's disks (`disk_cache`), if any.
     pub tier: Option<Arc<Tier>>,
     /// Numbers the datasets, whose units share the block cache.
@@ -54,24 +75,16 @@ impl ObjectContext {
             .enable_all()
             .build()
             .expect("cannot start the object store runtime");
-        let units = (limits.staging_bytes / STAGING_UNIT).clamp(1, Semaphore::MAX_PERMITS as u64);
         Arc::new(ObjectContext {
             cache: BlockCache::new(limits.cache),
-            staging: Semaphore::new(units as usize),
+            staging: Room::new(limits.staging_bytes),
+            gets: Room::new(limits.get_bytes),
             limits,
             runtime: Some(runtime),
             buckets: Mutex::default(),
             tier,
             next_id: AtomicU64::new(0),
         })
-    }
-
-    /// Waits for room to hold `bytes` of a copy's part until it is written (`staging_bytes`); the room is
-    /// given back when the permit drops. A part larger than all the room takes all of it.
-    pub async fn staging_room(&self, bytes: u64) -> tokio::sync::SemaphorePermit<'_> {
-        let units = bytes.div_ceil(STAGING_UNIT).clamp(1, (self.limits.staging_bytes / STAGING_UNIT).max(1));
-        let units = units.min(u32::MAX as u64) as u32;
-        self.staging.acquire_many(units).await.expect("the staging semaphore is never closed")
     }
 
     fn runtime(&self) -> &tokio::runtime::Runtime {
@@ -133,28 +146,30 @@ mod tests {
     #[test]
     fn memory_bounds_the_block_cache_and_the_parts_staged_at_once() {
         let limits = ServerLimits::default();
-        // A server in 256 MiB: an eighth of it for the cache (not the default 1 GiB), and for staging.
+        // A server in 256 MiB: an eighth of it for the cache (not the default 1 GiB), for staging and for
+        // GETs in flight.
         let small = ObjectLimits::of(&limits, 256 << 20);
-        assert_eq!((small.cache, small.staging_bytes), (32 << 20, 32 << 20));
-        // A large machine: the defaults, staging within 256 MiB; a tiny one: two parts still fit.
+        assert_eq!((small.cache, small.staging_bytes, small.get_bytes), (32 << 20, 32 << 20, 32 << 20));
+        // A large machine: the defaults, staging within 256 MiB, GETs within 512 MiB; a tiny one: two parts
+        // still fit.
         let large = ObjectLimits::of(&limits, 64 << 30);
-        assert_eq!((large.cache, large.staging_bytes), (limits.object_cache, 256 << 20));
+        assert_eq!((large.cache, large.staging_bytes, large.get_bytes), (limits.object_cache, 256 << 20, 512 << 20));
         assert_eq!(ObjectLimits::of(&limits, 16 << 20).staging_bytes, 2 * limits.object_part);
 
         // Parts wait for room: with room for two, a third waits until one is written.
         let ctx = ObjectContext::with(ObjectLimits { staging_bytes: 2 * small.part, ..small.clone() }, None);
         ctx.block_on(async {
-            let first = ctx.staging_room(small.part).await;
-            let _second = ctx.staging_room(small.part).await;
-            let third = tokio::time::timeout(std::time::Duration::from_millis(50), ctx.staging_room(small.part));
+            let first = ctx.staging.take(small.part).await;
+            let _second = ctx.staging.take(small.part).await;
+            let third = tokio::time::timeout(std::time::Duration::from_millis(50), ctx.staging.take(small.part));
             assert!(third.await.is_err(), "a third part found room");
             drop(first);
-            let third = tokio::time::timeout(std::time::Duration::from_secs(5), ctx.staging_room(small.part));
+            let third = tokio::time::timeout(std::time::Duration::from_secs(5), ctx.staging.take(small.part));
             assert!(third.await.is_ok());
         });
         // A part larger than all the room takes all of it, and does not wait for ever.
         let big = ctx.block_on(async {
-            tokio::time::timeout(std::time::Duration::from_secs(5), ctx.staging_room(10 * small.part)).await.is_ok()
+            tokio::time::timeout(std::time::Duration::from_secs(5), ctx.staging.take(10 * small.part)).await.is_ok()
         });
         assert!(big);
     }

@@ -157,6 +157,10 @@ impl ObjectSource {
                 });
                 if let Some(file) = copy {
                     out[i] = self.read_from_copy(n, file, offset, len);
+                } else if let Some(making) = self.making_of(n) {
+                    // Being copied: its parts as they land, checked already, rather than a GET of its own.
+                    let landed = making.wait(offset, len, self.limits().timeout);
+                    out[i] = landed.and_then(|file| self.read_from_making(&file, offset, len));
                 }
             }
         }
@@ -216,6 +220,18 @@ impl ObjectSource {
                 None
             }
         }
+    }
+
+    /// `len` bytes at `offset` of a copy being made, from parts that landed; `None` where the read fails
+    /// (the bytes are then read from the store).
+    fn read_from_making(&self, copy: &std::fs::File, offset: u64, len: u64) -> Option<Bytes> {
+        let mut bytes = vec![0; len as usize];
+        copy.read_exact_at(&mut bytes, offset).ok()?;
+        let tier = self.tier()?;
+        tier.counters.hits.fetch_add(1, Ordering::Relaxed);
+        tier.counters.hit_bytes.fetch_add(len, Ordering::Relaxed);
+        self.counters.tier_hit_bytes.fetch_add(len, Ordering::Relaxed);
+        Some(Bytes::from(bytes))
     }
 
     async fn read_many_async(self: &Arc<Self>, wanted: &[(u32, u64, u64)]) -> Result<Vec<Bytes>, ReadError> {
@@ -319,6 +335,8 @@ impl ObjectSource {
     }
 
     async fn get_once(&self, n: u32, file: &ShardInfo, offset: u64, len: u64) -> Result<Bytes, ReadError> {
+        // Room for the body first: a GET waiting for room holds no request of its bucket.
+        let _room = self.context.gets.take(len).await;
         let _permit = self.requests.acquire().await.map_err(io::Error::other)?;
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let options = GetOptions {

@@ -15,11 +15,12 @@
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
 //! driving the object runtime: copies are written with `pwrite`, off the runtime's workers. It holds its dataset weakly and ends when the dataset is gone.
 
+use super::making::Making;
 use super::ObjectSource;
 use batchfs::index::ShardInfo;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{StreamExt, TryStreamExt};
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -32,6 +33,8 @@ use tokio::sync::Notify;
 pub(super) struct Stager {
     queue: Mutex<Queue>,
     wake: Arc<Notify>,
+    /// Copies being made (or asked for by a body), readable part by part.
+    making: Mutex<HashMap<u32, Arc<Making>>>,
 }
 
 #[derive(Default)]
@@ -135,7 +138,9 @@ impl ObjectSource {
     }
 
     /// Notes that a body read object `n`, which the tier holds or not (`held`): the stager may go on
-    /// past it, and copies it first if it is missing and the dataset is copied whole.
+    /// past it, and copies it first if it is missing (and the dataset is copied whole, or the object is
+    /// within the tier's reach of the furthest one read, as under `shuffle=blocks`); the body can then
+    /// read its parts as they land ([`ObjectSource::making_of`]).
     pub(super) fn touched(self: &Arc<Self>, n: u32, held: bool) {
         let mut q = self.stager.queue.lock().expect("stager");
         let at = q.position.get(n as usize).copied().unwrap_or(u32::MAX);
@@ -144,8 +149,11 @@ impl ObjectSource {
             q.cursor = at as usize;
             wake = q.ahead != u64::MAX;
         }
-        if !held && q.ahead == u64::MAX && !q.busy.contains(&n) && !q.failed.contains(&n) && !q.urgent.contains(&n) {
+        let within = q.ahead == u64::MAX
+            || (at != u32::MAX && q.before[q.cursor + 1] - q.before[at as usize] <= q.ahead && q.started);
+        if !held && within && !q.busy.contains(&n) && !q.failed.contains(&n) && !q.urgent.contains(&n) {
             q.urgent.push_back(n);
+            self.making_entry(n);
             wake = true;
         }
         if wake && q.started {
@@ -153,15 +161,40 @@ impl ObjectSource {
         }
     }
 
-    /// The next object to copy, if one may be copied now.
-    fn next_to_copy(&self) -> Option<u32> {
+    /// The copy of object `n` being made, or asked for, if any.
+    pub(super) fn making_of(&self, n: u32) -> Option<Arc<Making>> {
+        self.stager.making.lock().expect("making").get(&n).cloned()
+    }
+
+    fn making_entry(&self, n: u32) -> Arc<Making> {
+        self.stager.making.lock().expect("making").entry(n).or_default().clone()
+    }
+
+    /// The copy of object `n` is the tier's, or will not be made now: its readers stop waiting.
+    fn end_making(&self, n: u32) {
+        if let Some(making) = self.stager.making.lock().expect("making").remove(&n) {
+            making.end();
+        }
+    }
+
+    /// The next object to copy, if one may be copied now: one a body asked for first, then (where
+    /// `ordered`) the next in the plan's order.
+    fn next_to_copy(&self, ordered: bool) -> Option<u32> {
         let mut q = self.stager.queue.lock().expect("stager");
         let held = |n: u32| self.tier().zip(self.file(n)).is_none_or(|(t, f)| t.contains(&self.tier_name(f)));
         while let Some(n) = q.urgent.pop_front() {
-            if !q.busy.contains(&n) && !held(n) {
-                q.busy.insert(n);
-                return Some(n);
+            if q.busy.contains(&n) {
+                continue;
             }
+            if held(n) {
+                self.end_making(n);
+                continue;
+            }
+            q.busy.insert(n);
+            return Some(n);
+        }
+        if !ordered {
+            return None;
         }
         loop {
             if q.next >= q.order.len() {
@@ -213,12 +246,20 @@ impl ObjectSource {
         if let Some((path, _)) = tier.get(&name) {
             return Ok(path);
         }
-        let copy = tier.begin(&name, file.size)?;
-        self.write_whole(n, file, copy.file(), |e| copy.failed(e), true).await?;
-        // The disk must have taken every part before the copy is the tier's (an error of the disk's shows
-        // here, not at the writes).
-        copy.file().sync_data().map_err(|e| copy.failed(e))?;
-        let path = copy.commit()?;
+        let making = self.making_entry(n);
+        let copied = async {
+            let copy = tier.begin(&name, file.size)?;
+            let parts = file.size.div_ceil(self.part_bytes()) as usize;
+            making.begin(Arc::new(copy.file().try_clone()?), self.part_bytes(), parts);
+            self.write_whole(n, file, copy.file(), |e| copy.failed(e), true, &|k| making.landed(k)).await?;
+            // The disk must have taken every part before the copy is the tier's (an error of the disk's
+            // shows here, not at the writes).
+            copy.file().sync_data().map_err(|e| copy.failed(e))?;
+            copy.commit()
+        };
+        let copied = copied.await;
+        self.end_making(n);
+        let path = copied?;
         tier.counters.fetched_bytes.fetch_add(file.size, Ordering::Relaxed);
         let (dataset, object) = (&self.bucket.url, &file.path);
         tracing::debug!(%dataset, %object, bytes = file.size, "copied into the disk tier");
@@ -238,19 +279,22 @@ impl ObjectSource {
         out: &std::fs::File,
         disk: impl Fn(io::Error) -> io::Error,
         checked: bool,
+        landed: &(dyn Fn(u64) + Sync),
     ) -> io::Result<()> {
         let part = self.part_bytes();
         let disk = &disk;
         let parts = (0..file.size.div_ceil(part)).map(|k| async move {
             let (at, len) = (k * part, part.min(file.size - k * part));
-            let _room = self.context.staging_room(len).await;
+            let _room = self.context.staging.take(len).await;
             let mut bytes = vec![0; len as usize];
             if checked {
                 self.read_range_into(n, file, at, &mut bytes).await?;
             } else {
                 self.read_parts(n, file, vec![(at, &mut bytes[..])]).await?;
             }
-            write_part(out, &bytes, at).map_err(disk)
+            write_part(out, &bytes, at).map_err(disk)?;
+            landed(k);
+            Ok(())
         });
         futures_util::stream::iter(parts).buffer_unordered(self.limits().requests.clamp(1, 8)).try_collect().await
     }
@@ -288,8 +332,9 @@ async fn run(source: Weak<ObjectSource>, wake: Arc<Notify>) {
     let mut copying = FuturesUnordered::new();
     loop {
         let Some(this) = source.upgrade() else { return };
-        while copying.len() < this.limits().stage_objects {
-            let Some(n) = this.next_to_copy() else { break };
+        // Objects bodies wait for may start beyond `stage_objects` (up to twice as many at once).
+        while copying.len() < 2 * this.limits().stage_objects {
+            let Some(n) = this.next_to_copy(copying.len() < this.limits().stage_objects) else { break };
             let this = this.clone();
             copying.push(async move {
                 let copied = this.stage_object(n).await;
