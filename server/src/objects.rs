@@ -361,7 +361,14 @@ mod tests {
     ) -> Dataset {
         let bucket = Bucket::of_store("s3://b/ds", store.clone() as Arc<dyn ObjectStore>, "memory").unwrap();
         let opened = ObjectSource::of_bucket(bucket, context.clone(), index_dir.to_owned(), false).unwrap();
-        let io = IoPolicy { mode: IoMode::Auto, max_mapped_shards: 4096, memory: u64::MAX, resident, sendfile: false };
+        let io = IoPolicy {
+            mode: IoMode::Auto,
+            max_mapped_shards: 4096,
+            memory: u64::MAX,
+            resident,
+            resident_auto: false,
+            sendfile: false,
+        };
         Dataset::of_objects("ds", opened, Some(index_dir), &IndexOptions::default(), &NoProgress, io).unwrap()
     }
 

@@ -89,6 +89,9 @@ pub struct IoPolicy {
     /// Bytes of whole shards of direct datasets still to be held in memory (`resident`; what a dataset
     /// takes is subtracted before the next is opened).
     pub resident: u64,
+    /// `resident` is `auto` (not a size the user gave): object datasets with a disk tier then hold
+    /// nothing, their copies being mapped as local shards are.
+    pub resident_auto: bool,
     /// Mapped shards keep their file open, for `sendfile` (the limit): see `sendfile.rs`.
     pub sendfile: bool,
 }
@@ -98,13 +101,14 @@ impl IoPolicy {
     /// `resident` in memory, with the memory the server may use detected.
     pub fn new(mode: IoMode, max_mapped_shards: usize, resident: Resident) -> Self {
         let memory = memory_limit();
+        let resident_auto = matches!(resident, Resident::Auto);
         let resident = match resident {
             // Unknown memory (no /proc/meminfo): hold nothing.
             Resident::Auto if memory == u64::MAX => 0,
             Resident::Auto => memory / 2,
             Resident::Bytes(n) => n,
         };
-        IoPolicy { mode, max_mapped_shards, memory, resident, sendfile: false }
+        IoPolicy { mode, max_mapped_shards, memory, resident, resident_auto, sendfile: false }
     }
 }
 

@@ -302,8 +302,12 @@ impl Storage {
     ) -> Result<Storage, OpenError> {
         source.attach(index.clone());
         // Each held object is a mapping of its own: a dataset of more objects than `max_mapped_shards`
-        // (a file tree) is read by GETs only, as a local one is by positioned reads.
-        let budget = if index.shards.len() > policy.max_mapped_shards { 0 } else { policy.resident };
+        // (a file tree) is read by GETs only, as a local one is by positioned reads. With a disk tier,
+        // `resident=auto` holds nothing: the tier's copies are mapped, their pages the kernel's to drop,
+        // and the memory goes to the reads of the store (a server in a memory cgroup of a quarter of the
+        // dataset holding half of it as well was OOM-killed by them).
+        let tiered = source.tier().is_some() && policy.resident_auto;
+        let budget = if index.shards.len() > policy.max_mapped_shards || tiered { 0 } else { policy.resident };
         let mut holding = Holding::new(name, &index, budget);
         let mut shards: Vec<Shard> = Vec::with_capacity(index.shards.len() + index.side.len());
         for n in 0..index.shards.len() + index.side.len() {
@@ -789,7 +793,14 @@ pub(crate) mod fixtures {
             "t",
             root,
             Arc::new(index.clone()),
-            IoPolicy { mode, max_mapped_shards: usize::MAX, memory: u64::MAX, resident: 0, sendfile: false },
+            IoPolicy {
+                mode,
+                max_mapped_shards: usize::MAX,
+                memory: u64::MAX,
+                resident: 0,
+                resident_auto: false,
+                sendfile: false,
+            },
         )
         .unwrap()
     }
@@ -832,6 +843,7 @@ mod tests {
             max_mapped_shards,
             memory,
             resident: 0,
+            resident_auto: false,
             sendfile: false,
         };
         let shared = Arc::new(index.clone());

@@ -326,14 +326,38 @@ def mount_peer(ctx, system, store):
     return mnt
 
 
-def read_epoch(directory):
-    """Reads every file of DIRECTORY whole (a warm-up, not timed); returns the bytes."""
-    total = 0
-    for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), "rb") as f:
-            while chunk := f.read(8 << 20):
-                total += len(chunk)
-    return total
+def read_epoch(directory, server=None):
+    """Reads every file of DIRECTORY whole (a warm-up, not timed); returns the bytes. Where SERVER (the
+    batchfs server behind the mount) dies meanwhile, the mount's FUSE connection is aborted, so the read
+    fails at once rather than wait for a server that will not come back."""
+    import threading
+
+    dev = os.stat(directory).st_dev
+    result = {}
+
+    def read():
+        total = 0
+        try:
+            for name in sorted(os.listdir(directory)):
+                with open(os.path.join(directory, name), "rb") as f:
+                    while chunk := f.read(8 << 20):
+                        total += len(chunk)
+            result["bytes"] = total
+        except OSError as e:
+            result["error"] = e
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while reader.is_alive():
+        reader.join(1)
+        if reader.is_alive() and server is not None and not server.alive():
+            with open(f"/sys/fs/fuse/connections/{os.minor(dev)}/abort", "w") as f:
+                f.write("1")
+            reader.join(10)
+            raise OSError(f"the server {server.label} exited ({server.proc.returncode})")
+    if "error" in result:
+        raise result["error"]
+    return result["bytes"]
 
 
 def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
@@ -498,11 +522,11 @@ def bench(ctx):
         return os.path.join(mnt, f"epoch-{epochs[key]:04d}")
 
     # Before the rounds: an epoch (epoch-0000) of every batchfs mount, and the tier full.
-    for key, (mnt, _) in dirs.items():
+    for key, (mnt, server) in dirs.items():
         if key[1].startswith(("batchfs", "half")):
             started = time.monotonic()
             try:
-                n = read_epoch(os.path.join(mnt, "epoch-0000"))
+                n = read_epoch(os.path.join(mnt, "epoch-0000"), server)
                 print(f"warm-up {key}: {n} bytes in {time.monotonic() - started:.1f} s", flush=True)
             except OSError as e:
                 ctx["notes"].append(f"warm-up epoch of {key[1]} at {key[2]} ms ({key[0]}) failed: {e}")

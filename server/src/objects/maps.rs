@@ -51,7 +51,8 @@ impl ObjectSource {
             }
         }
         if let Some((name, map)) = maps.get(&n) {
-            if tier.contains(name) {
+            // Counted as used, so that the copies bodies read now are not the ones evicted for the next.
+            if tier.used(name) {
                 let map = map.clone();
                 drop(guard);
                 self.touched(n, true);

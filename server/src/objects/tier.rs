@@ -193,6 +193,12 @@ impl Tier {
         self.inner.lock().expect("tier").entries.contains(name)
     }
 
+    /// Whether the tier holds copy `name`, counted as used (a read of its mapping): the copies being
+    /// read are the last evicted.
+    pub fn used(&self, name: &str) -> bool {
+        self.inner.lock().expect("tier").entries.get(name).is_some()
+    }
+
     /// Copy `name`, counted as used: its path and whether it was checked in this process.
     pub fn get(&self, name: &str) -> Option<(PathBuf, bool)> {
         let mut inner = self.inner.lock().expect("tier");
@@ -406,6 +412,15 @@ mod tests {
         stage(&tier, &c, &[3; 40]);
         assert!(tier.contains(&a) && !tier.contains(&b) && tier.contains(&c));
         assert_eq!(tier.counters.evicted.load(Ordering::Relaxed), 1);
+        // A read of a mapping counts as a use (`used`), a look (`contains`) does not: `c` goes for `b`.
+        assert!(tier.used(&a) && tier.contains(&c));
+        stage(&tier, &b, &[2; 40]);
+        assert!(tier.contains(&a) && tier.contains(&b) && !tier.contains(&c));
+        stage(&tier, &c, &[3; 40]);
+        assert!(!tier.contains(&a) && tier.contains(&b) && tier.contains(&c));
+        stage(&tier, &a, &[1; 40]);
+        assert!(tier.contains(&a) && !tier.contains(&b) && tier.contains(&c));
+        assert_eq!(tier.counters.evicted.load(Ordering::Relaxed), 4);
         // A copy dropped unfinished leaves nothing, and gives its room back.
         let unfinished = tier.begin(&b, 20).unwrap();
         assert_eq!(std::fs::read_dir(dir.path().join("staging")).unwrap().count(), 1);
