@@ -338,14 +338,16 @@ async fn run(source: Weak<ObjectSource>, wake: Arc<Notify>) {
             let this = this.clone();
             copying.push(async move {
                 let copied = this.stage_object(n).await;
-                if let Err(e) = &copied {
+                // No room beside the copies being made: not a failure, the object may be asked for again.
+                let busy = copied.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock);
+                if let Some(e) = copied.as_ref().err().filter(|_| !busy) {
                     let object = this.path_of(n);
                     tracing::warn!(dataset = %this.bucket.url, object = %object.display(), error = %e,
                         "not copied into the disk tier: read by GETs");
                 }
                 let mut q = this.stager.queue.lock().expect("stager");
                 q.busy.remove(&n);
-                if copied.is_err() {
+                if copied.is_err() && !busy {
                     q.failed.insert(n);
                 }
             });

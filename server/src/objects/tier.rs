@@ -225,7 +225,8 @@ impl Tier {
     }
 
     /// Starts a copy `name` of `size` bytes: room is made for it now (the least recently used copies
-    /// evicted), and the file is made under `staging/`. Refused where it is larger than the tier.
+    /// evicted), and the file is made under `staging/`. Refused where it is larger than the tier
+    /// (`StorageFull`), or does not fit beside the copies being made now (`WouldBlock`: try later).
     pub fn begin(self: &Arc<Self>, name: &str, size: u64) -> io::Result<Staging> {
         if size > self.cap {
             return Err(io::Error::new(
@@ -235,6 +236,15 @@ impl Tier {
         }
         {
             let mut inner = self.inner.lock().expect("tier");
+            // What is being written is not evicted: with the rest of the room reserved, wait for a later
+            // turn (the object is read from the store meanwhile) rather than hold more than the tier, and
+            // evict nothing for it.
+            if inner.reserved + size > self.cap {
+                return Err(io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    format!("{size} bytes do not fit beside the copies being made now ({} bytes)", inner.reserved),
+                ));
+            }
             self.make_room(&mut inner, size);
             inner.reserved += size;
         }
@@ -393,6 +403,20 @@ mod tests {
         let copy = tier.begin(name, bytes.len() as u64).unwrap();
         copy.file().write_all_at(bytes, 0).unwrap();
         copy.commit().unwrap()
+    }
+
+    #[test]
+    fn copies_being_made_are_never_evicted_and_the_tier_never_holds_more_than_its_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(100)).unwrap());
+        stage(&tier, &Tier::name("s3 b/k1", "\"e\""), &[1; 30]);
+        let making = tier.begin(&Tier::name("s3 b/k2", "\"e\""), 70).unwrap();
+        // One that does not fit beside the copy being made waits its turn, and evicts nothing for it.
+        let next = tier.begin(&Tier::name("s3 b/k3", "\"e\""), 40);
+        assert_eq!(next.err().unwrap().kind(), io::ErrorKind::WouldBlock);
+        assert_eq!((tier.copies(), tier.bytes()), (1, 30));
+        drop(making);
+        assert!(tier.begin(&Tier::name("s3 b/k3", "\"e\""), 40).is_ok());
     }
 
     #[test]
