@@ -95,6 +95,8 @@ pub struct Dataset {
     mean_frame: u64,
     pub origin: IndexOrigin,
     plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
+    /// The plans whose batches were read last, which the disk tier follows ([`Dataset::follow`]).
+    followed: Mutex<std::collections::VecDeque<(u64, batchfs::plan::PlanOptions)>>,
     manifests: Memo<(u64, BatchQuery), Manifest>,
     /// Manifests computed (not found in the cache).
     computations: AtomicU64,
@@ -215,6 +217,7 @@ impl Dataset {
             mean_frame,
             origin,
             plans: Mutex::new(LruCache::new(cache)),
+            followed: Mutex::default(),
             manifests: Memo::new(PLAN_CACHE),
             computations: AtomicU64::new(0),
             frames: OnceLock::new(),
@@ -273,12 +276,13 @@ impl Dataset {
         (of_sample, bytes)
     }
 
-    /// `block_bytes` of a `shuffle=blocks` plan that does not say: half the disk tier, for an object
-    /// dataset of a server with one (a block is read while the next is copied in); else a quarter of the
-    /// memory the server may use (the page cache holds a block of a local dataset).
+    /// `block_bytes` of a `shuffle=blocks` plan that does not say: a third of the disk tier, for an
+    /// object dataset of a server with one (mounts read ahead across a block's end, so two blocks are read
+    /// at once while the next is copied in); else a quarter of the memory the server may use (the page
+    /// cache holds a block of a local dataset).
     pub fn default_block_bytes(&self) -> u64 {
         match self.storage.objects().and_then(|o| o.tier()) {
-            Some(tier) => (tier.cap() / 2).max(1),
+            Some(tier) => (tier.cap() / 3).max(1),
             None => (crate::policy::memory_limit() / 4).max(1),
         }
     }
@@ -295,29 +299,41 @@ impl Dataset {
                  object once per epoch from the tier",
                 self.name,
                 tier.cap(),
-                tier.cap() / 2
+                tier.cap() / 3
             )
         })
     }
 
     /// Has the disk tier of an object dataset follow `plan`: its objects are copied in in the order the
     /// plan first reads them, all of them where the dataset fits in the tier, else under
-    /// `shuffle=blocks` as far ahead of the reads as the tier holds beside one block.
-    fn follow(&self, plan: &EpochPlan) {
+    /// `shuffle=blocks` as far ahead of the reads as the tier holds beside the two blocks being read
+    /// (a mount's window reaches into the next block before the last one is done). Called as the plan's
+    /// batches are read (each plan once): manifests are asked for epochs ahead of the one read.
+    fn follow(&self, epoch: u64, plan: &EpochPlan) {
         let Some(objects) = self.storage.objects() else { return };
         let Some(tier) = objects.tier() else { return };
+        if self.followed.lock().expect("followed").contains(&(epoch, plan.options)) {
+            return;
+        }
         let bytes: u64 = self.index.shards.iter().map(|s| s.size).sum();
         let ahead = match plan.options.shuffle {
             _ if bytes <= tier.cap() => u64::MAX,
-            Shuffle::Blocks => tier.cap().saturating_sub(plan.options.block_bytes),
+            Shuffle::Blocks => tier.cap().saturating_sub(plan.options.block_bytes.saturating_mul(2)),
             _ => return,
         };
-        objects.follow(plan.order(), ahead);
+        if objects.follow(plan.order(), ahead) {
+            let mut followed = self.followed.lock().expect("followed");
+            if followed.len() == 4 {
+                followed.pop_front();
+            }
+            followed.push_back((epoch, plan.options));
+        }
     }
 
     /// The layout of one batch.
     pub fn layout(&self, epoch: u64, batch: u64, query: &BatchQuery) -> Result<(BatchLayout, u32), PlanError> {
         let plan = self.plan(epoch, query)?;
+        self.follow(epoch, &plan);
         let samples = plan.batch(batch)?;
         Ok((encode::layout(&self.index, samples, query.format, self.slot), samples.len() as u32))
     }
@@ -406,7 +422,6 @@ impl Dataset {
     fn compute_manifest(&self, epoch: u64, query: &BatchQuery) -> Result<Manifest, PlanError> {
         self.computations.fetch_add(1, Ordering::Relaxed);
         let plan = self.plan(epoch, query)?;
-        self.follow(&plan);
         // Every batch's size and checksum, on every core: a million samples take seconds on one.
         let count = plan.batches();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(count.max(1) as usize) as u64;

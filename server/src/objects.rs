@@ -538,8 +538,10 @@ mod tests {
             let fetched = tier.counters.fetched_bytes.load(Ordering::Relaxed);
             let read = source.counters.bytes.load(Ordering::Relaxed);
             let manifest = ds.manifest(epoch, &query).unwrap();
-            assert_eq!(manifest.options.block_bytes, tier.cap() / 2, "the server's default");
+            assert_eq!(manifest.options.block_bytes, tier.cap() / 3, "the server's default");
             let plan = ds.plan(epoch, &query).unwrap();
+            // The first batch's layout, as a body asks for it: the tier follows the plan being read.
+            ds.layout(epoch, 0, &query).unwrap();
             // A batch's samples read at once, as a body's chunk reads them.
             for batch in plan.order().chunks(32) {
                 let parts: Vec<_> = batch.iter().map(|&s| ds.index.samples[s as usize].parts[0].clone()).collect();

@@ -161,6 +161,11 @@ impl ObjectSource {
                     // Being copied: its parts as they land, checked already, rather than a GET of its own.
                     let landed = making.wait(offset, len, self.limits().timeout);
                     out[i] = landed.and_then(|file| self.read_from_making(&file, offset, len));
+                    if out[i].is_none() {
+                        tracing::debug!(dataset = %self.bucket.url, object = n, offset, "read by GET: its copy did not land");
+                    }
+                } else {
+                    tracing::debug!(dataset = %self.bucket.url, object = n, offset, "read by GET: not being copied");
                 }
             }
         }

@@ -7,8 +7,10 @@
 //! manifest is computed, gives the order ([`ObjectSource::follow`]), and an object a body reads that is
 //! not in the tier yet goes first. A dataset larger than the tier is copied only under `shuffle=blocks`
 //! (each epoch reads each object once, within `block_bytes` of objects at a time): then the stager stays
-//! at most `ahead` bytes of objects (the tier less one block) beyond the furthest object read, so what
-//! it copies never evicts what the current block still reads. Under `shuffle=global` such a dataset is
+//! at most `ahead` bytes of objects (the tier less two blocks) beyond the furthest object read, so what
+//! it copies never evicts what the two blocks being read still need (a mount's window reaches into the
+//! next block before the last one is done); an object a body reads within that reach and not copied yet
+//! is copied first. Under `shuffle=global` such a dataset is
 //! not copied at all (each object would be evicted before its next sample came): it is read by GETs,
 //! and the server says so at start and in `/healthz`.
 //!
@@ -49,8 +51,8 @@ struct Queue {
     cursor: usize,
     /// Bytes of objects beyond `cursor` that may be copied (`u64::MAX`: all).
     ahead: u64,
-    /// Orders of the epochs planned next (at most two: one epoch's manifest is asked for while the one
-    /// before it is read).
+    /// Orders of the plans read next (at most two: a mount's window asks for the next epoch's batches
+    /// while one is read).
     later: VecDeque<(Vec<u32>, u64)>,
     /// Objects bodies read before they were copied: copied first (a dataset that fits).
     urgent: VecDeque<u32>,
@@ -66,9 +68,10 @@ struct Queue {
 impl ObjectSource {
     /// Follows the plan whose samples, in epoch order, are `samples`: copies its objects into the tier
     /// in the order it first reads them, at most `ahead` bytes of objects beyond the furthest one read
-    /// (`u64::MAX`: all of them). Nothing without a tier.
-    pub fn follow(self: &Arc<Self>, samples: &[u32], ahead: u64) {
-        let (Some(_), Some(index)) = (self.tier(), self.index.get()) else { return };
+    /// (`u64::MAX`: all of them). Nothing without a tier. Returns whether the order is followed (or
+    /// queued to be): not when two are queued already.
+    pub fn follow(self: &Arc<Self>, samples: &[u32], ahead: u64) -> bool {
+        let (Some(_), Some(index)) = (self.tier(), self.index.get()) else { return false };
         let mut seen = vec![false; index.shards.len()];
         let mut order = Vec::new();
         for &s in samples {
@@ -79,7 +82,7 @@ impl ObjectSource {
                 }
             }
         }
-        self.queue_order(order, ahead, false);
+        self.queue_order(order, ahead, false)
     }
 
     /// Copies every shard into the tier, in index order until a plan gives its own, where the dataset
@@ -91,20 +94,23 @@ impl ObjectSource {
         }
     }
 
-    fn queue_order(self: &Arc<Self>, order: Vec<u32>, ahead: u64, provisional: bool) {
+    fn queue_order(self: &Arc<Self>, order: Vec<u32>, ahead: u64, provisional: bool) -> bool {
         let mut q = self.stager.queue.lock().expect("stager");
         if q.later.back().is_some_and(|(o, _)| *o == order) || (q.later.is_empty() && q.order == order) {
-            return;
+            return true;
+        }
+        // Plans are followed as their batches are read: two queued are the next epochs already; a third
+        // is further ahead still, and is followed when asked again.
+        if q.later.len() >= 2 {
+            return false;
         }
         q.later.push_back((order, ahead));
-        while q.later.len() > 2 {
-            q.later.pop_front();
-        }
         if q.next >= q.order.len() || q.provisional {
             self.next_order(&mut q);
         }
         q.provisional = provisional;
         self.start(&mut q);
+        true
     }
 
     /// Takes the next planned order, if any, as the one followed.
@@ -149,8 +155,11 @@ impl ObjectSource {
             q.cursor = at as usize;
             wake = q.ahead != u64::MAX;
         }
+        // Readers may still read objects as far behind the furthest one read as the tier holds beside
+        // what is copied ahead (two blocks, under `blocks`).
+        let reach = self.tier().map_or(0, |t| t.cap()).saturating_sub(q.ahead);
         let within = q.ahead == u64::MAX
-            || (at != u32::MAX && q.before[q.cursor + 1] - q.before[at as usize] <= q.ahead && q.started);
+            || (q.started && at != u32::MAX && q.before[q.cursor + 1] - q.before[at as usize] <= reach);
         if !held && within && !q.busy.contains(&n) && !q.failed.contains(&n) && !q.urgent.contains(&n) {
             q.urgent.push_back(n);
             self.making_entry(n);
