@@ -321,13 +321,14 @@ impl Dataset {
             Shuffle::Blocks => tier.cap().saturating_sub(plan.options.block_bytes.saturating_mul(2)),
             _ => return,
         };
-        if objects.follow(plan.order(), ahead) {
+        {
             let mut followed = self.followed.lock().expect("followed");
             if followed.len() == 4 {
                 followed.pop_front();
             }
             followed.push_back((epoch, plan.options));
         }
+        objects.follow(plan.order(), ahead);
     }
 
     /// The layout of one batch.

@@ -19,7 +19,8 @@ alternating systems within each round, ROUNDS rounds; medians and per-round rati
 
 The store holds the shards and their `tfrecord2idx` index files (what a DALI user uploads). Each batchfs
 server runs in a cgroup v1 memory group of its own (`/sys/fs/cgroup/memory/`, LIMIT bytes, page cache
-included: `resident=auto` holds half of it, and the dataset does not fit) and reaches the store through
+included: `resident=auto` holds half of it on the local copy's server and nothing where there is a
+tier, and the dataset does not fit) and reaches the store through
 a `batchfs-lab netem` of STORE_RTT ms (an object store's first-byte latency):
 
 - `batchfs-tier`: the server over the bucket with `--disk-cache` (its size auto: the dataset fits),
@@ -718,7 +719,7 @@ def render(rows, ctx):
     if pick(measure="half"):
         lines += ["## A tier of half the dataset: shuffle=blocks and shuffle=global", "", "```sh",
                   command_line(MEASURES="half", HALF_LOADERS=" ".join(HALF_LOADERS)), "```", "",
-                  f"Tier {ctx['bytes'] / 2e6:.0f} MB (`--disk-cache-size`), block_bytes the default (half of it); "
+                  f"Tier {ctx['bytes'] / 2e6:.0f} MB (`--disk-cache-size`), block_bytes the default (a third of it); "
                   f"mounts at {RTTS[0]} ms. Speed against batchfs-local: local s / s (target blocks ≥ 0.7); "
                   "store bytes per epoch over the dataset's (blocks: about 1).", "",
                   "| loader | system | epoch s | speed / local | store bytes / dataset | GETs / epoch | "

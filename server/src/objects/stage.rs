@@ -51,9 +51,6 @@ struct Queue {
     cursor: usize,
     /// Bytes of objects beyond `cursor` that may be copied (`u64::MAX`: all).
     ahead: u64,
-    /// Orders of the plans read next (at most two: a mount's window asks for the next epoch's batches
-    /// while one is read).
-    later: VecDeque<(Vec<u32>, u64)>,
     /// Objects bodies read before they were copied: copied first (a dataset that fits).
     urgent: VecDeque<u32>,
     /// Objects being copied.
@@ -68,10 +65,9 @@ struct Queue {
 impl ObjectSource {
     /// Follows the plan whose samples, in epoch order, are `samples`: copies its objects into the tier
     /// in the order it first reads them, at most `ahead` bytes of objects beyond the furthest one read
-    /// (`u64::MAX`: all of them). Nothing without a tier. Returns whether the order is followed (or
-    /// queued to be): not when two are queued already.
-    pub fn follow(self: &Arc<Self>, samples: &[u32], ahead: u64) -> bool {
-        let (Some(_), Some(index)) = (self.tier(), self.index.get()) else { return false };
+    /// (`u64::MAX`: all of them). Nothing without a tier.
+    pub fn follow(self: &Arc<Self>, samples: &[u32], ahead: u64) {
+        let (Some(_), Some(index)) = (self.tier(), self.index.get()) else { return };
         let mut seen = vec![false; index.shards.len()];
         let mut order = Vec::new();
         for &s in samples {
@@ -82,7 +78,7 @@ impl ObjectSource {
                 }
             }
         }
-        self.queue_order(order, ahead, false)
+        self.queue_order(order, ahead, false);
     }
 
     /// Copies every shard into the tier, in index order until a plan gives its own, where the dataset
@@ -94,28 +90,13 @@ impl ObjectSource {
         }
     }
 
-    fn queue_order(self: &Arc<Self>, order: Vec<u32>, ahead: u64, provisional: bool) -> bool {
+    /// Follows `order` now: plans are followed as their batches are read, so a new one is where the
+    /// readers are (the tail of the last one is in the tier already, copied as it was read).
+    fn queue_order(self: &Arc<Self>, order: Vec<u32>, ahead: u64, provisional: bool) {
         let mut q = self.stager.queue.lock().expect("stager");
-        if q.later.back().is_some_and(|(o, _)| *o == order) || (q.later.is_empty() && q.order == order) {
-            return true;
+        if q.order == order && q.ahead == ahead {
+            return;
         }
-        // Plans are followed as their batches are read: two queued are the next epochs already; a third
-        // is further ahead still, and is followed when asked again.
-        if q.later.len() >= 2 {
-            return false;
-        }
-        q.later.push_back((order, ahead));
-        if q.next >= q.order.len() || q.provisional {
-            self.next_order(&mut q);
-        }
-        q.provisional = provisional;
-        self.start(&mut q);
-        true
-    }
-
-    /// Takes the next planned order, if any, as the one followed.
-    fn next_order(&self, q: &mut Queue) {
-        let Some((order, ahead)) = q.later.pop_front() else { return };
         let sizes = |n: &u32| self.file(*n).map_or(0, |f| f.size);
         q.before = std::iter::once(0)
             .chain(order.iter().scan(0, |sum, n| Some(*sum + sizes(n)).inspect(|s| *sum = *s)))
@@ -126,6 +107,8 @@ impl ObjectSource {
         }
         (q.order, q.ahead, q.next, q.cursor) = (order, ahead, 0, 0);
         q.failed.clear();
+        q.provisional = provisional;
+        self.start(&mut q);
     }
 
     /// Starts the stager's thread, once.
@@ -207,11 +190,7 @@ impl ObjectSource {
         }
         loop {
             if q.next >= q.order.len() {
-                if q.later.is_empty() {
-                    return None;
-                }
-                self.next_order(&mut q);
-                continue;
+                return None;
             }
             let p = q.next;
             let n = q.order[p];
@@ -230,7 +209,7 @@ impl ObjectSource {
     #[cfg(test)]
     pub(super) fn stager_idle(&self) -> bool {
         let q = self.stager.queue.lock().expect("stager");
-        q.busy.is_empty() && q.urgent.is_empty() && q.later.is_empty()
+        q.busy.is_empty() && q.urgent.is_empty()
     }
 
     /// Copies object `n` whole into the tier now, if it is not there (for `hold`; call outside a
