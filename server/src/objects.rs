@@ -120,8 +120,8 @@ pub struct ObjectLimits {
     pub retry_for: Duration,
     /// Whole objects copied into the tier at once, and GETs in flight for them (`stage_objects`).
     pub stage_objects: usize,
-    /// Bytes of parts read for copies into the tier and not yet handed to the disk, server-wide: an
-    /// eighth of the memory the server may use, within 2 parts and 256 MiB.
+    /// Bytes of parts read for copies into the tier and not yet handed to the disk, server-wide: a
+    /// quarter of the memory the server may use, within 2 parts and 512 MiB.
     pub staging_bytes: u64,
     /// Bytes of GETs in flight, server-wide (their bodies are held whole until they are checked): an
     /// eighth of the memory the server may use, within 2 parts and 512 MiB.
@@ -141,7 +141,7 @@ impl ObjectLimits {
             timeout: limits.object_timeout,
             retry_for: limits.object_retry_for,
             stage_objects: limits.stage_objects.max(1),
-            staging_bytes: (memory / 8).clamp(2 * part, (256 << 20).max(2 * part)),
+            staging_bytes: (memory / 4).clamp(2 * part, (512 << 20).max(2 * part)),
             get_bytes: (memory / 8).clamp(2 * part, (512 << 20).max(2 * part)),
         }
     }

@@ -1,7 +1,8 @@
 //! Copies into the disk tier being made, readable part by part as their parts land: a body that wants
 //! bytes of an object the stager is copying waits for the parts that hold them (one `object_part` at
 //! most, not the whole object) and reads them from the copy's file, instead of reading them from the
-//! store a second time. Every part is checked against the index's CRC32Cs before it is written, so what
+//! store a second time. Bytes of parts not on their way yet are not waited for: the body reads them by
+//! GETs, so no batch waits for a copy to reach them. Every part is checked against the index's CRC32Cs before it is written, so what
 //! a body reads here was checked as a copy in the tier was.
 //!
 //! An entry is made when a body asks for an object to be copied first, or when the stager starts a copy,
@@ -21,9 +22,11 @@ pub(super) struct Making {
 
 #[derive(Default)]
 struct State {
-    /// The copy's file, once the stager has made it, the size of its parts, and which have landed.
+    /// The copy's file, once the stager has made it, the size of its parts, which are being read from
+    /// the store and which have landed.
     file: Option<Arc<File>>,
     part: u64,
+    started: Vec<bool>,
     done: Vec<bool>,
     /// The copy is the tier's now, or failed: nothing more lands.
     over: bool,
@@ -33,7 +36,15 @@ impl Making {
     /// The stager made the copy's `file`, to be written in `parts` parts of `part` bytes.
     pub fn begin(&self, file: Arc<File>, part: u64, parts: usize) {
         let mut state = self.state.lock().expect("making");
-        (state.file, state.part, state.done) = (Some(file), part.max(1), vec![false; parts]);
+        (state.file, state.part, state.started, state.done) =
+            (Some(file), part.max(1), vec![false; parts], vec![false; parts]);
+    }
+
+    /// Part `k` is being read from the store.
+    pub fn started(&self, k: u64) {
+        if let Some(started) = self.state.lock().expect("making").started.get_mut(k as usize) {
+            *started = true;
+        }
     }
 
     /// Part `k` is written (and was checked).
@@ -51,18 +62,21 @@ impl Making {
         self.landed.notify_all();
     }
 
-    /// Waits until the parts holding `len` bytes at `offset` have landed, at most `within`; returns the
-    /// copy's file to read them from, or `None` where the copy ended without them or time ran out.
+    /// Waits until the parts holding `len` bytes at `offset` have landed, at most `within`, where each
+    /// of them is on its way; returns the copy's file to read them from, or `None` where one of them is
+    /// not being read yet (the copy not begun, or not that far: the caller reads the bytes itself rather
+    /// than wait for the copy), the copy ended without them, or time ran out.
     pub fn wait(&self, offset: u64, len: u64, within: Duration) -> Option<Arc<File>> {
         let deadline = Instant::now() + within;
         let mut state = self.state.lock().expect("making");
         loop {
-            if let Some(file) = &state.file {
-                let (first, last) = (offset / state.part, (offset + len.max(1) - 1) / state.part);
-                let parts = state.done.get(first as usize..=last as usize)?;
-                if parts.iter().all(|&d| d) {
-                    return Some(file.clone());
-                }
+            let file = state.file.clone()?;
+            let (first, last) = ((offset / state.part) as usize, ((offset + len.max(1) - 1) / state.part) as usize);
+            if state.done.get(first..=last)?.iter().all(|&d| d) {
+                return Some(file);
+            }
+            if !state.started.get(first..=last)?.iter().all(|&s| s) {
+                return None;
             }
             let left = deadline.checked_duration_since(Instant::now())?;
             if state.over {
@@ -81,13 +95,19 @@ mod tests {
     fn a_reader_waits_for_its_parts_only_and_gives_up_when_the_copy_fails() {
         let making = Arc::new(Making::default());
         let file = Arc::new(tempfile::tempfile().unwrap());
-        // Asked for before the copy began: waits for it.
+        // Asked for before the copy began, or for a part not on its way: not waited for.
+        assert!(making.wait(10, 5, Duration::from_secs(10)).is_none());
+        making.begin(file, 100, 3);
+        assert!(making.wait(10, 5, Duration::from_secs(10)).is_none());
+        for k in 0..3 {
+            making.started(k);
+        }
+        // On its way: waited for.
         let early = {
             let making = making.clone();
             std::thread::spawn(move || making.wait(10, 5, Duration::from_secs(10)).is_some())
         };
         std::thread::sleep(Duration::from_millis(20));
-        making.begin(file, 100, 3);
         // Parts 0 and 2 land: a range within part 0 is there, one over parts 1 and 2 is not yet.
         making.landed(0);
         making.landed(2);
@@ -107,6 +127,7 @@ mod tests {
         // A copy that fails wakes its readers at once, empty-handed.
         let failing = Arc::new(Making::default());
         failing.begin(Arc::new(tempfile::tempfile().unwrap()), 100, 2);
+        failing.started(1);
         let waiting = {
             let failing = failing.clone();
             std::thread::spawn(move || {

@@ -9,8 +9,9 @@
 //! (each epoch reads each object once, within `block_bytes` of objects at a time): then the stager stays
 //! at most `ahead` bytes of objects (the tier less two blocks) beyond the furthest object read, so what
 //! it copies never evicts what the two blocks being read still need (a mount's window reaches into the
-//! next block before the last one is done); an object a body reads within that reach and not copied yet
-//! is copied first. Under `shuffle=global` such a dataset is
+//! next block before the last one is done); an object of the plan a body reads and not copied yet is
+//! copied first (the least recently read copies make room), and the body reads the parts on their way as
+//! they land (`making.rs`). Under `shuffle=global` such a dataset is
 //! not copied at all (each object would be evicted before its next sample came): it is read by GETs,
 //! and the server says so at start and in `/healthz`.
 //!
@@ -138,11 +139,9 @@ impl ObjectSource {
             q.cursor = at as usize;
             wake = q.ahead != u64::MAX;
         }
-        // Readers may still read objects as far behind the furthest one read as the tier holds beside
-        // what is copied ahead (two blocks, under `blocks`).
-        let reach = self.tier().map_or(0, |t| t.cap()).saturating_sub(q.ahead);
-        let within = q.ahead == u64::MAX
-            || (q.started && at != u32::MAX && q.before[q.cursor + 1] - q.before[at as usize] <= reach);
+        // Any object of the plan followed that a body reads is wanted now (a mount's window may reach
+        // well past a block); the tier evicts what was read least recently to make room.
+        let within = q.ahead == u64::MAX || (q.started && at != u32::MAX);
         if !held && within && !q.busy.contains(&n) && !q.failed.contains(&n) && !q.urgent.contains(&n) {
             q.urgent.push_back(n);
             self.making_entry(n);
@@ -239,7 +238,7 @@ impl ObjectSource {
             let copy = tier.begin(&name, file.size)?;
             let parts = file.size.div_ceil(self.part_bytes()) as usize;
             making.begin(Arc::new(copy.file().try_clone()?), self.part_bytes(), parts);
-            self.write_whole(n, file, copy.file(), |e| copy.failed(e), true, &|k| making.landed(k)).await?;
+            self.write_whole(n, file, copy.file(), |e| copy.failed(e), true, Some(&making)).await?;
             // The disk must have taken every part before the copy is the tier's (an error of the disk's
             // shows here, not at the writes).
             copy.file().sync_data().map_err(|e| copy.failed(e))?;
@@ -267,13 +266,16 @@ impl ObjectSource {
         out: &std::fs::File,
         disk: impl Fn(io::Error) -> io::Error,
         checked: bool,
-        landed: &(dyn Fn(u64) + Sync),
+        making: Option<&Making>,
     ) -> io::Result<()> {
         let part = self.part_bytes();
         let disk = &disk;
         let parts = (0..file.size.div_ceil(part)).map(|k| async move {
             let (at, len) = (k * part, part.min(file.size - k * part));
             let _room = self.context.staging.take(len).await;
+            if let Some(making) = making {
+                making.started(k);
+            }
             let mut bytes = vec![0; len as usize];
             if checked {
                 self.read_range_into(n, file, at, &mut bytes).await?;
@@ -281,7 +283,9 @@ impl ObjectSource {
                 self.read_parts(n, file, vec![(at, &mut bytes[..])]).await?;
             }
             write_part(out, &bytes, at).map_err(disk)?;
-            landed(k);
+            if let Some(making) = making {
+                making.landed(k);
+            }
             Ok(())
         });
         futures_util::stream::iter(parts).buffer_unordered(self.limits().requests.clamp(1, 8)).try_collect().await
