@@ -266,7 +266,7 @@ limits! {
          it already holds.";
     stage_objects: usize = 4, value::count, "4", "N",
         "Objects copied into the disk tier at once, each by ranged GETs of object_part, up to 8 in flight; \
-         the parts read and not yet written take at most a quarter of the memory the server may use \
+         the parts read and not yet written take at most an eighth of the memory the server may use \
          (512 MiB at most).";
 }
 

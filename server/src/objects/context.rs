@@ -146,10 +146,10 @@ mod tests {
     #[test]
     fn memory_bounds_the_block_cache_and_the_parts_staged_at_once() {
         let limits = ServerLimits::default();
-        // A server in 256 MiB: an eighth of it for the cache (not the default 1 GiB) and for GETs in
-        // flight, a quarter for staging.
+        // A server in 256 MiB: an eighth of it for the cache (not the default 1 GiB), for GETs in flight
+        // and for staging.
         let small = ObjectLimits::of(&limits, 256 << 20);
-        assert_eq!((small.cache, small.staging_bytes, small.get_bytes), (32 << 20, 64 << 20, 32 << 20));
+        assert_eq!((small.cache, small.staging_bytes, small.get_bytes), (32 << 20, 32 << 20, 32 << 20));
         // A large machine: the defaults, staging and GETs within 512 MiB; a tiny one: two parts still fit.
         let large = ObjectLimits::of(&limits, 64 << 30);
         assert_eq!((large.cache, large.staging_bytes, large.get_bytes), (limits.object_cache, 512 << 20, 512 << 20));

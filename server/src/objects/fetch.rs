@@ -17,6 +17,32 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// A copy in the tier opened for reading, with `O_DIRECT` or not.
+struct CopyFile {
+    file: std::fs::File,
+    direct: bool,
+}
+
+/// `len` bytes at `offset` of `file`, opened with `O_DIRECT`: the aligned blocks around them read into an
+/// aligned buffer, past the page cache, and the bytes cut out of it.
+fn read_direct(file: &std::fs::File, offset: u64, len: u64) -> io::Result<Bytes> {
+    use crate::storage::aligned::{align_down, align_up, DIRECT_ALIGN};
+    let (start, end) = (align_down(offset), align_up(offset + len));
+    let (span, align) = ((end - start) as usize, DIRECT_ALIGN as usize);
+    let mut buffer = vec![0u8; span + align];
+    let skew = (align - buffer.as_ptr() as usize % align) % align;
+    let (want, mut got) = ((offset + len - start) as usize, 0);
+    while got < want {
+        // Whole aligned blocks; only the file's end reads short, and only the last read.
+        match file.read_at(&mut buffer[skew + got..skew + span], start + got as u64)? {
+            0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the copy is shorter than its object")),
+            n => got += n,
+        }
+    }
+    let from = skew + (offset - start) as usize;
+    Ok(Bytes::from(buffer).slice(from..from + len as usize))
+}
+
 /// Why a read of an object dataset failed.
 #[derive(Debug)]
 pub enum ReadError {
@@ -148,7 +174,7 @@ impl ObjectSource {
     pub fn read_many(self: &Arc<Self>, wanted: &[(u32, u64, u64)]) -> Result<Vec<Bytes>, ReadError> {
         let mut out: Vec<Option<Bytes>> = vec![None; wanted.len()];
         if self.tier().is_some() {
-            let mut copies: HashMap<u32, Option<std::fs::File>> = HashMap::new();
+            let mut copies: HashMap<u32, Option<CopyFile>> = HashMap::new();
             for (i, &(n, offset, len)) in wanted.iter().enumerate() {
                 let copy = copies.entry(n).or_insert_with(|| {
                     let copy = self.open_copy(n);
@@ -183,7 +209,7 @@ impl ObjectSource {
 
     /// Object `n`'s copy in the tier, opened, if the tier holds one: a copy found at start is read whole
     /// and checked against the index first (removed where it differs).
-    fn open_copy(&self, n: u32) -> Option<std::fs::File> {
+    fn open_copy(&self, n: u32) -> Option<CopyFile> {
         let (tier, file) = (self.tier()?, self.file(n)?);
         let name = self.tier_name(file);
         let (path, checked) = tier.get(&name)?;
@@ -203,20 +229,34 @@ impl ObjectSource {
                 }
             }
         }
-        Some(copy)
+        if self.direct_copies.load(Ordering::Relaxed) {
+            // Past the page cache, as a local dataset larger than memory is read (a filesystem that
+            // refuses O_DIRECT gets positioned reads through the page cache).
+            use std::os::unix::fs::OpenOptionsExt;
+            let direct = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path);
+            if let Ok(direct) = direct {
+                return Some(CopyFile { file: direct, direct: true });
+            }
+        }
+        Some(CopyFile { file: copy, direct: false })
     }
 
     /// `len` bytes at `offset` of object `n` from its open copy `copy`; `None` where the read fails (the
     /// copy is then removed, and the bytes read from the store).
-    fn read_from_copy(&self, n: u32, copy: &std::fs::File, offset: u64, len: u64) -> Option<Bytes> {
-        let mut bytes = vec![0; len as usize];
-        match copy.read_exact_at(&mut bytes, offset) {
-            Ok(()) => {
+    fn read_from_copy(&self, n: u32, copy: &CopyFile, offset: u64, len: u64) -> Option<Bytes> {
+        let read = if copy.direct {
+            read_direct(&copy.file, offset, len)
+        } else {
+            let mut bytes = vec![0; len as usize];
+            copy.file.read_exact_at(&mut bytes, offset).map(|()| Bytes::from(bytes))
+        };
+        match read {
+            Ok(bytes) => {
                 let tier = self.tier()?;
                 tier.counters.hits.fetch_add(1, Ordering::Relaxed);
                 tier.counters.hit_bytes.fetch_add(len, Ordering::Relaxed);
                 self.counters.tier_hit_bytes.fetch_add(len, Ordering::Relaxed);
-                Some(Bytes::from(bytes))
+                Some(bytes)
             }
             Err(e) => {
                 if let (Some(tier), Some(file)) = (self.tier(), self.file(n)) {

@@ -30,6 +30,11 @@ pub(super) struct Maps {
 const PRUNE_EVERY: u64 = 256;
 
 impl ObjectSource {
+    /// Reads the copies that are not mapped with `O_DIRECT` (`on`), past the page cache.
+    pub fn read_copies_directly(&self, on: bool) {
+        self.direct_copies.store(on, Ordering::Relaxed);
+    }
+
     /// Maps copies of at most `limit` objects at once (0: none; the copies are read by positioned reads).
     pub fn map_copies(&self, limit: usize) {
         let limit = std::num::NonZeroUsize::new(limit).filter(|_| self.tier().is_some());
