@@ -188,7 +188,8 @@ impl ObjectSource {
                     let landed = making.wait(offset, len, self.limits().timeout);
                     out[i] = landed.and_then(|file| self.read_from_making(&file, offset, len));
                     if out[i].is_none() {
-                        tracing::debug!(dataset = %self.bucket.url, object = n, offset, "read by GET: its copy did not land");
+                        let dataset = &self.bucket.url;
+                        tracing::debug!(%dataset, object = n, offset, "read by GET: its copy did not land");
                     }
                 } else {
                     tracing::debug!(dataset = %self.bucket.url, object = n, offset, "read by GET: not being copied");

@@ -2,8 +2,8 @@
 //! bytes of an object the stager is copying waits for the parts that hold them (one `object_part` at
 //! most, not the whole object) and reads them from the copy's file, instead of reading them from the
 //! store a second time. Bytes of parts not on their way yet are not waited for: the body reads them by
-//! GETs, so no batch waits for a copy to reach them. Every part is checked against the index's CRC32Cs before it is written, so what
-//! a body reads here was checked as a copy in the tier was.
+//! GETs, so no batch waits for a copy to reach them. Every part is checked against the index's CRC32Cs
+//! before it is written, so what a body reads here was checked as a copy in the tier was.
 //!
 //! An entry is made when a body asks for an object to be copied first, or when the stager starts a copy,
 //! and ends when the copy is the tier's or has failed; a body that finds no entry, or whose parts do not

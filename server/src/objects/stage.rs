@@ -16,7 +16,8 @@
 //! and the server says so at start and in `/healthz`.
 //!
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
-//! driving the object runtime: copies are written with `pwrite`, off the runtime's workers. It holds its dataset weakly and ends when the dataset is gone.
+//! driving the object runtime: copies are written with `pwrite`, off the runtime's workers. It holds its
+//! dataset weakly and ends when the dataset is gone.
 
 use super::making::Making;
 use super::ObjectSource;
