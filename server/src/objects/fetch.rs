@@ -253,10 +253,7 @@ impl ObjectSource {
         };
         match read {
             Ok(bytes) => {
-                let tier = self.tier()?;
-                tier.counters.hits.fetch_add(1, Ordering::Relaxed);
-                tier.counters.hit_bytes.fetch_add(len, Ordering::Relaxed);
-                self.counters.tier_hit_bytes.fetch_add(len, Ordering::Relaxed);
+                self.served_from_tier(len);
                 Some(bytes)
             }
             Err(e) => {
@@ -273,10 +270,7 @@ impl ObjectSource {
     fn read_from_making(&self, copy: &std::fs::File, offset: u64, len: u64) -> Option<Bytes> {
         let mut bytes = vec![0; len as usize];
         copy.read_exact_at(&mut bytes, offset).ok()?;
-        let tier = self.tier()?;
-        tier.counters.hits.fetch_add(1, Ordering::Relaxed);
-        tier.counters.hit_bytes.fetch_add(len, Ordering::Relaxed);
-        self.counters.tier_hit_bytes.fetch_add(len, Ordering::Relaxed);
+        self.served_from_tier(len);
         Some(Bytes::from(bytes))
     }
 

@@ -87,7 +87,7 @@ impl ObjectSource {
         Some(map)
     }
 
-    /// Counts a read of `len` bytes served from a mapped copy.
+    /// Counts a read of `len` bytes served from a copy in the tier (mapped, read, or being made).
     pub fn served_from_tier(&self, len: u64) {
         if let Some(tier) = self.tier() {
             tier.counters.hits.fetch_add(1, Ordering::Relaxed);
