@@ -130,8 +130,8 @@ impl ObjectSource {
 
     /// Notes that a body read object `n`, which the tier holds or not (`held`): the stager may go on
     /// past it, and copies it first if it is missing (and the dataset is copied whole, or the object is
-    /// within the tier's reach of the furthest one read, as under `shuffle=blocks`); the body can then
-    /// read its parts as they land ([`ObjectSource::making_of`]).
+    /// in the plan followed, as under `shuffle=blocks`); the body can then read its parts as they land
+    /// ([`ObjectSource::making_of`]).
     pub(super) fn touched(self: &Arc<Self>, n: u32, held: bool) {
         let mut q = self.stager.queue.lock().expect("stager");
         let at = q.position.get(n as usize).copied().unwrap_or(u32::MAX);
@@ -311,9 +311,11 @@ fn write_part(file: &std::fs::File, bytes: &[u8], at: u64) -> io::Result<()> {
             )
         };
         // A filesystem that cannot start writeback this way (EINVAL) leaves it to the flush.
-        let e = io::Error::last_os_error();
-        if rc != 0 && e.raw_os_error() != Some(libc::EINVAL) {
-            return Err(e);
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(e);
+            }
         }
     }
     Ok(())
