@@ -312,8 +312,15 @@ impl Dataset {
     fn follow(&self, epoch: u64, plan: &EpochPlan) {
         let Some(objects) = self.storage.objects() else { return };
         let Some(tier) = objects.tier() else { return };
-        if self.followed.lock().expect("followed").contains(&(epoch, plan.options)) {
-            return;
+        {
+            let mut followed = self.followed.lock().expect("followed");
+            if followed.contains(&(epoch, plan.options)) {
+                return;
+            }
+            if followed.len() == 4 {
+                followed.pop_front();
+            }
+            followed.push_back((epoch, plan.options));
         }
         let bytes: u64 = self.index.shards.iter().map(|s| s.size).sum();
         let ahead = match plan.options.shuffle {
@@ -321,13 +328,6 @@ impl Dataset {
             Shuffle::Blocks => tier.cap().saturating_sub(plan.options.block_bytes.saturating_mul(2)),
             _ => return,
         };
-        {
-            let mut followed = self.followed.lock().expect("followed");
-            if followed.len() == 4 {
-                followed.pop_front();
-            }
-            followed.push_back((epoch, plan.options));
-        }
         objects.follow(plan.order(), ahead);
     }
 

@@ -90,7 +90,7 @@ pub struct IoPolicy {
     /// takes is subtracted before the next is opened).
     pub resident: u64,
     /// `resident` is `auto` (not a size the user gave): object datasets with a disk tier then hold
-    /// nothing, their copies being mapped as local shards are.
+    /// nothing, their copies being read as local shards are.
     pub resident_auto: bool,
     /// Mapped shards keep their file open, for `sendfile` (the limit): see `sendfile.rs`.
     pub sendfile: bool,
@@ -109,6 +109,16 @@ impl IoPolicy {
             Resident::Bytes(n) => n,
         };
         IoPolicy { mode, max_mapped_shards, memory, resident, resident_auto, sendfile: false }
+    }
+
+    /// Whether a dataset of `bytes` is mapped: with `io=mmap`, or with `io=auto` where it fits in half the
+    /// memory the server may use (else it is read directly, or by positioned reads with `io=pread`).
+    pub fn maps(&self, bytes: u64) -> bool {
+        match self.mode {
+            IoMode::Mmap => true,
+            IoMode::Auto => bytes <= self.memory / 2,
+            IoMode::Direct | IoMode::Pread => false,
+        }
     }
 }
 

@@ -160,10 +160,9 @@ impl Storage {
         let many = index.shards.len() > policy.max_mapped_shards;
         let read = match policy.mode {
             _ if many => Read::Closed,
-            IoMode::Mmap => Read::Mapped,
-            IoMode::Auto if fits => Read::Mapped,
+            _ if policy.maps(bytes) => Read::Mapped,
             IoMode::Pread => Read::Open,
-            IoMode::Auto | IoMode::Direct => Read::Direct,
+            IoMode::Auto | IoMode::Direct | IoMode::Mmap => Read::Direct,
         };
         if many && policy.mode == IoMode::Mmap {
             tracing::warn!(
@@ -325,15 +324,10 @@ impl Storage {
         let held = holding.done;
         // Copies in the tier are read as local shards would be: mapped where the dataset fits in half the
         // memory the server may use (`io=auto`), else directly, past the page cache (mapped, the copies of
-        // a dataset larger than memory churned the page cache at 0.4-0.8x a local copy's speed).
+        // a dataset larger than memory churned the page cache at 0.25-0.64x a local copy's speed).
         let objects = index.shards.len() + index.side.len();
         let bytes: u64 = index.shards.iter().map(|s| s.size).sum();
-        let fits = match policy.mode {
-            IoMode::Mmap => true,
-            IoMode::Auto => bytes <= policy.memory / 2,
-            IoMode::Direct | IoMode::Pread => false,
-        };
-        let mapped = fits && objects <= policy.max_mapped_shards;
+        let mapped = policy.maps(bytes) && objects <= policy.max_mapped_shards;
         source.map_copies(if mapped { policy.max_mapped_shards } else { 0 });
         source.read_copies_directly(!mapped && policy.mode != IoMode::Pread);
         source.copy_all();
