@@ -307,7 +307,8 @@ impl Dataset {
     /// Has the disk tier of an object dataset follow `plan`: its objects are copied in in the order the
     /// plan first reads them, all of them where the dataset fits in the tier, else under
     /// `shuffle=blocks` as far ahead of the reads as the tier holds beside the two blocks being read
-    /// (a mount's window reaches into the next block before the last one is done). Called as the plan's
+    /// (a mount's window reaches into the next block before the last one is done), the objects behind
+    /// those two blocks the tier's first to go. Called as the plan's
     /// batches are read (each plan once): manifests are asked for epochs ahead of the one read.
     fn follow(&self, epoch: u64, plan: &EpochPlan) {
         let Some(objects) = self.storage.objects() else { return };
@@ -323,18 +324,25 @@ impl Dataset {
             followed.push_back((epoch, plan.options));
         }
         let bytes: u64 = self.index.shards.iter().map(|s| s.size).sum();
-        let ahead = match plan.options.shuffle {
-            _ if bytes <= tier.cap() => u64::MAX,
-            Shuffle::Blocks => tier.cap().saturating_sub(plan.options.block_bytes.saturating_mul(2)),
+        // Under `blocks`, the two blocks being read are kept, and what lies further behind the reads is
+        // evicted first (its next read is in a later epoch).
+        let two_blocks = plan.options.block_bytes.saturating_mul(2);
+        let (ahead, behind) = match plan.options.shuffle {
+            _ if bytes <= tier.cap() => (u64::MAX, u64::MAX),
+            Shuffle::Blocks => (tier.cap().saturating_sub(two_blocks), two_blocks),
             _ => return,
         };
-        objects.follow(plan.order(), ahead);
+        objects.follow(plan.order(), ahead, behind);
     }
 
     /// The layout of one batch.
     pub fn layout(&self, epoch: u64, batch: u64, query: &BatchQuery) -> Result<(BatchLayout, u32), PlanError> {
         let plan = self.plan(epoch, query)?;
-        self.follow(epoch, &plan);
+        // A DALI index is read for every batch file as a loader opens an epoch, often the next epoch's
+        // while this one is read: only bodies say where the readers are.
+        if !query.format.is_index() {
+            self.follow(epoch, &plan);
+        }
         let samples = plan.batch(batch)?;
         Ok((encode::layout(&self.index, samples, query.format, self.slot), samples.len() as u32))
     }

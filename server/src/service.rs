@@ -382,6 +382,7 @@ async fn batch<B>(
 ) -> Result<Response<Body>, Failure> {
     let ds = dataset(state, name)?;
     let query = BatchQuery::parse(req.uri().query().unwrap_or(""))?;
+    tracing::debug!(dataset = %ds.name, epoch, batch, format = query.format.as_str(), "batch asked for");
     let ds2 = ds.clone();
     let (layout, samples) = blocking(move || {
         let (layout, samples) = ds2.layout(epoch, batch, &query)?;

@@ -556,6 +556,7 @@ def bench(ctx):
                     rows.append(timed(ctx, "steady", rnd, rtt, loader, system, dirs[key][0], directory(key),
                                       dirs[key][1]))
         if "half" in MEASURES:
+            rows.append(store_floor(ctx, rnd, half_rtt, to_store, data))
             for loader in HALF_LOADERS:
                 for system in ("batchfs-local", "half-blocks", "half-global"):
                     key = ("half", system, half_rtt)
@@ -573,6 +574,24 @@ def bench(ctx):
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(report)
     print(report)
+
+
+def store_floor(ctx, rnd, rtt, port, data):
+    """The store's floor for an epoch that reads every object once: each shard GET whole, once, through
+    the servers' link to the store (PORT), `stage_objects` (4) at once, by curl into /dev/null with nothing
+    else running. A half-tier epoch reads the dataset from the store, so it cannot beat this."""
+    keys = sorted(n for n in os.listdir(data) if not n.startswith("."))
+    drop_caches()
+    started = time.monotonic()
+    subprocess.run(["xargs", "-P", "4", "-I{}", "curl", "-sf", "-o", "/dev/null", "--aws-sigv4", "aws:amz:us-east-1:s3",
+                    "--user", f"{KEY}:{SECRET}", f"http://127.0.0.1:{port}/{BUCKET}/{PREFIX}/{{}}"],
+                   input="\n".join(keys), text=True, check=True)
+    secs = time.monotonic() - started
+    print(f"store floor (round {rnd}): {ctx['bytes']} bytes in {secs:.2f} s", flush=True)
+    row = dict.fromkeys(FIELDS, "")
+    row.update(measure="half", round=rnd, rtt_ms=rtt, loader="-", system="store-floor", epoch_s=round(secs, 4),
+               bytes=ctx["bytes"], dataset_bytes=ctx["bytes"])
+    return row
 
 
 def first_epoch(ctx, rnd, bucket, link, index):
@@ -722,8 +741,15 @@ def render(rows, ctx):
                   f"Tier {ctx['bytes'] / 2e6:.0f} MB (`--disk-cache-size`), block_bytes the default (a third of it); "
                   f"mounts at {RTTS[0]} ms. Speed against batchfs-local: local s / s (target blocks ≥ 0.7); "
                   "store bytes per epoch over the dataset's (blocks: about 1).", "",
-                  "| loader | system | epoch s | speed / local | store bytes / dataset | GETs / epoch | "
-                  "tier hit bytes / dataset | evicted / epoch |", "|---|---|---|---|---|---|---|---|"]
+                  "| loader | system | epoch s | speed / local | speed / store floor | store bytes / dataset | "
+                  "GETs / epoch | tier hit bytes / dataset | evicted / epoch |", "|---|---|---|---|---|---|---|---|---|"]
+        floor = pick(measure="half", system="store-floor")
+        if floor:
+            lines.insert(-2, f"The store's floor: every shard read once, whole, by curl through the same {STORE_RTT:g} ms "
+                             f"link, 4 at once, nothing else running: median {med(r['epoch_s'] for r in floor):.2f} s "
+                             "(an epoch that reads the dataset from the store cannot beat it). Speed / store floor: "
+                             "the floor's s / the epoch's s, per round.")
+            lines.insert(-2, "")
         for loader in HALF_LOADERS:
             for system in ("batchfs-local", "half-blocks", "half-global"):
                 runs = pick(measure="half", loader=loader, system=system)
@@ -731,10 +757,13 @@ def render(rows, ctx):
                     continue
                 e = med(r["epoch_s"] for r in runs)
                 ratio = per_round("half", "batchfs-local", system, loader=loader)
+                by_round = {r["round"]: r["epoch_s"] for r in floor}
+                to_floor = [by_round[r["round"]] / r["epoch_s"] for r in runs if r["round"] in by_round and r["epoch_s"]]
+                vs_floor = f"{med(to_floor):.2f}" if to_floor else "—"
                 if system == "batchfs-local":
-                    lines.append(f"| {loader} | {system} | {e:.2f} | 1 | — | — | — | — |")
+                    lines.append(f"| {loader} | {system} | {e:.2f} | 1 | {vs_floor} | — | — | — | — |")
                     continue
-                lines.append(f"| {loader} | {system} | {e:.2f} | {f(ratio)} | "
+                lines.append(f"| {loader} | {system} | {e:.2f} | {f(ratio)} | {vs_floor} | "
                              f"{med(r['store_bytes'] / ctx['bytes'] for r in runs):.3f} | "
                              f"{med(r['store_gets'] for r in runs):.0f} | "
                              f"{med(r['tier_hit_bytes'] / ctx['bytes'] for r in runs):.3f} | "

@@ -175,6 +175,7 @@ impl ObjectSource {
         let mut out: Vec<Option<Bytes>> = vec![None; wanted.len()];
         if self.tier().is_some() {
             let mut copies: HashMap<u32, Option<CopyFile>> = HashMap::new();
+            let mut making = Vec::new();
             for (i, &(n, offset, len)) in wanted.iter().enumerate() {
                 let copy = copies.entry(n).or_insert_with(|| {
                     let copy = self.open_copy(n);
@@ -183,16 +184,22 @@ impl ObjectSource {
                 });
                 if let Some(file) = copy {
                     out[i] = self.read_from_copy(n, file, offset, len);
-                } else if let Some(making) = self.making_of(n) {
-                    // Being copied: its parts as they land, checked already, rather than a GET of its own.
-                    let landed = making.wait(offset, len, self.limits().timeout);
-                    out[i] = landed.and_then(|file| self.read_from_making(&file, offset, len));
-                    if out[i].is_none() {
-                        let dataset = &self.bucket.url;
-                        tracing::debug!(%dataset, object = n, offset, "read by GET: its copy did not land");
-                    }
+                } else if let Some(copy) = self.making_of(n) {
+                    // Being copied: asked for first, then read from its parts as they land (checked
+                    // already), rather than by GETs of their own.
+                    copy.ask(offset, len);
+                    making.push((i, copy));
                 } else {
                     tracing::debug!(dataset = %self.bucket.url, object = n, offset, "read by GET: not being copied");
+                }
+            }
+            for (i, copy) in making {
+                let (n, offset, len) = wanted[i];
+                let landed = copy.wait(offset, len, self.limits().timeout);
+                out[i] = landed.and_then(|file| self.read_from_making(&file, offset, len));
+                if out[i].is_none() {
+                    let dataset = &self.bucket.url;
+                    tracing::debug!(%dataset, object = n, offset, "read by GET: its copy did not land");
                 }
             }
         }

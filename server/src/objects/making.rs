@@ -1,14 +1,16 @@
 //! Copies into the disk tier being made, readable part by part as their parts land: a body that wants
-//! bytes of an object the stager is copying waits for the parts that hold them (one `object_part` at
-//! most, not the whole object) and reads them from the copy's file, instead of reading them from the
-//! store a second time. Bytes of parts not on their way yet are not waited for: the body reads them by
-//! GETs, so no batch waits for a copy to reach them. Every part is checked against the index's CRC32Cs
-//! before it is written, so what a body reads here was checked as a copy in the tier was.
+//! bytes of an object being copied asks for the parts that hold them, which the copy reads from the store
+//! next (before the parts no body asked for), waits for them (an `object_part` each, never the whole
+//! object) and reads them from the copy's file, instead of reading the same bytes from the store a second
+//! time by GETs of its own. Every part is checked against the index's CRC32Cs before it is written, so
+//! what a body reads here was checked as a copy in the tier was.
 //!
 //! An entry is made when a body asks for an object to be copied first, or when the stager starts a copy,
-//! and ends when the copy is the tier's or has failed; a body that finds no entry, or whose parts do not
-//! land in time, reads by GETs as before.
+//! and ends when the copy is the tier's or has failed (or was not begun: no room beside the copies being
+//! made); a body that finds no entry, whose copy ends without its parts, or whose parts do not land in
+//! time, reads by GETs as before.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -17,7 +19,8 @@ use std::time::{Duration, Instant};
 #[derive(Default)]
 pub(super) struct Making {
     state: Mutex<State>,
-    landed: Condvar,
+    /// Wakes readers: the copy began, a part landed, or it ended.
+    changed: Condvar,
 }
 
 #[derive(Default)]
@@ -28,7 +31,10 @@ struct State {
     part: u64,
     started: Vec<bool>,
     done: Vec<bool>,
-    /// The copy is the tier's now, or failed: nothing more lands.
+    /// Parts bodies wait for and not started, in the order asked; the next part in order otherwise.
+    asked: VecDeque<usize>,
+    next: usize,
+    /// The copy is the tier's now, or failed, or was not begun: nothing more lands.
     over: bool,
 }
 
@@ -38,13 +44,27 @@ impl Making {
         let mut state = self.state.lock().expect("making");
         (state.file, state.part, state.started, state.done) =
             (Some(file), part.max(1), vec![false; parts], vec![false; parts]);
+        self.changed.notify_all();
     }
 
-    /// Part `k` is being read from the store.
-    pub fn started(&self, k: u64) {
-        if let Some(started) = self.state.lock().expect("making").started.get_mut(k as usize) {
-            *started = true;
+    /// The next part to read from the store, marked started: the first a body asked for, else the first
+    /// in order not started; `None` when every part is started.
+    pub fn next_part(&self) -> Option<u64> {
+        let mut state = self.state.lock().expect("making");
+        let state = &mut *state;
+        while let Some(k) = state.asked.pop_front() {
+            if !std::mem::replace(&mut state.started[k], true) {
+                return Some(k as u64);
+            }
         }
+        while state.next < state.started.len() {
+            let k = state.next;
+            state.next += 1;
+            if !std::mem::replace(&mut state.started[k], true) {
+                return Some(k as u64);
+            }
+        }
+        None
     }
 
     /// Part `k` is written (and was checked).
@@ -53,36 +73,66 @@ impl Making {
         if let Some(done) = state.done.get_mut(k as usize) {
             *done = true;
         }
-        self.landed.notify_all();
+        self.changed.notify_all();
     }
 
-    /// Nothing more lands (the copy is the tier's, or failed).
+    /// Nothing more lands (the copy is the tier's, failed, or was not begun).
     pub fn end(&self) {
         self.state.lock().expect("making").over = true;
-        self.landed.notify_all();
+        self.changed.notify_all();
     }
 
-    /// Waits until the parts holding `len` bytes at `offset` have landed, at most `within`, where each
-    /// of them is on its way; returns the copy's file to read them from, or `None` where one of them is
-    /// not being read yet (the copy not begun, or not that far: the caller reads the bytes itself rather
-    /// than wait for the copy), the copy ended without them, or time ran out.
+    /// Asks for the parts holding `len` bytes at `offset` to be read next, where the copy has begun and
+    /// they are not started (a body asks for all it wants before it waits for any).
+    pub fn ask(&self, offset: u64, len: u64) {
+        let mut state = self.state.lock().expect("making");
+        if let Some((first, last)) = state.parts_of(offset, len) {
+            state.ask(first, last);
+        }
+    }
+
+    /// Waits until the parts holding `len` bytes at `offset` have landed, at most `within` (the copy's
+    /// beginning included), asking for them first; returns the copy's file to read them from, or `None`
+    /// where the copy ended without them (failed, or not begun), the range is past the object's end, or
+    /// time ran out: the caller then reads the bytes itself.
     pub fn wait(&self, offset: u64, len: u64, within: Duration) -> Option<Arc<File>> {
         let deadline = Instant::now() + within;
         let mut state = self.state.lock().expect("making");
+        let mut asked = false;
         loop {
-            let file = state.file.clone()?;
-            let (first, last) = ((offset / state.part) as usize, ((offset + len.max(1) - 1) / state.part) as usize);
-            if state.done.get(first..=last)?.iter().all(|&d| d) {
-                return Some(file);
+            if let Some(file) = state.file.clone() {
+                let (first, last) = state.parts_of(offset, len)?;
+                if state.done[first..=last].iter().all(|&d| d) {
+                    return Some(file);
+                }
+                if !std::mem::replace(&mut asked, true) {
+                    state.ask(first, last);
+                }
             }
-            if !state.started.get(first..=last)?.iter().all(|&s| s) {
-                return None;
-            }
-            let left = deadline.checked_duration_since(Instant::now())?;
             if state.over {
                 return None;
             }
-            state = self.landed.wait_timeout(state, left).expect("making").0;
+            let left = deadline.checked_duration_since(Instant::now())?;
+            state = self.changed.wait_timeout(state, left).expect("making").0;
+        }
+    }
+}
+
+impl State {
+    /// The first and last parts holding `len` bytes at `offset`, where the copy has begun and they are
+    /// within the object.
+    fn parts_of(&self, offset: u64, len: u64) -> Option<(usize, usize)> {
+        self.file.as_ref()?;
+        let (first, last) = ((offset / self.part) as usize, ((offset + len.max(1) - 1) / self.part) as usize);
+        (last < self.done.len()).then_some((first, last))
+    }
+
+    /// Parts `first..=last` are read next, those not started and not asked for already.
+    fn ask(&mut self, first: usize, last: usize) {
+        for k in first..=last {
+            if !self.started[k] && !self.asked.contains(&k) {
+                self.asked.push_back(k);
+            }
         }
     }
 }
@@ -91,53 +141,55 @@ impl Making {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_reader_waits_for_its_parts_only_and_gives_up_when_the_copy_fails() {
-        let making = Arc::new(Making::default());
-        let file = Arc::new(tempfile::tempfile().unwrap());
-        // Asked for before the copy began, or for a part not on its way: not waited for.
-        assert!(making.wait(10, 5, Duration::from_secs(10)).is_none());
-        making.begin(file, 100, 3);
-        assert!(making.wait(10, 5, Duration::from_secs(10)).is_none());
-        for k in 0..3 {
-            making.started(k);
-        }
-        // On its way: waited for.
-        let early = {
-            let making = making.clone();
-            std::thread::spawn(move || making.wait(10, 5, Duration::from_secs(10)).is_some())
-        };
-        std::thread::sleep(Duration::from_millis(20));
-        // Parts 0 and 2 land: a range within part 0 is there, one over parts 1 and 2 is not yet.
-        making.landed(0);
-        making.landed(2);
-        assert!(early.join().unwrap());
-        assert!(making.wait(0, 100, Duration::ZERO).is_some());
-        assert!(making.wait(150, 100, Duration::from_millis(20)).is_none(), "part 1 has not landed");
-        let late = {
-            let making = making.clone();
-            std::thread::spawn(move || making.wait(150, 100, Duration::from_secs(10)).is_some())
-        };
-        std::thread::sleep(Duration::from_millis(20));
-        making.landed(1);
-        assert!(late.join().unwrap());
-        // Past the object's end: never.
-        assert!(making.wait(250, 100, Duration::ZERO).is_none());
+    fn waiter(making: &Arc<Making>, offset: u64, len: u64) -> std::thread::JoinHandle<bool> {
+        let making = making.clone();
+        std::thread::spawn(move || making.wait(offset, len, Duration::from_secs(30)).is_some())
+    }
 
-        // A copy that fails wakes its readers at once, empty-handed.
-        let failing = Arc::new(Making::default());
-        failing.begin(Arc::new(tempfile::tempfile().unwrap()), 100, 2);
-        failing.started(1);
-        let waiting = {
-            let failing = failing.clone();
-            std::thread::spawn(move || {
-                let started = Instant::now();
-                (failing.wait(120, 10, Duration::from_secs(30)).is_none(), started.elapsed())
-            })
-        };
+    #[test]
+    fn the_parts_readers_wait_for_are_read_first_and_a_failed_copy_wakes_them() {
+        let making = Arc::new(Making::default());
+        // Asked for before the copy began: waited for (the copy begins, then the reader's part comes
+        // first); an ask before the beginning asks nothing yet.
+        making.ask(250, 10);
+        let early = waiter(&making, 150, 10);
+        std::thread::sleep(Duration::from_millis(30));
+        making.begin(Arc::new(tempfile::tempfile().unwrap()), 100, 4);
+        std::thread::sleep(Duration::from_millis(30));
+        making.ask(350, 10);
+        making.ask(120, 10); // part 1 again: asked once
+        assert_eq!(making.next_part(), Some(1), "the part a reader waits for comes first");
+        assert_eq!(making.next_part(), Some(3), "then the parts asked for, in order");
+        assert_eq!(making.next_part(), Some(0), "then the rest in order");
+        making.landed(3);
+        assert!(!early.is_finished());
+        making.landed(1);
+        assert!(early.join().unwrap());
+        // A range over parts 0 and 1 waits for both: 1 landed, 0 is on its way.
+        let both = waiter(&making, 50, 100);
         std::thread::sleep(Duration::from_millis(20));
-        failing.end();
-        let (none, waited) = waiting.join().unwrap();
-        assert!(none && waited < Duration::from_secs(10));
+        assert!(!both.is_finished());
+        making.landed(0);
+        assert!(both.join().unwrap());
+        assert_eq!(making.next_part(), Some(2));
+        assert_eq!(making.next_part(), None, "every part started");
+        // Past the object's end: never.
+        assert!(making.wait(350, 100, Duration::ZERO).is_none());
+        // Time runs out: the reader reads by itself.
+        assert!(making.wait(250, 10, Duration::from_millis(20)).is_none());
+
+        // A copy that fails (or is not begun) wakes its readers at once, empty-handed.
+        for begun in [true, false] {
+            let failing = Arc::new(Making::default());
+            if begun {
+                failing.begin(Arc::new(tempfile::tempfile().unwrap()), 100, 2);
+            }
+            let started = Instant::now();
+            let waiting = waiter(&failing, 120, 10);
+            std::thread::sleep(Duration::from_millis(20));
+            failing.end();
+            assert!(!waiting.join().unwrap());
+            assert!(started.elapsed() < Duration::from_secs(10));
+        }
     }
 }

@@ -1,19 +1,20 @@
 //! Copying whole objects into the disk tier in the order the epoch's plan first reads them, so the store
 //! is read in large parts (ranged GETs of `object_part`, several per object, `stage_objects` objects at
-//! once, within the bucket's `object_requests`) while bodies still read what they need now by the
-//! coalesced GETs of `fetch.rs`: the first batch never waits for a whole object.
+//! once, within the bucket's `object_requests`), and read once: a body that wants bytes of an object
+//! being copied has the parts holding them read next and waits for those parts only (`making.rs`), so
+//! the first batch never waits for a whole object and no byte is read from the store twice.
 //!
-//! **What is copied.** A dataset that fits in the tier is copied whole: each epoch's plan, as its
-//! manifest is computed, gives the order ([`ObjectSource::follow`]), and an object a body reads that is
-//! not in the tier yet goes first. A dataset larger than the tier is copied only under `shuffle=blocks`
-//! (each epoch reads each object once, within `block_bytes` of objects at a time): then the stager stays
-//! at most `ahead` bytes of objects (the tier less two blocks) beyond the furthest object read, so what
-//! it copies never evicts what the two blocks being read still need (a mount's window reaches into the
-//! next block before the last one is done); an object of the plan a body reads and not copied yet is
-//! copied first (the least recently read copies make room), and the body reads the parts on their way as
-//! they land (`making.rs`). Under `shuffle=global` such a dataset is
-//! not copied at all (each object would be evicted before its next sample came): it is read by GETs,
-//! and the server says so at start and in `/healthz`.
+//! **What is copied.** A dataset that fits in the tier is copied whole: the plan whose bodies are read
+//! gives the order ([`ObjectSource::follow`]), and an object a body reads that is not in the tier yet
+//! goes first. A dataset larger than the tier is copied only under `shuffle=blocks` (each epoch reads
+//! each object once, within `block_bytes` of objects at a time): then the stager stays at most `ahead`
+//! bytes of objects (the tier less two blocks) beyond the furthest object read, so what it copies never
+//! evicts what the two blocks being read still need (a mount's window reaches into the next block before
+//! the last one is done), and the copies of objects wholly more than `behind` bytes (two blocks) before
+//! it are the tier's first to go ([`super::tier::Tier::demote`]: the plan reads them next in a later
+//! epoch). An object of the plan a body reads and not copied yet is copied first (what the tier evicts
+//! makes room). Under `shuffle=global` such a dataset is not copied at all (each object would be evicted
+//! before its next sample came): it is read by GETs, and the server says so at start and in `/healthz`.
 //!
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
 //! driving the object runtime: copies are written with `pwrite`, off the runtime's workers. It holds its
@@ -23,7 +24,7 @@ use super::making::Making;
 use super::ObjectSource;
 use batchfs::index::ShardInfo;
 use futures_util::stream::FuturesUnordered;
-use futures_util::{StreamExt, TryStreamExt};
+use futures_util::StreamExt;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::path::PathBuf;
@@ -48,11 +49,16 @@ struct Queue {
     before: Vec<u64>,
     /// Each object's position in `order` (`u32::MAX`: none), by object number.
     position: Vec<u32>,
-    /// The next position to look at, and the furthest position a body read.
+    /// The next position to look at, and the furthest position a body read (near the others).
     next: usize,
     cursor: usize,
     /// Bytes of objects beyond `cursor` that may be copied (`u64::MAX`: all).
     ahead: u64,
+    /// Objects wholly more than `behind` bytes of objects before `cursor` are read for this epoch: their
+    /// copies are the tier's first to go ([`super::tier::Tier::demote`]); `order[..done]` are so
+    /// (`u64::MAX`: none is).
+    behind: u64,
+    done: usize,
     /// Objects bodies read before they were copied: copied first (a dataset that fits).
     urgent: VecDeque<u32>,
     /// Objects being copied.
@@ -67,8 +73,10 @@ struct Queue {
 impl ObjectSource {
     /// Follows the plan whose samples, in epoch order, are `samples`: copies its objects into the tier
     /// in the order it first reads them, at most `ahead` bytes of objects beyond the furthest one read
-    /// (`u64::MAX`: all of them). Nothing without a tier.
-    pub fn follow(self: &Arc<Self>, samples: &[u32], ahead: u64) {
+    /// (`u64::MAX`: all of them), and has the tier evict first the copies of objects wholly more than
+    /// `behind` bytes of objects before it (`u64::MAX`: none): the plan reads them next in a later epoch,
+    /// after what is copied ahead. Nothing without a tier.
+    pub fn follow(self: &Arc<Self>, samples: &[u32], ahead: u64, behind: u64) {
         let (Some(_), Some(index)) = (self.tier(), self.index.get()) else { return };
         let mut seen = vec![false; index.shards.len()];
         let mut order = Vec::new();
@@ -80,7 +88,7 @@ impl ObjectSource {
                 }
             }
         }
-        self.queue_order(order, ahead, false);
+        self.queue_order(order, ahead, behind, false);
     }
 
     /// Copies every shard into the tier, in index order until a plan gives its own, where the dataset
@@ -88,15 +96,15 @@ impl ObjectSource {
     pub fn copy_all(self: &Arc<Self>) {
         let (Some(tier), Some(index)) = (self.tier(), self.index.get()) else { return };
         if index.shards.iter().map(|s| s.size).sum::<u64>() <= tier.cap() {
-            self.queue_order((0..index.shards.len() as u32).collect(), u64::MAX, true);
+            self.queue_order((0..index.shards.len() as u32).collect(), u64::MAX, u64::MAX, true);
         }
     }
 
     /// Follows `order` now: plans are followed as their batches are read, so a new one is where the
     /// readers are (the tail of the last one is in the tier already, copied as it was read).
-    fn queue_order(self: &Arc<Self>, order: Vec<u32>, ahead: u64, provisional: bool) {
+    fn queue_order(self: &Arc<Self>, order: Vec<u32>, ahead: u64, behind: u64, provisional: bool) {
         let mut q = self.stager.queue.lock().expect("stager");
-        if q.order == order && q.ahead == ahead {
+        if q.order == order && q.ahead == ahead && q.behind == behind {
             return;
         }
         let sizes = |n: &u32| self.file(*n).map_or(0, |f| f.size);
@@ -107,7 +115,7 @@ impl ObjectSource {
         for (p, &n) in order.iter().enumerate() {
             q.position[n as usize] = p as u32;
         }
-        (q.order, q.ahead, q.next, q.cursor) = (order, ahead, 0, 0);
+        (q.order, q.ahead, q.behind, q.next, q.cursor, q.done) = (order, ahead, behind, 0, 0, 0);
         q.failed.clear();
         q.provisional = provisional;
         self.start(&mut q);
@@ -136,9 +144,15 @@ impl ObjectSource {
         let mut q = self.stager.queue.lock().expect("stager");
         let at = q.position.get(n as usize).copied().unwrap_or(u32::MAX);
         let mut wake = false;
-        if at != u32::MAX && at as usize > q.cursor {
+        // A read far beyond the others is not where the readers are: a read of a plan followed before,
+        // whose objects lie anywhere in this one's order (a mount's window reaches into the next epoch
+        // before the last one is done).
+        let near = |q: &Queue, at: usize| q.before[at] <= q.before[q.cursor + 1].saturating_add(q.behind);
+        if at != u32::MAX && at as usize > q.cursor && near(&q, at as usize) {
             q.cursor = at as usize;
+            tracing::debug!(dataset = %self.bucket.url, object = n, position = at, "the furthest object read");
             wake = q.ahead != u64::MAX;
+            self.demote_behind(&mut q);
         }
         // Any object of the plan followed that a body reads is wanted now (a mount's window may reach
         // well past a block); the tier evicts what was read least recently to make room.
@@ -150,6 +164,20 @@ impl ObjectSource {
         }
         if wake && q.started {
             self.stager.wake.notify_one();
+        }
+    }
+
+    /// Has the tier evict first the copies of the objects now wholly more than `behind` bytes of objects
+    /// before the furthest one read, each once per order.
+    fn demote_behind(&self, q: &mut Queue) {
+        let Some(tier) = self.tier().filter(|_| q.behind != u64::MAX) else { return };
+        while q.done < q.cursor && q.before[q.done + 1].saturating_add(q.behind) <= q.before[q.cursor] {
+            if let Some(file) = self.file(q.order[q.done]) {
+                tier.demote(&self.tier_name(file));
+                tracing::debug!(dataset = %self.bucket.url, object = q.order[q.done], position = q.done,
+                    cursor = q.cursor, "read for this epoch: evicted first");
+            }
+            q.done += 1;
         }
     }
 
@@ -183,6 +211,9 @@ impl ObjectSource {
                 continue;
             }
             q.busy.insert(n);
+            let position = q.position.get(n as usize);
+            let (dataset, cursor) = (&self.bucket.url, q.cursor);
+            tracing::debug!(%dataset, object = n, position, cursor, "copying first: a body reads it");
             return Some(n);
         }
         if !ordered {
@@ -200,6 +231,8 @@ impl ObjectSource {
             q.next += 1;
             if !q.busy.contains(&n) && !q.failed.contains(&n) && !held(n) {
                 q.busy.insert(n);
+                tracing::debug!(dataset = %self.bucket.url, object = n, position = p, cursor = q.cursor,
+                    "copying in the plan's order");
                 return Some(n);
             }
         }
@@ -258,8 +291,9 @@ impl ObjectSource {
 impl ObjectSource {
     /// Reads all of object `n` (`file`) into `out` (a file of its size) by ranged GETs of `object_part`,
     /// up to 8 at once, each within the server's `staging_bytes` until it is written; with `checked`, each
-    /// 4 MiB chunk against the index's CRC32C (read again where it differs). A write that fails is
-    /// `disk`'s error.
+    /// 4 MiB chunk against the index's CRC32C (read again where it differs). The parts a body waits for
+    /// are read first where the copy is `making` one ([`Making::next_part`]), else in order. A write that
+    /// fails is `disk`'s error.
     pub(super) async fn write_whole(
         &self,
         n: u32,
@@ -270,26 +304,34 @@ impl ObjectSource {
         making: Option<&Making>,
     ) -> io::Result<()> {
         let part = self.part_bytes();
-        let disk = &disk;
-        let parts = (0..file.size.div_ceil(part)).map(|k| async move {
-            let (at, len) = (k * part, part.min(file.size - k * part));
-            let _room = self.context.staging.take(len).await;
-            if let Some(making) = making {
-                making.started(k);
+        let parts = file.size.div_ceil(part);
+        let in_order = std::sync::atomic::AtomicU64::new(0);
+        let next = || match making {
+            Some(making) => making.next_part(),
+            None => Some(in_order.fetch_add(1, Ordering::Relaxed)).filter(|&k| k < parts),
+        };
+        let (disk, next) = (&disk, &next);
+        // Each reader takes room before it picks its part, so the pick is the latest a body asked for.
+        let reader = || async move {
+            loop {
+                let _room = self.context.staging.take(part.min(file.size)).await;
+                let Some(k) = next() else { return Ok::<_, io::Error>(()) };
+                let (at, len) = (k * part, part.min(file.size - k * part));
+                let mut bytes = vec![0; len as usize];
+                if checked {
+                    self.read_range_into(n, file, at, &mut bytes).await?;
+                } else {
+                    self.read_parts(n, file, vec![(at, &mut bytes[..])]).await?;
+                }
+                write_part(out, &bytes, at).map_err(disk)?;
+                if let Some(making) = making {
+                    making.landed(k);
+                }
             }
-            let mut bytes = vec![0; len as usize];
-            if checked {
-                self.read_range_into(n, file, at, &mut bytes).await?;
-            } else {
-                self.read_parts(n, file, vec![(at, &mut bytes[..])]).await?;
-            }
-            write_part(out, &bytes, at).map_err(disk)?;
-            if let Some(making) = making {
-                making.landed(k);
-            }
-            Ok(())
-        });
-        futures_util::stream::iter(parts).buffer_unordered(self.limits().requests.clamp(1, 8)).try_collect().await
+        };
+        let readers = (self.limits().requests.clamp(1, 8) as u64).min(parts.max(1));
+        futures_util::future::try_join_all((0..readers).map(|_| reader())).await?;
+        Ok(())
     }
 }
 
@@ -321,14 +363,19 @@ fn write_part(file: &std::fs::File, bytes: &[u8], at: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// How many times `stage_objects` copies may be made at once for the objects bodies wait for (a batch of
+/// a global shuffle reads from every object of a small dataset).
+const URGENT_COPIES: usize = 16;
+
 /// The stager's loop: copies what [`ObjectSource::next_to_copy`] gives, `stage_objects` at once, until
 /// the dataset is gone.
 async fn run(source: Weak<ObjectSource>, wake: Arc<Notify>) {
     let mut copying = FuturesUnordered::new();
     loop {
         let Some(this) = source.upgrade() else { return };
-        // Objects bodies wait for may start beyond `stage_objects` (up to twice as many at once).
-        while copying.len() < 2 * this.limits().stage_objects {
+        // Objects bodies wait for start beyond `stage_objects` (up to URGENT_COPIES times as many at
+        // once): a copy takes no memory until its parts are read, within `staging_bytes` for them all.
+        while copying.len() < URGENT_COPIES * this.limits().stage_objects {
             let Some(n) = this.next_to_copy(copying.len() < this.limits().stage_objects) else { break };
             let this = this.clone();
             copying.push(async move {

@@ -199,6 +199,12 @@ impl Tier {
         self.inner.lock().expect("tier").entries.get(name).is_some()
     }
 
+    /// Has copy `name` evicted before every other (its dataset will not read it for a while): copies so
+    /// marked go in the order marked, the latest first.
+    pub fn demote(&self, name: &str) {
+        self.inner.lock().expect("tier").entries.demote(name);
+    }
+
     /// Copy `name`, counted as used: its path and whether it was checked in this process.
     pub fn get(&self, name: &str) -> Option<(PathBuf, bool)> {
         let mut inner = self.inner.lock().expect("tier");
@@ -273,6 +279,7 @@ impl Tier {
             let Some((name, entry)) = inner.entries.pop_lru() else { break };
             inner.bytes -= entry.size;
             self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(dir = %self.dir.display(), %name, bytes = entry.size, "disk tier: evicted");
             if let Err(e) = std::fs::remove_file(self.objects.join(&name)) {
                 let dir = self.dir.display();
                 tracing::warn!(%dir, %name, error = %e, "disk tier: cannot remove an evicted copy");
