@@ -44,7 +44,10 @@ before each run. The measures (MEASURES):
   (`batchfs_object_gets_total`) and bytes read from the store, in the epoch and from the server's start.
 - `half`: two servers with a tier of half the dataset (`--disk-cache-size`), one read with
   `-o shuffle=blocks`, one with `shuffle=global`, against batchfs-local at the first RTT: epoch time and
-  the store's bytes and GETs per epoch (an epoch read before the rounds, not timed, for each).
+  the store's bytes and GETs per epoch (an epoch read before the rounds, not timed, for each); and each
+  round the store's floor: every shard GET whole, once, 4 at once, by curl (`--aws-sigv4`) through the
+  servers' link to the store with nothing else running (an epoch that reads the dataset from the store
+  cannot beat it).
 
 The report also re-runs the issue's table: DALI at the first RTT (0 ms), the page cache dropped:
 batchfs-local, batchfs-gets, batchfs-tier, s3fs, mountpoint-s3. CPU s/GB: `node` is the loader's (its
