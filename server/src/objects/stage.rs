@@ -265,6 +265,8 @@ impl ObjectSource {
         let file = self.file(n).ok_or_else(|| io::Error::other(format!("no object #{n}")))?;
         let name = self.tier_name(file);
         if let Some((path, _)) = tier.get(&name) {
+            // Nothing to make: a body that asked for it reads the copy (none waits for an entry never begun).
+            self.end_making(n);
             return Ok(path);
         }
         let making = self.making_entry(n);
