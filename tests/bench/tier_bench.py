@@ -92,7 +92,7 @@ RUN_TIMEOUT = float(env("RUN_TIMEOUT", "900"))
 CGROUPS = "/sys/fs/cgroup/memory"
 PREFIX = "tfr"
 FIELDS = ["measure", "round", "rtt_ms", "loader", "system", "epoch_s", "bytes", "samples", "dataset_bytes",
-          "node_cpu_s_per_gb", "server_cpu_s_per_gb", "store_gets", "store_bytes", "tier_hit_bytes",
+          "node_cpu_s_per_gb", "server_cpu_s_per_gb", "store_cpu_s_per_gb", "store_gets", "store_bytes", "tier_hit_bytes",
           "tier_fetched_bytes", "tier_evicted", "ready_s", "startup_gets", "startup_store_bytes", "total_gets",
           "total_store_bytes", "error"]
 
@@ -370,7 +370,8 @@ def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
     server's. (Not the machine's busy time: other work shares this machine.)"""
     drop_caches()
     daemons = ctx["daemons"].get(mnt, [])
-    before = {pid: cpu_of(pid) for pid in daemons + ([server.proc.pid] if server else [])}
+    store = ctx.get("store_pids", [])
+    before = {pid: cpu_of(pid) for pid in daemons + store + ([server.proc.pid] if server else [])}
     m0 = metrics(server.port) if server and server.alive() else {}
     loader_cpu = children_cpu()
     started = time.monotonic()
@@ -394,7 +395,8 @@ def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
     r = json.loads(out.strip().splitlines()[-1])
     gb = r["bytes"] / 1e9
     node = loader_cpu + sum(spent[pid] for pid in daemons)
-    row.update(epoch_s=r["epoch_s"], bytes=r["bytes"], samples=r["samples"], node_cpu_s_per_gb=round(node / gb, 3))
+    row.update(epoch_s=r["epoch_s"], bytes=r["bytes"], samples=r["samples"], node_cpu_s_per_gb=round(node / gb, 3),
+               store_cpu_s_per_gb=round(sum(spent[pid] for pid in store) / gb, 3))
     if server:
         m1 = metrics(server.port)
         row.update(server_cpu_s_per_gb=round(spent[server.proc.pid] / gb, 3))
@@ -454,7 +456,9 @@ def bench(ctx):
     out, work, procs = ctx["out"], ctx["work"], ctx["procs"]
     data, upload, dataset_bytes = make_dataset(work)
     ctx["bytes"], ctx["limit"] = dataset_bytes, int(env("LIMIT", str(dataset_bytes // 4)))
-    s3, _ = start_weed(work, procs)
+    s3, weed = start_weed(work, procs)
+    # The store's side of every run (SeaweedFS and the links to it), whose CPU shares these cores.
+    ctx["store_pids"] = [weed.pid]
     subprocess.run(rclone(s3, ["copy", upload, f"w:{BUCKET}/{PREFIX}"]), check=True, capture_output=True)
     ctx["passwd"] = os.path.join(work, "s3fs.passwd")
     with open(ctx["passwd"], "w") as f:
@@ -464,7 +468,8 @@ def bench(ctx):
         ctx["notes"].append(f"mountpoint-s3 skipped: MOUNT_S3={MOUNT_S3} is not an executable")
     elif not MOUNT_S3:
         ctx["notes"].append("mountpoint-s3 skipped: MOUNT_S3 not set")
-    to_store, _ = link(procs, s3, STORE_RTT)
+    to_store, to_store_proc = link(procs, s3, STORE_RTT)
+    ctx["store_pids"].append(to_store_proc.pid)
     bucket = f"s3://{BUCKET}/{PREFIX}"
 
     tier = Server(ctx, "tier", bucket, ["--disk-cache", os.path.join(work, "tier-full")] + TIER_OPTS,
@@ -504,7 +509,8 @@ def bench(ctx):
                 mount(("steady", system, rtt), lambda: (mount_batchfs(ctx, f"{system}-{rtt}", via), servers[system]))
             else:
                 if store_at is None:
-                    store_at, _ = link(procs, s3, rtt)
+                    store_at, store_proc = link(procs, s3, rtt)
+                    ctx["store_pids"].append(store_proc.pid)
                 mount(("steady", system, rtt), lambda: (mount_peer(ctx, system, store_at), None))
     half_rtt = RTTS[0]
     if "half" in MEASURES:
@@ -547,7 +553,8 @@ def bench(ctx):
 
     first_link = None
     if "first" in MEASURES:
-        first_link, _ = capped_link(procs, s3, STORE_RTT, FIRST_RATE)
+        first_link, first_proc = capped_link(procs, s3, STORE_RTT, FIRST_RATE)
+        ctx["store_pids"].append(first_proc.pid)
     rows = []
     for rnd in range(ROUNDS):
         for rtt in RTTS:
@@ -745,13 +752,16 @@ def render(rows, ctx):
                   f"mounts at {RTTS[0]} ms. Speed against batchfs-local: local s / s (target blocks ≥ 0.7); "
                   "store bytes per epoch over the dataset's (blocks: about 1).", "",
                   "| loader | system | epoch s | speed / local | speed / store floor | store bytes / dataset | "
-                  "GETs / epoch | tier hit bytes / dataset | evicted / epoch |", "|---|---|---|---|---|---|---|---|---|"]
+                  "GETs / epoch | tier hit bytes / dataset | evicted / epoch | CPU s/GB: node + server + store = all "
+                  "| all / cores, s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         floor = pick(measure="half", system="store-floor")
         if floor:
             lines.insert(-2, f"The store's floor: every shard read once, whole, by curl through the same {STORE_RTT:g} ms "
                              f"link, 4 at once, nothing else running: median {med(r['epoch_s'] for r in floor):.2f} s "
                              "(an epoch that reads the dataset from the store cannot beat it). Speed / store floor: "
-                             "the floor's s / the epoch's s, per round.")
+                             "the floor's s / the epoch's s, per round. CPU: the loader's and the mount's (node), the "
+                             "batchfs server's, SeaweedFS's and its links' (store), all on this machine's "
+                             f"{os.cpu_count()} cores: all CPU over the cores is a floor on the epoch here.")
             lines.insert(-2, "")
         for loader in HALF_LOADERS:
             for system in ("batchfs-local", "half-blocks", "half-global"):
@@ -763,14 +773,19 @@ def render(rows, ctx):
                 by_round = {r["round"]: r["epoch_s"] for r in floor}
                 to_floor = [by_round[r["round"]] / r["epoch_s"] for r in runs if r["round"] in by_round and r["epoch_s"]]
                 vs_floor = f"{med(to_floor):.2f}" if to_floor else "—"
+                cpu = [med(r[k] for r in runs) if all(r[k] != "" for r in runs) else 0.0
+                       for k in ("node_cpu_s_per_gb", "server_cpu_s_per_gb", "store_cpu_s_per_gb")]
+                gb = med(r["bytes"] for r in runs) / 1e9
+                cpus = (f"{cpu[0]:.2f} + {cpu[1]:.2f} + {cpu[2]:.2f} = {sum(cpu):.2f} | "
+                        f"{sum(cpu) * gb / (os.cpu_count() or 1):.2f}")
                 if system == "batchfs-local":
-                    lines.append(f"| {loader} | {system} | {e:.2f} | 1 | {vs_floor} | — | — | — | — |")
+                    lines.append(f"| {loader} | {system} | {e:.2f} | 1 | {vs_floor} | — | — | — | — | {cpus} |")
                     continue
                 lines.append(f"| {loader} | {system} | {e:.2f} | {f(ratio)} | {vs_floor} | "
                              f"{med(r['store_bytes'] / ctx['bytes'] for r in runs):.3f} | "
                              f"{med(r['store_gets'] for r in runs):.0f} | "
                              f"{med(r['tier_hit_bytes'] / ctx['bytes'] for r in runs):.3f} | "
-                             f"{med(r['tier_evicted'] for r in runs):.0f} |")
+                             f"{med(r['tier_evicted'] for r in runs):.0f} | {cpus} |")
         lines.append("")
     if 0 in RTTS and pick(measure="steady", loader="dali", rtt_ms=0):
         lines += ["## The issue's table re-run: DALI (mmap) at 0 ms, the page cache dropped", "", "```sh",

@@ -193,6 +193,8 @@ impl ObjectSource {
                     tracing::debug!(dataset = %self.bucket.url, object = n, offset, "read by GET: not being copied");
                 }
             }
+            let started = std::time::Instant::now();
+            let waited = !making.is_empty();
             for (i, copy) in making {
                 let (n, offset, len) = wanted[i];
                 let landed = copy.wait(offset, len, self.limits().timeout);
@@ -201,6 +203,10 @@ impl ObjectSource {
                     let dataset = &self.bucket.url;
                     tracing::debug!(%dataset, object = n, offset, "read by GET: its copy did not land");
                 }
+            }
+            if waited {
+                let ms = started.elapsed().as_millis() as u64;
+                tracing::debug!(dataset = %self.bucket.url, ms, "waited for the parts of copies being made");
             }
         }
         let missing: Vec<(u32, u64, u64)> =
