@@ -159,13 +159,15 @@ impl SegmentBody {
                 let map = match self.storage.shard(shard) {
                     Shard::Mapped(map) => map.clone(),
                     Shard::Direct(_) => return Some(Err(self.read_direct())),
-                    // An object whose copy the disk tier holds: sent from its mapping, as a mapped shard.
+                    // An object whose copy the disk tier holds: sent from its mapping, as a mapped shard, or
+                    // read as a direct shard where the copies are read past the page cache.
                     Shard::Object => match self.storage.mapping(shard) {
                         Some(map) => {
                             let objects = self.storage.objects().expect("an object dataset");
                             objects.served_from_tier(left.min(self.ctx.chunk_size));
                             map
                         }
+                        None if self.storage.is_direct(shard) => return Some(Err(self.read_direct())),
                         None => return Some(Err(self.read_files())),
                     },
                     Shard::Open(_) | Shard::Closed => return Some(Err(self.read_files())),
@@ -268,6 +270,10 @@ impl SegmentBody {
         let plan = ChunkPlan::new(self.ctx.direct.capacity() as u64);
         let mut chunk = DirectChunk { storage: &storage, room: self.ctx.chunk_size, total: 0, plan };
         self.take_pieces(&mut chunk);
+        if chunk.total == 0 {
+            // An object's copy evicted since it was found in the tier: read from the store.
+            return self.read_files();
+        }
         let (plan, pool, ctx) = (chunk.plan, self.ctx.direct.clone(), self.ctx.clone());
         let Some(ring) = ctx.ring() else { return on_storage(ctx, move || plan.read(&storage, &pool)) };
         within_storage(ctx, async move { plan.read_uring(storage, &pool, &ring).await })

@@ -24,6 +24,7 @@ pub const OBJECT_BYTES_TOTAL: &str = "batchfs_object_bytes_total";
 pub const OBJECT_CACHE_HIT_BYTES_TOTAL: &str = "batchfs_object_cache_hit_bytes_total";
 pub const OBJECT_BAD_CHECKSUMS_TOTAL: &str = "batchfs_object_bad_checksums_total";
 pub const OBJECT_TIER_HIT_BYTES_TOTAL: &str = "batchfs_object_tier_hit_bytes_total";
+pub const OBJECT_TIER_DIRECT_BYTES_TOTAL: &str = "batchfs_object_tier_direct_bytes_total";
 /// The disk tier of object datasets (`objects/tier.rs`), server-wide.
 pub const TIER_BYTES: &str = "batchfs_tier_bytes";
 pub const TIER_CAPACITY_BYTES: &str = "batchfs_tier_capacity_bytes";
@@ -58,7 +59,7 @@ pub fn render_datasets<'a>(
         out.sample(DATASET_CHANGED, &[("dataset", name)], u8::from(shards_changed > 0));
     }
     type Counter = fn(&crate::objects::ObjectCounters) -> &AtomicU64;
-    let objects: [(&str, &str, Counter); 5] = [
+    let objects: [(&str, &str, Counter); 6] = [
         (OBJECT_GETS_TOTAL, "Ranged GET requests sent to the bucket, by object dataset.", |c| &c.gets),
         (OBJECT_BYTES_TOTAL, "Bytes read from the bucket, by object dataset.", |c| &c.bytes),
         (
@@ -75,6 +76,11 @@ pub fn render_datasets<'a>(
             OBJECT_TIER_HIT_BYTES_TOTAL,
             "Bytes served from copies in the disk tier instead of the bucket, by object dataset.",
             |c| &c.tier_hit_bytes,
+        ),
+        (
+            OBJECT_TIER_DIRECT_BYTES_TOTAL,
+            "Of the bytes served from the disk tier, those read by the direct path of local shards (O_DIRECT).",
+            |c| &c.tier_direct_bytes,
         ),
     ];
     if datasets.clone().any(|d| d.3.is_some()) {

@@ -161,6 +161,8 @@ pub struct ObjectCounters {
     pub bad_checksums: AtomicU64,
     /// Bytes served from copies in the disk tier.
     pub tier_hit_bytes: AtomicU64,
+    /// Of those, bytes read by the direct path of local shards (copies read with `O_DIRECT`).
+    pub tier_direct_bytes: AtomicU64,
 }
 
 /// How many times a unit is read before its failing checksum is an error.
@@ -494,6 +496,60 @@ mod tests {
             let got = ds.storage.read_objects(&[(0, offset, len)]).unwrap();
             assert_eq!(&got[0][..], &file[offset as usize..(offset + len) as usize], "{len} at {offset}");
         }
+    }
+
+    #[test]
+    fn bodies_read_copies_past_the_page_cache_by_the_direct_path_of_local_shards() {
+        use http_body_util::BodyExt;
+        let (local, _) = crate::storage::fixtures::dataset(150, 30_001, 3);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let ctx = context(Some(tier_dir.path()), 1 << 30);
+        drop(open(&store, &ctx, index_dir.path()));
+        // A server of 64 KiB: the copies are read with O_DIRECT, by the path direct local shards take.
+        let io = IoPolicy {
+            mode: IoMode::Auto,
+            max_mapped_shards: 4096,
+            memory: 64 << 10,
+            resident: 0,
+            resident_auto: true,
+            sendfile: false,
+        };
+        let ds = open_with(&store, &ctx, index_dir.path(), io);
+        let source = ds.storage.objects().unwrap().clone();
+        let files: Vec<Vec<u8>> =
+            ds.index.shards.iter().map(|s| std::fs::read(local.path().join(&s.path)).unwrap()).collect();
+        // Unaligned pieces of every object, interleaved, with framing between them, as a batch's body is.
+        let (mut segments, mut want, mut data) = (Vec::new(), Vec::new(), 0);
+        for k in 0..60u64 {
+            let n = (k % files.len() as u64) as usize;
+            let size = files[n].len() as u64;
+            let offset = (k * 7919 + 13) % (size - 1);
+            let len = ((k * 104_729) % 150_000 + 1).min(size - offset);
+            segments.push(batchfs::encode::Segment::Data { shard: n as u32, offset, len });
+            want.extend_from_slice(&files[n][offset as usize..(offset + len) as usize]);
+            segments.push(batchfs::encode::Segment::Inline(vec![k as u8; 17]));
+            want.extend_from_slice(&[k as u8; 17]);
+            data += len;
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let body = |segments: Vec<batchfs::encode::Segment>| {
+            let metrics = Arc::new(crate::metrics::Metrics::default());
+            let stream = Arc::new(crate::body::StreamContext::new(4, 65_536, 2, metrics));
+            let body = crate::body::SegmentBody::new(stream, ds.storage.clone(), segments);
+            runtime.block_on(async { body.collect().await.unwrap().to_bytes() })
+        };
+        let (gets, direct) = (&source.counters.gets, &source.counters.tier_direct_bytes);
+        assert!(body(segments.clone())[..] == want[..], "the bytes differ");
+        assert_eq!(gets.load(Ordering::Relaxed), 0, "a copy in the tier was read from the store");
+        assert_eq!(direct.load(Ordering::Relaxed), data, "every piece by the direct path");
+        // A copy gone from the tier (evicted, or failed): its pieces are read from the store, every byte
+        // still right, the others still by the direct path.
+        source.direct_copy_failed(0, &std::io::Error::other("gone"));
+        assert!(body(segments)[..] == want[..], "the bytes differ");
+        assert!(gets.load(Ordering::Relaxed) > 0);
+        assert!(direct.load(Ordering::Relaxed) > data);
     }
 
     #[test]

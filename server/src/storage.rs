@@ -601,16 +601,26 @@ impl Storage {
     }
 
     /// The descriptor of direct shard `n` (opened `O_DIRECT`), once `[offset, offset + len)` is checked
-    /// to lie within its indexed size.
-    pub fn direct_fd(&self, n: u32, offset: u64, len: u64) -> std::io::Result<RawFd> {
-        let Shard::Direct(held) = self.shard(n) else {
-            unreachable!("a direct read of a shard not opened for direct reads")
+    /// to lie within its indexed size; for an object whose copy in the disk tier is read directly, the
+    /// copy, opened now and kept open by the read (`WouldBlock` where the tier no longer holds it: the
+    /// bytes are then read another way).
+    pub fn direct_fd(&self, n: u32, offset: u64, len: u64) -> std::io::Result<DirectFd> {
+        let (fd, keep, size, path) = match self.shard(n) {
+            Shard::Direct(held) => (held.file.as_raw_fd(), None, held.size, held.path.clone()),
+            Shard::Object => {
+                let objects = self.objects.as_ref().expect("an object dataset has its source");
+                let Some(copy) = objects.direct_copy(n, len) else {
+                    return Err(std::io::Error::new(std::io::ErrorKind::WouldBlock, "not in the disk tier now"));
+                };
+                let size = self.info(n).map_or(0, |i| i.size);
+                (copy.as_raw_fd(), Some(copy), size, objects.path_of(n))
+            }
+            _ => unreachable!("a direct read of a shard not opened for direct reads"),
         };
-        let HeldFile { file, path, size } = &**held;
-        if offset + len > *size {
+        if offset + len > size {
             return Err(std::io::Error::other(format!("{}: range past the indexed size", path.display())));
         }
-        Ok(file.as_raw_fd())
+        Ok(DirectFd { fd, keep })
     }
 
     /// Completes a direct read of shard `n` from `start` (aligned) into `window` (aligned, the read's
@@ -619,18 +629,25 @@ impl Storage {
     pub fn finish_direct(
         &self,
         n: u32,
+        read: &DirectFd,
         window: &mut [u8],
         start: u64,
         need: usize,
         mut got: usize,
     ) -> std::io::Result<()> {
-        let Shard::Direct(held) = self.shard(n) else {
-            unreachable!("a direct read of a shard not opened for direct reads")
+        let (file, path) = match (self.shard(n), &read.keep) {
+            (Shard::Direct(held), _) => (&held.file, held.path.clone()),
+            (Shard::Object, Some(copy)) => (&**copy, self.objects.as_ref().map(|o| o.path_of(n)).unwrap_or_default()),
+            _ => unreachable!("a direct read of a shard not opened for direct reads"),
         };
-        let HeldFile { file, path, .. } = &**held;
         let context = |e: std::io::Error| {
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                self.mark(n, "it is shorter than indexed".into());
+            match (&read.keep, self.objects.as_ref()) {
+                // A copy in the tier that fails or ends short: dropped, the object read from the store next.
+                (Some(_), Some(objects)) => objects.direct_copy_failed(n, &e),
+                _ if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    self.mark(n, "it is shorter than indexed".into());
+                }
+                _ => {}
             }
             std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
         };
@@ -652,10 +669,22 @@ impl Storage {
         Ok(())
     }
 
-    /// Whether shard `n` is read with `O_DIRECT`.
+    /// Whether shard `n` is read with `O_DIRECT`: a direct shard, or an object whose copy the disk tier
+    /// holds and reads so now.
     pub fn is_direct(&self, n: u32) -> bool {
-        matches!(self.shard(n), Shard::Direct(_))
+        match self.shard(n) {
+            Shard::Direct(_) => true,
+            Shard::Object => self.objects.as_ref().is_some_and(|o| o.direct_copy_held(n)),
+            _ => false,
+        }
     }
+}
+
+/// The descriptor a direct read reads ([`Storage::direct_fd`]), and what keeps it open for the read (a
+/// copy in the disk tier opened for it; a direct shard's stays open with its storage).
+pub struct DirectFd {
+    pub fd: RawFd,
+    pub keep: Option<Arc<File>>,
 }
 
 /// Why a file of `size` bytes modified at `mtime_ns` (as indexed) is not the file `now` describes, if
@@ -820,11 +849,11 @@ mod tests {
         match storage.shard(n) {
             Shard::Mapped(map) => out.extend_from_slice(&map.bytes()[offset as usize..(offset + len) as usize]),
             Shard::Direct(_) => {
-                storage.direct_fd(n, offset, len)?;
+                let read = storage.direct_fd(n, offset, len)?;
                 let (first, span) = (aligned::align_down(offset), direct_span(offset, len) as usize);
                 let mut buf = aligned::Pool::new(span, 0).take();
                 let need = (offset + len - first) as usize;
-                storage.finish_direct(n, &mut buf.window()[..span], first, need, 0)?;
+                storage.finish_direct(n, &read, &mut buf.window()[..span], first, need, 0)?;
                 let at = (offset - first) as usize;
                 out.extend_from_slice(&buf.window()[at..at + len as usize]);
             }

@@ -227,7 +227,14 @@ impl ObjectSource {
         let (tier, file) = (self.tier()?, self.file(n)?);
         let name = self.tier_name(file);
         let (path, checked) = tier.get(&name)?;
-        let copy = std::fs::File::open(&path).ok()?;
+        let copy = match std::fs::File::open(&path) {
+            Ok(copy) => copy,
+            Err(e) => {
+                // Gone from the disk under the tier: forgotten, so nothing takes it for held again.
+                tier.remove(&name, &e.to_string());
+                return None;
+            }
+        };
         if !checked {
             let mut bytes = vec![0; file.size as usize];
             let read = copy.read_exact_at(&mut bytes, 0);
@@ -248,11 +255,44 @@ impl ObjectSource {
             // refuses O_DIRECT gets positioned reads through the page cache).
             use std::os::unix::fs::OpenOptionsExt;
             let direct = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path);
-            if let Ok(direct) = direct {
-                return Some(CopyFile { file: direct, direct: true });
+            match direct {
+                Ok(direct) => return Some(CopyFile { file: direct, direct: true }),
+                // Refused (the filesystem does not do O_DIRECT): every copy is read through the page cache.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.read_copies_directly(false),
+                Err(_) => {}
             }
         }
         Some(CopyFile { file: copy, direct: false })
+    }
+
+    /// Whether object `n` is read now from a copy in the tier opened with `O_DIRECT`, by the direct path of
+    /// local shards (`storage/direct.rs`): the copies of a dataset larger than half the server's memory.
+    pub fn direct_copy_held(&self, n: u32) -> bool {
+        self.direct_copies.load(Ordering::Relaxed)
+            && self.tier().zip(self.file(n)).is_some_and(|(tier, file)| tier.contains(&self.tier_name(file)))
+    }
+
+    /// Object `n`'s copy in the tier, opened with `O_DIRECT` and checked, for `len` bytes of it read now
+    /// by the direct path (counted as the tier's, and as a read of the object for the stager); `None` where
+    /// the tier does not hold it (or it is not read so): the bytes are then read by [`Self::read_many`].
+    pub fn direct_copy(self: &Arc<Self>, n: u32, len: u64) -> Option<Arc<std::fs::File>> {
+        if !self.direct_copies.load(Ordering::Relaxed) {
+            return None;
+        }
+        let copy = self.open_copy(n).filter(|c| c.direct);
+        self.touched(n, copy.is_some());
+        let copy = copy?;
+        self.served_from_tier(len);
+        self.counters.tier_direct_bytes.fetch_add(len, Ordering::Relaxed);
+        Some(Arc::new(copy.file))
+    }
+
+    /// A read of object `n`'s copy by the direct path failed (`e`): the copy is dropped from the tier, so
+    /// the next reads of the object go to the store.
+    pub fn direct_copy_failed(&self, n: u32, e: &io::Error) {
+        if let (Some(tier), Some(file)) = (self.tier(), self.file(n)) {
+            tier.remove(&self.tier_name(file), &e.to_string());
+        }
     }
 
     /// `len` bytes at `offset` of object `n` from its open copy `copy`; `None` where the read fails (the

@@ -9,9 +9,8 @@
 
 use crate::storage::aligned::{self, align_down, align_up, DIRECT_ALIGN};
 use crate::storage::uring::{ReadOp, Ring};
-use crate::storage::Storage;
+use crate::storage::{DirectFd, Storage};
 use bytes::Bytes;
-use std::os::fd::RawFd;
 use std::sync::Arc;
 
 /// Blocks of one shard at most this far apart are read in one read (the gap read and dropped): one
@@ -25,7 +24,8 @@ const SMALL_PIECE: u64 = 32 << 10;
 /// One read of a planned chunk: the aligned blocks `[start, end)` of `shard`, into the buffer at `at`.
 struct Read {
     shard: u32,
-    fd: RawFd,
+    /// The descriptor read (kept open for the read where it is a copy in the disk tier).
+    file: DirectFd,
     start: u64,
     end: u64,
     /// The last byte a piece needs, plus one (past it, a short read at the file's end is fine).
@@ -84,8 +84,10 @@ impl ChunkPlan {
         if n == 0 || self.error.is_some() {
             return 0;
         }
-        let fd = match storage.direct_fd(shard, offset, n) {
-            Ok(fd) => fd,
+        let file = match storage.direct_fd(shard, offset, n) {
+            Ok(file) => file,
+            // An object's copy the tier no longer holds: not taken here, read another way.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return 0,
             Err(e) => {
                 self.error = Some(e);
                 return 0;
@@ -102,7 +104,7 @@ impl ChunkPlan {
             _ => {
                 let start = align_down(offset);
                 let at = self.used as usize;
-                self.reads.push(Read { shard, fd, start, end, need_end: offset + n, at });
+                self.reads.push(Read { shard, file, start, end, need_end: offset + n, at });
                 self.used += end - start;
                 at + (offset - start) as usize
             }
@@ -132,7 +134,7 @@ impl ChunkPlan {
         let ops: Vec<ReadOp> = self
             .reads
             .iter()
-            .map(|r| ReadOp { fd: r.fd, offset: r.start, at: r.at, len: (r.end - r.start) as usize })
+            .map(|r| ReadOp { fd: r.file.fd, offset: r.start, at: r.at, len: (r.end - r.start) as usize })
             .collect();
         let (buf, results) = ring.read(pool.take(), &ops).await?;
         let got: Vec<usize> = results.into_iter().map(|r| r.unwrap_or(0)).collect();
@@ -150,7 +152,7 @@ impl ChunkPlan {
         }
         for (r, got) in self.reads.iter().zip(got) {
             let window = &mut buf.window()[r.at..r.at + (r.end - r.start) as usize];
-            storage.finish_direct(r.shard, window, r.start, (r.need_end - r.start) as usize, got)?;
+            storage.finish_direct(r.shard, &r.file, window, r.start, (r.need_end - r.start) as usize, got)?;
         }
         buf.set_len(self.used as usize);
         let shared = Bytes::from_owner(buf);
