@@ -387,6 +387,28 @@ mod tests {
         Dataset::of_objects("ds", opened, Some(index_dir), &IndexOptions::default(), &NoProgress, io).unwrap()
     }
 
+    /// Three objects copied into a tier, then opened by a server of 64 KiB: the dataset does not fit in
+    /// half its memory, so the copies are read with O_DIRECT, not mapped. The local copy, the tier's and
+    /// the index's directories (to outlive the dataset), and the dataset.
+    fn opened_with_direct_copies() -> (tempfile::TempDir, [tempfile::TempDir; 2], Dataset) {
+        let (local, _) = crate::storage::fixtures::dataset(150, 30_001, 3);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let ctx = context(Some(tier_dir.path()), 1 << 30);
+        drop(open(&store, &ctx, index_dir.path()));
+        let io = IoPolicy {
+            mode: IoMode::Auto,
+            max_mapped_shards: 4096,
+            memory: 64 << 10,
+            resident: 0,
+            resident_auto: true,
+            sendfile: false,
+        };
+        let ds = open_with(&store, &ctx, index_dir.path(), io);
+        (local, [tier_dir, index_dir], ds)
+    }
+
     /// Every shard of `ds` read whole through its storage, against the local copy in `dir`.
     fn read_all_and_compare(ds: &Dataset, dir: &Path) {
         for (n, shard) in ds.index.shards.iter().enumerate() {
@@ -467,23 +489,9 @@ mod tests {
 
     #[test]
     fn copies_of_a_dataset_larger_than_half_the_memory_are_read_past_the_page_cache() {
-        let (local, _) = crate::storage::fixtures::dataset(150, 30_001, 3);
-        let store = Arc::new(InMemory::new());
-        upload(&store, local.path(), "ds");
-        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let ctx = context(Some(tier_dir.path()), 1 << 30);
-        drop(open(&store, &ctx, index_dir.path()));
         // A server of 64 KiB: the dataset does not fit in half of it, so its copies are not mapped but
         // read with O_DIRECT (positioned reads where the filesystem refuses it), every byte still right.
-        let io = IoPolicy {
-            mode: IoMode::Auto,
-            max_mapped_shards: 4096,
-            memory: 64 << 10,
-            resident: 0,
-            resident_auto: true,
-            sendfile: false,
-        };
-        let ds = open_with(&store, &ctx, index_dir.path(), io);
+        let (local, _dirs, ds) = opened_with_direct_copies();
         let source = ds.storage.objects().unwrap().clone();
         assert!(source.direct_copies.load(Ordering::Relaxed));
         assert!((0..ds.index.shards.len() as u32).all(|n| source.mapping(n).is_none()));
@@ -501,22 +509,7 @@ mod tests {
     #[test]
     fn bodies_read_copies_past_the_page_cache_by_the_direct_path_of_local_shards() {
         use http_body_util::BodyExt;
-        let (local, _) = crate::storage::fixtures::dataset(150, 30_001, 3);
-        let store = Arc::new(InMemory::new());
-        upload(&store, local.path(), "ds");
-        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let ctx = context(Some(tier_dir.path()), 1 << 30);
-        drop(open(&store, &ctx, index_dir.path()));
-        // A server of 64 KiB: the copies are read with O_DIRECT, by the path direct local shards take.
-        let io = IoPolicy {
-            mode: IoMode::Auto,
-            max_mapped_shards: 4096,
-            memory: 64 << 10,
-            resident: 0,
-            resident_auto: true,
-            sendfile: false,
-        };
-        let ds = open_with(&store, &ctx, index_dir.path(), io);
+        let (local, _dirs, ds) = opened_with_direct_copies();
         let source = ds.storage.objects().unwrap().clone();
         let files: Vec<Vec<u8>> =
             ds.index.shards.iter().map(|s| std::fs::read(local.path().join(&s.path)).unwrap()).collect();
