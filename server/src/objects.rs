@@ -120,11 +120,12 @@ pub struct ObjectLimits {
     pub retry_for: Duration,
     /// Whole objects copied into the tier at once, and GETs in flight for them (`stage_objects`).
     pub stage_objects: usize,
-    /// Bytes of parts read for copies into the tier and not yet handed to the disk, server-wide: an
-    /// eighth of the memory the server may use, within 2 parts and 512 MiB.
+    /// Bytes of parts being copied into the tier at once (their pages dirty until written back),
+    /// server-wide: an eighth of the memory the server may use, within 2 parts and 512 MiB.
     pub staging_bytes: u64,
-    /// Bytes of GETs in flight, server-wide (their bodies are held whole until they are checked): an
-    /// eighth of the memory the server may use, within 2 parts and 512 MiB.
+    /// Bytes of GETs in flight, server-wide (their bodies are held whole until they are checked; a
+    /// copy's, written as it arrives, counts a MiB): an eighth of the memory the server may use, within 2
+    /// parts and 512 MiB.
     pub get_bytes: u64,
 }
 
@@ -543,6 +544,136 @@ mod tests {
         assert!(body(segments)[..] == want[..], "the bytes differ");
         assert!(gets.load(Ordering::Relaxed) > 0);
         assert!(direct.load(Ordering::Relaxed) > data);
+    }
+
+    /// A store whose ranged GETs answer in pieces of 5,000 bytes, the first `flips` of them with one byte
+    /// of their body changed and the next `cuts` cut off halfway by an error, as a network may.
+    #[derive(Debug)]
+    struct Faulty {
+        inner: InMemory,
+        flips: std::sync::atomic::AtomicUsize,
+        cuts: std::sync::atomic::AtomicUsize,
+    }
+
+    impl std::fmt::Display for Faulty {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "Faulty({})", self.inner)
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl ObjectStore for Faulty {
+        async fn put_opts(
+            &self,
+            location: &object_store::path::Path,
+            payload: object_store::PutPayload,
+            opts: object_store::PutOptions,
+        ) -> object_store::Result<object_store::PutResult> {
+            self.inner.put_opts(location, payload, opts).await
+        }
+
+        async fn put_multipart_opts(
+            &self,
+            location: &object_store::path::Path,
+            opts: object_store::PutMultipartOptions,
+        ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+            self.inner.put_multipart_opts(location, opts).await
+        }
+
+        async fn get_opts(
+            &self,
+            location: &object_store::path::Path,
+            options: object_store::GetOptions,
+        ) -> object_store::Result<object_store::GetResult> {
+            use futures_util::StreamExt;
+            let ranged = options.range.is_some();
+            let result = self.inner.get_opts(location, options).await?;
+            let take = |n: &std::sync::atomic::AtomicUsize| {
+                ranged && n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |k| k.checked_sub(1)).is_ok()
+            };
+            let flip = take(&self.flips);
+            let cut = !flip && take(&self.cuts);
+            let (meta, range, attributes) = (result.meta.clone(), result.range.clone(), result.attributes.clone());
+            let body: Vec<bytes::Bytes> = result.into_stream().map(Result::unwrap).collect().await;
+            let mut body = body.concat();
+            if flip {
+                let at = body.len() * 2 / 3;
+                body[at] ^= 0x20;
+            }
+            let whole = body.len();
+            let mut pieces: Vec<object_store::Result<bytes::Bytes>> =
+                body.chunks(5000).map(|p| Ok(bytes::Bytes::copy_from_slice(p))).collect();
+            if cut {
+                pieces.truncate(pieces.len() / 2);
+                pieces.push(Err(object_store::Error::Generic {
+                    store: "Faulty",
+                    source: format!("connection reset after {} of {whole} bytes", pieces.len() * 5000).into(),
+                }));
+            }
+            let payload = object_store::GetResultPayload::Stream(futures_util::stream::iter(pieces).boxed());
+            Ok(object_store::GetResult { payload, meta, range, attributes })
+        }
+
+        fn delete_stream(
+            &self,
+            locations: futures_util::stream::BoxStream<'static, object_store::Result<object_store::path::Path>>,
+        ) -> futures_util::stream::BoxStream<'static, object_store::Result<object_store::path::Path>> {
+            self.inner.delete_stream(locations)
+        }
+
+        fn list(
+            &self,
+            prefix: Option<&object_store::path::Path>,
+        ) -> futures_util::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+            self.inner.list(prefix)
+        }
+
+        async fn list_with_delimiter(
+            &self,
+            prefix: Option<&object_store::path::Path>,
+        ) -> object_store::Result<object_store::ListResult> {
+            self.inner.list_with_delimiter(prefix).await
+        }
+
+        async fn copy_opts(
+            &self,
+            from: &object_store::path::Path,
+            to: &object_store::path::Path,
+            options: object_store::CopyOptions,
+        ) -> object_store::Result<()> {
+            self.inner.copy_opts(from, to, options).await
+        }
+    }
+
+    #[test]
+    fn copies_are_written_as_their_bodies_arrive_and_a_changed_or_cut_body_is_copied_again() {
+        // Shards of about 8 MB: several 4 MiB chunks, each checked, in one part.
+        let (local, _) = crate::storage::fixtures::dataset(400, 40_000, 2);
+        let memory = InMemory::new();
+        upload(&memory, local.path(), "ds");
+        let no = || std::sync::atomic::AtomicUsize::new(0);
+        let store = Arc::new(Faulty { inner: memory, flips: no(), cuts: no() });
+        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        // Indexed by a server without a tier; then one with a tier copies every object by the stager.
+        drop(open(&store, &context(None, 0), index_dir.path()));
+        store.flips.store(2, Ordering::SeqCst);
+        store.cuts.store(2, Ordering::SeqCst);
+        let ctx = context(Some(tier_dir.path()), 1 << 30);
+        let ds = open(&store, &ctx, index_dir.path());
+        let source = ds.storage.objects().unwrap().clone();
+        let tier = ctx.tier.clone().unwrap();
+        wait_for("every object copied", || tier.copies() == ds.index.shards.len() && source.stager_idle());
+        assert_eq!(store.flips.load(Ordering::SeqCst) + store.cuts.load(Ordering::SeqCst), 0, "every fault met");
+        // The changed bodies failed their chunk's check and were copied again; the cut ones asked again.
+        assert_eq!(source.counters.bad_checksums.load(Ordering::Relaxed), 2);
+        for shard in &ds.index.shards {
+            let (copy, _) = tier.get(&source.tier_name(shard)).unwrap();
+            let want = std::fs::read(local.path().join(&shard.path)).unwrap();
+            assert!(std::fs::read(copy).unwrap() == want, "the copy of {} is its object", shard.path);
+        }
+        let gets = source.counters.gets.load(Ordering::Relaxed);
+        read_all_and_compare(&ds, local.path());
+        assert_eq!(source.counters.gets.load(Ordering::Relaxed), gets, "read from the copies");
     }
 
     #[test]

@@ -46,7 +46,7 @@ pub struct ObjectContext {
     /// GETs in flight to each bucket (an endpoint's): every dataset of one bucket shares its bound.
     buckets: Mutex<HashMap<String, Arc<Semaphore>>>,
     pub cache: BlockCache,
-    /// Room for parts of copies into the tier read and not yet written (`staging_bytes`).
+    /// Room for the parts of copies into the tier being copied at once (`staging_bytes`).
     pub staging: Room,
     /// Room for the bodies of GETs in flight (`get_bytes`).
     pub gets: Room,

@@ -11,6 +11,7 @@ use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
 use object_store::{GetOptions, GetRange};
 use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
@@ -398,18 +399,28 @@ impl ObjectSource {
         Ok(out)
     }
 
-    /// One ranged GET of `object` (storage number `n`), `If-Match` its indexed ETag. A request that fails
-    /// on the way (object_store's own retries given up, or a body cut short) is made again, with backoff,
-    /// while `object_retry_for` from the first attempt lasts; an object changed since it was indexed is not.
+    /// One ranged GET of `object` (storage number `n`), `If-Match` its indexed ETag, its body collected.
+    /// A request that fails on the way is made again ([`ObjectSource::retrying`]).
     pub(super) async fn get(&self, n: u32, file: &ShardInfo, offset: u64, len: u64) -> Result<Bytes, ReadError> {
         if len == 0 {
             return Ok(Bytes::new());
         }
+        self.retrying(file, || self.get_once(n, file, offset, len)).await
+    }
+
+    /// `attempt` made again, with backoff, while it fails on the way (object_store's own retries given up,
+    /// or a body cut short) and `object_retry_for` from the first attempt lasts; an object changed since
+    /// it was indexed is not asked for again.
+    pub(super) async fn retrying<T, F: Future<Output = Result<T, ReadError>>>(
+        &self,
+        file: &ShardInfo,
+        mut attempt: impl FnMut() -> F,
+    ) -> Result<T, ReadError> {
         let deadline = tokio::time::Instant::now() + self.limits().retry_for;
         let mut backoff = Duration::from_millis(100);
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let result = match tokio::time::timeout(left, self.get_once(n, file, offset, len)).await {
+            let result = match tokio::time::timeout(left, attempt()).await {
                 Ok(result) => result,
                 Err(_) => Err(ReadError::Io(io::Error::new(
                     io::ErrorKind::TimedOut,
@@ -428,9 +439,31 @@ impl ObjectSource {
     }
 
     async fn get_once(&self, n: u32, file: &ShardInfo, offset: u64, len: u64) -> Result<Bytes, ReadError> {
+        let (result, _held) = self.open_get(n, file, offset, len, len).await?;
+        let bytes =
+            result.bytes().await.map_err(|e| io::Error::other(format!("{}: {e}", self.shown(file).display())))?;
+        self.counters.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        if bytes.len() as u64 != len {
+            return Err(self.short_body(file, offset, len, bytes.len() as u64));
+        }
+        Ok(bytes)
+    }
+
+    /// A ranged GET of `len` bytes at `offset` of `object` (storage number `n`), `If-Match` its indexed
+    /// ETag, answered: its body not read yet, held within `room` bytes of the server's `get_bytes` and
+    /// one of the bucket's `object_requests` (given back when the guards drop). An object that is not the
+    /// indexed one (its ETag or size) is [`ReadError::Changed`].
+    pub(super) async fn open_get(
+        &self,
+        n: u32,
+        file: &ShardInfo,
+        offset: u64,
+        len: u64,
+        room: u64,
+    ) -> Result<(object_store::GetResult, impl Send + use<'_>), ReadError> {
         // Room for the body first: a GET waiting for room holds no request of its bucket.
-        let _room = self.context.gets.take(len).await;
-        let _permit = self.requests.acquire().await.map_err(io::Error::other)?;
+        let room = self.context.gets.take(room).await;
+        let permit = self.requests.acquire().await.map_err(io::Error::other)?;
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let options = GetOptions {
             range: Some(GetRange::Bounded(offset..offset + len)),
@@ -463,16 +496,15 @@ impl ObjectSource {
                 file.size
             )));
         }
-        let bytes =
-            result.bytes().await.map_err(|e| io::Error::other(format!("{}: {e}", self.shown(file).display())))?;
-        self.counters.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        if bytes.len() as u64 != len {
-            return Err(ReadError::Io(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("{}: {} bytes at {offset} came back for {len}", self.shown(file).display(), bytes.len()),
-            )));
-        }
-        Ok(bytes)
+        Ok((result, (room, permit)))
+    }
+
+    /// The error of a body of `got` bytes where `len` at `offset` were asked for (a retry reads it again).
+    pub(super) fn short_body(&self, file: &ShardInfo, offset: u64, len: u64, got: u64) -> ReadError {
+        ReadError::Io(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("{}: {got} bytes at {offset} came back for {len}", self.shown(file).display()),
+        ))
     }
 
     /// Object `file`'s path shown in messages.

@@ -21,8 +21,8 @@
 //! dataset weakly and ends when the dataset is gone.
 
 use super::making::Making;
-use super::ObjectSource;
-use batchfs::index::ShardInfo;
+use super::{ObjectSource, ReadError, FETCH_ATTEMPTS};
+use batchfs::index::{ShardInfo, CHUNK_BYTES};
 use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -255,11 +255,11 @@ impl ObjectSource {
     /// at once, into a file under `staging/`, each 4 MiB chunk checked against the index's CRC32C (and
     /// read again where it differs), then renamed into place. Returns the copy's path.
     ///
-    /// **Memory.** Each part is read into a buffer of its own within the server's `staging_bytes`, written
-    /// with `pwrite` and handed to the disk at once (`sync_file_range`), so what copies hold in memory is
-    /// bounded and their pages are clean soon after: a server in a small memory cgroup copying several
-    /// objects is not filled with dirty pages its reclaim cannot drop (writes through a mapping of the
-    /// copy were, and the OOM killer came).
+    /// **Memory.** Each part's GET body is written into the copy as it arrives (no buffer of the part's
+    /// own), the parts copied at once within the server's `staging_bytes`, and handed to the disk every MiB
+    /// (`sync_file_range`), so what copies hold in memory is bounded and their pages are clean soon after:
+    /// a server in a small memory cgroup copying several objects is not filled with dirty pages its
+    /// reclaim cannot drop (writes through a mapping of the copy were, and the OOM killer came).
     async fn stage_object(&self, n: u32) -> io::Result<PathBuf> {
         let tier = self.tier().ok_or_else(|| io::Error::other("no disk tier"))?;
         let file = self.file(n).ok_or_else(|| io::Error::other(format!("no object #{n}")))?;
@@ -291,11 +291,11 @@ impl ObjectSource {
 }
 
 impl ObjectSource {
-    /// Reads all of object `n` (`file`) into `out` (a file of its size) by ranged GETs of `object_part`,
-    /// up to 8 at once, each within the server's `staging_bytes` until it is written; with `checked`, each
-    /// 4 MiB chunk against the index's CRC32C (read again where it differs). The parts a body waits for
-    /// are read first where the copy is `making` one ([`Making::next_part`]), else in order. A write that
-    /// fails is `disk`'s error.
+    /// Copies all of object `n` (`file`) into `out` (a file of its size) by ranged GETs of `object_part`,
+    /// up to 8 at once, each within the server's `staging_bytes` while it is copied; with `checked`, each
+    /// 4 MiB chunk against the index's CRC32C (copied again where it differs). The parts a body waits for
+    /// are copied first where the copy is `making` one ([`Making::next_part`]), else in order. A write
+    /// that fails is `disk`'s error.
     pub(super) async fn write_whole(
         &self,
         n: u32,
@@ -319,13 +319,7 @@ impl ObjectSource {
                 let _room = self.context.staging.take(part.min(file.size)).await;
                 let Some(k) = next() else { return Ok::<_, io::Error>(()) };
                 let (at, len) = (k * part, part.min(file.size - k * part));
-                let mut bytes = vec![0; len as usize];
-                if checked {
-                    self.read_range_into(n, file, at, &mut bytes).await?;
-                } else {
-                    self.read_parts(n, file, vec![(at, &mut bytes[..])]).await?;
-                }
-                write_part(out, &bytes, at).map_err(disk)?;
+                self.copy_range(n, file, at, len, out, disk, checked).await?;
                 if let Some(making) = making {
                     making.landed(k);
                 }
@@ -335,22 +329,127 @@ impl ObjectSource {
         futures_util::future::try_join_all((0..readers).map(|_| reader())).await?;
         Ok(())
     }
+
+    /// Copies the `len` bytes at `at` (a multiple of [`CHUNK_BYTES`]) of object `n` into `out` at the
+    /// same offset, by one ranged GET whose body is written as it arrives (no buffer of the part's own,
+    /// no copy but the one into the file); with `checked`, the CRC32C of each chunk is folded in as its
+    /// bytes pass, and a chunk that differs from the index's is copied again by itself, up to
+    /// [`FETCH_ATTEMPTS`] times. The copy's bytes are only trusted once this returns `Ok`.
+    #[allow(clippy::too_many_arguments)]
+    async fn copy_range(
+        &self,
+        n: u32,
+        file: &ShardInfo,
+        at: u64,
+        len: u64,
+        out: &std::fs::File,
+        disk: &impl Fn(io::Error) -> io::Error,
+        checked: bool,
+    ) -> io::Result<()> {
+        debug_assert_eq!(at % CHUNK_BYTES, 0, "ranges are checked by whole chunks");
+        let mut todo = vec![(at, len)];
+        for attempt in 1..=FETCH_ATTEMPTS {
+            let mut differing = Vec::new();
+            for &(at, len) in &todo {
+                let streamed = self.retrying(file, || self.stream_into(n, file, at, len, out, checked));
+                let crcs = streamed.await.map_err(ReadError::into_io)?.map_err(disk)?;
+                let chunks = crcs.into_iter().enumerate().map(|(k, crc)| (at / CHUNK_BYTES + k as u64, crc));
+                differing.extend(
+                    chunks
+                        .filter(|&(c, crc)| file.chunk_crc(c) != Some(crc))
+                        .map(|(c, _)| (c * CHUNK_BYTES, CHUNK_BYTES.min(at + len - c * CHUNK_BYTES))),
+                );
+            }
+            if differing.is_empty() {
+                return Ok(());
+            }
+            self.counters.bad_checksums.fetch_add(differing.len() as u64, Ordering::Relaxed);
+            let (dataset, object) = (&self.bucket.url, &file.path);
+            tracing::warn!(%dataset, %object, attempt, "ranges copied failed their checksums: copying them again");
+            todo = differing;
+        }
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: its bytes keep differing from the index's checksums", self.shown(file).display()),
+        ))
+    }
+
+    /// One GET of the `len` bytes at `at` of object `n`, each piece of its body written to `out` as it
+    /// arrives (writeback started every [`WRITEBACK_BYTES`]); returns the CRC32C of each [`CHUNK_BYTES`]
+    /// chunk where `checked` (else none), or the disk's error (inner: not worth asking the store again).
+    async fn stream_into(
+        &self,
+        n: u32,
+        file: &ShardInfo,
+        at: u64,
+        len: u64,
+        out: &std::fs::File,
+        checked: bool,
+    ) -> Result<io::Result<Vec<u32>>, ReadError> {
+        let (result, _held) = self.open_get(n, file, at, len, len.min(WRITEBACK_BYTES)).await?;
+        let mut body = result.into_stream();
+        let (mut crcs, mut crc, mut got, mut synced) = (Vec::new(), 0u32, 0u64, 0u64);
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| io::Error::other(format!("{}: {e}", self.shown(file).display())))?;
+            if got + piece.len() as u64 > len {
+                return Err(self.short_body(file, at, len, got + piece.len() as u64));
+            }
+            self.counters.bytes.fetch_add(piece.len() as u64, Ordering::Relaxed);
+            if checked {
+                // The piece's bytes split at chunk ends, each folded into its chunk's CRC.
+                let mut rest = &piece[..];
+                while !rest.is_empty() {
+                    let into = (got + (piece.len() - rest.len()) as u64) % CHUNK_BYTES;
+                    let take = rest.len().min((CHUNK_BYTES - into) as usize);
+                    crc = batchfs::crc::crc32c_append(crc, &rest[..take]);
+                    rest = &rest[take..];
+                    if into + take as u64 == CHUNK_BYTES {
+                        crcs.push(std::mem::take(&mut crc));
+                    }
+                }
+            }
+            if let Err(e) = file_write(out, &piece, at + got) {
+                return Ok(Err(e));
+            }
+            got += piece.len() as u64;
+            if got - synced >= WRITEBACK_BYTES {
+                if let Err(e) = start_writeback(out, at + synced, got - synced) {
+                    return Ok(Err(e));
+                }
+                synced = got;
+            }
+        }
+        if got != len {
+            return Err(self.short_body(file, at, len, got));
+        }
+        if checked && !len.is_multiple_of(CHUNK_BYTES) {
+            crcs.push(crc);
+        }
+        Ok(start_writeback(out, at + synced, got - synced).map(|()| crcs))
+    }
 }
 
-/// Writes `bytes` at `at` of `file` and starts their writeback now, so they do not stay dirty in memory
-/// (Linux; elsewhere the flush before the rename writes them).
-fn write_part(file: &std::fs::File, bytes: &[u8], at: u64) -> io::Result<()> {
+/// Bytes of a copy written before their writeback is started, so they do not stay dirty in memory.
+const WRITEBACK_BYTES: u64 = 1 << 20;
+
+/// Writes `bytes` at `at` of `file`.
+fn file_write(file: &std::fs::File, bytes: &[u8], at: u64) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
-    file.write_all_at(bytes, at)?;
+    file.write_all_at(bytes, at)
+}
+
+/// Starts the writeback of the `len` bytes at `at` of `file` now (Linux; elsewhere the flush before the
+/// rename writes them).
+fn start_writeback(file: &std::fs::File, at: u64, len: u64) -> io::Result<()> {
     #[cfg(target_os = "linux")]
-    {
+    if len > 0 {
         use std::os::fd::AsRawFd;
         // SAFETY: sync_file_range reads no memory of ours; the descriptor is open for the call (borrowed).
         let rc = unsafe {
             libc::sync_file_range(
                 file.as_raw_fd(),
                 at as libc::off64_t,
-                bytes.len() as libc::off64_t,
+                len as libc::off64_t,
                 libc::SYNC_FILE_RANGE_WRITE,
             )
         };
@@ -362,6 +461,8 @@ fn write_part(file: &std::fs::File, bytes: &[u8], at: u64) -> io::Result<()> {
             }
         }
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, at, len);
     Ok(())
 }
 
