@@ -649,31 +649,51 @@ mod tests {
     fn copies_are_written_as_their_bodies_arrive_and_a_changed_or_cut_body_is_copied_again() {
         // Shards of about 8 MB: several 4 MiB chunks, each checked, in one part.
         let (local, _) = crate::storage::fixtures::dataset(400, 40_000, 2);
-        let memory = InMemory::new();
-        upload(&memory, local.path(), "ds");
-        let no = || std::sync::atomic::AtomicUsize::new(0);
-        let store = Arc::new(Faulty { inner: memory, flips: no(), cuts: no() });
-        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        // Indexed by a server without a tier; then one with a tier copies every object by the stager.
-        drop(open(&store, &context(None, 0), index_dir.path()));
-        store.flips.store(2, Ordering::SeqCst);
-        store.cuts.store(2, Ordering::SeqCst);
-        let ctx = context(Some(tier_dir.path()), 1 << 30);
-        let ds = open(&store, &ctx, index_dir.path());
-        let source = ds.storage.objects().unwrap().clone();
-        let tier = ctx.tier.clone().unwrap();
-        wait_for("every object copied", || tier.copies() == ds.index.shards.len() && source.stager_idle());
-        assert_eq!(store.flips.load(Ordering::SeqCst) + store.cuts.load(Ordering::SeqCst), 0, "every fault met");
-        // The changed bodies failed their chunk's check and were copied again; the cut ones asked again.
-        assert_eq!(source.counters.bad_checksums.load(Ordering::Relaxed), 2);
-        for shard in &ds.index.shards {
-            let (copy, _) = tier.get(&source.tier_name(shard)).unwrap();
-            let want = std::fs::read(local.path().join(&shard.path)).unwrap();
-            assert!(std::fs::read(copy).unwrap() == want, "the copy of {} is its object", shard.path);
+        // Through the page cache (a dataset that fits in half the server's memory), then past it (one
+        // that does not: its copies are read with O_DIRECT, and written so).
+        for memory in [u64::MAX, 64 << 10] {
+            let inner = InMemory::new();
+            upload(&inner, local.path(), "ds");
+            let no = || std::sync::atomic::AtomicUsize::new(0);
+            let store = Arc::new(Faulty { inner, flips: no(), cuts: no() });
+            let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+            // Indexed by a server without a tier; then one with a tier copies every object by the stager.
+            drop(open(&store, &context(None, 0), index_dir.path()));
+            store.flips.store(2, Ordering::SeqCst);
+            store.cuts.store(2, Ordering::SeqCst);
+            let ctx = context(Some(tier_dir.path()), 1 << 30);
+            let io = IoPolicy {
+                mode: IoMode::Auto,
+                max_mapped_shards: 4096,
+                memory,
+                resident: 0,
+                resident_auto: false,
+                sendfile: false,
+            };
+            let ds = open_with(&store, &ctx, index_dir.path(), io);
+            let source = ds.storage.objects().unwrap().clone();
+            let direct = source.direct_copies.load(Ordering::Relaxed);
+            assert_eq!(direct, memory != u64::MAX);
+            let tier = ctx.tier.clone().unwrap();
+            wait_for("every object copied", || tier.copies() == ds.index.shards.len() && source.stager_idle());
+            let faults = store.flips.load(Ordering::SeqCst) + store.cuts.load(Ordering::SeqCst);
+            assert_eq!(faults, 0, "every fault met");
+            // The changed bodies failed their chunk's check and were copied again; the cut ones asked again.
+            assert_eq!(source.counters.bad_checksums.load(Ordering::Relaxed), 2);
+            for shard in &ds.index.shards {
+                let (copy, _) = tier.get(&source.tier_name(shard)).unwrap();
+                // Written past the page cache, no page of the copy is in it.
+                let map = batchfs::mmap::MappedFile::open(&copy).unwrap();
+                let cached = (0..shard.size).step_by(4096).filter(|&at| map.is_resident(at, 1)).count();
+                assert!(!direct || cached == 0, "{cached} pages of a copy written with O_DIRECT in the page cache");
+                drop(map);
+                let want = std::fs::read(local.path().join(&shard.path)).unwrap();
+                assert!(std::fs::read(copy).unwrap() == want, "the copy of {} is its object", shard.path);
+            }
+            let gets = source.counters.gets.load(Ordering::Relaxed);
+            read_all_and_compare(&ds, local.path());
+            assert_eq!(source.counters.gets.load(Ordering::Relaxed), gets, "read from the copies");
         }
-        let gets = source.counters.gets.load(Ordering::Relaxed);
-        read_all_and_compare(&ds, local.path());
-        assert_eq!(source.counters.gets.load(Ordering::Relaxed), gets, "read from the copies");
     }
 
     #[test]

@@ -36,6 +36,13 @@ impl Room {
     }
 }
 
+/// Bytes of a copy's body gathered before they are written past the page cache (one aligned write), and
+/// before the writeback of those written through it is started.
+pub const COPY_BUFFER_BYTES: u64 = 1 << 20;
+
+/// Idle buffers of [`COPY_BUFFER_BYTES`] kept for the next copies (one per part copied at once is in use).
+const COPY_BUFFERS_IDLE: usize = 32;
+
 /// The shared state of a server's object datasets.
 pub struct ObjectContext {
     pub limits: ObjectLimits,
@@ -50,6 +57,8 @@ pub struct ObjectContext {
     pub staging: Room,
     /// Room for the bodies of GETs in flight (`get_bytes`).
     pub gets: Room,
+    /// Aligned buffers a copy written past the page cache gathers its body in ([`COPY_BUFFER_BYTES`]).
+    pub copy_buffers: Arc<crate::storage::aligned::Pool>,
     /// Whole objects kept on the server's disks (`disk_cache`), if any.
     pub tier: Option<Arc<Tier>>,
     /// Numbers the datasets, whose units share the block cache.
@@ -79,6 +88,7 @@ impl ObjectContext {
             cache: BlockCache::new(limits.cache),
             staging: Room::new(limits.staging_bytes),
             gets: Room::new(limits.get_bytes),
+            copy_buffers: crate::storage::aligned::Pool::new(COPY_BUFFER_BYTES as usize, COPY_BUFFERS_IDLE),
             limits,
             runtime: Some(runtime),
             buckets: Mutex::default(),

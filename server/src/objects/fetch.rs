@@ -199,7 +199,7 @@ impl ObjectSource {
             for (i, copy) in making {
                 let (n, offset, len) = wanted[i];
                 let landed = copy.wait(offset, len, self.limits().timeout);
-                out[i] = landed.and_then(|file| self.read_from_making(&file, offset, len));
+                out[i] = landed.and_then(|(file, direct)| self.read_from_making(&file, direct, offset, len));
                 if out[i].is_none() {
                     let dataset = &self.bucket.url;
                     tracing::debug!(%dataset, object = n, offset, "read by GET: its copy did not land");
@@ -319,13 +319,18 @@ impl ObjectSource {
         }
     }
 
-    /// `len` bytes at `offset` of a copy being made, from parts that landed; `None` where the read fails
-    /// (the bytes are then read from the store).
-    fn read_from_making(&self, copy: &std::fs::File, offset: u64, len: u64) -> Option<Bytes> {
-        let mut bytes = vec![0; len as usize];
-        copy.read_exact_at(&mut bytes, offset).ok()?;
+    /// `len` bytes at `offset` of a copy being made (opened with `O_DIRECT` where `direct`), from parts
+    /// that landed; `None` where the read fails (the bytes are then read from the store).
+    fn read_from_making(&self, copy: &std::fs::File, direct: bool, offset: u64, len: u64) -> Option<Bytes> {
+        let bytes = if direct {
+            read_direct(copy, offset, len).ok()?
+        } else {
+            let mut bytes = vec![0; len as usize];
+            copy.read_exact_at(&mut bytes, offset).ok()?;
+            Bytes::from(bytes)
+        };
         self.served_from_tier(len);
-        Some(Bytes::from(bytes))
+        Some(bytes)
     }
 
     async fn read_many_async(self: &Arc<Self>, wanted: &[(u32, u64, u64)]) -> Result<Vec<Bytes>, ReadError> {

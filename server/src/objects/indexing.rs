@@ -186,7 +186,7 @@ impl ObjectSource {
             return Ok(());
         }
         for attempt in 1..=FETCH_ATTEMPTS {
-            self.write_whole(u32::MAX, file, out, |e| e, false, None).await?;
+            self.write_whole(u32::MAX, file, super::stage::CopyOut::cached(out), |e| e, false, None).await?;
             // SAFETY: the file was made by this server, in a directory of its own, and nothing else writes
             // it; the mapping only reads, and is dropped before the file is used.
             let copy = unsafe { memmap2::Mmap::map(out)? };

@@ -25,9 +25,9 @@ pub(super) struct Making {
 
 #[derive(Default)]
 struct State {
-    /// The copy's file, once the stager has made it, the size of its parts, which are being read from
-    /// the store and which have landed.
-    file: Option<Arc<File>>,
+    /// The copy's file, once the stager has made it (opened with `O_DIRECT` or not), the size of its
+    /// parts, which are being read from the store and which have landed.
+    file: Option<(Arc<File>, bool)>,
     part: u64,
     started: Vec<bool>,
     done: Vec<bool>,
@@ -39,11 +39,12 @@ struct State {
 }
 
 impl Making {
-    /// The stager made the copy's `file`, to be written in `parts` parts of `part` bytes.
-    pub fn begin(&self, file: Arc<File>, part: u64, parts: usize) {
+    /// The stager made the copy's `file` (opened with `O_DIRECT` where `direct`), to be written in `parts`
+    /// parts of `part` bytes.
+    pub fn begin(&self, file: Arc<File>, direct: bool, part: u64, parts: usize) {
         let mut state = self.state.lock().expect("making");
         (state.file, state.part, state.started, state.done) =
-            (Some(file), part.max(1), vec![false; parts], vec![false; parts]);
+            (Some((file, direct)), part.max(1), vec![false; parts], vec![false; parts]);
         self.changed.notify_all();
     }
 
@@ -92,10 +93,11 @@ impl Making {
     }
 
     /// Waits until the parts holding `len` bytes at `offset` have landed, at most `within` (the copy's
-    /// beginning included), asking for them first; returns the copy's file to read them from, or `None`
+    /// beginning included), asking for them first; returns the copy's file to read them from (and whether
+    /// it was opened with `O_DIRECT`), or `None`
     /// where the copy ended without them (failed, or not begun), the range is past the object's end, or
     /// time ran out: the caller then reads the bytes itself.
-    pub fn wait(&self, offset: u64, len: u64, within: Duration) -> Option<Arc<File>> {
+    pub fn wait(&self, offset: u64, len: u64, within: Duration) -> Option<(Arc<File>, bool)> {
         let deadline = Instant::now() + within;
         let mut state = self.state.lock().expect("making");
         let mut asked = false;
@@ -154,7 +156,7 @@ mod tests {
         making.ask(250, 10);
         let early = waiter(&making, 150, 10);
         std::thread::sleep(Duration::from_millis(30));
-        making.begin(Arc::new(tempfile::tempfile().unwrap()), 100, 4);
+        making.begin(Arc::new(tempfile::tempfile().unwrap()), false, 100, 4);
         std::thread::sleep(Duration::from_millis(30));
         making.ask(350, 10);
         making.ask(120, 10); // part 1 again: asked once
@@ -182,7 +184,7 @@ mod tests {
         for begun in [true, false] {
             let failing = Arc::new(Making::default());
             if begun {
-                failing.begin(Arc::new(tempfile::tempfile().unwrap()), 100, 2);
+                failing.begin(Arc::new(tempfile::tempfile().unwrap()), false, 100, 2);
             }
             let started = Instant::now();
             let waiting = waiter(&failing, 120, 10);

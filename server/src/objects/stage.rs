@@ -17,9 +17,11 @@
 //! before its next sample came): it is read by GETs, and the server says so at start and in `/healthz`.
 //!
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
-//! driving the object runtime: copies are written with `pwrite`, off the runtime's workers. It holds its
+//! driving the object runtime: copies are written with `pwrite` (past the page cache where the dataset's
+//! copies are read so), off the runtime's workers. It holds its
 //! dataset weakly and ends when the dataset is gone.
 
+use super::context::COPY_BUFFER_BYTES;
 use super::making::Making;
 use super::{ObjectSource, ReadError, FETCH_ATTEMPTS};
 use batchfs::index::{ShardInfo, CHUNK_BYTES};
@@ -273,8 +275,21 @@ impl ObjectSource {
         let copied = async {
             let copy = tier.begin(&name, file.size)?;
             let parts = file.size.div_ceil(self.part_bytes()) as usize;
-            making.begin(Arc::new(copy.file().try_clone()?), self.part_bytes(), parts);
-            self.write_whole(n, file, copy.file(), |e| copy.failed(e), true, Some(&making)).await?;
+            // The copies of a dataset read past the page cache are written past it too: their pages would
+            // only be charged to the server, written back and reclaimed (a filesystem that refuses
+            // O_DIRECT gets writes through the page cache).
+            let direct = self.direct_copies.load(Ordering::Relaxed).then(|| copy.open_direct().ok()).flatten();
+            let read_by = match &direct {
+                Some(direct) => direct.try_clone()?,
+                None => copy.file().try_clone()?,
+            };
+            making.begin(Arc::new(read_by), direct.is_some(), self.part_bytes(), parts);
+            let out = CopyOut { file: copy.file(), direct: direct.as_ref() };
+            self.write_whole(n, file, out, |e| copy.failed(e), true, Some(&making)).await?;
+            if direct.is_some() {
+                // The last aligned write ran past the object's end.
+                copy.file().set_len(file.size).map_err(|e| copy.failed(e))?;
+            }
             // The disk must have taken every part before the copy is the tier's (an error of the disk's
             // shows here, not at the writes).
             copy.file().sync_data().map_err(|e| copy.failed(e))?;
@@ -300,7 +315,7 @@ impl ObjectSource {
         &self,
         n: u32,
         file: &ShardInfo,
-        out: &std::fs::File,
+        out: CopyOut<'_>,
         disk: impl Fn(io::Error) -> io::Error,
         checked: bool,
         making: Option<&Making>,
@@ -312,7 +327,7 @@ impl ObjectSource {
             Some(making) => making.next_part(),
             None => Some(in_order.fetch_add(1, Ordering::Relaxed)).filter(|&k| k < parts),
         };
-        let (disk, next) = (&disk, &next);
+        let (disk, next, out) = (&disk, &next, &out);
         // Each reader takes room before it picks its part, so the pick is the latest a body asked for.
         let reader = || async move {
             loop {
@@ -342,7 +357,7 @@ impl ObjectSource {
         file: &ShardInfo,
         at: u64,
         len: u64,
-        out: &std::fs::File,
+        out: &CopyOut<'_>,
         disk: &impl Fn(io::Error) -> io::Error,
         checked: bool,
     ) -> io::Result<()> {
@@ -374,21 +389,23 @@ impl ObjectSource {
         ))
     }
 
-    /// One GET of the `len` bytes at `at` of object `n`, each piece of its body written to `out` as it
-    /// arrives (writeback started every [`WRITEBACK_BYTES`]); returns the CRC32C of each [`CHUNK_BYTES`]
-    /// chunk where `checked` (else none), or the disk's error (inner: not worth asking the store again).
+    /// One GET of the `len` bytes at `at` of object `n`, its body written to `out` as it arrives: each
+    /// piece through the page cache (writeback started every [`COPY_BUFFER_BYTES`]), or gathered into an
+    /// aligned buffer of that size written past it; returns the CRC32C of each [`CHUNK_BYTES`] chunk where
+    /// `checked` (else none), or the disk's error (inner: not worth asking the store again).
     async fn stream_into(
         &self,
         n: u32,
         file: &ShardInfo,
         at: u64,
         len: u64,
-        out: &std::fs::File,
+        out: &CopyOut<'_>,
         checked: bool,
     ) -> Result<io::Result<Vec<u32>>, ReadError> {
-        let (result, _held) = self.open_get(n, file, at, len, len.min(WRITEBACK_BYTES)).await?;
+        let (result, _held) = self.open_get(n, file, at, len, len.min(COPY_BUFFER_BYTES)).await?;
         let mut body = result.into_stream();
-        let (mut crcs, mut crc, mut got, mut synced) = (Vec::new(), 0u32, 0u64, 0u64);
+        let mut writer = Writer::new(out, at, &self.context.copy_buffers);
+        let (mut crcs, mut crc, mut got) = (Vec::new(), 0u32, 0u64);
         while let Some(piece) = body.next().await {
             let piece = piece.map_err(|e| io::Error::other(format!("{}: {e}", self.shown(file).display())))?;
             if got + piece.len() as u64 > len {
@@ -408,16 +425,10 @@ impl ObjectSource {
                     }
                 }
             }
-            if let Err(e) = file_write(out, &piece, at + got) {
+            if let Err(e) = writer.write(&piece) {
                 return Ok(Err(e));
             }
             got += piece.len() as u64;
-            if got - synced >= WRITEBACK_BYTES {
-                if let Err(e) = start_writeback(out, at + synced, got - synced) {
-                    return Ok(Err(e));
-                }
-                synced = got;
-            }
         }
         if got != len {
             return Err(self.short_body(file, at, len, got));
@@ -425,17 +436,81 @@ impl ObjectSource {
         if checked && !len.is_multiple_of(CHUNK_BYTES) {
             crcs.push(crc);
         }
-        Ok(start_writeback(out, at + synced, got - synced).map(|()| crcs))
+        Ok(writer.finish().map(|()| crcs))
     }
 }
 
-/// Bytes of a copy written before their writeback is started, so they do not stay dirty in memory.
-const WRITEBACK_BYTES: u64 = 1 << 20;
+/// Where a copy being made is written: `file`, through the page cache, or `direct`, the same file opened
+/// with `O_DIRECT` (the copies of a dataset read past the page cache).
+pub(super) struct CopyOut<'a> {
+    pub file: &'a std::fs::File,
+    pub direct: Option<&'a std::fs::File>,
+}
 
-/// Writes `bytes` at `at` of `file`.
-fn file_write(file: &std::fs::File, bytes: &[u8], at: u64) -> io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    file.write_all_at(bytes, at)
+impl<'a> CopyOut<'a> {
+    /// Writes through the page cache into `file`.
+    pub fn cached(file: &'a std::fs::File) -> CopyOut<'a> {
+        CopyOut { file, direct: None }
+    }
+}
+
+/// Writes one range of a copy, in order, as its pieces come: through the page cache, the writeback
+/// started every [`COPY_BUFFER_BYTES`] (so they do not stay dirty in memory); or past it, gathered into
+/// an aligned buffer of that size and written whole (the last write padded to the alignment: the copy is
+/// cut to its object's size once every range is written).
+struct Writer<'a> {
+    out: &'a CopyOut<'a>,
+    /// Where the bytes not written or not handed to the disk yet start, and how many there are.
+    at: u64,
+    pending: u64,
+    buffer: Option<crate::storage::aligned::Buffer>,
+}
+
+impl<'a> Writer<'a> {
+    fn new(out: &'a CopyOut<'a>, at: u64, pool: &Arc<crate::storage::aligned::Pool>) -> Writer<'a> {
+        Writer { out, at, pending: 0, buffer: out.direct.map(|_| pool.take()) }
+    }
+
+    fn write(&mut self, mut bytes: &[u8]) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let (Some(direct), Some(buffer)) = (self.out.direct, self.buffer.as_mut()) else {
+            self.out.file.write_all_at(bytes, self.at + self.pending)?;
+            self.pending += bytes.len() as u64;
+            if self.pending >= COPY_BUFFER_BYTES {
+                start_writeback(self.out.file, self.at, self.pending)?;
+                (self.at, self.pending) = (self.at + self.pending, 0);
+            }
+            return Ok(());
+        };
+        while !bytes.is_empty() {
+            let window = buffer.window();
+            let filled = self.pending as usize;
+            let take = bytes.len().min(window.len() - filled);
+            window[filled..filled + take].copy_from_slice(&bytes[..take]);
+            (self.pending, bytes) = (self.pending + take as u64, &bytes[take..]);
+            if self.pending as usize == window.len() {
+                direct.write_all_at(window, self.at)?;
+                (self.at, self.pending) = (self.at + self.pending, 0);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes (or hands to the disk) what is pending.
+    fn finish(mut self) -> io::Result<()> {
+        use crate::storage::aligned::align_up;
+        use std::os::unix::fs::FileExt;
+        match (self.out.direct, self.buffer.as_mut()) {
+            (Some(direct), Some(buffer)) if self.pending > 0 => {
+                let (filled, padded) = (self.pending as usize, align_up(self.pending) as usize);
+                let window = buffer.window();
+                window[filled..padded].fill(0);
+                direct.write_all_at(&window[..padded], self.at)
+            }
+            (Some(_), _) => Ok(()),
+            (None, _) => start_writeback(self.out.file, self.at, self.pending),
+        }
+    }
 }
 
 /// Starts the writeback of the `len` bytes at `at` of `file` now (Linux; elsewhere the flush before the

@@ -344,6 +344,13 @@ impl Staging {
         Ok(at)
     }
 
+    /// The copy opened again for reading and writing past the page cache (`O_DIRECT`); an error where the
+    /// filesystem refuses it (`EINVAL`).
+    pub fn open_direct(&self) -> io::Result<File> {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&self.path)
+    }
+
     /// Counts and logs a write into the copy that failed ([`Tier`]'s note): the copy is dropped.
     pub fn failed(&self, e: io::Error) -> io::Error {
         self.tier.failed(&self.path, e)
