@@ -18,8 +18,8 @@
 //!
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
 //! driving the object runtime: copies are written with `pwrite` (past the page cache where the dataset's
-//! copies are read so), off the runtime's workers. It holds its
-//! dataset weakly and ends when the dataset is gone.
+//! copies are read so), off the runtime's workers. It holds its dataset weakly and ends when the dataset
+//! is gone.
 
 use super::context::COPY_BUFFER_BYTES;
 use super::making::Making;
