@@ -265,9 +265,9 @@ limits! {
         "The most bytes the disk tier holds. auto: 90 % of what its filesystem has free at start, plus what \
          it already holds.";
     stage_objects: usize = 4, value::count, "4", "N",
-        "Objects copied into the disk tier at once, each by ranged GETs of object_part, up to 8 in flight; \
-         the parts read and not yet written take at most an eighth of the memory the server may use \
-         (512 MiB at most).";
+        "Objects copied into the disk tier at once, each by ranged GETs of object_part, up to 8 in flight, \
+         each body written as it arrives; the parts copied at once hold about a MiB each, at most an eighth \
+         of the memory the server may use (512 MiB at most).";
 }
 
 /// One dataset to serve.

@@ -120,8 +120,9 @@ pub struct ObjectLimits {
     pub retry_for: Duration,
     /// Whole objects copied into the tier at once, and GETs in flight for them (`stage_objects`).
     pub stage_objects: usize,
-    /// Bytes of parts being copied into the tier at once (their pages dirty until written back),
-    /// server-wide: an eighth of the memory the server may use, within 2 parts and 512 MiB.
+    /// Room for the parts being copied into the tier at once, server-wide, a MiB each (what a part holds
+    /// while its body is written as it arrives: its aligned buffer, or its pages before their writeback
+    /// starts): an eighth of the memory the server may use, within 2 parts and 512 MiB.
     pub staging_bytes: u64,
     /// Bytes of GETs in flight, server-wide (their bodies are held whole until they are checked; a
     /// copy's, written as it arrives, counts a MiB): an eighth of the memory the server may use, within 2

@@ -307,7 +307,8 @@ impl ObjectSource {
 
 impl ObjectSource {
     /// Copies all of object `n` (`file`) into `out` (a file of its size) by ranged GETs of `object_part`,
-    /// up to 8 at once, each within the server's `staging_bytes` while it is copied; with `checked`, each
+    /// up to 8 at once, each taking [`COPY_BUFFER_BYTES`] of the server's `staging_bytes` while it is
+    /// copied; with `checked`, each
     /// 4 MiB chunk against the index's CRC32C (copied again where it differs). The parts a body waits for
     /// are copied first where the copy is `making` one ([`Making::next_part`]), else in order. A write
     /// that fails is `disk`'s error.
@@ -328,10 +329,11 @@ impl ObjectSource {
             None => Some(in_order.fetch_add(1, Ordering::Relaxed)).filter(|&k| k < parts),
         };
         let (disk, next, out) = (&disk, &next, &out);
-        // Each reader takes room before it picks its part, so the pick is the latest a body asked for.
+        // Each reader takes room before it picks its part, so the pick is the latest a body asked for: what
+        // a part holds while it is copied (its body is written as it arrives), not the part's size.
         let reader = || async move {
             loop {
-                let _room = self.context.staging.take(part.min(file.size)).await;
+                let _room = self.context.staging.take(COPY_BUFFER_BYTES.min(file.size)).await;
                 let Some(k) = next() else { return Ok::<_, io::Error>(()) };
                 let (at, len) = (k * part, part.min(file.size - k * part));
                 self.copy_range(n, file, at, len, out, disk, checked).await?;
