@@ -57,7 +57,7 @@ pub struct ObjectContext {
     pub staging: Room,
     /// Room for the bodies of GETs in flight (`get_bytes`).
     pub gets: Room,
-    /// Aligned buffers a copy written past the page cache gathers its body in ([`COPY_BUFFER_BYTES`]).
+    /// Aligned buffers a copy written past the page cache gathers its body in (`COPY_BUFFER_BYTES` each).
     pub copy_buffers: Arc<crate::storage::aligned::Pool>,
     /// Whole objects kept on the server's disks (`disk_cache`), if any.
     pub tier: Option<Arc<Tier>>,
