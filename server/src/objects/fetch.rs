@@ -120,25 +120,38 @@ impl ObjectSource {
     /// and read again by itself where it differs, up to [`FETCH_ATTEMPTS`] times.
     pub(super) async fn read_range_into(&self, n: u32, file: &ShardInfo, at: u64, memory: &mut [u8]) -> io::Result<()> {
         debug_assert_eq!(at % CHUNK_BYTES, 0, "ranges are checked by whole chunks");
-        let part = self.part_bytes();
-        let mut todo: Vec<_> = parts_of(memory, part).into_iter().map(|(k, slice)| (at + k, slice)).collect();
-        for attempt in 1..=FETCH_ATTEMPTS {
-            // Each CHUNK_BYTES chunk of what was read against its CRC32C from the index; a chunk that
-            // differs is read again by itself.
-            todo = self
+        let todo = parts_of(memory, self.part_bytes()).into_iter().map(|(k, slice)| (at + k, slice)).collect();
+        self.until_checked(file, "read", todo, |todo| async move {
+            // Each CHUNK_BYTES chunk of what was read against its CRC32C from the index.
+            Ok(self
                 .read_parts(n, file, todo)
                 .await?
                 .into_iter()
                 .flat_map(|(offset, slice)| parts_of(slice, CHUNK_BYTES).into_iter().map(move |(k, c)| (offset + k, c)))
                 .filter(|(at, chunk)| file.chunk_crc(at / CHUNK_BYTES) != Some(batchfs::crc::crc32c(chunk)))
-                .collect();
+                .collect())
+        })
+        .await
+    }
+
+    /// Reads (or copies) the ranges `todo` of `file` by `pass`, which returns the chunks among them that
+    /// differ from the index's CRC32Cs: those are passed again by themselves (counted, and logged as
+    /// `what`), up to [`FETCH_ATTEMPTS`] times, then refused.
+    pub(super) async fn until_checked<R, F: Future<Output = io::Result<Vec<R>>>>(
+        &self,
+        file: &ShardInfo,
+        what: &str,
+        mut todo: Vec<R>,
+        mut pass: impl FnMut(Vec<R>) -> F,
+    ) -> io::Result<()> {
+        for attempt in 1..=FETCH_ATTEMPTS {
+            todo = pass(todo).await?;
             if todo.is_empty() {
                 return Ok(());
             }
             self.counters.bad_checksums.fetch_add(todo.len() as u64, Ordering::Relaxed);
-            let object = &file.path;
-            let dataset = &self.bucket.url;
-            tracing::warn!(%dataset, %object, attempt, "ranges failed their checksums: reading them again");
+            let (dataset, object) = (&self.bucket.url, &file.path);
+            tracing::warn!(%dataset, %object, attempt, what, "ranges failed their checksums: made again");
         }
         Err(io::Error::new(
             io::ErrorKind::InvalidData,

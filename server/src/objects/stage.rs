@@ -23,7 +23,7 @@
 
 use super::context::COPY_BUFFER_BYTES;
 use super::making::Making;
-use super::{ObjectSource, ReadError, FETCH_ATTEMPTS};
+use super::{ObjectSource, ReadError};
 use batchfs::index::{ShardInfo, CHUNK_BYTES};
 use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
@@ -351,7 +351,7 @@ impl ObjectSource {
     /// same offset, by one ranged GET whose body is written as it arrives (no buffer of the part's own,
     /// no copy but the one into the file); with `checked`, the CRC32C of each chunk is folded in as its
     /// bytes pass, and a chunk that differs from the index's is copied again by itself, up to
-    /// [`FETCH_ATTEMPTS`] times. The copy's bytes are only trusted once this returns `Ok`.
+    /// [`super::FETCH_ATTEMPTS`] times. The copy's bytes are only trusted once this returns `Ok`.
     #[allow(clippy::too_many_arguments)]
     async fn copy_range(
         &self,
@@ -364,10 +364,9 @@ impl ObjectSource {
         checked: bool,
     ) -> io::Result<()> {
         debug_assert_eq!(at % CHUNK_BYTES, 0, "ranges are checked by whole chunks");
-        let mut todo = vec![(at, len)];
-        for attempt in 1..=FETCH_ATTEMPTS {
+        self.until_checked(file, "copied", vec![(at, len)], |todo| async move {
             let mut differing = Vec::new();
-            for &(at, len) in &todo {
+            for (at, len) in todo {
                 let streamed = self.retrying(file, || self.stream_into(n, file, at, len, out, checked));
                 let crcs = streamed.await.map_err(ReadError::into_io)?.map_err(disk)?;
                 let chunks = crcs.into_iter().enumerate().map(|(k, crc)| (at / CHUNK_BYTES + k as u64, crc));
@@ -377,18 +376,9 @@ impl ObjectSource {
                         .map(|(c, _)| (c * CHUNK_BYTES, CHUNK_BYTES.min(at + len - c * CHUNK_BYTES))),
                 );
             }
-            if differing.is_empty() {
-                return Ok(());
-            }
-            self.counters.bad_checksums.fetch_add(differing.len() as u64, Ordering::Relaxed);
-            let (dataset, object) = (&self.bucket.url, &file.path);
-            tracing::warn!(%dataset, %object, attempt, "ranges copied failed their checksums: copying them again");
-            todo = differing;
-        }
-        Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{}: its bytes keep differing from the index's checksums", self.shown(file).display()),
-        ))
+            Ok(differing)
+        })
+        .await
     }
 
     /// One GET of the `len` bytes at `at` of object `n`, its body written to `out` as it arrives: each
