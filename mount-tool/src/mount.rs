@@ -8,7 +8,7 @@ use crate::node_cache::NodeCache;
 use crate::options::MountOptions;
 use crate::prefetch::{Prefetcher, PrefetcherConfig};
 use crate::sys;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -187,6 +187,27 @@ fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
 /// one larger still fails its reads with EIO, and says to raise `cache`).
 const CHECKED_EPOCHS: u64 = 3;
 
+/// Why the server turned a mount down before anything was mounted, with the server's answer as its cause:
+/// what a caller maps to its own codes (the CSI plugin to gRPC's), found in an error by downcasting.
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    #[error("dataset {dataset:?} unknown to {server}")]
+    UnknownDataset { dataset: String, server: String, source: ClientError },
+    #[error("{server} refused the token")]
+    Token { server: String, source: ClientError },
+    #[error("{server} rejected the options")]
+    Options { server: String, source: ClientError },
+    #[error("server unreachable")]
+    Unreachable { source: ClientError },
+}
+
+/// Checks that the server of `url` serves its dataset with `options` (reachable, dataset known, token
+/// accepted, plan valid, cache large enough), as a mount does before mounting; a [`Refused`] error says
+/// which of these failed.
+pub fn check(url: &str, options: &MountOptions) -> Result<batchfs::api::DatasetInfo> {
+    probe(&http_config(url, options)?, options)
+}
+
 fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::DatasetInfo> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let client = HttpClient::new(http.clone())?;
@@ -215,11 +236,14 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
     });
     // Join the runtime's threads now: a daemonizing caller forks next.
     runtime.shutdown_timeout(Duration::from_secs(5));
-    let (info, manifests) = result.map_err(|e| match &e {
-        ClientError::Status { status: 404, .. } => anyhow!("dataset {:?} unknown to {server}: {e}", http.dataset),
-        ClientError::Status { status: 401, .. } => anyhow!("{server} refused the token: {e}"),
-        ClientError::Status { status: 400, .. } => anyhow!("{server} rejected the options: {e}"),
-        _ => anyhow!("server unreachable: {e}"),
+    let (info, manifests) = result.map_err(|e| {
+        let (server, dataset) = (server.to_string(), http.dataset.clone());
+        match &e {
+            ClientError::Status { status: 404, .. } => Refused::UnknownDataset { dataset, server, source: e },
+            ClientError::Status { status: 401, .. } => Refused::Token { server, source: e },
+            ClientError::Status { status: 400, .. } => Refused::Options { server, source: e },
+            _ => Refused::Unreachable { source: e },
+        }
     })?;
     let largest = manifests.iter().flat_map(|m| m.batches.iter().map(move |b| (b.bytes, m.epoch))).max();
     if let Some((bytes, epoch)) = largest.filter(|&(bytes, _)| options.cache < 2 * bytes) {

@@ -3,6 +3,7 @@
 mod changed;
 mod chaos;
 mod common;
+mod csi;
 mod faults;
 mod loaders;
 mod mount;

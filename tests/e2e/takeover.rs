@@ -111,7 +111,7 @@ impl Drop for Supervised {
     }
 }
 
-fn manifest(rt: &tokio::runtime::Runtime, base: &str, epoch: u64, query: &str) -> Manifest {
+pub(crate) fn manifest(rt: &tokio::runtime::Runtime, base: &str, epoch: u64, query: &str) -> Manifest {
     let url = format!("{base}{}?{query}", api::manifest_path("d", epoch));
     let client = common::h2c();
     rt.block_on(async { client.get(url).send().await.unwrap().json().await.unwrap() })
@@ -120,7 +120,7 @@ fn manifest(rt: &tokio::runtime::Runtime, base: &str, epoch: u64, query: &str) -
 /// Four readers over `epochs` of the mount until `stop`: three read each file in 64 KiB pieces with a
 /// pause between pieces (so files are open across the kills), one maps each file and reads it through
 /// the mapping. Every file is checked whole; the number of files read is returned. Any error fails.
-fn readers(root: &Path, manifests: &[Manifest], stop: &AtomicBool, read: &AtomicU64) {
+pub(crate) fn readers(root: &Path, manifests: &[Manifest], stop: &AtomicBool, read: &AtomicU64) {
     std::thread::scope(|s| {
         for r in 0..4 {
             s.spawn(move || {

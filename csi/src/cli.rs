@@ -1,0 +1,116 @@
+//! The `batchfs-csi` command line: the CSI node plugin (`batchfs-csi --endpoint unix:///csi/csi.sock
+//! --node-id NAME`) and its holder (`batchfs-csi holder --socket PATH --program PATH`). See
+//! docs/DEPLOYMENT.md.
+
+use crate::plugin::PluginConfig;
+use crate::runner::Runner;
+use anyhow::{bail, Result};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// batchfs-csi: mounts batchfs datasets into Kubernetes pods (a CSI node plugin).
+#[derive(Debug, Parser)]
+#[command(name = "batchfs-csi", version, about, args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// The socket the kubelet calls: unix:///PATH
+    #[arg(long, env = "CSI_ENDPOINT")]
+    endpoint: Option<String>,
+    /// This node's name (NodeGetInfo)
+    #[arg(long, env = "NODE_ID")]
+    node_id: Option<String>,
+    /// Where the plugin keeps what it published (a record per target) and the volumes' tokens
+    #[arg(long, default_value = "/var/lib/batchfs-csi")]
+    state_dir: PathBuf,
+    /// The holder that runs the mounts (unix:///PATH). Without it the plugin runs them itself: they
+    /// outlive the plugin's process, not its container.
+    #[arg(long)]
+    holder: Option<String>,
+    /// The batchfs program the mounts run [default: `batchfs` beside this program]
+    #[arg(long)]
+    program: Option<PathBuf>,
+    /// Install --program at this path when it differs from what is there (the path the holder's
+    /// --program names), and upgrade every published mount's worker to it
+    #[arg(long, value_name = "PATH")]
+    install_program: Option<PathBuf>,
+    /// The longest a mount, unmount or upgrade may take
+    #[arg(long, default_value = "120s", value_parser = duration)]
+    mount_timeout: Duration,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the holder: starts, unmounts and upgrades mounts when the plugin asks, from a container that
+    /// outlives the plugin's (as the container's init it also reaps the mounts' orphaned processes).
+    Holder {
+        /// The socket the plugin asks on
+        #[arg(long, default_value = "/var/lib/batchfs-csi/holder.sock")]
+        socket: PathBuf,
+        /// The batchfs program the mounts run (the plugin's --install-program)
+        #[arg(long, default_value = "/var/lib/batchfs-csi/bin/batchfs")]
+        program: PathBuf,
+        /// The longest a mount, unmount or upgrade may take
+        #[arg(long, default_value = "120s", value_parser = duration)]
+        mount_timeout: Duration,
+    },
+}
+
+fn duration(v: &str) -> Result<Duration, String> {
+    batchfs::units::parse_duration(v)
+}
+
+/// Whether `args` (the program's name first) are a command line `batchfs-csi` accepts: what the
+/// deployment files' tests check their containers' arguments with.
+pub fn check_args<I: IntoIterator<Item = String>>(args: I) -> Result<()> {
+    Cli::try_parse_from(args).map(|_| ()).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// Entry point of the binary.
+pub fn run() -> Result<()> {
+    let cli = Cli::parse();
+    if matches!(cli.command, Some(Command::Holder { .. })) {
+        // Before any thread: as PID 1 this forks, and only the child returns.
+        crate::holder::init();
+    }
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    match cli.command {
+        Some(Command::Holder { socket, program, mount_timeout }) => {
+            runtime.block_on(crate::holder::serve(&socket, program, mount_timeout))
+        }
+        None => {
+            let (Some(endpoint), Some(node_id)) = (cli.endpoint, cli.node_id) else {
+                bail!("batchfs-csi needs --endpoint unix:///PATH and --node-id NAME (or run `batchfs-csi holder`)");
+            };
+            let program = match cli.program {
+                Some(p) => p,
+                None => std::env::current_exe()?.with_file_name("batchfs"),
+            };
+            let runner = match &cli.holder {
+                Some(h) => Runner::Holder { socket: crate::plugin::socket_path(h)?, timeout: cli.mount_timeout },
+                None => Runner::Local {
+                    program: cli.install_program.clone().unwrap_or_else(|| program.clone()),
+                    timeout: cli.mount_timeout,
+                },
+            };
+            let install = cli.install_program.map(|to| (program, to));
+            let config = PluginConfig { endpoint, node_id, state_dir: cli.state_dir, runner, install };
+            runtime.block_on(crate::plugin::run(config))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_command_lines_of_the_docs_parse_and_typos_do_not() {
+        let args = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();
+        super::check_args(args("batchfs-csi --endpoint unix:///csi/csi.sock --node-id n1")).unwrap();
+        super::check_args(args("batchfs-csi holder --socket /run/h.sock --program /x/batchfs")).unwrap();
+        assert!(super::check_args(args("batchfs-csi --endpont unix:///csi/csi.sock")).is_err());
+        assert!(super::check_args(args("batchfs-csi --mount-timeout forever")).is_err());
+    }
+}
