@@ -113,4 +113,18 @@ mod tests {
         assert!(super::check_args(args("batchfs-csi --endpont unix:///csi/csi.sock")).is_err());
         assert!(super::check_args(args("batchfs-csi --mount-timeout forever")).is_err());
     }
+
+    #[test]
+    fn every_flag_is_documented() {
+        use clap::CommandFactory;
+        let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/CONFIGURATION.md")).unwrap();
+        let section = &docs[docs.find("## batchfs-csi").expect("docs/CONFIGURATION.md has a batchfs-csi section")..];
+        let command = super::Cli::command();
+        let holder = command.find_subcommand("holder").unwrap();
+        for arg in command.get_arguments().chain(holder.get_arguments()) {
+            if let Some(long) = arg.get_long().filter(|l| !["help", "version"].contains(l)) {
+                assert!(section.contains(&format!("`--{long}")), "docs/CONFIGURATION.md lacks --{long}");
+            }
+        }
+    }
 }

@@ -13,6 +13,8 @@
 //! process or container leaves every mount served; what the plugin must remember across its restarts
 //! (which volume is published where, with which attributes) is in its state directory.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod cli;
 pub mod holder;
 pub mod identity;

@@ -95,20 +95,30 @@ fn prepare_target(target: &Path) -> Result<Target, Status> {
     }
 }
 
+/// Where `target` is, as the mount table names it: its parent resolved (symbolic links, `..`), its own name
+/// kept (it may be a mount whose daemon is gone, which cannot be looked into).
+fn resolved(target: &Path) -> std::path::PathBuf {
+    match (target.parent().map(std::fs::canonicalize), target.file_name()) {
+        (Some(Ok(parent)), Some(name)) => parent.join(name),
+        _ => target.to_owned(),
+    }
+}
+
 impl NodeService {
     async fn publish(&self, req: NodePublishVolumeRequest) -> Result<(), Status> {
         let (volume, mut options) = Volume::from_request(&req)?;
         let _one = self.lock.lock().await;
         let target = volume.target.as_path();
         let prepared = prepare_target(target)?;
+        let at = resolved(target);
         if prepared == Target::Stale {
             // Detached where the mounts are made (the holder's mount namespace propagates to the host's).
             tracing::warn!(target = %target.display(), "detaching a stale mount (its daemon is gone)");
-            self.runner.unmount(target).await.map_err(run_status)?;
+            self.runner.unmount(&at).await.map_err(run_status)?;
         }
         let created = prepared == Target::Made;
         let record = self.state.get(target).map_err(|e| internal("cannot read the plugin's state", e))?;
-        if is_mountpoint(target) {
+        if is_mountpoint(&at) {
             return match record {
                 Some(r) if r == volume.record() => {
                     tracing::info!(volume = %volume.id, target = %target.display(), "published already");
@@ -154,7 +164,7 @@ impl NodeService {
         // asked again mounts (nothing there) or answers done (mounted).
         self.state.put(&volume.record()).map_err(|e| internal("cannot keep the volume's record", e))?;
         let mount_options = volume.mount_options(token_file.as_deref());
-        if let Err(e) = self.runner.mount(&volume.url, target, &mount_options).await {
+        if let Err(e) = self.runner.mount(&volume.url, &at, &mount_options).await {
             undo(&self.state);
             return Err(run_status(e));
         }
@@ -179,11 +189,12 @@ impl NodeService {
                 )));
             }
         }
-        if is_mountpoint(&target) {
+        let at = resolved(&target);
+        if is_mountpoint(&at) {
             if record.is_none() {
                 tracing::warn!(target = %target.display(), "unpublishing a mount with no record (state lost?)");
             }
-            self.runner.unmount(&target).await.map_err(run_status)?;
+            self.runner.unmount(&at).await.map_err(run_status)?;
         }
         self.state.remove(&target).map_err(|e| internal("cannot forget the volume", e))?;
         match std::fs::remove_dir(&target) {
@@ -202,9 +213,9 @@ impl NodeService {
             Ok(r) => r,
             Err(e) => return tracing::error!(error = %e, "cannot list the published volumes to upgrade them"),
         };
-        for r in records.iter().filter(|r| is_mountpoint(&r.target)) {
+        for r in records.iter().filter(|r| is_mountpoint(&resolved(&r.target))) {
             let _one = self.lock.lock().await;
-            match self.runner.upgrade(&r.target).await {
+            match self.runner.upgrade(&resolved(&r.target)).await {
                 Ok(()) => tracing::info!(volume = %r.volume_id, target = %r.target.display(), "upgraded"),
                 Err(e) => tracing::error!(volume = %r.volume_id, error = %e, "cannot upgrade the mount"),
             }

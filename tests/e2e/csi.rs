@@ -465,6 +465,16 @@ fn bad_requests_get_their_codes_and_leave_nothing_mounted() {
     assert_eq!(code, "NOT_FOUND", "{details}");
     assert!(batchfs_mount::mount::is_mountpoint(&target), "another volume's unpublish leaves the mount");
     client.ok("NodeUnpublishVolume", unpublish("vol", &target), &node);
+
+    // A target reached through a symbolic link: mounted where the link leads, found there when asked again.
+    let real = node.target("real-pod");
+    std::os::unix::fs::symlink(real.parent().unwrap(), node.path("pods/linked")).unwrap();
+    let linked = node.path("pods/linked/data");
+    client.ok("NodePublishVolume", with(&|r| r["target_path"] = json!(linked)), &node);
+    assert!(batchfs_mount::mount::is_mountpoint(&real), "mounted where the link leads");
+    client.ok("NodePublishVolume", with(&|r| r["target_path"] = json!(linked)), &node);
+    client.ok("NodeUnpublishVolume", unpublish("vol", &linked), &node);
+    assert!(!batchfs_mount::mount::is_mountpoint(&real) && !real.exists());
     rt.block_on(server.running.shutdown());
 }
 
@@ -534,4 +544,99 @@ fn as_its_containers_init_the_holder_comes_back_and_a_mount_lost_with_it_is_publ
 /// Whether process `pid` is gone (or a zombie).
 fn gone(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
+}
+
+/// The containers' images the deployment files may name: ours (built by `deploy/Dockerfile`, at this
+/// version), the registrar of the CSI project, and the training examples' image.
+fn known_image(image: &str) -> bool {
+    image == format!("batchfs/batchfs:{}", env!("CARGO_PKG_VERSION"))
+        || image == "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"
+        || image == "nvcr.io/nvidia/pytorch:24.10-py3"
+}
+
+/// The flags of node-driver-registrar v2.13.0 (its `--help`).
+const REGISTRAR_FLAGS: &[&str] =
+    &["--v", "--csi-address", "--kubelet-registration-path", "--health-port", "--http-endpoint", "--timeout", "--mode"];
+
+/// The deployment files parse (PyYAML), and name only what exists: images above; programs our image
+/// installs, with command lines they accept (each `batchfs-csi` line parsed by its own parser); registrar
+/// flags it has; the driver's name; volume attributes and options the plugin takes (the options parsed by
+/// the mount's parser); secrets the files define; and the holder and the plugin agree on their socket, state
+/// directory and program.
+#[test]
+fn the_deployment_files_parse_and_name_only_what_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = root.join("deploy/k8s/csi");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    let probe = Command::new("python3").args(["-c", "import yaml"]).output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        assert!(std::env::var_os("CI").is_none(), "CI must install PyYAML (see .ci/run)");
+        eprintln!("skipping the deployment files' test: pip install pyyaml to run it");
+        return;
+    }
+    let dump = "import json, sys, yaml\n\
+                print(json.dumps([d for f in sys.argv[1:] for d in yaml.safe_load_all(open(f)) if d]))";
+    let out = Command::new("python3").args(["-c", dump]).args(&files).output().unwrap();
+    assert!(out.status.success(), "the files do not parse: {}", String::from_utf8_lossy(&out.stderr));
+    let docs: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    for kind in ["CSIDriver", "Namespace", "ServiceAccount", "DaemonSet", "Secret", "PersistentVolume", "Pod"] {
+        assert!(kinds.contains(&kind), "no {kind} in {kinds:?}");
+    }
+    let dockerfile = std::fs::read_to_string(root.join("deploy/Dockerfile")).unwrap();
+    let named = |d: &Value, kind: &str, name: &str| d["kind"] == kind && d["metadata"]["name"] == name;
+    let mut commands = std::collections::HashMap::new();
+    for doc in &docs {
+        let spec = if doc["kind"] == "Pod" { &doc["spec"] } else { &doc["spec"]["template"]["spec"] };
+        for c in spec["containers"].as_array().into_iter().flatten() {
+            let image = c["image"].as_str().unwrap();
+            assert!(known_image(image), "{}: image {image} is not one that exists", c["name"]);
+            let line: Vec<String> = c["command"]
+                .as_array()
+                .into_iter()
+                .chain(c["args"].as_array())
+                .flatten()
+                .map(|a| a.as_str().unwrap().replace("$(NODE_ID)", "node-1"))
+                .collect();
+            if image.starts_with("batchfs/") {
+                let program = &line[0];
+                assert!(dockerfile.contains(&format!("/usr/local/bin/{program}\n")), "{program} is not in the image");
+                if program == "batchfs-csi" {
+                    batchfs_csi::cli::check_args(line.clone()).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+                    commands.insert(if line[1] == "holder" { "holder" } else { "plugin" }, line);
+                }
+            } else if image.contains("csi-node-driver-registrar") {
+                for arg in &line {
+                    let flag = arg.split('=').next().unwrap();
+                    assert!(REGISTRAR_FLAGS.contains(&flag), "the registrar has no flag {flag}");
+                }
+                assert!(line.contains(&format!(
+                    "--kubelet-registration-path=/var/lib/kubelet/plugins/{}/csi.sock",
+                    batchfs_csi::DRIVER_NAME
+                )));
+            }
+        }
+        for v in spec["volumes"].as_array().into_iter().flatten().map(|v| &v["csi"]).chain([&doc["spec"]["csi"]]) {
+            if v.is_null() {
+                continue;
+            }
+            assert_eq!(v["driver"], batchfs_csi::DRIVER_NAME);
+            let attrs = v["volumeAttributes"].as_object().unwrap();
+            assert!(attrs.keys().all(|k| k == "url" || k == "options"), "{attrs:?}");
+            batchfs_mount::client::parse_url(attrs["url"].as_str().unwrap()).unwrap();
+            let options = attrs["options"].as_str().unwrap();
+            batchfs_mount::options::MountOptions::default().apply_list(options).unwrap();
+            let secret = v["nodePublishSecretRef"]["name"].as_str().unwrap();
+            let defined =
+                docs.iter().find(|d| named(d, "Secret", secret)).unwrap_or_else(|| panic!("no secret {secret}"));
+            assert!(defined["stringData"]["token"].is_string(), "the secret holds the token");
+        }
+    }
+    assert!(docs.iter().any(|d| named(d, "CSIDriver", batchfs_csi::DRIVER_NAME)));
+    let flag = |line: &Vec<String>, f: &str| line[line.iter().position(|a| a == f).unwrap() + 1].clone();
+    let (plugin, holder) = (&commands["plugin"], &commands["holder"]);
+    assert_eq!(flag(plugin, "--holder"), format!("unix://{}", flag(holder, "--socket")), "one holder socket");
+    assert_eq!(flag(plugin, "--install-program"), flag(holder, "--program"), "one program");
+    assert!(flag(holder, "--socket").starts_with(&flag(plugin, "--state-dir")), "the socket in the shared state");
 }
