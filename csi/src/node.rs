@@ -151,6 +151,7 @@ impl NodeService {
             None => None,
         };
         options.token_file = token_file.clone().or(options.token_file);
+        let options_log = options.log_file.clone();
         // The server's refusals, told apart (a mount's own errors are text by the time they come back).
         let url = volume.url.clone();
         let checked = tokio::task::spawn_blocking(move || batchfs_mount::mount::check(&url, &options))
@@ -163,7 +164,8 @@ impl NodeService {
         // Kept before mounting: a plugin killed while the mount is made finds the record, and a publish
         // asked again mounts (nothing there) or answers done (mounted).
         self.state.put(&volume.record()).map_err(|e| internal("cannot keep the volume's record", e))?;
-        let mount_options = volume.mount_options(token_file.as_deref());
+        let log_file = options_log.is_none().then(|| self.state.log_path(target));
+        let mount_options = volume.mount_options(token_file.as_deref(), log_file.as_deref());
         if let Err(e) = self.runner.mount(&volume.url, &at, &mount_options).await {
             undo(&self.state);
             return Err(run_status(e));

@@ -128,8 +128,9 @@ impl Volume {
     }
 
     /// The `-o` string the mount runs with: the volume's options, `allow_other` (the pod's processes are
-    /// not the plugin's user) and the token file, when the secret gave a token.
-    pub fn mount_options(&self, token_file: Option<&Path>) -> String {
+    /// not the plugin's user), the token file when the secret gave a token, and the log file when the
+    /// options name none.
+    pub fn mount_options(&self, token_file: Option<&Path>, log_file: Option<&Path>) -> String {
         let mut parts: Vec<String> = Vec::new();
         if !self.options.is_empty() {
             parts.push(self.options.clone());
@@ -137,6 +138,9 @@ impl Volume {
         parts.push("allow_other".into());
         if let Some(file) = token_file {
             parts.push(format!("token_file={}", file.display()));
+        }
+        if let Some(file) = log_file {
+            parts.push(format!("log_file={}", file.display()));
         }
         parts.join(",")
     }
@@ -162,8 +166,8 @@ fn digest(secret: &str) -> String {
     format!("{}-{:08x}{:08x}", bytes.len(), crc32c::crc32c(a), crc32c::crc32c(b))
 }
 
-/// The plugin's state directory: a record per published target, and the token files of the mounts
-/// (`0600`, read by the mount's workers each time one starts).
+/// The plugin's state directory: a record per published target, the token files of the mounts (`0600`,
+/// read by the mount's workers each time one starts) and their logs (the mounts are daemons).
 #[derive(Debug, Clone)]
 pub struct State {
     dir: PathBuf,
@@ -172,7 +176,7 @@ pub struct State {
 impl State {
     /// The state in `dir`, made if missing.
     pub fn open(dir: &Path) -> std::io::Result<State> {
-        for sub in ["volumes", "tokens"] {
+        for sub in ["volumes", "tokens", "logs"] {
             std::fs::create_dir_all(dir.join(sub))?;
         }
         use std::os::unix::fs::PermissionsExt;
@@ -197,6 +201,11 @@ impl State {
     /// Where the token of the volume at `target` is kept while it is published.
     pub fn token_path(&self, target: &Path) -> PathBuf {
         self.dir.join("tokens").join(Self::key(target))
+    }
+
+    /// Where the mount at `target` logs, unless its options say otherwise.
+    pub fn log_path(&self, target: &Path) -> PathBuf {
+        self.dir.join("logs").join(format!("{}.log", Self::key(target)))
     }
 
     /// The record of the volume published at `target`, if any.
@@ -248,9 +257,9 @@ impl State {
         Ok(path)
     }
 
-    /// Forgets the volume at `target`: its record and its token.
+    /// Forgets the volume at `target`: its record, its token and its log.
     pub fn remove(&self, target: &Path) -> std::io::Result<()> {
-        for path in [self.record_path(target), self.token_path(target)] {
+        for path in [self.record_path(target), self.token_path(target), self.log_path(target)] {
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
                 _ => {}
@@ -308,11 +317,11 @@ mod tests {
         assert_eq!((v.url.as_str(), v.token.as_deref()), ("http://s:7878/imagenet", Some("t0ken")));
         assert_eq!((o.plan.batch_size, o.cache), (256, 8 << 30));
         assert_eq!(
-            v.mount_options(Some(Path::new("/state/tokens/x"))),
-            "batch_size=256,cache=8G,allow_other,token_file=/state/tokens/x"
+            v.mount_options(Some(Path::new("/state/tokens/x")), Some(Path::new("/state/logs/x.log"))),
+            "batch_size=256,cache=8G,allow_other,token_file=/state/tokens/x,log_file=/state/logs/x.log"
         );
         let bare = Volume::from_request(&request(&[("url", "http://s:1/d")], &[])).unwrap().0;
-        assert_eq!(bare.mount_options(None), "allow_other");
+        assert_eq!(bare.mount_options(None, None), "allow_other");
         let r = v.record();
         assert!(!serde_json::to_string(&r).unwrap().contains("t0ken"), "no token in a record");
         let other = Volume { token: Some("other".into()), ..v.clone() };

@@ -279,6 +279,13 @@ fn two_volumes_published_read_by_dali_and_unpublished_idempotently() {
         let write = std::fs::File::create(target.join("epoch-0000/new"));
         assert_eq!(write.unwrap_err().raw_os_error(), Some(libc::EROFS), "{volume} is published read-only");
     }
+    // Each mount logs into the state directory (its daemons have no terminal).
+    let logs: Vec<String> = std::fs::read_dir(node.path("state/logs"))
+        .unwrap()
+        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+        .collect();
+    assert_eq!(logs.len(), 2);
+    assert!(logs.iter().all(|l| l.contains("the worker serves the mount")), "{logs:?}");
     // The token is kept for the mount's workers, readable by root only, and in no record.
     let tokens: Vec<_> = std::fs::read_dir(node.path("state/tokens")).unwrap().flatten().collect();
     assert_eq!(tokens.len(), 2);
@@ -303,6 +310,7 @@ fn two_volumes_published_read_by_dali_and_unpublished_idempotently() {
     }
     assert_eq!(std::fs::read_dir(node.path("state/volumes")).unwrap().count(), 0, "no record left");
     assert_eq!(std::fs::read_dir(node.path("state/tokens")).unwrap().count(), 0, "no token left");
+    assert_eq!(std::fs::read_dir(node.path("state/logs")).unwrap().count(), 0, "no log left");
     rt.block_on(server.running.shutdown());
 }
 
