@@ -92,6 +92,13 @@ pub fn init() {
         // Rust code after fork.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
+            // The holder: signals act as they do on any process (init's handlers below are init's own, and a
+            // holder started again would inherit them).
+            // SAFETY: signal with SIG_DFL installs no handler.
+            unsafe {
+                libc::signal(libc::SIGTERM, libc::SIG_DFL);
+                libc::signal(libc::SIGINT, libc::SIG_DFL);
+            }
             return;
         }
         if pid < 0 {

@@ -501,10 +501,10 @@ fn wait_until(within: Duration, what: &str, node: &Node, mut f: impl FnMut() -> 
     }
 }
 
-/// The holder as its container runs it, the init of a PID namespace: killed, it is started again by that
-/// init and the mount serves on; the whole namespace killed (the holder's container gone), the mount's
-/// supervisor goes with it and the mount is stale, until the kubelet publishes it again, which detaches
-/// the stale mount and mounts anew.
+/// The holder as its container runs it, the init of a PID namespace: killed with SIGKILL, and again with
+/// SIGTERM, it is started again by that init and the mount serves on; the container stopped (SIGTERM to
+/// its init, which passes it on and exits 0), the mount's supervisor goes with the namespace and the
+/// mount is stale, until the kubelet publishes it again, which detaches the stale mount and mounts anew.
 #[test]
 fn as_its_containers_init_the_holder_comes_back_and_a_mount_lost_with_it_is_published_again() {
     let rt = common::runtime();
@@ -515,24 +515,47 @@ fn as_its_containers_init_the_holder_comes_back_and_a_mount_lost_with_it_is_publ
     let target = node.target("train-0");
     let request = publish("vol-1", &target, &format!("{}/d", server.base), "batch_size=16", None);
     client.ok("NodePublishVolume", request.clone(), &node);
-    let unshare = node.holder.as_ref().unwrap().id();
-    let init = children(unshare)[0];
-    let holder = children(init).into_iter().find(|p| !gone(*p)).unwrap();
+    let init = children(node.holder.as_ref().unwrap().id())[0];
+    // Init's children: the holder, and the mount's supervisor (re-parented to init once `batchfs mount`
+    // returned).
+    let holder_of = |init: u32| {
+        children(init).into_iter().find(|p| {
+            let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            !gone(*p) && cmdline.split(|b| *b == 0).any(|arg| arg == b"holder")
+        })
+    };
+    let holder = holder_of(init).unwrap();
     let worker = common::mount_stats(&target)["worker_pid"].as_u64().unwrap();
 
-    // SAFETY: kill has no memory-safety preconditions.
-    assert_eq!(unsafe { libc::kill(holder as i32, libc::SIGKILL) }, 0);
-    wait_until(Duration::from_secs(20), "init starts the holder again", &node, || {
-        children(init).iter().any(|&p| p != holder && !gone(p) && std::fs::read_link(format!("/proc/{p}/exe")).is_ok())
-            && client.call("Probe", json!({})).2["ready"] == true
-    });
-    let stats = common::mount_stats(&target);
-    assert_eq!(stats["worker_pid"].as_u64().unwrap(), worker, "the mount served on: {stats}");
+    // Killed, then the holder started again killed with SIGTERM: each time init starts another.
+    let mut holder = holder;
+    for signal in [libc::SIGKILL, libc::SIGTERM] {
+        let _ = std::fs::remove_file(node.path("holder.sock"));
+        // SAFETY: kill has no memory-safety preconditions.
+        assert_eq!(unsafe { libc::kill(holder as i32, signal) }, 0);
+        wait_until(
+            Duration::from_secs(20),
+            &format!("init starts the holder again after signal {signal}"),
+            &node,
+            || {
+                holder_of(init).is_some_and(|p| p != holder)
+                    && node.path("holder.sock").exists()
+                    && client.call("Probe", json!({})).2["ready"] == true
+            },
+        );
+        holder = holder_of(init).unwrap();
+        let stats = common::mount_stats(&target);
+        assert_eq!(stats["worker_pid"].as_u64().unwrap(), worker, "the mount served on: {stats}");
+    }
 
-    // The container goes: its init and with it every process of its namespace.
+    // The container stops, as the kubelet stops it: SIGTERM to its init, which passes it to the holder
+    // and exits with it, and with init every process of its namespace goes.
     // SAFETY: kill has no memory-safety preconditions.
-    assert_eq!(unsafe { libc::kill(init as i32, libc::SIGKILL) }, 0);
-    Node::stop(&mut node.holder, libc::SIGKILL);
+    assert_eq!(unsafe { libc::kill(init as i32, libc::SIGTERM) }, 0);
+    let unshare = node.holder.take().unwrap();
+    let mut unshare = unshare;
+    let status = unshare.wait().unwrap();
+    assert!(status.success(), "init exits 0 once the holder has stopped: {status:?}\n{}", node.logs());
     wait_until(Duration::from_secs(20), "the mount is stale once its supervisor is gone", &node, || {
         std::fs::read_dir(&target).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN))
     });
