@@ -710,6 +710,23 @@ fn every_format_is_served_from_the_disk_tier_and_a_restart_reads_nothing_from_th
     }
 }
 
+/// Waits until every thread of process `pid` is stopped (by SIGSTOP).
+fn stopped(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+        let state = |t: std::fs::DirEntry| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+        };
+        if tasks.flatten().all(|t| matches!(state(t), Some('T' | 't') | None)) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "process {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A server killed with SIGKILL while it copies objects into its tier: what it left is never served (the
 /// next start removes the unfinished copies and checks the finished ones before serving them), and an
 /// epoch read from the restarted server is the local copy's, batch for batch.
@@ -737,10 +754,23 @@ fn a_server_killed_while_copying_into_its_tier_leaves_nothing_torn_to_serve() {
     let staging = tier.path().join("staging");
     let deadline = Instant::now() + Duration::from_secs(60);
     let copying = |d: &Path| std::fs::read_dir(d).map(|e| e.count()).unwrap_or(0) > 0;
-    while !copying(&staging) || !copying(&tier.path().join("objects")) {
-        assert!(server.try_wait().unwrap().is_none(), "the server stopped before it copied anything");
-        assert!(Instant::now() < deadline, "no copy was started");
-        std::thread::sleep(Duration::from_millis(5));
+    let pid = server.id() as i32;
+    loop {
+        while !copying(&staging) || !copying(&tier.path().join("objects")) {
+            assert!(server.try_wait().unwrap().is_none(), "the server stopped before it copied anything");
+            assert!(Instant::now() < deadline, "no copy was started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Stopped, the server changes nothing: what staging/ holds then is what the kill leaves. (Killed
+        // at once, a copy could finish between the look and the kill, leaving staging/ empty.)
+        // SAFETY: kill has no memory-safety preconditions.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        stopped(pid);
+        if copying(&staging) {
+            break;
+        }
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     }
     server.kill().unwrap();
     server.wait().unwrap();
