@@ -279,10 +279,7 @@ impl ObjectSource {
             // only be charged to the server, written back and reclaimed (a filesystem that refuses
             // O_DIRECT gets writes through the page cache).
             let direct = self.direct_copies.load(Ordering::Relaxed).then(|| copy.open_direct().ok()).flatten();
-            let read_by = match &direct {
-                Some(direct) => direct.try_clone()?,
-                None => copy.file().try_clone()?,
-            };
+            let read_by = direct.as_ref().unwrap_or(copy.file()).try_clone()?;
             making.begin(Arc::new(read_by), direct.is_some(), self.part_bytes(), parts);
             let out = CopyOut { file: copy.file(), direct: direct.as_ref() };
             self.write_whole(n, file, out, |e| copy.failed(e), true, Some(&making)).await?;
@@ -308,10 +305,9 @@ impl ObjectSource {
 impl ObjectSource {
     /// Copies all of object `n` (`file`) into `out` (a file of its size) by ranged GETs of `object_part`,
     /// up to 8 at once, each taking [`COPY_BUFFER_BYTES`] of the server's `staging_bytes` while it is
-    /// copied; with `checked`, each
-    /// 4 MiB chunk against the index's CRC32C (copied again where it differs). The parts a body waits for
-    /// are copied first where the copy is `making` one ([`Making::next_part`]), else in order. A write
-    /// that fails is `disk`'s error.
+    /// copied; with `checked`, each 4 MiB chunk against the index's CRC32C (copied again where it
+    /// differs). The parts a body waits for are copied first where the copy is `making` one
+    /// ([`Making::next_part`]), else in order. A write that fails is `disk`'s error.
     pub(super) async fn write_whole(
         &self,
         n: u32,
@@ -451,25 +447,26 @@ impl<'a> CopyOut<'a> {
 /// an aligned buffer of that size and written whole (the last write padded to the alignment: the copy is
 /// cut to its object's size once every range is written).
 struct Writer<'a> {
-    out: &'a CopyOut<'a>,
+    file: &'a std::fs::File,
+    /// The file opened with `O_DIRECT` and the aligned buffer its writes are gathered in, if so written.
+    direct: Option<(&'a std::fs::File, crate::storage::aligned::Buffer)>,
     /// Where the bytes not written or not handed to the disk yet start, and how many there are.
     at: u64,
     pending: u64,
-    buffer: Option<crate::storage::aligned::Buffer>,
 }
 
 impl<'a> Writer<'a> {
-    fn new(out: &'a CopyOut<'a>, at: u64, pool: &Arc<crate::storage::aligned::Pool>) -> Writer<'a> {
-        Writer { out, at, pending: 0, buffer: out.direct.map(|_| pool.take()) }
+    fn new(out: &CopyOut<'a>, at: u64, pool: &Arc<crate::storage::aligned::Pool>) -> Writer<'a> {
+        Writer { file: out.file, direct: out.direct.map(|d| (d, pool.take())), at, pending: 0 }
     }
 
     fn write(&mut self, mut bytes: &[u8]) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
-        let (Some(direct), Some(buffer)) = (self.out.direct, self.buffer.as_mut()) else {
-            self.out.file.write_all_at(bytes, self.at + self.pending)?;
+        let Some((direct, buffer)) = self.direct.as_mut() else {
+            self.file.write_all_at(bytes, self.at + self.pending)?;
             self.pending += bytes.len() as u64;
             if self.pending >= COPY_BUFFER_BYTES {
-                start_writeback(self.out.file, self.at, self.pending)?;
+                start_writeback(self.file, self.at, self.pending)?;
                 (self.at, self.pending) = (self.at + self.pending, 0);
             }
             return Ok(());
@@ -492,15 +489,15 @@ impl<'a> Writer<'a> {
     fn finish(mut self) -> io::Result<()> {
         use crate::storage::aligned::align_up;
         use std::os::unix::fs::FileExt;
-        match (self.out.direct, self.buffer.as_mut()) {
-            (Some(direct), Some(buffer)) if self.pending > 0 => {
+        match self.direct.as_mut() {
+            Some(_) if self.pending == 0 => Ok(()),
+            Some((direct, buffer)) => {
                 let (filled, padded) = (self.pending as usize, align_up(self.pending) as usize);
                 let window = buffer.window();
                 window[filled..padded].fill(0);
                 direct.write_all_at(&window[..padded], self.at)
             }
-            (Some(_), _) => Ok(()),
-            (None, _) => start_writeback(self.out.file, self.at, self.pending),
+            None => start_writeback(self.file, self.at, self.pending),
         }
     }
 }
