@@ -328,9 +328,8 @@ impl BatchQuery {
             "shuffle" => self.plan.shuffle = need()?.parse::<Shuffle>().map_err(|e| bad(e.to_string()))?,
             "drop_last" => {
                 self.plan.drop_last = match value {
-                    None | Some("true" | "1" | "yes") => true,
-                    Some("false" | "0" | "no") => false,
-                    Some(other) => return Err(bad(format!("drop_last must be true or false, got {other:?}"))),
+                    None => true,
+                    Some(v) => crate::units::parse_switch(v).map_err(|e| bad(format!("drop_last: {e}")))?,
                 }
             }
             "block_bytes" => {

@@ -1,5 +1,6 @@
-//! Human-friendly sizes (`16M`, `2GiB`, `1048576`) and durations (`500ms`, `30s`, `5m`, `1h`) for command
-//! lines, `-o` mount options and config files.
+//! Human-friendly sizes (`16M`, `2GiB`, `1048576`), durations (`500ms`, `30s`, `5m`, `1h`) and switches
+//! (`on`, `off`) for command lines, `-o` mount options, query strings and config files: one parser of each
+//! for every side.
 
 /// Parses a byte size: a number with an optional `K`/`M`/`G`/`T` suffix (binary multiples; `KB`, `KiB`,
 /// `MB`, `MiB`... are accepted as the same) or a plain number of bytes.
@@ -35,9 +36,31 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     std::time::Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is out of range"))
 }
 
+/// Parses a switch: `true`, `on`, `yes`, `1` or `false`, `off`, `no`, `0` (any case, spaces around).
+pub fn parse_switch(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "on" | "yes" | "1" => Ok(true),
+        "false" | "off" | "no" | "0" => Ok(false),
+        _ => Err(format!("{s:?} is not a switch (use true or false, on or off)")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn switches_take_the_same_spellings_everywhere() {
+        for on in ["true", "on", "yes", "1", " ON ", "True"] {
+            assert_eq!(parse_switch(on), Ok(true), "{on}");
+        }
+        for off in ["false", "off", "no", "0", "Off"] {
+            assert_eq!(parse_switch(off), Ok(false), "{off}");
+        }
+        for bad in ["", "2", "enabled", "t"] {
+            assert!(parse_switch(bad).unwrap_err().contains("not a switch"), "{bad}");
+        }
+    }
     use std::time::Duration;
 
     #[test]

@@ -7,11 +7,14 @@
 //! /.batchfs/stats         live JSON counters
 //! /raw/...                the dataset directory's files as they are on the server (every source)
 //! /rolling/               one epoch's names; each open of one serves the next epoch of that file
+//! /shuffled/CLASS/...     a file tree's samples by class, each name a new sample of that class in plan
+//!                         order, as ImageFolder's shuffled reads ask for them
 //! ```
 //! Any epoch number up to 999,999 resolves by name, listed or not. `stat` and `readdir` use manifests
 //! (and `rolling/`'s slot table) only, never sample data. The rooms: `fs/inode.rs` (inode numbers that
 //! encode what they name, and the names), `fs/error.rs` (errors and their errnos), `fs/rolling.rs`
-//! (`rolling/`'s counters and layouts), `fs/raw.rs` (`raw/`'s tree) and `fs/handles.rs` (open handles).
+//! (`rolling/`'s counters and layouts), `fs/raw.rs` (`raw/`'s tree), `fs/shuffled.rs` (`shuffled/`'s
+//! names and which thread gets which sample) and `fs/handles.rs` (open handles).
 
 use crate::prefetch::{Listing, ObjectKey, Prefetcher, ReadError, WINDOW_GROUPS};
 use batchfs::encode::BatchFormat;
@@ -209,7 +212,6 @@ impl Fs {
         Ok(Bytes::from(self.prefetcher.file_layout(batch)?.dali_index()))
     }
 
-    /// Current statistics as JSON.
     /// The sample the lookup of `name` in class `class` by thread `tid` gets, and the windows it starts.
     fn shuffled_node(&self, class: u32, name: &str, tid: u32) -> Result<Node, FsError> {
         let names = self.shuffled.names(&self.prefetcher, class)?;

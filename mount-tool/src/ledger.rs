@@ -3,7 +3,7 @@
 //! each worker maps it shared and writes through to it as it goes, so a worker killed at any instant leaves
 //! what its successor needs to serve the same handles and names the same way (docs/DESIGN.md, "Takeover").
 //!
-//! Three parts, all fixed in size (a memory file's untouched pages cost nothing):
+//! Four parts, all fixed in size (a memory file's untouched pages cost nothing):
 //!
 //! - **The header**: what the connection's `INIT` settled (passthrough on, re-send offered), the
 //!   supervisor's counters (worker pid, restarts, the last takeover's time), and the largest backing id
@@ -15,7 +15,6 @@
 //!   takeover is found by its request id and answered with the handle recorded for it.
 //! - **Cells**: an insert-only open-addressing table of `u64` keys to `u64` values, for the views' state
 //!   (`rolling/`'s counters and index-driven readers, `shuffled/`'s cursors). A value of 0 is no value.
-//!
 //! - **The journal**: records appended in order (`raw/`'s listings, which number its tree as they come),
 //!   each whole before the end word moves past it.
 //!

@@ -13,10 +13,9 @@
 //! count starts from a walk of the directory at mount time, in the background.
 
 use crate::prefetch::Sent;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Mutex, Ordering};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 /// A node cache in a directory.
 #[derive(Debug)]

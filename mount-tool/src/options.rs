@@ -94,9 +94,8 @@ mod value {
     /// A switch: given alone (`-o allow_other`, `--allow-other`) it is on.
     pub fn switch(v: &str) -> Result<bool, String> {
         match v {
-            "" | "true" | "1" | "yes" | "on" => Ok(true),
-            "false" | "0" | "no" | "off" => Ok(false),
-            _ => Err("expected true or false".into()),
+            "" => Ok(true),
+            _ => batchfs::units::parse_switch(v),
         }
     }
 

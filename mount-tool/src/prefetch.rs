@@ -1,12 +1,14 @@
 //! The prefetcher and its cache: the objects a mount shows (batches of an epoch in a format, chunks of
-//! `raw/`'s files, `rolling/`'s placed files), fetched whole, verified, and kept under a byte budget. This
-//! file is the facade (reads, passthrough files, what each object is); its rooms:
+//! `raw/`'s files, `rolling/`'s placed files, groups of `shuffled/`'s samples), fetched whole, verified,
+//! and kept under a byte budget. This file is the facade (reads, passthrough files, what each object is); its rooms:
 //! `prefetch/admission.rs` charges an object to the budget before its fetch (a guard that gives the bytes
 //! back when the cache drops the entry) and evicts or waits for room, `prefetch/cache.rs` holds the entries
 //! and their contents and picks what to evict, `prefetch/fetch.rs` runs one fetch from its sink to what it
 //! publishes, `prefetch/window.rs` decides what to fetch ahead (with `prefetch/streams.rs`, which finds the
 //! readers' streams) and how much may be in flight, `prefetch/listings.rs` keeps the epochs' manifests and
 //! the slot table, `prefetch/raw.rs` owns `raw/` (its directories' lists and chunks, reads across chunks),
+//! `prefetch/shuffled.rs` owns `shuffled/`'s sample table, each epoch's per-class plan and the groups of
+//! one class's samples fetched ahead,
 //! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`] (`buffers/pool.rs`) keeps
 //! the byte budget's one ledger and the buffers reused within it.
 //!

@@ -78,13 +78,9 @@ mod value {
         parse_duration(text).map_err(|message| ValueError::NotADuration { text: text.to_owned(), message })
     }
 
-    /// On or off: `on`, `off` (`true`, `false`).
+    /// On or off: `on`, `off` (or `true`, `false`, `yes`, `no`, `1`, `0`: the mount's spellings too).
     pub fn switch(text: &str) -> Result<bool, ValueError> {
-        match text.trim() {
-            "on" | "true" => Ok(true),
-            "off" | "false" => Ok(false),
-            _ => Err(ValueError::NotASwitch { text: text.to_owned() }),
-        }
+        batchfs::units::parse_switch(text).map_err(|_| ValueError::NotASwitch { text: text.to_owned() })
     }
 }
 

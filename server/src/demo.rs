@@ -1,6 +1,7 @@
-//! `batchfs-server demo`: the README's first command. Generates a sample dataset, serves it on
-//! loopback, reads one epoch over HTTP/2 with several concurrent streams as a loader would, verifies
-//! every batch's CRC32C against the manifest, and prints a result table.
+//! `batchfs-server demo`: the server alone, without a mount (the README's first command is `batchfs-lab
+//! demo`, which mounts). Generates a sample dataset, serves it on loopback, reads one epoch over HTTP/2
+//! with several concurrent streams as a loader would, verifies every batch's CRC32C against the manifest,
+//! and prints a result table.
 
 use crate::catalog::{Catalog, Dataset};
 use crate::config::ServerLimits;

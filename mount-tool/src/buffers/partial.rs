@@ -1,5 +1,5 @@
 //! A body buffer that readers may read from while it is still arriving: only its verified prefix, and
-//! without a copy. With `sys.rs`, the mount's only `unsafe` code (every other module goes through these two).
+//! without a copy. One of the few modules of the mount with `unsafe` code (docs/DESIGN.md lists them).
 //!
 //! A batch response carries its checkpoints (`x-batchfs-checkpoints`: the CRC32C of every byte before
 //! each of a few points, computed by the server from the index, like the manifest's CRC). The fetch

@@ -8,13 +8,13 @@
 use super::retry::{with_retries, Failure};
 use super::{Listing, ObjectKey, Prefetcher, ReadError, Sent};
 use crate::sync::{Arc, Mutex};
+use crate::sync::{AtomicBool, Ordering};
 use batchfs::api::{FileEntry, FileList};
 use bytes::Bytes;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The directories of `raw/` listed so far, by id (the order they were listed in) and by path.
 #[derive(Default)]
-pub(super) struct RawDirs(Mutex<Dirs>, std::sync::Condvar);
+pub(super) struct RawDirs(Mutex<Dirs>, crate::sync::Condvar);
 
 #[derive(Default)]
 struct Dirs {
