@@ -4,45 +4,64 @@
 
 /// Parses a byte size: a number with an optional `K`/`M`/`G`/`T` suffix (binary multiples; `KB`, `KiB`,
 /// `MB`, `MiB`... are accepted as the same) or a plain number of bytes.
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, UnitError> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size (e.g. 1048576, 64K, 16M, 2G)"))?;
+    let n: u64 = num.parse().map_err(|_| UnitError::NotASize(s.to_owned()))?;
     let mult: u64 = match suffix.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        _ => return Err(format!("{s:?} has an unknown size suffix (use K, M, G or T)")),
+        _ => return Err(UnitError::SizeSuffix(s.to_owned())),
     };
-    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
+    n.checked_mul(mult).ok_or_else(|| UnitError::TooLarge(s.to_owned()))
 }
 
 /// Parses a duration: a number with `ms`, `s`, `m` or `h` (a bare number means seconds).
-pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, UnitError> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 500ms, 30s, 5m)"))?;
+    let n: f64 = num.parse().map_err(|_| UnitError::NotADuration(s.to_owned()))?;
     let secs = match suffix.trim() {
         "ms" => n / 1000.0,
         "" | "s" => n,
         "m" | "min" => n * 60.0,
         "h" => n * 3600.0,
-        _ => return Err(format!("{s:?} has an unknown duration unit (use ms, s, m or h)")),
+        _ => return Err(UnitError::DurationUnit(s.to_owned())),
     };
-    std::time::Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is out of range"))
+    std::time::Duration::try_from_secs_f64(secs).map_err(|_| UnitError::OutOfRange(s.to_owned()))
 }
 
 /// Parses a switch: `true`, `on`, `yes`, `1` or `false`, `off`, `no`, `0` (any case, spaces around).
-pub fn parse_switch(s: &str) -> Result<bool, String> {
+pub fn parse_switch(s: &str) -> Result<bool, UnitError> {
     match s.trim().to_ascii_lowercase().as_str() {
         "true" | "on" | "yes" | "1" => Ok(true),
         "false" | "off" | "no" | "0" => Ok(false),
-        _ => Err(format!("{s:?} is not a switch (use true or false, on or off)")),
+        _ => Err(UnitError::NotASwitch(s.to_owned())),
     }
+}
+
+/// A size, duration or switch that does not parse (the text as given).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UnitError {
+    #[error("{0:?} is not a size (e.g. 1048576, 64K, 16M, 2G)")]
+    NotASize(String),
+    #[error("{0:?} has an unknown size suffix (use K, M, G or T)")]
+    SizeSuffix(String),
+    #[error("{0:?} is too large")]
+    TooLarge(String),
+    #[error("{0:?} is not a duration (e.g. 500ms, 30s, 5m)")]
+    NotADuration(String),
+    #[error("{0:?} has an unknown duration unit (use ms, s, m or h)")]
+    DurationUnit(String),
+    #[error("{0:?} is out of range")]
+    OutOfRange(String),
+    #[error("{0:?} is not a switch (use true or false, on or off)")]
+    NotASwitch(String),
 }
 
 #[cfg(test)]
@@ -58,7 +77,7 @@ mod tests {
             assert_eq!(parse_switch(off), Ok(false), "{off}");
         }
         for bad in ["", "2", "enabled", "t"] {
-            assert!(parse_switch(bad).unwrap_err().contains("not a switch"), "{bad}");
+            assert_eq!(parse_switch(bad), Err(UnitError::NotASwitch(bad.to_owned())));
         }
     }
     use std::time::Duration;

@@ -36,7 +36,7 @@ struct Cli {
     #[arg(long, value_name = "PATH")]
     install_program: Option<PathBuf>,
     /// The longest a mount, unmount or upgrade may take
-    #[arg(long, default_value = "120s", value_parser = duration)]
+    #[arg(long, default_value = "120s", value_parser = batchfs::units::parse_duration)]
     mount_timeout: Duration,
 }
 
@@ -52,13 +52,9 @@ enum Command {
         #[arg(long, default_value = "/var/lib/batchfs-csi/bin/batchfs")]
         program: PathBuf,
         /// The longest a mount, unmount or upgrade may take
-        #[arg(long, default_value = "120s", value_parser = duration)]
+        #[arg(long, default_value = "120s", value_parser = batchfs::units::parse_duration)]
         mount_timeout: Duration,
     },
-}
-
-fn duration(v: &str) -> Result<Duration, String> {
-    batchfs::units::parse_duration(v)
 }
 
 /// Whether `args` (the program's name first) are a command line `batchfs-csi` accepts: what the

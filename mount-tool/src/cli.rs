@@ -87,7 +87,7 @@ impl MountArgs {
     pub fn mount_options(&self) -> Result<MountOptions> {
         let mut o = MountOptions::default();
         for list in &self.options {
-            o.apply_list(list).map_err(anyhow::Error::msg)?;
+            o.apply_list(list)?;
         }
         let plan = [
             ("batch_size", &self.batch_size),
@@ -97,11 +97,11 @@ impl MountArgs {
         ];
         for (key, value) in plan.into_iter().chain([("format", &self.format)]) {
             if let Some(v) = value {
-                o.set(key, Some(v)).map_err(anyhow::Error::msg)?;
+                o.set(key, Some(v))?;
             }
         }
         if self.drop_last {
-            o.set("drop_last", None).map_err(anyhow::Error::msg)?;
+            o.set("drop_last", None)?;
         }
         self.flags.apply(&mut o);
         Ok(o)
@@ -146,7 +146,7 @@ pub fn run() -> Result<()> {
             init_tracing(None, "warn");
             let mut o = MountOptions::default();
             for list in &options {
-                o.apply_list(list).map_err(anyhow::Error::msg)?;
+                o.apply_list(list)?;
             }
             let (url, dir) = warm_target(&target, &mut o)?;
             let failed = crate::mount::warm_only(&url, &dir, &o)?;
@@ -206,13 +206,13 @@ fn mount_helper(args: &[OsString]) -> Result<()> {
     let mut it = args.iter().map(|a| a.to_string_lossy().into_owned());
     while let Some(arg) = it.next() {
         match arg.as_str() {
-            "-o" => options.apply_list(&it.next().context("-o needs a value")?).map_err(anyhow::Error::msg)?,
+            "-o" => options.apply_list(&it.next().context("-o needs a value")?)?,
             "-t" => {
                 it.next();
             }
             "-f" => fake = true,
             "-s" | "-n" | "-v" => {}
-            a if a.starts_with("-o") => options.apply_list(&a[2..]).map_err(anyhow::Error::msg)?,
+            a if a.starts_with("-o") => options.apply_list(&a[2..])?,
             a if a.starts_with('-') => bail!("mount.batchfs: unknown flag {a}"),
             _ => positional.push(arg),
         }

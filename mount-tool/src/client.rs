@@ -20,7 +20,7 @@ mod connect;
 pub mod health;
 mod http;
 pub use crate::buffers::{Body, Sink};
-pub use http::{parse_url, HttpClient, HttpConfig};
+pub use http::{parse_url, HttpClient, HttpConfig, UrlError};
 
 /// A boxed future, as trait methods return.
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -27,7 +27,7 @@ pub struct MountPlan {
 
 /// How to reach the servers of dataset `url` with `options` (its token read from `token_file`).
 pub fn http_config(url: &str, options: &MountOptions) -> Result<HttpConfig> {
-    let (base, dataset) = parse_url(url).map_err(anyhow::Error::msg)?;
+    let (base, dataset) = parse_url(url)?;
     let token = match &options.token_file {
         Some(path) => {
             let t =

@@ -41,7 +41,8 @@ pub enum PageCache {
     Keep,
 }
 
-/// The parsers of option values (each also a clap value parser).
+/// The parsers of option values (each also a clap value parser): the reason a value is refused is the
+/// message clap shows and [`OptionError::Value`] carries.
 mod value {
     use super::{PageCache, RollingMode};
     use std::path::PathBuf;
@@ -71,7 +72,7 @@ mod value {
     }
 
     pub fn size(v: &str) -> Result<u64, String> {
-        batchfs::units::parse_size(v)
+        batchfs::units::parse_size(v).map_err(|e| e.to_string())
     }
 
     /// An HTTP/2 frame size: 16K to 16M-1, as the protocol allows.
@@ -88,14 +89,14 @@ mod value {
     }
 
     pub fn duration(v: &str) -> Result<std::time::Duration, String> {
-        batchfs::units::parse_duration(v)
+        batchfs::units::parse_duration(v).map_err(|e| e.to_string())
     }
 
     /// A switch: given alone (`-o allow_other`, `--allow-other`) it is on.
     pub fn switch(v: &str) -> Result<bool, String> {
         match v {
             "" => Ok(true),
-            _ => batchfs::units::parse_switch(v),
+            _ => batchfs::units::parse_switch(v).map_err(|e| e.to_string()),
         }
     }
 
@@ -283,16 +284,33 @@ const IGNORED: &[&str] = &[
     "noexec", "suid", "nosuid", "dev", "nodev", "atime", "noatime", "relatime", "async", "sync",
 ];
 
+/// Why a mount option was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum OptionError {
+    #[error("unknown mount option {0:?} (see docs/CONFIGURATION.md)")]
+    Unknown(String),
+    #[error("option {0} needs a value ({0}=...)")]
+    NeedsValue(String),
+    /// A value its option's parser refused, with the parser's reason.
+    #[error("{key}={value}: {reason}")]
+    Value { key: String, value: String, reason: String },
+    /// A plan option (or the format) refused as the server refuses it in a query.
+    #[error(transparent)]
+    Plan(#[from] batchfs::api::ApiError),
+    #[error("format={0}: a mount shows tfrecord (with .idx twins) or tar")]
+    Format(BatchFormat),
+}
+
 impl MountOptions {
     /// Applies one `key[=value]` option.
-    pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<(), String> {
+    pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<(), OptionError> {
         match key {
             // The plan options and the format: parsed as the server parses them in a query.
             "batch_size" | "seed" | "shuffle" | "block_bytes" | "drop_last" | "format" => {
                 let mut query = self.query();
-                query.set(key, value).map_err(|e| e.to_string())?;
+                query.set(key, value)?;
                 if !matches!(query.format, BatchFormat::Tfrecord | BatchFormat::Tar) {
-                    return Err(format!("format={}: a mount shows tfrecord (with .idx twins) or tar", query.format));
+                    return Err(OptionError::Format(query.format));
                 }
                 (self.plan, self.format) = (query.plan, query.format);
                 Ok(())
@@ -300,15 +318,17 @@ impl MountOptions {
             k if IGNORED.contains(&k) || k.starts_with("x-") || k.starts_with("comment=") => Ok(()),
             _ => match self.set_declared(key, value.unwrap_or("")) {
                 Some(Ok(())) => Ok(()),
-                Some(Err(_)) if value.is_none() => Err(format!("option {key} needs a value ({key}=...)")),
-                Some(Err(e)) => Err(format!("{key}={}: {e}", value.unwrap_or(""))),
-                None => Err(format!("unknown mount option {key:?} (see docs/CONFIGURATION.md)")),
+                Some(Err(_)) if value.is_none() => Err(OptionError::NeedsValue(key.to_owned())),
+                Some(Err(reason)) => {
+                    Err(OptionError::Value { key: key.to_owned(), value: value.unwrap_or("").to_owned(), reason })
+                }
+                None => Err(OptionError::Unknown(key.to_owned())),
             },
         }
     }
 
     /// Applies a comma-separated `-o` list.
-    pub fn apply_list(&mut self, list: &str) -> Result<(), String> {
+    pub fn apply_list(&mut self, list: &str) -> Result<(), OptionError> {
         for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (key, value) = match item.split_once('=') {
                 Some((k, v)) => (k, Some(v)),
@@ -464,8 +484,14 @@ mod tests {
         assert_eq!((by_list.cache, by_list.allow_other, by_list.passthrough), (1 << 30, true, false));
         assert!(parse(&["--cache", "lots"]).is_err() && parse(&["--cache"]).is_err());
         let e = MountOptions::default().apply_list("cache").unwrap_err();
-        assert!(e.contains("needs a value"), "{e}");
+        assert!(matches!(&e, OptionError::NeedsValue(k) if k == "cache"), "{e}");
+        assert!(e.to_string().contains("needs a value"), "{e}");
         let e = MountOptions::default().apply_list("threads=many").unwrap_err();
-        assert!(e.contains("threads=many"), "{e}");
+        assert!(matches!(&e, OptionError::Value { key, .. } if key == "threads"), "{e}");
+        assert!(e.to_string().contains("threads=many"), "{e}");
+        let e = MountOptions::default().apply_list("batch_size=0").unwrap_err();
+        assert!(matches!(e, OptionError::Plan(_)), "a plan option refused as the server refuses it: {e}");
+        let e = MountOptions::default().apply_list("bogus=1").unwrap_err();
+        assert!(matches!(&e, OptionError::Unknown(k) if k == "bogus"), "{e}");
     }
 }

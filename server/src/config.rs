@@ -23,16 +23,11 @@ use std::time::Duration;
 pub enum ValueError {
     #[error("{text:?} is not a number in range")]
     NotACount { text: String, source: ParseIntError },
-    /// `message` is the size parser's (`batchfs::units::parse_size`).
-    #[error("{message}")]
-    NotASize { text: String, message: String },
+    /// A size, duration or switch that does not parse (`batchfs::units`, the parsers every side uses).
+    #[error(transparent)]
+    Unit(#[from] batchfs::units::UnitError),
     #[error("{text:?} is too large")]
     TooLarge { text: String },
-    /// `message` is the duration parser's (`batchfs::units::parse_duration`).
-    #[error("{message}")]
-    NotADuration { text: String, message: String },
-    #[error("{text:?} is not on or off")]
-    NotASwitch { text: String },
     /// An `io`, `resident`, `disk_cache` or `disk_cache_size` value.
     #[error(transparent)]
     Policy(#[from] PolicyError),
@@ -69,18 +64,18 @@ mod value {
 
     /// A size: `1048576`, `1M`, `16K`.
     pub fn size<T: TryFrom<u64>>(text: &str) -> Result<T, ValueError> {
-        let bytes = parse_size(text).map_err(|message| ValueError::NotASize { text: text.to_owned(), message })?;
+        let bytes = parse_size(text)?;
         T::try_from(bytes).map_err(|_| ValueError::TooLarge { text: text.to_owned() })
     }
 
     /// A duration: `30s`, `5m`, `250ms`.
     pub fn duration(text: &str) -> Result<Duration, ValueError> {
-        parse_duration(text).map_err(|message| ValueError::NotADuration { text: text.to_owned(), message })
+        Ok(parse_duration(text)?)
     }
 
     /// On or off: `on`, `off` (or `true`, `false`, `yes`, `no`, `1`, `0`: the mount's spellings too).
     pub fn switch(text: &str) -> Result<bool, ValueError> {
-        batchfs::units::parse_switch(text).map_err(|_| ValueError::NotASwitch { text: text.to_owned() })
+        Ok(batchfs::units::parse_switch(text)?)
     }
 }
 

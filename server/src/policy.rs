@@ -11,9 +11,9 @@ pub enum PolicyError {
     NotAnIoMode { text: String },
     #[error("expected a directory, or none")]
     NoDirectory,
-    /// Neither `auto` nor a size; `message` is the size parser's (`batchfs::units::parse_size`).
-    #[error("{message}")]
-    NotAutoOrSize { text: String, message: String },
+    /// Neither `auto` nor a size (the size parser's error its cause).
+    #[error("{text:?} is neither auto nor a size")]
+    NotAutoOrSize { text: String, source: batchfs::units::UnitError },
 }
 
 /// How datasets are read (the `io` limit).
@@ -74,7 +74,7 @@ impl AutoSize {
             "auto" => Ok(AutoSize::Auto),
             size => batchfs::units::parse_size(size)
                 .map(AutoSize::Bytes)
-                .map_err(|message| PolicyError::NotAutoOrSize { text: size.to_owned(), message }),
+                .map_err(|source| PolicyError::NotAutoOrSize { text: size.to_owned(), source }),
         }
     }
 }

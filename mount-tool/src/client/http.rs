@@ -42,19 +42,31 @@ pub struct HttpConfig {
     pub frame_size: u32,
 }
 
+/// Why a dataset's URL does not parse (the URL as given).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UrlError {
+    #[error("{0:?}: expected http(s)://host:port/DATASET")]
+    Malformed(String),
+    #[error("{0:?}: the scheme must be http or https")]
+    Scheme(String),
+    #[error("{0:?}: the URL names no dataset")]
+    NoDataset(String),
+    #[error("{0:?}: malformed dataset name")]
+    DatasetName(String),
+}
+
 /// Splits `http(s)://host:port/DATASET` into the server base URL and the dataset name.
-pub fn parse_url(url: &str) -> Result<(String, String), String> {
-    let (scheme, rest) =
-        url.split_once("://").ok_or_else(|| format!("{url:?}: expected http(s)://host:port/DATASET"))?;
+pub fn parse_url(url: &str) -> Result<(String, String), UrlError> {
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| UrlError::Malformed(url.to_owned()))?;
     if scheme != "http" && scheme != "https" {
-        return Err(format!("{url:?}: the scheme must be http or https"));
+        return Err(UrlError::Scheme(url.to_owned()));
     }
-    let (host, dataset) = rest.split_once('/').ok_or_else(|| format!("{url:?}: the URL names no dataset"))?;
+    let (host, dataset) = rest.split_once('/').ok_or_else(|| UrlError::NoDataset(url.to_owned()))?;
     let dataset = dataset.trim_end_matches('/');
     if host.is_empty() || dataset.is_empty() || dataset.contains('/') {
-        return Err(format!("{url:?}: expected http(s)://host:port/DATASET"));
+        return Err(UrlError::Malformed(url.to_owned()));
     }
-    let dataset = api::percent_decode(dataset).ok_or_else(|| format!("{url:?}: malformed dataset name"))?;
+    let dataset = api::percent_decode(dataset).ok_or_else(|| UrlError::DatasetName(url.to_owned()))?;
     Ok((format!("{scheme}://{host}"), dataset))
 }
 
