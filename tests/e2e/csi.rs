@@ -589,7 +589,8 @@ fn known_image(image: &str) -> bool {
 const REGISTRAR_FLAGS: &[&str] =
     &["--v", "--csi-address", "--kubelet-registration-path", "--health-port", "--http-endpoint", "--timeout", "--mode"];
 
-/// The deployment files parse (PyYAML), and name only what exists: images above; programs our image
+/// The deployment files (`deploy/k8s/`, the CSI driver's and the others) parse (PyYAML), and name only
+/// what exists: images above; programs our image
 /// installs, with command lines they accept (each `batchfs-csi` line parsed by its own parser); registrar
 /// flags it has; the driver's name; volume attributes and options the plugin takes (the options parsed by
 /// the mount's parser); secrets the files define; and the holder and the plugin agree on their socket, state
@@ -597,9 +598,15 @@ const REGISTRAR_FLAGS: &[&str] =
 #[test]
 fn the_deployment_files_parse_and_name_only_what_exists() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let dir = root.join("deploy/k8s/csi");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let yaml = |dir: PathBuf| {
+        let files = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path());
+        files.filter(|p| p.extension().is_some_and(|e| e == "yaml")).collect::<Vec<_>>()
+    };
+    // The CSI driver's files, and the server's and the per-node mount's beside them.
+    let mut files = yaml(root.join("deploy/k8s/csi"));
+    files.extend(yaml(root.join("deploy/k8s")));
     files.sort();
+    assert!(files.len() >= 6, "{files:?}");
     let probe = Command::new("python3").args(["-c", "import yaml"]).output();
     if !probe.as_ref().is_ok_and(|o| o.status.success()) {
         assert!(std::env::var_os("CI").is_none(), "CI must install PyYAML (see .ci/run)");
@@ -612,7 +619,9 @@ fn the_deployment_files_parse_and_name_only_what_exists() {
     assert!(out.status.success(), "the files do not parse: {}", String::from_utf8_lossy(&out.stderr));
     let docs: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
     let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
-    for kind in ["CSIDriver", "Namespace", "ServiceAccount", "DaemonSet", "Secret", "PersistentVolume", "Pod"] {
+    for kind in
+        ["CSIDriver", "Namespace", "ServiceAccount", "DaemonSet", "Secret", "PersistentVolume", "Pod", "Deployment"]
+    {
         assert!(kinds.contains(&kind), "no {kind} in {kinds:?}");
     }
     let dockerfile = std::fs::read_to_string(root.join("deploy/Dockerfile")).unwrap();
