@@ -35,11 +35,24 @@ pub trait Sensor: Send {
     /// Stable name (`cpu-energy-pkg-0`, `powercap-package-0`, `gpu-0`).
     fn name(&self) -> &str;
     /// One reading, or why none could be taken.
-    fn read(&mut self) -> Result<Reading, String>;
+    fn read(&mut self) -> Result<Reading, ReadError>;
     /// Joules after which a cumulative counter wraps to zero, if it does.
     fn wrap_joules(&self) -> Option<f64> {
         None
     }
+}
+
+/// Why a sensor gave no reading, with the cause.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("cannot read the perf counter")]
+    Perf(#[source] std::io::Error),
+    #[error("cannot read {path}")]
+    File { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not a number of microjoules")]
+    NotANumber { path: PathBuf },
+    #[error("NVML")]
+    Nvml(#[from] nvml_wrapper::error::NvmlError),
 }
 
 /// A sensor that could not be used, and why.
@@ -61,8 +74,8 @@ impl Sensor for PerfEnergy {
         &self.name
     }
 
-    fn read(&mut self) -> Result<Reading, String> {
-        self.counter.read().map(|raw| Reading::Energy(raw as f64 * self.scale)).map_err(|e| e.to_string())
+    fn read(&mut self) -> Result<Reading, ReadError> {
+        self.counter.read().map(|raw| Reading::Energy(raw as f64 * self.scale)).map_err(ReadError::Perf)
     }
 }
 
@@ -78,9 +91,10 @@ impl Sensor for PowercapEnergy {
         &self.name
     }
 
-    fn read(&mut self) -> Result<Reading, String> {
-        let text = std::fs::read_to_string(&self.path).map_err(|e| format!("{}: {e}", self.path.display()))?;
-        let uj: f64 = text.trim().parse().map_err(|_| format!("{}: not a number", self.path.display()))?;
+    fn read(&mut self) -> Result<Reading, ReadError> {
+        let path = || self.path.clone();
+        let text = std::fs::read_to_string(&self.path).map_err(|source| ReadError::File { path: path(), source })?;
+        let uj: f64 = text.trim().parse().map_err(|_| ReadError::NotANumber { path: path() })?;
         Ok(Reading::Energy(uj / 1e6))
     }
 
@@ -102,14 +116,24 @@ impl Sensor for NvmlGpu {
         &self.name
     }
 
-    fn read(&mut self) -> Result<Reading, String> {
-        let device = self.nvml.device_by_index(self.index).map_err(|e| e.to_string())?;
-        if self.energy_counter {
-            device.total_energy_consumption().map(|mj| Reading::Energy(mj as f64 / 1e3)).map_err(|e| e.to_string())
-        } else {
-            device.power_usage().map(|mw| Reading::Power(f64::from(mw) / 1e3)).map_err(|e| e.to_string())
-        }
+    fn read(&mut self) -> Result<Reading, ReadError> {
+        let device = self.nvml.device_by_index(self.index)?;
+        Ok(match self.energy_counter {
+            true => Reading::Energy(device.total_energy_consumption()? as f64 / 1e3),
+            false => Reading::Power(f64::from(device.power_usage()?) / 1e3),
+        })
     }
+}
+
+/// An error and its causes, as one line (`what: why: ...`).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
 }
 
 fn read_trim(path: &Path) -> Option<String> {
@@ -165,7 +189,8 @@ fn detect_perf(root: &Path, sensors: &mut Vec<Box<dyn Sensor>>, missing: &mut Ve
                     match sensor.read() {
                         Ok(_) => sensors.push(Box::new(sensor)),
                         Err(e) => {
-                            missing.push(Unavailable { sensor: sensor.name, reason: format!("read failed: {e}") })
+                            let reason = format!("read failed: {}", chain(&e));
+                            missing.push(Unavailable { sensor: sensor.name, reason })
                         }
                     }
                 }
@@ -197,7 +222,7 @@ fn detect_powercap(root: &Path, sensors: &mut Vec<Box<dyn Sensor>>, missing: &mu
         let mut sensor = PowercapEnergy { name, path, wrap };
         match sensor.read() {
             Ok(_) => sensors.push(Box::new(sensor)),
-            Err(e) => missing.push(Unavailable { sensor: sensor.name, reason: e }),
+            Err(e) => missing.push(Unavailable { sensor: sensor.name, reason: chain(&e) }),
         }
     }
 }
@@ -703,10 +728,11 @@ mod tests {
         let (mut sensors, _) = detect(root.path(), false, Duration::ZERO);
         assert_eq!(sensors.len(), 1);
         assert_eq!(sensors[0].name(), "powercap-package-0-intel-rapl:0");
-        assert_eq!(sensors[0].read(), Ok(Reading::Energy(262.0)));
+        assert_eq!(sensors[0].read().unwrap(), Reading::Energy(262.0));
         assert!(close(sensors[0].wrap_joules().unwrap(), 262143.32885));
         std::fs::remove_file(zone.join("energy_uj")).unwrap();
-        assert!(sensors[0].read().is_err(), "a sensor that disappears reads as an error");
+        let gone = sensors[0].read().unwrap_err();
+        assert!(matches!(gone, ReadError::File { .. }), "a sensor that disappears reads as an error: {gone}");
     }
 
     #[test]
@@ -716,7 +742,7 @@ mod tests {
             fn name(&self) -> &str {
                 "fake"
             }
-            fn read(&mut self) -> Result<Reading, String> {
+            fn read(&mut self) -> Result<Reading, ReadError> {
                 self.0 += 1.0;
                 Ok(Reading::Energy(self.0))
             }
