@@ -6,6 +6,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod api;
+pub mod atomic;
 pub mod crc;
 pub mod demo;
 pub mod encode;

@@ -318,7 +318,7 @@ pub fn load_or_build_listed(
     };
     match path {
         Some(path) => {
-            if let Err(e) = write_atomically(path, &bytes) {
+            if let Err(e) = crate::atomic::write(path, &bytes, 0o644) {
                 tracing::warn!(dataset = name, path = %path.display(), error = %e,
                     "cannot persist the index (it will be rebuilt at the next start); \
                      pass --index-dir to keep it elsewhere");
@@ -332,17 +332,6 @@ pub fn load_or_build_listed(
         ),
     }
     Ok((index, IndexOrigin::Built))
-}
-
-fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
 }
 
 /// Builds the index of the dataset at `root` (not persisted).

@@ -40,15 +40,7 @@ pub fn install_program(from: &Path, to: &Path) -> Result<bool> {
     if std::fs::read(to).is_ok_and(|old| old == new) {
         return Ok(false);
     }
-    if let Some(dir) = to.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot make {}", dir.display()))?;
-    }
-    let tmp = to.with_extension("installing");
-    std::fs::write(&tmp, &new).with_context(|| format!("cannot write {}", tmp.display()))?;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, to).with_context(|| format!("cannot install {}", to.display()))?;
+    batchfs::atomic::write(to, &new, 0o755).with_context(|| format!("cannot install {}", to.display()))?;
     Ok(true)
 }
 

@@ -237,23 +237,14 @@ impl State {
 
     /// Keeps `record` (written whole to a temporary name, then renamed into place).
     pub fn put(&self, record: &Record) -> std::io::Result<()> {
-        let path = self.record_path(&record.target);
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(record).map_err(std::io::Error::other)?)?;
-        std::fs::File::open(&tmp)?.sync_all()?;
-        std::fs::rename(&tmp, &path)
+        let bytes = serde_json::to_vec_pretty(record).map_err(std::io::Error::other)?;
+        batchfs::atomic::write(&self.record_path(&record.target), &bytes, 0o644)
     }
 
     /// Writes the token of the volume at `target` (`0600`), returning its path.
     pub fn put_token(&self, target: &Path, token: &str) -> std::io::Result<PathBuf> {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
         let path = self.token_path(target);
-        let tmp = path.with_extension("tmp");
-        let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
-        file.write_all(token.as_bytes())?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
+        batchfs::atomic::write(&path, token.as_bytes(), 0o600)?;
         Ok(path)
     }
 
