@@ -8,7 +8,7 @@
 
 use crate::common::{self, fixture, serve, ServeWith};
 use crate::loaders::{planned_records, run_loader};
-use crate::takeover::{manifest, readers};
+use crate::takeover::{gone, manifest, readers};
 use batchfs::index::SourceFormat;
 use batchfs::plan::PlanOptions;
 use serde_json::{json, Value};
@@ -521,7 +521,7 @@ fn as_its_containers_init_the_holder_comes_back_and_a_mount_lost_with_it_is_publ
     let holder_of = |init: u32| {
         children(init).into_iter().find(|p| {
             let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-            !gone(*p) && cmdline.split(|b| *b == 0).any(|arg| arg == b"holder")
+            !gone(*p as i32) && cmdline.split(|b| *b == 0).any(|arg| arg == b"holder")
         })
     };
     let holder = holder_of(init).unwrap();
@@ -570,11 +570,6 @@ fn as_its_containers_init_the_holder_comes_back_and_a_mount_lost_with_it_is_publ
     client.ok("NodeUnpublishVolume", unpublish("vol-1", &target), &node);
     assert!(!batchfs_mount::mount::is_mountpoint(&target));
     rt.block_on(server.running.shutdown());
-}
-
-/// Whether process `pid` is gone (or a zombie).
-fn gone(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
 }
 
 /// The containers' images the deployment files may name: ours (built by `deploy/Dockerfile`, at this

@@ -161,7 +161,7 @@ pub(crate) fn readers(root: &Path, manifests: &[Manifest], stop: &AtomicBool, re
 }
 
 /// Whether process `pid` is gone (or a zombie: nothing left of it but its exit status).
-fn gone(pid: i32) -> bool {
+pub(crate) fn gone(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
 }
 
