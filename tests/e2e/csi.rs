@@ -148,6 +148,14 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         Node::stop(&mut self.plugin, libc::SIGKILL);
+        if let Some(unshare) = self.holder.as_ref().filter(|_| self.contained) {
+            // The namespace's init, and with it every process of the namespace (killing `unshare` alone
+            // would leave them running).
+            for init in children(unshare.id()) {
+                // SAFETY: kill has no memory-safety preconditions.
+                unsafe { libc::kill(init as i32, libc::SIGKILL) };
+            }
+        }
         Node::stop(&mut self.holder, libc::SIGKILL);
         for pod in std::fs::read_dir(self.path("pods")).into_iter().flatten().flatten() {
             let target = pod.path().join("volumes/kubernetes.io~csi/data");
