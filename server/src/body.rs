@@ -10,8 +10,8 @@
 //! small files costs a few blocking tasks rather than one per file. Direct shards' chunks are planned and
 //! read as `direct.rs` says. Every body keeps `read_depth` chunk reads in flight ahead of hyper.
 
+use crate::aligned;
 use crate::metrics::Metrics;
-use crate::storage::aligned;
 use crate::storage::direct::ChunkPlan;
 use crate::storage::uring::Ring;
 use crate::storage::{Shard, Storage};
@@ -484,7 +484,7 @@ impl http_body::Body for Body {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::aligned::DIRECT_ALIGN;
+    use crate::aligned::DIRECT_ALIGN;
     use crate::storage::{fixtures, IoMode};
     use batchfs::index::Index;
     use http_body_util::BodyExt;

@@ -7,6 +7,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod aligned;
 pub mod body;
 pub mod catalog;
 pub mod cli;

@@ -42,11 +42,10 @@
 //! served as before, and the clients' checksums keep out whatever bytes went out before it was noticed.
 //! Shards held in memory are not looked at: they are served as indexed.
 
+use crate::aligned::{self, DIRECT_ALIGN};
 use crate::objects::{ObjectSource, ReadError};
 pub use crate::policy::{IoMode, IoPolicy, Resident};
-use aligned::DIRECT_ALIGN;
 
-pub mod aligned;
 pub mod direct;
 pub mod uring;
 use batchfs::index::Index;

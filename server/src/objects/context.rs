@@ -58,7 +58,7 @@ pub struct ObjectContext {
     /// Room for the bodies of GETs in flight (`get_bytes`).
     pub gets: Room,
     /// Aligned buffers a copy written past the page cache gathers its body in (`COPY_BUFFER_BYTES` each).
-    pub copy_buffers: Arc<crate::storage::aligned::Pool>,
+    pub copy_buffers: Arc<crate::aligned::Pool>,
     /// Whole objects kept on the server's disks (`disk_cache`), if any.
     pub tier: Option<Arc<Tier>>,
     /// Numbers the datasets, whose units share the block cache.
@@ -88,7 +88,7 @@ impl ObjectContext {
             cache: BlockCache::new(limits.cache),
             staging: Room::new(limits.staging_bytes),
             gets: Room::new(limits.get_bytes),
-            copy_buffers: crate::storage::aligned::Pool::new(COPY_BUFFER_BYTES as usize, COPY_BUFFERS_IDLE),
+            copy_buffers: crate::aligned::Pool::new(COPY_BUFFER_BYTES as usize, COPY_BUFFERS_IDLE),
             limits,
             runtime: Some(runtime),
             buckets: Mutex::default(),

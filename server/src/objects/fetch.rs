@@ -27,7 +27,7 @@ struct CopyFile {
 /// `len` bytes at `offset` of `file`, opened with `O_DIRECT`: the aligned blocks around them read into an
 /// aligned buffer, past the page cache, and the bytes cut out of it.
 fn read_direct(file: &std::fs::File, offset: u64, len: u64) -> io::Result<Bytes> {
-    use crate::storage::aligned::{align_down, align_up, DIRECT_ALIGN};
+    use crate::aligned::{align_down, align_up, DIRECT_ALIGN};
     let (start, end) = (align_down(offset), align_up(offset + len));
     let (span, align) = ((end - start) as usize, DIRECT_ALIGN as usize);
     let mut buffer = vec![0u8; span + align];

@@ -449,14 +449,14 @@ impl<'a> CopyOut<'a> {
 struct Writer<'a> {
     file: &'a std::fs::File,
     /// The file opened with `O_DIRECT` and the aligned buffer its writes are gathered in, if so written.
-    direct: Option<(&'a std::fs::File, crate::storage::aligned::Buffer)>,
+    direct: Option<(&'a std::fs::File, crate::aligned::Buffer)>,
     /// Where the bytes not written or not handed to the disk yet start, and how many there are.
     at: u64,
     pending: u64,
 }
 
 impl<'a> Writer<'a> {
-    fn new(out: &CopyOut<'a>, at: u64, pool: &Arc<crate::storage::aligned::Pool>) -> Writer<'a> {
+    fn new(out: &CopyOut<'a>, at: u64, pool: &Arc<crate::aligned::Pool>) -> Writer<'a> {
         Writer { file: out.file, direct: out.direct.map(|d| (d, pool.take())), at, pending: 0 }
     }
 
@@ -487,7 +487,7 @@ impl<'a> Writer<'a> {
 
     /// Writes (or hands to the disk) what is pending.
     fn finish(mut self) -> io::Result<()> {
-        use crate::storage::aligned::align_up;
+        use crate::aligned::align_up;
         use std::os::unix::fs::FileExt;
         match self.direct.as_mut() {
             Some(_) if self.pending == 0 => Ok(()),

@@ -7,7 +7,7 @@
 //! (`uring.rs`); large pieces are then sent as slices of the buffer, small ones and the framing copied
 //! together into one frame.
 
-use crate::storage::aligned::{self, align_down, align_up, DIRECT_ALIGN};
+use crate::aligned::{self, align_down, align_up, DIRECT_ALIGN};
 use crate::storage::uring::{ReadOp, Ring};
 use crate::storage::{DirectFd, Storage};
 use bytes::Bytes;

@@ -19,7 +19,7 @@
 //! Where the kernel refuses io_uring (too old, disabled by `kernel.io_uring_disabled` or a seccomp
 //! profile), [`Ring::new`] fails and the caller reads with `pread` on the blocking pool.
 
-use crate::storage::aligned::Buffer;
+use crate::aligned::Buffer;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -281,7 +281,7 @@ mod tests {
             }
         }
     }
-    use crate::storage::aligned::Pool;
+    use crate::aligned::Pool;
     use std::future::Future;
     use std::io::Write;
 
