@@ -9,34 +9,13 @@
 //! upgraded in place from the program the plugin installs), and as the container's init (PID 1) it forks
 //! first and stays a reaper ([`init`]) that starts the holder again when it dies.
 //!
-//! The protocol, on a unix stream socket only root can reach: one JSON line asked ([`Request`]), one
-//! answered ([`Reply`]).
+//! The protocol, on a unix stream socket only root can reach: one JSON line asked (a
+//! [`Request`]), one answered (a [`Reply`]).
 
-use crate::runner::run_here;
-use serde::{Deserialize, Serialize};
+use crate::runner::{run_here, Reply, Request};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-
-/// What the plugin asks of the holder.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum Request {
-    /// Mount dataset `url` at `target` with the `-o` string `options`.
-    Mount { url: String, target: PathBuf, options: String },
-    /// Unmount `target`.
-    Unmount { target: PathBuf },
-    /// Replace the worker of the mount at `target` by the program installed now.
-    Upgrade { target: PathBuf },
-    /// Answer (the plugin's `Probe`).
-    Ping,
-}
-
-/// The holder's answer: no error is done.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Reply {
-    pub error: Option<String>,
-}
 
 /// Serves requests on `socket` until the process ends, running mounts of `program`.
 pub async fn serve(socket: &Path, program: PathBuf, timeout: Duration) -> anyhow::Result<()> {

@@ -21,7 +21,7 @@ use crate::proto::{
 };
 use crate::runner::{RunError, Runner};
 use crate::volume::{describe, target_path, State, Volume};
-use batchfs_mount::mount::{is_mountpoint, Refused};
+use batchfs_mount::plan::{is_mountpoint, Refused};
 use std::path::Path;
 use tonic::{Request, Response, Status};
 
@@ -46,7 +46,7 @@ fn run_status(e: RunError) -> Status {
     }
 }
 
-/// The server's refusal of a volume (found by [`batchfs_mount::mount::check`]) as a status.
+/// The server's refusal of a volume (found by [`batchfs_mount::plan::check`]) as a status.
 fn refusal(volume: &Volume, e: &anyhow::Error) -> Status {
     let message = format!("volume {:?} ({}): {e:#}", volume.id, volume.url);
     match e.downcast_ref::<Refused>() {
@@ -154,7 +154,7 @@ impl NodeService {
         let options_log = options.log_file.clone();
         // The server's refusals, told apart (a mount's own errors are text by the time they come back).
         let url = volume.url.clone();
-        let checked = tokio::task::spawn_blocking(move || batchfs_mount::mount::check(&url, &options))
+        let checked = tokio::task::spawn_blocking(move || batchfs_mount::plan::check(&url, &options))
             .await
             .map_err(|e| internal("the check task failed", e))?;
         if let Err(e) = checked {

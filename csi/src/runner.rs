@@ -3,10 +3,30 @@
 //! `batchfs mount` command, which returns once the mount serves and leaves a supervisor holding it in a
 //! session of its own; an unmount is the mount's unmount, an upgrade `batchfs mount --upgrade`.
 
-use crate::holder::{Reply, Request};
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+/// What the plugin asks of its runner: of the holder, one JSON line on its socket.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Mount dataset `url` at `target` with the `-o` string `options`.
+    Mount { url: String, target: PathBuf, options: String },
+    /// Unmount `target`.
+    Unmount { target: PathBuf },
+    /// Replace the worker of the mount at `target` by the program installed now.
+    Upgrade { target: PathBuf },
+    /// Answer (the plugin's `Probe`).
+    Ping,
+}
+
+/// The holder's answer: no error is done.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Reply {
+    pub error: Option<String>,
+}
 
 /// What runs the mounts' commands.
 #[derive(Debug, Clone)]
@@ -86,7 +106,7 @@ pub async fn run_here(program: &Path, request: &Request, timeout: Duration) -> R
             let done = tokio::task::spawn_blocking(move || unmount(&target)).await;
             match done {
                 Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => failed(e),
+                Ok(Err(e)) => failed(e.to_string()),
                 Err(e) => failed(format!("the unmount task failed: {e}")),
             }
         }
@@ -95,8 +115,8 @@ pub async fn run_here(program: &Path, request: &Request, timeout: Duration) -> R
 
 /// Unmounts `target`: at once when nothing is open there, lazily (detached now, gone once the last file
 /// closes) when something is. Nothing mounted there is done already.
-fn unmount(target: &Path) -> Result<(), String> {
-    if !batchfs_mount::mount::is_mountpoint(target) {
+fn unmount(target: &Path) -> Result<(), UnmountError> {
+    if !batchfs_mount::plan::is_mountpoint(target) {
         return Ok(());
     }
     match batchfs_mount::sys::unmount(target, false) {
@@ -104,9 +124,17 @@ fn unmount(target: &Path) -> Result<(), String> {
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
         Err(e) => {
             tracing::warn!(target = %target.display(), error = %e, "cannot unmount now: detaching lazily");
-            batchfs_mount::sys::unmount(target, true).map_err(|e| format!("cannot unmount {}: {e}", target.display()))
+            batchfs_mount::sys::unmount(target, true).map_err(|source| UnmountError { target: target.into(), source })
         }
     }
+}
+
+/// An unmount the kernel refused, lazily too.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot unmount {}: {source}", target.display())]
+struct UnmountError {
+    target: PathBuf,
+    source: std::io::Error,
 }
 
 /// Runs `program args`, waiting at most `timeout`; its error output is the failure's message.
