@@ -93,7 +93,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     mount_options.plan.batch_size = args.sample.batch_size;
     let deadline = Instant::now() + Duration::from_secs(60);
     let plan = loop {
-        match batchfs_mount::mount::plan(&url, &mountpoint, mount_options.clone()) {
+        match batchfs_mount::plan::plan(&url, &mountpoint, mount_options.clone()) {
             Ok(p) => break p,
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!(error = %e, "waiting for the server");

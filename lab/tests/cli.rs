@@ -30,7 +30,7 @@ fn server(samples: u32, mean_bytes: u64, token: Option<&str>) -> Server {
 }
 
 /// Unmounts (lazily) on drop, so a failing test leaves nothing mounted.
-use batchfs_mount::mount::UnmountOnDrop as MountGuard;
+use batchfs_mount::plan::UnmountOnDrop as MountGuard;
 
 fn batchfs(args: &[&str]) -> Output {
     Command::new(built("batchfs")).args(args).env("RUST_LOG", "warn").output().unwrap()
@@ -45,7 +45,7 @@ fn stderr(o: &Output) -> String {
 }
 
 fn is_mounted(path: &Path) -> bool {
-    batchfs_mount::mount::is_mountpoint(path)
+    batchfs_mount::plan::is_mountpoint(path)
 }
 
 #[test]

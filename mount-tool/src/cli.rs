@@ -139,7 +139,7 @@ pub fn run() -> Result<()> {
             crate::sys::release_large_allocations();
             let options = m.mount_options()?;
             init_tracing(if m.foreground { None } else { options.log_file.as_deref() }, "info");
-            crate::mount::mount(&m.url, &m.mountpoint, options, !m.foreground)
+            mount(&m.url, &m.mountpoint, options, !m.foreground)
         }
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
         Command::Warm { target, options } => {
@@ -149,7 +149,7 @@ pub fn run() -> Result<()> {
                 o.apply_list(list)?;
             }
             let (url, dir) = warm_target(&target, &mut o)?;
-            let failed = crate::mount::warm_only(&url, &dir, &o)?;
+            let failed = crate::warm::command(&url, &dir, &o)?;
             if failed > 0 {
                 bail!("{failed} files could not be fetched (they are fetched on demand by the mounts)");
             }
@@ -224,9 +224,18 @@ fn mount_helper(args: &[OsString]) -> Result<()> {
     crate::sys::release_large_allocations();
     if fake {
         // `mount -f`: every check, nothing mounted.
-        return crate::mount::plan(spec, Path::new(dir), options).map(|_| ());
+        return crate::plan::plan(spec, Path::new(dir), options).map(|_| ());
     }
-    crate::mount::mount(spec, Path::new(dir), options, true)
+    mount(spec, Path::new(dir), options, true)
+}
+
+/// Mounts, or, in a worker its supervisor started (with the same arguments: `supervise.rs`), serves the
+/// supervisor's mount.
+fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: bool) -> Result<()> {
+    match crate::supervise::WorkerStart::from_env()? {
+        Some(start) => crate::mount::work(url, options, start),
+        None => crate::mount::mount(url, mountpoint, options, daemonize),
+    }
 }
 
 fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {

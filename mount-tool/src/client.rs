@@ -22,6 +22,13 @@ mod http;
 pub use crate::buffers::{Body, Sink};
 pub use http::{parse_url, HttpClient, HttpConfig, UrlError};
 
+/// What the server sends for one object: its size and CRC32C (from the manifest, or the file list).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sent {
+    pub bytes: u64,
+    pub crc32c: u32,
+}
+
 /// A boxed future, as trait methods return.
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod mount;
 pub mod node_cache;
 pub mod options;
+pub mod plan;
 pub mod prefetch;
 pub mod stats;
 pub mod supervise;

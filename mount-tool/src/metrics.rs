@@ -140,7 +140,7 @@ mod tests {
         Stats::add(&stats.reads, 7);
         let health = Arc::new(Health::new(&["http://a:1".to_owned(), "http://b:2".to_owned()]));
         health.begin(1, 100).failed();
-        let _ = stats.servers.set(health);
+        stats.feed(move |s| s.servers = health.snapshot());
         let addr = serve("127.0.0.1:0".parse().unwrap(), stats).unwrap();
         let get = |path: &str| {
             let mut conn = TcpStream::connect(addr).unwrap();

@@ -12,7 +12,8 @@
 //! files (by modification time, touched at each hit) are removed until the cache is under 90 % of it. The
 //! count starts from a walk of the directory at mount time, in the background.
 
-use crate::prefetch::Sent;
+use crate::client::Sent;
+use crate::stats::NodeCacheSnapshot;
 use crate::sync::{AtomicU64, Mutex, Ordering};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -127,6 +128,20 @@ impl NodeCache {
     /// Bytes in the cache, as this mount counts them.
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::Relaxed)
+    }
+
+    /// What it did, for the mount's stats.
+    pub fn snapshot(&self) -> NodeCacheSnapshot {
+        let (c, g) = (&self.stats, |a: &AtomicU64| a.load(Ordering::Relaxed));
+        NodeCacheSnapshot {
+            dir: self.dir.display().to_string(),
+            bytes: self.used(),
+            hits: g(&c.hits),
+            hit_bytes: g(&c.hit_bytes),
+            written_bytes: g(&c.written_bytes),
+            corrupt: g(&c.corrupt),
+            evictions: g(&c.evictions),
+        }
     }
 
     /// Every object file: its path, size and modification time.

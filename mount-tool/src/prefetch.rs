@@ -40,7 +40,7 @@
 //! into the next one (whose manifest is then fetched in the background).
 
 use crate::buffers::BufferPool;
-use crate::client::DynClient;
+use crate::client::{DynClient, Sent};
 use crate::node_cache::NodeCache;
 use crate::options::MountOptions;
 use crate::stats::Stats;
@@ -96,13 +96,6 @@ pub enum Listing {
 
 /// The bytes of a page: a placed record's first and last pages are partly its own, and are counted whole.
 const PAGE: u64 = 4096;
-
-/// What the server sends for one object: its size and CRC32C (from the manifest, or the file list).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sent {
-    pub bytes: u64,
-    pub crc32c: u32,
-}
 
 /// The objects of a listing, by position, as the server sends them: an epoch's batches (its manifest), or
 /// the chunks of a directory of `raw/`.

@@ -1,9 +1,12 @@
 //! Live counters of a mount, served as JSON at `.batchfs/stats` and printed by `batchfs stats`.
+//!
+//! The counters are the mount's own. What other parts know (each server's health, the node cache, the
+//! supervisor's ledger) they feed into each snapshot ([`Stats::feed`]): this module holds none of them.
 
-use crate::client::health::{Health, ServerSnapshot};
+use crate::client::health::ServerSnapshot;
 use crate::sync::{AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
-use std::sync::{Arc, OnceLock};
+use std::sync::Mutex;
 
 /// Counters, updated lock-free.
 #[derive(Debug, Default)]
@@ -29,10 +32,6 @@ pub struct Stats {
     pub early_reads: AtomicU64,
     /// 1 when the kernel accepted FUSE passthrough at mount time.
     pub passthrough: AtomicU64,
-    /// The servers' health, once the HTTP client exists.
-    pub servers: OnceLock<Arc<Health>>,
-    /// The node cache (`cache_dir`), if the mount has one.
-    pub node_cache: OnceLock<Arc<crate::node_cache::NodeCache>>,
     /// Warming (`warm=raw`): files and bytes in the node cache so far, of all there are.
     pub warm_files: AtomicU64,
     pub warm_files_total: AtomicU64,
@@ -40,13 +39,25 @@ pub struct Stats {
     pub warm_bytes_total: AtomicU64,
     /// Seconds since the epoch when warming started (0: not started).
     pub warm_started: AtomicU64,
-    /// The supervised mount's ledger, where the supervisor counts its workers.
-    pub ledger: OnceLock<Arc<crate::ledger::Ledger>>,
     /// Bytes of prefetches in flight (the prefetcher's own count, shared).
     pub prefetching: crate::sync::Arc<AtomicU64>,
     /// The cap on them when last checked, and the measured delivery rate (bytes per second).
     pub prefetch_cap: AtomicU64,
     pub delivery_rate: AtomicU64,
+    /// What the other parts add to each snapshot.
+    feeds: Feeds,
+}
+
+/// A part's contribution to a snapshot: it fills in its own fields.
+type Feed = Box<dyn Fn(&mut StatsSnapshot) + Send + Sync>;
+
+#[derive(Default)]
+struct Feeds(Mutex<Vec<Feed>>);
+
+impl std::fmt::Debug for Feeds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} feeds", self.0.lock().map_or(0, |feeds| feeds.len()))
+    }
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -176,6 +187,12 @@ pub fn unix_now() -> u64 {
 }
 
 impl Stats {
+    /// Has `feed` fill in its part of every snapshot from now on (the servers' health, the node cache, the
+    /// ledger's counters).
+    pub fn feed(&self, feed: impl Fn(&mut StatsSnapshot) + Send + Sync + 'static) {
+        self.feeds.0.lock().expect("stats feeds").push(Box::new(feed));
+    }
+
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
@@ -183,7 +200,7 @@ impl Stats {
     /// Copies the counters.
     pub fn snapshot(&self) -> StatsSnapshot {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        StatsSnapshot {
+        let mut snapshot = StatsSnapshot {
             bytes_served: g(&self.bytes_served),
             reads: g(&self.reads),
             hits: g(&self.hits),
@@ -208,19 +225,6 @@ impl Stats {
             daemon_opens: g(&self.daemon_opens),
             page_cache_drops: g(&self.page_cache_drops),
             early_reads: g(&self.early_reads),
-            servers: self.servers.get().map(|h| h.snapshot()).unwrap_or_default(),
-            node_cache: self.node_cache.get().map(|nc| {
-                let c = &nc.stats;
-                NodeCacheSnapshot {
-                    dir: nc.dir().display().to_string(),
-                    bytes: nc.used(),
-                    hits: g(&c.hits),
-                    hit_bytes: g(&c.hit_bytes),
-                    written_bytes: g(&c.written_bytes),
-                    corrupt: g(&c.corrupt),
-                    evictions: g(&c.evictions),
-                }
-            }),
             warm: (g(&self.warm_started) > 0).then(|| WarmSnapshot {
                 files: g(&self.warm_files),
                 files_total: g(&self.warm_files_total),
@@ -229,9 +233,11 @@ impl Stats {
                 seconds: crate::stats::unix_now().saturating_sub(g(&self.warm_started)),
             }),
             worker_pid: std::process::id(),
-            supervisor_pid: self.ledger.get().map_or(0, |l| l.counters().supervisor_pid),
-            worker_restarts: self.ledger.get().map_or(0, |l| l.counters().restarts),
-            last_takeover_us: self.ledger.get().map_or(0, |l| l.counters().last_takeover_us),
+            ..StatsSnapshot::default()
+        };
+        for feed in self.feeds.0.lock().expect("stats feeds").iter() {
+            feed(&mut snapshot);
         }
+        snapshot
     }
 }

@@ -24,7 +24,7 @@
 
 use crate::fuse::negotiate;
 use crate::ledger::{Ledger, Settings};
-use crate::mount::MountPlan;
+use crate::plan::MountPlan;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
 use std::io::{Read, Write};
@@ -300,7 +300,7 @@ impl Supervisor<'_> {
             let _ = w.child.kill();
             let _ = w.child.wait();
         }
-        if crate::mount::is_mountpoint(&self.plan.mountpoint) {
+        if crate::plan::is_mountpoint(&self.plan.mountpoint) {
             let _ = crate::sys::unmount(&self.plan.mountpoint, true);
         }
         // Unmounted already: the session must not try again (it would only log that it cannot).

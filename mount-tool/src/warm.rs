@@ -6,9 +6,8 @@
 //! yet warm go on being fetched on demand, ahead of this.
 
 use crate::buffers::{Filling, Sink};
-use crate::client::{ClientError, DynClient};
+use crate::client::{ClientError, DynClient, Sent};
 use crate::node_cache::NodeCache;
-use crate::prefetch::Sent;
 use crate::stats::Stats;
 use batchfs::api::{SampleTable, MAX_SAMPLE_IDS};
 use batchfs::plan::{EpochPlan, PlanOptions};
@@ -23,6 +22,72 @@ pub const WARM_REQUEST_BYTES: u64 = 8 << 20;
 pub const WARM_IN_FLIGHT: usize = 8;
 /// Attempts of one warming request before its files are left to be fetched on demand.
 const ATTEMPTS: u32 = 5;
+
+/// `batchfs warm`: fills the node cache (`cache_dir`, which every mount of the node then reads before the
+/// network) with the files below `dir` (`""`: all) of the file-tree dataset at `url`, without a mount, in
+/// the first epoch's plan order, printing progress; the number of files it could not fetch.
+pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> anyhow::Result<u64> {
+    use anyhow::{bail, Context};
+    let cache_path =
+        options.cache_dir.as_ref().context("batchfs warm fills a node cache: give it one (-o cache_dir=PATH)")?;
+    let http = crate::plan::http_config(url, options)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("batchfs-warm")
+        .enable_all()
+        .build()?;
+    let client: DynClient = Arc::new(crate::client::HttpClient::new(http)?);
+    let info = runtime.block_on(client.dataset()).context("cannot describe the dataset")?;
+    if info.format != batchfs::index::SourceFormat::Files {
+        bail!("batchfs warm warms a file tree's files; dataset {:?} is {} shards", info.name, info.format.as_str());
+    }
+    let cache = NodeCache::open(cache_path, options.cache_dir_size)
+        .with_context(|| format!("cannot use {}", cache_path.display()))?;
+    let stats = Arc::new(Stats::default());
+    let table = Arc::new(runtime.block_on(client.sample_table()).context("cannot fetch the sample table")?);
+    let progress = {
+        let stats = stats.clone();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_secs(2));
+            let s = stats.snapshot();
+            let Some(w) = s.warm else { continue };
+            eprintln!(
+                "warm: {}/{} files, {:.1}/{:.1} MB",
+                w.files,
+                w.files_total,
+                w.bytes as f64 / 1e6,
+                w.bytes_total as f64 / 1e6
+            );
+            if w.files >= w.files_total {
+                return;
+            }
+        })
+    };
+    let mut order = plan_order(&table, options.plan, options.first_epoch);
+    if !dir.is_empty() {
+        let below: std::collections::HashSet<u32> = runtime
+            .block_on(samples_under(&client, dir))
+            .with_context(|| format!("cannot list {dir:?} of the dataset"))?
+            .into_iter()
+            .collect();
+        if below.is_empty() {
+            bail!("the dataset has no file below {dir:?}");
+        }
+        order.retain(|id| below.contains(id));
+    }
+    let failed = runtime.block_on(warm(client, cache, table, order, stats.clone()));
+    let s = stats.snapshot().warm.unwrap_or_default();
+    drop(progress);
+    println!(
+        "warmed {}/{} files ({:.1} MB) into {} in {} s",
+        s.files,
+        s.files_total,
+        s.bytes as f64 / 1e6,
+        cache_path.display(),
+        s.seconds
+    );
+    Ok(failed)
+}
 
 /// The groups of samples to fetch: `order`'s samples not in `cache`, consecutive ones together up to
 /// [`WARM_REQUEST_BYTES`] and [`MAX_SAMPLE_IDS`].

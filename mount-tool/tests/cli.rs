@@ -28,7 +28,7 @@ fn server_batch(server: &Server, query: &str, batch: u64) -> Vec<u8> {
 }
 
 /// Unmounts (lazily) on drop, so a failing test leaves nothing mounted.
-use batchfs_mount::mount::UnmountOnDrop as MountGuard;
+use batchfs_mount::plan::UnmountOnDrop as MountGuard;
 
 fn batchfs(args: &[&str]) -> Output {
     Command::new(BIN).args(args).env("RUST_LOG", "warn").output().unwrap()
@@ -39,7 +39,7 @@ fn stderr(o: &Output) -> String {
 }
 
 fn is_mounted(path: &Path) -> bool {
-    batchfs_mount::mount::is_mountpoint(path)
+    batchfs_mount::plan::is_mountpoint(path)
 }
 
 #[test]

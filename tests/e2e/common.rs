@@ -215,7 +215,7 @@ pub fn mount_url(url: &str, options: &str) -> (TempDir, batchfs_mount::mount::Mo
     let dir = tempfile::tempdir().unwrap();
     let mut o = batchfs_mount::options::MountOptions::default();
     o.apply_list(options).unwrap();
-    let plan = batchfs_mount::mount::plan(url, dir.path(), o).unwrap();
+    let plan = batchfs_mount::plan::plan(url, dir.path(), o).unwrap();
     let mounted = batchfs_mount::mount::spawn(&plan).unwrap();
     (dir, mounted)
 }

@@ -159,8 +159,8 @@ impl Drop for Node {
         Node::stop(&mut self.holder, libc::SIGKILL);
         for pod in std::fs::read_dir(self.path("pods")).into_iter().flatten().flatten() {
             let target = pod.path().join("volumes/kubernetes.io~csi/data");
-            if batchfs_mount::mount::is_mountpoint(&target) {
-                drop(batchfs_mount::mount::UnmountOnDrop(target));
+            if batchfs_mount::plan::is_mountpoint(&target) {
+                drop(batchfs_mount::plan::UnmountOnDrop(target));
             }
         }
     }
@@ -273,7 +273,7 @@ fn two_volumes_published_read_by_dali_and_unpublished_idempotently() {
     for ((volume, _, batch, seed), target) in volumes.iter().zip(&targets) {
         let options = format!("batch_size={batch},seed={seed}");
         client.ok("NodePublishVolume", publish(volume, target, &url, &options, Some("s3cret")), &node);
-        assert!(batchfs_mount::mount::is_mountpoint(target), "{volume} is mounted at its target");
+        assert!(batchfs_mount::plan::is_mountpoint(target), "{volume} is mounted at its target");
     }
     for ((volume, _, batch, seed), target) in volumes.iter().zip(&targets) {
         let dir = target.join("epoch-0000");
@@ -312,7 +312,7 @@ fn two_volumes_published_read_by_dali_and_unpublished_idempotently() {
 
     for ((volume, ..), target) in volumes.iter().zip(&targets) {
         client.ok("NodeUnpublishVolume", unpublish(volume, target), &node);
-        assert!(!batchfs_mount::mount::is_mountpoint(target), "{volume} unmounted");
+        assert!(!batchfs_mount::plan::is_mountpoint(target), "{volume} unmounted");
         assert!(!target.exists(), "{volume}: the target the plugin made is removed");
         client.ok("NodeUnpublishVolume", unpublish(volume, target), &node);
     }
@@ -383,7 +383,7 @@ fn readers_go_on_while_the_plugin_is_killed_five_times_and_upgraded() {
     assert!(node.logs().contains("upgraded"), "{}", node.logs());
 
     client.ok("NodeUnpublishVolume", unpublish("vol-1", &target), &node);
-    assert!(!batchfs_mount::mount::is_mountpoint(&target));
+    assert!(!batchfs_mount::plan::is_mountpoint(&target));
     rt.block_on(server.running.shutdown());
 }
 
@@ -461,7 +461,7 @@ fn bad_requests_get_their_codes_and_leave_nothing_mounted() {
         let (code, details, _) = client.call("NodePublishVolume", request);
         assert_eq!(code, want, "{what}: {details}");
         assert!(details.contains(says), "{what}: {details:?} should say {says:?}");
-        assert!(!batchfs_mount::mount::is_mountpoint(&target), "{what}: left mounted");
+        assert!(!batchfs_mount::plan::is_mountpoint(&target), "{what}: left mounted");
         assert!(!target.exists(), "{what}: the target the plugin made is left");
         assert!(!details.contains("right"), "{what}: the token in a message: {details}");
     }
@@ -479,7 +479,7 @@ fn bad_requests_get_their_codes_and_leave_nothing_mounted() {
     assert_eq!(code, "ALREADY_EXISTS", "{details}");
     let (code, details, _) = client.call("NodeUnpublishVolume", unpublish("other", &target));
     assert_eq!(code, "NOT_FOUND", "{details}");
-    assert!(batchfs_mount::mount::is_mountpoint(&target), "another volume's unpublish leaves the mount");
+    assert!(batchfs_mount::plan::is_mountpoint(&target), "another volume's unpublish leaves the mount");
     client.ok("NodeUnpublishVolume", unpublish("vol", &target), &node);
 
     // A target reached through a symbolic link: mounted where the link leads, found there when asked again.
@@ -487,10 +487,10 @@ fn bad_requests_get_their_codes_and_leave_nothing_mounted() {
     std::os::unix::fs::symlink(real.parent().unwrap(), node.path("pods/linked")).unwrap();
     let linked = node.path("pods/linked/data");
     client.ok("NodePublishVolume", with(&|r| r["target_path"] = json!(linked)), &node);
-    assert!(batchfs_mount::mount::is_mountpoint(&real), "mounted where the link leads");
+    assert!(batchfs_mount::plan::is_mountpoint(&real), "mounted where the link leads");
     client.ok("NodePublishVolume", with(&|r| r["target_path"] = json!(linked)), &node);
     client.ok("NodeUnpublishVolume", unpublish("vol", &linked), &node);
-    assert!(!batchfs_mount::mount::is_mountpoint(&real) && !real.exists());
+    assert!(!batchfs_mount::plan::is_mountpoint(&real) && !real.exists());
     rt.block_on(server.running.shutdown());
 }
 
@@ -576,7 +576,7 @@ fn as_its_containers_init_the_holder_comes_back_and_a_mount_lost_with_it_is_publ
     let files = std::fs::read_dir(&dir).unwrap().count();
     assert!(files > 0, "the mount serves again");
     client.ok("NodeUnpublishVolume", unpublish("vol-1", &target), &node);
-    assert!(!batchfs_mount::mount::is_mountpoint(&target));
+    assert!(!batchfs_mount::plan::is_mountpoint(&target));
     rt.block_on(server.running.shutdown());
 }
 

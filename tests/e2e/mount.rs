@@ -463,7 +463,7 @@ fn mount_refuses_a_cache_too_small_for_the_first_epochs_it_serves() {
     let mut o = batchfs_mount::options::MountOptions::default();
     o.apply_list(&format!("batch_size=8,seed=1,first_epoch={first},cache={cache}")).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let err = batchfs_mount::mount::plan(&url, dir.path(), o).err().expect("refused").to_string();
+    let err = batchfs_mount::plan::plan(&url, dir.path(), o).err().expect("refused").to_string();
     assert!(err.contains("cannot hold two batches") && err.contains(&format!("epoch {later}")), "{err}");
     rt.block_on(server.running.shutdown());
 }
@@ -500,7 +500,7 @@ fn a_mount_over_tls_reads_the_bytes_of_a_cleartext_server() {
     drop(mounted);
     let mut o = batchfs_mount::options::MountOptions::default();
     o.apply_list(&format!("batch_size=16,token_file={}", token.display())).unwrap();
-    let Err(err) = batchfs_mount::mount::plan(&format!("{}/d", server.base), dir.path(), o) else {
+    let Err(err) = batchfs_mount::plan::plan(&format!("{}/d", server.base), dir.path(), o) else {
         panic!("a mount that does not trust the server's certificate started");
     };
     let message = format!("{err:#}");

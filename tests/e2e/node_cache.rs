@@ -134,7 +134,7 @@ fn warm_raw_fills_the_node_cache_so_readers_fetch_nothing() {
     assert_eq!(fetched(&mounted.mountpoint), warmed, "nothing fetched after warming");
     // Without a cache_dir, warm=raw is refused before mounting.
     let dir = tempfile::tempdir().unwrap();
-    let Err(err) = batchfs_mount::mount::plan(
+    let Err(err) = batchfs_mount::plan::plan(
         &format!("{}/d", server.base),
         dir.path(),
         batchfs_mount::options::MountOptions { warm: batchfs_mount::options::Warm::Raw, ..Default::default() },

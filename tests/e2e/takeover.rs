@@ -107,7 +107,7 @@ impl Drop for Supervised {
         }
         let _ = self.supervisor.kill();
         let _ = self.supervisor.wait();
-        drop(batchfs_mount::mount::UnmountOnDrop(self.mountpoint.clone()));
+        drop(batchfs_mount::plan::UnmountOnDrop(self.mountpoint.clone()));
     }
 }
 
@@ -492,5 +492,5 @@ fn under_systemd_a_restarted_supervisor_takes_over_the_mount_it_stored() {
     // SAFETY: kill has no memory-safety preconditions.
     unsafe { libc::kill(second.id() as i32, libc::SIGTERM) };
     second.wait().unwrap();
-    assert!(!batchfs_mount::mount::is_mountpoint(&mountpoint), "SIGTERM unmounts");
+    assert!(!batchfs_mount::plan::is_mountpoint(&mountpoint), "SIGTERM unmounts");
 }

@@ -8,9 +8,9 @@
 use super::cache::{in_memfd, seal_file, Content, Entry, Placed, Record, State};
 use super::retry::{verify, with_retries, Failure};
 use super::window::Prefetching;
-use super::{describe, Listing, Object, ObjectKey, OnDisk, Prefetcher, ReadError, Sent};
+use super::{describe, Listing, Object, ObjectKey, OnDisk, Prefetcher, ReadError};
 use crate::buffers::{Filling, Sink};
-use crate::client::ClientError;
+use crate::client::{ClientError, Sent};
 use crate::node_cache::NodeCache;
 use crate::stats::Stats;
 use crate::sync::{Arc, Ordering};

@@ -6,7 +6,8 @@
 //! asks for every other index of its directory.
 
 use super::retry::{with_retries, Failure};
-use super::{Listing, ObjectKey, Prefetcher, ReadError, Sent};
+use super::{Listing, ObjectKey, Prefetcher, ReadError};
+use crate::client::Sent;
 use crate::sync::{Arc, Mutex};
 use crate::sync::{AtomicBool, Ordering};
 use batchfs::api::{FileEntry, FileList};

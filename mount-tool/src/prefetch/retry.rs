@@ -2,8 +2,9 @@
 //! jittered exponential backoff until it succeeds, fails for good (a refusal that cannot change), or the
 //! prefetcher's `timeout` has passed since the first attempt.
 
+use super::ObjectKey;
 use super::{describe, PrefetcherConfig, ReadError};
-use super::{ObjectKey, Sent};
+use crate::client::Sent;
 use crate::client::{Body, ClientError};
 use crate::stats::Stats;
 use batchfs::plan::SplitMix64;

@@ -12,7 +12,8 @@
 //! kept; they are computed here, not asked of the server.
 
 use super::retry::{with_retries, Failure};
-use super::{Listing, ObjectKey, Objects, Prefetcher, ReadError, Sent};
+use super::{Listing, ObjectKey, Objects, Prefetcher, ReadError};
+use crate::client::Sent;
 use crate::sync::{Arc, Mutex};
 use batchfs::api::SampleTable;
 use batchfs::plan::{EpochPlan, PlanOptions};
