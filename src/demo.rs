@@ -62,17 +62,28 @@ pub struct Tally {
 impl Tally {
     /// Counts one batch read whole (`len` bytes with CRC32C `crc`), or says how it differs from the
     /// manifest's entry. A demo that prints a table has checked every byte it counts.
-    pub fn check(&mut self, epoch: u64, entry: &BatchEntry, len: u64, crc: u32) -> Result<(), String> {
+    pub fn check(&mut self, epoch: u64, entry: &BatchEntry, len: u64, crc: u32) -> Result<(), Mismatch> {
         if len != entry.bytes || crc != entry.crc32c {
-            return Err(format!(
-                "batch {} of epoch {epoch}: read {len} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
-                entry.index, entry.bytes, entry.crc32c
-            ));
+            return Err(Mismatch { epoch, batch: entry.index, len, crc, expected: (entry.bytes, entry.crc32c) });
         }
         self.batches += 1;
         self.bytes += len;
         Ok(())
     }
+}
+
+/// A batch read whole that differs from its manifest entry: its length and CRC32C, and the entry's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "batch {batch} of epoch {epoch}: read {len} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
+    expected.0, expected.1
+)]
+pub struct Mismatch {
+    pub epoch: u64,
+    pub batch: u64,
+    pub len: u64,
+    pub crc: u32,
+    pub expected: (u64, u32),
 }
 
 /// A demo's result: a title, a rule and one `name value` row per line.
@@ -104,7 +115,9 @@ mod tests {
         let mut tally = Tally::default();
         tally.check(0, &entry, 10, 0xabcd).unwrap();
         let err = tally.check(0, &entry, 10, 0xabce).unwrap_err();
-        assert!(err.contains("batch 3 of epoch 0") && err.contains("0000abce"), "{err}");
+        assert_eq!(err, Mismatch { epoch: 0, batch: 3, len: 10, crc: 0xabce, expected: (10, 0xabcd) });
+        let text = err.to_string();
+        assert!(text.contains("batch 3 of epoch 0") && text.contains("0000abce"), "{text}");
         assert!(tally.check(0, &entry, 9, 0xabcd).is_err());
         assert_eq!(tally, Tally { batches: 1, bytes: 10 });
     }

@@ -130,7 +130,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let mut tally = Tally::default();
     for result in results {
         for (i, len, crc) in result? {
-            tally.check(0, &manifest.batches[i], len, crc).map_err(anyhow::Error::msg)?;
+            tally.check(0, &manifest.batches[i], len, crc)?;
         }
     }
     let Tally { batches: verified, bytes } = tally;

@@ -28,12 +28,12 @@ pub struct EnergyArgs {
 }
 
 /// A task-clock counter on the child and everything it forks.
-fn task_clock(pid: u32) -> Result<perf_event::Counter, String> {
+fn task_clock(pid: u32) -> std::io::Result<perf_event::Counter> {
     let mut builder = perf_event::Builder::new().kind(perf_event::events::Software::TASK_CLOCK).observe_pid(pid as i32);
     // Kernel time counts too: CPU seconds of the command, as time(1) reports them.
     builder.inherit(true).exclude_kernel(false).exclude_hv(false);
-    let mut counter = builder.build().map_err(|e| format!("perf_event_open failed: {e}"))?;
-    counter.enable().map_err(|e| e.to_string())?;
+    let mut counter = builder.build()?;
+    counter.enable()?;
     Ok(counter)
 }
 
@@ -70,7 +70,7 @@ pub fn run(args: EnergyArgs) -> Result<i32> {
             Ok(ns) => (Some(ns as f64 / 1e9), "perf task-clock of the command and its children".to_owned()),
             Err(e) => (batchfs_mount::sys::children_cpu_seconds(), format!("rusage (task-clock read failed: {e})")),
         },
-        Err(e) => (batchfs_mount::sys::children_cpu_seconds(), format!("rusage ({e})")),
+        Err(e) => (batchfs_mount::sys::children_cpu_seconds(), format!("rusage (no task-clock counter: {e})")),
     };
     let report = energy::report(&samples, &names, &wraps, &idle, max_gap, cpu, unavailable);
     print!("{}", format_report(&args.command.join(" "), status.code(), &report));

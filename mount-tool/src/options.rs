@@ -41,111 +41,127 @@ pub enum PageCache {
     Keep,
 }
 
-/// The parsers of option values (each also a clap value parser): the reason a value is refused is the
-/// message clap shows and [`OptionError::Value`] carries.
+/// The parsers of option values (each also a clap value parser): the reason a value is refused
+/// ([`Refusal`]) is the message clap shows and [`OptionError::Value`] carries.
 mod value {
-    use super::{PageCache, RollingMode};
+    use super::{PageCache, Refusal, RollingMode};
     use std::path::PathBuf;
 
-    pub fn count(v: &str) -> Result<u64, String> {
-        v.parse().map_err(|_| "expected a number".to_owned())
+    pub fn count(v: &str) -> Result<u64, Refusal> {
+        v.parse().map_err(|_| Refusal::Expected("a number"))
     }
 
-    pub fn at_least_one(v: &str) -> Result<usize, String> {
+    pub fn at_least_one(v: &str) -> Result<usize, Refusal> {
         Ok((count(v)? as usize).max(1))
     }
 
-    pub fn batches(v: &str) -> Result<usize, String> {
+    pub fn batches(v: &str) -> Result<usize, Refusal> {
         Ok(count(v)? as usize)
     }
 
-    pub fn kb(v: &str) -> Result<u32, String> {
-        u32::try_from(count(v)?).map_err(|_| "too large".to_owned())
+    pub fn kb(v: &str) -> Result<u32, Refusal> {
+        u32::try_from(count(v)?).map_err(|_| Refusal::TooLarge)
     }
 
-    pub fn epoch(v: &str) -> Result<u64, String> {
+    pub fn epoch(v: &str) -> Result<u64, Refusal> {
         let e = count(v)?;
         if e > batchfs::plan::MAX_EPOCH {
-            return Err(format!("epochs go up to {}", batchfs::plan::MAX_EPOCH));
+            return Err(Refusal::Epoch);
         }
         Ok(e)
     }
 
-    pub fn size(v: &str) -> Result<u64, String> {
-        batchfs::units::parse_size(v).map_err(|e| e.to_string())
+    pub fn size(v: &str) -> Result<u64, Refusal> {
+        Ok(batchfs::units::parse_size(v)?)
     }
 
     /// An HTTP/2 frame size: 16K to 16M-1, as the protocol allows.
-    pub fn frame_size(v: &str) -> Result<u32, String> {
+    pub fn frame_size(v: &str) -> Result<u32, Refusal> {
         let n = size(v)?;
         match u32::try_from(n) {
             Ok(n) if (16_384..=16_777_215).contains(&n) => Ok(n),
-            _ => Err(format!("an HTTP/2 frame is 16K to 16M-1 bytes, not {n}")),
+            _ => Err(Refusal::FrameSize(n)),
         }
     }
 
-    pub fn nonzero_size(v: &str) -> Result<u64, String> {
+    pub fn nonzero_size(v: &str) -> Result<u64, Refusal> {
         Ok(size(v)?.max(1))
     }
 
-    pub fn duration(v: &str) -> Result<std::time::Duration, String> {
-        batchfs::units::parse_duration(v).map_err(|e| e.to_string())
+    pub fn duration(v: &str) -> Result<std::time::Duration, Refusal> {
+        Ok(batchfs::units::parse_duration(v)?)
     }
 
     /// A switch: given alone (`-o allow_other`, `--allow-other`) it is on.
-    pub fn switch(v: &str) -> Result<bool, String> {
+    pub fn switch(v: &str) -> Result<bool, Refusal> {
         match v {
             "" => Ok(true),
-            _ => batchfs::units::parse_switch(v).map_err(|e| e.to_string()),
+            _ => Ok(batchfs::units::parse_switch(v)?),
         }
     }
 
-    pub fn path(v: &str) -> Result<Option<PathBuf>, String> {
+    pub fn path(v: &str) -> Result<Option<PathBuf>, Refusal> {
         Ok(Some(PathBuf::from(v)))
     }
 
-    pub fn servers(v: &str) -> Result<Vec<String>, String> {
+    pub fn servers(v: &str) -> Result<Vec<String>, Refusal> {
         Ok(v.split(';').filter(|s| !s.is_empty()).map(|s| s.trim_end_matches('/').to_owned()).collect())
     }
 
-    pub fn addr(v: &str) -> Result<Option<std::net::SocketAddr>, String> {
-        v.parse().map(Some).map_err(|_| "expected ADDR:PORT, e.g. 127.0.0.1:9187".into())
+    pub fn addr(v: &str) -> Result<Option<std::net::SocketAddr>, Refusal> {
+        v.parse().map(Some).map_err(|_| Refusal::Expected("ADDR:PORT, e.g. 127.0.0.1:9187"))
     }
 
-    pub fn rolling(v: &str) -> Result<RollingMode, String> {
+    pub fn rolling(v: &str) -> Result<RollingMode, Refusal> {
         match v {
             "auto" => Ok(RollingMode::Auto),
             // `slots` was the padded layout the indexed one replaced, for the same readers.
             "indexed" | "slots" => Ok(RollingMode::Indexed),
             "packed" => Ok(RollingMode::Packed),
-            _ => Err("expected auto, indexed or packed".into()),
+            _ => Err(Refusal::Expected("auto, indexed or packed")),
         }
     }
 
     /// `R/W`: rank R (from 0) of W.
-    pub fn share(v: &str) -> Result<(u32, u32), String> {
+    pub fn share(v: &str) -> Result<(u32, u32), Refusal> {
         let parsed = v.split_once('/').and_then(|(r, w)| Some((r.parse::<u32>().ok()?, w.parse::<u32>().ok()?)));
         match parsed {
             Some((r, w)) if w >= 1 && r < w => Ok((r, w)),
-            _ => Err("expected R/W, a rank below the number of mounts, e.g. 0/8".into()),
+            _ => Err(Refusal::Expected("R/W, a rank below the number of mounts, e.g. 0/8")),
         }
     }
 
-    pub fn warm(v: &str) -> Result<super::Warm, String> {
+    pub fn warm(v: &str) -> Result<super::Warm, Refusal> {
         match v {
             "none" => Ok(super::Warm::None),
             "raw" => Ok(super::Warm::Raw),
-            _ => Err("expected none or raw".into()),
+            _ => Err(Refusal::Expected("none or raw")),
         }
     }
 
-    pub fn page_cache(v: &str) -> Result<PageCache, String> {
+    pub fn page_cache(v: &str) -> Result<PageCache, Refusal> {
         match v {
             "drop" => Ok(PageCache::Drop),
             "keep" => Ok(PageCache::Keep),
-            _ => Err("expected drop or keep".into()),
+            _ => Err(Refusal::Expected("drop or keep")),
         }
     }
+}
+
+/// Why an option's value was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error("expected {0}")]
+    Expected(&'static str),
+    #[error("too large")]
+    TooLarge,
+    #[error("epochs go up to {}", batchfs::plan::MAX_EPOCH)]
+    Epoch,
+    #[error("an HTTP/2 frame is 16K to 16M-1 bytes, not {0}")]
+    FrameSize(u64),
+    /// A size, a duration or a switch the core's unit parser refused.
+    #[error(transparent)]
+    Unit(#[from] batchfs::units::UnitError),
 }
 
 macro_rules! options {
@@ -173,7 +189,7 @@ macro_rules! options {
         #[derive(Debug, Default, clap::Args)]
         pub struct OptionFlags {
             $(
-                #[arg(long, value_name = $placeholder, value_parser = $parse as fn(&str) -> Result<$ty, String>,
+                #[arg(long, value_name = $placeholder, value_parser = $parse as fn(&str) -> Result<$ty, Refusal>,
                       num_args = if $placeholder == "BOOL" { 0..=1 } else { 1..=1 }, default_missing_value = "",
                       help = concat!($help, " [default: ", $shown, "]"), help_heading = $heading)]
                 pub $name: Option<$ty>,
@@ -189,7 +205,7 @@ macro_rules! options {
 
         impl MountOptions {
             /// Applies option `key` (not a plan option) if it is one: `None` if it is not.
-            fn set_declared(&mut self, key: &str, value: &str) -> Option<Result<(), String>> {
+            fn set_declared(&mut self, key: &str, value: &str) -> Option<Result<(), Refusal>> {
                 match key {
                     $( stringify!($name) => Some($parse(value).map(|v| self.$name = v)), )+
                     _ => None,
@@ -293,7 +309,7 @@ pub enum OptionError {
     NeedsValue(String),
     /// A value its option's parser refused, with the parser's reason.
     #[error("{key}={value}: {reason}")]
-    Value { key: String, value: String, reason: String },
+    Value { key: String, value: String, reason: Refusal },
     /// A plan option (or the format) refused as the server refuses it in a query.
     #[error(transparent)]
     Plan(#[from] batchfs::api::ApiError),

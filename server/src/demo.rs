@@ -88,7 +88,7 @@ async fn read_epoch(
     let mut out = EpochRead { tally: Tally::default(), expected: manifest.batches.len(), elapsed, http2: true };
     for r in results {
         let (entry, len, crc, http2) = r?;
-        out.tally.check(epoch, &entry, len, crc).map_err(anyhow::Error::msg)?;
+        out.tally.check(epoch, &entry, len, crc)?;
         out.http2 &= http2;
     }
     Ok(out)
