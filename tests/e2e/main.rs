@@ -5,6 +5,7 @@ mod chaos;
 mod common;
 mod csi;
 mod faults;
+mod house;
 mod loaders;
 mod mount;
 mod netem;
