@@ -26,6 +26,7 @@ use std::time::SystemTime;
 mod error;
 pub mod handles;
 mod inode;
+pub mod open_files;
 mod raw;
 mod rolling;
 mod shuffled;

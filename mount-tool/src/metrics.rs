@@ -70,7 +70,7 @@ pub fn render(s: &StatsSnapshot) -> String {
         ("fetched_bytes_total", "counter", "Bytes received from servers.", s.fetched_bytes),
         ("retries_total", "counter", "Fetch attempts retried after a failure.", s.retries),
         ("checksum_errors_total", "counter", "Bodies refetched after a size or CRC32C mismatch.", s.checksum_errors),
-        ("errors_total", "counter", "Reads answered with an error.", s.errors),
+        ("errors_total", "counter", "Reads and opens answered EIO.", s.errors),
         ("evictions_total", "counter", "Batches dropped from the cache.", s.evictions),
         ("passthrough_opens_total", "counter", "Opens served by FUSE passthrough.", s.passthrough_opens),
         ("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens),

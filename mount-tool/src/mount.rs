@@ -54,7 +54,8 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
             },
         },
     );
-    Ok((FuseFs::new(fs, plan.options.passthrough), prefetcher))
+    let drop_page_cache = plan.options.page_cache == crate::options::PageCache::Drop;
+    Ok((FuseFs::new(fs, plan.options.passthrough, drop_page_cache), prefetcher))
 }
 
 /// Raises the mount's kernel readahead (root only; best effort): larger FUSE reads, fewer round trips.
@@ -126,12 +127,13 @@ impl Drop for Mounted {
 /// Mounts in this process, serving from background threads (the session loop answers before the
 /// readahead tuning stats the mountpoint).
 pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
-    let (runtime, fs, prefetcher, notifier) = prepare(plan)?;
-    let device = fs.device();
+    let runtime = runtime()?;
+    let (fs, prefetcher) = filesystem(plan, &runtime)?;
+    let connection = fs.connection();
     let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
         .with_context(|| format!("cannot mount at {}", plan.mountpoint.display()))?;
-    let _ = notifier.set(session.notifier());
-    let _ = device.set(std::os::fd::AsFd::as_fd(&session).try_clone_to_owned()?);
+    let _ = connection.notifier.set(session.notifier());
+    let _ = connection.device.set(std::os::fd::AsFd::as_fd(&session).try_clone_to_owned()?);
     let session = session.spawn()?;
     serving(plan, &runtime, &prefetcher)?;
     Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
@@ -140,7 +142,9 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
 /// A worker's mount: serves the connection the supervisor holds (`start`), taking over from the worker
 /// before it (`supervise.rs`), in background threads.
 fn take_over(plan: &MountPlan, start: &crate::supervise::WorkerStart) -> Result<Mounted> {
-    let (runtime, fs, prefetcher, notifier) = prepare(plan)?;
+    let runtime = runtime()?;
+    let (fs, prefetcher) = filesystem(plan, &runtime)?;
+    let connection = fs.connection();
     let ledger = start.ledger.clone();
     prefetcher.stats.feed(move |s| {
         let counters = ledger.counters();
@@ -157,7 +161,7 @@ fn take_over(plan: &MountPlan, start: &crate::supervise::WorkerStart) -> Result<
         false => sys::clone_fuse(std::os::fd::AsFd::as_fd(&start.fuse)).context("cannot clone the connection")?,
     };
     let session = fuser::Session::from_fd_initialized(fs, fd, config.acl, config);
-    let _ = notifier.set(session.notifier());
+    let _ = connection.notifier.set(session.notifier());
     let session = session.spawn()?;
     if start.settings.resend {
         // What the dead worker had read and not answered comes again, to this one.
@@ -167,20 +171,6 @@ fn take_over(plan: &MountPlan, start: &crate::supervise::WorkerStart) -> Result<
     }
     serving(plan, &runtime, &prefetcher)?;
     Ok(Mounted { session: Some(session), runtime: Some(runtime), mountpoint: plan.mountpoint.clone(), prefetcher })
-}
-
-/// The runtime, the filesystem and its prefetcher, and where the session's notifier goes once it exists
-/// (to drop the page cache of closed files, with `page_cache=drop`).
-type Prepared = (tokio::runtime::Runtime, FuseFs, Arc<Prefetcher>, Arc<std::sync::OnceLock<fuser::Notifier>>);
-
-fn prepare(plan: &MountPlan) -> Result<Prepared> {
-    let runtime = runtime()?;
-    let (mut fs, prefetcher) = filesystem(plan, &runtime)?;
-    let notifier = Arc::new(std::sync::OnceLock::new());
-    if plan.options.page_cache == crate::options::PageCache::Drop {
-        fs = fs.drop_page_cache(notifier.clone());
-    }
-    Ok((runtime, fs, prefetcher, notifier))
 }
 
 /// What starts once a mount serves: metrics, the kernel readahead, warming.

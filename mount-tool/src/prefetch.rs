@@ -428,14 +428,6 @@ impl Prefetcher {
     /// while it arrives into a buffer, its prefix up to a checkpoint past them).
     /// `owner` identifies the reading process (see [`StreamTracker`]).
     pub fn read(self: &Arc<Self>, key: ObjectKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
-        let result = self.read_inner(key, offset, size, owner);
-        if result.is_err() {
-            Stats::add(&self.stats.errors, 1);
-        }
-        result
-    }
-
-    fn read_inner(self: &Arc<Self>, key: ObjectKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
         let (objects, obj) = self.locate(key)?;
         let len = obj.len();
         if offset >= len || size == 0 {
@@ -529,12 +521,9 @@ impl Prefetcher {
             }
             entry.backing(body).map_err(|e| ReadError::Backing(format!("{}: {e}", describe(key))))
         })();
-        match &result {
-            Ok((_, made)) => {
-                Stats::add(&self.stats.passthrough_opens, 1);
-                Stats::add(&self.stats.passthrough_bytes, *made);
-            }
-            Err(_) => Stats::add(&self.stats.errors, 1),
+        if let Ok((_, made)) = &result {
+            Stats::add(&self.stats.passthrough_opens, 1);
+            Stats::add(&self.stats.passthrough_bytes, *made);
         }
         result.map(|(file, _)| file)
     }

@@ -89,7 +89,7 @@ pub struct StatsSnapshot {
     pub retries: u64,
     /// Bodies refetched because their size or CRC32C did not match the manifest.
     pub checksum_errors: u64,
-    /// Reads answered with an error.
+    /// Requests answered EIO: reads and opens whose bytes could not be had (after `timeout`, or refused).
     pub errors: u64,
     /// Batches dropped from the cache to make room.
     pub evictions: u64,

@@ -278,6 +278,29 @@ pub fn shed_pages() {
     flush(candidate, clean);
 }
 
+/// Registers `file` as a backing file of the FUSE connection `device` (`FUSE_DEV_IOC_BACKING_OPEN`,
+/// Linux 6.9): its backing id, for an open's reply to name ([`close_backing`] closes it).
+pub fn open_backing(device: std::os::fd::BorrowedFd<'_>, file: std::os::fd::BorrowedFd<'_>) -> io::Result<u32> {
+    use std::os::fd::AsRawFd;
+    /// `struct fuse_backing_map` of `<linux/fuse.h>`.
+    #[repr(C)]
+    struct BackingMap {
+        fd: i32,
+        flags: u32,
+        padding: u64,
+    }
+    // _IOW(229, 1, struct fuse_backing_map)
+    const FUSE_DEV_IOC_BACKING_OPEN: libc::c_ulong = 0x4010_e501;
+    let map = BackingMap { fd: file.as_raw_fd(), flags: 0, padding: 0 };
+    // SAFETY: the ioctl reads the map through the pointer, which outlives the call; the descriptors are
+    // borrowed, open for its duration.
+    let rc = unsafe { libc::ioctl(device.as_raw_fd(), FUSE_DEV_IOC_BACKING_OPEN as _, &map as *const BackingMap) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc as u32)
+}
+
 /// Closes backing id `id` of the FUSE connection `device` (`FUSE_DEV_IOC_BACKING_CLOSE`).
 pub fn close_backing(device: std::os::fd::BorrowedFd<'_>, id: u32) -> io::Result<()> {
     use std::os::fd::AsRawFd;

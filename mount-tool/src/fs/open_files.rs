@@ -1,0 +1,415 @@
+//! Open files: how each open reads (through the daemon, or by passthrough from a memory file the kernel
+//! holds), whether passthrough is on, the memory files held while the kernel reads them, the page cache a
+//! file read through the daemon leaves at its last close, and, for a worker taking over a mount, the
+//! handles the worker before it left. The FUSE adapter (`fuse.rs`) asks this at every open and release and
+//! replies with what it answers; what it asks of the kernel goes through [`Kernel`]: the FUSE connection in
+//! a mount, a fake in the tests.
+//!
+//! **Passthrough.** Where the kernel offers FUSE passthrough and it is not turned off, an open of a file
+//! waits until the file is verified and cached, then registers a sealed memory file holding it as a
+//! backing file, so the reads and mmap faults of that handle never reach the daemon. The kernel demands
+//! one backing file per inode at a time, and no mixing of passthrough and daemon opens of one inode; the
+//! handle table (`handles.rs`) keeps that. The backing id lives until the inode's last handle is released.
+//! A backing file the kernel refuses turns passthrough off for the mount.
+
+use super::handles::{Handles, Mode, Owners};
+use super::{Fs, FsError};
+use crate::ledger::{Ledger, Settings};
+use crate::stats::Stats;
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// What the open files ask of the kernel.
+pub trait Kernel: Send + Sync {
+    /// Registers `file` as a backing file of the connection: its backing id.
+    fn open_backing(&self, file: &File) -> std::io::Result<u32>;
+    /// Closes backing id `id` of the connection.
+    fn close_backing(&self, id: u32) -> std::io::Result<()>;
+    /// Drops the page cache of inode `ino`.
+    fn drop_pages(&self, ino: u64) -> std::io::Result<()>;
+}
+
+/// The bit the kernel sets in the id of a request it re-sends (`FUSE_UNIQUE_RESEND`, Linux 6.9).
+pub const RESENT: u64 = 1 << 63;
+
+/// Backing ids on each side of the largest recorded that a takeover closes unless a handle uses them.
+const SWEPT: u32 = 256;
+
+/// The mount's open files.
+pub struct OpenFiles {
+    kernel: Arc<dyn Kernel>,
+    /// Try FUSE passthrough (the `passthrough` option, as `INIT` settled it); off once the kernel refuses.
+    passthrough: AtomicBool,
+    /// Drop the page cache of a file read through the daemon at its last close (`page_cache=drop`).
+    drop_page_cache: bool,
+    handles: Mutex<Handles>,
+    /// The memory files of inodes open by passthrough, held while they are (the cache keeps a held file).
+    files: Mutex<HashMap<u64, Arc<File>>>,
+    owners: Owners,
+}
+
+impl OpenFiles {
+    pub fn new(kernel: Arc<dyn Kernel>, passthrough: bool, drop_page_cache: bool) -> Self {
+        OpenFiles {
+            kernel,
+            passthrough: AtomicBool::new(passthrough),
+            drop_page_cache,
+            handles: Mutex::new(Handles::default()),
+            files: Mutex::new(HashMap::new()),
+            owners: Owners::default(),
+        }
+    }
+
+    /// Whether opens try passthrough.
+    pub fn passthrough(&self) -> bool {
+        self.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// Whether opens try passthrough from now on (what `INIT` settled, or off once the kernel refused).
+    pub fn settle(&self, fs: &Fs, on: bool) {
+        self.passthrough.store(on, Ordering::Relaxed);
+        fs.set_passthrough(on);
+    }
+
+    /// The process of thread `tid`.
+    pub fn owner(&self, tid: u32) -> u32 {
+        self.owners.of(tid)
+    }
+
+    /// Serves a connection whose `INIT` an earlier process answered (`settings`), taking over what
+    /// `ledger` holds from the worker before this one: every open handle with its mode and backing id, the
+    /// views' state, and the backing ids it left registered and unrecorded (closed now).
+    pub fn take_over(&mut self, fs: &mut Fs, ledger: Arc<Ledger>, settings: Settings) {
+        self.settle(fs, settings.passthrough);
+        fs.record_in(ledger.clone());
+        let (handles, closing) = Handles::restore(ledger.clone(), || fs.stats_json());
+        let files = handles.files();
+        for &(_, ino, owner) in &files {
+            fs.adopted(ino, owner);
+        }
+        let live: HashSet<u32> = files
+            .iter()
+            .filter_map(|&(_, ino, _)| match handles.mode(ino) {
+                Some(Mode::Passthrough(id)) => Some(id),
+                _ => None,
+            })
+            .collect();
+        // A worker killed between registering a backing id and recording it leaves the id registered:
+        // ids are handed out in turn, so it is one of the last few; none that a live handle uses is closed.
+        let max = ledger.max_backing();
+        let mut closed = 0;
+        for id in closing.into_iter().chain(max.saturating_sub(SWEPT) + 1..=max.saturating_add(SWEPT)) {
+            if !live.contains(&id) && self.kernel.close_backing(id).is_ok() {
+                closed += 1;
+            }
+        }
+        if ledger.counters().restarts > 0 || !files.is_empty() {
+            tracing::info!(handles = files.len(), passthrough = live.len(), closed, "took over the open handles");
+        }
+        *self.handles.get_mut().expect("handles") = handles;
+    }
+
+    /// Opens file `ino` for reading by thread `tid`, for open request `unique`: in the mode the inode is
+    /// already open in, else by passthrough when on. Returns the handle and how it reads. An open the
+    /// kernel re-sends (its last worker died before answering it) gets the handle recorded for it.
+    pub fn open(&self, fs: &Fs, ino: u64, tid: u32, unique: u64) -> Result<(u64, Mode), FsError> {
+        let owner = self.owners.of(tid);
+        {
+            let mut handles = self.handles.lock().expect("handles");
+            if unique & RESENT != 0 {
+                if let Some((fh, mode)) = handles.resent(unique & !RESENT) {
+                    return Ok((fh, mode.unwrap_or(Mode::Daemon)));
+                }
+            }
+            if let Some(mode) = handles.mode(ino) {
+                if let Mode::Passthrough(_) = mode {
+                    // The file's bytes are in the kernel already: a hit.
+                    Stats::add(&fs.stats().passthrough_opens, 1);
+                    Stats::add(&fs.stats().hits, 1);
+                }
+                return Ok(self.open_as(fs, &mut handles, ino, (owner, tid), Mode::Daemon, unique));
+            }
+        }
+        let mut mode = Mode::Daemon;
+        let mut made = None;
+        if self.passthrough() {
+            // Waits for the file (bounded by `timeout`), holding no lock. A large source file has no
+            // backing file: it reads through the daemon, chunk by chunk.
+            if let Some(file) = fs.backing_file(ino, owner)? {
+                match self.kernel.open_backing(&file) {
+                    Ok(id) => {
+                        if let Some(ledger) = self.handles.lock().expect("handles").ledger() {
+                            ledger.backing_registered(id);
+                        }
+                        mode = Mode::Passthrough(id);
+                        made = Some((id, file));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
+                        self.settle(fs, false);
+                    }
+                }
+            }
+        }
+        let mut handles = self.handles.lock().expect("handles");
+        let (fh, got) = self.open_as(fs, &mut handles, ino, (owner, tid), mode, unique);
+        if let Some((id, file)) = made {
+            if got == Mode::Passthrough(id) {
+                self.files.lock().expect("files").insert(ino, file);
+            } else {
+                // Another open of the inode finished first: its mode stands, this backing id goes.
+                self.close_backing(id);
+            }
+        }
+        Ok((fh, got))
+    }
+
+    /// One more handle of `ino` for `(owner, tid)` in the mode it is open in, or in `mode` if it is not
+    /// open (another open may have finished meanwhile: its mode wins).
+    fn open_as(
+        &self,
+        fs: &Fs,
+        handles: &mut Handles,
+        ino: u64,
+        who: (u32, u32),
+        mode: Mode,
+        unique: u64,
+    ) -> (u64, Mode) {
+        let (owner, tid) = who;
+        fs.opened_as(ino, owner, tid);
+        let (fh, mode) = handles.open(ino, owner, mode, unique & !RESENT);
+        if mode == Mode::Daemon {
+            Stats::add(&fs.stats().daemon_opens, 1);
+        }
+        (fh, mode)
+    }
+
+    /// Opens `.batchfs/stats` for open request `unique`: a handle that reads one snapshot of the counters
+    /// (after a takeover, the handle the last worker recorded for a re-sent open, with a fresh snapshot).
+    pub fn open_stats(&self, fs: &Fs, unique: u64) -> u64 {
+        let mut handles = self.handles.lock().expect("handles");
+        let resent = (unique & RESENT != 0).then(|| handles.resent(unique & !RESENT)).flatten();
+        match resent {
+            Some((fh, _)) => fh,
+            None => handles.open_snapshot(fs.stats_json(), unique & !RESENT),
+        }
+    }
+
+    /// The snapshot handle `fh` reads, if it is one of `.batchfs/stats`.
+    pub fn snapshot(&self, fh: u64) -> Option<Arc<Vec<u8>>> {
+        self.handles.lock().expect("handles").snapshot(fh)
+    }
+
+    /// Releases handle `fh`. At the inode's last handle its backing id closes, and the cache may evict the
+    /// file. Returns the inode whose page cache to drop ([`OpenFiles::drop_pages`]) once the release is
+    /// answered: every mapping of the file is gone by then (a mapping holds its file open).
+    pub fn release(&self, fs: &Fs, fh: u64) -> Option<u64> {
+        let released = self.handles.lock().expect("handles").release(fh)?;
+        fs.released(released.ino, released.owner);
+        let mode = released.last?;
+        if let Mode::Passthrough(id) = mode {
+            self.close_backing(id);
+            self.files.lock().expect("files").remove(&released.ino);
+            self.handles.lock().expect("handles").closed(fh);
+        }
+        fs.closed(released.ino);
+        (mode == Mode::Daemon && self.drop_page_cache).then_some(released.ino)
+    }
+
+    /// Drops the page cache of `ino`, closed. A reader that opens it again reads it through the daemon
+    /// once more. Without this the page cache keeps every batch file of every epoch read, a second copy of
+    /// what the mount's cache holds, until the node runs short of memory.
+    pub fn drop_pages(&self, fs: &Fs, ino: u64) {
+        match self.kernel.drop_pages(ino) {
+            Ok(()) => Stats::add(&fs.stats().page_cache_drops, 1),
+            Err(e) => tracing::debug!(ino, error = %e, "cannot drop the page cache of a closed file"),
+        }
+    }
+
+    fn close_backing(&self, id: u32) {
+        if let Err(e) = self.kernel.close_backing(id) {
+            tracing::debug!(id, error = %e, "cannot close a backing id");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::MemoryClient;
+    use crate::fs::{FsOptions, Node};
+    use crate::prefetch::{Prefetcher, PrefetcherConfig};
+    use batchfs::encode::BatchFormat;
+    use bytes::Bytes;
+    use std::sync::Barrier;
+
+    /// A connection's backing ids, as the kernel keeps them, and the inodes whose pages were dropped.
+    #[derive(Default)]
+    struct FakeKernel {
+        ids: Mutex<(u32, HashSet<u32>)>,
+        refuse: AtomicBool,
+        /// Opens of backing files wait here for each other (a race of two opens of one inode).
+        meet: Option<Barrier>,
+        dropped: Mutex<Vec<u64>>,
+    }
+
+    impl FakeKernel {
+        fn open_ids(&self) -> HashSet<u32> {
+            self.ids.lock().unwrap().1.clone()
+        }
+    }
+
+    impl Kernel for FakeKernel {
+        fn open_backing(&self, file: &File) -> std::io::Result<u32> {
+            assert!(file.metadata()?.len() > 0, "a backing file holds the file");
+            if let Some(meet) = &self.meet {
+                meet.wait();
+            }
+            if self.refuse.load(Ordering::Relaxed) {
+                return Err(std::io::Error::from_raw_os_error(libc::EPERM));
+            }
+            let mut ids = self.ids.lock().unwrap();
+            ids.0 += 1;
+            let id = ids.0;
+            ids.1.insert(id);
+            Ok(id)
+        }
+
+        fn close_backing(&self, id: u32) -> std::io::Result<()> {
+            match self.ids.lock().unwrap().1.remove(&id) {
+                true => Ok(()),
+                false => Err(std::io::Error::from_raw_os_error(libc::ENOENT)),
+            }
+        }
+
+        fn drop_pages(&self, ino: u64) -> std::io::Result<()> {
+            self.dropped.lock().unwrap().push(ino);
+            Ok(())
+        }
+    }
+
+    /// A filesystem of two epochs of three batches, passthrough on.
+    fn fs() -> (tokio::runtime::Runtime, Fs) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let client = MemoryClient::new(|epoch, f| {
+            (0..3).map(|b| Bytes::from(format!("{f} epoch {epoch} batch {b}").into_bytes())).collect()
+        });
+        let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), PrefetcherConfig::default());
+        let options = FsOptions {
+            epochs: 2,
+            format: BatchFormat::Tfrecord,
+            uid: 0,
+            gid: 0,
+            time: std::time::SystemTime::UNIX_EPOCH,
+            raw: true,
+            rolling: crate::options::RollingMode::Packed,
+            first_epoch: 0,
+            classes: vec![],
+        };
+        let fs = Fs::new(p, options);
+        fs.set_passthrough(true);
+        (rt, fs)
+    }
+
+    fn batch(batch: u64) -> u64 {
+        Node::Batch { epoch: 0, batch, index: false }.ino()
+    }
+
+    #[test]
+    fn an_inode_open_twice_shares_one_backing_file_closed_at_its_last_release() {
+        let (_rt, fs) = fs();
+        let kernel = Arc::new(FakeKernel::default());
+        let opens = OpenFiles::new(kernel.clone(), true, true);
+        let (a, mode) = opens.open(&fs, batch(0), 100, 1).unwrap();
+        let Mode::Passthrough(id) = mode else { panic!("{mode:?}") };
+        let (b, again) = opens.open(&fs, batch(0), 200, 2).unwrap();
+        assert_eq!((again, kernel.open_ids()), (mode, HashSet::from([id])), "one backing file for the inode");
+        assert_ne!(a, b);
+        assert_eq!(opens.release(&fs, a), None);
+        assert_eq!(kernel.open_ids(), HashSet::from([id]), "still open by the other handle");
+        assert_eq!(opens.release(&fs, b), None, "no page cache to drop: the kernel read the backing file");
+        assert!(kernel.open_ids().is_empty() && opens.files.lock().unwrap().is_empty(), "closed at the last");
+        assert_eq!(opens.release(&fs, b), None, "released twice");
+        let s = fs.stats().snapshot();
+        assert_eq!((s.passthrough_opens, s.daemon_opens), (2, 0), "{s:?}");
+    }
+
+    #[test]
+    fn two_opens_racing_for_one_inode_keep_one_backing_id_and_close_the_other() {
+        let (_rt, fs) = fs();
+        let kernel = Arc::new(FakeKernel { meet: Some(Barrier::new(2)), ..FakeKernel::default() });
+        let opens = OpenFiles::new(kernel.clone(), true, false);
+        let (one, two) = std::thread::scope(|s| {
+            let one = s.spawn(|| opens.open(&fs, batch(1), 100, 1).unwrap());
+            let two = s.spawn(|| opens.open(&fs, batch(1), 200, 2).unwrap());
+            (one.join().unwrap(), two.join().unwrap())
+        });
+        assert_eq!(one.1, two.1, "both handles read in the mode that won");
+        let Mode::Passthrough(id) = one.1 else { panic!("{one:?}") };
+        assert_eq!(kernel.open_ids(), HashSet::from([id]), "the losing backing id was closed");
+        opens.release(&fs, one.0);
+        opens.release(&fs, two.0);
+        assert!(kernel.open_ids().is_empty());
+    }
+
+    #[test]
+    fn a_backing_file_the_kernel_refuses_turns_passthrough_off_and_the_pages_drop_at_close() {
+        let (_rt, fs) = fs();
+        let kernel = Arc::new(FakeKernel { refuse: AtomicBool::new(true), ..FakeKernel::default() });
+        let opens = OpenFiles::new(kernel.clone(), true, true);
+        let (a, mode) = opens.open(&fs, batch(2), 100, 1).unwrap();
+        assert_eq!(mode, Mode::Daemon);
+        assert!(!opens.passthrough() && !fs.stats().snapshot().passthrough, "off for the mount");
+        let (b, mode) = opens.open(&fs, batch(0), 100, 2).unwrap();
+        assert_eq!(mode, Mode::Daemon);
+        assert_eq!(opens.release(&fs, a), Some(batch(2)), "read through the daemon: its pages go at the close");
+        opens.drop_pages(&fs, batch(2));
+        assert_eq!(*kernel.dropped.lock().unwrap(), [batch(2)]);
+        assert_eq!(fs.stats().snapshot().page_cache_drops, 1);
+        let keep = OpenFiles::new(kernel, false, false);
+        let (c, _) = keep.open(&fs, batch(0), 100, 3).unwrap();
+        assert_eq!(keep.release(&fs, c), None, "page_cache=keep");
+        assert_eq!(opens.release(&fs, b), Some(batch(0)));
+    }
+
+    #[test]
+    fn a_file_that_cannot_be_had_fails_its_open_and_holds_nothing() {
+        let (_rt, fs) = fs();
+        let kernel = Arc::new(FakeKernel::default());
+        let opens = OpenFiles::new(kernel.clone(), true, false);
+        let missing = Node::Batch { epoch: 0, batch: 99, index: false }.ino();
+        assert!(opens.open(&fs, missing, 100, 1).is_err());
+        assert!(kernel.open_ids().is_empty() && opens.handles.lock().unwrap().files().is_empty());
+    }
+
+    #[test]
+    fn a_new_worker_keeps_the_live_backing_ids_and_closes_those_the_dead_one_left_unrecorded() {
+        let kernel = Arc::new(FakeKernel::default());
+        let ledger = Arc::new(Ledger::create().unwrap());
+        let settings = Settings { passthrough: true, resend: true };
+        let (_rt, mut old_fs) = fs();
+        let mut old = OpenFiles::new(kernel.clone(), true, false);
+        old.take_over(&mut old_fs, ledger.clone(), settings);
+        let (fh, mode) = old.open(&old_fs, batch(0), 100, 41).unwrap();
+        let Mode::Passthrough(live) = mode else { panic!("{mode:?}") };
+        // The worker dies between registering a backing id and recording a handle for it.
+        let file = crate::sys::memfd("left").unwrap();
+        file.set_len(1).unwrap();
+        let left = kernel.open_backing(&file).unwrap();
+        ledger.backing_registered(left);
+        drop(old);
+        let (_rt2, mut new_fs) = fs();
+        let mut new = OpenFiles::new(kernel.clone(), false, false);
+        new.take_over(&mut new_fs, ledger, settings);
+        assert!(new.passthrough(), "the connection's settings stand");
+        assert_eq!(kernel.open_ids(), HashSet::from([live]), "the unrecorded id closed, the live one kept");
+        assert_eq!(new.open(&new_fs, batch(0), 100, 41 | RESENT).unwrap(), (fh, mode), "a re-sent open");
+        let (other, again) = new.open(&new_fs, batch(0), 300, 42).unwrap();
+        assert_eq!(again, mode, "the inode reads from the backing file the last worker registered");
+        new.release(&new_fs, other);
+        new.release(&new_fs, fh);
+        assert!(kernel.open_ids().is_empty());
+    }
+}
