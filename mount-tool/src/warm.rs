@@ -190,13 +190,26 @@ pub async fn warm(
     failed
 }
 
+/// Why a group of samples was not warmed (its files are then fetched on demand).
+#[derive(Debug, thiserror::Error)]
+enum WarmError {
+    #[error(transparent)]
+    Client(ClientError),
+    #[error("{samples} samples came as {bytes} bytes with CRC32C {crc32c:08x}, not as the sample table lists them")]
+    Corrupt { samples: usize, bytes: u64, crc32c: u32 },
+    #[error("the node cache cannot keep them: {0}")]
+    NodeCache(std::io::Error),
+    #[error("the task filing them failed: {0}")]
+    Task(tokio::task::JoinError),
+}
+
 /// Fetches the samples `ids` in one request (with retries), checks them, and files each.
 async fn fetch_group(
     client: &DynClient,
     cache: &Arc<NodeCache>,
     table: &SampleTable,
     ids: &[u32],
-) -> Result<u64, ClientError> {
+) -> Result<u64, WarmError> {
     let pieces: Vec<Sent> = ids.iter().map(|&i| sent_of(table, i)).collect();
     let total = pieces.iter().fold(Sent { bytes: 0, crc32c: 0 }, |acc, p| Sent {
         bytes: acc.bytes + p.bytes,
@@ -211,17 +224,14 @@ async fn fetch_group(
         let body = match client.fetch_samples(ids, attempt, into, total.bytes).await {
             Ok(body) => body,
             Err(e) => {
-                last = Some(e);
+                last = Some(WarmError::Client(e));
                 continue;
             }
         };
         let Sink::Buffer(filled) = body.sink else { unreachable!("fetched into a buffer") };
         let bytes = filled.finish();
         if bytes.len() as u64 != total.bytes || body.crc32c != total.crc32c {
-            last = Some(ClientError::Corrupt {
-                server: "warming".into(),
-                message: format!("{} samples: {} bytes with CRC32C {:08x}", ids.len(), bytes.len(), body.crc32c),
-            });
+            last = Some(WarmError::Corrupt { samples: ids.len(), bytes: bytes.len() as u64, crc32c: body.crc32c });
             continue;
         }
         let cache = cache.clone();
@@ -237,8 +247,8 @@ async fn fetch_group(
         .await;
         return match filed {
             Ok(Ok(())) => Ok(total.bytes),
-            Ok(Err(e)) => Err(ClientError::Store { server: "node cache".into(), message: e.to_string() }),
-            Err(e) => Err(ClientError::Store { server: "node cache".into(), message: e.to_string() }),
+            Ok(Err(e)) => Err(WarmError::NodeCache(e)),
+            Err(e) => Err(WarmError::Task(e)),
         };
     }
     Err(last.expect("an attempt failed"))

@@ -98,7 +98,7 @@ impl Prefetcher {
                     None => Ok(fill(Vec::new())),
                 };
                 async move {
-                    let into = into.map_err(store_failure)?;
+                    let into = into.map_err(Failure::Memory)?;
                     let body = match (key.listing, path) {
                         (Listing::Epoch { epoch, format }, _) => {
                             client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
@@ -131,14 +131,14 @@ impl Prefetcher {
                                 return Ok((content, None));
                             }
                             // Passthrough will serve it: its memory file now, its records at their slots.
-                            let (content, file) = in_memfd(&content).map_err(store_failure)?;
+                            let (content, file) = in_memfd(&content).map_err(Failure::Memory)?;
                             Ok((content, Some(file)))
                         }
                         (Sink::File(m), _) => m
                             .finish()
                             .and_then(seal_file)
                             .map(|(b, f)| (Content::Bytes(b), Some(f)))
-                            .map_err(store_failure),
+                            .map_err(Failure::Memory),
                     }
                 }
             })
@@ -221,10 +221,6 @@ fn to_disk(nc: &NodeCache, on: &OnDisk, bytes: &[u8]) {
         }
         at = end;
     }
-}
-
-fn store_failure(e: std::io::Error) -> Failure {
-    Failure::Client(ClientError::Store { server: "memfd".into(), message: e.to_string() })
 }
 
 /// The records of `body` (a verified TFRecord batch) placed by `layout`: each at the slot of its size

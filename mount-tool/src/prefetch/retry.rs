@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 pub(super) enum Failure {
     Client(ClientError),
     Mismatch(String),
+    /// The memory a body goes into could not be had (a memory file not made or grown): tried again.
+    Memory(std::io::Error),
     /// What no retry can mend: the fetch fails with this at once.
     Fatal(ReadError),
 }
@@ -53,6 +55,7 @@ where
             Err(Failure::Client(e)) if !e.is_retryable() => return Err(ReadError::Refused(e.to_string())),
             Err(Failure::Fatal(e)) => return Err(e),
             Err(Failure::Client(e)) => e.to_string(),
+            Err(Failure::Memory(e)) => format!("no memory file for the body: {e}"),
             Err(Failure::Mismatch(m)) => {
                 Stats::add(&stats.checksum_errors, 1);
                 m
