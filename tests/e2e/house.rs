@@ -1,6 +1,7 @@
 //! The house's measures (docs/DESIGN.md, "Measures"), checked on the sources as they are: no import circle
 //! between the modules of a crate, no source file over 600 lines of code before its tests, no
-//! process-global static in the server but its metrics, and no `Result<_, String>` outside tests.
+//! process-global static in the server but its metrics, no `Result<_, String>` outside tests, and every
+//! file with unsafe code in DESIGN.md's unsafe inventory.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -186,4 +187,33 @@ fn no_result_carries_its_error_as_a_string_outside_tests() {
         }
     }
     assert!(found.is_empty(), "errors as strings: {found:?}");
+}
+
+#[test]
+fn every_file_with_unsafe_code_is_in_the_design_s_inventory() {
+    let design = std::fs::read_to_string(root().join("docs/DESIGN.md")).unwrap();
+    let mut missing = Vec::new();
+    for krate in CRATES {
+        let folder = krate.trim_end_matches("src").trim_end_matches('/');
+        let row_start = match folder {
+            "" => "| `src/` |".to_owned(),
+            f => format!("| `{f}/` |"),
+        };
+        let row = design.lines().find(|l| l.starts_with(&row_start)).unwrap_or_else(|| panic!("no row {row_start}"));
+        // The inventory: what the row says after it first speaks of unsafe code.
+        let inventory = row.split_once("unsafe").map_or("", |(_, after)| after);
+        let src = root().join(krate);
+        for file in sources(&src) {
+            let text = std::fs::read_to_string(&file).unwrap();
+            if !["unsafe {", "unsafe fn", "unsafe impl"].iter().any(|u| text.contains(u)) {
+                continue;
+            }
+            let module = file.strip_prefix(&src).unwrap().with_extension("");
+            let module = module.to_string_lossy();
+            if !inventory.contains(&format!("`{module}`")) {
+                missing.push(format!("{krate}: {module}"));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "files with unsafe code that DESIGN.md's inventory does not list: {missing:?}");
 }
