@@ -1,11 +1,13 @@
 //! batchfs's lab tools, kept out of the daemons (the `batchfs` mount runs as root; none of this is
 //! compiled into it): `demo` (generate, serve, mount, read one epoch, report: the README's first
 //! command), `bench` (read a tree as a loader does), `netem` (a delay-line and rate-cap TCP proxy for
-//! loopback links, with faults) and `energy` (a command's energy per sensor, idle baseline subtracted).
+//! loopback links, with faults), `energy` (a command's energy per sensor, idle baseline subtracted) and `floor`
+//! (what a checked receive costs this machine at the least: the figure the daemon's CPU is measured against).
 
 pub mod bench;
 pub mod demo;
 pub mod energy;
+pub mod floor;
 pub mod netem;
 
 use anyhow::Result;
@@ -29,6 +31,8 @@ pub enum Command {
     Netem(netem::NetemArgs),
     /// Run a command and report the energy it used per sensor, idle baseline subtracted.
     Energy(energy::EnergyArgs),
+    /// Measure this machine's floor of a checked receive: a loopback TCP receive and every CRC32C path.
+    Floor(floor::FloorArgs),
 }
 
 fn init_tracing(default: &str) {
@@ -53,5 +57,6 @@ pub fn run() -> Result<()> {
             let code = energy::run(args)?;
             std::process::exit(code)
         }
+        Command::Floor(args) => floor::run(args),
     }
 }

@@ -24,7 +24,11 @@ a copy of epoch 0 on local disk, page cache warm (the loader's own cost for the 
 
 CPU: utime + stime from /proc of the server and of the mount's daemon, before and after each run, and
 the loader's own over the epoch (`cpu_s` of tests/python/loaders.py: its threads and joined workers,
-its imports left out). Writes results.csv (every run) and report.md
+its imports left out). The floor is measured in every round beside them, on the loader's core: `batchfs-lab
+floor` (a plain loopback TCP receive of an epoch's bytes into a 1 MiB buffer, plus the cheaper of one CRC32C
+pass by the fastest path of this CPU and the CRC folded into the receive), so the daemon's CPU per GB is
+reported as a ratio to what receiving and checking the same bytes costs this machine at the least. Writes
+results.csv (every run), floor.csv (the floor's parts, each round) and report.md
 (medians) to OUT_DIR and prints the report. Needs root, /dev/fuse, openssl, a release build, the loaders
 (see .ci/run).
 """
@@ -182,7 +186,23 @@ def run(out, work, procs, mounts):
                 "mount_s_per_gb": round((m1 - m0) / gb, 3), "server_s_per_gb": round((s1 - s0) / gb, 3),
                 "netem_s_per_gb": round((n1 - n0) / gb, 3), "loader_s_per_gb": round(r["cpu_s"] / gb, 3)}
 
+    floors = []
+    # The floor receives as many bytes as an epoch holds (its batch files, twins left out).
+    epoch_bytes = sum(os.path.getsize(os.path.join(local, f)) for f in os.listdir(local) if not f.endswith(".idx"))
     for rnd in range(ROUNDS):
+        measured = subprocess.run(pinned(NODE_CPU, [os.path.join(BIN, "batchfs-lab"), "floor", "--bytes",
+                                                    str(epoch_bytes), "--rounds", "1", "--json"]),
+                                  check=True, capture_output=True, text=True)
+        f = json.loads(measured.stdout)
+        floor = {"round": rnd, "bytes": f["bytes"], "floor_s_per_gb": round(f["floor_cpu_s_per_gb"], 3),
+                 "receive_s_per_gb": round(f["receive"]["cpu_s_per_gb"], 3),
+                 "receive_and_crc_s_per_gb": round(f["receive_and_crc"]["cpu_s_per_gb"], 3)}
+        for i, path in enumerate(f["crc"]):
+            floor[f"crc{i}_path"] = path["path"]
+            floor[f"crc{i}_cache_gb_per_s"] = round(path["cache"]["gb_per_s"], 2)
+            floor[f"crc{i}_memory_gb_per_s"] = round(path["memory"]["gb_per_s"], 2)
+        floors.append(floor)
+        print(json.dumps(floor), flush=True)
         for loader in LOADERS:
             for key in [None] + list(systems):
                 # LEAD epochs first, back to back with the counted one (`cold`: after the others' runs).
@@ -194,23 +214,35 @@ def run(out, work, procs, mounts):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     write_csv(os.path.join(out, "results.csv"), rows)
-    report = render(rows)
+    write_csv(os.path.join(out, "floor.csv"), floors)
+    report = render(rows, floors)
     open(os.path.join(out, "report.md"), "w").write(report)
     print(report)
 
 
-def render(rows):
+def render(rows, floors):
     fields = ("epoch_s", "mount_s_per_gb", "server_s_per_gb", "netem_s_per_gb", "loader_s_per_gb")
     cells = {}
     for r in rows:
         cells.setdefault((r["phase"], r["loader"], r["system"]), []).append(r)
     med = {k: {f: statistics.median(float(x[f]) for x in v) for f in fields} for k, v in cells.items()}
     counted = "steady" if LEAD else "cold"
+    floor = statistics.median(f["floor_s_per_gb"] for f in floors)
+    paths = "; ".join(f"{floors[0][f'crc{i}_path']}: "
+                      f"{statistics.median(f[f'crc{i}_cache_gb_per_s'] for f in floors):.1f} GB/s from cache, "
+                      f"{statistics.median(f[f'crc{i}_memory_gb_per_s'] for f in floors):.1f} from memory"
+                      for i in range(sum(1 for k in floors[0] if k.endswith("_path"))))
     lines = [f"CPU seconds per GB, medians of {ROUNDS} rounds (server and netem on core {SERVER_CPU}, mount and "
              f"loader on core {NODE_CPU}); `{counted}` epochs" + (", and the `cold` one of each visit" if LEAD else ""),
              "",
-             "| loader | system | epoch s | mount | server | netem | loader | loader / local | cold epoch s | cold mount |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"The floor (a loopback receive and the cheapest CRC32C check of the same bytes, on core {NODE_CPU}): "
+             f"{floor:.3f} s/GB; receive alone "
+             f"{statistics.median(f['receive_s_per_gb'] for f in floors):.3f}, with the CRC folded in "
+             f"{statistics.median(f['receive_and_crc_s_per_gb'] for f in floors):.3f}. CRC32C paths: {paths}.",
+             "",
+             "| loader | system | epoch s | mount | mount / floor | server | netem | loader | loader / local | "
+             "cold epoch s | cold mount |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (phase, loader, system), m in med.items():
         if phase != counted:
             continue
@@ -218,7 +250,8 @@ def render(rows):
         ratio = f"{m['loader_s_per_gb'] / local:.2f}" if local else "—"
         cold = med.get(("cold", loader, system)) if LEAD else None
         cold_cells = f"{cold['epoch_s']:.2f} | {cold['mount_s_per_gb']:.3f}" if cold else "— | —"
-        lines.append(f"| {loader} | {system} | {m['epoch_s']:.2f} | {m['mount_s_per_gb']:.3f} | "
+        over_floor = f"{m['mount_s_per_gb'] / floor:.2f}" if system != "local" and floor else "—"
+        lines.append(f"| {loader} | {system} | {m['epoch_s']:.2f} | {m['mount_s_per_gb']:.3f} | {over_floor} | "
                      f"{m['server_s_per_gb']:.3f} | {m['netem_s_per_gb']:.3f} | {m['loader_s_per_gb']:.3f} | {ratio} | "
                      f"{cold_cells} |")
     return "\n".join(lines) + "\n"

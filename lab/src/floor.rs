@@ -1,0 +1,255 @@
+//! `batchfs-lab floor`: what the cheapest receive of a checked body costs on this machine, the floor the
+//! mount's daemon is measured against (docs/BENCHMARKS.md, "Per-node CPU"). Each part is measured on one
+//! thread's CPU clock, so other load on the machine slows it down without inflating it:
+//!
+//! - **receive**: a plain TCP receive over loopback into a 1 MiB buffer (a sender thread writes the
+//!   same buffer over and over), the receiver's CPU per GB;
+//! - **CRC32C**, by every path this build has on this CPU: `crc-fast` (the path it picks here, by its
+//!   own name: AVX-512 `VPCLMULQDQ` only with AVX-512VL) and the `crc32c` crate (three streams of the
+//!   `crc32` instruction), each over a buffer that fits the cache and one that does not;
+//! - **receive + CRC**: the receive with the CRC of each piece taken right after it lands, while its bytes
+//!   are in cache (what a body's check costs when it is folded into its receive).
+//!
+//! The floor is the receive plus the cheaper of a separate CRC pass and the fold.
+
+use anyhow::{Context, Result};
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+/// What `batchfs-lab floor` measures.
+#[derive(Debug, clap::Args)]
+pub struct FloorArgs {
+    /// Bytes each receive and each CRC pass from memory covers (K, M, G suffixes).
+    #[arg(long, default_value = "1G", value_parser = batchfs::units::parse_size)]
+    pub bytes: u64,
+    /// Rounds of every measure; the medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Print the figures as one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measure: the CPU seconds per GB of the thread that did it, and its rate over wall time.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Cost {
+    pub cpu_s_per_gb: f64,
+    pub gb_per_s: f64,
+}
+
+/// A CRC32C path: its name, and its cost from cache and from memory.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CrcPath {
+    pub path: String,
+    pub cache: Cost,
+    pub memory: Cost,
+}
+
+/// Every figure of a run (medians of the rounds).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Floor {
+    pub bytes: u64,
+    pub receive: Cost,
+    pub receive_and_crc: Cost,
+    pub crc: Vec<CrcPath>,
+    /// Receive plus the cheaper of a separate pass with the fastest path from memory and the fold.
+    pub floor_cpu_s_per_gb: f64,
+}
+
+/// The CPU time this thread has used.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec through the pointer, which outlives the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "CLOCK_THREAD_CPUTIME_ID");
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// The cost of `work` over `bytes`, on this thread.
+fn measure(bytes: u64, work: impl FnOnce()) -> Cost {
+    let (cpu, wall) = (thread_cpu(), Instant::now());
+    work();
+    let (cpu, wall) = (thread_cpu() - cpu, wall.elapsed());
+    let gb = bytes as f64 / 1e9;
+    Cost { cpu_s_per_gb: cpu.as_secs_f64() / gb, gb_per_s: gb / wall.as_secs_f64() }
+}
+
+/// Contents that are not all one byte (so nothing along the way has it easy).
+fn filled(len: usize) -> Vec<u8> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// `bytes` received over a loopback TCP connection into a 1 MiB buffer; with `crc`, each piece's CRC32C
+/// folded in as it lands. Returns the receiver's cost and the CRC (0 without).
+fn receive(bytes: u64, crc: bool) -> Result<(Cost, u32)> {
+    const BUFFER: usize = 1 << 20;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("cannot listen on loopback")?;
+    let addr = listener.local_addr()?;
+    let sender = std::thread::spawn(move || -> std::io::Result<()> {
+        let data = filled(BUFFER);
+        let mut conn = std::net::TcpStream::connect(addr)?;
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(BUFFER as u64) as usize;
+            conn.write_all(&data[..n])?;
+            left -= n as u64;
+        }
+        Ok(())
+    });
+    let (mut conn, _) = listener.accept()?;
+    let mut buf = vec![0u8; BUFFER];
+    let (mut got, mut sum) = (0u64, 0u32);
+    let mut failed = None;
+    let cost = measure(bytes, || {
+        while got < bytes {
+            match conn.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    if crc {
+                        sum = batchfs::crc::crc32c_append(sum, &buf[..n]);
+                    }
+                    got += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+    });
+    sender.join().expect("the sender thread").context("the sender")?;
+    if let Some(e) = failed {
+        return Err(e).context("the receive");
+    }
+    anyhow::ensure!(got == bytes, "received {got} of {bytes} bytes");
+    Ok((cost, sum))
+}
+
+/// A CRC32C path: (the CRC so far, bytes) to the CRC with them.
+type Append = fn(u32, &[u8]) -> u32;
+
+/// The CRC32C paths this build has, by name.
+fn crc_paths() -> Vec<(String, Append)> {
+    let target = crc_fast::get_calculator_target(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    vec![
+        (format!("crc-fast ({target}), what batchfs uses"), batchfs::crc::crc32c_append),
+        ("crc32c crate (SSE4.2 crc32, three streams)".to_owned(), crc32c::crc32c_append),
+    ]
+}
+
+/// The cost of `path` over `total` bytes made of passes over `data`.
+fn crc_cost(path: Append, data: &[u8], total: u64) -> (Cost, u32) {
+    let mut sum = 0;
+    let cost = measure(total, || {
+        let mut left = total;
+        while left > 0 {
+            let n = left.min(data.len() as u64) as usize;
+            sum = path(sum, &data[..n]);
+            left -= n as u64;
+        }
+    });
+    (cost, std::hint::black_box(sum))
+}
+
+fn median_cost(costs: &[Cost]) -> Cost {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Cost {
+        cpu_s_per_gb: median(costs.iter().map(|c| c.cpu_s_per_gb).collect()),
+        gb_per_s: median(costs.iter().map(|c| c.gb_per_s).collect()),
+    }
+}
+
+/// Measures every part `rounds` times, alternating, and returns the medians.
+pub fn measure_floor(bytes: u64, rounds: usize) -> Result<Floor> {
+    anyhow::ensure!(bytes > 0 && rounds > 0, "--bytes and --rounds must be above 0");
+    let paths = crc_paths();
+    // From cache: 64 KiB passed over again and again; from memory: a buffer larger than any cache here.
+    let in_cache = filled(64 << 10);
+    let in_memory = filled(bytes.clamp(128 << 20, 1 << 30) as usize);
+    let (mut plain, mut fused) = (Vec::new(), Vec::new());
+    let mut crc: Vec<(Vec<Cost>, Vec<Cost>)> = vec![(Vec::new(), Vec::new()); paths.len()];
+    for _ in 0..rounds {
+        plain.push(receive(bytes, false)?.0);
+        fused.push(receive(bytes, true)?.0);
+        for ((_, path), (cache, memory)) in paths.iter().zip(crc.iter_mut()) {
+            let (c, from_cache) = crc_cost(*path, &in_cache, bytes);
+            let (m, from_memory) = crc_cost(*path, &in_memory, bytes);
+            cache.push(c);
+            memory.push(m);
+            std::hint::black_box((from_cache, from_memory));
+        }
+    }
+    // Every path computes the same CRC32C.
+    let sums: Vec<u32> = paths.iter().map(|(_, p)| p(0, &in_cache)).collect();
+    anyhow::ensure!(sums.windows(2).all(|w| w[0] == w[1]), "the CRC32C paths disagree: {sums:x?}");
+    let crc: Vec<CrcPath> = paths
+        .iter()
+        .zip(&crc)
+        .map(|((name, _), (cache, memory))| CrcPath {
+            path: name.clone(),
+            cache: median_cost(cache),
+            memory: median_cost(memory),
+        })
+        .collect();
+    let (receive, receive_and_crc) = (median_cost(&plain), median_cost(&fused));
+    let best_pass = crc.iter().map(|p| p.memory.cpu_s_per_gb).fold(f64::INFINITY, f64::min);
+    let floor_cpu_s_per_gb = (receive.cpu_s_per_gb + best_pass).min(receive_and_crc.cpu_s_per_gb);
+    Ok(Floor { bytes, receive, receive_and_crc, crc, floor_cpu_s_per_gb })
+}
+
+/// The report as a table.
+pub fn render(f: &Floor) -> String {
+    let mut out = format!("the floor of a checked receive, {} MB a measure (medians)\n", f.bytes / 1_000_000);
+    out += &format!("{:-<88}\n", "");
+    out += &format!("{:<56}{:>14}{:>14}\n", "measure", "CPU s/GB", "GB/s");
+    let mut row = |name: &str, c: &Cost| out += &format!("{name:<56}{:>14.3}{:>14.2}\n", c.cpu_s_per_gb, c.gb_per_s);
+    row("TCP receive over loopback into 1 MiB", &f.receive);
+    row("the same, each piece's CRC32C folded in", &f.receive_and_crc);
+    for p in &f.crc {
+        row(&format!("CRC32C from cache: {}", p.path), &p.cache);
+        row(&format!("CRC32C from memory: {}", p.path), &p.memory);
+    }
+    out += &format!("{:<56}{:>14.3}\n", "floor: receive + the cheapest check", f.floor_cpu_s_per_gb);
+    out
+}
+
+/// Runs `batchfs-lab floor`.
+pub fn run(args: FloorArgs) -> Result<()> {
+    let floor = measure_floor(args.bytes, args.rounds)?;
+    match args.json {
+        true => println!("{}", serde_json::to_string(&floor)?),
+        false => print!("{}", render(&floor)),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_floor_receives_every_byte_and_its_paths_agree() {
+        let (_, sum) = receive(3 << 20, true).unwrap();
+        let data = filled(1 << 20);
+        let expected = (0..3).fold(0, |s, _| crc32c::crc32c_append(s, &data));
+        assert_eq!(sum, expected, "the fold's CRC is the CRC of every byte sent");
+        let floor = measure_floor(1 << 20, 1).unwrap();
+        assert_eq!(floor.crc.len(), 2);
+        assert!(floor.crc[0].path.starts_with("crc-fast (") && floor.floor_cpu_s_per_gb > 0.0, "{floor:?}");
+        let table = render(&floor);
+        assert!(table.contains("TCP receive") && table.contains("floor"), "{table}");
+    }
+}
