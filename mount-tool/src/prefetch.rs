@@ -14,7 +14,8 @@
 //!
 //! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
 //! fuser 0.18 ignores FUSE_INTERRUPT); fetches run as tasks on a tokio runtime. No tokio worker ever
-//! blocks: the only blocking calls are made from the FUSE threads (or test threads).
+//! waits: condition variables are waited on from the FUSE threads (or test threads) only; a task takes
+//! the cache's, an entry's or the throughput's mutex for a few instructions at a time, never across an await.
 //!
 //! **Invariants.**
 //! - No byte reaches a reader before it is verified: its whole batch matched the manifest's size and
@@ -32,6 +33,17 @@
 //!   it started, then gives up. A reader waits out its own `timeout`, not the fetch's: a reader whose
 //!   time is not up when the fetch it joined gives up starts a new one (the failed entry makes way);
 //!   a read whose time is up fails with an error (EIO at the FUSE edge).
+//!
+//! **Lock order** (outermost first; a lock is only taken while holding those before it):
+//! `Entry::making` → `Prefetcher::cache` → `Entry::state` → `Entry::memfd` → `Prefetcher::throughput` →
+//! `BufferPool`'s ledger; and `Shuffled::making` → `Shuffled::plans`. The rest are leaves, never held while
+//! another is taken: `streams`, the listings' `manifests` and `warming`, `raw/`'s directories, `Shuffled::read`,
+//! the node cache's `evicting` and the stats' feeds. Each condition variable waits releasing only its own
+//! mutex (`room` the cache's, `changed` an entry's state, `raw/`'s its directories'), with a deadline. No
+//! lock is held across a call to the client, a `block_on`, a backoff sleep or the node cache's disk I/O; the
+//! one lock held across I/O is an entry's `making`, while its memory file is written (a second opener of the
+//! same entry waits for that copy, not for the network). Under the cache lock, evictions may close memory
+//! files, unmap bodies and hand buffers back to the pool (frees, never waits).
 //!
 //! **Window.** [`StreamTracker`] (in `prefetch/streams.rs`) turns the batches read of each listing into
 //! streams, whoever reads them: the first read of an epoch gets the full window (`prefetch` batches, more
