@@ -1,6 +1,6 @@
 //! The FUSE adapter: translates fuser callbacks into calls on [`Fs`] and its [`OpenFiles`], and their
 //! results into replies; [`Connection`] is what the open files ask of the kernel, done on the mount's FUSE
-//! connection. Every error reaches the kernel through [`FuseFs::fail`]: its errno, logged, counted. Every
+//! connection. Every error reaches the kernel through `FuseFs::fail`: its errno, logged, counted. Every
 //! modifying operation is EROFS.
 //!
 //! Reads block the calling FUSE worker thread (there are `threads` of them) until the batch is
