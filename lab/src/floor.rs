@@ -28,6 +28,13 @@ pub struct FloorArgs {
     /// Print the figures as one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// The CPU the receiving (and CRC) thread runs on, as the mount's daemon would (default: as started).
+    #[arg(long, value_name = "CPU")]
+    pub receiver_cpu: Option<usize>,
+    /// The CPU the sending thread runs on, as the server would: another core than the receiver's, so the
+    /// receive copies bytes another core wrote, as the daemon's does (default: as started).
+    #[arg(long, value_name = "CPU")]
+    pub sender_cpu: Option<usize>,
 }
 
 /// One measure: the CPU seconds per GB of the thread that did it, and its rate over wall time.
@@ -37,12 +44,14 @@ pub struct Cost {
     pub gb_per_s: f64,
 }
 
-/// A CRC32C path: its name, and its cost from cache and from memory.
+/// A CRC32C path: its name, its cost from cache and from memory, and the cost of a receive with the CRC of
+/// each piece folded in by it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CrcPath {
     pub path: String,
     pub cache: Cost,
     pub memory: Cost,
+    pub folded: Cost,
 }
 
 /// Every figure of a run (medians of the rounds).
@@ -50,9 +59,8 @@ pub struct CrcPath {
 pub struct Floor {
     pub bytes: u64,
     pub receive: Cost,
-    pub receive_and_crc: Cost,
     pub crc: Vec<CrcPath>,
-    /// Receive plus the cheaper of a separate pass with the fastest path from memory and the fold.
+    /// Receive plus the cheapest check: a separate pass from memory, or a fold, by the best path for each.
     pub floor_cpu_s_per_gb: f64,
 }
 
@@ -88,13 +96,29 @@ fn filled(len: usize) -> Vec<u8> {
     out
 }
 
-/// `bytes` received over a loopback TCP connection into a 1 MiB buffer; with `crc`, each piece's CRC32C
-/// folded in as it lands. Returns the receiver's cost and the CRC (0 without).
-fn receive(bytes: u64, crc: bool) -> Result<(Cost, u32)> {
+/// Pins the calling thread to `cpu`.
+fn pin(cpu: usize) -> Result<()> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes within it; sched_setaffinity reads it.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    anyhow::ensure!(rc == 0, "cannot run on CPU {cpu}: {}", std::io::Error::last_os_error());
+    Ok(())
+}
+
+/// `bytes` received over a loopback TCP connection into a 1 MiB buffer, sent from `sender_cpu`; with
+/// `crc`, each piece's CRC32C folded in by it as the piece lands. Returns the receiver's cost and the CRC
+/// (0 without).
+fn receive(bytes: u64, crc: Option<Append>, sender_cpu: Option<usize>) -> Result<(Cost, u32)> {
     const BUFFER: usize = 1 << 20;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("cannot listen on loopback")?;
     let addr = listener.local_addr()?;
-    let sender = std::thread::spawn(move || -> std::io::Result<()> {
+    let sender = std::thread::spawn(move || -> Result<()> {
+        if let Some(cpu) = sender_cpu {
+            pin(cpu)?;
+        }
         let data = filled(BUFFER);
         let mut conn = std::net::TcpStream::connect(addr)?;
         let mut left = bytes;
@@ -114,8 +138,8 @@ fn receive(bytes: u64, crc: bool) -> Result<(Cost, u32)> {
             match conn.read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => {
-                    if crc {
-                        sum = batchfs::crc::crc32c_append(sum, &buf[..n]);
+                    if let Some(append) = crc {
+                        sum = append(sum, &buf[..n]);
                     }
                     got += n as u64;
                 }
@@ -172,24 +196,22 @@ fn median_cost(costs: &[Cost]) -> Cost {
     }
 }
 
-/// Measures every part `rounds` times, alternating, and returns the medians.
-pub fn measure_floor(bytes: u64, rounds: usize) -> Result<Floor> {
+/// Measures every part `rounds` times, alternating, and returns the medians; the sender of each receive
+/// runs on `sender_cpu`, the rest on the calling thread.
+pub fn measure_floor(bytes: u64, rounds: usize, sender_cpu: Option<usize>) -> Result<Floor> {
     anyhow::ensure!(bytes > 0 && rounds > 0, "--bytes and --rounds must be above 0");
     let paths = crc_paths();
     // From cache: 64 KiB passed over again and again; from memory: a buffer larger than any cache here.
     let in_cache = filled(64 << 10);
     let in_memory = filled(bytes.clamp(128 << 20, 1 << 30) as usize);
-    let (mut plain, mut fused) = (Vec::new(), Vec::new());
-    let mut crc: Vec<(Vec<Cost>, Vec<Cost>)> = vec![(Vec::new(), Vec::new()); paths.len()];
+    let mut plain = Vec::new();
+    let mut per_path: Vec<[Vec<Cost>; 3]> = vec![Default::default(); paths.len()];
     for _ in 0..rounds {
-        plain.push(receive(bytes, false)?.0);
-        fused.push(receive(bytes, true)?.0);
-        for ((_, path), (cache, memory)) in paths.iter().zip(crc.iter_mut()) {
-            let (c, from_cache) = crc_cost(*path, &in_cache, bytes);
-            let (m, from_memory) = crc_cost(*path, &in_memory, bytes);
-            cache.push(c);
-            memory.push(m);
-            std::hint::black_box((from_cache, from_memory));
+        plain.push(receive(bytes, None, sender_cpu)?.0);
+        for ((_, path), [cache, memory, folded]) in paths.iter().zip(per_path.iter_mut()) {
+            cache.push(crc_cost(*path, &in_cache, bytes).0);
+            memory.push(crc_cost(*path, &in_memory, bytes).0);
+            folded.push(receive(bytes, Some(*path), sender_cpu)?.0);
         }
     }
     // Every path computes the same CRC32C.
@@ -197,30 +219,33 @@ pub fn measure_floor(bytes: u64, rounds: usize) -> Result<Floor> {
     anyhow::ensure!(sums.windows(2).all(|w| w[0] == w[1]), "the CRC32C paths disagree: {sums:x?}");
     let crc: Vec<CrcPath> = paths
         .iter()
-        .zip(&crc)
-        .map(|((name, _), (cache, memory))| CrcPath {
+        .zip(&per_path)
+        .map(|((name, _), [cache, memory, folded])| CrcPath {
             path: name.clone(),
             cache: median_cost(cache),
             memory: median_cost(memory),
+            folded: median_cost(folded),
         })
         .collect();
-    let (receive, receive_and_crc) = (median_cost(&plain), median_cost(&fused));
+    let receive = median_cost(&plain);
     let best_pass = crc.iter().map(|p| p.memory.cpu_s_per_gb).fold(f64::INFINITY, f64::min);
-    let floor_cpu_s_per_gb = (receive.cpu_s_per_gb + best_pass).min(receive_and_crc.cpu_s_per_gb);
-    Ok(Floor { bytes, receive, receive_and_crc, crc, floor_cpu_s_per_gb })
+    let best_fold = crc.iter().map(|p| p.folded.cpu_s_per_gb).fold(f64::INFINITY, f64::min);
+    let floor_cpu_s_per_gb = (receive.cpu_s_per_gb + best_pass).min(best_fold);
+    Ok(Floor { bytes, receive, crc, floor_cpu_s_per_gb })
 }
 
 /// The report as a table.
 pub fn render(f: &Floor) -> String {
+    let row = |name: &str, c: &Cost| format!("{name:<56}{:>14.3}{:>14.2}\n", c.cpu_s_per_gb, c.gb_per_s);
     let mut out = format!("the floor of a checked receive, {} MB a measure (medians)\n", f.bytes / 1_000_000);
-    out += &format!("{:-<88}\n", "");
+    out += &format!("{:-<84}\n", "");
     out += &format!("{:<56}{:>14}{:>14}\n", "measure", "CPU s/GB", "GB/s");
-    let mut row = |name: &str, c: &Cost| out += &format!("{name:<56}{:>14.3}{:>14.2}\n", c.cpu_s_per_gb, c.gb_per_s);
-    row("TCP receive over loopback into 1 MiB", &f.receive);
-    row("the same, each piece's CRC32C folded in", &f.receive_and_crc);
+    out += &row("TCP receive over loopback into 1 MiB", &f.receive);
     for p in &f.crc {
-        row(&format!("CRC32C from cache: {}", p.path), &p.cache);
-        row(&format!("CRC32C from memory: {}", p.path), &p.memory);
+        out += &format!("CRC32C by {}\n", p.path);
+        out += &row("  from cache", &p.cache);
+        out += &row("  from memory", &p.memory);
+        out += &row("  folded into the receive (receive included)", &p.folded);
     }
     out += &format!("{:<56}{:>14.3}\n", "floor: receive + the cheapest check", f.floor_cpu_s_per_gb);
     out
@@ -228,7 +253,10 @@ pub fn render(f: &Floor) -> String {
 
 /// Runs `batchfs-lab floor`.
 pub fn run(args: FloorArgs) -> Result<()> {
-    let floor = measure_floor(args.bytes, args.rounds)?;
+    if let Some(cpu) = args.receiver_cpu {
+        pin(cpu)?;
+    }
+    let floor = measure_floor(args.bytes, args.rounds, args.sender_cpu)?;
     match args.json {
         true => println!("{}", serde_json::to_string(&floor)?),
         false => print!("{}", render(&floor)),
@@ -242,11 +270,11 @@ mod tests {
 
     #[test]
     fn a_small_floor_receives_every_byte_and_its_paths_agree() {
-        let (_, sum) = receive(3 << 20, true).unwrap();
+        let (_, sum) = receive(3 << 20, Some(batchfs::crc::crc32c_append), None).unwrap();
         let data = filled(1 << 20);
         let expected = (0..3).fold(0, |s, _| crc32c::crc32c_append(s, &data));
         assert_eq!(sum, expected, "the fold's CRC is the CRC of every byte sent");
-        let floor = measure_floor(1 << 20, 1).unwrap();
+        let floor = measure_floor(1 << 20, 1, Some(0)).unwrap();
         assert_eq!(floor.crc.len(), 2);
         assert!(floor.crc[0].path.starts_with("crc-fast (") && floor.floor_cpu_s_per_gb > 0.0, "{floor:?}");
         let table = render(&floor);

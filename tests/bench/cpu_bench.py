@@ -26,7 +26,8 @@ CPU: utime + stime from /proc of the server and of the mount's daemon, before an
 the loader's own over the epoch (`cpu_s` of tests/python/loaders.py: its threads and joined workers,
 its imports left out). The floor is measured in every round beside them, on the loader's core: `batchfs-lab
 floor` (a plain loopback TCP receive of an epoch's bytes into a 1 MiB buffer, plus the cheaper of one CRC32C
-pass by the fastest path of this CPU and the CRC folded into the receive), so the daemon's CPU per GB is
+pass by the fastest path of this CPU and the CRC folded into the receive; the sender on SERVER_CPU, the
+receiver on NODE_CPU), so the daemon's CPU per GB is
 reported as a ratio to what receiving and checking the same bytes costs this machine at the least. Writes
 results.csv (every run), floor.csv (the floor's parts, each round) and report.md
 (medians) to OUT_DIR and prints the report. Needs root, /dev/fuse, openssl, a release build, the loaders
@@ -190,17 +191,17 @@ def run(out, work, procs, mounts):
     # The floor receives as many bytes as an epoch holds (its batch files, twins left out).
     epoch_bytes = sum(os.path.getsize(os.path.join(local, f)) for f in os.listdir(local) if not f.endswith(".idx"))
     for rnd in range(ROUNDS):
-        measured = subprocess.run(pinned(NODE_CPU, [os.path.join(BIN, "batchfs-lab"), "floor", "--bytes",
-                                                    str(epoch_bytes), "--rounds", "1", "--json"]),
+        measured = subprocess.run([os.path.join(BIN, "batchfs-lab"), "floor", "--bytes", str(epoch_bytes), "--rounds",
+                                   "1", "--json", "--receiver-cpu", NODE_CPU, "--sender-cpu", SERVER_CPU],
                                   check=True, capture_output=True, text=True)
         f = json.loads(measured.stdout)
         floor = {"round": rnd, "bytes": f["bytes"], "floor_s_per_gb": round(f["floor_cpu_s_per_gb"], 3),
-                 "receive_s_per_gb": round(f["receive"]["cpu_s_per_gb"], 3),
-                 "receive_and_crc_s_per_gb": round(f["receive_and_crc"]["cpu_s_per_gb"], 3)}
+                 "receive_s_per_gb": round(f["receive"]["cpu_s_per_gb"], 3)}
         for i, path in enumerate(f["crc"]):
             floor[f"crc{i}_path"] = path["path"]
             floor[f"crc{i}_cache_gb_per_s"] = round(path["cache"]["gb_per_s"], 2)
             floor[f"crc{i}_memory_gb_per_s"] = round(path["memory"]["gb_per_s"], 2)
+            floor[f"crc{i}_folded_s_per_gb"] = round(path["folded"]["cpu_s_per_gb"], 3)
         floors.append(floor)
         print(json.dumps(floor), flush=True)
         for loader in LOADERS:
@@ -230,15 +231,16 @@ def render(rows, floors):
     floor = statistics.median(f["floor_s_per_gb"] for f in floors)
     paths = "; ".join(f"{floors[0][f'crc{i}_path']}: "
                       f"{statistics.median(f[f'crc{i}_cache_gb_per_s'] for f in floors):.1f} GB/s from cache, "
-                      f"{statistics.median(f[f'crc{i}_memory_gb_per_s'] for f in floors):.1f} from memory"
+                      f"{statistics.median(f[f'crc{i}_memory_gb_per_s'] for f in floors):.1f} from memory, "
+                      f"folded into the receive {statistics.median(f[f'crc{i}_folded_s_per_gb'] for f in floors):.3f}"
+                      " s/GB (receive included)"
                       for i in range(sum(1 for k in floors[0] if k.endswith("_path"))))
     lines = [f"CPU seconds per GB, medians of {ROUNDS} rounds (server and netem on core {SERVER_CPU}, mount and "
              f"loader on core {NODE_CPU}); `{counted}` epochs" + (", and the `cold` one of each visit" if LEAD else ""),
              "",
              f"The floor (a loopback receive and the cheapest CRC32C check of the same bytes, on core {NODE_CPU}): "
              f"{floor:.3f} s/GB; receive alone "
-             f"{statistics.median(f['receive_s_per_gb'] for f in floors):.3f}, with the CRC folded in "
-             f"{statistics.median(f['receive_and_crc_s_per_gb'] for f in floors):.3f}. CRC32C paths: {paths}.",
+             f"{statistics.median(f['receive_s_per_gb'] for f in floors):.3f}. CRC32C paths: {paths}.",
              "",
              "| loader | system | epoch s | mount | mount / floor | server | netem | loader | loader / local | "
              "cold epoch s | cold mount |",
