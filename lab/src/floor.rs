@@ -10,7 +10,9 @@
 //! - **receive + CRC**: the receive with the CRC of each piece taken right after it lands, while its bytes
 //!   are in cache (what a body's check costs when it is folded into its receive).
 //!
-//! The floor is the receive plus the cheaper of a separate CRC pass and the fold.
+//! The floor is the plain receive plus one CRC32C pass from memory by the fastest path. The fold is
+//! reported beside it: a receiver slowed by its CRC reads larger pieces and wakes less often, so on
+//! loopback a receive that checks as it lands can cost less than the plain one.
 
 use anyhow::{Context, Result};
 use std::io::{Read, Write};
@@ -60,8 +62,10 @@ pub struct Floor {
     pub bytes: u64,
     pub receive: Cost,
     pub crc: Vec<CrcPath>,
-    /// Receive plus the cheapest check: a separate pass from memory, or a fold, by the best path for each.
+    /// The plain receive plus one pass from memory by the fastest path.
     pub floor_cpu_s_per_gb: f64,
+    /// The cheapest receive with the CRC folded in, by any path.
+    pub fold_cpu_s_per_gb: f64,
 }
 
 /// The CPU time this thread has used.
@@ -230,8 +234,8 @@ pub fn measure_floor(bytes: u64, rounds: usize, sender_cpu: Option<usize>) -> Re
     let receive = median_cost(&plain);
     let best_pass = crc.iter().map(|p| p.memory.cpu_s_per_gb).fold(f64::INFINITY, f64::min);
     let best_fold = crc.iter().map(|p| p.folded.cpu_s_per_gb).fold(f64::INFINITY, f64::min);
-    let floor_cpu_s_per_gb = (receive.cpu_s_per_gb + best_pass).min(best_fold);
-    Ok(Floor { bytes, receive, crc, floor_cpu_s_per_gb })
+    let floor_cpu_s_per_gb = receive.cpu_s_per_gb + best_pass;
+    Ok(Floor { bytes, receive, crc, floor_cpu_s_per_gb, fold_cpu_s_per_gb: best_fold })
 }
 
 /// The report as a table.
@@ -247,7 +251,8 @@ pub fn render(f: &Floor) -> String {
         out += &row("  from memory", &p.memory);
         out += &row("  folded into the receive (receive included)", &p.folded);
     }
-    out += &format!("{:<56}{:>14.3}\n", "floor: receive + the cheapest check", f.floor_cpu_s_per_gb);
+    out += &format!("{:<56}{:>14.3}\n", "floor: the receive + one pass by the fastest path", f.floor_cpu_s_per_gb);
+    out += &format!("{:<56}{:>14.3}\n", "the cheapest receive with the CRC folded in", f.fold_cpu_s_per_gb);
     out
 }
 
