@@ -126,11 +126,23 @@ impl FuseFs {
         }
     }
 
-    fn ttl(node: Node) -> Duration {
+    /// How long the kernel may keep the name that led to `node`.
+    fn entry_ttl(node: Node) -> Duration {
         match node {
-            // A name in rolling/ is a new file at each open (and each reader's layout): the kernel must look
-            // it up every time. The indexed layout's twins are one file for every epoch.
+            // A name in rolling/ is a new file at each open (and each reader's layout), and a name in
+            // shuffled/ a new sample at each lookup: the kernel must look it up every time. The indexed
+            // layout's twins are one file for every epoch.
             Node::Stats | Node::Rolling { .. } | Node::Shuffled { .. } => Duration::ZERO,
+            _ => TTL,
+        }
+    }
+
+    /// How long the kernel may keep `node`'s attributes: for ever but the stats' (a snapshot each open),
+    /// since every other inode names contents that never change (a sample of `shuffled/` in one epoch,
+    /// `rolling/`'s file of one epoch), so the `fstat` after an open is not a round trip.
+    fn attr_ttl(node: Node) -> Duration {
+        match node {
+            Node::Stats => Duration::ZERO,
             _ => TTL,
         }
     }
@@ -182,14 +194,20 @@ impl Filesystem for FuseFs {
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let Some(name) = name.to_str() else { return reply.error(Errno::ENOENT) };
         match self.fs.lookup_as(parent.0, name, self.opens.owner(req.pid()), req.pid()) {
-            Ok(a) => reply.entry(&Self::ttl(a.node), &self.file_attr(&a), Generation(0)),
+            // fuser's order: the attributes' TTL, then the name's.
+            Ok(a) => reply.entry_with_ttls(
+                &Self::attr_ttl(a.node),
+                &Self::entry_ttl(a.node),
+                &self.file_attr(&a),
+                Generation(0),
+            ),
             Err(e) => reply.error(self.fail("lookup", parent.0, &e)),
         }
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         match self.fs.getattr(ino.0) {
-            Ok(a) => reply.attr(&Self::ttl(a.node), &self.file_attr(&a)),
+            Ok(a) => reply.attr(&Self::attr_ttl(a.node), &self.file_attr(&a)),
             Err(e) => reply.error(self.fail("getattr", ino.0, &e)),
         }
     }
@@ -381,5 +399,23 @@ impl Filesystem for FuseFs {
 
     fn link(&self, _req: &Request, _ino: INodeNo, _newparent: INodeNo, _newname: &OsStr, reply: ReplyEntry) {
         reply.error(Errno::EROFS);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fs::RollingFile;
+
+    #[test]
+    fn names_handed_out_anew_are_looked_up_each_time_and_their_inodes_attributes_are_kept() {
+        let sample = Node::Shuffled { epoch: 1, class: 2, k: 3 };
+        let rolling = Node::Rolling { epoch: 1, batch: 2, file: RollingFile::Packed };
+        for node in [sample, rolling] {
+            assert_eq!((FuseFs::entry_ttl(node), FuseFs::attr_ttl(node)), (Duration::ZERO, TTL), "{node:?}");
+        }
+        assert_eq!((FuseFs::entry_ttl(Node::Stats), FuseFs::attr_ttl(Node::Stats)), (Duration::ZERO, Duration::ZERO));
+        let batch = Node::Batch { epoch: 0, batch: 0, index: false };
+        assert_eq!((FuseFs::entry_ttl(batch), FuseFs::attr_ttl(batch)), (TTL, TTL));
     }
 }

@@ -41,7 +41,8 @@ chmod -R a+rX "$work/tree"
 p_server=$(free_port)
 RUST_LOG=warn "$BIN/batchfs-server" serve --listen "127.0.0.1:$p_server" --dataset d="$work/tree" & pids+=($!)
 wait_healthy "$p_server"
-peers_start "$work"
+# The peers' servers only where a peer is measured (sshd and nginx need not be installed otherwise).
+case " $SYSTEMS " in *" sshfs "* | *" rclone "*) peers_start "$work" ;; esac
 mkdir -p "$work/mnt-batchfs" "$work/mnt-sshfs" "$work/mnt-rclone"
 
 mount_system() { # system rtt: sets DIR
@@ -83,7 +84,8 @@ unmount_system() {
   esac
   if [ -n "$NETEM_PID" ]; then kill "$NETEM_PID" 2>/dev/null || true; wait "$NETEM_PID" 2>/dev/null || true; fi
 }
-daemon_pid() { pgrep -f "batchfs mount http://127.0.0.1:$NETEM_PORT/d" | head -1; }
+# The process serving the mount: its worker (the supervisor only holds the connection).
+daemon_pid() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["worker_pid"])' "$work/mnt-batchfs/.batchfs/stats"; }
 
 echo "round,system,rtt_ms,items,seconds,bytes,epoch_s,mount_mb,warm_s" > "$OUT/results.csv"
 for round in $(seq "$ROUNDS"); do
