@@ -33,32 +33,58 @@ pub struct Sent {
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Why a request failed.
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[derive(Debug, Error, Clone)]
 pub enum ClientError {
-    #[error("cannot reach {server}: {message}")]
-    Unreachable { server: String, message: String },
+    /// The server could not be reached, or the connection failed under a response: the transport's
+    /// error (its chain in the message).
+    #[error("cannot reach {server}: {}", chain(cause.as_ref()))]
+    Unreachable { server: String, cause: Cause },
     #[error("{server} stalled: no bytes for {after:?}")]
     Stalled { server: String, after: Duration },
+    /// The server's answer: its status and what its body said.
     #[error("{server} answered {status}: {message}")]
     Status { server: String, status: u16, message: String },
+    /// What is wrong with the response.
     #[error("{server} sent a malformed response: {message}")]
     Malformed { server: String, message: String },
-    #[error("cannot store a body from {server}: {message}")]
-    Store { server: String, message: String },
+    /// The body could not be stored where it was going (its buffer or memory file): the I/O error.
+    #[error("cannot store a body from {server}: {cause}")]
+    Store { server: String, cause: Arc<std::io::Error> },
     /// A checkpoint of the body did not match the bytes before it (see [`crate::buffers::Partial`]).
-    #[error("{server} sent a corrupt body: {message}")]
-    Corrupt { server: String, message: String },
+    #[error("{server} sent a corrupt body: {cause}")]
+    Corrupt { server: String, cause: Arc<std::io::Error> },
+}
+
+/// A transport's error, shared: a failed fetch's error reaches every reader waiting on it. Kept as it
+/// came (downcast it to ask what it was), not as its text; the message shows its chain.
+pub type Cause = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `e` and its sources, `: `-separated.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 impl ClientError {
     /// The error of appending a body from `server` to its [`Sink`]: a checkpoint that did not match
     /// (`InvalidData`) is a corrupt body, anything else a store that failed.
     pub fn appending(server: &str, e: std::io::Error) -> Self {
-        let (server, message) = (server.to_owned(), e.to_string());
+        let server = server.to_owned();
         match e.kind() {
-            std::io::ErrorKind::InvalidData => ClientError::Corrupt { server, message },
-            _ => ClientError::Store { server, message },
+            std::io::ErrorKind::InvalidData => ClientError::Corrupt { server, cause: Arc::new(e) },
+            _ => ClientError::Store { server, cause: Arc::new(e) },
         }
+    }
+
+    /// `server` unreachable for `cause`.
+    pub fn unreachable(server: impl Into<String>, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        ClientError::Unreachable { server: server.into(), cause: Arc::new(cause) }
     }
 
     /// Whether trying again may help (network trouble, server errors), as opposed to a refusal that
@@ -140,6 +166,25 @@ mod tests {
         let s = |status| ClientError::Status { server: "s".into(), status, message: String::new() };
         assert!(s(503).is_retryable() && s(429).is_retryable());
         assert!(!s(404).is_retryable() && !s(401).is_retryable() && !s(400).is_retryable());
-        assert!(ClientError::Unreachable { server: "s".into(), message: String::new() }.is_retryable());
+        assert!(ClientError::unreachable("s", std::io::Error::other("refused")).is_retryable());
+    }
+
+    #[test]
+    fn a_transport_error_is_kept_as_it_came_and_its_chain_is_the_message() {
+        #[derive(Debug, Error)]
+        #[error("connect failed")]
+        struct Connect(#[source] std::io::Error);
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let e = ClientError::unreachable("http://a:1", Connect(refused));
+        assert_eq!(e.to_string(), "cannot reach http://a:1: connect failed: connection refused");
+        let ClientError::Unreachable { cause, .. } = e.clone() else { panic!("{e}") };
+        let connect = cause.downcast_ref::<Connect>().expect("the transport's own error");
+        assert_eq!(connect.0.kind(), std::io::ErrorKind::ConnectionRefused);
+        let stored = ClientError::appending("s", std::io::Error::new(std::io::ErrorKind::InvalidData, "checkpoint 2"));
+        assert!(
+            matches!(&stored, ClientError::Corrupt { cause, .. } if cause.kind() == std::io::ErrorKind::InvalidData)
+        );
+        let full = ClientError::appending("s", std::io::Error::from(std::io::ErrorKind::StorageFull));
+        assert!(matches!(&full, ClientError::Store { cause, .. } if cause.kind() == std::io::ErrorKind::StorageFull));
     }
 }

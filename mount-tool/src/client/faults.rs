@@ -56,7 +56,7 @@ impl<C> FaultClient<C> {
                 tokio::time::sleep(d).await;
                 return Ok(());
             }
-            Some(Failure::Unreachable) => ClientError::Unreachable { server, message: "injected".into() },
+            Some(Failure::Unreachable) => ClientError::unreachable(server, std::io::Error::other("injected")),
             Some(Failure::Status(status)) => ClientError::Status { server, status, message: "injected".into() },
         };
         self.failed.fetch_add(1, Ordering::Relaxed);

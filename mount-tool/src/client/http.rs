@@ -161,7 +161,7 @@ impl HttpClient {
         let sent = tokio::time::timeout(self.config.stall_timeout, client.request(request)).await;
         let response = match sent {
             Err(_) => Err(ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout }),
-            Ok(Err(e)) => Err(ClientError::Unreachable { server: server.clone(), message: error_chain(&e) }),
+            Ok(Err(e)) => Err(ClientError::unreachable(server.clone(), e)),
             Ok(Ok(r)) => Ok(r),
         };
         let response = match response {
@@ -226,7 +226,7 @@ impl HttpClient {
             Ok(Ok(v)) => Ok((flight, server, v.to_bytes())),
             Ok(Err(e)) => {
                 flight.failed();
-                Err(ClientError::Unreachable { server, message: error_chain(&e) })
+                Err(ClientError::unreachable(server, e))
             }
             Err(_) => {
                 flight.failed();
@@ -238,17 +238,6 @@ impl HttpClient {
     fn query(&self, format: BatchFormat) -> String {
         BatchQuery { format, ..self.config.query }.to_query()
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 impl BatchClient for HttpClient {
@@ -400,7 +389,7 @@ impl HttpClient {
                 .await
                 .map_err(|_| ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout })?
                 .transpose()
-                .map_err(|e| ClientError::Unreachable { server: server.clone(), message: error_chain(&e) })?;
+                .map_err(|e| ClientError::unreachable(server.clone(), e))?;
             // Trailers carry no bytes of the body.
             let chunk = match frame.map(|f| f.into_data()) {
                 Some(Err(_)) => continue,

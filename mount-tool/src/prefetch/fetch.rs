@@ -117,8 +117,8 @@ impl Prefetcher {
                         },
                     }
                     .map_err(|e| match e {
-                        ClientError::Corrupt { server, message } => {
-                            Failure::Mismatch(format!("{} from {server}: {message}", describe(key)))
+                        ClientError::Corrupt { server, cause } => {
+                            Failure::Mismatch(format!("{} from {server}: {cause}", describe(key)))
                         }
                         e => Failure::Client(e),
                     })?;
