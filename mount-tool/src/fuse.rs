@@ -25,8 +25,6 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-pub use crate::fs::open_files::RESENT;
-
 /// How long the kernel may cache names and attributes: batch files never change.
 const TTL: Duration = Duration::from_secs(3600);
 
