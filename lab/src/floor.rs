@@ -86,15 +86,12 @@ fn measure(bytes: u64, work: impl FnOnce()) -> Cost {
     Cost { cpu_s_per_gb: cpu.as_secs_f64() / gb, gb_per_s: gb / wall.as_secs_f64() }
 }
 
-/// Contents that are not all one byte (so nothing along the way has it easy).
+/// Contents that are not all one byte (so nothing along the way has it easy), from the plan's PRNG.
 fn filled(len: usize) -> Vec<u8> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rng = batchfs::plan::SplitMix64::new(1);
     let mut out = Vec::with_capacity(len + 8);
     while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
     out.truncate(len);
     out
@@ -155,6 +152,8 @@ fn receive(bytes: u64, crc: Option<Append>, sender_cpu: Option<usize>) -> Result
             }
         }
     });
+    // Closed first: a receive that stopped early must not leave the sender blocked in a write.
+    drop(conn);
     sender.join().expect("the sender thread").context("the sender")?;
     if let Some(e) = failed {
         return Err(e).context("the receive");
