@@ -1,16 +1,16 @@
-//! The prefetcher and its cache: the objects a mount shows (batches of an epoch in a format, chunks of
-//! `raw/`'s files, `rolling/`'s placed files, groups of `shuffled/`'s samples), fetched whole, verified,
-//! and kept under a byte budget. This file is the facade (reads, passthrough files, what each object is); its rooms:
-//! `prefetch/admission.rs` charges an object to the budget before its fetch (a guard that gives the bytes
-//! back when the cache drops the entry) and evicts or waits for room, `prefetch/cache.rs` holds the entries
-//! and their contents and picks what to evict, `prefetch/fetch.rs` runs one fetch from its sink to what it
-//! publishes, `prefetch/window.rs` decides what to fetch ahead (with `prefetch/streams.rs`, which finds the
-//! readers' streams) and how much may be in flight, `prefetch/listings.rs` keeps the epochs' manifests and
-//! the slot table, `prefetch/raw.rs` owns `raw/` (its directories' lists and chunks, reads across chunks),
-//! `prefetch/shuffled.rs` owns `shuffled/`'s sample table, each epoch's per-class plan and the groups of
-//! one class's samples fetched ahead,
-//! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`] (`buffers/pool.rs`) keeps
-//! the byte budget's one ledger and the buffers reused within it.
+//! The prefetcher and its cache: the objects a mount shows (batches of an epoch in a format, chunks of `raw/`'s files,
+//! `rolling/`'s placed files, groups of `shuffled/`'s samples), fetched whole, verified, and kept under a byte budget.
+//! This file is the facade (reads, passthrough files, what each object is); its rooms: `prefetch/cache.rs` is the
+//! cache, a part of its own with its own tests (Shuttle's among them): its entries under the byte budget, admission (an
+//! object charged before its fetch, by a guard that gives the bytes back when the entry is dropped), what to evict and
+//! the wait for room; `prefetch/entry.rs` is one entry (its state, contents and memory file, and the waits of its
+//! readers), `prefetch/fetch.rs` asks the cache to admit an object and runs its fetch from its sink to what it
+//! publishes, `prefetch/window.rs` decides what to fetch ahead (with `prefetch/streams.rs`, which finds the readers'
+//! streams) and how much may be in flight, `prefetch/listings.rs` keeps the epochs' manifests and the slot table,
+//! `prefetch/raw.rs` owns `raw/` (its directories' lists and chunks, reads across chunks), `prefetch/shuffled.rs` owns
+//! `shuffled/`'s sample table, each epoch's per-class plan and the groups of one class's samples fetched ahead,
+//! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`](crate::buffers::BufferPool)
+//! (`buffers/pool.rs`) keeps the byte budget's one ledger and the buffers reused within it.
 //!
 //! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
 //! fuser 0.18 ignores FUSE_INTERRUPT); fetches run as tasks on a tokio runtime. No tokio worker ever
@@ -22,28 +22,31 @@
 //!   CRC32C, or (a read of a batch still arriving into a buffer) a checkpoint of the body at or past it
 //!   matched, its checkpoints ending at the manifest's size and CRC32C
 //!   ([`Partial`](crate::buffers::Partial)). A mismatch is refetched, never returned.
-//! - The bytes charged (ready bodies plus reservations for fetches in flight) plus the idle body buffers
-//!   kept for reuse never exceed the budget: one ledger, kept by the [`BufferPool`]. A fetch reuses an
-//!   idle buffer when there is one; idle buffers it cannot use are freed before any cached batch is
-//!   evicted. Prefetches only start when their bytes fit after evicting *consumed* (or stale) batches;
-//!   otherwise the window narrows (backpressure). A read that needs a batch evicts consumed batches
-//!   first, then stale ones, then the least recently used ready ones, and otherwise waits for room.
-//!   Batches whose memory file is open in the kernel are never evicted.
+//! - The bytes charged (ready bodies plus reservations for fetches in flight) plus the idle body buffers kept for reuse
+//!   never exceed the budget: one ledger, kept by the [`BufferPool`](crate::buffers::BufferPool). A fetch reuses an
+//!   idle buffer when there is one; idle buffers it cannot use are freed before any cached batch is evicted. Prefetches
+//!   only start when their bytes fit after evicting *consumed* (or stale) batches; otherwise the window narrows
+//!   (backpressure). A read that needs a batch evicts consumed batches first, then stale ones, then the least recently
+//!   used ready ones, and otherwise waits for room. Batches whose memory file is open in the kernel are never evicted.
 //! - A failed fetch keeps retrying with jittered exponential backoff until `timeout` has passed since
 //!   it started, then gives up. A reader waits out its own `timeout`, not the fetch's: a reader whose
 //!   time is not up when the fetch it joined gives up starts a new one (the failed entry makes way);
 //!   a read whose time is up fails with an error (EIO at the FUSE edge).
 //!
 //! **Lock order** (outermost first; a lock is only taken while holding those before it):
-//! `Entry::making` → `Prefetcher::cache` → `Entry::state` → `Entry::memfd` → `Prefetcher::throughput` →
+//! `Entry::making` → the cache's entries (`Cache::entries`) → `Entry::state` → `Entry::memfd` →
 //! `BufferPool`'s ledger; and `Shuffled::making` → `Shuffled::plans`. The rest are leaves, never held while
-//! another is taken: `streams`, the listings' `manifests` and `warming`, `raw/`'s directories, `Shuffled::read`,
-//! the node cache's `evicting` and the stats' feeds. Each condition variable waits releasing only its own
-//! mutex (`room` the cache's, `changed` an entry's state, `raw/`'s its directories'), with a deadline. No
-//! lock is held across a call to the client, a `block_on`, a backoff sleep or the node cache's disk I/O; the
-//! one lock held across I/O is an entry's `making`, while its memory file is written (a second opener of the
-//! same entry waits for that copy, not for the network). Under the cache lock, evictions may close memory
-//! files, unmap bodies and hand buffers back to the pool (frees, never waits).
+//! another is taken: `throughput` (the prefetch cap is read before admission, not under the cache), `streams`,
+//! the listings' `manifests` and `warming`, `raw/`'s directories, `Shuffled::read`, the node cache's
+//! `evicting` and the stats' feeds. Each condition variable waits releasing only its own mutex (`room` the
+//! cache's entries', `changed` an entry's state, `raw/`'s its directories'), with a deadline. A fetch that
+//! ends takes the entries' mutex before it notifies `room`, so a read waiting for room never misses it (the
+//! Shuttle test that found that lost wakeup runs in CI); a body buffer freed by a reader's last slice wakes
+//! nobody, and a waiting read finds it at its next look, within 100 ms. No lock is held across a call to the
+//! client, a `block_on`, a backoff sleep or the node cache's disk I/O; the one lock held across I/O is an
+//! entry's `making`, while its memory file is written (a second opener of the same entry waits for that copy,
+//! not for the network). Under the cache lock, evictions may close memory files, unmap bodies and hand
+//! buffers back to the pool (frees, never waits).
 //!
 //! **Window.** [`StreamTracker`] (in `prefetch/streams.rs`) turns the batches read of each listing into
 //! streams, whoever reads them: the first read of an epoch gets the full window (`prefetch` batches, more
@@ -51,24 +54,22 @@
 //! its second read, random reads start nothing, and a window that runs past the end of an epoch continues
 //! into the next one (whose manifest is then fetched in the background).
 
-use crate::buffers::BufferPool;
 use crate::client::{DynClient, Sent};
 use crate::node_cache::NodeCache;
 use crate::options::MountOptions;
 use crate::stats::Stats;
-use crate::sync::{Arc, AtomicBool, Condvar, Mutex, Ordering};
+use crate::sync::{Arc, AtomicBool, Mutex, Ordering};
 use batchfs::api::{Manifest, SlotTable};
 use batchfs::encode::BatchFormat;
 use batchfs::rolling::FileLayout;
 use bytes::Bytes;
-use lru::LruCache;
 use std::time::{Duration, Instant};
 pub use streams::{StreamTracker, Target};
 use thiserror::Error;
 pub use window::prefetch_cap;
 
-mod admission;
 mod cache;
+mod entry;
 mod fetch;
 mod listings;
 mod raw;
@@ -76,7 +77,8 @@ mod retry;
 mod shuffled;
 mod streams;
 mod window;
-use cache::{Cache, Content, Entry};
+use cache::{Cache, Limits};
+use entry::{Content, Entry};
 use listings::Listings;
 use raw::{Raw, RawDirs};
 use retry::{with_retries, Failure};
@@ -284,8 +286,8 @@ pub struct Prefetcher {
     client: DynClient,
     runtime: tokio::runtime::Handle,
     config: PrefetcherConfig,
-    cache: Mutex<Cache>,
-    room: Condvar,
+    /// The entries under the byte budget, with admission and the buffer pool.
+    cache: Cache,
     listings: Listings,
     /// The directories of `raw/` listed so far.
     raw: RawDirs,
@@ -294,16 +296,10 @@ pub struct Prefetcher {
     /// The node cache (`cache_dir`), if the mount has one.
     node_cache: std::sync::OnceLock<Arc<NodeCache>>,
     streams: Mutex<StreamTracker>,
-    /// Bytes of prefetches in flight now (each counted by its [`Prefetching`] guard).
-    prefetching: Arc<crate::sync::AtomicU64>,
     /// How fast fetches deliver, all together.
     throughput: Mutex<Throughput>,
-    /// Buffers of evicted bodies, reused by the next fetches (counted in the budget).
-    pool: Arc<BufferPool>,
     /// Fetch bodies into memory files rather than buffers (the mount uses passthrough).
     memfd_bodies: AtomicBool,
-    /// The start of [`Prefetcher::clock`].
-    started: Instant,
     pub stats: Arc<Stats>,
 }
 
@@ -315,18 +311,17 @@ impl Prefetcher {
         Arc::new(Prefetcher {
             client,
             runtime,
-            cache: Mutex::new(Cache { entries: LruCache::unbounded() }),
-            room: Condvar::new(),
+            cache: Cache::new(
+                Limits { budget: config.cache_bytes, stale_after: config.stale_after, timeout: config.timeout },
+                stats.clone(),
+            ),
             listings: Listings::new(),
             raw: RawDirs::default(),
             shuffled: Default::default(),
             node_cache: std::sync::OnceLock::new(),
             streams: Mutex::new(streams),
-            prefetching: stats.prefetching.clone(),
             throughput: Mutex::new(Throughput::default()),
-            pool: BufferPool::new(config.cache_bytes),
             memfd_bodies: AtomicBool::new(false),
-            started: Instant::now(),
             stats,
             config,
         })
@@ -491,7 +486,7 @@ impl Prefetcher {
         let started = Instant::now();
         let deadline = started + self.config.timeout;
         let (entry, fresh) = self.get_or_start(key, obj, true, deadline)?.expect("on-demand reads always get an entry");
-        entry.touched.store(self.clock(), Ordering::Relaxed);
+        entry.touched.store(self.cache.clock(), Ordering::Relaxed);
         self.prefetch_after(key, objects, owner);
         let (mut entry, mut fresh) = (entry, fresh);
         let (body, waited, early) = loop {
@@ -542,19 +537,12 @@ impl Prefetcher {
 
     /// A reader closed its last handle of `key`: the batch goes first when room is needed.
     pub fn closed(&self, key: ObjectKey) {
-        if let Some(c) = self.cache.lock().expect("cache").entries.peek(&key) {
-            c.entry.consumed.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// Nanoseconds since the prefetcher started (the clock of `Entry::touched`).
-    fn clock(&self) -> u64 {
-        self.started.elapsed().as_nanos() as u64
+        self.cache.closed(key);
     }
 
     /// Bytes held or reserved now, idle reusable buffers included (never above the budget).
     pub fn cache_used(&self) -> u64 {
-        self.pool.held()
+        self.cache.used()
     }
 }
 
@@ -765,7 +753,7 @@ mod tests {
                     });
                 }
             });
-            let in_flight = p.prefetching.load(Ordering::Relaxed);
+            let in_flight = p.cache.prefetching();
             client.held.lock().unwrap().clear();
             assert!(in_flight <= cap, "{in_flight} bytes of prefetches in flight, over the cap of {cap}");
         }
@@ -852,7 +840,7 @@ mod tests {
                 done.store(true, Ordering::SeqCst);
             });
             std::thread::sleep(Duration::from_millis(3));
-            let _ = p.cache.lock().unwrap().victim(p.clock(), Duration::from_secs(10), true);
+            let _ = p.cache.victim(true);
             assert!(!done.load(Ordering::SeqCst), "choosing a victim waited for the 128 MB write");
         });
     }
@@ -1050,14 +1038,13 @@ mod tests {
             if epoch == 0 {
                 // The next epoch's start is warmed by a background task (its manifest first): wait for
                 // it, or a busy machine lets the reader get there first.
-                eventually("epoch 1's first batch", || p.cache.lock().unwrap().entries.contains(&at(1, 0)));
+                eventually("epoch 1's first batch", || p.cache.contains(&at(1, 0)));
             }
             eventually("the window's fetches", || p.stats.snapshot().in_flight == 0);
         }
         // Epoch 1 began warm: the only miss is epoch 0's first read.
         assert_eq!(p.stats.snapshot().misses, 1, "{:?}", p.stats.snapshot());
-        let cached = p.cache.lock().unwrap();
-        assert!(cached.entries.iter().all(|(k, _)| k.listing != L2), "no prefetch past the last epoch");
+        assert!(p.cache.keys().iter().all(|k| k.listing != L2), "no prefetch past the last epoch");
     }
 
     #[test]

@@ -1,8 +1,18 @@
 //! The locks, condition variables and atomics of the prefetcher and its cache (`prefetch.rs` and
-//! `prefetch/`), of `rolling/`'s counters (`fs/rolling.rs`), of the node cache and of the stats' counters
-//! come from here, so that a model checker (loom, shuttle) could be swapped in for `std::sync` in one
-//! place. None is run yet. The `OnceLock`s, and the locks of the filesystem's handles, `raw/` and
-//! `shuffled/` tables (`fs/`), of the FUSE adapter and of the supervisor use `std::sync` directly.
+//! `prefetch/`), of the buffer pool, of `rolling/`'s counters (`fs/rolling.rs`), of the node cache and of
+//! the stats' counters come from here: `std::sync`'s, or with the `shuttle` feature the Shuttle model
+//! checker's, whose scheduler runs the cache's model tests (`prefetch/cache.rs`, `shuttle_` tests) through
+//! many interleavings of their threads and reports a deadlock or a lost wakeup (its condition variables
+//! never time out, so a wait nobody notifies is a deadlock there). The `OnceLock`s, and the locks of the
+//! filesystem's handles, `raw/` and `shuffled/` tables (`fs/`), of the FUSE adapter and of the supervisor
+//! use `std::sync` directly.
 
+#[cfg(not(feature = "shuttle"))]
 pub use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+#[cfg(not(feature = "shuttle"))]
 pub use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+#[cfg(feature = "shuttle")]
+pub use shuttle::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+#[cfg(feature = "shuttle")]
+pub use shuttle::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -5,9 +5,9 @@
 //! body's records placed at their slots (in a sparse memory file under passthrough), checked to fit.
 //! Then it counts the bytes, feeds the delivery rate, and on failure drops the entry (its charge with it).
 
-use super::cache::{in_memfd, seal_file, Content, Entry, Placed, Record, State};
+use super::cache::{Admitted, Ask, Prefetching};
+use super::entry::{in_memfd, seal_file, Content, Entry, Placed, Record, State};
 use super::retry::{verify, with_retries, Failure};
-use super::window::Prefetching;
 use super::{describe, Listing, Object, ObjectKey, OnDisk, Prefetcher, ReadError};
 use crate::buffers::{Filling, Sink};
 use crate::client::{ClientError, Sent};
@@ -19,18 +19,44 @@ use bytes::Bytes;
 use std::time::Instant;
 
 impl Prefetcher {
+    /// The cache entry of `key`, starting its fetch if it is absent: `(entry, started now)`. A prefetch
+    /// (`on_demand == false`) gets `None` when its bytes do not fit; a read evicts or waits for room.
+    pub(super) fn get_or_start(
+        self: &Arc<Self>,
+        key: ObjectKey,
+        obj: &Object,
+        on_demand: bool,
+        deadline: Instant,
+    ) -> Result<Option<(Arc<Entry>, bool)>, ReadError> {
+        // With passthrough the body goes straight into a memory file: charged, with no buffer. A placed
+        // file is made from its body in a buffer.
+        let memfd = self.memfd_bodies.load(Ordering::Relaxed) && obj.placed.is_none();
+        let cap = if on_demand { u64::MAX } else { self.prefetch_cap() };
+        let ask = Ask { charge: obj.charge(), sent: obj.sent.bytes, memfd, on_demand, cap, deadline };
+        Ok(match self.cache.admit(key, ask)? {
+            None => None,
+            Some(Admitted::Joined(entry)) => Some((entry, false)),
+            Some(Admitted::Started { entry, buffer, prefetching }) => {
+                Stats::add(&self.stats.in_flight, 1);
+                self.throughput.lock().expect("throughput").started(Instant::now());
+                self.spawn_fetch(key, obj.clone(), entry.clone(), buffer, prefetching);
+                Some((entry, true))
+            }
+        })
+    }
+
     /// Fetches `obj` (cached under `key` as `entry`, charged already) on the runtime: into `buffer` (the
-    /// admission's, reused memory) or, with `memfd`, straight into a memory file. A prefetch brings the
+    /// admission's, reused memory) or, without one, straight into a memory file. A prefetch brings the
     /// guard that counts it in flight, dropped when the fetch ends.
-    pub(super) fn spawn_fetch(
+    fn spawn_fetch(
         self: &Arc<Self>,
         key: ObjectKey,
         obj: Object,
         entry: Arc<Entry>,
-        buffer: Vec<u8>,
-        memfd: bool,
+        mut buffer: Option<Vec<u8>>,
         prefetching: Option<Prefetching>,
     ) {
+        let memfd = buffer.is_none();
         let this = self.clone();
         let fetching = entry;
         let path = match key.listing {
@@ -46,7 +72,6 @@ impl Prefetcher {
         };
         let meta = obj.sent;
         let on_disk = self.node_cache.get().cloned().and_then(|nc| self.on_disk(key, &obj).map(|pieces| (nc, pieces)));
-        let mut buffer = (!memfd).then_some(buffer);
         self.runtime.spawn(async move {
             // The node cache first: the object, or each of a group's samples, verified on the way in.
             if let Some((nc, pieces)) = on_disk.clone() {
@@ -61,12 +86,12 @@ impl Prefetcher {
                         *fetching.memfd.lock().expect("memfd") = Some(file);
                     }
                     fetching.set(State::Ready(content));
-                    this.room.notify_all();
+                    this.cache.changed();
                     return;
                 }
             }
             let client = this.client.clone();
-            let pool = this.pool.clone();
+            let pool = this.cache.pool().clone();
             let filled = fetching.clone();
             let placed = obj.placed.clone();
             // A placed file is published only whole: none of its records is where the body has it.
@@ -168,14 +193,11 @@ impl Prefetcher {
                 Err(e) => {
                     tracing::warn!(what = %describe(key), error = %e, "fetch failed");
                     fetching.set(State::Failed(e));
-                    let mut cache = this.cache.lock().expect("cache");
                     // Its charge goes back with it.
-                    if cache.entries.peek(&key).is_some_and(|c| Arc::ptr_eq(&c.entry, &fetching)) {
-                        cache.entries.pop(&key);
-                    }
+                    this.cache.failed(key, &fetching);
                 }
             }
-            this.room.notify_all();
+            this.cache.changed();
         });
     }
 }

@@ -189,7 +189,7 @@ impl Prefetcher {
             if *mask == all {
                 read.remove(&(plan.epoch, class as u32, g));
                 drop(read);
-                self.forget(key);
+                self.cache.forget(key);
             }
         }
         Ok(bytes)

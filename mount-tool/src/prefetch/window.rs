@@ -10,7 +10,7 @@ use super::listings::NextEpoch;
 use super::streams::Target;
 use super::{Listing, ObjectKey, Objects, Prefetcher};
 use crate::stats::Stats;
-use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::sync::{Arc, Ordering};
 use batchfs::encode::BatchFormat;
 use std::time::{Duration, Instant};
 
@@ -86,27 +86,6 @@ impl Throughput {
                 self.busy_since = Some(now);
             }
         }
-    }
-}
-
-/// The bytes of one prefetch in flight, counted in the prefetcher's total from its admission (with the
-/// cache lock held, where the cap was checked) until the guard is dropped, when its fetch ends however it
-/// ends.
-pub(super) struct Prefetching {
-    total: Arc<AtomicU64>,
-    bytes: u64,
-}
-
-impl Prefetching {
-    pub(super) fn count(total: &Arc<AtomicU64>, bytes: u64) -> Self {
-        total.fetch_add(bytes, Ordering::Relaxed);
-        Prefetching { total: total.clone(), bytes }
-    }
-}
-
-impl Drop for Prefetching {
-    fn drop(&mut self) {
-        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
