@@ -748,6 +748,21 @@ mod tests {
     }
 
     #[test]
+    fn a_body_waits_for_the_parts_of_an_object_the_stager_has_picked_and_not_begun() {
+        // A tier smaller than the dataset: nothing is copied as the dataset opens.
+        let (local, _) = crate::storage::fixtures::dataset(120, 20_000, 6);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let ds = open(&store, &context(Some(tier_dir.path()), 1 << 20), index_dir.path());
+        let source = ds.storage.objects().unwrap().clone();
+        let n = source.pick_in_order((0..ds.index.shards.len() as u32).collect()).expect("an object to copy");
+        // Picked, its copy not begun: a body that comes now (on another thread) must find it being made and
+        // wait for its parts. Before, it found nothing and read them by GETs beside the copy.
+        assert!(source.making_of(n).is_some(), "object {n} picked with no entry for its readers");
+    }
+
+    #[test]
     fn blocks_copy_each_object_once_per_epoch_within_a_tier_smaller_than_the_dataset() {
         let (local, _) = crate::storage::fixtures::dataset(1200, 20_000, 12);
         let memory = Arc::new(InMemory::new());
@@ -830,8 +845,13 @@ mod tests {
             // parts not on their way yet by GETs 1.12x).
             let from_store = source.counters.bytes.load(Ordering::Relaxed) - read;
             assert!(from_store <= total + total / 4, "epoch {epoch}: {from_store} bytes read from the store");
+            // What bodies read by GETs beside the copies (printed): none in a quiet run; a copy that lands while
+            // a body looks at its object, or one the stager has picked and not begun, made them read it
+            // (1.4 % of an epoch in one run of three here); under CPU contention a copy just made may be
+            // evicted before a body reads it (up to 1.9 % seen), so no bound is asserted on it.
             eprintln!(
-                "epoch {epoch}: {copied} of {total} bytes copied, tier hits {} bytes",
+                "epoch {epoch}: {copied} of {total} bytes copied, {} read by GETs beside them, tier hits {} bytes",
+                from_store.saturating_sub(copied),
                 source.counters.tier_hit_bytes.load(Ordering::Relaxed)
             );
         }

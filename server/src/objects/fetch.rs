@@ -196,15 +196,24 @@ impl ObjectSource {
                     self.touched(n, copy.is_some());
                     copy
                 });
-                if let Some(file) = copy {
-                    out[i] = self.read_from_copy(n, file, offset, len);
-                } else if let Some(copy) = self.making_of(n) {
-                    // Being copied: asked for first, then read from its parts as they land (checked
-                    // already), rather than by GETs of their own.
-                    copy.ask(offset, len);
-                    making.push((i, copy));
-                } else {
-                    tracing::debug!(dataset = %self.bucket.url, object = n, offset, "read by GET: not being copied");
+                if copy.is_none() {
+                    if let Some(being_made) = self.making_of(n) {
+                        // Being copied: asked for first, then read from its parts as they land (checked
+                        // already), rather than by GETs of their own.
+                        being_made.ask(offset, len);
+                        making.push((i, being_made));
+                        continue;
+                    }
+                    // Not being copied now: the copy may have landed since this body looked for it (the
+                    // tier holds a copy before its making ends), and the body's other ranges of the object
+                    // read it. Before, they were read by GETs: the store read twice for them.
+                    *copy = self.open_copy(n);
+                }
+                match copy {
+                    Some(file) => out[i] = self.read_from_copy(n, file, offset, len),
+                    None => {
+                        tracing::debug!(dataset = %self.bucket.url, object = n, offset, "read by GET: not being copied")
+                    }
                 }
             }
             let started = std::time::Instant::now();

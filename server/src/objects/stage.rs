@@ -233,11 +233,23 @@ impl ObjectSource {
             q.next += 1;
             if !q.busy.contains(&n) && !q.failed.contains(&n) && !held(n) {
                 q.busy.insert(n);
+                // Its readers wait for its parts from now on: a body that comes before the copy begins
+                // (on another thread) asks for them, rather than reading them by GETs beside the copy.
+                self.making_entry(n);
                 tracing::debug!(dataset = %self.bucket.url, object = n, position = p, cursor = q.cursor,
                     "copying in the plan's order");
                 return Some(n);
             }
         }
+    }
+
+    /// Follows `order` as the stager would, without starting its thread, and picks the next object to copy
+    /// (for tests that look between the stager's steps: the test is the stager).
+    #[cfg(test)]
+    pub(super) fn pick_in_order(self: &Arc<Self>, order: Vec<u32>) -> Option<u32> {
+        self.stager.queue.lock().expect("stager").started = true;
+        self.queue_order(order, u64::MAX, u64::MAX, false);
+        self.next_to_copy(true)
     }
 
     /// Whether the stager copies nothing now and has nothing it may copy (for tests).
@@ -263,12 +275,20 @@ impl ObjectSource {
     /// a server in a small memory cgroup copying several objects is not filled with dirty pages its
     /// reclaim cannot drop (writes through a mapping of the copy were, and the OOM killer came).
     async fn stage_object(&self, n: u32) -> io::Result<PathBuf> {
+        let copied = self.copy_object(n).await;
+        // However it ended, the copy is the tier's or will not be made now: its readers stop waiting (none
+        // waits for an entry never begun, made when the stager picked the object or a body asked for it).
+        self.end_making(n);
+        copied
+    }
+
+    /// [`ObjectSource::stage_object`]'s copy.
+    async fn copy_object(&self, n: u32) -> io::Result<PathBuf> {
         let tier = self.tier().ok_or_else(|| io::Error::other("no disk tier"))?;
         let file = self.file(n).ok_or_else(|| io::Error::other(format!("no object #{n}")))?;
         let name = self.tier_name(file);
         if let Some((path, _)) = tier.get(&name) {
-            // Nothing to make: a body that asked for it reads the copy (none waits for an entry never begun).
-            self.end_making(n);
+            // Nothing to make: a body that asked for it reads the copy.
             return Ok(path);
         }
         let making = self.making_entry(n);
@@ -292,9 +312,7 @@ impl ObjectSource {
             copy.file().sync_data().map_err(|e| copy.failed(e))?;
             copy.commit()
         };
-        let copied = copied.await;
-        self.end_making(n);
-        let path = copied?;
+        let path = copied.await?;
         tier.counters.fetched_bytes.fetch_add(file.size, Ordering::Relaxed);
         let (dataset, object) = (&self.bucket.url, &file.path);
         tracing::debug!(%dataset, %object, bytes = file.size, "copied into the disk tier");
