@@ -15,7 +15,9 @@ alternating systems within each round, ROUNDS rounds; medians and per-round rati
          where MOUNT_S3 names its binary), LIMIT (bytes of each server's memory cgroup; a quarter of the
          dataset), TIER_OPTS (extra options of every server with a tier: batchfs-tier, the first-epoch
          and the half-tier servers; none), MOUNT_OPTS (extra -o options of every batchfs mount, none),
-         RUN_TIMEOUT (900 s a run), SEED (7)
+         RUN_TIMEOUT (900 s a run), SEED (7), STORE_CPUS (none: every process on every CPU; "0": the store's
+         side, SeaweedFS and the links in front of it, on CPU 0 and everything else, servers, mounts,
+         loaders and the compute node's links, on the other CPUs, as if the store ran on machines of its own)
 
 The store holds the shards and their `tfrecord2idx` index files (what a DALI user uploads). Each batchfs
 server runs in a cgroup v1 memory group of its own (`/sys/fs/cgroup/memory/`, LIMIT bytes, page cache
@@ -92,6 +94,7 @@ SYSTEMS = env("SYSTEMS", "batchfs-tier batchfs-gets batchfs-local s3fs rclone"
 MOUNT_OPTS = env("MOUNT_OPTS", "")
 TIER_OPTS = env("TIER_OPTS", "").split()
 RUN_TIMEOUT = float(env("RUN_TIMEOUT", "900"))
+STORE_CPUS = {int(c) for c in env("STORE_CPUS", "").replace(",", " ").split()}
 CGROUPS = "/sys/fs/cgroup/memory"
 PREFIX = "tfr"
 FIELDS = ["measure", "round", "rtt_ms", "loader", "system", "epoch_s", "bytes", "samples", "dataset_bytes",
@@ -188,6 +191,29 @@ def listening(port):
         except OSError:
             time.sleep(0.05)
     raise SystemExit(f"nothing listens on {port}")
+
+
+def store_side(ctx, proc):
+    """Counts PROC (SeaweedFS or a link in front of it) as the store's side, and with STORE_CPUS runs
+    every thread it has on those CPUs (the threads it starts later inherit them)."""
+    ctx["store_pids"].append(proc.pid)
+    if STORE_CPUS:
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            os.sched_setaffinity(int(tid), STORE_CPUS)
+
+
+def pin_ours(ctx):
+    """With STORE_CPUS, this process and what it starts (servers, mounts, loaders, the node's links) on the
+    other CPUs."""
+    if not STORE_CPUS:
+        return
+    ours = os.sched_getaffinity(0) - STORE_CPUS
+    if not ours:
+        raise SystemExit(f"STORE_CPUS={sorted(STORE_CPUS)} leaves no CPU of {sorted(os.sched_getaffinity(0))} "
+                         "for the rest")
+    os.sched_setaffinity(0, ours)
+    ctx["notes"].append(f"the store's side (SeaweedFS and its links) on CPUs {sorted(STORE_CPUS)}; servers, "
+                        f"mounts, loaders and the node's links on CPUs {sorted(ours)}")
 
 
 class Server:
@@ -459,9 +485,12 @@ def bench(ctx):
     out, work, procs = ctx["out"], ctx["work"], ctx["procs"]
     data, upload, dataset_bytes = make_dataset(work)
     ctx["bytes"], ctx["limit"] = dataset_bytes, int(env("LIMIT", str(dataset_bytes // 4)))
+    pin_ours(ctx)
     s3, weed = start_weed(work, procs)
-    # The store's side of every run (SeaweedFS and the links to it), whose CPU shares these cores.
-    ctx["store_pids"] = [weed.pid]
+    # The store's side of every run (SeaweedFS and the links to it), whose CPU shares these cores unless
+    # STORE_CPUS gives it its own.
+    ctx["store_pids"] = []
+    store_side(ctx, weed)
     subprocess.run(rclone(s3, ["copy", upload, f"w:{BUCKET}/{PREFIX}"]), check=True, capture_output=True)
     ctx["passwd"] = os.path.join(work, "s3fs.passwd")
     with open(ctx["passwd"], "w") as f:
@@ -472,7 +501,7 @@ def bench(ctx):
     elif not MOUNT_S3:
         ctx["notes"].append("mountpoint-s3 skipped: MOUNT_S3 not set")
     to_store, to_store_proc = link(procs, s3, STORE_RTT)
-    ctx["store_pids"].append(to_store_proc.pid)
+    store_side(ctx, to_store_proc)
     bucket = f"s3://{BUCKET}/{PREFIX}"
 
     tier = Server(ctx, "tier", bucket, ["--disk-cache", os.path.join(work, "tier-full")] + TIER_OPTS,
@@ -513,7 +542,7 @@ def bench(ctx):
             else:
                 if store_at is None:
                     store_at, store_proc = link(procs, s3, rtt)
-                    ctx["store_pids"].append(store_proc.pid)
+                    store_side(ctx, store_proc)
                 mount(("steady", system, rtt), lambda: (mount_peer(ctx, system, store_at), None))
     half_rtt = RTTS[0]
     if "half" in MEASURES:
@@ -557,7 +586,7 @@ def bench(ctx):
     first_link = None
     if "first" in MEASURES:
         first_link, first_proc = capped_link(procs, s3, STORE_RTT, FIRST_RATE)
-        ctx["store_pids"].append(first_proc.pid)
+        store_side(ctx, first_proc)
     rows = []
     for rnd in range(ROUNDS):
         for rtt in RTTS:
@@ -661,7 +690,7 @@ def command_line(**over):
                 "RTTS": " ".join(map(str, RTTS)), "STORE_RTT": f"{STORE_RTT:g}", "LOADERS": " ".join(LOADERS)}
     if HAVE_MOUNT_S3:
         settings["MOUNT_S3"] = MOUNT_S3
-    for name in ("LIMIT", "TIER_OPTS", "MOUNT_OPTS"):
+    for name in ("LIMIT", "TIER_OPTS", "MOUNT_OPTS", "STORE_CPUS"):
         if env(name):
             settings[name] = env(name)
     settings.update(over)
