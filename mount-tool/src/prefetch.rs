@@ -1,12 +1,14 @@
 //! The prefetcher and its cache: the objects a mount shows (batches of an epoch in a format, chunks of `raw/`'s files,
 //! `rolling/`'s placed files, groups of `shuffled/`'s samples), fetched whole, verified, and kept under a byte budget.
-//! This file is the facade (reads, passthrough files, what each object is); its rooms: `prefetch/cache.rs` is the
+//! This file is the facade, composing the parts (reads, passthrough files, what each object is, the prefetches the
+//! window asks for, the next epoch's manifests fetched in the background); its rooms: `prefetch/cache.rs` is the
 //! cache, a part of its own with its own tests (Shuttle's among them): its entries under the byte budget, admission (an
 //! object charged before its fetch, by a guard that gives the bytes back when the entry is dropped), what to evict and
 //! the wait for room; `prefetch/entry.rs` is one entry (its state, contents and memory file, and the waits of its
 //! readers), `prefetch/fetch.rs` asks the cache to admit an object and runs its fetch from its sink to what it
-//! publishes, `prefetch/window.rs` decides what to fetch ahead (with `prefetch/streams.rs`, which finds the readers'
-//! streams) and how much may be in flight, `prefetch/listings.rs` keeps the epochs' manifests and the slot table,
+//! publishes, `prefetch/window.rs` is the window, another part of its own with its tests (knowing no cache or
+//! client): what to keep ahead of each read (with `prefetch/streams.rs`, which finds the readers' streams), the
+//! delivery rate and how much may be in flight, `prefetch/listings.rs` keeps the epochs' manifests and the slot table,
 //! `prefetch/raw.rs` owns `raw/` (its directories' lists and chunks, reads across chunks), `prefetch/shuffled.rs` owns
 //! `shuffled/`'s sample table, each epoch's per-class plan and the groups of one class's samples fetched ahead,
 //! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`](crate::buffers::BufferPool)
@@ -36,9 +38,9 @@
 //! **Lock order** (outermost first; a lock is only taken while holding those before it):
 //! `Entry::making` → the cache's entries (`Cache::entries`) → `Entry::state` → `Entry::memfd` →
 //! `BufferPool`'s ledger; and `Shuffled::making` → `Shuffled::plans`. The rest are leaves, never held while
-//! another is taken: `throughput` (the prefetch cap is read before admission, not under the cache), `streams`,
-//! the listings' `manifests` and `warming`, `raw/`'s directories, `Shuffled::read`, the node cache's
-//! `evicting` and the stats' feeds. Each condition variable waits releasing only its own mutex (`room` the
+//! another is taken: the window's `throughput` (the prefetch cap is read before admission, not under the
+//! cache) and `streams`, the listings' `manifests` and `warming`, `raw/`'s directories, `Shuffled::read`, the
+//! node cache's `evicting` and the stats' feeds. Each condition variable waits releasing only its own mutex (`room` the
 //! cache's entries', `changed` an entry's state, `raw/`'s its directories'), with a deadline. A fetch that
 //! ends takes the entries' mutex before it notifies `room`, so a read waiting for room never misses it (the
 //! Shuttle test that found that lost wakeup runs in CI); a body buffer freed by a reader's last slice wakes
@@ -58,7 +60,7 @@ use crate::client::{DynClient, Sent};
 use crate::node_cache::NodeCache;
 use crate::options::MountOptions;
 use crate::stats::Stats;
-use crate::sync::{Arc, AtomicBool, Mutex, Ordering};
+use crate::sync::{Arc, AtomicBool, Ordering};
 use batchfs::api::{Manifest, SlotTable};
 use batchfs::encode::BatchFormat;
 use batchfs::rolling::FileLayout;
@@ -83,7 +85,7 @@ use listings::Listings;
 use raw::{Raw, RawDirs};
 use retry::{with_retries, Failure};
 pub use shuffled::{ClassPlan, ShuffledConfig, WINDOW_GROUPS};
-use window::Throughput;
+use window::Window;
 
 /// A list of files the mount shows: the batches of one epoch in one format, the files of one
 /// directory of `raw/` (by the id [`Prefetcher::list_dir`] gave it), or the files of `rolling/`'s
@@ -295,9 +297,8 @@ pub struct Prefetcher {
     shuffled: shuffled::Shuffled,
     /// The node cache (`cache_dir`), if the mount has one.
     node_cache: std::sync::OnceLock<Arc<NodeCache>>,
-    streams: Mutex<StreamTracker>,
-    /// How fast fetches deliver, all together.
-    throughput: Mutex<Throughput>,
+    /// What to fetch ahead of each reader, and how much may be in flight.
+    window: Window,
     /// Fetch bodies into memory files rather than buffers (the mount uses passthrough).
     memfd_bodies: AtomicBool,
     pub stats: Arc<Stats>,
@@ -306,7 +307,6 @@ pub struct Prefetcher {
 impl Prefetcher {
     /// A prefetcher fetching through `client` on `runtime`.
     pub fn new(client: DynClient, runtime: tokio::runtime::Handle, config: PrefetcherConfig) -> Arc<Self> {
-        let streams = StreamTracker::new(config.max_streams, config.max_stride);
         let stats = Arc::new(Stats::default());
         Arc::new(Prefetcher {
             client,
@@ -319,8 +319,7 @@ impl Prefetcher {
             raw: RawDirs::default(),
             shuffled: Default::default(),
             node_cache: std::sync::OnceLock::new(),
-            streams: Mutex::new(streams),
-            throughput: Mutex::new(Throughput::default()),
+            window: Window::new(&config, stats.clone()),
             memfd_bodies: AtomicBool::new(false),
             stats,
             config,
@@ -535,6 +534,80 @@ impl Prefetcher {
         result.map(|(file, _)| file)
     }
 
+    /// Starts the window of the stream this read belongs to: what the [`Window`] keeps ahead of it, in
+    /// this listing (and `raw/`'s files after this chunk's) and on into the next epoch, whose manifest
+    /// a background task fetches (once, however many reads ask) if it is not here.
+    fn prefetch_after(self: &Arc<Self>, key: ObjectKey, objects: &Objects, owner: u32) {
+        if let Listing::Raw { dir } = key.listing {
+            let indexes: Vec<Target> = (self.raw.indexes_at(dir, key.index).into_iter())
+                .map(|index| Target { listing: key.listing, index })
+                .collect();
+            self.start_prefetches(&indexes, objects);
+        }
+        let window::Ahead { here, next } = self.window.ahead(owner, key.listing, key.index, objects);
+        if !self.start_prefetches(&here, objects) {
+            return;
+        }
+        // The window runs into the next epoch: its manifest may not be here yet, and fetching it must
+        // not hold up this read. (rolling/'s indexed files are placed from the epoch's TFRecord batches,
+        // and their twins are the same for every epoch.)
+        let Some(&Target { listing: next_listing, .. }) = next.first() else { return };
+        let (epoch, format, twins_too) = match next_listing {
+            Listing::Epoch { epoch, format } => (epoch, format, true),
+            Listing::Rolling { epoch } => (epoch, BatchFormat::Tfrecord, false),
+            Listing::Raw { .. } | Listing::Shuffled { .. } => return,
+        };
+        if epoch > self.config.last_epoch {
+            return;
+        }
+        let listings::NextEpoch { cached, twins } = self.listings.next_epoch(epoch, format);
+        let twins = twins.filter(|_| twins_too);
+        if let (Some(m), None) = (&cached, twins) {
+            self.start_prefetches(&next, &Objects::Batches(m.clone()));
+            return;
+        }
+        // One task per next epoch: the reads near an epoch's end would each start one, and each would
+        // fetch the same manifests. Reads after it ends find them cached.
+        if !self.listings.start_warming(next_listing) {
+            return;
+        }
+        let this = self.clone();
+        self.runtime.spawn(async move {
+            // Starting a prefetch takes the cache lock only briefly and never waits.
+            let m = match cached {
+                Some(m) => Ok(m),
+                None => this.fetch_manifest(epoch, format).await,
+            };
+            if let Ok(m) = m {
+                this.start_prefetches(&next, &Objects::Batches(m));
+            }
+            if let Some(idx) = twins {
+                if let Ok(m) = this.fetch_manifest(epoch, idx).await {
+                    let all: Vec<Target> = (0..m.batches.len() as u64)
+                        .map(|index| Target { listing: Listing::Epoch { epoch, format: idx }, index })
+                        .collect();
+                    this.start_prefetches(&all, &Objects::Batches(m));
+                }
+            }
+            this.listings.warmed(next_listing);
+        });
+    }
+
+    /// Starts the prefetch of each target (of the listing of `objects`) not cached or in flight, in order,
+    /// until one finds no room (the window narrows until readers consume what is cached); false then.
+    fn start_prefetches(self: &Arc<Self>, targets: &[Target], objects: &Objects) -> bool {
+        for target in targets {
+            let key = ObjectKey { listing: target.listing, index: target.index };
+            let Ok(obj) = self.object(key, objects) else { continue };
+            match self.get_or_start(key, &obj, false, Instant::now()) {
+                Ok(Some((_, true))) => Stats::add(&self.stats.prefetches, 1),
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => return false,
+            }
+        }
+        true
+    }
+
     /// A reader closed its last handle of `key`: the batch goes first when room is needed.
     pub fn closed(&self, key: ObjectKey) {
         self.cache.closed(key);
@@ -736,7 +809,7 @@ mod tests {
             let cap = 20_000;
             let config = PrefetcherConfig { max_prefetch_bytes: cap, cache_bytes: 1 << 30, ..Default::default() };
             let (_rt, client, p, _) = setup(1600, config);
-            p.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
+            p.window.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
             client.held.lock().unwrap().extend(0..1600);
             let manifest = p.manifest(0, TF).unwrap();
             let start = std::sync::Barrier::new(16);
@@ -764,8 +837,8 @@ mod tests {
         // Batches 1 and 2 (1037 + 1074 bytes) fit in 2600 bytes; batch 3 (1111) would not.
         let config = PrefetcherConfig { prefetch: 16, max_prefetch_bytes: 2600, ..Default::default() };
         let (_rt, client, p, bodies) = setup(30, config);
-        p.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
-                                                          // The window's fetches hang until released.
+        p.window.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
+                                                                 // The window's fetches hang until released.
         client.held.lock().unwrap().extend(1..20);
         assert_eq!(p.read_as0(key(0), 0, 1 << 20).unwrap(), bodies[0]);
         let s = p.stats.snapshot();
@@ -927,43 +1000,6 @@ mod tests {
     }
 
     #[test]
-    fn prefetches_in_flight_follow_the_delivery_rate() {
-        let stall = Duration::from_secs(10);
-        let mb = 1 << 20;
-        assert_eq!(prefetch_cap(256 * mb, 0.0, 0, stall), 32 * mb, "unmeasured, nothing delivered: an eighth");
-        assert_eq!(prefetch_cap(256 * mb, 0.0, 40 * mb, stall), 80 * mb, "unmeasured: twice what came");
-        assert_eq!(prefetch_cap(256 * mb, 0.0, 900 * mb, stall), 256 * mb, "never past the configured window");
-        assert_eq!(prefetch_cap(256 * mb, 1e9, 0, stall), 256 * mb, "a fast link: the configured window");
-        assert_eq!(prefetch_cap(256 * mb, 5e6, 9 * mb, stall), 25_000_000, "a share of a narrow link: 5 s of it");
-        let mut t = Throughput::default();
-        let start = Instant::now();
-        let at = |ms: u64| start + Duration::from_millis(ms);
-        // One fetch in flight from 0 on, delivering as it goes (a stream of fetches, one after another).
-        t.started(at(0));
-        t.record(1_000_000, at(0));
-        assert_eq!(t.rate, 0.0, "no window closed yet");
-        t.record(1_000_000, at(500));
-        t.record(2_000_000, at(2000));
-        assert_eq!(t.rate, 2_000_000.0, "4 MB over 2 s");
-        t.record(4_000_000, at(3000));
-        assert_eq!(t.rate, 3_000_000.0, "smoothed with the next window's 4 MB/s");
-        assert_eq!(t.delivered, 8_000_000);
-        // Half a second more, then nothing in flight for a minute (the loader rebuilds its pipeline):
-        // the next epoch's first second of fetches is measured alone, at the link's rate, not as 5 MB
-        // over 61 s.
-        t.record(1_000_000, at(3500));
-        t.ended(at(3500));
-        t.started(at(63_500));
-        t.record(2_000_000, at(63_800));
-        t.ended(at(63_800));
-        assert_eq!(t.rate, 3_000_000.0, "idle time is not a window");
-        t.started(at(64_000));
-        t.record(1_000_000, at(64_200));
-        assert_eq!(t.rate, 3_500_000.0, "4 MB over the window's 1 s in flight (0.5 + 0.3 + 0.2), smoothed");
-        t.ended(at(64_200));
-    }
-
-    #[test]
     fn the_first_dali_index_read_under_raw_fetches_them_all() {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let mut client = MemoryClient::new(|_, _| vec![]);
@@ -1061,7 +1097,7 @@ mod tests {
         let s = p.stats.snapshot();
         // 8 MB delivered (batch 0): twice that is 16 MB, under an eighth (32 MB): 4 batches.
         assert_eq!(s.in_flight, 4, "{s:?}");
-        p.throughput.lock().unwrap().delivered = 64 << 20;
+        p.window.throughput.lock().unwrap().delivered = 64 << 20;
         // The next read (a hit) lets the window grow to what the cap now allows.
         assert_eq!(p.read_as0(key(0), 1 << 20, 100).unwrap(), bodies[0][1 << 20..(1 << 20) + 100]);
         eventually("the window grows", || p.stats.snapshot().in_flight == 16);
@@ -1077,7 +1113,7 @@ mod tests {
         let b2 = bodies.clone();
         let client = Arc::new(MemoryClient::new(move |_, _| b2.clone()));
         let p = Prefetcher::new(client.clone(), runtime.handle().clone(), PrefetcherConfig::default());
-        p.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
+        p.window.throughput.lock().unwrap().delivered = 1 << 30; // past the first transfers' smaller cap
         client.held.lock().unwrap().extend(1..20);
         assert_eq!(p.read_as0(key(0), 0, 1 << 20).unwrap(), bodies[0][..1 << 20]);
         assert_eq!(p.stats.snapshot().in_flight, 16, "{:?}", p.stats.snapshot());
@@ -1099,9 +1135,9 @@ mod tests {
             let m = Objects::Batches(p.manifest(0, TF).unwrap());
             let mean = m.bytes() / 100;
             let expected = if prefetch_bytes == 20_000 { prefetch_bytes.div_ceil(mean) as usize } else { window };
-            assert_eq!(p.window(key(0).listing, &m), expected);
+            assert_eq!(p.window.width(key(0).listing, &m), expected);
             assert_eq!(p.stats.snapshot().prefetches, expected as u64, "{prefetch_bytes}");
-            assert_eq!(p.window(Listing::Raw { dir: 0 }, &m), 4);
+            assert_eq!(p.window.width(Listing::Raw { dir: 0 }, &m), 4);
             client.held.lock().unwrap().clear();
         }
     }

@@ -31,14 +31,14 @@ impl Prefetcher {
         // With passthrough the body goes straight into a memory file: charged, with no buffer. A placed
         // file is made from its body in a buffer.
         let memfd = self.memfd_bodies.load(Ordering::Relaxed) && obj.placed.is_none();
-        let cap = if on_demand { u64::MAX } else { self.prefetch_cap() };
+        let cap = if on_demand { u64::MAX } else { self.window.cap() };
         let ask = Ask { charge: obj.charge(), sent: obj.sent.bytes, memfd, on_demand, cap, deadline };
         Ok(match self.cache.admit(key, ask)? {
             None => None,
             Some(Admitted::Joined(entry)) => Some((entry, false)),
             Some(Admitted::Started { entry, buffer, prefetching }) => {
                 Stats::add(&self.stats.in_flight, 1);
-                self.throughput.lock().expect("throughput").started(Instant::now());
+                self.window.fetch_started();
                 self.spawn_fetch(key, obj.clone(), entry.clone(), buffer, prefetching);
                 Some((entry, true))
             }
@@ -79,7 +79,7 @@ impl Prefetcher {
                 let found = tokio::task::spawn_blocking(move || from_disk(&nc, &pieces, meta, into_memfd)).await;
                 if let Ok(Some((content, file))) = found {
                     this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-                    this.throughput.lock().expect("throughput").ended(Instant::now());
+                    this.window.fetch_ended(None);
                     drop(prefetching);
                     if let Some(file) = file {
                         Stats::add(&this.stats.passthrough_bytes, content.stored());
@@ -170,13 +170,7 @@ impl Prefetcher {
             .await;
             this.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
             drop(prefetching);
-            {
-                let mut throughput = this.throughput.lock().expect("throughput");
-                if result.is_ok() {
-                    throughput.record(meta.bytes, Instant::now());
-                }
-                throughput.ended(Instant::now());
-            }
+            this.window.fetch_ended(result.is_ok().then_some(meta.bytes));
             match result {
                 Ok((content, file)) => {
                     Stats::add(&this.stats.fetched_bytes, meta.bytes);

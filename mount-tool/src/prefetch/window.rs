@@ -1,17 +1,16 @@
-//! The window: what to fetch ahead of each reader, and how much may be in flight. A read of a listing is
-//! shown to the [`StreamTracker`] (`streams.rs`), whose stream says which files to keep ahead, nearest
-//! first; their prefetches start until one finds no room (the window narrows until readers consume what
-//! is cached: backpressure). A window that runs past an epoch's end continues into the next epoch, whose
-//! manifest a background task fetches (once, however many reads ask). Prefetch bytes in flight are
-//! capped by [`prefetch_cap`]: the configured bytes, or what the measured delivery rate brings in half of
-//! `stall_timeout`.
+//! The window, a part of its own: what to fetch ahead of each reader, and how much may be in flight. A
+//! read of a listing is shown to the [`StreamTracker`] (`streams.rs`), whose stream says which files to
+//! keep ahead, nearest first ([`Window::ahead`]), as many as [`Window::width`] gives; the prefetcher starts
+//! them until one finds no room (the window narrows until readers consume what is cached: backpressure).
+//! A window that runs past an epoch's end continues into the next epoch. Prefetch bytes in flight are
+//! capped by [`Window::cap`] ([`prefetch_cap`]): the configured bytes, or what the measured delivery rate
+//! ([`Throughput`], fed by each fetch's start and end) brings in half of `stall_timeout`. It knows no
+//! cache, client or runtime: the prefetcher asks it and starts what it says.
 
-use super::listings::NextEpoch;
-use super::streams::Target;
-use super::{Listing, ObjectKey, Objects, Prefetcher};
+use super::streams::{StreamTracker, Target};
+use super::{Listing, Objects, PrefetcherConfig};
 use crate::stats::Stats;
-use crate::sync::{Arc, Ordering};
-use batchfs::encode::BatchFormat;
+use crate::sync::{Arc, Mutex, Ordering};
 use std::time::{Duration, Instant};
 
 /// Bytes of prefetches allowed in flight: `configured`, but, once the delivery rate is measured (`rate`,
@@ -89,114 +88,246 @@ impl Throughput {
     }
 }
 
-impl Prefetcher {
-    /// Starts the window of the stream this read belongs to.
-    pub(super) fn prefetch_after(self: &Arc<Self>, key: ObjectKey, objects: &Objects, owner: u32) {
-        // shuffled/'s classes have windows of their own (fs/shuffled.rs asks for them).
-        if self.config.prefetch == 0 || matches!(key.listing, Listing::Shuffled { .. }) {
-            return;
+/// The window of one mount: its readers' streams and the delivery rate of its fetches.
+#[derive(Debug)]
+pub(super) struct Window {
+    /// Files kept ahead of each stream (0: no prefetch), and the bytes that may make it more.
+    prefetch: usize,
+    prefetch_bytes: u64,
+    /// Bytes of prefetches in flight at most, and the client's stall timeout (the cap's measure).
+    max_prefetch_bytes: u64,
+    stall_timeout: Duration,
+    streams: Mutex<StreamTracker>,
+    /// How fast fetches deliver, all together.
+    pub(super) throughput: Mutex<Throughput>,
+    stats: Arc<Stats>,
+}
+
+/// The files to keep ahead of a read, nearest first: in the listing read, and in the next one (an epoch's
+/// window running past its end).
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct Ahead {
+    pub here: Vec<Target>,
+    pub next: Vec<Target>,
+}
+
+impl Window {
+    /// The window of `config`'s settings, reporting its rate and cap in `stats`.
+    pub fn new(config: &PrefetcherConfig, stats: Arc<Stats>) -> Self {
+        Window {
+            prefetch: config.prefetch,
+            prefetch_bytes: config.prefetch_bytes,
+            max_prefetch_bytes: config.max_prefetch_bytes,
+            stall_timeout: config.stall_timeout,
+            streams: Mutex::new(StreamTracker::new(config.max_streams, config.max_stride)),
+            throughput: Mutex::new(Throughput::default()),
+            stats,
         }
-        if let Listing::Raw { dir } = key.listing {
-            let indexes: Vec<Target> = (self.raw.indexes_at(dir, key.index).into_iter())
-                .map(|index| Target { listing: key.listing, index })
-                .collect();
-            self.start_prefetches(&indexes, objects);
+    }
+
+    /// What to keep ahead of a read of file `index` of `listing` (of `objects`) by `owner`: nothing
+    /// without prefetch, or for `shuffled/` (whose classes have windows of their own: `shuffled.rs`).
+    pub fn ahead(&self, owner: u32, listing: Listing, index: u64, objects: &Objects) -> Ahead {
+        if self.prefetch == 0 || matches!(listing, Listing::Shuffled { .. }) {
+            return Ahead::default();
         }
-        let targets = self.streams.lock().expect("streams").observe(
-            owner,
-            key.listing,
-            key.index,
-            objects.len(),
-            self.window(key.listing, objects),
-        );
-        let (here, next): (Vec<Target>, Vec<Target>) = targets.into_iter().partition(|t| t.listing == key.listing);
-        if !self.start_prefetches(&here, objects) {
-            return;
-        }
-        // The window runs into the next epoch: its manifest may not be here yet, and fetching it must
-        // not hold up this read. (rolling/'s indexed files are placed from the epoch's TFRecord batches,
-        // and their twins are the same for every epoch.)
-        let Some(&Target { listing: next_listing, .. }) = next.first() else { return };
-        let (epoch, format, twins_too) = match next_listing {
-            Listing::Epoch { epoch, format } => (epoch, format, true),
-            Listing::Rolling { epoch } => (epoch, BatchFormat::Tfrecord, false),
-            Listing::Raw { .. } | Listing::Shuffled { .. } => return,
-        };
-        if epoch > self.config.last_epoch {
-            return;
-        }
-        let NextEpoch { cached, twins } = self.listings.next_epoch(epoch, format);
-        let twins = twins.filter(|_| twins_too);
-        if let (Some(m), None) = (&cached, twins) {
-            self.start_prefetches(&next, &Objects::Batches(m.clone()));
-            return;
-        }
-        // One task per next epoch: the reads near an epoch's end would each start one, and each would
-        // fetch the same manifests. Reads after it ends find them cached.
-        if !self.listings.start_warming(next_listing) {
-            return;
-        }
-        let this = self.clone();
-        self.runtime.spawn(async move {
-            // Starting a prefetch takes the cache lock only briefly and never waits.
-            let m = match cached {
-                Some(m) => Ok(m),
-                None => this.fetch_manifest(epoch, format).await,
-            };
-            if let Ok(m) = m {
-                this.start_prefetches(&next, &Objects::Batches(m));
-            }
-            if let Some(idx) = twins {
-                if let Ok(m) = this.fetch_manifest(epoch, idx).await {
-                    let all: Vec<Target> = (0..m.batches.len() as u64)
-                        .map(|index| Target { listing: Listing::Epoch { epoch, format: idx }, index })
-                        .collect();
-                    this.start_prefetches(&all, &Objects::Batches(m));
-                }
-            }
-            this.listings.warmed(next_listing);
-        });
+        let width = self.width(listing, objects);
+        let targets = self.streams.lock().expect("streams").observe(owner, listing, index, objects.len(), width);
+        let (here, next) = targets.into_iter().partition(|t| t.listing == listing);
+        Ahead { here, next }
     }
 
     /// The window of a stream over a listing's `objects`, in files: `prefetch`, or, for an epoch's batches,
     /// as many as hold `prefetch_bytes` at the listing's mean size when that is more (at most 16 ×
     /// `prefetch`, so tiny batches do not become thousands of requests, and never more than the listing).
     /// `raw/` files keep `prefetch`: a file tree's files are single samples.
-    pub(super) fn window(&self, listing: Listing, objects: &Objects) -> usize {
-        let prefetch = self.config.prefetch;
+    pub fn width(&self, listing: Listing, objects: &Objects) -> usize {
+        let prefetch = self.prefetch;
         if let Listing::Raw { .. } = listing {
             return prefetch;
         }
         let n = objects.len();
         let mean = (objects.bytes() / n.max(1)).max(1);
-        let by_bytes = self.config.prefetch_bytes.div_ceil(mean).min(n) as usize;
+        let by_bytes = self.prefetch_bytes.div_ceil(mean).min(n) as usize;
         prefetch.max(by_bytes.min(prefetch.saturating_mul(16)))
     }
 
-    /// Starts the prefetch of each target (of the listing of `objects`) not cached or in flight, in order,
-    /// until one finds no room (the window narrows until readers consume what is cached); false then.
-    pub(super) fn start_prefetches(self: &Arc<Self>, targets: &[Target], objects: &Objects) -> bool {
-        for target in targets {
-            let key = ObjectKey { listing: target.listing, index: target.index };
-            let Ok(obj) = self.object(key, objects) else { continue };
-            match self.get_or_start(key, &obj, false, Instant::now()) {
-                Ok(Some((_, true))) => Stats::add(&self.stats.prefetches, 1),
-                Ok(Some(_)) => {}
-                Ok(None) | Err(_) => return false,
-            }
-        }
-        true
-    }
-
-    /// Bytes of prefetches allowed in flight now ([`prefetch_cap`] of the measured rate).
-    pub(super) fn prefetch_cap(&self) -> u64 {
+    /// Bytes of prefetches allowed in flight now ([`prefetch_cap`] of the measured rate), reported in the
+    /// stats with the rate.
+    pub fn cap(&self) -> u64 {
         let (rate, delivered) = {
             let t = self.throughput.lock().expect("throughput");
             (t.rate, t.delivered)
         };
-        let cap = prefetch_cap(self.config.max_prefetch_bytes, rate, delivered, self.config.stall_timeout);
+        let cap = prefetch_cap(self.max_prefetch_bytes, rate, delivered, self.stall_timeout);
         self.stats.delivery_rate.store(rate as u64, Ordering::Relaxed);
         self.stats.prefetch_cap.store(cap, Ordering::Relaxed);
         cap
+    }
+
+    /// A fetch starts.
+    pub fn fetch_started(&self) {
+        self.throughput.lock().expect("throughput").started(Instant::now());
+    }
+
+    /// A fetch ends, having delivered `bytes` (none if it failed, or found its object on the node's disk).
+    pub fn fetch_ended(&self, bytes: Option<u64>) {
+        let mut throughput = self.throughput.lock().expect("throughput");
+        if let Some(bytes) = bytes {
+            throughput.record(bytes, Instant::now());
+        }
+        throughput.ended(Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchfs::api::{BatchEntry, Manifest};
+    use batchfs::encode::BatchFormat;
+
+    const TF: BatchFormat = BatchFormat::Tfrecord;
+
+    /// The batches of `epoch`: `n` of `bytes` each.
+    fn batches(epoch: u64, n: u64, bytes: u64) -> Objects {
+        let batches = (0..n).map(|index| BatchEntry { index, samples: 1, bytes, crc32c: 0 }).collect();
+        let (dataset, options, format) = ("d".into(), Default::default(), TF);
+        Objects::Batches(Arc::new(Manifest { dataset, epoch, options, format, samples: n, bytes: n * bytes, batches }))
+    }
+
+    fn window(prefetch: usize, prefetch_bytes: u64) -> Window {
+        let config = PrefetcherConfig { prefetch, prefetch_bytes, ..Default::default() };
+        Window::new(&config, Arc::new(Stats::default()))
+    }
+
+    fn at(epoch: u64, indexes: std::ops::Range<u64>) -> Vec<Target> {
+        indexes.map(|index| Target { listing: Listing::Epoch { epoch, format: TF }, index }).collect()
+    }
+
+    #[test]
+    fn the_cap_follows_the_delivery_rate_measured_while_fetches_are_in_flight() {
+        let stall = Duration::from_secs(10);
+        let mb = 1 << 20;
+        assert_eq!(prefetch_cap(256 * mb, 0.0, 0, stall), 32 * mb, "unmeasured, nothing delivered: an eighth");
+        assert_eq!(prefetch_cap(256 * mb, 0.0, 40 * mb, stall), 80 * mb, "unmeasured: twice what came");
+        assert_eq!(prefetch_cap(256 * mb, 0.0, 900 * mb, stall), 256 * mb, "never past the configured window");
+        assert_eq!(prefetch_cap(256 * mb, 1e9, 0, stall), 256 * mb, "a fast link: the configured window");
+        assert_eq!(prefetch_cap(256 * mb, 5e6, 9 * mb, stall), 25_000_000, "a share of a narrow link: 5 s of it");
+        let mut t = Throughput::default();
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        // One fetch in flight from 0 on, delivering as it goes (a stream of fetches, one after another).
+        t.started(at(0));
+        t.record(1_000_000, at(0));
+        assert_eq!(t.rate, 0.0, "no window closed yet");
+        t.record(1_000_000, at(500));
+        t.record(2_000_000, at(2000));
+        assert_eq!(t.rate, 2_000_000.0, "4 MB over 2 s");
+        t.record(4_000_000, at(3000));
+        assert_eq!(t.rate, 3_000_000.0, "smoothed with the next window's 4 MB/s");
+        assert_eq!(t.delivered, 8_000_000);
+        // Half a second more, then nothing in flight for a minute (the loader rebuilds its pipeline):
+        // the next epoch's first second of fetches is measured alone, at the link's rate, not as 5 MB
+        // over 61 s.
+        t.record(1_000_000, at(3500));
+        t.ended(at(3500));
+        t.started(at(63_500));
+        t.record(2_000_000, at(63_800));
+        t.ended(at(63_800));
+        assert_eq!(t.rate, 3_000_000.0, "idle time is not a window");
+        t.started(at(64_000));
+        t.record(1_000_000, at(64_200));
+        assert_eq!(t.rate, 3_500_000.0, "4 MB over the window's 1 s in flight (0.5 + 0.3 + 0.2), smoothed");
+        t.ended(at(64_200));
+    }
+
+    #[test]
+    fn a_first_read_gets_the_whole_window_which_runs_on_into_the_next_epoch() {
+        let w = window(4, 0);
+        let (epoch0, listing) = (batches(0, 10, 1000), Listing::Epoch { epoch: 0, format: TF });
+        assert_eq!(w.ahead(1, listing, 0, &epoch0), Ahead { here: at(0, 1..5), next: vec![] });
+        // Reading on, the window keeps four ahead; near the end it runs past the last batch into epoch 1.
+        // (A jump is a random read, which starts nothing: the reads go on in order.)
+        assert_eq!(w.ahead(1, listing, 1, &epoch0).here.last(), Some(&at(0, 5..6)[0]));
+        for index in 2..8 {
+            w.ahead(1, listing, index, &epoch0);
+        }
+        let near_end = w.ahead(1, listing, 8, &epoch0);
+        assert_eq!(near_end, Ahead { here: at(0, 9..10), next: at(1, 0..3) });
+    }
+
+    #[test]
+    fn no_prefetch_and_shuffled_ask_for_nothing_and_raw_files_keep_prefetch() {
+        let listing = Listing::Epoch { epoch: 0, format: TF };
+        assert_eq!(window(0, 0).ahead(1, listing, 0, &batches(0, 10, 1000)), Ahead::default());
+        let shuffled = Listing::Shuffled { epoch: 0, class: 3 };
+        assert_eq!(window(4, 0).ahead(1, shuffled, 0, &batches(0, 10, 1000)), Ahead::default());
+        // Small batches: a window as deep in bytes as `prefetch_bytes` (at most 16 x `prefetch`, never more
+        // than the listing); a directory of raw/ keeps `prefetch`.
+        let w = window(4, 20_000);
+        assert_eq!(w.width(listing, &batches(0, 100, 1000)), 20);
+        assert_eq!(w.width(listing, &batches(0, 100, 10)), 64);
+        assert_eq!(w.width(listing, &batches(0, 10, 10)), 10);
+        assert_eq!(w.width(listing, &batches(0, 100, 1 << 20)), 4);
+        assert_eq!(w.width(Listing::Raw { dir: 0 }, &batches(0, 100, 10)), 4);
+    }
+
+    #[test]
+    fn the_cap_starts_at_an_eighth_grows_with_what_is_delivered_and_is_reported() {
+        let stats = Arc::new(Stats::default());
+        let mb = 1 << 20;
+        let config = PrefetcherConfig { max_prefetch_bytes: 256 * mb, ..Default::default() };
+        let w = Window::new(&config, stats.clone());
+        assert_eq!(w.cap(), 32 * mb);
+        w.fetch_started();
+        w.fetch_ended(Some(40 * mb));
+        assert_eq!(w.cap(), 80 * mb, "twice what came");
+        // A failed fetch delivers nothing.
+        w.fetch_started();
+        w.fetch_ended(None);
+        assert_eq!(w.cap(), 80 * mb);
+        assert_eq!(stats.prefetch_cap.load(Ordering::Relaxed), 80 * mb);
+        assert_eq!(w.throughput.lock().unwrap().active, 0, "every start ended");
+    }
+
+    /// Readers asking for their windows while fetches start and end on other threads, under Shuttle's
+    /// scheduler (PCT, depth 3): every start is ended, every delivered byte counted once, and the cap never
+    /// above the configured bytes, in every schedule tried.
+    #[cfg(feature = "shuttle")]
+    #[test]
+    fn shuttle_readers_and_fetches_share_the_window() {
+        shuttle::check_pct(
+            || {
+                let mb = 1 << 20;
+                let config = PrefetcherConfig {
+                    prefetch: 4,
+                    prefetch_bytes: 0,
+                    max_prefetch_bytes: 64 * mb,
+                    ..Default::default()
+                };
+                let w = Arc::new(Window::new(&config, Arc::new(Stats::default())));
+                let threads: Vec<_> = (0..3u32)
+                    .map(|t| {
+                        let w = w.clone();
+                        shuttle::thread::spawn(move || {
+                            let listing = Listing::Epoch { epoch: 0, format: TF };
+                            let objects = batches(0, 10, mb);
+                            for index in 0..3 {
+                                let ahead = w.ahead(t, listing, index, &objects);
+                                assert!(ahead.here.len() + ahead.next.len() <= 4);
+                                w.fetch_started();
+                                assert!(w.cap() <= 64 * mb);
+                                w.fetch_ended((index != 1).then_some(mb));
+                            }
+                        })
+                    })
+                    .collect();
+                threads.into_iter().for_each(|t| t.join().unwrap());
+                let t = w.throughput.lock().unwrap();
+                assert_eq!((t.active, t.delivered), (0, 6 * mb));
+            },
+            1000,
+            3,
+        );
     }
 }
