@@ -31,6 +31,8 @@ pub struct Sent {
 
 /// A boxed future, as trait methods return.
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// A fetched body, as the client's futures give it.
+pub type BodyFut<'a> = BoxFut<'a, Result<Body, ClientError>>;
 
 /// Why a request failed.
 #[derive(Debug, Error, Clone)]
@@ -108,41 +110,25 @@ pub trait BatchClient: Send + Sync + 'static {
     /// The slot table of `rolling/`'s fixed layout for the plan's TFRecord batches of epochs
     /// `first_epoch..first_epoch + epochs` (see [`batchfs::rolling`]).
     fn slot_table(&self, first_epoch: u64, epochs: u64) -> BoxFut<'_, Result<SlotTable, ClientError>>;
-    /// The body of one batch (unverified), appended to `into` (an empty buffer with room for the whole
+    /// The body `request` names (unverified), appended to `into` (an empty buffer with room for the whole
     /// body, usually reused memory, or an empty memory file), which is returned. `expect` is the size the
-    /// manifest announced: a response that says or sends more is cut off with an error rather than
-    /// buffered. `attempt` counts
-    /// retries, so a client with several servers can try another one.
-    fn fetch_batch(
-        &self,
-        epoch: u64,
-        batch: u64,
-        format: BatchFormat,
-        attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>>;
+    /// manifest (or the sample or file table) announced: a response that says or sends more is cut off with
+    /// an error rather than buffered. `attempt` counts retries, so a client with several servers can try
+    /// another one.
+    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: u64) -> BodyFut<'_>;
     /// Every sample's label, data size and CRC32C (for `shuffled/`).
     fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>>;
-    /// The data of samples `ids`, one after another (unverified), `expect` bytes, appended to `into` like
-    /// [`BatchClient::fetch_batch`].
-    fn fetch_samples(
-        &self,
-        ids: &[u32],
-        attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>>;
-    /// `expect` bytes of a source file from `offset` (unverified; a range request), appended to `into`
-    /// like [`BatchClient::fetch_batch`].
-    fn fetch_file(
-        &self,
-        path: &str,
-        offset: u64,
-        attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>>;
+}
+
+/// Which body to fetch: what the server sends for one object a mount shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// Batch `batch` of `epoch` in `format`.
+    Batch { epoch: u64, batch: u64, format: BatchFormat },
+    /// The data of samples `ids`, one after another (a group of `shuffled/`, warming's batches).
+    Samples(Arc<[u32]>),
+    /// A source file's bytes from `offset` (a range request: a chunk of a file of `raw/`).
+    File { path: String, offset: u64 },
 }
 
 /// Shared handle to any client.

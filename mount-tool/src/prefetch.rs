@@ -56,7 +56,7 @@
 //! its second read, random reads start nothing, and a window that runs past the end of an epoch continues
 //! into the next one (whose manifest is then fetched in the background).
 
-use crate::client::{DynClient, Sent};
+use crate::client::{DynClient, Request, Sent};
 use crate::node_cache::NodeCache;
 use crate::options::MountOptions;
 use crate::stats::Stats;
@@ -365,6 +365,24 @@ impl Prefetcher {
                 Some(OnDisk { pieces: pieces.collect(), within: None })
             }
             Listing::Rolling { .. } => None,
+        }
+    }
+
+    /// What to ask the server for to fetch `key`'s body (`None`: a chunk of `raw/` or a group of `shuffled/`
+    /// whose list or plan is not here).
+    fn request(&self, key: ObjectKey) -> Option<Request> {
+        let batch = key.index;
+        match key.listing {
+            Listing::Epoch { epoch, format } => Some(Request::Batch { epoch, batch, format }),
+            // rolling/'s indexed files are placed from the epoch's TFRecord batches.
+            Listing::Rolling { epoch } => Some(Request::Batch { epoch, batch, format: BatchFormat::Tfrecord }),
+            Listing::Raw { dir } => {
+                self.raw.chunk_path(dir, key.index).map(|(path, offset)| Request::File { path, offset })
+            }
+            Listing::Shuffled { epoch, class } => {
+                let plan = self.cached_class_plan(epoch)?;
+                Some(Request::Samples(plan.group_ids(class as usize, key.index).into()))
+            }
         }
     }
 

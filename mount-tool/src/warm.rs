@@ -6,7 +6,7 @@
 //! yet warm go on being fetched on demand, ahead of this.
 
 use crate::buffers::{Filling, Sink};
-use crate::client::{ClientError, DynClient, Sent};
+use crate::client::{ClientError, DynClient, Request, Sent};
 use crate::node_cache::NodeCache;
 use crate::stats::Stats;
 use batchfs::api::{SampleTable, MAX_SAMPLE_IDS};
@@ -215,13 +215,14 @@ async fn fetch_group(
         bytes: acc.bytes + p.bytes,
         crc32c: batchfs::crc::combine(acc.crc32c, p.crc32c, p.bytes),
     });
+    let request = Request::Samples(ids.into());
     let mut last = None;
     for attempt in 0..ATTEMPTS {
         if attempt > 0 {
             tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
         }
         let into = Sink::Buffer(Filling::new(Vec::new(), (total.bytes, total.crc32c), None, || {}));
-        let body = match client.fetch_samples(ids, attempt, into, total.bytes).await {
+        let body = match client.fetch_body(&request, attempt, into, total.bytes).await {
             Ok(body) => body,
             Err(e) => {
                 last = Some(WarmError::Client(e));

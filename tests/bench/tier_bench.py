@@ -17,7 +17,10 @@ alternating systems within each round, ROUNDS rounds; medians and per-round rati
          and the half-tier servers; none), MOUNT_OPTS (extra -o options of every batchfs mount, none),
          RUN_TIMEOUT (900 s a run), SEED (7), STORE_CPUS (none: every process on every CPU; "0": the store's
          side, SeaweedFS and the links in front of it, on CPU 0 and everything else, servers, mounts,
-         loaders and the compute node's links, on the other CPUs, as if the store ran on machines of its own)
+         loaders and the compute node's links, on the other CPUs, as if the store ran on machines of its own),
+         HALF_SYSTEMS ("half-blocks half-global": the half-tier servers measured), HALF_BEFORE (none: a
+         directory holding another build's batchfs-server, measured as `half-blocks-before` beside
+         `half-blocks` in each round, the same options, so two builds compare side by side)
 
 The store holds the shards and their `tfrecord2idx` index files (what a DALI user uploads). Each batchfs
 server runs in a cgroup v1 memory group of its own (`/sys/fs/cgroup/memory/`, LIMIT bytes, page cache
@@ -92,6 +95,8 @@ HAVE_MOUNT_S3 = bool(MOUNT_S3) and os.access(MOUNT_S3, os.X_OK)
 SYSTEMS = env("SYSTEMS", "batchfs-tier batchfs-gets batchfs-local s3fs rclone"
               + (" mountpoint-s3" if HAVE_MOUNT_S3 else "")).split()
 MOUNT_OPTS = env("MOUNT_OPTS", "")
+HALF_BEFORE = env("HALF_BEFORE", "")
+HALF_SYSTEMS = env("HALF_SYSTEMS", "half-blocks half-global").split() + (["half-blocks-before"] if HALF_BEFORE else [])
 TIER_OPTS = env("TIER_OPTS", "").split()
 RUN_TIMEOUT = float(env("RUN_TIMEOUT", "900"))
 STORE_CPUS = {int(c) for c in env("STORE_CPUS", "").replace(",", " ").split()}
@@ -219,7 +224,7 @@ def pin_ours(ctx):
 class Server:
     """A `batchfs-server serve` of one dataset `d` in a memory cgroup of its own (LIMIT bytes)."""
 
-    def __init__(self, ctx, label, source, extra, store=None, index_from=None):
+    def __init__(self, ctx, label, source, extra, store=None, index_from=None, bin_dir=BIN):
         self.label, self.ctx = label, ctx
         self.cgroup = os.path.join(CGROUPS, f"batchfs-tier-bench-{os.getpid()}-{label}")
         os.mkdir(self.cgroup)
@@ -242,7 +247,7 @@ class Server:
                 f.write(str(os.getpid()))
 
         started = time.monotonic()
-        self.proc = subprocess.Popen([os.path.join(BIN, "batchfs-server"), "serve", "--listen",
+        self.proc = subprocess.Popen([os.path.join(bin_dir, "batchfs-server"), "serve", "--listen",
                                       f"127.0.0.1:{self.port}", "--dataset", f"d={source}", "--index-dir",
                                       self.index] + extra, env=server_env, stderr=open(self.log, "w"),
                                      preexec_fn=join)
@@ -518,11 +523,10 @@ def bench(ctx):
         servers["batchfs-local"] = Server(ctx, "local", data, [])
     half = str(dataset_bytes // 2)
     if "half" in MEASURES:
-        for shuffle in ("blocks", "global"):
-            servers[f"half-{shuffle}"] = Server(ctx, f"half-{shuffle}", bucket,
-                                                ["--disk-cache", os.path.join(work, f"tier-half-{shuffle}"),
-                                                 "--disk-cache-size", half] + TIER_OPTS, store=to_store,
-                                                index_from=tier.index)
+        for label in HALF_SYSTEMS:
+            servers[label] = Server(ctx, label, bucket, ["--disk-cache", os.path.join(work, f"tier-{label}"),
+                                                         "--disk-cache-size", half] + TIER_OPTS, store=to_store,
+                                    index_from=tier.index, bin_dir=HALF_BEFORE if label.endswith("-before") else BIN)
 
     # The compute node's links and mounts: (measure, system, rtt) -> (mount, server or None).
     dirs = {}
@@ -546,7 +550,8 @@ def bench(ctx):
                 mount(("steady", system, rtt), lambda: (mount_peer(ctx, system, store_at), None))
     half_rtt = RTTS[0]
     if "half" in MEASURES:
-        for system, opts in [("batchfs-local", ""), ("half-blocks", ",shuffle=blocks"), ("half-global", "")]:
+        for system in ["batchfs-local"] + HALF_SYSTEMS:
+            opts = ",shuffle=blocks" if "blocks" in system else ""
             via, _ = link(procs, servers[system].port, half_rtt)
             mount(("half", system, half_rtt),
                   lambda: (mount_batchfs(ctx, f"half-{system}", via, opts), servers[system]))
@@ -575,7 +580,7 @@ def bench(ctx):
     held = wait_tier_full(tier, dataset_bytes)
     ctx["notes"].append(f"batchfs-tier holds {held / 1e6:.0f} MB of the dataset's {dataset_bytes / 1e6:.0f} MB "
                         "before the rounds")
-    for label in ("half-blocks", "half-global"):
+    for label in HALF_SYSTEMS:
         if label in servers and servers[label].alive():
             m = metrics(servers[label].port)
             ctx["notes"].append(f"{label} after its warm-up epoch: tier {m.get('batchfs_tier_bytes', 0) / 1e6:.0f} MB "
@@ -600,7 +605,7 @@ def bench(ctx):
         if "half" in MEASURES:
             rows.append(store_floor(ctx, rnd, half_rtt, to_store, data))
             for loader in HALF_LOADERS:
-                for system in ("batchfs-local", "half-blocks", "half-global"):
+                for system in ["batchfs-local"] + HALF_SYSTEMS:
                     key = ("half", system, half_rtt)
                     if key not in dirs:
                         continue
@@ -827,7 +832,7 @@ def render(rows, ctx):
                              f"{os.cpu_count()} cores: all CPU over the cores is a floor on the epoch here.")
             lines.insert(-2, "")
         for loader in HALF_LOADERS:
-            for system in ("batchfs-local", "half-blocks", "half-global"):
+            for system in ["batchfs-local"] + HALF_SYSTEMS:
                 runs = pick(measure="half", loader=loader, system=system)
                 if not runs:
                     continue

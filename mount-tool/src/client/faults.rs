@@ -2,7 +2,7 @@
 //! against a real server): each fetch takes the next queued [`Failure`], if any. Descriptions, manifests
 //! and lists pass through. Compiled for tests, and with the `testing` feature.
 
-use super::{BatchClient, Body, BoxFut, ClientError, Sink};
+use super::{BatchClient, BodyFut, BoxFut, ClientError, Request, Sink};
 use batchfs::api::{DatasetInfo, FileList, Manifest, SampleTable, SlotTable};
 use batchfs::encode::BatchFormat;
 use std::collections::VecDeque;
@@ -89,51 +89,15 @@ impl<C: BatchClient> BatchClient for FaultClient<C> {
         self.inner.slot_table(first_epoch, epochs)
     }
 
-    fn fetch_batch(
-        &self,
-        epoch: u64,
-        batch: u64,
-        format: BatchFormat,
-        attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
+    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: u64) -> BodyFut<'_> {
+        let request = request.clone();
         Box::pin(async move {
             self.next().await?;
-            self.inner.fetch_batch(epoch, batch, format, attempt, into, expect).await
+            self.inner.fetch_body(&request, attempt, into, expect).await
         })
     }
 
     fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>> {
         self.inner.sample_table()
-    }
-
-    fn fetch_samples(
-        &self,
-        ids: &[u32],
-        attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
-        let ids = ids.to_vec();
-        Box::pin(async move {
-            self.next().await?;
-            self.inner.fetch_samples(&ids, attempt, into, expect).await
-        })
-    }
-
-    fn fetch_file(
-        &self,
-        path: &str,
-        offset: u64,
-        attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
-        let path = path.to_owned();
-        Box::pin(async move {
-            self.next().await?;
-            self.inner.fetch_file(&path, offset, attempt, into, expect).await
-        })
     }
 }

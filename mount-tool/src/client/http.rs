@@ -5,7 +5,7 @@
 
 use super::connect::Connector;
 use super::health::{Health, InFlight};
-use super::{BatchClient, Body, BoxFut, ClientError, Sink};
+use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sink};
 use batchfs::api::{
     self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SampleTable, SlotTable,
 };
@@ -263,21 +263,27 @@ impl BatchClient for HttpClient {
         Box::pin(async move { self.json(&path).await })
     }
 
-    fn fetch_batch(
-        &self,
-        epoch: u64,
-        batch: u64,
-        format: BatchFormat,
-        attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
-        Box::pin(async move {
-            let path = format!("{}?{}", api::batch_path(&self.config.dataset, epoch, batch), self.query(format));
-            // Ties between idle servers rotate by batch; a retry finds the server that failed out of
-            // rotation (and rotates on as well).
-            self.body((batch as usize).wrapping_add(attempt as usize), &path, into, expect).await
-        })
+    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: u64) -> BodyFut<'_> {
+        let attempt = attempt as usize;
+        let dataset = &self.config.dataset;
+        // Which server answers: ties between idle servers rotate by what is asked for (a retry finds the
+        // server that failed out of rotation, and rotates on as well).
+        let (spread, path, range) = match request {
+            Request::Batch { epoch, batch, format } => {
+                let path = format!("{}?{}", api::batch_path(dataset, *epoch, *batch), self.query(*format));
+                (*batch as usize, path, None)
+            }
+            Request::Samples(ids) => {
+                let path = format!("{}?{}", api::sample_data_path(dataset), api::sample_ids_query(ids));
+                (ids.first().map_or(0, |&i| i as usize), path, None)
+            }
+            Request::File { path, offset } => {
+                let spread = path.len().wrapping_add((offset / batchfs::index::CHUNK_BYTES) as usize);
+                // An empty file has no range to ask for.
+                (spread, api::file_path(dataset, path), (expect > 0).then_some((*offset, expect)))
+            }
+        };
+        Box::pin(async move { self.fetch(spread.wrapping_add(attempt), &path, range, into, expect).await })
     }
 
     fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>> {
@@ -290,44 +296,12 @@ impl BatchClient for HttpClient {
             })
         })
     }
-
-    fn fetch_samples(
-        &self,
-        ids: &[u32],
-        attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
-        let path = format!("{}?{}", api::sample_data_path(&self.config.dataset), api::sample_ids_query(ids));
-        let spread = ids.first().map_or(0, |&i| i as usize).wrapping_add(attempt as usize);
-        Box::pin(async move { self.body(spread, &path, into, expect).await })
-    }
-
-    fn fetch_file(
-        &self,
-        path: &str,
-        offset: u64,
-        attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
-        let url_path = api::file_path(&self.config.dataset, path);
-        let spread = path.len().wrapping_add((offset / batchfs::index::CHUNK_BYTES) as usize);
-        // An empty file has no range to ask for.
-        let range = (expect > 0).then_some((offset, expect));
-        Box::pin(async move { self.fetch(spread.wrapping_add(attempt as usize), &url_path, range, into, expect).await })
-    }
 }
 
 impl HttpClient {
-    /// A whole response body of at most `expect` bytes, appended to `body`; a response with no bytes for
-    /// `stall_timeout` is abandoned.
-    async fn body(&self, spread: usize, path_and_query: &str, body: Sink, expect: u64) -> Result<Body, ClientError> {
-        self.fetch(spread, path_and_query, None, body, expect).await
-    }
-
-    /// Like [`HttpClient::body`], of the `(offset, len)` range of the resource if given: a server that
-    /// answers a range from a non-zero offset with the whole resource is refused, not trusted.
+    /// A whole response body of at most `expect` bytes, appended to `body`, or of the `(offset, len)`
+    /// range of the resource if given (a server that answers a range from a non-zero offset with the whole
+    /// resource is refused, not trusted); a response with no bytes for `stall_timeout` is abandoned.
     async fn fetch(
         &self,
         spread: usize,
@@ -417,6 +391,8 @@ mod tests {
     use super::*;
     use crate::buffers::Filling;
 
+    const BATCH_0: Request = Request::Batch { epoch: 0, batch: 0, format: BatchFormat::Tfrecord };
+
     #[test]
     fn urls() {
         assert_eq!(parse_url("http://storage:7878/imagenet"), Ok(("http://storage:7878".into(), "imagenet".into())));
@@ -469,7 +445,7 @@ mod tests {
         let body: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
         let fetch = |server: String, expect: u64| async move {
             let sink = Sink::Buffer(Filling::new(Vec::new(), (expect, 0), None, || {}));
-            client_of(server).fetch_batch(0, 0, BatchFormat::Tfrecord, 0, sink, expect).await
+            client_of(server).fetch_body(&BATCH_0, 0, sink, expect).await
         };
         // The announced length is checked before any byte is read.
         let err = fetch(h2c_server(body.clone(), Some(3000)).await, 1000).await.unwrap_err();
@@ -549,7 +525,7 @@ mod tests {
         let client = client_of(server);
         let fetch = || {
             let sink = Sink::Buffer(Filling::new(Vec::new(), (1000, 0), None, || {}));
-            client.fetch_batch(0, 0, BatchFormat::Tfrecord, 0, sink, 1000)
+            client.fetch_body(&BATCH_0, 0, sink, 1000)
         };
         let err = fetch().await.unwrap_err();
         assert!(err.is_retryable(), "{err}");

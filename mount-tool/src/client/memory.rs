@@ -3,7 +3,7 @@
 //! Failures that send nothing are [`super::FaultClient`]'s, in front of it. Compiled for tests, and with
 //! the `testing` feature.
 
-use super::{BatchClient, Body, BoxFut, ClientError, Sink};
+use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sink};
 use batchfs::api::{self, BatchEntry, DatasetInfo, FileList, Manifest, SampleTable, SlotTable};
 use batchfs::encode::BatchFormat;
 use bytes::Bytes;
@@ -99,6 +99,14 @@ impl BatchClient for MemoryClient {
         })
     }
 
+    fn fetch_body(&self, request: &Request, _attempt: u32, into: Sink, expect: u64) -> BodyFut<'_> {
+        match request {
+            Request::Batch { epoch, batch, format } => self.batch_body(*epoch, *batch, *format, into),
+            Request::Samples(ids) => self.samples_body(ids, into),
+            Request::File { path, offset } => self.file_body(path, *offset, into, expect),
+        }
+    }
+
     /// The files as the server indexes a file tree: sorted by path, each one sample, labelled by its first
     /// directory (classes sorted by name).
     fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>> {
@@ -113,20 +121,6 @@ impl BatchClient for MemoryClient {
             }
             Ok(t)
         })
-    }
-
-    fn fetch_samples(
-        &self,
-        ids: &[u32],
-        _attempt: u32,
-        into: Sink,
-        _expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
-        self.sampled.lock().expect("sampled").push(ids.to_vec());
-        let (sorted, _) = self.samples();
-        let body = ids.iter().map(|&i| sorted.get(i as usize).map(|(_, b)| b.clone())).collect::<Option<Vec<Bytes>>>();
-        let body = body.map(|parts| Bytes::from(parts.concat()));
-        Box::pin(self.serve(body, into, None))
     }
 
     fn manifest(&self, epoch: u64, format: BatchFormat) -> BoxFut<'_, Result<Manifest, ClientError>> {
@@ -219,15 +213,25 @@ impl BatchClient for MemoryClient {
             Ok(SlotTable { options: Default::default(), first_epoch, epochs, batches })
         })
     }
+}
 
-    fn fetch_batch(
+impl MemoryClient {
+    /// Samples `ids`' data, one after another.
+    fn samples_body(&self, ids: &[u32], into: Sink) -> BoxFut<'_, Result<Body, ClientError>> {
+        self.sampled.lock().expect("sampled").push(ids.to_vec());
+        let (sorted, _) = self.samples();
+        let body = ids.iter().map(|&i| sorted.get(i as usize).map(|(_, b)| b.clone())).collect::<Option<Vec<Bytes>>>();
+        let body = body.map(|parts| Bytes::from(parts.concat()));
+        Box::pin(self.serve(body, into, None))
+    }
+
+    /// Batch `batch` of `epoch` in `format` (once no test holds it).
+    fn batch_body(
         &self,
         epoch: u64,
         batch: u64,
         format: BatchFormat,
-        _attempt: u32,
         into: Sink,
-        _expect: u64,
     ) -> BoxFut<'_, Result<Body, ClientError>> {
         Box::pin(async move {
             while self.held.lock().expect("held").contains(&batch) {
@@ -237,14 +241,8 @@ impl BatchClient for MemoryClient {
         })
     }
 
-    fn fetch_file(
-        &self,
-        path: &str,
-        offset: u64,
-        _attempt: u32,
-        into: Sink,
-        expect: u64,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
+    /// `expect` bytes of file `path` from `offset`.
+    fn file_body(&self, path: &str, offset: u64, into: Sink, expect: u64) -> BoxFut<'_, Result<Body, ClientError>> {
         self.ranges.lock().expect("ranges").push((path.to_owned(), offset, expect));
         let body = self.files.iter().find(|(p, _)| p == path).map(|(_, b)| {
             let start = (offset as usize).min(b.len());
@@ -252,9 +250,7 @@ impl BatchClient for MemoryClient {
         });
         Box::pin(self.serve(body, into, None))
     }
-}
 
-impl MemoryClient {
     /// The files sorted by path, and the class names (the first directories, sorted).
     fn samples(&self) -> (Vec<&(String, Bytes)>, Vec<String>) {
         let mut sorted: Vec<&(String, Bytes)> = self.files.iter().collect();

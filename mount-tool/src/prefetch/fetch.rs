@@ -8,7 +8,7 @@
 use super::cache::{Admitted, Ask, Prefetching};
 use super::entry::{in_memfd, seal_file, Content, Entry, Placed, Record, State};
 use super::retry::{verify, with_retries, Failure};
-use super::{describe, Listing, Object, ObjectKey, OnDisk, Prefetcher, ReadError};
+use super::{describe, Object, ObjectKey, OnDisk, Prefetcher, ReadError};
 use crate::buffers::{Filling, Sink};
 use crate::client::{ClientError, Sent};
 use crate::node_cache::NodeCache;
@@ -59,17 +59,9 @@ impl Prefetcher {
         let memfd = buffer.is_none();
         let this = self.clone();
         let fetching = entry;
-        let path = match key.listing {
-            Listing::Raw { dir } => self.raw.chunk_path(dir, key.index),
-            Listing::Epoch { .. } | Listing::Rolling { .. } | Listing::Shuffled { .. } => None,
-        };
-        // A group's samples, from the plan its listing was made of (kept while its groups are fetched).
-        let ids: Option<Arc<[u32]>> = match key.listing {
-            Listing::Shuffled { epoch, class } => {
-                self.cached_class_plan(epoch).map(|p| p.group_ids(class as usize, key.index).into())
-            }
-            _ => None,
-        };
+        // What the server is asked for: a chunk of raw/ or a group of shuffled/ has one once its
+        // directory's list or its plan is here, as it is for every key a reader or the window names.
+        let request = self.request(key);
         let meta = obj.sent;
         let on_disk = self.node_cache.get().cloned().and_then(|nc| self.on_disk(key, &obj).map(|pieces| (nc, pieces)));
         self.runtime.spawn(async move {
@@ -101,8 +93,7 @@ impl Prefetcher {
             // allocates anew (the reservation covers either).
             let result = with_retries(&this.config, &this.stats, move |attempt| {
                 let client = client.clone();
-                let path = path.clone();
-                let ids = ids.clone();
+                let request = request.clone();
                 let pool = pool.clone();
                 let placed = placed.clone();
                 // Readers wait on the entry for each verified prefix of a buffer (not of a memory file,
@@ -124,24 +115,8 @@ impl Prefetcher {
                 };
                 async move {
                     let into = into.map_err(Failure::Memory)?;
-                    let body = match (key.listing, path) {
-                        (Listing::Epoch { epoch, format }, _) => {
-                            client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
-                        }
-                        (Listing::Rolling { epoch }, _) => {
-                            let format = batchfs::encode::BatchFormat::Tfrecord;
-                            client.fetch_batch(epoch, key.index, format, attempt, into, meta.bytes).await
-                        }
-                        (Listing::Raw { .. }, Some((path, offset))) => {
-                            client.fetch_file(&path, offset, attempt, into, meta.bytes).await
-                        }
-                        (Listing::Raw { .. }, None) => unreachable!("raw keys exist only after their directory's list"),
-                        (Listing::Shuffled { .. }, _) => match ids {
-                            Some(ids) => client.fetch_samples(&ids, attempt, into, meta.bytes).await,
-                            None => unreachable!("shuffled keys exist only after their plan"),
-                        },
-                    }
-                    .map_err(|e| match e {
+                    let request = request.ok_or_else(|| Failure::Fatal(ReadError::NotFound(describe(key))))?;
+                    let body = client.fetch_body(&request, attempt, into, meta.bytes).await.map_err(|e| match e {
                         ClientError::Corrupt { server, cause } => {
                             Failure::Mismatch(format!("{} from {server}: {cause}", describe(key)))
                         }
