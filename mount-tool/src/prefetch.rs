@@ -1,18 +1,20 @@
 //! The prefetcher and its cache: the objects a mount shows (batches of an epoch in a format, chunks of `raw/`'s files,
 //! `rolling/`'s placed files, groups of `shuffled/`'s samples), fetched whole, verified, and kept under a byte budget.
-//! This file is the facade, composing the parts (reads, passthrough files, what each object is, the prefetches the
-//! window asks for, the next epoch's manifests fetched in the background); its rooms: `prefetch/cache.rs` is the
-//! cache, a part of its own with its own tests (Shuttle's among them): its entries under the byte budget, admission (an
-//! object charged before its fetch, by a guard that gives the bytes back when the entry is dropped), what to evict and
-//! the wait for room; `prefetch/entry.rs` is one entry (its state, contents and memory file, and the waits of its
-//! readers), `prefetch/fetch.rs` asks the cache to admit an object and runs its fetch from its sink to what it
-//! publishes, `prefetch/window.rs` is the window, another part of its own with its tests (knowing no cache or
-//! client): what to keep ahead of each read (with `prefetch/streams.rs`, which finds the readers' streams), the
-//! delivery rate and how much may be in flight, `prefetch/listings.rs` keeps the epochs' manifests and the slot table,
-//! `prefetch/raw.rs` owns `raw/` (its directories' lists and chunks, reads across chunks), `prefetch/shuffled.rs` owns
-//! `shuffled/`'s sample table, each epoch's per-class plan and the groups of one class's samples fetched ahead,
-//! `prefetch/retry.rs` runs one fetch's attempts and checks bodies, and [`BufferPool`](crate::buffers::BufferPool)
-//! (`buffers/pool.rs`) keeps the byte budget's one ledger and the buffers reused within it.
+//! This file is the facade, composing the parts (reads, passthrough files, what each object is and what to ask the
+//! server for it, the prefetches the window asks for, the next epoch's manifests fetched in the background). Three
+//! parts, each with its own tests and knowing none of the others: `prefetch/cache.rs`, the cache (Shuttle's model
+//! tests among its tests): its entries under the byte budget, admission (an object charged before its fetch, by a
+//! guard that gives the bytes back when the entry is dropped), what to evict and the wait for room;
+//! `prefetch/window.rs`, the window (a Shuttle test too): what to keep ahead of each read (with `prefetch/streams.rs`,
+//! which finds the readers' streams), the delivery rate and how much may be in flight; `prefetch/fetcher.rs`, the
+//! fetcher: one body from the node cache or through the client with retries (`prefetch/retry.rs`), checked, placed
+//! or sealed. Its other rooms: `prefetch/entry.rs` is one entry (its state, contents and memory file, and the waits
+//! of its readers), `prefetch/fetch.rs` asks the cache to admit an object, runs its fetch and publishes what it
+//! brought, `prefetch/listings.rs` keeps the epochs' manifests and the slot table, `prefetch/raw.rs` owns `raw/`
+//! (its directories' lists and chunks, reads across chunks), `prefetch/shuffled.rs` owns `shuffled/`'s sample
+//! table, each epoch's per-class plan and the groups of one class's samples fetched ahead, and
+//! [`BufferPool`](crate::buffers::BufferPool) (`buffers/pool.rs`) keeps the byte budget's one ledger and the
+//! buffers reused within it.
 //!
 //! **Bridge.** FUSE worker threads block here (on a condition variable, always with a deadline, since
 //! fuser 0.18 ignores FUSE_INTERRUPT); fetches run as tasks on a tokio runtime. No tokio worker ever
@@ -60,7 +62,7 @@ use crate::client::{DynClient, Request, Sent};
 use crate::node_cache::NodeCache;
 use crate::options::MountOptions;
 use crate::stats::Stats;
-use crate::sync::{Arc, AtomicBool, Ordering};
+use crate::sync::{Arc, Ordering};
 use batchfs::api::{Manifest, SlotTable};
 use batchfs::encode::BatchFormat;
 use batchfs::rolling::FileLayout;
@@ -73,6 +75,7 @@ pub use window::prefetch_cap;
 mod cache;
 mod entry;
 mod fetch;
+mod fetcher;
 mod listings;
 mod raw;
 mod retry;
@@ -81,6 +84,7 @@ mod streams;
 mod window;
 use cache::{Cache, Limits};
 use entry::{Content, Entry};
+use fetcher::Fetcher;
 use listings::Listings;
 use raw::{Raw, RawDirs};
 use retry::{with_retries, Failure};
@@ -295,12 +299,10 @@ pub struct Prefetcher {
     raw: RawDirs,
     /// The sample table and the plans of `shuffled/`.
     shuffled: shuffled::Shuffled,
-    /// The node cache (`cache_dir`), if the mount has one.
-    node_cache: std::sync::OnceLock<Arc<NodeCache>>,
+    /// Fetches bodies: from the node cache, or the server with retries.
+    fetcher: Fetcher,
     /// What to fetch ahead of each reader, and how much may be in flight.
     window: Window,
-    /// Fetch bodies into memory files rather than buffers (the mount uses passthrough).
-    memfd_bodies: AtomicBool,
     pub stats: Arc<Stats>,
 }
 
@@ -308,6 +310,7 @@ impl Prefetcher {
     /// A prefetcher fetching through `client` on `runtime`.
     pub fn new(client: DynClient, runtime: tokio::runtime::Handle, config: PrefetcherConfig) -> Arc<Self> {
         let stats = Arc::new(Stats::default());
+        let fetcher = Fetcher::new(client.clone(), config.clone(), stats.clone());
         Arc::new(Prefetcher {
             client,
             runtime,
@@ -318,9 +321,8 @@ impl Prefetcher {
             listings: Listings::new(),
             raw: RawDirs::default(),
             shuffled: Default::default(),
-            node_cache: std::sync::OnceLock::new(),
+            fetcher,
             window: Window::new(&config, stats.clone()),
-            memfd_bodies: AtomicBool::new(false),
             stats,
             config,
         })
@@ -329,7 +331,7 @@ impl Prefetcher {
     /// Keeps verified objects in `cache` too, and looks there before the network (set once, before the
     /// first read).
     pub fn use_node_cache(&self, cache: Arc<NodeCache>) {
-        let _ = self.node_cache.set(cache);
+        self.fetcher.use_node_cache(cache);
     }
 
     /// The client it fetches through.
@@ -339,7 +341,7 @@ impl Prefetcher {
 
     /// The node cache, if the mount has one.
     pub fn node_cache(&self) -> Option<&Arc<NodeCache>> {
-        self.node_cache.get()
+        self.fetcher.node_cache()
     }
 
     /// What `obj` (under `key`) is in the node cache: itself (a batch, a chunk of `raw/`), or each of its
@@ -389,7 +391,7 @@ impl Prefetcher {
     /// Fetches bodies into sealed memory files from now on, ready to be handed to the kernel (when the
     /// mount uses passthrough): no buffer in between, and no copy at open.
     pub fn fetch_into_memfds(&self, on: bool) {
-        self.memfd_bodies.store(on, Ordering::Relaxed);
+        self.fetcher.use_memfds(on);
     }
 
     /// The manifest of `epoch` in `format` (cached; fetched with retries up to `timeout`). Blocks: call

@@ -36,6 +36,11 @@ impl<C> FaultClient<C> {
         FaultClient { inner, queue: Mutex::new(VecDeque::new()), failed: AtomicU64::new(0) }
     }
 
+    /// The client behind the failures.
+    pub fn inner(&self) -> &C {
+        &self.inner
+    }
+
     /// Queues failures for the next fetches, in order.
     pub fn fail_next(&self, failures: impl IntoIterator<Item = Failure>) {
         self.queue.lock().expect("failures").extend(failures);

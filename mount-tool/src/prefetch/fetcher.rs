@@ -1,0 +1,305 @@
+//! The fetcher, a part of its own: one object's body, from the node cache where it holds it (checked on
+//! the way in), else from the server through the client, its attempts retried (`retry.rs`) and each body
+//! checked against what was announced; then published as the cache keeps it: the verified body (sealed in
+//! a memory file the kernel will serve whole under passthrough), or, for `rolling/`'s indexed layout, its
+//! records placed at their slots. What it fetched from the server goes into the node cache too. It knows
+//! no view, no cache policy and no window: the prefetcher names the [`Request`] and the entry, and does
+//! the bookkeeping (`fetch.rs`).
+
+use super::entry::{in_memfd, seal_file, Content, Entry, Placed, Record};
+use super::retry::{verify, with_retries, Failure};
+use super::{describe, ObjectKey, OnDisk, PrefetcherConfig, ReadError};
+use crate::buffers::{BufferPool, Filling, Sink};
+use crate::client::{ClientError, DynClient, Request, Sent};
+use crate::node_cache::NodeCache;
+use crate::stats::Stats;
+use crate::sync::{Arc, AtomicBool, Ordering};
+use batchfs::rolling::FileLayout;
+use bytes::Bytes;
+
+/// Fetches objects' bodies for one mount.
+pub(super) struct Fetcher {
+    client: DynClient,
+    /// The retries' settings (`timeout`).
+    config: PrefetcherConfig,
+    stats: Arc<Stats>,
+    /// The node cache (`cache_dir`), if the mount has one.
+    node_cache: std::sync::OnceLock<Arc<NodeCache>>,
+    /// Bodies go into memory files rather than buffers (the mount uses passthrough).
+    memfd_bodies: AtomicBool,
+}
+
+/// One object to fetch.
+pub(super) struct Job {
+    /// Which object, for messages.
+    pub key: ObjectKey,
+    /// What to ask the server for (`None`: nothing can be asked, the fetch fails at once).
+    pub request: Option<Request>,
+    /// What the server sends for it: the body's size and CRC32C.
+    pub sent: Sent,
+    /// For `rolling/`'s indexed layout, where the body's records go.
+    pub placed: Option<Arc<FileLayout>>,
+    /// Where the body may be in the node cache.
+    pub on_disk: Option<OnDisk>,
+    /// The buffer the admission reserved (reused memory); none: the body goes into a memory file.
+    pub buffer: Option<Vec<u8>>,
+}
+
+/// A fetched object, verified.
+pub(super) struct Fetched {
+    pub content: Content,
+    /// The sealed memory file holding it, for passthrough.
+    pub file: Option<Arc<std::fs::File>>,
+    /// Read from the node cache, not the server.
+    pub from_disk: bool,
+}
+
+impl Fetcher {
+    pub fn new(client: DynClient, config: PrefetcherConfig, stats: Arc<Stats>) -> Self {
+        Fetcher { client, config, stats, node_cache: std::sync::OnceLock::new(), memfd_bodies: AtomicBool::new(false) }
+    }
+
+    /// Keeps verified bodies in `cache` too, and looks there before the network (set once).
+    pub fn use_node_cache(&self, cache: Arc<NodeCache>) {
+        let _ = self.node_cache.set(cache);
+    }
+
+    /// The node cache, if the mount has one.
+    pub fn node_cache(&self) -> Option<&Arc<NodeCache>> {
+        self.node_cache.get()
+    }
+
+    /// Fetches bodies into sealed memory files from now on (when the mount uses passthrough).
+    pub fn use_memfds(&self, on: bool) {
+        self.memfd_bodies.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether bodies go into memory files.
+    pub fn memfds(&self) -> bool {
+        self.memfd_bodies.load(Ordering::Relaxed)
+    }
+
+    /// Fetches `job`'s body: from the node cache if it holds it, else from the server, retried until
+    /// `timeout`. A body arriving into a buffer publishes each verified prefix on `entry` (its readers
+    /// may read before the rest has come); a failed attempt's buffer is lost, and a retry allocates anew
+    /// (the admission's reservation covers either) from `pool`.
+    pub async fn fetch(&self, job: Job, entry: &Arc<Entry>, pool: &Arc<BufferPool>) -> Result<Fetched, ReadError> {
+        let Job { key, request, sent: meta, placed, on_disk, mut buffer } = job;
+        let memfd = buffer.is_none();
+        let on_disk = self.node_cache.get().cloned().zip(on_disk);
+        // The node cache first: the object, or each of a group's samples, verified on the way in.
+        if let Some((nc, pieces)) = on_disk.clone() {
+            let found = tokio::task::spawn_blocking(move || from_disk(&nc, &pieces, meta, memfd)).await;
+            if let Ok(Some((content, file))) = found {
+                return Ok(Fetched { content, file, from_disk: true });
+            }
+        }
+        let client = self.client.clone();
+        let filled = entry.clone();
+        // A placed file is published only whole: none of its records is where the body has it.
+        let early = placed.is_none();
+        let into_memfd = self.memfds();
+        let fetched = with_retries(&self.config, &self.stats, move |attempt| {
+            let (client, request, pool, placed) = (client.clone(), request.clone(), pool.clone(), placed.clone());
+            // Readers wait on the entry for each verified prefix of a buffer (not of a memory file,
+            // which the kernel serves only whole).
+            let fill = |buffer: Vec<u8>| {
+                let entry = Arc::downgrade(&filled);
+                let wake = move || entry.upgrade().iter().for_each(|e| e.verified_more());
+                let home = Some(Arc::downgrade(&pool));
+                let filling = Filling::new(buffer, (meta.bytes, meta.crc32c), home, wake);
+                if early {
+                    filled.filling(filling.partial().clone());
+                }
+                Sink::Buffer(filling)
+            };
+            let into = match buffer.take() {
+                Some(buffer) => Ok(fill(buffer)),
+                None if memfd => Sink::memory_file(meta.bytes),
+                None => Ok(fill(Vec::new())),
+            };
+            async move {
+                let into = into.map_err(Failure::Memory)?;
+                let request = request.ok_or_else(|| Failure::Fatal(ReadError::NotFound(describe(key))))?;
+                let body = client.fetch_body(&request, attempt, into, meta.bytes).await.map_err(|e| match e {
+                    ClientError::Corrupt { server, cause } => {
+                        Failure::Mismatch(format!("{} from {server}: {cause}", describe(key)))
+                    }
+                    e => Failure::Client(e),
+                })?;
+                verify(key, &meta, &body)?;
+                match (body.sink, placed) {
+                    (Sink::Buffer(filled), None) => Ok((Content::Bytes(filled.finish()), None)),
+                    (Sink::Buffer(filled), Some(layout)) => {
+                        let content = place(key, filled.finish(), &layout).map_err(Failure::Fatal)?;
+                        if !into_memfd {
+                            return Ok((content, None));
+                        }
+                        // Passthrough will serve it: its memory file now, its records at their slots.
+                        let (content, file) = in_memfd(&content).map_err(Failure::Memory)?;
+                        Ok((content, Some(file)))
+                    }
+                    (Sink::File(m), _) => m
+                        .finish()
+                        .and_then(seal_file)
+                        .map(|(b, f)| (Content::Bytes(b), Some(f)))
+                        .map_err(Failure::Memory),
+                }
+            }
+        })
+        .await;
+        let (content, file) = fetched?;
+        if let (Some((nc, pieces)), Content::Bytes(bytes)) = (on_disk, &content) {
+            let bytes = bytes.clone();
+            tokio::task::spawn_blocking(move || to_disk(&nc, &pieces, &bytes));
+        }
+        Ok(Fetched { content, file, from_disk: false })
+    }
+}
+
+/// An object's bytes from the node cache: its pieces (the object, or a group's samples) read and checked
+/// one by one, or its range of a whole object there; then checked against `meta`; into a sealed memory
+/// file for passthrough with `memfd`. `None` when a piece is missing or wrong (then fetched).
+fn from_disk(nc: &NodeCache, on: &OnDisk, meta: Sent, memfd: bool) -> Option<(Content, Option<Arc<std::fs::File>>)> {
+    let pieces = || -> Option<Vec<u8>> {
+        let mut data = Vec::with_capacity(meta.bytes as usize);
+        for &piece in &on.pieces {
+            data.extend_from_slice(&nc.get(piece)?);
+        }
+        Some(data)
+    };
+    let within = || -> Option<Vec<u8>> {
+        let (whole, offset) = on.within?;
+        let data = nc.get(whole)?;
+        data.get(offset as usize..(offset + meta.bytes) as usize).map(<[u8]>::to_vec)
+    };
+    let data = pieces().or_else(within)?;
+    if data.len() as u64 != meta.bytes || batchfs::crc::crc32c(&data) != meta.crc32c {
+        return None;
+    }
+    if !memfd {
+        return Some((Content::Bytes(Bytes::from(data)), None));
+    }
+    let file = crate::sys::memory_file("batchfs-batch", data.len() as u64).ok()?;
+    std::io::Write::write_all(&mut &file, &data).ok()?;
+    let (bytes, file) = seal_file(file).ok()?;
+    Some((Content::Bytes(bytes), Some(file)))
+}
+
+/// Files a fetched object's verified bytes into the node cache: whole, or each of a group's samples.
+fn to_disk(nc: &NodeCache, on: &OnDisk, bytes: &[u8]) {
+    let mut at = 0usize;
+    for &piece in &on.pieces {
+        let end = at + piece.bytes as usize;
+        let Some(data) = bytes.get(at..end) else { return };
+        if let Err(e) = nc.put(piece, data) {
+            tracing::warn!(error = %e, "node cache: cannot keep an object (the mount goes on without it)");
+            return;
+        }
+        at = end;
+    }
+}
+
+/// The records of `body` (a verified TFRecord batch) placed by `layout`: each at the slot of its size
+/// rank. A body that is not whole frames, or whose records do not fit the slots, is an error that no
+/// retry can mend (the server's slot table does not hold this epoch's batch).
+fn place(key: ObjectKey, body: Bytes, layout: &FileLayout) -> Result<Content, ReadError> {
+    let layout_error = |message: String| ReadError::Layout(format!("{}: {message}", describe(key)));
+    let frames = batchfs::rolling::frames_of(&body)
+        .ok_or_else(|| layout_error("the batch is not a sequence of TFRecord frames".into()))?;
+    let lens: Vec<u64> = frames.iter().map(|&(_, len)| len).collect();
+    let positions = layout.positions(key.index, &lens).map_err(|e| layout_error(e.to_string()))?;
+    let mut records: Vec<Record> =
+        frames.iter().zip(positions).map(|(&(from, len), p)| Record { at: layout.offsets[p], from, len }).collect();
+    records.sort_unstable_by_key(|r| r.at);
+    Ok(Content::Placed(Placed { bytes: body, records: records.into(), len: layout.len }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::{Failure as Outage, Fault, FaultClient, MemoryClient};
+    use batchfs::encode::BatchFormat;
+    use std::time::{Duration, Instant};
+
+    const TF: BatchFormat = BatchFormat::Tfrecord;
+
+    /// A fetcher of batches of epoch 0 (`n` of them, of varied sizes) through a client that can fail.
+    fn setup(n: usize) -> (tokio::runtime::Runtime, Arc<FaultClient<MemoryClient>>, Fetcher, Vec<Bytes>) {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let bodies: Vec<Bytes> =
+            (0..n).map(|i| Bytes::from((0..1000 + i * 37).map(|j| (i * 7 + j) as u8).collect::<Vec<u8>>())).collect();
+        let b2 = bodies.clone();
+        let client = Arc::new(FaultClient::new(MemoryClient::new(move |_, _| b2.clone())));
+        let config = PrefetcherConfig { timeout: Duration::from_secs(5), ..Default::default() };
+        let fetcher = Fetcher::new(client.clone(), config, Arc::new(Stats::default()));
+        (runtime, client, fetcher, bodies)
+    }
+
+    fn sent_of(body: &[u8]) -> Sent {
+        Sent { bytes: body.len() as u64, crc32c: batchfs::crc::crc32c(body) }
+    }
+
+    /// Batch `batch`'s job, into a buffer, found in the node cache if `on_disk`.
+    fn job(batch: u64, body: &[u8], on_disk: bool) -> Job {
+        let sent = sent_of(body);
+        Job {
+            key: ObjectKey::batch(0, batch, TF),
+            request: Some(Request::Batch { epoch: 0, batch, format: TF }),
+            sent,
+            placed: None,
+            on_disk: on_disk.then(|| OnDisk { pieces: vec![sent], within: None }),
+            buffer: Some(Vec::new()),
+        }
+    }
+
+    fn fetch(runtime: &tokio::runtime::Runtime, fetcher: &Fetcher, job: Job) -> Result<Fetched, ReadError> {
+        let (entry, pool) = (Arc::new(Entry::new(0)), BufferPool::new(1 << 30));
+        runtime.block_on(fetcher.fetch(job, &entry, &pool))
+    }
+
+    #[test]
+    fn a_corrupt_or_short_body_is_fetched_again_never_returned() {
+        let (runtime, client, fetcher, bodies) = setup(3);
+        client.inner().inject([Fault::Corrupt, Fault::Short]);
+        let fetched = fetch(&runtime, &fetcher, job(2, &bodies[2], false)).unwrap();
+        assert_eq!(fetched.content.into_bytes(), bodies[2]);
+        assert!(!fetched.from_disk && fetched.file.is_none());
+        assert_eq!(fetcher.stats.checksum_errors.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn the_node_cache_is_read_first_and_keeps_what_the_server_sent() {
+        let (runtime, client, fetcher, bodies) = setup(2);
+        let dir = tempfile::tempdir().unwrap();
+        let nc = NodeCache::open(dir.path(), 1 << 20).unwrap();
+        fetcher.use_node_cache(nc.clone());
+        let fetched = fetch(&runtime, &fetcher, job(1, &bodies[1], true)).unwrap();
+        assert!(!fetched.from_disk, "not there yet: from the server");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while nc.get(sent_of(&bodies[1])).is_none() {
+            assert!(Instant::now() < deadline, "the body never reached the node cache");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The server gone: the body comes from the node's disk, checked, into a memory file for passthrough.
+        client.fail_next(std::iter::repeat_n(Outage::Unreachable, 100));
+        let mut from_disk = job(1, &bodies[1], true);
+        from_disk.buffer = None;
+        let fetched = fetch(&runtime, &fetcher, from_disk).unwrap();
+        assert!(fetched.from_disk && fetched.file.is_some());
+        assert_eq!(fetched.content.into_bytes(), bodies[1]);
+    }
+
+    #[test]
+    fn nothing_to_ask_for_fails_at_once_and_an_outage_after_the_timeout() {
+        let (runtime, client, fetcher, bodies) = setup(1);
+        let started = Instant::now();
+        let nothing = Job { request: None, ..job(0, &bodies[0], false) };
+        assert!(matches!(fetch(&runtime, &fetcher, nothing), Err(ReadError::NotFound(_))));
+        assert!(started.elapsed() < Duration::from_secs(4), "no retry mends it");
+        client.fail_next(std::iter::repeat_n(Outage::Unreachable, 1000));
+        let timeout = PrefetcherConfig { timeout: Duration::from_millis(300), ..Default::default() };
+        let fetcher = Fetcher::new(client.clone(), timeout, Arc::new(Stats::default()));
+        assert!(matches!(fetch(&runtime, &fetcher, job(0, &bodies[0], false)), Err(ReadError::Timeout { .. })));
+    }
+}
