@@ -105,3 +105,14 @@ mount_rclone() {
     rclone mount :http: "$3" --http-url "http://127.0.0.1:$1/$2/" --read-only --daemon 2>/dev/null
     for _ in $(seq 100); do [ -n "$(ls "$3" 2>/dev/null)" ] && break; sleep 0.1; done
 }
+
+# Generates the TFRecord dataset into $DATA once ($SAMPLES records of $MEAN bytes on average in $SHARDS
+# shards; a marker file says it is whole, so a later run reuses it), then indexes it.
+gen_and_index() {
+    if [ ! -e "$DATA/.batchfs-generated" ]; then
+        "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards "$SHARDS" \
+            --out "$DATA" >&2
+        touch "$DATA/.batchfs-generated"
+    fi
+    "$BIN/batchfs-server" index --dataset "d=$DATA" >&2
+}

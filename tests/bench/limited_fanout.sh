@@ -21,12 +21,7 @@ DATA=${DATA:-$work/data}
 CG=/sys/fs/cgroup/memory/batchfs-fanout-$$
 server=
 trap 'clean_up "$work" "$CG" $server' EXIT
-if [ ! -e "$DATA/.batchfs-generated" ]; then
-    "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards "$SHARDS" \
-        --out "$DATA" >&2
-    touch "$DATA/.batchfs-generated"
-fi
-"$BIN/batchfs-server" index --dataset "d=$DATA" >&2
+gen_and_index
 sync
 echo 3 >/proc/sys/vm/drop_caches
 port=$(free_port)

@@ -36,12 +36,7 @@ CG=/sys/fs/cgroup/memory/batchfs-bench-$$
 pids=()
 declare -A server_pid
 trap 'clean_up "$work" "$CG" "${pids[@]}"' EXIT
-if [ ! -e "$DATA/.batchfs-generated" ]; then
-    "$BIN/batchfs-server" gen --format tfrecord --samples "$SAMPLES" --mean-bytes "$MEAN" --shards "$SHARDS" \
-        --out "$DATA" >&2
-    touch "$DATA/.batchfs-generated"
-fi
-"$BIN/batchfs-server" index --dataset "d=$DATA" >&2
+gen_and_index
 # Direct reads leave no pages behind: the direct servers share one copy (the one `cat` reads).
 for copy in limited-mmap limited-pread limited-direct; do
     case " $SYSTEMS limited-direct " in *" $copy "*) [ -e "$DATA-$copy/.batchfs-generated" ] || cp -a "$DATA" "$DATA-$copy" ;; esac

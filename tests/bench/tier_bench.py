@@ -593,24 +593,22 @@ def bench(ctx):
         first_link, first_proc = capped_link(procs, s3, STORE_RTT, FIRST_RATE)
         store_side(ctx, first_proc)
     rows = []
+    def each(measure, rnd, rtt, loader, systems):
+        """One run of LOADER over each of SYSTEMS that has a mount for MEASURE at RTT, in turn."""
+        for system in systems:
+            key = (measure, system, rtt)
+            if key in dirs:
+                rows.append(timed(ctx, measure, rnd, rtt, loader, system, dirs[key][0], directory(key),
+                                  dirs[key][1]))
+
     for rnd in range(ROUNDS):
         for rtt in RTTS:
             for loader in LOADERS:
-                for system in steady_systems:
-                    key = ("steady", system, rtt)
-                    if key not in dirs:
-                        continue
-                    rows.append(timed(ctx, "steady", rnd, rtt, loader, system, dirs[key][0], directory(key),
-                                      dirs[key][1]))
+                each("steady", rnd, rtt, loader, steady_systems)
         if "half" in MEASURES:
             rows.append(store_floor(ctx, rnd, half_rtt, to_store, data))
             for loader in HALF_LOADERS:
-                for system in ["batchfs-local"] + HALF_SYSTEMS:
-                    key = ("half", system, half_rtt)
-                    if key not in dirs:
-                        continue
-                    rows.append(timed(ctx, "half", rnd, half_rtt, loader, system, dirs[key][0], directory(key),
-                                      dirs[key][1]))
+                each("half", rnd, half_rtt, loader, ["batchfs-local"] + HALF_SYSTEMS)
         if "first" in MEASURES:
             rows.append(first_epoch(ctx, rnd, bucket, first_link, tier.index))
         write_csv(os.path.join(out, "results.csv"), rows)
