@@ -217,7 +217,7 @@ impl BatchClient for MemoryClient {
 
 impl MemoryClient {
     /// Samples `ids`' data, one after another.
-    fn samples_body(&self, ids: &[u32], into: Sink) -> BoxFut<'_, Result<Body, ClientError>> {
+    fn samples_body(&self, ids: &[u32], into: Sink) -> BodyFut<'_> {
         self.sampled.lock().expect("sampled").push(ids.to_vec());
         let (sorted, _) = self.samples();
         let body = ids.iter().map(|&i| sorted.get(i as usize).map(|(_, b)| b.clone())).collect::<Option<Vec<Bytes>>>();
@@ -226,13 +226,7 @@ impl MemoryClient {
     }
 
     /// Batch `batch` of `epoch` in `format` (once no test holds it).
-    fn batch_body(
-        &self,
-        epoch: u64,
-        batch: u64,
-        format: BatchFormat,
-        into: Sink,
-    ) -> BoxFut<'_, Result<Body, ClientError>> {
+    fn batch_body(&self, epoch: u64, batch: u64, format: BatchFormat, into: Sink) -> BodyFut<'_> {
         Box::pin(async move {
             while self.held.lock().expect("held").contains(&batch) {
                 tokio::time::sleep(Duration::from_millis(2)).await;
@@ -242,7 +236,7 @@ impl MemoryClient {
     }
 
     /// `expect` bytes of file `path` from `offset`.
-    fn file_body(&self, path: &str, offset: u64, into: Sink, expect: u64) -> BoxFut<'_, Result<Body, ClientError>> {
+    fn file_body(&self, path: &str, offset: u64, into: Sink, expect: u64) -> BodyFut<'_> {
         self.ranges.lock().expect("ranges").push((path.to_owned(), offset, expect));
         let body = self.files.iter().find(|(p, _)| p == path).map(|(_, b)| {
             let start = (offset as usize).min(b.len());

@@ -125,10 +125,16 @@ impl Window {
         }
     }
 
-    /// What to keep ahead of a read of file `index` of `listing` (of `objects`) by `owner`: nothing
-    /// without prefetch, or for `shuffled/` (whose classes have windows of their own: `shuffled.rs`).
+    /// Whether a read of `listing` has anything fetched ahead of it: not without prefetch, nor in
+    /// `shuffled/` (whose classes have windows of their own: `shuffled.rs`).
+    pub fn applies_to(&self, listing: Listing) -> bool {
+        self.prefetch != 0 && !matches!(listing, Listing::Shuffled { .. })
+    }
+
+    /// What to keep ahead of a read of file `index` of `listing` (of `objects`) by `owner`: nothing where
+    /// it [does not apply](Window::applies_to).
     pub fn ahead(&self, owner: u32, listing: Listing, index: u64, objects: &Objects) -> Ahead {
-        if self.prefetch == 0 || matches!(listing, Listing::Shuffled { .. }) {
+        if !self.applies_to(listing) {
             return Ahead::default();
         }
         let width = self.width(listing, objects);
