@@ -370,6 +370,20 @@ impl Prefetcher {
         }
     }
 
+    /// Whether `key`'s body is a whole file readers open (a batch, or a `raw/` file of one chunk), which
+    /// the kernel may be handed by passthrough; not a group of `shuffled/`'s samples nor a chunk of a
+    /// larger file.
+    fn served_whole(&self, key: ObjectKey, obj: &Object) -> bool {
+        match key.listing {
+            Listing::Epoch { .. } | Listing::Rolling { .. } => true,
+            Listing::Raw { dir } => {
+                self.raw.get(dir).and_then(|raw| raw.chunk(key.index).map(|(file, _)| file.size == obj.sent.bytes))
+                    == Some(true)
+            }
+            Listing::Shuffled { .. } => false,
+        }
+    }
+
     /// What to ask the server for to fetch `key`'s body (`None`: a chunk of `raw/` or a group of `shuffled/`
     /// whose list or plan is not here).
     fn request(&self, key: ObjectKey) -> Option<Request> {

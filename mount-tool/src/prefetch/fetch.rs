@@ -21,9 +21,10 @@ impl Prefetcher {
         on_demand: bool,
         deadline: Instant,
     ) -> Result<Option<(Arc<Entry>, bool)>, ReadError> {
-        // With passthrough the body goes straight into a memory file: charged, with no buffer. A placed
-        // file is made from its body in a buffer.
-        let memfd = self.fetcher.memfds() && obj.placed.is_none();
+        // With passthrough a body the kernel may serve whole goes straight into a memory file: charged,
+        // with no buffer. A placed file is made from its body in a buffer, and a part of a file (a group
+        // of `shuffled/`'s samples, a chunk of a large `raw/` file) is only ever read through the daemon.
+        let memfd = self.fetcher.memfds() && obj.placed.is_none() && self.served_whole(key, obj);
         let cap = if on_demand { u64::MAX } else { self.window.cap() };
         let ask = Ask { charge: obj.charge(), sent: obj.sent.bytes, memfd, on_demand, cap, deadline };
         Ok(match self.cache.admit(key, ask)? {
