@@ -87,6 +87,13 @@ enum Source {
     Shuffled { epoch: u64, class: u32, k: u64 },
 }
 
+/// A verified file for the kernel to serve ([`Fs::backing_file`]): a memory file, or the node cache's file
+/// on a local disk (`on_disk`; a kernel may refuse a file on a stacked filesystem such as overlayfs).
+pub struct Backing {
+    pub file: Arc<std::fs::File>,
+    pub on_disk: bool,
+}
+
 /// The filesystem.
 pub struct Fs {
     prefetcher: Arc<Prefetcher>,
@@ -535,30 +542,38 @@ impl Fs {
         })
     }
 
-    /// The verified contents of file `ino` as a sealed memory file, for the kernel to serve (FUSE
-    /// passthrough); waits for the file like a read by `owner` does. `None` for a source file of more
-    /// than one chunk: it is read through the daemon, chunk by chunk, never held whole.
-    pub fn backing_file(&self, ino: u64, owner: u32) -> Result<Option<Arc<std::fs::File>>, FsError> {
+    /// The verified contents of file `ino` for the kernel to serve (FUSE passthrough): with `disk`, a
+    /// `raw/` file the node cache holds, its file there (checked, never copied into memory); else a sealed
+    /// memory file, waited for like a read by `owner` does. `None` for a file read through the daemon: a
+    /// source file of more than one chunk (read chunk by chunk, never held whole), a sample of `shuffled/`
+    /// (part of its group, and a memory file of its own per open cost more than the reads it saves).
+    pub fn backing_file(&self, ino: u64, owner: u32, disk: bool) -> Result<Option<Backing>, FsError> {
+        let in_memory = |file| Ok(Some(Backing { file, on_disk: false }));
         let key = match self.source(ino)? {
             Source::Batch(key) => key,
-            // A sample is part of its group: it reads through the daemon.
             Source::Shuffled { .. } => return Ok(None),
             Source::Raw { dir, file } => {
                 let chunks = self.prefetcher.file_chunks(dir, file)?;
                 if chunks.end - chunks.start != 1 {
                     return Ok(None);
                 }
-                ObjectKey { listing: Listing::Raw { dir }, index: chunks.start }
+                let key = ObjectKey { listing: Listing::Raw { dir }, index: chunks.start };
+                if disk {
+                    if let Some(file) = self.prefetcher.disk_backing(key)? {
+                        return Ok(Some(Backing { file, on_disk: true }));
+                    }
+                }
+                key
             }
             Source::RollingIndex(batch) => {
                 let text = self.rolling_index(batch)?;
                 let file = crate::sys::memfd("batchfs-index")
                     .and_then(|mut f| std::io::Write::write_all(&mut f, &text).and_then(|_| crate::sys::seal(f)))
                     .map_err(|e| FsError::Io(ReadError::Backing(format!("the twin of rolling/ batch {batch}: {e}"))))?;
-                return Ok(Some(Arc::new(file)));
+                return in_memory(Arc::new(file));
             }
         };
-        Ok(Some(self.prefetcher.backing_file(key, owner)?))
+        in_memory(self.prefetcher.backing_file(key, owner)?)
     }
 
     /// The last handle of file `ino` was closed.
@@ -865,7 +880,7 @@ mod tests {
                 // Reads across records and holes, and the memory file the kernel would serve.
                 assert_eq!(fs.read(attr.node.ino(), 100, 9000, 1).unwrap(), file.slice(100..(9100).min(file.len())));
                 use std::os::unix::fs::{FileExt, MetadataExt};
-                let backing = fs.backing_file(attr.node.ino(), 1).unwrap().unwrap();
+                let backing = fs.backing_file(attr.node.ino(), 1, true).unwrap().unwrap().file;
                 let mut in_file = vec![7u8; file.len()];
                 backing.read_exact_at(&mut in_file, 0).unwrap();
                 assert!(in_file == file, "the memory file holds the same bytes");
@@ -1292,7 +1307,7 @@ mod tests {
                     }
                     Op::Backing(i) => {
                         let Ok(attr) = walk(&fs, &all[i]) else { continue };
-                        let got = fs.backing_file(attr.node.ino(), 1);
+                        let got = fs.backing_file(attr.node.ino(), 1, true).map(|b| b.map(|b| b.file));
                         match m.get(all[i].as_str()) {
                             // A source file of more than one chunk reads through the daemon.
                             Some(Some(body)) if all[i].starts_with("raw/") && body.len() > 16 => {

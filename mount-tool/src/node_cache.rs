@@ -77,19 +77,52 @@ impl NodeCache {
         let mut file = std::fs::File::open(&path).ok()?;
         let mut data = Vec::with_capacity(sent.bytes as usize);
         let read = file.read_to_end(&mut data);
-        if read.is_err() || data.len() as u64 != sent.bytes || batchfs::crc::crc32c(&data) != sent.crc32c {
+        let right = read.is_ok() && data.len() as u64 == sent.bytes && batchfs::crc::crc32c(&data) == sent.crc32c;
+        self.checked(&path, &file, sent, right, data.len() as u64)?;
+        Some(data)
+    }
+
+    /// The file of the object `sent`, if the cache holds it whole and right, for the kernel to serve
+    /// straight from the disk (FUSE passthrough; a wrong file is removed). Checked now, read through a
+    /// small buffer: its pages are then in the page cache for the reader that opened it. A file is never
+    /// written in place (it is renamed into place whole and removed whole), so what was checked is what
+    /// the kernel serves.
+    pub fn open_checked(&self, sent: Sent) -> Option<std::fs::File> {
+        let path = self.path_of(sent);
+        let file = std::fs::File::open(&path).ok()?;
+        let mut buf = vec![0u8; (sent.bytes as usize).clamp(1, 1 << 20)];
+        let (mut crc, mut len) = (0u32, 0u64);
+        // Read at offsets: the file's position stays at its start.
+        let right = loop {
+            match std::os::unix::fs::FileExt::read_at(&file, &mut buf, len) {
+                Ok(0) => break len == sent.bytes && crc == sent.crc32c,
+                Ok(n) if len + n as u64 <= sent.bytes => {
+                    crc = batchfs::crc::crc32c_append(crc, &buf[..n]);
+                    len += n as u64;
+                }
+                Ok(_) | Err(_) => break false,
+            }
+        };
+        self.checked(&path, &file, sent, right, len)?;
+        Some(file)
+    }
+
+    /// After a read of `file` (at `path`, the object `sent`, `read` bytes of it): if it was `right`,
+    /// marks it recently used (the last to go) and counts the hit; else removes it and counts it corrupt
+    /// (`None`: fetched anew).
+    fn checked(&self, path: &Path, file: &std::fs::File, sent: Sent, right: bool, read: u64) -> Option<()> {
+        if !right {
             tracing::warn!(path = %path.display(), "node cache: a corrupt file, removed (fetched anew)");
-            if std::fs::remove_file(&path).is_ok() {
-                self.used.fetch_sub(data.len() as u64, Ordering::Relaxed);
+            if std::fs::remove_file(path).is_ok() {
+                self.used.fetch_sub(read, Ordering::Relaxed);
             }
             self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        // Recently used: the last to go.
         let _ = file.set_modified(std::time::SystemTime::now());
         self.stats.hits.fetch_add(1, Ordering::Relaxed);
         self.stats.hit_bytes.fetch_add(sent.bytes, Ordering::Relaxed);
-        Some(data)
+        Some(())
     }
 
     /// Whether the cache holds the object `sent` (not checked).
@@ -228,6 +261,31 @@ mod tests {
         let path = cache.path_of(sent(&b));
         std::fs::write(&path, &b[..3]).unwrap();
         assert_eq!(cache.get(sent(&b)), None);
+    }
+
+    /// A file handed to the kernel is checked like a read: whole and right, or removed; a longer one too.
+    #[test]
+    fn files_opened_for_the_kernel_are_checked_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), 16 << 20).unwrap();
+        // Larger than the check's buffer: read in pieces.
+        let a: Vec<u8> = (0..(3 << 20) + 5).map(|i| (i % 251) as u8).collect();
+        assert!(cache.open_checked(sent(&a)).is_none(), "not there");
+        cache.put(sent(&a), &a).unwrap();
+        let mut got = Vec::new();
+        cache.open_checked(sent(&a)).expect("there and right").read_to_end(&mut got).unwrap();
+        assert!(got == a, "the whole object, from the start");
+        assert_eq!(cache.stats.hits.load(Ordering::Relaxed), 1);
+        let path = cache.path_of(sent(&a));
+        for wrong in [&a[..a.len() - 1], &[&a[..], b"x"].concat()[..], &[&[a[0] ^ 1], &a[1..]].concat()[..]] {
+            std::fs::write(&path, wrong).unwrap();
+            assert!(cache.open_checked(sent(&a)).is_none(), "a wrong file of {} bytes", wrong.len());
+            assert!(!path.exists(), "removed");
+        }
+        assert_eq!(cache.stats.corrupt.load(Ordering::Relaxed), 3);
+        let empty = sent(b"");
+        cache.put(empty, b"").unwrap();
+        assert!(cache.open_checked(empty).is_some(), "an empty object is right");
     }
 
     #[test]

@@ -568,6 +568,22 @@ impl Prefetcher {
         result.map(|(file, _)| file)
     }
 
+    /// `key`'s file in the node cache (a `raw/` file of one chunk, kept there whole), checked, for the
+    /// kernel to serve straight from the disk: neither read into memory nor fetched, and no window
+    /// started (a reader whose next files are not there misses once, and the window starts from that
+    /// read). `None` when the node cache does not hold it right (a wrong file is removed).
+    pub fn disk_backing(&self, key: ObjectKey) -> Result<Option<Arc<std::fs::File>>, ReadError> {
+        let Some(nc) = self.fetcher.node_cache() else { return Ok(None) };
+        let (_, obj) = self.locate(key)?;
+        let Some(OnDisk { pieces, within: None }) = self.on_disk(key, &obj) else { return Ok(None) };
+        let (&[piece], true) = (&pieces[..], self.served_whole(key, &obj)) else { return Ok(None) };
+        let Some(file) = nc.open_checked(piece) else { return Ok(None) };
+        Stats::add(&self.stats.passthrough_opens, 1);
+        Stats::add(&self.stats.hits, 1);
+        Stats::add(&self.stats.bytes_served, piece.bytes);
+        Ok(Some(Arc::new(file)))
+    }
+
     /// Starts the window of the stream this read belongs to: what the [`Window`] keeps ahead of it, in
     /// this listing (and `raw/`'s files after this chunk's) and on into the next epoch, whose manifest
     /// a background task fetches (once, however many reads ask) if it is not here.

@@ -10,10 +10,13 @@
 //! backing file, so the reads and mmap faults of that handle never reach the daemon. The kernel demands
 //! one backing file per inode at a time, and no mixing of passthrough and daemon opens of one inode; the
 //! handle table (`handles.rs`) keeps that. The backing id lives until the inode's last handle is released.
-//! A backing file the kernel refuses turns passthrough off for the mount.
+//! A backing file the kernel refuses turns passthrough off for the mount. A `raw/` file the node cache
+//! holds is registered as its file there, checked at the open, not copied into memory; if the kernel
+//! refuses that (a `cache_dir` on overlayfs, a stacked filesystem), such files go through memory files
+//! from then on.
 
 use super::handles::{Handles, Mode, Owners};
-use super::{Fs, FsError};
+use super::{Backing, Fs, FsError};
 use crate::ledger::{Ledger, Settings};
 use crate::stats::Stats;
 use std::collections::{HashMap, HashSet};
@@ -42,6 +45,8 @@ pub struct OpenFiles {
     kernel: Arc<dyn Kernel>,
     /// Try FUSE passthrough (the `passthrough` option, as `INIT` settled it); off once the kernel refuses.
     passthrough: AtomicBool,
+    /// Hand the kernel the node cache's files themselves; off once it refuses one.
+    disk_backing: AtomicBool,
     /// Drop the page cache of a file read through the daemon at its last close (`page_cache=drop`).
     drop_page_cache: bool,
     handles: Mutex<Handles>,
@@ -55,6 +60,7 @@ impl OpenFiles {
         OpenFiles {
             kernel,
             passthrough: AtomicBool::new(passthrough),
+            disk_backing: AtomicBool::new(true),
             drop_page_cache,
             handles: Mutex::new(Handles::default()),
             files: Mutex::new(HashMap::new()),
@@ -65,6 +71,11 @@ impl OpenFiles {
     /// Whether opens try passthrough.
     pub fn passthrough(&self) -> bool {
         self.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// Whether opens hand the kernel the node cache's files themselves.
+    fn disk_backing(&self) -> bool {
+        self.disk_backing.load(Ordering::Relaxed)
     }
 
     /// Whether opens try passthrough from now on (what `INIT` settled, or off once the kernel refused).
@@ -134,22 +145,27 @@ impl OpenFiles {
         }
         let mut mode = Mode::Daemon;
         let mut made = None;
-        if self.passthrough() {
+        while self.passthrough() {
             // Waits for the file (bounded by `timeout`), holding no lock. A large source file has no
             // backing file: it reads through the daemon, chunk by chunk.
-            if let Some(file) = fs.backing_file(ino, owner)? {
-                match self.kernel.open_backing(&file) {
-                    Ok(id) => {
-                        if let Some(ledger) = self.handles.lock().expect("handles").ledger() {
-                            ledger.backing_registered(id);
-                        }
-                        mode = Mode::Passthrough(id);
-                        made = Some((id, file));
+            let Some(Backing { file, on_disk }) = fs.backing_file(ino, owner, self.disk_backing())? else { break };
+            match self.kernel.open_backing(&file) {
+                Ok(id) => {
+                    if let Some(ledger) = self.handles.lock().expect("handles").ledger() {
+                        ledger.backing_registered(id);
                     }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
-                        self.settle(fs, false);
-                    }
+                    mode = Mode::Passthrough(id);
+                    made = Some((id, file));
+                    break;
+                }
+                Err(e) if on_disk => {
+                    // The node cache's disk, not passthrough: its files go through memory from now on.
+                    tracing::warn!(error = %e, "the kernel refused a node cache file: opens copy them into memory");
+                    self.disk_backing.store(false, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
+                    self.settle(fs, false);
                 }
             }
         }
@@ -250,6 +266,10 @@ mod tests {
     struct FakeKernel {
         ids: Mutex<(u32, HashSet<u32>)>,
         refuse: AtomicBool,
+        /// Files of this device are refused (a disk the kernel cannot stack on).
+        refuse_device: Option<u64>,
+        /// Each backing file registered: its device and inode.
+        handed: Mutex<Vec<(u64, u64)>>,
         /// Opens of backing files wait here for each other (a race of two opens of one inode).
         meet: Option<Barrier>,
         dropped: Mutex<Vec<u64>>,
@@ -267,9 +287,12 @@ mod tests {
             if let Some(meet) = &self.meet {
                 meet.wait();
             }
-            if self.refuse.load(Ordering::Relaxed) {
-                return Err(std::io::Error::from_raw_os_error(libc::EPERM));
+            use std::os::unix::fs::MetadataExt;
+            let m = file.metadata()?;
+            if self.refuse.load(Ordering::Relaxed) || self.refuse_device == Some(m.dev()) {
+                return Err(std::io::Error::from_raw_os_error(libc::ELOOP));
             }
+            self.handed.lock().unwrap().push((m.dev(), m.ino()));
             let mut ids = self.ids.lock().unwrap();
             ids.0 += 1;
             let id = ids.0;
@@ -372,6 +395,67 @@ mod tests {
         let (c, _) = keep.open(&fs, batch(0), 100, 3).unwrap();
         assert_eq!(keep.release(&fs, c), None, "page_cache=keep");
         assert_eq!(opens.release(&fs, b), Some(batch(0)));
+    }
+
+    /// A `raw/` file the node cache holds opens by passthrough from its file there: checked, neither
+    /// fetched nor copied into memory. A kernel that refuses files of that disk (a `cache_dir` on
+    /// overlayfs) gets memory files from then on, passthrough still on; a file found wrong on the disk
+    /// is fetched anew.
+    #[test]
+    fn a_raw_file_the_node_cache_holds_is_handed_over_from_the_disk() {
+        use crate::client::Sent;
+        use crate::node_cache::NodeCache;
+        use std::os::unix::fs::MetadataExt;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        let files: Vec<Bytes> = (0..3u8).map(|i| Bytes::from(vec![i + 1; 3000 + i as usize])).collect();
+        client.files = files.iter().enumerate().map(|(i, f)| (format!("f{i}.jpg"), f.clone())).collect();
+        let client = Arc::new(client);
+        let disk = tempfile::tempdir().unwrap();
+        let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
+        let sent = |f: &Bytes| Sent { bytes: f.len() as u64, crc32c: batchfs::crc::crc32c(f) };
+        files.iter().for_each(|f| nc.put(sent(f), f).unwrap());
+        let (_, fs) = fs();
+        let p = Prefetcher::new(client.clone(), rt.handle().clone(), PrefetcherConfig::default());
+        p.use_node_cache(nc.clone());
+        let fs = Fs::new(p, fs.options.clone());
+        fs.set_passthrough(true);
+        let ino = |i: usize| fs.lookup(Node::RawDir(0).ino(), &format!("f{i}.jpg"), 1).unwrap().node.ino();
+        let on_disk = |f: &Bytes| {
+            let m = std::fs::metadata(nc.path_of(sent(f))).unwrap();
+            (m.dev(), m.ino())
+        };
+
+        let kernel = Arc::new(FakeKernel::default());
+        let opens = OpenFiles::new(kernel.clone(), true, false);
+        let (fh, mode) = opens.open(&fs, ino(0), 100, 1).unwrap();
+        assert!(matches!(mode, Mode::Passthrough(_)), "{mode:?}");
+        assert_eq!(*kernel.handed.lock().unwrap(), [on_disk(&files[0])], "the node cache's own file");
+        assert!(client.ranges.lock().unwrap().is_empty(), "nothing fetched");
+        assert_eq!(fs.stats().snapshot().cache_bytes, 0, "nothing copied into memory");
+        opens.release(&fs, fh);
+        assert!(kernel.open_ids().is_empty());
+
+        // A file changed on the disk is not handed over: removed, and fetched anew into memory.
+        std::fs::write(nc.path_of(sent(&files[1])), vec![0u8; files[1].len()]).unwrap();
+        let (fh, mode) = opens.open(&fs, ino(1), 100, 2).unwrap();
+        assert!(matches!(mode, Mode::Passthrough(_)), "{mode:?}");
+        assert_ne!(kernel.handed.lock().unwrap()[1], on_disk(&files[0]));
+        assert_eq!(client.ranges.lock().unwrap().len(), 1, "fetched");
+        assert_eq!(nc.stats.corrupt.load(Ordering::Relaxed), 1);
+        opens.release(&fs, fh);
+
+        let dev = on_disk(&files[2]).0;
+        let kernel = Arc::new(FakeKernel { refuse_device: Some(dev), ..FakeKernel::default() });
+        let opens = OpenFiles::new(kernel.clone(), true, false);
+        let (fh, mode) = opens.open(&fs, ino(2), 100, 3).unwrap();
+        assert!(matches!(mode, Mode::Passthrough(_)), "a memory file instead: {mode:?}");
+        assert!(kernel.handed.lock().unwrap().iter().all(|h| h.0 != dev));
+        assert!(opens.passthrough() && !opens.disk_backing(), "passthrough on, the node cache's files off");
+        opens.release(&fs, fh);
+        let (fh, _) = opens.open(&fs, ino(0), 100, 4).unwrap();
+        assert_eq!(kernel.handed.lock().unwrap().len(), 2, "not asked again for a disk file");
+        opens.release(&fs, fh);
     }
 
     #[test]
