@@ -278,6 +278,7 @@ impl Fs {
 
     /// [`Fs::lookup`] by thread `tid` of process `owner` (a name of `shuffled/` hands its thread a sample).
     pub fn lookup_as(&self, parent: u64, name: &str, owner: u32, tid: u32) -> Result<Attr, FsError> {
+        crate::stats::Stats::add(&self.stats().lookups, 1);
         let node = match Node::from_ino(parent).ok_or(FsError::NotFound)? {
             Node::Root if name == META_NAME => Node::MetaDir,
             Node::Root if name == RAW_NAME && self.options.raw => Node::RawDir(0),
@@ -382,14 +383,22 @@ impl Fs {
                 self.raw_listed(n)?;
                 Ok(self.raw.entries(n, 0, usize::MAX)?.into_iter().map(|(name, node)| (node, name)).collect())
             }
-            Node::ShuffledDir => Ok(self
-                .shuffled
-                .classes
-                .iter()
-                .enumerate()
-                .map(|(c, n)| (Node::ShuffledClass(c as u32), n.clone()))
-                .collect()),
-            Node::ShuffledClass(class) => self.shuffled_entries(class, 0, usize::MAX),
+            // Listed, the class folders' names come with their entries (`READDIRPLUS`) and a walk looks
+            // none of them up: the first listing asks ahead as the first lookup would.
+            Node::ShuffledDir => {
+                self.shuffled.ahead(&self.prefetcher);
+                Ok(self
+                    .shuffled
+                    .classes
+                    .iter()
+                    .enumerate()
+                    .map(|(c, n)| (Node::ShuffledClass(c as u32), n.clone()))
+                    .collect())
+            }
+            Node::ShuffledClass(class) => {
+                self.shuffled.ahead(&self.prefetcher);
+                self.shuffled_entries(class, 0, usize::MAX)
+            }
             Node::Stats
             | Node::Batch { .. }
             | Node::Rolling { .. }
@@ -443,6 +452,7 @@ impl Fs {
                 entries.into_iter().map(|(node, name)| (name, node)).collect()
             }
             Some(Node::ShuffledClass(class)) => {
+                self.shuffled.ahead(&self.prefetcher);
                 let entries = self.shuffled_entries(class, offset.saturating_sub(2), READDIR_BATCH)?;
                 entries.into_iter().map(|(node, name)| (name, node)).collect()
             }

@@ -16,8 +16,8 @@ use crate::ledger::{Ledger, Settings};
 use crate::stats::Stats;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig, LockOwner,
-    OpenFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
-    ReplyWrite, Request,
+    OpenFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
+    ReplyOpen, ReplyStatfs, ReplyWrite, Request,
 };
 use fuser::{InitFlags, Notifier};
 use std::ffi::OsStr;
@@ -172,6 +172,9 @@ pub fn negotiate(config: &mut KernelConfig, passthrough: bool) -> bool {
         let _ = config.set_max_readahead(max);
     }
     let _ = config.set_max_background(256);
+    // Listings carry each name's entry (`readdirplus`), every part of them (not only the first, as
+    // `FUSE_READDIRPLUS_AUTO` would): a walk's files then open with no lookup each.
+    let _ = config.add_capabilities(InitFlags::FUSE_DO_READDIRPLUS);
     let _ = config.set_congestion_threshold(192);
     let on = passthrough
         && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
@@ -277,6 +280,36 @@ impl Filesystem for FuseFs {
         for (i, (child, dir, name)) in entries.into_iter().enumerate() {
             let kind = if dir { FileType::Directory } else { FileType::RegularFile };
             if reply.add(INodeNo(child), offset + i as u64 + 1, kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    /// A listing with each name's entry and attributes (`READDIRPLUS`): a walk that lists a folder and
+    /// then opens its files (ImageFolder's, DALI's over an epoch folder) costs no lookup per file. A
+    /// name looked up anew at every use (`shuffled/`'s, `rolling/`'s, the stats'), or whose attributes
+    /// cost work (the indexed layout's twins), is listed alone and looked up when used.
+    fn readdirplus(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
+        let entries = match self.fs.dir_entries_from(ino.0, offset as usize, self.opens.owner(req.pid())) {
+            Ok(e) => e,
+            Err(e) => return reply.error(self.fail("readdirplus", ino.0, &e)),
+        };
+        for (i, (child, dir, name)) in entries.into_iter().enumerate() {
+            let next = offset + i as u64 + 1;
+            let node = Node::from_ino(child);
+            let attr = node
+                .filter(|&n| Self::entry_ttl(n) == TTL && Self::attr_ttl(n) == TTL)
+                .filter(|n| !matches!(n, Node::RollingIndex { .. }))
+                .and_then(|_| self.fs.getattr(child).ok());
+            let full = match attr {
+                Some(a) => reply.add(INodeNo(child), next, &name, &TTL, &self.file_attr(&a), Generation(0)),
+                None => {
+                    let kind = if dir { FileType::Directory } else { FileType::RegularFile };
+                    reply.add_name(INodeNo(child), next, &name, kind)
+                }
+            };
+            if full {
                 break;
             }
         }

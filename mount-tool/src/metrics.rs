@@ -74,6 +74,7 @@ pub fn render(s: &StatsSnapshot) -> String {
         ("evictions_total", "counter", "Batches dropped from the cache.", s.evictions),
         ("passthrough_opens_total", "counter", "Opens served by FUSE passthrough.", s.passthrough_opens),
         ("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens),
+        ("lookups_total", "counter", "Names the daemon looked up.", s.lookups),
         ("early_reads_total", "counter", "Daemon reads answered before their batch had all arrived.", s.early_reads),
         ("prefetch_bytes_in_flight", "gauge", "Bytes of prefetches in flight.", s.prefetch_bytes_in_flight),
         ("prefetch_cap_bytes", "gauge", "The cap on bytes of prefetches in flight.", s.prefetch_cap),

@@ -30,6 +30,7 @@ pub struct Stats {
     pub daemon_opens: AtomicU64,
     pub page_cache_drops: AtomicU64,
     pub early_reads: AtomicU64,
+    pub lookups: AtomicU64,
     /// 1 when the kernel accepted FUSE passthrough at mount time.
     pub passthrough: AtomicU64,
     /// Warming (`warm=raw`): files and bytes in the node cache so far, of all there are.
@@ -115,6 +116,9 @@ pub struct StatsSnapshot {
     /// (`page_cache=drop`).
     #[serde(default)]
     pub page_cache_drops: u64,
+    /// Names the daemon looked up (a listing that carried a name's entry spares its lookup).
+    #[serde(default)]
+    pub lookups: u64,
     /// Daemon reads answered from a batch still arriving: their bytes were verified by the body's
     /// checkpoints before the rest of it came.
     #[serde(default)]
@@ -224,6 +228,7 @@ impl Stats {
             delivery_rate: g(&self.delivery_rate),
             daemon_opens: g(&self.daemon_opens),
             page_cache_drops: g(&self.page_cache_drops),
+            lookups: g(&self.lookups),
             early_reads: g(&self.early_reads),
             warm: (g(&self.warm_started) > 0).then(|| WarmSnapshot {
                 files: g(&self.warm_files),

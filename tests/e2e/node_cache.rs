@@ -127,9 +127,25 @@ fn warm_raw_fills_the_node_cache_so_readers_fetch_nothing() {
     }
     let warmed = fetched(&mounted.mountpoint);
     assert_eq!(walk(disk.path()).len(), 300, "one file per sample");
+    let n = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap();
     for view in ["raw", "shuffled"] {
+        let before = common::mount_stats(&mounted.mountpoint);
         let Some(got) = imagefolder(&mounted.mountpoint.join(view), 1) else { return };
         assert_eq!(epoch_of(got["records"].as_array().unwrap(), 0).0, want, "{view}");
+        let stats = common::mount_stats(&mounted.mountpoint);
+        let (lookups, opens) = (n(&stats, "lookups") - n(&before, "lookups"), n(&stats, "passthrough_opens"));
+        if view == "shuffled" {
+            // Every open of a name of shuffled/ is a lookup: the sample is handed out there.
+            assert!(lookups >= 300, "{lookups} lookups for 300 opens: {stats}");
+            continue;
+        }
+        // The walk's listings carried every name's entry: no lookup per file.
+        assert!(lookups < 30, "{lookups} lookups for 300 files: {stats}");
+        if stats["passthrough"] == true {
+            // Each file handed to the kernel as the node cache's own file: nothing copied into memory.
+            assert!(opens - n(&before, "passthrough_opens") >= 300, "{stats}");
+            assert_eq!(n(&stats, "passthrough_bytes"), n(&before, "passthrough_bytes"), "{stats}");
+        }
     }
     assert_eq!(fetched(&mounted.mountpoint), warmed, "nothing fetched after warming");
     // Without a cache_dir, warm=raw is refused before mounting.

@@ -11,7 +11,6 @@ use std::ffi::OsStr;
 use std::io::IoSlice;
 use std::os::fd::BorrowedFd;
 use std::time::Duration;
-#[cfg(target_os = "macos")]
 use std::time::SystemTime;
 
 use log::error;
@@ -779,6 +778,32 @@ impl ReplyDirectoryPlus {
             attr.into(),
             *ttl,
         ))
+    }
+
+    /// Adds name `name` of inode `ino`, a `kind`, alone: the kernel lists it but keeps no entry or
+    /// attributes for it, and looks the name up when it is used (for a name whose lookup must reach
+    /// the filesystem every time). Returns true if the buffer is full. (An addition of batchfs.)
+    pub fn add_name<T: AsRef<OsStr>>(&mut self, ino: INodeNo, offset: u64, name: T, kind: FileType) -> bool {
+        let attr = FileAttr {
+            ino,
+            size: 0,
+            blocks: 0,
+            atime: SystemTime::UNIX_EPOCH,
+            mtime: SystemTime::UNIX_EPOCH,
+            ctime: SystemTime::UNIX_EPOCH,
+            crtime: SystemTime::UNIX_EPOCH,
+            kind,
+            perm: 0,
+            nlink: 0,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            blksize: 0,
+            flags: 0,
+        };
+        let zero = Duration::ZERO;
+        let entry = DirEntryPlus::new(ino, Generation(0), DirEntOffset(offset), name.as_ref(), zero, (&attr).into(), zero);
+        self.buf.push(&entry.name_only())
     }
 
     /// Reply to a request with the filled directory buffer

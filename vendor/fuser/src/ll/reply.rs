@@ -464,8 +464,9 @@ impl DirEntList {
 
 #[derive(Debug)]
 pub(crate) struct DirEntryPlus<T: AsRef<Path>> {
-    #[allow(unused)] // We use `attr.ino` instead
     ino: INodeNo,
+    /// The name alone: no entry for the kernel to keep (nodeid 0), its lookup still asked (batchfs).
+    name_only: bool,
     generation: Generation,
     offset: DirEntOffset,
     name: T,
@@ -486,6 +487,7 @@ impl<T: AsRef<Path>> DirEntryPlus<T> {
     ) -> Self {
         Self {
             ino,
+            name_only: false,
             generation,
             offset,
             name,
@@ -493,6 +495,14 @@ impl<T: AsRef<Path>> DirEntryPlus<T> {
             attr,
             attr_valid,
         }
+    }
+
+    /// The name alone (batchfs): the kernel lists it and learns no entry, so an open looks it up.
+    pub(crate) fn name_only(mut self) -> Self {
+        self.name_only = true;
+        self.entry_valid = Duration::ZERO;
+        self.attr_valid = Duration::ZERO;
+        self
     }
 }
 
@@ -518,7 +528,8 @@ impl DirEntPlusList {
         let name = x.name.as_ref().as_os_str().as_bytes();
         let header = abi::fuse_direntplus {
             entry_out: abi::fuse_entry_out {
-                nodeid: x.attr.attr.ino,
+                // The kernel makes no entry of a nodeid of 0 (the name is listed, and looked up later).
+                nodeid: if x.name_only { 0 } else { x.attr.attr.ino },
                 generation: x.generation.into(),
                 entry_valid: x.entry_valid.as_secs(),
                 attr_valid: x.attr_valid.as_secs(),
@@ -527,7 +538,7 @@ impl DirEntPlusList {
                 attr: x.attr.attr,
             },
             dirent: abi::fuse_dirent {
-                ino: x.attr.attr.ino,
+                ino: x.ino.0,
                 off: x.offset.0,
                 namelen: name.len().try_into().expect("Name too long"),
                 typ: x.attr.attr.mode >> 12,
