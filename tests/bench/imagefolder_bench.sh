@@ -9,7 +9,9 @@
 #   env: SAMPLES (20000), MEAN (110000), RTTS ("0 30 100"), ROUNDS (3), SYSTEMS ("local shuffled raw
 #        raw-cached sshfs rclone"), LIMIT (400: the items a slow path reads, per run, at an RTT above 0; its
 #        epoch time is scaled from them), RATE (1000 Mbit/s: raw-cached's link, to compare warming with),
-#        MOUNT_OPTS (extra -o options of batchfs mounts)
+#        MOUNT_OPTS (extra -o options of batchfs mounts), BIN_BEFORE (a directory with another build's
+#        `batchfs`: each batchfs system S also runs as S-before, mounted by that build, in the same round
+#        beside it, behind the same server)
 #
 # Systems: local (the tree on local disk, page cache warm), shuffled (a batchfs mount's shuffled/), raw (the
 # same mount's raw/: the files under their own names), raw-cached (raw/ of a mount with a fresh cache_dir
@@ -46,20 +48,21 @@ case " $SYSTEMS " in *" sshfs "* | *" rclone "*) peers_start "$work" ;; esac
 mkdir -p "$work/mnt-batchfs" "$work/mnt-sshfs" "$work/mnt-rclone"
 
 mount_system() { # system rtt: sets DIR
-  local sys=$1 rtt=$2
+  local sys=$1 rtt=$2 bin=$BIN
+  case $sys in *-before) bin=$BIN_BEFORE; sys=${sys%-before} ;; esac
   NETEM_PID=
   case $sys in
     local) DIR=$work/tree ;;
     shuffled|raw)
       start_netem "$BIN" "$p_server" "$rtt"
-      "$BIN/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${MOUNT_OPTS:+-o "$MOUNT_OPTS"}
+      "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${MOUNT_OPTS:+-o "$MOUNT_OPTS"}
       DIR=$work/mnt-batchfs/$sys ;;
     raw-cached)
       start_netem "$BIN" "$p_server" "$rtt" "$RATE"
       rm -rf "$work/node-cache"
       local o="cache_dir=$work/node-cache,warm=raw${MOUNT_OPTS:+,$MOUNT_OPTS}"
       local t0; t0=$(date +%s.%N)
-      "$BIN/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" -o "$o"
+      "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" -o "$o"
       until "$BIN/batchfs" stats --json "$work/mnt-batchfs" | python3 -c 'import json,sys; w=json.load(sys.stdin).get("warm") or {}; sys.exit(0 if w and w["files"] >= w["files_total"] else 1)'; do
         sleep 0.2
       done
@@ -76,7 +79,7 @@ mount_system() { # system rtt: sets DIR
   esac
 }
 unmount_system() {
-  case $1 in
+  case ${1%-before} in
     local) ;;
     shuffled|raw|raw-cached) "$BIN/batchfs" umount "$work/mnt-batchfs" ;;
     sshfs) umount "$work/mnt-sshfs" ;;
@@ -87,6 +90,14 @@ unmount_system() {
 # The process serving the mount: its worker (the supervisor only holds the connection).
 daemon_pid() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["worker_pid"])' "$work/mnt-batchfs/.batchfs/stats"; }
 
+if [ -n "${BIN_BEFORE:-}" ]; then
+  with=""
+  for sys in $SYSTEMS; do
+    with="$with $sys"
+    case $sys in shuffled|raw|raw-cached) with="$with $sys-before" ;; esac
+  done
+  SYSTEMS=$with
+fi
 echo "round,system,rtt_ms,items,seconds,bytes,epoch_s,mount_mb,warm_s" > "$OUT/results.csv"
 for round in $(seq "$ROUNDS"); do
   for rtt in $RTTS; do
@@ -95,10 +106,10 @@ for round in $(seq "$ROUNDS"); do
       WARM_S=0
       mount_system "$sys" "$rtt"
       limit=()
-      case $sys in raw|sshfs|rclone) [ "$rtt" != 0 ] && limit=(--limit "$LIMIT") ;; esac
+      case ${sys%-before} in raw|sshfs|rclone) [ "$rtt" != 0 ] && limit=(--limit "$LIMIT") ;; esac
       json=$(/usr/bin/python3 -W ignore "$root/tests/python/loaders.py" imagefolder "$DIR" "${limit[@]}")
       mb=0
-      case $sys in shuffled|raw|raw-cached)
+      case ${sys%-before} in shuffled|raw|raw-cached)
         pid=$(daemon_pid); mb=$(awk '/VmHWM/ { print int($2 / 1024) }' "/proc/$pid/status") ;;
       esac
       unmount_system "$sys"
@@ -123,7 +134,8 @@ for r in rows:
     mem[(r["system"], int(r["rtt_ms"]))].append(int(r["mount_mb"]))
 med = {k: statistics.median(v) for k, v in cells.items()}
 rtts = sorted({k[1] for k in med})
-systems = [s for s in ["local", "shuffled", "raw", "raw-cached", "sshfs", "rclone"] if any(k[0] == s for k in med)]
+names = ["local", "shuffled", "shuffled-before", "raw", "raw-before", "raw-cached", "raw-cached-before", "sshfs", "rclone"]
+systems = [s for s in names if any(k[0] == s for k in med)]
 warm = defaultdict(list)
 for r in rows:
     if r["system"] == "raw-cached":
@@ -151,6 +163,11 @@ for r in rtts:
 if ("local", rtts[0]) in med:
     print(f"- shuffled {rtts[0]} ms / local: {ratio(('shuffled', rtts[0]), ('local', rtts[0]))}")
 for s in ["shuffled", "raw", "raw-cached"]:
+    for r in rtts:
+        if (s + "-before", r) in med:
+            print(f"- {s} / {s}-before (this build / BIN_BEFORE's), {r} ms: {ratio((s, r), (s + '-before', r))}")
+    if ("local", rtts[0]) in med and (s, rtts[0]) in med:
+        print(f"- {s} {rtts[0]} ms / local: {ratio((s, rtts[0]), ('local', rtts[0]))}")
     m = [v for k, vs in mem.items() if k[0] == s for v in vs]
     if m:
         print(f"- peak RSS of the mount, {s}: median {statistics.median(m)} MB, max {max(m)} MB")
