@@ -113,8 +113,10 @@ impl NodeCache {
     fn checked(&self, path: &Path, file: &std::fs::File, sent: Sent, right: bool, read: u64) -> Option<()> {
         if !right {
             tracing::warn!(path = %path.display(), "node cache: a corrupt file, removed (fetched anew)");
+            // Its size on the disk, not what the check read of it (it stops at the first byte too many).
+            let size = file.metadata().map_or(read, |m| m.len());
             if std::fs::remove_file(path).is_ok() {
-                self.used.fetch_sub(read, Ordering::Relaxed);
+                let _ = self.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| Some(u.saturating_sub(size)));
             }
             self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
             return None;
@@ -283,6 +285,7 @@ mod tests {
             assert!(!path.exists(), "removed");
         }
         assert_eq!(cache.stats.corrupt.load(Ordering::Relaxed), 3);
+        assert_eq!(cache.used(), 0, "each removal counted at the size it had on the disk, never below 0");
         let empty = sent(b"");
         cache.put(empty, b"").unwrap();
         assert!(cache.open_checked(empty).is_some(), "an empty object is right");
