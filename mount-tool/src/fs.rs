@@ -258,6 +258,8 @@ impl Fs {
     /// At most `max` entries of class folder `class` of `shuffled/` from position `from`: its names (their
     /// inodes stand for no sample: a lookup hands one out).
     fn shuffled_entries(&self, class: u32, from: usize, max: usize) -> Result<Vec<(Node, String)>, FsError> {
+        // A walk that lists the class folders looks none of them up (the listing carries their entries).
+        self.shuffled.ahead(&self.prefetcher);
         let names = self.shuffled.names(&self.prefetcher, class)?;
         let epoch = self.options.first_epoch;
         let entry = |(k, n): (usize, &String)| (Node::Shuffled { epoch, class, k: k as u64 }, n.clone());
@@ -395,10 +397,7 @@ impl Fs {
                     .map(|(c, n)| (Node::ShuffledClass(c as u32), n.clone()))
                     .collect())
             }
-            Node::ShuffledClass(class) => {
-                self.shuffled.ahead(&self.prefetcher);
-                self.shuffled_entries(class, 0, usize::MAX)
-            }
+            Node::ShuffledClass(class) => self.shuffled_entries(class, 0, usize::MAX),
             Node::Stats
             | Node::Batch { .. }
             | Node::Rolling { .. }
@@ -452,7 +451,6 @@ impl Fs {
                 entries.into_iter().map(|(node, name)| (name, node)).collect()
             }
             Some(Node::ShuffledClass(class)) => {
-                self.shuffled.ahead(&self.prefetcher);
                 let entries = self.shuffled_entries(class, offset.saturating_sub(2), READDIR_BATCH)?;
                 entries.into_iter().map(|(node, name)| (name, node)).collect()
             }
