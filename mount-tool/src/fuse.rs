@@ -11,7 +11,7 @@
 
 use crate::fs::handles::Mode;
 use crate::fs::open_files::{Kernel, OpenFiles};
-use crate::fs::{Attr, Fs, FsError, Node};
+use crate::fs::{Attr, Fs, FsError, Keep, Opening};
 use crate::ledger::{Ledger, Settings};
 use crate::stats::Stats;
 use fuser::{
@@ -103,9 +103,9 @@ impl FuseFs {
 
     fn file_attr(&self, a: &Attr) -> FileAttr {
         let o = &self.fs.options;
-        let dir = a.node.is_dir();
+        let dir = a.dir;
         FileAttr {
-            ino: INodeNo(a.node.ino()),
+            ino: INodeNo(a.ino),
             size: a.size,
             blocks: a.size.div_ceil(512),
             atime: o.time,
@@ -124,24 +124,23 @@ impl FuseFs {
         }
     }
 
-    /// How long the kernel may keep the name that led to `node`.
-    fn entry_ttl(node: Node) -> Duration {
-        match node {
-            // A name in rolling/ is a new file at each open (and each reader's layout), and a name in
-            // shuffled/ a new sample at each lookup: the kernel must look it up every time. The indexed
-            // layout's twins are one file for every epoch.
-            Node::Stats | Node::Rolling { .. } | Node::Shuffled { .. } => Duration::ZERO,
-            _ => TTL,
+    /// How long the kernel may keep the name that led to a node. A name in rolling/ is a new file at each
+    /// open (and each reader's layout), and a name in shuffled/ a new sample at each lookup: the kernel
+    /// must look it up every time.
+    fn entry_ttl(keep: Keep) -> Duration {
+        match keep {
+            Keep::All => TTL,
+            Keep::Attributes | Keep::Nothing => Duration::ZERO,
         }
     }
 
-    /// How long the kernel may keep `node`'s attributes: for ever but the stats' (a snapshot each open),
+    /// How long the kernel may keep a node's attributes: for ever but the stats' (a snapshot each open),
     /// since every other inode names contents that never change (a sample of `shuffled/` in one epoch,
     /// `rolling/`'s file of one epoch), so the `fstat` after an open is not a round trip.
-    fn attr_ttl(node: Node) -> Duration {
-        match node {
-            Node::Stats => Duration::ZERO,
-            _ => TTL,
+    fn attr_ttl(keep: Keep) -> Duration {
+        match keep {
+            Keep::All | Keep::Attributes => TTL,
+            Keep::Nothing => Duration::ZERO,
         }
     }
 }
@@ -197,8 +196,8 @@ impl Filesystem for FuseFs {
         match self.fs.lookup_as(parent.0, name, self.opens.owner(req.pid()), req.pid()) {
             // fuser's order: the attributes' TTL, then the name's.
             Ok(a) => reply.entry_with_ttls(
-                &Self::attr_ttl(a.node),
-                &Self::entry_ttl(a.node),
+                &Self::attr_ttl(a.keep),
+                &Self::entry_ttl(a.keep),
                 &self.file_attr(&a),
                 Generation(0),
             ),
@@ -208,7 +207,7 @@ impl Filesystem for FuseFs {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         match self.fs.getattr(ino.0) {
-            Ok(a) => reply.attr(&Self::attr_ttl(a.node), &self.file_attr(&a)),
+            Ok(a) => reply.attr(&Self::attr_ttl(a.keep), &self.file_attr(&a)),
             Err(e) => reply.error(self.fail("getattr", ino.0, &e)),
         }
     }
@@ -216,11 +215,11 @@ impl Filesystem for FuseFs {
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
         match self.fs.open(ino.0, write) {
-            Ok(Node::Stats) => {
+            Ok(Opening::Snapshot) => {
                 let fh = self.opens.open_stats(&self.fs, req.unique().0);
                 reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH)
             }
-            Ok(_) => match self.opens.open(&self.fs, ino.0, req.pid(), req.unique().0) {
+            Ok(Opening::File) => match self.opens.open(&self.fs, ino.0, req.pid(), req.unique().0) {
                 Ok((fh, mode)) => reply_open(fh, mode, reply),
                 Err(e) => reply.error(self.fail("open", ino.0, &e)),
             },
@@ -297,11 +296,7 @@ impl Filesystem for FuseFs {
         };
         for (i, (child, dir, name)) in entries.into_iter().enumerate() {
             let next = offset + i as u64 + 1;
-            let node = Node::from_ino(child);
-            let attr = node
-                .filter(|&n| Self::entry_ttl(n) == TTL && Self::attr_ttl(n) == TTL)
-                .filter(|n| !matches!(n, Node::RollingIndex { .. }))
-                .and_then(|_| self.fs.getattr(child).ok());
+            let attr = self.fs.listed_whole(child).then(|| self.fs.getattr(child).ok()).flatten();
             let full = match attr {
                 Some(a) => reply.add(INodeNo(child), next, &name, &TTL, &self.file_attr(&a), Generation(0)),
                 None => {
@@ -436,17 +431,13 @@ impl Filesystem for FuseFs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fs::RollingFile;
 
+    /// Which nodes keep what is the views' to say (`fs.rs`'s tests); this is what each means to the kernel.
     #[test]
     fn names_handed_out_anew_are_looked_up_each_time_and_their_inodes_attributes_are_kept() {
-        let sample = Node::Shuffled { epoch: 1, class: 2, k: 3 };
-        let rolling = Node::Rolling { epoch: 1, batch: 2, file: RollingFile::Packed };
-        for node in [sample, rolling] {
-            assert_eq!((FuseFs::entry_ttl(node), FuseFs::attr_ttl(node)), (Duration::ZERO, TTL), "{node:?}");
-        }
-        assert_eq!((FuseFs::entry_ttl(Node::Stats), FuseFs::attr_ttl(Node::Stats)), (Duration::ZERO, Duration::ZERO));
-        let batch = Node::Batch { epoch: 0, batch: 0, index: false };
-        assert_eq!((FuseFs::entry_ttl(batch), FuseFs::attr_ttl(batch)), (TTL, TTL));
+        let ttls = |keep| (FuseFs::entry_ttl(keep), FuseFs::attr_ttl(keep));
+        assert_eq!(ttls(Keep::Attributes), (Duration::ZERO, TTL));
+        assert_eq!(ttls(Keep::Nothing), (Duration::ZERO, Duration::ZERO));
+        assert_eq!(ttls(Keep::All), (TTL, TTL));
     }
 }

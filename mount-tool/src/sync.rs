@@ -1,5 +1,5 @@
 //! The locks, condition variables and atomics of the prefetcher and its cache (`prefetch.rs` and
-//! `prefetch/`), of the buffer pool, of `rolling/`'s counters (`fs/rolling.rs`), of the node cache and of
+//! `prefetch/`), of the buffer pool, of `rolling/`'s counters (`fs/views/rolling/state.rs`), of the node cache and of
 //! the stats' counters come from here: `std::sync`'s, or with the `shuttle` feature the Shuttle model
 //! checker's, whose scheduler runs the model tests of the cache and the window (`prefetch/cache.rs` and
 //! `prefetch/window.rs`, `shuttle_` tests) through

@@ -255,7 +255,8 @@ impl OpenFiles {
 mod tests {
     use super::*;
     use crate::client::MemoryClient;
-    use crate::fs::{FsOptions, Node};
+    use crate::fs::views::{epochs, raw};
+    use crate::fs::FsOptions;
     use crate::prefetch::{Prefetcher, PrefetcherConfig};
     use batchfs::encode::BatchFormat;
     use bytes::Bytes;
@@ -337,7 +338,7 @@ mod tests {
     }
 
     fn batch(batch: u64) -> u64 {
-        Node::Batch { epoch: 0, batch, index: false }.ino()
+        epochs::Node::Batch { epoch: 0, batch, index: false }.ino()
     }
 
     #[test]
@@ -420,7 +421,7 @@ mod tests {
         p.use_node_cache(nc.clone());
         let fs = Fs::new(p, fs.options.clone());
         fs.set_passthrough(true);
-        let ino = |i: usize| fs.lookup(Node::RawDir(0).ino(), &format!("f{i}.jpg"), 1).unwrap().node.ino();
+        let ino = |i: usize| fs.lookup(raw::Node::Dir(0).ino(), &format!("f{i}.jpg"), 1).unwrap().ino;
         let on_disk = |f: &Bytes| {
             let m = std::fs::metadata(nc.path_of(sent(f))).unwrap();
             (m.dev(), m.ino())
@@ -463,7 +464,7 @@ mod tests {
         let (_rt, fs) = fs();
         let kernel = Arc::new(FakeKernel::default());
         let opens = OpenFiles::new(kernel.clone(), true, false);
-        let missing = Node::Batch { epoch: 0, batch: 99, index: false }.ino();
+        let missing = epochs::Node::Batch { epoch: 0, batch: 99, index: false }.ino();
         assert!(opens.open(&fs, missing, 100, 1).is_err());
         assert!(kernel.open_ids().is_empty() && opens.handles.lock().unwrap().files().is_empty());
     }

@@ -1,5 +1,5 @@
 //! `raw/`, the dataset's own files, as the prefetcher sees them (the filesystem's tree of them is
-//! `fs/raw.rs`): each directory listed once from the server (every page), when first looked into, and kept
+//! `fs/views/raw.rs`): each directory listed once from the server (every page), when first looked into, and kept
 //! as a list of chunks, the objects of its [`Listing::Raw`]: a file of one chunk is fetched whole like a
 //! batch; a larger one chunk by chunk, each a range checked against its own CRC32C, so a shard larger than
 //! the cache streams through it. Reads within a file cross chunks here; the first read of a DALI index

@@ -2,7 +2,7 @@
 //! mount's share of them, fetched in groups of a few samples of one class ([`Listing::Shuffled`]: object
 //! `g` of class `c` holds its samples `g·G .. (g+1)·G`), each group one data request
 //! (`GET .../samples/data?ids=`), checked whole against the CRC32C the sample table gives (the samples'
-//! CRCs combined). What each open gets is the filesystem's (`fs/shuffled.rs`); this room answers what a
+//! CRCs combined). What each open gets is the filesystem's (`fs/views/shuffled.rs`); this room answers what a
 //! sample is, reads it, and fetches the groups ahead of the classes' readers.
 //!
 //! **Plans.** The sample table (every sample's class, size and CRC32C) is fetched once. An epoch's plan is

@@ -14,7 +14,7 @@
 //! ([`crate::prefetch`]'s `shuffled` room), and the first time an epoch is reached, the first groups of
 //! every class are: a reader's first sample of each class is not a round trip.
 
-use super::FsError;
+use crate::fs::FsError;
 use crate::ledger::{key, rest, tags, Ledger};
 use crate::prefetch::{ClassPlan, Prefetcher, WINDOW_GROUPS};
 use std::collections::{HashMap, HashSet, VecDeque};

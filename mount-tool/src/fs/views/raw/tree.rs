@@ -2,7 +2,8 @@
 //! it (the directory's list comes from the prefetcher, `prefetch/raw.rs`), so a tree of a million files
 //! costs nothing until it is walked, and what is walked costs per directory. Node 0 is `raw` itself.
 
-use super::{FsError, Node};
+use super::Node;
+use crate::fs::FsError;
 use crate::ledger::Ledger;
 use crate::prefetch::Prefetcher;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -83,8 +84,8 @@ impl RawTree {
 
     fn node(nodes: &[RawNode], n: u32) -> Node {
         match nodes[n as usize].kind {
-            RawKind::File { .. } => Node::RawFile(n),
-            RawKind::Dir { .. } => Node::RawDir(n),
+            RawKind::File { .. } => Node::File(n),
+            RawKind::Dir { .. } => Node::Dir(n),
         }
     }
 

@@ -1,0 +1,158 @@
+//! The views of the mount, each a module of its own behind [`View`]: it owns its names, its inode numbers,
+//! its attributes and listings, what an open and a release of its files change, their reads and backing
+//! files, and what it asks the prefetcher for. The filesystem (`fs.rs`) holds the root, lists and looks
+//! up in it what each view puts there, and hands every other inode to the view that owns it; it knows no
+//! view by name. A new view is its module and one line of [`all`] (docs/DESIGN.md, "Views").
+//!
+//! | view | in the root | module |
+//! |---|---|---|
+//! | the statistics | `.batchfs/stats` | `views/meta.rs` |
+//! | the source files | `raw/` | `views/raw.rs`, `views/raw/tree.rs` |
+//! | one epoch's names, each open the next epoch | `rolling/` | `views/rolling.rs`, `views/rolling/state.rs` |
+//! | class folders, each open the next sample | `shuffled/` | `views/shuffled.rs`, `views/shuffled/state.rs` |
+//! | the epoch folders | `epoch-NNNN/` | `views/epochs.rs` |
+//!
+//! Inode numbers encode what they name (`fs/inode.rs` holds the plan of who numbers what), so each view
+//! decodes its own and no table grows with what is read.
+
+use super::{Backing, FsError, FsOptions};
+use crate::ledger::Ledger;
+use crate::prefetch::Prefetcher;
+use bytes::Bytes;
+use std::sync::Arc;
+
+pub mod epochs;
+pub mod meta;
+pub mod raw;
+pub mod rolling;
+pub mod shuffled;
+
+/// Every view, in the order the root lists their names.
+pub fn all(prefetcher: &Arc<Prefetcher>, options: &FsOptions) -> Vec<Box<dyn View>> {
+    vec![
+        Box::new(meta::Meta::new(prefetcher.clone())),
+        Box::new(raw::Raw::new(prefetcher.clone(), options)),
+        Box::new(rolling::Rolling::new(prefetcher.clone(), options)),
+        Box::new(shuffled::Shuffled::new(prefetcher.clone(), options)),
+        Box::new(epochs::Epochs::new(prefetcher.clone(), options)),
+    ]
+}
+
+/// Who asks: the process (0: unknown) and its thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Who {
+    pub owner: u32,
+    pub tid: u32,
+}
+
+/// What the kernel may keep of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// Its name and its attributes: the name always leads to it, and its contents never change.
+    All,
+    /// Its attributes, not the name that led to it: the next lookup of that name may lead elsewhere (a
+    /// name of `rolling/` is a new file at each open, a name of `shuffled/` a new sample at each lookup).
+    Attributes,
+    /// Nothing: its contents are made at each open (the statistics).
+    Nothing,
+}
+
+/// Attributes of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: u64,
+    pub dir: bool,
+    pub size: u64,
+    pub keep: Keep,
+}
+
+impl Attr {
+    pub fn dir(ino: u64) -> Self {
+        Attr { ino, dir: true, size: 0, keep: Keep::All }
+    }
+
+    pub fn file(ino: u64, size: u64, keep: Keep) -> Self {
+        Attr { ino, dir: false, size, keep }
+    }
+}
+
+/// An entry of a directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub ino: u64,
+    pub dir: bool,
+    pub name: String,
+}
+
+impl Entry {
+    pub fn new(ino: u64, dir: bool, name: impl Into<String>) -> Self {
+        Entry { ino, dir, name: name.into() }
+    }
+}
+
+/// How a file opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opening {
+    /// Its contents, read through the daemon or handed to the kernel.
+    File,
+    /// A snapshot made at the open, which the handle reads (the statistics).
+    Snapshot,
+}
+
+/// One view of the dataset. Every method but those of the root is asked only of inodes [`View::owns`]
+/// says are its own.
+pub trait View: Send + Sync {
+    /// Whether inode `ino` is one of this view's.
+    fn owns(&self, ino: u64) -> bool;
+
+    /// Its entries in the root, in order.
+    fn in_root(&self) -> Vec<Entry>;
+
+    /// Its node named `name` in the root, if it puts one there.
+    fn root_lookup(&self, name: &str) -> Option<u64>;
+
+    /// The parent of directory `dir` (the root's inode where it is in the root).
+    fn parent(&self, dir: u64) -> u64;
+
+    /// Resolves `name` in directory `dir` for `who`.
+    fn lookup(&self, dir: u64, name: &str, who: Who) -> Result<u64, FsError>;
+
+    /// Attributes of `ino`; `NotFound` where it names nothing (yet).
+    fn attr(&self, ino: u64) -> Result<Attr, FsError>;
+
+    /// Whether a listing may carry `ino`'s entry and attributes (`READDIRPLUS`): where the kernel keeps
+    /// both, and they cost no more than the listing.
+    fn listed_whole(&self, ino: u64) -> bool;
+
+    /// At most `max` entries of directory `dir` from position `from`, as `owner`'s next opens get them.
+    fn entries(&self, dir: u64, from: usize, max: usize, owner: u32) -> Result<Vec<Entry>, FsError>;
+
+    /// How file `ino` opens (after [`View::attr`] found it).
+    fn open(&self, _ino: u64) -> Result<Opening, FsError> {
+        Ok(Opening::File)
+    }
+
+    /// An open of `ino` by `who` succeeded: what it moves on (a failed open moves nothing).
+    fn opened(&self, _ino: u64, _who: Who) {}
+
+    /// Process `owner` released a handle of `ino` that [`View::opened`] counted.
+    fn released(&self, _ino: u64, _owner: u32) {}
+
+    /// The last handle of file `ino` was closed.
+    fn closed(&self, _ino: u64) {}
+
+    /// Process `owner` holds a handle of `ino` opened under a worker before this one: held again as the
+    /// open held it.
+    fn adopted(&self, _ino: u64, _owner: u32) {}
+
+    /// Writes the view's state through to `ledger` from now on, having taken what it holds (a worker
+    /// before this one wrote it).
+    fn record_in(&mut self, _ledger: &Arc<Ledger>) {}
+
+    /// Reads `size` bytes at `offset` of file `ino` for process `owner`.
+    fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError>;
+
+    /// The verified contents of file `ino` for the kernel to serve, waited for as a read by `owner` is
+    /// (`disk`: a file of the node cache may be handed over as it is); `None`: read through the daemon.
+    fn backing(&self, ino: u64, owner: u32, disk: bool) -> Result<Option<Backing>, FsError>;
+}
