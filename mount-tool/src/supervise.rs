@@ -81,6 +81,9 @@ struct Held {
     info: File,
     /// The session that mounted (never run): dropping it unmounts.
     mounted: Option<fuser::Session<Negotiator>>,
+    /// The mount's id ([`crate::sys::mount_id`]): once the mount has ended, another may be made at the
+    /// same place, and it is not this supervisor's to take down.
+    mount_id: Option<u64>,
 }
 
 /// Mounts `plan` (or takes over the mount systemd kept), starts the first worker, reports through `ready`
@@ -89,7 +92,7 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
     let (held, adopted) = match stored_with_systemd()? {
         Some(held) => {
             tracing::info!(mountpoint = %plan.mountpoint.display(), "taking over the mount systemd kept");
-            (held, true)
+            (Held { mount_id: mount_id_of(&plan.mountpoint), ..held }, true)
         }
         None => (mount(plan, config)?, false),
     };
@@ -127,7 +130,8 @@ fn mount(plan: &MountPlan, config: fuser::Config) -> Result<Held> {
     let mut info = crate::sys::memfd("batchfs-info")?;
     info.write_all(&serde_json::to_vec(&plan.info)?)?;
     tracing::info!(passthrough = settings.passthrough, resend = settings.resend, "mounted; starting the worker");
-    Ok(Held { fuse, ledger, info, mounted: Some(session) })
+    let mount_id = mount_id_of(&plan.mountpoint);
+    Ok(Held { fuse, ledger, info, mounted: Some(session), mount_id })
 }
 
 struct Worker {
@@ -300,8 +304,17 @@ impl Supervisor<'_> {
             let _ = w.child.kill();
             let _ = w.child.wait();
         }
-        if crate::plan::is_mountpoint(&self.plan.mountpoint) {
-            let _ = crate::sys::unmount(&self.plan.mountpoint, true);
+        // Its own mount only, if it is still there (its connection aborted): `batchfs umount` and a new
+        // `batchfs mount` at the same place may both have come before this.
+        let mountpoint = &self.plan.mountpoint;
+        let ours = match self.held.mount_id {
+            Some(id) => crate::sys::mount_id(mountpoint).ok() == Some(id),
+            None => true,
+        };
+        if !ours {
+            tracing::info!(mountpoint = %mountpoint.display(), "the mount is gone (another is there now)");
+        } else if crate::plan::is_mountpoint(mountpoint) {
+            let _ = crate::sys::unmount(mountpoint, true);
         }
         // Unmounted already: the session must not try again (it would only log that it cannot).
         std::mem::forget(self.held.mounted.take());
@@ -392,6 +405,14 @@ pub fn kept_by_systemd() -> bool {
     listen_fds().iter().any(|(name, _)| name == STORED_FUSE)
 }
 
+/// The id of the mount at `mountpoint` (`None`, logged, where the kernel tells none: then whatever is
+/// mounted there when the supervisor ends is taken for its own).
+fn mount_id_of(mountpoint: &Path) -> Option<u64> {
+    crate::sys::mount_id(mountpoint)
+        .inspect_err(|e| tracing::warn!(error = %e, "cannot tell the mount's id: it is taken down by its path"))
+        .ok()
+}
+
 /// The mount systemd kept for this unit (stored by a supervisor before this one), if it passed it.
 fn stored_with_systemd() -> Result<Option<Held>> {
     let fds = listen_fds();
@@ -410,7 +431,7 @@ fn stored_with_systemd() -> Result<Option<Held>> {
     for key in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
         std::env::remove_var(key);
     }
-    Ok(Some(Held { fuse, ledger, info, mounted: None }))
+    Ok(Some(Held { fuse, ledger, info, mounted: None, mount_id: None }))
 }
 
 /// Stores the connection, the ledger and the description with systemd, when it supervises this process

@@ -24,6 +24,28 @@ pub fn unmount(path: &Path, lazy: bool) -> io::Result<()> {
     }
 }
 
+/// The id of the mount that `path` is on: the kernel's unique one where it has it (`STATX_MNT_ID_UNIQUE`,
+/// Linux 6.8, never reused), else the one `/proc/self/mountinfo` shows (reused once that mount is gone).
+/// Asks no filesystem there anything (`AT_STATX_DONT_SYNC`): a FUSE mount whose daemon is gone answers too.
+pub fn mount_id(path: &Path) -> io::Result<u64> {
+    let c = c_path(path)?;
+    let mut stx = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    let flags = libc::AT_STATX_DONT_SYNC | libc::AT_NO_AUTOMOUNT;
+    let mask = libc::STATX_MNT_ID_UNIQUE | libc::STATX_MNT_ID;
+    // SAFETY: `c` is a valid NUL-terminated string and `stx` a buffer of a `statx`, both outliving the call,
+    // which writes nothing else.
+    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), flags, mask, stx.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: statx succeeded, and the buffer was zeroed before: every field is initialized.
+    let stx = unsafe { stx.assume_init() };
+    if stx.stx_mask & mask == 0 {
+        return Err(io::Error::new(io::ErrorKind::Unsupported, "this kernel reports no mount id"));
+    }
+    Ok(stx.stx_mnt_id)
+}
+
 /// The process (thread group) that thread `tid` belongs to, from `/proc`; `None` once it has exited.
 pub fn thread_group(tid: u32) -> Option<u32> {
     let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;

@@ -220,6 +220,32 @@ fn each_open_of_the_stats_file_reads_one_snapshot() {
     rt.block_on(server.running.shutdown());
 }
 
+/// A mount unmounted from outside, and another made at the same place before the first one's session is
+/// dropped (its process ending late): the drop leaves the second mount alone. fuser's check before it
+/// unmounts by path read the kernel's "connection gone" the wrong way round, and took the second mount down.
+#[test]
+fn a_session_unmounted_from_outside_leaves_the_next_mount_at_its_place_alone() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 5_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let url = format!("{}/d", server.base);
+    let dir = tempfile::tempdir().unwrap();
+    let mount_here = || {
+        let plan = batchfs_mount::plan::plan(&url, dir.path(), Default::default()).unwrap();
+        batchfs_mount::mount::spawn(&plan).unwrap()
+    };
+    let first = mount_here();
+    let path = std::ffi::CString::new(dir.path().as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `path` is a valid NUL-terminated string that outlives the call.
+    assert_eq!(unsafe { libc::umount2(path.as_ptr(), 0) }, 0, "{}", std::io::Error::last_os_error());
+    let second = mount_here();
+    // The first session ends (its filesystem is gone) and is dropped.
+    first.wait().unwrap();
+    assert!(batchfs_mount::plan::is_mountpoint(dir.path()), "the second mount was taken down");
+    assert!(std::fs::read(dir.path().join(".batchfs/stats")).is_ok());
+    second.unmount().unwrap();
+}
+
 #[test]
 fn writes_fail_with_erofs_and_unknown_names_with_enoent() {
     let rt = runtime();

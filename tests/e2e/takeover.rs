@@ -364,6 +364,46 @@ fn the_supervisor_killed_takes_the_mount_and_a_new_mount_cleans_it_up() {
     assert!(again.log_text().contains("cleaning up a stale mount"), "{}", again.log_text());
 }
 
+/// `batchfs umount`, then at once `batchfs mount` at the same place, as a job script does between two runs:
+/// the first mount's process (its supervisor, or, unsupervised, the one serving it), which ends after its
+/// mount did, leaves the second mount alone. (Each once unmounted whatever was mounted there when it
+/// ended: the supervisor by the path, the session by fuser's check read the wrong way round; a third of
+/// supervised mounts were gone a moment after `batchfs mount` had said they were up.)
+#[test]
+fn a_mount_made_where_the_last_one_was_just_unmounted_outlives_the_last_ones_process() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 100, 10_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let url = format!("{}/d", server.base);
+    for options in ["", "supervise=false"] {
+        let dir = tempfile::tempdir().unwrap();
+        let mountpoint = dir.path().join("mnt");
+        std::fs::create_dir(&mountpoint).unwrap();
+        let start =
+            || Supervised::start_at(tempfile::tempdir().unwrap(), mountpoint.clone(), &program(), &url, options);
+        // Every mount is dropped last, the mountpoint free by then: a drop detaches whatever is mounted there.
+        let mut mounts = vec![start()];
+        for round in 0..10 {
+            let out = Command::new(program()).arg("umount").arg(&mountpoint).output().unwrap();
+            assert!(out.status.success(), "{options:?}, round {round}: {}", String::from_utf8_lossy(&out.stderr));
+            mounts.push(start());
+            let n = mounts.len();
+            let last = &mut mounts[n - 2].supervisor;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while last.try_wait().unwrap().is_none() {
+                assert!(Instant::now() < deadline, "{options:?}, round {round}: an unmounted mount's process went on");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let up = batchfs_mount::plan::is_mountpoint(&mountpoint)
+                && std::fs::read(mountpoint.join(".batchfs/stats")).is_ok();
+            let logs = format!("{}\nthe last one's:\n{}", mounts[n - 1].log_text(), mounts[n - 2].log_text());
+            assert!(up, "{options:?}, round {round}: the new mount is gone:\n{logs}");
+        }
+        let out = Command::new(program()).arg("umount").arg(&mountpoint).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 /// A datagram from `socket` with the descriptors it carries (`SCM_RIGHTS`), as systemd receives them.
 fn receive_with_fds(socket: &std::os::unix::net::UnixDatagram) -> (String, Vec<std::os::fd::OwnedFd>) {
     use std::os::fd::{AsRawFd, FromRawFd};

@@ -207,7 +207,10 @@ fn is_mounted(fuse_device: &DevFuse) -> bool {
         let res = poll(slice::from_mut(&mut poll_fd), PollTimeout::ZERO);
         break match res {
             Ok(0) => true,
-            Ok(1) => poll_fd
+            // The kernel reports POLLERR on a connection that is gone: the filesystem was unmounted (or
+            // its connection aborted). (batchfs: published 0.18.0 read it the other way round, and so
+            // unmounted by path whatever was mounted there since.)
+            Ok(1) => !poll_fd
                 .revents()
                 .is_some_and(|r| r.contains(PollFlags::POLLERR)),
             Ok(_) => unreachable!(),
