@@ -124,6 +124,28 @@ impl FuseFs {
         }
     }
 
+    /// Lists directory `ino` from position `offset` on, as the process of `req` sees it: each entry (its
+    /// inode, the position after it, its type and name) handed to `add`, until `add` says the reply is
+    /// full; or the errno answered to `op`.
+    fn list(
+        &self,
+        op: &'static str,
+        req: &Request,
+        ino: INodeNo,
+        offset: u64,
+        mut add: impl FnMut(u64, u64, FileType, String) -> bool,
+    ) -> Result<(), Errno> {
+        let owner = self.opens.owner(req.pid());
+        let entries = self.fs.dir_entries_from(ino.0, offset as usize, owner).map_err(|e| self.fail(op, ino.0, &e))?;
+        for (i, (child, dir, name)) in entries.into_iter().enumerate() {
+            let kind = if dir { FileType::Directory } else { FileType::RegularFile };
+            if add(child, offset + i as u64 + 1, kind, name) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     /// How long the kernel may keep the name that led to a node. A name in rolling/ is a new file at each
     /// open (and each reader's layout), and a name in shuffled/ a new sample at each lookup: the kernel
     /// must look it up every time.
@@ -272,17 +294,12 @@ impl Filesystem for FuseFs {
     }
 
     fn readdir(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        let entries = match self.fs.dir_entries_from(ino.0, offset as usize, self.opens.owner(req.pid())) {
-            Ok(e) => e,
-            Err(e) => return reply.error(self.fail("readdir", ino.0, &e)),
-        };
-        for (i, (child, dir, name)) in entries.into_iter().enumerate() {
-            let kind = if dir { FileType::Directory } else { FileType::RegularFile };
-            if reply.add(INodeNo(child), offset + i as u64 + 1, kind, name) {
-                break;
-            }
+        match self
+            .list("readdir", req, ino, offset, |child, next, kind, name| reply.add(INodeNo(child), next, kind, name))
+        {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
         }
-        reply.ok();
     }
 
     /// A listing with each name's entry and attributes (`READDIRPLUS`): a walk that lists a folder and
@@ -290,25 +307,16 @@ impl Filesystem for FuseFs {
     /// name looked up anew at every use (`shuffled/`'s, `rolling/`'s, the stats'), or whose attributes
     /// cost work (the indexed layout's twins), is listed alone and looked up when used.
     fn readdirplus(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
-        let entries = match self.fs.dir_entries_from(ino.0, offset as usize, self.opens.owner(req.pid())) {
-            Ok(e) => e,
-            Err(e) => return reply.error(self.fail("readdirplus", ino.0, &e)),
-        };
-        for (i, (child, dir, name)) in entries.into_iter().enumerate() {
-            let next = offset + i as u64 + 1;
-            let attr = self.fs.listed_whole(child).then(|| self.fs.getattr(child).ok()).flatten();
-            let full = match attr {
+        let listed = self.list("readdirplus", req, ino, offset, |child, next, kind, name| {
+            match self.fs.listed_whole(child).then(|| self.fs.getattr(child).ok()).flatten() {
                 Some(a) => reply.add(INodeNo(child), next, &name, &TTL, &self.file_attr(&a), Generation(0)),
-                None => {
-                    let kind = if dir { FileType::Directory } else { FileType::RegularFile };
-                    reply.add_name(INodeNo(child), next, &name, kind)
-                }
-            };
-            if full {
-                break;
+                None => reply.add_name(INodeNo(child), next, &name, kind),
             }
+        });
+        match listed {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
         }
-        reply.ok();
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

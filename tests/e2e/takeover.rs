@@ -69,27 +69,42 @@ impl Supervised {
         self.stats()["worker_pid"].as_u64().unwrap() as u32
     }
 
+    /// The workers that served the mount, in order, as the supervisor logged them, each with the time
+    /// without service of its takeover (none for the first). Read from the log, not through the mount:
+    /// while the server is down, every FUSE thread may be waiting out reads, and the stats file with them.
+    fn served(&self) -> Vec<(i32, Option<Duration>)> {
+        let mut text = self.log_text();
+        // The log's colours: escape, '[', digits and ';', 'm'.
+        while let Some(at) = text.find('\u{1b}') {
+            let end = text[at..].find('m').map_or(text.len(), |m| at + m + 1);
+            text.replace_range(at..end, "");
+        }
+        let field = |line: &str, key: &str| -> Option<f64> {
+            let rest = &line[line.find(&format!("{key}="))? + key.len() + 1..];
+            rest.split(|c: char| !(c.is_ascii_digit() || c == '.')).next()?.parse().ok()
+        };
+        text.lines()
+            .filter(|l| {
+                l.contains("the worker serves the mount") || l.contains("takeover: a new worker serves the mount")
+            })
+            .map(|l| (field(l, "pid").unwrap() as i32, field(l, "ms").map(|ms| Duration::from_secs_f64(ms / 1e3))))
+            .collect()
+    }
+
     /// Kills the worker with SIGKILL and waits until its successor serves: the time without service the
     /// supervisor measured for the takeover.
     fn kill_worker(&self) -> Duration {
-        let before = self.stats();
-        let pid = before["worker_pid"].as_u64().unwrap() as i32;
+        let before = self.served();
+        let &(pid, _) = before.last().expect("a worker serves");
         assert_ne!(pid as u32, self.supervisor.id(), "the worker is a process of its own");
         // SAFETY: kill has no memory-safety preconditions.
         assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-        self.wait_restarts(before["worker_restarts"].as_u64().unwrap() + 1)
-    }
-
-    fn wait_restarts(&self, n: u64) -> Duration {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(text) = std::fs::read(self.mountpoint.join(".batchfs/stats")) {
-                let s: serde_json::Value = serde_json::from_slice(&text).unwrap();
-                if s["worker_restarts"].as_u64().unwrap() >= n {
-                    return Duration::from_micros(s["last_takeover_us"].as_u64().unwrap());
-                }
+            if let Some(&(_, Some(took))) = self.served().get(before.len()) {
+                return took;
             }
-            assert!(Instant::now() < deadline, "no takeover {n} within 30 s:\n{}", self.log_text());
+            assert!(Instant::now() < deadline, "no takeover {} within 30 s:\n{}", before.len(), self.log_text());
             std::thread::sleep(Duration::from_millis(10));
         }
     }

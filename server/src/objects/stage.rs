@@ -350,7 +350,7 @@ impl ObjectSource {
                 let _room = self.context.staging.take(COPY_BUFFER_BYTES.min(file.size)).await;
                 let Some(k) = next() else { return Ok::<_, io::Error>(()) };
                 let (at, len) = (k * part, part.min(file.size - k * part));
-                self.copy_range(n, file, at, len, out, disk, checked).await?;
+                self.copy_range(Span { n, file, at, len }, out, disk, checked).await?;
                 if let Some(making) = making {
                     making.landed(k);
                 }
@@ -361,27 +361,24 @@ impl ObjectSource {
         Ok(())
     }
 
-    /// Copies the `len` bytes at `at` (a multiple of [`CHUNK_BYTES`]) of object `n` into `out` at the
-    /// same offset, by one ranged GET whose body is written as it arrives (no buffer of the part's own,
-    /// no copy but the one into the file); with `checked`, the CRC32C of each chunk is folded in as its
-    /// bytes pass, and a chunk that differs from the index's is copied again by itself, up to
-    /// [`super::FETCH_ATTEMPTS`] times. The copy's bytes are only trusted once this returns `Ok`.
-    #[allow(clippy::too_many_arguments)]
+    /// Copies `span` (its start a multiple of [`CHUNK_BYTES`]) into `out` at the same offset, by one
+    /// ranged GET whose body is written as it arrives (no buffer of the part's own, no copy but the one
+    /// into the file); with `checked`, the CRC32C of each chunk is folded in as its bytes pass, and a chunk
+    /// that differs from the index's is copied again by itself, up to [`super::FETCH_ATTEMPTS`] times. The
+    /// copy's bytes are only trusted once this returns `Ok`.
     async fn copy_range(
         &self,
-        n: u32,
-        file: &ShardInfo,
-        at: u64,
-        len: u64,
+        span: Span<'_>,
         out: &CopyOut<'_>,
         disk: &impl Fn(io::Error) -> io::Error,
         checked: bool,
     ) -> io::Result<()> {
+        let Span { file, at, len, .. } = span;
         debug_assert_eq!(at % CHUNK_BYTES, 0, "ranges are checked by whole chunks");
         self.until_checked(file, "copied", vec![(at, len)], |todo| async move {
             let mut differing = Vec::new();
             for (at, len) in todo {
-                let streamed = self.retrying(file, || self.stream_into(n, file, at, len, out, checked));
+                let streamed = self.retrying(file, || self.stream_into(Span { at, len, ..span }, out, checked));
                 let crcs = streamed.await.map_err(ReadError::into_io)?.map_err(disk)?;
                 let chunks = crcs.into_iter().enumerate().map(|(k, crc)| (at / CHUNK_BYTES + k as u64, crc));
                 differing.extend(
@@ -395,19 +392,17 @@ impl ObjectSource {
         .await
     }
 
-    /// One GET of the `len` bytes at `at` of object `n`, its body written to `out` as it arrives: each
-    /// piece through the page cache (writeback started every [`COPY_BUFFER_BYTES`]), or gathered into an
-    /// aligned buffer of that size written past it; returns the CRC32C of each [`CHUNK_BYTES`] chunk where
-    /// `checked` (else none), or the disk's error (inner: not worth asking the store again).
+    /// One GET of `span`, its body written to `out` at its offset as it arrives: each piece through the
+    /// page cache (writeback started every [`COPY_BUFFER_BYTES`]), or gathered into an aligned buffer of
+    /// that size written past it; returns the CRC32C of each [`CHUNK_BYTES`] chunk where `checked` (else
+    /// none), or the disk's error (inner: not worth asking the store again).
     async fn stream_into(
         &self,
-        n: u32,
-        file: &ShardInfo,
-        at: u64,
-        len: u64,
+        span: Span<'_>,
         out: &CopyOut<'_>,
         checked: bool,
     ) -> Result<io::Result<Vec<u32>>, ReadError> {
+        let Span { n, file, at, len } = span;
         let (result, _held) = self.open_get(n, file, at, len, len.min(COPY_BUFFER_BYTES)).await?;
         let mut body = result.into_stream();
         let mut writer = Writer::new(out, at, &self.context.copy_buffers);
@@ -444,6 +439,15 @@ impl ObjectSource {
         }
         Ok(writer.finish().map(|()| crcs))
     }
+}
+
+/// The `len` bytes at `at` of object `n` (`file`).
+#[derive(Clone, Copy)]
+struct Span<'a> {
+    n: u32,
+    file: &'a ShardInfo,
+    at: u64,
+    len: u64,
 }
 
 /// Where a copy being made is written: `file`, through the page cache, or `direct`, the same file opened
