@@ -206,6 +206,18 @@ pub fn negotiate(config: &mut KernelConfig, passthrough: bool) -> bool {
     on
 }
 
+/// Callbacks that would change the filesystem, each answering EROFS: its name, the types of its arguments
+/// after the request, and its reply. (The mount is read-only, so the kernel refuses most of them itself.)
+macro_rules! read_only {
+    ($($name:ident($($arg:ty),*) -> $reply:ty;)*) => {
+        $(
+            fn $name(&self, _req: &Request, $(_: $arg,)* reply: $reply) {
+                reply.error(Errno::EROFS);
+            }
+        )*
+    };
+}
+
 impl Filesystem for FuseFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let on = negotiate(config, self.opens.passthrough());
@@ -333,106 +345,19 @@ impl Filesystem for FuseFs {
         }
     }
 
-    fn setattr(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _mode: Option<u32>,
-        _uid: Option<u32>,
-        _gid: Option<u32>,
-        _size: Option<u64>,
-        _atime: Option<fuser::TimeOrNow>,
-        _mtime: Option<fuser::TimeOrNow>,
-        _ctime: Option<std::time::SystemTime>,
-        _fh: Option<FileHandle>,
-        _crtime: Option<std::time::SystemTime>,
-        _chgtime: Option<std::time::SystemTime>,
-        _bkuptime: Option<std::time::SystemTime>,
-        _flags: Option<fuser::BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        reply.error(Errno::EROFS);
-    }
-
-    fn write(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _offset: u64,
-        _data: &[u8],
-        _write_flags: fuser::WriteFlags,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
-        reply.error(Errno::EROFS);
-    }
-
-    fn create(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _mode: u32,
-        _umask: u32,
-        _flags: i32,
-        reply: ReplyCreate,
-    ) {
-        reply.error(Errno::EROFS);
-    }
-
-    fn mknod(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _mode: u32,
-        _umask: u32,
-        _rdev: u32,
-        reply: ReplyEntry,
-    ) {
-        reply.error(Errno::EROFS);
-    }
-
-    fn mkdir(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, _mode: u32, _umask: u32, reply: ReplyEntry) {
-        reply.error(Errno::EROFS);
-    }
-
-    fn unlink(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
-        reply.error(Errno::EROFS);
-    }
-
-    fn rmdir(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
-        reply.error(Errno::EROFS);
-    }
-
-    fn symlink(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _link_name: &OsStr,
-        _target: &std::path::Path,
-        reply: ReplyEntry,
-    ) {
-        reply.error(Errno::EROFS);
-    }
-
-    fn rename(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _newparent: INodeNo,
-        _newname: &OsStr,
-        _flags: fuser::RenameFlags,
-        reply: ReplyEmpty,
-    ) {
-        reply.error(Errno::EROFS);
-    }
-
-    fn link(&self, _req: &Request, _ino: INodeNo, _newparent: INodeNo, _newname: &OsStr, reply: ReplyEntry) {
-        reply.error(Errno::EROFS);
+    read_only! {
+        setattr(INodeNo, Option<u32>, Option<u32>, Option<u32>, Option<u64>, Option<fuser::TimeOrNow>,
+            Option<fuser::TimeOrNow>, Option<std::time::SystemTime>, Option<FileHandle>, Option<std::time::SystemTime>,
+            Option<std::time::SystemTime>, Option<std::time::SystemTime>, Option<fuser::BsdFileFlags>) -> ReplyAttr;
+        write(INodeNo, FileHandle, u64, &[u8], fuser::WriteFlags, OpenFlags, Option<LockOwner>) -> ReplyWrite;
+        create(INodeNo, &OsStr, u32, u32, i32) -> ReplyCreate;
+        mknod(INodeNo, &OsStr, u32, u32, u32) -> ReplyEntry;
+        mkdir(INodeNo, &OsStr, u32, u32) -> ReplyEntry;
+        unlink(INodeNo, &OsStr) -> ReplyEmpty;
+        rmdir(INodeNo, &OsStr) -> ReplyEmpty;
+        symlink(INodeNo, &OsStr, &std::path::Path) -> ReplyEntry;
+        rename(INodeNo, &OsStr, INodeNo, &OsStr, fuser::RenameFlags) -> ReplyEmpty;
+        link(INodeNo, INodeNo, &OsStr) -> ReplyEntry;
     }
 }
 

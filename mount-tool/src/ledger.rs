@@ -40,16 +40,19 @@ const JOURNAL_AT: usize = CELLS_AT + CELLS * 16;
 pub const JOURNAL: usize = 16 << 20;
 const LEN: usize = JOURNAL_AT + JOURNAL;
 
-/// Header words.
-const H_MAGIC: usize = 0;
-const H_VERSION: usize = 1;
-const H_SETTINGS: usize = 2;
-const H_RESTARTS: usize = 3;
-const H_WORKER_PID: usize = 4;
-const H_TAKEOVER_US: usize = 5;
-const H_MAX_BACKING: usize = 6;
-const H_SUPERVISOR_PID: usize = 7;
-const H_JOURNAL_END: usize = 8;
+/// The header's words, by their place in it (the layout is the ledger's `VERSION`: append only).
+#[derive(Clone, Copy)]
+enum Header {
+    Magic,
+    Version,
+    Settings,
+    Restarts,
+    WorkerPid,
+    TakeoverUs,
+    MaxBacking,
+    SupervisorPid,
+    JournalEnd,
+}
 
 const PASSTHROUGH: u64 = 1;
 const RESEND: u64 = 2;
@@ -122,8 +125,8 @@ impl Ledger {
         let file = crate::sys::memfd("batchfs-ledger")?;
         file.set_len(LEN as u64)?;
         let ledger = Ledger::map(file)?;
-        ledger.word(H_VERSION).store(VERSION, Ordering::Relaxed);
-        ledger.word(H_MAGIC).store(MAGIC, Ordering::Release);
+        ledger.header(Header::Version).store(VERSION, Ordering::Relaxed);
+        ledger.header(Header::Magic).store(MAGIC, Ordering::Release);
         Ok(ledger)
     }
 
@@ -133,8 +136,8 @@ impl Ledger {
             return Err(io::Error::other("the mount's ledger has another size: written by another batchfs version"));
         }
         let ledger = Ledger::map(file)?;
-        if ledger.word(H_MAGIC).load(Ordering::Acquire) != MAGIC
-            || ledger.word(H_VERSION).load(Ordering::Relaxed) != VERSION
+        if ledger.header(Header::Magic).load(Ordering::Acquire) != MAGIC
+            || ledger.header(Header::Version).load(Ordering::Relaxed) != VERSION
         {
             return Err(io::Error::other(
                 "the mount's ledger is of another layout: written by another batchfs version",
@@ -166,6 +169,10 @@ impl Ledger {
         &self.file
     }
 
+    fn header(&self, word: Header) -> &AtomicU64 {
+        self.word(word as usize)
+    }
+
     fn word(&self, i: usize) -> &AtomicU64 {
         debug_assert!(i < LEN / 8);
         // SAFETY: in bounds of the mapping, which lives as long as `self`; u64-aligned (page-aligned base).
@@ -175,43 +182,43 @@ impl Ledger {
     /// Records what `INIT` settled.
     pub fn settle(&self, s: Settings) {
         let bits = SETTLED | if s.passthrough { PASSTHROUGH } else { 0 } | if s.resend { RESEND } else { 0 };
-        self.word(H_SETTINGS).store(bits, Ordering::Release);
+        self.header(Header::Settings).store(bits, Ordering::Release);
     }
 
     /// What `INIT` settled, once recorded.
     pub fn settings(&self) -> Option<Settings> {
-        let bits = self.word(H_SETTINGS).load(Ordering::Acquire);
+        let bits = self.header(Header::Settings).load(Ordering::Acquire);
         (bits & SETTLED != 0).then_some(Settings { passthrough: bits & PASSTHROUGH != 0, resend: bits & RESEND != 0 })
     }
 
     /// The supervisor's counters.
     pub fn counters(&self) -> Counters {
         Counters {
-            supervisor_pid: self.word(H_SUPERVISOR_PID).load(Ordering::Relaxed) as u32,
-            worker_pid: self.word(H_WORKER_PID).load(Ordering::Relaxed) as u32,
-            restarts: self.word(H_RESTARTS).load(Ordering::Relaxed),
-            last_takeover_us: self.word(H_TAKEOVER_US).load(Ordering::Relaxed),
+            supervisor_pid: self.header(Header::SupervisorPid).load(Ordering::Relaxed) as u32,
+            worker_pid: self.header(Header::WorkerPid).load(Ordering::Relaxed) as u32,
+            restarts: self.header(Header::Restarts).load(Ordering::Relaxed),
+            last_takeover_us: self.header(Header::TakeoverUs).load(Ordering::Relaxed),
         }
     }
 
     /// The supervisor records a worker serving (after `takeover_us` without service, when it replaced one).
     pub fn worker_started(&self, supervisor: u32, pid: u32, takeover_us: Option<u64>) {
-        self.word(H_SUPERVISOR_PID).store(supervisor.into(), Ordering::Relaxed);
-        self.word(H_WORKER_PID).store(pid.into(), Ordering::Relaxed);
+        self.header(Header::SupervisorPid).store(supervisor.into(), Ordering::Relaxed);
+        self.header(Header::WorkerPid).store(pid.into(), Ordering::Relaxed);
         if let Some(us) = takeover_us {
-            self.word(H_TAKEOVER_US).store(us, Ordering::Relaxed);
-            self.word(H_RESTARTS).fetch_add(1, Ordering::Relaxed);
+            self.header(Header::TakeoverUs).store(us, Ordering::Relaxed);
+            self.header(Header::Restarts).fetch_add(1, Ordering::Relaxed);
         }
     }
 
     /// A backing id was registered with the kernel.
     pub fn backing_registered(&self, id: u32) {
-        self.word(H_MAX_BACKING).fetch_max(id.into(), Ordering::Relaxed);
+        self.header(Header::MaxBacking).fetch_max(id.into(), Ordering::Relaxed);
     }
 
     /// The largest backing id registered on the connection.
     pub fn max_backing(&self) -> u32 {
-        self.word(H_MAX_BACKING).load(Ordering::Relaxed) as u32
+        self.header(Header::MaxBacking).load(Ordering::Relaxed) as u32
     }
 
     fn slot_word(&self, slot: usize, w: usize) -> &AtomicU64 {
@@ -319,7 +326,7 @@ impl Ledger {
 impl Ledger {
     /// Appends `record` to the journal (one writer at a time: the caller's lock); false when it is full.
     pub fn append(&self, record: &[u8]) -> bool {
-        let end = self.word(H_JOURNAL_END).load(Ordering::Acquire) as usize;
+        let end = self.header(Header::JournalEnd).load(Ordering::Acquire) as usize;
         let len = 4 + record.len();
         if end + len > JOURNAL {
             return false;
@@ -330,13 +337,13 @@ impl Ledger {
             std::ptr::copy_nonoverlapping((record.len() as u32).to_le_bytes().as_ptr(), at, 4);
             std::ptr::copy_nonoverlapping(record.as_ptr(), at.add(4), record.len());
         }
-        self.word(H_JOURNAL_END).store((end + len) as u64, Ordering::Release);
+        self.header(Header::JournalEnd).store((end + len) as u64, Ordering::Release);
         true
     }
 
     /// The journal's records, in order.
     pub fn records(&self) -> Vec<Vec<u8>> {
-        let end = self.word(H_JOURNAL_END).load(Ordering::Acquire) as usize;
+        let end = self.header(Header::JournalEnd).load(Ordering::Acquire) as usize;
         // SAFETY: the journal's bytes up to its end, written whole before the end moved past them.
         let bytes = unsafe { std::slice::from_raw_parts(self.base.cast::<u8>().add(JOURNAL_AT), end.min(JOURNAL)) };
         let mut out = Vec::new();

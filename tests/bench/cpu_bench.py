@@ -42,7 +42,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loaders_bench import BIN, command, cpu_of, free_port, wait_healthy, with_cleanup, write_csv  # noqa: E402
+from loaders_bench import BIN, command, cpu_of, free_port, md_table, wait_healthy, with_cleanup, write_csv  # noqa: E402
 
 env = os.environ.get
 SAMPLES, MEAN, BATCH = int(env("SAMPLES", "20000")), int(env("MEAN", "110000")), int(env("BATCH", "128"))
@@ -243,21 +243,21 @@ def render(rows, floors):
              f"{NODE_CPU}): {floor:.3f} s/GB, of which the receive "
              f"{statistics.median(f['receive_s_per_gb'] for f in floors):.3f}; the cheapest receive with the CRC "
              f"folded in {statistics.median(f['fold_s_per_gb'] for f in floors):.3f}. CRC32C paths: {paths}.",
-             "",
-             "| loader | system | epoch s | mount | mount / floor | server | netem | loader | loader / local | "
-             "cold epoch s | cold mount |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             ""]
+    table = []
     for (phase, loader, system), m in med.items():
         if phase != counted:
             continue
         local = med.get((counted, loader, "local"), {}).get("loader_s_per_gb")
         ratio = f"{m['loader_s_per_gb'] / local:.2f}" if local else "—"
         cold = med.get(("cold", loader, system)) if LEAD else None
-        cold_cells = f"{cold['epoch_s']:.2f} | {cold['mount_s_per_gb']:.3f}" if cold else "— | —"
+        cold_cells = [f"{cold['epoch_s']:.2f}", f"{cold['mount_s_per_gb']:.3f}"] if cold else ["—", "—"]
         over_floor = f"{m['mount_s_per_gb'] / floor:.2f}" if system != "local" and floor else "—"
-        lines.append(f"| {loader} | {system} | {m['epoch_s']:.2f} | {m['mount_s_per_gb']:.3f} | {over_floor} | "
-                     f"{m['server_s_per_gb']:.3f} | {m['netem_s_per_gb']:.3f} | {m['loader_s_per_gb']:.3f} | {ratio} | "
-                     f"{cold_cells} |")
+        table.append([loader, system, f"{m['epoch_s']:.2f}", f"{m['mount_s_per_gb']:.3f}", over_floor,
+                      *(f"{m[k]:.3f}" for k in ("server_s_per_gb", "netem_s_per_gb", "loader_s_per_gb")), ratio,
+                      *cold_cells])
+    lines += md_table(["loader", "system", "epoch s", "mount", "mount / floor", "server", "netem", "loader",
+                       "loader / local", "cold epoch s", "cold mount"], table)
     return "\n".join(lines) + "\n"
 
 

@@ -102,6 +102,13 @@ def write_csv(path, rows):
         w.writerows(rows)
 
 
+def md_table(header, rows):
+    """A Markdown table's lines: the header's cells, the rule under them, and a line for each row of cells."""
+    def line(cells):
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+    return [line(header), "|---" * len(header) + "|"] + [line(r) for r in rows]
+
+
 def command(loader, directory, paced):
     python = "/usr/bin/python3" if loader == "torch" else sys.executable
     name = {"dali-nommap": "dali"}.get(loader, loader)

@@ -28,7 +28,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loaders_bench import BIN, command, free_port, serve_generated, with_cleanup, write_csv  # noqa: E402
+from loaders_bench import BIN, command, free_port, md_table, serve_generated, with_cleanup, write_csv  # noqa: E402
 
 env = os.environ.get
 SAMPLES, MEAN, BATCH = int(env("SAMPLES", "5000")), int(env("MEAN", "110000")), int(env("BATCH", "128"))
@@ -146,12 +146,13 @@ def render(rows, traces, systems):
             continue
         rise = max(range(1, len(trace)), key=lambda i: trace[i]["stall_us"] - trace[i - 1]["stall_us"])
         lines += ["", f"{name(rtt)}, epoch {worst['epoch']} ({worst['stall_s']} s stalled): around its sharpest rise",
-                  "", "| t ms | stalled ms, this epoch | in flight MB | cap MB | rate MB/s | batches in flight | cache MB |",
-                  "|---|---|---|---|---|---|---|"]
-        for t in trace[max(0, rise - 5):rise + 5]:
-            lines.append(f"| {t['t_ms']} | {(t['stall_us'] - trace[0]['stall_us']) / 1000:.0f} | {t['prefetch_bytes_in_flight'] / 1e6:.1f} | "
-                         f"{t['prefetch_cap'] / 1e6:.1f} | {t['delivery_rate'] / 1e6:.0f} | {t['in_flight']} | "
-                         f"{t['cache_bytes'] / 1e6:.0f} |")
+                  ""]
+        lines += md_table(["t ms", "stalled ms, this epoch", "in flight MB", "cap MB", "rate MB/s", "batches in flight",
+                           "cache MB"],
+                          [[t["t_ms"], f"{(t['stall_us'] - trace[0]['stall_us']) / 1000:.0f}",
+                            f"{t['prefetch_bytes_in_flight'] / 1e6:.1f}", f"{t['prefetch_cap'] / 1e6:.1f}",
+                            f"{t['delivery_rate'] / 1e6:.0f}", t["in_flight"], f"{t['cache_bytes'] / 1e6:.0f}"]
+                           for t in trace[max(0, rise - 5):rise + 5]])
     return "\n".join(lines) + "\n"
 
 

@@ -77,7 +77,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loaders_bench import BIN, ROOT, command, cpu_of, free_port, wait_healthy, with_cleanup, write_csv  # noqa: E402
+from loaders_bench import BIN, ROOT, command, cpu_of, free_port, md_table, wait_healthy, with_cleanup, write_csv  # noqa: E402
 from objects_bench import BUCKET, KEY, SECRET, drop_caches, netem, rclone, start_weed, wait_listing  # noqa: E402
 
 env = os.environ.get
@@ -741,9 +741,7 @@ def render(rows, ctx):
     if steady:
         lines += ["## Steady epochs, the tier holding the dataset", "", "```sh", command_line(MEASURES="steady"),
                   "```", ""]
-        lines.append("| loader | system | " + " | ".join(f"{t} ms s" for t in RTTS)
-                     + " | node CPU s/GB | server CPU s/GB | store bytes / epoch | GETs / epoch | tier reads / epoch |")
-        lines.append("|---" * (7 + len(RTTS)) + "|")
+        table = []
         for loader in LOADERS:
             for system in steady:
                 runs = pick(measure="steady", loader=loader, system=system)
@@ -757,17 +755,16 @@ def render(rows, ctx):
                     gets = f"{med(r['store_gets'] for r in runs):.0f}"
                 if system == "batchfs-tier":
                     hits = f"{med(r['tier_hit_bytes'] / ctx['bytes'] for r in runs):.3f}"
-                lines.append(f"| {loader} | {system} | " + " | ".join(secs)
-                             + f" | {med(r['node_cpu_s_per_gb'] for r in runs):.2f} | "
-                             + (f"{med(r['server_cpu_s_per_gb'] for r in runs):.2f}" if served else "—")
-                             + f" | {store} | {gets} | {hits} |")
+                server = f"{med(r['server_cpu_s_per_gb'] for r in runs):.2f}" if served else "—"
+                table.append([loader, system, *secs, f"{med(r['node_cpu_s_per_gb'] for r in runs):.2f}", server, store,
+                              gets, hits])
+        lines += md_table(["loader", "system", *(f"{t} ms s" for t in RTTS), "node CPU s/GB", "server CPU s/GB",
+                           "store bytes / epoch", "GETs / epoch", "tier reads / epoch"], table)
         peers = [s for s in steady if not s.startswith("batchfs")]
         lines += ["", "Ratios, medians of the per-round ratios: batchfs-tier's speed against batchfs-local's "
                   "(local s / tier s; target ≥ 0.9), each peer's epoch time over batchfs-tier's (target ≥ 2.5 at "
                   "30 ms, ≥ 1.5 at 0 ms), and batchfs-gets' over batchfs-tier's:", ""]
-        lines.append("| loader | RTT | tier / local (speed) | " + " | ".join(f"{p} / tier" for p in peers)
-                     + " | gets / tier |")
-        lines.append("|---" * (4 + len(peers)) + "|")
+        table = []
         for loader in LOADERS:
             for t in RTTS:
                 target = 2.5 if t >= 30 else 1.5
@@ -776,7 +773,9 @@ def render(rows, ctx):
                     x = per_round("steady", p, "batchfs-tier", loader=loader, rtt_ms=t)
                     cells.append(f(x) + ("" if x is None or x >= target else " (short)"))
                 cells.append(f(per_round("steady", "batchfs-gets", "batchfs-tier", loader=loader, rtt_ms=t)))
-                lines.append(f"| {loader} | {t} ms | " + " | ".join(cells) + " |")
+                table.append([loader, f"{t} ms", *cells])
+        lines += md_table(["loader", "RTT", "tier / local (speed)", *(f"{p} / tier" for p in peers), "gets / tier"],
+                          table)
         lines.append("")
     first = pick(measure="first")
     if first:
