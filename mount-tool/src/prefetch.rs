@@ -1,18 +1,20 @@
 //! The prefetcher and its cache: the objects a mount shows (batches of an epoch in a format, chunks of `raw/`'s files,
 //! `rolling/`'s placed files, groups of `shuffled/`'s samples), fetched whole, verified, and kept under a byte budget.
-//! This file is the facade, composing the parts (reads, passthrough files, what each object is and what to ask the
-//! server for it, the prefetches the window asks for, the next epoch's manifests fetched in the background). Three
-//! parts, each with its own tests and knowing none of the others: `prefetch/cache.rs`, the cache (Shuttle's model
-//! tests among its tests): its entries under the byte budget, admission (an object charged before its fetch, by a
-//! guard that gives the bytes back when the entry is dropped), what to evict and the wait for room;
-//! `prefetch/window.rs`, the window (a Shuttle test too): what to keep ahead of each read (with `prefetch/streams.rs`,
-//! which finds the readers' streams), the delivery rate and how much may be in flight; `prefetch/fetcher.rs`, the
-//! fetcher: one body from the node cache or through the client with retries (`prefetch/retry.rs`), checked, placed
-//! or sealed. Its other rooms: `prefetch/entry.rs` is one entry (its state, contents and memory file, and the waits
-//! of its readers), `prefetch/fetch.rs` asks the cache to admit an object, runs its fetch and publishes what it
-//! brought, `prefetch/listings.rs` keeps the epochs' manifests and the slot table, `prefetch/raw.rs` owns `raw/`
-//! (its directories' lists and chunks, reads across chunks), `prefetch/shuffled.rs` owns `shuffled/`'s sample
-//! table, each epoch's per-class plan and the groups of one class's samples fetched ahead, and
+//! It matches on no view: each view describes its objects behind the traits of `prefetch/kinds.rs` (a listing's
+//! [`Kind`](kinds::Kind) names its objects, gives them and says how reads of them are followed; its
+//! [`Objects`] say what each object is, what to ask the server for and where on the node's disk it may be).
+//! This file is the facade, composing the parts (reads, passthrough files, the prefetches the window asks for, the
+//! next epoch's objects fetched in the background). Three parts, each with its own tests and knowing none of the
+//! others: `prefetch/cache.rs`, the cache (Shuttle's model tests among its tests): its entries under the byte budget,
+//! admission (an object charged before its fetch, by a guard that gives the bytes back when the entry is dropped),
+//! what to evict and the wait for room; `prefetch/window.rs`, the window (a Shuttle test too): what to keep ahead of
+//! each read (with `prefetch/streams.rs`, which finds the readers' streams), the delivery rate and how much may be in
+//! flight; `prefetch/fetcher.rs`, the fetcher: one body from the node cache or through the client with retries
+//! (`prefetch/retry.rs`), checked, placed or sealed. Its other rooms: `prefetch/entry.rs` is one entry (its state,
+//! contents and memory file, and the waits of its readers), `prefetch/fetch.rs` asks the cache to admit an object,
+//! runs its fetch and publishes what it brought; what it keeps of the server's answers, shared by the views:
+//! `prefetch/listings.rs` the epochs' manifests and the slot table, `prefetch/raw.rs` the directories' lists cut
+//! into chunks, `prefetch/shuffled.rs` the sample table and each epoch's per-class plan of `shuffled/`; and
 //! [`BufferPool`](crate::buffers::BufferPool) (`buffers/pool.rs`) keeps the byte budget's one ledger and the
 //! buffers reused within it.
 //!
@@ -41,7 +43,7 @@
 //! `Entry::making` → the cache's entries (`Cache::entries`) → `Entry::state` → `Entry::memfd` →
 //! `BufferPool`'s ledger; and `Shuffled::making` → `Shuffled::plans`. The rest are leaves, never held while
 //! another is taken: the window's `throughput` (the prefetch cap is read before admission, not under the
-//! cache) and `streams`, the listings' `manifests` and `warming`, `raw/`'s directories, `Shuffled::read`, the
+//! cache) and `streams`, the listings' `manifests` and `warming`, `raw/`'s directories, `shuffled/`'s `Reads`, the
 //! node cache's `evicting` and the stats' feeds. Each condition variable waits releasing only its own mutex (`room` the
 //! cache's entries', `changed` an entry's state, `raw/`'s its directories'), with a deadline. A fetch that
 //! ends takes the entries' mutex before it notifies `room`, so a read waiting for room never misses it (the
@@ -58,7 +60,7 @@
 //! its second read, random reads start nothing, and a window that runs past the end of an epoch continues
 //! into the next one (whose manifest is then fetched in the background).
 
-use crate::client::{DynClient, Request, Sent};
+use crate::client::DynClient;
 use crate::node_cache::NodeCache;
 use crate::options::MountOptions;
 use crate::stats::Stats;
@@ -76,6 +78,7 @@ mod cache;
 mod entry;
 mod fetch;
 mod fetcher;
+pub mod kinds;
 mod listings;
 mod raw;
 mod retry;
@@ -85,119 +88,26 @@ mod window;
 use cache::{Cache, Limits};
 use entry::{Content, Entry};
 use fetcher::Fetcher;
+pub use kinds::{Listing, Object, Objects, OnDisk};
 use listings::Listings;
-use raw::{Raw, RawDirs};
+pub(crate) use raw::Raw;
+use raw::RawDirs;
 use retry::{with_retries, Failure};
 pub use shuffled::{ClassPlan, ShuffledConfig, WINDOW_GROUPS};
 use window::Window;
 
-/// A list of files the mount shows: the batches of one epoch in one format, the files of one
-/// directory of `raw/` (by the id [`Prefetcher::list_dir`] gave it), or the files of `rolling/`'s
-/// indexed layout for one epoch (its TFRecord batches, their records placed at the slots of the
-/// [`SlotTable`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Listing {
-    Epoch {
-        epoch: u64,
-        format: BatchFormat,
-    },
-    Raw {
-        dir: u32,
-    },
-    Rolling {
-        epoch: u64,
-    },
-    /// The groups of one class's samples in one epoch of `shuffled/` (`prefetch/shuffled.rs`).
-    Shuffled {
-        epoch: u64,
-        class: u32,
-    },
-}
-
-/// The bytes of a page: a placed record's first and last pages are partly its own, and are counted whole.
-const PAGE: u64 = 4096;
-
-/// The objects of a listing, by position, as the server sends them: an epoch's batches (its manifest), or
-/// the chunks of a directory of `raw/`.
-#[derive(Clone)]
-enum Objects {
-    Batches(Arc<Manifest>),
-    Chunks(Raw),
-    /// The groups of one class of a plan of `shuffled/`.
-    Groups(Arc<ClassPlan>, usize),
-}
-
-impl Objects {
-    /// What the server sends for object `index`, if there is one.
-    pub fn get(&self, index: u64) -> Option<Sent> {
-        match self {
-            Objects::Batches(m) => m.batches.get(index as usize).map(|b| Sent { bytes: b.bytes, crc32c: b.crc32c }),
-            Objects::Chunks(raw) => raw.chunks.get(index as usize).copied(),
-            Objects::Groups(plan, class) => plan.groups.get(*class)?.get(index as usize).copied(),
-        }
-    }
-
-    /// How many objects there are.
-    pub fn len(&self) -> u64 {
-        match self {
-            Objects::Batches(m) => m.batches.len() as u64,
-            Objects::Chunks(raw) => raw.chunks.len() as u64,
-            Objects::Groups(plan, class) => plan.groups.get(*class).map_or(0, |g| g.len() as u64),
-        }
-    }
-
-    /// Their bytes, all together.
-    pub fn bytes(&self) -> u64 {
-        match self {
-            Objects::Batches(m) => m.bytes,
-            Objects::Chunks(raw) => raw.bytes,
-            Objects::Groups(plan, class) => plan.groups.get(*class).map_or(0, |g| g.iter().map(|s| s.bytes).sum()),
-        }
-    }
-}
-
-/// Where an object may be in the node cache: its pieces, each an object there (the object itself, or a
-/// group's samples), or else a range of a whole object there (a chunk of a file warming kept whole).
-#[derive(Debug, Clone)]
-pub(crate) struct OnDisk {
-    pub pieces: Vec<Sent>,
-    pub within: Option<(Sent, u64)>,
-}
-
-/// What one object of a listing is: what the server sends for it, and what readers see.
-#[derive(Debug, Clone)]
-pub(crate) struct Object {
-    /// The body the server sends.
-    pub sent: Sent,
-    /// For `rolling/`'s indexed layout, where the body's records go.
-    pub placed: Option<Arc<FileLayout>>,
-}
-
-impl Object {
-    /// The size of the file readers see.
-    pub fn len(&self) -> u64 {
-        self.placed.as_ref().map_or(self.sent.bytes, |l| l.len)
-    }
-
-    /// Bytes charged to the budget for it: the body, or, placed, its records and the pages they share
-    /// with the holes around them.
-    pub fn charge(&self) -> u64 {
-        self.sent.bytes + self.placed.as_ref().map_or(0, |l| 2 * PAGE * l.slots.len() as u64)
-    }
-}
-
-/// One object of the cache: a file of a listing (a batch, a placed file of `rolling/`) or a chunk of a
-/// file of `raw/`, by its position in its listing.
+/// One object of the cache: object `index` of a listing (a batch of an epoch, a chunk of a file of `raw/`,
+/// a group of samples of `shuffled/`, ...).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ObjectKey {
     pub listing: Listing,
     pub index: u64,
 }
 
-impl ObjectKey {
-    /// Batch `batch` of `epoch` in `format`.
-    pub fn batch(epoch: u64, batch: u64, format: BatchFormat) -> Self {
-        ObjectKey { listing: Listing::Epoch { epoch, format }, index: batch }
+/// Names the object in messages, as its view does.
+impl std::fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.listing.kind.describe(self.listing, self.index))
     }
 }
 
@@ -344,64 +254,6 @@ impl Prefetcher {
         self.fetcher.node_cache()
     }
 
-    /// What `obj` (under `key`) is in the node cache: itself (a batch, a chunk of `raw/`), or each of its
-    /// samples (a group of `shuffled/`: a sample of a file tree is its file, so `raw/` and `shuffled/` share
-    /// what either fetched); a chunk of a larger file may also be found as a range of the whole file (as
-    /// warming keeps it). `None` for `rolling/`'s placed files, made here.
-    fn on_disk(&self, key: ObjectKey, obj: &Object) -> Option<OnDisk> {
-        match key.listing {
-            _ if obj.placed.is_some() => None,
-            Listing::Epoch { .. } => Some(OnDisk { pieces: vec![obj.sent], within: None }),
-            Listing::Raw { dir } => {
-                let raw = self.raw.get(dir)?;
-                let (file, offset) = raw.chunk(key.index)?;
-                let whole = Sent { bytes: file.size, crc32c: file.crc32c };
-                let within = (whole != obj.sent).then_some((whole, offset));
-                Some(OnDisk { pieces: vec![obj.sent], within })
-            }
-            Listing::Shuffled { epoch, class } => {
-                let (plan, table) = (self.cached_class_plan(epoch)?, self.shuffled_table()?);
-                let ids = plan.group_ids(class as usize, key.index);
-                let pieces =
-                    ids.iter().map(|&i| Sent { bytes: table.bytes[i as usize], crc32c: table.crc32c[i as usize] });
-                Some(OnDisk { pieces: pieces.collect(), within: None })
-            }
-            Listing::Rolling { .. } => None,
-        }
-    }
-
-    /// Whether `key`'s body is a whole file readers open (a batch, or a `raw/` file of one chunk), which
-    /// the kernel may be handed by passthrough; not a group of `shuffled/`'s samples nor a chunk of a
-    /// larger file.
-    fn served_whole(&self, key: ObjectKey, obj: &Object) -> bool {
-        match key.listing {
-            Listing::Epoch { .. } | Listing::Rolling { .. } => true,
-            Listing::Raw { dir } => {
-                self.raw.get(dir).and_then(|raw| raw.chunk(key.index).map(|(file, _)| file.size == obj.sent.bytes))
-                    == Some(true)
-            }
-            Listing::Shuffled { .. } => false,
-        }
-    }
-
-    /// What to ask the server for to fetch `key`'s body (`None`: a chunk of `raw/` or a group of `shuffled/`
-    /// whose list or plan is not here).
-    fn request(&self, key: ObjectKey) -> Option<Request> {
-        let batch = key.index;
-        match key.listing {
-            Listing::Epoch { epoch, format } => Some(Request::Batch { epoch, batch, format }),
-            // rolling/'s indexed files are placed from the epoch's TFRecord batches.
-            Listing::Rolling { epoch } => Some(Request::Batch { epoch, batch, format: BatchFormat::Tfrecord }),
-            Listing::Raw { dir } => {
-                self.raw.chunk_path(dir, key.index).map(|(path, offset)| Request::File { path, offset })
-            }
-            Listing::Shuffled { epoch, class } => {
-                let plan = self.cached_class_plan(epoch)?;
-                Some(Request::Samples(plan.group_ids(class as usize, key.index).into()))
-            }
-        }
-    }
-
     /// Fetches bodies into sealed memory files from now on, ready to be handed to the kernel (when the
     /// mount uses passthrough): no buffer in between, and no copy at open.
     pub fn fetch_into_memfds(&self, on: bool) {
@@ -440,8 +292,25 @@ impl Prefetcher {
         Ok(FileLayout::new(batch, slots))
     }
 
+    /// What warming epoch `epoch` in `format` needs, without blocking or marking anything used: its
+    /// manifest if here, and the format of index twins to fetch too (a reader of this epoch's DALI index
+    /// twins reads all of the next epoch's at its pipeline build).
+    pub(crate) fn next_epoch_manifests(
+        &self,
+        epoch: u64,
+        format: BatchFormat,
+    ) -> (Option<Arc<Manifest>>, Option<BatchFormat>) {
+        let listings::NextEpoch { cached, twins } = self.listings.next_epoch(epoch, format);
+        (cached, twins)
+    }
+
+    /// The slot table of `rolling/`'s indexed layout, if fetched (never blocks).
+    pub(crate) fn cached_slot_table(&self) -> Option<Arc<SlotTable>> {
+        self.listings.slot_table()
+    }
+
     /// Fetches the manifest of `epoch` in `format` (with retries up to `timeout`) and caches it.
-    async fn fetch_manifest(&self, epoch: u64, format: BatchFormat) -> Result<Arc<Manifest>, ReadError> {
+    pub(crate) async fn fetch_manifest(&self, epoch: u64, format: BatchFormat) -> Result<Arc<Manifest>, ReadError> {
         let client = self.client.clone();
         let manifest = with_retries(&self.config, &self.stats, move |_| {
             let client = client.clone();
@@ -451,25 +320,12 @@ impl Prefetcher {
         Ok(self.listings.put_manifest(manifest))
     }
 
-    /// The objects of a listing as the server sends them.
-    fn listing(&self, listing: Listing) -> Result<Objects, ReadError> {
-        match listing {
-            Listing::Epoch { epoch, format } => self.manifest(epoch, format).map(Objects::Batches),
-            Listing::Raw { dir } => self.raw_dir(dir).map(Objects::Chunks),
-            Listing::Rolling { epoch } => self.manifest(epoch, BatchFormat::Tfrecord).map(Objects::Batches),
-            Listing::Shuffled { epoch, class } => self
-                .cached_class_plan(epoch)
-                .map(|plan| Objects::Groups(plan, class as usize))
-                .ok_or_else(|| ReadError::NotFound(format!("the plan of epoch {epoch} of shuffled/"))),
-        }
-    }
-
     /// Reads `[offset, offset + size)` of a batch file. Blocks until those bytes are verified (the whole batch, or,
     /// while it arrives into a buffer, its prefix up to a checkpoint past them).
     /// `owner` identifies the reading process (see [`StreamTracker`]).
     pub fn read(self: &Arc<Self>, key: ObjectKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
         let (objects, obj) = self.locate(key)?;
-        let len = obj.len();
+        let len = obj.size();
         if offset >= len || size == 0 {
             return Ok(Bytes::new());
         }
@@ -487,21 +343,11 @@ impl Prefetcher {
         Ok(bytes)
     }
 
-    /// The objects of `key`'s listing and what `key` is.
-    fn locate(&self, key: ObjectKey) -> Result<(Objects, Object), ReadError> {
-        let objects = self.listing(key.listing)?;
-        let obj = self.object(key, &objects)?;
+    /// The objects of `key`'s listing, as its view describes them, and what `key` is.
+    fn locate(&self, key: ObjectKey) -> Result<(Arc<dyn Objects>, Object), ReadError> {
+        let objects = key.listing.kind.objects(self, key.listing)?;
+        let obj = objects.object(key.index).ok_or_else(|| ReadError::NotFound(key.to_string()))?;
         Ok((objects, obj))
-    }
-
-    /// What object `key` of the listing of `objects` is.
-    fn object(&self, key: ObjectKey, objects: &Objects) -> Result<Object, ReadError> {
-        let sent = objects.get(key.index).ok_or_else(|| ReadError::NotFound(describe(key)))?;
-        let placed = match key.listing {
-            Listing::Rolling { .. } => Some(Arc::new(self.file_layout(key.index)?)),
-            Listing::Epoch { .. } | Listing::Raw { .. } | Listing::Shuffled { .. } => None,
-        };
-        Ok(Object { sent, placed })
     }
 
     /// Waits until batch `key` is verified and cached (or, with `range`, until those of its bytes are
@@ -512,13 +358,14 @@ impl Prefetcher {
         self: &Arc<Self>,
         key: ObjectKey,
         obj: &Object,
-        objects: &Objects,
+        objects: &Arc<dyn Objects>,
         owner: u32,
         range: Option<std::ops::Range<u64>>,
     ) -> Result<(Arc<Entry>, Content, bool), ReadError> {
         let started = Instant::now();
         let deadline = started + self.config.timeout;
-        let (entry, fresh) = self.get_or_start(key, obj, true, deadline)?.expect("on-demand reads always get an entry");
+        let (entry, fresh) =
+            self.get_or_start(key, (objects, obj), true, deadline)?.expect("on-demand reads always get an entry");
         entry.touched.store(self.cache.clock(), Ordering::Relaxed);
         self.prefetch_after(key, objects, owner);
         let (mut entry, mut fresh) = (entry, fresh);
@@ -527,8 +374,9 @@ impl Prefetcher {
                 // The fetch this read joined gave up, its own `timeout` after *it* started; this reader's
                 // time is its own: a new fetch (the failed entry makes way for it) until its deadline.
                 Err(ReadError::Timeout { .. }) if entry.is_failed() && Instant::now() < deadline => {
-                    (entry, fresh) =
-                        self.get_or_start(key, obj, true, deadline)?.expect("on-demand reads always get an entry");
+                    (entry, fresh) = self
+                        .get_or_start(key, (objects, obj), true, deadline)?
+                        .expect("on-demand reads always get an entry");
                 }
                 other => break other?,
             }
@@ -537,7 +385,7 @@ impl Prefetcher {
         // A hit found its batch cached or already being fetched; a miss had to start the fetch.
         Stats::add(if fresh { &s.misses } else { &s.hits }, 1);
         if fresh {
-            tracing::debug!(what = %describe(key), owner, "miss: fetched on demand");
+            tracing::debug!(what = %key, owner, "miss: fetched on demand");
         }
         if waited || fresh {
             Stats::add(&s.stalls, 1);
@@ -559,7 +407,7 @@ impl Prefetcher {
             if !entry.handed.swap(true, Ordering::Relaxed) {
                 Stats::add(&self.stats.bytes_served, body.stored());
             }
-            entry.backing(body).map_err(|e| ReadError::Backing(format!("{}: {e}", describe(key))))
+            entry.backing(body).map_err(|e| ReadError::Backing(format!("{key}: {e}")))
         })();
         if let Ok((_, made)) = &result {
             Stats::add(&self.stats.passthrough_opens, 1);
@@ -574,9 +422,9 @@ impl Prefetcher {
     /// read). `None` when the node cache does not hold it right (a wrong file is removed).
     pub fn disk_backing(&self, key: ObjectKey) -> Result<Option<Arc<std::fs::File>>, ReadError> {
         let Some(nc) = self.fetcher.node_cache() else { return Ok(None) };
-        let (_, obj) = self.locate(key)?;
-        let Some(OnDisk { pieces, within: None }) = self.on_disk(key, &obj) else { return Ok(None) };
-        let (&[piece], true) = (&pieces[..], self.served_whole(key, &obj)) else { return Ok(None) };
+        let (objects, obj) = self.locate(key)?;
+        let Some(OnDisk { pieces, within: None }) = objects.on_disk(key.index, &obj) else { return Ok(None) };
+        let (&[piece], true) = (&pieces[..], obj.whole) else { return Ok(None) };
         let Some(file) = nc.open_checked(piece) else { return Ok(None) };
         Stats::add(&self.stats.passthrough_opens, 1);
         Stats::add(&self.stats.hits, 1);
@@ -584,62 +432,52 @@ impl Prefetcher {
         Ok(Some(Arc::new(file)))
     }
 
-    /// Starts the window of the stream this read belongs to: what the [`Window`] keeps ahead of it, in
-    /// this listing (and `raw/`'s files after this chunk's) and on into the next epoch, whose manifest
-    /// a background task fetches (once, however many reads ask) if it is not here.
-    fn prefetch_after(self: &Arc<Self>, key: ObjectKey, objects: &Objects, owner: u32) {
-        if !self.window.applies_to(key.listing) {
+    /// Starts the window of the stream this read belongs to: what its view asks for after this object
+    /// (`raw/`'s other DALI indexes), what the [`Window`] keeps ahead of it, in this listing and on into
+    /// the next epoch's, whose objects a background task fetches (once, however many reads ask) if they
+    /// are not at hand.
+    fn prefetch_after(self: &Arc<Self>, key: ObjectKey, objects: &Arc<dyn Objects>, owner: u32) {
+        let follow = key.listing.kind.follow(key.listing);
+        if !self.window.applies_to(follow) {
             return;
         }
-        if let Listing::Raw { dir } = key.listing {
-            let indexes: Vec<Target> = (self.raw.indexes_at(dir, key.index).into_iter())
-                .map(|index| Target { listing: key.listing, index })
-                .collect();
-            self.start_prefetches(&indexes, objects);
-        }
-        let window::Ahead { here, next } = self.window.ahead(owner, key.listing, key.index, objects);
+        let also: Vec<Target> =
+            objects.also_after(key.index).into_iter().map(|index| Target { listing: key.listing, index }).collect();
+        self.start_prefetches(&also, objects);
+        let window::Ahead { here, next } = self.window.ahead(owner, key.listing, key.index, objects, follow);
         if !self.start_prefetches(&here, objects) {
             return;
         }
-        // The window runs into the next epoch: its manifest may not be here yet, and fetching it must
-        // not hold up this read. (rolling/'s indexed files are placed from the epoch's TFRecord batches,
-        // and their twins are the same for every epoch.)
+        // The window runs into the next epoch: its objects may not be at hand yet, and fetching them must
+        // not hold up this read.
         let Some(&Target { listing: next_listing, .. }) = next.first() else { return };
-        let (epoch, format, twins_too) = match next_listing {
-            Listing::Epoch { epoch, format } => (epoch, format, true),
-            Listing::Rolling { epoch } => (epoch, BatchFormat::Tfrecord, false),
-            Listing::Raw { .. } | Listing::Shuffled { .. } => return,
-        };
-        if epoch > self.config.last_epoch {
+        if next_listing.epoch > self.config.last_epoch {
             return;
         }
-        let listings::NextEpoch { cached, twins } = self.listings.next_epoch(epoch, format);
-        let twins = twins.filter(|_| twins_too);
-        if let (Some(m), None) = (&cached, twins) {
-            self.start_prefetches(&next, &Objects::Batches(m.clone()));
+        let kinds::Warming { cached, whole } = next_listing.kind.warming(self, next_listing);
+        if let (Some(objects), true) = (&cached, whole.is_empty()) {
+            self.start_prefetches(&next, objects);
             return;
         }
-        // One task per next epoch: the reads near an epoch's end would each start one, and each would
-        // fetch the same manifests. Reads after it ends find them cached.
+        // One task per next listing: the reads near an epoch's end would each start one, and each would
+        // fetch the same objects. Reads after it ends find them at hand.
         if !self.listings.start_warming(next_listing) {
             return;
         }
         let this = self.clone();
         self.runtime.spawn(async move {
             // Starting a prefetch takes the cache lock only briefly and never waits.
-            let m = match cached {
-                Some(m) => Ok(m),
-                None => this.fetch_manifest(epoch, format).await,
+            let objects = match cached {
+                Some(objects) => Ok(objects),
+                None => next_listing.kind.fetch(this.clone(), next_listing).await,
             };
-            if let Ok(m) = m {
-                this.start_prefetches(&next, &Objects::Batches(m));
+            if let Ok(objects) = objects {
+                this.start_prefetches(&next, &objects);
             }
-            if let Some(idx) = twins {
-                if let Ok(m) = this.fetch_manifest(epoch, idx).await {
-                    let all: Vec<Target> = (0..m.batches.len() as u64)
-                        .map(|index| Target { listing: Listing::Epoch { epoch, format: idx }, index })
-                        .collect();
-                    this.start_prefetches(&all, &Objects::Batches(m));
+            for listing in whole {
+                if let Ok(objects) = listing.kind.fetch(this.clone(), listing).await {
+                    let all: Vec<Target> = (0..objects.count()).map(|index| Target { listing, index }).collect();
+                    this.start_prefetches(&all, &objects);
                 }
             }
             this.listings.warmed(next_listing);
@@ -648,17 +486,31 @@ impl Prefetcher {
 
     /// Starts the prefetch of each target (of the listing of `objects`) not cached or in flight, in order,
     /// until one finds no room (the window narrows until readers consume what is cached); false then.
-    fn start_prefetches(self: &Arc<Self>, targets: &[Target], objects: &Objects) -> bool {
+    fn start_prefetches(self: &Arc<Self>, targets: &[Target], objects: &Arc<dyn Objects>) -> bool {
         for target in targets {
             let key = ObjectKey { listing: target.listing, index: target.index };
-            let Ok(obj) = self.object(key, objects) else { continue };
-            match self.get_or_start(key, &obj, false, Instant::now()) {
+            let Some(obj) = objects.object(key.index) else { continue };
+            match self.get_or_start(key, (objects, &obj), false, Instant::now()) {
                 Ok(Some((_, true))) => Stats::add(&self.stats.prefetches, 1),
                 Ok(Some(_)) => {}
                 Ok(None) | Err(_) => return false,
             }
         }
         true
+    }
+
+    /// Starts the prefetch of each target of the listing of `objects` not cached or in flight, in order, until
+    /// one finds no room: for a view that keeps windows of its own (`shuffled/`'s classes). Nothing without
+    /// prefetch.
+    pub(crate) fn prefetch(self: &Arc<Self>, targets: &[Target], objects: &Arc<dyn Objects>) {
+        if self.config.prefetch != 0 {
+            self.start_prefetches(targets, objects);
+        }
+    }
+
+    /// `key` leaves the cache now (a group of samples all read: nobody reads it again).
+    pub(crate) fn forget(&self, key: ObjectKey) {
+        self.cache.forget(key);
     }
 
     /// A reader closed its last handle of `key`: the batch goes first when room is needed.
@@ -672,34 +524,49 @@ impl Prefetcher {
     }
 }
 
-/// Names a file for messages.
-fn describe(key: ObjectKey) -> String {
-    match key.listing {
-        Listing::Epoch { epoch, format } => format!("batch {} of epoch {epoch} ({format})", key.index),
-        Listing::Raw { dir } => format!("chunk #{} of raw directory #{dir}", key.index),
-        Listing::Rolling { epoch } => format!("rolling/ batch {} of epoch {epoch} (indexed)", key.index),
-        Listing::Shuffled { epoch, class } => {
-            format!("group {} of class #{class} of epoch {epoch} (shuffled/)", key.index)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::client::{Failure, Fault, FaultClient, MemoryClient};
+    use crate::client::{Failure, Fault, FaultClient, MemoryClient, Sent};
+    use crate::fs::views::epochs::batches::{self, Batches};
+    use crate::fs::views::raw::chunks::{self, CHUNKS};
     use crate::node_cache::NodeCache;
+    use kinds::Kind;
 
     type Client = FaultClient<MemoryClient>;
     use proptest::prelude::*;
 
     const TF: BatchFormat = BatchFormat::Tfrecord;
-    const L2: Listing = Listing::Epoch { epoch: 2, format: TF };
+    const L2: Listing = batches::listing(2, TF);
+
+    impl ObjectKey {
+        /// Batch `batch` of `epoch` in `format`.
+        fn batch(epoch: u64, batch: u64, format: BatchFormat) -> Self {
+            batches::key(epoch, batch, format)
+        }
+    }
 
     impl Prefetcher {
         fn read_as0(self: &Arc<Self>, key: ObjectKey, offset: u64, size: u32) -> Result<Bytes, ReadError> {
             self.read(key, offset, size, 0)
         }
+
+        /// `raw/`'s read of file `file` of directory `dir`.
+        fn read_file(
+            self: &Arc<Self>,
+            dir: u32,
+            file: u64,
+            offset: u64,
+            size: u32,
+            owner: u32,
+        ) -> Result<Bytes, ReadError> {
+            chunks::read_file(self, (dir, file), offset, size, owner)
+        }
+    }
+
+    /// An epoch's manifest as the epoch folders describe it to the prefetcher.
+    fn objects_of(manifest: Arc<Manifest>) -> Arc<dyn Objects> {
+        Arc::new(Batches(manifest))
     }
 
     /// A runtime on its own threads and an in-memory dataset of `n` batches of varied sizes.
@@ -874,7 +741,7 @@ mod tests {
                             (t * 100..(t + 1) * 100).map(|index| Target { listing: key(0).listing, index }).collect();
                         start.wait();
                         for target in targets.chunks(1) {
-                            p.start_prefetches(target, &Objects::Batches(manifest.clone()));
+                            p.start_prefetches(target, &objects_of(manifest.clone()));
                         }
                     });
                 }
@@ -1187,12 +1054,12 @@ mod tests {
             let (_rt, client, p, _) = setup(100, config);
             client.held.lock().unwrap().extend(1..100);
             p.read_as0(key(0), 0, 10).unwrap();
-            let m = Objects::Batches(p.manifest(0, TF).unwrap());
+            let m = objects_of(p.manifest(0, TF).unwrap());
             let mean = m.bytes() / 100;
             let expected = if prefetch_bytes == 20_000 { prefetch_bytes.div_ceil(mean) as usize } else { window };
-            assert_eq!(p.window.width(key(0).listing, &m), expected);
+            assert_eq!(p.window.width(key(0).listing.kind.follow(key(0).listing), &m), expected);
             assert_eq!(p.stats.snapshot().prefetches, expected as u64, "{prefetch_bytes}");
-            assert_eq!(p.window.width(Listing::Raw { dir: 0 }, &m), 4);
+            assert_eq!(p.window.width(CHUNKS.follow(chunks::key(0, 0).listing), &m), 4);
             client.held.lock().unwrap().clear();
         }
     }

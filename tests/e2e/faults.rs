@@ -6,7 +6,8 @@ use crate::common::*;
 use batchfs::encode::BatchFormat;
 use batchfs::index::SourceFormat;
 use batchfs_mount::client::{Failure, FaultClient, HttpClient, HttpConfig};
-use batchfs_mount::prefetch::{ObjectKey, Prefetcher, PrefetcherConfig, ReadError};
+use batchfs_mount::fs::views::epochs::batches;
+use batchfs_mount::prefetch::{Prefetcher, PrefetcherConfig, ReadError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,7 +31,7 @@ fn refusals_fail_at_once_and_outages_are_retried_through_to_the_servers_bytes() 
     let client = Arc::new(FaultClient::new(http));
     let config = PrefetcherConfig { prefetch: 0, timeout: Duration::from_secs(20), ..Default::default() };
     let p = Prefetcher::new(client.clone(), rt.handle().clone(), config);
-    let read = |batch| p.read(ObjectKey::batch(0, batch, BatchFormat::Tfrecord), 0, u32::MAX, 1);
+    let read = |batch| p.read(batches::key(0, batch, BatchFormat::Tfrecord), 0, u32::MAX, 1);
 
     client.fail_next([Failure::Status(403)]);
     assert!(matches!(read(0), Err(ReadError::Refused(_))), "a refusal is not retried");

@@ -1,16 +1,18 @@
 //! The views of the mount, each a module of its own behind [`View`]: it owns its names, its inode numbers,
 //! its attributes and listings, what an open and a release of its files change, their reads and backing
-//! files, and what it asks the prefetcher for. The filesystem (`fs.rs`) holds the root, lists and looks
-//! up in it what each view puts there, and hands every other inode to the view that owns it; it knows no
-//! view by name. A new view is its module and one line of [`all`] (docs/DESIGN.md, "Views").
+//! files, and what it asks the prefetcher for: the kinds of its listings, each describing its objects to the
+//! prefetcher ([`Kind`](crate::prefetch::kinds::Kind)), which matches on no view. The filesystem (`fs.rs`)
+//! holds the root, lists and looks up in it what each view puts there, and hands every other inode to the
+//! view that owns it; it knows no view by name. A new view is its module and one line of [`all`]
+//! (docs/DESIGN.md, "Views").
 //!
-//! | view | in the root | module |
-//! |---|---|---|
-//! | the statistics | `.batchfs/stats` | `views/meta.rs` |
-//! | the source files | `raw/` | `views/raw.rs`, `views/raw/tree.rs` |
-//! | one epoch's names, each open the next epoch | `rolling/` | `views/rolling.rs`, `views/rolling/state.rs` |
-//! | class folders, each open the next sample | `shuffled/` | `views/shuffled.rs`, `views/shuffled/state.rs` |
-//! | the epoch folders | `epoch-NNNN/` | `views/epochs.rs` |
+//! | view | in the root | module (`views/`) | its objects, to the prefetcher |
+//! |---|---|---|---|
+//! | the statistics | `.batchfs/stats` | `meta.rs` | none |
+//! | the source files | `raw/` | `raw.rs`, `raw/tree.rs` | `raw/chunks.rs` |
+//! | an epoch's names, opens serving the next | `rolling/` | `rolling.rs`, `rolling/state.rs` | `rolling/placed.rs` |
+//! | class folders, opens the next sample | `shuffled/` | `shuffled.rs`, `shuffled/state.rs` | `shuffled/groups.rs` |
+//! | the epoch folders | `epoch-NNNN/` | `epochs.rs` | `epochs/batches.rs` |
 //!
 //! Inode numbers encode what they name (`fs/inode.rs` holds the plan of who numbers what), so each view
 //! decodes its own and no table grows with what is read.

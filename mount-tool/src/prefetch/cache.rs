@@ -11,7 +11,7 @@
 //! taken to pick a victim), then the pool's ledger; `room` waits releasing the entries' mutex only.
 
 use super::entry::Entry;
-use super::{describe, ObjectKey, ReadError};
+use super::{ObjectKey, ReadError};
 use crate::buffers::{Admission, BufferPool};
 use crate::stats::Stats;
 use crate::sync::{Arc, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
@@ -138,7 +138,7 @@ impl Cache {
             }
             if ask.charge > self.limits.budget {
                 return Err(ReadError::CacheTooSmall {
-                    what: describe(key),
+                    what: key.to_string(),
                     size: ask.charge,
                     budget: self.limits.budget,
                 });
@@ -320,7 +320,7 @@ mod tests {
     }
 
     fn key(b: u64) -> ObjectKey {
-        ObjectKey::batch(0, b, BatchFormat::Tfrecord)
+        crate::fs::views::epochs::batches::key(0, b, BatchFormat::Tfrecord)
     }
 
     /// A fetch of `bytes` into a memory file: a read (`on_demand`) or a prefetch under `cap`.

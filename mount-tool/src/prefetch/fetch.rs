@@ -6,7 +6,7 @@
 use super::cache::{Admitted, Ask, Prefetching};
 use super::entry::{Entry, State};
 use super::fetcher::{Fetched, Job};
-use super::{describe, Object, ObjectKey, Prefetcher, ReadError};
+use super::{Object, ObjectKey, Objects, Prefetcher, ReadError};
 use crate::stats::Stats;
 use crate::sync::{Arc, Ordering};
 use std::time::Instant;
@@ -17,14 +17,14 @@ impl Prefetcher {
     pub(super) fn get_or_start(
         self: &Arc<Self>,
         key: ObjectKey,
-        obj: &Object,
+        (objects, obj): (&Arc<dyn Objects>, &Object),
         on_demand: bool,
         deadline: Instant,
     ) -> Result<Option<(Arc<Entry>, bool)>, ReadError> {
         // With passthrough a body the kernel may serve whole goes straight into a memory file: charged,
         // with no buffer. A placed file is made from its body in a buffer, and a part of a file (a group
         // of `shuffled/`'s samples, a chunk of a large `raw/` file) is only ever read through the daemon.
-        let memfd = self.fetcher.memfds() && obj.placed.is_none() && self.served_whole(key, obj);
+        let memfd = self.fetcher.memfds() && obj.placed.is_none() && obj.whole;
         let cap = if on_demand { u64::MAX } else { self.window.cap() };
         let ask = Ask { charge: obj.charge(), sent: obj.sent.bytes, memfd, on_demand, cap, deadline };
         Ok(match self.cache.admit(key, ask)? {
@@ -33,7 +33,7 @@ impl Prefetcher {
             Some(Admitted::Started { entry, buffer, prefetching }) => {
                 Stats::add(&self.stats.in_flight, 1);
                 self.window.fetch_started();
-                self.spawn_fetch(key, obj.clone(), entry.clone(), buffer, prefetching);
+                self.spawn_fetch(key, (objects, obj.clone()), entry.clone(), buffer, prefetching);
                 Some((entry, true))
             }
         })
@@ -47,14 +47,14 @@ impl Prefetcher {
     fn spawn_fetch(
         self: &Arc<Self>,
         key: ObjectKey,
-        obj: Object,
+        (objects, obj): (&Arc<dyn Objects>, Object),
         entry: Arc<Entry>,
         buffer: Option<Vec<u8>>,
         prefetching: Option<Prefetching>,
     ) {
-        let on_disk = self.fetcher.node_cache().and_then(|_| self.on_disk(key, &obj));
+        let on_disk = self.fetcher.node_cache().and_then(|_| objects.on_disk(key.index, &obj));
         let (sent, placed) = (obj.sent, obj.placed);
-        let job = Job { key, request: self.request(key), sent, placed, on_disk, buffer };
+        let job = Job { key, request: objects.request(key.index), sent, placed, on_disk, buffer };
         let this = self.clone();
         self.runtime.spawn(async move {
             let result = this.fetcher.fetch(job, &entry, this.cache.pool()).await;
@@ -75,7 +75,7 @@ impl Prefetcher {
                     entry.set(State::Ready(content));
                 }
                 Err(e) => {
-                    tracing::warn!(what = %describe(key), error = %e, "fetch failed");
+                    tracing::warn!(what = %key, error = %e, "fetch failed");
                     entry.set(State::Failed(e));
                     // Its charge goes back with it.
                     this.cache.failed(key, &entry);

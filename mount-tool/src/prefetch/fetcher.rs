@@ -8,7 +8,7 @@
 
 use super::entry::{in_memfd, seal_file, Content, Entry, Placed, Record};
 use super::retry::{verify, with_retries, Failure};
-use super::{describe, ObjectKey, OnDisk, PrefetcherConfig, ReadError};
+use super::{ObjectKey, OnDisk, PrefetcherConfig, ReadError};
 use crate::buffers::{BufferPool, Filling, Sink};
 use crate::client::{ClientError, DynClient, Request, Sent};
 use crate::node_cache::NodeCache;
@@ -120,10 +120,10 @@ impl Fetcher {
             };
             async move {
                 let into = into.map_err(Failure::Memory)?;
-                let request = request.ok_or_else(|| Failure::Fatal(ReadError::NotFound(describe(key))))?;
+                let request = request.ok_or_else(|| Failure::Fatal(ReadError::NotFound(key.to_string())))?;
                 let body = client.fetch_body(&request, attempt, into, meta.bytes).await.map_err(|e| match e {
                     ClientError::Corrupt { server, cause } => {
-                        Failure::Mismatch(format!("{} from {server}: {cause}", describe(key)))
+                        Failure::Mismatch(format!("{key} from {server}: {cause}"))
                     }
                     e => Failure::Client(e),
                 })?;
@@ -204,7 +204,7 @@ fn to_disk(nc: &NodeCache, on: &OnDisk, bytes: &[u8]) {
 /// rank. A body that is not whole frames, or whose records do not fit the slots, is an error that no
 /// retry can mend (the server's slot table does not hold this epoch's batch).
 fn place(key: ObjectKey, body: Bytes, layout: &FileLayout) -> Result<Content, ReadError> {
-    let layout_error = |message: String| ReadError::Layout(format!("{}: {message}", describe(key)));
+    let layout_error = |message: String| ReadError::Layout(format!("{key}: {message}"));
     let frames = batchfs::rolling::frames_of(&body)
         .ok_or_else(|| layout_error("the batch is not a sequence of TFRecord frames".into()))?;
     let lens: Vec<u64> = frames.iter().map(|&(_, len)| len).collect();
@@ -244,7 +244,7 @@ mod tests {
     fn job(batch: u64, body: &[u8], on_disk: bool) -> Job {
         let sent = sent_of(body);
         Job {
-            key: ObjectKey::batch(0, batch, TF),
+            key: crate::fs::views::epochs::batches::key(0, batch, TF),
             request: Some(Request::Batch { epoch: 0, batch, format: TF }),
             sent,
             placed: None,

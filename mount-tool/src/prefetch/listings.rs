@@ -84,6 +84,7 @@ impl Listings {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fs::views::{epochs::batches, rolling::placed};
 
     fn manifest(epoch: u64, format: BatchFormat) -> Manifest {
         Manifest {
@@ -110,9 +111,9 @@ mod tests {
         listings.put_manifest(manifest(2, BatchFormat::TfrecordIdx));
         assert_eq!(listings.next_epoch(2, BatchFormat::Tfrecord).twins, None, "already here");
         assert_eq!(listings.next_epoch(2, BatchFormat::Tar).twins, None, "tar has no twins");
-        let two = Listing::Epoch { epoch: 2, format: BatchFormat::Tfrecord };
+        let two = batches::listing(2, BatchFormat::Tfrecord);
         assert!(listings.start_warming(two) && !listings.start_warming(two));
-        assert!(listings.start_warming(Listing::Rolling { epoch: 2 }), "another listing of the epoch");
+        assert!(listings.start_warming(placed::key(2, 0).listing), "another listing of the epoch");
         listings.warmed(two);
         assert!(listings.start_warming(two));
     }

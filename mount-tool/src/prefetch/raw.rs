@@ -1,17 +1,15 @@
-//! `raw/`, the dataset's own files, as the prefetcher sees them (the filesystem's tree of them is
-//! `fs/views/raw.rs`): each directory listed once from the server (every page), when first looked into, and kept
-//! as a list of chunks, the objects of its [`Listing::Raw`]: a file of one chunk is fetched whole like a
-//! batch; a larger one chunk by chunk, each a range checked against its own CRC32C, so a shard larger than
-//! the cache streams through it. Reads within a file cross chunks here; the first read of a DALI index
-//! asks for every other index of its directory.
+//! The dataset's own directories as the server lists them: each listed once (every page), when first looked
+//! into (by `raw/` or `shuffled/`, which share the lists), and kept with its files cut into chunks of the
+//! list's `chunk_bytes`: a file of one chunk is fetched whole like a batch, a larger one chunk by chunk,
+//! each checked against its own CRC32C. What these chunks are to the prefetcher is `raw/`'s to say
+//! (`fs/views/raw/chunks.rs`); the filesystem's tree of them is `fs/views/raw/tree.rs`.
 
 use super::retry::{with_retries, Failure};
-use super::{Listing, ObjectKey, Prefetcher, ReadError};
+use super::{Prefetcher, ReadError};
 use crate::client::Sent;
 use crate::sync::{Arc, Mutex};
 use crate::sync::{AtomicBool, Ordering};
 use batchfs::api::{FileEntry, FileList};
-use bytes::Bytes;
 
 /// The directories of `raw/` listed so far, by id (the order they were listed in) and by path.
 #[derive(Default)]
@@ -27,7 +25,7 @@ struct Dirs {
 
 /// One directory of `raw/`: its subdirectories, its files and their chunks.
 #[derive(Clone)]
-pub(super) struct Raw {
+pub struct Raw {
     /// Every page of the directory's list, merged (`dirs` without repeats).
     pub files: Arc<FileList>,
     /// What the server sends for each chunk: the chunks of file 0, then of file 1, and so on.
@@ -41,6 +39,26 @@ pub(super) struct Raw {
 }
 
 impl Raw {
+    /// The chunks of every DALI index (`*.idx`) of the directory, the first time a read of its chunk
+    /// `chunk` is one of them (DALI reads all of them, one after another, when its pipeline is built; they
+    /// are small); empty otherwise.
+    pub fn indexes_at(&self, chunk: u64) -> Vec<u64> {
+        // Every read of raw/ asks: once done, the answer is at hand.
+        if self.indexes_warmed.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
+        let is_index = |c| self.chunk(c).is_some_and(|(f, _)| f.path.ends_with(".idx"));
+        if !is_index(chunk) || self.indexes_warmed.swap(true, Ordering::Relaxed) {
+            return Vec::new();
+        }
+        (0..self.files.files.len() as u64)
+            .filter(|&f| self.files.files[f as usize].path.ends_with(".idx"))
+            .filter_map(|f| self.chunks_of(f))
+            .flatten()
+            .filter(|&c| c != chunk)
+            .collect()
+    }
+
     /// The chunks of file `file`, if it exists.
     pub fn chunks_of(&self, file: u64) -> Option<std::ops::Range<u64>> {
         let f = file as usize;
@@ -107,27 +125,6 @@ impl RawDirs {
         self.1.notify_all();
     }
 
-    /// The chunks of every DALI index (`*.idx`) of directory `dir`, the first time a read of
-    /// its chunk `chunk` is one of them (DALI reads all of them, one after another, when its pipeline is
-    /// built; they are small); empty otherwise.
-    pub fn indexes_at(&self, dir: u32, chunk: u64) -> Vec<u64> {
-        let Some(raw) = self.get(dir) else { return Vec::new() };
-        // Every read of raw/ asks: once done, the answer is at hand.
-        if raw.indexes_warmed.load(Ordering::Relaxed) {
-            return Vec::new();
-        }
-        let is_index = |c| raw.chunk(c).is_some_and(|(f, _)| f.path.ends_with(".idx"));
-        if !is_index(chunk) || raw.indexes_warmed.swap(true, Ordering::Relaxed) {
-            return Vec::new();
-        }
-        (0..raw.files.files.len() as u64)
-            .filter(|&f| raw.files.files[f as usize].path.ends_with(".idx"))
-            .filter_map(|f| raw.chunks_of(f))
-            .flatten()
-            .filter(|&c| c != chunk)
-            .collect()
-    }
-
     /// Directory `dir`, if listed.
     pub fn get(&self, dir: u32) -> Option<Raw> {
         self.0.lock().expect("raw").dirs.get(dir as usize).cloned()
@@ -169,12 +166,6 @@ impl RawDirs {
         };
         raw.dirs.push(made.clone());
         (id, made)
-    }
-
-    /// The dataset path of the file of directory `dir` holding chunk `chunk`, and the chunk's offset in
-    /// it, if the directory is listed.
-    pub fn chunk_path(&self, dir: u32, chunk: u64) -> Option<(String, u64)> {
-        self.get(dir).and_then(|r| r.chunk(chunk).map(|(f, offset)| (f.path.clone(), offset)))
     }
 }
 
@@ -271,51 +262,14 @@ impl Prefetcher {
     }
 
     /// Directory `dir` of `raw/`, listed before.
-    pub(super) fn raw_dir(&self, dir: u32) -> Result<Raw, ReadError> {
+    pub fn raw_dir(&self, dir: u32) -> Result<Raw, ReadError> {
         self.raw.get(dir).ok_or_else(|| ReadError::NotFound(format!("raw directory #{dir}")))
     }
 
     /// The chunks of file `file` of directory `dir` (its position in [`Prefetcher::list_dir`]'s list):
-    /// the indices of its [`Listing::Raw`] keys, one for a file fetched whole.
+    /// the indices of its keys in `raw/`'s listing of the directory, one for a file fetched whole.
     pub fn file_chunks(&self, dir: u32, file: u64) -> Result<std::ops::Range<u64>, ReadError> {
         self.raw_dir(dir)?.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))
-    }
-
-    /// Reads `[offset, offset + size)` of file `file` of directory `dir`, chunk after chunk (each verified
-    /// before any of its bytes is returned; a sequential reader's next chunks are prefetched like
-    /// batches).
-    pub fn read_file(
-        self: &Arc<Self>,
-        dir: u32,
-        file: u64,
-        offset: u64,
-        size: u32,
-        owner: u32,
-    ) -> Result<Bytes, ReadError> {
-        let raw = self.raw_dir(dir)?;
-        let chunks = raw.chunks_of(file).ok_or_else(|| ReadError::NotFound(format!("source file #{file}")))?;
-        let chunk_bytes = raw.files.chunk_bytes;
-        let file_size = raw.files.files[file as usize].size;
-        let end = offset.saturating_add(u64::from(size)).min(file_size);
-        let single = chunks.end - chunks.start == 1;
-        let mut out: Option<bytes::BytesMut> = None;
-        let mut at = offset;
-        while at < end {
-            let (chunk, within) = if single { (0, at) } else { (at / chunk_bytes, at % chunk_bytes) };
-            let key = ObjectKey { listing: Listing::Raw { dir }, index: chunks.start + chunk };
-            let got = self.read(key, within, (end - at).min(u64::from(u32::MAX)) as u32, owner)?;
-            if got.is_empty() {
-                break;
-            }
-            at += got.len() as u64;
-            match &mut out {
-                // The common case, a read within one chunk: its bytes as they are, no copy.
-                None if at >= end => return Ok(got),
-                None => out = Some(bytes::BytesMut::from(&got[..])),
-                Some(out) => out.extend_from_slice(&got),
-            }
-        }
-        Ok(out.map_or_else(Bytes::new, bytes::BytesMut::freeze))
     }
 }
 
@@ -351,13 +305,15 @@ mod tests {
         assert_eq!(raw.chunks_of(4), None);
         assert_eq!(raw_dirs.put(list("", vec![])).0, 0, "the first list of a directory wins");
         assert_eq!(raw_dirs.get(0).unwrap().files.files.len(), 4);
-        assert_eq!(raw_dirs.chunk_path(0, 0), Some(("a/x.tar".into(), 0)));
-        assert_eq!(raw_dirs.chunk_path(0, 3), Some(("b.tar".into(), 20)));
-        assert_eq!(raw_dirs.chunk_path(0, 5), Some(("d".into(), 0)));
-        assert_eq!(raw_dirs.chunk_path(0, 6), None);
+        let chunk_path =
+            |dir: u32, c: u64| raw_dirs.get(dir).and_then(|r| r.chunk(c).map(|(f, offset)| (f.path.clone(), offset)));
+        assert_eq!(chunk_path(0, 0), Some(("a/x.tar".into(), 0)));
+        assert_eq!(chunk_path(0, 3), Some(("b.tar".into(), 20)));
+        assert_eq!(chunk_path(0, 5), Some(("d".into(), 0)));
+        assert_eq!(chunk_path(0, 6), None);
         let (sub, _) = raw_dirs.put(list("a", vec![entry("a/y", 3, vec![])]));
         assert_eq!(sub, 1);
-        assert_eq!(raw_dirs.chunk_path(1, 0), Some(("a/y".into(), 0)));
+        assert_eq!(chunk_path(1, 0), Some(("a/y".into(), 0)));
         assert_eq!(raw_dirs.at("a").map(|(id, _)| id), Some(1));
         assert!(raw_dirs.at("b").is_none() && raw_dirs.get(2).is_none());
     }

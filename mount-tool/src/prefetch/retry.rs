@@ -3,7 +3,7 @@
 //! prefetcher's `timeout` has passed since the first attempt.
 
 use super::ObjectKey;
-use super::{describe, PrefetcherConfig, ReadError};
+use super::{PrefetcherConfig, ReadError};
 use crate::client::Sent;
 use crate::client::{Body, ClientError};
 use crate::stats::Stats;
@@ -27,7 +27,7 @@ pub(super) fn verify(key: ObjectKey, meta: &Sent, body: &Body) -> Result<(), Fai
     if body.sink.len() != meta.bytes || crc != meta.crc32c {
         return Err(Failure::Mismatch(format!(
             "{}: got {} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
-            describe(key),
+            key,
             body.sink.len(),
             meta.bytes,
             meta.crc32c

@@ -1,9 +1,7 @@
-//! `shuffled/` as the prefetcher sees it: each epoch's samples of each class, in the plan's order, as this
-//! mount's share of them, fetched in groups of a few samples of one class ([`Listing::Shuffled`]: object
-//! `g` of class `c` holds its samples `g·G .. (g+1)·G`), each group one data request
-//! (`GET .../samples/data?ids=`), checked whole against the CRC32C the sample table gives (the samples'
-//! CRCs combined). What each open gets is the filesystem's (`fs/views/shuffled.rs`); this room answers what a
-//! sample is, reads it, and fetches the groups ahead of the classes' readers.
+//! `shuffled/`'s plans as the prefetcher keeps them: each epoch's samples of each class, in the plan's order,
+//! as this mount's share of them, cut into groups of a few samples of one class, each with its size and
+//! CRC32C. What a group is to the prefetcher, and the reads of samples from their groups, are `shuffled/`'s
+//! to say (`fs/views/shuffled/groups.rs`); what each open gets is the filesystem's (`fs/views/shuffled.rs`).
 //!
 //! **Plans.** The sample table (every sample's class, size and CRC32C) is fetched once. An epoch's plan is
 //! the core's [`EpochPlan`] over all samples (the mount's `seed` and `shuffle`; `batch_size` and
@@ -12,12 +10,11 @@
 //! kept; they are computed here, not asked of the server.
 
 use super::retry::{with_retries, Failure};
-use super::{Listing, ObjectKey, Objects, Prefetcher, ReadError};
+use super::{Prefetcher, ReadError};
 use crate::client::Sent;
 use crate::sync::{Arc, Mutex};
 use batchfs::api::SampleTable;
 use batchfs::plan::{EpochPlan, PlanOptions};
-use bytes::Bytes;
 use lru::LruCache;
 
 /// Plans kept at once: the epoch being read and the next one.
@@ -68,9 +65,6 @@ pub(super) struct Shuffled {
     plans: Mutex<Option<LruCache<u64, Arc<ClassPlan>>>>,
     /// Serializes the computation of plans (one at a time; readers of a computed one do not wait).
     making: Mutex<()>,
-    /// Per group being read, a bit per sample read to its end: a group whose samples have all been read
-    /// leaves the cache at once (no epoch reads it again: the next epoch's groups are other samples).
-    read: Mutex<std::collections::HashMap<(u64, u32, u64), u64>>,
 }
 
 /// Samples per group for a dataset of `classes` classes of `mean` bytes a sample: enough that the windows
@@ -143,7 +137,7 @@ impl Prefetcher {
     }
 
     /// The sample table, if fetched.
-    pub(super) fn shuffled_table(&self) -> Option<Arc<SampleTable>> {
+    pub(crate) fn shuffled_table(&self) -> Option<Arc<SampleTable>> {
         self.shuffled.table.get().cloned()
     }
 
@@ -153,59 +147,8 @@ impl Prefetcher {
     }
 
     /// The plan of a listing of `shuffled/`, if computed (a fetch's sample ids come from it).
-    pub(super) fn cached_class_plan(&self, epoch: u64) -> Option<Arc<ClassPlan>> {
+    pub(crate) fn cached_class_plan(&self, epoch: u64) -> Option<Arc<ClassPlan>> {
         self.shuffled.plans.lock().expect("plans").as_mut().and_then(|p| p.peek(&epoch).cloned())
-    }
-
-    /// Reads `[offset, offset + size)` of sample `k` of class `class` in `plan`, from its group (fetched
-    /// and verified whole first, or found cached). `owner` identifies the reading process.
-    pub fn read_shuffled(
-        self: &Arc<Self>,
-        plan: &ClassPlan,
-        class: usize,
-        k: u64,
-        offset: u64,
-        size: u32,
-        owner: u32,
-    ) -> Result<Bytes, ReadError> {
-        let table = self.sample_table()?;
-        let (g, within) = (k / plan.group as u64, k as usize % plan.group);
-        let ids = plan.group_ids(class, g);
-        let id = *ids.get(within).ok_or_else(|| ReadError::NotFound(format!("sample {k} of class {class}")))?;
-        let len = table.bytes[id as usize];
-        if offset >= len || size == 0 {
-            return Ok(Bytes::new());
-        }
-        let start: u64 = ids[..within].iter().map(|&i| table.bytes[i as usize]).sum();
-        let size = (len - offset).min(u64::from(size)) as u32;
-        let key = ObjectKey { listing: Listing::Shuffled { epoch: plan.epoch, class: class as u32 }, index: g };
-        let bytes = self.read(key, start + offset, size, owner)?;
-        if offset + bytes.len() as u64 >= len {
-            let members = ids.len();
-            let all = if members >= 64 { u64::MAX } else { (1u64 << members) - 1 };
-            let mut read = self.shuffled.read.lock().expect("read");
-            let mask = read.entry((plan.epoch, class as u32, g)).or_insert(0);
-            *mask |= 1 << within;
-            if *mask == all {
-                read.remove(&(plan.epoch, class as u32, g));
-                drop(read);
-                self.cache.forget(key);
-            }
-        }
-        Ok(bytes)
-    }
-
-    /// Starts fetching groups `groups` of class `class` in `plan`, ahead of its readers (those not cached
-    /// or in flight; none once the cache or the prefetch cap is full).
-    pub fn prefetch_shuffled(self: &Arc<Self>, plan: &Arc<ClassPlan>, class: usize, groups: std::ops::Range<u64>) {
-        if self.config.prefetch == 0 {
-            return;
-        }
-        let listing = Listing::Shuffled { epoch: plan.epoch, class: class as u32 };
-        let n = plan.groups.get(class).map_or(0, |g| g.len() as u64);
-        let targets: Vec<super::Target> =
-            (groups.start..groups.end.min(n)).map(|index| super::Target { listing, index }).collect();
-        self.start_prefetches(&targets, &Objects::Groups(plan.clone(), class));
     }
 }
 

@@ -29,6 +29,7 @@
 //! State is bounded: `max_listings` listings (least recently read dropped first), `max_streams`
 //! streams and candidates per listing, and one bit per batch of the listings tracked.
 
+use super::kinds::Follow;
 use super::Listing;
 
 /// One batch to keep cached ahead of a reader: `listing` may be the next epoch's.
@@ -120,8 +121,16 @@ impl StreamTracker {
 
     /// Records a read of `batch` (of `batches` in `listing`) by process `owner` (0 when unknown) and
     /// returns the batches to keep ahead of the stream it belongs to, nearest first: at most `window`
-    /// of them, fewer near the end of the last epoch, none for an isolated read.
-    pub fn observe(&mut self, owner: u32, listing: Listing, batch: u64, batches: u64, window: usize) -> Vec<Target> {
+    /// of them, fewer near the end of the last epoch, none for an isolated read. `follow` says whether the
+    /// first read asks for every batch and whether windows run on into the next epoch.
+    pub fn observe(
+        &mut self,
+        owner: u32,
+        listing: Listing,
+        (batch, batches): (u64, u64),
+        window: usize,
+        follow: Follow,
+    ) -> Vec<Target> {
         self.clock += 1;
         let clock = self.clock;
         if window == 0 || batch >= batches {
@@ -141,7 +150,7 @@ impl StreamTracker {
         state.used = clock;
         let first = state.read.iter().all(|&w| w == 0);
         let again = state.mark(batch);
-        if first && matches!(listing, Listing::Epoch { format, .. } if format.is_index()) {
+        if first && follow.all_at_first {
             // Every twin at once: DALI reads them all at pipeline build.
             return (0..batches).filter(|&b| b != batch).map(|index| Target { listing, index }).collect();
         }
@@ -213,15 +222,7 @@ impl StreamTracker {
         let wrapped: Vec<Target> =
             from_start(listing, wrap).filter(|t| t.index < batches && !out.contains(t)).collect();
         out.extend(wrapped);
-        let next = match listing {
-            Listing::Epoch { epoch, format } if epoch < batchfs::plan::MAX_EPOCH => {
-                Some(Listing::Epoch { epoch: epoch + 1, format })
-            }
-            Listing::Rolling { epoch } if epoch < batchfs::plan::MAX_EPOCH => {
-                Some(Listing::Rolling { epoch: epoch + 1 })
-            }
-            _ => None,
-        };
+        let next = listing.next_epoch().filter(|_| follow.into_next_epoch);
         out.extend(next.into_iter().flat_map(|next| from_start(next, spill - wrap)));
         out
     }
@@ -258,12 +259,20 @@ fn push(streams: &mut Vec<Stream>, stream: Stream, max: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fs::views::epochs::batches;
     use batchfs::encode::BatchFormat;
     use proptest::prelude::*;
 
     const TF: BatchFormat = BatchFormat::Tfrecord;
-    const L: Listing = Listing::Epoch { epoch: 0, format: TF };
-    const L1: Listing = Listing::Epoch { epoch: 1, format: TF };
+    const L: Listing = batches::listing(0, TF);
+    const L1: Listing = batches::listing(1, TF);
+
+    impl StreamTracker {
+        /// [`StreamTracker::observe`] of a read of `batch` of `batches`, followed as its view says.
+        fn see(&mut self, owner: u32, listing: Listing, batch: u64, batches: u64, window: usize) -> Vec<Target> {
+            self.observe(owner, listing, (batch, batches), window, listing.kind.follow(listing))
+        }
+    }
 
     /// The targets in `listing`, as batch numbers.
     fn within(targets: &[Target], listing: Listing) -> Vec<u64> {
@@ -273,12 +282,12 @@ mod tests {
     #[test]
     fn the_first_read_of_an_epoch_gets_the_full_window_wherever_it_lands() {
         let mut t = StreamTracker::new(8, 16);
-        assert_eq!(within(&t.observe(7, L, 0, 100, 3), L), vec![1, 2, 3]);
-        assert_eq!(within(&t.observe(9, L, 0, 100, 3), L), vec![1, 2, 3], "a re-read keeps the window");
-        assert_eq!(within(&t.observe(8, L, 1, 100, 3), L), vec![2, 3, 4], "another thread, same stream");
+        assert_eq!(within(&t.see(7, L, 0, 100, 3), L), vec![1, 2, 3]);
+        assert_eq!(within(&t.see(9, L, 0, 100, 3), L), vec![1, 2, 3], "a re-read keeps the window");
+        assert_eq!(within(&t.see(8, L, 1, 100, 3), L), vec![2, 3, 4], "another thread, same stream");
         // A DALI range shard: the first read of its epoch starts mid-way.
         let mut t = StreamTracker::new(8, 16);
-        assert_eq!(within(&t.observe(1, L, 50, 100, 4), L), vec![51, 52, 53, 54]);
+        assert_eq!(within(&t.see(1, L, 50, 100, 4), L), vec![51, 52, 53, 54]);
     }
 
     #[test]
@@ -288,7 +297,7 @@ mod tests {
         let mut t = StreamTracker::new(8, 16);
         let order: Vec<u64> = (0..40u64).map(|b| b ^ 1).collect(); // 1, 0, 3, 2, ...
         for (k, &b) in order.iter().enumerate() {
-            let got = within(&t.observe(1000 + k as u32, L, b, 1000, 8), L);
+            let got = within(&t.see(1000 + k as u32, L, b, 1000, 8), L);
             let furthest = *order[..=k].iter().max().unwrap();
             let want: Vec<u64> = (furthest + 1..=furthest + 8).filter(|x| !order[..=k].contains(x)).collect();
             assert_eq!(got, want, "read {k} (batch {b})");
@@ -300,7 +309,7 @@ mod tests {
         // Four worker processes take batches 0, 1, 2, 3, 4... in turn.
         let mut t = StreamTracker::new(8, 16);
         for b in 0..20u64 {
-            let got = within(&t.observe(100 + (b % 4) as u32, L, b, 1000, 6), L);
+            let got = within(&t.see(100 + (b % 4) as u32, L, b, 1000, 6), L);
             assert_eq!(got, (b + 1..=b + 6).collect::<Vec<_>>(), "batch {b}");
         }
     }
@@ -315,7 +324,7 @@ mod tests {
             for rank in 0..4u64 {
                 let Some(own) = step.checked_sub(10 * rank) else { continue };
                 let b = rank + own * 4;
-                let got = within(&t.observe(10 + rank as u32, L, b, 1000, 3), L);
+                let got = within(&t.see(10 + rank as u32, L, b, 1000, 3), L);
                 if own >= 3 {
                     assert!(got.contains(&(b + 4)), "rank {rank} at batch {b}: {got:?}");
                     predicted[rank as usize] += 1;
@@ -329,16 +338,16 @@ mod tests {
     fn a_rank_alone_on_its_node_reads_a_stride() {
         // This node holds rank 2 of 8: the first read is batch 2, the rest every 8th.
         let mut t = StreamTracker::new(8, 16);
-        assert_eq!(within(&t.observe(5, L, 2, 1000, 3), L), vec![3, 4, 5], "first read: file order assumed");
-        assert_eq!(within(&t.observe(5, L, 10, 1000, 3), L), Vec::<u64>::new(), "8 past: isolated");
-        assert_eq!(within(&t.observe(5, L, 18, 1000, 3), L), vec![26, 34, 42], "stride 8 confirmed");
+        assert_eq!(within(&t.see(5, L, 2, 1000, 3), L), vec![3, 4, 5], "first read: file order assumed");
+        assert_eq!(within(&t.see(5, L, 10, 1000, 3), L), Vec::<u64>::new(), "8 past: isolated");
+        assert_eq!(within(&t.see(5, L, 18, 1000, 3), L), vec![26, 34, 42], "stride 8 confirmed");
     }
 
     #[test]
     fn random_reads_start_nothing_after_the_first_window() {
         let mut t = StreamTracker::new(8, 4);
         let reads = [500u64, 37, 912, 240, 771, 15, 640, 333, 108, 455, 820, 61, 290, 705];
-        let started: Vec<usize> = reads.iter().map(|&b| t.observe(9, L, b, 1000, 16).len()).collect();
+        let started: Vec<usize> = reads.iter().map(|&b| t.see(9, L, b, 1000, 16).len()).collect();
         assert_eq!(started[0], 16, "the epoch's first read");
         assert!(started[1..].iter().all(|&n| n == 0), "{started:?}");
     }
@@ -347,18 +356,18 @@ mod tests {
     fn a_stream_near_the_end_of_an_epoch_warms_the_next_one() {
         let mut t = StreamTracker::new(8, 16);
         for b in 0..=7 {
-            t.observe(1, L, b, 10, 4);
+            t.see(1, L, b, 10, 4);
         }
-        let got = t.observe(1, L, 8, 10, 4);
+        let got = t.see(1, L, 8, 10, 4);
         assert_eq!(within(&got, L), vec![9]);
         assert_eq!(within(&got, L1), vec![0, 1, 2], "the rest of the window, from the next epoch's start");
         // A stride-3 stream of phase 1 continues at batch 1 of the next epoch.
         let mut t = StreamTracker::new(8, 16);
-        t.observe(1, L, 50, 100, 3);
+        t.see(1, L, 50, 100, 3);
         for b in (1..94).step_by(3) {
-            t.observe(2, L, b, 100, 3);
+            t.see(2, L, b, 100, 3);
         }
-        let got = t.observe(2, L, 94, 100, 3);
+        let got = t.see(2, L, 94, 100, 3);
         assert_eq!(within(&got, L), vec![97]);
         assert_eq!(within(&got, L1), vec![1, 4]);
     }
@@ -367,25 +376,25 @@ mod tests {
     fn a_pass_that_wraps_around_starts_afresh_and_is_then_expected() {
         let mut t = StreamTracker::new(8, 16);
         for b in 0..10 {
-            t.observe(1, L, b, 10, 4);
+            t.see(1, L, b, 10, 4);
         }
         // DALI's reader reads on into the first files: a new pass, with its full window at once.
-        assert_eq!(within(&t.observe(1, L, 0, 10, 4), L), vec![1, 2, 3, 4]);
+        assert_eq!(within(&t.see(1, L, 0, 10, 4), L), vec![1, 2, 3, 4]);
         for b in 1..8 {
-            t.observe(1, L, b, 10, 4);
+            t.see(1, L, b, 10, 4);
         }
         // Now a window past the end warms both this epoch's start and the next epoch's.
-        let got = t.observe(1, L, 8, 10, 4);
+        let got = t.see(1, L, 8, 10, 4);
         assert_eq!(within(&got, L), vec![9, 0, 1]);
         assert_eq!(within(&got, L1), vec![0]);
     }
 
     #[test]
     fn index_twins_are_all_fetched_at_the_first_read() {
-        let idx = Listing::Epoch { epoch: 0, format: BatchFormat::TfrecordIdx };
+        let idx = batches::listing(0, BatchFormat::TfrecordIdx);
         let mut t = StreamTracker::new(8, 16);
-        assert_eq!(within(&t.observe(1, idx, 0, 47, 4), idx), (1..47).collect::<Vec<_>>());
-        assert!(t.observe(1, idx, 1, 47, 4).len() <= 4, "afterwards, an ordinary stream");
+        assert_eq!(within(&t.see(1, idx, 0, 47, 4), idx), (1..47).collect::<Vec<_>>());
+        assert!(t.see(1, idx, 1, 47, 4).len() <= 4, "afterwards, an ordinary stream");
     }
 
     #[test]
@@ -393,7 +402,7 @@ mod tests {
         let mut t = StreamTracker::new(4, 16);
         for e in 0..100u64 {
             for b in (0..1000u64).step_by(97) {
-                t.observe(b as u32, Listing::Epoch { epoch: e, format: TF }, b, 1000, 4);
+                t.see(b as u32, batches::listing(e, TF), b, 1000, 4);
             }
         }
         assert!(t.listings.len() <= 16);
@@ -414,7 +423,7 @@ mod tests {
             for (owner, b) in reads {
                 wrapped |= b == 0 && read.contains(&0);
                 read.insert(b);
-                let got = t.observe(owner, L, b, 64, window);
+                let got = t.see(owner, L, b, 64, window);
                 prop_assert!(got.len() <= window);
                 let mut seen = std::collections::HashSet::new();
                 for target in &got {

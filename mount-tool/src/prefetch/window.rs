@@ -7,6 +7,7 @@
 //! ([`Throughput`], fed by each fetch's start and end) brings in half of `stall_timeout`. It knows no
 //! cache, client or runtime: the prefetcher asks it and starts what it says.
 
+use super::kinds::Follow;
 use super::streams::{StreamTracker, Target};
 use super::{Listing, Objects, PrefetcherConfig};
 use crate::stats::Stats;
@@ -125,34 +126,36 @@ impl Window {
         }
     }
 
-    /// Whether a read of `listing` has anything fetched ahead of it: not without prefetch, nor in
-    /// `shuffled/` (whose classes have windows of their own: `shuffled.rs`).
-    pub fn applies_to(&self, listing: Listing) -> bool {
-        self.prefetch != 0 && !matches!(listing, Listing::Shuffled { .. })
+    /// Whether a read of a listing followed so has anything fetched ahead of it: not without prefetch, nor
+    /// where its view keeps windows of its own (`shuffled/`'s classes).
+    pub fn applies_to(&self, follow: Follow) -> bool {
+        self.prefetch != 0 && follow.streams
     }
 
-    /// What to keep ahead of a read of file `index` of `listing` (of `objects`) by `owner`: nothing where
-    /// it [does not apply](Window::applies_to).
-    pub fn ahead(&self, owner: u32, listing: Listing, index: u64, objects: &Objects) -> Ahead {
-        if !self.applies_to(listing) {
+    /// What to keep ahead of a read of file `index` of `listing` (of `objects`, followed so) by `owner`:
+    /// nothing where it [does not apply](Window::applies_to).
+    pub fn ahead(&self, owner: u32, listing: Listing, index: u64, objects: &Arc<dyn Objects>, follow: Follow) -> Ahead {
+        if !self.applies_to(follow) {
             return Ahead::default();
         }
-        let width = self.width(listing, objects);
-        let targets = self.streams.lock().expect("streams").observe(owner, listing, index, objects.len(), width);
+        let width = self.width(follow, objects);
+        let mut streams = self.streams.lock().expect("streams");
+        let targets = streams.observe(owner, listing, (index, objects.count()), width, follow);
+        drop(streams);
         let (here, next) = targets.into_iter().partition(|t| t.listing == listing);
         Ahead { here, next }
     }
 
-    /// The window of a stream over a listing's `objects`, in files: `prefetch`, or, for an epoch's batches,
-    /// as many as hold `prefetch_bytes` at the listing's mean size when that is more (at most 16 ×
-    /// `prefetch`, so tiny batches do not become thousands of requests, and never more than the listing).
-    /// `raw/` files keep `prefetch`: a file tree's files are single samples.
-    pub fn width(&self, listing: Listing, objects: &Objects) -> usize {
+    /// The window of a stream over a listing's `objects`, in files: `prefetch`, or, followed
+    /// [by bytes](Follow::by_bytes) (an epoch's batches), as many as hold `prefetch_bytes` at the listing's
+    /// mean size when that is more (at most 16 × `prefetch`, so tiny batches do not become thousands of
+    /// requests, and never more than the listing).
+    pub fn width(&self, follow: Follow, objects: &Arc<dyn Objects>) -> usize {
         let prefetch = self.prefetch;
-        if let Listing::Raw { .. } = listing {
+        if !follow.by_bytes {
             return prefetch;
         }
-        let n = objects.len();
+        let n = objects.count();
         let mean = (objects.bytes() / n.max(1)).max(1);
         let by_bytes = self.prefetch_bytes.div_ceil(mean).min(n) as usize;
         prefetch.max(by_bytes.min(prefetch.saturating_mul(16)))
@@ -189,16 +192,30 @@ impl Window {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fs::views::epochs::batches::{self as epochs, Batches};
+    use crate::fs::views::{raw::chunks::CHUNKS, shuffled::groups::GROUPS};
     use batchfs::api::{BatchEntry, Manifest};
     use batchfs::encode::BatchFormat;
 
     const TF: BatchFormat = BatchFormat::Tfrecord;
 
     /// The batches of `epoch`: `n` of `bytes` each.
-    fn batches(epoch: u64, n: u64, bytes: u64) -> Objects {
+    fn batches(epoch: u64, n: u64, bytes: u64) -> Arc<dyn Objects> {
         let batches = (0..n).map(|index| BatchEntry { index, samples: 1, bytes, crc32c: 0 }).collect();
         let (dataset, options, format) = ("d".into(), Default::default(), TF);
-        Objects::Batches(Arc::new(Manifest { dataset, epoch, options, format, samples: n, bytes: n * bytes, batches }))
+        Arc::new(Batches(Arc::new(Manifest { dataset, epoch, options, format, samples: n, bytes: n * bytes, batches })))
+    }
+
+    impl Window {
+        /// [`Window::ahead`] of a read followed as its view says.
+        fn see(&self, owner: u32, listing: Listing, index: u64, objects: &Arc<dyn Objects>) -> Ahead {
+            self.ahead(owner, listing, index, objects, listing.kind.follow(listing))
+        }
+
+        /// [`Window::width`] of a listing followed as its view says.
+        fn width_of(&self, listing: Listing, objects: &Arc<dyn Objects>) -> usize {
+            self.width(listing.kind.follow(listing), objects)
+        }
     }
 
     fn window(prefetch: usize, prefetch_bytes: u64) -> Window {
@@ -207,7 +224,7 @@ mod tests {
     }
 
     fn at(epoch: u64, indexes: std::ops::Range<u64>) -> Vec<Target> {
-        indexes.map(|index| Target { listing: Listing::Epoch { epoch, format: TF }, index }).collect()
+        indexes.map(|index| Target { listing: epochs::listing(epoch, TF), index }).collect()
     }
 
     #[test]
@@ -250,32 +267,32 @@ mod tests {
     #[test]
     fn a_first_read_gets_the_whole_window_which_runs_on_into_the_next_epoch() {
         let w = window(4, 0);
-        let (epoch0, listing) = (batches(0, 10, 1000), Listing::Epoch { epoch: 0, format: TF });
-        assert_eq!(w.ahead(1, listing, 0, &epoch0), Ahead { here: at(0, 1..5), next: vec![] });
+        let (epoch0, listing) = (batches(0, 10, 1000), epochs::listing(0, TF));
+        assert_eq!(w.see(1, listing, 0, &epoch0), Ahead { here: at(0, 1..5), next: vec![] });
         // Reading on, the window keeps four ahead; near the end it runs past the last batch into epoch 1.
         // (A jump is a random read, which starts nothing: the reads go on in order.)
-        assert_eq!(w.ahead(1, listing, 1, &epoch0).here.last(), Some(&at(0, 5..6)[0]));
+        assert_eq!(w.see(1, listing, 1, &epoch0).here.last(), Some(&at(0, 5..6)[0]));
         for index in 2..8 {
-            w.ahead(1, listing, index, &epoch0);
+            w.see(1, listing, index, &epoch0);
         }
-        let near_end = w.ahead(1, listing, 8, &epoch0);
+        let near_end = w.see(1, listing, 8, &epoch0);
         assert_eq!(near_end, Ahead { here: at(0, 9..10), next: at(1, 0..3) });
     }
 
     #[test]
     fn no_prefetch_and_shuffled_ask_for_nothing_and_raw_files_keep_prefetch() {
-        let listing = Listing::Epoch { epoch: 0, format: TF };
-        assert_eq!(window(0, 0).ahead(1, listing, 0, &batches(0, 10, 1000)), Ahead::default());
-        let shuffled = Listing::Shuffled { epoch: 0, class: 3 };
-        assert_eq!(window(4, 0).ahead(1, shuffled, 0, &batches(0, 10, 1000)), Ahead::default());
+        let listing = epochs::listing(0, TF);
+        assert_eq!(window(0, 0).see(1, listing, 0, &batches(0, 10, 1000)), Ahead::default());
+        let shuffled = Listing::new(&GROUPS, 0, 3);
+        assert_eq!(window(4, 0).see(1, shuffled, 0, &batches(0, 10, 1000)), Ahead::default());
         // Small batches: a window as deep in bytes as `prefetch_bytes` (at most 16 x `prefetch`, never more
         // than the listing); a directory of raw/ keeps `prefetch`.
         let w = window(4, 20_000);
-        assert_eq!(w.width(listing, &batches(0, 100, 1000)), 20);
-        assert_eq!(w.width(listing, &batches(0, 100, 10)), 64);
-        assert_eq!(w.width(listing, &batches(0, 10, 10)), 10);
-        assert_eq!(w.width(listing, &batches(0, 100, 1 << 20)), 4);
-        assert_eq!(w.width(Listing::Raw { dir: 0 }, &batches(0, 100, 10)), 4);
+        assert_eq!(w.width_of(listing, &batches(0, 100, 1000)), 20);
+        assert_eq!(w.width_of(listing, &batches(0, 100, 10)), 64);
+        assert_eq!(w.width_of(listing, &batches(0, 10, 10)), 10);
+        assert_eq!(w.width_of(listing, &batches(0, 100, 1 << 20)), 4);
+        assert_eq!(w.width_of(Listing::new(&CHUNKS, 0, 0), &batches(0, 100, 10)), 4);
     }
 
     #[test]
@@ -316,10 +333,10 @@ mod tests {
                     .map(|t| {
                         let w = w.clone();
                         shuttle::thread::spawn(move || {
-                            let listing = Listing::Epoch { epoch: 0, format: TF };
+                            let listing = epochs::listing(0, TF);
                             let objects = batches(0, 10, mb);
                             for index in 0..3 {
-                                let ahead = w.ahead(t, listing, index, &objects);
+                                let ahead = w.see(t, listing, index, &objects);
                                 assert!(ahead.here.len() + ahead.next.len() <= 4);
                                 w.fetch_started();
                                 assert!(w.cap() <= 64 * mb);

@@ -12,6 +12,8 @@ use batchfs::plan::MAX_EPOCH;
 use bytes::Bytes;
 use std::sync::Arc;
 
+pub mod batches;
+
 const EPOCH_BASE: u64 = 1 << 40;
 const BATCH_BASE: u64 = 1 << 62;
 /// Batch numbers are below this (33 bits of a batch inode).
@@ -121,7 +123,7 @@ impl BatchNames {
 
     /// What the server sends for batch `batch` of epoch `epoch` (`index`: its twin).
     pub fn key(self, epoch: u64, batch: u64, index: bool) -> ObjectKey {
-        ObjectKey::batch(epoch, batch, self.format(index))
+        batches::key(epoch, batch, self.format(index))
     }
 }
 

@@ -5,10 +5,11 @@
 use super::{Attr, Entry, Keep, View, Who};
 use crate::fs::{Backing, FsError, FsOptions, ROOT};
 use crate::ledger::Ledger;
-use crate::prefetch::{Listing, ObjectKey, Prefetcher};
+use crate::prefetch::Prefetcher;
 use bytes::Bytes;
 use std::sync::Arc;
 
+pub mod chunks;
 mod tree;
 use tree::RawTree;
 
@@ -135,7 +136,7 @@ impl View for Raw {
     fn closed(&self, ino: u64) {
         if let Ok((dir, file)) = self.file(ino) {
             for index in self.prefetcher.file_chunks(dir, file).unwrap_or_default() {
-                self.prefetcher.closed(ObjectKey { listing: Listing::Raw { dir }, index });
+                self.prefetcher.closed(chunks::key(dir, index));
             }
         }
     }
@@ -147,7 +148,7 @@ impl View for Raw {
 
     fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError> {
         let (dir, file) = self.file(ino)?;
-        Ok(self.prefetcher.read_file(dir, file, offset, size, owner)?)
+        Ok(chunks::read_file(&self.prefetcher, (dir, file), offset, size, owner)?)
     }
 
     /// With `disk`, a file the node cache holds is handed over as its file there (checked, never copied
@@ -159,7 +160,7 @@ impl View for Raw {
         if chunks.end - chunks.start != 1 {
             return Ok(None);
         }
-        let key = ObjectKey { listing: Listing::Raw { dir }, index: chunks.start };
+        let key = chunks::key(dir, chunks.start);
         if disk {
             if let Some(file) = self.prefetcher.disk_backing(key)? {
                 return Ok(Some(Backing { file, on_disk: true }));

@@ -7,11 +7,12 @@ use super::epochs::{batch_ino, batch_of, BatchNames, MAX_BATCHES};
 use super::{Attr, Entry, Keep, View, Who};
 use crate::fs::{Backing, FsError, FsOptions, ROOT};
 use crate::ledger::Ledger;
-use crate::prefetch::{Listing, ObjectKey, Prefetcher, ReadError};
+use crate::prefetch::{ObjectKey, Prefetcher, ReadError};
 use batchfs::encode::BatchFormat;
 use bytes::Bytes;
 use std::sync::Arc;
 
+pub mod placed;
 mod state;
 use state::{Layout, RollingState};
 
@@ -132,7 +133,7 @@ impl Rolling {
         match file {
             RollingFile::Packed => self.names.key(epoch, batch, false),
             RollingFile::PackedIndex => self.names.key(epoch, batch, true),
-            RollingFile::Indexed => ObjectKey { listing: Listing::Rolling { epoch }, index: batch },
+            RollingFile::Indexed => placed::key(epoch, batch),
         }
     }
 }

@@ -10,6 +10,7 @@ use crate::prefetch::{Prefetcher, WINDOW_GROUPS};
 use bytes::Bytes;
 use std::sync::Arc;
 
+pub mod groups;
 mod state;
 use state::ShuffledView;
 
@@ -66,6 +67,8 @@ impl Node {
 pub struct Shuffled {
     prefetcher: Arc<Prefetcher>,
     state: ShuffledView,
+    /// The samples read of each group.
+    reads: groups::Reads,
     first_epoch: u64,
     epochs: u64,
 }
@@ -80,7 +83,13 @@ impl Shuffled {
             options.classes.clone()
         };
         let state = ShuffledView::new(classes, options.first_epoch, options.epochs);
-        Shuffled { prefetcher, state, first_epoch: options.first_epoch, epochs: options.epochs }
+        Shuffled {
+            prefetcher,
+            state,
+            reads: Default::default(),
+            first_epoch: options.first_epoch,
+            epochs: options.epochs,
+        }
     }
 
     /// The node `ino` names, if the view is shown and it names one of its classes.
@@ -106,15 +115,15 @@ impl Shuffled {
         let plan = self.state.plan(&self.prefetcher, epoch)?;
         if self.state.first_time(epoch) {
             for c in 0..plan.order.len() {
-                self.prefetcher.prefetch_shuffled(&plan, c, 0..WINDOW_GROUPS);
+                groups::prefetch(&self.prefetcher, &plan, c, 0..WINDOW_GROUPS);
             }
         }
         // The groups holding the class's next samples, on into the next epoch's when they run past.
         let (here, next) = state::window(k, plan.group as u64, samples, WINDOW_GROUPS);
-        self.prefetcher.prefetch_shuffled(&plan, class as usize, here);
+        groups::prefetch(&self.prefetcher, &plan, class as usize, here);
         if !next.is_empty() {
             let next_plan = self.state.plan(&self.prefetcher, self.next_epoch(epoch))?;
-            self.prefetcher.prefetch_shuffled(&next_plan, class as usize, next);
+            groups::prefetch(&self.prefetcher, &next_plan, class as usize, next);
         }
         Ok(Node::Sample { epoch, class, k })
     }
@@ -220,7 +229,7 @@ impl View for Shuffled {
     fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError> {
         let Node::Sample { epoch, class, k } = self.node(ino)? else { return Err(FsError::IsADirectory) };
         let plan = self.state.plan(&self.prefetcher, epoch)?;
-        Ok(self.prefetcher.read_shuffled(&plan, class as usize, k, offset, size, owner)?)
+        Ok(self.reads.read(&self.prefetcher, (&plan, class as usize, k), offset, size, owner)?)
     }
 
     /// None: a sample is part of its group, and a memory file of its own per open costs more than the

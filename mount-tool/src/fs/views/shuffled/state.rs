@@ -95,7 +95,7 @@ impl ShuffledView {
         self.first_time(self.first_epoch);
         let (prefetcher, classes, epoch) = (prefetcher.clone(), self.classes.len(), self.first_epoch);
         let warm = move || match prefetcher.class_plan(epoch, classes) {
-            Ok(plan) => (0..classes).for_each(|c| prefetcher.prefetch_shuffled(&plan, c, 0..WINDOW_GROUPS)),
+            Ok(plan) => (0..classes).for_each(|c| super::groups::prefetch(&prefetcher, &plan, c, 0..WINDOW_GROUPS)),
             Err(e) => tracing::debug!(error = %e, "shuffled/: the first epoch's plan, ahead, failed"),
         };
         if let Err(e) = std::thread::Builder::new().name("batchfs-shuffled".into()).spawn(warm) {
