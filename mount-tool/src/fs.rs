@@ -167,8 +167,21 @@ impl Fs {
     /// At most `max` entries of directory `ino` from position `from` (without `.` and `..`).
     fn entries(&self, ino: u64, from: usize, max: usize, owner: u32) -> Result<Vec<Entry>, FsError> {
         if ino == ROOT {
-            let all = self.views.iter().flat_map(|v| v.in_root());
-            return Ok(all.skip(from).take(max).collect());
+            // Each view's entries in turn, made only from the page's first on.
+            let (mut out, mut from) = (Vec::new(), from);
+            for view in &self.views {
+                if out.len() >= max {
+                    break;
+                }
+                let n = view.root_len();
+                if from >= n {
+                    from -= n;
+                    continue;
+                }
+                out.extend(view.root_page(from, max - out.len()));
+                from = 0;
+            }
+            return Ok(out);
         }
         self.view(ino)?.entries(ino, from, max, owner)
     }
@@ -411,6 +424,25 @@ mod tests {
         assert_eq!(fs.lookup(views::meta::META_DIR, "stats", 0).unwrap().ino, STATS_FILE);
         let json: serde_json::Value = serde_json::from_slice(&fs.stats_json()).unwrap();
         assert_eq!(json["reads"], 2);
+    }
+
+    /// The root read page by page is the root read whole, every view's entries in turn, and a page deep in
+    /// a million epoch folders holds just its own.
+    #[test]
+    fn the_root_is_listed_page_by_page_in_the_views_order() {
+        let (_rt, fs) = fs(BatchFormat::Tfrecord);
+        let whole = fs.dir_entries(ROOT, 0).unwrap();
+        let paged: Vec<_> =
+            (0..whole.len()).flat_map(|at| fs.dir_entries_from(ROOT, at, 0).unwrap().into_iter().take(1)).collect();
+        assert_eq!(paged, whole);
+        let many = Fs::new(fs.prefetcher.clone(), FsOptions { epochs: 1_000_000, ..fs.options.clone() });
+        let names =
+            |at| -> Vec<String> { many.dir_entries_from(ROOT, at, 0).unwrap().into_iter().map(|e| e.2).collect() };
+        // `.` and `..`, then .batchfs, raw and rolling: epoch N is at position N + 5.
+        assert_eq!(names(999_998 + 5), ["epoch-999998", "epoch-999999"]);
+        assert_eq!(names(4)[..3], ["rolling", "epoch-0000", "epoch-0001"]);
+        assert_eq!(names(4).len(), READDIR_BATCH);
+        assert!(names(1_000_000 + 5).is_empty());
     }
 
     /// What the kernel may keep is each view's to say: a name of `shuffled/` or `rolling/` leads elsewhere

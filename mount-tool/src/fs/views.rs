@@ -110,6 +110,17 @@ pub trait View: Send + Sync {
     /// Its entries in the root, in order.
     fn in_root(&self) -> Vec<Entry>;
 
+    /// How many entries it puts in the root.
+    fn root_len(&self) -> usize {
+        self.in_root().len()
+    }
+
+    /// At most `max` of its entries in the root, from position `from`: a view with many there (the epoch
+    /// folders) makes only those, so that listing the root page by page costs each page its own entries.
+    fn root_page(&self, from: usize, max: usize) -> Vec<Entry> {
+        self.in_root().into_iter().skip(from).take(max).collect()
+    }
+
     /// Its node named `name` in the root, if it puts one there.
     fn root_lookup(&self, name: &str) -> Option<u64>;
 

@@ -159,8 +159,16 @@ impl View for Epochs {
     }
 
     fn in_root(&self) -> Vec<Entry> {
-        let listed = 0..self.epochs.min(MAX_EPOCH + 1);
-        listed.map(|e| Entry::new(Node::Dir(e).ino(), true, epoch_name(e))).collect()
+        self.root_page(0, usize::MAX)
+    }
+
+    fn root_len(&self) -> usize {
+        self.epochs.min(MAX_EPOCH + 1) as usize
+    }
+
+    fn root_page(&self, from: usize, max: usize) -> Vec<Entry> {
+        let listed = from.min(self.root_len())..self.root_len().min(from.saturating_add(max));
+        listed.map(|e| Entry::new(Node::Dir(e as u64).ino(), true, epoch_name(e as u64))).collect()
     }
 
     fn root_lookup(&self, name: &str) -> Option<u64> {
