@@ -1,6 +1,7 @@
 //! `raw/` (docs/SEMANTICS.md, "raw/"): the dataset directory's files as they are on the server, every
 //! source, each directory listed from the server when first looked into (`raw/tree.rs` numbers them), each
-//! file read in chunks the prefetcher fetches ahead in directory order (`prefetch/raw.rs`).
+//! file read in chunks the prefetcher fetches ahead in directory order (`raw/chunks.rs` says what they are;
+//! the directories' lists are kept by the prefetcher, `prefetch/raw.rs`).
 
 use super::{Attr, Entry, Keep, View, Who};
 use crate::fs::{Backing, FsError, FsOptions, ROOT};

@@ -1,7 +1,8 @@
 //! `shuffled/` (docs/SEMANTICS.md, "shuffled/"): a file tree's samples by class, each name of class
 //! folder *c* a new sample of class *c* in plan order at each lookup, as ImageFolder's shuffled reads ask
-//! for them. Who gets which sample, and the windows a lookup starts, are `shuffled/state.rs`; the groups
-//! of samples fetched are the prefetcher's (`prefetch/shuffled.rs`).
+//! for them. Who gets which sample, and the windows a lookup starts, are `shuffled/state.rs`; what a group
+//! of samples is to the prefetcher, and the reads of samples from their groups, are `shuffled/groups.rs`;
+//! the plans are kept by the prefetcher (`prefetch/shuffled.rs`).
 
 use super::{Attr, Entry, Keep, View, Who};
 use crate::fs::{Backing, FsError, FsOptions, ROOT};
