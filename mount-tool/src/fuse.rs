@@ -3,8 +3,10 @@
 //! connection. Every error reaches the kernel through `FuseFs::fail`: its errno, logged, counted. Every
 //! modifying operation is EROFS.
 //!
-//! Reads block the calling FUSE worker thread (there are `threads` of them) until the batch is
-//! verified; all waits are bounded inside the prefetcher.
+//! Requests that may wait (lookups, attributes, listings, opens, reads through the daemon) block the FUSE
+//! worker thread that took them (there are `threads` of them) until the batch is verified, while fewer than
+//! `threads - 1` are so blocked, and a helper thread beyond that (`fuse/waits.rs`): the last FUSE thread is
+//! always free. All waits are bounded inside the prefetcher.
 //!
 //! **Readers.** FUSE reports the thread that made a request; the prefetcher is told its process
 //! ([`OpenFiles::owner`]).
@@ -24,6 +26,9 @@ use std::ffi::OsStr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
+
+mod waits;
+use waits::Waits;
 
 /// How long the kernel may cache names and attributes: batch files never change.
 const TTL: Duration = Duration::from_secs(3600);
@@ -57,8 +62,14 @@ impl Kernel for Connection {
     }
 }
 
-/// The fuser-facing filesystem.
+/// The fuser-facing filesystem: what it serves, and where requests that may wait run (`fuse/waits.rs`).
 pub struct FuseFs {
+    served: Arc<Served>,
+    waits: Waits,
+}
+
+/// What the FUSE threads and the helpers serve requests from.
+struct Served {
     fs: Fs,
     opens: OpenFiles,
     connection: Arc<Connection>,
@@ -67,27 +78,30 @@ pub struct FuseFs {
 impl FuseFs {
     /// `passthrough`: hand verified files to the kernel where it allows; `drop_page_cache`: drop the
     /// kernel's page cache of each file read through the daemon when its last handle closes
-    /// (`page_cache=drop`).
-    pub fn new(fs: Fs, passthrough: bool, drop_page_cache: bool) -> Self {
+    /// (`page_cache=drop`); `threads`: the session's FUSE threads.
+    pub fn new(fs: Fs, passthrough: bool, drop_page_cache: bool, threads: usize) -> Self {
         let connection = Arc::new(Connection::default());
         let opens = OpenFiles::new(connection.clone(), passthrough, drop_page_cache);
-        FuseFs { fs, opens, connection }
+        FuseFs { served: Arc::new(Served { fs, opens, connection }), waits: Waits::new(threads) }
     }
 
     /// Where the caller puts the connection's descriptor and notifier once the session exists.
     pub fn connection(&self) -> Arc<Connection> {
-        self.connection.clone()
+        self.served.connection.clone()
     }
 
     /// Serves a connection whose `INIT` an earlier process answered (`settings`), taking over from the
     /// worker before this one what `ledger` holds ([`OpenFiles::take_over`]). `device` is the
     /// connection's descriptor.
     pub fn take_over(mut self, ledger: Arc<Ledger>, settings: Settings, device: OwnedFd) -> Self {
-        let _ = self.connection.device.set(device);
-        self.opens.take_over(&mut self.fs, ledger, settings);
+        let served = Arc::get_mut(&mut self.served).expect("no request is served before the takeover");
+        let _ = served.connection.device.set(device);
+        served.opens.take_over(&mut served.fs, ledger, settings);
         self
     }
+}
 
+impl Served {
     /// The errno `e` answers request `op` of `ino` with, logged (a failed read or open as a warning: a
     /// reader gets EIO) and counted (`errors`: requests answered EIO).
     fn fail(&self, op: &'static str, ino: u64, e: &FsError) -> Errno {
@@ -124,18 +138,18 @@ impl FuseFs {
         }
     }
 
-    /// Lists directory `ino` from position `offset` on, as the process of `req` sees it: each entry (its
+    /// Lists directory `ino` from position `offset` on, as process `pid` sees it: each entry (its
     /// inode, the position after it, its type and name) handed to `add`, until `add` says the reply is
     /// full; or the errno answered to `op`.
     fn list(
         &self,
         op: &'static str,
-        req: &Request,
+        pid: u32,
         ino: INodeNo,
         offset: u64,
         mut add: impl FnMut(u64, u64, FileType, String) -> bool,
     ) -> Result<(), Errno> {
-        let owner = self.opens.owner(req.pid());
+        let owner = self.opens.owner(pid);
         let entries = self.fs.dir_entries_from(ino.0, offset as usize, owner).map_err(|e| self.fail(op, ino.0, &e))?;
         for (i, (child, dir, name)) in entries.into_iter().enumerate() {
             let kind = if dir { FileType::Directory } else { FileType::RegularFile };
@@ -220,45 +234,25 @@ macro_rules! read_only {
 
 impl Filesystem for FuseFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let on = negotiate(config, self.opens.passthrough());
-        self.opens.settle(&self.fs, on);
+        let on = negotiate(config, self.served.opens.passthrough());
+        self.served.opens.settle(&self.served.fs, on);
         Ok(())
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let Some(name) = name.to_str() else { return reply.error(Errno::ENOENT) };
-        match self.fs.lookup_as(parent.0, name, self.opens.owner(req.pid()), req.pid()) {
-            // fuser's order: the attributes' TTL, then the name's.
-            Ok(a) => reply.entry_with_ttls(
-                &Self::attr_ttl(a.keep),
-                &Self::entry_ttl(a.keep),
-                &self.file_attr(&a),
-                Generation(0),
-            ),
-            Err(e) => reply.error(self.fail("lookup", parent.0, &e)),
-        }
+        let Some(name) = name.to_str().map(str::to_owned) else { return reply.error(Errno::ENOENT) };
+        let (s, pid) = (self.served.clone(), req.pid());
+        self.waits.run(move || s.lookup(pid, parent, &name, reply));
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.fs.getattr(ino.0) {
-            Ok(a) => reply.attr(&Self::attr_ttl(a.keep), &self.file_attr(&a)),
-            Err(e) => reply.error(self.fail("getattr", ino.0, &e)),
-        }
+        let s = self.served.clone();
+        self.waits.run(move || s.getattr(ino, reply));
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
-        match self.fs.open(ino.0, write) {
-            Ok(Opening::Snapshot) => {
-                let fh = self.opens.open_stats(&self.fs, req.unique().0);
-                reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH)
-            }
-            Ok(Opening::File) => match self.opens.open(&self.fs, ino.0, req.pid(), req.unique().0) {
-                Ok((fh, mode)) => reply_open(fh, mode, reply),
-                Err(e) => reply.error(self.fail("open", ino.0, &e)),
-            },
-            Err(e) => reply.error(self.fail("open", ino.0, &e)),
-        }
+        let (s, pid, unique) = (self.served.clone(), req.pid(), req.unique().0);
+        self.waits.run(move || s.open(pid, unique, ino, flags, reply));
     }
 
     fn release(
@@ -271,11 +265,12 @@ impl Filesystem for FuseFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let closed = self.opens.release(&self.fs, fh.0);
+        let s = &self.served;
+        let closed = s.opens.release(&s.fs, fh.0);
         reply.ok();
         // Answered first: the kernel drops the pages of a file no handle holds.
         if let Some(ino) = closed {
-            self.opens.drop_pages(&self.fs, ino);
+            s.opens.drop_pages(&s.fs, ino);
         }
     }
 
@@ -290,45 +285,27 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        if let Some(json) = self.opens.snapshot(fh.0) {
+        if let Some(json) = self.served.opens.snapshot(fh.0) {
             let start = (offset as usize).min(json.len());
             let end = start.saturating_add(size as usize).min(json.len());
             return reply.data(&json[start..end]);
         }
-        match self.fs.read(ino.0, offset, size, self.opens.owner(req.pid())) {
-            Ok(data) => reply.data(&data),
-            Err(e) => reply.error(self.fail("read", ino.0, &e)),
-        }
+        let (s, pid) = (self.served.clone(), req.pid());
+        self.waits.run(move || s.read(pid, ino, offset, size, reply));
     }
 
     fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
         reply.ok();
     }
 
-    fn readdir(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        match self
-            .list("readdir", req, ino, offset, |child, next, kind, name| reply.add(INodeNo(child), next, kind, name))
-        {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+    fn readdir(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, reply: ReplyDirectory) {
+        let (s, pid) = (self.served.clone(), req.pid());
+        self.waits.run(move || s.readdir(pid, ino, offset, reply));
     }
 
-    /// A listing with each name's entry and attributes (`READDIRPLUS`): a walk that lists a folder and
-    /// then opens its files (ImageFolder's, DALI's over an epoch folder) costs no lookup per file. A
-    /// name looked up anew at every use (`shuffled/`'s, `rolling/`'s, the stats'), or whose attributes
-    /// cost work (the indexed layout's twins), is listed alone and looked up when used.
-    fn readdirplus(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
-        let listed = self.list("readdirplus", req, ino, offset, |child, next, kind, name| {
-            match self.fs.listed_whole(child).then(|| self.fs.getattr(child).ok()).flatten() {
-                Some(a) => reply.add(INodeNo(child), next, &name, &TTL, &self.file_attr(&a), Generation(0)),
-                None => reply.add_name(INodeNo(child), next, &name, kind),
-            }
-        });
-        match listed {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+    fn readdirplus(&self, req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, reply: ReplyDirectoryPlus) {
+        let (s, pid) = (self.served.clone(), req.pid());
+        self.waits.run(move || s.readdirplus(pid, ino, offset, reply));
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
@@ -339,10 +316,11 @@ impl Filesystem for FuseFs {
         if mask.bits() & libc::W_OK != 0 {
             return reply.error(Errno::EROFS);
         }
-        match self.fs.getattr(ino.0) {
+        let s = self.served.clone();
+        self.waits.run(move || match s.fs.getattr(ino.0) {
             Ok(_) => reply.ok(),
-            Err(e) => reply.error(self.fail("access", ino.0, &e)),
-        }
+            Err(e) => reply.error(s.fail("access", ino.0, &e)),
+        });
     }
 
     read_only! {
@@ -361,6 +339,77 @@ impl Filesystem for FuseFs {
     }
 }
 
+/// The handlers of requests that may wait, run by [`Waits`] on a FUSE thread or a helper.
+impl Served {
+    fn lookup(&self, pid: u32, parent: INodeNo, name: &str, reply: ReplyEntry) {
+        match self.fs.lookup_as(parent.0, name, self.opens.owner(pid), pid) {
+            // fuser's order: the attributes' TTL, then the name's.
+            Ok(a) => reply.entry_with_ttls(
+                &Self::attr_ttl(a.keep),
+                &Self::entry_ttl(a.keep),
+                &self.file_attr(&a),
+                Generation(0),
+            ),
+            Err(e) => reply.error(self.fail("lookup", parent.0, &e)),
+        }
+    }
+
+    fn getattr(&self, ino: INodeNo, reply: ReplyAttr) {
+        match self.fs.getattr(ino.0) {
+            Ok(a) => reply.attr(&Self::attr_ttl(a.keep), &self.file_attr(&a)),
+            Err(e) => reply.error(self.fail("getattr", ino.0, &e)),
+        }
+    }
+
+    fn open(&self, pid: u32, unique: u64, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
+        match self.fs.open(ino.0, write) {
+            Ok(Opening::Snapshot) => {
+                let fh = self.opens.open_stats(&self.fs, unique);
+                reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH)
+            }
+            Ok(Opening::File) => match self.opens.open(&self.fs, ino.0, pid, unique) {
+                Ok((fh, mode)) => reply_open(fh, mode, reply),
+                Err(e) => reply.error(self.fail("open", ino.0, &e)),
+            },
+            Err(e) => reply.error(self.fail("open", ino.0, &e)),
+        }
+    }
+
+    fn read(&self, pid: u32, ino: INodeNo, offset: u64, size: u32, reply: ReplyData) {
+        match self.fs.read(ino.0, offset, size, self.opens.owner(pid)) {
+            Ok(data) => reply.data(&data),
+            Err(e) => reply.error(self.fail("read", ino.0, &e)),
+        }
+    }
+
+    fn readdir(&self, pid: u32, ino: INodeNo, offset: u64, mut reply: ReplyDirectory) {
+        match self
+            .list("readdir", pid, ino, offset, |child, next, kind, name| reply.add(INodeNo(child), next, kind, name))
+        {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// A listing with each name's entry and attributes (`READDIRPLUS`): a walk that lists a folder and
+    /// then opens its files (ImageFolder's, DALI's over an epoch folder) costs no lookup per file. A
+    /// name looked up anew at every use (`shuffled/`'s, `rolling/`'s, the stats'), or whose attributes
+    /// cost work (the indexed layout's twins), is listed alone and looked up when used.
+    fn readdirplus(&self, pid: u32, ino: INodeNo, offset: u64, mut reply: ReplyDirectoryPlus) {
+        let listed = self.list("readdirplus", pid, ino, offset, |child, next, kind, name| {
+            match self.fs.listed_whole(child).then(|| self.fs.getattr(child).ok()).flatten() {
+                Some(a) => reply.add(INodeNo(child), next, &name, &TTL, &self.file_attr(&a), Generation(0)),
+                None => reply.add_name(INodeNo(child), next, &name, kind),
+            }
+        });
+        match listed {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -368,7 +417,7 @@ mod tests {
     /// Which nodes keep what is the views' to say (`fs.rs`'s tests); this is what each means to the kernel.
     #[test]
     fn names_handed_out_anew_are_looked_up_each_time_and_their_inodes_attributes_are_kept() {
-        let ttls = |keep| (FuseFs::entry_ttl(keep), FuseFs::attr_ttl(keep));
+        let ttls = |keep| (Served::entry_ttl(keep), Served::attr_ttl(keep));
         assert_eq!(ttls(Keep::Attributes), (Duration::ZERO, TTL));
         assert_eq!(ttls(Keep::Nothing), (Duration::ZERO, Duration::ZERO));
         assert_eq!(ttls(Keep::All), (TTL, TTL));

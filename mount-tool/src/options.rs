@@ -273,7 +273,7 @@ options! {
     auto_unmount: bool = false, value::switch, "off", "BOOL", "FUSE",
         "Ask the kernel to unmount when the daemon exits.";
     threads: usize = 16, value::at_least_one, "16", "N", "FUSE",
-        "FUSE worker threads.";
+        "FUSE worker threads (all but one may wait on the server; more waits go to helper threads).";
     passthrough: bool = true, value::switch, "true", "BOOL", "FUSE",
         "Hand verified files to the kernel (FUSE passthrough) where it allows.";
     huge_pages: bool = true, value::switch, "true", "BOOL", "FUSE",

@@ -345,6 +345,52 @@ fn a_server_outage_is_waited_out_then_reported_as_eio() {
     drop(mounted);
 }
 
+/// Readers waiting out a server outage, more of them than the mount has FUSE threads, hold none of the
+/// threads the rest of the mount answers with: the stats file and the root answer while the reads wait (they
+/// waited for the reads' `timeout` before), and every read completes with its bytes when the server is back.
+#[test]
+fn readers_waiting_out_an_outage_leave_the_stats_file_and_listings_answered() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Lmdb, 40, 4000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let addr = server.running.local_addr();
+    let m = manifest(&rt, &server, "batch_size=4");
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=4,prefetch=0,timeout=60s,threads=2");
+    let epoch = mounted.mountpoint.join("epoch-0000");
+    assert_eq!(std::fs::read_dir(&epoch).unwrap().count(), 2 * m.batches.len(), "listed: the manifest is here");
+    rt.block_on(server.running.shutdown());
+    let readers: Vec<_> = (1..=6)
+        .map(|b| {
+            let path = epoch.join(format!("batch-{b:06}.tfrecord"));
+            std::thread::spawn(move || std::fs::read(path))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mountpoint = mounted.mountpoint.clone();
+    std::thread::spawn(move || {
+        let stats = std::fs::read(mountpoint.join(".batchfs/stats"));
+        let listed = std::fs::read_dir(&mountpoint).map(|d| d.count());
+        let _ = tx.send((stats, listed));
+    });
+    let answered = rx.recv_timeout(Duration::from_secs(20));
+    let waiting = readers.iter().all(|r| !r.is_finished());
+    // The server is back before anything is asserted: a failing check must not leave readers blocked on
+    // this process's own mount.
+    let server = rt.block_on(common::serve_on(addr, &[("d", &fx.path)]));
+    let read: Vec<_> = readers.into_iter().map(|r| r.join().unwrap()).collect();
+    let (stats, listed) = answered.expect("the stats file and the root answer while the reads wait");
+    let stats: serde_json::Value = serde_json::from_slice(&stats.unwrap()).unwrap();
+    assert!(stats["reads"].is_u64(), "{stats}");
+    assert!(listed.unwrap() >= 2);
+    assert!(waiting, "the reads waited for the server");
+    for (b, body) in (1..=6).zip(read) {
+        assert_eq!(crc::crc32c(&body.unwrap()), m.batches[b].crc32c, "batch {b}");
+    }
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}
+
 #[test]
 fn raw_shows_the_source_files_prefetched_in_directory_order() {
     let rt = runtime();
