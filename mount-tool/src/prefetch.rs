@@ -90,6 +90,7 @@ use entry::{Content, Entry};
 use fetcher::Fetcher;
 pub use kinds::{Listing, Object, Objects, OnDisk};
 use listings::Listings;
+pub(crate) use listings::NextEpoch;
 pub(crate) use raw::Raw;
 use raw::RawDirs;
 use retry::{with_retries, Failure};
@@ -295,13 +296,8 @@ impl Prefetcher {
     /// What warming epoch `epoch` in `format` needs, without blocking or marking anything used: its
     /// manifest if here, and the format of index twins to fetch too (a reader of this epoch's DALI index
     /// twins reads all of the next epoch's at its pipeline build).
-    pub(crate) fn next_epoch_manifests(
-        &self,
-        epoch: u64,
-        format: BatchFormat,
-    ) -> (Option<Arc<Manifest>>, Option<BatchFormat>) {
-        let listings::NextEpoch { cached, twins } = self.listings.next_epoch(epoch, format);
-        (cached, twins)
+    pub(crate) fn next_epoch_manifests(&self, epoch: u64, format: BatchFormat) -> NextEpoch {
+        self.listings.next_epoch(epoch, format)
     }
 
     /// The slot table of `rolling/`'s indexed layout, if fetched (never blocks).

@@ -26,7 +26,7 @@ pub(super) struct Listings {
 
 /// What warming the next epoch needs: its manifest if cached, and the format of index twins to fetch
 /// too (a reader of this epoch's DALI index twins reads all of the next epoch's at its pipeline build).
-pub(super) struct NextEpoch {
+pub struct NextEpoch {
     pub cached: Option<Arc<Manifest>>,
     pub twins: Option<BatchFormat>,
 }

@@ -6,7 +6,7 @@
 
 use crate::client::Request;
 use crate::prefetch::kinds::{Follow, Kind, Object, Objects, OnDisk, Warming};
-use crate::prefetch::{Listing, ObjectKey, Prefetcher, ReadError};
+use crate::prefetch::{Listing, NextEpoch, ObjectKey, Prefetcher, ReadError};
 use batchfs::api::Manifest;
 use batchfs::encode::BatchFormat;
 use futures_util::future::BoxFuture;
@@ -55,7 +55,7 @@ impl Kind for EpochBatches {
     }
 
     fn warming(&self, p: &Prefetcher, next: Listing) -> Warming {
-        let (cached, twins) = p.next_epoch_manifests(next.epoch, format_of(next));
+        let NextEpoch { cached, twins } = p.next_epoch_manifests(next.epoch, format_of(next));
         Warming {
             cached: cached.map(|m| Arc::new(Batches(m)) as Arc<dyn Objects>),
             whole: twins.map(|idx| listing(next.epoch, idx)).into_iter().collect(),

@@ -48,7 +48,7 @@ impl Kind for PlacedBatches {
     }
 
     fn warming(&self, p: &Prefetcher, next: Listing) -> Warming {
-        let (cached, _) = p.next_epoch_manifests(next.epoch, BatchFormat::Tfrecord);
+        let cached = p.next_epoch_manifests(next.epoch, BatchFormat::Tfrecord).cached;
         let cached = cached.zip(table(p).ok()).map(|(manifest, table)| Arc::new(Placed { manifest, table }) as _);
         Warming { cached, whole: Vec::new() }
     }

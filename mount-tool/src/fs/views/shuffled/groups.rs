@@ -39,7 +39,7 @@ impl Kind for ClassGroups {
         let plan = p
             .cached_class_plan(epoch)
             .ok_or_else(|| ReadError::NotFound(format!("the plan of epoch {epoch} of shuffled/")))?;
-        Ok(Arc::new(Groups { plan, class: listing.part as usize, table: p.shuffled_table() }))
+        Ok(Arc::new(Groups::of(p, plan, listing.part as usize)))
     }
 
     fn follow(&self, _listing: Listing) -> Follow {
@@ -56,6 +56,11 @@ struct Groups {
 }
 
 impl Groups {
+    /// Class `class`'s groups of `plan`, with the sample table if `p` has fetched it.
+    fn of(p: &Prefetcher, plan: Arc<ClassPlan>, class: usize) -> Self {
+        Groups { plan, class, table: p.shuffled_table() }
+    }
+
     fn groups(&self) -> &[Sent] {
         self.plan.groups.get(self.class).map_or(&[], Vec::as_slice)
     }
@@ -90,7 +95,7 @@ impl Objects for Groups {
 /// flight; none once the cache or the prefetch cap is full).
 pub fn prefetch(p: &Arc<Prefetcher>, plan: &Arc<ClassPlan>, class: usize, groups: std::ops::Range<u64>) {
     let listing = listing(plan.epoch, class);
-    let objects: Arc<dyn Objects> = Arc::new(Groups { plan: plan.clone(), class, table: p.shuffled_table() });
+    let objects: Arc<dyn Objects> = Arc::new(Groups::of(p, plan.clone(), class));
     let targets: Vec<Target> =
         (groups.start..groups.end.min(objects.count())).map(|index| Target { listing, index }).collect();
     p.prefetch(&targets, &objects);
