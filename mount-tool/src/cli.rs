@@ -238,8 +238,19 @@ fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: bool) -
     }
 }
 
+/// How long `umount` tries again while the mount is busy: a file just closed keeps it busy until the
+/// daemon has answered the close (the kernel sends `RELEASE` after `close` returns), which a loaded machine
+/// may take a moment to do; a file still open keeps it busy past this.
+const BUSY_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
-    crate::sys::unmount(mountpoint, lazy).map_err(|e| match e.raw_os_error() {
+    let deadline = std::time::Instant::now() + BUSY_GRACE;
+    let mut tried = crate::sys::unmount(mountpoint, lazy);
+    while matches!(&tried, Err(e) if e.raw_os_error() == Some(libc::EBUSY)) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        tried = crate::sys::unmount(mountpoint, lazy);
+    }
+    tried.map_err(|e| match e.raw_os_error() {
         Some(libc::EINVAL) => anyhow::anyhow!("{} is not mounted", mountpoint.display()),
         Some(libc::EBUSY) => {
             anyhow::anyhow!("{} is busy (files open); use --lazy to detach it now", mountpoint.display())

@@ -61,6 +61,12 @@ fn daemonized_mount_stats_and_umount() {
     let json = batchfs(&["stats", "--json", mnt.to_str().unwrap()]);
     let stats: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert!(stats["bytes_served"].as_u64().unwrap() > 0);
+    // A file held open keeps the mount busy past the grace given to files just closed.
+    let held = std::fs::File::open(mnt.join("epoch-0001/batch-000000.tfrecord")).unwrap();
+    let busy = batchfs(&["umount", mnt.to_str().unwrap()]);
+    assert!(stderr(&busy).contains("is busy (files open)"), "{}", stderr(&busy));
+    assert!(is_mounted(&mnt));
+    drop(held);
     let out = batchfs(&["umount", mnt.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(!is_mounted(&mnt));
