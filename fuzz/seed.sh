@@ -12,7 +12,7 @@ SEEDS=$ROOT/fuzz/seeds
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 rm -rf "$SEEDS"
-mkdir -p "$SEEDS"/{tfrecord,tar,index,proto,query}
+mkdir -p "$SEEDS"/{tfrecord,tar,index,proto,query,frames}
 for format in tfrecord tar lmdb files; do
     "$SERVER" gen --format "$format" --samples 6 --mean-bytes 300 --shards 2 --classes 3 --seed 1 \
         --out "$work/$format" >/dev/null
@@ -52,5 +52,49 @@ done <<'QUERIES'
 /healthz\nseed=18446744073709551615\nbytes=0-1,4-5\n0
 /v1/datasets\ndrop_last=maybe&batch_size=99999999999\nbytes=abc\n4294967295
 QUERIES
+# frames: what the server really sends a mount (its SETTINGS, WINDOW_UPDATE, a response head in HPACK with
+# Huffman coding and its dynamic table, DATA), captured from two requests on one h2c connection, and a
+# synthetic connection with padding, CONTINUATION, PING and GOAWAY. Each seed starts with the target's
+# one byte that picks the largest frame allowed.
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$SERVER" serve --listen "127.0.0.1:$port" --dataset "d=$work/tfrecord" >"$work/server.log" 2>&1 &
+server_pid=$!
+trap 'kill $server_pid 2>/dev/null; rm -rf "$work"' EXIT
+python3 - "$port" "$SEEDS/frames" <<'PY'
+import socket, struct, sys, time
+port, out = int(sys.argv[1]), sys.argv[2]
+def frame(kind, flags, stream, payload):
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+def literal(index, value):
+    return bytes([index]) + bytes([len(value)]) + value
+def request(stream, path):
+    block = b"\x82\x86" + literal(1, b"127.0.0.1:%d" % port) + literal(4, path)
+    return frame(1, 0x5, stream, block)
+for attempt in range(100):
+    try:
+        s = socket.create_connection(("127.0.0.1", port))
+        break
+    except OSError:
+        time.sleep(0.1)
+s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, struct.pack(">HI", 5, 131072)))
+s.sendall(request(1, b"/v1/datasets/d/epochs/0/batches/0?batch_size=4&format=tfrecord"))
+s.sendall(request(3, b"/v1/datasets/d/epochs/0/batches/9?batch_size=4&format=tfrecord"))
+s.settimeout(1.0)
+got = b""
+try:
+    while True:
+        piece = s.recv(65536)
+        if not piece:
+            break
+        got += piece
+except socket.timeout:
+    pass
+open(out + "/server-capture", "wb").write(b"\x01" + got)
+synthetic = (frame(4, 0, 0, struct.pack(">HIHI", 3, 100, 5, 16384)) + frame(6, 0, 0, b"12345678")
+    + frame(1, 0x8, 1, b"\x02\x88" + b"\0\0") + frame(9, 0x4, 1, b"")
+    + frame(0, 0x8, 1, b"\x03abc\0\0\0") + frame(0, 0x1, 1, b"end")
+    + frame(8, 0, 0, struct.pack(">I", 1000)) + frame(7, 0, 0, struct.pack(">II", 1, 0) + b"bye"))
+open(out + "/synthetic", "wb").write(b"\x00" + synthetic)
+PY
 find "$SEEDS" -type f | wc -l | xargs echo "seed files:"
 du -sh "$SEEDS"

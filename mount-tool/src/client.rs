@@ -19,6 +19,7 @@ use thiserror::Error;
 mod connect;
 pub mod health;
 mod http;
+mod wire;
 pub use crate::buffers::{Body, Sink};
 pub use http::{parse_url, HttpClient, HttpConfig, UrlError};
 

@@ -160,24 +160,43 @@ impl Filling {
     /// Appends `data`, extending `crc` (the CRC32C of everything written before) over it; at each
     /// checkpoint reached, publishes the prefix if `crc` matches it, and fails with `InvalidData` if not.
     /// Bytes past the manifest's size fail with `InvalidData` too (the client stops before).
-    pub fn append(&mut self, mut data: &[u8], crc: &mut u32) -> std::io::Result<()> {
-        if self.written + data.len() as u64 > self.partial.expect.0 {
+    pub fn append(&mut self, data: &[u8], crc: &mut u32) -> std::io::Result<()> {
+        let room = self.spare(data.len());
+        if room.len() < data.len() {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "the body runs past the manifest's size"));
         }
-        while !data.is_empty() {
+        // SAFETY: `MaybeUninit<u8>` has `u8`'s layout; `room` and `data` (the response's) do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), room.as_mut_ptr().cast::<u8>(), data.len()) };
+        self.commit(data.len(), crc)
+    }
+
+    /// Room for up to `want` bytes past what is written, within the manifest's size: the receiver reads
+    /// into it, then [`Filling::commit`]s what it read.
+    pub fn spare(&mut self, want: usize) -> &mut [std::mem::MaybeUninit<u8>] {
+        let at = self.written as usize;
+        let end = (self.partial.expect.0 as usize).min(at.saturating_add(want));
+        // The reservation in `Partial::new` made room for the manifest's size.
+        assert!(end <= self.partial.cap, "a body within its size fits its buffer");
+        // SAFETY: `[at, end)` is within the allocation (asserted) and past everything published
+        // (`verified <= written == at`), so no view covers it; this `Filling` is the only writer (it is
+        // created once per `Partial` and not cloned), and `&mut self` lends the room to one caller at a time.
+        unsafe { std::slice::from_raw_parts_mut(self.partial.ptr.as_ptr().add(at).cast(), end - at) }
+    }
+
+    /// The first `n` bytes of the last [`Filling::spare`] were written: extends `crc` over them and, at
+    /// each checkpoint reached, publishes the prefix if `crc` matches it, or fails with `InvalidData`.
+    pub fn commit(&mut self, n: usize, crc: &mut u32) -> std::io::Result<()> {
+        let mut left = n;
+        assert!(self.written + n as u64 <= self.partial.expect.0, "commits only what was given room");
+        while left > 0 {
             let next = self.checkpoints.front().copied();
-            let take = next.map_or(data.len(), |(end, _)| ((end - self.written) as usize).min(data.len()));
-            let (now, rest) = data.split_at(take);
+            let take = next.map_or(left, |(end, _)| ((end - self.written) as usize).min(left));
+            // SAFETY: `[written, written + take)` was given as room by `spare` and filled by the caller
+            // (initialized), within the allocation, and no view covers it yet.
+            let now = unsafe { std::slice::from_raw_parts(self.partial.ptr.as_ptr().add(self.written as usize), take) };
             *crc = batchfs::crc::crc32c_append(*crc, now);
-            let at = self.written as usize;
-            // The reservation in `Partial::new` made room for the manifest's size, checked above.
-            assert!(at + take <= self.partial.cap, "a body within its size fits its buffer");
-            // SAFETY: `[at, at + take)` is within the allocation (asserted) and past everything published
-            // (`verified <= written == at`), so no view covers it; this `Filling` is the only writer (it is
-            // created once per `Partial` and not cloned). `now` is another allocation (the response's).
-            unsafe { std::ptr::copy_nonoverlapping(now.as_ptr(), self.partial.ptr.as_ptr().add(at), take) };
             self.written += take as u64;
-            data = rest;
+            left -= take;
             if let Some((end, want)) = next.filter(|&(end, _)| end == self.written) {
                 if *crc != want {
                     return Err(std::io::Error::new(

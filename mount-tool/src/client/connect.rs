@@ -53,6 +53,11 @@ impl Connector {
     }
 
     async fn connect(self, uri: http::Uri) -> io::Result<Conn> {
+        Ok(Conn { io: TokioIo::new(self.open(&uri).await?) })
+    }
+
+    /// A connection to `uri`'s server: TCP, or TLS that agreed on `h2`, not yet speaking HTTP/2.
+    pub async fn open(&self, uri: &http::Uri) -> io::Result<Stream> {
         let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("{uri}: {what}"));
         let https = match uri.scheme_str() {
             Some("https") => true,
@@ -68,7 +73,7 @@ impl Connector {
             tokio::time::timeout(self.timeout, TcpStream::connect((host, port))).await.map_err(|_| timed_out())??;
         tcp.set_nodelay(true)?;
         if !https {
-            return Ok(Conn { io: TokioIo::new(Stream::Plain(tcp)) });
+            return Ok(Stream::Plain(tcp));
         }
         let name = rustls::pki_types::ServerName::try_from(host.to_owned()).map_err(|_| invalid("not a TLS name"))?;
         let stream = tokio::time::timeout(self.timeout, self.tls.connect(name, ReadAhead::new(tcp)))
@@ -77,7 +82,7 @@ impl Connector {
         if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
             return Err(io::Error::new(io::ErrorKind::Unsupported, format!("{uri}: the server does not offer HTTP/2")));
         }
-        Ok(Conn { io: TokioIo::new(Stream::Tls(Box::new(stream))) })
+        Ok(Stream::Tls(Box::new(stream)))
     }
 }
 

@@ -1,10 +1,12 @@
-//! The HTTP/2 client: hyper over `connections` multiplexed connections to each server (made by
-//! `connect.rs`: TCP, or TLS over a socket read ahead), every request routed by the servers' health
-//! (`health.rs`), bodies streamed into their [`Sink`] with the CRC32C computed as they arrive, a response
-//! that stalls or runs past its announced size cut off.
+//! The HTTP/2 client: `connections` multiplexed connections to each server (made by `connect.rs`: TCP,
+//! or TLS over a socket read ahead), every request routed by the servers' health (`health.rs`). Bodies
+//! go over the mount's own connections (`wire.rs`), received straight into their [`Sink`] with the
+//! CRC32C computed as they arrive, a response that stalls or runs past its announced size cut off; the
+//! small JSON replies (descriptions, manifests, listings, tables) over hyper's.
 
 use super::connect::Connector;
 use super::health::{Health, InFlight};
+use super::wire::{Ask, Reply, Wire};
 use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sink};
 use batchfs::api::{
     self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SampleTable, SlotTable,
@@ -76,8 +78,13 @@ type Response = http::Response<hyper::body::Incoming>;
 /// The HTTP/2 client.
 pub struct HttpClient {
     config: HttpConfig,
-    /// `connections` clients per server (each keeps one HTTP/2 connection), server-major.
+    /// `connections` clients per server (each keeps one HTTP/2 connection), server-major: the JSON
+    /// replies.
     clients: Vec<Client<Connector, Empty<Bytes>>>,
+    /// `connections` connections per server for the bodies, server-major, each made when first needed
+    /// and again after it ends.
+    wires: Vec<tokio::sync::Mutex<Option<Arc<Wire>>>>,
+    connector: Connector,
     next: AtomicUsize,
     /// Every server's health, which routes each request (see `client/health.rs`).
     health: Arc<Health>,
@@ -117,7 +124,8 @@ impl HttpClient {
             }
         }
         let health = Arc::new(Health::new(&config.servers));
-        Ok(HttpClient { config, clients, next: AtomicUsize::new(0), health })
+        let wires = (0..clients.len()).map(|_| tokio::sync::Mutex::new(None)).collect();
+        Ok(HttpClient { config, clients, wires, connector, next: AtomicUsize::new(0), health })
     }
 
     /// Every server's health (for `batchfs stats` and the metrics endpoint).
@@ -178,19 +186,8 @@ impl HttpClient {
                 .flatten()
                 .map(|v| v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(1));
             let body = tokio::time::timeout(self.config.stall_timeout, response.into_body().collect()).await;
-            let message =
-                match body.ok().and_then(|b| b.ok()).map(|b| serde_json::from_slice::<ErrorBody>(&b.to_bytes())) {
-                    Some(Ok(body)) => body.error,
-                    _ => status.canonical_reason().unwrap_or("error").to_owned(),
-                };
-            // A 4xx is the request's fault, not the server's; a 503 with Retry-After is a server shedding
-            // load, saturated rather than failing: it rests as long as it asks.
-            match retry_after {
-                Some(seconds) => flight.shed(Duration::from_secs(seconds)),
-                None if status.is_server_error() => flight.failed(),
-                None => {}
-            }
-            return Err(ClientError::Status { server, status: status.as_u16(), message });
+            let body = body.ok().and_then(|b| b.ok()).map(|b| b.to_bytes()).unwrap_or_default();
+            return Err(refused(flight, server, status.as_u16(), retry_after, &body));
         }
         Ok((flight, server, response))
     }
@@ -298,10 +295,27 @@ impl BatchClient for HttpClient {
     }
 }
 
+/// A response whose status is not a success: its error (what its JSON body said), and what it tells of
+/// its server's health. A 4xx is the request's fault, not the server's; a 503 with `Retry-After` is a
+/// server shedding load, saturated rather than failing: it rests as long as it asks.
+fn refused(flight: InFlight<'_>, server: String, status: u16, retry_after: Option<u64>, body: &[u8]) -> ClientError {
+    let message = match serde_json::from_slice::<ErrorBody>(body) {
+        Ok(body) => body.error,
+        Err(_) => StatusCode::from_u16(status).ok().and_then(|s| s.canonical_reason()).unwrap_or("error").to_owned(),
+    };
+    match retry_after {
+        Some(seconds) => flight.shed(Duration::from_secs(seconds)),
+        None if status >= 500 => flight.failed(),
+        None => {}
+    }
+    ClientError::Status { server, status, message }
+}
+
 impl HttpClient {
-    /// A whole response body of at most `expect` bytes, appended to `body`, or of the `(offset, len)`
-    /// range of the resource if given (a server that answers a range from a non-zero offset with the whole
-    /// resource is refused, not trusted); a response with no bytes for `stall_timeout` is abandoned.
+    /// A whole response body of at most `expect` bytes, received into `body` over the server's body
+    /// connections, or of the `(offset, len)` range of the resource if given (a server that answers a
+    /// range from a non-zero offset with the whole resource is refused, not trusted); a response with no
+    /// bytes for `stall_timeout` is abandoned.
     async fn fetch(
         &self,
         spread: usize,
@@ -310,79 +324,59 @@ impl HttpClient {
         body: Sink,
         expect: u64,
     ) -> Result<Body, ClientError> {
-        let (flight, server, response) = self.get(spread, expect, path_and_query, range).await?;
-        if let Some((offset, _)) = range.filter(|&(offset, _)| offset > 0) {
-            if response.status() != StatusCode::PARTIAL_CONTENT {
+        let flight = self.health.begin(spread, expect);
+        // Every server is out and this one, back soonest, rests after shedding load: as it asked.
+        if let Some(rest) = self.health.resting(flight.server()) {
+            tokio::time::sleep(rest).await;
+        }
+        let per = self.config.connections.max(1);
+        let lane = flight.server() * per + self.next.fetch_add(1, Ordering::Relaxed) % per;
+        let server = self.health.url(flight.server()).to_owned();
+        let wire = match self.wire(lane, &server).await {
+            Ok(w) => w,
+            Err(e) => {
                 flight.failed();
-                return Err(ClientError::Malformed {
-                    server,
-                    message: format!("{path_and_query}: asked for bytes from {offset}, got the whole file"),
-                });
+                return Err(e);
+            }
+        };
+        let token = self.config.token.as_ref().map(|t| format!("Bearer {t}"));
+        let bytes = range.map(|(offset, len)| format!("bytes={offset}-{}", offset + len - 1));
+        let mut fields = Vec::new();
+        if let Some(token) = &token {
+            fields.push(("authorization", token.as_str()));
+        }
+        if let Some(bytes) = &bytes {
+            fields.push(("range", bytes.as_str()));
+        }
+        let ask = Ask { path_and_query, fields: &fields, expect, range_from: range.map_or(0, |r| r.0) };
+        match wire.get(ask, body, self.config.stall_timeout).await {
+            Ok(Reply { body: Ok(body), .. }) => {
+                flight.succeeded(body.sink.len());
+                Ok(body)
+            }
+            Ok(Reply { status, retry_after, body: Err(message) }) => {
+                Err(refused(flight, server, status, retry_after, &message))
+            }
+            Err(e) => {
+                flight.failed();
+                Err(e)
             }
         }
-        let result = self.read_body(&server, response, path_and_query, body, expect).await;
-        match &result {
-            Ok(b) => flight.succeeded(b.sink.len()),
-            Err(_) => flight.failed(),
-        }
-        result
     }
 
-    /// Reads a response body into `body`, at most `expect` bytes, abandoning it after `stall_timeout`
-    /// without a byte.
-    async fn read_body(
-        &self,
-        server: &str,
-        response: Response,
-        path_and_query: &str,
-        mut body: Sink,
-        expect: u64,
-    ) -> Result<Body, ClientError> {
-        let server = server.to_owned();
-        let too_long = |what: String| ClientError::Malformed {
-            server: server.clone(),
-            message: format!("{path_and_query}: {what}, but the manifest announced {expect} bytes"),
-        };
-        let announced = response.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse().ok());
-        if let Some(len) = announced.filter(|&len: &u64| len > expect) {
-            return Err(too_long(format!("the response announced {len} bytes")));
+    /// Body connection `lane` (to `server`), made if it has none or the last one ended.
+    async fn wire(&self, lane: usize, server: &str) -> Result<Arc<Wire>, ClientError> {
+        let mut held = self.wires[lane].lock().await;
+        if let Some(wire) = held.as_ref().filter(|w| w.usable()) {
+            return Ok(wire.clone());
         }
-        debug_assert!(body.is_empty(), "bodies are fetched into empty sinks");
-        let checkpoints = response.headers().get(api::CHECKPOINTS_HEADER).map(|v| v.to_str().ok());
-        if let Some(value) = checkpoints {
-            // Malformed, or not this manifest's body: the body is then released only whole.
-            let parsed = value.and_then(api::parse_checkpoints);
-            if !parsed.is_some_and(|c| body.expect_checkpoints(c)) && matches!(body, Sink::Buffer(_)) {
-                tracing::debug!(%server, path = path_and_query, "checkpoints not used");
-            }
-        }
-        let mut crc = 0;
-        let mut incoming = response.into_body();
-        loop {
-            let frame = tokio::time::timeout(self.config.stall_timeout, incoming.frame())
-                .await
-                .map_err(|_| ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout })?
-                .transpose()
-                .map_err(|e| ClientError::unreachable(server.clone(), e))?;
-            // Trailers carry no bytes of the body.
-            let chunk = match frame.map(|f| f.into_data()) {
-                Some(Err(_)) => continue,
-                Some(Ok(c)) => Some(c),
-                None => None,
-            };
-            match chunk {
-                Some(c) => {
-                    if body.len() + c.len() as u64 > expect {
-                        return Err(too_long(format!("the body ran past {expect} bytes")));
-                    }
-                    // A memory file is written here, on the runtime: a copy into page cache, no I/O.
-                    body.append(&c, &mut crc).map_err(|e| {
-                        ClientError::appending(&server, std::io::Error::new(e.kind(), format!("{path_and_query}: {e}")))
-                    })?;
-                }
-                None => return Ok(Body { sink: body, crc32c: crc }),
-            }
-        }
+        let uri: http::Uri = server
+            .parse()
+            .map_err(|e| ClientError::Malformed { server: server.to_owned(), message: format!("not a URL: {e}") })?;
+        let stream = self.connector.open(&uri).await.map_err(|e| ClientError::unreachable(server, e))?;
+        let wire = Wire::start(stream, server, self.config.frame_size);
+        *held = Some(wire.clone());
+        Ok(wire)
     }
 }
 
