@@ -3,9 +3,9 @@
 //! each frame meant), the frames a client writes, and a client's request headers in HPACK (RFC 7541).
 //!
 //! The reader never holds a DATA frame's payload: it says how many bytes of which stream come next
-//! ([`Next::Data`]) and its caller reads them from the socket straight into wherever that stream's body
-//! goes (the mount's memory files and buffers), so a body is copied once, by the kernel, out of the
-//! socket. Every other frame is small and read whole. A connection's bytes are hostile input: every
+//! ([`Next::Data`]) and its caller reads them from the socket wherever that stream's body goes (into
+//! the mount's buffers straight, so a body is copied once, by the kernel, out of the socket). Every other
+//! frame is small and read whole. A connection's bytes are hostile input: every
 //! length, padding, flag and stream id is checked here, a header block has a bounded size however many
 //! CONTINUATION frames carry it, and what breaks the protocol is a [`FrameError`] naming the RFC's
 //! error code. `fuzz/fuzz_targets/frames.rs` feeds the reader arbitrary bytes.

@@ -61,27 +61,6 @@ pub fn start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
-/// Allocates the pages of `span` of a shared writable mapping in one call (`MADV_POPULATE_WRITE`, Linux
-/// 5.14+), where touching them would fault each in on its own. Best effort: on a kernel without it the
-/// writes fault the pages in as before.
-pub fn populate_write(span: &mut [u8]) {
-    // Not in every libc crate's list yet: <linux/mman.h>.
-    const MADV_POPULATE_WRITE: libc::c_int = 23;
-    if span.is_empty() {
-        return;
-    }
-    let page = 4096;
-    let start = span.as_mut_ptr() as usize;
-    let aligned = start & !(page - 1);
-    // SAFETY: `[aligned, start + len)` lies within the mapping `span` belongs to (mappings are
-    // page-aligned, so rounding the start down stays in it); the advice only allocates pages, changing
-    // no byte of them, and touches no memory of ours.
-    let rc = unsafe { libc::madvise(aligned as *mut libc::c_void, start + span.len() - aligned, MADV_POPULATE_WRITE) };
-    if rc != 0 {
-        tracing::trace!(error = %io::Error::last_os_error(), "MADV_POPULATE_WRITE");
-    }
-}
-
 /// An anonymous memory-backed file (`memfd_create`), closed on exec, that [`seal`] can make immutable.
 pub fn memfd(name: &str) -> io::Result<std::fs::File> {
     use std::os::fd::FromRawFd;

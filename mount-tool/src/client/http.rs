@@ -4,9 +4,9 @@
 //! CRC32C computed as they arrive, a response that stalls or runs past its announced size cut off; the
 //! small JSON replies (descriptions, manifests, listings, tables) over hyper's.
 
-use super::connect::Connector;
+use super::connect::{Connector, Stream};
 use super::health::{Health, InFlight};
-use super::wire::{Ask, Reply, Wire};
+use super::wire::{Ask, Reply, Wire, INBOX};
 use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sink};
 use batchfs::api::{
     self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SampleTable, SlotTable,
@@ -374,7 +374,8 @@ impl HttpClient {
             .parse()
             .map_err(|e| ClientError::Malformed { server: server.to_owned(), message: format!("not a URL: {e}") })?;
         let stream = self.connector.open(&uri).await.map_err(|e| ClientError::unreachable(server, e))?;
-        let wire = Wire::start(stream, server, self.config.frame_size);
+        let inbox = if matches!(stream, Stream::Plain(_)) { INBOX } else { 0 };
+        let wire = Wire::start(stream, server, self.config.frame_size, inbox);
         *held = Some(wire.clone());
         Ok(wire)
     }

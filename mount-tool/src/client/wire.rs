@@ -1,9 +1,11 @@
-//! The mount's own HTTP/2 connection, for bodies: each DATA frame's bytes are read from the socket
-//! straight into the memory file or buffer its body goes to ([`Sink::spare`]), the CRC32C extended over
-//! them right after (while they are in the CPU's caches), so a body is copied once, by the kernel's
-//! receive, where hyper's connection read each frame into a buffer of its own that was then copied into
-//! the memory file (two copies: 48 % of the daemon's CPU under DALI, docs/BENCHMARKS.md). Over TLS the
-//! one copy is rustls's, out of its decrypted record.
+//! The mount's own HTTP/2 connection, for bodies. A DATA frame bound for a buffer (what the daemon serves
+//! itself) is read from the socket straight into the buffer past its verified prefix
+//! ([`crate::buffers::Filling::spare`]), the CRC32C extended over it right after, while it is in the
+//! CPU's caches: one copy, the kernel's, where hyper's connection read each frame into a buffer of its
+//! own that was then copied into the body's. A frame bound for a memory file is read into a piece of its
+//! own that the file writes in whole spans, as before: receiving into the file's pages directly made the
+//! kernel zero them first, which cost more than the copy (docs/DESIGN.md, "One copy where it pays"). Over
+//! TLS the first copy is rustls's, out of its decrypted record.
 //!
 //! The frames are read by [`batchfs::frames::FrameReader`], which checks every length, flag and stream
 //! id; response heads are decoded by `loona-hpack`; requests are written with no HPACK state
@@ -17,14 +19,18 @@
 //! What hyper did for the JSON requests it still does (`client/http.rs`); this carries every body
 //! ([`super::BatchClient::fetch_body`]).
 
+mod reading;
+
 use super::{Body, ClientError, Sink};
-use batchfs::api;
-use batchfs::frames::{self, code, setting, Event, FrameError, FrameReader, Next};
+pub use reading::INBOX;
+use reading::{Buffered, Reading};
+
+use batchfs::frames::{self, code, setting, FrameReader};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 /// The connection's receive window (what the server may send before we give bytes back).
@@ -114,12 +120,14 @@ enum Out {
 }
 
 impl Wire {
-    /// Speaks HTTP/2 over `io` (a connection to `base_url`'s server, `https` over TLS): sends the
-    /// preface and SETTINGS (frames up to `max_frame`), and reads until the connection ends.
-    pub fn start<S>(io: S, base_url: &str, max_frame: u32) -> Arc<Wire>
+    /// Speaks HTTP/2 over `io` (a connection to `base_url`'s server, TCP or TLS): sends the preface and
+    /// SETTINGS (frames up to `max_frame`), and reads until the connection ends, small reads `inbox` bytes
+    /// at a time ([`INBOX`] for a socket; 0 for TLS, whose records rustls already holds).
+    pub fn start<S>(io: S, base_url: &str, max_frame: u32, inbox: usize) -> Arc<Wire>
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
+        let (read, write) = tokio::io::split(io);
         let shared = Arc::new(Shared {
             server: base_url.to_owned(),
             streams: Mutex::new(HashMap::new()),
@@ -130,7 +138,6 @@ impl Wire {
             last_frame: AtomicU64::new(0),
             born: Instant::now(),
         });
-        let (read, write) = tokio::io::split(io);
         let (out, rx) = mpsc::unbounded_channel();
         let reader = FrameReader::new(max_frame);
         let hello = [
@@ -145,16 +152,8 @@ impl Wire {
         ]
         .concat();
         let writer = tokio::spawn(write_loop(write, rx, shared.clone(), hello));
-        let reading = Reading {
-            shared: shared.clone(),
-            out: out.clone(),
-            reader,
-            decoder: loona_hpack::Decoder::new(),
-            window: CONNECTION_WINDOW,
-            unacked: 0,
-            streams_allowed: INITIAL_STREAMS,
-        };
-        let reader = tokio::spawn(reading.run(read));
+        let reading = Reading::new(shared.clone(), out.clone(), reader);
+        let reader = tokio::spawn(reading.run(Buffered::new(read, inbox)));
         Arc::new(Wire { server: base_url.to_owned(), shared, out, tasks: vec![writer, reader] })
     }
 
@@ -344,365 +343,12 @@ async fn write_loop<W: AsyncWrite>(
     }
 }
 
-/// The reader's state: see [`Reading::run`].
-struct Reading {
-    shared: Arc<Shared>,
-    out: mpsc::UnboundedSender<Out>,
-    reader: FrameReader,
-    /// What the server may still send on the connection.
-    window: u32,
-    /// Bytes taken and not yet given back to the connection's window.
-    unacked: u32,
-    /// HPACK's state for the server's heads.
-    decoder: loona_hpack::Decoder<'static>,
-    /// The streams the server takes at once, as last announced.
-    streams_allowed: usize,
-}
-
-/// Why reading stopped.
-enum Stop {
-    Io(std::io::Error),
-    Protocol(FrameError),
-}
-
-impl Reading {
-    async fn run<R: AsyncRead>(mut self, read: R) {
-        let mut read = std::pin::pin!(read);
-        let why = match self.frames(&mut read).await {
-            Stop::Io(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                self.shared.error("the server closed the connection")
-            }
-            Stop::Io(e) => ClientError::unreachable(self.shared.server.clone(), e),
-            Stop::Protocol(e) => {
-                tracing::warn!(server = %self.shared.server, error = %e, "closing a connection that broke HTTP/2");
-                let _ = self.out.send(Out::Frame(frames::goaway(0, e.code)));
-                ClientError::Malformed { server: self.shared.server.clone(), message: e.to_string() }
-            }
-        };
-        self.shared.end(&why);
-    }
-
-    async fn frames<R: AsyncRead>(&mut self, read: &mut std::pin::Pin<&mut R>) -> Stop {
-        let mut small = vec![0u8; self.reader.max_frame() as usize];
-        loop {
-            let event = match self.reader.next() {
-                Next::Head => {
-                    let mut head = [0u8; frames::HEADER_LEN];
-                    if let Err(e) = read.read_exact(&mut head).await {
-                        return Stop::Io(e);
-                    }
-                    self.reader.feed(&head)
-                }
-                Next::Payload(n) => {
-                    if let Err(e) = read.read_exact(&mut small[..n]).await {
-                        return Stop::Io(e);
-                    }
-                    self.reader.feed(&small[..n])
-                }
-                Next::Skip(n) => {
-                    if let Err(e) = read.read_exact(&mut small[..n]).await {
-                        return Stop::Io(e);
-                    }
-                    Ok(self.reader.skipped())
-                }
-                Next::Data { stream, len } => {
-                    if let Err(e) = self.data(read, stream, len, &mut small).await {
-                        return Stop::Io(e);
-                    }
-                    Ok(self.reader.data_read())
-                }
-            };
-            self.shared.last_frame.store(self.shared.millis(), Ordering::Release);
-            let handled = match event {
-                Ok(Some(event)) => self.event(event),
-                Ok(None) => Ok(()),
-                Err(e) => Err(e),
-            };
-            if let Err(e) = handled {
-                return Stop::Protocol(e);
-            }
-        }
-    }
-
-    /// `len` bytes of `stream`'s body: into its sink if it wants them, else dropped.
-    async fn data<R: AsyncRead>(
-        &mut self,
-        read: &mut std::pin::Pin<&mut R>,
-        stream: u32,
-        len: usize,
-        scratch: &mut [u8],
-    ) -> std::io::Result<()> {
-        let slot = self.shared.streams.lock().unwrap().remove(&stream);
-        let Some(mut slot) = slot else { return drop_bytes(read, len, scratch).await };
-        let mut left = len;
-        let failed = match (slot.status, slot.sink.as_mut()) {
-            (None, _) => Some(ClientError::Malformed {
-                server: self.shared.server.clone(),
-                message: format!("{}: body bytes before the response's head", slot.path),
-            }),
-            (Some(status), _) if !(200..300).contains(&status) => {
-                let keep = left.min(ERROR_BODY.saturating_sub(slot.error_body.len()));
-                let at = slot.error_body.len();
-                slot.error_body.resize(at + keep, 0);
-                read.read_exact(&mut slot.error_body[at..]).await?;
-                left -= keep;
-                None
-            }
-            (Some(_), Some(sink)) if sink.len() + len as u64 > slot.expect => Some(ClientError::Malformed {
-                server: self.shared.server.clone(),
-                message: format!("{}: the body ran past {} bytes, the manifest's size", slot.path, slot.expect),
-            }),
-            (Some(_), Some(sink)) => {
-                let mut failed = None;
-                while left > 0 {
-                    let mut room = sink.spare(left).map_err(std::io::Error::other)?;
-                    if room.remaining() == 0 {
-                        break;
-                    }
-                    std::future::poll_fn(|cx| read.as_mut().poll_read(cx, &mut room)).await?;
-                    let n = room.filled().len();
-                    if n == 0 {
-                        return Err(std::io::ErrorKind::UnexpectedEof.into());
-                    }
-                    left -= n;
-                    slot.want.progress.fetch_add(n as u64, Ordering::Release);
-                    if let Err(e) = sink.commit(n, &mut slot.crc) {
-                        failed = Some(ClientError::appending(&self.shared.server, e));
-                        break;
-                    }
-                }
-                failed
-            }
-            (Some(_), None) => None,
-        };
-        drop_bytes(read, left, scratch).await?;
-        match failed {
-            Some(e) => {
-                let _ = self.out.send(Out::Frame(frames::rst_stream(stream, code::CANCEL)));
-                let _ = slot.done.send(Err(e));
-            }
-            None => self.put_back(stream, slot),
-        }
-        Ok(())
-    }
-
-    fn put_back(&self, stream: u32, slot: Slot) {
-        let mut streams = self.shared.streams.lock().unwrap();
-        if !slot.want.cancelled.load(Ordering::Acquire) {
-            streams.insert(stream, slot);
-        }
-    }
-
-    fn event(&mut self, event: Event) -> Result<(), FrameError> {
-        match event {
-            Event::Headers { stream, block, end_stream } => self.head(stream, &block, end_stream)?,
-            Event::DataEnd { stream, flow, end_stream } => {
-                self.window = self.window.checked_sub(flow).ok_or_else(|| FrameError {
-                    code: code::FLOW_CONTROL_ERROR,
-                    what: "the server sent past the connection's window".into(),
-                })?;
-                self.unacked += flow;
-                if self.unacked >= CONNECTION_WINDOW / 4 {
-                    let _ = self.out.send(Out::Frame(frames::window_update(0, self.unacked)));
-                    self.window += self.unacked;
-                    self.unacked = 0;
-                }
-                let mut streams = self.shared.streams.lock().unwrap();
-                if end_stream {
-                    let slot = streams.remove(&stream);
-                    drop(streams);
-                    if let Some(slot) = slot {
-                        self.complete(slot);
-                    }
-                } else if let Some(slot) = streams.get_mut(&stream) {
-                    slot.unacked += flow;
-                    if slot.unacked >= STREAM_WINDOW / 4 {
-                        let _ = self.out.send(Out::Frame(frames::window_update(stream, slot.unacked)));
-                        slot.unacked = 0;
-                    }
-                }
-            }
-            Event::Reset { stream, code } => {
-                if let Some(slot) = self.shared.streams.lock().unwrap().remove(&stream) {
-                    let what = format!("{}: the server reset the stream ({})", slot.path, frames::code_name(code));
-                    let _ = slot.done.send(Err(self.shared.error(what)));
-                }
-            }
-            Event::Settings { ack: false, values } => {
-                for (id, value) in values {
-                    match id {
-                        setting::MAX_FRAME_SIZE => self.shared.peer_max_frame.store(value, Ordering::Release),
-                        setting::MAX_CONCURRENT_STREAMS => self.streams_allowed(value as usize),
-                        _ => {}
-                    }
-                }
-                let _ = self.out.send(Out::Frame(frames::settings_ack()));
-            }
-            Event::Ping { ack: false, data } => {
-                let _ = self.out.send(Out::Frame(frames::ping_ack(data)));
-            }
-            Event::GoAway { last_stream, code, debug } => {
-                self.shared.going_away.store(true, Ordering::Release);
-                let what = format!(
-                    "the server is closing the connection ({}{}{})",
-                    frames::code_name(code),
-                    if debug.is_empty() { "" } else { ": " },
-                    String::from_utf8_lossy(&debug)
-                );
-                let gone: Vec<Slot> = {
-                    let mut streams = self.shared.streams.lock().unwrap();
-                    let ids: Vec<u32> = streams.keys().copied().filter(|&id| id > last_stream).collect();
-                    ids.iter().filter_map(|id| streams.remove(id)).collect()
-                };
-                for slot in gone {
-                    let _ = slot.done.send(Err(self.shared.error(what.clone())));
-                }
-            }
-            Event::Settings { ack: true, .. } | Event::Ping { ack: true, .. } => {}
-            Event::WindowUpdate { .. } | Event::Ignored => {}
-        }
-        Ok(())
-    }
-
-    /// The server's SETTINGS_MAX_CONCURRENT_STREAMS: the permits follow it (those in use are kept).
-    fn streams_allowed(&mut self, allowed: usize) {
-        let allowed = allowed.min(Semaphore::MAX_PERMITS);
-        if allowed > self.streams_allowed {
-            self.shared.permits.add_permits(allowed - self.streams_allowed);
-        } else {
-            self.shared.permits.forget_permits(self.streams_allowed - allowed);
-        }
-        self.streams_allowed = allowed;
-    }
-
-    /// A response's head (or trailers) for `stream`: its status and the fields the body needs, checked
-    /// against what was asked.
-    fn head(&mut self, stream: u32, block: &[u8], end_stream: bool) -> Result<(), FrameError> {
-        // Decoded whatever the stream (HPACK's table is the connection's), keeping only the fields used,
-        // and no more of them than a head needs, however much a block expands to.
-        let mut head = Head::default();
-        self.decoder.decode_with_cb(block, |name, value| head.field(&name, &value)).map_err(|e| FrameError {
-            code: code::COMPRESSION_ERROR,
-            what: format!("a header block that does not decode: {e}"),
-        })?;
-        let mut streams = self.shared.streams.lock().unwrap();
-        let Some(slot) = streams.get_mut(&stream) else { return Ok(()) };
-        slot.want.progress.fetch_add(1, Ordering::Release);
-        if slot.status.is_some() {
-            // Trailers: nothing of the body.
-            if end_stream {
-                let slot = streams.remove(&stream).expect("found above");
-                drop(streams);
-                self.complete(slot);
-            }
-            return Ok(());
-        }
-        let malformed = |what: String| ClientError::Malformed { server: self.shared.server.clone(), message: what };
-        let status = head.status.filter(|s| (100..600).contains(s));
-        let failed = match status {
-            None => Some(malformed(format!("{}: a response with no valid :status", slot.path))),
-            // An interim response: the real one follows.
-            Some(s) if s < 200 && !end_stream => return Ok(()),
-            Some(s) if s < 200 => Some(malformed(format!("{}: a stream ended with an interim response", slot.path))),
-            Some(s) => {
-                slot.status = Some(s);
-                if s == 503 {
-                    slot.retry_after = head.retry_after.map(|v| v.trim().parse::<u64>().unwrap_or(1));
-                }
-                if !(200..300).contains(&s) {
-                    None
-                } else if let Some(len) = head.content_length.filter(|&len| len > slot.expect) {
-                    Some(malformed(format!(
-                        "{}: the response announced {len} bytes, but the manifest announced {} bytes",
-                        slot.path, slot.expect
-                    )))
-                } else if slot.range_from > 0 && s != 206 {
-                    Some(malformed(format!(
-                        "{}: asked for bytes from {}, got the whole file",
-                        slot.path, slot.range_from
-                    )))
-                } else {
-                    let sink = slot.sink.as_mut().expect("a stream has its sink until it ends");
-                    if let Some(value) = &head.checkpoints {
-                        // Malformed, or not this manifest's body: the body is then released only whole.
-                        let parsed = api::parse_checkpoints(value);
-                        if !parsed.is_some_and(|c| sink.expect_checkpoints(c)) && matches!(sink, Sink::Buffer(_)) {
-                            tracing::debug!(server = %self.shared.server, path = slot.path, "checkpoints not used");
-                        }
-                    }
-                    None
-                }
-            }
-        };
-        if let Some(e) = failed {
-            let slot = streams.remove(&stream).expect("found above");
-            drop(streams);
-            let _ = self.out.send(Out::Frame(frames::rst_stream(stream, code::CANCEL)));
-            let _ = slot.done.send(Err(e));
-        } else if end_stream {
-            let slot = streams.remove(&stream).expect("found above");
-            drop(streams);
-            self.complete(slot);
-        }
-        Ok(())
-    }
-
-    fn complete(&self, mut slot: Slot) {
-        let reply = Reply {
-            status: slot.status.unwrap_or(0),
-            retry_after: slot.retry_after,
-            body: match slot.status {
-                Some(s) if (200..300).contains(&s) => {
-                    Ok(Body { sink: slot.sink.take().expect("a success has its sink"), crc32c: slot.crc })
-                }
-                _ => Err(std::mem::take(&mut slot.error_body)),
-            },
-        };
-        let _ = slot.done.send(Ok(reply));
-    }
-}
-
-/// The fields of a response's head that the mount reads.
-#[derive(Default)]
-struct Head {
-    status: Option<u16>,
-    content_length: Option<u64>,
-    retry_after: Option<String>,
-    checkpoints: Option<String>,
-}
-
-impl Head {
-    fn field(&mut self, name: &[u8], value: &[u8]) {
-        let text = || std::str::from_utf8(value).ok().filter(|v| v.len() <= ERROR_BODY).map(str::to_owned);
-        match name {
-            b":status" => self.status = text().and_then(|v| v.parse().ok()),
-            b"content-length" => self.content_length = text().and_then(|v| v.trim().parse().ok()),
-            b"retry-after" => self.retry_after = text(),
-            n if n == api::CHECKPOINTS_HEADER.as_bytes() => self.checkpoints = text(),
-            _ => {}
-        }
-    }
-}
-
-/// Reads and drops `len` bytes.
-async fn drop_bytes<R: AsyncRead>(
-    read: &mut std::pin::Pin<&mut R>,
-    mut len: usize,
-    scratch: &mut [u8],
-) -> std::io::Result<()> {
-    while len > 0 {
-        let n = len.min(scratch.len());
-        read.read_exact(&mut scratch[..n]).await?;
-        len -= n;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::buffers::Filling;
     use proptest::prelude::*;
+    use tokio::io::AsyncReadExt;
 
     /// The body of `/LEN/SEED`: `LEN` bytes from `SEED`.
     fn body_of(len: usize, seed: u64) -> Vec<u8> {
@@ -769,12 +415,12 @@ mod tests {
 
     async fn wire_to(server: &str) -> Arc<Wire> {
         let socket = tokio::net::TcpStream::connect(server.trim_start_matches("http://")).await.unwrap();
-        Wire::start(socket, server, 128 << 10)
+        Wire::start(socket, server, 128 << 10, INBOX)
     }
 
     fn sink(len: usize, into_file: bool) -> Sink {
         if into_file {
-            Sink::File(crate::buffers::MemoryFile::new(crate::sys::memfd("batchfs-test").unwrap(), len as u64).unwrap())
+            Sink::File(crate::buffers::MemoryFile::new(crate::sys::memfd("batchfs-test").unwrap()))
         } else {
             Sink::Buffer(Filling::new(Vec::new(), (len as u64, 0), None, || {}))
         }
@@ -832,12 +478,14 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bodies_past_the_windows_arrive() {
         let server = reference_server(1 << 20).await;
-        let wire = wire_to(&server).await;
-        let len = (CONNECTION_WINDOW as usize) / 2 + (STREAM_WINDOW as usize) + 12_345;
-        let (one, two) = (format!("/{len}/1"), format!("/{len}/2"));
-        let (a, b) = tokio::join!(get(&wire, &one, len, true), get(&wire, &two, len, false));
-        for (reply, seed) in [(a, 1), (b, 2)] {
-            assert!(bytes_of(reply.unwrap().body.unwrap()) == body_of(len, seed));
+        {
+            let wire = wire_to(&server).await;
+            let len = (CONNECTION_WINDOW as usize) / 2 + (STREAM_WINDOW as usize) + 12_345;
+            let (one, two) = (format!("/{len}/1"), format!("/{len}/2"));
+            let (a, b) = tokio::join!(get(&wire, &one, len, true), get(&wire, &two, len, false));
+            for (reply, seed) in [(a, 1), (b, 2)] {
+                assert!(bytes_of(reply.unwrap().body.unwrap()) == body_of(len, seed));
+            }
         }
     }
 
