@@ -316,6 +316,9 @@ async fn write_loop<W: AsyncWrite>(
                 Out::Request { block, slot } => {
                     if shared.ended.load(Ordering::Acquire) {
                         let _ = slot.done.send(Err(shared.error("the connection has ended")));
+                    } else if shared.going_away.load(Ordering::Acquire) {
+                        // After a GOAWAY the server takes no new stream: this one is retried elsewhere.
+                        let _ = slot.done.send(Err(shared.error("the server is closing the connection")));
                     } else if next_id > frames::MAX_WINDOW {
                         shared.going_away.store(true, Ordering::Release);
                         let _ = slot.done.send(Err(shared.error("the connection's stream ids ran out")));
@@ -525,6 +528,31 @@ mod tests {
         let err = wire.get(ask, sink(10, true), Duration::from_millis(300)).await.unwrap_err();
         assert!(matches!(err, ClientError::Stalled { .. }), "{err}");
         assert!(!wire.usable());
+    }
+
+    /// A GOAWAY fails the streams the server will not answer, with its reason, and no new stream starts on
+    /// the connection (the client makes another).
+    #[tokio::test]
+    async fn a_goaway_fails_the_streams_past_it_and_stops_new_ones() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            socket.write_all(&frames::settings(&[])).await.unwrap();
+            let mut first = [0u8; 64];
+            let _ = socket.read(&mut first).await;
+            let mut goaway = frames::goaway(0, frames::code::NO_ERROR);
+            goaway.extend_from_slice(&frames::frame(frames::kind::PING, 0, 0, &[0; 8]));
+            socket.write_all(&goaway).await.unwrap();
+            let mut rest = Vec::new();
+            let _ = socket.read_to_end(&mut rest).await;
+        });
+        let wire = wire_to(&server).await;
+        let err = get(&wire, "/1/1", 1, true).await.unwrap_err();
+        assert!(err.to_string().contains("closing the connection (NO_ERROR)"), "{err}");
+        assert!(!wire.usable());
+        let err = get(&wire, "/1/1", 1, false).await.unwrap_err();
+        assert!(err.to_string().contains("closing the connection"), "{err}");
     }
 
     /// A peer that breaks HTTP/2 ends the connection with an error naming what it broke, and every stream
