@@ -137,7 +137,9 @@ impl Reading {
                 // From malloc's heap: a piece is at most a frame, under its mmap threshold.
                 let mut piece = bytes::BytesMut::with_capacity(left);
                 while piece.len() < left {
-                    if read.read_buf(&mut piece).await? == 0 {
+                    // At most the frame's rest, whatever room the piece has.
+                    let rest = (left - piece.len()) as u64;
+                    if (&mut *read).take(rest).read_buf(&mut piece).await? == 0 {
                         return Err(std::io::ErrorKind::UnexpectedEof.into());
                     }
                     slot.want.progress.fetch_add(1, Ordering::Release);
