@@ -167,7 +167,8 @@ impl Filling {
         }
         // SAFETY: `MaybeUninit<u8>` has `u8`'s layout; `room` and `data` (the response's) do not overlap.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), room.as_mut_ptr().cast::<u8>(), data.len()) };
-        self.commit(data.len(), crc)
+        // SAFETY: the first `data.len()` bytes of the room were just written.
+        unsafe { self.commit(data.len(), crc) }
     }
 
     /// Room for up to `want` bytes past what is written, within the manifest's size: the receiver reads
@@ -185,14 +186,18 @@ impl Filling {
 
     /// The first `n` bytes of the last [`Filling::spare`] were written: extends `crc` over them and, at
     /// each checkpoint reached, publishes the prefix if `crc` matches it, or fails with `InvalidData`.
-    pub fn commit(&mut self, n: usize, crc: &mut u32) -> std::io::Result<()> {
+    ///
+    /// # Safety
+    ///
+    /// The caller has written (initialized) the first `n` bytes of the room the last `spare` gave.
+    pub unsafe fn commit(&mut self, n: usize, crc: &mut u32) -> std::io::Result<()> {
         let mut left = n;
         assert!(self.written + n as u64 <= self.partial.expect.0, "commits only what was given room");
         while left > 0 {
             let next = self.checkpoints.front().copied();
             let take = next.map_or(left, |(end, _)| ((end - self.written) as usize).min(left));
-            // SAFETY: `[written, written + take)` was given as room by `spare` and filled by the caller
-            // (initialized), within the allocation, and no view covers it yet.
+            // SAFETY: `[written, written + take)` was given as room by `spare` and initialized by the
+            // caller (this function's contract), within the allocation, and no view covers it yet.
             let now = unsafe { std::slice::from_raw_parts(self.partial.ptr.as_ptr().add(self.written as usize), take) };
             *crc = batchfs::crc::crc32c_append(*crc, now);
             self.written += take as u64;

@@ -67,7 +67,6 @@ pub struct Ask<'a> {
 
 /// One HTTP/2 connection to a server; see the module's docs.
 pub struct Wire {
-    server: String,
     shared: Arc<Shared>,
     out: mpsc::UnboundedSender<Out>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -154,7 +153,7 @@ impl Wire {
         let writer = tokio::spawn(write_loop(write, rx, shared.clone(), hello));
         let reading = Reading::new(shared.clone(), out.clone(), reader);
         let reader = tokio::spawn(reading.run(Buffered::new(read, inbox)));
-        Arc::new(Wire { server: base_url.to_owned(), shared, out, tasks: vec![writer, reader] })
+        Arc::new(Wire { shared, out, tasks: vec![writer, reader] })
     }
 
     /// Whether a new request may start here.
@@ -165,11 +164,11 @@ impl Wire {
     /// GETs `ask`, its body into `sink`; gives up after `stall` without a byte (the stream is then reset,
     /// and the connection too if nothing at all came on it meanwhile).
     pub async fn get(&self, ask: Ask<'_>, sink: Sink, stall: Duration) -> Result<Reply, ClientError> {
-        let stalled = || ClientError::Stalled { server: self.server.clone(), after: stall };
+        let stalled = || ClientError::Stalled { server: self.shared.server.clone(), after: stall };
         let permit = tokio::time::timeout(stall, self.shared.permits.clone().acquire_owned())
             .await
             .map_err(|_| stalled())?
-            .map_err(|_| self.ended("the connection has ended"))?;
+            .map_err(|_| self.shared.error("the connection has ended"))?;
         let want =
             Arc::new(Want { id: AtomicU32::new(0), cancelled: AtomicBool::new(false), progress: AtomicU64::new(0) });
         let (done, mut answer) = oneshot::channel();
@@ -188,7 +187,7 @@ impl Wire {
             _permit: permit,
         };
         let block = self.request_block(&ask);
-        self.out.send(Out::Request { block, slot }).map_err(|_| self.ended("the connection has ended"))?;
+        self.out.send(Out::Request { block, slot }).map_err(|_| self.shared.error("the connection has ended"))?;
         let mut cancel = Cancel { want: &want, shared: &self.shared, out: &self.out, armed: true };
         let mut seen = 0;
         loop {
@@ -199,7 +198,7 @@ impl Wire {
                 }
                 Ok(Err(_)) => {
                     cancel.armed = false;
-                    return Err(self.ended("the connection ended under the request"));
+                    return Err(self.shared.error("the connection ended under the request"));
                 }
                 Err(_) => {
                     let now = want.progress.load(Ordering::Acquire);
@@ -218,18 +217,12 @@ impl Wire {
     }
 
     fn request_block(&self, ask: &Ask<'_>) -> Vec<u8> {
-        let (https, authority) = match self.server.split_once("://") {
+        let server = &self.shared.server;
+        let (https, authority) = match server.split_once("://") {
             Some((scheme, rest)) => (scheme == "https", rest.trim_end_matches('/')),
-            None => (false, self.server.as_str()),
+            None => (false, server.as_str()),
         };
         frames::request_block(https, authority, ask.path_and_query, ask.fields)
-    }
-
-    fn ended(&self, what: &str) -> ClientError {
-        ClientError::Unreachable {
-            server: self.server.clone(),
-            cause: Arc::new(std::io::Error::other(what.to_owned())),
-        }
     }
 }
 

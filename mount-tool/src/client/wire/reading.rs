@@ -159,7 +159,9 @@ impl Reading {
                     }
                     left -= n;
                     slot.want.progress.fetch_add(n as u64, Ordering::Release);
-                    if let Err(e) = filling.commit(n, &mut slot.crc) {
+                    // SAFETY: `room` is the room `spare` gave, and the read reports its first `n` bytes
+                    // filled: initialized, as `ReadBuf` guarantees of what it counts as filled.
+                    if let Err(e) = unsafe { filling.commit(n, &mut slot.crc) } {
                         failed = Some(ClientError::appending(server, e));
                         break;
                     }
