@@ -133,30 +133,33 @@ impl HttpClient {
         self.health.clone()
     }
 
-    /// Sends a GET of `path_and_query` (a body of about `expect` bytes) to the server the health view
-    /// picks; `spread` rotates ties. A failure that is the server's takes it out of rotation.
-    async fn get(
-        &self,
-        spread: usize,
-        expect: u64,
-        path_and_query: &str,
-        range: Option<(u64, u64)>,
-    ) -> Result<(InFlight<'_>, String, Response), ClientError> {
+    /// The server the health view picks for a request of a body of about `expect` bytes (`spread` rotates
+    /// ties), after any rest it asked for, with the lane (of `clients` and `wires`) it goes on.
+    async fn route(&self, spread: usize, expect: u64) -> (InFlight<'_>, usize, String) {
         let flight = self.health.begin(spread, expect);
         // Every server is out and this one, back soonest, rests after shedding load: as it asked.
         if let Some(rest) = self.health.resting(flight.server()) {
             tokio::time::sleep(rest).await;
         }
         let per = self.config.connections.max(1);
-        let conn = self.next.fetch_add(1, Ordering::Relaxed) % per;
-        let client = &self.clients[flight.server() * per + conn];
+        let lane = flight.server() * per + self.next.fetch_add(1, Ordering::Relaxed) % per;
         let server = self.health.url(flight.server()).to_owned();
+        (flight, lane, server)
+    }
+
+    /// The `Authorization` header's value, with a token.
+    fn bearer(&self) -> Option<String> {
+        self.config.token.as_ref().map(|t| format!("Bearer {t}"))
+    }
+
+    /// Sends a GET of `path_and_query` (a small JSON reply, or the sample table) over hyper's connection to
+    /// the server the health view picks. A failure that is the server's takes it out of rotation.
+    async fn get(&self, path_and_query: &str) -> Result<(InFlight<'_>, String, Response), ClientError> {
+        let (flight, lane, server) = self.route(0, 0).await;
+        let client = &self.clients[lane];
         let mut request = http::Request::get(format!("{server}{path_and_query}"));
-        if let Some(token) = &self.config.token {
-            request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
-        }
-        if let Some((offset, len)) = range {
-            request = request.header(header::RANGE, format!("bytes={offset}-{}", offset + len - 1));
+        if let Some(bearer) = self.bearer() {
+            request = request.header(header::AUTHORIZATION, bearer);
         }
         let request = match request.body(Empty::new()) {
             Ok(r) => r,
@@ -217,7 +220,7 @@ impl HttpClient {
     /// A whole small body (JSON, the sample table), abandoned after `stall_timeout`, with its flight for
     /// the caller to close and the server that sent it.
     async fn small_body(&self, path_and_query: &str) -> Result<(InFlight<'_>, String, Bytes), ClientError> {
-        let (flight, server, response) = self.get(0, 0, path_and_query, None).await?;
+        let (flight, server, response) = self.get(path_and_query).await?;
         let collected = tokio::time::timeout(self.config.stall_timeout, response.into_body().collect()).await;
         match collected {
             Ok(Ok(v)) => Ok((flight, server, v.to_bytes())),
@@ -324,14 +327,7 @@ impl HttpClient {
         body: Sink,
         expect: u64,
     ) -> Result<Body, ClientError> {
-        let flight = self.health.begin(spread, expect);
-        // Every server is out and this one, back soonest, rests after shedding load: as it asked.
-        if let Some(rest) = self.health.resting(flight.server()) {
-            tokio::time::sleep(rest).await;
-        }
-        let per = self.config.connections.max(1);
-        let lane = flight.server() * per + self.next.fetch_add(1, Ordering::Relaxed) % per;
-        let server = self.health.url(flight.server()).to_owned();
+        let (flight, lane, server) = self.route(spread, expect).await;
         let wire = match self.wire(lane, &server).await {
             Ok(w) => w,
             Err(e) => {
@@ -339,7 +335,7 @@ impl HttpClient {
                 return Err(e);
             }
         };
-        let token = self.config.token.as_ref().map(|t| format!("Bearer {t}"));
+        let token = self.bearer();
         let bytes = range.map(|(offset, len)| format!("bytes={offset}-{}", offset + len - 1));
         let mut fields = Vec::new();
         if let Some(token) = &token {
