@@ -207,6 +207,9 @@ pub fn negotiate(config: &mut KernelConfig, passthrough: bool) -> bool {
         let _ = config.set_max_readahead(max);
     }
     let _ = config.set_max_background(256);
+    // Nothing is written to a read-only mount: 1 MiB (not fuser's 16 MiB) sizes each FUSE ring entry's
+    // buffer to the largest read instead (`fuse_uring`).
+    let _ = config.set_max_write(1 << 20);
     // Listings carry each name's entry (`readdirplus`), every part of them (not only the first, as
     // `FUSE_READDIRPLUS_AUTO` would): a walk's files then open with no lookup each.
     let _ = config.add_capabilities(InitFlags::FUSE_DO_READDIRPLUS);
@@ -251,6 +254,9 @@ impl Filesystem for FuseFs {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if fuser::served_by_ring() {
+            crate::stats::Stats::add(&self.served.fs.stats().ring_opens, 1);
+        }
         let (s, pid, unique) = (self.served.clone(), req.pid(), req.unique().0);
         self.waits.run(move || s.open(pid, unique, ino, flags, reply));
     }

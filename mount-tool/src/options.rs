@@ -280,6 +280,8 @@ options! {
         "Make passthrough's memory files on a private huge-page tmpfs (root), not 4 KiB memfds.";
     page_cache: PageCache = PageCache::Drop, value::page_cache, "drop", "MODE", "FUSE",
         "drop: a file read through the daemon leaves the kernel page cache at its last close; keep.";
+    fuse_uring: bool = false, value::switch, "off", "BOOL", "FUSE",
+        "Take FUSE requests over io_uring where the kernel offers it (Linux 6.14+, enable_uring); supervise=false.";
     read_ahead_kb: u32 = 1024, value::kb, "1024", "KB", "FUSE",
         "Kernel readahead of the mount in KiB, set as root (0: the kernel's default).";
     log_file: Option<PathBuf> = None, value::path, "—", "FILE", "Daemon",

@@ -60,6 +60,11 @@ pub(crate) fn plan_at(
     check_mountpoint: bool,
 ) -> Result<MountPlan> {
     let http = http_config(url, &options)?;
+    if options.fuse_uring && options.supervise {
+        // Linux re-sends to a new worker what a dead one had read from /dev/fuse (FUSE_NOTIFY_RESEND),
+        // never what a ring's entries held: a takeover would leave those reads waiting for good.
+        bail!("fuse_uring=on needs supervise=false: requests a dead worker's rings held are never re-sent");
+    }
     let mountpoint = match check_mountpoint {
         true => prepare_mountpoint(mountpoint)?,
         false => std::fs::canonicalize(mountpoint).with_context(|| format!("mountpoint {}", mountpoint.display()))?,
@@ -194,6 +199,14 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
     Ok(info)
 }
 
+/// The lanes each CPU's FUSE ring queue starts with (`fuse_uring`; a lane is a thread holding one entry, so
+/// one request, at a time): `threads` spread over the CPUs, at least two per CPU. The ring adds a lane
+/// whenever a CPU's last idle one takes a request (so requests waiting on the server leave the others a
+/// thread). Each entry's payload buffer holds the largest request (1 MiB), touched only as replies fill it.
+pub fn fuse_ring_lanes(threads: usize) -> u16 {
+    threads.div_ceil(crate::sys::possible_cpus()).clamp(2, 64) as u16
+}
+
 /// The FUSE session's settings for `plan`.
 pub fn fuser_config(plan: &MountPlan) -> fuser::Config {
     use fuser::MountOption as M;
@@ -209,5 +222,21 @@ pub fn fuser_config(plan: &MountPlan) -> fuser::Config {
     }
     config.n_threads = Some(plan.options.threads);
     config.clone_fd = true;
+    config.io_uring_lanes = plan.options.fuse_uring.then(|| fuse_ring_lanes(plan.options.threads));
     config
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fuse_rings_are_refused_under_a_supervisor() {
+        let mut options = MountOptions::default();
+        options.apply_list("fuse_uring=on").unwrap();
+        let Err(e) = plan_at("http://127.0.0.1:9/d", Path::new("/nonexistent"), options, false) else {
+            panic!("fuse_uring=on was planned under a supervisor")
+        };
+        assert!(e.to_string().contains("fuse_uring=on needs supervise=false"), "{e:#}");
+    }
 }

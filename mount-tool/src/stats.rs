@@ -31,6 +31,7 @@ pub struct Stats {
     pub page_cache_drops: AtomicU64,
     pub early_reads: AtomicU64,
     pub lookups: AtomicU64,
+    pub ring_opens: AtomicU64,
     /// 1 when the kernel accepted FUSE passthrough at mount time.
     pub passthrough: AtomicU64,
     /// Warming (`warm=raw`): files and bytes in the node cache so far, of all there are.
@@ -119,6 +120,9 @@ pub struct StatsSnapshot {
     /// Names the daemon looked up (a listing that carried a name's entry spares its lookup).
     #[serde(default)]
     pub lookups: u64,
+    /// Opens the kernel sent over a FUSE ring (`fuse_uring`) rather than `/dev/fuse`.
+    #[serde(default)]
+    pub ring_opens: u64,
     /// Daemon reads answered from a batch still arriving: their bytes were verified by the body's
     /// checkpoints before the rest of it came.
     #[serde(default)]
@@ -229,6 +233,7 @@ impl Stats {
             daemon_opens: g(&self.daemon_opens),
             page_cache_drops: g(&self.page_cache_drops),
             lookups: g(&self.lookups),
+            ring_opens: g(&self.ring_opens),
             early_reads: g(&self.early_reads),
             warm: (g(&self.warm_started) > 0).then(|| WarmSnapshot {
                 files: g(&self.warm_files),

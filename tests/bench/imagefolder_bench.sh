@@ -11,7 +11,9 @@
 #        epoch time is scaled from them), RATE (1000 Mbit/s: raw-cached's link, to compare warming with),
 #        MOUNT_OPTS (extra -o options of batchfs mounts), BIN_BEFORE (a directory with another build's
 #        `batchfs`: each batchfs system S also runs as S-before, mounted by that build, in the same round
-#        beside it, behind the same server)
+#        beside it, behind the same server), MOUNT_OPTS_BEFORE (the S-before mounts' options instead of
+#        MOUNT_OPTS; set alone, this build runs both: `MOUNT_OPTS=supervise=false
+#        MOUNT_OPTS_BEFORE=supervise=false,fuse_uring=on` measures FUSE over io_uring against /dev/fuse)
 #
 # Systems: local (the tree on local disk, page cache warm), shuffled (a batchfs mount's shuffled/), raw (the
 # same mount's raw/: the files under their own names), raw-cached (raw/ of a mount with a fresh cache_dir
@@ -48,19 +50,19 @@ case " $SYSTEMS " in *" sshfs "* | *" rclone "*) peers_start "$work" ;; esac
 mkdir -p "$work/mnt-batchfs" "$work/mnt-sshfs" "$work/mnt-rclone"
 
 mount_system() { # system rtt: sets DIR
-  local sys=$1 rtt=$2 bin=$BIN
-  case $sys in *-before) bin=$BIN_BEFORE; sys=${sys%-before} ;; esac
+  local sys=$1 rtt=$2 bin=$BIN opts=$MOUNT_OPTS
+  case $sys in *-before) bin=${BIN_BEFORE:-$BIN}; opts=${MOUNT_OPTS_BEFORE-$MOUNT_OPTS}; sys=${sys%-before} ;; esac
   NETEM_PID=
   case $sys in
     local) DIR=$work/tree ;;
     shuffled|raw)
       start_netem "$BIN" "$p_server" "$rtt"
-      "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${MOUNT_OPTS:+-o "$MOUNT_OPTS"}
+      "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${opts:+-o "$opts"}
       DIR=$work/mnt-batchfs/$sys ;;
     raw-cached)
       start_netem "$BIN" "$p_server" "$rtt" "$RATE"
       rm -rf "$work/node-cache"
-      local o="cache_dir=$work/node-cache,warm=raw${MOUNT_OPTS:+,$MOUNT_OPTS}"
+      local o="cache_dir=$work/node-cache,warm=raw${opts:+,$opts}"
       local t0; t0=$(date +%s.%N)
       "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" -o "$o"
       until "$BIN/batchfs" stats --json "$work/mnt-batchfs" | python3 -c 'import json,sys; w=json.load(sys.stdin).get("warm") or {}; sys.exit(0 if w and w["files"] >= w["files_total"] else 1)'; do
@@ -90,7 +92,7 @@ unmount_system() {
 # The process serving the mount: its worker (the supervisor only holds the connection).
 daemon_pid() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["worker_pid"])' "$work/mnt-batchfs/.batchfs/stats"; }
 
-if [ -n "${BIN_BEFORE:-}" ]; then
+if [ -n "${BIN_BEFORE:-}" ] || [ -n "${MOUNT_OPTS_BEFORE+set}" ]; then
   with=""
   for sys in $SYSTEMS; do
     with="$with $sys"
@@ -165,7 +167,7 @@ if ("local", rtts[0]) in med:
 for s in ["shuffled", "raw", "raw-cached"]:
     for r in rtts:
         if (s + "-before", r) in med:
-            print(f"- {s} / {s}-before (this build / BIN_BEFORE's), {r} ms: {ratio((s, r), (s + '-before', r))}")
+            print(f"- {s} / {s}-before (this build / BIN_BEFORE's or MOUNT_OPTS_BEFORE's), {r} ms: {ratio((s, r), (s + '-before', r))}")
     if ("local", rtts[0]) in med and (s, rtts[0]) in med:
         print(f"- {s} {rtts[0]} ms / local: {ratio((s, rtts[0]), ('local', rtts[0]))}")
     m = [v for k, vs in mem.items() if k[0] == s for v in vs]

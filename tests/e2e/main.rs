@@ -16,3 +16,4 @@ mod rolling;
 mod server;
 mod shuffled;
 mod takeover;
+mod uring;

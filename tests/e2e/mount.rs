@@ -350,12 +350,18 @@ fn a_server_outage_is_waited_out_then_reported_as_eio() {
 /// waited for the reads' `timeout` before), and every read completes with its bytes when the server is back.
 #[test]
 fn readers_waiting_out_an_outage_leave_the_stats_file_and_listings_answered() {
+    outage_leaves_the_stats_file_and_listings_answered("");
+}
+
+/// The outage test's body, with `more` mount options (`uring.rs` runs it over FUSE rings).
+pub(crate) fn outage_leaves_the_stats_file_and_listings_answered(more: &str) {
     let rt = runtime();
     let fx = fixture(SourceFormat::Lmdb, 40, 4000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
     let addr = server.running.local_addr();
     let m = manifest(&rt, &server, "batch_size=4");
-    let (_dir, mounted) = common::mount(&server, "d", "batch_size=4,prefetch=0,timeout=60s,threads=2");
+    let options = format!("batch_size=4,prefetch=0,timeout=60s,threads=2{more}");
+    let (_dir, mounted) = common::mount(&server, "d", &options);
     let epoch = mounted.mountpoint.join("epoch-0000");
     assert_eq!(std::fs::read_dir(&epoch).unwrap().count(), 2 * m.batches.len(), "listed: the manifest is here");
     rt.block_on(server.running.shutdown());
@@ -386,6 +392,9 @@ fn readers_waiting_out_an_outage_leave_the_stats_file_and_listings_answered() {
     assert!(waiting, "the reads waited for the server");
     for (b, body) in (1..=6).zip(read) {
         assert_eq!(crc::crc32c(&body.unwrap()), m.batches[b].crc32c, "batch {b}");
+    }
+    if more.contains("fuse_uring=on") {
+        assert!(stats["ring_opens"].as_u64().unwrap() > 0, "the opens came over the rings: {stats}");
     }
     drop(mounted);
     rt.block_on(server.running.shutdown());

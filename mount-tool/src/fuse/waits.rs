@@ -35,9 +35,14 @@ impl Waits {
     }
 
     /// Runs `work` here, on the calling FUSE thread, if fewer than `threads - 1` FUSE threads are in such work
-    /// now; otherwise hands it to a helper thread.
+    /// now; otherwise hands it to a helper thread. A FUSE ring's lane (`fuse_uring`) runs it itself: the
+    /// ring starts another lane whenever a CPU's last idle one takes a request.
     pub fn run(&self, work: impl FnOnce() + Send + 'static) {
-        if self.inline.fetch_add(1, Ordering::AcqRel) < self.limit {
+        if fuser::served_by_ring() {
+            // A lane of a FUSE ring holds one request: its CPU's next ones go to other lanes, which
+            // the ring keeps one of idle however many wait.
+            work();
+        } else if self.inline.fetch_add(1, Ordering::AcqRel) < self.limit {
             let _counted = Counted(&self.inline);
             work();
         } else {

@@ -34,6 +34,8 @@ use crate::session::SessionEventLoop;
 pub(crate) struct RequestWithSender<'a> {
     /// Channel sender for sending the reply
     ch: ChannelSender,
+    /// The ring entry that delivered the request, which its reply goes to instead (`ring.rs`).
+    ring: Option<crate::ring::RingReply>,
     /// Parsed request
     pub(crate) request: ll::AnyRequest<'a>,
 }
@@ -49,7 +51,26 @@ impl<'a> RequestWithSender<'a> {
             }
         };
 
-        Some(Self { ch, request })
+        Some(Self {
+            ch,
+            ring: None,
+            request,
+        })
+    }
+
+    /// A request delivered by a FUSE ring: `data` is laid out as `/dev/fuse` delivers it.
+    pub(crate) fn new_ring(ring: crate::ring::RingReply, data: &'a [u8]) -> Option<RequestWithSender<'a>> {
+        let mut req = Self::new(ring.ch.clone(), data)?;
+        req.ring = Some(ring);
+        Some(req)
+    }
+
+    /// Where this request's replies go.
+    fn sender(&self) -> ReplySender {
+        match &self.ring {
+            Some(ring) => ReplySender::Ring(ring.clone()),
+            None => ReplySender::Channel(self.ch.clone()),
+        }
     }
 
     /// Dispatch request to the given filesystem.
@@ -304,7 +325,7 @@ impl<'a> RequestWithSender<'a> {
                     x.offset(),
                     ReplyDirectory::new(
                         self.request.unique(),
-                        ReplySender::Channel(self.ch.clone()),
+                        self.sender(),
                         x.size() as usize,
                     ),
                 );
@@ -479,7 +500,7 @@ impl<'a> RequestWithSender<'a> {
                     x.offset(),
                     ReplyDirectoryPlus::new(
                         self.request.unique(),
-                        ReplySender::Channel(self.ch.clone()),
+                        self.sender(),
                         x.size() as usize,
                     ),
                 );
@@ -552,7 +573,7 @@ impl<'a> RequestWithSender<'a> {
     /// Create a reply object for this request that can be passed to the filesystem
     /// implementation and makes sure that a request is replied exactly once
     pub(crate) fn reply<T: Reply>(&self) -> T {
-        Reply::new(self.request.unique(), ReplySender::Channel(self.ch.clone()))
+        Reply::new(self.request.unique(), self.sender())
     }
 
     /// Returns a Request reference for this request

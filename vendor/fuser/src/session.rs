@@ -48,6 +48,7 @@ use crate::reply::Reply;
 use crate::reply::ReplyRaw;
 use crate::reply::ReplySender;
 use crate::request::RequestWithSender;
+use crate::ring::RingPlan;
 
 /// The max size of write requests from the kernel. The absolute minimum is 4k,
 /// FUSE recommends at least 128k, max 16M. The FUSE default is 16M on macOS
@@ -139,6 +140,8 @@ pub struct Session<FS: Filesystem> {
     /// The field is set to `Some` when the init message is received.
     pub(crate) proto_version: Option<Version>,
     pub(crate) config: Config,
+    /// FUSE over io_uring, where `INIT` settled it (`ring.rs`).
+    ring: Option<RingPlan>,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -186,6 +189,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config: options.clone(),
+            ring: None,
         };
 
         session.handshake()?;
@@ -214,6 +218,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config,
+            ring: None,
         };
 
         session.handshake()?;
@@ -241,6 +246,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config,
+            ring: None,
         }
     }
 
@@ -275,6 +281,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner,
             proto_version: _,
             config,
+            ring,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -309,6 +316,7 @@ impl<FS: Filesystem> Session<FS> {
                 channels.push(ch.clone());
             }
         }
+        let ring_channel = ch.clone();
         channels.push(ch);
 
         let mut threads = Vec::with_capacity(n_threads);
@@ -329,6 +337,25 @@ impl<FS: Filesystem> Session<FS> {
             );
         }
 
+        // The rings register once INIT is answered (it is: the handshake replied); a ring that cannot
+        // be set up leaves /dev/fuse serving every request.
+        let rings = ring.and_then(|plan| {
+            let (fs, chan) = (filesystem.clone(), ring_channel.clone());
+            let started = crate::ring::Rings::start(plan, &ring_channel, move |thread_name| {
+                SessionEventLoop {
+                    thread_name,
+                    filesystem: fs.clone(),
+                    ch: chan.clone(),
+                    allowed,
+                    session_owner,
+                }
+            });
+            started
+                .inspect_err(|e| warn!("FUSE over io_uring not started, /dev/fuse serves: {e}"))
+                .ok()
+        });
+        drop(ring_channel);
+
         let mut reply: io::Result<()> = Ok(());
         for thread in threads {
             let res = match thread.join() {
@@ -342,6 +369,10 @@ impl<FS: Filesystem> Session<FS> {
                     reply = Err(e);
                 }
             }
+        }
+
+        if let Some(rings) = rings {
+            rings.stop();
         }
 
         let Some(filesystem) = Arc::get_mut(&mut filesystem) else {
@@ -450,6 +481,23 @@ impl<FS: Filesystem> Session<FS> {
                 <ReplyRaw as Reply>::new(request.unique(), ReplySender::Channel(self.ch.sender()))
                     .send_ll(&ResponseErrno(errno));
                 return Err(error);
+            }
+
+            // FUSE over io_uring where it was asked for and the kernel offers it.
+            if let Some(lanes) = self.config.io_uring_lanes {
+                if config
+                    .add_capabilities(InitFlags::FUSE_OVER_IO_URING)
+                    .is_ok()
+                {
+                    self.ring = Some(RingPlan {
+                        lanes: lanes.max(1),
+                        payload: RingPlan::payload_for(config.max_write, config.max_pages()),
+                    });
+                } else {
+                    info!(
+                        "the kernel offers no FUSE over io_uring (the fuse module's enable_uring): /dev/fuse serves"
+                    );
+                }
             }
 
             // Remember the ABI version supported by kernel and mark the session initialized.

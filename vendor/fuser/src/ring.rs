@@ -1,0 +1,701 @@
+//! FUSE over io_uring (Linux 6.14+), added to fuser 0.18.0 for batchfs (VENDORED.md).
+//!
+//! With `FUSE_OVER_IO_URING` settled at `INIT` (and the `fuse` module's `enable_uring` set), the kernel
+//! hands requests to per-CPU queues of entries that the server registers with `IORING_OP_URING_CMD`
+//! on its `/dev/fuse` descriptor: a request arrives as the completion of an entry's fetch, with its
+//! header and the operation's fixed argument in the entry's header buffer and the rest (names, data) in
+//! its payload buffer; the reply is written into the same buffers and committed by the command that
+//! fetches the entry's next request. A request then costs one `io_uring_enter` where `/dev/fuse` costs a
+//! `read` and a `writev`, and it is served on the CPU that asked.
+//!
+//! Each CPU's queue is served by lanes: threads pinned to that CPU, each owning a ring that holds one
+//! entry of the queue. A lane busy with a request (or waiting in it: on a network, say) holds only its
+//! own entry, and the kernel gives the next request of that CPU to an idle lane's, as `/dev/fuse` gives
+//! it to an idle reader thread. A lane that takes its CPU's last idle entry starts another lane first
+//! (up to [`MOST_LANES`] a CPU), so requests that wait never leave the others of their CPU without a
+//! thread: a queue's lanes grow to the requests it has in flight at once, and stay (an entry, once
+//! registered, is only given back when the connection ends). A reply made on the lane's thread is
+//! committed with its next submission; a reply made on another thread is handed back through the lane's
+//! list of committed entries and an eventfd its ring polls. The kernel switches from `/dev/fuse` to the
+//! rings only once every CPU's queue holds an entry: until then, and for good if a lane cannot be set
+//! up, `/dev/fuse` serves every request. `FORGET` and `INTERRUPT` always come through `/dev/fuse`.
+
+use std::io;
+use std::os::fd::AsFd;
+use std::os::fd::AsRawFd;
+use std::os::fd::FromRawFd;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering;
+use std::thread::ThreadId;
+
+use io_uring::IoUring;
+use io_uring::cqueue;
+use io_uring::opcode;
+use io_uring::squeue;
+use io_uring::types;
+use log::debug;
+use log::warn;
+use parking_lot::Mutex;
+
+use crate::Filesystem;
+use crate::channel::Channel;
+use crate::channel::ChannelSender;
+use crate::ll::fuse_abi as abi;
+use crate::request::RequestWithSender;
+use crate::session::SessionEventLoop;
+
+/// `enum fuse_uring_cmd`.
+const CMD_REGISTER: u32 = 1;
+const CMD_COMMIT_AND_FETCH: u32 = 2;
+/// `struct fuse_uring_req_header`: the in/out header (128 bytes), the operation's fixed argument (128),
+/// then `struct fuse_uring_ent_in_out` (flags, commit id, payload size).
+const OP_IN: usize = 128;
+const ENT_IN_OUT: usize = 256;
+const COMMIT_ID: usize = ENT_IN_OUT + 8;
+const PAYLOAD_SZ: usize = ENT_IN_OUT + 16;
+const HEADER_BYTES: usize = ENT_IN_OUT + 32;
+/// The kernel's `FUSE_MIN_READ_BUFFER`.
+const MIN_PAYLOAD: usize = 8192;
+/// The completion of the eventfd's poll (entries are numbered from 0).
+const WAKE: u64 = u64::MAX;
+/// Lanes (threads, each with one entry) a CPU's queue grows to at most; beyond them, that CPU's
+/// requests wait in the kernel for a lane to finish one.
+pub(crate) const MOST_LANES: usize = 256;
+
+thread_local! {
+    static RING_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a FUSE ring's lane (not `/dev/fuse`'s, nor any other). A lane may wait
+/// in a request: its CPU's other requests go to other lanes.
+pub fn served_by_ring() -> bool {
+    RING_THREAD.with(|r| r.get())
+}
+
+/// How the rings are set up: the lanes each CPU's queue starts with, and each entry's payload buffer (at
+/// least the kernel's largest request or reply: `max(8 KiB, max_write, max_pages × page size)`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RingPlan {
+    pub(crate) lanes: u16,
+    pub(crate) payload: usize,
+}
+
+impl RingPlan {
+    /// The payload the kernel needs for these settings; `max_pages` is capped by the kernel's limit
+    /// (`/proc/sys/fs/fuse/max_pages_limit`, 256 where it is not there).
+    pub(crate) fn payload_for(max_write: u32, max_pages: u16) -> usize {
+        let limit = std::fs::read_to_string("/proc/sys/fs/fuse/max_pages_limit")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(256);
+        let pages = usize::from(max_pages).min(limit).max(1);
+        MIN_PAYLOAD
+            .max(max_write as usize)
+            .max(pages * page_size::get())
+    }
+}
+
+/// The size of the fixed argument the kernel puts in `op_in` for each operation a read-only
+/// filesystem is sent (`None`: answered `ENOSYS` without reaching the filesystem, as an operation
+/// fuser's parser would not know the layout of here).
+fn op_in_size(opcode: u32) -> Option<usize> {
+    use abi::fuse_opcode as op;
+    use std::mem::size_of;
+    let code = op::try_from(opcode).ok()?;
+    Some(match code {
+        op::FUSE_LOOKUP | op::FUSE_READLINK | op::FUSE_STATFS | op::FUSE_DESTROY => 0,
+        op::FUSE_FORGET => size_of::<abi::fuse_forget_in>(),
+        op::FUSE_GETATTR => size_of::<abi::fuse_getattr_in>(),
+        op::FUSE_OPEN | op::FUSE_OPENDIR => size_of::<abi::fuse_open_in>(),
+        op::FUSE_READ | op::FUSE_READDIR | op::FUSE_READDIRPLUS => size_of::<abi::fuse_read_in>(),
+        op::FUSE_RELEASE | op::FUSE_RELEASEDIR => size_of::<abi::fuse_release_in>(),
+        op::FUSE_GETXATTR | op::FUSE_LISTXATTR => size_of::<abi::fuse_getxattr_in>(),
+        op::FUSE_FLUSH => size_of::<abi::fuse_flush_in>(),
+        op::FUSE_ACCESS => size_of::<abi::fuse_access_in>(),
+        op::FUSE_POLL => size_of::<abi::fuse_poll_in>(),
+        op::FUSE_LSEEK => size_of::<abi::fuse_lseek_in>(),
+        _ => return None,
+    })
+}
+
+/// An anonymous private mapping, unmapped on drop; its pages are touched only as they are used.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory; who writes it when is the queue's protocol (an entry's buffers
+// belong to the kernel while its fetch is pending, to the one request it delivered until that request's
+// reply is committed).
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    fn new(len: usize) -> io::Result<Mapping> {
+        // SAFETY: a fresh anonymous mapping; no existing memory is affected.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` and `len` are this mapping's, and nothing refers to it any more.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// One entry: its header buffer (a page) and its payload buffer.
+struct Entry {
+    header: Mapping,
+    payload: Mapping,
+}
+
+/// One lane: its share of a CPU's queue (one entry) and what its replies need.
+pub(crate) struct Queue {
+    qid: u16,
+    entries: Box<[Entry]>,
+    /// Entries whose reply is written and waits to be committed.
+    done: Mutex<Vec<u16>>,
+    /// Written by a reply made on another thread, to wake the ring's thread.
+    wake: OwnedFd,
+    /// The ring's thread, whose replies need no wake.
+    thread: OnceLock<ThreadId>,
+    stop: AtomicBool,
+}
+
+impl Queue {
+    fn new(qid: u16, plan: RingPlan) -> io::Result<Queue> {
+        let entries = (0..1)
+            .map(|_| {
+                Ok(Entry {
+                    header: Mapping::new(page_size::get().max(HEADER_BYTES))?,
+                    payload: Mapping::new(plan.payload)?,
+                })
+            })
+            .collect::<io::Result<Vec<_>>>()?;
+        // SAFETY: `eventfd` returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Queue {
+            qid,
+            entries: entries.into_boxed_slice(),
+            done: Mutex::new(Vec::new()),
+            // SAFETY: `fd` was just opened and is owned here alone.
+            wake: unsafe { OwnedFd::from_raw_fd(fd) },
+            thread: OnceLock::new(),
+            stop: AtomicBool::new(false),
+        })
+    }
+
+    fn wake(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: an 8-byte write to this queue's eventfd. A full counter (EAGAIN) already wakes.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+}
+
+/// Where a request delivered by a ring is answered: its entry.
+#[derive(Clone)]
+pub(crate) struct RingReply {
+    queue: Arc<Queue>,
+    entry: u16,
+    /// The connection, for backing files of passthrough opens.
+    pub(crate) ch: ChannelSender,
+}
+
+impl std::fmt::Debug for RingReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "RingReply(queue {}, entry {})",
+            self.queue.qid, self.entry
+        )
+    }
+}
+
+impl RingReply {
+    /// Writes a reply (the `fuse_out_header`, then its payload) into the entry and hands the entry
+    /// back to be committed. A payload larger than the entry's buffer (which the kernel's sizes rule
+    /// out) is answered `EIO` instead.
+    pub(crate) fn send(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<()> {
+        let entry = &self.queue.entries[usize::from(self.entry)];
+        let Some((head, rest)) = bufs.split_first() else {
+            return Err(io::Error::other("a reply without its header"));
+        };
+        let out_len = std::mem::size_of::<abi::fuse_out_header>();
+        if head.len() != out_len {
+            return Err(io::Error::other("a reply's header of the wrong size"));
+        }
+        let total: usize = rest.iter().map(|b| b.len()).sum();
+        // SAFETY: this entry's buffers belong to this request until its commit (module doc), which
+        // this call makes; the writes stay within the two mappings (sizes checked).
+        unsafe {
+            std::ptr::copy_nonoverlapping(head.as_ptr(), entry.header.ptr, out_len);
+            let mut written = 0;
+            if total <= entry.payload.len {
+                for b in rest {
+                    std::ptr::copy_nonoverlapping(
+                        b.as_ptr(),
+                        entry.payload.ptr.add(written),
+                        b.len(),
+                    );
+                    written += b.len();
+                }
+            } else {
+                warn!(
+                    "a reply of {total} bytes exceeds the ring's payload of {}",
+                    entry.payload.len
+                );
+                // fuse_out_header: len (u32), error (i32), unique (u64).
+                let error = -libc::EIO;
+                std::ptr::copy_nonoverlapping(
+                    error.to_ne_bytes().as_ptr(),
+                    entry.header.ptr.add(4),
+                    4,
+                );
+            }
+            std::ptr::copy_nonoverlapping(
+                (written as u32).to_ne_bytes().as_ptr(),
+                entry.header.ptr.add(PAYLOAD_SZ),
+                4,
+            );
+        }
+        self.queue.done.lock().push(self.entry);
+        if self.queue.thread.get() != Some(&std::thread::current().id()) {
+            self.queue.wake();
+        }
+        Ok(())
+    }
+}
+
+/// A CPU's lanes: how many there are, and how many wait for a request (their entry is the kernel's).
+#[derive(Default)]
+struct Cpu {
+    lanes: std::sync::atomic::AtomicUsize,
+    idle: std::sync::atomic::AtomicUsize,
+}
+
+/// The rings of one session: every lane, and how to start another.
+struct Shared<FS: Filesystem> {
+    plan: RingPlan,
+    cpus: Box<[Cpu]>,
+    lanes: Mutex<Vec<(Arc<Queue>, std::thread::JoinHandle<()>)>>,
+    stop: AtomicBool,
+    fuse: std::os::fd::RawFd,
+    ch: ChannelSender,
+    event_loop: Box<dyn Fn(String) -> SessionEventLoop<FS> + Send + Sync>,
+}
+
+impl<FS: Filesystem + Send + Sync + 'static> Shared<FS> {
+    /// Starts a lane on `cpu` (none once the rings stop, or at [`MOST_LANES`]).
+    fn add_lane(self: &Arc<Self>, cpu: u16) -> io::Result<()> {
+        let mut lanes = self.lanes.lock();
+        let count = &self.cpus[usize::from(cpu)].lanes;
+        if self.stop.load(Ordering::Acquire) || count.load(Ordering::Acquire) >= MOST_LANES {
+            return Ok(());
+        }
+        let queue = Arc::new(Queue::new(cpu, self.plan)?);
+        let name = format!("fuser-ring-{cpu}-{}", count.load(Ordering::Acquire));
+        let serve = Serve {
+            queue: queue.clone(),
+            shared: self.clone(),
+            event_loop: (self.event_loop)(name.clone()),
+        };
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || serve.run())?;
+        count.fetch_add(1, Ordering::AcqRel);
+        lanes.push((queue, thread));
+        Ok(())
+    }
+}
+
+/// The rings of one session, stopped by [`Rings::stop`].
+pub(crate) struct Rings {
+    stop: Box<dyn FnOnce() + Send>,
+}
+
+impl Rings {
+    /// Starts `plan.lanes` lanes on each possible CPU, which register their entries. Fails where a
+    /// lane's memory, eventfd or thread cannot be had (the lanes started then stop again); a ring the
+    /// kernel refuses is logged by its lane and leaves `/dev/fuse` serving.
+    pub(crate) fn start<FS: Filesystem + Send + Sync + 'static>(
+        plan: RingPlan,
+        ch: &Channel,
+        event_loop: impl Fn(String) -> SessionEventLoop<FS> + Send + Sync + 'static,
+    ) -> io::Result<Rings> {
+        // SAFETY: sysconf has no preconditions.
+        let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize;
+        let shared = Arc::new(Shared {
+            plan,
+            cpus: (0..cpus).map(|_| Cpu::default()).collect(),
+            lanes: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+            fuse: ch.as_fd().as_raw_fd(),
+            ch: ch.sender(),
+            event_loop: Box::new(event_loop),
+        });
+        let rings = Rings {
+            stop: Box::new({
+                let shared = shared.clone();
+                move || stop(&shared)
+            }),
+        };
+        for cpu in 0..cpus {
+            for _ in 0..plan.lanes.max(1) {
+                if let Err(e) = shared.add_lane(cpu as u16) {
+                    rings.stop();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(rings)
+    }
+
+    /// Ends every lane (the connection is gone or the session ends) and waits for them.
+    pub(crate) fn stop(self) {
+        (self.stop)()
+    }
+}
+
+fn stop<FS: Filesystem>(shared: &Shared<FS>) {
+    shared.stop.store(true, Ordering::Release);
+    // Lanes starting lanes take the same lock: none is added once this has taken them.
+    let lanes = std::mem::take(&mut *shared.lanes.lock());
+    for (queue, _) in &lanes {
+        queue.stop.store(true, Ordering::Release);
+        queue.wake();
+    }
+    for (_, thread) in lanes {
+        let _ = thread.join();
+    }
+}
+
+/// One lane's thread.
+struct Serve<FS: Filesystem> {
+    queue: Arc<Queue>,
+    shared: Arc<Shared<FS>>,
+    event_loop: SessionEventLoop<FS>,
+}
+
+impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
+    fn cpu(&self) -> &Cpu {
+        &self.shared.cpus[usize::from(self.queue.qid)]
+    }
+
+    fn run(self) {
+        let _ = self.queue.thread.set(std::thread::current().id());
+        RING_THREAD.with(|r| r.set(true));
+        pin_to(usize::from(self.queue.qid));
+        if let Err(e) = self.serve() {
+            warn!("FUSE ring {} ended: {e}", self.queue.qid);
+        }
+    }
+
+    fn cmd(&self, cmd_op: u32, entry: u16, commit_id: u64) -> squeue::Entry128 {
+        // struct fuse_uring_cmd_req: flags (u64), commit_id (u64), qid (u16), padding.
+        let mut cmd = [0u8; 80];
+        cmd[8..16].copy_from_slice(&commit_id.to_ne_bytes());
+        cmd[16..18].copy_from_slice(&self.queue.qid.to_ne_bytes());
+        opcode::UringCmd80::new(types::Fd(self.shared.fuse), cmd_op)
+            .cmd(cmd)
+            .build()
+            .user_data(u64::from(entry))
+    }
+
+    fn serve(&self) -> io::Result<()> {
+        let depth = self.queue.entries.len();
+        let mut ring: IoUring<squeue::Entry128, cqueue::Entry> = IoUring::builder()
+            .setup_cqsize(2 * depth as u32 + 2)
+            .build(depth as u32 + 1)?;
+        let iovecs: Vec<[libc::iovec; 2]> = self
+            .queue
+            .entries
+            .iter()
+            .map(|e| {
+                [
+                    libc::iovec {
+                        iov_base: e.header.ptr.cast(),
+                        iov_len: e.header.len,
+                    },
+                    libc::iovec {
+                        iov_base: e.payload.ptr.cast(),
+                        iov_len: e.payload.len,
+                    },
+                ]
+            })
+            .collect();
+        for (i, iov) in iovecs.iter().enumerate() {
+            let mut sqe = self.cmd(CMD_REGISTER, i as u16, 0);
+            set_iovecs(&mut sqe, iov);
+            // SAFETY: the iovecs (and the buffers they name) outlive the submission below, which is
+            // when the kernel reads them; the buffers outlive the ring (the queue holds them).
+            unsafe { push(&mut ring, &sqe)? };
+        }
+        self.arm_wake(&mut ring)?;
+        self.cpu().idle.fetch_add(depth, Ordering::AcqRel);
+        let mut buf: Vec<u64> = vec![0; (MIN_PAYLOAD + self.queue.entries[0].payload.len) / 8 + 64];
+        let mut ready = Vec::with_capacity(depth + 1);
+        loop {
+            for entry in std::mem::take(&mut *self.queue.done.lock()) {
+                let commit = self.commit_id(entry);
+                // SAFETY: commits carry no pointers; the entry's buffers are registered already.
+                unsafe { push(&mut ring, &self.cmd(CMD_COMMIT_AND_FETCH, entry, commit))? };
+                self.cpu().idle.fetch_add(1, Ordering::AcqRel);
+            }
+            match ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => return Err(e),
+            }
+            ready.clear();
+            ready.extend(ring.completion().map(|c| (c.user_data(), c.result())));
+            for &(data, result) in &ready {
+                if data == WAKE {
+                    if self.queue.stop.load(Ordering::Acquire) {
+                        return Ok(());
+                    }
+                    let mut count = [0u8; 8];
+                    // SAFETY: an 8-byte read of the eventfd, which is non-blocking.
+                    unsafe {
+                        libc::read(self.queue.wake.as_raw_fd(), count.as_mut_ptr().cast(), 8)
+                    };
+                    self.arm_wake(&mut ring)?;
+                    continue;
+                }
+                let entry = data as u16;
+                match result {
+                    0 => {
+                        // The CPU's last idle entry taken: another lane first, so a request that
+                        // waits here leaves the next ones of this CPU a thread.
+                        if self.cpu().idle.fetch_sub(1, Ordering::AcqRel) == 1 {
+                            if let Err(e) = self.shared.add_lane(self.queue.qid) {
+                                warn!("FUSE ring {}: no lane added: {e}", self.queue.qid);
+                            }
+                        }
+                        self.dispatch(entry, &mut buf)
+                    }
+                    e if e == -libc::EAGAIN || e == -libc::EINTR => {
+                        // Not taken: submitted again as it was (a registration carries its iovecs).
+                        let commit = self.commit_id(entry);
+                        let mut sqe = self.cmd(CMD_COMMIT_AND_FETCH, entry, commit);
+                        if commit == 0 {
+                            sqe = self.cmd(CMD_REGISTER, entry, 0);
+                            set_iovecs(&mut sqe, &iovecs[usize::from(entry)]);
+                        }
+                        // SAFETY: as at registration: the iovecs live until this loop ends.
+                        unsafe { push(&mut ring, &sqe)? };
+                    }
+                    e if e == -libc::ENOTCONN || e == -libc::ENODEV || e == -libc::ECANCELED => {
+                        debug!("FUSE ring {}: the connection ended", self.queue.qid);
+                        return Ok(());
+                    }
+                    // A registration the kernel refused (the lane is of no use: it ends, and
+                    // /dev/fuse serves while no ring is ready), or a commit it refused (its request
+                    // gone: aborted, timed out; the entry is lost, the other lanes go on).
+                    e => {
+                        let error = io::Error::from_raw_os_error(-e);
+                        let idle = self.cpu().idle.fetch_sub(1, Ordering::AcqRel);
+                        if self.commit_id(entry) == 0 {
+                            return Err(io::Error::other(format!("registration refused: {error}")));
+                        }
+                        warn!("FUSE ring {}: a commit refused: {error}", self.queue.qid);
+                        if idle == 1 {
+                            let _ = self.shared.add_lane(self.queue.qid);
+                        }
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    fn arm_wake(&self, ring: &mut IoUring<squeue::Entry128, cqueue::Entry>) -> io::Result<()> {
+        let poll =
+            opcode::PollAdd::new(types::Fd(self.queue.wake.as_raw_fd()), libc::POLLIN as u32)
+                .build()
+                .user_data(WAKE);
+        // SAFETY: a poll of the queue's eventfd, which outlives the ring.
+        unsafe { push(ring, &squeue::Entry128::from(poll)) }
+    }
+
+    fn commit_id(&self, entry: u16) -> u64 {
+        let header = &self.queue.entries[usize::from(entry)].header;
+        let mut id = [0u8; 8];
+        // SAFETY: read of the entry's header, which the kernel filled when it delivered the request.
+        unsafe { std::ptr::copy_nonoverlapping(header.ptr.add(COMMIT_ID), id.as_mut_ptr(), 8) };
+        u64::from_ne_bytes(id)
+    }
+
+    /// Rebuilds the request as `/dev/fuse` would have delivered it (the header, the fixed argument,
+    /// the rest) and dispatches it, its replies going to the entry.
+    fn dispatch(&self, entry: u16, buf: &mut [u64]) {
+        let e = &self.queue.entries[usize::from(entry)];
+        let in_len = std::mem::size_of::<abi::fuse_in_header>();
+        let mut head = [0u8; 8];
+        // SAFETY: reads of the entry's buffers, which hold the request the kernel just delivered and
+        // are this thread's until the reply is committed; every read is within the mappings.
+        let (opcode, payload) = unsafe {
+            std::ptr::copy_nonoverlapping(e.header.ptr, head.as_mut_ptr(), 8);
+            let mut sz = [0u8; 4];
+            std::ptr::copy_nonoverlapping(e.header.ptr.add(PAYLOAD_SZ), sz.as_mut_ptr(), 4);
+            (
+                u32::from_ne_bytes(head[4..8].try_into().unwrap()),
+                u32::from_ne_bytes(sz) as usize,
+            )
+        };
+        let reply = RingReply {
+            queue: self.queue.clone(),
+            entry,
+            ch: self.shared.ch.clone(),
+        };
+        if opcode == abi::fuse_opcode::FUSE_DESTROY as u32 {
+            // As the /dev/fuse loop does: answered, the connection ends next.
+            self.answer_errno(&reply, 0);
+            return;
+        }
+        let fixed = op_in_size(opcode);
+        let total = in_len + fixed.unwrap_or(0) + payload;
+        let bytes: &mut [u8] = zerocopy::IntoBytes::as_mut_bytes(buf);
+        if fixed.is_none() || payload > e.payload.len || total > bytes.len() {
+            self.answer_errno(&reply, libc::ENOSYS);
+            return;
+        }
+        let fixed = fixed.unwrap_or(0);
+        // SAFETY: as above; `bytes` holds `total` (checked).
+        unsafe {
+            std::ptr::copy_nonoverlapping(e.header.ptr, bytes.as_mut_ptr(), in_len);
+            std::ptr::copy_nonoverlapping(
+                e.header.ptr.add(OP_IN),
+                bytes.as_mut_ptr().add(in_len),
+                fixed,
+            );
+            std::ptr::copy_nonoverlapping(
+                e.payload.ptr,
+                bytes.as_mut_ptr().add(in_len + fixed),
+                payload,
+            );
+        }
+        bytes[..4].copy_from_slice(&(total as u32).to_ne_bytes());
+        match RequestWithSender::new_ring(reply.clone(), &bytes[..total]) {
+            // A filesystem that panics has its reply dropped (answered EIO); the queue serves on.
+            Some(req) => {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    req.dispatch(&self.event_loop)
+                }));
+            }
+            None => self.answer_errno(&reply, libc::EIO),
+        }
+    }
+
+    /// Answers the entry's request with `errno` and no payload (0: success).
+    fn answer_errno(&self, reply: &RingReply, errno: i32) {
+        let e = &self.queue.entries[usize::from(reply.entry)];
+        let mut unique = [0u8; 8];
+        // SAFETY: read of the delivered request's header (its unique id at offset 8).
+        unsafe { std::ptr::copy_nonoverlapping(e.header.ptr.add(8), unique.as_mut_ptr(), 8) };
+        let mut out = [0u8; 16];
+        out[..4].copy_from_slice(&16u32.to_ne_bytes());
+        out[4..8].copy_from_slice(&(-errno).to_ne_bytes());
+        out[8..].copy_from_slice(&unique);
+        let _ = reply.send(&[io::IoSlice::new(&out)]);
+    }
+}
+
+/// Sets a command's `addr` and `len` to the entry's two iovecs (what `FUSE_IO_URING_CMD_REGISTER`
+/// reads; io-uring's builder sets `addr` only).
+fn set_iovecs(sqe: &mut squeue::Entry128, iov: &[libc::iovec; 2]) {
+    // `struct io_uring_sqe`: `addr` at byte 16 (u64), `len` at byte 24 (u32). `Entry128` is
+    // `repr(C)` over the kernel's SQE and 64 more bytes.
+    let raw = (sqe as *mut squeue::Entry128).cast::<u8>();
+    // SAFETY: both writes are within the SQE's first 64 bytes, at the ABI's offsets.
+    unsafe {
+        raw.add(16)
+            .cast::<u64>()
+            .write_unaligned(iov.as_ptr() as u64);
+        raw.add(24).cast::<u32>().write_unaligned(2);
+    }
+}
+
+/// # Safety
+/// What `sqe` points to must stay valid until the kernel has consumed it.
+unsafe fn push(
+    ring: &mut IoUring<squeue::Entry128, cqueue::Entry>,
+    sqe: &squeue::Entry128,
+) -> io::Result<()> {
+    // SAFETY: the caller's promise.
+    while unsafe { ring.submission().push(sqe) }.is_err() {
+        ring.submit()?;
+    }
+    Ok(())
+}
+
+fn pin_to(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it (checked).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if cpu < libc::CPU_SETSIZE as usize {
+            libc::CPU_SET(cpu, &mut set);
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                debug!(
+                    "FUSE ring {cpu}: not pinned: {}",
+                    io::Error::last_os_error()
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixed_arguments_have_the_kernels_sizes() {
+        use abi::fuse_opcode as op;
+        for (code, size, name) in [
+            (op::FUSE_LOOKUP as u32, 0, "FUSE_LOOKUP"),
+            (op::FUSE_GETATTR as u32, 16, "FUSE_GETATTR"),
+            (op::FUSE_OPEN as u32, 8, "FUSE_OPEN"),
+            (op::FUSE_READ as u32, 40, "FUSE_READ"),
+            (op::FUSE_RELEASE as u32, 24, "FUSE_RELEASE"),
+            (op::FUSE_OPENDIR as u32, 8, "FUSE_OPENDIR"),
+            (op::FUSE_READDIRPLUS as u32, 40, "FUSE_READDIRPLUS"),
+            (op::FUSE_FLUSH as u32, 24, "FUSE_FLUSH"),
+            (op::FUSE_ACCESS as u32, 8, "FUSE_ACCESS"),
+            (op::FUSE_GETXATTR as u32, 8, "FUSE_GETXATTR"),
+            (op::FUSE_LSEEK as u32, 24, "FUSE_LSEEK"),
+            (op::FUSE_POLL as u32, 24, "FUSE_POLL"),
+        ] {
+            assert_eq!(op_in_size(code), Some(size), "{name}");
+        }
+        assert_eq!(op_in_size(op::FUSE_WRITE as u32), None);
+    }
+
+    #[test]
+    fn the_payload_holds_the_largest_read() {
+        assert!(RingPlan::payload_for(4096, 256) >= 256 * 4096);
+        assert!(RingPlan::payload_for(4096, 1) >= MIN_PAYLOAD);
+    }
+}
