@@ -9,8 +9,9 @@
 //! file that fails (a disk's corruption, a truncation) is removed and fetched anew.
 //!
 //! **Bounded.** The bytes written are counted against `cache_dir_size`; past it, the least recently used
-//! files (by modification time, touched at each hit) are removed until the cache is under 90 % of it. The
-//! count starts from a walk of the directory at mount time, in the background.
+//! files (by modification time, touched at a hit when it is older than [`TOUCH_AFTER`]) are removed until
+//! the cache is under 90 % of it. The count starts from a walk of the directory at mount time, in the
+//! background.
 
 use crate::client::Sent;
 use crate::stats::NodeCacheSnapshot;
@@ -18,11 +19,25 @@ use crate::sync::{AtomicU64, Mutex, Ordering};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
+/// A hit touches a file's modification time (its place in the LRU order) only when it is older than this:
+/// a touch is an inode write (a journal entry) at every open otherwise, and the order needs no finer grain.
+pub const TOUCH_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The check's buffer (1 MiB), one per thread and reused: a fresh one per open cost an allocation, its
+/// zeroing and page faults, and the unmap's TLB shootdowns, more than the check's copy of a small file.
+const CHECK_BUFFER: usize = 1 << 20;
+
+thread_local! {
+    static CHECK: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// A node cache in a directory.
 #[derive(Debug)]
 pub struct NodeCache {
     dir: PathBuf,
     limit: u64,
+    /// A hit older than this touches the file ([`TOUCH_AFTER`]).
+    touch_after: std::time::Duration,
     /// Bytes in the cache (the walk's count, plus what this mount wrote, minus what it removed).
     used: AtomicU64,
     /// One eviction at a time (in this mount).
@@ -48,10 +63,20 @@ pub struct NodeCacheStats {
 impl NodeCache {
     /// The cache in `dir` (made if missing), at most `limit` bytes.
     pub fn open(dir: &Path, limit: u64) -> std::io::Result<std::sync::Arc<Self>> {
+        Self::open_touching(dir, limit, TOUCH_AFTER)
+    }
+
+    /// The same, a hit touching a file whose modification time is `touch_after` old.
+    fn open_touching(
+        dir: &Path,
+        limit: u64,
+        touch_after: std::time::Duration,
+    ) -> std::io::Result<std::sync::Arc<Self>> {
         std::fs::create_dir_all(dir)?;
         let cache = std::sync::Arc::new(NodeCache {
             dir: dir.to_owned(),
             limit,
+            touch_after,
             used: AtomicU64::new(0),
             evicting: Mutex::new(()),
             stats: NodeCacheStats::default(),
@@ -90,19 +115,25 @@ impl NodeCache {
     pub fn open_checked(&self, sent: Sent) -> Option<std::fs::File> {
         let path = self.path_of(sent);
         let file = std::fs::File::open(&path).ok()?;
-        let mut buf = vec![0u8; (sent.bytes as usize).clamp(1, 1 << 20)];
-        let (mut crc, mut len) = (0u32, 0u64);
-        // Read at offsets: the file's position stays at its start.
-        let right = loop {
-            match std::os::unix::fs::FileExt::read_at(&file, &mut buf, len) {
-                Ok(0) => break len == sent.bytes && crc == sent.crc32c,
-                Ok(n) if len + n as u64 <= sent.bytes => {
-                    crc = batchfs::crc::crc32c_append(crc, &buf[..n]);
-                    len += n as u64;
-                }
-                Ok(_) | Err(_) => break false,
+        let (right, len) = CHECK.with_borrow_mut(|buf| {
+            if buf.is_empty() {
+                buf.resize(CHECK_BUFFER, 0);
             }
-        };
+            // A read past the size the file should have shows one byte too many.
+            let want = (sent.bytes as usize).saturating_add(1).min(CHECK_BUFFER);
+            let (mut crc, mut len) = (0u32, 0u64);
+            // Read at offsets: the file's position stays at its start.
+            loop {
+                match std::os::unix::fs::FileExt::read_at(&file, &mut buf[..want], len) {
+                    Ok(0) => return (len == sent.bytes && crc == sent.crc32c, len),
+                    Ok(n) if len + n as u64 <= sent.bytes => {
+                        crc = batchfs::crc::crc32c_append(crc, &buf[..n]);
+                        len += n as u64;
+                    }
+                    Ok(_) | Err(_) => return (false, len),
+                }
+            }
+        });
         self.checked(&path, &file, sent, right, len)?;
         Some(file)
     }
@@ -121,7 +152,14 @@ impl NodeCache {
             self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        let _ = file.set_modified(std::time::SystemTime::now());
+        let now = std::time::SystemTime::now();
+        let stale = file
+            .metadata()
+            .and_then(|m| m.modified())
+            .map_or(true, |t| now.duration_since(t).is_ok_and(|age| age >= self.touch_after));
+        if stale {
+            let _ = file.set_modified(now);
+        }
         self.stats.hits.fetch_add(1, Ordering::Relaxed);
         self.stats.hit_bytes.fetch_add(sent.bytes, Ordering::Relaxed);
         Some(())
@@ -294,7 +332,7 @@ mod tests {
     #[test]
     fn the_least_recently_used_go_past_the_limit() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = NodeCache::open(dir.path(), 1000).unwrap();
+        let cache = NodeCache::open_touching(dir.path(), 1000, std::time::Duration::ZERO).unwrap();
         let objects: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 300]).collect();
         for (i, o) in objects.iter().enumerate() {
             cache.put(sent(o), o).unwrap();
@@ -316,5 +354,28 @@ mod tests {
         let big = vec![9u8; 2000];
         cache.put(sent(&big), &big).unwrap();
         assert!(!cache.contains(sent(&big)));
+    }
+
+    #[test]
+    fn a_hit_touches_a_file_only_once_it_is_old() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 20).unwrap();
+        let o = vec![7u8; 3000];
+        cache.put(sent(&o), &o).unwrap();
+        let path = cache.path_of(sent(&o));
+        let mtime = || std::fs::metadata(&path).unwrap().modified().unwrap();
+        let old = std::time::SystemTime::now() - TOUCH_AFTER - std::time::Duration::from_secs(1);
+        std::fs::File::options().write(true).open(&path).unwrap().set_modified(old).unwrap();
+        assert!(cache.open_checked(sent(&o)).is_some());
+        let touched = mtime();
+        assert!(touched > old, "an old file is touched by a hit");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(cache.open_checked(sent(&o)).is_some());
+        assert_eq!(mtime(), touched, "a file touched a moment ago is not touched again");
+        // The check's buffer, reused by this thread, is as long as the largest file it checked before.
+        let big = vec![3u8; 5000];
+        cache.put(sent(&big), &big).unwrap();
+        assert!(cache.open_checked(sent(&big)).is_some());
+        assert!(cache.open_checked(sent(&o)).is_some(), "a smaller file after a larger one");
     }
 }
