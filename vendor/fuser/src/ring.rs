@@ -322,12 +322,21 @@ impl<FS: Filesystem + Send + Sync + 'static> Shared<FS> {
             shared: self.clone(),
             event_loop: (self.event_loop)(name.clone()),
         };
-        let thread = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || serve.run())?;
+        // Counted before it runs: a lane that ends at once takes itself off after this.
         count.fetch_add(1, Ordering::AcqRel);
-        lanes.push((queue, thread));
-        Ok(())
+        match std::thread::Builder::new()
+            .name(name)
+            .spawn(move || serve.run())
+        {
+            Ok(thread) => {
+                lanes.push((queue, thread));
+                Ok(())
+            }
+            Err(e) => {
+                count.fetch_sub(1, Ordering::AcqRel);
+                Err(e)
+            }
+        }
     }
 }
 
@@ -411,6 +420,8 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
         if let Err(e) = self.serve() {
             warn!("FUSE ring {} ended: {e}", self.queue.qid);
         }
+        // A lane that ended no longer counts against its CPU's most.
+        self.cpu().lanes.fetch_sub(1, Ordering::AcqRel);
     }
 
     fn cmd(&self, cmd_op: u32, entry: u16, commit_id: u64) -> squeue::Entry128 {
