@@ -199,14 +199,6 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
     Ok(info)
 }
 
-/// The lanes each CPU's FUSE ring queue starts with (`fuse_uring`; a lane is a thread holding one entry, so
-/// one request, at a time): `threads` spread over the CPUs, at least two per CPU. The ring adds a lane
-/// whenever a CPU's last idle one takes a request (so requests waiting on the server leave the others a
-/// thread). Each entry's payload buffer holds the largest request (1 MiB), touched only as replies fill it.
-pub fn fuse_ring_lanes(threads: usize) -> u16 {
-    threads.div_ceil(crate::sys::possible_cpus()).clamp(2, 64) as u16
-}
-
 /// The FUSE session's settings for `plan`.
 pub fn fuser_config(plan: &MountPlan) -> fuser::Config {
     use fuser::MountOption as M;
@@ -222,7 +214,8 @@ pub fn fuser_config(plan: &MountPlan) -> fuser::Config {
     }
     config.n_threads = Some(plan.options.threads);
     config.clone_fd = true;
-    config.io_uring_lanes = plan.options.fuse_uring.then(|| fuse_ring_lanes(plan.options.threads));
+    // FUSE rings (`fuse_uring`) start with the FUSE threads' number, spread over the CPUs.
+    config.io_uring_threads = plan.options.fuse_uring.then_some(plan.options.threads);
     config
 }
 

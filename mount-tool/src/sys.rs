@@ -405,12 +405,6 @@ pub fn send_with_fd(
     Ok(())
 }
 
-/// The CPUs the kernel may ever run (`_SC_NPROCESSORS_CONF`): FUSE's rings have a queue for each.
-pub fn possible_cpus() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }).max(1) as usize
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

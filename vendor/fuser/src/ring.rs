@@ -15,8 +15,8 @@
 //! (up to [`MOST_LANES`] a CPU), so requests that wait never leave the others of their CPU without a
 //! thread: a queue's lanes grow to the requests it has in flight at once, and stay (an entry, once
 //! registered, is only given back when the connection ends). A reply made on the lane's thread is
-//! committed with its next submission; a reply made on another thread is handed back through the lane's
-//! list of committed entries and an eventfd its ring polls. The kernel switches from `/dev/fuse` to the
+//! committed with its next submission; a reply made on another thread is handed back through a flag of
+//! the lane's and an eventfd its ring polls. The kernel switches from `/dev/fuse` to the
 //! rings only once every CPU's queue holds an entry: until then, and for good if a lane cannot be set
 //! up, `/dev/fuse` serves every request. `FORGET` and `INTERRUPT` always come through `/dev/fuse`.
 
@@ -59,8 +59,9 @@ const PAYLOAD_SZ: usize = ENT_IN_OUT + 16;
 const HEADER_BYTES: usize = ENT_IN_OUT + 32;
 /// The kernel's `FUSE_MIN_READ_BUFFER`.
 const MIN_PAYLOAD: usize = 8192;
-/// The completion of the eventfd's poll (entries are numbered from 0).
-const WAKE: u64 = u64::MAX;
+/// The completions of a lane's ring: its entry's commands, and the poll of its eventfd.
+const ENTRY: u64 = 0;
+const WAKE: u64 = 1;
 /// Lanes (threads, each with one entry) a CPU's queue grows to at most; beyond them, that CPU's
 /// requests wait in the kernel for a lane to finish one.
 pub(crate) const MOST_LANES: usize = 256;
@@ -84,6 +85,12 @@ pub(crate) struct RingPlan {
 }
 
 impl RingPlan {
+    /// The lanes each CPU starts with for `threads` threads in all: at least two a CPU (one stays idle
+    /// while another waits), at most 64.
+    pub(crate) fn lanes_for(threads: usize) -> u16 {
+        threads.div_ceil(possible_cpus()).clamp(2, 64) as u16
+    }
+
     /// The payload the kernel needs for these settings; `max_pages` is capped by the kernel's limit
     /// (`/proc/sys/fs/fuse/max_pages_limit`, 256 where it is not there).
     pub(crate) fn payload_for(max_write: u32, max_pages: u16) -> usize {
@@ -96,6 +103,12 @@ impl RingPlan {
             .max(max_write as usize)
             .max(pages * page_size::get())
     }
+}
+
+/// The CPUs the kernel may ever run (`_SC_NPROCESSORS_CONF`): the kernel has a queue for each.
+fn possible_cpus() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }).max(1) as usize
 }
 
 /// The size of the fixed argument the kernel puts in `op_in` for each operation a read-only
@@ -169,68 +182,68 @@ struct Entry {
     payload: Mapping,
 }
 
-/// One lane: its share of a CPU's queue (one entry) and what its replies need.
-pub(crate) struct Queue {
+/// One lane: its entry of a CPU's queue, and what its replies need.
+pub(crate) struct Lane {
     qid: u16,
-    entries: Box<[Entry]>,
-    /// Entries whose reply is written and waits to be committed.
-    done: Mutex<Vec<u16>>,
-    /// Written by a reply made on another thread, to wake the ring's thread.
+    entry: Entry,
+    /// The entry's reply is written and waits to be committed.
+    replied: AtomicBool,
+    /// Written by a reply made on another thread, to wake the lane's thread.
     wake: OwnedFd,
-    /// The ring's thread, whose replies need no wake.
+    /// The lane's thread, whose replies need no wake.
     thread: OnceLock<ThreadId>,
-    stop: AtomicBool,
 }
 
-impl Queue {
-    fn new(qid: u16, plan: RingPlan) -> io::Result<Queue> {
-        let entries = (0..1)
-            .map(|_| {
-                Ok(Entry {
-                    header: Mapping::new(page_size::get().max(HEADER_BYTES))?,
-                    payload: Mapping::new(plan.payload)?,
-                })
-            })
-            .collect::<io::Result<Vec<_>>>()?;
+impl Lane {
+    fn new(qid: u16, plan: RingPlan) -> io::Result<Lane> {
+        let entry = Entry {
+            header: Mapping::new(page_size::get().max(HEADER_BYTES))?,
+            payload: Mapping::new(plan.payload)?,
+        };
         // SAFETY: `eventfd` returns a new descriptor or -1.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(Queue {
+        Ok(Lane {
             qid,
-            entries: entries.into_boxed_slice(),
-            done: Mutex::new(Vec::new()),
+            entry,
+            replied: AtomicBool::new(false),
             // SAFETY: `fd` was just opened and is owned here alone.
             wake: unsafe { OwnedFd::from_raw_fd(fd) },
             thread: OnceLock::new(),
-            stop: AtomicBool::new(false),
         })
     }
 
     fn wake(&self) {
         let one = 1u64.to_ne_bytes();
-        // SAFETY: an 8-byte write to this queue's eventfd. A full counter (EAGAIN) already wakes.
+        // SAFETY: an 8-byte write to this lane's eventfd. A full counter (EAGAIN) already wakes.
         unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// The request's commit id, which the kernel wrote into the header when it delivered it (0 before
+    /// the entry's first request).
+    fn commit_id(&self) -> u64 {
+        let mut id = [0u8; 8];
+        // SAFETY: a read within the entry's header.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.entry.header.ptr.add(COMMIT_ID), id.as_mut_ptr(), 8)
+        };
+        u64::from_ne_bytes(id)
     }
 }
 
-/// Where a request delivered by a ring is answered: its entry.
+/// Where a request delivered by a ring is answered: its lane's entry.
 #[derive(Clone)]
 pub(crate) struct RingReply {
-    queue: Arc<Queue>,
-    entry: u16,
+    lane: Arc<Lane>,
     /// The connection, for backing files of passthrough opens.
     pub(crate) ch: ChannelSender,
 }
 
 impl std::fmt::Debug for RingReply {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "RingReply(queue {}, entry {})",
-            self.queue.qid, self.entry
-        )
+        write!(f, "RingReply(queue {})", self.lane.qid)
     }
 }
 
@@ -239,7 +252,7 @@ impl RingReply {
     /// back to be committed. A payload larger than the entry's buffer (which the kernel's sizes rule
     /// out) is answered `EIO` instead.
     pub(crate) fn send(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<()> {
-        let entry = &self.queue.entries[usize::from(self.entry)];
+        let entry = &self.lane.entry;
         let Some((head, rest)) = bufs.split_first() else {
             return Err(io::Error::other("a reply without its header"));
         };
@@ -281,9 +294,9 @@ impl RingReply {
                 4,
             );
         }
-        self.queue.done.lock().push(self.entry);
-        if self.queue.thread.get() != Some(&std::thread::current().id()) {
-            self.queue.wake();
+        self.lane.replied.store(true, Ordering::Release);
+        if self.lane.thread.get() != Some(&std::thread::current().id()) {
+            self.lane.wake();
         }
         Ok(())
     }
@@ -300,7 +313,7 @@ struct Cpu {
 struct Shared<FS: Filesystem> {
     plan: RingPlan,
     cpus: Box<[Cpu]>,
-    lanes: Mutex<Vec<(Arc<Queue>, std::thread::JoinHandle<()>)>>,
+    lanes: Mutex<Vec<(Arc<Lane>, std::thread::JoinHandle<()>)>>,
     stop: AtomicBool,
     fuse: std::os::fd::RawFd,
     ch: ChannelSender,
@@ -315,10 +328,10 @@ impl<FS: Filesystem + Send + Sync + 'static> Shared<FS> {
         if self.stop.load(Ordering::Acquire) || count.load(Ordering::Acquire) >= MOST_LANES {
             return Ok(());
         }
-        let queue = Arc::new(Queue::new(cpu, self.plan)?);
+        let lane = Arc::new(Lane::new(cpu, self.plan)?);
         let name = format!("fuser-ring-{cpu}-{}", count.load(Ordering::Acquire));
         let serve = Serve {
-            queue: queue.clone(),
+            lane: lane.clone(),
             shared: self.clone(),
             event_loop: (self.event_loop)(name.clone()),
         };
@@ -329,7 +342,7 @@ impl<FS: Filesystem + Send + Sync + 'static> Shared<FS> {
             .spawn(move || serve.run())
         {
             Ok(thread) => {
-                lanes.push((queue, thread));
+                lanes.push((lane, thread));
                 Ok(())
             }
             Err(e) => {
@@ -354,8 +367,7 @@ impl Rings {
         ch: &Channel,
         event_loop: impl Fn(String) -> SessionEventLoop<FS> + Send + Sync + 'static,
     ) -> io::Result<Rings> {
-        // SAFETY: sysconf has no preconditions.
-        let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize;
+        let cpus = possible_cpus();
         let shared = Arc::new(Shared {
             plan,
             cpus: (0..cpus).map(|_| Cpu::default()).collect(),
@@ -392,9 +404,8 @@ fn stop<FS: Filesystem>(shared: &Shared<FS>) {
     shared.stop.store(true, Ordering::Release);
     // Lanes starting lanes take the same lock: none is added once this has taken them.
     let lanes = std::mem::take(&mut *shared.lanes.lock());
-    for (queue, _) in &lanes {
-        queue.stop.store(true, Ordering::Release);
-        queue.wake();
+    for (lane, _) in &lanes {
+        lane.wake();
     }
     for (_, thread) in lanes {
         let _ = thread.join();
@@ -403,76 +414,81 @@ fn stop<FS: Filesystem>(shared: &Shared<FS>) {
 
 /// One lane's thread.
 struct Serve<FS: Filesystem> {
-    queue: Arc<Queue>,
+    lane: Arc<Lane>,
     shared: Arc<Shared<FS>>,
     event_loop: SessionEventLoop<FS>,
 }
 
 impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
     fn cpu(&self) -> &Cpu {
-        &self.shared.cpus[usize::from(self.queue.qid)]
+        &self.shared.cpus[usize::from(self.lane.qid)]
     }
 
     fn run(self) {
-        let _ = self.queue.thread.set(std::thread::current().id());
+        let _ = self.lane.thread.set(std::thread::current().id());
         RING_THREAD.with(|r| r.set(true));
-        pin_to(usize::from(self.queue.qid));
+        pin_to(usize::from(self.lane.qid));
         if let Err(e) = self.serve() {
-            warn!("FUSE ring {} ended: {e}", self.queue.qid);
+            warn!("FUSE ring {} ended: {e}", self.lane.qid);
         }
         // A lane that ended no longer counts against its CPU's most.
         self.cpu().lanes.fetch_sub(1, Ordering::AcqRel);
     }
 
-    fn cmd(&self, cmd_op: u32, entry: u16, commit_id: u64) -> squeue::Entry128 {
+    fn cmd(&self, cmd_op: u32, commit_id: u64) -> squeue::Entry128 {
         // struct fuse_uring_cmd_req: flags (u64), commit_id (u64), qid (u16), padding.
         let mut cmd = [0u8; 80];
         cmd[8..16].copy_from_slice(&commit_id.to_ne_bytes());
-        cmd[16..18].copy_from_slice(&self.queue.qid.to_ne_bytes());
+        cmd[16..18].copy_from_slice(&self.lane.qid.to_ne_bytes());
         opcode::UringCmd80::new(types::Fd(self.shared.fuse), cmd_op)
             .cmd(cmd)
             .build()
-            .user_data(u64::from(entry))
+            .user_data(ENTRY)
+    }
+
+    /// The entry's registration with its iovecs (the header and the payload buffer).
+    fn register(&self, iov: &[libc::iovec; 2]) -> squeue::Entry128 {
+        let mut sqe = self.cmd(CMD_REGISTER, 0);
+        // `struct io_uring_sqe`: `addr` at byte 16 (u64), `len` at byte 24 (u32); io-uring's builder
+        // sets `addr` only. `Entry128` is `repr(C)` over the kernel's SQE and 64 more bytes.
+        let raw = (&mut sqe as *mut squeue::Entry128).cast::<u8>();
+        // SAFETY: both writes are within the SQE's first 64 bytes, at the ABI's offsets.
+        unsafe {
+            raw.add(16)
+                .cast::<u64>()
+                .write_unaligned(iov.as_ptr() as u64);
+            raw.add(24).cast::<u32>().write_unaligned(2);
+        }
+        sqe
     }
 
     fn serve(&self) -> io::Result<()> {
-        let depth = self.queue.entries.len();
-        let mut ring: IoUring<squeue::Entry128, cqueue::Entry> = IoUring::builder()
-            .setup_cqsize(2 * depth as u32 + 2)
-            .build(depth as u32 + 1)?;
-        let iovecs: Vec<[libc::iovec; 2]> = self
-            .queue
-            .entries
-            .iter()
-            .map(|e| {
-                [
-                    libc::iovec {
-                        iov_base: e.header.ptr.cast(),
-                        iov_len: e.header.len,
-                    },
-                    libc::iovec {
-                        iov_base: e.payload.ptr.cast(),
-                        iov_len: e.payload.len,
-                    },
-                ]
-            })
-            .collect();
-        for (i, iov) in iovecs.iter().enumerate() {
-            let mut sqe = self.cmd(CMD_REGISTER, i as u16, 0);
-            set_iovecs(&mut sqe, iov);
-            // SAFETY: the iovecs (and the buffers they name) outlive the submission below, which is
-            // when the kernel reads them; the buffers outlive the ring (the queue holds them).
-            unsafe { push(&mut ring, &sqe)? };
-        }
+        // The entry's command, the eventfd's poll, and room for one more of each.
+        let mut ring: IoUring<squeue::Entry128, cqueue::Entry> =
+            IoUring::builder().setup_cqsize(4).build(2)?;
+        let entry = &self.lane.entry;
+        let iov = [
+            libc::iovec {
+                iov_base: entry.header.ptr.cast(),
+                iov_len: entry.header.len,
+            },
+            libc::iovec {
+                iov_base: entry.payload.ptr.cast(),
+                iov_len: entry.payload.len,
+            },
+        ];
+        // SAFETY: the iovecs (and the buffers they name) outlive the submission below, which is when
+        // the kernel reads them; the buffers outlive the ring (the lane holds them).
+        unsafe { push(&mut ring, &self.register(&iov))? };
         self.arm_wake(&mut ring)?;
-        self.cpu().idle.fetch_add(depth, Ordering::AcqRel);
-        let mut buf: Vec<u64> = vec![0; (MIN_PAYLOAD + self.queue.entries[0].payload.len) / 8 + 64];
-        let mut ready = Vec::with_capacity(depth + 1);
+        self.cpu().idle.fetch_add(1, Ordering::AcqRel);
+        let mut buf: Vec<u64> = vec![0; (MIN_PAYLOAD + entry.payload.len) / 8 + 64];
+        let mut ready = Vec::with_capacity(2);
         loop {
-            for entry in std::mem::take(&mut *self.queue.done.lock()) {
-                let commit = self.commit_id(entry);
-                // SAFETY: commits carry no pointers; the entry's buffers are registered already.
-                unsafe { push(&mut ring, &self.cmd(CMD_COMMIT_AND_FETCH, entry, commit))? };
+            if self.lane.replied.swap(false, Ordering::AcqRel) {
+                let commit = self.lane.commit_id();
+                // SAFETY: a commit carries no pointers; the entry's buffers are registered already.
+                unsafe { push(&mut ring, &self.cmd(CMD_COMMIT_AND_FETCH, commit))? };
                 self.cpu().idle.fetch_add(1, Ordering::AcqRel);
             }
             match ring.submit_and_wait(1) {
@@ -484,56 +500,52 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
             ready.extend(ring.completion().map(|c| (c.user_data(), c.result())));
             for &(data, result) in &ready {
                 if data == WAKE {
-                    if self.queue.stop.load(Ordering::Acquire) {
+                    if self.shared.stop.load(Ordering::Acquire) {
                         return Ok(());
                     }
                     let mut count = [0u8; 8];
                     // SAFETY: an 8-byte read of the eventfd, which is non-blocking.
-                    unsafe {
-                        libc::read(self.queue.wake.as_raw_fd(), count.as_mut_ptr().cast(), 8)
-                    };
+                    unsafe { libc::read(self.lane.wake.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
                     self.arm_wake(&mut ring)?;
                     continue;
                 }
-                let entry = data as u16;
                 match result {
                     0 => {
                         // The CPU's last idle entry taken: another lane first, so a request that
                         // waits here leaves the next ones of this CPU a thread.
                         if self.cpu().idle.fetch_sub(1, Ordering::AcqRel) == 1 {
-                            if let Err(e) = self.shared.add_lane(self.queue.qid) {
-                                warn!("FUSE ring {}: no lane added: {e}", self.queue.qid);
+                            if let Err(e) = self.shared.add_lane(self.lane.qid) {
+                                warn!("FUSE ring {}: no lane added: {e}", self.lane.qid);
                             }
                         }
-                        self.dispatch(entry, &mut buf)
+                        self.dispatch(&mut buf)
                     }
                     e if e == -libc::EAGAIN || e == -libc::EINTR => {
                         // Not taken: submitted again as it was (a registration carries its iovecs).
-                        let commit = self.commit_id(entry);
-                        let mut sqe = self.cmd(CMD_COMMIT_AND_FETCH, entry, commit);
-                        if commit == 0 {
-                            sqe = self.cmd(CMD_REGISTER, entry, 0);
-                            set_iovecs(&mut sqe, &iovecs[usize::from(entry)]);
-                        }
+                        let commit = self.lane.commit_id();
+                        let sqe = match commit {
+                            0 => self.register(&iov),
+                            _ => self.cmd(CMD_COMMIT_AND_FETCH, commit),
+                        };
                         // SAFETY: as at registration: the iovecs live until this loop ends.
                         unsafe { push(&mut ring, &sqe)? };
                     }
                     e if e == -libc::ENOTCONN || e == -libc::ENODEV || e == -libc::ECANCELED => {
-                        debug!("FUSE ring {}: the connection ended", self.queue.qid);
+                        debug!("FUSE ring {}: the connection ended", self.lane.qid);
                         return Ok(());
                     }
                     // A registration the kernel refused (the lane is of no use: it ends, and
                     // /dev/fuse serves while no ring is ready), or a commit it refused (its request
-                    // gone: aborted, timed out; the entry is lost, the other lanes go on).
+                    // gone: aborted, timed out; the entry is lost, and so the lane).
                     e => {
                         let error = io::Error::from_raw_os_error(-e);
                         let idle = self.cpu().idle.fetch_sub(1, Ordering::AcqRel);
-                        if self.commit_id(entry) == 0 {
+                        if self.lane.commit_id() == 0 {
                             return Err(io::Error::other(format!("registration refused: {error}")));
                         }
-                        warn!("FUSE ring {}: a commit refused: {error}", self.queue.qid);
+                        warn!("FUSE ring {}: a commit refused: {error}", self.lane.qid);
                         if idle == 1 {
-                            let _ = self.shared.add_lane(self.queue.qid);
+                            let _ = self.shared.add_lane(self.lane.qid);
                         }
                         return Ok(());
                     }
@@ -543,26 +555,17 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
     }
 
     fn arm_wake(&self, ring: &mut IoUring<squeue::Entry128, cqueue::Entry>) -> io::Result<()> {
-        let poll =
-            opcode::PollAdd::new(types::Fd(self.queue.wake.as_raw_fd()), libc::POLLIN as u32)
-                .build()
-                .user_data(WAKE);
-        // SAFETY: a poll of the queue's eventfd, which outlives the ring.
+        let poll = opcode::PollAdd::new(types::Fd(self.lane.wake.as_raw_fd()), libc::POLLIN as u32)
+            .build()
+            .user_data(WAKE);
+        // SAFETY: a poll of the lane's eventfd, which outlives the ring.
         unsafe { push(ring, &squeue::Entry128::from(poll)) }
-    }
-
-    fn commit_id(&self, entry: u16) -> u64 {
-        let header = &self.queue.entries[usize::from(entry)].header;
-        let mut id = [0u8; 8];
-        // SAFETY: read of the entry's header, which the kernel filled when it delivered the request.
-        unsafe { std::ptr::copy_nonoverlapping(header.ptr.add(COMMIT_ID), id.as_mut_ptr(), 8) };
-        u64::from_ne_bytes(id)
     }
 
     /// Rebuilds the request as `/dev/fuse` would have delivered it (the header, the fixed argument,
     /// the rest) and dispatches it, its replies going to the entry.
-    fn dispatch(&self, entry: u16, buf: &mut [u64]) {
-        let e = &self.queue.entries[usize::from(entry)];
+    fn dispatch(&self, buf: &mut [u64]) {
+        let e = &self.lane.entry;
         let in_len = std::mem::size_of::<abi::fuse_in_header>();
         let mut head = [0u8; 8];
         // SAFETY: reads of the entry's buffers, which hold the request the kernel just delivered and
@@ -577,8 +580,7 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
             )
         };
         let reply = RingReply {
-            queue: self.queue.clone(),
-            entry,
+            lane: self.lane.clone(),
             ch: self.shared.ch.clone(),
         };
         if opcode == abi::fuse_opcode::FUSE_DESTROY as u32 {
@@ -610,7 +612,7 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
         }
         bytes[..4].copy_from_slice(&(total as u32).to_ne_bytes());
         match RequestWithSender::new_ring(reply.clone(), &bytes[..total]) {
-            // A filesystem that panics has its reply dropped (answered EIO); the queue serves on.
+            // A filesystem that panics has its reply dropped (answered EIO); the lane serves on.
             Some(req) => {
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     req.dispatch(&self.event_loop)
@@ -622,7 +624,7 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
 
     /// Answers the entry's request with `errno` and no payload (0: success).
     fn answer_errno(&self, reply: &RingReply, errno: i32) {
-        let e = &self.queue.entries[usize::from(reply.entry)];
+        let e = &self.lane.entry;
         let mut unique = [0u8; 8];
         // SAFETY: read of the delivered request's header (its unique id at offset 8).
         unsafe { std::ptr::copy_nonoverlapping(e.header.ptr.add(8), unique.as_mut_ptr(), 8) };
@@ -631,21 +633,6 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
         out[4..8].copy_from_slice(&(-errno).to_ne_bytes());
         out[8..].copy_from_slice(&unique);
         let _ = reply.send(&[io::IoSlice::new(&out)]);
-    }
-}
-
-/// Sets a command's `addr` and `len` to the entry's two iovecs (what `FUSE_IO_URING_CMD_REGISTER`
-/// reads; io-uring's builder sets `addr` only).
-fn set_iovecs(sqe: &mut squeue::Entry128, iov: &[libc::iovec; 2]) {
-    // `struct io_uring_sqe`: `addr` at byte 16 (u64), `len` at byte 24 (u32). `Entry128` is
-    // `repr(C)` over the kernel's SQE and 64 more bytes.
-    let raw = (sqe as *mut squeue::Entry128).cast::<u8>();
-    // SAFETY: both writes are within the SQE's first 64 bytes, at the ABI's offsets.
-    unsafe {
-        raw.add(16)
-            .cast::<u64>()
-            .write_unaligned(iov.as_ptr() as u64);
-        raw.add(24).cast::<u32>().write_unaligned(2);
     }
 }
 
@@ -708,5 +695,6 @@ mod tests {
     fn the_payload_holds_the_largest_read() {
         assert!(RingPlan::payload_for(4096, 256) >= 256 * 4096);
         assert!(RingPlan::payload_for(4096, 1) >= MIN_PAYLOAD);
+        assert!(RingPlan::lanes_for(1) >= 2, "one lane stays idle while another waits");
     }
 }

@@ -484,13 +484,13 @@ impl<FS: Filesystem> Session<FS> {
             }
 
             // FUSE over io_uring where it was asked for and the kernel offers it.
-            if let Some(lanes) = self.config.io_uring_lanes {
+            if let Some(threads) = self.config.io_uring_threads {
                 if config
                     .add_capabilities(InitFlags::FUSE_OVER_IO_URING)
                     .is_ok()
                 {
                     self.ring = Some(RingPlan {
-                        lanes: lanes.max(1),
+                        lanes: RingPlan::lanes_for(threads),
                         payload: RingPlan::payload_for(config.max_write, config.max_pages()),
                     });
                 } else {

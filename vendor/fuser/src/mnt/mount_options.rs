@@ -18,11 +18,12 @@ pub struct Config {
     /// This enables more efficient request processing
     /// when multiple threads are used. Requires Linux 4.5+.
     pub clone_fd: bool,
-    /// FUSE over io_uring: threads per CPU queue (each holding one of its entries, one request at a
-    /// time), where the kernel offers it (`FUSE_OVER_IO_URING`, the `fuse` module's `enable_uring`);
-    /// `None`, or a kernel that does not offer it, keeps every request on `/dev/fuse`. Not for sessions
-    /// made by `from_fd_initialized`. Added for batchfs.
-    pub io_uring_lanes: Option<u16>,
+    /// FUSE over io_uring: the threads its rings start with, spread over the CPUs (at least two a CPU;
+    /// a CPU whose last idle thread takes a request gets another), where the kernel offers it
+    /// (`FUSE_OVER_IO_URING`, the `fuse` module's `enable_uring`); `None`, or a kernel that does not
+    /// offer it, keeps every request on `/dev/fuse`. Not for sessions made by `from_fd_initialized`.
+    /// Added for batchfs.
+    pub io_uring_threads: Option<usize>,
 }
 
 /// Mount options accepted by the FUSE filesystem type
