@@ -103,7 +103,24 @@ impl NodeCache {
         let mut data = Vec::with_capacity(sent.bytes as usize);
         let read = file.read_to_end(&mut data);
         let right = read.is_ok() && data.len() as u64 == sent.bytes && batchfs::crc::crc32c(&data) == sent.crc32c;
-        self.checked(&path, &file, sent, right, data.len() as u64)?;
+        self.checked(&path, &file, sent.bytes, right, data.len() as u64)?;
+        Some(data)
+    }
+
+    /// The bytes `part` (size and CRC32C) at `offset` of the object `whole`, if the cache holds that
+    /// object's file at its size with those bytes right: a chunk of a file kept whole, read alone, not
+    /// with the rest of the file. A file of another size, or whose part is wrong, is removed.
+    pub fn get_part(&self, whole: Sent, offset: u64, part: Sent) -> Option<Vec<u8>> {
+        if offset.checked_add(part.bytes).is_none_or(|end| end > whole.bytes) {
+            return None;
+        }
+        let path = self.path_of(whole);
+        let file = std::fs::File::open(&path).ok()?;
+        let size = file.metadata().map_or(0, |m| m.len());
+        let mut data = vec![0u8; usize::try_from(part.bytes).ok()?];
+        let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut data, offset).is_ok();
+        let right = size == whole.bytes && read && batchfs::crc::crc32c(&data) == part.crc32c;
+        self.checked(&path, &file, part.bytes, right, size)?;
         Some(data)
     }
 
@@ -134,14 +151,14 @@ impl NodeCache {
                 }
             }
         });
-        self.checked(&path, &file, sent, right, len)?;
+        self.checked(&path, &file, sent.bytes, right, len)?;
         Some(file)
     }
 
-    /// After a read of `file` (at `path`, the object `sent`, `read` bytes of it): if it was `right`,
-    /// marks it recently used (the last to go) and counts the hit; else removes it and counts it corrupt
-    /// (`None`: fetched anew).
-    fn checked(&self, path: &Path, file: &std::fs::File, sent: Sent, right: bool, read: u64) -> Option<()> {
+    /// After a read of `file` (at `path`, `read` bytes of it, `hit` bytes of it wanted): if it was
+    /// `right`, marks it recently used (the last to go) and counts the hit; else removes it and counts it
+    /// corrupt (`None`: fetched anew).
+    fn checked(&self, path: &Path, file: &std::fs::File, hit: u64, right: bool, read: u64) -> Option<()> {
         if !right {
             tracing::warn!(path = %path.display(), "node cache: a corrupt file, removed (fetched anew)");
             // Its size on the disk, not what the check read of it (it stops at the first byte too many).
@@ -161,7 +178,7 @@ impl NodeCache {
             let _ = file.set_modified(now);
         }
         self.stats.hits.fetch_add(1, Ordering::Relaxed);
-        self.stats.hit_bytes.fetch_add(sent.bytes, Ordering::Relaxed);
+        self.stats.hit_bytes.fetch_add(hit, Ordering::Relaxed);
         Some(())
     }
 
@@ -327,6 +344,30 @@ mod tests {
         let empty = sent(b"");
         cache.put(empty, b"").unwrap();
         assert!(cache.open_checked(empty).is_some(), "an empty object is right");
+    }
+
+    /// A part of a file kept whole is read alone and checked against its own CRC: the file at another
+    /// size, a wrong part, or a part past the end is no hit, and a wrong file is removed.
+    #[test]
+    fn parts_of_a_whole_file_are_read_alone_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 30).unwrap();
+        let whole: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        cache.put(sent(&whole), &whole).unwrap();
+        let part = |at: usize, len: usize| sent(&whole[at..at + len]);
+        assert_eq!(cache.get_part(sent(&whole), 4000, part(4000, 3000)).as_deref(), Some(&whole[4000..7000]));
+        assert_eq!(cache.stats.hit_bytes.load(Ordering::Relaxed), 3000, "the part's bytes are the hit's");
+        assert_eq!(cache.get_part(sent(&whole), 9000, part(9000, 1000)).as_deref(), Some(&whole[9000..]));
+        let past = Sent { bytes: 2000, crc32c: 0 };
+        assert_eq!(cache.get_part(sent(&whole), 9000, past), None, "past the end: asked wrong, not a wrong file");
+        assert!(cache.contains(sent(&whole)));
+        assert_eq!(cache.get_part(sent(&whole), 0, part(1, 100)), None, "another part's CRC");
+        assert!(!cache.contains(sent(&whole)), "a file whose part is wrong is removed");
+        cache.put(sent(&whole), &whole).unwrap();
+        std::fs::write(cache.path_of(sent(&whole)), &whole[..9999]).unwrap();
+        assert_eq!(cache.get_part(sent(&whole), 0, part(0, 100)), None, "the file one byte short");
+        assert!(!cache.contains(sent(&whole)));
+        assert_eq!(cache.stats.corrupt.load(Ordering::Relaxed), 2);
     }
 
     #[test]

@@ -412,20 +412,17 @@ impl Prefetcher {
         result.map(|(file, _)| file)
     }
 
-    /// `key`'s file in the node cache (a `raw/` file of one chunk, kept there whole), checked, for the
-    /// kernel to serve straight from the disk: neither read into memory nor fetched, and no window
-    /// started (a reader whose next files are not there misses once, and the window starts from that
-    /// read). `None` when the node cache does not hold it right (a wrong file is removed).
-    pub fn disk_backing(&self, key: ObjectKey) -> Result<Option<Arc<std::fs::File>>, ReadError> {
-        let Some(nc) = self.fetcher.node_cache() else { return Ok(None) };
-        let (objects, obj) = self.locate(key)?;
-        let Some(OnDisk { pieces, within: None }) = objects.on_disk(key.index, &obj) else { return Ok(None) };
-        let (&[piece], true) = (&pieces[..], obj.whole) else { return Ok(None) };
-        let Some(file) = nc.open_checked(piece) else { return Ok(None) };
+    /// The node cache's file of the object `whole` (a `raw/` file kept there whole: by warming, or by a
+    /// fetch of its one chunk), checked, for the kernel to serve straight from the disk: neither read
+    /// into memory nor fetched, and no window started (a reader whose next files are not there misses
+    /// once, and the window starts from that read). `None` without a node cache, or when it does not
+    /// hold the object right (a wrong file is removed).
+    pub fn disk_backing(&self, whole: crate::client::Sent) -> Option<Arc<std::fs::File>> {
+        let file = self.fetcher.node_cache()?.open_checked(whole)?;
         Stats::add(&self.stats.passthrough_opens, 1);
         Stats::add(&self.stats.hits, 1);
-        Stats::add(&self.stats.bytes_served, piece.bytes);
-        Ok(Some(Arc::new(file)))
+        Stats::add(&self.stats.bytes_served, whole.bytes);
+        Some(Arc::new(file))
     }
 
     /// Starts the window of the stream this read belongs to: what its view asks for after this object

@@ -459,6 +459,58 @@ mod tests {
         opens.release(&fs, fh);
     }
 
+    /// A `raw/` file of several chunks that the node cache holds whole (as warming keeps it) opens by
+    /// passthrough from its file there, checked whole; where the kernel refuses that disk, its chunks read
+    /// through the daemon from that file, each alone (not the whole file again for every chunk) and checked
+    /// against its own CRC. Neither fetches anything.
+    #[test]
+    fn a_raw_file_of_several_chunks_kept_whole_opens_from_the_disk() {
+        use crate::client::Sent;
+        use crate::node_cache::NodeCache;
+        use std::os::unix::fs::MetadataExt;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        let big = Bytes::from((0..10_000u32).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
+        client.files = vec![("big.bin".to_string(), big.clone())];
+        client.chunk_bytes = 4096;
+        let client = Arc::new(client);
+        let disk = tempfile::tempdir().unwrap();
+        let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
+        let whole = Sent { bytes: big.len() as u64, crc32c: batchfs::crc::crc32c(&big) };
+        nc.put(whole, &big).unwrap();
+        let (_, fs) = fs();
+        let p = Prefetcher::new(client.clone(), rt.handle().clone(), PrefetcherConfig::default());
+        p.use_node_cache(nc.clone());
+        let fs = Fs::new(p, fs.options.clone());
+        fs.set_passthrough(true);
+        let ino = fs.lookup(raw::Node::Dir(0).ino(), "big.bin", 1).unwrap().ino;
+        let m = std::fs::metadata(nc.path_of(whole)).unwrap();
+
+        let kernel = Arc::new(FakeKernel::default());
+        let opens = OpenFiles::new(kernel.clone(), true, false);
+        let (fh, mode) = opens.open(&fs, ino, 100, 1).unwrap();
+        assert!(matches!(mode, Mode::Passthrough(_)), "{mode:?}");
+        assert_eq!(*kernel.handed.lock().unwrap(), [(m.dev(), m.ino())], "the node cache's own file");
+        opens.release(&fs, fh);
+
+        let kernel = Arc::new(FakeKernel { refuse_device: Some(m.dev()), ..FakeKernel::default() });
+        let opens = OpenFiles::new(kernel.clone(), true, false);
+        let (fh, mode) = opens.open(&fs, ino, 100, 2).unwrap();
+        assert_eq!(mode, Mode::Daemon, "a file of several chunks is never held whole in memory");
+        let mut got = Vec::new();
+        while got.len() < big.len() {
+            let read = fs.read(ino, got.len() as u64, 3000, 100).unwrap();
+            assert!(!read.is_empty());
+            got.extend_from_slice(&read);
+        }
+        assert_eq!(got, big);
+        opens.release(&fs, fh);
+        assert!(client.ranges.lock().unwrap().is_empty(), "nothing fetched");
+        let hit = nc.stats.hit_bytes.load(Ordering::Relaxed);
+        // Checked whole at both opens (the refusing kernel's too), then each chunk read once.
+        assert_eq!(hit, 3 * big.len() as u64, "{hit}");
+    }
+
     #[test]
     fn a_file_that_cannot_be_had_fails_its_open_and_holds_nothing() {
         let (_rt, fs) = fs();

@@ -168,10 +168,10 @@ fn from_disk(nc: &NodeCache, on: &OnDisk, meta: Sent, memfd: bool) -> Option<(Co
         }
         Some(data)
     };
+    // Only the range: a chunk of a large file kept whole is read alone, checked against its own CRC.
     let within = || -> Option<Vec<u8>> {
         let (whole, offset) = on.within?;
-        let data = nc.get(whole)?;
-        data.get(offset as usize..(offset + meta.bytes) as usize).map(<[u8]>::to_vec)
+        nc.get_part(whole, offset, meta)
     };
     let data = pieces().or_else(within)?;
     if data.len() as u64 != meta.bytes || batchfs::crc::crc32c(&data) != meta.crc32c {

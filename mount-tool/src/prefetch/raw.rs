@@ -65,6 +65,12 @@ impl Raw {
         Some(*self.first_chunk.get(f)?..*self.first_chunk.get(f + 1)?)
     }
 
+    /// What the server sends for file `file` whole (its size and CRC32C), if it exists.
+    pub fn whole(&self, file: u64) -> Option<Sent> {
+        let f = self.files.files.get(file as usize)?;
+        Some(Sent { bytes: f.size, crc32c: f.crc32c })
+    }
+
     /// The file holding chunk `chunk`, and the chunk's offset in it.
     pub fn chunk(&self, chunk: u64) -> Option<(&FileEntry, u64)> {
         let file = self.first_chunk.partition_point(|&c| c <= chunk).checked_sub(1)?;

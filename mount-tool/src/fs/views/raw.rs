@@ -14,6 +14,10 @@ pub mod chunks;
 mod tree;
 use tree::RawTree;
 
+/// The largest file the node cache's own file is handed over for (checked whole at each open, which a
+/// larger one would hold up): larger ones read through the daemon, each chunk checked as it is read.
+pub const DISK_WHOLE_MAX: u64 = 64 << 20;
+
 /// The name of the source-file tree.
 pub const RAW_NAME: &str = "raw";
 const DIR_BASE: u64 = 1 << 41;
@@ -152,21 +156,23 @@ impl View for Raw {
         Ok(chunks::read_file(&self.prefetcher, (dir, file), offset, size, owner)?)
     }
 
-    /// With `disk`, a file the node cache holds is handed over as its file there (checked, never copied
-    /// into memory); a file of more than one chunk reads through the daemon, chunk by chunk, never held
-    /// whole.
+    /// With `disk`, a file the node cache holds whole is handed over as its file there (checked at the
+    /// open, never copied into memory), up to [`DISK_WHOLE_MAX`]; else a file of one chunk by a memory
+    /// file, and a larger one reads through the daemon, chunk by chunk, never held whole.
     fn backing(&self, ino: u64, owner: u32, disk: bool) -> Result<Option<Backing>, FsError> {
         let (dir, file) = self.file(ino)?;
-        let chunks = self.prefetcher.file_chunks(dir, file)?;
+        let raw = self.prefetcher.raw_dir(dir)?;
+        let missing = || FsError::from(crate::prefetch::ReadError::NotFound(format!("source file #{file}")));
+        let (chunks, whole) = (raw.chunks_of(file).ok_or_else(missing)?, raw.whole(file).ok_or_else(missing)?);
+        if disk && whole.bytes <= DISK_WHOLE_MAX {
+            if let Some(file) = self.prefetcher.disk_backing(whole) {
+                return Ok(Some(Backing { file, on_disk: true }));
+            }
+        }
         if chunks.end - chunks.start != 1 {
             return Ok(None);
         }
         let key = chunks::key(dir, chunks.start);
-        if disk {
-            if let Some(file) = self.prefetcher.disk_backing(key)? {
-                return Ok(Some(Backing { file, on_disk: true }));
-            }
-        }
         Ok(Some(Backing { file: self.prefetcher.backing_file(key, owner)?, on_disk: false }))
     }
 }
