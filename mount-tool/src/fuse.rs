@@ -314,6 +314,24 @@ impl Filesystem for FuseFs {
         self.waits.run(move || s.readdirplus(pid, ino, offset, reply));
     }
 
+    /// No file here is a terminal or takes any ioctl: ENOTTY, what a local file answers, at once. Python's
+    /// `open()` asks every file it opens whether it is a terminal (`TCGETS`), and Linux sends FUSE each
+    /// one (it keeps no answer as it does for xattrs): a round trip per file, logged as unimplemented
+    /// by fuser's default before.
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        reply.error(Errno::ENOTTY);
+    }
+
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         reply.statfs(0, 0, 0, 0, 0, 1 << 20, 255, 1 << 20);
     }

@@ -344,6 +344,30 @@ fn a_read_in_flight_at_the_kill_is_resent_or_with_resend_off_fails_at_once() {
 
 /// The supervisor itself killed: the worker goes with it and the mount is gone (ENOTCONN), as a single
 /// daemon's is; a new `batchfs mount` on the directory cleans it up and serves.
+/// Python's `open()` asks every file it opens whether it is a terminal (`TCGETS`), and Linux sends FUSE
+/// each such ioctl: each is answered ENOTTY, as a local file answers, and none is logged. fuser's default
+/// logged a warning for every one: a line in the mount's log for each file a Python loader opened.
+#[test]
+fn a_terminal_query_of_every_file_opened_is_answered_enotty_and_not_logged() {
+    use std::os::fd::AsRawFd;
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 300, 20_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let m = Supervised::start(&program(), &format!("{}/d", server.base), "batch_size=16");
+    let mut asked = 0;
+    for entry in std::fs::read_dir(m.mountpoint.join("epoch-0000")).unwrap() {
+        let file = std::fs::File::open(entry.unwrap().path()).unwrap();
+        let mut termios = std::mem::MaybeUninit::<libc::termios>::uninit();
+        // SAFETY: TCGETS writes at most one termios, which `termios` holds.
+        let r = unsafe { libc::ioctl(file.as_raw_fd(), libc::TCGETS, termios.as_mut_ptr()) };
+        assert_eq!((r, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::ENOTTY)));
+        asked += 1;
+    }
+    assert!(asked >= 10, "{asked} files");
+    let log = m.log_text();
+    assert!(!log.contains("Not Implemented"), "{log}");
+}
+
 #[test]
 fn the_supervisor_killed_takes_the_mount_and_a_new_mount_cleans_it_up() {
     let rt = runtime();
