@@ -332,6 +332,16 @@ impl Filesystem for FuseFs {
         reply.error(Errno::ENOTTY);
     }
 
+    /// No extended attributes: ENOSYS, after which Linux answers every xattr call of the mount itself
+    /// (`EOPNOTSUPP`), so `ls -l`'s first question is the only one, and not a warning in the log.
+    fn getxattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, _size: u32, reply: fuser::ReplyXattr) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: fuser::ReplyXattr) {
+        reply.error(Errno::ENOSYS);
+    }
+
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         reply.statfs(0, 0, 0, 0, 0, 1 << 20, 255, 1 << 20);
     }

@@ -344,11 +344,27 @@ fn a_read_in_flight_at_the_kill_is_resent_or_with_resend_off_fails_at_once() {
 
 /// The supervisor itself killed: the worker goes with it and the mount is gone (ENOTCONN), as a single
 /// daemon's is; a new `batchfs mount` on the directory cleans it up and serves.
+/// `getxattr(path, "security.selinux")`, as `ls -l` asks.
+fn xattr_of(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    let mut value = [0u8; 256];
+    // SAFETY: both names are NUL-terminated, and `value` holds the `value.len()` bytes it is given as.
+    let r =
+        unsafe { libc::getxattr(path.as_ptr(), c"security.selinux".as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// Python's `open()` asks every file it opens whether it is a terminal (`TCGETS`), and Linux sends FUSE
 /// each such ioctl: each is answered ENOTTY, as a local file answers, and none is logged. fuser's default
-/// logged a warning for every one: a line in the mount's log for each file a Python loader opened.
+/// logged a warning for every one: a line in the mount's log for each file a Python loader opened. The
+/// xattrs `ls -l` asks for are not supported, and not logged either.
 #[test]
-fn a_terminal_query_of_every_file_opened_is_answered_enotty_and_not_logged() {
+fn terminal_queries_and_xattrs_are_answered_as_unsupported_and_not_logged() {
     use std::os::fd::AsRawFd;
     let rt = runtime();
     let fx = fixture(SourceFormat::Tfrecord, 300, 20_000);
@@ -364,6 +380,10 @@ fn a_terminal_query_of_every_file_opened_is_answered_enotty_and_not_logged() {
         asked += 1;
     }
     assert!(asked >= 10, "{asked} files");
+    // `ls -l` asks for xattrs: not supported, and not a warning either.
+    let batch = m.mountpoint.join("epoch-0000/batch-000000.tfrecord");
+    assert!(xattr_of(&batch).is_err_and(|e| e.raw_os_error() == Some(libc::EOPNOTSUPP)));
+    assert!(xattr_of(&batch).is_err_and(|e| e.raw_os_error() == Some(libc::EOPNOTSUPP)));
     let log = m.log_text();
     assert!(!log.contains("Not Implemented"), "{log}");
 }
