@@ -160,3 +160,49 @@ fn warm_raw_fills_the_node_cache_so_readers_fetch_nothing() {
     assert!(format!("{err:#}").contains("cache_dir"), "{err:#}");
     rt.block_on(server.running.shutdown());
 }
+
+/// Waits until `warm=raw` has every file of the dataset in the node cache.
+fn warmed(mountpoint: &Path) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let stats = common::mount_stats(mountpoint);
+        let warm = &stats["warm"];
+        if warm["files"].as_u64().is_some() && warm["files"] == warm["files_total"] {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "warming did not end: {stats}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// A `raw/` file of several chunks (4 MiB each) that warming kept whole opens by passthrough from the
+/// node cache's file, as a file of one chunk does; without passthrough its chunks are read from that file
+/// through the daemon, each alone. Either way every byte is right and nothing more is fetched.
+#[test]
+fn a_file_of_several_chunks_kept_whole_is_read_from_the_node_cache() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Files, 20, 30_000);
+    let large: Vec<u8> = (0..9_500_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    std::fs::write(fx.path.join("large.bin"), &large).unwrap();
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let disk = tempfile::tempdir().unwrap();
+    let n = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap();
+    for passthrough in [true, false] {
+        let options = format!("warm=raw,passthrough={passthrough},cache_dir={}", disk.path().display());
+        let (_dir, mounted) = common::mount(&server, "d", &options);
+        warmed(&mounted.mountpoint);
+        let (before, fetched_before) = (common::mount_stats(&mounted.mountpoint), fetched(&mounted.mountpoint));
+        let got = std::fs::read(mounted.mountpoint.join("raw/large.bin")).unwrap();
+        assert!(got == large, "passthrough={passthrough}: {} bytes, not the file's", got.len());
+        let stats = common::mount_stats(&mounted.mountpoint);
+        assert_eq!(fetched(&mounted.mountpoint), fetched_before, "nothing fetched: {stats}");
+        if passthrough && stats["passthrough"] == true {
+            assert_eq!(n(&stats, "passthrough_opens") - n(&before, "passthrough_opens"), 1, "{stats}");
+            assert_eq!(n(&stats, "daemon_opens"), n(&before, "daemon_opens"), "{stats}");
+        }
+        // The file checked whole at a passthrough open, or each of its three chunks read alone.
+        let hit = n(&stats["node_cache"], "hit_bytes") - n(&before["node_cache"], "hit_bytes");
+        assert_eq!(hit, large.len() as u64, "passthrough={passthrough}: {stats}");
+    }
+    rt.block_on(server.running.shutdown());
+}
