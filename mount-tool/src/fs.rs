@@ -118,6 +118,11 @@ impl Fs {
 
     /// Whether files are handed to the kernel (FUSE passthrough): bodies are then fetched straight into
     /// memory files, and `batchfs stats` says so.
+    /// The kernel refused a file of the node cache's disk as a backing file.
+    pub fn refuse_disk(&self) {
+        self.prefetcher.refuse_disk();
+    }
+
     pub fn set_passthrough(&self, on: bool) {
         self.prefetcher.fetch_into_memfds(on);
         self.prefetcher.stats.passthrough.store(u64::from(on), std::sync::atomic::Ordering::Relaxed);

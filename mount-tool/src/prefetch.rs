@@ -261,6 +261,22 @@ impl Prefetcher {
         self.fetcher.use_memfds(on);
     }
 
+    /// Whether opens hand the kernel the node cache's own files (passthrough on, a node cache, none of its
+    /// files refused): what is there need not be fetched into memory for them.
+    pub fn serves_from_disk(&self) -> bool {
+        self.fetcher.serves_from_disk()
+    }
+
+    /// The kernel refused a file of the node cache's disk: opens copy what is there into memory from now on.
+    pub fn refuse_disk(&self) {
+        self.fetcher.refuse_disk();
+    }
+
+    /// Whether the node cache holds the object `sent` (not checked; false without a node cache).
+    pub fn on_disk(&self, sent: crate::client::Sent) -> bool {
+        self.fetcher.node_cache().is_some_and(|nc| nc.contains(sent))
+    }
+
     /// The manifest of `epoch` in `format` (cached; fetched with retries up to `timeout`). Blocks: call
     /// from a FUSE thread, never from the runtime.
     pub fn manifest(&self, epoch: u64, format: BatchFormat) -> Result<Arc<Manifest>, ReadError> {

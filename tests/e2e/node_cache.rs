@@ -103,7 +103,7 @@ fn two_mounts_share_one_node_cache_under_concurrent_reads() {
 }
 
 /// `warm=raw` fills the node cache with every file, in batches; then ImageFolder over `raw/` and over
-/// `shuffled/` fetches nothing.
+/// `shuffled/` fetches nothing, each file handed to the kernel as the node cache's own.
 #[test]
 fn warm_raw_fills_the_node_cache_so_readers_fetch_nothing() {
     let rt = common::runtime();
@@ -137,6 +137,13 @@ fn warm_raw_fills_the_node_cache_so_readers_fetch_nothing() {
         if view == "shuffled" {
             // Every open of a name of shuffled/ is a lookup: the sample is handed out there.
             assert!(lookups >= 300, "{lookups} lookups for 300 opens: {stats}");
+            if stats["passthrough"] == true {
+                // Each sample handed to the kernel as the node cache's own file, its group never read into
+                // memory: every byte read from the disk once, by the open's check.
+                assert!(opens - n(&before, "passthrough_opens") >= 300, "{stats}");
+                let hit = n(&stats["node_cache"], "hit_bytes") - n(&before["node_cache"], "hit_bytes");
+                assert_eq!(hit, n(&stats["warm"], "bytes_total"), "{stats}");
+            }
             continue;
         }
         // The walk's listings carried every name's entry: no lookup per file.

@@ -162,6 +162,7 @@ impl OpenFiles {
                     // The node cache's disk, not passthrough: its files go through memory from now on.
                     tracing::warn!(error = %e, "the kernel refused a node cache file: opens copy them into memory");
                     self.disk_backing.store(false, Ordering::Relaxed);
+                    fs.refuse_disk();
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "the kernel refused a backing file: reads go through the daemon");
@@ -509,6 +510,67 @@ mod tests {
         let hit = nc.stats.hit_bytes.load(Ordering::Relaxed);
         // Checked whole at both opens (the refusing kernel's too), then each chunk read once.
         assert_eq!(hit, 3 * big.len() as u64, "{hit}");
+    }
+
+    /// A `shuffled/` sample the node cache holds (a file tree's sample is its file, as `warm=raw` keeps it)
+    /// opens by passthrough from the node cache's own file, and its group is never fetched into memory:
+    /// each sample is read from the disk once, by its open's check. Where the kernel refuses that disk,
+    /// samples read through the daemon from their groups again.
+    #[test]
+    fn a_shuffled_sample_the_node_cache_holds_opens_from_the_disk() {
+        use crate::client::Sent;
+        use crate::node_cache::NodeCache;
+        use std::os::unix::fs::MetadataExt;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        for i in 0..6u8 {
+            client.files.push((format!("c0/f{i}.jpg"), Bytes::from(vec![i + 1; 1000 + usize::from(i)])));
+        }
+        let files = client.files.clone();
+        let client = Arc::new(client);
+        let disk = tempfile::tempdir().unwrap();
+        let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
+        let sent = |f: &Bytes| Sent { bytes: f.len() as u64, crc32c: batchfs::crc::crc32c(f) };
+        files.iter().for_each(|(_, f)| nc.put(sent(f), f).unwrap());
+        let on_disk: HashSet<(u64, u64)> = files
+            .iter()
+            .map(|(_, f)| std::fs::metadata(nc.path_of(sent(f))).map(|m| (m.dev(), m.ino())).unwrap())
+            .collect();
+        let options = FsOptions { classes: vec!["c0".into()], ..fs().1.options.clone() };
+        let p = Prefetcher::new(client.clone(), rt.handle().clone(), PrefetcherConfig::default());
+        p.use_node_cache(nc.clone());
+        let fs = Fs::new(p, options);
+        fs.set_passthrough(true);
+        let dir = fs.lookup(crate::fs::ROOT, "shuffled", 0).unwrap().ino;
+        let class = fs.lookup(dir, "c0", 0).unwrap().ino;
+
+        let kernel = Arc::new(FakeKernel::default());
+        let opens = OpenFiles::new(kernel.clone(), true, false);
+        for n in 0..files.len() as u64 {
+            let sample = fs.lookup(class, "f0.jpg", 100).unwrap().ino;
+            let (fh, mode) = opens.open(&fs, sample, 100, n).unwrap();
+            assert!(matches!(mode, Mode::Passthrough(_)), "{mode:?}");
+            opens.release(&fs, fh);
+        }
+        let handed: HashSet<(u64, u64)> = kernel.handed.lock().unwrap().iter().copied().collect();
+        assert_eq!(handed, on_disk, "every sample handed over as its own file in the node cache");
+        assert!(client.sampled.lock().unwrap().is_empty(), "no group fetched");
+        let all: u64 = files.iter().map(|(_, f)| f.len() as u64).sum();
+        assert_eq!(nc.stats.hit_bytes.load(Ordering::Relaxed), all, "each sample read from the disk once");
+
+        // A kernel that refuses files of that disk: the samples are read through the daemon again.
+        let dev = on_disk.iter().next().unwrap().0;
+        let kernel = Arc::new(FakeKernel { refuse_device: Some(dev), ..FakeKernel::default() });
+        let opens = OpenFiles::new(kernel.clone(), true, false);
+        for n in 0..2 {
+            let sample = fs.lookup(class, "f0.jpg", 100).unwrap().ino;
+            let (fh, mode) = opens.open(&fs, sample, 100, 99 + n).unwrap();
+            assert_eq!(mode, Mode::Daemon, "a sample is read from its group");
+            let got = fs.read(sample, 0, 1 << 20, 100).unwrap();
+            assert!(files.iter().any(|(_, f)| *f == got), "{} bytes, no sample's", got.len());
+            opens.release(&fs, fh);
+        }
+        assert!(kernel.handed.lock().unwrap().is_empty() && !opens.disk_backing());
     }
 
     #[test]

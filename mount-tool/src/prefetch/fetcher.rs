@@ -27,6 +27,8 @@ pub(super) struct Fetcher {
     node_cache: std::sync::OnceLock<Arc<NodeCache>>,
     /// Bodies go into memory files rather than buffers (the mount uses passthrough).
     memfd_bodies: AtomicBool,
+    /// The kernel refused a file of the node cache's disk as a backing file.
+    disk_refused: AtomicBool,
 }
 
 /// One object to fetch.
@@ -56,7 +58,14 @@ pub(super) struct Fetched {
 
 impl Fetcher {
     pub fn new(client: DynClient, config: PrefetcherConfig, stats: Arc<Stats>) -> Self {
-        Fetcher { client, config, stats, node_cache: std::sync::OnceLock::new(), memfd_bodies: AtomicBool::new(false) }
+        Fetcher {
+            client,
+            config,
+            stats,
+            node_cache: std::sync::OnceLock::new(),
+            memfd_bodies: AtomicBool::new(false),
+            disk_refused: AtomicBool::new(false),
+        }
     }
 
     /// Keeps verified bodies in `cache` too, and looks there before the network (set once).
@@ -77,6 +86,17 @@ impl Fetcher {
     /// Whether bodies go into memory files.
     pub fn memfds(&self) -> bool {
         self.memfd_bodies.load(Ordering::Relaxed)
+    }
+
+    /// Opens hand the kernel the node cache's own files no more (it refused one).
+    pub fn refuse_disk(&self) {
+        self.disk_refused.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether opens hand the kernel the node cache's own files: passthrough on, a node cache, and none of
+    /// its files refused.
+    pub fn serves_from_disk(&self) -> bool {
+        self.memfds() && self.node_cache.get().is_some() && !self.disk_refused.load(Ordering::Relaxed)
     }
 
     /// Fetches `job`'s body: from the node cache if it holds it, else from the server, retried until

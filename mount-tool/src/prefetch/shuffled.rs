@@ -33,6 +33,9 @@ pub struct ClassPlan {
     pub groups: Vec<Vec<Sent>>,
     /// Samples per group.
     pub group: usize,
+    /// Per (class, group): whether the node cache holds every sample of it (asked once; see
+    /// `fs/views/shuffled/groups.rs`).
+    pub on_disk: Mutex<std::collections::HashMap<(usize, u64), bool>>,
 }
 
 impl ClassPlan {
@@ -100,7 +103,7 @@ pub fn class_plan(table: &SampleTable, classes: usize, epoch: u64, config: Shuff
                 .collect()
         })
         .collect();
-    ClassPlan { epoch, order, groups, group }
+    ClassPlan { epoch, order, groups, group, on_disk: Mutex::default() }
 }
 
 impl Prefetcher {

@@ -233,12 +233,16 @@ impl View for Shuffled {
         Ok(self.reads.read(&self.prefetcher, (&plan, class as usize, k), offset, size, owner)?)
     }
 
-    /// None: a sample is part of its group, and a memory file of its own per open costs more than the
-    /// reads it saves.
-    fn backing(&self, ino: u64, _owner: u32, _disk: bool) -> Result<Option<Backing>, FsError> {
-        match self.node(ino)? {
-            Node::Sample { .. } => Ok(None),
-            _ => Err(FsError::IsADirectory),
+    /// With `disk`, a sample the node cache holds is handed over as its file there (checked at the open;
+    /// its group is then not fetched at all, `groups.rs`). Else none: a sample is part of its group, and a
+    /// memory file of its own per open costs more than the reads it saves.
+    fn backing(&self, ino: u64, _owner: u32, disk: bool) -> Result<Option<Backing>, FsError> {
+        let Node::Sample { epoch, class, k } = self.node(ino)? else { return Err(FsError::IsADirectory) };
+        if !disk {
+            return Ok(None);
         }
+        let plan = self.state.plan(&self.prefetcher, epoch)?;
+        let file = self.reads.from_disk(&self.prefetcher, (&plan, class as usize, k))?;
+        Ok(file.map(|file| Backing { file, on_disk: true }))
     }
 }

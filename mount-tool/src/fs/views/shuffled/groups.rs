@@ -7,6 +7,7 @@
 //! once ([`Reads`]).
 
 use crate::client::{Request, Sent};
+use crate::fs::views::raw::DISK_WHOLE_MAX;
 use crate::prefetch::kinds::{Follow, Kind, Object, Objects, OnDisk};
 use crate::prefetch::{ClassPlan, Listing, ObjectKey, Prefetcher, ReadError, Target};
 use batchfs::api::SampleTable;
@@ -92,13 +93,40 @@ impl Objects for Groups {
 }
 
 /// Starts fetching groups `groups` of class `class` in `plan`, ahead of its readers (those not cached or in
-/// flight; none once the cache or the prefetch cap is full).
+/// flight; none once the cache or the prefetch cap is full), but for groups whose samples opens take from
+/// the node cache's disk ([`on_disk`]).
 pub fn prefetch(p: &Arc<Prefetcher>, plan: &Arc<ClassPlan>, class: usize, groups: std::ops::Range<u64>) {
     let listing = listing(plan.epoch, class);
     let objects: Arc<dyn Objects> = Arc::new(Groups::of(p, plan.clone(), class));
-    let targets: Vec<Target> =
-        (groups.start..groups.end.min(objects.count())).map(|index| Target { listing, index }).collect();
+    let targets: Vec<Target> = (groups.start..groups.end.min(objects.count()))
+        .filter(|&g| !on_disk(p, plan, class, g))
+        .map(|index| Target { listing, index })
+        .collect();
     p.prefetch(&targets, &objects);
+}
+
+/// The size and CRC32C of sample `id`, as the node cache files it.
+fn sent_of(table: &SampleTable, id: u32) -> Sent {
+    Sent { bytes: table.bytes[id as usize], crc32c: table.crc32c[id as usize] }
+}
+
+/// Whether every sample of group `g` of class `class` in `plan` opens from the node cache's disk
+/// ([`Reads::from_disk`]): passthrough hands the kernel the node cache's files, and it holds each sample,
+/// none larger than [`DISK_WHOLE_MAX`]. Such a group is not fetched into memory: its samples would be read
+/// twice. Asked of the disk once per group and plan (a `stat` per sample); a sample gone from the disk
+/// since is fetched with its group when it is read.
+fn on_disk(p: &Prefetcher, plan: &ClassPlan, class: usize, g: u64) -> bool {
+    if !p.serves_from_disk() {
+        return false;
+    }
+    let Some(table) = p.shuffled_table() else { return false };
+    let mut known = plan.on_disk.lock().expect("on_disk");
+    *known.entry((class, g)).or_insert_with(|| {
+        plan.group_ids(class, g)
+            .iter()
+            .map(|&id| sent_of(&table, id))
+            .all(|s| s.bytes <= DISK_WHOLE_MAX && p.on_disk(s))
+    })
 }
 
 /// Per group being read, a bit per sample read to its end: a group whose samples have all been read leaves
@@ -130,17 +158,46 @@ impl Reads {
         let key = ObjectKey { listing: listing(plan.epoch, class), index: g };
         let bytes = p.read(key, start + offset, size, owner)?;
         if offset + bytes.len() as u64 >= len {
-            let members = ids.len();
-            let all = if members >= 64 { u64::MAX } else { (1u64 << members) - 1 };
-            let mut read = self.0.lock().expect("read");
-            let mask = read.entry((plan.epoch, class as u32, g)).or_insert(0);
-            *mask |= 1 << within;
-            if *mask == all {
-                read.remove(&(plan.epoch, class as u32, g));
-                drop(read);
-                p.forget(key);
-            }
+            self.done(p, (plan, class, k));
         }
         Ok(bytes)
+    }
+
+    /// Sample `k` of class `class` in `plan` as the node cache's own file, checked, for the kernel to serve
+    /// (FUSE passthrough), if the node cache holds it and it is at most [`DISK_WHOLE_MAX`]: no `READ`
+    /// reaches the daemon, and nothing is copied into memory. The sample counts as read.
+    pub fn from_disk(
+        &self,
+        p: &Arc<Prefetcher>,
+        (plan, class, k): (&ClassPlan, usize, u64),
+    ) -> Result<Option<Arc<std::fs::File>>, ReadError> {
+        let table = p.sample_table()?;
+        let (g, within) = (k / plan.group as u64, k as usize % plan.group);
+        let id = *plan
+            .group_ids(class, g)
+            .get(within)
+            .ok_or_else(|| ReadError::NotFound(format!("sample {k} of class {class}")))?;
+        let sent = sent_of(&table, id);
+        let file = (sent.bytes <= DISK_WHOLE_MAX).then(|| p.disk_backing(sent)).flatten();
+        if file.is_some() {
+            self.done(p, (plan, class, k));
+        }
+        Ok(file)
+    }
+
+    /// Sample `k` of class `class` in `plan` was read to its end: its group leaves the cache once all its
+    /// samples have been.
+    fn done(&self, p: &Arc<Prefetcher>, (plan, class, k): (&ClassPlan, usize, u64)) {
+        let (g, within) = (k / plan.group as u64, k as usize % plan.group);
+        let members = plan.group_ids(class, g).len();
+        let all = if members >= 64 { u64::MAX } else { (1u64 << members) - 1 };
+        let mut read = self.0.lock().expect("read");
+        let mask = read.entry((plan.epoch, class as u32, g)).or_insert(0);
+        *mask |= 1 << within;
+        if *mask == all {
+            read.remove(&(plan.epoch, class as u32, g));
+            drop(read);
+            p.forget(ObjectKey { listing: listing(plan.epoch, class), index: g });
+        }
     }
 }
