@@ -7,7 +7,7 @@
 #
 #   tests/bench/imagefolder_bench.sh [OUT_DIR]
 #   env: SAMPLES (20000), MEAN (110000), RTTS ("0 30 100"), ROUNDS (3), SYSTEMS ("local shuffled raw
-#        raw-cached sshfs rclone"), LIMIT (400: the items a slow path reads, per run, at an RTT above 0; its
+#        raw-cached sshfs rclone"; shuffled-cached on request), LIMIT (400: the items a slow path reads, per run, at an RTT above 0; its
 #        epoch time is scaled from them), RATE (1000 Mbit/s: raw-cached's link, to compare warming with),
 #        MOUNT_OPTS (extra -o options of batchfs mounts), BIN_BEFORE (a directory with another build's
 #        `batchfs`: each batchfs system S also runs as S-before, mounted by that build, in the same round
@@ -17,7 +17,8 @@
 #
 # Systems: local (the tree on local disk, page cache warm), shuffled (a batchfs mount's shuffled/), raw (the
 # same mount's raw/: the files under their own names), raw-cached (raw/ of a mount with a fresh cache_dir
-# and warm=raw over a link capped at RATE: `warm_s` the warming's time, then the epoch read timed), sshfs (Debian sshfs of the tree to a loopback sshd),
+# and warm=raw over a link capped at RATE: `warm_s` the warming's time, then the epoch read timed),
+# shuffled-cached (the same, reading shuffled/), sshfs (Debian sshfs of the tree to a loopback sshd),
 # rclone (rclone mount of the tree as an :http: remote served by nginx). Every run reads through a fresh
 # mount. shuffled/ and local read every item of an epoch; raw, sshfs and rclone at an RTT above 0 read LIMIT
 # items (an epoch of them would take minutes per run) and their epoch is scaled: the walk (ImageFolder's
@@ -59,7 +60,7 @@ mount_system() { # system rtt: sets DIR
       start_netem "$BIN" "$p_server" "$rtt"
       "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${opts:+-o "$opts"}
       DIR=$work/mnt-batchfs/$sys ;;
-    raw-cached)
+    raw-cached|shuffled-cached)
       start_netem "$BIN" "$p_server" "$rtt" "$RATE"
       rm -rf "$work/node-cache"
       local o="cache_dir=$work/node-cache,warm=raw${opts:+,$opts}"
@@ -69,7 +70,7 @@ mount_system() { # system rtt: sets DIR
         sleep 0.2
       done
       WARM_S=$(python3 -c "import time; print(round(time.time() - $t0, 3))")
-      DIR=$work/mnt-batchfs/raw ;;
+      DIR=$work/mnt-batchfs/${sys%-cached} ;;
     sshfs)
       start_netem "$BIN" "$P_SSHD" "$rtt"
       mount_sshfs "$work" "$NETEM_PORT" "$work/tree" "$work/mnt-sshfs"
@@ -83,7 +84,7 @@ mount_system() { # system rtt: sets DIR
 unmount_system() {
   case ${1%-before} in
     local) ;;
-    shuffled|raw|raw-cached) "$BIN/batchfs" umount "$work/mnt-batchfs" ;;
+    shuffled|raw|raw-cached|shuffled-cached) "$BIN/batchfs" umount "$work/mnt-batchfs" ;;
     sshfs) umount "$work/mnt-sshfs" ;;
     rclone) umount "$work/mnt-rclone" ;;
   esac
@@ -96,7 +97,7 @@ if [ -n "${BIN_BEFORE:-}" ] || [ -n "${MOUNT_OPTS_BEFORE+set}" ]; then
   with=""
   for sys in $SYSTEMS; do
     with="$with $sys"
-    case $sys in shuffled|raw|raw-cached) with="$with $sys-before" ;; esac
+    case $sys in shuffled|raw|raw-cached|shuffled-cached) with="$with $sys-before" ;; esac
   done
   SYSTEMS=$with
 fi
@@ -111,7 +112,7 @@ for round in $(seq "$ROUNDS"); do
       case ${sys%-before} in raw|sshfs|rclone) [ "$rtt" != 0 ] && limit=(--limit "$LIMIT") ;; esac
       json=$(/usr/bin/python3 -W ignore "$root/tests/python/loaders.py" imagefolder "$DIR" "${limit[@]}")
       mb=0
-      case ${sys%-before} in shuffled|raw|raw-cached)
+      case ${sys%-before} in shuffled|raw|raw-cached|shuffled-cached)
         pid=$(daemon_pid); mb=$(awk '/VmHWM/ { print int($2 / 1024) }' "/proc/$pid/status") ;;
       esac
       unmount_system "$sys"
@@ -136,7 +137,8 @@ for r in rows:
     mem[(r["system"], int(r["rtt_ms"]))].append(int(r["mount_mb"]))
 med = {k: statistics.median(v) for k, v in cells.items()}
 rtts = sorted({k[1] for k in med})
-names = ["local", "shuffled", "shuffled-before", "raw", "raw-before", "raw-cached", "raw-cached-before", "sshfs", "rclone"]
+names = ["local", "shuffled", "shuffled-before", "raw", "raw-before", "raw-cached", "raw-cached-before",
+         "shuffled-cached", "shuffled-cached-before", "sshfs", "rclone"]
 systems = [s for s in names if any(k[0] == s for k in med)]
 warm = defaultdict(list)
 for r in rows:
@@ -164,7 +166,7 @@ for r in rtts:
               "(mount to warm, the mount's start included)")
 if ("local", rtts[0]) in med:
     print(f"- shuffled {rtts[0]} ms / local: {ratio(('shuffled', rtts[0]), ('local', rtts[0]))}")
-for s in ["shuffled", "raw", "raw-cached"]:
+for s in ["shuffled", "raw", "raw-cached", "shuffled-cached"]:
     for r in rtts:
         if (s + "-before", r) in med:
             print(f"- {s} / {s}-before (this build / BIN_BEFORE's or MOUNT_OPTS_BEFORE's), {r} ms: {ratio((s, r), (s + '-before', r))}")
