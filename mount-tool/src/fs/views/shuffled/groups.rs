@@ -105,6 +105,16 @@ pub fn prefetch(p: &Arc<Prefetcher>, plan: &Arc<ClassPlan>, class: usize, groups
     p.prefetch(&targets, &objects);
 }
 
+/// Sample `k` of class `class` in `plan`: its group, its place in the group, and its id.
+fn sample(plan: &ClassPlan, class: usize, k: u64) -> Result<(u64, usize, u32), ReadError> {
+    let (g, within) = (k / plan.group as u64, k as usize % plan.group);
+    let id = plan
+        .group_ids(class, g)
+        .get(within)
+        .ok_or_else(|| ReadError::NotFound(format!("sample {k} of class {class}")))?;
+    Ok((g, within, *id))
+}
+
 /// The size and CRC32C of sample `id`, as the node cache files it.
 fn sent_of(table: &SampleTable, id: u32) -> Sent {
     Sent { bytes: table.bytes[id as usize], crc32c: table.crc32c[id as usize] }
@@ -146,9 +156,8 @@ impl Reads {
         owner: u32,
     ) -> Result<Bytes, ReadError> {
         let table = p.sample_table()?;
-        let (g, within) = (k / plan.group as u64, k as usize % plan.group);
+        let (g, within, id) = sample(plan, class, k)?;
         let ids = plan.group_ids(class, g);
-        let id = *ids.get(within).ok_or_else(|| ReadError::NotFound(format!("sample {k} of class {class}")))?;
         let len = table.bytes[id as usize];
         if offset >= len || size == 0 {
             return Ok(Bytes::new());
@@ -172,11 +181,7 @@ impl Reads {
         (plan, class, k): (&ClassPlan, usize, u64),
     ) -> Result<Option<Arc<std::fs::File>>, ReadError> {
         let table = p.sample_table()?;
-        let (g, within) = (k / plan.group as u64, k as usize % plan.group);
-        let id = *plan
-            .group_ids(class, g)
-            .get(within)
-            .ok_or_else(|| ReadError::NotFound(format!("sample {k} of class {class}")))?;
+        let (_, _, id) = sample(plan, class, k)?;
         let sent = sent_of(&table, id);
         let file = (sent.bytes <= DISK_WHOLE_MAX).then(|| p.disk_backing(sent)).flatten();
         if file.is_some() {
