@@ -94,7 +94,7 @@ impl Objects for Groups {
 
 /// Starts fetching groups `groups` of class `class` in `plan`, ahead of its readers (those not cached or in
 /// flight; none once the cache or the prefetch cap is full), but for groups whose samples opens take from
-/// the node cache's disk ([`on_disk`]).
+/// the node cache's disk (`on_disk`).
 pub fn prefetch(p: &Arc<Prefetcher>, plan: &Arc<ClassPlan>, class: usize, groups: std::ops::Range<u64>) {
     let listing = listing(plan.epoch, class);
     let objects: Arc<dyn Objects> = Arc::new(Groups::of(p, plan.clone(), class));
