@@ -16,7 +16,7 @@
 use crate::client::Sent;
 use crate::stats::NodeCacheSnapshot;
 use crate::sync::{AtomicU64, Mutex, Ordering};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// A hit touches a file's modification time (its place in the LRU order) only when it is older than this:
@@ -98,13 +98,7 @@ impl NodeCache {
 
     /// The object `sent`, if the cache holds it whole and right (a wrong file is removed).
     pub fn get(&self, sent: Sent) -> Option<Vec<u8>> {
-        let path = self.path_of(sent);
-        let mut file = std::fs::File::open(&path).ok()?;
-        let mut data = Vec::with_capacity(sent.bytes as usize);
-        let read = file.read_to_end(&mut data);
-        let right = read.is_ok() && data.len() as u64 == sent.bytes && batchfs::crc::crc32c(&data) == sent.crc32c;
-        self.checked(&path, &file, sent.bytes, right, data.len() as u64)?;
-        Some(data)
+        self.get_part(sent, 0, sent)
     }
 
     /// The bytes `part` (size and CRC32C) at `offset` of the object `whole`, if the cache holds that
@@ -280,6 +274,7 @@ impl NodeCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
 
     fn sent(data: &[u8]) -> Sent {
         Sent { bytes: data.len() as u64, crc32c: batchfs::crc::crc32c(data) }

@@ -112,6 +112,11 @@ impl std::fmt::Display for ObjectKey {
     }
 }
 
+/// The largest object an open takes from the node cache's own file ([`Prefetcher::disk_backing`]): the open
+/// checks it whole, which a larger one would hold up. Larger ones read through the daemon, each `raw/`
+/// chunk checked as it is read.
+pub const DISK_WHOLE_MAX: u64 = 64 << 20;
+
 /// Prefetcher settings, from the mount's options (`options.rs`, documented in `docs/CONFIGURATION.md`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrefetcherConfig {
@@ -272,9 +277,10 @@ impl Prefetcher {
         self.fetcher.refuse_disk();
     }
 
-    /// Whether the node cache holds the object `sent` (not checked; false without a node cache).
+    /// Whether an open of the object `sent` would get the node cache's file ([`Prefetcher::disk_backing`]):
+    /// the node cache holds it (not checked) and it is at most [`DISK_WHOLE_MAX`].
     pub fn on_disk(&self, sent: crate::client::Sent) -> bool {
-        self.fetcher.node_cache().is_some_and(|nc| nc.contains(sent))
+        sent.bytes <= DISK_WHOLE_MAX && self.fetcher.node_cache().is_some_and(|nc| nc.contains(sent))
     }
 
     /// The manifest of `epoch` in `format` (cached; fetched with retries up to `timeout`). Blocks: call
@@ -428,12 +434,16 @@ impl Prefetcher {
         result.map(|(file, _)| file)
     }
 
-    /// The node cache's file of the object `whole` (a `raw/` file kept there whole: by warming, or by a
-    /// fetch of its one chunk), checked, for the kernel to serve straight from the disk: neither read
-    /// into memory nor fetched, and no window started (a reader whose next files are not there misses
-    /// once, and the window starts from that read). `None` without a node cache, or when it does not
-    /// hold the object right (a wrong file is removed).
+    /// The node cache's file of the object `whole` (a `raw/` file kept there whole, by warming or by a
+    /// fetch of its one chunk; a `shuffled/` sample, which is its file), checked, for the kernel to serve
+    /// straight from the disk: neither read into memory nor fetched, and no window started (a reader whose
+    /// next files are not there misses once, and the window starts from that read). `None` without a node
+    /// cache, when it does not hold the object right (a wrong file is removed), or for an object larger
+    /// than [`DISK_WHOLE_MAX`].
     pub fn disk_backing(&self, whole: crate::client::Sent) -> Option<Arc<std::fs::File>> {
+        if whole.bytes > DISK_WHOLE_MAX {
+            return None;
+        }
         let file = self.fetcher.node_cache()?.open_checked(whole)?;
         Stats::add(&self.stats.passthrough_opens, 1);
         Stats::add(&self.stats.hits, 1);

@@ -14,10 +14,6 @@ pub mod chunks;
 mod tree;
 use tree::RawTree;
 
-/// The largest file the node cache's own file is handed over for (checked whole at each open, which a
-/// larger one would hold up): larger ones read through the daemon, each chunk checked as it is read.
-pub const DISK_WHOLE_MAX: u64 = 64 << 20;
-
 /// The name of the source-file tree.
 pub const RAW_NAME: &str = "raw";
 const DIR_BASE: u64 = 1 << 41;
@@ -157,14 +153,14 @@ impl View for Raw {
     }
 
     /// With `disk`, a file the node cache holds whole is handed over as its file there (checked at the
-    /// open, never copied into memory), up to [`DISK_WHOLE_MAX`]; else a file of one chunk by a memory
-    /// file, and a larger one reads through the daemon, chunk by chunk, never held whole.
+    /// open, never copied into memory), up to [`crate::prefetch::DISK_WHOLE_MAX`]; else a file of one
+    /// chunk by a memory file, and a larger one reads through the daemon, chunk by chunk, never held whole.
     fn backing(&self, ino: u64, owner: u32, disk: bool) -> Result<Option<Backing>, FsError> {
         let (dir, file) = self.file(ino)?;
         let raw = self.prefetcher.raw_dir(dir)?;
         let missing = || FsError::from(crate::prefetch::ReadError::NotFound(format!("source file #{file}")));
         let (chunks, whole) = (raw.chunks_of(file).ok_or_else(missing)?, raw.whole(file).ok_or_else(missing)?);
-        if disk && whole.bytes <= DISK_WHOLE_MAX {
+        if disk {
             if let Some(file) = self.prefetcher.disk_backing(whole) {
                 return Ok(Some(Backing { file, on_disk: true }));
             }

@@ -7,7 +7,6 @@
 //! once ([`Reads`]).
 
 use crate::client::{Request, Sent};
-use crate::fs::views::raw::DISK_WHOLE_MAX;
 use crate::prefetch::kinds::{Follow, Kind, Object, Objects, OnDisk};
 use crate::prefetch::{ClassPlan, Listing, ObjectKey, Prefetcher, ReadError, Target};
 use batchfs::api::SampleTable;
@@ -121,22 +120,19 @@ fn sent_of(table: &SampleTable, id: u32) -> Sent {
 }
 
 /// Whether every sample of group `g` of class `class` in `plan` opens from the node cache's disk
-/// ([`Reads::from_disk`]): passthrough hands the kernel the node cache's files, and it holds each sample,
-/// none larger than [`DISK_WHOLE_MAX`]. Such a group is not fetched into memory: its samples would be read
-/// twice. Asked of the disk once per group and plan (a `stat` per sample); a sample gone from the disk
-/// since is fetched with its group when it is read.
+/// ([`Reads::from_disk`]): passthrough hands the kernel the node cache's files, and it holds each sample
+/// ([`Prefetcher::on_disk`]). Such a group is not fetched into memory: its samples would be read twice.
+/// Asked of the disk once per group and plan (a `stat` per sample); a sample gone from the disk since is
+/// fetched with its group when it is read.
 fn on_disk(p: &Prefetcher, plan: &ClassPlan, class: usize, g: u64) -> bool {
     if !p.serves_from_disk() {
         return false;
     }
     let Some(table) = p.shuffled_table() else { return false };
     let mut known = plan.on_disk.lock().expect("on_disk");
-    *known.entry((class, g)).or_insert_with(|| {
-        plan.group_ids(class, g)
-            .iter()
-            .map(|&id| sent_of(&table, id))
-            .all(|s| s.bytes <= DISK_WHOLE_MAX && p.on_disk(s))
-    })
+    *known
+        .entry((class, g))
+        .or_insert_with(|| plan.group_ids(class, g).iter().map(|&id| sent_of(&table, id)).all(|s| p.on_disk(s)))
 }
 
 /// Per group being read, a bit per sample read to its end: a group whose samples have all been read leaves
@@ -173,7 +169,7 @@ impl Reads {
     }
 
     /// Sample `k` of class `class` in `plan` as the node cache's own file, checked, for the kernel to serve
-    /// (FUSE passthrough), if the node cache holds it and it is at most [`DISK_WHOLE_MAX`]: no `READ`
+    /// (FUSE passthrough), if the node cache holds it and it is at most [`crate::prefetch::DISK_WHOLE_MAX`]: no `READ`
     /// reaches the daemon, and nothing is copied into memory. The sample counts as read.
     pub fn from_disk(
         &self,
@@ -183,7 +179,7 @@ impl Reads {
         let table = p.sample_table()?;
         let (_, _, id) = sample(plan, class, k)?;
         let sent = sent_of(&table, id);
-        let file = (sent.bytes <= DISK_WHOLE_MAX).then(|| p.disk_backing(sent)).flatten();
+        let file = p.disk_backing(sent);
         if file.is_some() {
             self.done(p, (plan, class, k));
         }
