@@ -317,11 +317,24 @@ mod tests {
 
     /// A filesystem of two epochs of three batches, passthrough on.
     fn fs() -> (tokio::runtime::Runtime, Fs) {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let client = MemoryClient::new(|epoch, f| {
             (0..3).map(|b| Bytes::from(format!("{f} epoch {epoch} batch {b}").into_bytes())).collect()
         });
-        let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), PrefetcherConfig::default());
+        fs_of(Arc::new(client), None, vec![])
+    }
+
+    /// A filesystem of `client`'s dataset (two epochs, class folders `classes`) with the node cache `nc` if
+    /// any, passthrough on.
+    fn fs_of(
+        client: Arc<MemoryClient>,
+        nc: Option<Arc<crate::node_cache::NodeCache>>,
+        classes: Vec<String>,
+    ) -> (tokio::runtime::Runtime, Fs) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let p = Prefetcher::new(client, rt.handle().clone(), PrefetcherConfig::default());
+        if let Some(nc) = nc {
+            p.use_node_cache(nc);
+        }
         let options = FsOptions {
             epochs: 2,
             format: BatchFormat::Tfrecord,
@@ -331,7 +344,7 @@ mod tests {
             raw: true,
             rolling: crate::options::RollingMode::Packed,
             first_epoch: 0,
-            classes: vec![],
+            classes,
         };
         let fs = Fs::new(p, options);
         fs.set_passthrough(true);
@@ -408,7 +421,6 @@ mod tests {
         use crate::client::Sent;
         use crate::node_cache::NodeCache;
         use std::os::unix::fs::MetadataExt;
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let mut client = MemoryClient::new(|_, _| vec![]);
         let files: Vec<Bytes> = (0..3u8).map(|i| Bytes::from(vec![i + 1; 3000 + i as usize])).collect();
         client.files = files.iter().enumerate().map(|(i, f)| (format!("f{i}.jpg"), f.clone())).collect();
@@ -417,11 +429,7 @@ mod tests {
         let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
         let sent = |f: &Bytes| Sent { bytes: f.len() as u64, crc32c: batchfs::crc::crc32c(f) };
         files.iter().for_each(|f| nc.put(sent(f), f).unwrap());
-        let (_, fs) = fs();
-        let p = Prefetcher::new(client.clone(), rt.handle().clone(), PrefetcherConfig::default());
-        p.use_node_cache(nc.clone());
-        let fs = Fs::new(p, fs.options.clone());
-        fs.set_passthrough(true);
+        let (_rt, fs) = fs_of(client.clone(), Some(nc.clone()), vec![]);
         let ino = |i: usize| fs.lookup(raw::Node::Dir(0).ino(), &format!("f{i}.jpg"), 1).unwrap().ino;
         let on_disk = |f: &Bytes| {
             let m = std::fs::metadata(nc.path_of(sent(f))).unwrap();
@@ -469,7 +477,6 @@ mod tests {
         use crate::client::Sent;
         use crate::node_cache::NodeCache;
         use std::os::unix::fs::MetadataExt;
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let mut client = MemoryClient::new(|_, _| vec![]);
         let big = Bytes::from((0..10_000u32).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
         client.files = vec![("big.bin".to_string(), big.clone())];
@@ -479,11 +486,7 @@ mod tests {
         let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
         let whole = Sent { bytes: big.len() as u64, crc32c: batchfs::crc::crc32c(&big) };
         nc.put(whole, &big).unwrap();
-        let (_, fs) = fs();
-        let p = Prefetcher::new(client.clone(), rt.handle().clone(), PrefetcherConfig::default());
-        p.use_node_cache(nc.clone());
-        let fs = Fs::new(p, fs.options.clone());
-        fs.set_passthrough(true);
+        let (_rt, fs) = fs_of(client.clone(), Some(nc.clone()), vec![]);
         let ino = fs.lookup(raw::Node::Dir(0).ino(), "big.bin", 1).unwrap().ino;
         let m = std::fs::metadata(nc.path_of(whole)).unwrap();
 
@@ -521,7 +524,6 @@ mod tests {
         use crate::client::Sent;
         use crate::node_cache::NodeCache;
         use std::os::unix::fs::MetadataExt;
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let mut client = MemoryClient::new(|_, _| vec![]);
         for i in 0..6u8 {
             client.files.push((format!("c0/f{i}.jpg"), Bytes::from(vec![i + 1; 1000 + usize::from(i)])));
@@ -536,11 +538,7 @@ mod tests {
             .iter()
             .map(|(_, f)| std::fs::metadata(nc.path_of(sent(f))).map(|m| (m.dev(), m.ino())).unwrap())
             .collect();
-        let options = FsOptions { classes: vec!["c0".into()], ..fs().1.options.clone() };
-        let p = Prefetcher::new(client.clone(), rt.handle().clone(), PrefetcherConfig::default());
-        p.use_node_cache(nc.clone());
-        let fs = Fs::new(p, options);
-        fs.set_passthrough(true);
+        let (_rt, fs) = fs_of(client.clone(), Some(nc.clone()), vec!["c0".into()]);
         let dir = fs.lookup(crate::fs::ROOT, "shuffled", 0).unwrap().ino;
         let class = fs.lookup(dir, "c0", 0).unwrap().ino;
 
