@@ -36,11 +36,11 @@ impl Waits {
 
     /// Runs `work` here, on the calling FUSE thread, if fewer than `threads - 1` FUSE threads are in such work
     /// now; otherwise hands it to a helper thread. A FUSE ring's lane (`fuse_uring`) runs it itself: the
-    /// ring starts another lane whenever a CPU's last idle one takes a request.
+    /// ring starts lanes ahead whenever a request leaves fewer than two of a CPU's idle.
     pub fn run(&self, work: impl FnOnce() + Send + 'static) {
         if fuser::served_by_ring() {
             // A lane of a FUSE ring holds one request: its CPU's next ones go to other lanes, which
-            // the ring keeps one of idle however many wait.
+            // the ring keeps idle ones of however many wait.
             work();
         } else if self.inline.fetch_add(1, Ordering::AcqRel) < self.limit {
             let _counted = Counted(&self.inline);

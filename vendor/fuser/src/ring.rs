@@ -11,10 +11,14 @@
 //! Each CPU's queue is served by lanes: threads pinned to that CPU, each owning a ring that holds one
 //! entry of the queue. A lane busy with a request (or waiting in it: on a network, say) holds only its
 //! own entry, and the kernel gives the next request of that CPU to an idle lane's, as `/dev/fuse` gives
-//! it to an idle reader thread. A lane that takes its CPU's last idle entry starts another lane first
-//! (up to [`MOST_LANES`] a CPU), so requests that wait never leave the others of their CPU without a
-//! thread: a queue's lanes grow to the requests it has in flight at once, and stay (an entry, once
-//! registered, is only given back when the connection ends). A reply made on the lane's thread is
+//! it to an idle reader thread. A request that finds no idle entry is queued by the kernel, and only a
+//! *commit* on its CPU's queue takes it: an entry registered later does not. Behind lanes that all wait
+//! (on a network that is down, say), such a request would wait with them. So a CPU's lanes grow ahead of
+//! its requests: a lane that takes a request leaving fewer than [`SPARE_LANES`] of its CPU's entries idle
+//! (those registering counted) starts lanes up to [`LANES_AHEAD`] first (up to [`MOST_LANES`] a CPU),
+//! and a burst has to outrun a lane's start by that many requests on one CPU to queue one. A queue's
+//! lanes grow to the requests it has in flight at once, and stay (an entry, once registered, is only
+//! given back when the connection ends). A reply made on the lane's thread is
 //! committed with its next submission; a reply made on another thread is handed back through a flag of
 //! the lane's and an eventfd its ring polls. The kernel switches from `/dev/fuse` to the
 //! rings only once every CPU's queue holds an entry: until then, and for good if a lane cannot be set
@@ -65,6 +69,11 @@ const WAKE: u64 = 1;
 /// Lanes (threads, each with one entry) a CPU's queue grows to at most; beyond them, that CPU's
 /// requests wait in the kernel for a lane to finish one.
 pub(crate) const MOST_LANES: usize = 256;
+/// Idle lanes (those registering counted) a CPU keeps at least: a lane that takes a request and leaves
+/// fewer starts lanes up to [`LANES_AHEAD`].
+const SPARE_LANES: usize = 2;
+/// Idle lanes a CPU is grown back to, and the lanes it starts with at least.
+const LANES_AHEAD: usize = 4;
 
 thread_local! {
     static RING_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -85,10 +94,10 @@ pub(crate) struct RingPlan {
 }
 
 impl RingPlan {
-    /// The lanes each CPU starts with for `threads` threads in all: at least two a CPU (one stays idle
-    /// while another waits), at most 64.
+    /// The lanes each CPU starts with for `threads` threads in all: at least [`LANES_AHEAD`] a CPU
+    /// (idle ones stay while others wait), at most 64.
     pub(crate) fn lanes_for(threads: usize) -> u16 {
-        threads.div_ceil(possible_cpus()).clamp(2, 64) as u16
+        threads.div_ceil(possible_cpus()).clamp(LANES_AHEAD, 64) as u16
     }
 
     /// The payload the kernel needs for these settings; `max_pages` is capped by the kernel's limit
@@ -302,11 +311,20 @@ impl RingReply {
     }
 }
 
-/// A CPU's lanes: how many there are, and how many wait for a request (their entry is the kernel's).
+/// A CPU's lanes: how many there are, how many wait for a request (their entry is the kernel's), and
+/// how many are starting (their entry not yet registered).
 #[derive(Default)]
 struct Cpu {
     lanes: std::sync::atomic::AtomicUsize,
     idle: std::sync::atomic::AtomicUsize,
+    starting: std::sync::atomic::AtomicUsize,
+}
+
+impl Cpu {
+    /// Idle lanes, with those starting.
+    fn ready(&self) -> usize {
+        self.idle.load(Ordering::Acquire) + self.starting.load(Ordering::Acquire)
+    }
 }
 
 /// The rings of one session: every lane, and how to start another.
@@ -321,10 +339,31 @@ struct Shared<FS: Filesystem> {
 }
 
 impl<FS: Filesystem + Send + Sync + 'static> Shared<FS> {
-    /// Starts a lane on `cpu` (none once the rings stop, or at [`MOST_LANES`]).
-    fn add_lane(self: &Arc<Self>, cpu: u16) -> io::Result<()> {
+    /// Starts lanes on `cpu` up to [`LANES_AHEAD`] ready (idle or starting) where fewer than
+    /// [`SPARE_LANES`] are: under the lock that starting a lane takes, so that lanes taking requests at
+    /// once start them once.
+    fn grow(self: &Arc<Self>, cpu: u16) {
         let mut lanes = self.lanes.lock();
+        let ready = self.cpus[usize::from(cpu)].ready();
+        if ready >= SPARE_LANES {
+            return;
+        }
+        for _ in ready..LANES_AHEAD {
+            if let Err(e) = self.add_lane(&mut lanes, cpu) {
+                warn!("FUSE ring {cpu}: no lane added: {e}");
+                return;
+            }
+        }
+    }
+
+    /// Starts a lane on `cpu` (none once the rings stop, or at [`MOST_LANES`]); `lanes` is the lock's.
+    fn add_lane(
+        self: &Arc<Self>,
+        lanes: &mut Vec<(Arc<Lane>, std::thread::JoinHandle<()>)>,
+        cpu: u16,
+    ) -> io::Result<()> {
         let count = &self.cpus[usize::from(cpu)].lanes;
+        let starting = &self.cpus[usize::from(cpu)].starting;
         if self.stop.load(Ordering::Acquire) || count.load(Ordering::Acquire) >= MOST_LANES {
             return Ok(());
         }
@@ -334,9 +373,11 @@ impl<FS: Filesystem + Send + Sync + 'static> Shared<FS> {
             lane: lane.clone(),
             shared: self.clone(),
             event_loop: (self.event_loop)(name.clone()),
+            registered: std::cell::Cell::new(false),
         };
         // Counted before it runs: a lane that ends at once takes itself off after this.
         count.fetch_add(1, Ordering::AcqRel);
+        starting.fetch_add(1, Ordering::AcqRel);
         match std::thread::Builder::new()
             .name(name)
             .spawn(move || serve.run())
@@ -347,6 +388,7 @@ impl<FS: Filesystem + Send + Sync + 'static> Shared<FS> {
             }
             Err(e) => {
                 count.fetch_sub(1, Ordering::AcqRel);
+                starting.fetch_sub(1, Ordering::AcqRel);
                 Err(e)
             }
         }
@@ -385,7 +427,8 @@ impl Rings {
         };
         for cpu in 0..cpus {
             for _ in 0..plan.lanes.max(1) {
-                if let Err(e) = shared.add_lane(cpu as u16) {
+                let added = shared.add_lane(&mut shared.lanes.lock(), cpu as u16);
+                if let Err(e) = added {
                     rings.stop();
                     return Err(e);
                 }
@@ -417,6 +460,8 @@ struct Serve<FS: Filesystem> {
     lane: Arc<Lane>,
     shared: Arc<Shared<FS>>,
     event_loop: SessionEventLoop<FS>,
+    /// Its entry's registration is submitted: no longer counted as starting.
+    registered: std::cell::Cell<bool>,
 }
 
 impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
@@ -431,8 +476,11 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
         if let Err(e) = self.serve() {
             warn!("FUSE ring {} ended: {e}", self.lane.qid);
         }
-        // A lane that ended no longer counts against its CPU's most.
+        // A lane that ended no longer counts against its CPU's most, nor as starting.
         self.cpu().lanes.fetch_sub(1, Ordering::AcqRel);
+        if !self.registered.get() {
+            self.cpu().starting.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 
     fn cmd(&self, cmd_op: u32, commit_id: u64) -> squeue::Entry128 {
@@ -481,7 +529,10 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
         // the kernel reads them; the buffers outlive the ring (the lane holds them).
         unsafe { push(&mut ring, &self.register(&iov))? };
         self.arm_wake(&mut ring)?;
+        // Idle before no longer starting: the CPU's ready lanes are never undercounted.
         self.cpu().idle.fetch_add(1, Ordering::AcqRel);
+        self.cpu().starting.fetch_sub(1, Ordering::AcqRel);
+        self.registered.set(true);
         let mut buf: Vec<u64> = vec![0; (MIN_PAYLOAD + entry.payload.len) / 8 + 64];
         let mut ready = Vec::with_capacity(2);
         loop {
@@ -511,12 +562,11 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
                 }
                 match result {
                     0 => {
-                        // The CPU's last idle entry taken: another lane first, so a request that
-                        // waits here leaves the next ones of this CPU a thread.
-                        if self.cpu().idle.fetch_sub(1, Ordering::AcqRel) == 1 {
-                            if let Err(e) = self.shared.add_lane(self.lane.qid) {
-                                warn!("FUSE ring {}: no lane added: {e}", self.lane.qid);
-                            }
+                        // Few idle entries left: lanes first, so a request that waits here leaves
+                        // the next ones of this CPU an entry (a request that finds none waits for a
+                        // commit, which lanes that all wait never make).
+                        if self.cpu().idle.fetch_sub(1, Ordering::AcqRel) <= SPARE_LANES {
+                            self.shared.grow(self.lane.qid);
                         }
                         self.dispatch(&mut buf)
                     }
@@ -544,8 +594,8 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
                             return Err(io::Error::other(format!("registration refused: {error}")));
                         }
                         warn!("FUSE ring {}: a commit refused: {error}", self.lane.qid);
-                        if idle == 1 {
-                            let _ = self.shared.add_lane(self.lane.qid);
+                        if idle <= SPARE_LANES {
+                            self.shared.grow(self.lane.qid);
                         }
                         return Ok(());
                     }
@@ -695,6 +745,9 @@ mod tests {
     fn the_payload_holds_the_largest_read() {
         assert!(RingPlan::payload_for(4096, 256) >= 256 * 4096);
         assert!(RingPlan::payload_for(4096, 1) >= MIN_PAYLOAD);
-        assert!(RingPlan::lanes_for(1) >= 2, "one lane stays idle while another waits");
+        assert!(
+            usize::from(RingPlan::lanes_for(1)) >= LANES_AHEAD && LANES_AHEAD > SPARE_LANES,
+            "idle lanes stay while others wait"
+        );
     }
 }
