@@ -13,12 +13,12 @@
 //! own entry, and the kernel gives the next request of that CPU to an idle lane's, as `/dev/fuse` gives
 //! it to an idle reader thread. A request that finds no idle entry is queued by the kernel, and only a
 //! *commit* on its CPU's queue takes it: an entry registered later does not. Behind lanes that all wait
-//! (on a network that is down, say), such a request would wait with them. So a CPU's lanes grow ahead of
-//! its requests: a lane that takes a request leaving fewer than [`SPARE_LANES`] of its CPU's entries idle
-//! (those registering counted) starts lanes up to [`LANES_AHEAD`] first (up to [`MOST_LANES`] a CPU),
-//! and a burst has to outrun a lane's start by that many requests on one CPU to queue one. A queue's
-//! lanes grow to the requests it has in flight at once, and stay (an entry, once registered, is only
-//! given back when the connection ends). A reply made on the lane's thread is
+//! (on a network that is down, say), such a request would wait with them. So a CPU's lanes grow ahead
+//! of its requests: a lane that takes a request leaving fewer than [`SPARE_LANES`] of its CPU's entries
+//! idle (those registering counted) starts lanes up to [`LANES_AHEAD`] first (up to [`MOST_LANES`] a
+//! CPU), and only a burst of more than [`SPARE_LANES`] requests on one CPU within a lane's start queues
+//! one. A queue's lanes grow to the requests it has in flight at once, and stay (an entry, once
+//! registered, is only given back when the connection ends). A reply made on the lane's thread is
 //! committed with its next submission; a reply made on another thread is handed back through a flag of
 //! the lane's and an eventfd its ring polls. The kernel switches from `/dev/fuse` to the
 //! rings only once every CPU's queue holds an entry: until then, and for good if a lane cannot be set
