@@ -76,6 +76,7 @@ pub fn render(s: &StatsSnapshot) -> String {
         ("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens),
         ("lookups_total", "counter", "Names the daemon looked up.", s.lookups),
         ("ring_opens_total", "counter", "Opens the kernel sent over a FUSE ring (fuse_uring).", s.ring_opens),
+        ("ring_kicks_total", "counter", "Requests the FUSE rings' watchdog sent to free a CPU's queue.", s.ring_kicks),
         ("early_reads_total", "counter", "Daemon reads answered before their batch had all arrived.", s.early_reads),
         ("prefetch_bytes_in_flight", "gauge", "Bytes of prefetches in flight.", s.prefetch_bytes_in_flight),
         ("prefetch_cap_bytes", "gauge", "The cap on bytes of prefetches in flight.", s.prefetch_cap),

@@ -123,6 +123,11 @@ pub struct StatsSnapshot {
     /// Opens the kernel sent over a FUSE ring (`fuse_uring`) rather than `/dev/fuse`.
     #[serde(default)]
     pub ring_opens: u64,
+    /// Requests the FUSE rings' watchdog sent from a CPU where a ring thread had been busy for 100 ms
+    /// while another was idle, so that a request the kernel queued behind the busy ones is taken
+    /// (`fuse_uring`).
+    #[serde(default)]
+    pub ring_kicks: u64,
     /// Daemon reads answered from a batch still arriving: their bytes were verified by the body's
     /// checkpoints before the rest of it came.
     #[serde(default)]
@@ -234,6 +239,7 @@ impl Stats {
             page_cache_drops: g(&self.page_cache_drops),
             lookups: g(&self.lookups),
             ring_opens: g(&self.ring_opens),
+            ring_kicks: fuser::ring_kicks(),
             early_reads: g(&self.early_reads),
             warm: (g(&self.warm_started) > 0).then(|| WarmSnapshot {
                 files: g(&self.warm_files),

@@ -76,6 +76,7 @@ pub use crate::reply::ReplyXattr;
 pub use crate::request_param::Request;
 pub use crate::session::BackgroundSession;
 use crate::session::MAX_WRITE_SIZE;
+pub use crate::ring::ring_kicks;
 pub use crate::ring::served_by_ring;
 pub use crate::session::Session;
 pub use crate::session::SessionACL;

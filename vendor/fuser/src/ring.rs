@@ -17,7 +17,10 @@
 //! of its requests: a lane that takes a request leaving fewer than [`SPARE_LANES`] of its CPU's entries
 //! idle (those registering counted) starts lanes up to [`LANES_AHEAD`] first (up to [`MOST_LANES`] a
 //! CPU), and only a burst of more than [`SPARE_LANES`] requests on one CPU within a lane's start queues
-//! one. A queue's lanes grow to the requests it has in flight at once, and stay (an entry, once
+//! one. Such a request is not left behind lanes that all wait: a watchdog looks at the lanes every
+//! [`STUCK_AFTER`], and from each CPU where one has been busy that long while another has been idle for
+//! [`SETTLED`], asks the mount's `statfs` ([`ring_kicks`]): the idle entry takes that request, and its
+//! commit takes the one queued. A queue's lanes grow to the requests it has in flight at once, and stay (an entry, once
 //! registered, is only given back when the connection ends). A reply made on the lane's thread is
 //! committed with its next submission; a reply made on another thread is handed back through a flag of
 //! the lane's and an eventfd its ring polls. The kernel switches from `/dev/fuse` to the
@@ -29,11 +32,15 @@ use std::os::fd::AsFd;
 use std::os::fd::AsRawFd;
 use std::os::fd::FromRawFd;
 use std::os::fd::OwnedFd;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::OnceLock;
 use std::sync::atomic::AtomicBool;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering;
 use std::thread::ThreadId;
+use std::time::Duration;
 
 use io_uring::IoUring;
 use io_uring::cqueue;
@@ -74,6 +81,45 @@ pub(crate) const MOST_LANES: usize = 256;
 const SPARE_LANES: usize = 2;
 /// Idle lanes a CPU is grown back to, and the lanes it starts with at least.
 const LANES_AHEAD: usize = 4;
+
+/// How long a lane is busy before the watchdog sends a request from its CPU, where another is idle: the
+/// longest a request queued behind lanes that all wait is left there.
+pub(crate) const STUCK_AFTER: Duration = Duration::from_millis(100);
+
+/// Requests the watchdog sends from one CPU in a period at most, while each takes a queued request.
+const MOST_KICKS: usize = 64;
+
+/// The watchdog's requests in flight on one CPU at most (each on a thread of its own: one may wait in
+/// the queue itself).
+const MOST_KICKING: usize = 4;
+
+/// How long a lane's entry is idle before the watchdog counts on the kernel giving it a request.
+const SETTLED: Duration = Duration::from_millis(10);
+
+/// How long the watchdog waits for its request's answer before it leaves it in flight.
+const KICK_ANSWER: Duration = Duration::from_millis(5);
+
+/// Requests the watchdog has sent, in this process.
+static KICKS: AtomicU64 = AtomicU64::new(0);
+
+/// Milliseconds of the coarse monotonic clock (a read of the vDSO's page wherever the kernel has one),
+/// plus 1: never 0, which lanes keep for "none".
+fn now_ms() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `clock_gettime` writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut t) };
+    t.tv_sec as u64 * 1000 + t.tv_nsec as u64 / 1_000_000 + 1
+}
+
+/// Requests the rings' watchdog has sent from a CPU where a lane had been busy for [`STUCK_AFTER`] while
+/// another was idle, in this process: each takes an idle entry, and its commit takes a request the
+/// kernel may have queued behind the busy ones (one that found no idle entry as it came).
+pub fn ring_kicks() -> u64 {
+    KICKS.load(Ordering::Relaxed)
+}
 
 thread_local! {
     static RING_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -201,6 +247,12 @@ pub(crate) struct Lane {
     wake: OwnedFd,
     /// The lane's thread, whose replies need no wake.
     thread: OnceLock<ThreadId>,
+    /// When it took the request it holds ([`now_ms`]; 0: it holds none).
+    busy_since: AtomicU64,
+    /// When its entry was last registered or committed ([`now_ms`]; 0: it holds a request). An entry
+    /// committed while the kernel had a request queued takes that request at once: one idle for
+    /// [`SETTLED`] is the kernel's to give the next request to.
+    idle_since: AtomicU64,
 }
 
 impl Lane {
@@ -221,6 +273,8 @@ impl Lane {
             // SAFETY: `fd` was just opened and is owned here alone.
             wake: unsafe { OwnedFd::from_raw_fd(fd) },
             thread: OnceLock::new(),
+            busy_since: AtomicU64::new(0),
+            idle_since: AtomicU64::new(0),
         })
     }
 
@@ -333,9 +387,31 @@ struct Shared<FS: Filesystem> {
     cpus: Box<[Cpu]>,
     lanes: Mutex<Vec<(Arc<Lane>, std::thread::JoinHandle<()>)>>,
     stop: AtomicBool,
+    /// The watchdog's thread, woken to stop.
+    watchdog: Mutex<Option<std::thread::JoinHandle<()>>>,
     fuse: std::os::fd::RawFd,
     ch: ChannelSender,
     event_loop: Box<dyn Fn(String) -> SessionEventLoop<FS> + Send + Sync>,
+}
+
+impl<FS: Filesystem> Shared<FS> {
+    /// `cpu`'s lanes holding a request now, and those idle for [`SETTLED`] or more.
+    fn busy_and_settled(&self, cpu: usize) -> (usize, usize) {
+        let now = now_ms();
+        let settled = SETTLED.as_millis() as u64;
+        let (mut busy, mut idle) = (0, 0);
+        for (lane, _) in self
+            .lanes
+            .lock()
+            .iter()
+            .filter(|(l, _)| usize::from(l.qid) == cpu)
+        {
+            busy += usize::from(lane.busy_since.load(Ordering::Acquire) != 0);
+            let since = lane.idle_since.load(Ordering::Acquire);
+            idle += usize::from(since != 0 && now.saturating_sub(since) >= settled);
+        }
+        (busy, idle)
+    }
 }
 
 impl<FS: Filesystem + Send + Sync + 'static> Shared<FS> {
@@ -404,9 +480,12 @@ impl Rings {
     /// Starts `plan.lanes` lanes on each possible CPU, which register their entries. Fails where a
     /// lane's memory, eventfd or thread cannot be had (the lanes started then stop again); a ring the
     /// kernel refuses is logged by its lane and leaves `/dev/fuse` serving.
+    /// With the `mountpoint`, a watchdog keeps requests from waiting behind lanes that all wait
+    /// ([`STUCK_AFTER`]); without it (a session over a descriptor), none does.
     pub(crate) fn start<FS: Filesystem + Send + Sync + 'static>(
         plan: RingPlan,
         ch: &Channel,
+        mountpoint: Option<PathBuf>,
         event_loop: impl Fn(String) -> SessionEventLoop<FS> + Send + Sync + 'static,
     ) -> io::Result<Rings> {
         let cpus = possible_cpus();
@@ -415,6 +494,7 @@ impl Rings {
             cpus: (0..cpus).map(|_| Cpu::default()).collect(),
             lanes: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
+            watchdog: Mutex::new(None),
             fuse: ch.as_fd().as_raw_fd(),
             ch: ch.sender(),
             event_loop: Box::new(event_loop),
@@ -434,6 +514,16 @@ impl Rings {
                 }
             }
         }
+        if let Some(mountpoint) = mountpoint {
+            let watched = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name("fuser-ring-watch".into())
+                .spawn(move || watch(&watched, &mountpoint));
+            match spawned {
+                Ok(thread) => *shared.watchdog.lock() = Some(thread),
+                Err(e) => warn!("FUSE rings: no watchdog: {e}"),
+            }
+        }
         Ok(rings)
     }
 
@@ -445,6 +535,10 @@ impl Rings {
 
 fn stop<FS: Filesystem>(shared: &Shared<FS>) {
     shared.stop.store(true, Ordering::Release);
+    if let Some(watchdog) = shared.watchdog.lock().take() {
+        watchdog.thread().unpark();
+        let _ = watchdog.join();
+    }
     // Lanes starting lanes take the same lock: none is added once this has taken them.
     let lanes = std::mem::take(&mut *shared.lanes.lock());
     for (lane, _) in &lanes {
@@ -452,6 +546,99 @@ fn stop<FS: Filesystem>(shared: &Shared<FS>) {
     }
     for (_, thread) in lanes {
         let _ = thread.join();
+    }
+}
+
+/// The watchdog: every [`STUCK_AFTER`], from each CPU where a lane has been busy that long while another
+/// is idle, a `statfs` of the mount ([`kick`]). It goes to that CPU's queue (the kernel queues a request
+/// on the CPU it is made on), where an idle entry takes it; the lane answers at once, and its commit takes
+/// the first request the kernel queued there, if any, which no entry registered since would ever take.
+/// While a `statfs` is answered at once and leaves one more of the CPU's lanes busy (its commit took a
+/// queued request), another follows, up to [`MOST_KICKS`]; otherwise the next comes a period later. A
+/// `statfs` may itself be queued (an entry counted idle had just committed, and took a queued request
+/// instead): each is made on a thread of its own, so the watchdog never waits in the queue, and at most
+/// [`MOST_KICKING`] a CPU are in flight.
+fn watch<FS: Filesystem>(shared: &Shared<FS>, mountpoint: &std::path::Path) {
+    let Ok(path) = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()) else {
+        warn!("FUSE rings: no watchdog for a mountpoint with a NUL byte");
+        return;
+    };
+    let path = Arc::new(path);
+    let kicking: Vec<Arc<AtomicUsize>> = (0..shared.cpus.len()).map(|_| Arc::default()).collect();
+    let after = STUCK_AFTER.as_millis() as u64;
+    loop {
+        std::thread::park_timeout(STUCK_AFTER);
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let now = now_ms();
+        let mut stuck = vec![false; shared.cpus.len()];
+        for (lane, _) in shared.lanes.lock().iter() {
+            let since = lane.busy_since.load(Ordering::Acquire);
+            if since != 0 && now.saturating_sub(since) >= after {
+                stuck[usize::from(lane.qid)] = true;
+            }
+        }
+        for cpu in (0..stuck.len()).filter(|&c| stuck[c]) {
+            for _ in 0..MOST_KICKS {
+                let (before, settled) = shared.busy_and_settled(cpu);
+                // No idle entry: the request would wait in the queue too.
+                if settled == 0
+                    || kicking[cpu].load(Ordering::Acquire) >= MOST_KICKING
+                    || shared.stop.load(Ordering::Acquire)
+                {
+                    break;
+                }
+                let Some(answered) = kick(cpu, &path, &kicking[cpu]) else {
+                    break;
+                };
+                if answered.recv_timeout(KICK_ANSWER).is_err() {
+                    debug!("FUSE ring {cpu}: the watchdog's statfs waits in the queue");
+                    break;
+                }
+                // The lane that answered takes what its commit found, on that CPU: let it run.
+                std::thread::sleep(Duration::from_millis(1));
+                let took = shared.busy_and_settled(cpu).0 > before;
+                debug!(
+                    "FUSE ring {cpu}: a lane busy for {STUCK_AFTER:?}: statfs answered, a queued request taken: {took}"
+                );
+                if !took {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// A `statfs` of `path` from a thread of its own pinned to `cpu`, counted in `kicking` while in flight;
+/// what it sends when it is answered (none where no thread could be had).
+fn kick(
+    cpu: usize,
+    path: &Arc<std::ffi::CString>,
+    kicking: &Arc<AtomicUsize>,
+) -> Option<std::sync::mpsc::Receiver<()>> {
+    let (answered, answer) = std::sync::mpsc::channel();
+    let (path, in_flight) = (path.clone(), kicking.clone());
+    kicking.fetch_add(1, Ordering::AcqRel);
+    let spawned = std::thread::Builder::new()
+        .name(format!("fuser-kick-{cpu}"))
+        .spawn(move || {
+            if pin_to(cpu) {
+                let mut fs = std::mem::MaybeUninit::<libc::statfs>::uninit();
+                // SAFETY: a NUL-terminated path and a buffer of the size `statfs` writes.
+                unsafe { libc::statfs(path.as_ptr(), fs.as_mut_ptr()) };
+                KICKS.fetch_add(1, Ordering::Relaxed);
+            }
+            in_flight.fetch_sub(1, Ordering::AcqRel);
+            let _ = answered.send(());
+        });
+    match spawned {
+        Ok(_) => Some(answer),
+        Err(e) => {
+            kicking.fetch_sub(1, Ordering::AcqRel);
+            debug!("FUSE ring {cpu}: no thread for the watchdog's statfs: {e}");
+            None
+        }
     }
 }
 
@@ -529,6 +716,10 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
         // the kernel reads them; the buffers outlive the ring (the lane holds them).
         unsafe { push(&mut ring, &self.register(&iov))? };
         self.arm_wake(&mut ring)?;
+        // Registered once submitted (the kernel registers an entry as it takes the command), before it
+        // counts as idle: the watchdog sends a request to a CPU only where an entry will take it.
+        ring.submit()?;
+        self.lane.idle_since.store(now_ms(), Ordering::Release);
         // Idle before no longer starting: the CPU's ready lanes are never undercounted.
         self.cpu().idle.fetch_add(1, Ordering::AcqRel);
         self.cpu().starting.fetch_sub(1, Ordering::AcqRel);
@@ -540,6 +731,8 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
                 let commit = self.lane.commit_id();
                 // SAFETY: a commit carries no pointers; the entry's buffers are registered already.
                 unsafe { push(&mut ring, &self.cmd(CMD_COMMIT_AND_FETCH, commit))? };
+                self.lane.busy_since.store(0, Ordering::Release);
+                self.lane.idle_since.store(now_ms(), Ordering::Release);
                 self.cpu().idle.fetch_add(1, Ordering::AcqRel);
             }
             match ring.submit_and_wait(1) {
@@ -562,6 +755,8 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
                 }
                 match result {
                     0 => {
+                        self.lane.idle_since.store(0, Ordering::Release);
+                        self.lane.busy_since.store(now_ms(), Ordering::Release);
                         // Few idle entries left: lanes first, so a request that waits here leaves
                         // the next ones of this CPU an entry (a request that finds none waits for a
                         // commit, which lanes that all wait never make).
@@ -699,20 +894,24 @@ unsafe fn push(
     Ok(())
 }
 
-fn pin_to(cpu: usize) {
+/// Pins the calling thread to `cpu`; false where it cannot be (an offline CPU, say).
+fn pin_to(cpu: usize) -> bool {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return false;
+    }
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it (checked).
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if cpu < libc::CPU_SETSIZE as usize {
-            libc::CPU_SET(cpu, &mut set);
-            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-                debug!(
-                    "FUSE ring {cpu}: not pinned: {}",
-                    io::Error::last_os_error()
-                );
-            }
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            debug!(
+                "FUSE ring {cpu}: not pinned: {}",
+                io::Error::last_os_error()
+            );
+            return false;
         }
     }
+    true
 }
 
 #[cfg(test)]

@@ -142,6 +142,9 @@ pub struct Session<FS: Filesystem> {
     pub(crate) config: Config,
     /// FUSE over io_uring, where `INIT` settled it (`ring.rs`).
     ring: Option<RingPlan>,
+    /// Where this session mounted its filesystem (none over a descriptor): the rings' watchdog sends
+    /// its requests there (`ring.rs`).
+    mountpoint: Option<std::path::PathBuf>,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -190,6 +193,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config: options.clone(),
             ring: None,
+            mountpoint: Some(mountpoint.to_path_buf()),
         };
 
         session.handshake()?;
@@ -219,6 +223,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config,
             ring: None,
+            mountpoint: None,
         };
 
         session.handshake()?;
@@ -247,6 +252,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config,
             ring: None,
+            mountpoint: None,
         }
     }
 
@@ -282,6 +288,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: _,
             config,
             ring,
+            mountpoint,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -341,7 +348,7 @@ impl<FS: Filesystem> Session<FS> {
         // be set up leaves /dev/fuse serving every request.
         let rings = ring.and_then(|plan| {
             let (fs, chan) = (filesystem.clone(), ring_channel.clone());
-            let started = crate::ring::Rings::start(plan, &ring_channel, move |thread_name| {
+            let started = crate::ring::Rings::start(plan, &ring_channel, mountpoint, move |thread_name| {
                 SessionEventLoop {
                     thread_name,
                     filesystem: fs.clone(),
