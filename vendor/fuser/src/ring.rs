@@ -663,7 +663,10 @@ impl<FS: Filesystem + Send + Sync + 'static> Serve<FS> {
         if let Err(e) = self.serve() {
             warn!("FUSE ring {} ended: {e}", self.lane.qid);
         }
-        // A lane that ended no longer counts against its CPU's most, nor as starting.
+        // A lane that ended no longer counts against its CPU's most, nor as starting, nor to the
+        // watchdog as idle (its entry is gone: a request sent for it would be queued).
+        self.lane.idle_since.store(0, Ordering::Release);
+        self.lane.busy_since.store(0, Ordering::Release);
         self.cpu().lanes.fetch_sub(1, Ordering::AcqRel);
         if !self.registered.get() {
             self.cpu().starting.fetch_sub(1, Ordering::AcqRel);
