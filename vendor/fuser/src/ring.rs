@@ -87,7 +87,7 @@ const LANES_AHEAD: usize = 4;
 pub(crate) const STUCK_AFTER: Duration = Duration::from_millis(100);
 
 /// Requests the watchdog sends from one CPU in a period at most, while each takes a queued request.
-const MOST_KICKS: usize = 64;
+const MOST_KICKS: usize = 8;
 
 /// The watchdog's requests in flight on one CPU at most (each on a thread of its own: one may wait in
 /// the queue itself).
