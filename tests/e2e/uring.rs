@@ -10,19 +10,28 @@
 use crate::common::{self, fixture, serve, ServeWith};
 use batchfs::index::SourceFormat;
 use std::path::Path;
-use std::sync::{mpsc, Arc, Barrier};
+use std::sync::{mpsc, Arc, Barrier, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 const ENABLE: &str = "/sys/module/fuse/parameters/enable_uring";
 
 /// Sets the fuse module's `enable_uring` and puts back what it was on drop (a panic included). The
-/// setting only lets a mount that asks for rings have them; other mounts are unaffected.
+/// setting only lets a mount that asks for rings have them; other mounts are unaffected. It is one setting
+/// for the whole machine, so tests that set it hold [`SETTING`] while they rely on it: run at once, one
+/// test put back the `N` it found while another still mounted over rings, whose mount then fell back to
+/// `/dev/fuse`.
 struct EnableUring {
     before: String,
+    _held: MutexGuard<'static, ()>,
 }
+
+/// Held by whoever relies on `enable_uring`'s value.
+static SETTING: Mutex<()> = Mutex::new(());
 
 impl EnableUring {
     fn set(on: bool) -> Option<EnableUring> {
+        // A test that failed holding it has put the setting back all the same (on drop).
+        let held = SETTING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let ci = std::env::var_os("CI").is_some();
         let Ok(before) = std::fs::read_to_string(ENABLE) else {
             assert!(!ci, "CI must offer FUSE over io_uring (Linux 6.14+ with CONFIG_FUSE_IO_URING): no {ENABLE}");
@@ -34,7 +43,7 @@ impl EnableUring {
             eprintln!("skipping: cannot set {ENABLE}: {e}");
             return None;
         }
-        Some(EnableUring { before: before.trim().to_owned() })
+        Some(EnableUring { before: before.trim().to_owned(), _held: held })
     }
 }
 
