@@ -98,7 +98,7 @@ fn filled(len: usize) -> Vec<u8> {
 }
 
 /// Pins the calling thread to `cpu`.
-fn pin(cpu: usize) -> Result<()> {
+pub fn pin(cpu: usize) -> Result<()> {
     // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes within it; sched_setaffinity reads it.
     let rc = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();

@@ -114,16 +114,6 @@ fn first_cpu() -> usize {
     }
 }
 
-/// Pins the calling thread to `cpu`.
-fn pin_to(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set, and `cpu` is within it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        assert_eq!(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set), 0);
-    }
-}
-
 /// The kernel queues a request that finds none of its CPU's ring entries idle, and only a commit on that
 /// CPU's queue takes it: behind lanes that all wait out an outage, it would wait with them. Readers all
 /// on one CPU (the first this process may use), let go at once: half read batch files while the server is
@@ -158,7 +148,7 @@ fn a_burst_on_one_cpu_behind_reads_that_wait_is_answered_over_rings() {
                 _ => stats_file.clone(),
             };
             std::thread::spawn(move || {
-                pin_to(cpu);
+                batchfs_lab::floor::pin(cpu).unwrap();
                 go.wait();
                 let at = Instant::now();
                 let read = std::fs::read(&path);

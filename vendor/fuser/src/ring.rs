@@ -20,12 +20,12 @@
 //! one. Such a request is not left behind lanes that all wait: a watchdog looks at the lanes every
 //! [`STUCK_AFTER`], and from each CPU where one has been busy that long while another has been idle for
 //! [`SETTLED`], asks the mount's `statfs` ([`ring_kicks`]): the idle entry takes that request, and its
-//! commit takes the one queued. A queue's lanes grow to the requests it has in flight at once, and stay (an entry, once
-//! registered, is only given back when the connection ends). A reply made on the lane's thread is
-//! committed with its next submission; a reply made on another thread is handed back through a flag of
-//! the lane's and an eventfd its ring polls. The kernel switches from `/dev/fuse` to the
-//! rings only once every CPU's queue holds an entry: until then, and for good if a lane cannot be set
-//! up, `/dev/fuse` serves every request. `FORGET` and `INTERRUPT` always come through `/dev/fuse`.
+//! commit takes the one queued. A queue's lanes grow to the requests it has in flight at once, and stay
+//! (an entry, once registered, is only given back when the connection ends). A reply made on the lane's
+//! thread is committed with its next submission; a reply made on another thread is handed back through
+//! a flag of the lane's and an eventfd its ring polls. The kernel switches from `/dev/fuse` to the rings
+//! only once every CPU's queue holds an entry: until then, and for good if a lane cannot be set up,
+//! `/dev/fuse` serves every request. `FORGET` and `INTERRUPT` always come through `/dev/fuse`.
 
 use std::io;
 use std::os::fd::AsFd;
