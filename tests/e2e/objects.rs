@@ -463,10 +463,13 @@ fn faults_between_server_and_store_never_reach_a_reader() {
     let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: None };
     let upstream = format!("127.0.0.1:{}", weed.s3).parse().unwrap();
     let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, link, faults).unwrap();
+    // No block cache: every epoch reads the store again, so each one more is more traffic through the
+    // faults (with the default cache every epoch after the first would be served from memory).
     let limits = ServerLimits {
         object_timeout: Duration::from_secs(2),
         object_retry_for: Duration::from_secs(10),
         readahead_batches: 0,
+        object_cache: 0,
         ..by_gets()
     };
     let through = settings(&format!("http://{}", netem.addr), ACCESS_KEY, SECRET_KEY);
