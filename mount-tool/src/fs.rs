@@ -22,6 +22,8 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 mod error;
+mod failed_reads;
+pub use failed_reads::REPEATED_WITHIN as FAILED_READS_REPEATED_WITHIN;
 pub mod handles;
 mod inode;
 pub mod open_files;
@@ -74,12 +76,14 @@ pub struct Fs {
     prefetcher: Arc<Prefetcher>,
     pub options: FsOptions,
     views: Vec<Box<dyn View>>,
+    /// Reads that just failed after waiting, answered again at once (`fs/failed_reads.rs`).
+    failed_reads: failed_reads::FailedReads,
 }
 
 impl Fs {
     pub fn new(prefetcher: Arc<Prefetcher>, options: FsOptions) -> Self {
         let views = views::all(&prefetcher, &options);
-        Fs { prefetcher, options, views }
+        Fs { prefetcher, options, views, failed_reads: Default::default() }
     }
 
     /// The view that owns inode `ino`.
@@ -242,10 +246,22 @@ impl Fs {
 
     /// Reads `size` bytes at `offset` of file `ino` for the reading process `owner`.
     pub fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError> {
+        self.read_as(ino, offset, size, owner, owner)
+    }
+
+    /// [`Fs::read`] by thread `tid` of process `owner`. A read of the file that failed after waiting out
+    /// `timeout` a moment ago fails again at once, without a second wait (`fs/failed_reads.rs`: Linux
+    /// repeats a failed readahead's read).
+    pub fn read_as(&self, ino: u64, offset: u64, size: u32, owner: u32, tid: u32) -> Result<Bytes, FsError> {
         if ino == ROOT {
             return Err(FsError::IsADirectory);
         }
-        self.view(ino)?.read(ino, offset, size, owner)
+        if let Some(e) = self.failed_reads.repeat(ino, tid, std::time::Instant::now()) {
+            return Err(e);
+        }
+        let read = self.view(ino)?.read(ino, offset, size, owner);
+        self.failed_reads.record(ino, tid, &read, std::time::Instant::now());
+        read
     }
 
     /// The verified contents of file `ino` for the kernel to serve (FUSE passthrough): with `disk`, a

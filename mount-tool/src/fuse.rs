@@ -411,7 +411,7 @@ impl Served {
     }
 
     fn read(&self, pid: u32, ino: INodeNo, offset: u64, size: u32, reply: ReplyData) {
-        match self.fs.read(ino.0, offset, size, self.opens.owner(pid)) {
+        match self.fs.read_as(ino.0, offset, size, self.opens.owner(pid), pid) {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(self.fail("read", ino.0, &e)),
         }

@@ -345,6 +345,35 @@ fn a_server_outage_is_waited_out_then_reported_as_eio() {
     drop(mounted);
 }
 
+/// Through the daemon (no passthrough) a read during an outage fails after its `timeout`, not twice it:
+/// Linux repeats a failed readahead's `READ` at once, and the repeat is answered with the same error
+/// instead of a wait of its own. A read after the server is back gets its bytes.
+#[test]
+fn a_read_through_the_daemon_fails_after_one_timeout_not_two() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Lmdb, 40, 4000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let addr = server.running.local_addr();
+    let m = manifest(&rt, &server, "batch_size=4");
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=4,prefetch=0,timeout=3s,passthrough=off");
+    let epoch = mounted.mountpoint.join("epoch-0000");
+    let read = |b: usize| std::fs::read(epoch.join(format!("batch-{b:06}.tfrecord")));
+    assert_eq!(crc::crc32c(&read(0).unwrap()), m.batches[0].crc32c);
+    rt.block_on(server.running.shutdown());
+    let started = Instant::now();
+    let err = read(1).unwrap_err();
+    let waited = started.elapsed();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    // One `timeout` (3 s) and some slack; the kernel's repeat waiting out its own made it 6 s.
+    assert!(waited >= Duration::from_secs(3) && waited < Duration::from_millis(5500), "EIO after {waited:?}");
+    // The server back, the same file reads whole.
+    std::thread::sleep(batchfs_mount::fs::FAILED_READS_REPEATED_WITHIN);
+    let server = rt.block_on(common::serve_on(addr, &[("d", &fx.path)]));
+    assert_eq!(crc::crc32c(&read(1).unwrap()), m.batches[1].crc32c);
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}
+
 /// Readers waiting out a server outage, more of them than the mount has FUSE threads, hold none of the
 /// threads the rest of the mount answers with: the stats file and the root answer while the reads wait (they
 /// waited for the reads' `timeout` before), and every read completes with its bytes when the server is back.
