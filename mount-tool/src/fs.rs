@@ -168,6 +168,16 @@ impl Fs {
         ino == ROOT || self.view(ino).is_ok_and(|v| v.listed_whole(ino))
     }
 
+    /// The attributes a listing carries for `ino`, if it is listed whole ([`Fs::listed_whole`]), asking
+    /// the view that owns it once.
+    pub fn listed_attr(&self, ino: u64) -> Option<Attr> {
+        if ino == ROOT {
+            return Some(Attr::dir(ROOT));
+        }
+        let view = self.view(ino).ok()?;
+        view.listed_whole(ino).then(|| view.attr(ino).ok()).flatten()
+    }
+
     /// The entries of directory `ino` (without `.` and `..`) as process `owner` sees them.
     pub fn readdir(&self, ino: u64, owner: u32) -> Result<Vec<Entry>, FsError> {
         self.entries(ino, 0, usize::MAX, owner)
@@ -488,6 +498,9 @@ mod tests {
         let batch = fs.lookup(epochs::Node::Dir(0).ino(), "batch-000000.tfrecord", 0).unwrap();
         assert_eq!(batch.keep, Keep::All);
         assert!(fs.listed_whole(batch.ino) && fs.listed_whole(dir) && fs.listed_whole(ROOT));
+        for ino in [file.ino, batch.ino, dir, ROOT] {
+            assert_eq!(fs.listed_attr(ino), fs.listed_whole(ino).then(|| fs.getattr(ino).unwrap()), "{ino}");
+        }
     }
 
     #[test]

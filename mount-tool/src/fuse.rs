@@ -431,12 +431,11 @@ impl Served {
     /// name looked up anew at every use (`shuffled/`'s, `rolling/`'s, the stats'), or whose attributes
     /// cost work (the indexed layout's twins), is listed alone and looked up when used.
     fn readdirplus(&self, pid: u32, ino: INodeNo, offset: u64, mut reply: ReplyDirectoryPlus) {
-        let listed = self.list("readdirplus", pid, ino, offset, |child, next, kind, name| {
-            match self.fs.listed_whole(child).then(|| self.fs.getattr(child).ok()).flatten() {
+        let listed =
+            self.list("readdirplus", pid, ino, offset, |child, next, kind, name| match self.fs.listed_attr(child) {
                 Some(a) => reply.add(INodeNo(child), next, &name, &TTL, &self.file_attr(&a), Generation(0)),
                 None => reply.add_name(INodeNo(child), next, &name, kind),
-            }
-        });
+            });
         match listed {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
