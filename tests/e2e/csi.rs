@@ -8,7 +8,7 @@
 
 use crate::common::{self, fixture, serve, ServeWith};
 use crate::loaders::{planned_records, run_loader};
-use crate::takeover::{gone, manifest, readers};
+use crate::takeover::{gone, manifest, readers, StopReaders};
 use batchfs::index::SourceFormat;
 use batchfs::plan::PlanOptions;
 use serde_json::{json, Value};
@@ -343,6 +343,7 @@ fn readers_go_on_while_the_plugin_is_killed_five_times_and_upgraded() {
     let (stop, read) = (AtomicBool::new(false), AtomicU64::new(0));
     std::thread::scope(|s| {
         s.spawn(|| readers(&target, &manifests, &stop, &read));
+        let _stop = StopReaders(&stop);
         for _ in 0..5 {
             std::thread::sleep(Duration::from_millis(300));
             Node::stop(&mut node.plugin, libc::SIGKILL);
@@ -370,7 +371,6 @@ fn readers_go_on_while_the_plugin_is_killed_five_times_and_upgraded() {
             assert!(Instant::now() < deadline, "the readers stopped after the upgrade");
             std::thread::sleep(Duration::from_millis(20));
         }
-        stop.store(true, Ordering::Relaxed);
     });
     assert!(read.load(Ordering::Relaxed) > 50, "the readers read across it all");
     let worker = stats()["worker_pid"].as_u64().unwrap();

@@ -135,6 +135,17 @@ pub(crate) fn manifest(rt: &tokio::runtime::Runtime, base: &str, epoch: u64, que
 /// Four readers over `epochs` of the mount until `stop`: three read each file in 64 KiB pieces with a
 /// pause between pieces (so files are open across the kills), one maps each file and reads it through
 /// the mapping. Every file is checked whole; the number of files read is returned. Any error fails.
+/// Tells [`readers`] to stop when dropped: at the end of the scope that runs them, and when that scope's
+/// body panics too (an assertion failed), so the scope ends and the test fails instead of waiting for
+/// ever on readers that go on reading.
+pub(crate) struct StopReaders<'a>(pub &'a AtomicBool);
+
+impl Drop for StopReaders<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 pub(crate) fn readers(root: &Path, manifests: &[Manifest], stop: &AtomicBool, read: &AtomicU64) {
     std::thread::scope(|s| {
         for r in 0..4 {
@@ -208,7 +219,8 @@ fn killed_ten_times(options: &str, restart_server: bool) {
     let mut restarted = None;
     let took: Vec<Duration> = std::thread::scope(|s| {
         s.spawn(|| readers(&m.mountpoint, &manifests, &stop, &read));
-        let took = (0..10)
+        let _stop = StopReaders(&stop);
+        (0..10)
             .map(|i| {
                 std::thread::sleep(Duration::from_millis(300));
                 if restart_server && i == 4 {
@@ -220,9 +232,7 @@ fn killed_ten_times(options: &str, restart_server: bool) {
                 }
                 took
             })
-            .collect();
-        stop.store(true, Ordering::Relaxed);
-        took
+            .collect()
     });
     let s = m.stats();
     assert_eq!(s["worker_restarts"].as_u64(), Some(10), "{s}");
@@ -274,6 +284,7 @@ fn an_upgrade_under_load_replaces_the_worker_by_the_installed_program() {
     let (stop, read) = (AtomicBool::new(false), AtomicU64::new(0));
     std::thread::scope(|s| {
         s.spawn(|| readers(&m.mountpoint, &manifests, &stop, &read));
+        let _stop = StopReaders(&stop);
         std::thread::sleep(Duration::from_millis(500));
         // A package upgrade: the new program is written beside and renamed over the old one.
         let staged = bin.path().join(".batchfs.new");
@@ -283,7 +294,6 @@ fn an_upgrade_under_load_replaces_the_worker_by_the_installed_program() {
         assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), m.log_text());
         assert!(String::from_utf8_lossy(&out.stdout).contains("upgraded"), "{out:?}");
         std::thread::sleep(Duration::from_millis(500));
-        stop.store(true, Ordering::Relaxed);
     });
     let new = m.worker();
     assert_ne!(new, old);
