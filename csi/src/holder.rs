@@ -19,17 +19,8 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 /// Serves requests on `socket` until the process ends, running mounts of `program`.
 pub async fn serve(socket: &Path, program: PathBuf, timeout: Duration) -> anyhow::Result<()> {
-    use anyhow::Context;
-    match std::fs::remove_file(socket) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(e).with_context(|| format!("cannot replace {}", socket.display()))
-        }
-        _ => {}
-    }
-    let listener =
-        tokio::net::UnixListener::bind(socket).with_context(|| format!("cannot listen at {}", socket.display()))?;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+    // Only root (the plugin) may ask the holder for mounts.
+    let listener = crate::socket::listen_at(socket, Some(0o600))?;
     tracing::info!(socket = %socket.display(), program = %program.display(), "the holder serves");
     loop {
         let (stream, _) = listener.accept().await?;

@@ -21,6 +21,7 @@ pub mod identity;
 pub mod node;
 pub mod plugin;
 pub mod runner;
+pub mod socket;
 pub mod volume;
 
 /// The CSI v1 messages and services the plugin serves (compiled from `proto/csi.proto`).

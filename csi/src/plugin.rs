@@ -69,17 +69,7 @@ pub async fn run(config: PluginConfig) -> Result<()> {
         let node = node.clone();
         tokio::spawn(async move { node.upgrade_mounts().await });
     }
-    match std::fs::remove_file(&socket) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(e).with_context(|| format!("cannot replace {}", socket.display()))
-        }
-        _ => {}
-    }
-    if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot make {}", dir.display()))?;
-    }
-    let listener =
-        tokio::net::UnixListener::bind(&socket).with_context(|| format!("cannot listen at {}", socket.display()))?;
+    let listener = crate::socket::listen_at(&socket, None)?;
     tracing::info!(endpoint = %socket.display(), node = %config.node_id, runner = ?config.runner, "serving CSI");
     let identity = IdentityService { runner: config.runner.clone() };
     let stop = async {
