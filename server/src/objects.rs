@@ -548,12 +548,22 @@ mod tests {
     }
 
     /// A store whose ranged GETs answer in pieces of 5,000 bytes, the first `flips` of them with one byte
-    /// of their body changed and the next `cuts` cut off halfway by an error, as a network may.
+    /// of their body changed and the next `cuts` cut off halfway by an error, as a network may. With
+    /// `held` set, the next ranged GET takes it, waits until it is let go, then answers that the object
+    /// changed (a failure no retry mends).
     #[derive(Debug)]
     struct Faulty {
         inner: InMemory,
         flips: std::sync::atomic::AtomicUsize,
         cuts: std::sync::atomic::AtomicUsize,
+        held: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+    }
+
+    impl Faulty {
+        fn over(inner: InMemory) -> Self {
+            let no = || std::sync::atomic::AtomicUsize::new(0);
+            Faulty { inner, flips: no(), cuts: no(), held: Default::default() }
+        }
     }
 
     impl std::fmt::Display for Faulty {
@@ -588,6 +598,12 @@ mod tests {
         ) -> object_store::Result<object_store::GetResult> {
             use futures_util::StreamExt;
             let ranged = options.range.is_some();
+            let held = if ranged { self.held.lock().unwrap().take() } else { None };
+            if let Some(let_go) = held {
+                let _ = let_go.await;
+                let source = "held, then answered as changed".into();
+                return Err(object_store::Error::Precondition { path: location.to_string(), source });
+            }
             let result = self.inner.get_opts(location, options).await?;
             let take = |n: &std::sync::atomic::AtomicUsize| {
                 ranged && n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |k| k.checked_sub(1)).is_ok()
@@ -646,6 +662,46 @@ mod tests {
         }
     }
 
+    /// A fetch that fails leaves in the block cache the entry another body put there for the same unit
+    /// after its own was evicted: that body's checked bytes stay cached, and the next read of the unit is
+    /// a hit. (It removed the entry by key, whoever's it was, and the unit was read again.)
+    #[test]
+    fn a_failed_fetch_leaves_the_entry_another_body_made_for_its_unit() {
+        let (local, index) = crate::storage::fixtures::dataset(40, 20_000, 2);
+        let store = Arc::new(Faulty::over(InMemory::new()));
+        upload(&store.inner, local.path(), "ds");
+        // Each object's first record, a frame of 16 bytes around its data: the units read below.
+        let first_frame = |n: usize| {
+            let shard = std::fs::read(local.path().join(&index.shards[n].path)).unwrap();
+            16 + u64::from_le_bytes(shard[..8].try_into().unwrap())
+        };
+        let (u, v) = (first_frame(0), first_frame(1));
+        // A cache that holds one of the two units, not both.
+        let limits = ObjectLimits { cache: u + v - 1, ..ObjectLimits::of(&ServerLimits::default(), 1 << 40) };
+        let ctx = ObjectContext::with(limits, None);
+        let index_dir = tempfile::tempdir().unwrap();
+        let ds = open(&store, &ctx, index_dir.path());
+        let source = ds.storage.objects().unwrap().clone();
+        let (unit_u, unit_v) = ([(0u32, 0u64, 1u64)], [(1u32, 0u64, 1u64)]);
+        let (let_go, held) = tokio::sync::oneshot::channel();
+        *store.held.lock().unwrap() = Some(held);
+        std::thread::scope(|s| {
+            // A: its GET of U held.
+            let a = s.spawn(|| source.read_many(&unit_u));
+            wait_for("A's GET to be held", || store.held.lock().unwrap().is_none());
+            // V read: U's entry (A's, being fetched) is evicted. U read again: an entry of its own, fetched.
+            source.read_many(&unit_v).unwrap();
+            let b = source.read_many(&unit_u).unwrap();
+            assert_eq!(b[0][..], std::fs::read(local.path().join(&index.shards[0].path)).unwrap()[..1]);
+            // A's GET fails now.
+            let_go.send(()).unwrap();
+            assert!(a.join().unwrap().is_err(), "A's fetch failed");
+        });
+        let gets = source.counters.gets.load(Ordering::Relaxed);
+        source.read_many(&unit_u).unwrap();
+        assert_eq!(source.counters.gets.load(Ordering::Relaxed), gets, "U was read again: its entry was lost");
+    }
+
     #[test]
     fn copies_are_written_as_their_bodies_arrive_and_a_changed_or_cut_body_is_copied_again() {
         // Shards of about 8 MB: several 4 MiB chunks, each checked, in one part.
@@ -655,8 +711,7 @@ mod tests {
         for memory in [u64::MAX, 64 << 10] {
             let inner = InMemory::new();
             upload(&inner, local.path(), "ds");
-            let no = || std::sync::atomic::AtomicUsize::new(0);
-            let store = Arc::new(Faulty { inner, flips: no(), cuts: no() });
+            let store = Arc::new(Faulty::over(inner));
             let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
             // Indexed by a server without a tier; then one with a tier copies every object by the stager.
             drop(open(&store, &context(None, 0), index_dir.path()));

@@ -81,15 +81,15 @@ impl BlockCache {
                             .shared();
                     inner.units.put(key, (u.len, pending.clone()));
                     inner.bytes += u.len;
-                    waits.push(pending);
-                    senders.push((i, tx));
+                    waits.push(pending.clone());
+                    senders.push((i, tx, pending));
                 }
                 inner.evict();
             }
             // Fetch what is ours, coalesced; everyone else waits on the same pending entries.
-            let ours: Vec<Unit> = senders.iter().map(|(i, _)| units[*i]).collect();
-            let mut senders: Vec<Option<tokio::sync::oneshot::Sender<_>>> =
-                senders.into_iter().map(|(_, tx)| Some(tx)).collect();
+            let ours: Vec<Unit> = senders.iter().map(|(i, _, _)| units[*i]).collect();
+            let (mut senders, entries): (Vec<Option<tokio::sync::oneshot::Sender<_>>>, Vec<Pending>) =
+                senders.into_iter().map(|(_, tx, pending)| (Some(tx), pending)).unzip();
             let reads = coalesce(&ours, source.limits().gap, source.limits().part);
             let fetched =
                 futures_util::future::join_all(reads.iter().map(|r| source.fetch(r, &ours[r.first..r.past]))).await;
@@ -110,7 +110,11 @@ impl BlockCache {
                         });
                         let mut inner = self.inner.lock().expect("cache");
                         for k in read.first..read.past {
-                            if let Some((len, _)) = inner.units.pop(&(source.id, ours[k])) {
+                            // Only our own entry: once ours was evicted, another body may have put one of
+                            // its own there, whose fetch is not ours to undo.
+                            let key = (source.id, ours[k]);
+                            if inner.units.peek(&key).is_some_and(|(_, p)| p.ptr_eq(&entries[k])) {
+                                let (len, _) = inner.units.pop(&key).expect("peeked");
                                 inner.bytes -= len;
                             }
                             if let Some(tx) = senders[k].take() {
