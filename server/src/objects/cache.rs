@@ -81,15 +81,16 @@ impl BlockCache {
                             .shared();
                     inner.units.put(key, (u.len, pending.clone()));
                     inner.bytes += u.len;
-                    waits.push(pending.clone());
-                    senders.push((i, tx, pending));
+                    waits.push(pending);
+                    senders.push((i, tx));
                 }
                 inner.evict();
             }
             // Fetch what is ours, coalesced; everyone else waits on the same pending entries.
-            let ours: Vec<Unit> = senders.iter().map(|(i, _, _)| units[*i]).collect();
-            let (mut senders, entries): (Vec<Option<tokio::sync::oneshot::Sender<_>>>, Vec<Pending>) =
-                senders.into_iter().map(|(_, tx, pending)| (Some(tx), pending)).unzip();
+            let ours: Vec<Unit> = senders.iter().map(|(i, _)| units[*i]).collect();
+            // Where each of ours is among `waits` (its entry, to tell from one made after it was evicted).
+            let (at, mut senders): (Vec<usize>, Vec<Option<tokio::sync::oneshot::Sender<_>>>) =
+                senders.into_iter().map(|(i, tx)| (i, Some(tx))).unzip();
             let reads = coalesce(&ours, source.limits().gap, source.limits().part);
             let fetched =
                 futures_util::future::join_all(reads.iter().map(|r| source.fetch(r, &ours[r.first..r.past]))).await;
@@ -113,7 +114,7 @@ impl BlockCache {
                             // Only our own entry: once ours was evicted, another body may have put one of
                             // its own there, whose fetch is not ours to undo.
                             let key = (source.id, ours[k]);
-                            if inner.units.peek(&key).is_some_and(|(_, p)| p.ptr_eq(&entries[k])) {
+                            if inner.units.peek(&key).is_some_and(|(_, p)| p.ptr_eq(&waits[at[k]])) {
                                 let (len, _) = inner.units.pop(&key).expect("peeked");
                                 inner.bytes -= len;
                             }
