@@ -20,7 +20,9 @@ alternating systems within each round, ROUNDS rounds; medians and per-round rati
          loaders and the compute node's links, on the other CPUs, as if the store ran on machines of its own),
          HALF_SYSTEMS ("half-blocks half-global": the half-tier servers measured), HALF_BEFORE (none: a
          directory holding another build's batchfs-server, measured as `half-blocks-before` beside
-         `half-blocks` in each round, the same options, so two builds compare side by side)
+         `half-blocks` in each round, the same options, so two builds compare side by side), PROFILE
+         (none: a directory where each timed run's batchfs server is recorded by `perf record -g`, one
+         file a run, named after the measure, system, RTT and round)
 
 The store holds the shards and their `tfrecord2idx` index files (what a DALI user uploads). Each batchfs
 server runs in a cgroup v1 memory group of its own (`/sys/fs/cgroup/memory/`, LIMIT bytes, page cache
@@ -69,6 +71,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -98,6 +101,7 @@ MOUNT_OPTS = env("MOUNT_OPTS", "")
 HALF_BEFORE = env("HALF_BEFORE", "")
 HALF_SYSTEMS = env("HALF_SYSTEMS", "half-blocks half-global").split() + (["half-blocks-before"] if HALF_BEFORE else [])
 TIER_OPTS = env("TIER_OPTS", "").split()
+PROFILE = env("PROFILE", "")
 RUN_TIMEOUT = float(env("RUN_TIMEOUT", "900"))
 STORE_CPUS = {int(c) for c in env("STORE_CPUS", "").replace(",", " ").split()}
 CGROUPS = "/sys/fs/cgroup/memory"
@@ -408,6 +412,12 @@ def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
     before = {pid: cpu_of(pid) for pid in daemons + store + ([server.proc.pid] if server else [])}
     m0 = metrics(server.port) if server and server.alive() else {}
     loader_cpu = children_cpu()
+    perf = None
+    if PROFILE and server and server.alive():
+        os.makedirs(PROFILE, exist_ok=True)
+        data = os.path.join(PROFILE, f"{measure}-{system}-{loader}-{rtt}ms-r{rnd}.data")
+        perf = subprocess.Popen(["perf", "record", "-F", "1999", "-g", "-q", "-o", data, "-p", str(server.proc.pid)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started = time.monotonic()
     row = dict.fromkeys(FIELDS, "")
     row.update(measure=measure, round=rnd, rtt_ms=rtt, loader=loader, system=system, dataset_bytes=ctx["bytes"])
@@ -418,6 +428,9 @@ def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
     except subprocess.TimeoutExpired as e:
         failed, out = f"timed out after {RUN_TIMEOUT:.0f} s", ""
         print(e, file=sys.stderr)
+    if perf:
+        perf.send_signal(signal.SIGINT)
+        perf.wait()
     loader_cpu = children_cpu() - loader_cpu
     spent = {pid: cpu_of(pid) - c for pid, c in before.items()}
     if server and not server.alive():
