@@ -1,7 +1,7 @@
 //! The network side of the mount, behind the [`BatchClient`] trait: the real HTTP/2 client
 //! (`client/http.rs`: a few multiplexed connections to one or more servers, routed by each server's
-//! health, `client/health.rs`; bodies on the mount's own connections, `client/wire.rs`, the JSON replies
-//! on hyper's), and, for tests (the unit tests, and with the `testing` feature
+//! health, `client/health.rs`, each speaking HTTP/2 by `client/wire.rs`: bodies and the JSON replies
+//! alike), and, for tests (the unit tests, and with the `testing` feature
 //! the e2e tests and benches), an in-memory server that can hand out wrong bodies (`client/memory.rs`) and
 //! a client that fails on demand in front of any other (`client/faults.rs`). Bodies land in the buffers
 //! of [`crate::buffers`].

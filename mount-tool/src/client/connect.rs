@@ -10,9 +10,6 @@
 //! seems), and the daemon held about 90 MB more (64 KiB: 35 MB more).
 //! h2c needs none: HTTP/2 itself reads up to the end of each frame.
 
-use hyper_util::client::legacy::connect::{Connected, Connection};
-use hyper_util::rt::TokioIo;
-use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -52,10 +49,6 @@ impl Connector {
         Ok(Connector { tls: tokio_rustls::TlsConnector::from(Arc::new(config)), timeout })
     }
 
-    async fn connect(self, uri: http::Uri) -> io::Result<Conn> {
-        Ok(Conn { io: TokioIo::new(self.open(&uri).await?) })
-    }
-
     /// A connection to `uri`'s server: TCP, or TLS that agreed on `h2`, not yet speaking HTTP/2.
     pub async fn open(&self, uri: &http::Uri) -> io::Result<Stream> {
         let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("{uri}: {what}"));
@@ -83,20 +76,6 @@ impl Connector {
             return Err(io::Error::new(io::ErrorKind::Unsupported, format!("{uri}: the server does not offer HTTP/2")));
         }
         Ok(Stream::Tls(Box::new(stream)))
-    }
-}
-
-impl tower_service::Service<http::Uri> for Connector {
-    type Response = Conn;
-    type Error = io::Error;
-    type Future = Pin<Box<dyn Future<Output = io::Result<Conn>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: http::Uri) -> Self::Future {
-        Box::pin(self.clone().connect(uri))
     }
 }
 
@@ -212,57 +191,6 @@ impl AsyncWrite for Stream {
             Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
             Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
-    }
-}
-
-/// A connection as hyper's pool takes it.
-pub struct Conn {
-    io: TokioIo<Stream>,
-}
-
-impl Connection for Conn {
-    fn connected(&self) -> Connected {
-        let connected = Connected::new();
-        match self.io.inner() {
-            Stream::Tls(_) => connected.negotiated_h2(),
-            Stream::Plain(_) => connected,
-        }
-    }
-}
-
-impl hyper::rt::Read for Conn {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: hyper::rt::ReadBufCursor<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl hyper::rt::Write for Conn {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 

@@ -1,22 +1,19 @@
 //! The HTTP/2 client: `connections` multiplexed connections to each server (made by `connect.rs`: TCP,
-//! or TLS over a socket read ahead), every request routed by the servers' health (`health.rs`). Bodies
-//! go over the mount's own connections (`wire.rs`), received straight into their [`Sink`] with the
-//! CRC32C computed as they arrive, a response that stalls or runs past its announced size cut off; the
-//! small JSON replies (descriptions, manifests, listings, tables) over hyper's.
+//! or TLS over a socket read ahead; spoken by `wire.rs`), every request routed by the servers' health
+//! (`health.rs`). Bodies are received straight into their [`Sink`] with the CRC32C computed as they
+//! arrive; the small replies (descriptions, manifests, listings, tables) are gathered whole, up to
+//! [`REPLY_BYTES`]. A response that stalls or runs past its announced size is cut off.
 
 use super::connect::{Connector, Stream};
 use super::health::{Health, InFlight};
-use super::wire::{Ask, Reply, Wire, INBOX};
+use super::wire::{Ask, Got, Reply, Target, Wire, INBOX};
 use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sink};
 use batchfs::api::{
     self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SampleTable, SlotTable,
 };
 use batchfs::encode::BatchFormat;
 use bytes::Bytes;
-use http::{header, StatusCode};
-use http_body_util::{BodyExt, Empty};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use http::StatusCode;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -72,17 +69,15 @@ pub fn parse_url(url: &str) -> Result<(String, String), UrlError> {
     Ok((format!("{scheme}://{host}"), dataset))
 }
 
-/// A response as hyper gives it: the head, and the body still to be read.
-type Response = http::Response<hyper::body::Incoming>;
+/// The most bytes a small reply (JSON, the sample table) may hold: a bound against a server that never
+/// ends one, far above what any dataset needs.
+pub const REPLY_BYTES: u64 = 1 << 30;
 
 /// The HTTP/2 client.
 pub struct HttpClient {
     config: HttpConfig,
-    /// `connections` clients per server (each keeps one HTTP/2 connection), server-major: the JSON
-    /// replies.
-    clients: Vec<Client<Connector, Empty<Bytes>>>,
-    /// `connections` connections per server for the bodies, server-major, each made when first needed
-    /// and again after it ends.
+    /// `connections` connections per server, server-major, each made when first needed and again after
+    /// it ends.
     wires: Vec<tokio::sync::Mutex<Option<Arc<Wire>>>>,
     connector: Connector,
     next: AtomicUsize,
@@ -103,29 +98,10 @@ impl HttpClient {
             Some(path) => anyhow::anyhow!("ca_file {}: {e}", path.display()),
             None => anyhow::anyhow!("TLS: {e}"),
         })?;
-        let mut clients = Vec::new();
-        for _ in &config.servers {
-            for _ in 0..config.connections.max(1) {
-                // HTTP/2 only: h2c with prior knowledge, and over TLS what ALPN agreed (`connect.rs`
-                // refuses a server that does not offer h2).
-                let client = Client::builder(TokioExecutor::new())
-                    .http2_only(true)
-                    .timer(TokioTimer::new())
-                    .pool_timer(TokioTimer::new())
-                    .pool_max_idle_per_host(1)
-                    .http2_initial_stream_window_size(16 << 20)
-                    .http2_initial_connection_window_size(64 << 20)
-                    .http2_max_frame_size(config.frame_size)
-                    .http2_keep_alive_interval(Duration::from_secs(15))
-                    .http2_keep_alive_timeout(Duration::from_secs(15))
-                    .http2_keep_alive_while_idle(true)
-                    .build(connector.clone());
-                clients.push(client);
-            }
-        }
         let health = Arc::new(Health::new(&config.servers));
-        let wires = (0..clients.len()).map(|_| tokio::sync::Mutex::new(None)).collect();
-        Ok(HttpClient { config, clients, wires, connector, next: AtomicUsize::new(0), health })
+        let lanes = config.servers.len() * config.connections.max(1);
+        let wires = (0..lanes).map(|_| tokio::sync::Mutex::new(None)).collect();
+        Ok(HttpClient { config, wires, connector, next: AtomicUsize::new(0), health })
     }
 
     /// Every server's health (for `batchfs stats` and the metrics endpoint).
@@ -134,7 +110,7 @@ impl HttpClient {
     }
 
     /// The server the health view picks for a request of a body of about `expect` bytes (`spread` rotates
-    /// ties), after any rest it asked for, with the lane (of `clients` and `wires`) it goes on.
+    /// ties), after any rest it asked for, with the lane (of `wires`) it goes on.
     async fn route(&self, spread: usize, expect: u64) -> (InFlight<'_>, usize, String) {
         let flight = self.health.begin(spread, expect);
         // Every server is out and this one, back soonest, rests after shedding load: as it asked.
@@ -150,49 +126,6 @@ impl HttpClient {
     /// The `Authorization` header's value, with a token.
     fn bearer(&self) -> Option<String> {
         self.config.token.as_ref().map(|t| format!("Bearer {t}"))
-    }
-
-    /// Sends a GET of `path_and_query` (a small JSON reply, or the sample table) over hyper's connection to
-    /// the server the health view picks. A failure that is the server's takes it out of rotation.
-    async fn get(&self, path_and_query: &str) -> Result<(InFlight<'_>, String, Response), ClientError> {
-        let (flight, lane, server) = self.route(0, 0).await;
-        let client = &self.clients[lane];
-        let mut request = http::Request::get(format!("{server}{path_and_query}"));
-        if let Some(bearer) = self.bearer() {
-            request = request.header(header::AUTHORIZATION, bearer);
-        }
-        let request = match request.body(Empty::new()) {
-            Ok(r) => r,
-            Err(e) => {
-                flight.failed();
-                let message = format!("{path_and_query}: cannot make the request: {e}");
-                return Err(ClientError::Malformed { server, message });
-            }
-        };
-        let sent = tokio::time::timeout(self.config.stall_timeout, client.request(request)).await;
-        let response = match sent {
-            Err(_) => Err(ClientError::Stalled { server: server.clone(), after: self.config.stall_timeout }),
-            Ok(Err(e)) => Err(ClientError::unreachable(server.clone(), e)),
-            Ok(Ok(r)) => Ok(r),
-        };
-        let response = match response {
-            Ok(r) => r,
-            Err(e) => {
-                flight.failed();
-                return Err(e);
-            }
-        };
-        let status = response.status();
-        if !status.is_success() {
-            let retry_after = (status == StatusCode::SERVICE_UNAVAILABLE)
-                .then(|| response.headers().get(header::RETRY_AFTER))
-                .flatten()
-                .map(|v| v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(1));
-            let body = tokio::time::timeout(self.config.stall_timeout, response.into_body().collect()).await;
-            let body = body.ok().and_then(|b| b.ok()).map(|b| b.to_bytes()).unwrap_or_default();
-            return Err(refused(flight, server, status.as_u16(), retry_after, &body));
-        }
-        Ok((flight, server, response))
     }
 
     /// A JSON reply; one that does not parse counts against its server, as a failed transfer does. Its
@@ -217,22 +150,12 @@ impl HttpClient {
         Ok(data)
     }
 
-    /// A whole small body (JSON, the sample table), abandoned after `stall_timeout`, with its flight for
-    /// the caller to close and the server that sent it.
+    /// A whole small reply (JSON, the sample table), abandoned after `stall_timeout` without a byte, with
+    /// its flight for the caller to close and the server that sent it.
     async fn small_body(&self, path_and_query: &str) -> Result<(InFlight<'_>, String, Bytes), ClientError> {
-        let (flight, server, response) = self.get(path_and_query).await?;
-        let collected = tokio::time::timeout(self.config.stall_timeout, response.into_body().collect()).await;
-        match collected {
-            Ok(Ok(v)) => Ok((flight, server, v.to_bytes())),
-            Ok(Err(e)) => {
-                flight.failed();
-                Err(ClientError::unreachable(server, e))
-            }
-            Err(_) => {
-                flight.failed();
-                Err(ClientError::Stalled { server, after: self.config.stall_timeout })
-            }
-        }
+        let (flight, server, got) = self.send(0, path_and_query, None, Target::Whole(Vec::new()), REPLY_BYTES).await?;
+        let Got::Whole(bytes) = got else { unreachable!("a reply asked for whole comes whole") };
+        Ok((flight, server, Bytes::from(bytes)))
     }
 
     fn query(&self, format: BatchFormat) -> String {
@@ -315,10 +238,9 @@ fn refused(flight: InFlight<'_>, server: String, status: u16, retry_after: Optio
 }
 
 impl HttpClient {
-    /// A whole response body of at most `expect` bytes, received into `body` over the server's body
-    /// connections, or of the `(offset, len)` range of the resource if given (a server that answers a
-    /// range from a non-zero offset with the whole resource is refused, not trusted); a response with no
-    /// bytes for `stall_timeout` is abandoned.
+    /// A whole response body of at most `expect` bytes, received into `body`, or of the `(offset, len)`
+    /// range of the resource if given (a server that answers a range from a non-zero offset with the whole
+    /// resource is refused, not trusted); a response with no bytes for `stall_timeout` is abandoned.
     async fn fetch(
         &self,
         spread: usize,
@@ -327,7 +249,26 @@ impl HttpClient {
         body: Sink,
         expect: u64,
     ) -> Result<Body, ClientError> {
-        let (flight, lane, server) = self.route(spread, expect).await;
+        let (flight, _, got) = self.send(spread, path_and_query, range, Target::Sink(body), expect).await?;
+        let Got::Body(body) = got else { unreachable!("a body asked for into a sink comes in it") };
+        flight.succeeded(body.sink.len());
+        Ok(body)
+    }
+
+    /// GETs `path_and_query` (its `range`, if given) into `target`, at most `expect` bytes, from the server
+    /// the health view picks, on one of its connections: what it delivered, with its flight for the caller
+    /// to close (a failure closes it here) and the server that sent it.
+    async fn send(
+        &self,
+        spread: usize,
+        path_and_query: &str,
+        range: Option<(u64, u64)>,
+        target: Target,
+        expect: u64,
+    ) -> Result<(InFlight<'_>, String, Got), ClientError> {
+        // A small reply's size is not known before it comes; it weighs nothing in the routing.
+        let about = if matches!(target, Target::Sink(_)) { expect } else { 0 };
+        let (flight, lane, server) = self.route(spread, about).await;
         let wire = match self.wire(lane, &server).await {
             Ok(w) => w,
             Err(e) => {
@@ -345,11 +286,8 @@ impl HttpClient {
             fields.push(("range", bytes.as_str()));
         }
         let ask = Ask { path_and_query, fields: &fields, expect, range_from: range.map_or(0, |r| r.0) };
-        match wire.get(ask, body, self.config.stall_timeout).await {
-            Ok(Reply { body: Ok(body), .. }) => {
-                flight.succeeded(body.sink.len());
-                Ok(body)
-            }
+        match wire.get(ask, target, self.config.stall_timeout).await {
+            Ok(Reply { body: Ok(got), .. }) => Ok((flight, server, got)),
             Ok(Reply { status, retry_after, body: Err(message) }) => {
                 Err(refused(flight, server, status, retry_after, &message))
             }
@@ -360,7 +298,7 @@ impl HttpClient {
         }
     }
 
-    /// Body connection `lane` (to `server`), made if it has none or the last one ended.
+    /// Connection `lane` (to `server`), made if it has none or the last one ended.
     async fn wire(&self, lane: usize, server: &str) -> Result<Arc<Wire>, ClientError> {
         let mut held = self.wires[lane].lock().await;
         if let Some(wire) = held.as_ref().filter(|w| w.usable()) {
@@ -471,6 +409,41 @@ mod tests {
         let client = client_of(h2c_server(info, None).await);
         let body: ErrorBody = client.json("/v1/anything").await.unwrap();
         assert_eq!((body.error.as_str(), client.health().snapshot()[0].failures), ("x", 0));
+    }
+
+    /// The JSON replies and the bodies share a server's connections: a client of one connection a server
+    /// makes one, whatever it asks, and a reply with no announced length is gathered whole.
+    #[tokio::test]
+    async fn json_replies_and_bodies_share_the_connections() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
+        let reply = serde_json::to_vec(&serde_json::json!({"error": "x".repeat(300_000)})).unwrap();
+        let body = reply.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = conn.accept().await {
+                        let response = http::Response::builder().status(200).body(()).unwrap();
+                        let mut stream = respond.send_response(response, false).unwrap();
+                        let _ = stream.send_data(bytes::Bytes::from(body.clone()), true);
+                    }
+                });
+            }
+        });
+        let client = client_of(server);
+        for _ in 0..3 {
+            let got: ErrorBody = client.json("/v1/anything").await.unwrap();
+            assert_eq!(got.error.len(), 300_000);
+            let sink = Sink::Buffer(Filling::new(Vec::new(), (reply.len() as u64, 0), None, || {}));
+            let body = client.fetch_body(&BATCH_0, 0, sink, reply.len() as u64).await.unwrap();
+            assert_eq!(body.crc32c, crc32c::crc32c(&reply));
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
     }
 
     /// An h2c server whose first `shed` answers are `503` with `Retry-After: 1` (a server shedding load),

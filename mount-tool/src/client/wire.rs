@@ -16,8 +16,8 @@
 //! sink is as large as its announced size, and the prefetcher bounds how many are in flight). Streams
 //! are limited by the server's SETTINGS_MAX_CONCURRENT_STREAMS.
 //!
-//! What hyper did for the JSON requests it still does (`client/http.rs`); this carries every body
-//! ([`super::BatchClient::fetch_body`]).
+//! It carries every request of the mount: bodies ([`super::BatchClient::fetch_body`]) into their sinks,
+//! and the small replies (descriptions, manifests, listings, tables) gathered whole ([`Target::Whole`]).
 
 mod reading;
 
@@ -49,8 +49,42 @@ pub struct Reply {
     pub status: u16,
     /// `Retry-After` in seconds, where the server sent one (a bad value reads as 1).
     pub retry_after: Option<u64>,
-    /// The body in its sink (a success), or the first bytes of an error's body.
-    pub body: Result<Body, Vec<u8>>,
+    /// What a success delivered, or the first bytes of an error's body.
+    pub body: Result<Got, Vec<u8>>,
+}
+
+/// Where a request's body goes.
+pub enum Target {
+    /// A body's sink, of the manifest's size ([`Ask::expect`]).
+    Sink(Sink),
+    /// A small reply (JSON, the sample table), gathered whole, of at most [`Ask::expect`] bytes.
+    Whole(Vec<u8>),
+}
+
+impl Target {
+    /// Bytes taken so far.
+    fn len(&self) -> u64 {
+        match self {
+            Target::Sink(sink) => sink.len(),
+            Target::Whole(bytes) => bytes.len() as u64,
+        }
+    }
+
+    /// What bounds the body, for an error saying it went past it.
+    fn bound(&self) -> &'static str {
+        match self {
+            Target::Sink(_) => "the manifest's size",
+            Target::Whole(_) => "the most a reply may hold",
+        }
+    }
+}
+
+/// What a success delivered: its target, filled.
+#[derive(Debug)]
+pub enum Got {
+    /// A body in its sink, with its CRC32C.
+    Body(Body),
+    Whole(Vec<u8>),
 }
 
 /// What one request asks for.
@@ -58,7 +92,7 @@ pub struct Ask<'a> {
     pub path_and_query: &'a str,
     /// Extra header fields (lower-case names).
     pub fields: &'a [(&'a str, &'a str)],
-    /// The most body bytes taken: the manifest's size.
+    /// The most body bytes taken: the manifest's size, or the most a small reply may hold.
     pub expect: u64,
     /// The first byte asked for by a `Range` (a reply from 0 to a range that does not start at 0 is
     /// refused).
@@ -101,7 +135,8 @@ struct Slot {
     want: Arc<Want>,
     expect: u64,
     range_from: u64,
-    sink: Option<Sink>,
+    /// Taken when the stream ends.
+    target: Option<Target>,
     crc: u32,
     status: Option<u16>,
     retry_after: Option<u64>,
@@ -161,9 +196,9 @@ impl Wire {
         !self.shared.ended.load(Ordering::Acquire) && !self.shared.going_away.load(Ordering::Acquire)
     }
 
-    /// GETs `ask`, its body into `sink`; gives up after `stall` without a byte (the stream is then reset,
-    /// and the connection too if nothing at all came on it meanwhile).
-    pub async fn get(&self, ask: Ask<'_>, sink: Sink, stall: Duration) -> Result<Reply, ClientError> {
+    /// GETs `ask`, its body into `target`; gives up after `stall` without a byte (the stream is then
+    /// reset, and the connection too if nothing at all came on it meanwhile).
+    pub async fn get(&self, ask: Ask<'_>, target: Target, stall: Duration) -> Result<Reply, ClientError> {
         let stalled = || ClientError::Stalled { server: self.shared.server.clone(), after: stall };
         let permit = tokio::time::timeout(stall, self.shared.permits.clone().acquire_owned())
             .await
@@ -176,7 +211,7 @@ impl Wire {
             want: want.clone(),
             expect: ask.expect,
             range_from: ask.range_from,
-            sink: Some(sink),
+            target: Some(target),
             crc: 0,
             status: None,
             retry_after: None,
@@ -422,8 +457,11 @@ mod tests {
         }
     }
 
-    fn bytes_of(body: Body) -> Vec<u8> {
-        match body.sink {
+    /// What a success delivered, with the body's CRC32C checked against its bytes.
+    fn bytes_of(got: Got) -> Vec<u8> {
+        let Got::Body(body) = got else { panic!("a body was asked for") };
+        let crc = body.crc32c;
+        let bytes = match body.sink {
             Sink::Buffer(f) => f.finish().to_vec(),
             Sink::File(m) => {
                 let mut file = m.finish().unwrap();
@@ -432,12 +470,20 @@ mod tests {
                 std::io::Read::read_to_end(&mut file, &mut all).unwrap();
                 all
             }
-        }
+        };
+        assert_eq!(crc, crc32c::crc32c(&bytes));
+        bytes
     }
 
     async fn get(wire: &Wire, path: &str, expect: usize, into_file: bool) -> Result<Reply, ClientError> {
         let ask = Ask { path_and_query: path, fields: &[("x-test", "1")], expect: expect as u64, range_from: 0 };
-        wire.get(ask, sink(expect, into_file), Duration::from_secs(10)).await
+        wire.get(ask, Target::Sink(sink(expect, into_file)), Duration::from_secs(10)).await
+    }
+
+    /// A small reply of at most `most` bytes, gathered whole.
+    async fn get_whole(wire: &Wire, path: &str, most: usize) -> Result<Reply, ClientError> {
+        let ask = Ask { path_and_query: path, fields: &[], expect: most as u64, range_from: 0 };
+        wire.get(ask, Target::Whole(Vec::new()), Duration::from_secs(10)).await
     }
 
     proptest! {
@@ -457,12 +503,18 @@ mod tests {
                 let gets = lens.iter().enumerate().map(|(i, &len)| {
                     let wire = wire.clone();
                     async move {
-                        let reply = get(&wire, &format!("/{len}/{i}"), len, i % 2 == 0).await.unwrap();
+                        let path = format!("/{len}/{i}");
+                        // Into a buffer, a memory file, or gathered whole as a small reply is.
+                        let reply = match i % 3 {
+                            2 => get_whole(&wire, &path, len).await.unwrap(),
+                            k => get(&wire, &path, len, k == 0).await.unwrap(),
+                        };
                         assert_eq!(reply.status, 200);
-                        let body = reply.body.unwrap();
-                        let want = body_of(len, i as u64);
-                        assert_eq!(body.crc32c, crc32c::crc32c(&want));
-                        assert!(bytes_of(body) == want, "body {i} of {len} bytes");
+                        let got = match reply.body.unwrap() {
+                            Got::Whole(bytes) => bytes,
+                            body => bytes_of(body),
+                        };
+                        assert!(got == body_of(len, i as u64), "body {i} of {len} bytes");
                     }
                 });
                 futures_util::future::join_all(gets).await;
@@ -504,6 +556,10 @@ mod tests {
         let err = get(&wire, "/50000/1", 1000, true).await.unwrap_err();
         let named = |m: &str| m.contains("/50000/1") && m.contains("announced 50000");
         assert!(matches!(&err, ClientError::Malformed { message, .. } if named(message)), "{err}");
+        // A small reply past the most it may hold, likewise.
+        let err = get_whole(&wire, "/50000/1", 1000).await.unwrap_err();
+        let bounded = |m: &str| m.contains("announced 50000") && m.contains("the most a reply may hold");
+        assert!(matches!(&err, ClientError::Malformed { message, .. } if bounded(message)), "{err}");
         let given_up = tokio::time::timeout(Duration::from_millis(50), get(&wire, "/silent", 10, true)).await;
         assert!(given_up.is_err());
         let reply = get(&wire, "/70000/3", 70000, false).await.unwrap();
@@ -518,7 +574,7 @@ mod tests {
     async fn a_silent_server_stalls_and_its_connection_is_dropped() {
         let wire = wire_to(&reference_server(4096).await).await;
         let ask = Ask { path_and_query: "/silent", fields: &[], expect: 10, range_from: 0 };
-        let err = wire.get(ask, sink(10, true), Duration::from_millis(300)).await.unwrap_err();
+        let err = wire.get(ask, Target::Sink(sink(10, true)), Duration::from_millis(300)).await.unwrap_err();
         assert!(matches!(err, ClientError::Stalled { .. }), "{err}");
         assert!(!wire.usable());
     }

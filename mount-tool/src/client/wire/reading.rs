@@ -1,7 +1,7 @@
 //! A connection's reading side: [`Reading`], the task that reads the server's frames into their streams'
 //! sinks (see `client/wire.rs`), and [`Buffered`], the socket read in small pieces for what is small.
 
-use super::{Out, Reply, Shared, Slot, CONNECTION_WINDOW, ERROR_BODY, STREAM_WINDOW};
+use super::{Got, Out, Reply, Shared, Slot, Target, CONNECTION_WINDOW, ERROR_BODY, STREAM_WINDOW};
 use crate::client::{Body, ClientError, Sink};
 use batchfs::api;
 use batchfs::frames::{self, code, setting, Event, FrameError, FrameReader, Next};
@@ -113,7 +113,7 @@ impl Reading {
         let Some(mut slot) = slot else { return drop_bytes(read, len, scratch).await };
         let mut left = len;
         let server = &self.shared.server;
-        let failed = match (slot.status, slot.sink.as_mut()) {
+        let failed = match (slot.status, slot.target.as_mut()) {
             (None, _) => Some(ClientError::Malformed {
                 server: server.clone(),
                 message: format!("{}: body bytes before the response's head", slot.path),
@@ -126,11 +126,19 @@ impl Reading {
                 left -= keep;
                 None
             }
-            (Some(_), Some(sink)) if sink.len() + len as u64 > slot.expect => Some(ClientError::Malformed {
+            (Some(_), Some(target)) if target.len() + len as u64 > slot.expect => Some(ClientError::Malformed {
                 server: server.clone(),
-                message: format!("{}: the body ran past {} bytes, the manifest's size", slot.path, slot.expect),
+                message: format!("{}: the body ran past {} bytes, {}", slot.path, slot.expect, target.bound()),
             }),
-            (Some(_), Some(sink @ Sink::File(_))) => {
+            (Some(_), Some(Target::Whole(whole))) => {
+                let at = whole.len();
+                whole.resize(at + left, 0);
+                read.read_exact(&mut whole[at..]).await?;
+                slot.want.progress.fetch_add(left as u64, Ordering::Release);
+                left = 0;
+                None
+            }
+            (Some(_), Some(Target::Sink(sink @ Sink::File(_)))) => {
                 // The frame's bytes, whole, into a piece of their own that the file holds until its span
                 // is whole and writes in one `writev` (see `MemoryFile`: writing them straight into the
                 // file's pages made the kernel zero each page first, which cost more than this copy).
@@ -147,7 +155,7 @@ impl Reading {
                 left = 0;
                 sink.append(&piece.freeze(), &mut slot.crc).err().map(|e| ClientError::appending(server, e))
             }
-            (Some(_), Some(Sink::Buffer(filling))) => {
+            (Some(_), Some(Target::Sink(Sink::Buffer(filling)))) => {
                 let mut failed = None;
                 while left > 0 {
                     // Straight into the buffer, past its verified prefix.
@@ -307,8 +315,9 @@ impl Reading {
                 if !(200..300).contains(&s) {
                     None
                 } else if let Some(len) = head.content_length.filter(|&len| len > slot.expect) {
+                    let bound = slot.target.as_ref().map_or("", Target::bound);
                     Some(malformed(format!(
-                        "{}: the response announced {len} bytes, but the manifest announced {} bytes",
+                        "{}: the response announced {len} bytes, past {} bytes, {bound}",
                         slot.path, slot.expect
                     )))
                 } else if slot.range_from > 0 && s != 206 {
@@ -317,8 +326,7 @@ impl Reading {
                         slot.path, slot.range_from
                     )))
                 } else {
-                    let sink = slot.sink.as_mut().expect("a stream has its sink until it ends");
-                    if let Some(value) = &head.checkpoints {
+                    if let (Some(Target::Sink(sink)), Some(value)) = (slot.target.as_mut(), &head.checkpoints) {
                         // Malformed, or not this manifest's body: the body is then released only whole.
                         let parsed = api::parse_checkpoints(value);
                         if !parsed.is_some_and(|c| sink.expect_checkpoints(c)) && matches!(sink, Sink::Buffer(_)) {
@@ -347,9 +355,10 @@ impl Reading {
             status: slot.status.unwrap_or(0),
             retry_after: slot.retry_after,
             body: match slot.status {
-                Some(s) if (200..300).contains(&s) => {
-                    Ok(Body { sink: slot.sink.take().expect("a success has its sink"), crc32c: slot.crc })
-                }
+                Some(s) if (200..300).contains(&s) => Ok(match slot.target.take().expect("a success has its target") {
+                    Target::Sink(sink) => Got::Body(Body { sink, crc32c: slot.crc }),
+                    Target::Whole(bytes) => Got::Whole(bytes),
+                }),
                 _ => Err(std::mem::take(&mut slot.error_body)),
             },
         };
