@@ -465,6 +465,11 @@ pub fn settings_ack() -> Vec<u8> {
     frame(kind::SETTINGS, flag::ACK, 0, &[])
 }
 
+/// A PING asking for its ACK.
+pub fn ping(data: [u8; 8]) -> Vec<u8> {
+    frame(kind::PING, 0, 0, &data)
+}
+
 pub fn ping_ack(data: [u8; 8]) -> Vec<u8> {
     frame(kind::PING, flag::ACK, 0, &data)
 }

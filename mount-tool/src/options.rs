@@ -260,6 +260,9 @@ options! {
         "How long reads wait out an unreachable server before EIO.";
     stall_timeout: Duration = Duration::from_secs(10), value::duration, "10s", "DURATION", "Network",
         "A response with no bytes for this long is abandoned and retried.";
+    keepalive: Duration = Duration::from_secs(15), value::duration, "15s", "DURATION", "Network",
+        "A connection quiet this long is sent a PING, and dropped if nothing answers within stall_timeout \
+         (0: never).";
     frame_size: u32 = 128 << 10, value::frame_size, "128K", "SIZE", "Network",
         "The largest HTTP/2 DATA frame the servers may send (16K to 16M-1).";
     servers: Urls = Vec::new(), value::servers, "—", "URLS", "Network",

@@ -40,6 +40,7 @@ pub fn http_config(url: &str, options: &MountOptions) -> Result<HttpConfig> {
         connections: options.connections,
         ca_file: options.ca_file.clone(),
         stall_timeout: options.stall_timeout,
+        keepalive: options.keepalive,
         connect_timeout: Duration::from_secs(10),
         frame_size: options.frame_size,
     })

@@ -24,6 +24,7 @@ fn refusals_fail_at_once_and_outages_are_retried_through_to_the_servers_bytes() 
         connections: 2,
         ca_file: None,
         stall_timeout: Duration::from_secs(10),
+        keepalive: Duration::from_secs(15),
         connect_timeout: Duration::from_secs(5),
         frame_size: 128 << 10,
     })

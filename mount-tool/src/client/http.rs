@@ -6,7 +6,7 @@
 
 use super::connect::{Connector, Stream};
 use super::health::{Health, InFlight};
-use super::wire::{Ask, Got, Reply, Target, Wire, INBOX};
+use super::wire::{Ask, Got, KeepAlive, Reply, Target, Wire, INBOX};
 use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sink};
 use batchfs::api::{
     self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SampleTable, SlotTable,
@@ -34,6 +34,9 @@ pub struct HttpConfig {
     pub ca_file: Option<PathBuf>,
     /// A response with no bytes for this long is abandoned (and retried).
     pub stall_timeout: Duration,
+    /// A connection quiet this long is sent a PING, and ended if nothing answers within `stall_timeout`
+    /// (zero: never).
+    pub keepalive: Duration,
     pub connect_timeout: Duration,
     /// The largest DATA frame a server may send (SETTINGS_MAX_FRAME_SIZE). Each frame is read into a
     /// buffer of its size: above glibc's mmap threshold (256 KiB, see [`crate::sys`]) every one is a fresh
@@ -309,7 +312,9 @@ impl HttpClient {
             .map_err(|e| ClientError::Malformed { server: server.to_owned(), message: format!("not a URL: {e}") })?;
         let stream = self.connector.open(&uri).await.map_err(|e| ClientError::unreachable(server, e))?;
         let inbox = if matches!(stream, Stream::Plain(_)) { INBOX } else { 0 };
-        let wire = Wire::start(stream, server, self.config.frame_size, inbox);
+        let keep = (!self.config.keepalive.is_zero())
+            .then_some(KeepAlive { every: self.config.keepalive, wait: self.config.stall_timeout });
+        let wire = Wire::start(stream, server, self.config.frame_size, inbox, keep);
         *held = Some(wire.clone());
         Ok(wire)
     }
@@ -363,6 +368,7 @@ mod tests {
             connections: 1,
             ca_file: None,
             stall_timeout: Duration::from_secs(5),
+            keepalive: Duration::from_secs(15),
             connect_timeout: Duration::from_secs(5),
             frame_size: 128 << 10,
         })

@@ -14,7 +14,10 @@
 //! their streams' sinks). Flow control: the connection's window is [`CONNECTION_WINDOW`] and each
 //! stream's [`STREAM_WINDOW`], given back as bytes arrive (a body is taken as fast as it comes: its
 //! sink is as large as its announced size, and the prefetcher bounds how many are in flight). Streams
-//! are limited by the server's SETTINGS_MAX_CONCURRENT_STREAMS.
+//! are limited by the server's SETTINGS_MAX_CONCURRENT_STREAMS. A connection quiet for its keepalive
+//! interval is sent a PING, and ended when nothing answers it in time ([`keep_alive`]): a dead peer or a
+//! path that dropped the connection is found before a request waits out its stall on it, and an idle
+//! connection's path (NAT, load balancers) is kept.
 //!
 //! It carries every request of the mount: bodies ([`super::BatchClient::fetch_body`]) into their sinks,
 //! and the small replies (descriptions, manifests, listings, tables) gathered whole ([`Target::Whole`]).
@@ -156,8 +159,9 @@ enum Out {
 impl Wire {
     /// Speaks HTTP/2 over `io` (a connection to `base_url`'s server, TCP or TLS): sends the preface and
     /// SETTINGS (frames up to `max_frame`), and reads until the connection ends, small reads `inbox` bytes
-    /// at a time ([`INBOX`] for a socket; 0 for TLS, whose records rustls already holds).
-    pub fn start<S>(io: S, base_url: &str, max_frame: u32, inbox: usize) -> Arc<Wire>
+    /// at a time ([`INBOX`] for a socket; 0 for TLS, whose records rustls already holds). `keep`: the
+    /// keepalive ([`KeepAlive`]), if any.
+    pub fn start<S>(io: S, base_url: &str, max_frame: u32, inbox: usize, keep: Option<KeepAlive>) -> Arc<Wire>
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
@@ -188,7 +192,11 @@ impl Wire {
         let writer = tokio::spawn(write_loop(write, rx, shared.clone(), hello));
         let reading = Reading::new(shared.clone(), out.clone(), reader);
         let reader = tokio::spawn(reading.run(Buffered::new(read, inbox)));
-        Arc::new(Wire { shared, out, tasks: vec![writer, reader] })
+        let mut tasks = vec![writer, reader];
+        if let Some(keep) = keep {
+            tasks.push(tokio::spawn(keep_alive(shared.clone(), out.clone(), keep)));
+        }
+        Arc::new(Wire { shared, out, tasks })
     }
 
     /// Whether a new request may start here.
@@ -266,6 +274,39 @@ impl Drop for Wire {
         self.shared.ended.store(true, Ordering::Release);
         for task in &self.tasks {
             task.abort();
+        }
+    }
+}
+
+/// When an idle connection is checked: a PING after `every` without a frame from the server, and the
+/// connection ended if no frame (its ACK is one) comes within `wait` of it.
+#[derive(Debug, Clone, Copy)]
+pub struct KeepAlive {
+    pub every: Duration,
+    pub wait: Duration,
+}
+
+/// Sends a PING whenever the connection has been quiet for `keep.every`, and ends it when nothing comes
+/// back within `keep.wait`: its streams fail (and are retried elsewhere), and the next request makes
+/// another connection.
+async fn keep_alive(shared: Arc<Shared>, out: mpsc::UnboundedSender<Out>, keep: KeepAlive) {
+    let every = keep.every.as_millis() as u64;
+    loop {
+        let last = shared.last_frame.load(Ordering::Acquire);
+        let quiet = shared.millis().saturating_sub(last);
+        if quiet < every {
+            tokio::time::sleep(Duration::from_millis(every - quiet)).await;
+            continue;
+        }
+        if shared.ended.load(Ordering::Acquire) || out.send(Out::Frame(frames::ping(*b"batchfs!"))).is_err() {
+            return;
+        }
+        tokio::time::sleep(keep.wait).await;
+        if shared.last_frame.load(Ordering::Acquire) == last {
+            let quiet = Duration::from_millis(shared.millis().saturating_sub(last));
+            tracing::warn!(server = %shared.server, ?quiet, "ending a connection that answered no PING");
+            shared.end(&shared.error(format!("no answer to a PING within {:?}", keep.wait)));
+            return;
         }
     }
 }
@@ -446,7 +487,7 @@ mod tests {
 
     async fn wire_to(server: &str) -> Arc<Wire> {
         let socket = tokio::net::TcpStream::connect(server.trim_start_matches("http://")).await.unwrap();
-        Wire::start(socket, server, 128 << 10, INBOX)
+        Wire::start(socket, server, 128 << 10, INBOX, None)
     }
 
     fn sink(len: usize, into_file: bool) -> Sink {
@@ -577,6 +618,42 @@ mod tests {
         let err = wire.get(ask, Target::Sink(sink(10, true)), Duration::from_millis(300)).await.unwrap_err();
         assert!(matches!(err, ClientError::Stalled { .. }), "{err}");
         assert!(!wire.usable());
+    }
+
+    /// An idle connection is PINGed: one whose server answers stays in use; one whose server has gone
+    /// silent (a dead peer, a path that dropped the connection) is ended, and the stream waiting on it
+    /// fails with the reason, long before its own stall timeout.
+    #[tokio::test]
+    async fn an_idle_connection_is_pinged_and_a_silent_one_ended() {
+        let keep = KeepAlive { every: Duration::from_millis(100), wait: Duration::from_millis(200) };
+        let server = reference_server(4096).await;
+        let socket = tokio::net::TcpStream::connect(server.trim_start_matches("http://")).await.unwrap();
+        let wire = Wire::start(socket, &server, 128 << 10, INBOX, Some(keep));
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert!(wire.usable(), "a connection whose server answers its PINGs was ended");
+        let reply = get(&wire, "/1000/1", 1000, false).await.unwrap();
+        assert!(bytes_of(reply.body.unwrap()) == body_of(1000, 1));
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let silent = format!("http://{}", listener.local_addr().unwrap());
+        let (pings_tx, pings_rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            socket.write_all(&frames::settings(&[])).await.unwrap();
+            let mut all = Vec::new();
+            let _ = socket.read_to_end(&mut all).await;
+            let _ = pings_tx.send(all.windows(5).filter(|w| w[..4] == frames::ping(*b"batchfs!")[..4]).count());
+        });
+        let socket = tokio::net::TcpStream::connect(silent.trim_start_matches("http://")).await.unwrap();
+        let wire = Wire::start(socket, &silent, 128 << 10, INBOX, Some(keep));
+        let started = Instant::now();
+        let err = get(&wire, "/1/1", 1, false).await.unwrap_err();
+        assert!(err.to_string().contains("no answer to a PING within 200ms"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(3), "ended after {:?}", started.elapsed());
+        assert!(!wire.usable());
+        drop(wire);
+        let pings = tokio::time::timeout(Duration::from_secs(5), pings_rx).await.unwrap().unwrap();
+        assert!(pings >= 1, "no PING was sent");
     }
 
     /// A GOAWAY fails the streams the server will not answer, with its reason, and no new stream starts on
