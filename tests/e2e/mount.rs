@@ -620,3 +620,88 @@ fn a_mount_over_tls_reads_the_bytes_of_a_cleartext_server() {
         plain.running.shutdown().await;
     });
 }
+
+/// A TCP proxy in front of `upstream` whose live connections can all be silenced at once: from then on
+/// their bytes are held and their sockets left open, as a path that dropped idle connections (a NAT, a
+/// load balancer) leaves them, while connections made afterwards pass. Dropped, it closes them all (its
+/// runtime ends its tasks).
+struct SilencingProxy {
+    addr: std::net::SocketAddr,
+    generation: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl SilencingProxy {
+    fn start(upstream: std::net::SocketAddr) -> SilencingProxy {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = runtime();
+        let generation = std::sync::Arc::new(AtomicU64::new(0));
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let now = generation.clone();
+        rt.spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else { continue };
+                let born = now.load(Ordering::SeqCst);
+                let (halves, now) = ((client.into_split(), server.into_split()), now.clone());
+                let ((client_read, client_write), (server_read, server_write)) = halves;
+                for (mut from, mut to) in [(client_read, server_write), (server_read, client_write)] {
+                    let now = now.clone();
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 64 << 10];
+                        while let Ok(n @ 1..) = from.read(&mut buf).await {
+                            if now.load(Ordering::SeqCst) != born {
+                                // Silenced: hold both sockets open, pass nothing.
+                                std::future::pending::<()>().await;
+                            }
+                            if to.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        SilencingProxy { addr, generation, _rt: rt }
+    }
+
+    /// Every connection made so far passes nothing from now on.
+    fn silence(&self) {
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Connections whose path went silent while the mount was idle are found dead by the keepalive's PING
+/// and replaced, so the next read finds a live connection: no response stalls and nothing is retried.
+/// Without the keepalive (`keepalive=0`, the control) the same read waits out a stall on a dead
+/// connection and is retried.
+#[test]
+fn connections_whose_path_went_silent_while_idle_are_replaced_before_a_read_needs_them() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 50_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let m = manifest(&rt, &server, "batch_size=4");
+    for (keepalive, retried) in [("0", true), ("1s", false)] {
+        let proxy = SilencingProxy::start(server.running.local_addr());
+        let url = format!("http://{}/d", proxy.addr);
+        let options = format!("batch_size=4,prefetch=0,connections=1,stall_timeout=3s,keepalive={keepalive}");
+        let (_dir, mounted) = common::mount_url(&url, &options);
+        let read = |b: usize| std::fs::read(mounted.mountpoint.join(format!("epoch-0000/batch-{b:06}.tfrecord")));
+        for b in 0..4 {
+            assert_eq!(crc::crc32c(&read(b).unwrap()), m.batches[b].crc32c);
+        }
+        proxy.silence();
+        // Idle past the keepalive's PING and its wait.
+        std::thread::sleep(Duration::from_secs(5));
+        let started = Instant::now();
+        for b in 4..8 {
+            assert_eq!(crc::crc32c(&read(b).unwrap()), m.batches[b].crc32c, "keepalive={keepalive}");
+        }
+        let stats = common::mount_stats(&mounted.mountpoint);
+        let retries = stats["retries"].as_u64().unwrap();
+        assert_eq!(retries > 0, retried, "keepalive={keepalive}: {retries} retries in {:?}", started.elapsed());
+        drop(mounted);
+    }
+    rt.block_on(server.running.shutdown());
+}
