@@ -120,8 +120,8 @@ struct Shared {
     permits: Arc<Semaphore>,
     /// The largest frame the server takes (for our HEADERS).
     peer_max_frame: AtomicU32,
-    /// When the last frame came (milliseconds since `born`).
-    last_frame: AtomicU64,
+    /// When the server's last bytes came, a whole frame or part of a body's (milliseconds since `born`).
+    last_heard: AtomicU64,
     born: Instant,
 }
 
@@ -173,7 +173,7 @@ impl Wire {
             going_away: AtomicBool::new(false),
             permits: Arc::new(Semaphore::new(INITIAL_STREAMS)),
             peer_max_frame: AtomicU32::new(frames::DEFAULT_MAX_FRAME),
-            last_frame: AtomicU64::new(0),
+            last_heard: AtomicU64::new(0),
             born: Instant::now(),
         });
         let (out, rx) = mpsc::unbounded_channel();
@@ -246,7 +246,7 @@ impl Wire {
                 Err(_) => {
                     let now = want.progress.load(Ordering::Acquire);
                     if now == seen {
-                        let quiet = self.shared.millis() - self.shared.last_frame.load(Ordering::Acquire);
+                        let quiet = self.shared.millis() - self.shared.last_heard.load(Ordering::Acquire);
                         if Duration::from_millis(quiet) >= stall {
                             // Nothing at all came on the connection: it is taken as dead.
                             self.shared.ended.store(true, Ordering::Release);
@@ -278,8 +278,8 @@ impl Drop for Wire {
     }
 }
 
-/// When an idle connection is checked: a PING after `every` without a frame from the server, and the
-/// connection ended if no frame (its ACK is one) comes within `wait` of it.
+/// When an idle connection is checked: a PING after `every` without a byte from the server, and the
+/// connection ended if nothing (its ACK, or any other byte) comes within `wait` of it.
 #[derive(Debug, Clone, Copy)]
 pub struct KeepAlive {
     pub every: Duration,
@@ -292,7 +292,7 @@ pub struct KeepAlive {
 async fn keep_alive(shared: Arc<Shared>, out: mpsc::UnboundedSender<Out>, keep: KeepAlive) {
     let every = keep.every.as_millis() as u64;
     loop {
-        let last = shared.last_frame.load(Ordering::Acquire);
+        let last = shared.last_heard.load(Ordering::Acquire);
         let quiet = shared.millis().saturating_sub(last);
         if quiet < every {
             tokio::time::sleep(Duration::from_millis(every - quiet)).await;
@@ -302,7 +302,7 @@ async fn keep_alive(shared: Arc<Shared>, out: mpsc::UnboundedSender<Out>, keep: 
             return;
         }
         tokio::time::sleep(keep.wait).await;
-        if shared.last_frame.load(Ordering::Acquire) == last {
+        if shared.last_heard.load(Ordering::Acquire) == last {
             let quiet = Duration::from_millis(shared.millis().saturating_sub(last));
             tracing::warn!(server = %shared.server, ?quiet, "ending a connection that answered no PING");
             shared.end(&shared.error(format!("no answer to a PING within {:?}", keep.wait)));
@@ -337,6 +337,11 @@ impl Drop for Cancel<'_> {
 impl Shared {
     fn millis(&self) -> u64 {
         self.born.elapsed().as_millis() as u64
+    }
+
+    /// The server's bytes came just now.
+    fn heard(&self) {
+        self.last_heard.store(self.millis(), Ordering::Release);
     }
 
     fn error(&self, what: impl Into<String>) -> ClientError {
@@ -654,6 +659,39 @@ mod tests {
         drop(wire);
         let pings = tokio::time::timeout(Duration::from_secs(5), pings_rx).await.unwrap().unwrap();
         assert!(pings >= 1, "no PING was sent");
+    }
+
+    /// A body whose one frame trickles in for longer than the keepalive's interval and wait together keeps
+    /// its connection: bytes within a frame count as the server heard from, not only whole frames.
+    #[tokio::test]
+    async fn a_frame_that_trickles_in_keeps_its_connection() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = format!("http://{}", listener.local_addr().unwrap());
+        let len = 128 << 10;
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            socket.write_all(&frames::settings(&[])).await.unwrap();
+            let mut request = [0u8; 256];
+            let _ = socket.read(&mut request).await;
+            // `:status: 200` (HPACK's static entry 8), then one DATA frame of the whole body, sent in 16
+            // pieces over about 1.2 s; PINGs are left unanswered.
+            let head = frames::frame(frames::kind::HEADERS, frames::flag::END_HEADERS, 1, &[0x88]);
+            let body = body_of(len, 5);
+            let mut data = frames::frame(frames::kind::DATA, frames::flag::END_STREAM, 1, &body);
+            socket.write_all(&head).await.unwrap();
+            for piece in data.chunks_mut(len / 16 + 1) {
+                tokio::time::sleep(Duration::from_millis(75)).await;
+                socket.write_all(piece).await.unwrap();
+            }
+            let mut rest = Vec::new();
+            let _ = socket.read_to_end(&mut rest).await;
+        });
+        let keep = KeepAlive { every: Duration::from_millis(100), wait: Duration::from_millis(200) };
+        let socket = tokio::net::TcpStream::connect(server.trim_start_matches("http://")).await.unwrap();
+        let wire = Wire::start(socket, &server, 128 << 10, INBOX, Some(keep));
+        let reply = get(&wire, "/trickle", len, false).await.unwrap();
+        assert!(bytes_of(reply.body.unwrap()) == body_of(len, 5));
+        assert!(wire.usable());
     }
 
     /// A GOAWAY fails the streams the server will not answer, with its reason, and no new stream starts on

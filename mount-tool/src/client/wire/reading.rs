@@ -89,7 +89,7 @@ impl Reading {
                     Ok(self.reader.data_read())
                 }
             };
-            self.shared.last_frame.store(self.shared.millis(), Ordering::Release);
+            self.shared.heard();
             let handled = match event {
                 Ok(Some(event)) => self.event(event),
                 Ok(None) => Ok(()),
@@ -151,6 +151,7 @@ impl Reading {
                         return Err(std::io::ErrorKind::UnexpectedEof.into());
                     }
                     slot.want.progress.fetch_add(1, Ordering::Release);
+                    self.shared.heard();
                 }
                 left = 0;
                 sink.append(&piece.freeze(), &mut slot.crc).err().map(|e| ClientError::appending(server, e))
@@ -167,6 +168,7 @@ impl Reading {
                     }
                     left -= n;
                     slot.want.progress.fetch_add(n as u64, Ordering::Release);
+                    self.shared.heard();
                     // SAFETY: `room` is the room `spare` gave, and the read reports its first `n` bytes
                     // filled: initialized, as `ReadBuf` guarantees of what it counts as filled.
                     if let Err(e) = unsafe { filling.commit(n, &mut slot.crc) } {
