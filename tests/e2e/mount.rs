@@ -644,8 +644,8 @@ impl SilencingProxy {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(upstream).await else { continue };
                 let born = now.load(Ordering::SeqCst);
-                let (halves, now) = ((client.into_split(), server.into_split()), now.clone());
-                let ((client_read, client_write), (server_read, server_write)) = halves;
+                let ((client_read, client_write), (server_read, server_write)) =
+                    (client.into_split(), server.into_split());
                 for (mut from, mut to) in [(client_read, server_write), (server_read, client_write)] {
                     let now = now.clone();
                     tokio::spawn(async move {
