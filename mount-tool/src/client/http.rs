@@ -338,10 +338,18 @@ mod tests {
 
     /// An h2c server that answers every request with `body`, announcing `content_length` if given.
     async fn h2c_server(body: Vec<u8>, content_length: Option<usize>) -> String {
+        h2c_server_counting(body, content_length).await.0
+    }
+
+    /// [`h2c_server`], with the count of connections it has accepted.
+    async fn h2c_server_counting(body: Vec<u8>, content_length: Option<usize>) -> (String, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
         tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
                 let body = body.clone();
                 tokio::spawn(async move {
                     let mut conn = h2::server::handshake(socket).await.unwrap();
@@ -356,7 +364,7 @@ mod tests {
                 });
             }
         });
-        format!("http://{addr}")
+        (format!("http://{addr}"), accepted)
     }
 
     fn client_of(server: String) -> HttpClient {
@@ -421,26 +429,8 @@ mod tests {
     /// makes one, whatever it asks, and a reply with no announced length is gathered whole.
     #[tokio::test]
     async fn json_replies_and_bodies_share_the_connections() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let server = format!("http://{}", listener.local_addr().unwrap());
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let counted = accepted.clone();
         let reply = serde_json::to_vec(&serde_json::json!({"error": "x".repeat(300_000)})).unwrap();
-        let body = reply.clone();
-        tokio::spawn(async move {
-            while let Ok((socket, _)) = listener.accept().await {
-                counted.fetch_add(1, Ordering::SeqCst);
-                let body = body.clone();
-                tokio::spawn(async move {
-                    let mut conn = h2::server::handshake(socket).await.unwrap();
-                    while let Some(Ok((_, mut respond))) = conn.accept().await {
-                        let response = http::Response::builder().status(200).body(()).unwrap();
-                        let mut stream = respond.send_response(response, false).unwrap();
-                        let _ = stream.send_data(bytes::Bytes::from(body.clone()), true);
-                    }
-                });
-            }
-        });
+        let (server, accepted) = h2c_server_counting(reply.clone(), None).await;
         let client = client_of(server);
         for _ in 0..3 {
             let got: ErrorBody = client.json("/v1/anything").await.unwrap();
