@@ -604,19 +604,20 @@ impl Storage {
     /// copy, opened now and kept open by the read (`WouldBlock` where the tier no longer holds it: the
     /// bytes are then read another way).
     pub fn direct_fd(&self, n: u32, offset: u64, len: u64) -> std::io::Result<DirectFd> {
-        let (fd, keep, size, path) = match self.shard(n) {
-            Shard::Direct(held) => (held.file.as_raw_fd(), None, held.size, held.path.clone()),
+        let (fd, keep, size) = match self.shard(n) {
+            Shard::Direct(held) => (held.file.as_raw_fd(), None, held.size),
             Shard::Object => {
                 let objects = self.objects.as_ref().expect("an object dataset has its source");
                 let Some(copy) = objects.direct_copy(n, len) else {
                     return Err(std::io::Error::new(std::io::ErrorKind::WouldBlock, "not in the disk tier now"));
                 };
                 let size = self.info(n).map_or(0, |i| i.size);
-                (copy.as_raw_fd(), Some(copy), size, objects.path_of(n))
+                (copy.as_raw_fd(), Some(copy), size)
             }
             _ => unreachable!("a direct read of a shard not opened for direct reads"),
         };
         if offset + len > size {
+            let path = self.shown_path(n);
             return Err(std::io::Error::other(format!("{}: range past the indexed size", path.display())));
         }
         Ok(DirectFd { fd, keep })
@@ -634,9 +635,9 @@ impl Storage {
         need: usize,
         mut got: usize,
     ) -> std::io::Result<()> {
-        let (file, path) = match (self.shard(n), &read.keep) {
-            (Shard::Direct(held), _) => (&held.file, held.path.clone()),
-            (Shard::Object, Some(copy)) => (&**copy, self.objects.as_ref().map(|o| o.path_of(n)).unwrap_or_default()),
+        let file = match (self.shard(n), &read.keep) {
+            (Shard::Direct(held), _) => &held.file,
+            (Shard::Object, Some(copy)) => &**copy,
             _ => unreachable!("a direct read of a shard not opened for direct reads"),
         };
         let context = |e: std::io::Error| {
@@ -648,7 +649,7 @@ impl Storage {
                 }
                 _ => {}
             }
-            std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+            std::io::Error::new(e.kind(), format!("{}: {e}", self.shown_path(n).display()))
         };
         debug_assert!(start.is_multiple_of(DIRECT_ALIGN) && need <= window.len());
         // Short reads come only at the end of the file (the last block is partial): read until the range
@@ -666,6 +667,15 @@ impl Storage {
             }
         }
         Ok(())
+    }
+
+    /// Direct shard `n`'s path, or object `n`'s address, as messages show it.
+    fn shown_path(&self, n: u32) -> PathBuf {
+        match (self.shard(n), self.objects.as_ref()) {
+            (Shard::Direct(held), _) => held.path.clone(),
+            (_, Some(objects)) => objects.path_of(n),
+            _ => self.path_of(n),
+        }
     }
 
     /// Whether shard `n` is read with `O_DIRECT`: a direct shard, or an object whose copy the disk tier

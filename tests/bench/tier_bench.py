@@ -22,7 +22,8 @@ alternating systems within each round, ROUNDS rounds; medians and per-round rati
          directory holding another build's batchfs-server, measured as `half-blocks-before` beside
          `half-blocks` in each round, the same options, so two builds compare side by side), PROFILE
          (none: a directory where each timed run's batchfs server is recorded by `perf record -g`, one
-         file a run, named after the measure, system, RTT and round)
+         file a run, named after the measure, system, RTT and round), PROFILE_CALLGRAPH ("fp": how `perf`
+         walks the stacks; "dwarf" where frame pointers are missing, as in release builds)
 
 The store holds the shards and their `tfrecord2idx` index files (what a DALI user uploads). Each batchfs
 server runs in a cgroup v1 memory group of its own (`/sys/fs/cgroup/memory/`, LIMIT bytes, page cache
@@ -102,6 +103,7 @@ HALF_BEFORE = env("HALF_BEFORE", "")
 HALF_SYSTEMS = env("HALF_SYSTEMS", "half-blocks half-global").split() + (["half-blocks-before"] if HALF_BEFORE else [])
 TIER_OPTS = env("TIER_OPTS", "").split()
 PROFILE = env("PROFILE", "")
+PROFILE_CALLGRAPH = env("PROFILE_CALLGRAPH", "fp")
 RUN_TIMEOUT = float(env("RUN_TIMEOUT", "900"))
 STORE_CPUS = {int(c) for c in env("STORE_CPUS", "").replace(",", " ").split()}
 CGROUPS = "/sys/fs/cgroup/memory"
@@ -416,7 +418,7 @@ def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
     if PROFILE and server and server.alive():
         os.makedirs(PROFILE, exist_ok=True)
         data = os.path.join(PROFILE, f"{measure}-{system}-{loader}-{rtt}ms-r{rnd}.data")
-        perf = subprocess.Popen(["perf", "record", "-F", "1999", "-g", "-q", "-o", data, "-p", str(server.proc.pid)],
+        perf = subprocess.Popen(["perf", "record", "-F", "1999", "--call-graph", PROFILE_CALLGRAPH, "-q", "-o", data, "-p", str(server.proc.pid)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started = time.monotonic()
     row = dict.fromkeys(FIELDS, "")

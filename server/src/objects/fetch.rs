@@ -250,6 +250,30 @@ impl ObjectSource {
         let (tier, file) = (self.tier()?, self.file(n)?);
         let name = self.tier_name(file);
         let (path, checked) = tier.get(&name)?;
+        // Past the page cache, as a local dataset larger than memory is read, where its copies are read
+        // so (a filesystem that refuses O_DIRECT gets positioned reads through the page cache).
+        let direct = || {
+            use std::os::unix::fs::OpenOptionsExt;
+            if !self.direct_copies.load(Ordering::Relaxed) {
+                return None;
+            }
+            match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path) {
+                Ok(file) => Some(CopyFile { file, direct: true }),
+                // Refused (the filesystem does not do O_DIRECT): every copy is read through the page cache.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    self.read_copies_directly(false);
+                    None
+                }
+                // Whatever else it is, the plain open below meets it too, and says so.
+                Err(_) => None,
+            }
+        };
+        // The usual case: a copy checked already, one `open`.
+        if checked {
+            if let Some(copy) = direct() {
+                return Some(copy);
+            }
+        }
         let copy = match std::fs::File::open(&path) {
             Ok(copy) => copy,
             Err(e) => {
@@ -273,19 +297,7 @@ impl ObjectSource {
                 }
             }
         }
-        if self.direct_copies.load(Ordering::Relaxed) {
-            // Past the page cache, as a local dataset larger than memory is read (a filesystem that
-            // refuses O_DIRECT gets positioned reads through the page cache).
-            use std::os::unix::fs::OpenOptionsExt;
-            let direct = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path);
-            match direct {
-                Ok(direct) => return Some(CopyFile { file: direct, direct: true }),
-                // Refused (the filesystem does not do O_DIRECT): every copy is read through the page cache.
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.read_copies_directly(false),
-                Err(_) => {}
-            }
-        }
-        Some(CopyFile { file: copy, direct: false })
+        Some(direct().unwrap_or(CopyFile { file: copy, direct: false }))
     }
 
     /// Whether object `n` is read now from a copy in the tier opened with `O_DIRECT`, by the direct path of

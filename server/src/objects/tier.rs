@@ -165,7 +165,11 @@ impl Tier {
         use md5::Digest;
         let k = md5::Md5::digest(key.as_bytes());
         let e = md5::Md5::digest(etag.as_bytes());
-        format!("{}-{}", hex(&k), &hex(&e)[..16])
+        let mut name = String::with_capacity(49);
+        hex_into(&mut name, &k);
+        name.push('-');
+        hex_into(&mut name, &e[..8]);
+        name
     }
 
     /// The most bytes the tier holds.
@@ -390,8 +394,13 @@ fn is_name(name: &str) -> bool {
     matches!(name.split_once('-'), Some((k, e)) if hexes(k, 32) && hexes(e, 16))
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+/// Appends `bytes` in lower-case hex (a name is made for every read of a copy: no `format!` per byte).
+fn hex_into(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        out.push(DIGITS[(b >> 4) as usize] as char);
+        out.push(DIGITS[(b & 15) as usize] as char);
+    }
 }
 
 /// Bytes free (for an unprivileged user) on the filesystem of `dir`.
@@ -417,6 +426,18 @@ mod tests {
         let copy = tier.begin(name, bytes.len() as u64).unwrap();
         copy.file().write_all_at(bytes, 0).unwrap();
         copy.commit().unwrap()
+    }
+
+    /// A restarted server finds the copies an older one made by their names: the name of a copy never
+    /// changes (here, as `md5sum` gives it: the key's MD5, a dash, the first 16 digits of the ETag's).
+    #[test]
+    fn a_copy_is_named_as_before() {
+        let name = Tier::name(
+            "http://127.0.0.1:8333 bucket/train/shard-0001.tfrecord",
+            "\"9b2cf535f27731c974343645a3985328\"",
+        );
+        assert_eq!(name, "ba4a81e110f11c8b821855877c2cd742-b41c2386e2d5d2f0");
+        assert!(is_name(&name));
     }
 
     #[test]
