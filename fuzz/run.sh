@@ -14,7 +14,7 @@ cd "$(dirname "$0")"
 SECONDS_EACH=${1:-60}
 shift || true
 TARGETS=("$@")
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(tfrecord tar index proto query frames)
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(tfrecord tar index proto query frames hpack)
 [ -d seeds ] || ./seed.sh
 toolchain=()
 if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then toolchain=(+nightly); else export RUSTC_BOOTSTRAP=1; fi

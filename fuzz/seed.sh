@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Writes the seed corpora of every fuzz target into fuzz/seeds/TARGET/ from data the project's own
 # generator makes: TFRecord shards (tfrecord), tar shards (tar), persisted indexes of all four source
-# formats (index), the tf.train.Example payloads of TFRecord records (proto), and request lines (query:
-# PATH, QUERY, RANGE and LEN, one per line, as the target reads them).
+# formats (index), the tf.train.Example payloads of TFRecord records (proto), request lines (query:
+# PATH, QUERY, RANGE and LEN, one per line, as the target reads them), a server's connection (frames)
+# and its response heads (hpack).
 #
 #   fuzz/seed.sh        (needs target/release/batchfs-server: cargo build --release --workspace)
 set -euo pipefail
@@ -12,7 +13,7 @@ SEEDS=$ROOT/fuzz/seeds
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 rm -rf "$SEEDS"
-mkdir -p "$SEEDS"/{tfrecord,tar,index,proto,query,frames}
+mkdir -p "$SEEDS"/{tfrecord,tar,index,proto,query,frames,hpack}
 for format in tfrecord tar lmdb files; do
     "$SERVER" gen --format "$format" --samples 6 --mean-bytes 300 --shards 2 --classes 3 --seed 1 \
         --out "$work/$format" >/dev/null
@@ -90,6 +91,19 @@ try:
 except socket.timeout:
     pass
 open(out + "/server-capture", "wb").write(b"\x01" + got)
+# hpack: the server's response heads from that capture (HEADERS frames' blocks, in order, over one
+# table), and RFC 7541 C.4's three requests; each block after its length in two bytes.
+heads, at = b"", 0
+while at + 9 <= len(got):
+    length, kind = int.from_bytes(got[at:at + 3], "big"), got[at + 3]
+    if kind == 1:
+        heads += struct.pack(">H", length) + got[at + 9:at + 9 + length]
+    at += 9 + length
+hpack = out.replace("/frames", "/hpack")
+open(hpack + "/server-heads", "wb").write(heads)
+rfc = [bytes.fromhex(h) for h in ("828684418cf1e3c2e5f23a6ba0ab90f4ff", "828684be5886a8eb10649cbf",
+                                  "828785bf408825a849e95ba97d7f8925a849e95bb8e8b4bf")]
+open(hpack + "/rfc7541-c4", "wb").write(b"".join(struct.pack(">H", len(b)) + b for b in rfc))
 synthetic = (frame(4, 0, 0, struct.pack(">HIHI", 3, 100, 5, 16384)) + frame(6, 0, 0, b"12345678")
     + frame(1, 0x8, 1, b"\x02\x88" + b"\0\0") + frame(9, 0x4, 1, b"")
     + frame(0, 0x8, 1, b"\x03abc\0\0\0") + frame(0, 0x1, 1, b"end")

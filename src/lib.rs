@@ -12,6 +12,7 @@ pub mod demo;
 pub mod encode;
 pub mod frames;
 pub mod gen;
+pub mod hpack;
 pub mod index;
 pub mod mmap;
 pub mod plan;

@@ -8,7 +8,7 @@
 //! TLS the first copy is rustls's, out of its decrypted record.
 //!
 //! The frames are read by [`batchfs::frames::FrameReader`], which checks every length, flag and stream
-//! id; response heads are decoded by `loona-hpack`; requests are written with no HPACK state
+//! id; response heads are decoded by [`batchfs::hpack::Decoder`]; requests are written with no HPACK state
 //! ([`batchfs::frames::request_block`]). A connection is two tasks: the writer (the preface and
 //! SETTINGS, then requests and the frames the reader asks for, batched) and the reader (frames, into
 //! their streams' sinks). Flow control: the connection's window is [`CONNECTION_WINDOW`] and each

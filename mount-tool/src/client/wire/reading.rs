@@ -20,7 +20,7 @@ pub(super) struct Reading {
     /// Bytes taken and not yet given back to the connection's window.
     unacked: u32,
     /// HPACK's state for the server's heads.
-    decoder: loona_hpack::Decoder<'static>,
+    decoder: batchfs::hpack::Decoder,
     /// The streams the server takes at once, as last announced.
     streams_allowed: usize,
 }
@@ -37,7 +37,7 @@ impl Reading {
             shared,
             out,
             reader,
-            decoder: loona_hpack::Decoder::new(),
+            decoder: batchfs::hpack::Decoder::default(),
             window: CONNECTION_WINDOW,
             unacked: 0,
             streams_allowed: super::INITIAL_STREAMS,
@@ -286,7 +286,7 @@ impl Reading {
         // Decoded whatever the stream (HPACK's table is the connection's), keeping only the fields used,
         // and no more of them than a head needs, however much a block expands to.
         let mut head = Head::default();
-        self.decoder.decode_with_cb(block, |name, value| head.field(&name, &value)).map_err(|e| FrameError {
+        self.decoder.decode(block, |name, value| head.field(name, value)).map_err(|e| FrameError {
             code: code::COMPRESSION_ERROR,
             what: format!("a header block that does not decode: {e}"),
         })?;
