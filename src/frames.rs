@@ -556,7 +556,7 @@ fn literal(out: &mut Vec<u8>, name_index: Option<u8>, name: &str, value: &str) {
 }
 
 /// An HPACK integer (RFC 7541 5.1) with an `n`-bit prefix after the bits `first`.
-fn integer(out: &mut Vec<u8>, first: u8, n: u32, mut value: usize) {
+pub(crate) fn integer(out: &mut Vec<u8>, first: u8, n: u32, mut value: usize) {
     let max = (1usize << n) - 1;
     if value < max {
         out.push(first | value as u8);

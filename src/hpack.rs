@@ -378,6 +378,7 @@ const STATIC: [(&str, &str); 61] = [
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::frames::integer;
     use proptest::prelude::*;
 
     fn decoded(d: &mut Decoder, block: &[u8]) -> Result<Vec<(String, String)>, HpackError> {
@@ -465,7 +466,7 @@ mod tests {
         // A table size update to the most allowed, then past it; one after a field.
         let update = |size| {
             let mut out = Vec::new();
-            put_int(&mut out, 0x20, 5, size);
+            integer(&mut out, 0x20, 5, size);
             out
         };
         assert_eq!(d.decode(&update(4096), |_, _| {}), Ok(()));
@@ -487,28 +488,13 @@ mod tests {
         SizeUpdate(usize),
     }
 
-    fn put_int(out: &mut Vec<u8>, first: u8, n: u32, mut v: usize) {
-        let max = (1usize << n) - 1;
-        if v < max {
-            out.push(first | v as u8);
-            return;
-        }
-        out.push(first | max as u8);
-        v -= max;
-        while v >= 128 {
-            out.push((v % 128) as u8 | 0x80);
-            v /= 128;
-        }
-        out.push(v as u8);
-    }
-
     fn put_str(out: &mut Vec<u8>, s: &[u8], huffman: bool) {
         if huffman {
             let h = huffman_encode(s);
-            put_int(out, 0x80, 7, h.len());
+            integer(out, 0x80, 7, h.len());
             out.extend_from_slice(&h);
         } else {
-            put_int(out, 0, 7, s.len());
+            integer(out, 0, 7, s.len());
             out.extend_from_slice(s);
         }
     }
@@ -517,15 +503,15 @@ mod tests {
         let mut out = Vec::new();
         for rep in reps {
             match rep {
-                Rep::Indexed(i) => put_int(&mut out, 0x80, 7, *i),
-                Rep::SizeUpdate(s) => put_int(&mut out, 0x20, 5, *s),
+                Rep::Indexed(i) => integer(&mut out, 0x80, 7, *i),
+                Rep::SizeUpdate(s) => integer(&mut out, 0x20, 5, *s),
                 Rep::Literal { kind, name_index, name, value, huffman } => {
                     let (first, n) = match kind % 3 {
                         0 => (0x40, 6),
                         1 => (0x00, 4),
                         _ => (0x10, 4),
                     };
-                    put_int(&mut out, first, n, *name_index);
+                    integer(&mut out, first, n, *name_index);
                     if *name_index == 0 {
                         put_str(&mut out, name, huffman.0);
                     }

@@ -16,7 +16,7 @@ use std::fmt;
 use std::str::FromStr;
 
 mod compact;
-pub use compact::{ChunkCrcs, ETag, Ext, Exts, Name, Parts};
+pub use compact::{hex_pair, ChunkCrcs, ETag, Ext, Exts, Name, Parts};
 
 /// The kind of source a dataset directory holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -201,6 +201,11 @@ impl ETag {
 const MD5_TAG_LEN: usize = 34;
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
+/// `byte` as two lower-case hex digits.
+pub fn hex_pair(byte: u8) -> [u8; 2] {
+    [HEX[usize::from(byte >> 4)], HEX[usize::from(byte & 15)]]
+}
+
 /// The digest `text` is the tag of, where it is one as [`ETag`] holds it: exactly a quote, 32 lowercase
 /// hex digits and a quote (any other spelling is kept as text, so that it reads back as it was).
 fn quoted_md5(text: &str) -> Option<[u8; 16]> {
@@ -228,7 +233,7 @@ impl fmt::Display for ETag {
             ETagRepr::Md5(md5) => {
                 let mut text = [b'"'; MD5_TAG_LEN];
                 for (pair, byte) in text[1..MD5_TAG_LEN - 1].chunks_exact_mut(2).zip(md5) {
-                    pair.copy_from_slice(&[HEX[usize::from(byte >> 4)], HEX[usize::from(byte & 15)]]);
+                    pair.copy_from_slice(&hex_pair(*byte));
                 }
                 f.write_str(std::str::from_utf8(&text).expect("hex digits and quotes"))
             }

@@ -396,11 +396,7 @@ fn is_name(name: &str) -> bool {
 
 /// Appends `bytes` in lower-case hex (a name is made for every read of a copy: no `format!` per byte).
 fn hex_into(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    for b in bytes {
-        out.push(DIGITS[(b >> 4) as usize] as char);
-        out.push(DIGITS[(b & 15) as usize] as char);
-    }
+    out.extend(bytes.iter().flat_map(|&b| batchfs::index::hex_pair(b)).map(char::from));
 }
 
 /// Bytes free (for an unprivileged user) on the filesystem of `dir`.
