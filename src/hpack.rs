@@ -249,8 +249,9 @@ const fn canonical() -> Canonical {
     Canonical { first, count, offset, symbols }
 }
 
-/// The code of `symbol` and its bits (for encoding, in tests and the fuzz target's model).
-pub fn huffman_code(symbol: usize) -> (u32, u8) {
+/// The code of `symbol` and its bits (the tests' encoder: the mount writes no Huffman code).
+#[cfg(test)]
+fn huffman_code(symbol: usize) -> (u32, u8) {
     let len = LENGTHS[symbol] as usize;
     let c = &CANONICAL;
     let rank = c.symbols[c.offset[len] as usize..][..c.count[len] as usize]
@@ -261,7 +262,8 @@ pub fn huffman_code(symbol: usize) -> (u32, u8) {
 }
 
 /// Huffman-codes `bytes` (5.2), padded with ones to a whole byte.
-pub fn huffman_encode(bytes: &[u8]) -> Vec<u8> {
+#[cfg(test)]
+fn huffman_encode(bytes: &[u8]) -> Vec<u8> {
     let (mut out, mut acc, mut bits) = (Vec::with_capacity(bytes.len()), 0u64, 0u32);
     for &b in bytes {
         let (code, len) = huffman_code(b as usize);
