@@ -35,6 +35,11 @@ impl Sink {
         Ok(Sink::File(MemoryFile::new(crate::sys::memory_file("batchfs-batch", len)?)))
     }
 
+    /// An idle memory file filled again with a body of `len` bytes (see [`MemoryFile::recycled`]).
+    pub fn recycled(file: std::fs::File, len: u64) -> std::io::Result<Self> {
+        Ok(Sink::File(MemoryFile::recycled(file, len)?))
+    }
+
     /// Bytes appended so far.
     pub fn len(&self) -> u64 {
         match self {
@@ -76,6 +81,10 @@ impl Sink {
 /// each huge page of the file with one copy, where a write of part of a page it has not filled yet
 /// first zeroes the rest of it (6 % of the daemon's CPU with 128 KiB frames), and makes one system
 /// call where it would make sixteen. [`MemoryFile::finish`] writes the rest.
+///
+/// A memory file filled again ([`MemoryFile::recycled`]) has its pages already: it is mapped, and the
+/// body is received straight into the mapping ([`MemoryFile::spare`], [`MemoryFile::commit`]), one copy
+/// where a fresh file takes two (or a copy and a zeroed page, had it been mapped).
 pub struct MemoryFile {
     file: std::fs::File,
     /// Bytes written to the file.
@@ -83,6 +92,8 @@ pub struct MemoryFile {
     /// Appended, not written yet: always short of the next span's end.
     pending: Vec<Bytes>,
     pending_len: u64,
+    /// A recycled file's mapping, writable, of its whole new length.
+    map: Option<memmap2::MmapMut>,
 }
 
 /// The span written at once: a transparent huge page (x86-64, arm64 with 4 KiB pages).
@@ -90,7 +101,52 @@ pub const WRITE_SPAN: u64 = 2 << 20;
 
 impl MemoryFile {
     pub fn new(file: std::fs::File) -> Self {
-        MemoryFile { file, written: 0, pending: Vec::new(), pending_len: 0 }
+        MemoryFile { file, written: 0, pending: Vec::new(), pending_len: 0, map: None }
+    }
+
+    /// The memory file `idle` (a read-only descriptor of the huge-page tmpfs) to be filled again with a
+    /// body of `len` bytes: reopened writable, asked once more that no one else has it open or mapped,
+    /// cut or grown to `len`, and mapped with its pages in place. Its old bytes stay until overwritten,
+    /// so [`MemoryFile::finish`] cuts it to what was written.
+    pub fn recycled(idle: std::fs::File, len: u64) -> std::io::Result<Self> {
+        let file = crate::sys::writable(&idle)?;
+        drop(idle);
+        if !crate::sys::unshared(&file)? {
+            return Err(std::io::Error::other("the memory file is open or mapped elsewhere"));
+        }
+        file.set_len(len)?;
+        if len == 0 {
+            return Ok(MemoryFile::new(file));
+        }
+        // SAFETY: the file is this process's alone: no other descriptor or mapping of it exists (asked of
+        // the kernel just now), it has no name, and the daemon hands it to no one before it is sealed, so
+        // nothing else reads or writes its pages while this mapping lives.
+        let map = unsafe { memmap2::MmapOptions::new().len(len as usize).populate().map_mut(&file)? };
+        Ok(MemoryFile { map: Some(map), ..MemoryFile::new(file) })
+    }
+
+    /// Whether the body is received straight into the file's pages (a recycled file).
+    pub fn is_recycled(&self) -> bool {
+        self.map.is_some()
+    }
+
+    /// A recycled file's room for up to `max` more bytes, past what was written (empty at its end).
+    pub fn spare(&mut self, max: usize) -> Option<&mut [u8]> {
+        let at = self.written as usize;
+        self.map.as_mut().map(|m| {
+            let end = at.saturating_add(max).min(m.len());
+            &mut m[at..end]
+        })
+    }
+
+    /// Counts the next `n` bytes of [`MemoryFile::spare`]'s room as written, extending `crc` over them
+    /// while they are in the CPU's caches.
+    pub fn commit(&mut self, n: usize, crc: &mut u32) {
+        if let Some(m) = &self.map {
+            let at = self.written as usize;
+            *crc = batchfs::crc::crc32c_append(*crc, &m[at..at + n]);
+            self.written += n as u64;
+        }
     }
 
     /// Bytes appended (written and pending).
@@ -104,6 +160,14 @@ impl MemoryFile {
     }
 
     fn append(&mut self, mut data: Bytes) -> std::io::Result<()> {
+        if let Some(room) = self.spare(data.len()) {
+            if room.len() < data.len() {
+                return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "the body runs past its size"));
+            }
+            room.copy_from_slice(&data);
+            self.written += data.len() as u64;
+            return Ok(());
+        }
         while !data.is_empty() {
             let span_end = (self.written / WRITE_SPAN + 1) * WRITE_SPAN;
             let room = span_end - self.written - self.pending_len;
@@ -140,8 +204,14 @@ impl MemoryFile {
         Ok(())
     }
 
-    /// The file, with everything appended written to it.
+    /// The file, with everything appended written to it (a recycled one unmapped and cut to it).
     pub fn finish(mut self) -> std::io::Result<std::fs::File> {
+        if self.map.take().is_some() {
+            if self.file.metadata()?.len() != self.written {
+                self.file.set_len(self.written)?;
+            }
+            return Ok(self.file);
+        }
         self.write_pending()?;
         Ok(self.file)
     }

@@ -837,6 +837,38 @@ mod tests {
         assert_eq!(s.passthrough_bytes, in_files as u64, "{s:?}");
     }
 
+    /// Memory files of evicted batches are filled again (one copy) once nothing holds them, and never
+    /// while a loader's mapping does: that mapping keeps its batch's bytes however many batches come
+    /// after. Every batch is its body. (Root only: elsewhere memory files are memfds, sealed for good.)
+    #[test]
+    fn evicted_memory_files_are_filled_again_but_never_one_still_mapped() {
+        use std::os::unix::fs::FileExt;
+        if crate::sys::use_huge_pages().is_err() {
+            return;
+        }
+        let mb = 1u64 << 20;
+        let config = PrefetcherConfig { prefetch: 2, cache_bytes: 24 * mb, ..Default::default() };
+        let (_rt, _client, p, bodies) = setup_sized(30, 3 << 20, 4001, config);
+        p.fetch_into_memfds(true);
+        // Batch 8 is the largest: the best fit of every later body, were it ever idle.
+        let mut loaders_map = None;
+        for (i, body) in bodies.iter().enumerate() {
+            let f = p.backing_file(key(i as u64), 1).unwrap();
+            let mut got = vec![0; f.metadata().unwrap().len() as usize];
+            f.read_exact_at(&mut got, 0).unwrap();
+            assert!(got == body[..], "batch {i}'s memory file holds another body");
+            if i == 8 {
+                let other = std::fs::File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&*f)));
+                loaders_map = Some(batchfs::mmap::MappedFile::open_file(&other.unwrap()).unwrap());
+            }
+            drop(f);
+            assert!(p.cache_used() <= 24 * mb, "over the budget");
+        }
+        assert!(loaders_map.unwrap().bytes() == &bodies[8][..], "a mapped file was filled again");
+        let s = p.stats.snapshot();
+        assert!(s.recycled_bytes > 0 && s.recycled_bytes < s.passthrough_bytes, "{s:?}");
+    }
+
     /// Writing a large body into its memory file (the first passthrough open of a batch fetched into a
     /// buffer) does not hold up the cache: choosing a batch to evict looks at every entry's memory file,
     /// and once waited for this write, with the cache lock held, so every admission queued behind it.

@@ -27,6 +27,7 @@ pub struct Stats {
     pub evictions: AtomicU64,
     pub passthrough_opens: AtomicU64,
     pub passthrough_bytes: AtomicU64,
+    pub recycled_bytes: AtomicU64,
     pub daemon_opens: AtomicU64,
     pub page_cache_drops: AtomicU64,
     pub early_reads: AtomicU64,
@@ -106,6 +107,10 @@ pub struct StatsSnapshot {
     /// Bytes put into memory files for passthrough (fetched into them, or copied at the first open).
     #[serde(default)]
     pub passthrough_bytes: u64,
+    /// Of those, bytes received straight into the pages of a memory file filled again (one copy): an
+    /// evicted batch's, once no loader had it open or mapped (see `huge_pages`).
+    #[serde(default)]
+    pub recycled_bytes: u64,
     /// Whether the memory files are made on the mount's private huge-page tmpfs (`huge_pages`), not as
     /// memfds of 4 KiB pages.
     #[serde(default)]
@@ -231,6 +236,7 @@ impl Stats {
             passthrough: g(&self.passthrough) != 0,
             passthrough_opens: g(&self.passthrough_opens),
             passthrough_bytes: g(&self.passthrough_bytes),
+            recycled_bytes: g(&self.recycled_bytes),
             huge_pages: crate::sys::huge_pages(),
             prefetch_bytes_in_flight: g(&self.prefetching),
             prefetch_cap: g(&self.prefetch_cap),

@@ -170,6 +170,37 @@ pub fn seal(file: std::fs::File) -> io::Result<std::fs::File> {
     std::fs::File::open(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
+/// Whether no one but the caller has `file`'s inode open or mapped: a write lease (`F_SETLEASE`) is
+/// granted only when the inode's only open file (counting every descriptor and every mapping of any
+/// process, and the files the kernel opens on a passthrough file's behalf) is the caller's `file`; it is
+/// let go at once. A memory file the daemon evicted is written again only after this says so, so no
+/// loader's mapping of it ever sees a byte change. `Ok(false)` when shared; an error where leases are
+/// off (`fs.leases-enable`) or the file takes none.
+pub fn unshared(file: &std::fs::File) -> io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open for the duration of the call (borrowed from `file`); F_SETLEASE
+    // takes an integer argument and touches no memory of ours.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLEASE, libc::F_WRLCK) } != 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EAGAIN | libc::EBUSY) => Ok(false),
+            _ => Err(e),
+        };
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLEASE, libc::F_UNLCK) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(true)
+}
+
+/// A writable descriptor of the [`memory_file`] that `file` (a read-only one, of the huge-page tmpfs) is
+/// open on: the same inode and pages, reopened through `/proc/self/fd`.
+pub fn writable(file: &std::fs::File) -> io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
+
 /// Whether this process is root.
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -481,6 +512,31 @@ mod tests {
         assert!(back == data, "reads back what was written");
         let map = batchfs::mmap::MappedFile::open_file(&f).unwrap();
         assert!(map.bytes() == &data[..], "and so does its mapping");
+    }
+
+    /// The lease says a file is shared while another descriptor or a mapping of it lives, in this
+    /// process or another, and unshared once they are gone; the caller's own mapping of its own
+    /// descriptor does not count.
+    #[test]
+    fn a_file_is_unshared_only_when_no_other_descriptor_or_mapping_holds_it() {
+        let f = memfd("batchfs-test").unwrap();
+        f.set_len(1 << 20).unwrap();
+        let f = std::fs::File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&f))).unwrap();
+        assert!(unshared(&f).unwrap(), "alone");
+        let own = batchfs::mmap::MappedFile::open_file(&f).unwrap();
+        assert!(unshared(&f).unwrap(), "its own mapping");
+        drop(own);
+        let other = std::fs::File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&f))).unwrap();
+        assert!(!unshared(&f).unwrap(), "another descriptor");
+        let mapped = batchfs::mmap::MappedFile::open_file(&other).unwrap();
+        drop(other);
+        assert!(!unshared(&f).unwrap(), "a mapping whose descriptor is closed");
+        drop(mapped);
+        assert!(unshared(&f).unwrap(), "all gone");
+        let w = writable(&f).unwrap();
+        assert!(!unshared(&f).unwrap(), "a writable descriptor");
+        drop(w);
+        assert!(unshared(&f).unwrap());
     }
 
     #[test]

@@ -705,3 +705,38 @@ fn connections_whose_path_went_silent_while_idle_are_replaced_before_a_read_need
     }
     rt.block_on(server.running.shutdown());
 }
+
+/// With passthrough on the huge-page tmpfs (root), an evicted batch's memory file is filled again with a
+/// later batch, received straight into its pages; a loader's mapping of a batch file, kept after its
+/// close, still holds that batch's bytes after the cache has turned over several times (the kernel's
+/// lease says the file is shared until it is unmapped), and every batch read equals the server's.
+#[test]
+fn a_mapped_batch_file_keeps_its_bytes_while_memory_files_are_filled_again() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 384, 40_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let query = "batch_size=64";
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=64,cache=16M,prefetch=2,epochs=6");
+    let manifests: Vec<Manifest> = (0..6).map(|e| common::manifest_of(&rt, &server, "d", e, query)).collect();
+    let path = |e: usize, b: usize| mounted.mountpoint.join(format!("epoch-{e:04}/batch-{b:06}.tfrecord"));
+    let kept = {
+        let file = std::fs::File::open(path(0, 1)).unwrap();
+        batchfs::mmap::MappedFile::open_file(&file).unwrap()
+    };
+    assert_eq!(crc::crc32c(kept.bytes()), manifests[0].batches[1].crc32c);
+    for (e, m) in manifests.iter().enumerate() {
+        for (b, batch) in m.batches.iter().enumerate() {
+            let body = std::fs::read(path(e, b)).unwrap();
+            assert_eq!((body.len() as u64, crc::crc32c(&body)), (batch.bytes, batch.crc32c), "epoch {e} batch {b}");
+        }
+    }
+    assert_eq!(crc::crc32c(kept.bytes()), manifests[0].batches[1].crc32c, "the mapped batch changed");
+    let stats = common::mount_stats(&mounted.mountpoint);
+    assert_eq!(stats["passthrough"], true, "this kernel offers passthrough: {stats}");
+    if stats["huge_pages"] == true {
+        assert!(stats["recycled_bytes"].as_u64().unwrap() > 0, "no memory file filled again: {stats}");
+    }
+    drop(kept);
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}

@@ -10,11 +10,25 @@
 //! (`used`, charged by [`BufferPool::admit`], released by [`BufferPool::release`]) and the idle buffers
 //! kept for reuse, always with `used + idle <= total`. Idle buffers go first: an admission frees them
 //! before the prefetcher has to evict a cached batch, so the mount's memory stays within `cache`.
+//!
+//! **Memory files come back too.** A memory file of the huge-page tmpfs that the cache lent out
+//! ([`BufferPool::lend`]) returns once the daemon no longer holds it (no cache entry, no open file, no
+//! mapping of its own) and is idle from then on, counted like an idle buffer. The next fetch into a
+//! memory file takes it ([`Admission::Fits`]'s `file`) once [`crate::sys::unshared`] says no loader has it
+//! open or mapped any more, and receives the body straight into its pages, which are already there: one
+//! copy, where a fresh file costs a copy through a buffer (or pages the kernel zeroes first).
 
-use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, Ordering};
+use batchfs::mmap::MappedFile;
+use std::fs::File;
+use std::sync::Weak;
 
 /// Buffers smaller than this are left to malloc: they come from its arenas, not fresh mappings.
 pub const MIN_POOLED: usize = 256 << 10;
+
+/// Memory files smaller than this are not lent and come back to no one: a huge page (2 MiB) at least,
+/// where receiving in place pays for the bookkeeping.
+pub const MIN_RECYCLED: u64 = crate::buffers::WRITE_SPAN;
 
 /// The byte budget and the idle body buffers kept for reuse within it.
 pub struct BufferPool {
@@ -24,19 +38,36 @@ pub struct BufferPool {
     idle: AtomicU64,
     /// Bytes charged (also under the lock; readable without it).
     used: AtomicU64,
+    /// Memory files are taken back (cleared for good where the kernel grants no leases).
+    recycling: AtomicBool,
 }
 
 struct Inner {
     free: Vec<Vec<u8>>,
     used: u64,
+    /// Memory files lent to the cache: each comes back once only this list holds it.
+    lent: Vec<Lent>,
+    /// Idle memory files (read-only descriptors, this pool's alone) and their sizes, in `idle`.
+    files: Vec<(File, u64)>,
+}
+
+/// A memory file lent to the cache (the pool's own descriptor of it, a `dup` of the cache's: one open
+/// file), the cache's handle on it (held by its entry and open files) and the daemon's mapping of it (a
+/// body read through the daemon).
+struct Lent {
+    file: File,
+    user: Weak<File>,
+    mapping: Weak<MappedFile>,
+    len: u64,
 }
 
 /// The answer of [`BufferPool::admit`].
 #[derive(Debug)]
 pub enum Admission {
     /// The fetch fits: fill this buffer; `charge` bytes (its size or capacity, the larger) are now
-    /// charged, until [`BufferPool::release`].
-    Fits { buffer: Vec<u8>, charge: u64 },
+    /// charged, until [`BufferPool::release`]. For a memory file ([`BufferPool::charge`]), `file` may be
+    /// an idle one that no one else holds, to fill again (its read-only descriptor).
+    Fits { buffer: Vec<u8>, charge: u64, file: Option<File> },
     /// An idle buffer was freed to make room: ask again.
     Trimmed,
     /// Only releasing charged bytes can make room: the cache must evict, or the fetch wait.
@@ -48,9 +79,10 @@ impl BufferPool {
     pub fn new(total: u64) -> Arc<Self> {
         Arc::new(BufferPool {
             total,
-            inner: Mutex::new(Inner { free: Vec::new(), used: 0 }),
+            inner: Mutex::new(Inner { free: Vec::new(), used: 0, lent: Vec::new(), files: Vec::new() }),
             idle: AtomicU64::new(0),
             used: AtomicU64::new(0),
+            recycling: AtomicBool::new(true),
         })
     }
 
@@ -104,8 +136,10 @@ impl BufferPool {
         let mut inner = self.inner.lock().expect("pool");
         let room = self.total.saturating_sub(inner.used);
         let best = if buffered { Self::best(&inner.free, need) } else { None };
-        let reuse = best.map_or(0, |i| inner.free[i].capacity() as u64);
-        let charge = (need as u64).max(reuse);
+        let file = if buffered { None } else { self.reusable(&mut inner, need as u64) };
+        let reuse = best.map_or(0, |i| inner.free[i].capacity() as u64) + file.map_or(0, |i| inner.files[i].1);
+        // A file is cut or grown to exactly `need`; a buffer keeps its capacity.
+        let charge = if file.is_some() { need as u64 } else { (need as u64).max(reuse) };
         if charge + self.idle_bytes() - reuse <= room {
             let buffer = match best {
                 Some(i) => {
@@ -117,26 +151,98 @@ impl BufferPool {
                 None if buffered => Vec::with_capacity(need),
                 None => Vec::new(),
             };
+            let file = file.map(|i| self.remove_file(&mut inner, i));
             // `charge` as predicted: a reused buffer only grows to exactly `need`.
             let charge = charge.max(buffer.capacity() as u64);
             debug_assert!(buffered || buffer.capacity() == 0);
             let used = inner.used + charge;
             self.set_used(&mut inner, used);
-            return Admission::Fits { buffer, charge };
+            return Admission::Fits { buffer, charge, file };
         }
         let others = inner.free.iter().enumerate().filter(|(i, _)| Some(*i) != best);
         if let Some((i, _)) = others.max_by_key(|(_, b)| b.capacity()) {
             self.remove(&mut inner, i);
             return Admission::Trimmed;
         }
-        match best {
-            Some(i) if reuse > need as u64 => {
+        let other_files = inner.files.iter().enumerate().filter(|(i, _)| Some(*i) != file);
+        if let Some((i, _)) = other_files.max_by_key(|(_, (_, len))| *len) {
+            self.remove_file(&mut inner, i);
+            return Admission::Trimmed;
+        }
+        match (best, file) {
+            (Some(i), _) if reuse > need as u64 => {
                 // Larger than the body: a fresh buffer of the exact size may fit where this does not.
                 self.remove(&mut inner, i);
                 Admission::Trimmed
             }
+            (_, Some(i)) => {
+                self.remove_file(&mut inner, i);
+                Admission::Trimmed
+            }
             _ => Admission::Full,
         }
+    }
+
+    /// Lends the cache a memory file of `len` bytes (sealed, read-only) and the daemon's mapping of it:
+    /// it comes back idle once neither is held anywhere else in the daemon. Only files of the huge-page
+    /// tmpfs, which can be written again (a sealed memfd cannot), of at least [`MIN_RECYCLED`] bytes.
+    pub fn lend(&self, file: &Arc<File>, mapping: Weak<MappedFile>, len: u64) {
+        if len < MIN_RECYCLED || !crate::sys::huge_pages() || !self.recycling.load(Ordering::Relaxed) {
+            return;
+        }
+        let Ok(own) = file.try_clone() else { return };
+        let lent = Lent { file: own, user: Arc::downgrade(file), mapping, len };
+        self.inner.lock().expect("pool").lent.push(lent);
+    }
+
+    /// Brings back the lent files the daemon no longer holds: idle if they fit beside what is charged and
+    /// idle, else closed (their memory freed once no loader maps them). Then the idle file to fill with
+    /// `need` bytes: the smallest that holds them, else the largest, of those no one else has open or
+    /// mapped (asked of the kernel, a few at most).
+    fn reusable(&self, inner: &mut Inner, need: u64) -> Option<usize> {
+        if need < MIN_RECYCLED || (inner.lent.is_empty() && inner.files.is_empty()) {
+            return None;
+        }
+        let mut i = 0;
+        while i < inner.lent.len() {
+            let l = &inner.lent[i];
+            if l.user.strong_count() > 0 || l.mapping.strong_count() > 0 {
+                i += 1;
+                continue;
+            }
+            let l = inner.lent.swap_remove(i);
+            if inner.used + self.idle_bytes() + l.len <= self.total {
+                self.idle.fetch_add(l.len, Ordering::Relaxed);
+                inner.files.push((l.file, l.len));
+            }
+        }
+        let mut order: Vec<usize> = (0..inner.files.len()).collect();
+        order.sort_by_key(|&i| {
+            let len = inner.files[i].1;
+            if len >= need {
+                (0, len)
+            } else {
+                (1, u64::MAX - len)
+            }
+        });
+        for i in order.into_iter().take(4) {
+            match crate::sys::unshared(&inner.files[i].0) {
+                Ok(true) => return Some(i),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::info!(error = %e, "memory files are not filled again: the kernel grants no lease");
+                    self.recycling.store(false, Ordering::Relaxed);
+                    return None;
+                }
+            }
+        }
+        None
+    }
+
+    fn remove_file(&self, inner: &mut Inner, i: usize) -> File {
+        let (file, len) = inner.files.swap_remove(i);
+        self.idle.fetch_sub(len, Ordering::Relaxed);
+        file
     }
 
     /// Returns `bytes` charged by an admission (an evicted batch, a failed fetch).
@@ -175,7 +281,7 @@ mod tests {
 
     fn fits(a: Admission) -> (Vec<u8>, u64) {
         match a {
-            Admission::Fits { buffer, charge } => (buffer, charge),
+            Admission::Fits { buffer, charge, .. } => (buffer, charge),
             other => panic!("expected a fit, got {other:?}"),
         }
     }
@@ -274,6 +380,56 @@ mod tests {
         assert!(matches!(pool.charge(MB), Admission::Trimmed), "the last idle buffer goes");
         assert_eq!(fits(pool.charge(MB)).1, MB as u64);
         assert!(matches!(pool.charge(2 * MB), Admission::Full), "only an eviction makes room now");
+    }
+
+    /// A sealed memory file of `mb` MB on the huge-page tmpfs, lent to `pool` with a mapping of its own;
+    /// the cache's handle and the mapping returned (`None` where that tmpfs is not to be had: not root).
+    fn lent(pool: &BufferPool, mb: usize) -> Option<(Arc<File>, Arc<MappedFile>)> {
+        crate::sys::use_huge_pages().ok()?;
+        let f = crate::sys::memory_file("batchfs-test", (mb * MB) as u64).unwrap();
+        std::io::Write::write_all(&mut &f, &vec![mb as u8; mb * MB]).unwrap();
+        let f = Arc::new(crate::sys::seal(f).unwrap());
+        let map = Arc::new(MappedFile::open_file(&f).unwrap());
+        pool.lend(&f, Arc::downgrade(&map), (mb * MB) as u64);
+        Some((f, map))
+    }
+
+    fn file_of(a: Admission) -> Option<File> {
+        match a {
+            Admission::Fits { file, .. } => file,
+            other => panic!("expected a fit, got {other:?}"),
+        }
+    }
+
+    /// A lent memory file comes back idle (counted) only once the cache's handle and the daemon's
+    /// mapping are gone, is handed to a fetch into a memory file (never to a buffer's) only while no one
+    /// else has it open or mapped, and is closed, like an idle buffer, when its room is wanted.
+    #[test]
+    fn memory_files_come_back_idle_and_are_filled_again_only_when_no_one_holds_them() {
+        let pool = BufferPool::new(100 * MB as u64);
+        let Some((f, map)) = lent(&pool, 4) else { return };
+        assert!(file_of(pool.charge(3 * MB)).is_none(), "the cache still holds it");
+        let loader = File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&*f))).unwrap();
+        drop(f);
+        assert!(file_of(pool.charge(3 * MB)).is_none(), "the daemon still maps it");
+        drop(map);
+        assert!(file_of(pool.charge(3 * MB)).is_none(), "a loader has it open");
+        assert_eq!(pool.idle_bytes(), 4 * MB as u64, "idle all the same, and counted");
+        assert!(fits(pool.admit(3 * MB)).0.capacity() >= 3 * MB, "a buffer is not a file");
+        drop(loader);
+        let used = pool.used();
+        let file = file_of(pool.charge(3 * MB)).expect("filled again");
+        assert_eq!(file.metadata().unwrap().len(), 4 * MB as u64, "the file lent");
+        assert_eq!((pool.idle_bytes(), pool.used() - used), (0, 3 * MB as u64), "charged as the body's size");
+        // An idle file goes when its room is wanted, as an idle buffer does.
+        let pool = BufferPool::new(10 * MB as u64);
+        let Some((f, map)) = lent(&pool, 4) else { return };
+        drop((f, map));
+        assert!(file_of(pool.charge(MB)).is_none(), "smaller than a huge page: not filled again");
+        fits(pool.admit(4 * MB));
+        assert!(matches!(pool.charge(6 * MB), Admission::Trimmed), "the idle file goes to make room");
+        assert_eq!(pool.idle_bytes(), 0);
+        assert!(matches!(pool.charge(6 * MB), Admission::Full));
     }
 
     #[test]

@@ -503,6 +503,22 @@ mod tests {
         }
     }
 
+    /// A memory file filled before with other bytes (more of them or fewer), to be filled again with a
+    /// body of `len` bytes; a memfd where the huge-page tmpfs is not to be had (not root), which cannot
+    /// be filled again: a buffer then.
+    fn recycled_sink(len: usize) -> Sink {
+        if crate::sys::use_huge_pages().is_err() {
+            return sink(len, false);
+        }
+        let old = len / 2 + (len % 3) * len;
+        let f = crate::sys::memory_file("batchfs-test", old as u64).unwrap();
+        std::io::Write::write_all(&mut &f, &vec![0xa5; old]).unwrap();
+        let f = crate::sys::seal(f).unwrap();
+        let sink = Sink::recycled(f, len as u64).unwrap();
+        assert!(matches!(&sink, Sink::File(m) if m.is_recycled() || len == 0));
+        sink
+    }
+
     /// What a success delivered, with the body's CRC32C checked against its bytes.
     fn bytes_of(got: Got) -> Vec<u8> {
         let Got::Body(body) = got else { panic!("a body was asked for") };
@@ -522,8 +538,12 @@ mod tests {
     }
 
     async fn get(wire: &Wire, path: &str, expect: usize, into_file: bool) -> Result<Reply, ClientError> {
+        get_into(wire, path, expect, sink(expect, into_file)).await
+    }
+
+    async fn get_into(wire: &Wire, path: &str, expect: usize, sink: Sink) -> Result<Reply, ClientError> {
         let ask = Ask { path_and_query: path, fields: &[("x-test", "1")], expect: expect as u64, range_from: 0 };
-        wire.get(ask, Target::Sink(sink(expect, into_file)), Duration::from_secs(10)).await
+        wire.get(ask, Target::Sink(sink), Duration::from_secs(10)).await
     }
 
     /// A small reply of at most `most` bytes, gathered whole.
@@ -536,7 +556,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(12))]
 
         /// Bodies sent by the reference server, many at once on one connection, in pieces of any size,
-        /// arrive whole into buffers and memory files with their CRC32C.
+        /// arrive whole into buffers, memory files and memory files filled again, with their CRC32C.
         #[test]
         fn bodies_from_a_reference_server_arrive_whole(
             lens in proptest::collection::vec(0usize..(3 << 20), 1..12),
@@ -550,8 +570,9 @@ mod tests {
                     let wire = wire.clone();
                     async move {
                         let path = format!("/{len}/{i}");
-                        // Into a buffer, a memory file, or gathered whole as a small reply is.
-                        let reply = match i % 3 {
+                        // Into a buffer, a memory file, one filled again, or gathered whole as a small reply is.
+                        let reply = match i % 4 {
+                            3 => get_into(&wire, &path, len, recycled_sink(len)).await.unwrap(),
                             2 => get_whole(&wire, &path, len).await.unwrap(),
                             k => get(&wire, &path, len, k == 0).await.unwrap(),
                         };

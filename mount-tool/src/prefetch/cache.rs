@@ -50,9 +50,15 @@ pub(super) struct Ask {
 pub(super) enum Admitted {
     /// The key has an entry, being fetched or ready.
     Joined(Arc<Entry>),
-    /// A new entry, charged: its fetch is to start, into `buffer` (none for a memory file), its bytes
-    /// counted as in flight until `prefetching` (a prefetch's) is dropped.
-    Started { entry: Arc<Entry>, buffer: Option<Vec<u8>>, prefetching: Option<Prefetching> },
+    /// A new entry, charged: its fetch is to start, into `buffer` (none for a memory file: `recycled`
+    /// when an idle one is to be filled again), its bytes counted as in flight until `prefetching` (a
+    /// prefetch's) is dropped.
+    Started {
+        entry: Arc<Entry>,
+        buffer: Option<Vec<u8>>,
+        recycled: Option<std::fs::File>,
+        prefetching: Option<Prefetching>,
+    },
 }
 
 /// The cache.
@@ -112,7 +118,7 @@ impl Cache {
     /// a read waiting for room until its deadline). A prefetch that does not fit gets `None`.
     pub(super) fn admit(&self, key: ObjectKey, ask: Ask) -> Result<Option<Admitted>, ReadError> {
         let mut entries = self.entries.lock().expect("cache");
-        let (buffer, charge) = loop {
+        let (buffer, recycled, charge) = loop {
             if let Some(e) = entries.lru.get(&key) {
                 if !e.entry.is_failed() {
                     return Ok(Some(Admitted::Joined(e.entry.clone())));
@@ -132,7 +138,9 @@ impl Cache {
             let admission =
                 if ask.memfd { self.pool.charge(ask.charge as usize) } else { self.pool.admit(ask.charge as usize) };
             match admission {
-                Admission::Fits { buffer, charge } => break (buffer, Charge::new(&self.pool, &self.stats, charge)),
+                Admission::Fits { buffer, charge, file } => {
+                    break (buffer, file, Charge::new(&self.pool, &self.stats, charge));
+                }
                 Admission::Trimmed => continue,
                 Admission::Full => {}
             }
@@ -160,7 +168,7 @@ impl Cache {
         // count that another has passed it on but not raised yet.
         let prefetching = (!ask.on_demand).then(|| Prefetching::count(&self.prefetching, ask.sent));
         let buffer = (!ask.memfd).then_some(buffer);
-        Ok(Some(Admitted::Started { entry, buffer, prefetching }))
+        Ok(Some(Admitted::Started { entry, buffer, recycled, prefetching }))
     }
 
     /// The fetch of `entry` for `key` failed for good: the entry is dropped, its charge given back, if the

@@ -9,7 +9,9 @@
 use super::ReadError;
 use crate::buffers::Partial;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Condvar, Mutex};
+use batchfs::mmap::MappedFile;
 use bytes::Bytes;
+use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 pub(super) enum State {
@@ -143,8 +145,9 @@ pub(super) struct Entry {
     pub handed: AtomicBool,
 }
 
-/// A body served from the mapping of its memory file.
-pub(super) struct MappedBody(batchfs::mmap::MappedFile);
+/// A body served from the mapping of its memory file (shared, so that the pool sees when the daemon's
+/// last view of it is gone: [`crate::buffers::BufferPool::lend`]).
+pub(super) struct MappedBody(Arc<MappedFile>);
 
 impl AsRef<[u8]> for MappedBody {
     fn as_ref(&self) -> &[u8] {
@@ -155,10 +158,16 @@ impl AsRef<[u8]> for MappedBody {
 /// Seals a memory file holding a verified body, and maps it: the bytes the daemon reads, and the file the
 /// kernel serves (passthrough).
 pub(super) fn seal_file(file: std::fs::File) -> std::io::Result<(Bytes, Arc<std::fs::File>)> {
+    seal_mapped(file).map(|(bytes, file, _)| (bytes, file))
+}
+
+/// [`seal_file`], with a handle on the daemon's mapping that tells when its last view is dropped.
+pub(super) fn seal_mapped(file: std::fs::File) -> std::io::Result<(Bytes, Arc<std::fs::File>, Weak<MappedFile>)> {
     let file = crate::sys::seal(file)?;
-    let map = batchfs::mmap::MappedFile::open_file(&file)?;
+    let map = Arc::new(MappedFile::open_file(&file)?);
+    let mapping = Arc::downgrade(&map);
     let bytes = if map.is_empty() { Bytes::new() } else { Bytes::from_owner(MappedBody(map)) };
-    Ok((bytes, Arc::new(file)))
+    Ok((bytes, Arc::new(file), mapping))
 }
 
 /// `content` in a new sealed memory file, and the same content read from the file's mapping.

@@ -30,17 +30,19 @@ impl Prefetcher {
         Ok(match self.cache.admit(key, ask)? {
             None => None,
             Some(Admitted::Joined(entry)) => Some((entry, false)),
-            Some(Admitted::Started { entry, buffer, prefetching }) => {
+            Some(Admitted::Started { entry, buffer, recycled, prefetching }) => {
                 Stats::add(&self.stats.in_flight, 1);
                 self.window.fetch_started();
-                self.spawn_fetch(key, (objects, obj.clone()), entry.clone(), buffer, prefetching);
+                let room = (buffer, recycled);
+                self.spawn_fetch(key, (objects, obj.clone()), entry.clone(), room, prefetching);
                 Some((entry, true))
             }
         })
     }
 
     /// Fetches `obj` (cached under `key` as `entry`, charged already) on the runtime, by the [`Fetcher`]:
-    /// into `buffer` (the admission's, reused memory) or, without one, straight into a memory file. A
+    /// into `buffer` (the admission's, reused memory) or, without one, straight into a memory file (the
+    /// idle one `recycled`, when the admission found one). A
     /// prefetch brings the guard that counts it in flight, dropped when the fetch ends. Then counts the
     /// bytes, feeds the window's delivery rate, and publishes the body, or on failure drops the entry (its
     /// charge with it).
@@ -49,12 +51,12 @@ impl Prefetcher {
         key: ObjectKey,
         (objects, obj): (&Arc<dyn Objects>, Object),
         entry: Arc<Entry>,
-        buffer: Option<Vec<u8>>,
+        (buffer, recycled): (Option<Vec<u8>>, Option<std::fs::File>),
         prefetching: Option<Prefetching>,
     ) {
         let on_disk = self.fetcher.node_cache().and_then(|_| objects.on_disk(key.index, &obj));
         let (sent, placed) = (obj.sent, obj.placed);
-        let job = Job { key, request: objects.request(key.index), sent, placed, on_disk, buffer };
+        let job = Job { key, request: objects.request(key.index), sent, placed, on_disk, buffer, recycled };
         let this = self.clone();
         self.runtime.spawn(async move {
             let result = this.fetcher.fetch(job, &entry, this.cache.pool()).await;

@@ -6,7 +6,7 @@
 //! no view, no cache policy and no window: the prefetcher names the [`Request`] and the entry, and does
 //! the bookkeeping (`fetch.rs`).
 
-use super::entry::{in_memfd, seal_file, Content, Entry, Placed, Record};
+use super::entry::{in_memfd, seal_file, seal_mapped, Content, Entry, Placed, Record};
 use super::retry::{verify, with_retries, Failure};
 use super::{ObjectKey, OnDisk, PrefetcherConfig, ReadError};
 use crate::buffers::{BufferPool, Filling, Sink};
@@ -45,6 +45,9 @@ pub(super) struct Job {
     pub on_disk: Option<OnDisk>,
     /// The buffer the admission reserved (reused memory); none: the body goes into a memory file.
     pub buffer: Option<Vec<u8>>,
+    /// The idle memory file the admission found for it (see [`BufferPool::lend`]), to receive the body
+    /// straight into its pages; none: a fresh one.
+    pub recycled: Option<std::fs::File>,
 }
 
 /// A fetched object, verified.
@@ -104,7 +107,7 @@ impl Fetcher {
     /// may read before the rest has come); a failed attempt's buffer is lost, and a retry allocates anew
     /// (the admission's reservation covers either) from `pool`.
     pub async fn fetch(&self, job: Job, entry: &Arc<Entry>, pool: &Arc<BufferPool>) -> Result<Fetched, ReadError> {
-        let Job { key, request, sent: meta, placed, on_disk, mut buffer } = job;
+        let Job { key, request, sent: meta, placed, on_disk, mut buffer, mut recycled } = job;
         let memfd = buffer.is_none();
         let on_disk = self.node_cache.get().cloned().zip(on_disk);
         // The node cache first: the object, or each of a group's samples, verified on the way in.
@@ -119,8 +122,10 @@ impl Fetcher {
         // A placed file is published only whole: none of its records is where the body has it.
         let early = placed.is_none();
         let into_memfd = self.memfds();
+        let stats = self.stats.clone();
         let fetched = with_retries(&self.config, &self.stats, move |attempt| {
             let (client, request, pool, placed) = (client.clone(), request.clone(), pool.clone(), placed.clone());
+            let stats = stats.clone();
             // Readers wait on the entry for each verified prefix of a buffer (not of a memory file,
             // which the kernel serves only whole).
             let fill = |buffer: Vec<u8>| {
@@ -133,10 +138,14 @@ impl Fetcher {
                 }
                 Sink::Buffer(filling)
             };
-            let into = match buffer.take() {
-                Some(buffer) => Ok(fill(buffer)),
-                None if memfd => Sink::memory_file(meta.bytes),
-                None => Ok(fill(Vec::new())),
+            let into = match (buffer.take(), recycled.take()) {
+                (Some(buffer), _) => Ok(fill(buffer)),
+                (None, Some(file)) if memfd => Sink::recycled(file, meta.bytes).or_else(|e| {
+                    tracing::debug!(error = %e, "an idle memory file cannot be filled again: a fresh one");
+                    Sink::memory_file(meta.bytes)
+                }),
+                (None, _) if memfd => Sink::memory_file(meta.bytes),
+                (None, _) => Ok(fill(Vec::new())),
             };
             async move {
                 let into = into.map_err(Failure::Memory)?;
@@ -159,11 +168,16 @@ impl Fetcher {
                         let (content, file) = in_memfd(&content).map_err(Failure::Memory)?;
                         Ok((content, Some(file)))
                     }
-                    (Sink::File(m), _) => m
-                        .finish()
-                        .and_then(seal_file)
-                        .map(|(b, f)| (Content::Bytes(b), Some(f)))
-                        .map_err(Failure::Memory),
+                    (Sink::File(m), _) => {
+                        let recycled = m.is_recycled();
+                        let (bytes, file, mapping) = m.finish().and_then(seal_mapped).map_err(Failure::Memory)?;
+                        // Back to the pool once the daemon is done with it, to be filled again.
+                        pool.lend(&file, mapping, meta.bytes);
+                        if recycled {
+                            Stats::add(&stats.recycled_bytes, meta.bytes);
+                        }
+                        Ok((Content::Bytes(bytes), Some(file)))
+                    }
                 }
             }
         })
@@ -270,6 +284,7 @@ mod tests {
             placed: None,
             on_disk: on_disk.then(|| OnDisk { pieces: vec![sent], within: None }),
             buffer: Some(Vec::new()),
+            recycled: None,
         }
     }
 

@@ -138,6 +138,25 @@ impl Reading {
                 left = 0;
                 None
             }
+            (Some(_), Some(Target::Sink(Sink::File(file)))) if file.is_recycled() => {
+                // Straight into the recycled file's pages (already there: no page to zero), one copy.
+                while left > 0 {
+                    let n = {
+                        let Some(spare) = file.spare(left) else { break };
+                        let mut room = tokio::io::ReadBuf::new(spare);
+                        std::future::poll_fn(|cx| std::pin::Pin::new(&mut *read).poll_read(cx, &mut room)).await?;
+                        room.filled().len()
+                    };
+                    if n == 0 {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                    left -= n;
+                    slot.want.progress.fetch_add(n as u64, Ordering::Release);
+                    self.shared.heard();
+                    file.commit(n, &mut slot.crc);
+                }
+                None
+            }
             (Some(_), Some(Target::Sink(sink @ Sink::File(_)))) => {
                 // The frame's bytes, whole, into a piece of their own that the file holds until its span
                 // is whole and writes in one `writev` (see `MemoryFile`: writing them straight into the
