@@ -169,18 +169,25 @@ impl BufferPool {
             self.remove_file(&mut inner, i);
             return Admission::Trimmed;
         }
-        match (best, file) {
-            (Some(i), _) if reuse > need as u64 => {
+        match best {
+            Some(i) if reuse > need as u64 => {
                 // Larger than the body: a fresh buffer of the exact size may fit where this does not.
                 self.remove(&mut inner, i);
                 Admission::Trimmed
             }
-            (_, Some(i)) => {
-                self.remove_file(&mut inner, i);
-                Admission::Trimmed
-            }
+            // An idle file to fill again is kept: evicting a batch makes room for it (and gives another
+            // file to choose from), where freeing it would make the fetch a fresh file's, two copies.
+            // With nothing to evict, the cache frees it ([`BufferPool::trim_file`]).
             _ => Admission::Full,
         }
+    }
+
+    /// Frees the largest idle memory file, if there is one (before a read waits for room, or a prefetch
+    /// gives up, for want of a batch to evict): whether one was freed.
+    pub fn trim_file(&self) -> bool {
+        let mut inner = self.inner.lock().expect("pool");
+        let largest = inner.files.iter().enumerate().max_by_key(|(_, (_, len))| *len).map(|(i, _)| i);
+        largest.map(|i| self.remove_file(&mut inner, i)).is_some()
     }
 
     /// Lends the cache a memory file of `len` bytes (sealed, read-only) and the daemon's mapping of it:
@@ -427,8 +434,10 @@ mod tests {
         drop((f, map));
         assert!(file_of(pool.charge(MB)).is_none(), "smaller than a huge page: not filled again");
         fits(pool.admit(4 * MB));
-        assert!(matches!(pool.charge(6 * MB), Admission::Trimmed), "the idle file goes to make room");
+        assert!(matches!(pool.charge(6 * MB), Admission::Full), "kept while a batch may be evicted");
+        assert!(pool.trim_file(), "with none to evict, the idle file goes to make room");
         assert_eq!(pool.idle_bytes(), 0);
+        assert!(!pool.trim_file());
         assert!(matches!(pool.charge(6 * MB), Admission::Full));
     }
 

@@ -157,6 +157,11 @@ impl Cache {
                 self.evict(&mut entries, victim);
                 continue;
             }
+            // Nothing to evict: an idle memory file kept to be filled again makes room for a read
+            // instead (a prefetch leaves it for a later fetch to fill).
+            if ask.on_demand && self.pool.trim_file() {
+                continue;
+            }
             if !ask.on_demand {
                 return Ok(None);
             }
