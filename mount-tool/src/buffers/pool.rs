@@ -182,6 +182,12 @@ impl BufferPool {
         }
     }
 
+    /// Whether a fetch of `need` bytes into a memory file may get one filled again: files are lent (the
+    /// huge-page tmpfs, leases granted so far) and the body is large enough.
+    pub fn recycles(&self, need: u64) -> bool {
+        need >= MIN_RECYCLED && crate::sys::huge_pages() && self.recycling.load(Ordering::Relaxed)
+    }
+
     /// Frees the largest idle memory file, if there is one (before a read waits for room, or a prefetch
     /// gives up, for want of a batch to evict): whether one was freed.
     pub fn trim_file(&self) -> bool {
@@ -204,8 +210,9 @@ impl BufferPool {
 
     /// Brings back the lent files the daemon no longer holds: idle if they fit beside what is charged and
     /// idle, else closed (their memory freed once no loader maps them). Then the idle file to fill with
-    /// `need` bytes: the smallest that holds them, else the largest, of those no one else has open or
-    /// mapped (asked of the kernel, a few at most).
+    /// `need` bytes: the smallest that holds them of those no one else has open or mapped (asked of the
+    /// kernel, a few at most). None smaller: a file grown has its new pages zeroed by the kernel before
+    /// the body overwrites them, which measured no cheaper than a fresh file's two copies.
     fn reusable(&self, inner: &mut Inner, need: u64) -> Option<usize> {
         if need < MIN_RECYCLED || (inner.lent.is_empty() && inner.files.is_empty()) {
             return None;
@@ -223,15 +230,8 @@ impl BufferPool {
                 inner.files.push((l.file, l.len));
             }
         }
-        let mut order: Vec<usize> = (0..inner.files.len()).collect();
-        order.sort_by_key(|&i| {
-            let len = inner.files[i].1;
-            if len >= need {
-                (0, len)
-            } else {
-                (1, u64::MAX - len)
-            }
-        });
+        let mut order: Vec<usize> = (0..inner.files.len()).filter(|&i| inner.files[i].1 >= need).collect();
+        order.sort_by_key(|&i| inner.files[i].1);
         for i in order.into_iter().take(4) {
             match crate::sys::unshared(&inner.files[i].0) {
                 Ok(true) => return Some(i),
@@ -428,17 +428,26 @@ mod tests {
         let file = file_of(pool.charge(3 * MB)).expect("filled again");
         assert_eq!(file.metadata().unwrap().len(), 4 * MB as u64, "the file lent");
         assert_eq!((pool.idle_bytes(), pool.used() - used), (0, 3 * MB as u64), "charged as the body's size");
-        // An idle file goes when its room is wanted, as an idle buffer does.
+        // An idle file goes when its room is wanted, as an idle buffer does; one smaller than the body is
+        // not grown (the kernel would zero the new pages first).
         let pool = BufferPool::new(10 * MB as u64);
         let Some((f, map)) = lent(&pool, 4) else { return };
         drop((f, map));
         assert!(file_of(pool.charge(MB)).is_none(), "smaller than a huge page: not filled again");
         fits(pool.admit(4 * MB));
-        assert!(matches!(pool.charge(6 * MB), Admission::Full), "kept while a batch may be evicted");
-        assert!(pool.trim_file(), "with none to evict, the idle file goes to make room");
+        assert!(matches!(pool.charge(6 * MB), Admission::Trimmed), "smaller than the body: freed for room");
+        assert_eq!(pool.idle_bytes(), 0);
+        // One a loader still has stays idle; with nothing to evict, the cache frees it for a read.
+        let pool = BufferPool::new(100 * MB as u64);
+        let Some((f, map)) = lent(&pool, 4) else { return };
+        let loader = File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&*f))).unwrap();
+        drop((f, map));
+        assert!(file_of(pool.charge(2 * MB)).is_none(), "a loader has it open");
+        assert_eq!(pool.idle_bytes(), 4 * MB as u64);
+        assert!(pool.trim_file());
         assert_eq!(pool.idle_bytes(), 0);
         assert!(!pool.trim_file());
-        assert!(matches!(pool.charge(6 * MB), Admission::Full));
+        drop(loader);
     }
 
     #[test]

@@ -118,6 +118,7 @@ impl Cache {
     /// a read waiting for room until its deadline). A prefetch that does not fit gets `None`.
     pub(super) fn admit(&self, key: ObjectKey, ask: Ask) -> Result<Option<Admitted>, ReadError> {
         let mut entries = self.entries.lock().expect("cache");
+        let mut for_a_file = ask.memfd && self.pool.recycles(ask.charge);
         let (buffer, recycled, charge) = loop {
             if let Some(e) = entries.lru.get(&key) {
                 if !e.entry.is_failed() {
@@ -139,7 +140,17 @@ impl Cache {
                 if ask.memfd { self.pool.charge(ask.charge as usize) } else { self.pool.admit(ask.charge as usize) };
             match admission {
                 Admission::Fits { buffer, charge, file } => {
-                    break (buffer, file, Charge::new(&self.pool, &self.stats, charge));
+                    let charge = Charge::new(&self.pool, &self.stats, charge);
+                    // A fresh memory file (two copies) where a batch already read would give its own to
+                    // be filled again (one copy): that batch goes first, once an admission.
+                    if file.is_none() && std::mem::take(&mut for_a_file) {
+                        if let Some(victim) = entries.giver(ask.charge) {
+                            drop(charge);
+                            self.evict(&mut entries, victim);
+                            continue;
+                        }
+                    }
+                    break (buffer, file, charge);
                 }
                 Admission::Trimmed => continue,
                 Admission::Full => {}
@@ -168,7 +179,7 @@ impl Cache {
             entries = self.wait_for_room(entries, ask.deadline)?;
         };
         let entry = Arc::new(Entry::new(self.clock()));
-        entries.lru.put(key, Cached { _charge: charge, entry: entry.clone() });
+        entries.lru.put(key, Cached { charge, entry: entry.clone() });
         // Counted with the cache lock still held, as it was checked: no admission passes the check on a
         // count that another has passed it on but not raised yet.
         let prefetching = (!ask.on_demand).then(|| Prefetching::count(&self.prefetching, ask.sent));
@@ -297,11 +308,25 @@ struct Entries {
 /// cache drops it, before the entry: its buffer then comes back to the pool into the room released).
 struct Cached {
     /// Held for its drop.
-    _charge: Charge,
+    charge: Charge,
     entry: Arc<Entry>,
 }
 
 impl Entries {
+    /// A batch already read whose memory file would hold `need` bytes: the smallest that does (a file cut
+    /// to a body frees the rest, and one grown has its new pages zeroed by the kernel first).
+    fn giver(&self, need: u64) -> Option<ObjectKey> {
+        let gives = |c: &Cached| {
+            let e = &c.entry;
+            c.charge.bytes >= need
+                && e.consumed.load(Ordering::Relaxed)
+                && e.is_ready()
+                && !e.is_pinned()
+                && e.memfd.lock().expect("memfd").is_some()
+        };
+        self.lru.iter().filter(|(_, c)| gives(c)).min_by_key(|(_, c)| c.charge.bytes).map(|(k, _)| *k)
+    }
+
     /// Picks the entry to evict at `now` (nanoseconds of the cache's clock), least recently used first and
     /// never one whose memory file is open: a consumed ready batch; else one nobody read or asked for in
     /// `stale_after` (a window that ran past where its reader stopped: the start of an epoch never read, a
