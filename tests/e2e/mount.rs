@@ -578,6 +578,16 @@ fn mount_refuses_a_cache_too_small_for_the_first_epochs_it_serves() {
     rt.block_on(server.running.shutdown());
 }
 
+/// A self-signed certificate for `localhost` and its key, written into `dir`: the server's TLS files, and
+/// the certificate's path (a mount's `ca_file`).
+fn self_signed(dir: &Path) -> (batchfs_server::TlsFiles, std::path::PathBuf) {
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (cert_path, key_path) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    (batchfs_server::TlsFiles { cert: cert_path.clone(), key: key_path }, cert_path)
+}
+
 /// Over TLS: a mount of an `https://` server it trusts through `ca_file`, with a token, reads every
 /// batch of an epoch with the bytes a cleartext server of the same dataset sends (bodies of many TLS
 /// records, the socket read ahead in large pieces). Without the CA, the mount does not start, and says
@@ -587,12 +597,9 @@ fn a_mount_over_tls_reads_the_bytes_of_a_cleartext_server() {
     let rt = runtime();
     let fx = fixture(SourceFormat::Tfrecord, 96, 60_000);
     let dir = tempfile::tempdir().unwrap();
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-    let (cert_path, key_path, token) = (dir.path().join("cert.pem"), dir.path().join("key.pem"), dir.path().join("t"));
-    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
-    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let (tls, cert_path) = self_signed(dir.path());
+    let token = dir.path().join("t");
     std::fs::write(&token, "s3cret\n").unwrap();
-    let tls = batchfs_server::TlsFiles { cert: cert_path.clone(), key: key_path };
     let with = ServeWith { tls: Some(tls), token: Some("s3cret".into()), ..ServeWith::default() };
     let server = rt.block_on(serve(&[("d", &fx.path)], with));
     assert!(server.base.starts_with("https://localhost:"), "{}", server.base);
@@ -707,17 +714,37 @@ fn connections_whose_path_went_silent_while_idle_are_replaced_before_a_read_need
 }
 
 /// With passthrough on the huge-page tmpfs (root), an evicted batch's memory file is filled again with a
-/// later batch, received straight into its pages; a loader's mapping of a batch file, kept after its
-/// close, still holds that batch's bytes after the cache has turned over several times (the kernel's
-/// lease says the file is shared until it is unmapped), and every batch read equals the server's.
+/// later batch, received straight into its pages (over h2c and over TLS, out of rustls's records); a
+/// loader's mapping of a batch file, kept after its close, still holds that batch's bytes after the cache
+/// has turned over several times (the kernel's lease says the file is shared until it is unmapped), and
+/// every batch read equals the server's.
 #[test]
 fn a_mapped_batch_file_keeps_its_bytes_while_memory_files_are_filled_again() {
     let rt = runtime();
     let fx = fixture(SourceFormat::Tfrecord, 384, 40_000);
-    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let dir = tempfile::tempdir().unwrap();
+    let (tls, cert_path) = self_signed(dir.path());
+    let plain = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let secure = rt.block_on(serve(&[("d", &fx.path)], ServeWith { tls: Some(tls), ..ServeWith::default() }));
+    let options = "batch_size=64,cache=16M,prefetch=2,epochs=6";
+    mapped_file_kept_while_files_are_filled_again(&rt, &plain, &plain, options);
+    let options = format!("{options},ca_file={}", cert_path.display());
+    mapped_file_kept_while_files_are_filled_again(&rt, &secure, &plain, &options);
+    rt.block_on(async {
+        secure.running.shutdown().await;
+        plain.running.shutdown().await;
+    });
+}
+
+fn mapped_file_kept_while_files_are_filled_again(
+    rt: &tokio::runtime::Runtime,
+    server: &common::Server,
+    plain: &common::Server,
+    options: &str,
+) {
     let query = "batch_size=64";
-    let (_dir, mounted) = common::mount(&server, "d", "batch_size=64,cache=16M,prefetch=2,epochs=6");
-    let manifests: Vec<Manifest> = (0..6).map(|e| common::manifest_of(&rt, &server, "d", e, query)).collect();
+    let (_dir, mounted) = common::mount(server, "d", options);
+    let manifests: Vec<Manifest> = (0..6).map(|e| common::manifest_of(rt, plain, "d", e, query)).collect();
     let path = |e: usize, b: usize| mounted.mountpoint.join(format!("epoch-{e:04}/batch-{b:06}.tfrecord"));
     let kept = {
         let file = std::fs::File::open(path(0, 1)).unwrap();
@@ -738,5 +765,4 @@ fn a_mapped_batch_file_keeps_its_bytes_while_memory_files_are_filled_again() {
     }
     drop(kept);
     drop(mounted);
-    rt.block_on(server.running.shutdown());
 }
