@@ -73,6 +73,7 @@ pub fn render(s: &StatsSnapshot) -> String {
         ("errors_total", "counter", "Reads and opens answered EIO.", s.errors),
         ("evictions_total", "counter", "Batches dropped from the cache.", s.evictions),
         ("passthrough_opens_total", "counter", "Opens served by FUSE passthrough.", s.passthrough_opens),
+        ("recycled_bytes_total", "counter", "Bytes received into memory files filled again.", s.recycled_bytes),
         ("daemon_opens_total", "counter", "Opens read through the daemon.", s.daemon_opens),
         ("lookups_total", "counter", "Names the daemon looked up.", s.lookups),
         ("ring_opens_total", "counter", "Opens the kernel sent over a FUSE ring (fuse_uring).", s.ring_opens),
