@@ -178,6 +178,14 @@ pub fn seal(file: std::fs::File) -> io::Result<std::fs::File> {
 /// off (`fs.leases-enable`) or the file takes none.
 pub fn unshared(file: &std::fs::File) -> io::Result<bool> {
     use std::os::fd::AsRawFd;
+    // A lease makes its taker the file's owner: an open by anyone else while it is held (the instant
+    // between taking and letting go) sends the owner SIGIO, whose default action ends the process.
+    static QUIET: std::sync::Once = std::sync::Once::new();
+    // SAFETY: SIG_IGN installs no handler (no code of ours runs in a signal context); nothing in the mount
+    // asks for SIGIO (no other descriptor has an owner set), so ignoring it changes nothing else.
+    QUIET.call_once(|| unsafe {
+        libc::signal(libc::SIGIO, libc::SIG_IGN);
+    });
     // SAFETY: the descriptor is open for the duration of the call (borrowed from `file`); F_SETLEASE
     // takes an integer argument and touches no memory of ours.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLEASE, libc::F_WRLCK) } != 0 {
@@ -523,6 +531,13 @@ mod tests {
         f.set_len(1 << 20).unwrap();
         let f = std::fs::File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&f))).unwrap();
         assert!(unshared(&f).unwrap(), "alone");
+        // SAFETY: a null new action only reads the current one into `old`, which outlives the call.
+        let old = unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGIO, std::ptr::null(), &mut old);
+            old
+        };
+        assert_eq!(old.sa_sigaction, libc::SIG_IGN, "a lease broken while held would end the process");
         let own = batchfs::mmap::MappedFile::open_file(&f).unwrap();
         assert!(unshared(&f).unwrap(), "its own mapping");
         drop(own);
