@@ -134,9 +134,10 @@ impl BufferPool {
 
     fn admit_with(&self, need: usize, buffered: bool) -> Admission {
         let mut inner = self.inner.lock().expect("pool");
+        self.take_back(&mut inner);
         let room = self.total.saturating_sub(inner.used);
         let best = if buffered { Self::best(&inner.free, need) } else { None };
-        let file = if buffered { None } else { self.reusable(&mut inner, need as u64) };
+        let file = if buffered { None } else { self.reusable(&inner, need as u64) };
         let reuse = best.map_or(0, |i| inner.free[i].capacity() as u64) + file.map_or(0, |i| inner.files[i].1);
         // A file is cut or grown to exactly `need`; a buffer keeps its capacity.
         let charge = if file.is_some() { need as u64 } else { (need as u64).max(reuse) };
@@ -182,14 +183,14 @@ impl BufferPool {
         }
     }
 
-    /// Whether a fetch of `need` bytes into a memory file may get one filled again: files are lent (the
-    /// huge-page tmpfs, leases granted so far) and the body is large enough.
+    /// Whether a fetch of `need` bytes into a memory file may get one filled again: memory files are on
+    /// the huge-page tmpfs, the kernel has granted leases so far, and the body is large enough.
     pub fn recycles(&self, need: u64) -> bool {
         need >= MIN_RECYCLED && crate::sys::huge_pages() && self.recycling.load(Ordering::Relaxed)
     }
 
-    /// Frees the largest idle memory file, if there is one (before a read waits for room, or a prefetch
-    /// gives up, for want of a batch to evict): whether one was freed.
+    /// Frees the largest idle memory file, if there is one (before a read waits for room, for want of a
+    /// batch to evict): whether one was freed.
     pub fn trim_file(&self) -> bool {
         let mut inner = self.inner.lock().expect("pool");
         let largest = inner.files.iter().enumerate().max_by_key(|(_, (_, len))| *len).map(|(i, _)| i);
@@ -208,15 +209,10 @@ impl BufferPool {
         self.inner.lock().expect("pool").lent.push(lent);
     }
 
-    /// Brings back the lent files the daemon no longer holds: idle if they fit beside what is charged and
-    /// idle, else closed (their memory freed once no loader maps them). Then the idle file to fill with
-    /// `need` bytes: the smallest that holds them of those no one else has open or mapped (asked of the
-    /// kernel, a few at most). None smaller: a file grown has its new pages zeroed by the kernel before
-    /// the body overwrites them, which measured no cheaper than a fresh file's two copies.
-    fn reusable(&self, inner: &mut Inner, need: u64) -> Option<usize> {
-        if need < MIN_RECYCLED || (inner.lent.is_empty() && inner.files.is_empty()) {
-            return None;
-        }
+    /// Brings back the lent files the daemon no longer holds (at every admission, so that none outlives
+    /// its batch uncounted): idle if they fit beside what is charged and idle, else closed (their memory
+    /// freed once no loader maps them).
+    fn take_back(&self, inner: &mut Inner) {
         let mut i = 0;
         while i < inner.lent.len() {
             let l = &inner.lent[i];
@@ -229,6 +225,16 @@ impl BufferPool {
                 self.idle.fetch_add(l.len, Ordering::Relaxed);
                 inner.files.push((l.file, l.len));
             }
+        }
+    }
+
+    /// The idle file to fill with `need` bytes: the smallest that holds them of those no one else has
+    /// open or mapped (asked of the kernel, a few at most). None smaller: a file grown has its new pages
+    /// zeroed by the kernel before the body overwrites them, which measured no cheaper than a fresh
+    /// file's two copies.
+    fn reusable(&self, inner: &Inner, need: u64) -> Option<usize> {
+        if need < MIN_RECYCLED {
+            return None;
         }
         let mut order: Vec<usize> = (0..inner.files.len()).filter(|&i| inner.files[i].1 >= need).collect();
         order.sort_by_key(|&i| inner.files[i].1);
@@ -434,6 +440,7 @@ mod tests {
         let Some((f, map)) = lent(&pool, 4) else { return };
         drop((f, map));
         assert!(file_of(pool.charge(MB)).is_none(), "smaller than a huge page: not filled again");
+        assert_eq!(pool.idle_bytes(), 4 * MB as u64, "taken back all the same: no file outlives its batch uncounted");
         fits(pool.admit(4 * MB));
         assert!(matches!(pool.charge(6 * MB), Admission::Trimmed), "smaller than the body: freed for room");
         assert_eq!(pool.idle_bytes(), 0);
