@@ -604,6 +604,22 @@ mod tests {
         }
     }
 
+    /// A body longer than the memory file filled again that it is received into fails its own stream,
+    /// and the connection serves the next request.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_body_past_its_memory_file_fails_its_stream_only() {
+        if crate::sys::use_huge_pages().is_err() {
+            return;
+        }
+        let wire = wire_to(&reference_server(1 << 20).await).await;
+        let len = 3 << 20;
+        let err = get_into(&wire, &format!("/{len}/1"), len, recycled_sink(len - 1000)).await.unwrap_err();
+        let past = |m: &str| m.contains("ran past its memory file");
+        assert!(matches!(&err, ClientError::Malformed { message, .. } if past(message)), "{err}");
+        let reply = get(&wire, &format!("/{len}/2"), len, true).await.unwrap();
+        assert!(bytes_of(reply.body.unwrap()) == body_of(len, 2));
+    }
+
     /// An error status comes with its body's first bytes and its Retry-After, not into the sink.
     #[tokio::test]
     async fn an_error_status_keeps_its_message() {

@@ -149,9 +149,15 @@ impl Reading {
             }
             (Some(_), Some(Target::Sink(Sink::File(file)))) if file.is_recycled() => {
                 // Straight into the recycled file's pages (already there: no page to zero), one copy.
+                let mut failed = None;
                 while left > 0 {
                     let n = {
-                        let Some(spare) = file.spare(left) else { break };
+                        let spare = file.spare(left).unwrap_or_default();
+                        if spare.is_empty() {
+                            let message = format!("{}: the body ran past its memory file", slot.path);
+                            failed = Some(ClientError::Malformed { server: server.clone(), message });
+                            break;
+                        }
                         let mut room = tokio::io::ReadBuf::new(spare);
                         std::future::poll_fn(|cx| std::pin::Pin::new(&mut *read).poll_read(cx, &mut room)).await?;
                         room.filled().len()
@@ -164,7 +170,7 @@ impl Reading {
                     self.shared.heard();
                     file.commit(n, &mut slot.crc);
                 }
-                None
+                failed
             }
             (Some(_), Some(Target::Sink(sink @ Sink::File(_)))) => {
                 // The frame's bytes, whole, into a piece of their own that the file holds until its span
