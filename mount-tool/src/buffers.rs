@@ -109,7 +109,7 @@ impl MemoryFile {
     /// cut or grown to `len`, and mapped with its pages in place. Its old bytes stay until overwritten,
     /// so [`MemoryFile::finish`] cuts it to what was written.
     pub fn recycled(idle: std::fs::File, len: u64) -> std::io::Result<Self> {
-        let file = crate::sys::writable(&idle)?;
+        let file = crate::sys::reopen(&idle, true)?;
         drop(idle);
         if !crate::sys::unshared(&file)? {
             return Err(std::io::Error::other("the memory file is open or mapped elsewhere"));

@@ -858,8 +858,8 @@ mod tests {
             f.read_exact_at(&mut got, 0).unwrap();
             assert!(got == body[..], "batch {i}'s memory file holds another body");
             if i == 8 {
-                let other = std::fs::File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&*f)));
-                loaders_map = Some(batchfs::mmap::MappedFile::open_file(&other.unwrap()).unwrap());
+                let other = crate::sys::reopen(&f, false).unwrap();
+                loaders_map = Some(batchfs::mmap::MappedFile::open_file(&other).unwrap());
             }
             drop(f);
             assert!(p.cache_used() <= 24 * mb, "over the budget");

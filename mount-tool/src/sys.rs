@@ -167,7 +167,7 @@ pub fn seal(file: std::fs::File) -> io::Result<std::fs::File> {
         return if rc == 0 { Ok(file) } else { Err(io::Error::last_os_error()) };
     }
     // Not a sealable memfd: the same file (the same pages) through a read-only descriptor.
-    std::fs::File::open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+    reopen(&file, false)
 }
 
 /// Whether no one but the caller has `file`'s inode open or mapped: a write lease (`F_SETLEASE`) is
@@ -202,11 +202,11 @@ pub fn unshared(file: &std::fs::File) -> io::Result<bool> {
     Ok(true)
 }
 
-/// A writable descriptor of the [`memory_file`] that `file` (a read-only one, of the huge-page tmpfs) is
-/// open on: the same inode and pages, reopened through `/proc/self/fd`.
-pub fn writable(file: &std::fs::File) -> io::Result<std::fs::File> {
+/// A new open file of the inode `file` is open on (the same pages), read-only or also `writable`: opened
+/// again through `/proc/self/fd`, so the new file counts as another open (a lease sees it).
+pub fn reopen(file: &std::fs::File, writable: bool) -> io::Result<std::fs::File> {
     use std::os::fd::AsRawFd;
-    std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+    std::fs::OpenOptions::new().read(true).write(writable).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
 /// Whether this process is root.
@@ -529,7 +529,7 @@ mod tests {
     fn a_file_is_unshared_only_when_no_other_descriptor_or_mapping_holds_it() {
         let f = memfd("batchfs-test").unwrap();
         f.set_len(1 << 20).unwrap();
-        let f = std::fs::File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&f))).unwrap();
+        let f = reopen(&f, false).unwrap();
         assert!(unshared(&f).unwrap(), "alone");
         // SAFETY: a null new action only reads the current one into `old`, which outlives the call.
         let old = unsafe {
@@ -541,14 +541,14 @@ mod tests {
         let own = batchfs::mmap::MappedFile::open_file(&f).unwrap();
         assert!(unshared(&f).unwrap(), "its own mapping");
         drop(own);
-        let other = std::fs::File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&f))).unwrap();
+        let other = reopen(&f, false).unwrap();
         assert!(!unshared(&f).unwrap(), "another descriptor");
         let mapped = batchfs::mmap::MappedFile::open_file(&other).unwrap();
         drop(other);
         assert!(!unshared(&f).unwrap(), "a mapping whose descriptor is closed");
         drop(mapped);
         assert!(unshared(&f).unwrap(), "all gone");
-        let w = writable(&f).unwrap();
+        let w = reopen(&f, true).unwrap();
         assert!(!unshared(&f).unwrap(), "a writable descriptor");
         drop(w);
         assert!(unshared(&f).unwrap());

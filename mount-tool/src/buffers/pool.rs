@@ -422,7 +422,7 @@ mod tests {
         let pool = BufferPool::new(100 * MB as u64);
         let Some((f, map)) = lent(&pool, 4) else { return };
         assert!(file_of(pool.charge(3 * MB)).is_none(), "the cache still holds it");
-        let loader = File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&*f))).unwrap();
+        let loader = crate::sys::reopen(&f, false).unwrap();
         drop(f);
         assert!(file_of(pool.charge(3 * MB)).is_none(), "the daemon still maps it");
         drop(map);
@@ -447,7 +447,7 @@ mod tests {
         // One a loader still has stays idle; with nothing to evict, the cache frees it for a read.
         let pool = BufferPool::new(100 * MB as u64);
         let Some((f, map)) = lent(&pool, 4) else { return };
-        let loader = File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&*f))).unwrap();
+        let loader = crate::sys::reopen(&f, false).unwrap();
         drop((f, map));
         assert!(file_of(pool.charge(2 * MB)).is_none(), "a loader has it open");
         assert_eq!(pool.idle_bytes(), 4 * MB as u64);
