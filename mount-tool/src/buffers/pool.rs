@@ -201,7 +201,7 @@ impl BufferPool {
     /// it comes back idle once neither is held anywhere else in the daemon. Only files of the huge-page
     /// tmpfs, which can be written again (a sealed memfd cannot), of at least [`MIN_RECYCLED`] bytes.
     pub fn lend(&self, file: &Arc<File>, mapping: Weak<MappedFile>, len: u64) {
-        if len < MIN_RECYCLED || !crate::sys::huge_pages() || !self.recycling.load(Ordering::Relaxed) {
+        if !self.recycles(len) {
             return;
         }
         let Ok(own) = file.try_clone() else { return };
