@@ -25,7 +25,7 @@ pub use crate::buffers::{Body, Sink};
 pub use http::{parse_url, HttpClient, HttpConfig, UrlError};
 
 /// What the server sends for one object: its size and CRC32C (from the manifest, or the file list).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Sent {
     pub bytes: u64,
     pub crc32c: u32,

@@ -90,6 +90,7 @@ pub fn render(s: &StatsSnapshot) -> String {
             ("node_cache_hit_bytes_total", "counter", "Bytes read from the node cache.", n.hit_bytes),
             ("node_cache_written_bytes_total", "counter", "Bytes written to the node cache.", n.written_bytes),
             ("node_cache_corrupt_total", "counter", "Node cache files found corrupt and fetched anew.", n.corrupt),
+            ("node_cache_unread_total", "counter", "Node cache opens that found the file as last checked.", n.unread),
         ]);
     }
     if s.supervisor_pid != 0 {

@@ -8,6 +8,17 @@
 //! never opens a partial one; every read checks the size and CRC32C again before a byte is used, and a
 //! file that fails (a disk's corruption, a truncation) is removed and fetched anew.
 //!
+//! **Checked once a mount, while unchanged.** Reading a file back to check it costs a copy of it at every
+//! open (a quarter of the daemon's CPU under ImageFolder over `raw/`), so a mount remembers the files it
+//! wrote or checked (up to `cache_dir_checks` of them) by their inode's identity: inode number, size, and
+//! the change time, which the kernel moves at every write, truncation or rename and which no one can set.
+//! An open that finds the file as it was left skips the read; any other is checked again. The change time
+//! must move at a change however soon it follows: on filesystems whose times are a clock tick coarse (no
+//! multigrain timestamps, before Linux 6.13), a file is remembered only once its change time is older than
+//! a tick, as git's index treats "racily clean" entries. What this gives up: a disk that corrupts a file's
+//! blocks without a write is caught at the next mount's first open, not at every open. The kernel's page
+//! cache is what the check read either way, and what a passthrough reader reads after it.
+//!
 //! **Bounded.** The bytes written are counted against `cache_dir_size`; past it, the least recently used
 //! files (by modification time, touched at a hit when it is older than [`TOUCH_AFTER`]) are removed until
 //! the cache is under 90 % of it. The count starts from a walk of the directory at mount time, in the
@@ -27,6 +38,13 @@ pub const TOUCH_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
 /// zeroing and page faults, and the unmap's TLB shootdowns, more than the check's copy of a small file.
 const CHECK_BUFFER: usize = 1 << 20;
 
+/// A change time at least this old moves at any later change, whatever the clock's grain (a tick is at most
+/// 10 ms, at `HZ=100`).
+const SETTLED: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Files whose check a mount remembers by default (`cache_dir_checks`): about 10 MB at most.
+pub const DEFAULT_CHECKS: usize = 1 << 17;
+
 thread_local! {
     static CHECK: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -42,7 +60,44 @@ pub struct NodeCache {
     used: AtomicU64,
     /// One eviction at a time (in this mount).
     evicting: Mutex<()>,
+    /// The files this mount wrote or checked, as they were then (none: checked at every open).
+    checks: Option<Mutex<lru::LruCache<Sent, Stamp>>>,
+    /// Whether a change right after a look at a file moves its change time (multigrain timestamps):
+    /// then a file is remembered as soon as it is written or checked.
+    fine_times: bool,
     pub stats: NodeCacheStats,
+}
+
+/// How a file was found right.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    /// Read (`read` bytes of it), and found `right` or not.
+    Read { right: bool, read: u64 },
+    /// As this mount had written or checked it: not read.
+    Remembered,
+}
+
+/// What identifies a file's contents as they were when a mount wrote or checked it: the kernel moves the
+/// change time at every write, truncation or rename of the inode, and it cannot be set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    ino: u64,
+    size: u64,
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(m: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Stamp { ino: m.ino(), size: m.size(), ctime: (m.ctime(), m.ctime_nsec()) }
+    }
+
+    /// Whether a change from now on surely moves the change time: with fine times always; else once the
+    /// change time is older than a clock tick.
+    fn settled(&self, fine_times: bool) -> bool {
+        let changed = std::time::UNIX_EPOCH + std::time::Duration::new(self.ctime.0.max(0) as u64, self.ctime.1 as u32);
+        fine_times || std::time::SystemTime::now().duration_since(changed).is_ok_and(|age| age >= SETTLED)
+    }
 }
 
 /// What the node cache did.
@@ -58,18 +113,26 @@ pub struct NodeCacheStats {
     pub corrupt: AtomicU64,
     /// Files removed to stay under the limit.
     pub evictions: AtomicU64,
+    /// Opens that found the file as this mount had written or checked it, and did not read it again.
+    pub unread: AtomicU64,
 }
 
 impl NodeCache {
-    /// The cache in `dir` (made if missing), at most `limit` bytes.
+    /// The cache in `dir` (made if missing), at most `limit` bytes, remembering [`DEFAULT_CHECKS`] checks.
     pub fn open(dir: &Path, limit: u64) -> std::io::Result<std::sync::Arc<Self>> {
-        Self::open_touching(dir, limit, TOUCH_AFTER)
+        Self::open_with(dir, limit, DEFAULT_CHECKS, TOUCH_AFTER)
+    }
+
+    /// The same, remembering the checks of `checks` files (0: every open reads its file again).
+    pub fn open_remembering(dir: &Path, limit: u64, checks: usize) -> std::io::Result<std::sync::Arc<Self>> {
+        Self::open_with(dir, limit, checks, TOUCH_AFTER)
     }
 
     /// The same, a hit touching a file whose modification time is `touch_after` old.
-    fn open_touching(
+    fn open_with(
         dir: &Path,
         limit: u64,
+        checks: usize,
         touch_after: std::time::Duration,
     ) -> std::io::Result<std::sync::Arc<Self>> {
         std::fs::create_dir_all(dir)?;
@@ -79,6 +142,8 @@ impl NodeCache {
             touch_after,
             used: AtomicU64::new(0),
             evicting: Mutex::new(()),
+            checks: std::num::NonZeroUsize::new(checks).map(|n| Mutex::new(lru::LruCache::new(n))),
+            fine_times: checks > 0 && changes_show_at_once(dir),
             stats: NodeCacheStats::default(),
         });
         let walker = cache.clone();
@@ -114,7 +179,7 @@ impl NodeCache {
         let mut data = vec![0u8; usize::try_from(part.bytes).ok()?];
         let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut data, offset).is_ok();
         let right = size == whole.bytes && read && batchfs::crc::crc32c(&data) == part.crc32c;
-        self.checked(&path, &file, part.bytes, right, size)?;
+        self.checked_part(&path, &file, whole, part.bytes, Check::Read { right, read: size })?;
         Some(data)
     }
 
@@ -126,6 +191,11 @@ impl NodeCache {
     pub fn open_checked(&self, sent: Sent) -> Option<std::fs::File> {
         let path = self.path_of(sent);
         let file = std::fs::File::open(&path).ok()?;
+        if self.unchanged(sent, &file) {
+            self.stats.unread.fetch_add(1, Ordering::Relaxed);
+            self.checked_part(&path, &file, sent, sent.bytes, Check::Remembered)?;
+            return Some(file);
+        }
         let (right, len) = CHECK.with_borrow_mut(|buf| {
             if buf.is_empty() {
                 buf.resize(CHECK_BUFFER, 0);
@@ -145,16 +215,44 @@ impl NodeCache {
                 }
             }
         });
-        self.checked(&path, &file, sent.bytes, right, len)?;
+        self.checked(&path, &file, sent, Check::Read { right, read: len })?;
         Some(file)
     }
 
-    /// After a read of `file` (at `path`, `read` bytes of it, `hit` bytes of it wanted): if it was
-    /// `right`, marks it recently used (the last to go) and counts the hit; else removes it and counts it
-    /// corrupt (`None`: fetched anew).
-    fn checked(&self, path: &Path, file: &std::fs::File, hit: u64, right: bool, read: u64) -> Option<()> {
-        if !right {
+    /// Whether `file` (the object `sent`'s) is as this mount last wrote or checked it.
+    fn unchanged(&self, sent: Sent, file: &std::fs::File) -> bool {
+        let Some(checks) = &self.checks else { return false };
+        let Some(was) = checks.lock().expect("checks").get(&sent).copied() else { return false };
+        file.metadata().is_ok_and(|m| Stamp::of(&m) == was)
+    }
+
+    /// Remembers `file` (the object `sent`'s, right as it is) where a change to it will show.
+    fn remember(&self, sent: Sent, file: &std::fs::File) {
+        let Some(checks) = &self.checks else { return };
+        let Ok(m) = file.metadata() else { return };
+        let stamp = Stamp::of(&m);
+        let mut checks = checks.lock().expect("checks");
+        if stamp.size == sent.bytes && stamp.settled(self.fine_times) {
+            checks.put(sent, stamp);
+        } else {
+            checks.pop(&sent);
+        }
+    }
+
+    /// After a check of `file` (at `path`): if it is right, marks it recently used (the last to go),
+    /// remembers it as checked and counts the hit; else removes it and counts it corrupt (`None`: fetched
+    /// anew).
+    fn checked(&self, path: &Path, file: &std::fs::File, sent: Sent, check: Check) -> Option<()> {
+        self.checked_part(path, file, sent, sent.bytes, check)
+    }
+
+    /// The same for a part of `hit` bytes of the object `whole`.
+    fn checked_part(&self, path: &Path, file: &std::fs::File, whole: Sent, hit: u64, check: Check) -> Option<()> {
+        if let Check::Read { right: false, read } = check {
             tracing::warn!(path = %path.display(), "node cache: a corrupt file, removed (fetched anew)");
+            if let Some(checks) = &self.checks {
+                checks.lock().expect("checks").pop(&whole);
+            }
             // Its size on the disk, not what the check read of it (it stops at the first byte too many).
             let size = file.metadata().map_or(read, |m| m.len());
             if std::fs::remove_file(path).is_ok() {
@@ -168,8 +266,12 @@ impl NodeCache {
             .metadata()
             .and_then(|m| m.modified())
             .map_or(true, |t| now.duration_since(t).is_ok_and(|age| age >= self.touch_after));
+        // A touch moves the change time too: what is remembered is the file after it.
         if stale {
             let _ = file.set_modified(now);
+        }
+        if hit == whole.bytes && (stale || check != Check::Remembered) {
+            self.remember(whole, file);
         }
         self.stats.hits.fetch_add(1, Ordering::Relaxed);
         self.stats.hit_bytes.fetch_add(hit, Ordering::Relaxed);
@@ -196,7 +298,9 @@ impl NodeCache {
         std::fs::create_dir_all(dir)?;
         let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
         tmp.write_all(data)?;
-        tmp.persist(&path).map_err(|e| e.error)?;
+        // The rename moves the change time: what is remembered is the file after it.
+        let file = tmp.persist(&path).map_err(|e| e.error)?;
+        self.remember(sent, &file);
         self.used.fetch_add(sent.bytes, Ordering::Relaxed);
         self.stats.writes.fetch_add(1, Ordering::Relaxed);
         self.stats.written_bytes.fetch_add(sent.bytes, Ordering::Relaxed);
@@ -225,6 +329,7 @@ impl NodeCache {
             written_bytes: g(&c.written_bytes),
             corrupt: g(&c.corrupt),
             evictions: g(&c.evictions),
+            unread: g(&c.unread),
         }
     }
 
@@ -269,6 +374,26 @@ impl NodeCache {
         }
         self.used.store(used, Ordering::Relaxed);
     }
+}
+
+/// Whether a write right after a look at a file moves its change time in `dir`'s filesystem (multigrain
+/// timestamps: ext4, XFS, Btrfs and tmpfs since Linux 6.13), asked of a scratch file: each of a few writes
+/// made at once after a `stat` must show. On a filesystem whose times are a tick coarse, most do not.
+fn changes_show_at_once(dir: &Path) -> bool {
+    let probe = || -> std::io::Result<bool> {
+        let mut f = tempfile::tempfile_in(dir)?;
+        let mut was = Stamp::of(&f.metadata()?);
+        for _ in 0..16 {
+            f.write_all(b"x")?;
+            let now = Stamp::of(&f.metadata()?);
+            if now.ctime == was.ctime {
+                return Ok(false);
+            }
+            was = now;
+        }
+        Ok(true)
+    };
+    probe().unwrap_or(false)
 }
 
 #[cfg(test)]
@@ -341,6 +466,59 @@ mod tests {
         assert!(cache.open_checked(empty).is_some(), "an empty object is right");
     }
 
+    /// A file this mount wrote or checked opens without being read again while its inode is as it was;
+    /// a byte changed in place (its modification time even set back) or a file renamed over it is read
+    /// and checked again. With no checks remembered, every open reads.
+    #[test]
+    fn a_file_checked_once_is_read_again_only_once_it_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 30).unwrap();
+        let unread = || cache.stats.unread.load(Ordering::Relaxed);
+        let a: Vec<u8> = (0..300_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        cache.put(sent(&a), &a).unwrap();
+        // Older than a tick of the coarsest clock: remembered however fine the filesystem's times are.
+        std::thread::sleep(SETTLED);
+        for _ in 0..3 {
+            let mut got = Vec::new();
+            cache.open_checked(sent(&a)).expect("right").read_to_end(&mut got).unwrap();
+            assert!(got == a);
+        }
+        assert!(unread() >= 2, "checked at most once: {} unread of 3", unread());
+        assert_eq!(cache.stats.hits.load(Ordering::Relaxed), 3);
+
+        // One byte flipped in place, the modification time put back as it was: the change time moved.
+        let path = cache.path_of(sent(&a));
+        let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+        let f = std::fs::File::options().write(true).open(&path).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &[a[1000] ^ 1], 1000).unwrap();
+        f.set_modified(mtime).unwrap();
+        drop(f);
+        let before = unread();
+        assert!(cache.open_checked(sent(&a)).is_none(), "a file changed in place is read, and found wrong");
+        assert!(!path.exists(), "removed");
+        assert_eq!(unread(), before);
+
+        // Written again, then another copy renamed over it (a new inode): read again, right, remembered.
+        cache.put(sent(&a), &a).unwrap();
+        std::thread::sleep(SETTLED);
+        let mut other = tempfile::NamedTempFile::new_in(path.parent().unwrap()).unwrap();
+        other.write_all(&a).unwrap();
+        other.persist(&path).unwrap();
+        std::thread::sleep(SETTLED);
+        let before = unread();
+        assert!(cache.open_checked(sent(&a)).is_some());
+        assert_eq!(unread(), before, "a file renamed over the one remembered is read");
+        assert!(cache.open_checked(sent(&a)).is_some());
+        assert_eq!(unread(), before + 1, "and remembered once checked");
+
+        // Remembering nothing: every open reads.
+        let none = NodeCache::open_remembering(dir.path(), 1 << 30, 0).unwrap();
+        for _ in 0..2 {
+            assert!(none.open_checked(sent(&a)).is_some());
+        }
+        assert_eq!(none.stats.unread.load(Ordering::Relaxed), 0);
+    }
+
     /// A part of a file kept whole is read alone and checked against its own CRC: the file at another
     /// size, a wrong part, or a part past the end is no hit, and a wrong file is removed.
     #[test]
@@ -368,7 +546,7 @@ mod tests {
     #[test]
     fn the_least_recently_used_go_past_the_limit() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = NodeCache::open_touching(dir.path(), 1000, std::time::Duration::ZERO).unwrap();
+        let cache = NodeCache::open_with(dir.path(), 1000, DEFAULT_CHECKS, std::time::Duration::ZERO).unwrap();
         let objects: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 300]).collect();
         for (i, o) in objects.iter().enumerate() {
             cache.put(sent(o), o).unwrap();

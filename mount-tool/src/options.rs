@@ -250,6 +250,8 @@ options! {
         "A node cache on local disk: verified objects kept by content, across remounts and mounts.";
     cache_dir_size: u64 = 100 << 30, value::size, "100G", "SIZE", "Prefetch",
         "Bytes the node cache keeps at most (the least recently used go first).";
+    cache_dir_checks: usize = crate::node_cache::DEFAULT_CHECKS, value::batches, "131072", "N", "Prefetch",
+        "Node cache files whose check the mount remembers, not reading them again while unchanged (0: none).";
     warm: Warm = Warm::None, value::warm, "`none`", "WHAT", "Prefetch",
         "raw: fetch every file of the dataset into the node cache, in batches, once mounted.";
     stale_after: Duration = Duration::from_secs(10), value::duration, "10s", "DURATION", "Prefetch",

@@ -186,6 +186,9 @@ pub struct NodeCacheSnapshot {
     pub corrupt: u64,
     /// Files removed to stay under `cache_dir_size`.
     pub evictions: u64,
+    /// Opens that found the file as this mount had written or checked it (not read again).
+    #[serde(default)]
+    pub unread: u64,
 }
 
 /// How far warming has got.

@@ -168,6 +168,57 @@ fn warm_raw_fills_the_node_cache_so_readers_fetch_nothing() {
     rt.block_on(server.running.shutdown());
 }
 
+/// A file the mount wrote into the node cache (or checked there) opens by passthrough without being read
+/// again; one of them changed on the disk in place, a byte flipped at the same size while the mount lives,
+/// is read at its next open, found wrong, removed and fetched anew: every byte through the mount right.
+#[test]
+fn a_node_cache_file_changed_after_its_check_is_checked_again() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Files, 120, 40_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let disk = tempfile::tempdir().unwrap();
+    let options = format!("batch_size=1,cache=16M,warm=raw,cache_dir={}", disk.path().display());
+    let (_dir, mounted) = common::mount(&server, "d", &options);
+    warmed(&mounted.mountpoint);
+    let raw = mounted.mountpoint.join("raw");
+    let mut names: Vec<_> = walk(&raw).into_iter().map(|p| p.strip_prefix(&raw).unwrap().to_owned()).collect();
+    names.sort();
+    assert_eq!(names.len(), 120);
+    let read_all = || {
+        for name in &names {
+            let (got, want) = (std::fs::read(raw.join(name)).unwrap(), std::fs::read(fx.path.join(name)).unwrap());
+            assert!(got == want, "{} read wrong through the mount", name.display());
+        }
+    };
+    // Twice: on a filesystem whose times are a tick coarse, the first open of a file just written reads it.
+    read_all();
+    read_all();
+    let n = |s: &serde_json::Value, k: &str| s["node_cache"][k].as_u64().unwrap();
+    let stats = common::mount_stats(&mounted.mountpoint);
+    let passthrough = stats["passthrough"] == true;
+    if passthrough {
+        assert!(n(&stats, "unread") >= names.len() as u64, "the second opens read nothing: {stats}");
+    }
+    let fetched_before = fetched(&mounted.mountpoint);
+
+    let mut files = walk(disk.path());
+    files.sort();
+    let victim = &files[files.len() / 2];
+    let size = std::fs::metadata(victim).unwrap().len();
+    let f = std::fs::File::options().read(true).write(true).open(victim).unwrap();
+    let mut byte = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut byte, 7).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[byte[0] ^ 0x20], 7).unwrap();
+    drop(f);
+    read_all();
+    let stats = common::mount_stats(&mounted.mountpoint);
+    if passthrough {
+        assert_eq!(n(&stats, "corrupt"), 1, "{stats}");
+        assert_eq!(fetched(&mounted.mountpoint) - fetched_before, size, "only that file fetched: {stats}");
+    }
+    rt.block_on(server.running.shutdown());
+}
+
 /// Waits until `warm=raw` has every file of the dataset in the node cache.
 fn warmed(mountpoint: &Path) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
