@@ -23,7 +23,8 @@
 # mount. shuffled/ and local read every item of an epoch; raw, sshfs and rclone at an RTT above 0 read LIMIT
 # items (an epoch of them would take minutes per run) and their epoch is scaled: the walk (ImageFolder's
 # build, `build_s`) plus SAMPLES × the per-item time after it.
-# `mount_mb`: the peak RSS of the batchfs mount's daemon in the run (shuffled and raw).
+# `mount_mb`: the peak RSS of the batchfs mount's daemon in the run (shuffled and raw); `daemon_cpu_s`: its
+# CPU time (user and system) during the loader's run, warming excluded.
 # Needs root, /dev/fuse, a release build, torchvision for /usr/bin/python3 (python3-torchvision), and:
 # apt-get install sshfs openssh-server rclone nginx fuse3
 set -euo pipefail
@@ -92,6 +93,8 @@ unmount_system() {
 }
 # The process serving the mount: its worker (the supervisor only holds the connection).
 daemon_pid() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["worker_pid"])' "$work/mnt-batchfs/.batchfs/stats"; }
+# Its CPU time so far (user + system, clock ticks).
+cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 
 if [ -n "${BIN_BEFORE:-}" ] || [ -n "${MOUNT_OPTS_BEFORE+set}" ]; then
   with=""
@@ -101,7 +104,7 @@ if [ -n "${BIN_BEFORE:-}" ] || [ -n "${MOUNT_OPTS_BEFORE+set}" ]; then
   done
   SYSTEMS=$with
 fi
-echo "round,system,rtt_ms,items,seconds,bytes,epoch_s,mount_mb,warm_s" > "$OUT/results.csv"
+echo "round,system,rtt_ms,items,seconds,bytes,epoch_s,mount_mb,warm_s,daemon_cpu_s" > "$OUT/results.csv"
 for round in $(seq "$ROUNDS"); do
   for rtt in $RTTS; do
     for sys in $SYSTEMS; do
@@ -110,17 +113,20 @@ for round in $(seq "$ROUNDS"); do
       mount_system "$sys" "$rtt"
       limit=()
       case ${sys%-before} in raw|sshfs|rclone) [ "$rtt" != 0 ] && limit=(--limit "$LIMIT") ;; esac
+      pid=
+      case ${sys%-before} in shuffled|raw|raw-cached|shuffled-cached) pid=$(daemon_pid); t0=$(cpu_ticks "$pid") ;; esac
       json=$(/usr/bin/python3 -W ignore "$root/tests/python/loaders.py" imagefolder "$DIR" "${limit[@]}")
-      mb=0
-      case ${sys%-before} in shuffled|raw|raw-cached|shuffled-cached)
-        pid=$(daemon_pid); mb=$(awk '/VmHWM/ { print int($2 / 1024) }' "/proc/$pid/status") ;;
-      esac
+      mb=0 cpu=0
+      if [ -n "$pid" ]; then
+        mb=$(awk '/VmHWM/ { print int($2 / 1024) }' "/proc/$pid/status")
+        cpu=$(python3 -c "import os, sys; print(round((int(sys.argv[1]) - int(sys.argv[2])) / os.sysconf('SC_CLK_TCK'), 2))" "$(cpu_ticks "$pid")" "$t0")
+      fi
       unmount_system "$sys"
       row=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); n=int(sys.argv[2])
 e = r["build_s"] + (r["epoch_s"] - r["build_s"]) * n / r["samples"]
 print(",".join(str(v) for v in [r["samples"], r["epoch_s"], r["bytes"], round(e, 3)]))' \
         "$json" "$SAMPLES")
-      echo "$round,$sys,$rtt,$row,$mb,$WARM_S" | tee -a "$OUT/results.csv"
+      echo "$round,$sys,$rtt,$row,$mb,$WARM_S,$cpu" | tee -a "$OUT/results.csv"
     done
   done
 done
@@ -172,6 +178,11 @@ for s in ["shuffled", "raw", "raw-cached", "shuffled-cached"]:
             print(f"- {s} / {s}-before (this build / BIN_BEFORE's or MOUNT_OPTS_BEFORE's), {r} ms: {ratio((s, r), (s + '-before', r))}")
     if ("local", rtts[0]) in med and (s, rtts[0]) in med:
         print(f"- {s} {rtts[0]} ms / local: {ratio((s, rtts[0]), ('local', rtts[0]))}")
+    c = [float(r["daemon_cpu_s"]) for r in rows if r["system"] == s and r.get("daemon_cpu_s")]
+    cb = [float(r["daemon_cpu_s"]) for r in rows if r["system"] == s + "-before" and r.get("daemon_cpu_s")]
+    if c:
+        print(f"- the daemon's CPU in the epoch, {s}: median {statistics.median(c):.2f} s"
+              + (f" (before: {statistics.median(cb):.2f} s)" if cb else ""))
     m = [v for k, vs in mem.items() if k[0] == s for v in vs]
     if m:
         print(f"- peak RSS of the mount, {s}: median {statistics.median(m)} MB, max {max(m)} MB")
