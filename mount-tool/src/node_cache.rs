@@ -378,8 +378,11 @@ impl NodeCache {
 
 /// Whether a write right after a look at a file moves its change time in `dir`'s filesystem (multigrain
 /// timestamps: ext4, XFS, Btrfs and tmpfs since Linux 6.13), asked of a scratch file: each of a few writes
-/// made at once after a `stat` must show. On a filesystem whose times are a tick coarse, most do not.
+/// made at once after a `stat` must show, all within a millisecond (a filesystem slower than that could
+/// show a tick's change between its calls and still hide one within a tick). On a filesystem whose times
+/// are a tick coarse, most do not.
 fn changes_show_at_once(dir: &Path) -> bool {
+    let started = std::time::Instant::now();
     let probe = || -> std::io::Result<bool> {
         let mut f = tempfile::tempfile_in(dir)?;
         let mut was = Stamp::of(&f.metadata()?);
@@ -391,9 +394,11 @@ fn changes_show_at_once(dir: &Path) -> bool {
             }
             was = now;
         }
-        Ok(true)
+        Ok(started.elapsed() < std::time::Duration::from_millis(1))
     };
-    probe().unwrap_or(false)
+    let fine = probe().unwrap_or(false);
+    tracing::debug!(dir = %dir.display(), fine, "node cache: whether a change shows in the change time at once");
+    fine
 }
 
 #[cfg(test)]
