@@ -68,15 +68,6 @@ pub struct NodeCache {
     pub stats: NodeCacheStats,
 }
 
-/// How a file was found right.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Check {
-    /// Read (`read` bytes of it), and found `right` or not.
-    Read { right: bool, read: u64 },
-    /// As this mount had written or checked it: not read.
-    Remembered,
-}
-
 /// What identifies a file's contents as they were when a mount wrote or checked it: the kernel moves the
 /// change time at every write, truncation or rename of the inode, and it cannot be set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,7 +170,7 @@ impl NodeCache {
         let mut data = vec![0u8; usize::try_from(part.bytes).ok()?];
         let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut data, offset).is_ok();
         let right = size == whole.bytes && read && batchfs::crc::crc32c(&data) == part.crc32c;
-        self.checked_part(&path, &file, whole, part.bytes, Check::Read { right, read: size })?;
+        self.checked(&path, &file, whole, part.bytes, right, size)?;
         Some(data)
     }
 
@@ -191,9 +182,12 @@ impl NodeCache {
     pub fn open_checked(&self, sent: Sent) -> Option<std::fs::File> {
         let path = self.path_of(sent);
         let file = std::fs::File::open(&path).ok()?;
-        if self.unchanged(sent, &file) {
+        if let Some(meta) = self.unchanged(sent, &file) {
             self.stats.unread.fetch_add(1, Ordering::Relaxed);
-            self.checked_part(&path, &file, sent, sent.bytes, Check::Remembered)?;
+            if self.touch_if_old(&file, meta.modified().ok()) {
+                self.remember(sent, &file);
+            }
+            self.count_hit(sent.bytes);
             return Some(file);
         }
         let (right, len) = CHECK.with_borrow_mut(|buf| {
@@ -215,15 +209,14 @@ impl NodeCache {
                 }
             }
         });
-        self.checked(&path, &file, sent, Check::Read { right, read: len })?;
+        self.checked(&path, &file, sent, sent.bytes, right, len)?;
         Some(file)
     }
 
-    /// Whether `file` (the object `sent`'s) is as this mount last wrote or checked it.
-    fn unchanged(&self, sent: Sent, file: &std::fs::File) -> bool {
-        let Some(checks) = &self.checks else { return false };
-        let Some(was) = checks.lock().expect("checks").get(&sent).copied() else { return false };
-        file.metadata().is_ok_and(|m| Stamp::of(&m) == was)
+    /// Whether `file` (the object `sent`'s) is as this mount last wrote or checked it: its metadata if so.
+    fn unchanged(&self, sent: Sent, file: &std::fs::File) -> Option<std::fs::Metadata> {
+        let was = self.checks.as_ref()?.lock().expect("checks").get(&sent).copied()?;
+        file.metadata().ok().filter(|m| Stamp::of(m) == was)
     }
 
     /// Remembers `file` (the object `sent`'s, right as it is) where a change to it will show.
@@ -239,16 +232,11 @@ impl NodeCache {
         }
     }
 
-    /// After a check of `file` (at `path`): if it is right, marks it recently used (the last to go),
-    /// remembers it as checked and counts the hit; else removes it and counts it corrupt (`None`: fetched
-    /// anew).
-    fn checked(&self, path: &Path, file: &std::fs::File, sent: Sent, check: Check) -> Option<()> {
-        self.checked_part(path, file, sent, sent.bytes, check)
-    }
-
-    /// The same for a part of `hit` bytes of the object `whole`.
-    fn checked_part(&self, path: &Path, file: &std::fs::File, whole: Sent, hit: u64, check: Check) -> Option<()> {
-        if let Check::Read { right: false, read } = check {
+    /// After a read of `file` (at `path`, `read` bytes of it) to check `hit` bytes of the object `whole`:
+    /// if they were `right`, marks it recently used (the last to go), remembers it as checked (the whole
+    /// object read) and counts the hit; else removes it and counts it corrupt (`None`: fetched anew).
+    fn checked(&self, path: &Path, file: &std::fs::File, whole: Sent, hit: u64, right: bool, read: u64) -> Option<()> {
+        if !right {
             tracing::warn!(path = %path.display(), "node cache: a corrupt file, removed (fetched anew)");
             if let Some(checks) = &self.checks {
                 checks.lock().expect("checks").pop(&whole);
@@ -261,21 +249,29 @@ impl NodeCache {
             self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        let now = std::time::SystemTime::now();
-        let stale = file
-            .metadata()
-            .and_then(|m| m.modified())
-            .map_or(true, |t| now.duration_since(t).is_ok_and(|age| age >= self.touch_after));
-        // A touch moves the change time too: what is remembered is the file after it.
-        if stale {
-            let _ = file.set_modified(now);
-        }
-        if hit == whole.bytes && (stale || check != Check::Remembered) {
+        self.touch_if_old(file, file.metadata().and_then(|m| m.modified()).ok());
+        // After the touch, which moves the change time too.
+        if hit == whole.bytes {
             self.remember(whole, file);
         }
-        self.stats.hits.fetch_add(1, Ordering::Relaxed);
-        self.stats.hit_bytes.fetch_add(hit, Ordering::Relaxed);
+        self.count_hit(hit);
         Some(())
+    }
+
+    /// Marks `file`, last modified at `modified` (unknown: touched), recently used if that is
+    /// `touch_after` ago: whether it was touched.
+    fn touch_if_old(&self, file: &std::fs::File, modified: Option<std::time::SystemTime>) -> bool {
+        let now = std::time::SystemTime::now();
+        let old = modified.is_none_or(|t| now.duration_since(t).is_ok_and(|age| age >= self.touch_after));
+        if old {
+            let _ = file.set_modified(now);
+        }
+        old
+    }
+
+    fn count_hit(&self, bytes: u64) {
+        self.stats.hits.fetch_add(1, Ordering::Relaxed);
+        self.stats.hit_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// Whether the cache holds the object `sent` (not checked).
