@@ -331,8 +331,7 @@ impl Entries {
             if size >= need && holding.is_none_or(|(_, s)| size < s) {
                 holding = Some((k, size));
             }
-            // A file smaller than a huge page is not filled again (`MIN_RECYCLED`): evicting its batch gives none.
-            if size >= crate::buffers::pool::MIN_RECYCLED && largest.is_none_or(|(_, s)| size > s) {
+            if largest.is_none_or(|(_, s)| size > s) {
                 largest = Some((k, size));
             }
         }
