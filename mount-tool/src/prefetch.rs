@@ -603,18 +603,10 @@ mod tests {
         step: usize,
         config: PrefetcherConfig,
     ) -> (tokio::runtime::Runtime, Arc<Client>, Arc<Prefetcher>, Vec<Bytes>) {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let bodies: Vec<Bytes> = (0..n)
             .map(|i| Bytes::from((0..base + (i * 37) % 300 * step).map(|j| (i * 7 + j) as u8).collect::<Vec<u8>>()))
             .collect();
-        setup_bodies(bodies, config)
-    }
-
-    /// A prefetcher over a client that serves `bodies` as batches 0, 1, ...
-    fn setup_bodies(
-        bodies: Vec<Bytes>,
-        config: PrefetcherConfig,
-    ) -> (tokio::runtime::Runtime, Arc<Client>, Arc<Prefetcher>, Vec<Bytes>) {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let b2 = bodies.clone();
         let client = Arc::new(FaultClient::new(MemoryClient::new(move |_, _| b2.clone())));
         let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
@@ -875,34 +867,6 @@ mod tests {
         assert!(loaders_map.unwrap().bytes() == &bodies[8][..], "a mapped file was filled again");
         let s = p.stats.snapshot();
         assert!(s.recycled_bytes > 0 && s.recycled_bytes < s.passthrough_bytes, "{s:?}");
-    }
-
-    /// Bodies each larger than every one before: no evicted batch's memory file holds the next, and each is
-    /// grown to it rather than a fresh file made (only the difference is new memory); every file holds its
-    /// own body.
-    #[test]
-    fn memory_files_smaller_than_the_next_body_are_grown_to_it() {
-        use std::os::unix::fs::FileExt;
-        if crate::sys::use_huge_pages().is_err() {
-            return;
-        }
-        let mb = 1usize << 20;
-        let bodies: Vec<Bytes> = (0..16)
-            .map(|i| Bytes::from((0..3 * mb + i * 200_000).map(|j| (i * 11 + j) as u8).collect::<Vec<u8>>()))
-            .collect();
-        let config = PrefetcherConfig { prefetch: 2, cache_bytes: 24 * mb as u64, ..Default::default() };
-        let (_rt, _client, p, bodies) = setup_bodies(bodies, config);
-        p.fetch_into_memfds(true);
-        for (i, body) in bodies.iter().enumerate() {
-            let f = p.backing_file(key(i as u64), 1).unwrap();
-            let mut got = vec![0; f.metadata().unwrap().len() as usize];
-            f.read_exact_at(&mut got, 0).unwrap();
-            assert!(got == body[..], "batch {i}'s memory file holds another body");
-            drop(f);
-            assert!(p.cache_used() <= 24 * mb as u64, "over the budget");
-        }
-        let s = p.stats.snapshot();
-        assert!(s.recycled_bytes >= s.passthrough_bytes / 4, "few bodies into files grown for them: {s:?}");
     }
 
     /// Writing a large body into its memory file (the first passthrough open of a batch fetched into a

@@ -16,8 +16,7 @@
 //! mapping of its own) and is idle from then on, counted like an idle buffer. The next fetch into a
 //! memory file takes it ([`Admission::Fits`]'s `file`) once [`crate::sys::unshared`] says no loader has it
 //! open or mapped any more, and receives the body straight into its pages, which are already there: one
-//! copy, where a fresh file costs a copy through a buffer (or pages the kernel zeroes first). One smaller
-//! than the body is grown to it rather than a fresh file made: only the difference is new memory.
+//! copy, where a fresh file costs a copy through a buffer (or pages the kernel zeroes first).
 
 use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, Ordering};
 use batchfs::mmap::MappedFile;
@@ -229,21 +228,17 @@ impl BufferPool {
         }
     }
 
-    /// The idle file to fill with `need` bytes, of those no one else has open or mapped (asked of the
-    /// kernel, a few at most): the smallest that holds them, else the largest, grown to the body. A grown
-    /// file's new pages are new memory, and a fresh file's are all new: on a VM that hands freed memory back
-    /// to its host, each first touch of a page faults in the host (`tests/bench/first_touch.c`: 0.4 GB/s
-    /// in the daemon, against 9 GB/s for a receive into pages it kept).
+    /// The idle file to fill with `need` bytes: the smallest that holds them of those no one else has
+    /// open or mapped (asked of the kernel, a few at most). None smaller: a file grown has its new pages
+    /// zeroed by the kernel before the body overwrites them, which measured no cheaper than a fresh
+    /// file's two copies.
     fn reusable(&self, inner: &Inner, need: u64) -> Option<usize> {
         if need < MIN_RECYCLED {
             return None;
         }
-        let size = |i: &usize| inner.files[*i].1;
-        let (mut holding, mut smaller): (Vec<usize>, Vec<usize>) =
-            (0..inner.files.len()).partition(|i| size(i) >= need);
-        holding.sort_by_key(size);
-        smaller.sort_by_key(|i| std::cmp::Reverse(size(i)));
-        for i in holding.into_iter().chain(smaller).take(4) {
+        let mut order: Vec<usize> = (0..inner.files.len()).filter(|&i| inner.files[i].1 >= need).collect();
+        order.sort_by_key(|&i| inner.files[i].1);
+        for i in order.into_iter().take(4) {
             match crate::sys::unshared(&inner.files[i].0) {
                 Ok(true) => return Some(i),
                 Ok(false) => {}
@@ -439,25 +434,15 @@ mod tests {
         let file = file_of(pool.charge(3 * MB)).expect("filled again");
         assert_eq!(file.metadata().unwrap().len(), 4 * MB as u64, "the file lent");
         assert_eq!((pool.idle_bytes(), pool.used() - used), (0, 3 * MB as u64), "charged as the body's size");
-        // One smaller than the body is grown to it (only the difference is new memory), charged as the body.
-        let pool = BufferPool::new(11 * MB as u64);
+        // An idle file goes when its room is wanted, as an idle buffer does; one smaller than the body is
+        // not grown (the kernel would zero the new pages first).
+        let pool = BufferPool::new(10 * MB as u64);
         let Some((f, map)) = lent(&pool, 4) else { return };
         drop((f, map));
         assert!(file_of(pool.charge(MB)).is_none(), "smaller than a huge page: not filled again");
         assert_eq!(pool.idle_bytes(), 4 * MB as u64, "taken back all the same: no file outlives its batch uncounted");
         fits(pool.admit(4 * MB));
-        let grown = file_of(pool.charge(6 * MB)).expect("grown to the body");
-        assert_eq!(grown.metadata().unwrap().len(), 4 * MB as u64);
-        assert_eq!((pool.idle_bytes(), pool.used()), (0, 11 * MB as u64), "1 + 4 + the body's 6");
-        // The largest of those smaller is grown; another idle file goes when its room is wanted, as an idle
-        // buffer does.
-        let pool = BufferPool::new(8 * MB as u64);
-        let (Some((a, a_map)), Some((b, b_map))) = (lent(&pool, 4), lent(&pool, 3)) else { return };
-        drop((a, a_map, b, b_map));
-        assert!(matches!(pool.charge(6 * MB), Admission::Trimmed), "6 MB beside both idle files is past 8");
-        assert_eq!(pool.idle_bytes(), 4 * MB as u64, "the 3 MB one went");
-        let grown = file_of(pool.charge(6 * MB)).expect("then the 4 MB one is grown");
-        assert_eq!(grown.metadata().unwrap().len(), 4 * MB as u64);
+        assert!(matches!(pool.charge(6 * MB), Admission::Trimmed), "smaller than the body: freed for room");
         assert_eq!(pool.idle_bytes(), 0);
         // One a loader still has stays idle; with nothing to evict, the cache frees it for a read.
         let pool = BufferPool::new(100 * MB as u64);

@@ -141,9 +141,8 @@ impl Cache {
             match admission {
                 Admission::Fits { buffer, charge, file } => {
                     let charge = Charge::new(&self.pool, &self.stats, charge);
-                    // A fresh memory file (two copies, all its pages new memory) where a batch already read
-                    // would give its own to be filled again (one copy): that batch goes first, once an
-                    // admission.
+                    // A fresh memory file (two copies) where a batch already read would give its own to
+                    // be filled again (one copy): that batch goes first, once an admission.
                     if file.is_none() && std::mem::take(&mut for_a_file) {
                         if let Some(victim) = entries.giver(ask.charge) {
                             drop(charge);
@@ -314,28 +313,18 @@ struct Cached {
 }
 
 impl Entries {
-    /// A batch already read whose memory file the body of `need` bytes would fill again: the smallest that
-    /// holds it (a file cut to a body frees the rest), else the largest (grown to the body, only the
-    /// difference is new memory, where a fresh file's pages would all be).
+    /// A batch already read whose memory file would hold `need` bytes: the smallest that does (a file cut
+    /// to a body frees the rest, and one grown has its new pages zeroed by the kernel first).
     fn giver(&self, need: u64) -> Option<ObjectKey> {
         let gives = |c: &Cached| {
             let e = &c.entry;
-            e.consumed.load(Ordering::Relaxed)
+            c.charge.bytes >= need
+                && e.consumed.load(Ordering::Relaxed)
                 && e.is_ready()
                 && !e.is_pinned()
                 && e.memfd.lock().expect("memfd").is_some()
         };
-        let (mut holding, mut largest) = (None::<(&ObjectKey, u64)>, None::<(&ObjectKey, u64)>);
-        for (k, c) in self.lru.iter().filter(|(_, c)| gives(c)) {
-            let size = c.charge.bytes;
-            if size >= need && holding.is_none_or(|(_, s)| size < s) {
-                holding = Some((k, size));
-            }
-            if largest.is_none_or(|(_, s)| size > s) {
-                largest = Some((k, size));
-            }
-        }
-        holding.or(largest).map(|(k, _)| *k)
+        self.lru.iter().filter(|(_, c)| gives(c)).min_by_key(|(_, c)| c.charge.bytes).map(|(k, _)| *k)
     }
 
     /// Picks the entry to evict at `now` (nanoseconds of the cache's clock), least recently used first and
