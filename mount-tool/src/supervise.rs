@@ -247,8 +247,14 @@ impl Supervisor<'_> {
     fn run(mut self) -> Result<()> {
         loop {
             match self.signals.next()? {
-                libc::SIGCHLD => {
-                    let Some(w) = self.worker.as_mut() else { continue };
+                // A worker's exit is looked for at every SIGCHLD and every [`LOOK_EVERY`] besides.
+                signal @ (libc::SIGCHLD | RETRY) => {
+                    let Some(w) = self.worker.as_mut() else {
+                        if signal == RETRY {
+                            self.start_again();
+                        }
+                        continue;
+                    };
                     let Some(status) = w.child.try_wait()? else { continue };
                     let lived = w.started.elapsed();
                     self.worker = None;
@@ -271,10 +277,7 @@ impl Supervisor<'_> {
                     if self.quick_deaths > 3 {
                         std::thread::sleep(Duration::from_millis((125 << self.quick_deaths.min(7)).min(2000)));
                     }
-                    if let Err(e) = self.start_worker() {
-                        tracing::error!(error = %format!("{e:#}"), "no worker serves the mount: trying again");
-                        self.signals.retry_after(Duration::from_secs(1));
-                    }
+                    self.start_again();
                 }
                 libc::SIGHUP => {
                     if let Some(w) = &self.worker {
@@ -283,19 +286,19 @@ impl Supervisor<'_> {
                         unsafe { libc::kill(w.child.id() as libc::pid_t, libc::SIGTERM) };
                     }
                 }
-                RETRY => {
-                    if self.worker.is_none() {
-                        if let Err(e) = self.start_worker() {
-                            tracing::error!(error = %format!("{e:#}"), "no worker serves the mount: trying again");
-                            self.signals.retry_after(Duration::from_secs(1));
-                        }
-                    }
-                }
                 _ => {
                     tracing::info!("signal received: unmounting");
                     return self.unmount();
                 }
             }
+        }
+    }
+
+    /// Starts a worker, or tries again in a second.
+    fn start_again(&mut self) {
+        if let Err(e) = self.start_worker() {
+            tracing::error!(error = %format!("{e:#}"), "no worker serves the mount: trying again");
+            self.signals.retry_after(Duration::from_secs(1));
         }
     }
 
@@ -322,8 +325,13 @@ impl Supervisor<'_> {
     }
 }
 
-/// "Retry now", from the signal loop's timer.
+/// "Retry now", from the signal loop's timer: a worker to start again, or one to look at.
 const RETRY: i32 = 0;
+
+/// How often the supervisor looks whether its worker exited, SIGCHLD or not: one SIGCHLD stands for any
+/// number of exits, and a supervisor was once found waiting in `poll` with its killed worker a zombie,
+/// unreaped, no SIGCHLD pending, and the mount without a worker (its readers waiting for good).
+const LOOK_EVERY: Duration = Duration::from_secs(1);
 
 /// The signals the supervisor waits on, blocked and read from a signalfd.
 struct Signals {
@@ -355,13 +363,14 @@ impl Signals {
         self.retry = Some(Instant::now() + d);
     }
 
-    /// The next signal (or [`RETRY`] when the retry timer is due).
+    /// The next signal, or [`RETRY`] when the retry timer is due or [`LOOK_EVERY`] passed without one.
     fn next(&mut self) -> Result<i32> {
         loop {
-            let timeout = match self.retry {
-                Some(at) => at.saturating_duration_since(Instant::now()).as_millis() as i32,
-                None => -1,
+            let wait = match self.retry {
+                Some(at) => at.saturating_duration_since(Instant::now()).min(LOOK_EVERY),
+                None => LOOK_EVERY,
             };
+            let timeout = wait.as_millis() as i32;
             let mut poll = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
             // SAFETY: one pollfd, valid for the call.
             let n = unsafe { libc::poll(&mut poll, 1, timeout) };
@@ -550,4 +559,30 @@ pub fn upgrade(dir: &Path) -> Result<()> {
         }
     }
     bail!("the worker of {} was not replaced within {READY_WITHIN:?} (see the mount's log)", dir.display())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The supervisor's wait ends every [`LOOK_EVERY`] with no signal at all, so a worker whose exit no
+    /// SIGCHLD announced is still found and replaced; a retry due sooner ends it sooner.
+    #[test]
+    fn the_supervisor_looks_at_its_worker_without_a_signal() {
+        // Blocks the four signals for this test's thread only, and reads them from its own signalfd.
+        // (Another test's child may send this process a SIGCHLD meanwhile: such a wake is not the one
+        // looked for.)
+        let mut signals = Signals::block().unwrap();
+        let next_retry = |signals: &mut Signals| {
+            let started = Instant::now();
+            while signals.next().unwrap() != RETRY {}
+            started.elapsed()
+        };
+        let waited = next_retry(&mut signals);
+        assert!(waited >= LOOK_EVERY - Duration::from_millis(10), "woke after {waited:?}");
+        assert!(waited < LOOK_EVERY * 3, "woke after {waited:?}");
+        signals.retry_after(Duration::from_millis(50));
+        let waited = next_retry(&mut signals);
+        assert!(waited < LOOK_EVERY / 2, "the retry waited {waited:?}");
+    }
 }
