@@ -817,6 +817,38 @@ mod tests {
         assert!(source.making_of(n).is_some(), "object {n} picked with no entry for its readers");
     }
 
+    /// Under `shuffle=blocks` over a tier smaller than the dataset, a read far ahead of the others (a
+    /// mount's window running through the next epoch at the end of one) neither moves the furthest read
+    /// on nor has its object copied: what the slowest reader still needs is not evicted first. Before, a
+    /// read within two blocks moved it, and a window's reads walked it through the next epoch, the
+    /// objects copied for that epoch's first batches the first evicted (the store read 1.0-1.2x an epoch).
+    #[test]
+    fn a_read_far_ahead_of_the_others_moves_nothing_under_blocks() {
+        let (local, _) = crate::storage::fixtures::dataset(120, 20_000, 12);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let ds = open(&store, &context(Some(tier_dir.path()), 1 << 20), index_dir.path());
+        let source = ds.storage.objects().unwrap().clone();
+        let order: Vec<u32> = (0..ds.index.shards.len() as u32).collect();
+        let before = |p: usize| ds.index.shards[..p].iter().map(|s| s.size).sum::<u64>();
+        // Blocks such that the objects at positions 4 to 7 are a block and a half: the server's defaults
+        // (`block_bytes` a third of the tier; ahead one block, behind two).
+        let block = (before(8) - before(4)) * 2 / 3;
+        source.follow_unstarted(order, block, 2 * block);
+        for n in 0..4 {
+            source.touched(n, true);
+        }
+        assert_eq!(source.stager_place(), (3, 0, vec![]));
+        source.touched(8, false);
+        assert_eq!(source.stager_place(), (3, 0, vec![]), "a read a block and a half ahead moved the readers' place");
+        // The next object moves it, as ever; one behind it, not in the tier, is copied first.
+        source.touched(4, true);
+        assert_eq!(source.stager_place(), (4, 0, vec![]));
+        source.touched(1, false);
+        assert_eq!(source.stager_place(), (4, 0, vec![1]));
+    }
+
     #[test]
     fn blocks_copy_each_object_once_per_epoch_within_a_tier_smaller_than_the_dataset() {
         let (local, _) = crate::storage::fixtures::dataset(1200, 20_000, 12);

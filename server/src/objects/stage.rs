@@ -12,9 +12,13 @@
 //! evicts what the two blocks being read still need (a mount's window reaches into the next block before
 //! the last one is done), and the copies of objects wholly more than `behind` bytes (two blocks) before
 //! it are the tier's first to go ([`super::tier::Tier::demote`]: the plan reads them next in a later
-//! epoch). An object of the plan a body reads and not copied yet is copied first (what the tier evicts
-//! makes room). Under `shuffle=global` such a dataset is not copied at all (each object would be evicted
-//! before its next sample came): it is read by GETs, and the server says so at start and in `/healthz`.
+//! epoch). The furthest object read moves only to objects within `ahead` (at least a block) of it, so a
+//! mount's window reaching further than the tier holds (the next epoch, read ahead at the end of one)
+//! neither drags it on nor has what the slowest reader still needs evicted first. An object of the plan a
+//! body reads and not copied yet is copied first (what the tier evicts makes room) where it lies that
+//! near; beyond, the body reads its bytes by GETs. Under `shuffle=global` such a dataset is not copied at
+//! all (each object would be evicted before its next sample came): it is read by GETs, and the server
+//! says so at start and in `/healthz`.
 //!
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
 //! driving the object runtime: copies are written with `pwrite` (past the page cache where the dataset's
@@ -148,17 +152,24 @@ impl ObjectSource {
         let mut wake = false;
         // A read far beyond the others is not where the readers are: a read of a plan followed before,
         // whose objects lie anywhere in this one's order (a mount's window reaches into the next epoch
-        // before the last one is done).
-        let near = |q: &Queue, at: usize| q.before[at] <= q.before[q.cursor + 1].saturating_add(q.behind);
+        // before the last one is done), or a mount's window that reaches further than the tier holds.
+        // Near is within what the stager copies ahead (a block at least) of the furthest object read:
+        // within two blocks, each far read moved the furthest read a long step on, and the objects the
+        // slowest reader still wanted were evicted first as read, and copied again (the store was read
+        // 1.0-1.2x a half tier's epoch, as a mount's window ran through the next epoch).
+        let reach = q.ahead.max(q.behind / 2);
+        let near = |q: &Queue, at: usize| q.before[at] <= q.before[q.cursor + 1].saturating_add(reach);
         if at != u32::MAX && at as usize > q.cursor && near(&q, at as usize) {
             q.cursor = at as usize;
             tracing::debug!(dataset = %self.bucket.url, object = n, position = at, "the furthest object read");
             wake = q.ahead != u64::MAX;
             self.demote_behind(&mut q);
         }
-        // Any object of the plan followed that a body reads is wanted now (a mount's window may reach
-        // well past a block); the tier evicts what was read least recently to make room.
-        let within = q.ahead == u64::MAX || (q.started && at != u32::MAX);
+        // An object of the plan followed that a body reads is wanted now, up to as far as a read moves the
+        // furthest one (a mount's window may reach past a block); the tier evicts what was read least
+        // recently to make room. Beyond, its bytes are read by GETs: a copy made for them would evict
+        // what nearer reads still need.
+        let within = q.ahead == u64::MAX || (q.started && at != u32::MAX && near(&q, at as usize));
         if !held && within && !q.busy.contains(&n) && !q.failed.contains(&n) && !q.urgent.contains(&n) {
             q.urgent.push_back(n);
             self.making_entry(n);
@@ -247,9 +258,24 @@ impl ObjectSource {
     /// (for tests that look between the stager's steps: the test is the stager).
     #[cfg(test)]
     pub(super) fn pick_in_order(self: &Arc<Self>, order: Vec<u32>) -> Option<u32> {
-        self.stager.queue.lock().expect("stager").started = true;
-        self.queue_order(order, u64::MAX, u64::MAX, false);
+        self.follow_unstarted(order, u64::MAX, u64::MAX);
         self.next_to_copy(true)
+    }
+
+    /// Follows `order` as [`ObjectSource::follow`] does, `ahead` and `behind` given, without starting the
+    /// stager's thread (for tests that play the readers).
+    #[cfg(test)]
+    pub(super) fn follow_unstarted(self: &Arc<Self>, order: Vec<u32>, ahead: u64, behind: u64) {
+        self.stager.queue.lock().expect("stager").started = true;
+        self.queue_order(order, ahead, behind, false);
+    }
+
+    /// Where the stager has the readers (for tests): the furthest position read, how many of the order's
+    /// objects are the tier's first to go, and the objects to copy first.
+    #[cfg(test)]
+    pub(super) fn stager_place(&self) -> (usize, usize, Vec<u32>) {
+        let q = self.stager.queue.lock().expect("stager");
+        (q.cursor, q.done, q.urgent.iter().copied().collect())
     }
 
     /// Whether the stager copies nothing now and has nothing it may copy (for tests).
