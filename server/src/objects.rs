@@ -822,8 +822,9 @@ mod tests {
     /// on nor has its object copied: what the slowest reader still needs is not evicted first. Before, a
     /// read within two blocks moved it, and a window's reads walked it through the next epoch, the
     /// objects copied for that epoch's first batches the first evicted (the store read 1.0-1.2x an epoch).
+    /// A read far behind it of an object the tier lacks takes it back there.
     #[test]
-    fn a_read_far_ahead_of_the_others_moves_nothing_under_blocks() {
+    fn a_read_far_from_the_others_moves_the_readers_place_only_where_they_are() {
         let (local, _) = crate::storage::fixtures::dataset(120, 20_000, 12);
         let store = Arc::new(InMemory::new());
         upload(&store, local.path(), "ds");
@@ -847,6 +848,18 @@ mod tests {
         assert_eq!(source.stager_place(), (4, 0, vec![]));
         source.touched(1, false);
         assert_eq!(source.stager_place(), (4, 0, vec![1]));
+        // On to position 10, a block at a time: what lies two blocks behind is the tier's first to go.
+        for n in [6, 8, 10] {
+            source.touched(n, true);
+        }
+        let (cursor, done, _) = source.stager_place();
+        assert_eq!(cursor, 10);
+        assert!(done > 2, "{done} objects evicted first");
+        // A read of position 2, not in the tier: the readers are back there (a fresh mount reading what the
+        // last one read ahead of), and the stager follows them from there. Before, every object they read
+        // next was behind the furthest read, each copied as a body waited for it and none ahead.
+        source.touched(2, false);
+        assert_eq!(source.stager_place(), (2, 2, vec![1, 2]));
     }
 
     #[test]

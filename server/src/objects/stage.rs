@@ -14,7 +14,9 @@
 //! it are the tier's first to go ([`super::tier::Tier::demote`]: the plan reads them next in a later
 //! epoch). The furthest object read moves only to objects within `ahead` (at least a block) of it, so a
 //! mount's window reaching further than the tier holds (the next epoch, read ahead at the end of one)
-//! neither drags it on nor has what the slowest reader still needs evicted first. An object of the plan a
+//! neither drags it on nor has what the slowest reader still needs evicted first; a read of an object the
+//! tier lacks, wholly more than `behind` before it, takes it back there (the readers are there: a mount
+//! reading what one before it read ahead of and dropped). An object of the plan a
 //! body reads and not copied yet is copied first (what the tier evicts makes room) where it lies that
 //! near; beyond, the body reads its bytes by GETs. Under `shuffle=global` such a dataset is not copied at
 //! all (each object would be evicted before its next sample came): it is read by GETs, and the server
@@ -164,6 +166,15 @@ impl ObjectSource {
             tracing::debug!(dataset = %self.bucket.url, object = n, position = at, "the furthest object read");
             wake = q.ahead != u64::MAX;
             self.demote_behind(&mut q);
+        } else if at != u32::MAX && !held && q.before[at as usize + 1].saturating_add(q.behind) <= q.before[q.cursor] {
+            // Not in the tier, and wholly more than `behind` before the furthest read: the readers are back
+            // there (a mount reading what one before it read ahead of and dropped, as it was unmounted), so
+            // the stager follows them from there. Left where it was, every object they read next was
+            // behind it, copied one at a time as a body waited for it, none ahead.
+            let at = at as usize;
+            (q.cursor, q.next, q.done) = (at, q.next.min(at), q.done.min(at));
+            tracing::debug!(dataset = %self.bucket.url, object = n, position = at, "the readers are back here");
+            wake = q.ahead != u64::MAX;
         }
         // An object of the plan followed that a body reads is wanted now, up to as far as a read moves the
         // furthest one (a mount's window may reach past a block); the tier evicts what was read least
