@@ -855,11 +855,21 @@ mod tests {
         let (cursor, done, _) = source.stager_place();
         assert_eq!(cursor, 10);
         assert!(done > 2, "{done} objects evicted first");
-        // A read of position 2, not in the tier: the readers are back there (a fresh mount reading what the
-        // last one read ahead of), and the stager follows them from there. Before, every object they read
-        // next was behind the furthest read, each copied as a body waited for it and none ahead.
+        // A read of position 2, not in the tier, while the readers read at 10: a straggler, copied first.
         source.touched(2, false);
-        assert_eq!(source.stager_place(), (2, 2, vec![1, 2]));
+        assert_eq!(source.stager_place(), (10, done, vec![1, 2]));
+        // Once nothing is read near 10 for a while, such a read is where the readers are now (a fresh
+        // mount reading what the last one read ahead of and dropped), and the stager follows them there,
+        // back or on. Before, every object they read next lay outside its window, each copied as a body
+        // waited for it (or read by GETs), none ahead.
+        std::thread::sleep(stage::READERS_GONE + Duration::from_millis(50));
+        source.touched(3, false);
+        let (cursor, back, urgent) = source.stager_place();
+        assert_eq!((cursor, urgent), (3, vec![1, 2, 3]), "not back where the readers are");
+        assert!(back <= 3);
+        std::thread::sleep(stage::READERS_GONE + Duration::from_millis(50));
+        source.touched(11, false);
+        assert_eq!(source.stager_place().0, 11, "not on where the readers are");
     }
 
     #[test]

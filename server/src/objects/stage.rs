@@ -15,8 +15,9 @@
 //! epoch). The furthest object read moves only to objects within `ahead` (at least a block) of it, so a
 //! mount's window reaching further than the tier holds (the next epoch, read ahead at the end of one)
 //! neither drags it on nor has what the slowest reader still needs evicted first; a read of an object the
-//! tier lacks, wholly more than `behind` before it, takes it back there (the readers are there: a mount
-//! reading what one before it read ahead of and dropped). An object of the plan a
+//! tier lacks outside the readers' window (`behind` before the furthest read to that far beyond it), once
+//! no body has read within it for a second ([`READERS_GONE`]), moves it there, back or on (the readers
+//! are there now: a mount reading what one before it read ahead of and dropped). An object of the plan a
 //! body reads and not copied yet is copied first (what the tier evicts makes room) where it lies that
 //! near; beyond, the body reads its bytes by GETs. Under `shuffle=global` such a dataset is not copied at
 //! all (each object would be evicted before its next sample came): it is read by GETs, and the server
@@ -38,7 +39,7 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 /// The order objects are copied in, and where the readers are.
@@ -76,7 +77,13 @@ struct Queue {
     started: bool,
     /// `order` is the index's, until a plan gives its own ([`ObjectSource::copy_all`]).
     provisional: bool,
+    /// When a body last read within the readers' window (see [`ObjectSource::touched`]).
+    readers_seen: Option<Instant>,
 }
+
+/// How long no body reads within the readers' window before a read outside it, of an object the tier
+/// lacks, is taken for where they are now.
+pub(super) const READERS_GONE: Duration = Duration::from_secs(1);
 
 impl ObjectSource {
     /// Follows the plan whose samples, in epoch order, are `samples`: copies its objects into the tier
@@ -124,6 +131,7 @@ impl ObjectSource {
             q.position[n as usize] = p as u32;
         }
         (q.order, q.ahead, q.behind, q.next, q.cursor, q.done) = (order, ahead, behind, 0, 0, 0);
+        q.readers_seen = Some(Instant::now());
         q.failed.clear();
         q.provisional = provisional;
         self.start(&mut q);
@@ -152,29 +160,36 @@ impl ObjectSource {
         let mut q = self.stager.queue.lock().expect("stager");
         let at = q.position.get(n as usize).copied().unwrap_or(u32::MAX);
         let mut wake = false;
-        // A read far beyond the others is not where the readers are: a read of a plan followed before,
-        // whose objects lie anywhere in this one's order (a mount's window reaches into the next epoch
-        // before the last one is done), or a mount's window that reaches further than the tier holds.
-        // Near is within what the stager copies ahead (a block at least) of the furthest object read:
-        // within two blocks, each far read moved the furthest read a long step on, and the objects the
-        // slowest reader still wanted were evicted first as read, and copied again (the store was read
-        // 1.0-1.2x a half tier's epoch, as a mount's window ran through the next epoch).
+        // The readers are within a window around the furthest object read: from `behind` before it to
+        // what the stager copies ahead of it (a block at least). A read beyond is not where they are: a
+        // read of a plan followed before, whose objects lie anywhere in this one's order (a mount's window
+        // reaches into the next epoch before the last one is done), or a mount's window reaching further
+        // than the tier holds. (Within two blocks ahead, each such read moved the furthest read a long
+        // step on, and the objects the slowest reader still wanted were evicted first as read and copied
+        // again: the store was read 1.0-1.2x a half tier's epoch as a mount's window ran through the next.)
         let reach = q.ahead.max(q.behind / 2);
         let near = |q: &Queue, at: usize| q.before[at] <= q.before[q.cursor + 1].saturating_add(reach);
-        if at != u32::MAX && at as usize > q.cursor && near(&q, at as usize) {
-            q.cursor = at as usize;
-            tracing::debug!(dataset = %self.bucket.url, object = n, position = at, "the furthest object read");
+        let kept = |q: &Queue, at: usize| q.before[at + 1].saturating_add(q.behind) > q.before[q.cursor];
+        if at != u32::MAX && near(&q, at as usize) && kept(&q, at as usize) {
+            q.readers_seen = Some(Instant::now());
+            if at as usize > q.cursor {
+                q.cursor = at as usize;
+                tracing::debug!(dataset = %self.bucket.url, object = n, position = at, "the furthest object read");
+                wake = q.ahead != u64::MAX;
+                self.demote_behind(&mut q);
+            }
+        } else if at != u32::MAX && !held && q.readers_seen.is_none_or(|t| t.elapsed() >= READERS_GONE) {
+            // Outside the window, not in the tier, and nothing read within it for a while: the readers are
+            // here now (a mount reading what one before it read ahead of and dropped as its loader exited,
+            // or a job resumed elsewhere in the epoch), and the stager follows them. Left where it was,
+            // every object they read next lay outside it, copied one at a time as a body waited for it (or
+            // read by GETs), none ahead.
+            let at = at as usize;
+            q.next = if at < q.cursor { q.next.min(at) } else { q.next.max(at) };
+            (q.cursor, q.done, q.readers_seen) = (at, q.done.min(at), Some(Instant::now()));
+            tracing::debug!(dataset = %self.bucket.url, object = n, position = at, "the readers are here now");
             wake = q.ahead != u64::MAX;
             self.demote_behind(&mut q);
-        } else if at != u32::MAX && !held && q.before[at as usize + 1].saturating_add(q.behind) <= q.before[q.cursor] {
-            // Not in the tier, and wholly more than `behind` before the furthest read: the readers are back
-            // there (a mount reading what one before it read ahead of and dropped, as it was unmounted), so
-            // the stager follows them from there. Left where it was, every object they read next was
-            // behind it, copied one at a time as a body waited for it, none ahead.
-            let at = at as usize;
-            (q.cursor, q.next, q.done) = (at, q.next.min(at), q.done.min(at));
-            tracing::debug!(dataset = %self.bucket.url, object = n, position = at, "the readers are back here");
-            wake = q.ahead != u64::MAX;
         }
         // An object of the plan followed that a body reads is wanted now, up to as far as a read moves the
         // furthest one (a mount's window may reach past a block); the tier evicts what was read least
