@@ -802,15 +802,27 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_body_waits_for_the_parts_of_an_object_the_stager_has_picked_and_not_begun() {
-        // A tier smaller than the dataset: nothing is copied as the dataset opens.
-        let (local, _) = crate::storage::fixtures::dataset(120, 20_000, 6);
+    /// A dataset of 120 records in `shards` objects in a bucket, opened by a server whose tier (1 MiB) is
+    /// smaller than it: nothing is copied as the dataset opens. The directories live as long as it.
+    struct SmallTier {
+        ds: Dataset,
+        source: Arc<ObjectSource>,
+        _dirs: [tempfile::TempDir; 3],
+    }
+
+    fn small_tier(shards: u32) -> SmallTier {
+        let (local, _) = crate::storage::fixtures::dataset(120, 20_000, shards);
         let store = Arc::new(InMemory::new());
         upload(&store, local.path(), "ds");
         let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let ds = open(&store, &context(Some(tier_dir.path()), 1 << 20), index_dir.path());
         let source = ds.storage.objects().unwrap().clone();
+        SmallTier { ds, source, _dirs: [local, tier_dir, index_dir] }
+    }
+
+    #[test]
+    fn a_body_waits_for_the_parts_of_an_object_the_stager_has_picked_and_not_begun() {
+        let SmallTier { ds, source, .. } = small_tier(6);
         let n = source.pick_in_order((0..ds.index.shards.len() as u32).collect()).expect("an object to copy");
         // Picked, its copy not begun: a body that comes now (on another thread) must find it being made and
         // wait for its parts. Before, it found nothing and read them by GETs beside the copy.
@@ -822,15 +834,11 @@ mod tests {
     /// on nor has its object copied: what the slowest reader still needs is not evicted first. Before, a
     /// read within two blocks moved it, and a window's reads walked it through the next epoch, the
     /// objects copied for that epoch's first batches the first evicted (the store read 1.0-1.2x an epoch).
-    /// A read far behind it of an object the tier lacks takes it back there.
+    /// A read outside the readers' window of an object the tier lacks moves it there once nothing has been
+    /// read within the window for a while, never while the others read on.
     #[test]
     fn a_read_far_from_the_others_moves_the_readers_place_only_where_they_are() {
-        let (local, _) = crate::storage::fixtures::dataset(120, 20_000, 12);
-        let store = Arc::new(InMemory::new());
-        upload(&store, local.path(), "ds");
-        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let ds = open(&store, &context(Some(tier_dir.path()), 1 << 20), index_dir.path());
-        let source = ds.storage.objects().unwrap().clone();
+        let SmallTier { ds, source, .. } = small_tier(12);
         let order: Vec<u32> = (0..ds.index.shards.len() as u32).collect();
         let before = |p: usize| ds.index.shards[..p].iter().map(|s| s.size).sum::<u64>();
         // Blocks such that the objects at positions 4 to 7 are a block and a half: the server's defaults
