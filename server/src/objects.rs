@@ -704,8 +704,7 @@ mod tests {
 
     /// Units one GET reads together (coalesced, with the bytes between them) each get bytes of their own:
     /// a slice of the GET's buffer kept all of it alive for as long as the block cache held the unit, so
-    /// the cache held several times its `object_cache` bytes (a half tier's server in a memory cgroup of
-    /// 257 MB grew by 10-40 MB an epoch until the OOM killer ended it).
+    /// the cache could hold several times the `object_cache` bytes it counted.
     #[test]
     fn units_read_by_one_get_hold_only_their_own_bytes() {
         let (local, _) = crate::storage::fixtures::dataset(40, 20_000, 2);

@@ -415,9 +415,8 @@ impl ObjectSource {
         let bytes = self.get(read.object, file, read.offset, read.len).await?;
         // Each unit gets bytes of its own, unless it is the whole read: a slice keeps the whole GET's buffer
         // alive for as long as the block cache holds that unit, so a cache counting `object_cache` bytes of
-        // units held several times as many (reads of sparse samples, up to `object_part` with their gaps,
-        // kept for a few samples each: a half tier's server in a memory cgroup of 257 MB grew by 10-40 MB
-        // an epoch until the OOM killer ended it).
+        // units could hold several times as many (reads of sparse samples, up to `object_part` with their
+        // gaps, each kept for a few samples).
         let own = |b: Bytes| if b.len() == bytes.len() { b } else { Bytes::copy_from_slice(&b) };
         let mut out: Vec<Bytes> = units
             .iter()

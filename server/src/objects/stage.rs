@@ -181,8 +181,8 @@ impl ObjectSource {
             // Outside the window, not in the tier, and nothing read within it for a while: the readers are
             // here now (a mount reading what one before it read ahead of and dropped as its loader exited,
             // or a job resumed elsewhere in the epoch), and the stager follows them. Left where it was,
-            // every object they read next lay outside it, copied one at a time as a body waited for it (or
-            // read by GETs), none ahead.
+            // every object they read next lay outside it, copied one at a time as a body waited for it, none
+            // ahead.
             let at = at as usize;
             q.next = if at < q.cursor { q.next.min(at) } else { q.next.max(at) };
             (q.cursor, q.done, q.readers_seen) = (at, q.done.min(at), Some(Instant::now()));
