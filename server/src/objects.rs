@@ -859,11 +859,10 @@ mod tests {
     /// Under `shuffle=blocks` over a tier smaller than the dataset, a read far ahead of the others (a
     /// mount's window running through the next epoch at the end of one) does not move the furthest read
     /// on (its object is copied first, as any the plan reads): what the slowest reader still needs is not
-    /// marked to go first. Before, a
-    /// read within two blocks moved it, and a window's reads walked it through the next epoch, the
-    /// objects copied for that epoch's first batches the first evicted (the store read 1.0-1.2x an epoch).
-    /// A read outside the readers' window of an object the tier lacks moves it there once nothing has been
-    /// read within the window for a while, never while the others read on.
+    /// marked to go first. Before, a read within two blocks moved it, and a window's reads walked it
+    /// through the next epoch, the objects copied for that epoch's first batches the first evicted (the
+    /// store read 1.0-1.2x an epoch). A read outside the readers' window of an object the tier lacks moves
+    /// it there once nothing has been read within the window for a while, never while the others read on.
     #[test]
     fn a_read_far_from_the_others_moves_the_readers_place_only_where_they_are() {
         let SmallTier { ds, source, .. } = small_tier(12);
@@ -897,7 +896,7 @@ mod tests {
         // Once nothing is read near 10 for a while, such a read is where the readers are now (a fresh
         // mount reading what the last one read ahead of and dropped), and the stager follows them there,
         // back or on. Before, every object they read next lay outside its window, each copied as a body
-        // waited for it (or read by GETs), none ahead.
+        // waited for it, none ahead.
         std::thread::sleep(stage::READERS_GONE + Duration::from_millis(50));
         source.touched(3, false);
         let (cursor, back, urgent) = source.stager_place();
