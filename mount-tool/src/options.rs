@@ -164,6 +164,12 @@ pub enum Refusal {
     Unit(#[from] batchfs::units::UnitError),
 }
 
+/// A long flag's value, as given. (An option whose type is itself an `Option`, such as `cache_dir`, was a
+/// flag field of `Option<Option<_>>`, which clap reads as a flag whose value may be left out and asks its
+/// parser for the inner type: giving the flag panicked in clap.)
+#[derive(Debug, Clone)]
+pub struct Given<T>(pub T);
+
 macro_rules! options {
     ($(
         $name:ident: $ty:ty = $default:expr, $parse:path, $shown:literal, $placeholder:literal, $heading:literal,
@@ -189,17 +195,18 @@ macro_rules! options {
         #[derive(Debug, Default, clap::Args)]
         pub struct OptionFlags {
             $(
-                #[arg(long, value_name = $placeholder, value_parser = $parse as fn(&str) -> Result<$ty, Refusal>,
+                #[arg(long, value_name = $placeholder,
+                      value_parser = (|v: &str| $parse(v).map(Given)) as fn(&str) -> Result<Given<$ty>, Refusal>,
                       num_args = if $placeholder == "BOOL" { 0..=1 } else { 1..=1 }, default_missing_value = "",
                       help = concat!($help, " [default: ", $shown, "]"), help_heading = $heading)]
-                pub $name: Option<$ty>,
+                pub $name: Option<Given<$ty>>,
             )+
         }
 
         impl OptionFlags {
             /// Applies the flags given to `options`.
             pub fn apply(&self, options: &mut MountOptions) {
-                $( if let Some(v) = &self.$name { options.$name = v.clone(); } )+
+                $( if let Some(Given(v)) = &self.$name { options.$name = v.clone(); } )+
             }
         }
 
@@ -506,6 +513,22 @@ mod tests {
         assert_eq!(by_flags, by_list);
         assert_eq!((by_list.cache, by_list.allow_other, by_list.passthrough), (1 << 30, true, false));
         assert!(parse(&["--cache", "lots"]).is_err() && parse(&["--cache"]).is_err());
+        // Options whose value is itself optional, as flags: before, giving one panicked in clap.
+        let mut by_flags = MountOptions::default();
+        let paths = ["--cache-dir", "/c", "--token-file", "/t", "--ca-file", "/a", "--log-file", "/l"];
+        parse(&[&paths[..], &["--energy-log", "/e", "--metrics", "127.0.0.1:9"]].concat())
+            .unwrap()
+            .options
+            .apply(&mut by_flags);
+        let mut by_list = MountOptions::default();
+        by_list
+            .apply_list("cache_dir=/c,token_file=/t,ca_file=/a,log_file=/l,energy_log=/e,metrics=127.0.0.1:9")
+            .unwrap();
+        assert_eq!(by_flags, by_list);
+        assert_eq!(
+            (by_list.cache_dir.as_deref(), by_list.metrics),
+            (Some(std::path::Path::new("/c")), "127.0.0.1:9".parse().ok())
+        );
         let e = MountOptions::default().apply_list("cache").unwrap_err();
         assert!(matches!(&e, OptionError::NeedsValue(k) if k == "cache"), "{e}");
         assert!(e.to_string().contains("needs a value"), "{e}");
