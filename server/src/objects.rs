@@ -509,6 +509,36 @@ mod tests {
     }
 
     #[test]
+    fn reading_ahead_leaves_what_the_tier_holds_to_its_body_and_brings_the_rest_into_the_block_cache() {
+        let whole = |ds: &Dataset| -> Vec<(u32, u64, u64)> {
+            ds.index.shards.iter().enumerate().map(|(n, s)| (n as u32, 0, s.size)).collect()
+        };
+        // Every object's copy in the tier: a batch read ahead reads none of them. Before, each was read
+        // into memory and dropped, and its body read it again (the tier read twice, and the server's
+        // memory grew by the batches read ahead).
+        let (local, _dirs, ds) = opened_with_direct_copies();
+        let source = ds.storage.objects().unwrap().clone();
+        let hits = source.counters.tier_hit_bytes.load(Ordering::Relaxed);
+        ds.storage.warm_all(&whole(&ds)).unwrap();
+        assert_eq!(source.counters.tier_hit_bytes.load(Ordering::Relaxed), hits, "a copy was read ahead");
+        assert_eq!((source.counters.gets.load(Ordering::Relaxed), source.context.cache.bytes()), (0, 0));
+        read_all_and_compare(&ds, local.path());
+
+        // No tier: read ahead by GETs into the block cache, from which the bodies are then served.
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let index_dir = tempfile::tempdir().unwrap();
+        let ds = open(&store, &context(None, 0), index_dir.path());
+        let source = ds.storage.objects().unwrap().clone();
+        let before = source.counters.gets.load(Ordering::Relaxed);
+        ds.storage.warm_all(&whole(&ds)).unwrap();
+        let after = source.counters.gets.load(Ordering::Relaxed);
+        assert!(after > before && source.context.cache.bytes() > 0, "nothing read ahead");
+        read_all_and_compare(&ds, local.path());
+        assert_eq!(source.counters.gets.load(Ordering::Relaxed), after, "a body read by GET what was read ahead");
+    }
+
+    #[test]
     fn bodies_read_copies_past_the_page_cache_by_the_direct_path_of_local_shards() {
         use http_body_util::BodyExt;
         let (local, _dirs, ds) = opened_with_direct_copies();

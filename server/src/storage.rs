@@ -395,7 +395,8 @@ impl Storage {
 
     /// Brings every range of `ranges` toward memory ahead of its request ([`Storage::warm`] for each,
     /// hinted all first so the kernel reads them in parallel; an object dataset's read into its block
-    /// cache, all at once, where the cache can hold them: [`ObjectSource::worth_reading_ahead`]).
+    /// cache, all at once, where the cache can hold them ([`ObjectSource::worth_reading_ahead`]) and the
+    /// disk tier neither holds nor copies them ([`ObjectSource::to_read_ahead`])).
     /// Blocks: call on the blocking pool.
     pub fn warm_all(&self, ranges: &[(u32, u64, u64)]) -> std::io::Result<()> {
         let (remote, local): (Vec<_>, Vec<_>) =
@@ -407,8 +408,11 @@ impl Storage {
             self.warm(shard, offset, len)?;
         }
         let bytes = remote.iter().map(|r| r.2).sum();
-        if self.objects.as_ref().is_some_and(|o| !remote.is_empty() && o.worth_reading_ahead(bytes)) {
-            self.read_objects(&remote)?;
+        if let Some(objects) = self.objects.as_ref().filter(|o| !remote.is_empty() && o.worth_reading_ahead(bytes)) {
+            let remote = objects.to_read_ahead(&remote);
+            if !remote.is_empty() {
+                self.read_objects(&remote)?;
+            }
         }
         Ok(())
     }

@@ -183,6 +183,32 @@ impl ObjectSource {
         Ok((offset, slice))
     }
 
+    /// The ranges of `wanted` that reading a batch ahead of its body should bring into the block cache
+    /// by GETs: none of an object the disk tier holds (its body reads the copy as a local shard is read;
+    /// read ahead, the copy was read into memory, dropped, and read again by the body), nor of one being
+    /// copied (the parts holding them are asked for next, not waited on). Each object counts as read for
+    /// the stager ([`Self::touched`]), as its body's read will: one the plan's order wants is copied now.
+    pub fn to_read_ahead(self: &Arc<Self>, wanted: &[(u32, u64, u64)]) -> Vec<(u32, u64, u64)> {
+        let Some(tier) = self.tier() else { return wanted.to_vec() };
+        let mut held: HashMap<u32, bool> = HashMap::new();
+        let mut out = Vec::new();
+        for &(n, offset, len) in wanted {
+            let in_tier = *held.entry(n).or_insert_with(|| {
+                let in_tier = self.file(n).is_some_and(|file| tier.contains(&self.tier_name(file)));
+                self.touched(n, in_tier);
+                in_tier
+            });
+            if in_tier {
+                continue;
+            }
+            match self.making_of(n) {
+                Some(being_made) => being_made.ask(offset, len),
+                None => out.push((n, offset, len)),
+            }
+        }
+        out
+    }
+
     /// The bytes of each wanted range `(object, offset, len)`, in order: from the disk tier where it holds
     /// the object (read here: call on the blocking pool), else read through the block cache.
     pub fn read_many(self: &Arc<Self>, wanted: &[(u32, u64, u64)]) -> Result<Vec<Bytes>, ReadError> {
