@@ -127,6 +127,9 @@ pub struct GenArgs {
 pub fn run() -> Result<()> {
     let cli = Cli::parse();
     init_tracing();
+    if let Some(arenas) = crate::policy::limit_malloc_arenas() {
+        tracing::debug!(arenas, "malloc arenas capped");
+    }
     match cli.command {
         Command::Serve(args) => serve(*args),
         Command::Index(args) => index(args),
