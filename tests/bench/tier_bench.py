@@ -28,7 +28,8 @@ alternating systems within each round, ROUNDS rounds; medians and per-round rati
 The store holds the shards and their `tfrecord2idx` index files (what a DALI user uploads). Each batchfs
 server runs in a cgroup v1 memory group of its own (`/sys/fs/cgroup/memory/`, LIMIT bytes, page cache
 included: `resident=auto` holds half of it on the local copy's server and nothing where there is a
-tier, and the dataset does not fit) and reaches the store through
+tier, and the dataset does not fit; each row's `server_anon_mb` is the anonymous memory charged to it after
+the run) and reaches the store through
 a `batchfs-lab netem` of STORE_RTT ms (an object store's first-byte latency):
 
 - `batchfs-tier`: the server over the bucket with `--disk-cache` (its size auto: the dataset fits),
@@ -111,7 +112,7 @@ PREFIX = "tfr"
 FIELDS = ["measure", "round", "rtt_ms", "loader", "system", "epoch_s", "bytes", "samples", "dataset_bytes",
           "node_cpu_s_per_gb", "server_cpu_s_per_gb", "store_cpu_s_per_gb", "store_gets", "store_bytes", "tier_hit_bytes",
           "tier_fetched_bytes", "tier_evicted", "ready_s", "from_start_s", "copied_s", "startup_gets", "startup_store_bytes", "total_gets",
-          "total_store_bytes", "error"]
+          "total_store_bytes", "server_anon_mb", "error"]
 
 
 def write_dataset(data):
@@ -271,6 +272,15 @@ class Server:
             self.ctx["notes"].append(f"server {self.label} exited ({self.proc.returncode}); {self.memory()}; "
                                      f"its log: server-{self.label}.log")
         return False
+
+    def anon_mb(self):
+        """The anonymous memory charged to the server's cgroup now (its heap and stacks, not page cache), MB."""
+        try:
+            with open(os.path.join(self.cgroup, "memory.stat")) as f:
+                stat = dict(line.split() for line in f)
+            return round(int(stat["rss"]) / 1e6)
+        except (OSError, KeyError, ValueError):
+            return ""
 
     def memory(self):
         """The cgroup's OOM kills, peak and limit."""
@@ -448,7 +458,7 @@ def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
                store_cpu_s_per_gb=round(sum(spent[pid] for pid in store) / gb, 3))
     if server:
         m1 = metrics(server.port)
-        row.update(server_cpu_s_per_gb=round(spent[server.proc.pid] / gb, 3))
+        row.update(server_cpu_s_per_gb=round(spent[server.proc.pid] / gb, 3), server_anon_mb=server.anon_mb())
         for field, name in [("store_gets", "batchfs_object_gets_total"), ("store_bytes", "batchfs_object_bytes_total"),
                             ("tier_hit_bytes", "batchfs_object_tier_hit_bytes_total"),
                             ("tier_fetched_bytes", "batchfs_tier_fetched_bytes_total"),

@@ -18,9 +18,10 @@
 //! tier lacks outside the readers' window (`behind` before the furthest read to that far beyond it), once
 //! no body has read within it for a second ([`READERS_GONE`]), moves it there, back or on (the readers
 //! are there now: a mount reading what one before it read ahead of and dropped). An object of the plan a
-//! body reads and not copied yet is copied first (what the tier evicts makes room). Under
-//! `shuffle=global` such a dataset is not copied at all (each object would be evicted before its next
-//! sample came): it is read by GETs, and the server says so at start and in `/healthz`.
+//! body reads and not copied yet is copied first (what the tier evicts makes room) where it lies that
+//! near; beyond, the body reads its bytes by GETs. Under `shuffle=global` such a dataset is not copied at
+//! all (each object would be evicted before its next sample came): it is read by GETs, and the server
+//! says so at start and in `/healthz`.
 //!
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
 //! driving the object runtime: copies are written with `pwrite` (past the page cache where the dataset's
@@ -190,11 +191,12 @@ impl ObjectSource {
             wake = q.ahead != u64::MAX;
             self.demote_behind(&mut q);
         }
-        // Any object of the plan followed that a body reads is wanted now (a mount's window may reach
-        // well past a block); the tier evicts what was read least recently to make room. (Read by GETs
-        // beyond the window instead, as tried, a half tier's server in a memory cgroup of 257 MB grew
-        // faster than the build before and was killed for memory within ten epochs.)
-        let within = q.ahead == u64::MAX || (q.started && at != u32::MAX);
+        // An object of the plan followed that a body reads is wanted now, up to as far as a read moves the
+        // furthest one (a mount's window may reach past a block); the tier evicts what was read least
+        // recently to make room. Beyond, its bytes are read by GETs: a copy made for them was evicted
+        // before the readers came, and copied again then (the mounts' windows run through the next
+        // epoch's batches at each stream's place as an epoch ends: whole objects copied twice an epoch).
+        let within = q.ahead == u64::MAX || (q.started && at != u32::MAX && near(&q, at as usize));
         if !held && within && !q.busy.contains(&n) && !q.failed.contains(&n) && !q.urgent.contains(&n) {
             q.urgent.push_back(n);
             self.making_entry(n);
