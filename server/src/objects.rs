@@ -889,10 +889,11 @@ mod tests {
     /// Under `shuffle=blocks` over a tier smaller than the dataset, a read far ahead of the others (a
     /// mount's window running through the next epoch at the end of one) does not move the furthest read
     /// on, and its object is not copied (its bytes are read by GETs): what the slowest reader still needs
-    /// is not marked to go first, nor evicted for a copy the tier would drop before the readers came. Before, a read within two blocks moved it, and a window's reads walked it
-    /// through the next epoch, the objects copied for that epoch's first batches the first evicted (the
-    /// store read 1.0-1.2x an epoch). A read outside the readers' window of an object the tier lacks moves
-    /// it there once nothing has been read within the window for a while, never while the others read on.
+    /// is not marked to go first, nor evicted for a copy the tier would drop before the readers came.
+    /// Before, a read within two blocks moved it, and a window's reads walked it through the next epoch,
+    /// the objects copied for that epoch's first batches the first evicted (the store read 1.0-1.2x an
+    /// epoch). A read outside the readers' window of an object the tier lacks moves it there once nothing
+    /// has been read within the window for a while, never while the others read on.
     #[test]
     fn a_read_far_from_the_others_moves_the_readers_place_only_where_they_are() {
         let SmallTier { ds, source, .. } = small_tier(12);

@@ -187,7 +187,7 @@ impl ObjectSource {
     /// by GETs: none of an object the disk tier holds (its body reads the copy as a local shard is read;
     /// read ahead, the copy was read into memory, dropped, and read again by the body), nor of one being
     /// copied (the parts holding them are asked for next, not waited on). Each object counts as read for
-    /// the stager ([`Self::touched`]), as its body's read will: one the plan's order wants is copied now.
+    /// the stager (`touched`), as its body's read will: one within the readers' window is copied now.
     pub fn to_read_ahead(self: &Arc<Self>, wanted: &[(u32, u64, u64)]) -> Vec<(u32, u64, u64)> {
         let Some(tier) = self.tier() else { return wanted.to_vec() };
         let mut held: HashMap<u32, bool> = HashMap::new();
