@@ -409,10 +409,8 @@ impl Storage {
         }
         let bytes = remote.iter().map(|r| r.2).sum();
         if let Some(objects) = self.objects.as_ref().filter(|o| !remote.is_empty() && o.worth_reading_ahead(bytes)) {
-            let remote = objects.to_read_ahead(&remote);
-            if !remote.is_empty() {
-                self.read_objects(&remote)?;
-            }
+            // What is left may be nothing: reading nothing sends no GET.
+            self.read_objects(&objects.to_read_ahead(&remote))?;
         }
         Ok(())
     }
