@@ -13,7 +13,6 @@ use std::os::fd::BorrowedFd;
 use std::time::Duration;
 use std::time::SystemTime;
 
-use log::error;
 use log::warn;
 
 use crate::Errno;
@@ -138,7 +137,7 @@ impl ReplyRaw {
         let sender = self.sender.take().unwrap();
         let res = response.with_iovec(self.unique, |iov| sender.send(iov));
         if let Err(err) = res {
-            error!("Failed to send FUSE reply: {err}");
+            log::log!(reply_failure_level(&err), "Failed to send FUSE reply: {err}");
         }
     }
     pub(crate) fn send_ll(mut self, response: &impl Response) {
@@ -885,6 +884,17 @@ impl ReplyLseek {
     }
 }
 
+/// How loud a reply the kernel refused is logged. `ENOENT` means the kernel no longer holds the request
+/// (it was interrupted: its caller was signalled, or exited), which libfuse does not report either; any
+/// other refusal is an error.
+fn reply_failure_level(err: &std::io::Error) -> log::Level {
+    if err.raw_os_error() == Some(libc::ENOENT) {
+        log::Level::Debug
+    } else {
+        log::Level::Error
+    }
+}
+
 #[cfg(test)]
 mod test {
     use std::sync::mpsc::sync_channel;
@@ -898,6 +908,15 @@ mod test {
     use crate::FileAttr;
     use crate::FileType;
     use crate::reply::*;
+
+    #[test]
+    fn reply_to_an_interrupted_request_is_not_logged_as_an_error() {
+        let gone = std::io::Error::from_raw_os_error(libc::ENOENT);
+        assert_eq!(reply_failure_level(&gone), log::Level::Debug);
+        for other in [libc::ENODEV, libc::EINVAL, libc::EBADF] {
+            assert_eq!(reply_failure_level(&std::io::Error::from_raw_os_error(other)), log::Level::Error);
+        }
+    }
 
     #[derive(Debug, IntoBytes, Immutable)]
     #[repr(C)]
