@@ -633,7 +633,8 @@ mod tests {
         let mut at = 0;
         let mut bodies = std::collections::BTreeMap::<u32, Vec<u8>>::new();
         let mut events = Vec::new();
-        while at < wire.len() {
+        // An empty DATA frame at the wire's end is still the reader's to finish (`data_read`, no bytes).
+        while at < wire.len() || matches!(r.next(), Next::Data { len: 0, .. }) {
             let event = match r.next() {
                 Next::Head => {
                     let e = r.feed(&wire[at..at + HEADER_LEN])?;
