@@ -389,6 +389,15 @@ mod tests {
         Dataset::of_objects("ds", opened, Some(index_dir), &IndexOptions::default(), &NoProgress, io).unwrap()
     }
 
+    /// The files of `dir` in an in-memory bucket, opened with no tier (every read a GET through the block
+    /// cache); the index's directory lives as long as the dataset is used.
+    fn opened_by_gets(dir: &Path) -> (Dataset, tempfile::TempDir) {
+        let store = Arc::new(InMemory::new());
+        upload(&store, dir, "ds");
+        let index_dir = tempfile::tempdir().unwrap();
+        (open(&store, &context(None, 0), index_dir.path()), index_dir)
+    }
+
     /// Three objects copied into a tier, then opened by a server of 64 KiB: the dataset does not fit in
     /// half its memory, so the copies are read with O_DIRECT, not mapped. The local copy, the tier's and
     /// the index's directories (to outlive the dataset), and the dataset.
@@ -525,10 +534,7 @@ mod tests {
         read_all_and_compare(&ds, local.path());
 
         // No tier: read ahead by GETs into the block cache, from which the bodies are then served.
-        let store = Arc::new(InMemory::new());
-        upload(&store, local.path(), "ds");
-        let index_dir = tempfile::tempdir().unwrap();
-        let ds = open(&store, &context(None, 0), index_dir.path());
+        let (ds, _index_dir) = opened_by_gets(local.path());
         let source = ds.storage.objects().unwrap().clone();
         let before = source.counters.gets.load(Ordering::Relaxed);
         ds.storage.warm_all(&whole(&ds)).unwrap();
@@ -738,10 +744,7 @@ mod tests {
     #[test]
     fn units_read_by_one_get_hold_only_their_own_bytes() {
         let (local, _) = crate::storage::fixtures::dataset(40, 20_000, 2);
-        let store = Arc::new(InMemory::new());
-        upload(&store, local.path(), "ds");
-        let index_dir = tempfile::tempdir().unwrap();
-        let ds = open(&store, &context(None, 0), index_dir.path());
+        let (ds, _index_dir) = opened_by_gets(local.path());
         let source = ds.storage.objects().unwrap().clone();
         // Two samples of object 0 with a third between them: one read, the third's bytes its gap.
         let mut parts: Vec<_> = ds.index.samples.iter().map(|s| s.parts[0].clone()).filter(|p| p.shard == 0).collect();
