@@ -101,7 +101,8 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
     // A mount taken over from systemd is without service since its last supervisor died (when, is not
     // known here: counted from now).
     let died_at = adopted.then(Instant::now);
-    let mut supervisor = Supervisor { plan, held, signals, exe, worker: None, died_at, quick_deaths: 0 };
+    let mut supervisor =
+        Supervisor { plan, held, signals, exe, worker: None, died_at, quick_deaths: 0, dying: Vec::new() };
     supervisor.start_worker()?;
     // Ready once a worker serves.
     if let Err(e) = store_with_systemd(&supervisor.held) {
@@ -139,6 +140,33 @@ struct Worker {
     started: Instant,
 }
 
+impl Worker {
+    /// How the worker ended, once it has: reaped, or its main thread gone while a thread of it still cannot
+    /// die. A worker killed while one of its threads wrote a notification to the kernel (an inode's pages to
+    /// drop) stays unreaped until that write returns, and the write waits on a page locked by a read only a
+    /// new worker can answer: waiting to reap such a worker would leave the mount without one for good.
+    fn ended(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        if let Some(status) = self.child.try_wait()? {
+            return Ok(Some(status));
+        }
+        Ok(leader_exited(self.child.id()))
+    }
+}
+
+/// The wait status of a process whose main thread has exited (a zombie while other threads of it finish),
+/// from `/proc/PID/stat`; `None` while it runs, or when it cannot be read.
+fn leader_exited(pid: u32) -> Option<std::process::ExitStatus> {
+    use std::os::unix::process::ExitStatusExt;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ...": comm may hold spaces and parentheses; field 3 (state) follows the last ')',
+    // field 52 is the exit code in waitpid's form (Linux 3.5).
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().collect();
+    match fields.first() {
+        Some(&("Z" | "X")) => Some(std::process::ExitStatus::from_raw(fields.get(49)?.parse().ok()?)),
+        _ => None,
+    }
+}
+
 struct Supervisor<'a> {
     plan: &'a MountPlan,
     held: Held,
@@ -149,6 +177,8 @@ struct Supervisor<'a> {
     died_at: Option<Instant>,
     /// Workers in a row that died within a second of serving.
     quick_deaths: u32,
+    /// Workers whose main thread has exited and that are not reaped yet (see [`Worker::ended`]).
+    dying: Vec<std::process::Child>,
 }
 
 impl Supervisor<'_> {
@@ -249,15 +279,24 @@ impl Supervisor<'_> {
             match self.signals.next()? {
                 // A worker's exit is looked for at every SIGCHLD and every [`LOOK_EVERY`] besides.
                 signal @ (libc::SIGCHLD | RETRY) => {
+                    self.reap_dying();
                     let Some(w) = self.worker.as_mut() else {
                         if signal == RETRY {
                             self.start_again();
                         }
                         continue;
                     };
-                    let Some(status) = w.child.try_wait()? else { continue };
+                    let Some(status) = w.ended()? else { continue };
                     let lived = w.started.elapsed();
-                    self.worker = None;
+                    let mut w = self.worker.take().expect("looked at above");
+                    if !matches!(w.child.try_wait(), Ok(Some(_))) {
+                        tracing::warn!(
+                            pid = w.child.id(),
+                            "the worker's main thread is gone and a thread of it \
+                                       still finishes: taking over without waiting for it"
+                        );
+                        self.dying.push(w.child);
+                    }
                     self.died_at = Some(Instant::now());
                     use std::os::unix::process::ExitStatusExt;
                     if status.code() == Some(0) {
@@ -292,6 +331,18 @@ impl Supervisor<'_> {
                 }
             }
         }
+    }
+
+    /// Reaps the workers that were still finishing when they were replaced.
+    fn reap_dying(&mut self) {
+        self.dying.retain_mut(|child| match child.try_wait() {
+            Ok(None) => true,
+            Ok(Some(status)) => {
+                tracing::info!(pid = child.id(), %status, "a replaced worker has finished");
+                false
+            }
+            Err(_) => false,
+        });
     }
 
     /// Starts a worker, or tries again in a second.
@@ -584,5 +635,42 @@ mod tests {
         signals.retry_after(Duration::from_millis(50));
         let waited = next_retry(&mut signals);
         assert!(waited < LOOK_EVERY / 2, "the retry waited {waited:?}");
+    }
+
+    /// A worker whose main thread has exited while another thread of it still runs has ended, with its
+    /// status, though it cannot be reaped yet. A killed worker is in that state while one of its threads
+    /// waits in the kernel on a read only the next worker can answer: the takeover test once hung there,
+    /// its supervisor waiting to reap the worker before starting another.
+    #[test]
+    fn a_worker_whose_main_thread_is_gone_has_ended_before_it_can_be_reaped() {
+        // The main thread leaves by the thread's own exit (not the process's), after starting a thread
+        // that sleeps on.
+        let script = "import ctypes, platform, threading, time\n\
+                      threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n\
+                      print('started', flush=True)\n\
+                      ctypes.CDLL(None).syscall({'x86_64': 60, 'aarch64': 93}[platform.machine()], 7)\n";
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", script])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3 runs");
+        let mut said = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut said).unwrap();
+        assert_eq!(said.trim(), "started");
+        let mut w = Worker { child, started: Instant::now() };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(status) = w.ended().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "the worker's main thread was not found gone");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(status.code(), Some(7), "{status}");
+        // Not reaped: what the supervisor waited for before.
+        assert!(w.child.try_wait().unwrap().is_none(), "the whole process exited: the test shows nothing");
+        w.child.kill().unwrap();
+        w.child.wait().unwrap();
+        assert_eq!(leader_exited(w.child.id()), None, "a reaped process has no state");
     }
 }
