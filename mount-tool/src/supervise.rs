@@ -138,18 +138,31 @@ fn mount(plan: &MountPlan, config: fuser::Config) -> Result<Held> {
 struct Worker {
     child: std::process::Child,
     started: Instant,
+    /// When its main thread was first found gone, the process not reaped yet.
+    leader_gone: Option<Instant>,
 }
 
+/// How long a worker's main thread is gone, its process not reaped, before the worker counts as ended: its
+/// other threads take microseconds to die (SIGCHLD comes once they have), unless one cannot.
+const LEADER_GONE_FOR: Duration = Duration::from_millis(100);
+
 impl Worker {
-    /// How the worker ended, once it has: reaped, or its main thread gone while a thread of it still cannot
-    /// die. A worker killed while one of its threads wrote a notification to the kernel (an inode's pages to
-    /// drop) stays unreaped until that write returns, and the write waits on a page locked by a read only a
-    /// new worker can answer: waiting to reap such a worker would leave the mount without one for good.
+    fn new(child: std::process::Child) -> Worker {
+        Worker { child, started: Instant::now(), leader_gone: None }
+    }
+
+    /// How the worker ended, once it has: reaped, or its main thread gone for [`LEADER_GONE_FOR`] while a
+    /// thread of it still cannot die. A worker killed while one of its threads wrote a notification to the
+    /// kernel (an inode's pages to drop) stays unreaped until that write returns, and the write waits on a
+    /// page locked by a read only a new worker can answer: waiting to reap such a worker would leave the
+    /// mount without one for good.
     fn ended(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
         if let Some(status) = self.child.try_wait()? {
             return Ok(Some(status));
         }
-        Ok(leader_exited(self.child.id()))
+        let Some(status) = leader_exited(self.child.id()) else { return Ok(None) };
+        let since = *self.leader_gone.get_or_insert_with(Instant::now);
+        Ok((since.elapsed() >= LEADER_GONE_FOR).then_some(status))
     }
 }
 
@@ -254,8 +267,7 @@ impl Supervisor<'_> {
         }
         let child = command.spawn().with_context(|| format!("cannot start a worker from {}", exe.display()))?;
         drop(theirs);
-        let started = Instant::now();
-        let mut w = Worker { child, started };
+        let mut w = Worker::new(child);
         // "ready" once it serves; "error: ..." or nothing (the socket closed) if it cannot.
         mine.set_read_timeout(Some(READY_WITHIN))?;
         let mut said = Vec::new();
@@ -657,7 +669,7 @@ mod tests {
         let mut said = String::new();
         std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut said).unwrap();
         assert_eq!(said.trim(), "started");
-        let mut w = Worker { child, started: Instant::now() };
+        let mut w = Worker::new(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         let status = loop {
             if let Some(status) = w.ended().unwrap() {
@@ -667,6 +679,8 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         };
         assert_eq!(status.code(), Some(7), "{status}");
+        // Not at the first look that found the main thread gone: other threads may be a moment from dying.
+        assert!(w.leader_gone.is_some_and(|t| t.elapsed() >= LEADER_GONE_FOR));
         // Not reaped: what the supervisor waited for before.
         assert!(w.child.try_wait().unwrap().is_none(), "the whole process exited: the test shows nothing");
         w.child.kill().unwrap();
