@@ -164,6 +164,19 @@ impl Worker {
         let since = *self.leader_gone.get_or_insert_with(Instant::now);
         Ok((since.elapsed() >= LEADER_GONE_FOR).then_some(status))
     }
+
+    /// Lets an ended worker go: its process, killed, where it is not reaped yet (to be reaped later).
+    /// Whatever ended its main thread, none of its threads serves beside the next worker: each dies as it
+    /// leaves the kernel.
+    fn retire(mut self) -> Option<std::process::Child> {
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return None;
+        }
+        let pid = self.child.id();
+        tracing::warn!(pid, "the worker's main thread is gone and a thread of it still finishes: taking over");
+        let _ = self.child.kill();
+        Some(self.child)
+    }
 }
 
 /// The wait status of a process whose main thread has exited (a zombie while other threads of it finish),
@@ -300,15 +313,8 @@ impl Supervisor<'_> {
                     };
                     let Some(status) = w.ended()? else { continue };
                     let lived = w.started.elapsed();
-                    let mut w = self.worker.take().expect("looked at above");
-                    if !matches!(w.child.try_wait(), Ok(Some(_))) {
-                        tracing::warn!(
-                            pid = w.child.id(),
-                            "the worker's main thread is gone and a thread of it \
-                                       still finishes: taking over without waiting for it"
-                        );
-                        self.dying.push(w.child);
-                    }
+                    let w = self.worker.take().expect("looked at above");
+                    self.dying.extend(w.retire());
                     self.died_at = Some(Instant::now());
                     use std::os::unix::process::ExitStatusExt;
                     if status.code() == Some(0) {
@@ -683,8 +689,18 @@ mod tests {
         assert!(w.leader_gone.is_some_and(|t| t.elapsed() >= LEADER_GONE_FOR));
         // Not reaped: what the supervisor waited for before.
         assert!(w.child.try_wait().unwrap().is_none(), "the whole process exited: the test shows nothing");
-        w.child.kill().unwrap();
-        w.child.wait().unwrap();
-        assert_eq!(leader_exited(w.child.id()), None, "a reaped process has no state");
+        // Let go, its thread left sleeping is killed: the process is reaped soon, not when the thread wakes.
+        let mut child = w.retire().expect("not reaped yet");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let reaped = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "the retired worker's threads lived on");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(reaped.signal(), Some(libc::SIGKILL), "{reaped}");
+        assert_eq!(leader_exited(child.id()), None, "a reaped process has no state");
     }
 }
