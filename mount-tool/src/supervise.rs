@@ -655,6 +655,18 @@ mod tests {
         assert!(waited < LOOK_EVERY / 2, "the retry waited {waited:?}");
     }
 
+    /// What `look` finds, looking every 10 ms; fails with `why` after 20 s of nothing.
+    fn within_20s<T>(why: &str, mut look: impl FnMut() -> Option<T>) -> T {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(found) = look() {
+                return found;
+            }
+            assert!(Instant::now() < deadline, "{why}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// A worker whose main thread has exited while another thread of it still runs has ended, with its
     /// status, though it cannot be reaped yet. A killed worker is in that state while one of its threads
     /// waits in the kernel on a read only the next worker can answer: the takeover test once hung there,
@@ -676,14 +688,7 @@ mod tests {
         std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut said).unwrap();
         assert_eq!(said.trim(), "started");
         let mut w = Worker::new(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let status = loop {
-            if let Some(status) = w.ended().unwrap() {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "the worker's main thread was not found gone");
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let status = within_20s("the worker's main thread was not found gone", || w.ended().unwrap());
         assert_eq!(status.code(), Some(7), "{status}");
         // Not at the first look that found the main thread gone: other threads may be a moment from dying.
         assert!(w.leader_gone.is_some_and(|t| t.elapsed() >= LEADER_GONE_FOR));
@@ -691,14 +696,7 @@ mod tests {
         assert!(w.child.try_wait().unwrap().is_none(), "the whole process exited: the test shows nothing");
         // Let go, its thread left sleeping is killed: the process is reaped soon, not when the thread wakes.
         let mut child = w.retire().expect("not reaped yet");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let reaped = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "the retired worker's threads lived on");
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let reaped = within_20s("the retired worker's threads lived on", || child.try_wait().unwrap());
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(reaped.signal(), Some(libc::SIGKILL), "{reaped}");
         assert_eq!(leader_exited(child.id()), None, "a reaped process has no state");
