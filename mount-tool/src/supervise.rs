@@ -183,12 +183,11 @@ impl Worker {
 /// from `/proc/PID/stat`; `None` while it runs, or when it cannot be read.
 fn leader_exited(pid: u32) -> Option<std::process::ExitStatus> {
     use std::os::unix::process::ExitStatusExt;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // "pid (comm) state ...": comm may hold spaces and parentheses; field 3 (state) follows the last ')',
-    // field 52 is the exit code in waitpid's form (Linux 3.5).
-    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().collect();
-    match fields.first() {
-        Some(&("Z" | "X")) => Some(std::process::ExitStatus::from_raw(fields.get(49)?.parse().ok()?)),
+    // Field 3 is the state; field 52 the exit code in waitpid's form (Linux 3.5).
+    let stat = crate::sys::stat_from_state(pid)?;
+    let mut fields = stat.split_whitespace();
+    match fields.next() {
+        Some("Z" | "X") => Some(std::process::ExitStatus::from_raw(fields.nth(48)?.parse().ok()?)),
         _ => None,
     }
 }

@@ -52,13 +52,19 @@ pub fn thread_group(tid: u32) -> Option<u32> {
     status.lines().find_map(|l| l.strip_prefix("Tgid:")).and_then(|v| v.trim().parse().ok())
 }
 
+/// `/proc/PID/stat` from its third field (the state) on, each field one word: field `n` is word `n - 3`.
+/// `None` once the process is gone.
+pub fn stat_from_state(pid: u32) -> Option<String> {
+    let mut stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces and parentheses itself.
+    stat.drain(..stat.rfind(')')? + 1);
+    Some(stat)
+}
+
 /// When process `pid` started (clock ticks since boot, `/proc/PID/stat` field 22): with the pid, an
 /// identity that a later process reusing the pid does not share. `None` once it has exited.
 pub fn start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) is in parentheses and may hold spaces and parentheses itself.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    stat_from_state(pid)?.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// An anonymous memory-backed file (`memfd_create`), closed on exec, that [`seal`] can make immutable.
