@@ -54,26 +54,38 @@ KEY, SECRET, BUCKET = "bench", "bench-secret", "bench"
 
 
 def start_weed(work, procs):
-    """`weed mini` on loopback with every port its own; returns its S3 port once the bucket answers."""
+    """`weed mini` on loopback with every port its own; returns its S3 port once the bucket answers. A
+    start that fails (a port taken between choosing and binding it) is tried again with other ports."""
     ids = os.path.join(work, "ids.json")
     json.dump({"identities": [{"name": "bench", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
                                "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, open(ids, "w"))
-    data = os.path.join(work, "weed")
-    os.makedirs(data)
-    s3 = free_port()
-    args = ["weed", "mini", f"-dir={data}", "-master.telemetry=false", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.port={s3}",
-            f"-s3.config={ids}", f"-bucket={BUCKET}"]
-    for flag in ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-                 "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc", "metricsPort", "debug.port"]:
-        args.append(f"-{flag}={free_port()}")
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "weed.log"), "w"))
-    procs.append(proc)
-    for _ in range(300):
-        if subprocess.run(rclone(s3, ["lsd", "w:"]), capture_output=True).returncode == 0:
-            return s3, proc
-        time.sleep(0.2)
-    raise SystemExit("weed mini did not start: see weed.log")
+    log = os.path.join(work, "weed.log")
+    flags = ["s3.port", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+             "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc", "metricsPort", "debug.port"]
+    for attempt in range(3):
+        data = os.path.join(work, f"weed-{attempt}" if attempt else "weed")
+        os.makedirs(data)
+        ports = set()
+        while len(ports) < len(flags):
+            ports.add(free_port())
+        ports = dict(zip(flags, ports))
+        args = ["weed", "mini", f"-dir={data}", "-master.telemetry=false", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-s3.config={ids}", f"-bucket={BUCKET}"] + [f"-{flag}={port}" for flag, port in ports.items()]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(log, "a"))
+        procs.append(proc)
+        s3 = ports["s3.port"]
+        for _ in range(300):
+            if proc.poll() is not None:
+                break
+            ask = rclone(s3, ["lsd", "w:", "--retries", "1", "--low-level-retries", "1", "--contimeout", "1s"])
+            if subprocess.run(ask, capture_output=True, timeout=30).returncode == 0:
+                return s3, proc
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait()
+        print(f"weed mini did not start (attempt {attempt + 1}, exit {proc.returncode}): see {log}", flush=True)
+    raise SystemExit(f"weed mini did not start: see {log}")
 
 
 def rclone(port, args):
