@@ -903,7 +903,7 @@ mod tests {
         let order: Vec<u32> = (0..ds.index.shards.len() as u32).collect();
         let before = |p: usize| ds.index.shards[..p].iter().map(|s| s.size).sum::<u64>();
         // Blocks such that the objects at positions 4 to 7 are a block and a half: the server's defaults
-        // (`block_bytes` a third of the tier; ahead one block, behind two).
+        // (ahead one block, behind two).
         let block = (before(8) - before(4)) * 2 / 3;
         source.follow_unstarted(order, block, 2 * block);
         for n in 0..4 {
@@ -979,7 +979,7 @@ mod tests {
             let fetched = tier.counters.fetched_bytes.load(Ordering::Relaxed);
             let read = source.counters.bytes.load(Ordering::Relaxed);
             let manifest = ds.manifest(epoch, &query).unwrap();
-            assert_eq!(manifest.options.block_bytes, tier.cap() / 3, "the server's default");
+            assert_eq!(manifest.options.block_bytes, tier.cap() / 4, "the server's default");
             let plan = ds.plan(epoch, &query).unwrap();
             // The first batch's layout, as a body asks for it: the tier follows the plan being read.
             ds.layout(epoch, 0, &query).unwrap();

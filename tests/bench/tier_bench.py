@@ -840,9 +840,9 @@ def render(rows, ctx):
     if pick(measure="half"):
         lines += ["## A tier of half the dataset: shuffle=blocks and shuffle=global", "", "```sh",
                   command_line(MEASURES="half", HALF_LOADERS=" ".join(HALF_LOADERS)), "```", "",
-                  f"Tier {ctx['bytes'] / 2e6:.0f} MB (`--disk-cache-size`), block_bytes the default (a third of it); "
+                  f"Tier {ctx['bytes'] / 2e6:.0f} MB (`--disk-cache-size`), block_bytes the default (a quarter of it); "
                   f"mounts at {RTTS[0]} ms. Speed against batchfs-local: local s / s (target blocks ≥ 0.7); "
-                  "store bytes per epoch over the dataset's (blocks: about 1).", "",
+                  "store bytes per epoch over the dataset's (blocks: at most 1).", "",
                   "| loader | system | epoch s | speed / local | speed / store floor | store bytes / dataset | "
                   "GETs / epoch | tier hit bytes / dataset | evicted / epoch | CPU s/GB: node + server + store = all "
                   "| all / cores, s |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -835,8 +835,8 @@ fn a_tier_smaller_than_the_dataset_reads_each_object_once_an_epoch_under_blocks(
             let gets_before = metric(&client, &server.base, "batchfs_object_bytes_total", "s3").await;
             for epoch in epochs.clone() {
                 // `block_bytes` given: the local dataset's default (a quarter of the memory) is not the
-                // tiered one's (a third of the tier), and the two must plan alike to compare.
-                let q = format!("batch_size=32&shuffle={shuffle}&block_bytes={}", copies.cap() / 3);
+                // tiered one's (a quarter of the tier), and the two must plan alike to compare.
+                let q = format!("batch_size=32&shuffle={shuffle}&block_bytes={}", copies.cap() / 4);
                 let url = format!("{}{}?{q}", server.base, api::manifest_path("s3", epoch));
                 let m: api::Manifest = client.get(url).send().await.unwrap().json().await.unwrap();
                 // Eight batches at once, as a mount's window asks for them.
