@@ -647,7 +647,7 @@ mod tests {
     /// At the default `block_bytes` (a quarter of the tier) the stager copies one block ahead, so a
     /// quarter of the tier keeps copies from one epoch to the next. Before, it copied as far as the tier
     /// less two blocks: with blocks of a third, the window filled the tier and every epoch read the store
-    /// whole (1.0x the dataset; 0.8x with the quarter kept, BENCHMARKS.md); with smaller blocks given, it
+    /// whole (1.05x the dataset; 0.89x with the quarter kept, BENCHMARKS.md); with smaller blocks given, it
     /// filled the tier with this epoch's next blocks all the same.
     #[test]
     fn the_stager_copies_a_block_ahead_and_leaves_the_rest_of_the_tier_to_later_epochs() {
