@@ -79,8 +79,11 @@ def start_weed(work, procs):
             if proc.poll() is not None:
                 break
             ask = rclone(s3, ["lsd", "w:", "--retries", "1", "--low-level-retries", "1", "--contimeout", "1s"])
-            if subprocess.run(ask, capture_output=True, timeout=30).returncode == 0:
-                return s3, proc
+            try:
+                if subprocess.run(ask, capture_output=True, timeout=30).returncode == 0:
+                    return s3, proc
+            except subprocess.TimeoutExpired:
+                pass
             time.sleep(0.2)
         proc.kill()
         proc.wait()
