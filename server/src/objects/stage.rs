@@ -4,23 +4,25 @@
 //! being copied has the parts holding them read next and waits for those parts only (`making.rs`), so
 //! the first batch never waits for a whole object and no byte is read from the store twice.
 //!
-//! **What is copied.** A dataset that fits in the tier is copied whole: the plan whose bodies are read gives the order
-//! ([`ObjectSource::follow`]), and an object a body reads that is not in the tier yet goes first. A dataset larger than
-//! the tier is copied only under `shuffle=blocks` (each epoch reads each object once, within `block_bytes` of objects
-//! at a time): then the stager stays at most `ahead` bytes of objects (a block, as far as the tier holds beside two)
-//! beyond the furthest object read, so what it copies never evicts what the two blocks being read still need (a mount's
-//! window reaches into the next block before the last one is done), and the copies of objects wholly more than `behind`
-//! bytes (two blocks) before it are the tier's first to go ([`super::tier::Tier::demote`]: the plan reads them next in
-//! a later epoch). What the tier holds beyond those three blocks (a quarter of it, at the default `block_bytes`) keeps
-//! copies from one epoch to the next. The furthest object read moves only to objects within `ahead` (at least a block)
-//! of it, so a mount's window reaching further than the tier holds (the next epoch, read ahead at the end of one)
-//! neither drags it on nor has what the slowest reader still needs evicted first; a read of an object the tier lacks
-//! outside the readers' window (`behind` before the furthest read to that far beyond it), once no body has read within
-//! it for a second ([`READERS_GONE`]), moves it there, back or on (the readers are there now: a mount reading what one
-//! before it read ahead of and dropped). An object of the plan a body reads and not copied yet is copied first (what
-//! the tier evicts makes room) where it lies that near; beyond, the body reads its bytes by GETs. Under
-//! `shuffle=global` such a dataset is not copied at all (each object would be evicted before its next sample came): it
-//! is read by GETs, and the server says so at start and in `/healthz`.
+//! **What is copied.** A dataset that fits in the tier is copied whole: the plan whose bodies are read
+//! gives the order ([`ObjectSource::follow`]), and an object a body reads that is not in the tier yet
+//! goes first. A dataset larger than the tier is copied only under `shuffle=blocks` (each epoch reads
+//! each object once, within `block_bytes` of objects at a time): then the stager stays at most `ahead`
+//! bytes of objects (a block, as far as the tier holds beside two) beyond the furthest object read, so
+//! what it copies never evicts what the two blocks being read still need (a mount's window reaches into
+//! the next block before the last one is done), and the copies of objects wholly more than `behind` bytes
+//! (two blocks) before it are the tier's first to go ([`super::tier::Tier::demote`]: the plan reads them
+//! next in a later epoch). What the tier holds beyond those three blocks (a quarter of it, at the default
+//! `block_bytes`) keeps copies from one epoch to the next. The furthest object read moves only to objects
+//! within `ahead` (at least a block) of it, so a mount's window reaching further than the tier holds (the
+//! next epoch, read ahead at the end of one) neither drags it on nor has what the slowest reader still
+//! needs evicted first; a read of an object the tier lacks outside the readers' window (`behind` before
+//! the furthest read to that far beyond it), once no body has read within it for a second
+//! ([`READERS_GONE`]), moves it there, back or on (the readers are there now: a mount reading what one
+//! before it read ahead of and dropped). An object of the plan a body reads and not copied yet is copied
+//! first (what the tier evicts makes room) where it lies that near; beyond, the body reads its bytes by
+//! GETs. Under `shuffle=global` such a dataset is not copied at all (each object would be evicted before
+//! its next sample came): it is read by GETs, and the server says so at start and in `/healthz`.
 //!
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
 //! driving the object runtime: copies are written with `pwrite` (past the page cache where the dataset's
