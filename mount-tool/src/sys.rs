@@ -302,6 +302,30 @@ pub fn release_large_allocations() {
     }
 }
 
+/// The span of a transparent huge page on x86-64 and most arm64 kernels.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// An empty buffer of `capacity` bytes whose whole, aligned 2 MiB spans the kernel may back with
+/// transparent huge pages (`MADV_HUGEPAGE`: the machine's default, `madvise`, gives them only to memory
+/// that asks). A fresh body buffer is a fresh mapping (above malloc's mmap threshold): filling it took a
+/// page fault, a zeroed page and a memory-cgroup charge every 4 KiB, most of the daemon's extra CPU in a
+/// mount's first epoch of `shuffled/` (docs/BENCHMARKS.md); a huge page does that once per 512. Where
+/// the kernel has no huge pages, or they are off, the advice does nothing.
+pub fn huge_buffer(capacity: usize) -> Vec<u8> {
+    let buf: Vec<u8> = Vec::with_capacity(capacity);
+    #[cfg(target_os = "linux")]
+    {
+        let start = buf.as_ptr() as usize;
+        let (from, to) = (start.next_multiple_of(HUGE_PAGE), (start + buf.capacity()) / HUGE_PAGE * HUGE_PAGE);
+        if to > from {
+            // SAFETY: advice only, on whole pages within this buffer's own allocation, none touched yet:
+            // the kernel may back them with huge pages at their first touch; their contents are unchanged.
+            unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) };
+        }
+    }
+    buf
+}
+
 /// Gives back what this process no longer uses of what the checks before mounting touched: the heap's free
 /// memory, and the pages of read-only file mappings (the program's and libraries' code and constants,
 /// faulted in again from the page cache if they are run again). For the supervisor, whose loop uses little
@@ -454,6 +478,43 @@ pub fn send_with_fd(
 mod tests {
     use super::*;
     use std::io::{Read, Seek, Write};
+
+    /// Whether the kernel may back the page at `addr` with transparent huge pages (`THPeligible` of the
+    /// mapping that holds it, in `/proc/self/smaps`).
+    fn huge_eligible(addr: usize) -> bool {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+                let (a, b) = (usize::from_str_radix(a, 16).unwrap(), usize::from_str_radix(b, 16).unwrap());
+                inside = (a..b).contains(&addr);
+            } else if inside && line.starts_with("THPeligible:") {
+                return line.split_whitespace().nth(1) == Some("1");
+            }
+        }
+        panic!("no mapping holds {addr:#x}");
+    }
+
+    #[test]
+    fn a_body_buffer_asks_for_huge_pages() {
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+        if !thp.contains("[madvise]") && !thp.contains("[always]") {
+            eprintln!("skipped: transparent huge pages are off here ({})", thp.trim());
+            return;
+        }
+        let mut huge = huge_buffer(16 << 20);
+        let plain: Vec<u8> = Vec::with_capacity(16 << 20);
+        let aligned = |v: &Vec<u8>| (v.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+        assert!(huge_eligible(aligned(&huge)), "the buffer's whole 2 MiB spans are advised");
+        if thp.contains("[madvise]") {
+            assert!(!huge_eligible(aligned(&plain)), "without the advice, no huge pages under `madvise`");
+        }
+        // The advice changes nothing of what the buffer holds.
+        huge.extend(std::iter::repeat_n(7u8, 16 << 20));
+        assert!(huge.iter().all(|&b| b == 7) && huge.len() == 16 << 20);
+        assert!(huge_buffer(4096).capacity() >= 4096, "too small for a huge page: a plain buffer");
+    }
 
     #[test]
     fn threads_map_to_their_process() {

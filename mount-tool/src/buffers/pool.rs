@@ -149,7 +149,7 @@ impl BufferPool {
                     buf.reserve_exact(need);
                     buf
                 }
-                None if buffered => Vec::with_capacity(need),
+                None if buffered => crate::sys::huge_buffer(need),
                 None => Vec::new(),
             };
             let file = file.map(|i| self.remove_file(&mut inner, i));
