@@ -55,7 +55,7 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
         },
     );
     let drop_page_cache = plan.options.page_cache == crate::options::PageCache::Drop;
-    Ok((FuseFs::new(fs, plan.options.passthrough, drop_page_cache, plan.options.threads), prefetcher))
+    Ok((FuseFs::new(fs, plan.options.passthrough, drop_page_cache, plan.options.fuse_threads()), prefetcher))
 }
 
 /// Raises the mount's kernel readahead (root only; best effort): larger FUSE reads, fewer round trips.

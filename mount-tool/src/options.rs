@@ -55,6 +55,14 @@ mod value {
         Ok((count(v)? as usize).max(1))
     }
 
+    /// `auto` ([`super::AUTO_THREADS`]) or a count of at least one.
+    pub fn threads(v: &str) -> Result<usize, Refusal> {
+        match v {
+            "auto" => Ok(super::AUTO_THREADS),
+            _ => at_least_one(v).map_err(|_| Refusal::Expected("auto or a number")),
+        }
+    }
+
     pub fn batches(v: &str) -> Result<usize, Refusal> {
         Ok(count(v)? as usize)
     }
@@ -284,8 +292,9 @@ options! {
         "Let other users read the mount (sets default_permissions).";
     auto_unmount: bool = false, value::switch, "off", "BOOL", "FUSE",
         "Ask the kernel to unmount when the daemon exits.";
-    threads: usize = 16, value::at_least_one, "16", "N", "FUSE",
-        "FUSE worker threads (all but one may wait on the server; more waits go to helper threads).";
+    threads: usize = AUTO_THREADS, value::threads, "`auto`", "N", "FUSE",
+        "FUSE worker threads (all but one may wait on the server; more waits go to helper threads); auto: \
+         the CPUs the mount may run on, 2 to 16.";
     passthrough: bool = true, value::switch, "true", "BOOL", "FUSE",
         "Hand verified files to the kernel (FUSE passthrough) where it allows.";
     huge_pages: bool = true, value::switch, "true", "BOOL", "FUSE",
@@ -331,7 +340,25 @@ pub enum OptionError {
     Format(BatchFormat),
 }
 
+/// `threads=auto`: as many FUSE threads as CPUs the mount may run on, at least 2 and at most 16 (see
+/// [`MountOptions::fuse_threads`]).
+pub const AUTO_THREADS: usize = 0;
+
 impl MountOptions {
+    /// The FUSE threads to run: `threads`, or with `auto` the CPUs this process may run on (its affinity
+    /// and its cgroup's quota, `available_parallelism`), at least 2 and at most 16. Linux hands each
+    /// request to the `/dev/fuse` reader that has waited longest, so threads beyond the CPUs take turns
+    /// and each is woken cold: on 2 vCPUs, 2 threads against 16 made ImageFolder's epoch over a warm
+    /// `cache_dir` 0.95x (`raw/`) and 0.84-0.94x (`shuffled/`), the daemon's CPU 0.7-0.9x
+    /// (docs/BENCHMARKS.md). Requests that wait on the network beyond `threads - 1` go to helper
+    /// threads, so fewer FUSE threads never hold a waiting request back.
+    pub fn fuse_threads(&self) -> usize {
+        match self.threads {
+            AUTO_THREADS => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 16),
+            n => n,
+        }
+    }
+
     /// Applies one `key[=value]` option.
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<(), OptionError> {
         match key {
@@ -484,6 +511,21 @@ mod tests {
     }
 
     #[test]
+    fn fuse_threads_are_the_cpus_by_default_and_as_given_otherwise() {
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        let auto = MountOptions::default();
+        assert_eq!(auto.threads, AUTO_THREADS);
+        assert_eq!(auto.fuse_threads(), cpus.clamp(2, 16));
+        let mut given = MountOptions::default();
+        given.apply_list("threads=5").unwrap();
+        assert_eq!(given.fuse_threads(), 5);
+        given.apply_list("threads=0").unwrap();
+        assert_eq!(given.fuse_threads(), 1, "at least one, as before");
+        given.apply_list("threads=auto").unwrap();
+        assert_eq!(given.fuse_threads(), auto.fuse_threads());
+    }
+
+    #[test]
     fn each_option_has_one_default_shown_in_help_and_docs() {
         let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/CONFIGURATION.md")).unwrap();
         let section = &docs[docs.find("## batchfs mount").unwrap()..];
@@ -534,7 +576,7 @@ mod tests {
         assert!(e.to_string().contains("needs a value"), "{e}");
         let e = MountOptions::default().apply_list("threads=many").unwrap_err();
         assert!(matches!(&e, OptionError::Value { key, .. } if key == "threads"), "{e}");
-        assert!(e.to_string().contains("threads=many"), "{e}");
+        assert!(e.to_string().contains("threads=many") && e.to_string().contains("auto or a number"), "{e}");
         let e = MountOptions::default().apply_list("batch_size=0").unwrap_err();
         assert!(matches!(e, OptionError::Plan(_)), "a plan option refused as the server refuses it: {e}");
         let e = MountOptions::default().apply_list("bogus=1").unwrap_err();

@@ -213,10 +213,10 @@ pub fn fuser_config(plan: &MountPlan) -> fuser::Config {
     if plan.options.auto_unmount {
         config.mount_options.push(M::AutoUnmount);
     }
-    config.n_threads = Some(plan.options.threads);
+    config.n_threads = Some(plan.options.fuse_threads());
     config.clone_fd = true;
     // FUSE rings (`fuse_uring`) start with the FUSE threads' number, spread over the CPUs.
-    config.io_uring_threads = plan.options.fuse_uring.then_some(plan.options.threads);
+    config.io_uring_threads = plan.options.fuse_uring.then_some(plan.options.fuse_threads());
     config
 }
 
