@@ -308,7 +308,7 @@ const HUGE_PAGE: usize = 2 << 20;
 /// An empty buffer of `capacity` bytes whose whole, aligned 2 MiB spans the kernel may back with
 /// transparent huge pages (`MADV_HUGEPAGE`: the machine's default, `madvise`, gives them only to memory
 /// that asks). A fresh body buffer is a fresh mapping (above malloc's mmap threshold): filling it took a
-/// page fault, a zeroed page and a memory-cgroup charge every 4 KiB, most of the daemon's extra CPU in a
+/// page fault, a zeroed page and a memory-cgroup charge every 4 KiB, 11 % of the daemon's CPU in a
 /// mount's first epoch of `shuffled/` (docs/BENCHMARKS.md); a huge page does that once per 512. Where
 /// the kernel has no huge pages, or they are off, the advice does nothing.
 pub fn huge_buffer(capacity: usize) -> Vec<u8> {
