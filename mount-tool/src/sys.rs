@@ -504,11 +504,28 @@ mod tests {
             return;
         }
         let mut huge = huge_buffer(16 << 20);
-        let plain: Vec<u8> = Vec::with_capacity(16 << 20);
-        let aligned = |v: &Vec<u8>| (v.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
-        assert!(huge_eligible(aligned(&huge)), "the buffer's whole 2 MiB spans are advised");
+        let aligned = (huge.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+        assert!(huge_eligible(aligned), "the buffer's whole 2 MiB spans are advised");
         if thp.contains("[madvise]") {
-            assert!(!huge_eligible(aligned(&plain)), "without the advice, no huge pages under `madvise`");
+            // A fresh mapping of its own, not advised (a Vec here may come from memory malloc reused, which
+            // a test before may have advised: the test binary leaves malloc's mmap threshold dynamic).
+            let len = 16 << 20;
+            // SAFETY: a new private anonymous mapping, unmapped below; nothing else refers to it.
+            let plain = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(plain, libc::MAP_FAILED);
+            let eligible = huge_eligible((plain as usize).next_multiple_of(HUGE_PAGE));
+            // SAFETY: the mapping made above, of `len` bytes, unused since.
+            unsafe { libc::munmap(plain, len) };
+            assert!(!eligible, "without the advice, no huge pages under `madvise`");
         }
         // The advice changes nothing of what the buffer holds.
         huge.extend(std::iter::repeat_n(7u8, 16 << 20));
