@@ -745,6 +745,17 @@ def command_line(**over):
         " tests/bench/tier_bench.py /tmp/tier"
 
 
+def cpu_floor(cpu, gb):
+    """The shortest epoch the CPU it took allows (`cpu`: node, server and store CPU s/GB; `gb` read): with
+    STORE_CPUS, the store's side runs on those CPUs and everything else on the others, so the longer of the
+    two sides' CPU over its CPUs; else all of it over every core."""
+    cores = os.cpu_count() or 1
+    if not STORE_CPUS:
+        return sum(cpu) * gb / cores
+    ours = max(1, cores - len(STORE_CPUS))
+    return max((cpu[0] + cpu[1]) * gb / ours, cpu[2] * gb / len(STORE_CPUS))
+
+
 def render(rows, ctx):
     med = statistics.median
     ok = [r for r in rows if not r["error"]]
@@ -862,15 +873,18 @@ def render(rows, ctx):
                   "store bytes per epoch over the dataset's (blocks: at most 1).", "",
                   "| loader | system | epoch s | speed / local | speed / store floor | store bytes / dataset | "
                   "GETs / epoch | tier hit bytes / dataset | evicted / epoch | CPU s/GB: node + server + store = all "
-                  "| all / cores, s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| CPU floor, s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         floor = pick(measure="half", system="store-floor")
         if floor:
             lines.insert(-2, f"The store's floor: every shard read once, whole, by curl through the same {STORE_RTT:g} ms "
                              f"link, 4 at once, nothing else running: median {med(r['epoch_s'] for r in floor):.2f} s "
                              "(an epoch that reads the dataset from the store cannot beat it). Speed / store floor: "
                              "the floor's s / the epoch's s, per round. CPU: the loader's and the mount's (node), the "
-                             "batchfs server's, SeaweedFS's and its links' (store), all on this machine's "
-                             f"{os.cpu_count()} cores: all CPU over the cores is a floor on the epoch here.")
+                             "batchfs server's, SeaweedFS's and its links' (store). CPU floor: the epoch cannot be "
+                             "shorter than the CPU it takes over the cores it may run on: with STORE_CPUS, the longer "
+                             "of node + server over the other CPUs and store over STORE_CPUS (the local server's "
+                             "floor over the half tier's bounds its speed / local); else all over the "
+                             f"{os.cpu_count()} cores.")
             lines.insert(-2, "")
         for loader in HALF_LOADERS:
             for system in ["batchfs-local"] + HALF_SYSTEMS:
@@ -886,7 +900,7 @@ def render(rows, ctx):
                        for k in ("node_cpu_s_per_gb", "server_cpu_s_per_gb", "store_cpu_s_per_gb")]
                 gb = med(r["bytes"] for r in runs) / 1e9
                 cpus = (f"{cpu[0]:.2f} + {cpu[1]:.2f} + {cpu[2]:.2f} = {sum(cpu):.2f} | "
-                        f"{sum(cpu) * gb / (os.cpu_count() or 1):.2f}")
+                        f"{cpu_floor(cpu, gb):.2f}")
                 if system == "batchfs-local":
                     lines.append(f"| {loader} | {system} | {e:.2f} | 1 | {vs_floor} | — | — | — | — | {cpus} |")
                     continue
