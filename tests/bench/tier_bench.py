@@ -19,8 +19,9 @@ alternating systems within each round (their order rotated each round), ROUNDS r
          side, SeaweedFS and the links in front of it, on CPU 0 and everything else, servers, mounts,
          loaders and the compute node's links, on the other CPUs, as if the store ran on machines of its own),
          HALF_SYSTEMS ("half-blocks half-global": the half-tier servers measured), HALF_BEFORE (none: a
-         directory holding another build's batchfs-server, measured as `half-blocks-before` beside
-         `half-blocks` in each round, the same options, so two builds compare side by side), PROFILE
+         directory holding another build's batchfs-server, and its batchfs if it is there, measured as
+         `half-blocks-before` beside `half-blocks` in each round, the same options, so two builds compare
+         side by side), PROFILE
          (none: a directory where each timed run's batchfs server is recorded by `perf record -g`, one
          file a run, named after the measure, system, RTT and round), PROFILE_CALLGRAPH ("fp": how `perf`
          walks the stacks; "dwarf" where frame pointers are missing, as in release builds)
@@ -332,12 +333,14 @@ def remove_cgroup(cg):
     print(f"could not remove the cgroup {cg}", file=sys.stderr)
 
 
-def mount_batchfs(ctx, label, port, opts=""):
+def mount_batchfs(ctx, label, port, opts="", bin_dir=BIN):
     mnt = os.path.join(ctx["work"], f"mnt-{label}")
     os.makedirs(mnt)
     options = f"batch_size={BATCH},epochs=100000" + (f",{MOUNT_OPTS}" if MOUNT_OPTS else "") + opts
-    subprocess.run([os.path.join(BIN, "batchfs"), "mount", f"http://127.0.0.1:{port}/d", mnt, "-o", options],
-                   check=True)
+    binary = os.path.join(bin_dir, "batchfs")
+    if not os.path.exists(binary):
+        binary = os.path.join(BIN, "batchfs")
+    subprocess.run([binary, "mount", f"http://127.0.0.1:{port}/d", mnt, "-o", options], check=True)
     ctx["mounts"].append(mnt)
     ctx["daemons"][mnt] = daemons_of(mnt)
     return mnt
@@ -596,7 +599,8 @@ def bench(ctx):
             opts = ",shuffle=blocks" if "blocks" in system else ""
             via, _ = link(procs, servers[system].port, half_rtt)
             mount(("half", system, half_rtt),
-                  lambda: (mount_batchfs(ctx, f"half-{system}", via, opts), servers[system]))
+                  lambda: (mount_batchfs(ctx, f"half-{system}", via, opts,
+                                         HALF_BEFORE if system.endswith("-before") else BIN), servers[system]))
     epochs = {key: 0 for key in dirs}
     for mnt, pids in ctx["daemons"].items():
         print(f"mount {mnt}: daemons {pids}", flush=True)

@@ -44,6 +44,10 @@ pub(super) struct Ask {
     pub cap: u64,
     /// Until when a read waits for room.
     pub deadline: Instant,
+    /// One of the first batches of an epoch, which a loader wrapping around reads again as it ends the
+    /// epoch (DALI's reader fills its last batch from the first files): kept, once consumed, while other
+    /// consumed batches can give their room or memory file ([`Entries::victim`], [`Entries::giver`]).
+    pub head: bool,
 }
 
 /// What [`Cache::admit`] did.
@@ -179,7 +183,7 @@ impl Cache {
             entries = self.wait_for_room(entries, ask.deadline)?;
         };
         let entry = Arc::new(Entry::new(self.clock()));
-        entries.lru.put(key, Cached { charge, entry: entry.clone() });
+        entries.lru.put(key, Cached { charge, entry: entry.clone(), head: ask.head });
         // Counted with the cache lock still held, as it was checked: no admission passes the check on a
         // count that another has passed it on but not raised yet.
         let prefetching = (!ask.on_demand).then(|| Prefetching::count(&self.prefetching, ask.sent));
@@ -310,15 +314,20 @@ struct Cached {
     /// Held for its drop.
     charge: Charge,
     entry: Arc<Entry>,
+    /// [`Ask::head`].
+    head: bool,
 }
 
 impl Entries {
     /// A batch already read whose memory file would hold `need` bytes: the smallest that does (a file cut
-    /// to a body frees the rest, and one grown has its new pages zeroed by the kernel first).
+    /// to a body frees the rest, and one grown has its new pages zeroed by the kernel first). Never an
+    /// epoch's first batches ([`Ask::head`]): given away, they were fetched again as the loader wrapped
+    /// around at the epoch's end.
     fn giver(&self, need: u64) -> Option<ObjectKey> {
         let gives = |c: &Cached| {
             let e = &c.entry;
-            c.charge.bytes >= need
+            !c.head
+                && c.charge.bytes >= need
                 && e.consumed.load(Ordering::Relaxed)
                 && e.is_ready()
                 && !e.is_pinned()
@@ -328,20 +337,23 @@ impl Entries {
     }
 
     /// Picks the entry to evict at `now` (nanoseconds of the cache's clock), least recently used first and
-    /// never one whose memory file is open: a consumed ready batch; else one nobody read or asked for in
-    /// `stale_after` (a window that ran past where its reader stopped: the start of an epoch never read, a
-    /// wrap-around that did not come); else, for reads only, any ready batch. Without the second rule such
-    /// batches filled a small cache for good, and prefetch stopped: every batch then cost a round trip.
+    /// never one whose memory file is open: a consumed ready batch, an epoch's first batches ([`Ask::head`])
+    /// after the others; else one nobody read or asked for in `stale_after` (a window that ran past where
+    /// its reader stopped: the start of an epoch never read, a wrap-around that did not come); else, for
+    /// reads only, any ready batch. Without the third rule such batches filled a small cache for good, and
+    /// prefetch stopped: every batch then cost a round trip.
     fn victim(&self, now: u64, stale_after: Duration, any_ready: bool) -> Option<ObjectKey> {
         let ready = |e: &Entry| e.is_ready() && !e.is_pinned();
         let stale_after = stale_after.as_nanos() as u64;
         let stale = |e: &Entry| now.saturating_sub(e.touched.load(Ordering::Relaxed)) >= stale_after;
-        let lru = || self.lru.iter().rev().map(|(k, c)| (k, &*c.entry));
+        let lru = || self.lru.iter().rev().map(|(k, c)| (k, &*c.entry, c.head));
+        let consumed = |e: &Entry| e.consumed.load(Ordering::Relaxed) && ready(e);
         lru()
-            .find(|(_, e)| e.consumed.load(Ordering::Relaxed) && ready(e))
-            .or_else(|| lru().find(|(_, e)| stale(e) && ready(e)))
-            .or_else(|| if any_ready { lru().find(|(_, e)| ready(e)) } else { None })
-            .map(|(k, _)| *k)
+            .find(|(_, e, head)| !head && consumed(e))
+            .or_else(|| lru().find(|(_, e, _)| consumed(e)))
+            .or_else(|| lru().find(|(_, e, _)| stale(e) && ready(e)))
+            .or_else(|| if any_ready { lru().find(|(_, e, _)| ready(e)) } else { None })
+            .map(|(k, _, _)| *k)
     }
 }
 
@@ -364,7 +376,7 @@ mod tests {
     /// A fetch of `bytes` into a memory file: a read (`on_demand`) or a prefetch under `cap`.
     fn ask(bytes: u64, on_demand: bool, cap: u64) -> Ask {
         let deadline = Instant::now() + Duration::from_millis(300);
-        Ask { charge: bytes, sent: bytes, memfd: true, on_demand, cap, deadline }
+        Ask { charge: bytes, sent: bytes, memfd: true, on_demand, cap, deadline, head: false }
     }
 
     fn started(c: &Cache, k: ObjectKey, a: Ask) -> (Arc<Entry>, Option<Prefetching>) {
@@ -421,6 +433,44 @@ mod tests {
         }
         assert!(c.contains(&key(2)));
         assert_eq!(c.used(), 900);
+    }
+
+    /// An epoch's first batches ([`Ask::head`]), once consumed, are the last consumed ones to give their
+    /// memory file to a new body or their room to a fetch: a loader wrapping around at the epoch's end
+    /// reads them again. Given away first (the smallest file that held the body, whatever the batch), they
+    /// were fetched again at every epoch's end (DALI fills its last batch from the first files): over a
+    /// disk tier smaller than the dataset, sample by sample from the store while the next epoch's objects
+    /// were being copied.
+    #[test]
+    fn an_epochs_first_batches_are_the_last_consumed_ones_to_go() {
+        // The first two are an epoch's first batches, and the smallest files that hold a body of 300.
+        let c = cache(1400);
+        let head = Ask { head: true, ..ask(300, true, 0) };
+        let entries: Vec<_> =
+            (0..4).map(|b| started(&c, key(b), if b < 2 { head } else { ask(400, true, 0) }).0).collect();
+        for (b, e) in entries.iter().enumerate() {
+            ready(e, if b < 2 { 300 } else { 400 });
+            *e.memfd.lock().unwrap() = Some(Arc::new(tempfile::tempfile().unwrap()));
+            c.closed(key(b as u64));
+        }
+        let giver_of = |c: &Cache| c.entries.lock().unwrap().giver(300);
+        let giver = giver_of(&c);
+        assert!(giver == Some(key(2)) || giver == Some(key(3)), "{giver:?} gave its memory file: {:?}", c.keys());
+        // Room for a prefetch: the consumed batches that are not an epoch's first go first, least recently
+        // used first, then the first ones.
+        for gone in [2, 3, 0, 1] {
+            assert_eq!(c.victim(false), Some(key(gone)));
+            c.forget(key(gone));
+        }
+        assert_eq!(c.victim(false), None);
+        // With only an epoch's first batches consumed, none gives its file (a fresh one is made).
+        let c = cache(1200);
+        let e = started(&c, key(0), head).0;
+        ready(&e, 300);
+        *e.memfd.lock().unwrap() = Some(Arc::new(tempfile::tempfile().unwrap()));
+        c.closed(key(0));
+        assert_eq!(giver_of(&c), None);
+        assert_eq!(c.victim(false), Some(key(0)), "but it makes room when nothing else can");
     }
 
     #[test]
