@@ -753,10 +753,10 @@ def cpu_floor(cpu, gb):
     """The shortest epoch the CPU it took allows (`cpu`: node, server and store CPU s/GB; `gb` read): with
     STORE_CPUS, the store's side runs on those CPUs and everything else on the others, so the longer of the
     two sides' CPU over its CPUs; else all of it over every core."""
-    cores = os.cpu_count() or 1
     if not STORE_CPUS:
-        return sum(cpu) * gb / cores
-    ours = max(1, cores - len(STORE_CPUS))
+        return sum(cpu) * gb / (os.cpu_count() or 1)
+    # This process was pinned to the CPUs the store's side does not have (`pin_ours`).
+    ours = len(os.sched_getaffinity(0) - STORE_CPUS) or 1
     return max((cpu[0] + cpu[1]) * gb / ours, cpu[2] * gb / len(STORE_CPUS))
 
 
