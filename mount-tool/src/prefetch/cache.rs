@@ -11,6 +11,7 @@
 //! taken to pick a victim), then the pool's ledger; `room` waits releasing the entries' mutex only.
 
 use super::entry::Entry;
+use super::kinds::Listing;
 use super::{ObjectKey, ReadError};
 use crate::buffers::{Admission, BufferPool};
 use crate::stats::Stats;
@@ -46,8 +47,12 @@ pub(super) struct Ask {
     pub deadline: Instant,
     /// One of the first batches of an epoch, which a loader wrapping around reads again as it ends the
     /// epoch (DALI's reader fills its last batch from the first files): kept, once consumed, while other
-    /// consumed batches can give their room or memory file ([`Entries::victim`], [`Entries::giver`]).
+    /// consumed batches can give their room or memory file ([`Entries::victim`], [`Entries::giver`]),
+    /// until a batch past the first window of a later epoch of the same listing is asked for.
     pub head: bool,
+    /// A batch past its epoch's first window, of a listing whose window runs into the next epoch: the
+    /// loader has left the epochs before it, whose first batches are then kept no longer.
+    pub past_head: bool,
 }
 
 /// What [`Cache::admit`] did.
@@ -82,7 +87,7 @@ pub(super) struct Cache {
 impl Cache {
     pub(super) fn new(limits: Limits, stats: Arc<Stats>) -> Self {
         Cache {
-            entries: Mutex::new(Entries { lru: LruCache::unbounded() }),
+            entries: Mutex::new(Entries { lru: LruCache::unbounded(), heads: Vec::new() }),
             room: Condvar::new(),
             pool: BufferPool::new(limits.budget),
             prefetching: stats.prefetching.clone(),
@@ -184,6 +189,7 @@ impl Cache {
         };
         let entry = Arc::new(Entry::new(self.clock()));
         entries.lru.put(key, Cached { charge, entry: entry.clone(), head: ask.head });
+        entries.heads_seen(key.listing, ask);
         // Counted with the cache lock still held, as it was checked: no admission passes the check on a
         // count that another has passed it on but not raised yet.
         let prefetching = (!ask.on_demand).then(|| Prefetching::count(&self.prefetching, ask.sent));
@@ -306,6 +312,8 @@ impl Drop for Prefetching {
 /// The entries, least recently used last.
 struct Entries {
     lru: LruCache<ObjectKey, Cached>,
+    /// The listings whose first batches are kept ([`Ask::head`]).
+    heads: Vec<Listing>,
 }
 
 /// An entry as the cache holds it, with the bytes the budget was charged for it (given back when the
@@ -319,6 +327,32 @@ struct Cached {
 }
 
 impl Entries {
+    /// Notes an admission to `listing` for `ask`. A batch past its epoch's first window: the loader has
+    /// left the listing's earlier epochs, whose first batches are kept no longer. An epoch's first batch:
+    /// it is kept, and the loader is at the end of the epoch before at the earliest, so those of earlier
+    /// epochs are kept no longer either (a loader that never reads past the first window keeps at most
+    /// two epochs' worth). Kept for good, they were at last the only batches already read, and every body
+    /// went into a fresh memory file (two copies, and new pages).
+    fn heads_seen(&mut self, listing: Listing, ask: Ask) {
+        let from = match (ask.head, ask.past_head) {
+            (true, _) => listing.epoch.saturating_sub(1),
+            (false, true) => listing.epoch,
+            (false, false) => return,
+        };
+        let done = |l: &Listing| l.epoch < from && Listing { epoch: l.epoch, ..listing } == *l;
+        if self.heads.iter().any(done) {
+            for (k, c) in self.lru.iter_mut() {
+                if c.head && done(&k.listing) {
+                    c.head = false;
+                }
+            }
+            self.heads.retain(|l| !done(l));
+        }
+        if ask.head && !self.heads.contains(&listing) {
+            self.heads.push(listing);
+        }
+    }
+
     /// A batch already read whose memory file would hold `need` bytes: the smallest that does (a file cut
     /// to a body frees the rest, and one grown has its new pages zeroed by the kernel first). Never an
     /// epoch's first batches ([`Ask::head`]): given away, they were fetched again as the loader wrapped
@@ -376,7 +410,7 @@ mod tests {
     /// A fetch of `bytes` into a memory file: a read (`on_demand`) or a prefetch under `cap`.
     fn ask(bytes: u64, on_demand: bool, cap: u64) -> Ask {
         let deadline = Instant::now() + Duration::from_millis(300);
-        Ask { charge: bytes, sent: bytes, memfd: true, on_demand, cap, deadline, head: false }
+        Ask { charge: bytes, sent: bytes, memfd: true, on_demand, cap, deadline, head: false, past_head: false }
     }
 
     fn started(c: &Cache, k: ObjectKey, a: Ask) -> (Arc<Entry>, Option<Prefetching>) {
@@ -471,6 +505,26 @@ mod tests {
         c.closed(key(0));
         assert_eq!(giver_of(&c), None);
         assert_eq!(c.victim(false), Some(key(0)), "but it makes room when nothing else can");
+        // Batches past the first window of its own epoch, and the next epoch's first batches, keep it.
+        let past = Ask { past_head: true, ..ask(300, true, 0) };
+        let next = |b| crate::fs::views::epochs::batches::key(1, b, BatchFormat::Tfrecord);
+        started(&c, key(5), past);
+        started(&c, next(0), head);
+        assert_eq!(giver_of(&c), None);
+        // A batch past the next epoch's first window: the loader has left this epoch, whose first batches
+        // are kept no longer. Kept, they were all the consumed batches left once the others had gone, and
+        // every body went into a fresh memory file. The next epoch's first batch is kept still.
+        started(&c, next(5), past);
+        assert_eq!(giver_of(&c), Some(key(0)));
+        let heads = |c: &Cache| -> Vec<ObjectKey> {
+            c.entries.lock().unwrap().lru.iter().filter(|(_, e)| e.head).map(|(k, _)| *k).collect()
+        };
+        assert_eq!(heads(&c), vec![next(0)]);
+        // An epoch's first batch: the loader is at the end of the epoch before at the earliest, and those
+        // of earlier epochs are kept no longer (a loader that never reads past the first window).
+        let third = |b| crate::fs::views::epochs::batches::key(3, b, BatchFormat::Tfrecord);
+        started(&c, third(0), head);
+        assert_eq!(heads(&c), vec![third(0)]);
     }
 
     #[test]
