@@ -463,7 +463,10 @@ impl Prefetcher {
         let also: Vec<Target> =
             objects.also_after(key.index).into_iter().map(|index| Target { listing: key.listing, index }).collect();
         self.start_prefetches(&also, objects);
-        let window::Ahead { here, next } = self.window.ahead(owner, key.listing, key.index, objects, follow);
+        let window::Ahead { here, next, firsts } = self.window.ahead(owner, key.listing, key.index, objects, follow);
+        if follow.into_next_epoch {
+            self.cache.read_in_epoch(key, &firsts);
+        }
         if !self.start_prefetches(&here, objects) {
             return;
         }
@@ -480,7 +483,7 @@ impl Prefetcher {
         }
         // One task per next listing: the reads near an epoch's end would each start one, and each would
         // fetch the same objects. Reads after it ends find them at hand.
-        if !self.listings.start_warming(next_listing) {
+        if !self.listings.start_warming(next_listing, &next) {
             return;
         }
         let this = self.clone();
@@ -490,8 +493,9 @@ impl Prefetcher {
                 Some(objects) => Ok(objects),
                 None => next_listing.kind.fetch(this.clone(), next_listing).await,
             };
-            if let Ok(objects) = objects {
-                this.start_prefetches(&next, &objects);
+            let objects = objects.ok();
+            if let Some(objects) = &objects {
+                this.start_prefetches(&next, objects);
             }
             for listing in whole {
                 if let Ok(objects) = listing.kind.fetch(this.clone(), listing).await {
@@ -499,7 +503,10 @@ impl Prefetcher {
                     this.start_prefetches(&all, &objects);
                 }
             }
-            this.listings.warmed(next_listing);
+            let meanwhile = this.listings.warmed(next_listing);
+            if let Some(objects) = &objects {
+                this.start_prefetches(&meanwhile, objects);
+            }
         });
     }
 

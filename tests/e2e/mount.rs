@@ -96,6 +96,52 @@ fn concurrent_and_interleaved_readers_get_prefetch_hits() {
     rt.block_on(server.running.shutdown());
 }
 
+/// Two DALI ranks with `shard_id` on one node read contiguous halves of each epoch, side by side. Each
+/// rank's window runs on into the next epoch from its own shard's start, so neither waits for its first
+/// batches there. It ran on from batch 0 (the phase of a stride-1 stream), and the second rank fetched
+/// its next epoch's first two batches on demand.
+#[test]
+fn range_shards_find_their_next_epochs_first_batches_prefetched() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 256, 8_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=4,prefetch=4,prefetch_bytes=0,epochs=2");
+    let m = manifest(&rt, &server, "batch_size=4");
+    let half = m.batches.len() / 2;
+    let read = |epoch: usize, b: usize| {
+        let path = mounted.mountpoint.join(format!("epoch-{epoch:04}/batch-{b:06}.tfrecord"));
+        std::fs::read(path).unwrap()
+    };
+    let n = |k: &str| common::mount_stats(&mounted.mountpoint)[k].as_u64().unwrap();
+    // One thread reads for both ranks in turn (the same process: a rank's stream starts at its second
+    // read all the same), so the order of reads is the same in every run.
+    for b in 0..half {
+        for rank in 0..2 {
+            let body = read(0, rank * half + b);
+            assert_eq!(crc::crc32c(&body), m.batches[rank * half + b].crc32c);
+        }
+    }
+    // The windows that ran on into epoch 1 arrive (its manifest is fetched in the background first).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut settled = 0;
+    while settled < 3 && Instant::now() < deadline {
+        settled = if n("in_flight") == 0 { settled + 1 } else { 0 };
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let misses = n("misses");
+    let m1 = common::manifest_of(&rt, &server, "d", 1, "batch_size=4");
+    for b in 0..half {
+        for rank in 0..2 {
+            let body = read(1, rank * half + b);
+            assert_eq!(crc::crc32c(&body), m1.batches[rank * half + b].crc32c);
+        }
+    }
+    let stats = common::mount_stats(&mounted.mountpoint);
+    assert_eq!(stats["misses"].as_u64().unwrap(), misses, "epoch 1 was read without a miss: {stats}");
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}
+
 /// Eight threads read every 8th batch file whole; each file equals the server's batch. With passthrough
 /// no read reaches the daemon; without, every open and read does.
 fn interleaved_readers(rt: &tokio::runtime::Runtime, server: &common::Server, passthrough: bool) {

@@ -45,14 +45,6 @@ pub(super) struct Ask {
     pub cap: u64,
     /// Until when a read waits for room.
     pub deadline: Instant,
-    /// One of the first batches of an epoch, which a loader wrapping around reads again as it ends the
-    /// epoch (DALI's reader fills its last batch from the first files): kept, once consumed, while other
-    /// consumed batches can give their room or memory file ([`Entries::victim`], [`Entries::giver`]),
-    /// until a batch past the first window of a later epoch of the same listing is asked for.
-    pub head: bool,
-    /// A batch past its epoch's first window, of a listing whose window runs into the next epoch: the
-    /// loader has left the epochs before it, whose first batches are then kept no longer.
-    pub past_head: bool,
 }
 
 /// What [`Cache::admit`] did.
@@ -188,8 +180,7 @@ impl Cache {
             entries = self.wait_for_room(entries, ask.deadline)?;
         };
         let entry = Arc::new(Entry::new(self.clock()));
-        entries.lru.put(key, Cached { charge, entry: entry.clone(), head: ask.head });
-        entries.heads_seen(key.listing, ask);
+        entries.lru.put(key, Cached { charge, entry: entry.clone(), head: false });
         // Counted with the cache lock still held, as it was checked: no admission passes the check on a
         // count that another has passed it on but not raised yet.
         let prefetching = (!ask.on_demand).then(|| Prefetching::count(&self.prefetching, ask.sent));
@@ -213,6 +204,21 @@ impl Cache {
         // the Shuttle test below found it).
         drop(self.entries.lock().expect("cache"));
         self.room.notify_all();
+    }
+
+    /// A read of `key`, of a listing whose window runs into the next epoch, in which `firsts` are among the
+    /// first batches of their reader's stream ([`super::streams::Observed::firsts`]): those are kept
+    /// (once consumed, while other consumed batches can give their room or memory file: a loader wrapping
+    /// around at the epoch's end reads them again), and the first batches of the listing's earlier epochs
+    /// kept no longer once the loader has left them ([`Entries::heads_seen`]).
+    pub(super) fn read_in_epoch(&self, key: ObjectKey, firsts: &[u64]) {
+        let mut entries = self.entries.lock().expect("cache");
+        for &index in firsts {
+            if let Some(c) = entries.lru.peek_mut(&ObjectKey { listing: key.listing, index }) {
+                c.head = true;
+            }
+        }
+        entries.heads_seen(key.listing, firsts.contains(&key.index));
     }
 
     /// A reader closed its last handle of `key`: the batch goes first when room is needed.
@@ -312,7 +318,7 @@ impl Drop for Prefetching {
 /// The entries, least recently used last.
 struct Entries {
     lru: LruCache<ObjectKey, Cached>,
-    /// The listings whose first batches are kept ([`Ask::head`]).
+    /// The listings whose first batches are kept ([`Cache::read_in_epoch`]).
     heads: Vec<Listing>,
 }
 
@@ -322,23 +328,19 @@ struct Cached {
     /// Held for its drop.
     charge: Charge,
     entry: Arc<Entry>,
-    /// [`Ask::head`].
+    /// Among the first batches of its reader's stream in its epoch ([`Cache::read_in_epoch`]).
     head: bool,
 }
 
 impl Entries {
-    /// Notes an admission to `listing` for `ask`. A batch past its epoch's first window: the loader has
-    /// left the listing's earlier epochs, whose first batches are kept no longer. An epoch's first batch:
-    /// it is kept, and the loader is at the end of the epoch before at the earliest, so those of earlier
-    /// epochs are kept no longer either (a loader that never reads past the first window keeps at most
-    /// two epochs' worth). Kept for good, they were at last the only batches already read, and every body
-    /// went into a fresh memory file (two copies, and new pages).
-    fn heads_seen(&mut self, listing: Listing, ask: Ask) {
-        let from = match (ask.head, ask.past_head) {
-            (true, _) => listing.epoch.saturating_sub(1),
-            (false, true) => listing.epoch,
-            (false, false) => return,
-        };
+    /// Notes a read of `listing`, of one of its stream's first batches (`head`) or not. Not: the loader
+    /// has left the listing's earlier epochs, whose first batches are kept no longer. One of them: the
+    /// loader is at the end of the epoch before at the earliest, so those of earlier epochs are kept no
+    /// longer either (a loader that never reads past the first window keeps at most two epochs' worth).
+    /// Kept for good, they were at last the only batches already read, and every body went into a fresh
+    /// memory file (two copies, and new pages).
+    fn heads_seen(&mut self, listing: Listing, head: bool) {
+        let from = if head { listing.epoch.saturating_sub(1) } else { listing.epoch };
         let done = |l: &Listing| l.epoch < from && Listing { epoch: l.epoch, ..listing } == *l;
         if self.heads.iter().any(done) {
             for (k, c) in self.lru.iter_mut() {
@@ -348,14 +350,14 @@ impl Entries {
             }
             self.heads.retain(|l| !done(l));
         }
-        if ask.head && !self.heads.contains(&listing) {
+        if head && !self.heads.contains(&listing) {
             self.heads.push(listing);
         }
     }
 
     /// A batch already read whose memory file would hold `need` bytes: the smallest that does (a file cut
     /// to a body frees the rest, and one grown has its new pages zeroed by the kernel first). Never an
-    /// epoch's first batches ([`Ask::head`]): given away, they were fetched again as the loader wrapped
+    /// epoch's first batches ([`Cached::head`]): given away, they were fetched again as the loader wrapped
     /// around at the epoch's end.
     fn giver(&self, need: u64) -> Option<ObjectKey> {
         let gives = |c: &Cached| {
@@ -371,7 +373,7 @@ impl Entries {
     }
 
     /// Picks the entry to evict at `now` (nanoseconds of the cache's clock), least recently used first and
-    /// never one whose memory file is open: a consumed ready batch, an epoch's first batches ([`Ask::head`])
+    /// never one whose memory file is open: a consumed ready batch, an epoch's first batches ([`Cached::head`])
     /// after the others; else one nobody read or asked for in `stale_after` (a window that ran past where
     /// its reader stopped: the start of an epoch never read, a wrap-around that did not come); else, for
     /// reads only, any ready batch. Without the third rule such batches filled a small cache for good, and
@@ -410,7 +412,7 @@ mod tests {
     /// A fetch of `bytes` into a memory file: a read (`on_demand`) or a prefetch under `cap`.
     fn ask(bytes: u64, on_demand: bool, cap: u64) -> Ask {
         let deadline = Instant::now() + Duration::from_millis(300);
-        Ask { charge: bytes, sent: bytes, memfd: true, on_demand, cap, deadline, head: false, past_head: false }
+        Ask { charge: bytes, sent: bytes, memfd: true, on_demand, cap, deadline }
     }
 
     fn started(c: &Cache, k: ObjectKey, a: Ask) -> (Arc<Entry>, Option<Prefetching>) {
@@ -469,22 +471,22 @@ mod tests {
         assert_eq!(c.used(), 900);
     }
 
-    /// An epoch's first batches ([`Ask::head`]), once consumed, are the last consumed ones to give their
-    /// memory file to a new body or their room to a fetch: a loader wrapping around at the epoch's end
-    /// reads them again. Given away first (the smallest file that held the body, whatever the batch), they
-    /// were fetched again at every epoch's end (DALI fills its last batch from the first files): over a
-    /// disk tier smaller than the dataset, sample by sample from the store while the next epoch's objects
-    /// were being copied.
+    /// An epoch's first batches of each reader's stream ([`Cached::head`]), once consumed, are the last
+    /// consumed ones to give their memory file to a new body or their room to a fetch: a loader wrapping
+    /// around at the epoch's end reads them again. Given away first (the smallest file that held the body,
+    /// whatever the batch), they were fetched again at every epoch's end (DALI fills its last batch from
+    /// its shard's first files): over a disk tier smaller than the dataset, sample by sample from the store
+    /// while the next epoch's objects were being copied.
     #[test]
     fn an_epochs_first_batches_are_the_last_consumed_ones_to_go() {
-        // The first two are an epoch's first batches, and the smallest files that hold a body of 300.
+        // Batches 0 and 1 are the first of their stream, and the smallest files that hold a body of 300.
         let c = cache(1400);
-        let head = Ask { head: true, ..ask(300, true, 0) };
         let entries: Vec<_> =
-            (0..4).map(|b| started(&c, key(b), if b < 2 { head } else { ask(400, true, 0) }).0).collect();
+            (0..4).map(|b| started(&c, key(b), ask(if b < 2 { 300 } else { 400 }, true, 0)).0).collect();
         for (b, e) in entries.iter().enumerate() {
             ready(e, if b < 2 { 300 } else { 400 });
             *e.memfd.lock().unwrap() = Some(Arc::new(tempfile::tempfile().unwrap()));
+            c.read_in_epoch(key(b as u64), if b < 2 { &[0, 1] } else { &[] });
             c.closed(key(b as u64));
         }
         let giver_of = |c: &Cache| c.entries.lock().unwrap().giver(300);
@@ -499,31 +501,33 @@ mod tests {
         assert_eq!(c.victim(false), None);
         // With only an epoch's first batches consumed, none gives its file (a fresh one is made).
         let c = cache(1200);
-        let e = started(&c, key(0), head).0;
+        let e = started(&c, key(0), ask(300, true, 0)).0;
         ready(&e, 300);
         *e.memfd.lock().unwrap() = Some(Arc::new(tempfile::tempfile().unwrap()));
+        c.read_in_epoch(key(0), &[0]);
         c.closed(key(0));
         assert_eq!(giver_of(&c), None);
         assert_eq!(c.victim(false), Some(key(0)), "but it makes room when nothing else can");
-        // Batches past the first window of its own epoch, and the next epoch's first batches, keep it.
-        let past = Ask { past_head: true, ..ask(300, true, 0) };
+        // Reads past the first batches of its own epoch, and of the next epoch's first batches, keep it.
         let next = |b| crate::fs::views::epochs::batches::key(1, b, BatchFormat::Tfrecord);
-        started(&c, key(5), past);
-        started(&c, next(0), head);
+        c.read_in_epoch(key(5), &[]);
+        started(&c, next(0), ask(300, true, 0));
+        c.read_in_epoch(next(0), &[0]);
         assert_eq!(giver_of(&c), None);
-        // A batch past the next epoch's first window: the loader has left this epoch, whose first batches
+        // A read past the next epoch's first batches: the loader has left this epoch, whose first batches
         // are kept no longer. Kept, they were all the consumed batches left once the others had gone, and
         // every body went into a fresh memory file. The next epoch's first batch is kept still.
-        started(&c, next(5), past);
+        c.read_in_epoch(next(5), &[]);
         assert_eq!(giver_of(&c), Some(key(0)));
         let heads = |c: &Cache| -> Vec<ObjectKey> {
             c.entries.lock().unwrap().lru.iter().filter(|(_, e)| e.head).map(|(k, _)| *k).collect()
         };
         assert_eq!(heads(&c), vec![next(0)]);
-        // An epoch's first batch: the loader is at the end of the epoch before at the earliest, and those
-        // of earlier epochs are kept no longer (a loader that never reads past the first window).
+        // One of an epoch's first batches read: the loader is at the end of the epoch before at the
+        // earliest, and those of earlier epochs are kept no longer (a loader that never reads past them).
         let third = |b| crate::fs::views::epochs::batches::key(3, b, BatchFormat::Tfrecord);
-        started(&c, third(0), head);
+        started(&c, third(0), ask(300, true, 0));
+        c.read_in_epoch(third(0), &[0]);
         assert_eq!(heads(&c), vec![third(0)]);
     }
 

@@ -26,12 +26,7 @@ impl Prefetcher {
         // of `shuffled/`'s samples, a chunk of a large `raw/` file) is only ever read through the daemon.
         let memfd = self.fetcher.memfds() && obj.placed.is_none() && obj.whole;
         let cap = if on_demand { u64::MAX } else { self.window.cap() };
-        // An epoch's first window of batches: what a loader wrapping around at the epoch's end reads again,
-        // and what the window, split there between this epoch's start and the next epoch's, asks for.
-        let follow = key.listing.kind.follow(key.listing);
-        let first = key.index < self.window.width(follow, objects) as u64;
-        let (head, past_head) = (follow.into_next_epoch && first, follow.into_next_epoch && !first);
-        let ask = Ask { charge: obj.charge(), sent: obj.sent.bytes, memfd, on_demand, cap, deadline, head, past_head };
+        let ask = Ask { charge: obj.charge(), sent: obj.sent.bytes, memfd, on_demand, cap, deadline };
         Ok(match self.cache.admit(key, ask)? {
             None => None,
             Some(Admitted::Joined(entry)) => Some((entry, false)),

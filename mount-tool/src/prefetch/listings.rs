@@ -6,12 +6,12 @@
 //! Fetching is the coordinator's (it holds the client, the retries and the runtime); this room keeps
 //! what was fetched and answers from it without blocking.
 
-use super::Listing;
+use super::{Listing, Target};
 use crate::sync::{Arc, Mutex};
 use batchfs::api::{Manifest, SlotTable};
 use batchfs::encode::BatchFormat;
 use lru::LruCache;
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 /// Manifests kept at once: a few epochs ahead and behind, in every format a reader uses.
 const MANIFESTS_KEPT: usize = 16;
@@ -19,7 +19,7 @@ const MANIFESTS_KEPT: usize = 16;
 pub(super) struct Listings {
     manifests: Mutex<LruCache<(u64, BatchFormat), Arc<Manifest>>>,
     /// Listings of next epochs whose manifests a background task is fetching now.
-    warming: Mutex<HashSet<Listing>>,
+    warming: Mutex<HashMap<Listing, Vec<Target>>>,
     /// The slot table of `rolling/`'s indexed layout, once fetched (it holds for the mount's life).
     slots: std::sync::OnceLock<Arc<SlotTable>>,
 }
@@ -35,7 +35,7 @@ impl Listings {
     pub fn new() -> Self {
         Listings {
             manifests: Mutex::new(LruCache::new(std::num::NonZeroUsize::new(MANIFESTS_KEPT).expect("nonzero"))),
-            warming: Mutex::new(HashSet::new()),
+            warming: Mutex::new(HashMap::new()),
             slots: std::sync::OnceLock::new(),
         }
     }
@@ -71,13 +71,27 @@ impl Listings {
         NextEpoch { cached: manifests.peek(&(epoch, format)).cloned(), twins }
     }
 
-    /// Claims the warming of `listing` (a next epoch's): false when a task already has it.
-    pub fn start_warming(&self, listing: Listing) -> bool {
-        self.warming.lock().expect("warming").insert(listing)
+    /// Claims the warming of `listing` (a next epoch's) for the targets of a read: false when a task
+    /// already has it, which then also prefetches `targets` ([`Listings::warmed`]; another stream's, a
+    /// range shard's start, where the first began at batch 0).
+    pub fn start_warming(&self, listing: Listing, targets: &[Target]) -> bool {
+        let mut warming = self.warming.lock().expect("warming");
+        match warming.get_mut(&listing) {
+            Some(pending) => {
+                pending.extend(targets.iter().filter(|t| !pending.contains(t)).copied().collect::<Vec<_>>());
+                false
+            }
+            None => {
+                warming.insert(listing, Vec::new());
+                true
+            }
+        }
     }
 
-    pub fn warmed(&self, listing: Listing) {
-        self.warming.lock().expect("warming").remove(&listing);
+    /// The warming of `listing` ends: the targets other reads asked for meanwhile, to prefetch too. A read
+    /// after this finds its objects at hand, or claims the warming anew.
+    pub fn warmed(&self, listing: Listing) -> Vec<Target> {
+        self.warming.lock().expect("warming").remove(&listing).unwrap_or_default()
     }
 }
 
@@ -112,9 +126,13 @@ mod tests {
         assert_eq!(listings.next_epoch(2, BatchFormat::Tfrecord).twins, None, "already here");
         assert_eq!(listings.next_epoch(2, BatchFormat::Tar).twins, None, "tar has no twins");
         let two = batches::listing(2, BatchFormat::Tfrecord);
-        assert!(listings.start_warming(two) && !listings.start_warming(two));
-        assert!(listings.start_warming(placed::key(2, 0).listing), "another listing of the epoch");
-        listings.warmed(two);
-        assert!(listings.start_warming(two));
+        let at = |index| Target { listing: two, index };
+        assert!(listings.start_warming(two, &[at(0), at(1)]));
+        // Another stream's window (a range shard's start) while the task warms it: the task fetches those
+        // too, once, when it is done (they were dropped, and fetched on demand).
+        assert!(!listings.start_warming(two, &[at(50), at(51)]) && !listings.start_warming(two, &[at(51), at(52)]));
+        assert!(listings.start_warming(placed::key(2, 0).listing, &[]), "another listing of the epoch");
+        assert_eq!(listings.warmed(two), vec![at(50), at(51), at(52)]);
+        assert!(listings.start_warming(two, &[]));
     }
 }

@@ -19,18 +19,26 @@
 //!   stride of at most `max_stride` past it, makes a trusted stream of that stride (a DDP rank, a range
 //!   shard). Random reads therefore start nothing after the listing's first window.
 //! - **Across epochs**: a stream whose window runs past the end of epoch *e* continues into epoch
-//!   *e + 1* at the same phase (a stride-*k* stream of rank *r* continues at batch *r*), so the next
-//!   epoch's first batches are warm when the reader gets there.
+//!   *e + 1* where the stream starts (its *origin*: a stride-*k* stream of rank *r* at batch *r*, a DALI
+//!   range shard at its first batch), so the next epoch's first batches are warm when the reader gets
+//!   there.
 //! - **Wrapping around**: a read of batch 0 of an epoch already read to its end is a new pass (a pipeline
 //!   built once over one directory, or DALI's reader, which reads on past the last file into the first
 //!   ones while it finishes an epoch): it starts afresh with the full window, and from then on a window
-//!   past an epoch's end is split between the epoch's own start and the next epoch's.
+//!   past an epoch's end is split between the stream's own start in this epoch and the next epoch's.
+//! - **First batches**: each stream's first reads of an epoch (a window's worth shared by the listing's
+//!   streams, at least [`WRAP_READS`] each) are reported ([`Observed::firsts`]), and the cache keeps them
+//!   once read: DALI reads them again as it wraps around, each rank its own shard's.
 //!
 //! State is bounded: `max_listings` listings (least recently read dropped first), `max_streams`
 //! streams and candidates per listing, and one bit per batch of the listings tracked.
 
 use super::kinds::Follow;
 use super::Listing;
+
+/// The batches of its stream's first ones DALI's reader reads again as it wraps around at an epoch's end:
+/// its last batch's records and its prefetch queue's (`prefetch_queue_depth` 2) come from 1-4 files.
+const WRAP_READS: u64 = 4;
 
 /// One batch to keep cached ahead of a reader: `listing` may be the next epoch's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +52,27 @@ struct Stream {
     head: u64,
     stride: u64,
     used: u64,
+    /// Where the stream starts in every epoch: its first read (a range shard's start, a rank's phase), or
+    /// its phase where that read was within a window of it (a thread pool's first reads, out of order).
+    origin: u64,
+}
+
+impl Stream {
+    fn new(batch: u64, stride: u64, window: u64, used: u64) -> Self {
+        let origin = if batch < stride * window { batch % stride } else { batch };
+        Stream { head: batch, stride, used, origin }
+    }
+}
+
+/// What [`StreamTracker::observe`] found for a read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// The batches to keep ahead of the read's stream, nearest first (`listing` may be the next epoch's).
+    pub targets: Vec<Target>,
+    /// Batches of the read's listing among the first of their stream in the epoch, which a loader reads
+    /// again as it wraps around at the epoch's end (DALI fills its last batch from its shard's first
+    /// files): this read's, and the first read of a stream that this read confirmed.
+    pub firsts: Vec<u64>,
 }
 
 /// An isolated read, waiting for its process's next read to say whether it starts a stream.
@@ -122,7 +151,9 @@ impl StreamTracker {
     /// Records a read of `batch` (of `batches` in `listing`) by process `owner` (0 when unknown) and
     /// returns the batches to keep ahead of the stream it belongs to, nearest first: at most `window`
     /// of them, fewer near the end of the last epoch, none for an isolated read. `follow` says whether the
-    /// first read asks for every batch and whether windows run on into the next epoch.
+    /// first read asks for every batch and whether windows run on into the next epoch. Also says which
+    /// batches are among the first of their stream ([`Observed::firsts`]): a window's worth shared by the
+    /// listing's streams (at least [`WRAP_READS`] each).
     pub fn observe(
         &mut self,
         owner: u32,
@@ -130,11 +161,11 @@ impl StreamTracker {
         (batch, batches): (u64, u64),
         window: usize,
         follow: Follow,
-    ) -> Vec<Target> {
+    ) -> Observed {
         self.clock += 1;
         let clock = self.clock;
         if window == 0 || batch >= batches {
-            return Vec::new();
+            return Observed::default();
         }
         let (max_streams, max_stride) = (self.max_streams, self.max_stride);
         let state = self.state(listing, batches);
@@ -152,7 +183,8 @@ impl StreamTracker {
         let again = state.mark(batch);
         if first && follow.all_at_first {
             // Every twin at once: DALI reads them all at pipeline build.
-            return (0..batches).filter(|&b| b != batch).map(|index| Target { listing, index }).collect();
+            let targets = (0..batches).filter(|&b| b != batch).map(|index| Target { listing, index }).collect();
+            return Observed { targets, firsts: Vec::new() };
         }
         let reach = window as u64;
         // The stream this read advances or falls within: the fewest steps away, the longest stride first
@@ -167,6 +199,7 @@ impl StreamTracker {
             })
             .min_by_key(|(_, s)| (batch.abs_diff(s.head) / s.stride, std::cmp::Reverse(s.stride)))
             .map(|(i, _)| i);
+        let mut confirmed_from = None;
         let i = match fits {
             Some(i) => {
                 let s = &mut state.streams[i];
@@ -174,8 +207,8 @@ impl StreamTracker {
                 s.used = clock;
                 i
             }
-            None if first => push(&mut state.streams, Stream { head: batch, stride: 1, used: clock }, max_streams),
-            None if again => return Vec::new(),
+            None if first => push(&mut state.streams, Stream::new(batch, 1, reach, clock), max_streams),
+            None if again => return Observed::default(),
             None => {
                 let confirmed = state
                     .candidates
@@ -183,8 +216,10 @@ impl StreamTracker {
                     .position(|c| c.owner == owner && batch > c.batch && batch - c.batch <= max_stride);
                 match confirmed {
                     Some(c) => {
-                        let stride = batch - state.candidates.swap_remove(c).batch;
-                        push(&mut state.streams, Stream { head: batch, stride, used: clock }, max_streams)
+                        let from = state.candidates.swap_remove(c).batch;
+                        confirmed_from = Some(from);
+                        let stream = Stream { head: batch, ..Stream::new(from, batch - from, reach, clock) };
+                        push(&mut state.streams, stream, max_streams)
                     }
                     None => {
                         // One candidate per process: its next read confirms it or replaces it.
@@ -195,12 +230,18 @@ impl StreamTracker {
                             state.candidates.swap_remove(oldest.expect("nonempty"));
                         }
                         state.candidates.push(candidate);
-                        return Vec::new();
+                        return Observed::default();
                     }
                 }
             }
         };
         let s = state.streams[i].clone();
+        // A window's worth of first batches, shared by the streams (a rank's stride or range shards), but
+        // never fewer than a loader reads as it wraps around.
+        let steps = (reach / s.stride.max(state.streams.len() as u64)).max(WRAP_READS);
+        let is_first =
+            |b: u64| b >= s.origin && (b - s.origin).is_multiple_of(s.stride) && (b - s.origin) / s.stride < steps;
+        let firsts = confirmed_from.into_iter().chain([batch]).filter(|&b| is_first(b)).collect();
         let mut out = Vec::with_capacity(window);
         let mut next = s.head + s.stride;
         while out.len() < window && next < batches {
@@ -212,11 +253,11 @@ impl StreamTracker {
         if next >= batches {
             state.ended = true;
         }
-        // The window runs on past the epoch's end, at the stream's phase: into the next epoch, and, once
-        // readers were seen to wrap around, half of it into this epoch's start.
-        let phase = s.head % s.stride;
+        // The window runs on past the epoch's end, from where the stream starts (its phase, or a range
+        // shard's start): into the next epoch, and, once readers were seen to wrap around, half of it into
+        // this epoch's own.
         let from_start =
-            |listing, n: usize| (0..n as u64).map(move |k| Target { listing, index: phase + k * s.stride });
+            |listing, n: usize| (0..n as u64).map(move |k| Target { listing, index: s.origin + k * s.stride });
         let spill = window - out.len();
         let wrap = if wraps { spill.div_ceil(2) } else { 0 };
         let wrapped: Vec<Target> =
@@ -224,7 +265,7 @@ impl StreamTracker {
         out.extend(wrapped);
         let next = listing.next_epoch().filter(|_| follow.into_next_epoch);
         out.extend(next.into_iter().flat_map(|next| from_start(next, spill - wrap)));
-        out
+        Observed { targets: out, firsts }
     }
 
     /// The state of `listing`, created (dropping the least recently read one) if absent.
@@ -270,7 +311,7 @@ mod tests {
     impl StreamTracker {
         /// [`StreamTracker::observe`] of a read of `batch` of `batches`, followed as its view says.
         fn see(&mut self, owner: u32, listing: Listing, batch: u64, batches: u64, window: usize) -> Vec<Target> {
-            self.observe(owner, listing, (batch, batches), window, listing.kind.follow(listing))
+            self.observe(owner, listing, (batch, batches), window, listing.kind.follow(listing)).targets
         }
     }
 
@@ -436,5 +477,27 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn range_shards_keep_their_first_batches_and_run_on_into_the_next_epoch_from_their_start() {
+        // Two DALI ranks with `shard_id` on one node, side by side: rank 0 reads batches 0..50, rank 1
+        // 50..100. Each wraps around to its own shard's first batches at the end, and starts the next
+        // epoch there: both were fetched again, on demand, at every epoch's end and start.
+        let mut t = StreamTracker::new(8, 16);
+        let (mut firsts, mut next) = (Vec::new(), [Vec::new(), Vec::new()]);
+        for k in 0..50u64 {
+            for rank in 0..2 {
+                let o = t.observe(10 + rank as u32, L, (50 * rank + k, 100), 6, L.kind.follow(L));
+                firsts.extend(o.firsts);
+                next[rank as usize].extend(o.targets.iter().filter(|t| t.listing == L1).map(|t| t.index));
+            }
+        }
+        firsts.sort_unstable();
+        // A window's worth shared by the two streams (3 each), but never fewer than what DALI reads as it
+        // wraps around (4): rank 1's shard start counts from its first read, which its second confirmed.
+        assert_eq!(firsts, vec![0, 1, 2, 3, 50, 51, 52, 53]);
+        assert_eq!(next[0].first(), Some(&0), "rank 0 runs on into the next epoch at batch 0");
+        assert_eq!(next[1].first(), Some(&50), "rank 1 runs on into the next epoch at its shard's start");
     }
 }

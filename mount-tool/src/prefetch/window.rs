@@ -105,11 +105,13 @@ pub(super) struct Window {
 }
 
 /// The files to keep ahead of a read, nearest first: in the listing read, and in the next one (an epoch's
-/// window running past its end).
+/// window running past its end); and the files of the listing read among the first of their stream
+/// ([`super::streams::Observed::firsts`]).
 #[derive(Debug, Default, PartialEq)]
 pub(super) struct Ahead {
     pub here: Vec<Target>,
     pub next: Vec<Target>,
+    pub firsts: Vec<u64>,
 }
 
 impl Window {
@@ -140,10 +142,10 @@ impl Window {
         }
         let width = self.width(follow, objects);
         let mut streams = self.streams.lock().expect("streams");
-        let targets = streams.observe(owner, listing, (index, objects.count()), width, follow);
+        let observed = streams.observe(owner, listing, (index, objects.count()), width, follow);
         drop(streams);
-        let (here, next) = targets.into_iter().partition(|t| t.listing == listing);
-        Ahead { here, next }
+        let (here, next) = observed.targets.into_iter().partition(|t| t.listing == listing);
+        Ahead { here, next, firsts: observed.firsts }
     }
 
     /// The window of a stream over a listing's `objects`, in files: `prefetch`, or, followed
@@ -268,7 +270,7 @@ mod tests {
     fn a_first_read_gets_the_whole_window_which_runs_on_into_the_next_epoch() {
         let w = window(4, 0);
         let (epoch0, listing) = (batches(0, 10, 1000), epochs::listing(0, TF));
-        assert_eq!(w.see(1, listing, 0, &epoch0), Ahead { here: at(0, 1..5), next: vec![] });
+        assert_eq!(w.see(1, listing, 0, &epoch0), Ahead { here: at(0, 1..5), next: vec![], firsts: vec![0] });
         // Reading on, the window keeps four ahead; near the end it runs past the last batch into epoch 1.
         // (A jump is a random read, which starts nothing: the reads go on in order.)
         assert_eq!(w.see(1, listing, 1, &epoch0).here.last(), Some(&at(0, 5..6)[0]));
@@ -276,7 +278,7 @@ mod tests {
             w.see(1, listing, index, &epoch0);
         }
         let near_end = w.see(1, listing, 8, &epoch0);
-        assert_eq!(near_end, Ahead { here: at(0, 9..10), next: at(1, 0..3) });
+        assert_eq!(near_end, Ahead { here: at(0, 9..10), next: at(1, 0..3), firsts: vec![] });
     }
 
     #[test]
