@@ -152,8 +152,8 @@ impl StreamTracker {
     /// returns the batches to keep ahead of the stream it belongs to, nearest first: at most `window`
     /// of them, fewer near the end of the last epoch, none for an isolated read. `follow` says whether the
     /// first read asks for every batch and whether windows run on into the next epoch. Also says which
-    /// batches are among the first of their stream ([`Observed::firsts`]): a window's worth shared by the
-    /// listing's streams (at least [`WRAP_READS`] each).
+    /// batches are among the first of their stream (`Observed::firsts`): a window's worth shared by the
+    /// listing's streams (at least `WRAP_READS` each).
     pub fn observe(
         &mut self,
         owner: u32,
