@@ -245,7 +245,7 @@ def render(rows, floors):
              f"The floor (a loopback receive and one CRC32C pass of the same bytes by the fastest path, on core "
              f"{NODE_CPU}): {floor:.3f} s/GB, of which the receive "
              f"{statistics.median(f['receive_s_per_gb'] for f in floors):.3f}; the cheapest receive with the CRC "
-             f"folded in {statistics.median(f['fold_s_per_gb'] for f in floors):.3f}, and the same into memory no "
+             f"folded in {statistics.median(f['fold_s_per_gb'] for f in floors):.3f}, and batchfs's fold into memory no "
              f"cache holds (pages already there, as a memory file filled again has them) "
              f"{statistics.median(f['into_memory_s_per_gb'] for f in floors):.3f}. CRC32C paths: {paths}.",
              ""]
