@@ -142,6 +142,55 @@ fn range_shards_find_their_next_epochs_first_batches_prefetched() {
     rt.block_on(server.running.shutdown());
 }
 
+/// DALI's reader, one pipeline per epoch folder, reads on past the epoch's last file into its first ones
+/// while it finishes the epoch. Once the mount has seen that, it keeps each epoch's first batches for it
+/// (in a cache of a quarter of an epoch) and warms nothing more of the epoch at its end: in later epochs
+/// the wrap-around waits for nothing and no batch is fetched twice.
+#[test]
+fn a_loader_finishing_an_epoch_reads_its_first_batches_again_from_the_cache() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 256, 8_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let m = manifest(&rt, &server, "batch_size=4");
+    let largest = m.batches.iter().map(|b| b.bytes).max().unwrap();
+    let cache = (m.bytes / 4).max(4 * largest);
+    let options = format!("batch_size=4,prefetch=8,prefetch_bytes=0,epochs=3,cache={cache},stale_after=1h");
+    let (_dir, mounted) = common::mount(&server, "d", &options);
+    let n = |k: &str| common::mount_stats(&mounted.mountpoint)[k].as_u64().unwrap();
+    let settle = || {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut settled = 0;
+        while settled < 3 && Instant::now() < deadline {
+            settled = if n("in_flight") == 0 { settled + 1 } else { 0 };
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut fetched = Vec::new();
+    let mut expected = 0;
+    for epoch in 0..3u64 {
+        let m = common::manifest_of(&rt, &server, "d", epoch, "batch_size=4");
+        // Each epoch once, and epoch 0's first four batches again (what DALI may read as it wraps around):
+        // the mount had not seen a wrap-around yet.
+        expected += m.bytes + if epoch == 0 { m.batches[..4].iter().map(|b| b.bytes).sum() } else { 0 };
+        let before = (n("misses"), n("fetched_bytes"));
+        // The epoch, then its first three batches again, as DALI reads them finishing its last batch.
+        for b in (0..m.batches.len()).chain(0..3) {
+            let path = mounted.mountpoint.join(format!("epoch-{epoch:04}/batch-{b:06}.tfrecord"));
+            assert_eq!(crc::crc32c(&std::fs::read(path).unwrap()), m.batches[b].crc32c, "epoch {epoch} batch {b}");
+        }
+        settle();
+        fetched.push((epoch, n("misses") - before.0, n("fetched_bytes") - before.1, m.bytes));
+    }
+    // (epoch, misses, bytes fetched while it was read, its bytes)
+    for &(epoch, misses, ..) in &fetched[1..] {
+        assert_eq!(misses, 0, "epoch {epoch} waited for a batch: {fetched:?}");
+    }
+    let total: u64 = fetched.iter().map(|f| f.2).sum();
+    assert!(total <= expected, "{total} bytes fetched for {expected}: {fetched:?}");
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}
+
 /// Eight threads read every 8th batch file whole; each file equals the server's batch. With passthrough
 /// no read reaches the daemon; without, every open and read does.
 fn interleaved_readers(rt: &tokio::runtime::Runtime, server: &common::Server, passthrough: bool) {

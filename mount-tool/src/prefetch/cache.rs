@@ -19,6 +19,10 @@ use crate::sync::{Arc, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 use lru::LruCache;
 use std::time::{Duration, Instant};
 
+/// Batches already read that are asked whether a loader still has their memory file (a lease each) before
+/// a body goes into a fresh file instead.
+const GIVERS_ASKED: usize = 4;
+
 /// The cache's settings, from the prefetcher's.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Limits {
@@ -369,7 +373,15 @@ impl Entries {
                 && !e.is_pinned()
                 && e.memfd.lock().expect("memfd").is_some()
         };
-        self.lru.iter().filter(|(_, c)| gives(c)).min_by_key(|(_, c)| c.charge.bytes).map(|(k, _)| *k)
+        let mut order: Vec<(&ObjectKey, &Cached)> = self.lru.iter().filter(|(_, c)| gives(c)).collect();
+        order.sort_by_key(|(_, c)| c.charge.bytes);
+        // One a loader still maps (or has open) would come back to the pool only to be refused there, and
+        // the body would go into a fresh file all the same: the next that holds it is asked instead.
+        let unshared = |c: &Cached| {
+            let file = c.entry.memfd.lock().expect("memfd").clone();
+            file.is_none_or(|f| crate::sys::unshared(&f).unwrap_or(true))
+        };
+        order.iter().take(GIVERS_ASKED).find(|(_, c)| unshared(c)).map(|(k, _)| **k)
     }
 
     /// Picks the entry to evict at `now` (nanoseconds of the cache's clock), least recently used first and
@@ -529,6 +541,35 @@ mod tests {
         started(&c, third(0), ask(300, true, 0));
         c.read_in_epoch(third(0), &[0]);
         assert_eq!(heads(&c), vec![third(0)]);
+    }
+
+    /// A batch already read whose memory file a loader still has open or maps does not give it: the pool
+    /// would refuse it to the new body (it is written again only once no one else holds it), and the body
+    /// went into a fresh file (DALI maps each batch file, and 34 of 328 bodies went so). The next that
+    /// holds the body gives its file instead.
+    #[test]
+    fn a_memory_file_a_loader_still_holds_gives_way_to_the_next_that_holds_the_body() {
+        let c = cache(2000);
+        let entries: Vec<_> = (0..2u64).map(|b| started(&c, key(b), ask(300 + 100 * b, true, 0)).0).collect();
+        for (b, e) in entries.iter().enumerate() {
+            ready(e, 300 + 100 * b);
+            let file = crate::sys::memfd("batchfs-test").unwrap();
+            *e.memfd.lock().unwrap() = Some(Arc::new(crate::sys::reopen(&file, false).unwrap()));
+            c.read_in_epoch(key(b as u64), &[]);
+            c.closed(key(b as u64));
+        }
+        let giver_of = |c: &Cache| c.entries.lock().unwrap().giver(300);
+        assert_eq!(giver_of(&c), Some(key(0)), "the smallest that holds the body");
+        let open = |e: &Entry| {
+            let file = e.memfd.lock().unwrap().clone().unwrap();
+            crate::sys::reopen(&file, false).unwrap()
+        };
+        let loader = open(&entries[0]);
+        assert_eq!(giver_of(&c), Some(key(1)), "a loader has the smallest open");
+        let other = open(&entries[1]);
+        assert_eq!(giver_of(&c), None, "and now both: a fresh file, since neither would be filled again");
+        drop((loader, other));
+        assert_eq!(giver_of(&c), Some(key(0)));
     }
 
     #[test]

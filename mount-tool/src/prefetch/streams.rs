@@ -22,13 +22,18 @@
 //!   *e + 1* where the stream starts (its *origin*: a stride-*k* stream of rank *r* at batch *r*, a DALI
 //!   range shard at its first batch), so the next epoch's first batches are warm when the reader gets
 //!   there.
-//! - **Wrapping around**: a read of batch 0 of an epoch already read to its end is a new pass (a pipeline
-//!   built once over one directory, or DALI's reader, which reads on past the last file into the first
-//!   ones while it finishes an epoch): it starts afresh with the full window, and from then on a window
-//!   past an epoch's end is split between the stream's own start in this epoch and the next epoch's.
-//! - **First batches**: each stream's first reads of an epoch (a window's worth shared by the listing's
-//!   streams, at least [`WRAP_READS`] each) are reported ([`Observed::firsts`]), and the cache keeps them
-//!   once read: DALI reads them again as it wraps around, each rank its own shard's.
+//! - **Wrapping around**: batch 0 of an epoch read again after a window reached its end, then its next
+//!   ones up to [`WRAP_READS`], are a loader finishing the epoch (DALI's reader reads on past the last file
+//!   into the first ones): their window is the rest of those first batches, and nothing else changes
+//!   (other ranks' streams go on). A read just past them is a new pass (a pipeline built once over one
+//!   directory): the epoch starts afresh with the full window, and once one was seen, every read of batch
+//!   0 again is. Once readers were seen to wrap around, a window past an epoch's end is split between the
+//!   stream's own first batches in this epoch (at most half the window) and the next epoch's start.
+//! - **First batches**: once readers were seen to wrap around, each stream's first reads of an epoch
+//!   ([`WRAP_READS`] each; a window's worth shared by the listing's streams once a new pass was seen) are
+//!   reported ([`Observed::firsts`]), and the cache keeps them once read: DALI reads them again as it
+//!   wraps around, each rank its own shard's. Kept for a loader that never wraps around (PyTorch), or a
+//!   window's worth under DALI, they held memory files that new bodies could have been received into.
 //!
 //! State is bounded: `max_listings` listings (least recently read dropped first), `max_streams`
 //! streams and candidates per listing, and one bit per batch of the listings tracked.
@@ -94,6 +99,9 @@ struct ListingState {
     used: u64,
     /// A stream's window reached the last batch.
     ended: bool,
+    /// Which of the first `WRAP_READS` batches were read again after a stream's window reached the end
+    /// (one bit each): a loader finishing the epoch (DALI), or the start of a new pass.
+    rereads: u64,
 }
 
 impl ListingState {
@@ -106,6 +114,7 @@ impl ListingState {
             candidates: Vec::new(),
             used: 0,
             ended: false,
+            rereads: 0,
         }
     }
 
@@ -131,8 +140,11 @@ pub struct StreamTracker {
     max_streams: usize,
     max_stride: u64,
     clock: u64,
-    /// Readers were seen to read an epoch again from its start after its end (a pipeline built once).
+    /// Readers were seen to read an epoch again from its start after its end (DALI at every epoch's end).
     wraps: bool,
+    /// A reader was seen to read an epoch through again from its start (a pipeline built once over one
+    /// directory), not only its first few batches (DALI's reader, finishing an epoch).
+    passes: bool,
 }
 
 impl StreamTracker {
@@ -145,6 +157,7 @@ impl StreamTracker {
             max_stride: max_stride.max(1),
             clock: 0,
             wraps: false,
+            passes: false,
         }
     }
 
@@ -169,14 +182,38 @@ impl StreamTracker {
         }
         let (max_streams, max_stride) = (self.max_streams, self.max_stride);
         let state = self.state(listing, batches);
-        if batch == 0 && state.ended && state.was_read(0) {
-            // A new pass over the epoch: a pipeline built once over this directory wraps around (DALI's
-            // reader does at every epoch's end). It starts afresh, and from now on windows that reach an
-            // epoch's end warm its start too.
-            *state = ListingState::new(listing, batches);
+        let rereads_all = (1 << WRAP_READS) - 1;
+        let reread = state.ended && state.was_read(batch);
+        if reread && batch < WRAP_READS && (batch == 0 || state.rereads != 0) {
+            // The epoch's first batches read again after its end: DALI's reader fills its last batch from
+            // its first files, and from now on windows that reach an epoch's end warm those too. No new
+            // window: they are cached, and DALI reads no further.
+            state.rereads |= 1 << batch;
             self.wraps = true;
         }
-        let wraps = self.wraps;
+        let passes = self.passes;
+        let state = self.state(listing, batches);
+        let new_pass = (reread && batch == 0 && passes)
+            || (reread && state.rereads == rereads_all && (WRAP_READS..2 * WRAP_READS).contains(&batch));
+        if new_pass {
+            // Read further (or once pipelines were seen to): a new pass of a pipeline built once over this
+            // directory. It starts afresh, with its full window from here.
+            *state = ListingState::new(listing, batches);
+            if batch > 0 {
+                // The pass began at batch 0: its stream starts there.
+                (0..batch).for_each(|b| _ = state.mark(b));
+                state.streams.push(Stream { head: batch - 1, ..Stream::new(0, 1, window as u64, clock) });
+            }
+            self.passes = true;
+        } else if reread && batch < WRAP_READS && state.rereads & (1 << batch) != 0 {
+            // A loader finishing the epoch: the rest of what it reads then, cached already where its
+            // stream's first batches were kept.
+            state.used = clock;
+            let targets =
+                (batch + 1..WRAP_READS.min(batches)).take(window).map(|index| Target { listing, index }).collect();
+            return Observed { targets, firsts: Vec::new() };
+        }
+        let (wraps, passes) = (self.wraps, self.passes);
         let state = self.state(listing, batches);
         state.used = clock;
         let first = state.read.iter().all(|&w| w == 0);
@@ -236,11 +273,14 @@ impl StreamTracker {
             }
         };
         let s = state.streams[i].clone();
-        // A window's worth of first batches, shared by the streams (a rank's stride or range shards), but
-        // never fewer than a loader reads as it wraps around.
-        let steps = (reach / s.stride.max(state.streams.len() as u64)).max(WRAP_READS);
-        let is_first =
-            |b: u64| b >= s.origin && (b - s.origin).is_multiple_of(s.stride) && (b - s.origin) / s.stride < steps;
+        // What a loader reads again as it wraps around, once loaders were seen to: each stream's first
+        // `WRAP_READS` batches, or a window's worth shared by the streams where a pipeline reads passes
+        // (the new pass's window then finds them cached).
+        let steps =
+            if passes { (reach / s.stride.max(state.streams.len() as u64)).max(WRAP_READS) } else { WRAP_READS };
+        let is_first = |b: u64| {
+            wraps && b >= s.origin && (b - s.origin).is_multiple_of(s.stride) && (b - s.origin) / s.stride < steps
+        };
         let firsts = confirmed_from.into_iter().chain([batch]).filter(|&b| is_first(b)).collect();
         let mut out = Vec::with_capacity(window);
         let mut next = s.head + s.stride;
@@ -259,7 +299,7 @@ impl StreamTracker {
         let from_start =
             |listing, n: usize| (0..n as u64).map(move |k| Target { listing, index: s.origin + k * s.stride });
         let spill = window - out.len();
-        let wrap = if wraps { spill.div_ceil(2) } else { 0 };
+        let wrap = if wraps { spill.div_ceil(2).min(steps as usize) } else { 0 };
         let wrapped: Vec<Target> =
             from_start(listing, wrap).filter(|t| t.index < batches && !out.contains(t)).collect();
         out.extend(wrapped);
@@ -419,15 +459,48 @@ mod tests {
         for b in 0..10 {
             t.see(1, L, b, 10, 4);
         }
-        // DALI's reader reads on into the first files: a new pass, with its full window at once.
-        assert_eq!(within(&t.see(1, L, 0, 10, 4), L), vec![1, 2, 3, 4]);
-        for b in 1..8 {
+        // DALI's reader reads on into the first files while it finishes the epoch: only as far as it
+        // reads then (`WRAP_READS`), kept cached since. A full window here was fetched again for nothing
+        // at every epoch's end.
+        assert_eq!(within(&t.see(1, L, 0, 10, 4), L), vec![1, 2, 3]);
+        assert_eq!(within(&t.see(1, L, 1, 10, 4), L), vec![2, 3]);
+        t.see(1, L, 2, 10, 4);
+        t.see(1, L, 3, 10, 4);
+        assert!(!t.passes);
+        // Read further: a new pass of a pipeline built once, with its full window.
+        assert_eq!(within(&t.see(1, L, 4, 10, 4), L), vec![5, 6, 7, 8]);
+        assert!(t.passes);
+        for b in 5..8 {
             t.see(1, L, b, 10, 4);
         }
         // Now a window past the end warms both this epoch's start and the next epoch's.
         let got = t.see(1, L, 8, 10, 4);
         assert_eq!(within(&got, L), vec![9, 0, 1]);
         assert_eq!(within(&got, L1), vec![0]);
+    }
+
+    /// Only loaders seen to wrap around have their first batches kept, and only as many as DALI reads again
+    /// (`WRAP_READS`), not a window's worth: kept, those could give their memory files to no new body, and
+    /// more bodies went into fresh files.
+    #[test]
+    fn first_batches_are_kept_once_loaders_wrap_around_and_only_those_they_read_again() {
+        let firsts = |t: &mut StreamTracker, listing: Listing| -> Vec<u64> {
+            (0..20).flat_map(|b| t.observe(1, listing, (b, 20), 8, listing.kind.follow(listing)).firsts).collect()
+        };
+        let mut t = StreamTracker::new(8, 16);
+        assert_eq!(firsts(&mut t, L), Vec::<u64>::new(), "a loader that never wrapped around (PyTorch)");
+        for b in 0..3 {
+            t.see(1, L, b, 20, 8);
+        }
+        assert_eq!(firsts(&mut t, L1), vec![0, 1, 2, 3]);
+        // A window past the end warms only those of its own epoch (not half of it), the rest goes to the
+        // next epoch.
+        let (l2, l3) = (batches::listing(2, TF), batches::listing(3, TF));
+        for b in 0..19 {
+            t.see(1, l2, b, 20, 16);
+        }
+        let got = t.see(1, l2, 19, 20, 16);
+        assert_eq!((within(&got, l2), within(&got, l3)), (vec![0, 1, 2, 3], (0..12).collect()));
     }
 
     #[test]
@@ -485,19 +558,43 @@ mod tests {
         // 50..100. Each wraps around to its own shard's first batches at the end, and starts the next
         // epoch there: both were fetched again, on demand, at every epoch's end and start.
         let mut t = StreamTracker::new(8, 16);
-        let (mut firsts, mut next) = (Vec::new(), [Vec::new(), Vec::new()]);
-        for k in 0..50u64 {
-            for rank in 0..2 {
-                let o = t.observe(10 + rank as u32, L, (50 * rank + k, 100), 6, L.kind.follow(L));
-                firsts.extend(o.firsts);
-                next[rank as usize].extend(o.targets.iter().filter(|t| t.listing == L1).map(|t| t.index));
+        let epoch = |t: &mut StreamTracker, listing: Listing| {
+            let (mut firsts, mut next) = (Vec::new(), [Vec::new(), Vec::new()]);
+            for k in 0..50u64 {
+                for rank in 0..2 {
+                    let o = t.observe(10 + rank as u32, listing, (50 * rank + k, 100), 6, listing.kind.follow(listing));
+                    firsts.extend(o.firsts);
+                    let after = listing.next_epoch();
+                    next[rank as usize].extend(o.targets.iter().filter(|t| Some(t.listing) == after).map(|t| t.index));
+                }
             }
-        }
-        firsts.sort_unstable();
-        // A window's worth shared by the two streams (3 each), but never fewer than what DALI reads as it
-        // wraps around (4): rank 1's shard start counts from its first read, which its second confirmed.
+            for rank in 0..2u64 {
+                t.observe(10 + rank as u32, listing, (50 * rank, 100), 6, listing.kind.follow(listing));
+            }
+            firsts.sort_unstable();
+            (firsts, next)
+        };
+        let (firsts, _) = epoch(&mut t, L);
+        assert!(firsts.is_empty(), "no loader was seen to wrap around yet");
+        let (firsts, next) = epoch(&mut t, L1);
+        // What DALI reads as it wraps around (4 each): rank 1's shard start counts from its first read,
+        // which its second confirmed.
         assert_eq!(firsts, vec![0, 1, 2, 3, 50, 51, 52, 53]);
         assert_eq!(next[0].first(), Some(&0), "rank 0 runs on into the next epoch at batch 0");
         assert_eq!(next[1].first(), Some(&50), "rank 1 runs on into the next epoch at its shard's start");
+        // Rank 0 wraps around while rank 1 finishes its shard: not a new pass, and rank 1's window still
+        // runs on into the next epoch.
+        let (l2, l3) = (batches::listing(2, TF), batches::listing(3, TF));
+        for k in 0..48u64 {
+            t.see(10, l2, k, 100, 6);
+            t.see(11, l2, 50 + k, 100, 6);
+        }
+        t.see(10, l2, 48, 100, 6);
+        t.see(10, l2, 49, 100, 6);
+        t.see(10, l2, 0, 100, 6);
+        t.see(11, l2, 98, 100, 6);
+        let got = t.see(11, l2, 99, 100, 6);
+        assert!(within(&got, l3).contains(&50), "{got:?}");
+        assert!(!t.passes);
     }
 }
