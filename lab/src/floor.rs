@@ -13,8 +13,13 @@
 //!   (up to 1 GiB), its pages already there and no cache holding them, as a body lands in the pages of a
 //!   memory file filled again: the cheapest one copy of every byte to where a loader reads it.
 //!
-//! The floor is the plain receive plus one CRC32C pass from memory by the fastest path. The fold and the
-//! receive into memory are reported beside it. A receiver slowed by its CRC reads larger pieces and wakes
+//! - **decryption**: what a TLS connection adds, AES-256-GCM (TLS 1.3's first suite, which the mount and
+//!   the server negotiate) by `ring`, the provider their rustls uses, opening 16 KiB records in place
+//!   (TLS's largest), each copied first from a sealed original in cache into the buffer it is opened in,
+//!   as rustls opens a record in its own buffer; the copy alone is measured too and taken off.
+//!
+//! The floor is the plain receive plus one CRC32C pass from memory by the fastest path; over TLS, the
+//! floor plus the decryption. The fold and the receive into memory are reported beside it. A receiver slowed by its CRC reads larger pieces and wakes
 //! less often, so on loopback a receive that checks as it lands can cost less than the plain one.
 
 use anyhow::{Context, Result};
@@ -72,6 +77,54 @@ pub struct Floor {
     /// The receive with the CRC folded in by batchfs's path, each piece into the next MiB of a region
     /// no cache holds (pages already there): one copy of every byte to where a loader reads it.
     pub into_memory_cpu_s_per_gb: f64,
+    /// AES-256-GCM decryption of TLS records by `ring`, CPU s/GB (the record's copy into its buffer taken
+    /// off).
+    pub decrypt_cpu_s_per_gb: f64,
+    /// The floor over TLS: the floor plus the decryption.
+    pub tls_floor_cpu_s_per_gb: f64,
+}
+
+/// TLS's largest record's plaintext.
+const RECORD: usize = 16 << 10;
+
+/// The cost of opening `total` bytes of AES-256-GCM records of [`RECORD`] bytes by `ring`, each copied
+/// first from a sealed original (a few, in cache) into the buffer it is opened in; with `open` false, the
+/// copies alone. Errors if a record does not open to what was sealed.
+fn decrypt_cost(total: u64, open: bool) -> Result<Cost> {
+    use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+    let key = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &[7u8; 32]).expect("a 32-byte key"));
+    let nonce = |i: usize| {
+        let mut n = [0u8; 12];
+        n[4..].copy_from_slice(&(i as u64).to_be_bytes());
+        Nonce::assume_unique_for_key(n)
+    };
+    let plain = filled(RECORD);
+    let sealed: Vec<Vec<u8>> = (0..4)
+        .map(|i| {
+            let mut record = plain.clone();
+            key.seal_in_place_append_tag(nonce(i), Aad::empty(), &mut record).expect("sealed");
+            record
+        })
+        .collect();
+    let mut buffer = vec![0u8; RECORD + AES_256_GCM.tag_len()];
+    let mut failed = false;
+    let cost = measure(total, || {
+        let mut left = total;
+        let mut i = 0;
+        while left > 0 {
+            buffer.copy_from_slice(&sealed[i % sealed.len()]);
+            if open {
+                let opened = key.open_in_place(nonce(i % sealed.len()), Aad::empty(), &mut buffer);
+                failed |= opened.map_or(true, |p| p.len() != RECORD);
+            }
+            std::hint::black_box(&buffer);
+            left = left.saturating_sub(RECORD as u64);
+            i += 1;
+        }
+    });
+    anyhow::ensure!(!failed, "a record did not open");
+    anyhow::ensure!(!open || buffer[..RECORD] == plain[..], "a record opened to other bytes");
+    Ok(cost)
 }
 
 /// The CPU time this thread has used.
@@ -230,7 +283,7 @@ pub fn measure_floor(bytes: u64, rounds: usize, sender_cpu: Option<usize>) -> Re
     let mut in_memory = filled(bytes.clamp(128 << 20, 1 << 30) as usize);
     // As the daemon checks a body: by batchfs's own path (`crc-fast`'s choice for this CPU).
     let ours = paths[0].1;
-    let (mut plain, mut into_memory) = (Vec::new(), Vec::new());
+    let (mut plain, mut into_memory, mut decrypt) = (Vec::new(), Vec::new(), Vec::new());
     let mut per_path: Vec<[Vec<Cost>; 3]> = vec![Default::default(); paths.len()];
     for _ in 0..rounds {
         plain.push(receive(bytes, None, sender_cpu, None)?.0);
@@ -240,6 +293,11 @@ pub fn measure_floor(bytes: u64, rounds: usize, sender_cpu: Option<usize>) -> Re
             folded.push(receive(bytes, Some(*path), sender_cpu, None)?.0);
         }
         into_memory.push(receive(bytes, Some(ours), sender_cpu, Some(&mut in_memory))?.0);
+        let (opened, copied) = (decrypt_cost(bytes, true)?, decrypt_cost(bytes, false)?);
+        decrypt.push(Cost {
+            cpu_s_per_gb: (opened.cpu_s_per_gb - copied.cpu_s_per_gb).max(0.0),
+            gb_per_s: opened.gb_per_s,
+        });
     }
     // Every path computes the same CRC32C.
     let sums: Vec<u32> = paths.iter().map(|(_, p)| p(0, &in_cache)).collect();
@@ -259,7 +317,17 @@ pub fn measure_floor(bytes: u64, rounds: usize, sender_cpu: Option<usize>) -> Re
     let best_fold = crc.iter().map(|p| p.folded.cpu_s_per_gb).fold(f64::INFINITY, f64::min);
     let floor_cpu_s_per_gb = receive.cpu_s_per_gb + best_pass;
     let into_memory_cpu_s_per_gb = median_cost(&into_memory).cpu_s_per_gb;
-    Ok(Floor { bytes, receive, crc, floor_cpu_s_per_gb, fold_cpu_s_per_gb: best_fold, into_memory_cpu_s_per_gb })
+    let decrypt_cpu_s_per_gb = median_cost(&decrypt).cpu_s_per_gb;
+    Ok(Floor {
+        bytes,
+        receive,
+        crc,
+        floor_cpu_s_per_gb,
+        fold_cpu_s_per_gb: best_fold,
+        into_memory_cpu_s_per_gb,
+        decrypt_cpu_s_per_gb,
+        tls_floor_cpu_s_per_gb: floor_cpu_s_per_gb + decrypt_cpu_s_per_gb,
+    })
 }
 
 /// The report as a table.
@@ -278,6 +346,8 @@ pub fn render(f: &Floor) -> String {
     out += &format!("{:<56}{:>14.3}\n", "floor: the receive + one pass by the fastest path", f.floor_cpu_s_per_gb);
     out += &format!("{:<56}{:>14.3}\n", "the cheapest receive with the CRC folded in", f.fold_cpu_s_per_gb);
     out += &format!("{:<56}{:>14.3}\n", "batchfs's fold into memory no cache holds", f.into_memory_cpu_s_per_gb);
+    out += &format!("{:<56}{:>14.3}\n", "AES-256-GCM decryption of TLS records (ring)", f.decrypt_cpu_s_per_gb);
+    out += &format!("{:<56}{:>14.3}\n", "the floor over TLS: the floor + the decryption", f.tls_floor_cpu_s_per_gb);
     out
 }
 
@@ -312,6 +382,8 @@ mod tests {
         assert_eq!(floor.crc.len(), 2);
         assert!(floor.crc[0].path.starts_with("crc-fast (") && floor.floor_cpu_s_per_gb > 0.0, "{floor:?}");
         assert!(floor.into_memory_cpu_s_per_gb > 0.0, "{floor:?}");
+        assert!(floor.tls_floor_cpu_s_per_gb >= floor.floor_cpu_s_per_gb, "{floor:?}");
+        assert!(decrypt_cost(1 << 20, true).is_ok(), "every record opens to what was sealed");
         let table = render(&floor);
         assert!(table.contains("TCP receive") && table.contains("floor"), "{table}");
     }

@@ -28,8 +28,12 @@ its imports left out). The floor is measured in every round beside them, on the 
 floor` (a plain loopback TCP receive of an epoch's bytes into a 1 MiB buffer plus one CRC32C pass by the
 fastest path of this CPU; the sender on SERVER_CPU, the receiver on NODE_CPU; the cheapest receive with the
 CRC folded in is reported beside it, and that receive into a region no cache holds, pages already there, as
-a body lands in a memory file filled again: "one copy", column `mount / one copy`), so the daemon's CPU per
-GB is reported as a ratio to what receiving and checking the same bytes costs this machine at the least. Writes
+a body lands in a memory file filled again: "one copy", column `mount / one copy`; over TLS, the floor plus
+AES-256-GCM decryption of the bytes by ring, the provider of the mount's rustls), so the daemon's CPU per
+GB is reported as a ratio to what receiving and checking the same bytes costs this machine at the least.
+Column `refilled`: of the bytes the mount fetched over the counted epoch, the share received straight
+into memory files filled again (`batchfs stats`: `recycled_bytes` over `fetched_bytes`; the rest went into
+fresh files or buffers). Writes
 results.csv (every run), floor.csv (the floor's parts, each round) and report.md
 (medians) to OUT_DIR and prints the report. Needs root, /dev/fuse, openssl, a release build, the loaders
 (see .ci/run).
@@ -105,6 +109,16 @@ def daemon_cpu(pids):
     return sum(cpu_of(p) for p in pids)
 
 
+def mount_stats(system):
+    """The mount's counters (`batchfs stats --json`), read between runs: {} from a build without them."""
+    out = subprocess.run([os.path.join(system["bin"], "batchfs"), "stats", "--json", system["mnt"]],
+                         capture_output=True, text=True)
+    try:
+        return json.loads(out.stdout) if out.returncode == 0 else {}
+    except json.JSONDecodeError:
+        return {}
+
+
 def run_loader(args):
     """Runs a loader pinned to NODE_CPU: its JSON result (`cpu_s`: its CPU over the epoch, its imports
     left out, its workers in)."""
@@ -156,7 +170,7 @@ def run(out, work, procs, mounts):
                                                  mnt, "-o", opts]), check=True)
                 mounts.append(mnt)
                 systems[(build, transport, rtt)] = {"mnt": mnt, "pids": daemon_pids(mnt), "epoch": 0,
-                                                   "server": proc.pid, "netem": netem}
+                                                   "server": proc.pid, "netem": netem, "bin": bindir}
     local = os.path.join(work, "local")
     first = next(iter(systems.values()))
     subprocess.run(["cp", "-r", os.path.join(first["mnt"], "epoch-0000"), local], check=True)
@@ -173,20 +187,26 @@ def run(out, work, procs, mounts):
             gb = r["bytes"] / 1e9
             return {"round": rnd, "phase": phase, "loader": loader, "build": "-", "transport": "-", "rtt_ms": 0,
                     "system": "local", "epoch_s": r["epoch_s"], "bytes": r["bytes"], "mount_s_per_gb": 0,
-                    "server_s_per_gb": 0, "netem_s_per_gb": 0, "loader_s_per_gb": round(r["cpu_s"] / gb, 3)}
+                    "server_s_per_gb": 0, "netem_s_per_gb": 0, "loader_s_per_gb": round(r["cpu_s"] / gb, 3),
+                    "refilled": 0}
         s = systems[key]
         directory = os.path.join(s["mnt"], f"epoch-{s['epoch']:04d}")
         s["epoch"] += 1
         netem = s["netem"].pid if s["netem"] else None
+        st0 = mount_stats(s)
         m0, s0, n0 = daemon_cpu(s["pids"]), cpu_of(s["server"]), cpu_of(netem) if netem else 0.0
         r = run_loader(command(loader, directory, False))
         m1, s1, n1 = daemon_cpu(s["pids"]), cpu_of(s["server"]), cpu_of(netem) if netem else 0.0
+        st1 = mount_stats(s)
+        fetched = st1.get("fetched_bytes", 0) - st0.get("fetched_bytes", 0)
+        refilled = st1.get("recycled_bytes", 0) - st0.get("recycled_bytes", 0)
         gb = r["bytes"] / 1e9
         build, transport, rtt = key
         return {"round": rnd, "phase": phase, "loader": loader, "build": build, "transport": transport,
                 "rtt_ms": rtt, "system": f"{build}-{transport}-{rtt}ms", "epoch_s": r["epoch_s"], "bytes": r["bytes"],
                 "mount_s_per_gb": round((m1 - m0) / gb, 3), "server_s_per_gb": round((s1 - s0) / gb, 3),
-                "netem_s_per_gb": round((n1 - n0) / gb, 3), "loader_s_per_gb": round(r["cpu_s"] / gb, 3)}
+                "netem_s_per_gb": round((n1 - n0) / gb, 3), "loader_s_per_gb": round(r["cpu_s"] / gb, 3),
+                "refilled": round(refilled / fetched, 3) if fetched else 0}
 
     floors = []
     # The floor receives as many bytes as an epoch holds (its batch files, twins left out).
@@ -199,7 +219,9 @@ def run(out, work, procs, mounts):
         floor = {"round": rnd, "bytes": f["bytes"], "floor_s_per_gb": round(f["floor_cpu_s_per_gb"], 3),
                  "fold_s_per_gb": round(f["fold_cpu_s_per_gb"], 3),
                  "into_memory_s_per_gb": round(f["into_memory_cpu_s_per_gb"], 3),
-                 "receive_s_per_gb": round(f["receive"]["cpu_s_per_gb"], 3)}
+                 "receive_s_per_gb": round(f["receive"]["cpu_s_per_gb"], 3),
+                 "decrypt_s_per_gb": round(f["decrypt_cpu_s_per_gb"], 3),
+                 "tls_floor_s_per_gb": round(f["tls_floor_cpu_s_per_gb"], 3)}
         for i, path in enumerate(f["crc"]):
             floor[f"crc{i}_path"] = path["path"]
             floor[f"crc{i}_cache_gb_per_s"] = round(path["cache"]["gb_per_s"], 2)
@@ -225,14 +247,15 @@ def run(out, work, procs, mounts):
 
 
 def render(rows, floors):
-    fields = ("epoch_s", "mount_s_per_gb", "server_s_per_gb", "netem_s_per_gb", "loader_s_per_gb")
+    fields = ("epoch_s", "mount_s_per_gb", "server_s_per_gb", "netem_s_per_gb", "loader_s_per_gb", "refilled")
     cells = {}
     for r in rows:
         cells.setdefault((r["phase"], r["loader"], r["system"]), []).append(r)
-    med = {k: {f: statistics.median(float(x[f]) for x in v) for f in fields} for k, v in cells.items()}
+    med = {k: {f: statistics.median(float(x.get(f) or 0) for x in v) for f in fields} for k, v in cells.items()}
     counted = "steady" if LEAD else "cold"
     floor = statistics.median(f["floor_s_per_gb"] for f in floors)
     one_copy = statistics.median(f["into_memory_s_per_gb"] for f in floors)
+    tls_floor = statistics.median(f["tls_floor_s_per_gb"] for f in floors)
     paths = "; ".join(f"{floors[0][f'crc{i}_path']}: "
                       f"{statistics.median(f[f'crc{i}_cache_gb_per_s'] for f in floors):.1f} GB/s from cache, "
                       f"{statistics.median(f[f'crc{i}_memory_gb_per_s'] for f in floors):.1f} from memory, "
@@ -247,7 +270,9 @@ def render(rows, floors):
              f"{statistics.median(f['receive_s_per_gb'] for f in floors):.3f}; the cheapest receive with the CRC "
              f"folded in {statistics.median(f['fold_s_per_gb'] for f in floors):.3f}, and batchfs's fold into memory no "
              f"cache holds (pages already there, as a memory file filled again has them) "
-             f"{statistics.median(f['into_memory_s_per_gb'] for f in floors):.3f}. CRC32C paths: {paths}.",
+             f"{statistics.median(f['into_memory_s_per_gb'] for f in floors):.3f}. Over TLS the floor adds AES-256-GCM "
+             f"decryption by ring, {statistics.median(f['decrypt_s_per_gb'] for f in floors):.3f}: {tls_floor:.3f} "
+             f"(the TLS rows' `mount / floor`). CRC32C paths: {paths}.",
              ""]
     table = []
     for (phase, loader, system), m in med.items():
@@ -257,12 +282,15 @@ def render(rows, floors):
         ratio = f"{m['loader_s_per_gb'] / local:.2f}" if local else "—"
         cold = med.get(("cold", loader, system)) if LEAD else None
         cold_cells = [f"{cold['epoch_s']:.2f}", f"{cold['mount_s_per_gb']:.3f}"] if cold else ["—", "—"]
-        over_floor = f"{m['mount_s_per_gb'] / floor:.2f}" if system != "local" and floor else "—"
+        its_floor = tls_floor if "-tls-" in system else floor
+        over_floor = f"{m['mount_s_per_gb'] / its_floor:.2f}" if system != "local" and its_floor else "—"
         over_copy = f"{m['mount_s_per_gb'] / one_copy:.2f}" if system != "local" and one_copy else "—"
-        table.append([loader, system, f"{m['epoch_s']:.2f}", f"{m['mount_s_per_gb']:.3f}", over_floor, over_copy,
+        refilled = f"{m['refilled']:.0%}" if system != "local" else "—"
+        table.append([loader, system, f"{m['epoch_s']:.2f}", f"{m['mount_s_per_gb']:.3f}", over_floor, over_copy, refilled,
                       *(f"{m[k]:.3f}" for k in ("server_s_per_gb", "netem_s_per_gb", "loader_s_per_gb")), ratio,
                       *cold_cells])
-    lines += md_table(["loader", "system", "epoch s", "mount", "mount / floor", "mount / one copy", "server", "netem",
+    lines += md_table(["loader", "system", "epoch s", "mount", "mount / floor", "mount / one copy", "refilled", "server",
+                       "netem",
                        "loader",
                        "loader / local", "cold epoch s", "cold mount"], table)
     return "\n".join(lines) + "\n"
