@@ -19,8 +19,9 @@
 //!   as rustls opens a record in its own buffer; the copy alone is measured too and taken off.
 //!
 //! The floor is the plain receive plus one CRC32C pass from memory by the fastest path; over TLS, the
-//! floor plus the decryption. The fold and the receive into memory are reported beside it. A receiver slowed by its CRC reads larger pieces and wakes
-//! less often, so on loopback a receive that checks as it lands can cost less than the plain one.
+//! floor plus the decryption. The fold and the receive into memory are reported beside it. A receiver
+//! slowed by its CRC reads larger pieces and wakes less often, so on loopback a receive that checks as it
+//! lands can cost less than the plain one.
 
 use anyhow::{Context, Result};
 use std::io::{Read, Write};
