@@ -360,7 +360,8 @@ impl Entries {
     }
 
     /// A batch already read whose memory file would hold `need` bytes: the smallest that does (a file cut
-    /// to a body frees the rest, and one grown has its new pages zeroed by the kernel first). Never an
+    /// to a body frees the rest, and one grown has its new pages zeroed by the kernel first) of those no
+    /// loader still has open or mapped (a lease asked of each, [`GIVERS_ASKED`] at most). Never an
     /// epoch's first batches ([`Cached::head`]): given away, they were fetched again as the loader wrapped
     /// around at the epoch's end.
     fn giver(&self, need: u64) -> Option<ObjectKey> {
