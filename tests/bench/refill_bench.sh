@@ -8,7 +8,8 @@
 # it (cpu_bench.py counts one epoch at a time). Each build in turn, ROUNDS times, each with a fresh mount.
 #
 #   tests/bench/refill_bench.sh OUT_DIR
-#   env: LOADER (dali; torch, dali-nommap: as tests/python/loaders.py), SAMPLES (10000), EPOCHS (3 counted),
+#   env: LOADER (dali; torch: as tests/python/loaders.py names them), LOADER_ARGS (more of its arguments,
+#        e.g. --no-mmap), SAMPLES (10000), EPOCHS (3 counted),
 #        ROUNDS (3), MOUNT_OPTS (extra -o options), SERVER_CPU (0), NODE_CPU (1),
 #        BIN (target/release), BIN_BEFORE (a target/release directory of another build, run beside)
 #
@@ -45,7 +46,9 @@ print(s["fetched_bytes"], s.get("recycled_bytes", 0))'
 }
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 epoch() {
-  taskset -c "$node_cpu" "$python" tests/python/loaders.py "$loader" "$work/mnt/$(printf 'epoch-%04d' "$1")" |
+  # shellcheck disable=SC2086 # LOADER_ARGS: several arguments
+  taskset -c "$node_cpu" "$python" tests/python/loaders.py "$loader" "$work/mnt/$(printf 'epoch-%04d' "$1")" \
+    ${LOADER_ARGS:-} |
     tail -1 | python3 -c 'import json, sys; print(json.load(sys.stdin)["epoch_s"])'
 }
 for round in $(seq 1 "${ROUNDS:-3}"); do
