@@ -96,6 +96,18 @@ fn concurrent_and_interleaved_readers_get_prefetch_hits() {
     rt.block_on(server.running.shutdown());
 }
 
+/// Waits until the mount at `mountpoint` has had no fetch in flight for three looks in a row (at most 10 s):
+/// the prefetches a read started have arrived.
+fn settle(mountpoint: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut settled = 0;
+    while settled < 3 && Instant::now() < deadline {
+        let in_flight = common::mount_stats(mountpoint)["in_flight"].as_u64().unwrap();
+        settled = if in_flight == 0 { settled + 1 } else { 0 };
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Two DALI ranks with `shard_id` on one node read contiguous halves of each epoch, side by side. Each
 /// rank's window runs on into the next epoch from its own shard's start, so neither waits for its first
 /// batches there. It ran on from batch 0 (the phase of a stride-1 stream), and the second rank fetched
@@ -122,12 +134,7 @@ fn range_shards_find_their_next_epochs_first_batches_prefetched() {
         }
     }
     // The windows that ran on into epoch 1 arrive (its manifest is fetched in the background first).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut settled = 0;
-    while settled < 3 && Instant::now() < deadline {
-        settled = if n("in_flight") == 0 { settled + 1 } else { 0 };
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    settle(&mounted.mountpoint);
     let misses = n("misses");
     let m1 = common::manifest_of(&rt, &server, "d", 1, "batch_size=4");
     for b in 0..half {
@@ -157,14 +164,6 @@ fn a_loader_finishing_an_epoch_reads_its_first_batches_again_from_the_cache() {
     let options = format!("batch_size=4,prefetch=8,prefetch_bytes=0,epochs=3,cache={cache},stale_after=1h");
     let (_dir, mounted) = common::mount(&server, "d", &options);
     let n = |k: &str| common::mount_stats(&mounted.mountpoint)[k].as_u64().unwrap();
-    let settle = || {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut settled = 0;
-        while settled < 3 && Instant::now() < deadline {
-            settled = if n("in_flight") == 0 { settled + 1 } else { 0 };
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
     let mut fetched = Vec::new();
     let mut expected = 0;
     for epoch in 0..3u64 {
@@ -178,7 +177,7 @@ fn a_loader_finishing_an_epoch_reads_its_first_batches_again_from_the_cache() {
             let path = mounted.mountpoint.join(format!("epoch-{epoch:04}/batch-{b:06}.tfrecord"));
             assert_eq!(crc::crc32c(&std::fs::read(path).unwrap()), m.batches[b].crc32c, "epoch {epoch} batch {b}");
         }
-        settle();
+        settle(&mounted.mountpoint);
         fetched.push((epoch, n("misses") - before.0, n("fetched_bytes") - before.1, m.bytes));
     }
     // (epoch, misses, bytes fetched while it was read, its bytes)
