@@ -181,20 +181,17 @@ impl StreamTracker {
             return Observed::default();
         }
         let (max_streams, max_stride) = (self.max_streams, self.max_stride);
+        let passes_before = self.passes;
         let state = self.state(listing, batches);
-        let rereads_all = (1 << WRAP_READS) - 1;
         let reread = state.ended && state.was_read(batch);
-        if reread && batch < WRAP_READS && (batch == 0 || state.rereads != 0) {
-            // The epoch's first batches read again after its end: DALI's reader fills its last batch from
-            // its first files, and from now on windows that reach an epoch's end warm those too. No new
-            // window: they are cached, and DALI reads no further.
+        // The epoch's first batches read again after its end: DALI's reader fills its last batch from its
+        // first files, and from now on windows that reach an epoch's end warm those too.
+        let finishing = reread && batch < WRAP_READS && (batch == 0 || state.rereads != 0);
+        if finishing {
             state.rereads |= 1 << batch;
-            self.wraps = true;
         }
-        let passes = self.passes;
-        let state = self.state(listing, batches);
-        let new_pass = (reread && batch == 0 && passes)
-            || (reread && state.rereads == rereads_all && (WRAP_READS..2 * WRAP_READS).contains(&batch));
+        let new_pass = (finishing && batch == 0 && passes_before)
+            || (reread && state.rereads == (1 << WRAP_READS) - 1 && (WRAP_READS..2 * WRAP_READS).contains(&batch));
         if new_pass {
             // Read further (or once pipelines were seen to): a new pass of a pipeline built once over this
             // directory. It starts afresh, with its full window from here.
@@ -204,15 +201,17 @@ impl StreamTracker {
                 (0..batch).for_each(|b| _ = state.mark(b));
                 state.streams.push(Stream { head: batch - 1, ..Stream::new(0, 1, window as u64, clock) });
             }
-            self.passes = true;
-        } else if reread && batch < WRAP_READS && state.rereads & (1 << batch) != 0 {
-            // A loader finishing the epoch: the rest of what it reads then, cached already where its
-            // stream's first batches were kept.
+        } else if finishing {
+            // A loader finishing the epoch: no new window, only the rest of what it reads then, cached
+            // already where its stream's first batches were kept. Nothing else changes.
             state.used = clock;
             let targets =
                 (batch + 1..WRAP_READS.min(batches)).take(window).map(|index| Target { listing, index }).collect();
+            self.wraps = true;
             return Observed { targets, firsts: Vec::new() };
         }
+        self.wraps |= finishing;
+        self.passes |= new_pass;
         let (wraps, passes) = (self.wraps, self.passes);
         let state = self.state(listing, batches);
         state.used = clock;
