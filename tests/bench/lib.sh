@@ -13,6 +13,19 @@ wait_healthy() {
     return 1
 }
 
+# The builds a before/after bench alternates: BIN (target/release unless set) and, where set, BIN_BEFORE,
+# as absolute paths in the array `builds` (BIN made absolute too).
+#   bench_builds
+bench_builds() {
+    BIN=$(realpath "${BIN:-target/release}")
+    builds=("$BIN")
+    if [ -n "${BIN_BEFORE:-}" ]; then builds+=("$(realpath "$BIN_BEFORE")"); fi
+}
+
+# A build's name in a results row: the last two parts of its directory (target/release, tmp/before).
+#   build_name DIR
+build_name() { echo "$(basename "$(dirname "$1")")/$(basename "$1")"; }
+
 # Unmounts every mount under WORK (`mnt`, `mnt-*`, `m-*`), stops PIDS (those given), removes the cgroups
 # CG and CG-* (none with CG empty) and WORK: a bench's exit trap. Uses $BIN/batchfs.
 #   clean_up WORK CG [PIDS...]

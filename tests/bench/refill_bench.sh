@@ -19,9 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 . tests/bench/lib.sh
 out=${1:-/tmp/batchfs-refill}
-BIN=$(realpath "${BIN:-target/release}")
-builds=("$BIN")
-[ -n "${BIN_BEFORE:-}" ] && builds+=("$(realpath "$BIN_BEFORE")")
+bench_builds
 loader=${LOADER:-dali}
 python=python3
 [ "$loader" = torch ] && python=/usr/bin/python3
@@ -67,7 +65,7 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
     t1=$(ticks "$daemon")
     read -r f1 r1 < <(counters "$bin" "$work/mnt")
     median=$(printf '%s\n' "${times[@]}" | sort -n | sed -n "$(((${#times[@]} + 1) / 2))p")
-    echo "$round,$(basename "$(dirname "$bin")")/$(basename "$bin"),$loader,${EPOCHS:-3},$((t1 - t0))," \
+    echo "$round,$(build_name "$bin"),$loader,${EPOCHS:-3},$((t1 - t0))," \
       "$((f1 - f0)),$((r1 - r0)),$median" | tr -d ' ' | tee -a "$out/results.csv"
     "$BIN/batchfs" umount "$work/mnt"
   done

@@ -15,9 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 . tests/bench/lib.sh
 out=${1:-/tmp/batchfs-shards}
-BIN=$(realpath "${BIN:-target/release}")
-builds=("$BIN")
-[ -n "${BIN_BEFORE:-}" ] && builds+=("$(realpath "$BIN_BEFORE")")
+bench_builds
 mkdir -p "$out"
 work=$(mktemp -d)
 pids=()
@@ -59,7 +57,7 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
           tail -1 "$work/out-$k" | python3 -c 'import json, sys; print(json.load(sys.stdin)["epoch_s"])'
         done | sort -n | tail -1)
         read -r m1 s1 f1 b1 < <(counters "$work/mnt")
-        echo "$round,$(basename "$(dirname "$bin")")/$(basename "$bin"),$n,${RTT:-30},$e,$slowest,$((m1 - m0))," \
+        echo "$round,$(build_name "$bin"),$n,${RTT:-30},$e,$slowest,$((m1 - m0))," \
           "$(python3 -c "print(($s1 - $s0) / 1e6)"),$((f1 - f0)),$((b1 - b0))" | tr -d ' ' | tee -a "$out/results.csv"
         m0=$m1 s0=$s1 f0=$f1 b0=$b1
       done
