@@ -20,9 +20,14 @@ pub struct Fixture {
 
 /// Generates a small dataset of `format`.
 pub fn fixture(format: SourceFormat, samples: u32, mean_bytes: u64) -> Fixture {
+    fixture_in(format, samples, mean_bytes, 4)
+}
+
+/// Generates a small dataset of `format` in `shards` shards.
+pub fn fixture_in(format: SourceFormat, samples: u32, mean_bytes: u64, shards: u32) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(format.as_str());
-    let options = GenOptions { format, samples, mean_bytes, shards: 4, classes: 6, seed: 11, ..Default::default() };
+    let options = GenOptions { format, samples, mean_bytes, shards, classes: 6, seed: 11, ..Default::default() };
     gen::generate(&options, &path).unwrap();
     Fixture { _dir: dir, path, options }
 }

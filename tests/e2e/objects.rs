@@ -330,8 +330,13 @@ struct Bucket {
 }
 
 fn tfrecord_bucket(samples: u32) -> Option<Bucket> {
+    tfrecord_bucket_in(samples, 4)
+}
+
+/// [`tfrecord_bucket`] in `shards` objects.
+fn tfrecord_bucket_in(samples: u32, shards: u32) -> Option<Bucket> {
     let weed = Weed::start()?;
-    let fx = heavy(SourceFormat::Tfrecord, samples);
+    let fx = common::fixture_in(SourceFormat::Tfrecord, samples, HEAVY_MEAN_BYTES, shards);
     weed.upload(&fx.path, "tfr");
     let (url, index_dir) = (format!("s3://{BUCKET}/tfr"), tempfile::tempdir().unwrap());
     Some(Bucket { weed, fx, url, index_dir })
@@ -340,8 +345,11 @@ fn tfrecord_bucket(samples: u32) -> Option<Bucket> {
 /// A dataset of `format` whose sizes have ImageNet's heavy tail (the generator's default): a few
 /// samples 10-50 times the mean.
 fn heavy(format: SourceFormat, samples: u32) -> Fixture {
-    fixture(format, samples, 60_000)
+    fixture(format, samples, HEAVY_MEAN_BYTES)
 }
+
+/// The mean sample of [`heavy`] datasets.
+const HEAVY_MEAN_BYTES: u64 = 60_000;
 
 /// Every format, uploaded to a bucket and served from `s3://`: every batch in every layout and every
 /// `raw/` file byte-identical to the same dataset served from its local copy; the bucket is read about
@@ -809,10 +817,11 @@ fn a_server_killed_while_copying_into_its_tier_leaves_nothing_torn_to_serve() {
 
 /// A tier smaller than the dataset (half of it): under `shuffle=global` the server says so (log and
 /// `/healthz`) and reads by GETs; under `shuffle=blocks` each epoch copies each object into the tier at
-/// most once, the tier never holds more than its size, and every batch is the local copy's.
+/// most once, the tier never holds more than its size, and every batch is the local copy's. In 16
+/// objects, so that the tier holds several, and a block (a quarter of the tier) two, as blocks are sized.
 #[test]
 fn a_tier_smaller_than_the_dataset_reads_each_object_once_an_epoch_under_blocks() {
-    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(1200) else { return };
+    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket_in(1200, 16) else { return };
     let tier = tempfile::tempdir().unwrap();
     let bytes: u64 = walk(&fx.path)
         .iter()
@@ -855,9 +864,10 @@ fn a_tier_smaller_than_the_dataset_reads_each_object_once_an_epoch_under_blocks(
             match shuffle {
                 "global" => assert_eq!(copied, 0, "a dataset larger than the tier is not copied under global"),
                 _ => {
-                    // About once an epoch: 1.24-1.54x the dataset in 2 epochs, alone or beside two CPU hogs;
-                    // once, in a whole-suite run on 2 cores, 2.07x (a copy made ahead evicted before its
-                    // bodies read it is made again), so a tenth more is allowed, as for the store's reads.
+                    // About once an epoch: 1.52-1.60x the dataset in 2 epochs, alone, beside CPU hogs and a
+                    // disk writer, or beside the loader tests; a tenth more is allowed, as for the store's
+                    // reads. (In 4 objects, the tier held less than two: the object being read was evicted
+                    // to copy the next, and whole-suite runs on 2 cores copied 2.07x and 2.33x.)
                     let most = n * bytes + n * bytes / 10;
                     assert!(copied > 0 && copied <= most, "{shuffle}: {copied} copied of {bytes} in {n} epochs");
                     // Bodies read what is being copied from the copy, not by GETs of their own.
