@@ -280,7 +280,7 @@ options! {
     keepalive: Duration = Duration::from_secs(15), value::duration, "15s", "DURATION", "Network",
         "A connection quiet this long is sent a PING, and dropped if nothing answers within stall_timeout \
          (0: never).";
-    frame_size: u32 = 128 << 10, value::frame_size, "128K", "SIZE", "Network",
+    frame_size: u32 = 1 << 20, value::frame_size, "1M", "SIZE", "Network",
         "The largest HTTP/2 DATA frame the servers may send (16K to 16M-1).";
     servers: Urls = Vec::new(), value::servers, "—", "URLS", "Network",
         "More servers holding the same dataset, `;`-separated base URLs.";

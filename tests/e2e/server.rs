@@ -472,10 +472,11 @@ async fn the_server_answers_while_datasets_are_indexed() {
 /// finishes makes room again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saturated_server_answers_503_at_once() {
-    let fx = fixture(SourceFormat::Tfrecord, 40, 20_000);
+    let fx = fixture(SourceFormat::Tfrecord, 40, 120_000);
     let limits = ServerLimits { max_bodies_in_flight: 1, readahead_batches: 0, ..ServerLimits::default() };
     let server = serve(&[("d", &fx.path)], ServeWith { limits: Some(limits), ..ServeWith::default() }).await;
-    // With 64 KiB HTTP/2 windows a 400 KB body its client does not read stays in flight.
+    // With 64 KiB HTTP/2 windows a 2.4 MB body its client does not read stays in flight (one of at most
+    // `chunk_size`, 1 MiB, is handed to HTTP/2 whole, and waits in its buffer, no longer in flight).
     let client = reqwest::Client::builder()
         .http2_prior_knowledge()
         .http2_initial_stream_window_size(65_535)
@@ -497,7 +498,7 @@ async fn a_saturated_server_answers_503_at_once() {
     assert_eq!(client.get(&manifest).send().await.unwrap().status(), StatusCode::OK);
     assert_eq!(client.get(format!("{}/healthz", server.base)).send().await.unwrap().status(), StatusCode::OK);
     // The held body finishes: room again.
-    assert!(held.bytes().await.unwrap().len() > 200_000);
+    assert!(held.bytes().await.unwrap().len() > 2_000_000);
     let mut status = StatusCode::SERVICE_UNAVAILABLE;
     for _ in 0..50 {
         status = client.get(url(1)).send().await.unwrap().status();

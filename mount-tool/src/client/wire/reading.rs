@@ -173,22 +173,28 @@ impl Reading {
                 failed
             }
             (Some(_), Some(Target::Sink(sink @ Sink::File(_)))) => {
-                // The frame's bytes, whole, into a piece of their own that the file holds until its span
-                // is whole and writes in one `writev` (see `MemoryFile`: writing them straight into the
-                // file's pages made the kernel zero each page first, which cost more than this copy).
-                // From malloc's heap: a piece is at most a frame, under its mmap threshold.
-                let mut piece = bytes::BytesMut::with_capacity(left);
-                while piece.len() < left {
-                    // At most the frame's rest, whatever room the piece has.
-                    let rest = (left - piece.len()) as u64;
-                    if (&mut *read).take(rest).read_buf(&mut piece).await? == 0 {
-                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                // The frame's bytes, in pieces of their own that the file holds until its span is whole
+                // and writes in one `writev` (see `MemoryFile`: writing them straight into the file's
+                // pages made the kernel zero each page first, which cost more than this copy). From
+                // malloc's heap: a piece is at most [`PIECE_BYTES`], under its mmap threshold.
+                let mut failed = None;
+                while left > 0 && failed.is_none() {
+                    let want = left.min(PIECE_BYTES);
+                    let mut piece = bytes::BytesMut::with_capacity(want);
+                    while piece.len() < want {
+                        // At most the piece's rest, whatever room it has.
+                        let rest = (want - piece.len()) as u64;
+                        if (&mut *read).take(rest).read_buf(&mut piece).await? == 0 {
+                            return Err(std::io::ErrorKind::UnexpectedEof.into());
+                        }
+                        slot.want.progress.fetch_add(1, Ordering::Release);
+                        self.shared.heard();
                     }
-                    slot.want.progress.fetch_add(1, Ordering::Release);
-                    self.shared.heard();
+                    left -= want;
+                    failed =
+                        sink.append(&piece.freeze(), &mut slot.crc).err().map(|e| ClientError::appending(server, e));
                 }
-                left = 0;
-                sink.append(&piece.freeze(), &mut slot.crc).err().map(|e| ClientError::appending(server, e))
+                failed
             }
             (Some(_), Some(Target::Sink(Sink::Buffer(filling)))) => {
                 let mut failed = None;
@@ -441,6 +447,11 @@ pub(super) struct Buffered<R> {
 /// header made ImageFolder over `shuffled/` (samples of one frame or a few) 1.03–1.27x slower than
 /// hyper's connection; with the inbox 0.95–1.01x (docs/BENCHMARKS.md, "One copy").
 pub const INBOX: usize = 16 << 10;
+
+/// The most bytes of a frame bound for a fresh memory file read into one piece: from malloc's heap,
+/// under its mmap threshold (256 KiB, see [`crate::sys`]), where a larger piece would be a fresh mapping
+/// faulted in page by page and unmapped again, which cost more than the copy of its bytes.
+pub const PIECE_BYTES: usize = 128 << 10;
 
 impl<R: AsyncRead + Unpin> Buffered<R> {
     pub(super) fn new(read: R, inbox: usize) -> Self {
