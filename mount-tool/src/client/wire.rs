@@ -490,9 +490,11 @@ mod tests {
         format!("http://{addr}")
     }
 
+    /// A connection taking frames of up to 1 MiB (the mount's default `frame_size`): a frame bound for a
+    /// fresh memory file is then read in several pieces ([`reading::PIECE_BYTES`]).
     async fn wire_to(server: &str) -> Arc<Wire> {
         let socket = tokio::net::TcpStream::connect(server.trim_start_matches("http://")).await.unwrap();
-        Wire::start(socket, server, 128 << 10, INBOX, None)
+        Wire::start(socket, server, 1 << 20, INBOX, None)
     }
 
     fn sink(len: usize, into_file: bool) -> Sink {
@@ -560,7 +562,7 @@ mod tests {
         #[test]
         fn bodies_from_a_reference_server_arrive_whole(
             lens in proptest::collection::vec(0usize..(3 << 20), 1..12),
-            piece in 1usize..(300 << 10),
+            piece in prop_oneof![1usize..(300 << 10), (300usize << 10)..(1200 << 10)],
         ) {
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
             rt.block_on(async {
@@ -762,7 +764,7 @@ mod tests {
     async fn a_peer_that_breaks_the_protocol_ends_the_connection() {
         for garbage in [
             frames::frame(frames::kind::PUSH_PROMISE, frames::flag::END_HEADERS, 1, &[0, 0, 0, 2]),
-            frames::frame(frames::kind::DATA, 0, 1, &[0; 200_000]),
+            frames::frame(frames::kind::DATA, 0, 1, &vec![0; (1 << 20) + 1]),
             frames::frame(frames::kind::HEADERS, frames::flag::END_HEADERS, 1, &[0xff, 0xff, 0xff, 0xff, 0x0f]),
         ] {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
