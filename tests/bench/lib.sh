@@ -26,6 +26,18 @@ bench_builds() {
 #   build_name DIR
 build_name() { echo "$(basename "$(dirname "$1")")/$(basename "$1")"; }
 
+# A bench's working directory, `work` (removed at exit by clean_up, with the mounts under it and the
+# processes whose pids are added to `pids`), holding the TFRecord dataset the batch-file benches read:
+# SAMPLES (10000) samples of the generator's heavy-tailed sizes, 110 KB on average, in $work/data.
+#   bench_work_and_dataset
+bench_work_and_dataset() {
+    work=$(mktemp -d)
+    pids=()
+    trap 'clean_up "$work" "" "${pids[@]}"' EXIT
+    "$BIN/batchfs-server" gen --format tfrecord --samples "${SAMPLES:-10000}" --mean-bytes 110000 \
+        --out "$work/data" >/dev/null
+}
+
 # Unmounts every mount under WORK (`mnt`, `mnt-*`, `m-*`), stops PIDS (those given), removes the cgroups
 # CG and CG-* (none with CG empty) and WORK: a bench's exit trap. Uses $BIN/batchfs.
 #   clean_up WORK CG [PIDS...]

@@ -25,11 +25,7 @@ python=python3
 [ "$loader" = torch ] && python=/usr/bin/python3
 server_cpu=${SERVER_CPU:-0} node_cpu=${NODE_CPU:-1}
 mkdir -p "$out"
-work=$(mktemp -d)
-pids=()
-trap 'clean_up "$work" "" "${pids[@]}"' EXIT
-"$BIN/batchfs-server" gen --format tfrecord --samples "${SAMPLES:-10000}" --mean-bytes 110000 \
-  --out "$work/data" >/dev/null
+bench_work_and_dataset
 port=$(free_port)
 taskset -c "$server_cpu" "$BIN/batchfs-server" serve --listen "127.0.0.1:$port" --dataset "d=$work/data" \
   2>"$work/server.log" &

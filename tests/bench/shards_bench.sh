@@ -17,11 +17,7 @@ cd "$(dirname "$0")/../.."
 out=${1:-/tmp/batchfs-shards}
 bench_builds
 mkdir -p "$out"
-work=$(mktemp -d)
-pids=()
-trap 'clean_up "$work" "" "${pids[@]}"' EXIT
-"$BIN/batchfs-server" gen --format tfrecord --samples "${SAMPLES:-10000}" --mean-bytes 110000 \
-  --out "$work/data" >/dev/null
+bench_work_and_dataset
 echo "round,build,ranks,rtt_ms,epoch,slowest_epoch_s,misses,stall_s,fetched_bytes,served_bytes" >"$out/results.csv"
 # The mount's counters, as "misses stall_us fetched served".
 counters() {
