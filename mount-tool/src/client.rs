@@ -20,6 +20,7 @@ use thiserror::Error;
 mod connect;
 pub mod health;
 mod http;
+mod tls;
 mod wire;
 pub use crate::buffers::{Body, Sink};
 pub use http::{parse_url, HttpClient, HttpConfig, UrlError};

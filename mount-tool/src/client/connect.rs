@@ -1,30 +1,20 @@
-//! The connections under the HTTP/2 client: TCP, and for `https://` servers TLS (rustls, ALPN `h2`,
-//! the web's roots plus `ca_file`) over a socket read ahead in large pieces.
-//!
-//! rustls reads its socket at most 4 KiB past what it holds, so a TLS body came in 15 KB `recv` calls,
-//! each with its fixed cost and often an ACK: 146,500 calls for a 2.2 GB epoch where h2c makes 67,700.
-//! [`ReadAhead`] takes what the socket has, up to [`READ_AHEAD`] at once, and hands rustls its small
-//! reads from memory: 40,900 calls, and 7 % less of the daemon's CPU under DALI (docs/BENCHMARKS.md).
-//! Reading further ahead did worse: with 256 KiB the connection ran ahead of the bodies' writers, whose
-//! copies into the memory files then cost several times as much (the bytes out of the CPU's caches, it
-//! seems), and the daemon held about 90 MB more (64 KiB: 35 MB more).
-//! h2c needs none: HTTP/2 itself reads up to the end of each frame.
+//! The connections under the HTTP/2 client: TCP, and for `https://` servers TLS (rustls's handshake,
+//! ALPN `h2`, the web's roots plus `ca_file`; the records then sealed and opened by [`TlsStream`], a
+//! body's straight into the memory it goes to).
 
+use super::tls::{self, TlsStream};
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-/// Bytes a TLS connection's socket is read in at most at once.
-pub const READ_AHEAD: usize = 64 << 10;
-
 /// Makes the connections of one client: `tls` for `https://` URLs.
 #[derive(Clone)]
 pub struct Connector {
-    tls: tokio_rustls::TlsConnector,
+    tls: Arc<rustls::ClientConfig>,
     timeout: Duration,
 }
 
@@ -46,7 +36,9 @@ impl Connector {
             .with_root_certificates(roots)
             .with_no_client_auth();
         config.alpn_protocols = vec![b"h2".to_vec()];
-        Ok(Connector { tls: tokio_rustls::TlsConnector::from(Arc::new(config)), timeout })
+        // The records after the handshake are ours to seal and open (`TlsStream`).
+        config.enable_secret_extraction = true;
+        Ok(Connector { tls: Arc::new(config), timeout })
     }
 
     /// A connection to `uri`'s server: TCP, or TLS that agreed on `h2`, not yet speaking HTTP/2.
@@ -69,79 +61,21 @@ impl Connector {
             return Ok(Stream::Plain(tcp));
         }
         let name = rustls::pki_types::ServerName::try_from(host.to_owned()).map_err(|_| invalid("not a TLS name"))?;
-        let stream = tokio::time::timeout(self.timeout, self.tls.connect(name, ReadAhead::new(tcp)))
+        let stream = tokio::time::timeout(self.timeout, tls::handshake(tcp, self.tls.clone(), name))
             .await
-            .map_err(|_| timed_out())??;
-        if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
+            .map_err(|_| timed_out())?
+            .map_err(|e| io::Error::new(e.kind(), format!("{uri}: {e}")))?;
+        if stream.alpn_protocol() != Some(b"h2") {
             return Err(io::Error::new(io::ErrorKind::Unsupported, format!("{uri}: the server does not offer HTTP/2")));
         }
         Ok(Stream::Tls(Box::new(stream)))
     }
 }
 
-/// A socket read in pieces of up to [`READ_AHEAD`]: reads shorter than that are served from what the
-/// last `recv` brought. Writes go straight through.
-pub struct ReadAhead {
-    stream: TcpStream,
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
-}
-
-impl ReadAhead {
-    pub fn new(stream: TcpStream) -> Self {
-        ReadAhead { stream, buf: vec![0; READ_AHEAD].into_boxed_slice(), start: 0, end: 0 }
-    }
-}
-
-impl AsyncRead for ReadAhead {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        if this.start == this.end {
-            if out.remaining() >= this.buf.len() {
-                return Pin::new(&mut this.stream).poll_read(cx, out);
-            }
-            let mut fill = ReadBuf::new(&mut this.buf);
-            ready!(Pin::new(&mut this.stream).poll_read(cx, &mut fill))?;
-            (this.start, this.end) = (0, fill.filled().len());
-        }
-        let n = out.remaining().min(this.end - this.start);
-        out.put_slice(&this.buf[this.start..this.start + n]);
-        this.start += n;
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl AsyncWrite for ReadAhead {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
-}
-
-/// A connection's stream: h2c, or TLS over a socket read ahead.
+/// A connection's stream: h2c, or TLS.
 pub enum Stream {
     Plain(TcpStream),
-    Tls(Box<tokio_rustls::client::TlsStream<ReadAhead>>),
+    Tls(Box<TlsStream>),
 }
 
 impl AsyncRead for Stream {
@@ -191,41 +125,5 @@ impl AsyncWrite for Stream {
             Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
             Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    /// Reads of every size through the read-ahead see the socket's bytes in order, whole, up to its end:
-    /// small reads from the buffer, reads of a whole buffer or more straight from the socket.
-    #[tokio::test]
-    async fn read_ahead_hands_on_every_byte_in_order() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 253) as u8).collect();
-        let sent = data.clone();
-        tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await.unwrap();
-            for piece in sent.chunks(70_001) {
-                s.write_all(piece).await.unwrap();
-            }
-        });
-        let mut reader = ReadAhead::new(TcpStream::connect(addr).await.unwrap());
-        let (mut got, mut k) = (Vec::new(), 0usize);
-        loop {
-            let size = [1, 4096, 16_709, READ_AHEAD, READ_AHEAD + 1, 77][k % 6];
-            k += 1;
-            let mut buf = vec![0; size];
-            let n = reader.read(&mut buf).await.unwrap();
-            if n == 0 {
-                break;
-            }
-            got.extend_from_slice(&buf[..n]);
-        }
-        assert_eq!(got.len(), data.len());
-        assert!(got == data, "the bytes differ");
     }
 }

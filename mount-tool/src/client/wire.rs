@@ -5,7 +5,7 @@
 //! own that was then copied into the body's. A frame bound for a memory file is read into a piece of its
 //! own that the file writes in whole spans, as before: receiving into the file's pages directly made the
 //! kernel zero them first, which cost more than the copy (docs/DESIGN.md, "One copy where it pays"). Over
-//! TLS the first copy is rustls's, out of its decrypted record.
+//! TLS the same reads receive the records into the same memory and open them there ([`super::tls`]).
 //!
 //! The frames are read by [`batchfs::frames::FrameReader`], which checks every length, flag and stream
 //! id; response heads are decoded by [`batchfs::hpack::Decoder`]; requests are written with no HPACK state
@@ -159,7 +159,7 @@ enum Out {
 impl Wire {
     /// Speaks HTTP/2 over `io` (a connection to `base_url`'s server, TCP or TLS): sends the preface and
     /// SETTINGS (frames up to `max_frame`), and reads until the connection ends, small reads `inbox` bytes
-    /// at a time ([`INBOX`] for a socket; 0 for TLS, whose records rustls already holds). `keep`: the
+    /// at a time ([`INBOX`] for a socket; 0 for TLS, whose stream stages its records itself). `keep`: the
     /// keepalive ([`KeepAlive`]), if any.
     pub fn start<S>(io: S, base_url: &str, max_frame: u32, inbox: usize, keep: Option<KeepAlive>) -> Arc<Wire>
     where
