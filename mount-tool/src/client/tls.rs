@@ -105,11 +105,16 @@ enum Framing {
     Tls12 { explicit: bool },
 }
 
-/// The records' keys both ways, and rustls's side of the session (tickets, key updates).
-struct Records {
+/// How records are framed, and the keys both ways.
+struct Keys {
     framing: Framing,
     rx: Direction,
     tx: Direction,
+}
+
+/// The records' keys, and rustls's side of the session (tickets, key updates).
+struct Records {
+    keys: Keys,
     /// Records sealed under one key at most.
     tx_limit: u64,
     session: KernelConnection<ClientConnectionData>,
@@ -127,7 +132,7 @@ fn whole_record(buf: &[u8]) -> io::Result<Option<usize>> {
     Ok((buf.len() >= HEADER + len).then_some(len))
 }
 
-impl Records {
+impl Keys {
     /// Opens the whole record at `buf[at..]`, its plaintext written to `buf[to..]` (`to <= at`): its
     /// content type and the plaintext's length. Fails, writing nothing a reader is shown, when its tag
     /// does not verify.
@@ -186,22 +191,6 @@ impl Records {
 
     /// Seals `plain` (at most [`MAX_PLAIN`] bytes) of content `kind` as one record at the end of `out`.
     fn seal(&mut self, kind: u8, plain: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
-        debug_assert!(plain.len() <= MAX_PLAIN);
-        if self.tx.seq >= self.tx_limit {
-            match self.framing {
-                Framing::Tls13 => self.update_tx(out)?,
-                Framing::Tls12 { .. } => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::ConnectionAborted,
-                        "TLS: the connection sealed as many records as its key may (TLS 1.2 has no key update)",
-                    ))
-                }
-            }
-        }
-        self.seal_now(kind, plain, out)
-    }
-
-    fn seal_now(&mut self, kind: u8, plain: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
         let tx = &mut self.tx;
         let at = out.len();
         let sealed = match self.framing {
@@ -236,13 +225,32 @@ impl Records {
         tx.seq += 1;
         Ok(())
     }
+}
+
+impl Records {
+    /// Seals `plain` (at most [`MAX_PLAIN`] bytes) of content `kind` as one record at the end of `out`,
+    /// the key updated first where it reached its limit of records.
+    fn seal(&mut self, kind: u8, plain: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
+        if self.keys.tx.seq >= self.tx_limit {
+            match self.keys.framing {
+                Framing::Tls13 => self.update_tx(out)?,
+                Framing::Tls12 { .. } => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "TLS: the connection sealed as many records as its key may (TLS 1.2 has no key update)",
+                    ))
+                }
+            }
+        }
+        self.keys.seal(kind, plain, out)
+    }
 
     /// TLS 1.3: tells the server our next records use a new key (a KeyUpdate that asks for none back),
     /// and takes it.
     fn update_tx(&mut self, out: &mut Vec<u8>) -> io::Result<()> {
-        self.seal_now(HANDSHAKE, &[KEY_UPDATE, 0, 0, 1, 0], out)?;
+        self.keys.seal(HANDSHAKE, &[KEY_UPDATE, 0, 0, 1, 0], out)?;
         let (seq, secrets) = self.session.update_tx_secret().map_err(tls_error)?;
-        self.tx = Direction::new(secrets, seq)?;
+        self.keys.tx = Direction::new(secrets, seq)?;
         Ok(())
     }
 }
@@ -354,9 +362,11 @@ pub async fn handshake(
         SupportedCipherSuite::Tls12(suite) => suite.common.confidentiality_limit,
     };
     let records = Records {
-        framing,
-        rx: Direction::new(secrets.rx.1, secrets.rx.0)?,
-        tx: Direction::new(secrets.tx.1, secrets.tx.0)?,
+        keys: Keys {
+            framing,
+            rx: Direction::new(secrets.rx.1, secrets.rx.0)?,
+            tx: Direction::new(secrets.tx.1, secrets.tx.0)?,
+        },
         // Some room before the limit, as rustls leaves.
         tx_limit: tx_limit.saturating_sub(1 << 10),
         session,
@@ -399,7 +409,7 @@ impl TlsStream {
                 if description == 0 {
                     self.closed = true;
                     Ok(())
-                } else if level == 1 && self.records.framing != Framing::Tls13 {
+                } else if level == 1 && self.records.keys.framing != Framing::Tls13 {
                     tracing::debug!(description, "a TLS warning alert from the server, ignored");
                     Ok(())
                 } else {
@@ -424,14 +434,14 @@ impl TlsStream {
         while let [kind, a, b, c, ..] = self.handshake[used..] {
             let len = u32::from_be_bytes([0, a, b, c]) as usize;
             let Some(body) = self.handshake.get(used + 4..used + 4 + len) else { break };
-            match (self.records.framing, kind) {
+            match (self.records.keys.framing, kind) {
                 (Framing::Tls13, NEW_SESSION_TICKET) => {
                     self.records.session.handle_new_session_ticket(body).map_err(tls_error)?;
                 }
                 (Framing::Tls13, KEY_UPDATE) => {
                     let &[requested] = body else { return Err(invalid("TLS: a malformed KeyUpdate".into())) };
                     let (seq, secrets) = self.records.session.update_rx_secret().map_err(tls_error)?;
-                    self.records.rx = Direction::new(secrets, seq)?;
+                    self.records.keys.rx = Direction::new(secrets, seq)?;
                     if requested == 1 {
                         self.records.update_tx(&mut self.out)?;
                     }
@@ -486,7 +496,7 @@ impl TlsStream {
         let region = &mut out.initialized_mut()[filled..filled + staged + got];
         let (mut at, mut to) = (0, 0);
         while let Some(len) = whole_record(&region[at..])? {
-            let (kind, n) = self.records.open(region, at, to)?;
+            let (kind, n) = self.records.keys.open(region, at, to)?;
             at += HEADER + len;
             if kind == APPLICATION_DATA {
                 to += n;
@@ -563,7 +573,7 @@ impl AsyncRead for TlsStream {
             if let Some(len) = whole_record(&this.staging[this.start..this.end])? {
                 // Opened where it lies, its plaintext where its header was.
                 let at = this.start;
-                let (kind, n) = this.records.open(&mut this.staging, at, at)?;
+                let (kind, n) = this.records.keys.open(&mut this.staging, at, at)?;
                 this.start = at + HEADER + len;
                 if kind == APPLICATION_DATA {
                     this.plain = at..at + n;
@@ -614,7 +624,7 @@ impl AsyncWrite for TlsStream {
         let this = self.get_mut();
         if !this.close_sent {
             // A warning-level close_notify.
-            this.records.seal_now(ALERT, &[1, 0], &mut this.out)?;
+            this.records.keys.seal(ALERT, &[1, 0], &mut this.out)?;
             this.close_sent = true;
         }
         ready!(this.poll_send(cx))?;
@@ -791,12 +801,12 @@ mod tests {
         stream.read_exact(&mut got).await.unwrap();
         assert!(got == send, "the bytes differ");
         // Records counted from the server's new key: fewer than the 2 MB's 123.
-        assert!(stream.records.rx.seq < 100, "{} records under one key", stream.records.rx.seq);
+        assert!(stream.records.keys.rx.seq < 100, "{} records under one key", stream.records.keys.rx.seq);
         for piece in back.chunks(30_000) {
             stream.write_all(piece).await.unwrap();
         }
         stream.flush().await.unwrap();
-        assert!(stream.records.tx.seq <= 5, "{} records under one key", stream.records.tx.seq);
+        assert!(stream.records.keys.tx.seq <= 5, "{} records under one key", stream.records.keys.tx.seq);
         let (rest, end) = read_all(&mut stream, &SIZES).await;
         end.unwrap();
         assert!(rest.is_empty() && stream.closed);
@@ -872,6 +882,89 @@ mod tests {
         assert_eq!(whole_record(&head(MAX_BODY)).unwrap(), None);
         let e = whole_record(&head(MAX_BODY + 1)).unwrap_err();
         assert!(e.kind() == io::ErrorKind::InvalidData && e.to_string().contains("past"), "{e}");
+    }
+
+    /// Both ends' keys for `framing` and `algorithm` (0: AES-256-GCM, 1: ChaCha20-Poly1305; AES-128-GCM's
+    /// 16-byte keys only rustls makes, and the tests against its server cover it): what one seals, the
+    /// other opens.
+    fn key_pair(framing: Framing, algorithm: u8, seq: u64) -> (Keys, Keys) {
+        let secrets = |seed: u8| {
+            let (key, iv) = ([seed; 32].into(), rustls::crypto::cipher::Iv::new([seed ^ 0x5a; 12]));
+            match algorithm {
+                0 => ConnectionTrafficSecrets::Aes256Gcm { key, iv },
+                _ => ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv },
+            }
+        };
+        let direction = |seed| Direction::new(secrets(seed), seq).unwrap();
+        let ours = Keys { framing, rx: direction(1), tx: direction(2) };
+        let theirs = Keys { framing, rx: direction(2), tx: direction(1) };
+        (ours, theirs)
+    }
+
+    fn framing(pick: u8) -> Framing {
+        match pick % 3 {
+            0 => Framing::Tls13,
+            1 => Framing::Tls12 { explicit: true },
+            _ => Framing::Tls12 { explicit: false },
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Records of any sizes, sealed by one end and opened by the other as a read opens them, each
+        /// plaintext written below its ciphertext: the plaintexts lie side by side, the bytes sealed, in
+        /// every framing and algorithm (the reference: their concatenation).
+        #[test]
+        fn records_opened_below_their_ciphertext_lie_side_by_side(
+            pick in 0u8..3,
+            algorithm in 0u8..2,
+            sizes in proptest::collection::vec(0usize..=MAX_PLAIN, 1..12),
+            seq in 0u64..1 << 40,
+        ) {
+            let (mut ours, mut theirs) = key_pair(framing(pick), algorithm, seq);
+            let mut wire = Vec::new();
+            let mut sent = Vec::new();
+            for (i, &size) in sizes.iter().enumerate() {
+                let plain = pattern(size, i as u32);
+                theirs.seal(APPLICATION_DATA, &plain, &mut wire).unwrap();
+                sent.extend_from_slice(&plain);
+            }
+            let (mut at, mut to) = (0, 0);
+            while let Some(len) = whole_record(&wire[at..]).unwrap() {
+                let (kind, n) = ours.open(&mut wire, at, to).unwrap();
+                prop_assert_eq!(kind, APPLICATION_DATA);
+                at += HEADER + len;
+                to += n;
+            }
+            prop_assert_eq!(at, wire.len());
+            prop_assert_eq!(to, sent.len());
+            prop_assert!(wire[..to] == sent[..], "the plaintexts differ");
+        }
+
+        /// Bytes that are no record sealed by the other end (any header, any body, or a sealed record
+        /// with a byte changed): refused, never a panic, and never taken as plaintext.
+        #[test]
+        fn hostile_records_are_refused(
+            pick in 0u8..3,
+            algorithm in 0u8..2,
+            kind in any::<u8>(),
+            body in proptest::collection::vec(any::<u8>(), 0..600),
+            size in 0usize..2000,
+            flip in any::<prop::sample::Index>(),
+        ) {
+            let (mut ours, mut theirs) = key_pair(framing(pick), algorithm, 7);
+            let mut record = vec![kind, 3, 3, (body.len() >> 8) as u8, body.len() as u8];
+            record.extend_from_slice(&body);
+            prop_assert_eq!(whole_record(&record).unwrap(), Some(body.len()));
+            prop_assert!(ours.open(&mut record, 0, 0).is_err());
+            let mut sealed = Vec::new();
+            theirs.seal(APPLICATION_DATA, &pattern(size, 3), &mut sealed).unwrap();
+            let i = flip.index(sealed.len() - HEADER) + HEADER;
+            sealed[i] ^= 1;
+            let (mut ours, _) = key_pair(framing(pick), algorithm, 7);
+            prop_assert!(ours.open(&mut sealed, 0, 0).is_err());
+        }
     }
 
     proptest! {
