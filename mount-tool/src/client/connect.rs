@@ -63,8 +63,7 @@ impl Connector {
         let name = rustls::pki_types::ServerName::try_from(host.to_owned()).map_err(|_| invalid("not a TLS name"))?;
         let stream = tokio::time::timeout(self.timeout, tls::handshake(tcp, self.tls.clone(), name))
             .await
-            .map_err(|_| timed_out())?
-            .map_err(|e| io::Error::new(e.kind(), format!("{uri}: {e}")))?;
+            .map_err(|_| timed_out())??;
         if stream.alpn_protocol() != Some(b"h2") {
             return Err(io::Error::new(io::ErrorKind::Unsupported, format!("{uri}: the server does not offer HTTP/2")));
         }

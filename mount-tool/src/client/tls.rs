@@ -3,7 +3,7 @@
 //! kernel-TLS interface ([`rustls::kernel`]) lets a connection do.
 //!
 //! Why: rustls decrypts each record in a buffer of its own and then copies the plaintext out, so a body
-//! over TLS cost a receive, a decryption and two copies where h2c costs the receive alone (1.7x the
+//! over TLS cost a receive, a decryption and two copies where h2c costs the receive alone (1.7-2.4x the
 //! floor over TLS, docs/BENCHMARKS.md). Here a read that asks for a body's bytes ([`FAST_MIN`] or more)
 //! has the socket's bytes received straight into the reader's memory (the buffer or the memory file the
 //! body goes to) and every whole record among them opened where it lies, its plaintext written a few
@@ -515,12 +515,12 @@ impl TlsStream {
         Poll::Ready(Ok(to))
     }
 
-    /// Receives into staging, after the partial record there, at most what completes one record.
+    /// Receives into staging, after the partial record there (moved to its start; no plaintext is left
+    /// unread before it), at most a record's length.
     fn poll_stage(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if self.start > 0 {
             self.staging.copy_within(self.start..self.end, 0);
             (self.start, self.end) = (0, self.end - self.start);
-            self.plain = 0..0;
         }
         let until = (self.end + MAX_RECORD).min(self.staging.len());
         let mut recv = ReadBuf::new(&mut self.staging[self.end..until]);
