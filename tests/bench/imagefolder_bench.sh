@@ -13,7 +13,8 @@
 #        `batchfs`: each batchfs system S also runs as S-before, mounted by that build, in the same round
 #        beside it, behind the same server), MOUNT_OPTS_BEFORE (the S-before mounts' options instead of
 #        MOUNT_OPTS; set alone, this build runs both: `MOUNT_OPTS=supervise=false
-#        MOUNT_OPTS_BEFORE=supervise=false,fuse_uring=on` measures FUSE over io_uring against /dev/fuse)
+#        MOUNT_OPTS_BEFORE=supervise=false,fuse_uring=on` measures FUSE over io_uring against /dev/fuse),
+#        TLS (1: the server serves TLS, the mounts trust its CA through ca_file; else h2c)
 #
 # Systems: local (the tree on local disk, page cache warm), shuffled (a batchfs mount's shuffled/), raw (the
 # same mount's raw/: the files under their own names), raw-cached (raw/ of a mount with a fresh cache_dir
@@ -45,7 +46,15 @@ trap 'umount -l "$work"/mnt-sshfs "$work"/mnt-rclone 2>/dev/null || true; peers_
 "$BIN/batchfs-server" gen --format files --samples "$SAMPLES" --mean-bytes "$MEAN" --out "$work/tree" >/dev/null
 chmod -R a+rX "$work/tree"
 p_server=$(free_port)
-RUST_LOG=warn "$BIN/batchfs-server" serve --listen "127.0.0.1:$p_server" --dataset d="$work/tree" & pids+=($!)
+SCHEME=http; tls_args=()
+if [ "${TLS:-0}" = 1 ]; then
+  tls_certificate "$work"
+  SCHEME=https; tls_args=(--tls-cert "$work/cert.pem" --tls-key "$work/key.pem")
+  MOUNT_OPTS="ca_file=$work/ca.pem${MOUNT_OPTS:+,$MOUNT_OPTS}"
+  [ -z "${MOUNT_OPTS_BEFORE+set}" ] || MOUNT_OPTS_BEFORE="ca_file=$work/ca.pem${MOUNT_OPTS_BEFORE:+,$MOUNT_OPTS_BEFORE}"
+fi
+RUST_LOG=warn "$BIN/batchfs-server" serve --listen "127.0.0.1:$p_server" --dataset d="$work/tree" "${tls_args[@]}" &
+pids+=($!)
 wait_healthy "$p_server"
 # The peers' servers only where a peer is measured (sshd and nginx need not be installed otherwise).
 case " $SYSTEMS " in *" sshfs "* | *" rclone "*) peers_start "$work" ;; esac
@@ -59,14 +68,14 @@ mount_system() { # system rtt: sets DIR
     local) DIR=$work/tree ;;
     shuffled|raw)
       start_netem "$BIN" "$p_server" "$rtt"
-      "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${opts:+-o "$opts"}
+      "$bin/batchfs" mount "$SCHEME://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" ${opts:+-o "$opts"}
       DIR=$work/mnt-batchfs/$sys ;;
     raw-cached|shuffled-cached)
       start_netem "$BIN" "$p_server" "$rtt" "$RATE"
       rm -rf "$work/node-cache"
       local o="cache_dir=$work/node-cache,warm=raw${opts:+,$opts}"
       local t0; t0=$(date +%s.%N)
-      "$bin/batchfs" mount "http://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" -o "$o"
+      "$bin/batchfs" mount "$SCHEME://127.0.0.1:$NETEM_PORT/d" "$work/mnt-batchfs" -o "$o"
       until "$BIN/batchfs" stats --json "$work/mnt-batchfs" | python3 -c 'import json,sys; w=json.load(sys.stdin).get("warm") or {}; sys.exit(0 if w and w["files"] >= w["files_total"] else 1)'; do
         sleep 0.2
       done

@@ -5,12 +5,26 @@
 # A free TCP port on loopback.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# Waits until the server on PORT answers /healthz with 200 (every dataset ready), at most TRIES × 0.1 s.
+# Waits until the server on PORT answers /healthz with 200 (every dataset ready), at most TRIES × 0.1 s;
+# over TLS where SCHEME is https (its certificate not checked: only readiness is).
 #   wait_healthy PORT [TRIES (600)]
 wait_healthy() {
-    for _ in $(seq "${2:-600}"); do curl -sf "127.0.0.1:$1/healthz" >/dev/null && return 0; sleep 0.1; done
+    for _ in $(seq "${2:-600}"); do curl -sfk "${SCHEME:-http}://127.0.0.1:$1/healthz" >/dev/null && return 0; sleep 0.1; done
     echo "the server on port $1 did not become ready" >&2
     return 1
+}
+
+# A CA and a certificate for 127.0.0.1 it signed, with its key, in DIR: ca.pem (a mount's ca_file),
+# cert.pem and key.pem (the server's --tls-cert and --tls-key).
+#   tls_certificate DIR
+tls_certificate() {
+    local d=$1
+    printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n' > "$d/ext.cnf"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=batchfs bench CA" -keyout "$d/ca-key.pem" \
+        -out "$d/ca.pem" 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout "$d/key.pem" -out "$d/cert.csr" 2>/dev/null
+    openssl x509 -req -in "$d/cert.csr" -CA "$d/ca.pem" -CAkey "$d/ca-key.pem" -CAcreateserial -days 2 \
+        -extfile "$d/ext.cnf" -out "$d/cert.pem" 2>/dev/null
 }
 
 # The builds a before/after bench alternates: BIN (target/release unless set) and, where set, BIN_BEFORE,
