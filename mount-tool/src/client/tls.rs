@@ -44,9 +44,8 @@ const TAG: usize = 16;
 /// record staged and at least one whole record after it.
 pub const FAST_MIN: usize = 2 * MAX_RECORD;
 /// The stream's own buffer, for reads smaller than [`FAST_MIN`]: a partial record and up to 64 KiB
-/// after it, received at once (small frames, a response's head and a small body, in one `recv`).
-/// Measured against a record at most: ImageFolder over `shuffled/` took 6 % more of the daemon's CPU than
-/// rustls did, against 25 % (docs/BENCHMARKS.md).
+/// after it, received at once (small frames, a response's head and a small body, in one `recv`, as the
+/// read-ahead under rustls did before).
 pub const STAGING: usize = MAX_RECORD + (64 << 10);
 /// Sealed bytes held for the socket before a write waits for it.
 const WRITE_HIGH: usize = 64 << 10;
