@@ -15,7 +15,7 @@ BIN=$root/target/release
 SAMPLES=${SAMPLES:-3000}
 W=$(mktemp -d); mkdir -p "$W/mnt"
 pids=()
-trap 'umount -l "$W/mnt" 2>/dev/null || true; kill "${pids[@]}" 2>/dev/null || true; rm -rf "$W"' EXIT
+trap 'clean_up "$W" "" "${pids[@]}" ${NETEM_PID:-}' EXIT
 "$BIN/batchfs-server" gen --format files --samples "$SAMPLES" --mean-bytes 110000 --out "$W/tree" >/dev/null
 P=$(free_port); SCHEME=http; tls=(); opts=""
 if [ "${TLS:-1}" = 1 ]; then
@@ -24,10 +24,8 @@ fi
 taskset -c 0 "$BIN/batchfs-server" serve --listen "127.0.0.1:$P" --dataset d="$W/tree" "${tls[@]}" 2>/dev/null &
 pids+=($!)
 wait_healthy "$P"
-Q=$(free_port)
-taskset -c 0 "$BIN/batchfs-lab" netem --listen "127.0.0.1:$Q" --upstream "127.0.0.1:$P" --rtt-ms 0 2>/dev/null &
-pids+=($!)
-sleep 0.5
+start_netem "$BIN" "$P" 0
+Q=$NETEM_PORT
 ticks() { for p in $1; do awk '{print $14 + $15}' "/proc/$p/stat"; done | paste -sd+ | bc; }
 for b in $BUILDS; do
   # shellcheck disable=SC2086
