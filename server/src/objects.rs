@@ -245,6 +245,13 @@ impl ObjectSource {
         self.context.tier.as_ref()
     }
 
+    /// Whether the disk tier holds a copy of every shard of the attached index now (none without a tier
+    /// or an index): such a dataset reads nothing from the store while the copies stay.
+    pub fn tier_holds_every_shard(&self) -> bool {
+        let (Some(tier), Some(index)) = (self.tier(), self.index.get()) else { return false };
+        index.shards.iter().all(|file| tier.contains(&self.tier_name(file)))
+    }
+
     /// Takes the index (its files: shards, then side files, the storage numbering) and the checksums
     /// of their units, for serving.
     pub fn attach(&self, index: Arc<Index>) {
@@ -515,6 +522,48 @@ mod tests {
             let got = ds.storage.read_objects(&[(0, offset, len)]).unwrap();
             assert_eq!(&got[0][..], &file[offset as usize..(offset + len) as usize], "{len} at {offset}");
         }
+    }
+
+    /// `resident=auto` with a disk tier: a dataset whose every shard the tier holds, read directly, holds
+    /// what a local copy would (from the copies: no GET), and serves it from memory; one of whose copies
+    /// is missing holds nothing (its memory goes to the reads of the store).
+    #[test]
+    fn a_dataset_the_tier_holds_whole_holds_in_memory_what_a_local_copy_would() {
+        let (local, _) = crate::storage::fixtures::dataset(150, 30_001, 3);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let first = open(&store, &context(Some(tier_dir.path()), 1 << 30), index_dir.path()).index.shards[0].size;
+        let io = |resident| IoPolicy {
+            mode: IoMode::Auto,
+            max_mapped_shards: 4096,
+            memory: 64 << 10,
+            resident,
+            resident_auto: true,
+            sendfile: false,
+        };
+        let ctx = context(Some(tier_dir.path()), 1 << 30);
+        let ds = open_with(&store, &ctx, index_dir.path(), io(first));
+        let source = ds.storage.objects().unwrap().clone();
+        assert_eq!(ds.storage.resident(), first, "the first shard held, as a local copy's would be");
+        assert!(source.direct_copies.load(Ordering::Relaxed), "the others still read past the page cache");
+        assert_eq!(source.counters.gets.load(Ordering::Relaxed), 0, "held from the tier's copy, not the store");
+        // Served as a local copy's held shard is, from its memory (the mapping bodies send from); the
+        // others by the direct path.
+        let held = ds.storage.mapping(0).expect("the first shard held");
+        assert_eq!(held.bytes(), &std::fs::read(local.path().join(&ds.index.shards[0].path)).unwrap()[..]);
+        assert!((1..ds.index.shards.len() as u32).all(|n| ds.storage.mapping(n).is_none()));
+        read_all_and_compare(&ds, local.path());
+        drop((ds, source, ctx));
+
+        // A copy gone from the tier: that object will be read from the store, and nothing is held.
+        let copies = tier_dir.path().join("objects");
+        let gone = std::fs::read_dir(&copies).unwrap().next().unwrap().unwrap().path();
+        std::fs::remove_file(gone).unwrap();
+        let ctx = context(Some(tier_dir.path()), 1 << 30);
+        let ds = open_with(&store, &ctx, index_dir.path(), io(first));
+        assert_eq!(ds.storage.resident(), 0);
+        read_all_and_compare(&ds, local.path());
     }
 
     #[test]

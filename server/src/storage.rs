@@ -300,11 +300,18 @@ impl Storage {
     ) -> Result<Storage, OpenError> {
         source.attach(index.clone());
         // Each held object is a mapping of its own: a dataset of more objects than `max_mapped_shards`
-        // (a file tree) is read by GETs only, as a local one is by positioned reads. With a disk tier,
-        // `resident=auto` holds nothing: the tier's copies are mapped, their pages the kernel's to drop,
-        // and the memory goes to the reads of the store (a server in a memory cgroup of a quarter of the
-        // dataset holding half of it as well was OOM-killed by them).
-        let tiered = source.tier().is_some() && policy.resident_auto;
+        // (a file tree) is read by GETs only, as a local one is by positioned reads.
+        let objects = index.shards.len() + index.side.len();
+        let bytes: u64 = index.shards.iter().map(|s| s.size).sum();
+        let mapped = policy.maps(bytes) && objects <= policy.max_mapped_shards;
+        // With a disk tier, `resident=auto` holds what a local copy would hold only where the tier holds
+        // every shard now and they are read directly: the dataset then reads nothing from the store, and
+        // the memory would go unused (a local copy in a memory cgroup of a quarter of the dataset served
+        // an eighth of each epoch from memory, the tier's server read all of it from its disk). Else
+        // nothing: the copies mapped are the kernel's to drop, and the memory goes to the reads of the
+        // store (a server in a memory cgroup of a quarter of the dataset holding half of it as well was
+        // OOM-killed by them).
+        let tiered = source.tier().is_some() && policy.resident_auto && (mapped || !source.tier_holds_every_shard());
         let budget = if index.shards.len() > policy.max_mapped_shards || tiered { 0 } else { policy.resident };
         let mut holding = Holding::new(name, &index, budget);
         let mut shards: Vec<Shard> = Vec::with_capacity(index.shards.len() + index.side.len());
@@ -324,9 +331,6 @@ impl Storage {
         // Copies in the tier are read as local shards would be: mapped where the dataset fits in half the
         // memory the server may use (`io=auto`), else directly, past the page cache (mapped, the copies of
         // a dataset larger than memory churned the page cache at 0.25-0.64x a local copy's speed).
-        let objects = index.shards.len() + index.side.len();
-        let bytes: u64 = index.shards.iter().map(|s| s.size).sum();
-        let mapped = policy.maps(bytes) && objects <= policy.max_mapped_shards;
         source.map_copies(if mapped { policy.max_mapped_shards } else { 0 });
         source.read_copies_directly(!mapped && policy.mode != IoMode::Pread);
         source.copy_all();

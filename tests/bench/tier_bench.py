@@ -21,7 +21,9 @@ alternating systems within each round (their order rotated each round), ROUNDS r
          HALF_SYSTEMS ("half-blocks half-global": the half-tier servers measured), HALF_BEFORE (none: a
          directory holding another build's batchfs-server, and its batchfs if it is there, measured as
          `half-blocks-before` beside `half-blocks` in each round, the same options, so two builds compare
-         side by side), PROFILE
+         side by side), TIER_BEFORE (none: a directory holding another build's batchfs-server, run as
+         `batchfs-tier-before` beside `batchfs-tier` in the steady epochs, with a tier of its own that it
+         fills as batchfs-tier does, read through this build's mounts), PROFILE
          (none: a directory where each timed run's batchfs server is recorded by `perf record -g`, one
          file a run, named after the measure, system, RTT and round), PROFILE_CALLGRAPH ("fp": how `perf`
          walks the stacks; "dwarf" where frame pointers are missing, as in release builds)
@@ -104,6 +106,9 @@ SYSTEMS = env("SYSTEMS", "batchfs-tier batchfs-gets batchfs-local s3fs rclone"
               + (" mountpoint-s3" if HAVE_MOUNT_S3 else "")).split()
 MOUNT_OPTS = env("MOUNT_OPTS", "")
 HALF_BEFORE = env("HALF_BEFORE", "")
+TIER_BEFORE = env("TIER_BEFORE", "")
+if TIER_BEFORE and "batchfs-tier" in SYSTEMS:
+    SYSTEMS.insert(SYSTEMS.index("batchfs-tier") + 1, "batchfs-tier-before")
 HALF_SYSTEMS = env("HALF_SYSTEMS", "half-blocks half-global").split() + (["half-blocks-before"] if HALF_BEFORE else [])
 TIER_OPTS = env("TIER_OPTS", "").split()
 PROFILE = env("PROFILE", "")
@@ -559,6 +564,10 @@ def bench(ctx):
     ctx["notes"].append(f"batchfs-tier ready (indexed from the bucket) in {tier.ready_s:.1f} s")
     servers = {"batchfs-tier": tier}
     if "steady" in MEASURES:
+        if "batchfs-tier-before" in SYSTEMS:
+            servers["batchfs-tier-before"] = Server(ctx, "tier-before", bucket,
+                                                    ["--disk-cache", os.path.join(work, "tier-full-before")]
+                                                    + TIER_OPTS, store=to_store, bin_dir=TIER_BEFORE)
         if "batchfs-gets" in SYSTEMS:
             servers["batchfs-gets"] = Server(ctx, "gets", bucket, ["--resident", "0", "--object-cache", "64M"],
                                              store=to_store, index_from=tier.index)
@@ -812,7 +821,7 @@ def render(rows, ctx):
                 if served and system != "batchfs-local":
                     store = f"{med(r['store_bytes'] / ctx['bytes'] for r in runs):.3f}"
                     gets = f"{med(r['store_gets'] for r in runs):.0f}"
-                if system == "batchfs-tier":
+                if system.startswith("batchfs-tier"):
                     hits = f"{med(r['tier_hit_bytes'] / ctx['bytes'] for r in runs):.3f}"
                 server = f"{med(r['server_cpu_s_per_gb'] for r in runs):.2f}" if served else "—"
                 table.append([loader, system, *secs, f"{med(r['node_cpu_s_per_gb'] for r in runs):.2f}", server, store,
@@ -832,9 +841,14 @@ def render(rows, ctx):
                     x = per_round("steady", p, "batchfs-tier", loader=loader, rtt_ms=t)
                     cells.append(f(x) + ("" if x is None or x >= target else " (short)"))
                 cells.append(f(per_round("steady", "batchfs-gets", "batchfs-tier", loader=loader, rtt_ms=t)))
+                if TIER_BEFORE:
+                    cells.append(f(per_round("steady", "batchfs-tier-before", "batchfs-tier", loader=loader, rtt_ms=t)))
+                    cells.append(f(per_round("steady", "batchfs-local", "batchfs-tier-before", loader=loader,
+                                             rtt_ms=t)))
                 table.append([loader, f"{t} ms", *cells])
-        lines += md_table(["loader", "RTT", "tier / local (speed)", *(f"{p} / tier" for p in peers), "gets / tier"],
-                          table)
+        before = ["tier-before / tier (epoch)", "tier-before / local (speed)"] if TIER_BEFORE else []
+        lines += md_table(["loader", "RTT", "tier / local (speed)", *(f"{p} / tier" for p in peers), "gets / tier",
+                           *before], table)
         lines.append("")
     first = pick(measure="first")
     if first:
