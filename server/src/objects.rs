@@ -554,12 +554,12 @@ mod tests {
         assert_eq!(held.bytes(), &std::fs::read(local.path().join(&ds.index.shards[0].path)).unwrap()[..]);
         assert!((1..ds.index.shards.len() as u32).all(|n| ds.storage.mapping(n).is_none()));
         read_all_and_compare(&ds, local.path());
+        let last = source.tier_name(ds.index.shards.last().unwrap());
         drop((ds, source, ctx));
 
-        // A copy gone from the tier: that object will be read from the store, and nothing is held.
-        let copies = tier_dir.path().join("objects");
-        let gone = std::fs::read_dir(&copies).unwrap().next().unwrap().unwrap().path();
-        std::fs::remove_file(gone).unwrap();
+        // The last shard's copy gone from the tier: that object will be read from the store, and nothing
+        // is held (not even the first shard, whose copy is there).
+        std::fs::remove_file(tier_dir.path().join("objects").join(last)).unwrap();
         let ctx = context(Some(tier_dir.path()), 1 << 30);
         let ds = open_with(&store, &ctx, index_dir.path(), io(first));
         assert_eq!(ds.storage.resident(), 0);
