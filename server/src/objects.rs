@@ -194,7 +194,14 @@ pub struct ObjectSource {
     maps: maps::Maps,
     /// Copies not mapped are read with `O_DIRECT` (a dataset larger than half the server's memory).
     direct_copies: std::sync::atomic::AtomicBool,
+    /// Copies opened with `O_DIRECT` for the direct path, kept open for the next reads of their objects
+    /// (by storage number, at most [`OPEN_COPIES`]).
+    open_copies: std::sync::Mutex<lru::LruCache<u32, fetch::OpenCopy>>,
 }
+
+/// Copies kept open for the direct path, per dataset: a chunk's pieces each asked for their object's copy,
+/// its name (two MD5s) and an `open` of it, 11 % of the server's CPU under PyTorch (docs/BENCHMARKS.md).
+const OPEN_COPIES: usize = 1024;
 
 impl ObjectSource {
     /// Connects to the bucket of `at.url` and lists it, so that a wrong bucket, endpoint or credential is
@@ -226,6 +233,9 @@ impl ObjectSource {
             stager: stage::Stager::default(),
             maps: maps::Maps::default(),
             direct_copies: std::sync::atomic::AtomicBool::new(false),
+            open_copies: std::sync::Mutex::new(lru::LruCache::new(
+                std::num::NonZeroUsize::new(OPEN_COPIES).expect("not zero"),
+            )),
         };
         let listed = source.context.block_here(source.bucket.list())?;
         Ok((source, listed))
@@ -564,6 +574,25 @@ mod tests {
         let ds = open_with(&store, &ctx, index_dir.path(), io(first));
         assert_eq!(ds.storage.resident(), 0);
         read_all_and_compare(&ds, local.path());
+    }
+
+    /// The direct path opens an object's copy once and keeps it open for the next reads, until any copy
+    /// leaves the tier (then it is looked up and opened again); a copy that left is never read.
+    #[test]
+    fn a_copy_read_directly_is_kept_open_until_a_copy_leaves_the_tier() {
+        let (local, _dirs, ds) = opened_with_direct_copies();
+        let source = ds.storage.objects().unwrap().clone();
+        let first = source.direct_copy(0, 1).expect("the tier holds it");
+        assert!(Arc::ptr_eq(&first, &source.direct_copy(0, 1).unwrap()), "opened again");
+        assert!(source.direct_copy_held(0));
+        let tier = source.tier().unwrap().clone();
+        tier.remove(&source.tier_name(&ds.index.shards[1]), "test: another copy leaves");
+        let reopened = source.direct_copy(0, 1).expect("held still");
+        assert!(!Arc::ptr_eq(&first, &reopened), "kept past a removal");
+        tier.remove(&source.tier_name(&ds.index.shards[0]), "test: its own copy leaves");
+        assert!(source.direct_copy(0, 1).is_none() && !source.direct_copy_held(0));
+        read_all_and_compare(&ds, local.path());
+        assert!(source.counters.gets.load(Ordering::Relaxed) > 0, "the copies gone were read from the store");
     }
 
     #[test]

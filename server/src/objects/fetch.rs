@@ -71,6 +71,14 @@ impl From<io::Error> for ReadError {
     }
 }
 
+/// A copy opened with `O_DIRECT` for the direct path and kept open: its name in the tier, and how many
+/// copies had left the tier when it was opened ([`super::tier::Tier::removals`]).
+pub(super) struct OpenCopy {
+    name: Arc<str>,
+    file: Arc<std::fs::File>,
+    removals: u64,
+}
+
 impl ObjectSource {
     /// Object `n` (`file`, as indexed) read whole into the server's own memory and checked against the
     /// index's CRC32C of each of its chunks: from its copy in the disk tier (made now where the tier has
@@ -330,7 +338,30 @@ impl ObjectSource {
     /// local shards (`storage/direct.rs`): the copies of a dataset larger than half the server's memory.
     pub fn direct_copy_held(&self, n: u32) -> bool {
         self.direct_copies.load(Ordering::Relaxed)
-            && self.tier().zip(self.file(n)).is_some_and(|(tier, file)| tier.contains(&self.tier_name(file)))
+            && (self.kept_copy(n, false).is_some()
+                || self.tier().zip(self.file(n)).is_some_and(|(tier, file)| tier.contains(&self.tier_name(file))))
+    }
+
+    /// Object `n`'s copy kept open by an earlier read of it by the direct path, if no copy has left the
+    /// tier since (the same file is the tier's still); with `used`, counted as a use of the copy (its
+    /// place in the tier's LRU).
+    fn kept_copy(&self, n: u32, used: bool) -> Option<Arc<std::fs::File>> {
+        let tier = self.tier()?;
+        let removals = tier.removals();
+        let (name, file) = {
+            let mut open = self.open_copies.lock().expect("open copies");
+            let kept = open.get(&n)?;
+            if kept.removals != removals {
+                open.pop(&n);
+                return None;
+            }
+            (kept.name.clone(), kept.file.clone())
+        };
+        if used && !tier.used(&name) {
+            self.open_copies.lock().expect("open copies").pop(&n);
+            return None;
+        }
+        Some(file)
     }
 
     /// Object `n`'s copy in the tier, opened with `O_DIRECT` and checked, for `len` bytes of it read now
@@ -340,17 +371,26 @@ impl ObjectSource {
         if !self.direct_copies.load(Ordering::Relaxed) {
             return None;
         }
-        let copy = self.open_copy(n).filter(|c| c.direct);
-        self.touched(n, copy.is_some());
-        let copy = copy?;
+        let file = self.kept_copy(n, true).or_else(|| {
+            // Counted before the copy is opened: a copy that leaves the tier meanwhile is not kept.
+            let removals = self.tier()?.removals();
+            let file = Arc::new(self.open_copy(n).filter(|c| c.direct)?.file);
+            let name: Arc<str> = self.tier_name(self.file(n)?).into();
+            let kept = OpenCopy { name, file: file.clone(), removals };
+            self.open_copies.lock().expect("open copies").put(n, kept);
+            Some(file)
+        });
+        self.touched(n, file.is_some());
+        let file = file?;
         self.served_from_tier(len);
         self.counters.tier_direct_bytes.fetch_add(len, Ordering::Relaxed);
-        Some(Arc::new(copy.file))
+        Some(file)
     }
 
     /// A read of object `n`'s copy by the direct path failed (`e`): the copy is dropped from the tier, so
     /// the next reads of the object go to the store.
     pub fn direct_copy_failed(&self, n: u32, e: &io::Error) {
+        self.open_copies.lock().expect("open copies").pop(&n);
         if let (Some(tier), Some(file)) = (self.tier(), self.file(n)) {
             tier.remove(&self.tier_name(file), &e.to_string());
         }
