@@ -196,7 +196,7 @@ pub struct ObjectSource {
     direct_copies: std::sync::atomic::AtomicBool,
     /// Copies opened with `O_DIRECT` for the direct path, kept open for the next reads of their objects
     /// (by storage number, at most [`OPEN_COPIES`]).
-    open_copies: std::sync::Mutex<lru::LruCache<u32, fetch::OpenCopy>>,
+    open_copies: std::sync::Mutex<fetch::OpenCopies>,
 }
 
 /// Copies kept open for the direct path, per dataset: a chunk's pieces each asked for their object's copy,
@@ -233,7 +233,7 @@ impl ObjectSource {
             stager: stage::Stager::default(),
             maps: maps::Maps::default(),
             direct_copies: std::sync::atomic::AtomicBool::new(false),
-            open_copies: std::sync::Mutex::new(lru::LruCache::new(
+            open_copies: std::sync::Mutex::new(fetch::OpenCopies::new(
                 std::num::NonZeroUsize::new(OPEN_COPIES).expect("not zero"),
             )),
         };
@@ -585,8 +585,13 @@ mod tests {
         let first = source.direct_copy(0, 1).expect("the tier holds it");
         assert!(Arc::ptr_eq(&first, &source.direct_copy(0, 1).unwrap()), "opened again");
         assert!(source.direct_copy_held(0));
+        source.direct_copy(2, 1).expect("the tier holds it");
+        assert_eq!(source.open_copies.lock().unwrap().len(), 2);
         let tier = source.tier().unwrap().clone();
         tier.remove(&source.tier_name(&ds.index.shards[1]), "test: another copy leaves");
+        // The next look lets every kept copy go (none keeps a copy that left on the disk), then opens again.
+        assert!(source.direct_copy_held(2));
+        assert_eq!(source.open_copies.lock().unwrap().len(), 0, "kept past a removal");
         let reopened = source.direct_copy(0, 1).expect("held still");
         assert!(!Arc::ptr_eq(&first, &reopened), "kept past a removal");
         tier.remove(&source.tier_name(&ds.index.shards[0]), "test: its own copy leaves");

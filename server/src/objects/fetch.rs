@@ -22,6 +22,8 @@ use std::time::Duration;
 struct CopyFile {
     file: std::fs::File,
     direct: bool,
+    /// Its name in the tier.
+    name: String,
 }
 
 /// `len` bytes at `offset` of `file`, opened with `O_DIRECT`: the aligned blocks around them read into an
@@ -71,12 +73,25 @@ impl From<io::Error> for ReadError {
     }
 }
 
-/// A copy opened with `O_DIRECT` for the direct path and kept open: its name in the tier, and how many
-/// copies had left the tier when it was opened ([`super::tier::Tier::removals`]).
-pub(super) struct OpenCopy {
-    name: Arc<str>,
-    file: Arc<std::fs::File>,
+/// The copies opened with `O_DIRECT` for the direct path and kept open (by storage number: each copy's
+/// name in the tier and its file), all of them held by the tier when [`super::tier::Tier::removals`] was
+/// `removals`. At the first sight of another count they are all let go, so a copy that left the tier
+/// is neither read nor kept on disk by an open file past the next read.
+pub(super) struct OpenCopies {
     removals: u64,
+    copies: lru::LruCache<u32, (Arc<str>, Arc<std::fs::File>)>,
+}
+
+impl OpenCopies {
+    pub(super) fn new(most: std::num::NonZeroUsize) -> Self {
+        OpenCopies { removals: 0, copies: lru::LruCache::new(most) }
+    }
+
+    /// How many are kept open.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.copies.len()
+    }
 }
 
 impl ObjectSource {
@@ -292,7 +307,7 @@ impl ObjectSource {
                 return None;
             }
             match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path) {
-                Ok(file) => Some(CopyFile { file, direct: true }),
+                Ok(file) => Some(CopyFile { file, direct: true, name: name.clone() }),
                 // Refused (the filesystem does not do O_DIRECT): every copy is read through the page cache.
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     self.read_copies_directly(false);
@@ -331,7 +346,7 @@ impl ObjectSource {
                 }
             }
         }
-        Some(direct().unwrap_or(CopyFile { file: copy, direct: false }))
+        Some(direct().unwrap_or(CopyFile { file: copy, direct: false, name }))
     }
 
     /// Whether object `n` is read now from a copy in the tier opened with `O_DIRECT`, by the direct path of
@@ -350,15 +365,15 @@ impl ObjectSource {
         let removals = tier.removals();
         let (name, file) = {
             let mut open = self.open_copies.lock().expect("open copies");
-            let kept = open.get(&n)?;
-            if kept.removals != removals {
-                open.pop(&n);
+            if open.removals != removals {
+                open.copies.clear();
+                open.removals = removals;
                 return None;
             }
-            (kept.name.clone(), kept.file.clone())
+            open.copies.get(&n)?.clone()
         };
         if used && !tier.used(&name) {
-            self.open_copies.lock().expect("open copies").pop(&n);
+            self.open_copies.lock().expect("open copies").copies.pop(&n);
             return None;
         }
         Some(file)
@@ -374,10 +389,12 @@ impl ObjectSource {
         let file = self.kept_copy(n, true).or_else(|| {
             // Counted before the copy is opened: a copy that leaves the tier meanwhile is not kept.
             let removals = self.tier()?.removals();
-            let file = Arc::new(self.open_copy(n).filter(|c| c.direct)?.file);
-            let name: Arc<str> = self.tier_name(self.file(n)?).into();
-            let kept = OpenCopy { name, file: file.clone(), removals };
-            self.open_copies.lock().expect("open copies").put(n, kept);
+            let copy = self.open_copy(n).filter(|c| c.direct)?;
+            let file = Arc::new(copy.file);
+            let mut open = self.open_copies.lock().expect("open copies");
+            if open.removals == removals {
+                open.copies.put(n, (copy.name.into(), file.clone()));
+            }
             Some(file)
         });
         self.touched(n, file.is_some());
@@ -390,7 +407,7 @@ impl ObjectSource {
     /// A read of object `n`'s copy by the direct path failed (`e`): the copy is dropped from the tier, so
     /// the next reads of the object go to the store.
     pub fn direct_copy_failed(&self, n: u32, e: &io::Error) {
-        self.open_copies.lock().expect("open copies").pop(&n);
+        self.open_copies.lock().expect("open copies").copies.pop(&n);
         if let (Some(tier), Some(file)) = (self.tier(), self.file(n)) {
             tier.remove(&self.tier_name(file), &e.to_string());
         }
