@@ -425,16 +425,20 @@ mod tests {
         let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let ctx = context(Some(tier_dir.path()), 1 << 30);
         drop(open(&store, &ctx, index_dir.path()));
-        let io = IoPolicy {
+        let ds = open_with(&store, &ctx, index_dir.path(), direct_policy(0));
+        (local, [tier_dir, index_dir], ds)
+    }
+
+    /// How a server of 64 KiB with `resident=auto` (here `resident` bytes) reads: datasets not mapped.
+    fn direct_policy(resident: u64) -> IoPolicy {
+        IoPolicy {
             mode: IoMode::Auto,
             max_mapped_shards: 4096,
             memory: 64 << 10,
-            resident: 0,
+            resident,
             resident_auto: true,
             sendfile: false,
-        };
-        let ds = open_with(&store, &ctx, index_dir.path(), io);
-        (local, [tier_dir, index_dir], ds)
+        }
     }
 
     /// Every shard of `ds` read whole through its storage, against the local copy in `dir`.
@@ -544,16 +548,8 @@ mod tests {
         upload(&store, local.path(), "ds");
         let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let first = open(&store, &context(Some(tier_dir.path()), 1 << 30), index_dir.path()).index.shards[0].size;
-        let io = |resident| IoPolicy {
-            mode: IoMode::Auto,
-            max_mapped_shards: 4096,
-            memory: 64 << 10,
-            resident,
-            resident_auto: true,
-            sendfile: false,
-        };
         let ctx = context(Some(tier_dir.path()), 1 << 30);
-        let ds = open_with(&store, &ctx, index_dir.path(), io(first));
+        let ds = open_with(&store, &ctx, index_dir.path(), direct_policy(first));
         let source = ds.storage.objects().unwrap().clone();
         assert_eq!(ds.storage.resident(), first, "the first shard held, as a local copy's would be");
         assert!(source.direct_copies.load(Ordering::Relaxed), "the others still read past the page cache");
@@ -571,7 +567,7 @@ mod tests {
         // is held (not even the first shard, whose copy is there).
         std::fs::remove_file(tier_dir.path().join("objects").join(last)).unwrap();
         let ctx = context(Some(tier_dir.path()), 1 << 30);
-        let ds = open_with(&store, &ctx, index_dir.path(), io(first));
+        let ds = open_with(&store, &ctx, index_dir.path(), direct_policy(first));
         assert_eq!(ds.storage.resident(), 0);
         read_all_and_compare(&ds, local.path());
     }
