@@ -191,17 +191,12 @@ pub struct ObjectSource {
     /// Copies whole objects into the tier in plan order (with a tier).
     stager: stage::Stager,
     /// The copies in the tier, mapped.
-    maps: maps::Maps,
+    maps: maps::Kept<Arc<batchfs::mmap::MappedFile>>,
     /// Copies not mapped are read with `O_DIRECT` (a dataset larger than half the server's memory).
     direct_copies: std::sync::atomic::AtomicBool,
-    /// Copies opened with `O_DIRECT` for the direct path, kept open for the next reads of their objects
-    /// (by storage number, at most [`OPEN_COPIES`]).
-    open_copies: std::sync::Mutex<fetch::OpenCopies>,
+    /// The copies opened with `O_DIRECT`, kept open for the next reads of their objects.
+    open_copies: maps::Kept<Arc<std::fs::File>>,
 }
-
-/// Copies kept open for the direct path, per dataset: a chunk's pieces each asked for their object's copy,
-/// its name (two MD5s) and an `open` of it, 11 % of the server's CPU under PyTorch (docs/BENCHMARKS.md).
-const OPEN_COPIES: usize = 1024;
 
 impl ObjectSource {
     /// Connects to the bucket of `at.url` and lists it, so that a wrong bucket, endpoint or credential is
@@ -231,11 +226,9 @@ impl ObjectSource {
             parts: OnceLock::new(),
             counters: ObjectCounters::default(),
             stager: stage::Stager::default(),
-            maps: maps::Maps::default(),
+            maps: maps::Kept::default(),
             direct_copies: std::sync::atomic::AtomicBool::new(false),
-            open_copies: std::sync::Mutex::new(fetch::OpenCopies::new(
-                std::num::NonZeroUsize::new(OPEN_COPIES).expect("not zero"),
-            )),
+            open_copies: maps::Kept::default(),
         };
         let listed = source.context.block_here(source.bucket.list())?;
         Ok((source, listed))
@@ -572,26 +565,27 @@ mod tests {
         read_all_and_compare(&ds, local.path());
     }
 
-    /// The direct path opens an object's copy once and keeps it open for the next reads, until any copy
-    /// leaves the tier (then it is looked up and opened again); a copy that left is never read.
+    /// The direct path opens an object's copy once and keeps it open for the next reads while the tier
+    /// holds it: a copy the tier let go is let go at its next look (never read again), and one never looked
+    /// at again within [`maps::PRUNE_EVERY`] lookups of others (its disk space not held for long).
     #[test]
-    fn a_copy_read_directly_is_kept_open_until_a_copy_leaves_the_tier() {
+    fn a_copy_read_directly_is_kept_open_while_the_tier_holds_it() {
         let (local, _dirs, ds) = opened_with_direct_copies();
         let source = ds.storage.objects().unwrap().clone();
         let first = source.direct_copy(0, 1).expect("the tier holds it");
         assert!(Arc::ptr_eq(&first, &source.direct_copy(0, 1).unwrap()), "opened again");
         assert!(source.direct_copy_held(0));
         source.direct_copy(2, 1).expect("the tier holds it");
-        assert_eq!(source.open_copies.lock().unwrap().len(), 2);
+        assert_eq!(source.open_copies.len(), 2);
         let tier = source.tier().unwrap().clone();
-        tier.remove(&source.tier_name(&ds.index.shards[1]), "test: another copy leaves");
-        // The next look lets every kept copy go (none keeps a copy that left on the disk), then opens again.
-        assert!(source.direct_copy_held(2));
-        assert_eq!(source.open_copies.lock().unwrap().len(), 0, "kept past a removal");
-        let reopened = source.direct_copy(0, 1).expect("held still");
-        assert!(!Arc::ptr_eq(&first, &reopened), "kept past a removal");
-        tier.remove(&source.tier_name(&ds.index.shards[0]), "test: its own copy leaves");
+        tier.remove(&source.tier_name(&ds.index.shards[0]), "test: its copy leaves");
         assert!(source.direct_copy(0, 1).is_none() && !source.direct_copy_held(0));
+        assert_eq!(source.open_copies.len(), 1, "kept past its copy's removal");
+        tier.remove(&source.tier_name(&ds.index.shards[2]), "test: leaves, never read again");
+        for _ in 0..maps::PRUNE_EVERY {
+            assert!(source.direct_copy_held(1));
+        }
+        assert_eq!(source.open_copies.len(), 0, "a copy gone from the tier still held open");
         read_all_and_compare(&ds, local.path());
         assert!(source.counters.gets.load(Ordering::Relaxed) > 0, "the copies gone were read from the store");
     }

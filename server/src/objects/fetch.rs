@@ -73,27 +73,6 @@ impl From<io::Error> for ReadError {
     }
 }
 
-/// The copies opened with `O_DIRECT` for the direct path and kept open (by storage number: each copy's
-/// name in the tier and its file), all of them held by the tier when [`super::tier::Tier::removals`] was
-/// `removals`. At the first sight of another count they are all let go, so a copy that left the tier
-/// is neither read nor kept on disk by an open file past the next read.
-pub(super) struct OpenCopies {
-    removals: u64,
-    copies: lru::LruCache<u32, (Arc<str>, Arc<std::fs::File>)>,
-}
-
-impl OpenCopies {
-    pub(super) fn new(most: std::num::NonZeroUsize) -> Self {
-        OpenCopies { removals: 0, copies: lru::LruCache::new(most) }
-    }
-
-    /// How many are kept open.
-    #[cfg(test)]
-    pub(super) fn len(&self) -> usize {
-        self.copies.len()
-    }
-}
-
 impl ObjectSource {
     /// Object `n` (`file`, as indexed) read whole into the server's own memory and checked against the
     /// index's CRC32C of each of its chunks: from its copy in the disk tier (made now where the tier has
@@ -353,30 +332,9 @@ impl ObjectSource {
     /// local shards (`storage/direct.rs`): the copies of a dataset larger than half the server's memory.
     pub fn direct_copy_held(&self, n: u32) -> bool {
         self.direct_copies.load(Ordering::Relaxed)
-            && (self.kept_copy(n, false).is_some()
-                || self.tier().zip(self.file(n)).is_some_and(|(tier, file)| tier.contains(&self.tier_name(file))))
-    }
-
-    /// Object `n`'s copy kept open by an earlier read of it by the direct path, if no copy has left the
-    /// tier since (the same file is the tier's still); with `used`, counted as a use of the copy (its
-    /// place in the tier's LRU).
-    fn kept_copy(&self, n: u32, used: bool) -> Option<Arc<std::fs::File>> {
-        let tier = self.tier()?;
-        let removals = tier.removals();
-        let (name, file) = {
-            let mut open = self.open_copies.lock().expect("open copies");
-            if open.removals != removals {
-                open.copies.clear();
-                open.removals = removals;
-                return None;
-            }
-            open.copies.get(&n)?.clone()
-        };
-        if used && !tier.used(&name) {
-            self.open_copies.lock().expect("open copies").copies.pop(&n);
-            return None;
-        }
-        Some(file)
+            && self.tier().zip(self.file(n)).is_some_and(|(tier, file)| {
+                self.open_copies.get(tier, n, false).is_some() || tier.contains(&self.tier_name(file))
+            })
     }
 
     /// Object `n`'s copy in the tier, opened with `O_DIRECT` and checked, for `len` bytes of it read now
@@ -386,15 +344,10 @@ impl ObjectSource {
         if !self.direct_copies.load(Ordering::Relaxed) {
             return None;
         }
-        let file = self.kept_copy(n, true).or_else(|| {
-            // Counted before the copy is opened: a copy that leaves the tier meanwhile is not kept.
-            let removals = self.tier()?.removals();
+        let file = self.tier().and_then(|tier| self.open_copies.get(tier, n, true)).or_else(|| {
             let copy = self.open_copy(n).filter(|c| c.direct)?;
             let file = Arc::new(copy.file);
-            let mut open = self.open_copies.lock().expect("open copies");
-            if open.removals == removals {
-                open.copies.put(n, (copy.name.into(), file.clone()));
-            }
+            self.open_copies.put(n, copy.name, file.clone());
             Some(file)
         });
         self.touched(n, file.is_some());
@@ -407,7 +360,7 @@ impl ObjectSource {
     /// A read of object `n`'s copy by the direct path failed (`e`): the copy is dropped from the tier, so
     /// the next reads of the object go to the store.
     pub fn direct_copy_failed(&self, n: u32, e: &io::Error) {
-        self.open_copies.lock().expect("open copies").copies.pop(&n);
+        self.open_copies.forget(n);
         if let (Some(tier), Some(file)) = (self.tier(), self.file(n)) {
             tier.remove(&self.tier_name(file), &e.to_string());
         }

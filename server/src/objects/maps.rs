@@ -1,44 +1,107 @@
-//! Copies in the disk tier served by the path mapped shards take: an object the tier holds is mapped (its
-//! copy, checked against the index before its first use in this process) and its body chunks are views of
-//! the mapping, faulted in on the blocking pool (`body.rs`), as a local dataset's mapped shards are. No
-//! copy of the bytes is made in the server's memory: under a memory cgroup smaller than the dataset, the
-//! pages are the page cache's, reclaimed as any file's are.
+//! Copies in the disk tier served by the path local shards take, kept open between reads: mapped, an
+//! object the tier holds is mapped (its copy, checked against the index before its first use in this
+//! process) and its body chunks are views of the mapping, faulted in on the blocking pool (`body.rs`), as a
+//! local dataset's mapped shards are; read directly (a dataset larger than half the server's memory), its
+//! copy is opened with `O_DIRECT` and read by the direct path of local shards (`fetch.rs`). No copy of the
+//! bytes is made in the server's memory: under a memory cgroup smaller than the dataset, the pages are the
+//! page cache's, reclaimed as any file's are.
 //!
 //! Mappings are kept for the most recently used `max_mapped_shards` objects (each is a kernel VMA); a
-//! dataset of more objects than that (a file tree) reads its copies by positioned reads instead
-//! (`fetch.rs`). A mapping whose copy the tier has evicted since is dropped when next looked at, and the
-//! others every so often, so an evicted copy's disk space is not held for long.
+//! dataset of more objects than that (a file tree) reads its copies by positioned reads instead. Copies
+//! opened for direct reads are kept for [`OPEN_COPIES`] objects: each piece of a chunk looked its copy up
+//! by name (two MD5s) and opened it, 11 % of the server's CPU under PyTorch (docs/BENCHMARKS.md). A copy
+//! kept whose copy the tier no longer holds is let go when next looked at, and the others are looked over
+//! every so often, so an evicted copy's disk space is not held for long.
 
+use super::tier::Tier;
 use super::ObjectSource;
 use batchfs::mmap::MappedFile;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// By object number: the copy's name in the tier and its mapping.
-type Mapped = lru::LruCache<u32, (String, Arc<MappedFile>)>;
+/// Copies opened for direct reads kept at most, per dataset.
+pub const OPEN_COPIES: usize = 1024;
 
-/// The mapped copies of one object dataset.
-#[derive(Default)]
-pub(super) struct Maps {
-    /// None where copies are not mapped.
-    maps: Mutex<Option<Mapped>>,
-    /// Lookups, to look over every mapping now and then.
+/// How often (in lookups) every copy kept is looked over for copies the tier evicted.
+pub(super) const PRUNE_EVERY: u64 = 256;
+
+/// Copies of one object dataset kept open, by object number: each copy's name in the tier and what holds
+/// it open (a mapping, or a file).
+pub(super) struct Kept<T> {
+    /// None where copies are not kept so.
+    copies: Mutex<Option<lru::LruCache<u32, (String, T)>>>,
+    /// Lookups, to look over every copy kept now and then.
     lookups: AtomicU64,
 }
 
-/// How often (in lookups) every mapping is looked over for copies the tier evicted.
-const PRUNE_EVERY: u64 = 256;
+impl<T> Default for Kept<T> {
+    fn default() -> Self {
+        Kept { copies: Mutex::new(None), lookups: AtomicU64::new(0) }
+    }
+}
+
+impl<T: Clone> Kept<T> {
+    /// Keeps at most `limit` copies from now on (0: none, and those kept are let go).
+    fn limit(&self, limit: usize) {
+        *self.copies.lock().expect("kept copies") = std::num::NonZeroUsize::new(limit).map(lru::LruCache::new);
+    }
+
+    /// Whether copies are kept so.
+    fn on(&self) -> bool {
+        self.copies.lock().expect("kept copies").is_some()
+    }
+
+    /// Object `n`'s copy kept, if `tier` holds it still (with `used`, counted as a use of it: the copies
+    /// bodies read now are then not the ones evicted for the next); one the tier let go is let go here.
+    pub(super) fn get(&self, tier: &Tier, n: u32, used: bool) -> Option<T> {
+        let mut guard = self.copies.lock().expect("kept copies");
+        let kept = guard.as_mut()?;
+        if self.lookups.fetch_add(1, Ordering::Relaxed).is_multiple_of(PRUNE_EVERY) {
+            let gone: Vec<u32> = kept.iter().filter(|(_, (name, _))| !tier.contains(name)).map(|(n, _)| *n).collect();
+            for n in gone {
+                kept.pop(&n);
+            }
+        }
+        let (name, copy) = kept.get(&n)?;
+        if if used { tier.used(name) } else { tier.contains(name) } {
+            return Some(copy.clone());
+        }
+        kept.pop(&n);
+        None
+    }
+
+    /// Keeps object `n`'s copy `name`, held open by `copy` (where copies are kept so).
+    pub(super) fn put(&self, n: u32, name: String, copy: T) {
+        if let Some(kept) = self.copies.lock().expect("kept copies").as_mut() {
+            kept.put(n, (name, copy));
+        }
+    }
+
+    /// Lets object `n`'s copy go (a read of it failed).
+    pub(super) fn forget(&self, n: u32) {
+        if let Some(kept) = self.copies.lock().expect("kept copies").as_mut() {
+            kept.pop(&n);
+        }
+    }
+
+    /// How many are kept.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.copies.lock().expect("kept copies").as_ref().map_or(0, lru::LruCache::len)
+    }
+}
 
 impl ObjectSource {
-    /// Reads the copies that are not mapped with `O_DIRECT` (`on`), past the page cache.
+    /// Reads the copies that are not mapped with `O_DIRECT` (`on`), past the page cache, keeping those of
+    /// [`OPEN_COPIES`] objects open.
     pub fn read_copies_directly(&self, on: bool) {
         self.direct_copies.store(on, Ordering::Relaxed);
+        self.open_copies.limit(if on && self.tier().is_some() { OPEN_COPIES } else { 0 });
     }
 
     /// Maps copies of at most `limit` objects at once (0: none; the copies are read by positioned reads).
     pub fn map_copies(&self, limit: usize) {
-        let limit = std::num::NonZeroUsize::new(limit).filter(|_| self.tier().is_some());
-        *self.maps.maps.lock().expect("maps") = limit.map(lru::LruCache::new);
+        self.maps.limit(if self.tier().is_some() { limit } else { 0 });
     }
 
     /// Object `n`'s copy in the tier, mapped, if the tier holds one and copies are mapped: checked against
@@ -47,25 +110,13 @@ impl ObjectSource {
     pub fn mapping(self: &Arc<Self>, n: u32) -> Option<Arc<MappedFile>> {
         let tier = self.tier()?;
         let file = self.file(n)?;
-        let mut guard = self.maps.maps.lock().expect("maps");
-        let maps = guard.as_mut()?;
-        if self.maps.lookups.fetch_add(1, Ordering::Relaxed).is_multiple_of(PRUNE_EVERY) {
-            let gone: Vec<u32> = maps.iter().filter(|(_, (name, _))| !tier.contains(name)).map(|(n, _)| *n).collect();
-            for n in gone {
-                maps.pop(&n);
-            }
+        if !self.maps.on() {
+            return None;
         }
-        if let Some((name, map)) = maps.get(&n) {
-            // Counted as used, so that the copies bodies read now are not the ones evicted for the next.
-            if tier.used(name) {
-                let map = map.clone();
-                drop(guard);
-                self.touched(n, true);
-                return Some(map);
-            }
-            maps.pop(&n);
+        if let Some(map) = self.maps.get(tier, n, true) {
+            self.touched(n, true);
+            return Some(map);
         }
-        drop(guard);
         let name = self.tier_name(file);
         let map = tier.get(&name).and_then(|(path, checked)| {
             let map = MappedFile::open(&path).ok().filter(|m| m.len() == file.size)?;
@@ -81,9 +132,7 @@ impl ObjectSource {
         });
         self.touched(n, map.is_some());
         let map = map?;
-        if let Some(maps) = self.maps.maps.lock().expect("maps").as_mut() {
-            maps.put(n, (name, map.clone()));
-        }
+        self.maps.put(n, name, map.clone());
         Some(map)
     }
 

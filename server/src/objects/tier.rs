@@ -83,9 +83,6 @@ pub struct Tier {
     cap: u64,
     inner: Mutex<Inner>,
     seq: AtomicU64,
-    /// Copies removed, evicted or replaced so far: a copy opened when this was `r` is still the tier's
-    /// while it is `r` ([`Tier::removals`]).
-    removals: AtomicU64,
     pub counters: TierCounters,
 }
 
@@ -152,7 +149,6 @@ impl Tier {
             cap,
             inner: Mutex::new(Inner { entries, bytes: held, reserved: 0 }),
             seq: AtomicU64::new(0),
-            removals: AtomicU64::new(0),
             counters: TierCounters::default(),
         };
         tier.make_room(&mut tier.inner.lock().expect("tier"), 0);
@@ -227,17 +223,10 @@ impl Tier {
         }
     }
 
-    /// How many copies have left the tier (removed, evicted, or replaced by a new copy of their object) since
-    /// it opened: while this has not moved, every copy held before is held still, as the same file.
-    pub fn removals(&self) -> u64 {
-        self.removals.load(Ordering::Acquire)
-    }
-
     /// Removes copy `name` (it differs from the index, or the disk failed reading it).
     pub fn remove(&self, name: &str, why: &str) {
         let mut inner = self.inner.lock().expect("tier");
         if let Some(entry) = inner.entries.pop(name) {
-            self.removals.fetch_add(1, Ordering::AcqRel);
             inner.bytes -= entry.size;
             self.counters.failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(dir = %self.dir.display(), %name, %why, "disk tier: copy removed");
@@ -292,7 +281,6 @@ impl Tier {
     fn make_room(&self, inner: &mut Inner, more: u64) {
         while inner.bytes + inner.reserved + more > self.cap {
             let Some((name, entry)) = inner.entries.pop_lru() else { break };
-            self.removals.fetch_add(1, Ordering::AcqRel);
             inner.bytes -= entry.size;
             self.counters.evicted.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(dir = %self.dir.display(), %name, bytes = entry.size, "disk tier: evicted");
@@ -348,13 +336,11 @@ impl Staging {
             .collect();
         for name in stale {
             if let Some(entry) = inner.entries.pop(&name) {
-                tier.removals.fetch_add(1, Ordering::AcqRel);
                 inner.bytes -= entry.size;
                 let _ = std::fs::remove_file(tier.objects.join(&name));
             }
         }
         if let Some(old) = inner.entries.put(self.name.clone(), Entry { size: self.size, checked: true }) {
-            tier.removals.fetch_add(1, Ordering::AcqRel);
             inner.bytes -= old.size;
         }
         inner.bytes += self.size;
