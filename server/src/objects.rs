@@ -12,7 +12,7 @@
 //! - `units.rs`: the checkable units of an object, chunks that end at one, and coalescing;
 //! - `fetch.rs`: ranged GETs, checked, retried, through the block cache (`cache.rs`) or the tier;
 //! - `tier.rs`, `stage.rs` and `maps.rs`: the disk tier, copying whole objects into it in plan order,
-//!   and serving its copies mapped, as local shards are.
+//!   and keeping its copies open between reads (mapped, or opened for direct reads), as local shards are.
 //!
 //! **Indexing** lists the prefix (names, sizes, ETags, last-modified: the index records them, and a
 //! listing that differs rebuilds it), then reads each object once: one larger than `object_part` by
