@@ -93,7 +93,7 @@ impl<T: Clone> Kept<T> {
 
 impl ObjectSource {
     /// Reads the copies that are not mapped with `O_DIRECT` (`on`), past the page cache, keeping those of
-    /// [`OPEN_COPIES`] objects open.
+    /// `OPEN_COPIES` objects open.
     pub fn read_copies_directly(&self, on: bool) {
         self.direct_copies.store(on, Ordering::Relaxed);
         self.open_copies.limit(if on && self.tier().is_some() { OPEN_COPIES } else { 0 });
