@@ -311,8 +311,12 @@ impl Storage {
         // nothing: the copies mapped are the kernel's to drop, and the memory goes to the reads of the
         // store (a server in a memory cgroup of a quarter of the dataset holding half of it as well was
         // OOM-killed by them).
-        let tiered = source.tier().is_some() && policy.resident_auto && (mapped || !source.tier_holds_every_shard());
-        let budget = if index.shards.len() > policy.max_mapped_shards || tiered { 0 } else { policy.resident };
+        // Asked in this order, a file tree of more objects than that, which holds nothing anyway, does not
+        // have every object's copy looked up by name (two MD5s each) at start.
+        let many = index.shards.len() > policy.max_mapped_shards;
+        let tiered =
+            source.tier().is_some() && policy.resident_auto && (many || mapped || !source.tier_holds_every_shard());
+        let budget = if many || tiered { 0 } else { policy.resident };
         let mut holding = Holding::new(name, &index, budget);
         let mut shards: Vec<Shard> = Vec::with_capacity(index.shards.len() + index.side.len());
         for n in 0..index.shards.len() + index.side.len() {
