@@ -288,11 +288,23 @@ impl Dataset {
         }
     }
 
-    /// What the disk tier does for this object dataset, where it cannot hold it whole: a line for the log
-    /// and `/healthz`.
+    /// What the disk tier does for this object dataset, where it cannot hold it whole, or that it has none
+    /// where memory does not hold the dataset either: a line for the log and `/healthz`.
     pub fn tier_note(&self) -> Option<String> {
-        let tier = self.storage.objects()?.tier()?;
+        let objects = self.storage.objects()?;
         let bytes: u64 = self.index.shards.iter().map(|s| s.size).sum();
+        let Some(tier) = objects.tier() else {
+            let held = self.storage.resident();
+            return (bytes > held).then(|| {
+                format!(
+                    "dataset {}: {bytes} bytes in the store, {held} of them held in memory, and no disk tier: every \
+                     epoch reads the rest from the store again, by ranged GETs as bodies need them; give the server \
+                     a disk tier on local disks (--disk-cache DIR, or disk_cache in [limits]) to read it from the \
+                     store once",
+                    self.name
+                )
+            });
+        };
         (bytes > tier.cap()).then(|| {
             format!(
                 "dataset {}: {bytes} bytes do not fit in the disk tier ({} bytes): read with shuffle=global, each \

@@ -513,6 +513,17 @@ mod tests {
     }
 
     #[test]
+    fn a_dataset_memory_holds_needs_no_tier_and_gets_no_note() {
+        let (local, _) = crate::storage::fixtures::dataset(40, 30_000, 3);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let index_dir = tempfile::tempdir().unwrap();
+        let ds = open_holding(&store, &context(None, 0), index_dir.path(), u64::MAX);
+        assert_eq!(ds.storage.resident(), ds.index.shards.iter().map(|s| s.size).sum::<u64>());
+        assert_eq!(ds.tier_note(), None, "held whole in memory: nothing read from the store again");
+    }
+
+    #[test]
     fn copies_of_a_dataset_larger_than_half_the_memory_are_read_past_the_page_cache() {
         // A server of 64 KiB: the dataset does not fit in half of it, so its copies are not mapped but
         // read with O_DIRECT (positioned reads where the filesystem refuses it), every byte still right.
@@ -927,7 +938,11 @@ mod tests {
             let before = source.counters.gets.load(Ordering::Relaxed);
             read_all_and_compare(&ds, local.path());
             assert!(source.counters.gets.load(Ordering::Relaxed) > before);
-            assert!(ds.tier_note().is_some() == ctx.tier.is_some(), "a tier too small says so");
+            // Both say so, and what to do: a tier too small, read with `shuffle=global`; no tier at all, and
+            // memory holding none of it.
+            let note = ds.tier_note().expect("the server says the store is read every epoch");
+            let advice = if ctx.tier.is_some() { "shuffle=blocks" } else { "--disk-cache" };
+            assert!(note.contains(advice), "{note}");
             // Read again: from the block cache, no GET.
             let before = source.counters.gets.load(Ordering::Relaxed);
             read_all_and_compare(&ds, local.path());
