@@ -115,8 +115,13 @@ if [ -n "${BIN_BEFORE:-}" ] || [ -n "${MOUNT_OPTS_BEFORE+set}" ]; then
 fi
 echo "round,system,rtt_ms,items,seconds,bytes,epoch_s,mount_mb,warm_s,daemon_cpu_s" > "$OUT/results.csv"
 for round in $(seq "$ROUNDS"); do
+  # Each system and its -before twin take turns going first: on a VM that hands freed memory back to
+  # its host, the second mount of a pair reuses the pages the first one freed just before (the first
+  # faults fresh ones in), which biased every pair toward its second.
+  order=$SYSTEMS
+  [ $((round % 2)) = 0 ] && order=$(echo $SYSTEMS | sed -E 's/([a-z-]+) \1-before/\1-before \1/g')
   for rtt in $RTTS; do
-    for sys in $SYSTEMS; do
+    for sys in $order; do
       [ "$sys" = local ] && [ "$rtt" != "$(echo $RTTS | cut -d' ' -f1)" ] && continue
       WARM_S=0
       mount_system "$sys" "$rtt"
