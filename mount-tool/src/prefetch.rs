@@ -94,7 +94,7 @@ pub(crate) use listings::NextEpoch;
 pub(crate) use raw::Raw;
 use raw::RawDirs;
 use retry::{with_retries, Failure};
-pub use shuffled::{ClassPlan, ShuffledConfig, WINDOW_GROUPS};
+pub use shuffled::{ClassPlan, ShuffledConfig, WINDOW_GROUPS, WINDOW_GROWTH};
 use window::Window;
 
 /// One object of the cache: object `index` of a listing (a batch of an epoch, a chunk of a file of `raw/`,
@@ -342,13 +342,25 @@ impl Prefetcher {
     /// while it arrives into a buffer, its prefix up to a checkpoint past them).
     /// `owner` identifies the reading process (see [`StreamTracker`]).
     pub fn read(self: &Arc<Self>, key: ObjectKey, offset: u64, size: u32, owner: u32) -> Result<Bytes, ReadError> {
+        self.read_stalled(key, offset, size, owner).map(|(bytes, _)| bytes)
+    }
+
+    /// [`Prefetcher::read`], and whether the read stalled: it waited for its bytes, or had to start their
+    /// fetch (a window that keeps ahead of its reads has them cached by then).
+    pub fn read_stalled(
+        self: &Arc<Self>,
+        key: ObjectKey,
+        offset: u64,
+        size: u32,
+        owner: u32,
+    ) -> Result<(Bytes, bool), ReadError> {
         let (objects, obj) = self.locate(key)?;
         let len = obj.size();
         if offset >= len || size == 0 {
-            return Ok(Bytes::new());
+            return Ok((Bytes::new(), false));
         }
         let end = (offset + u64::from(size)).min(len);
-        let (entry, content, early) = self.wait_for(key, &obj, &objects, owner, Some(offset..end))?;
+        let (entry, content, early, stalled) = self.wait_for(key, &obj, &objects, owner, Some(offset..end))?;
         let bytes = content.into_bytes();
         if end == len {
             entry.consumed.store(true, Ordering::Relaxed);
@@ -358,7 +370,7 @@ impl Prefetcher {
         if early {
             Stats::add(&self.stats.early_reads, 1);
         }
-        Ok(bytes)
+        Ok((bytes, stalled))
     }
 
     /// The objects of `key`'s listing, as its view describes them, and what `key` is.
@@ -371,7 +383,8 @@ impl Prefetcher {
     /// Waits until batch `key` is verified and cached (or, with `range`, until those of its bytes are
     /// verified, which may be before the rest has arrived), starting its fetch if needed and the window of
     /// the stream it belongs to; counts the hit or miss and any stall. Returns the body (or the range)
-    /// and whether it came before the whole body.
+    /// and whether it came before the whole body, and whether the read stalled (waited, or started the
+    /// fetch).
     fn wait_for(
         self: &Arc<Self>,
         key: ObjectKey,
@@ -379,7 +392,7 @@ impl Prefetcher {
         objects: &Arc<dyn Objects>,
         owner: u32,
         range: Option<std::ops::Range<u64>>,
-    ) -> Result<(Arc<Entry>, Content, bool), ReadError> {
+    ) -> Result<(Arc<Entry>, Content, bool, bool), ReadError> {
         let started = Instant::now();
         let deadline = started + self.config.timeout;
         let (entry, fresh) =
@@ -409,7 +422,7 @@ impl Prefetcher {
             Stats::add(&s.stalls, 1);
             Stats::add(&s.stall_ns, started.elapsed().as_nanos() as u64);
         }
-        Ok((entry, body, early))
+        Ok((entry, body, early, waited || fresh))
     }
 
     /// The verified bytes of `key` in a sealed memory file, for the kernel to serve reads and mmap faults
@@ -419,7 +432,7 @@ impl Prefetcher {
     pub fn backing_file(self: &Arc<Self>, key: ObjectKey, owner: u32) -> Result<Arc<std::fs::File>, ReadError> {
         let result = (|| {
             let (objects, obj) = self.locate(key)?;
-            let (entry, body, _) = self.wait_for(key, &obj, &objects, owner, None)?;
+            let (entry, body, _, _) = self.wait_for(key, &obj, &objects, owner, None)?;
             // The kernel serves the whole file from here on: its bytes (a placed file's records) count
             // as served, once.
             if !entry.handed.swap(true, Ordering::Relaxed) {

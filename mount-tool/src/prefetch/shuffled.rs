@@ -23,6 +23,11 @@ const PLANS_KEPT: usize = 4;
 /// Groups a class's window ahead of its cursor spans at least.
 pub const WINDOW_GROUPS: u64 = 2;
 
+/// How far the windows grow, reads of a class having stalled: at most this many times [`WINDOW_GROUPS`]
+/// groups. Groups are sized so that the windows at their least hold this fraction of `prefetch_bytes`, and
+/// at their most all of it.
+pub const WINDOW_GROWTH: u64 = 4;
+
 /// One epoch of `shuffled/` for this mount's share.
 #[derive(Debug)]
 pub struct ClassPlan {
@@ -133,7 +138,9 @@ impl Prefetcher {
             return Ok(p);
         }
         let mean = table.bytes.iter().sum::<u64>() / table.len().max(1) as u64;
-        let group = group_size(self.config.prefetch_bytes, classes, mean);
+        // The windows start small (a fresh mount's window is new memory, and its first reads wait for their
+        // groups whole): they grow where reads stall (`fs/views/shuffled/state.rs`).
+        let group = group_size(self.config.prefetch_bytes / WINDOW_GROWTH, classes, mean);
         let plan = Arc::new(class_plan(&table, classes, epoch, self.config.shuffled, group));
         self.shuffled.plans.lock().expect("plans").get_or_insert_with(new_plans).put(epoch, plan.clone());
         Ok(plan)

@@ -120,7 +120,7 @@ impl Shuffled {
             }
         }
         // The groups holding the class's next samples, on into the next epoch's when they run past.
-        let (here, next) = state::window(k, plan.group as u64, samples, WINDOW_GROUPS);
+        let (here, next) = state::window(k, plan.group as u64, samples, self.state.window_groups());
         groups::prefetch(&self.prefetcher, &plan, class as usize, here);
         if !next.is_empty() {
             let next_plan = self.state.plan(&self.prefetcher, self.next_epoch(epoch))?;
@@ -230,7 +230,11 @@ impl View for Shuffled {
     fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError> {
         let Node::Sample { epoch, class, k } = self.node(ino)? else { return Err(FsError::IsADirectory) };
         let plan = self.state.plan(&self.prefetcher, epoch)?;
-        Ok(self.reads.read(&self.prefetcher, (&plan, class as usize, k), offset, size, owner)?)
+        let (bytes, stalled) = self.reads.read(&self.prefetcher, (&plan, class as usize, k), offset, size, owner)?;
+        if stalled {
+            self.state.stalled(k, plan.group as u64);
+        }
+        Ok(bytes)
     }
 
     /// With `disk`, a sample the node cache holds is handed over as its file there (checked at the open;

@@ -141,8 +141,9 @@ fn on_disk(p: &Prefetcher, plan: &ClassPlan, class: usize, g: u64) -> bool {
 pub struct Reads(Mutex<HashMap<(u64, u32, u64), u64>>);
 
 impl Reads {
-    /// Reads `[offset, offset + size)` of sample `k` of class `class` in `plan`, from its group (fetched and
-    /// verified whole first, or found cached). `owner` identifies the reading process.
+    /// Reads `[offset, offset + size)` of sample `k` of class `class` in `plan`, from its group (its bytes
+    /// verified, or found cached), and says whether the read stalled ([`Prefetcher::read_stalled`]).
+    /// `owner` identifies the reading process.
     pub fn read(
         &self,
         p: &Arc<Prefetcher>,
@@ -150,22 +151,22 @@ impl Reads {
         offset: u64,
         size: u32,
         owner: u32,
-    ) -> Result<Bytes, ReadError> {
+    ) -> Result<(Bytes, bool), ReadError> {
         let table = p.sample_table()?;
         let (g, within, id) = sample(plan, class, k)?;
         let ids = plan.group_ids(class, g);
         let len = table.bytes[id as usize];
         if offset >= len || size == 0 {
-            return Ok(Bytes::new());
+            return Ok((Bytes::new(), false));
         }
         let start: u64 = ids[..within].iter().map(|&i| table.bytes[i as usize]).sum();
         let size = (len - offset).min(u64::from(size)) as u32;
         let key = ObjectKey { listing: listing(plan.epoch, class), index: g };
-        let bytes = p.read(key, start + offset, size, owner)?;
+        let (bytes, stalled) = p.read_stalled(key, start + offset, size, owner)?;
         if offset + bytes.len() as u64 >= len {
             self.done(p, (plan, class, k));
         }
-        Ok(bytes)
+        Ok((bytes, stalled))
     }
 
     /// Sample `k` of class `class` in `plan` as the node cache's own file, checked, for the kernel to serve

@@ -12,12 +12,16 @@
 //!
 //! **Windows.** When a class hands out sample *k*, the groups holding its next samples are fetched
 //! ([`crate::prefetch`]'s `shuffled` room), and the first time an epoch is reached, the first groups of
-//! every class are: a reader's first sample of each class is not a round trip.
+//! every class are: a reader's first sample of each class is not a round trip. The windows span
+//! [`WINDOW_GROUPS`] groups at first, and twice as many (up to [`WINDOW_GROWTH`] times) each time a read
+//! past a class's first window stalls: a slow or distant link gets the depth it needs, a near one keeps
+//! the memory and the short first waits of small windows.
 
 use crate::fs::FsError;
 use crate::ledger::{key, rest, tags, Ledger};
-use crate::prefetch::{ClassPlan, Prefetcher, WINDOW_GROUPS};
+use crate::prefetch::{ClassPlan, Prefetcher, WINDOW_GROUPS, WINDOW_GROWTH};
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -56,6 +60,8 @@ pub(super) struct ShuffledView {
     names: Mutex<HashMap<u32, Arc<Vec<String>>>>,
     /// The class folders' lists and the first epoch's first groups were asked for.
     asked_ahead: std::sync::atomic::AtomicBool,
+    /// Groups each class's window spans now ([`ShuffledView::stalled`]).
+    window: AtomicU64,
     /// Where the cursors are written through to, for a worker that takes over.
     ledger: Option<Arc<Ledger>>,
 }
@@ -69,6 +75,7 @@ impl ShuffledView {
             inner: Mutex::default(),
             names: Mutex::default(),
             asked_ahead: Default::default(),
+            window: AtomicU64::new(WINDOW_GROUPS),
             ledger: None,
         }
     }
@@ -101,6 +108,27 @@ impl ShuffledView {
         if let Err(e) = std::thread::Builder::new().name("batchfs-shuffled".into()).spawn(warm) {
             tracing::debug!(error = %e, "shuffled/: cannot warm ahead");
         }
+    }
+
+    /// Groups each class's window spans now.
+    pub fn window_groups(&self) -> u64 {
+        self.window.load(Ordering::Relaxed)
+    }
+
+    /// A read of sample `k` of its class, in groups of `group`, stalled: past the class's first window
+    /// (which every epoch's start waits for), the windows double, up to [`WINDOW_GROWTH`] times their
+    /// first span. Returns whether they grew.
+    pub fn stalled(&self, k: u64, group: u64) -> bool {
+        if k < WINDOW_GROUPS * group.max(1) {
+            return false;
+        }
+        let most = WINDOW_GROUPS * WINDOW_GROWTH;
+        let grown =
+            self.window.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| (w < most).then(|| (w * 2).min(most)));
+        if let Ok(was) = grown {
+            tracing::debug!(from = was, to = (was * 2).min(most), "shuffled/: a read stalled, the windows grow");
+        }
+        grown.is_ok()
     }
 
     /// The class named `name`.
@@ -235,6 +263,20 @@ mod tests {
 
     fn view() -> ShuffledView {
         ShuffledView::new(vec!["a".into(), "b".into()], 3, 2)
+    }
+
+    #[test]
+    fn windows_grow_where_reads_past_the_first_window_stall_and_no_further_than_their_growth() {
+        let v = view();
+        assert_eq!(v.window_groups(), WINDOW_GROUPS);
+        // Groups of 10: samples 0-19 are the first window, which every epoch's start waits for.
+        assert!(!v.stalled(0, 10) && !v.stalled(19, 10));
+        assert_eq!(v.window_groups(), WINDOW_GROUPS, "a stall in the first window grows nothing");
+        assert!(v.stalled(20, 10));
+        assert_eq!(v.window_groups(), 2 * WINDOW_GROUPS);
+        while v.stalled(500, 10) {}
+        assert_eq!(v.window_groups(), WINDOW_GROUPS * WINDOW_GROWTH, "doubled up to its growth");
+        assert!(!v.stalled(500, 10), "and no further");
     }
 
     #[test]
