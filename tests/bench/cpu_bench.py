@@ -226,7 +226,9 @@ def run(out, work, procs, mounts):
         floors.append(floor)
         print(json.dumps(floor), flush=True)
         for loader in LOADERS:
-            for key in [None] + list(systems):
+            # Builds take turns going first (the first faults in memory the second may find just freed).
+            order = list(systems) if rnd % 2 == 0 else list(reversed(systems))
+            for key in [None] + order:
                 # LEAD epochs first, back to back with the counted one (`cold`: after the others' runs).
                 for lead in range(LEAD):
                     row = visit(rnd, loader, key, "cold" if lead == 0 else "lead")
