@@ -408,6 +408,38 @@ mod tests {
         assert_eq!(fs.lookup(c0, "nope.jpg", 0).unwrap_err().errno(), libc::ENOENT);
     }
 
+    /// Over a slow link (30 ms a response) with the windows at their least (a sample a group), one reader's
+    /// reads catch up with its class's window: the windows double where such a read waits past the first
+    /// window, and every sample is still read once, right.
+    #[test]
+    fn shuffled_windows_grow_where_reads_catch_up_with_them() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        let files: Vec<(String, Bytes)> =
+            (0..12).map(|i| (format!("c0/f{i:03}.jpg"), Bytes::from(format!("sample {i}").into_bytes()))).collect();
+        client.files = files.clone();
+        *client.delay.lock().unwrap() = std::time::Duration::from_millis(30);
+        let config = PrefetcherConfig { prefetch_bytes: 0, ..PrefetcherConfig::default() };
+        let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), config);
+        let fs = Fs::new(p, FsOptions { classes: vec!["c0".into()], ..options(BatchFormat::Tfrecord) });
+        let stats = || fs.prefetcher.stats.snapshot();
+        assert_eq!(stats().shuffled_window, crate::prefetch::WINDOW_GROUPS);
+        let dir = fs.lookup(ROOT, "shuffled", 0).unwrap().ino;
+        let class = fs.lookup(dir, "c0", 0).unwrap().ino;
+        let mut got: Vec<Vec<u8>> = Vec::new();
+        for (name, _) in &files {
+            let attr = fs.lookup_as(class, name.strip_prefix("c0/").unwrap(), 7, 100).unwrap();
+            fs.opened_as(attr.ino, 7, 100);
+            got.push(fs.read(attr.ino, 0, 1 << 20, 7).unwrap().to_vec());
+        }
+        assert!(stats().shuffled_window > crate::prefetch::WINDOW_GROUPS, "{:?}", stats());
+        assert!(stats().shuffled_window <= crate::prefetch::WINDOW_GROUPS * crate::prefetch::WINDOW_GROWTH);
+        got.sort();
+        let mut want: Vec<Vec<u8>> = files.iter().map(|f| f.1.to_vec()).collect();
+        want.sort();
+        assert_eq!(got, want, "each sample once");
+    }
+
     /// Two mounts of shares 0/2 and 1/2: each shows half of each class's names and serves half of its
     /// samples; together every sample once.
     #[test]

@@ -79,6 +79,7 @@ pub fn render(s: &StatsSnapshot) -> String {
         ("ring_opens_total", "counter", "Opens the kernel sent over a FUSE ring (fuse_uring).", s.ring_opens),
         ("ring_kicks_total", "counter", "Requests the FUSE rings' watchdog sent to free a CPU's queue.", s.ring_kicks),
         ("early_reads_total", "counter", "Daemon reads answered before their batch had all arrived.", s.early_reads),
+        ("shuffled_window_groups", "gauge", "Groups each class's window of shuffled/ spans now.", s.shuffled_window),
         ("prefetch_bytes_in_flight", "gauge", "Bytes of prefetches in flight.", s.prefetch_bytes_in_flight),
         ("prefetch_cap_bytes", "gauge", "The cap on bytes of prefetches in flight.", s.prefetch_cap),
         ("delivery_rate_bytes", "gauge", "Measured delivery rate, bytes per second in flight.", s.delivery_rate),

@@ -33,6 +33,8 @@ pub struct Stats {
     pub early_reads: AtomicU64,
     pub lookups: AtomicU64,
     pub ring_opens: AtomicU64,
+    /// Groups each class's window of `shuffled/` spans now (0: no `shuffled/`).
+    pub shuffled_window: AtomicU64,
     /// 1 when the kernel accepted FUSE passthrough at mount time.
     pub passthrough: AtomicU64,
     /// Warming (`warm=raw`): files and bytes in the node cache so far, of all there are.
@@ -137,6 +139,10 @@ pub struct StatsSnapshot {
     /// checkpoints before the rest of it came.
     #[serde(default)]
     pub early_reads: u64,
+    /// Groups each class's window of `shuffled/` spans now: two at first, doubled (up to eight) each time
+    /// a read past a class's first window waited for its group; 0 without `shuffled/`.
+    #[serde(default)]
+    pub shuffled_window: u64,
     /// Bytes of prefetches in flight now, the cap on them (`max_prefetch_bytes`, or what the measured
     /// delivery rate brings in half of `stall_timeout`), and that rate in bytes per second of time with
     /// a fetch in flight (0 until a second of it is measured).
@@ -250,6 +256,7 @@ impl Stats {
             ring_opens: g(&self.ring_opens),
             ring_kicks: fuser::ring_kicks(),
             early_reads: g(&self.early_reads),
+            shuffled_window: g(&self.shuffled_window),
             warm: (g(&self.warm_started) > 0).then(|| WarmSnapshot {
                 files: g(&self.warm_files),
                 files_total: g(&self.warm_files_total),

@@ -83,6 +83,9 @@ impl Shuffled {
         } else {
             options.classes.clone()
         };
+        if !classes.is_empty() {
+            prefetcher.stats.shuffled_window.store(WINDOW_GROUPS, std::sync::atomic::Ordering::Relaxed);
+        }
         let state = ShuffledView::new(classes, options.first_epoch, options.epochs);
         Shuffled {
             prefetcher,
@@ -231,8 +234,9 @@ impl View for Shuffled {
         let Node::Sample { epoch, class, k } = self.node(ino)? else { return Err(FsError::IsADirectory) };
         let plan = self.state.plan(&self.prefetcher, epoch)?;
         let (bytes, stalled) = self.reads.read(&self.prefetcher, (&plan, class as usize, k), offset, size, owner)?;
-        if stalled {
-            self.state.stalled(k, plan.group as u64);
+        if stalled && self.state.stalled(k, plan.group as u64) {
+            let groups = self.state.window_groups();
+            self.prefetcher.stats.shuffled_window.store(groups, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(bytes)
     }
