@@ -419,7 +419,8 @@ mod tests {
             (0..12).map(|i| (format!("c0/f{i:03}.jpg"), Bytes::from(format!("sample {i}").into_bytes()))).collect();
         client.files = files.clone();
         *client.delay.lock().unwrap() = std::time::Duration::from_millis(30);
-        let config = PrefetcherConfig { prefetch_bytes: 0, ..PrefetcherConfig::default() };
+        // Samples of 8-9 bytes: 60 bytes of windows make groups of one sample that may grow to 7.
+        let config = PrefetcherConfig { prefetch_bytes: 60, ..PrefetcherConfig::default() };
         let p = Prefetcher::new(Arc::new(client), rt.handle().clone(), config);
         let fs = Fs::new(p, FsOptions { classes: vec!["c0".into()], ..options(BatchFormat::Tfrecord) });
         let stats = || fs.prefetcher.stats.snapshot();

@@ -139,8 +139,9 @@ pub struct StatsSnapshot {
     /// checkpoints before the rest of it came.
     #[serde(default)]
     pub early_reads: u64,
-    /// Groups each class's window of `shuffled/` spans now: two at first, doubled (up to eight) each time
-    /// a read past a class's first window waited for its group; 0 without `shuffled/`.
+    /// Groups each class's window of `shuffled/` spans now: two at first, doubled (up to eight, within
+    /// `prefetch_bytes`) each time a read past a class's first window waited for its group; 0 without
+    /// `shuffled/`.
     #[serde(default)]
     pub shuffled_window: u64,
     /// Bytes of prefetches in flight now, the cap on them (`max_prefetch_bytes`, or what the measured

@@ -38,6 +38,10 @@ pub struct ClassPlan {
     pub groups: Vec<Vec<Sent>>,
     /// Samples per group.
     pub group: usize,
+    /// Groups a class's window may grow to: [`WINDOW_GROUPS`] times [`WINDOW_GROWTH`] at most, fewer where
+    /// all classes' windows would then hold more than `prefetch_bytes` (many classes, a sample a group),
+    /// never fewer than [`WINDOW_GROUPS`].
+    pub most_window: u64,
     /// Per (class, group): whether the node cache holds every sample of it (asked once; see
     /// `fs/views/shuffled/groups.rs`).
     pub on_disk: Mutex<std::collections::HashMap<(usize, u64), bool>>,
@@ -82,6 +86,13 @@ pub fn group_size(window_bytes: u64, classes: usize, mean: u64) -> usize {
     per_class.clamp(1, 64) as usize
 }
 
+/// Groups a class's window may grow to ([`ClassPlan::most_window`]) where all `classes` windows of groups
+/// of `group` samples of `mean` bytes hold at most `window_bytes`.
+pub fn most_window(window_bytes: u64, classes: usize, group: usize, mean: u64) -> u64 {
+    let fits = window_bytes / (classes.max(1) as u64 * group.max(1) as u64 * mean.max(1));
+    fits.clamp(WINDOW_GROUPS, WINDOW_GROUPS * WINDOW_GROWTH)
+}
+
 /// The plan of `epoch` over `table`'s samples for `config`'s share, in groups of `group`.
 pub fn class_plan(table: &SampleTable, classes: usize, epoch: u64, config: ShuffledConfig, group: usize) -> ClassPlan {
     let options = PlanOptions { drop_last: false, ..config.plan.per_sample() };
@@ -108,7 +119,7 @@ pub fn class_plan(table: &SampleTable, classes: usize, epoch: u64, config: Shuff
                 .collect()
         })
         .collect();
-    ClassPlan { epoch, order, groups, group, on_disk: Mutex::default() }
+    ClassPlan { epoch, order, groups, group, most_window: WINDOW_GROUPS, on_disk: Mutex::default() }
 }
 
 impl Prefetcher {
@@ -141,7 +152,9 @@ impl Prefetcher {
         // The windows start small (a fresh mount's window is new memory, and its first reads wait for their
         // groups whole): they grow where reads stall (`fs/views/shuffled/state.rs`).
         let group = group_size(self.config.prefetch_bytes / WINDOW_GROWTH, classes, mean);
-        let plan = Arc::new(class_plan(&table, classes, epoch, self.config.shuffled, group));
+        let mut plan = class_plan(&table, classes, epoch, self.config.shuffled, group);
+        plan.most_window = most_window(self.config.prefetch_bytes, classes, group, mean);
+        let plan = Arc::new(plan);
         self.shuffled.plans.lock().expect("plans").get_or_insert_with(new_plans).put(epoch, plan.clone());
         Ok(plan)
     }
@@ -233,5 +246,11 @@ mod tests {
         assert_eq!(group_size(128 << 20, 10, 110_000), 61);
         assert_eq!(group_size(128 << 20, 1, 1), 64);
         assert_eq!(group_size(0, 0, 0), 1);
+        // Ten classes: groups a quarter of the size, windows that grow to hold all of the bytes again.
+        let group = group_size((128 << 20) / WINDOW_GROWTH, 10, 110_000);
+        assert_eq!((group, most_window(128 << 20, 10, group, 110_000)), (15, 8));
+        // ImageNet's thousand classes: a sample a group already, and no room to grow.
+        assert_eq!(most_window(128 << 20, 1000, 1, 110_000), WINDOW_GROUPS);
+        assert_eq!(most_window(1 << 30, 1000, 1, 110_000), 8, "with a larger prefetch_bytes, some");
     }
 }

@@ -234,7 +234,7 @@ impl View for Shuffled {
         let Node::Sample { epoch, class, k } = self.node(ino)? else { return Err(FsError::IsADirectory) };
         let plan = self.state.plan(&self.prefetcher, epoch)?;
         let (bytes, stalled) = self.reads.read(&self.prefetcher, (&plan, class as usize, k), offset, size, owner)?;
-        if stalled && self.state.stalled(k, plan.group as u64) {
+        if stalled && self.state.stalled(k, plan.group as u64, plan.most_window) {
             let groups = self.state.window_groups();
             self.prefetcher.stats.shuffled_window.store(groups, std::sync::atomic::Ordering::Relaxed);
         }

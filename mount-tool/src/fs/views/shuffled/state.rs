@@ -116,13 +116,13 @@ impl ShuffledView {
     }
 
     /// A read of sample `k` of its class, in groups of `group`, stalled: past the class's first window
-    /// (which every epoch's start waits for), the windows double, up to [`WINDOW_GROWTH`] times their
-    /// first span. Returns whether they grew.
-    pub fn stalled(&self, k: u64, group: u64) -> bool {
+    /// (which every epoch's start waits for), the windows double, up to `most` groups ([`WINDOW_GROWTH`]
+    /// times their first span at most). Returns whether they grew.
+    pub fn stalled(&self, k: u64, group: u64, most: u64) -> bool {
         if k < WINDOW_GROUPS * group.max(1) {
             return false;
         }
-        let most = WINDOW_GROUPS * WINDOW_GROWTH;
+        let most = most.min(WINDOW_GROUPS * WINDOW_GROWTH);
         let grown =
             self.window.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| (w < most).then(|| (w * 2).min(most)));
         if let Ok(was) = grown {
@@ -270,13 +270,18 @@ mod tests {
         let v = view();
         assert_eq!(v.window_groups(), WINDOW_GROUPS);
         // Groups of 10: samples 0-19 are the first window, which every epoch's start waits for.
-        assert!(!v.stalled(0, 10) && !v.stalled(19, 10));
+        let most = WINDOW_GROUPS * WINDOW_GROWTH;
+        assert!(!v.stalled(0, 10, most) && !v.stalled(19, 10, most));
         assert_eq!(v.window_groups(), WINDOW_GROUPS, "a stall in the first window grows nothing");
-        assert!(v.stalled(20, 10));
+        assert!(v.stalled(20, 10, most));
         assert_eq!(v.window_groups(), 2 * WINDOW_GROUPS);
-        while v.stalled(500, 10) {}
-        assert_eq!(v.window_groups(), WINDOW_GROUPS * WINDOW_GROWTH, "doubled up to its growth");
-        assert!(!v.stalled(500, 10), "and no further");
+        while v.stalled(500, 10, most) {}
+        assert_eq!(v.window_groups(), most, "doubled up to its growth");
+        assert!(!v.stalled(500, 10, 1000), "and no further");
+        // Windows whose bytes allow no growth (many classes) stay as they are.
+        let v = view();
+        assert!(!v.stalled(500, 1, WINDOW_GROUPS));
+        assert_eq!(v.window_groups(), WINDOW_GROUPS);
     }
 
     #[test]
