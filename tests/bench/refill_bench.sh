@@ -46,7 +46,11 @@ epoch() {
     tail -1 | python3 -c 'import json, sys; print(json.load(sys.stdin)["epoch_s"])'
 }
 for round in $(seq 1 "${ROUNDS:-3}"); do
-  for bin in "${builds[@]}"; do
+  # The builds take turns going first (on a VM that hands freed memory back to its host, the second
+  # reuses pages the first just freed).
+  order=("${builds[@]}")
+  if [ $((round % 2)) = 0 ] && [ "${#builds[@]}" = 2 ]; then order=("${builds[1]}" "${builds[0]}"); fi
+  for bin in "${order[@]}"; do
     mkdir -p "$work/mnt"
     taskset -c "$node_cpu" "$bin/batchfs" mount "http://127.0.0.1:$port/d" "$work/mnt" \
       -o "batch_size=128,epochs=100000,supervise=false${MOUNT_OPTS:+,$MOUNT_OPTS}"

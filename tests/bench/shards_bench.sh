@@ -26,7 +26,11 @@ s = json.load(sys.stdin)
 print(s["misses"], s["stall_us"], s["fetched_bytes"], s["bytes_served"])'
 }
 for round in $(seq 1 "${ROUNDS:-3}"); do
-  for bin in "${builds[@]}"; do
+  # The builds take turns going first (on a VM that hands freed memory back to its host, the second
+  # reuses pages the first just freed).
+  order=("${builds[@]}")
+  if [ $((round % 2)) = 0 ] && [ "${#builds[@]}" = 2 ]; then order=("${builds[1]}" "${builds[0]}"); fi
+  for bin in "${order[@]}"; do
     for n in ${RANKS:-2 4}; do
       port=$(free_port)
       "$bin/batchfs-server" serve --listen "127.0.0.1:$port" --dataset "d=$work/data" 2>"$work/server.log" &
