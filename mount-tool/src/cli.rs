@@ -345,6 +345,9 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
             },
         ),
     ];
+    if s.shuffled_window > 0 {
+        rows.push(("shuffled/ windows".to_owned(), format!("{} groups ahead of each class", s.shuffled_window)));
+    }
     for (i, v) in s.servers.iter().enumerate() {
         let state = if v.up { "in rotation" } else { "out (failed; probed after its backoff)" };
         rows.push((
