@@ -18,6 +18,8 @@ alternating systems within each round (their order rotated each round), ROUNDS r
          RUN_TIMEOUT (900 s a run), SEED (7), STORE_CPUS (none: every process on every CPU; "0": the store's
          side, SeaweedFS and the links in front of it, on CPU 0 and everything else, servers, mounts,
          loaders and the compute node's links, on the other CPUs, as if the store ran on machines of its own),
+         SERVER_WITH_STORE ("1": with STORE_CPUS, batchfs's servers run on the store's CPUs too, as
+         deployed beside the storage, and the compute node's CPUs hold only mounts, loaders and links),
          HALF_SYSTEMS ("half-blocks half-global": the half-tier servers measured), HALF_BEFORE (none: a
          directory holding another build's batchfs-server, and its batchfs if it is there, measured as
          `half-blocks-before` beside `half-blocks` in each round, the same options, so two builds compare
@@ -115,6 +117,9 @@ PROFILE = env("PROFILE", "")
 PROFILE_CALLGRAPH = env("PROFILE_CALLGRAPH", "fp")
 RUN_TIMEOUT = float(env("RUN_TIMEOUT", "900"))
 STORE_CPUS = {int(c) for c in env("STORE_CPUS", "").replace(",", " ").split()}
+# batchfs's servers on the store's CPUs too, as deployed (the server runs beside the storage, not on the
+# compute node); only with STORE_CPUS.
+SERVER_WITH_STORE = env("SERVER_WITH_STORE", "") == "1" and bool(STORE_CPUS)
 CGROUPS = "/sys/fs/cgroup/memory"
 PREFIX = "tfr"
 FIELDS = ["measure", "round", "rtt_ms", "loader", "system", "epoch_s", "bytes", "samples", "dataset_bytes",
@@ -241,8 +246,12 @@ def pin_ours(ctx):
         raise SystemExit(f"STORE_CPUS={sorted(STORE_CPUS)} leaves no CPU of {sorted(os.sched_getaffinity(0))} "
                          "for the rest")
     os.sched_setaffinity(0, ours)
-    ctx["notes"].append(f"the store's side (SeaweedFS and its links) on CPUs {sorted(STORE_CPUS)}; servers, "
-                        f"mounts, loaders and the node's links on CPUs {sorted(ours)}")
+    if SERVER_WITH_STORE:
+        ctx["notes"].append(f"the store's side (SeaweedFS and its links) and batchfs's servers on CPUs "
+                            f"{sorted(STORE_CPUS)}; mounts, loaders and the node's links on CPUs {sorted(ours)}")
+    else:
+        ctx["notes"].append(f"the store's side (SeaweedFS and its links) on CPUs {sorted(STORE_CPUS)}; servers, "
+                            f"mounts, loaders and the node's links on CPUs {sorted(ours)}")
 
 
 class Server:
@@ -269,6 +278,8 @@ class Server:
         def join():
             with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))
+            if SERVER_WITH_STORE:
+                os.sched_setaffinity(0, STORE_CPUS)
 
         started = time.monotonic()
         self.proc = subprocess.Popen([os.path.join(bin_dir, "batchfs-server"), "serve", "--listen",
@@ -750,7 +761,7 @@ def command_line(**over):
                 "RTTS": " ".join(map(str, RTTS)), "STORE_RTT": f"{STORE_RTT:g}", "LOADERS": " ".join(LOADERS)}
     if HAVE_MOUNT_S3:
         settings["MOUNT_S3"] = MOUNT_S3
-    for name in ("LIMIT", "TIER_OPTS", "MOUNT_OPTS", "STORE_CPUS"):
+    for name in ("LIMIT", "TIER_OPTS", "MOUNT_OPTS", "STORE_CPUS", "SERVER_WITH_STORE"):
         if env(name):
             settings[name] = env(name)
     settings.update(over)
@@ -766,6 +777,8 @@ def cpu_floor(cpu, gb):
         return sum(cpu) * gb / (os.cpu_count() or 1)
     # This process was pinned to the CPUs the store's side does not have (`pin_ours`).
     ours = len(os.sched_getaffinity(0) - STORE_CPUS) or 1
+    if SERVER_WITH_STORE:
+        return max(cpu[0] * gb / ours, (cpu[1] + cpu[2]) * gb / len(STORE_CPUS))
     return max((cpu[0] + cpu[1]) * gb / ours, cpu[2] * gb / len(STORE_CPUS))
 
 
