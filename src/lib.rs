@@ -16,6 +16,7 @@ pub mod hpack;
 pub mod index;
 pub mod mmap;
 pub mod plan;
+pub mod process;
 pub mod prometheus;
 pub mod proto;
 pub mod rolling;

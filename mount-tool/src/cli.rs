@@ -119,6 +119,8 @@ fn init_tracing(log_file: Option<&Path>, default: &str) {
 
 /// Entry point of the binary.
 pub fn run() -> Result<()> {
+    // A mount's cached objects each hold a memory file (passthrough); its workers inherit the limit.
+    batchfs::process::raise_open_files_limit();
     let mut args: Vec<OsString> = std::env::args_os().collect();
     let program = args.first().and_then(|a| Path::new(a).file_name()).map(|n| n.to_string_lossy().into_owned());
     if program.as_deref().is_some_and(|p| p.starts_with("mount.batchfs") || p == "mount.fuse.batchfs") {

@@ -67,6 +67,62 @@ pub fn start_time(pid: u32) -> Option<u64> {
     stat_from_state(pid)?.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// Descriptors that memory files leave free (half the limit, where it is lower): the mount's sockets,
+/// the node cache's files, the FUSE threads' clones and the ledger need their own. A memory file that
+/// would leave fewer is refused with `EMFILE` ([`short_of_descriptors`]): its body goes into a buffer,
+/// its open through the daemon. Each cached object of a passthrough mount holds one, and a cache of
+/// small objects would otherwise hold as many as the limit allows and then fail every fetch and open.
+pub const DESCRIPTORS_KEPT: u64 = 512;
+
+/// The soft limit of open files, as the process raised it at its start.
+static OPEN_FILES_LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
+/// Descriptors open at the last count of `/proc/self/fd`, plus one for each memory file made since: an
+/// estimate never below the truth by more than what else opened since (closes are seen at the next
+/// count, made every [`COUNT_EVERY`] memory files).
+static OPEN_ESTIMATE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+const COUNT_EVERY: u64 = 64;
+static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Descriptors this process has open now.
+fn open_descriptors() -> u64 {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
+}
+
+/// `file`, a memory file just made, unless fewer than [`DESCRIPTORS_KEPT`] descriptors would be left
+/// free. The descriptor's number alone says too little (the lowest free one is taken, below others
+/// open), so the open descriptors are counted now and then.
+fn within_descriptors(file: std::fs::File) -> io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::Ordering;
+    let limit = *OPEN_FILES_LIMIT.get_or_init(batchfs::process::open_files_limit);
+    let room = limit.saturating_sub(DESCRIPTORS_KEPT.min(limit / 2));
+    let mut open = OPEN_ESTIMATE.fetch_add(1, Ordering::Relaxed) + 1;
+    if MADE.fetch_add(1, Ordering::Relaxed).is_multiple_of(COUNT_EVERY) {
+        open = open_descriptors();
+        OPEN_ESTIMATE.store(open, Ordering::Relaxed);
+    }
+    if open.max(file.as_raw_fd() as u64) >= room {
+        return Err(io::Error::from_raw_os_error(libc::EMFILE));
+    }
+    Ok(file)
+}
+
+/// Whether `e` says the process (or the machine) has no descriptor to spare: the caller goes without a
+/// memory file, once warned of it.
+pub fn short_of_descriptors(e: &io::Error) -> bool {
+    let short = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if short && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            limit = OPEN_FILES_LIMIT.get().copied().unwrap_or_else(batchfs::process::open_files_limit),
+            "short of file descriptors: objects are cached without memory files and read through the daemon \
+             (raise the hard limit of open files, `LimitNOFILE` or `ulimit -Hn`, for passthrough)"
+        );
+    }
+    short
+}
+
 /// An anonymous memory-backed file (`memfd_create`), closed on exec, that [`seal`] can make immutable.
 pub fn memfd(name: &str) -> io::Result<std::fs::File> {
     use std::os::fd::FromRawFd;
@@ -77,7 +133,7 @@ pub fn memfd(name: &str) -> io::Result<std::fs::File> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: `fd` was just returned by memfd_create, is open, and nothing else owns it.
-    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+    within_descriptors(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
 /// The directory of a private tmpfs with transparent huge pages that memory files are made in, once
@@ -153,7 +209,7 @@ pub fn memory_file(name: &str, len: u64) -> io::Result<std::fs::File> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: `fd` was just returned by openat, is open, and nothing else owns it.
-    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    let file = within_descriptors(unsafe { std::fs::File::from_raw_fd(fd) })?;
     file.set_len(len)?;
     Ok(file)
 }

@@ -286,24 +286,6 @@ fn read_token(path: &Path) -> Result<Vec<u8>> {
     Ok(token.as_bytes().to_vec())
 }
 
-/// Raises this process's limit of open files to the most it may have: a server keeps a descriptor per
-/// shard read by positioned reads (and per mapped shard with `sendfile`), up to `max_mapped_shards` per
-/// dataset, besides up to `max_connections` sockets, where a login's soft limit is often 1,024.
-fn raise_open_files_limit() {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit and setrlimit only read and write the struct passed, which lives for the calls.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 || limit.rlim_cur >= limit.rlim_max {
-            return;
-        }
-        let from = limit.rlim_cur;
-        limit.rlim_cur = limit.rlim_max;
-        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
-            tracing::debug!(from, to = limit.rlim_max, "raised the limit of open files");
-        }
-    }
-}
-
 fn serve(args: ServeArgs) -> Result<()> {
     let mut limits = ServerLimits::default();
     let file: ConfigFile = match &args.config {
@@ -319,7 +301,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     };
     args.limits.apply(&mut limits);
     limits.validate().context("invalid limits (the flags, and the config's [limits])")?;
-    raise_open_files_limit();
+    batchfs::process::raise_open_files_limit();
     let listen = match (args.listen, &file.listen) {
         (Some(a), _) => a,
         (None, Some(s)) => s.parse().with_context(|| format!("invalid listen address {s:?} in the config"))?,

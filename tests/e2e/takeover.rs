@@ -38,16 +38,42 @@ impl Supervised {
     }
 
     fn start_at(dir: tempfile::TempDir, mountpoint: PathBuf, program: &Path, url: &str, options: &str) -> Self {
+        Supervised::start_limited(dir, mountpoint, program, url, options, None)
+    }
+
+    /// [`Supervised::start_at`], with the mount's limit of open files (soft and hard) `open_files`.
+    fn start_limited(
+        dir: tempfile::TempDir,
+        mountpoint: PathBuf,
+        program: &Path,
+        url: &str,
+        options: &str,
+        open_files: Option<u64>,
+    ) -> Self {
+        use std::os::unix::process::CommandExt;
         let log = dir.path().join(format!("mount-{}.log", Instant::now().elapsed().as_nanos()));
-        let supervisor = Command::new(program)
+        let mut command = Command::new(program);
+        command
             .args(["mount", url])
             .arg(&mountpoint)
             .args(["-o", options, "--foreground"])
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
+            .stderr(std::fs::File::create(&log).unwrap());
+        if let Some(n) = open_files {
+            // SAFETY: between fork and exec the closure makes one async-signal-safe call (setrlimit) on a
+            // struct of its own.
+            unsafe {
+                command.pre_exec(move || {
+                    let limit = libc::rlimit { rlim_cur: n, rlim_max: n };
+                    match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                        0 => Ok(()),
+                        _ => Err(std::io::Error::last_os_error()),
+                    }
+                });
+            }
+        }
+        let supervisor = command.spawn().unwrap();
         let m = Supervised { _dir: dir, mountpoint, supervisor, log };
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::fs::read(m.mountpoint.join(".batchfs/stats")).is_err() {
@@ -251,6 +277,34 @@ fn killed_ten_times(options: &str, restart_server: bool) {
         took.iter().max().unwrap()
     );
     drop(restarted);
+}
+
+/// A mount whose limit of open files is a login's default, 1,024 soft and hard, serves a tree of more
+/// small files than that, every byte right, by passthrough until its memory files would leave too few
+/// descriptors free and through the daemon past that. Before, each cached file held a memory file's
+/// descriptor until none was left: the 1,005th file's fetch failed ("no memory file for the body: Too
+/// many open files") and every open from then on answered EIO after `timeout`.
+#[test]
+fn a_mount_with_a_login_s_limit_of_open_files_reads_more_small_files_than_that() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Files, 3000, 1000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let dir = tempfile::tempdir().unwrap();
+    let mountpoint = dir.path().join("mnt");
+    std::fs::create_dir(&mountpoint).unwrap();
+    let url = format!("{}/d", server.base);
+    let m = Supervised::start_limited(dir, mountpoint, &program(), &url, "timeout=10s", Some(1024));
+    let want = crate::raw::tree(&fx.path);
+    assert!(want.len() > 2000, "{} files", want.len());
+    for (path, bytes) in &want {
+        let got = std::fs::read(m.mountpoint.join("raw").join(path));
+        assert!(got.as_ref().is_ok_and(|got| got == bytes), "raw/{path}: {:?}\n{}", got.err(), m.log_text());
+    }
+    let stats = m.stats();
+    assert_eq!(stats["errors"], 0, "{stats}");
+    assert!(stats["passthrough_opens"].as_u64().unwrap() > 0, "passthrough while descriptors last: {stats}");
+    assert!(stats["daemon_opens"].as_u64().unwrap() > 0, "through the daemon past them: {stats}");
+    assert!(m.log_text().contains("short of file descriptors"), "{}", m.log_text());
 }
 
 #[test]

@@ -18,6 +18,7 @@
 use super::handles::{Handles, Mode, Owners};
 use super::{Backing, Fs, FsError};
 use crate::ledger::{Ledger, Settings};
+use crate::prefetch::ReadError;
 use crate::stats::Stats;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -148,7 +149,20 @@ impl OpenFiles {
         while self.passthrough() {
             // Waits for the file (bounded by `timeout`), holding no lock. A large source file has no
             // backing file: it reads through the daemon, chunk by chunk.
-            let Some(Backing { file, on_disk }) = fs.backing_file(ino, owner, self.disk_backing())? else { break };
+            let backing = match fs.backing_file(ino, owner, self.disk_backing()) {
+                Ok(backing) => backing,
+                // No memory file for it now (short of descriptors, or of memory): the file is cached, and
+                // this open reads it through the daemon.
+                Err(FsError::Io(ReadError::Backing(e))) => {
+                    static WARNED: AtomicBool = AtomicBool::new(false);
+                    if !WARNED.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(error = %e, "no backing file: such opens read through the daemon");
+                    }
+                    None
+                }
+                Err(e) => return Err(e),
+            };
+            let Some(Backing { file, on_disk }) = backing else { break };
             match self.kernel.open_backing(&file) {
                 Ok(id) => {
                     if let Some(ledger) = self.handles.lock().expect("handles").ledger() {

@@ -138,13 +138,21 @@ impl Fetcher {
                 }
                 Sink::Buffer(filling)
             };
+            // Short of descriptors, a body meant for a memory file goes into a buffer (within the same
+            // charge): opens of it then read through the daemon.
+            let or_buffer = |e: std::io::Error| match crate::sys::short_of_descriptors(&e) {
+                true => Ok(fill(Vec::new())),
+                false => Err(e),
+            };
             let into = match (buffer.take(), recycled.take()) {
                 (Some(buffer), _) => Ok(fill(buffer)),
-                (None, Some(file)) if memfd => Sink::recycled(file, meta.bytes).or_else(|e| {
-                    tracing::debug!(error = %e, "an idle memory file cannot be filled again: a fresh one");
-                    Sink::memory_file(meta.bytes)
-                }),
-                (None, _) if memfd => Sink::memory_file(meta.bytes),
+                (None, Some(file)) if memfd => Sink::recycled(file, meta.bytes)
+                    .or_else(|e| {
+                        tracing::debug!(error = %e, "an idle memory file cannot be filled again: a fresh one");
+                        Sink::memory_file(meta.bytes)
+                    })
+                    .or_else(or_buffer),
+                (None, _) if memfd => Sink::memory_file(meta.bytes).or_else(or_buffer),
                 (None, _) => Ok(fill(Vec::new())),
             };
             async move {
@@ -165,8 +173,11 @@ impl Fetcher {
                             return Ok((content, None));
                         }
                         // Passthrough will serve it: its memory file now, its records at their slots.
-                        let (content, file) = in_memfd(&content).map_err(Failure::Memory)?;
-                        Ok((content, Some(file)))
+                        match in_memfd(&content) {
+                            Ok((content, file)) => Ok((content, Some(file))),
+                            Err(e) if crate::sys::short_of_descriptors(&e) => Ok((content, None)),
+                            Err(e) => Err(Failure::Memory(e)),
+                        }
                     }
                     (Sink::File(m), _) => {
                         let recycled = m.is_recycled();
