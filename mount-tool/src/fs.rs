@@ -470,6 +470,18 @@ mod tests {
         assert_eq!(all, want);
     }
 
+    /// A job restarted after four epochs (`first_epoch=4`) finds its three epochs listed.
+    #[test]
+    fn the_root_lists_the_epochs_up_to_the_job_s_last() {
+        let (_rt, fs) = fs(BatchFormat::Tfrecord);
+        let fs =
+            Fs::new(fs.prefetcher.clone(), FsOptions { first_epoch: 4, epochs: 3, ..options(BatchFormat::Tfrecord) });
+        let names: Vec<String> = fs.readdir(ROOT, 0).unwrap().into_iter().map(|e| e.name).collect();
+        let epochs: Vec<&String> = names.iter().filter(|n| n.starts_with("epoch-")).collect();
+        assert_eq!(epochs.len(), 7, "{names:?}");
+        assert_eq!((epochs[0].as_str(), epochs[6].as_str()), ("epoch-0000", "epoch-0006"));
+    }
+
     #[test]
     fn tree_and_reads() {
         let (_rt, fs) = fs(BatchFormat::Tfrecord);

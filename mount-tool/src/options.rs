@@ -79,6 +79,14 @@ mod value {
         Ok(e)
     }
 
+    /// How many epochs a job reads: 1 to `rolling/`'s span, what a server's slot table covers.
+    pub fn epochs(v: &str) -> Result<u64, Refusal> {
+        match count(v)? {
+            n @ 1..=batchfs::rolling::MAX_SPAN => Ok(n),
+            _ => Err(Refusal::Span),
+        }
+    }
+
     pub fn size(v: &str) -> Result<u64, Refusal> {
         Ok(batchfs::units::parse_size(v)?)
     }
@@ -98,6 +106,14 @@ mod value {
 
     pub fn duration(v: &str) -> Result<std::time::Duration, Refusal> {
         Ok(batchfs::units::parse_duration(v)?)
+    }
+
+    /// A wait that must end later than at once (`timeout`, `stall_timeout`).
+    pub fn wait(v: &str) -> Result<std::time::Duration, Refusal> {
+        match duration(v)? {
+            d if d.is_zero() => Err(Refusal::Expected("a duration above zero, e.g. 30s")),
+            d => Ok(d),
+        }
     }
 
     /// A switch: given alone (`-o allow_other`, `--allow-other`) it is on.
@@ -165,6 +181,8 @@ pub enum Refusal {
     TooLarge,
     #[error("epochs go up to {}", batchfs::plan::MAX_EPOCH)]
     Epoch,
+    #[error("a job reads 1 to {} epochs", batchfs::rolling::MAX_SPAN)]
+    Span,
     #[error("an HTTP/2 frame is 16K to 16M-1 bytes, not {0}")]
     FrameSize(u64),
     /// A size, a duration or a switch the core's unit parser refused.
@@ -244,7 +262,7 @@ macro_rules! options {
 }
 
 options! {
-    epochs: u64 = 100, value::count, "100", "N", "Plan",
+    epochs: u64 = 100, value::epochs, "100", "N", "Plan",
         "Epochs the job reads from first_epoch: listed, prefetched across, and the span of rolling/.";
     first_epoch: u64 = 0, value::epoch, "0", "N", "Plan",
         "The epoch the first open of each rolling/ file serves (a job restarted mid-run sets it).";
@@ -273,9 +291,9 @@ options! {
         "A cached batch unread for this long may make room for prefetches.";
     connections: usize = 4, value::at_least_one, "4", "N", "Network",
         "HTTP/2 connections per server.";
-    timeout: Duration = Duration::from_secs(60), value::duration, "60s", "DURATION", "Network",
+    timeout: Duration = Duration::from_secs(60), value::wait, "60s", "DURATION", "Network",
         "How long reads wait out an unreachable server before EIO.";
-    stall_timeout: Duration = Duration::from_secs(10), value::duration, "10s", "DURATION", "Network",
+    stall_timeout: Duration = Duration::from_secs(10), value::wait, "10s", "DURATION", "Network",
         "A response with no bytes for this long is abandoned and retried.";
     keepalive: Duration = Duration::from_secs(15), value::duration, "15s", "DURATION", "Network",
         "A connection quiet this long is sent a PING, and dropped if nothing answers within stall_timeout \
@@ -372,7 +390,8 @@ impl MountOptions {
                 (self.plan, self.format) = (query.plan, query.format);
                 Ok(())
             }
-            k if IGNORED.contains(&k) || k.starts_with("x-") || k.starts_with("comment=") => Ok(()),
+            // mount(8)'s own: ignored (`comment=...` and `x-...` are for other programs to read).
+            k if IGNORED.contains(&k) || k.starts_with("x-") || k == "comment" => Ok(()),
             _ => match self.set_declared(key, value.unwrap_or("")) {
                 Some(Ok(())) => Ok(()),
                 Some(Err(_)) if value.is_none() => Err(OptionError::NeedsValue(key.to_owned())),
@@ -472,7 +491,7 @@ mod tests {
     fn fstab_style_lists() {
         let mut o = MountOptions::default();
         let list = "_netdev,batch_size=64,prefetch=8,cache=512M,shuffle=none,drop_last,format=tar,timeout=5s,\
-                    servers=http://a:1;http://b:2/,allow_other,x-systemd.automount";
+                    servers=http://a:1;http://b:2/,allow_other,x-systemd.automount,comment=gpu-nodes";
         o.apply_list(list).unwrap();
         assert_eq!(o.plan.batch_size, 64);
         assert_eq!(o.prefetch, 8);
@@ -504,6 +523,10 @@ mod tests {
             "page_cache=x",
             "rolling=sideways",
             "first_epoch=1000000",
+            "epochs=0",
+            "epochs=10001",
+            "timeout=0",
+            "stall_timeout=0s",
         ];
         for bad in bad {
             assert!(MountOptions::default().apply_list(bad).is_err(), "{bad}");

@@ -66,6 +66,14 @@ pub(crate) fn plan_at(
         // never what a ring's entries held: a takeover would leave those reads waiting for good.
         bail!("fuse_uring=on needs supervise=false: requests a dead worker's rings held are never re-sent");
     }
+    if options.first_epoch + options.epochs > batchfs::plan::MAX_EPOCH + 1 {
+        bail!(
+            "first_epoch={} with epochs={} runs past epoch {}, the last a plan has",
+            options.first_epoch,
+            options.epochs,
+            batchfs::plan::MAX_EPOCH
+        );
+    }
     let mountpoint = match check_mountpoint {
         true => prepare_mountpoint(mountpoint)?,
         false => std::fs::canonicalize(mountpoint).with_context(|| format!("mountpoint {}", mountpoint.display()))?,
@@ -232,5 +240,17 @@ mod tests {
             panic!("fuse_uring=on was planned under a supervisor")
         };
         assert!(e.to_string().contains("fuse_uring=on needs supervise=false"), "{e:#}");
+    }
+
+    /// The server's plans end at epoch 999,999: a job that would read past it is refused at the mount, not
+    /// with a server's 400 at its last epochs' reads.
+    #[test]
+    fn a_job_whose_epochs_run_past_the_last_is_refused() {
+        let mut options = MountOptions::default();
+        options.apply_list("first_epoch=999999,epochs=2").unwrap();
+        let Err(e) = plan_at("http://127.0.0.1:9/d", Path::new("/nonexistent"), options, false) else {
+            panic!("planned past the last epoch")
+        };
+        assert!(e.to_string().contains("first_epoch=999999 with epochs=2 runs past epoch 999999"), "{e:#}");
     }
 }

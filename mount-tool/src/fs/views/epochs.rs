@@ -131,13 +131,14 @@ impl BatchNames {
 pub struct Epochs {
     prefetcher: Arc<Prefetcher>,
     names: BatchNames,
-    /// Epoch directories the root lists.
+    /// Epoch directories the root lists: `epoch-0000` up to the job's last epoch (`first_epoch + epochs -
+    /// 1`), so that a job restarted mid-run finds its epochs listed.
     epochs: u64,
 }
 
 impl Epochs {
     pub fn new(prefetcher: Arc<Prefetcher>, options: &FsOptions) -> Self {
-        Epochs { prefetcher, names: BatchNames(options.format), epochs: options.epochs }
+        Epochs { prefetcher, names: BatchNames(options.format), epochs: options.first_epoch + options.epochs }
     }
 
     fn node(&self, ino: u64) -> Result<Node, FsError> {
