@@ -129,7 +129,12 @@ mod value {
     }
 
     pub fn servers(v: &str) -> Result<Vec<String>, Refusal> {
-        Ok(v.split(';').filter(|s| !s.is_empty()).map(|s| s.trim_end_matches('/').to_owned()).collect())
+        let urls: Vec<String> =
+            v.split(';').filter(|s| !s.is_empty()).map(|s| s.trim_end_matches('/').to_owned()).collect();
+        match urls.iter().all(|u| u.starts_with("http://") || u.starts_with("https://")) {
+            true => Ok(urls),
+            false => Err(Refusal::Expected("`;`-separated base URLs, e.g. http://a:8080;http://b:8080")),
+        }
     }
 
     pub fn addr(v: &str) -> Result<Option<std::net::SocketAddr>, Refusal> {
@@ -527,6 +532,7 @@ mod tests {
             "epochs=10001",
             "timeout=0",
             "stall_timeout=0s",
+            "servers=foo",
         ];
         for bad in bad {
             assert!(MountOptions::default().apply_list(bad).is_err(), "{bad}");

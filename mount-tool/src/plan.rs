@@ -186,8 +186,15 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
             }
         }
     });
+    // Each of `servers=` that answers must serve the same dataset: one that lacks it, or holds other
+    // data under its name, would fail or refuse the reads routed to it.
+    let replicas = match &result {
+        Ok((info, _)) => runtime.block_on(check_replicas(http, info)),
+        Err(_) => Ok(()),
+    };
     // Join the runtime's threads now: a daemonizing caller forks next.
     runtime.shutdown_timeout(Duration::from_secs(5));
+    replicas?;
     let (info, manifests) = result.map_err(|e| {
         let (server, dataset) = (server.to_string(), http.dataset.clone());
         match &e {
@@ -206,6 +213,41 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
         );
     }
     Ok(info)
+}
+
+/// Checks each server of `servers=` against `info`, the first server's description of the dataset: one
+/// that does not know it, refuses the token, or describes other data (samples, bytes, shards, classes)
+/// is refused; one that does not answer now is logged and kept (it may come up later: reads fail over).
+async fn check_replicas(http: &HttpConfig, info: &batchfs::api::DatasetInfo) -> Result<()> {
+    for server in &http.servers[1..] {
+        let client = HttpClient::new(HttpConfig { servers: vec![server.clone()], ..http.clone() })?;
+        let (server, dataset) = (server.clone(), http.dataset.clone());
+        match client.dataset().await {
+            Ok(other) => {
+                let same = |i: &batchfs::api::DatasetInfo| (i.format, i.samples, i.bytes, i.shards, i.classes.clone());
+                if same(&other) != same(info) {
+                    bail!(
+                        "{server} (servers=) holds other data as dataset {dataset:?}: {} samples of {} bytes in {}                          shards, where {} has {} samples of {} bytes in {}",
+                        other.samples,
+                        other.bytes,
+                        other.shards,
+                        http.servers[0],
+                        info.samples,
+                        info.bytes,
+                        info.shards
+                    );
+                }
+            }
+            Err(e @ ClientError::Status { status: 404, .. }) => {
+                return Err(Refused::UnknownDataset { dataset, server, source: e }).context("a server of servers=");
+            }
+            Err(e @ ClientError::Status { status: 401, .. }) => {
+                return Err(Refused::Token { server, source: e }).context("a server of servers=");
+            }
+            Err(e) => tracing::warn!(%server, error = %e, "a server of servers= does not answer now: kept"),
+        }
+    }
+    Ok(())
 }
 
 /// The FUSE session's settings for `plan`.

@@ -588,6 +588,34 @@ fn batches_are_spread_over_several_servers() {
     rt.block_on(b.running.shutdown());
 }
 
+/// `mount` refuses a server of `servers=` that does not serve the dataset, or serves other data under its
+/// name: before, the mount came up and a third of its reads (those routed there) answered EIO at once.
+/// One that does not answer now is kept (reads fail over, and it may come up later).
+#[test]
+fn mount_refuses_a_replica_without_the_dataset_or_with_other_data() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let other = fixture(SourceFormat::Tfrecord, 80, 2000);
+    let a = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let b = rt.block_on(serve(&[("e", &fx.path), ("d", &other.path)], ServeWith::default()));
+    let c = rt.block_on(serve(&[("e", &fx.path)], ServeWith::default()));
+    let url = format!("{}/d", a.base);
+    let refused = |servers: &str| {
+        let mut o = batchfs_mount::options::MountOptions::default();
+        o.apply_list(&format!("servers={servers}")).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        batchfs_mount::plan::plan(&url, dir.path(), o).err().map(|e| format!("{e:#}"))
+    };
+    let err = refused(&c.base).expect("a replica without the dataset");
+    assert!(err.contains(&format!("dataset \"d\" unknown to {}", c.base)), "{err}");
+    let err = refused(&b.base).expect("a replica with other data");
+    assert!(err.contains("holds other data as dataset \"d\": 80 samples"), "{err}");
+    assert_eq!(refused("http://127.0.0.1:9"), None, "a replica down now is kept");
+    for s in [a, b, c] {
+        rt.block_on(s.running.shutdown());
+    }
+}
+
 /// Health-aware routing: one of two replicas dies; after its first failure the mount stops sending it
 /// batches (reads go on at full speed from the other, never waiting out a timeout per batch); once it is
 /// back on its address, a probe after its backoff puts it back in rotation. `batchfs stats` and the
