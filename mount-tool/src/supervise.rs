@@ -101,8 +101,17 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
     // A mount taken over from systemd is without service since its last supervisor died (when, is not
     // known here: counted from now).
     let died_at = adopted.then(Instant::now);
-    let mut supervisor =
-        Supervisor { plan, held, signals, exe, worker: None, died_at, quick_deaths: 0, dying: Vec::new() };
+    let mut supervisor = Supervisor {
+        plan,
+        held,
+        signals,
+        exe,
+        worker: None,
+        died_at,
+        quick_deaths: 0,
+        dying: Vec::new(),
+        failing: None,
+    };
     supervisor.start_worker()?;
     // Ready once a worker serves.
     if let Err(e) = store_with_systemd(&supervisor.held) {
@@ -204,7 +213,12 @@ struct Supervisor<'a> {
     quick_deaths: u32,
     /// Workers whose main thread has exited and that are not reaped yet (see [`Worker::ended`]).
     dying: Vec<std::process::Child>,
+    /// Where requests are read to be answered `EIO` while no worker can serve ([`FAIL_BUFFER`] bytes).
+    failing: Option<Vec<u8>>,
 }
+
+/// A read of the FUSE connection holds the largest request (fuser's `max_write` of 16 MiB and a page).
+const FAIL_BUFFER: usize = (16 << 20) + 4096;
 
 impl Supervisor<'_> {
     /// Starts a worker and waits until it serves (it said so on the ready socket), trying the program this
@@ -366,7 +380,30 @@ impl Supervisor<'_> {
     fn start_again(&mut self) {
         if let Err(e) = self.start_worker() {
             tracing::error!(error = %format!("{e:#}"), "no worker serves the mount: trying again");
+            self.fail_waiting();
             self.signals.retry_after(Duration::from_secs(1));
+        }
+    }
+
+    /// Once the mount has been without a worker for `timeout` (no worker can start: its program gone, its
+    /// `cache_dir` unusable...), the requests readers wait in are answered `EIO` at each try, as a read
+    /// of an unreachable server is: no reader waits for good. The next worker to start serves what comes
+    /// after.
+    fn fail_waiting(&mut self) {
+        let Some(since) = self.died_at else { return };
+        if since.elapsed() < self.plan.options.timeout {
+            return;
+        }
+        // What the dead worker had read and not answered goes back to the queue first (as a takeover's
+        // re-send does), to be answered with the rest.
+        if self.held.ledger.settings().is_some_and(|s| s.resend) {
+            let _ = crate::sys::notify_resend(self.held.fuse.as_fd());
+        }
+        let buffer = self.failing.get_or_insert_with(|| vec![0; FAIL_BUFFER]);
+        match crate::sys::fail_queued(self.held.fuse.as_fd(), buffer) {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(requests = n, "no worker serves the mount: its waiting requests answered EIO"),
+            Err(e) => tracing::warn!(error = %e, "cannot answer the mount's waiting requests"),
         }
     }
 

@@ -478,6 +478,52 @@ pub fn notify_resend(device: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
+/// Answers every request queued on the FUSE connection `device` now with `EIO` (none is waited for):
+/// what a supervisor does while no worker can serve its mount, so that no reader waits for good. Requests
+/// that take no answer (`FORGET`, `BATCH_FORGET`, `INTERRUPT`, `NOTIFY_REPLY`) are dropped. `buffer` holds
+/// the largest request (the kernel refuses a read into less). Returns how many were answered.
+pub fn fail_queued(device: std::os::fd::BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    const UNANSWERED: [u32; 4] =
+        [2 /* FORGET */, 36 /* INTERRUPT */, 41 /* NOTIFY_REPLY */, 42 /* BATCH_FORGET */];
+    let mut answered = 0;
+    loop {
+        let mut poll = libc::pollfd { fd: device.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd, valid for the call.
+        if unsafe { libc::poll(&mut poll, 1, 0) } <= 0 || poll.revents & libc::POLLIN == 0 {
+            return Ok(answered);
+        }
+        // SAFETY: reads at most `buffer.len()` bytes into `buffer`, which outlives the call.
+        let n = unsafe { libc::read(device.as_raw_fd(), buffer.as_mut_ptr().cast(), buffer.len()) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            // ENOENT: the request was interrupted meanwhile; EAGAIN: another reader took it.
+            match e.raw_os_error() {
+                Some(libc::ENOENT | libc::EAGAIN | libc::EINTR) => continue,
+                _ => return Err(e),
+            }
+        }
+        // struct fuse_in_header { len: u32, opcode: u32, unique: u64, ... }
+        if (n as usize) < 16 {
+            continue;
+        }
+        let opcode = u32::from_ne_bytes(buffer[4..8].try_into().expect("4 bytes"));
+        let unique = u64::from_ne_bytes(buffer[8..16].try_into().expect("8 bytes"));
+        if UNANSWERED.contains(&opcode) {
+            continue;
+        }
+        // struct fuse_out_header { len: u32, error: i32, unique: u64 }
+        let mut header = [0u8; 16];
+        header[..4].copy_from_slice(&16u32.to_ne_bytes());
+        header[4..8].copy_from_slice(&(-libc::EIO).to_ne_bytes());
+        header[8..].copy_from_slice(&unique.to_ne_bytes());
+        // SAFETY: writes the 16 bytes of `header`, which outlives the call.
+        if unsafe { libc::write(device.as_raw_fd(), header.as_ptr().cast(), header.len()) } == 16 {
+            answered += 1;
+        }
+    }
+}
+
 /// A new descriptor of the FUSE connection `device` that reads requests of its own
 /// (`FUSE_DEV_IOC_CLONE`): what it read and did not answer fails when it closes, instead of staying with
 /// the connection.

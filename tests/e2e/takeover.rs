@@ -307,6 +307,50 @@ fn a_mount_with_a_login_s_limit_of_open_files_reads_more_small_files_than_that()
     assert!(m.log_text().contains("short of file descriptors"), "{}", m.log_text());
 }
 
+/// A mount whose worker cannot be replaced (its `cache_dir` turned into a file meanwhile) answers its
+/// readers EIO once it has been without one for `timeout`, as for an unreachable server, and serves again
+/// once a worker can start. Before, every request waited for good while the supervisor tried again each
+/// second.
+#[test]
+fn reads_fail_after_timeout_while_no_worker_can_start_and_work_once_one_can() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let cache = tempfile::tempdir().unwrap();
+    let cache_dir = cache.path().join("cache");
+    std::fs::create_dir(&cache_dir).unwrap();
+    let url = format!("{}/d", server.base);
+    let m = Supervised::start(&program(), &url, &format!("batch_size=8,cache_dir={},timeout=3s", cache_dir.display()));
+    std::fs::remove_dir_all(&cache_dir).unwrap();
+    std::fs::write(&cache_dir, b"not a directory").unwrap();
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(m.worker() as i32, libc::SIGKILL) }, 0);
+    let batch = m.mountpoint.join("epoch-0000/batch-000000.tfrecord");
+    // In a thread of its own: a read that never ends fails the test (the supervisor stopped on drop ends
+    // it) instead of hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reading = batch.clone();
+    std::thread::spawn(move || tx.send(std::fs::read(reading)));
+    let got = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| panic!("no answer:\n{}", m.log_text()));
+    let err = got.expect_err("no worker serves");
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}\n{}", m.log_text());
+    assert!(m.log_text().contains("its waiting requests answered EIO"), "{}", m.log_text());
+
+    std::fs::remove_file(&cache_dir).unwrap();
+    std::fs::create_dir(&cache_dir).unwrap();
+    let want = manifest(&rt, &server.base, 0, "batch_size=8").batches[0].crc32c;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match std::fs::read(&batch) {
+            Ok(bytes) => break assert_eq!(crc::crc32c(&bytes), want),
+            Err(e) => assert!(Instant::now() < deadline, "no worker again: {e}\n{}", m.log_text()),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(m);
+    rt.block_on(server.running.shutdown());
+}
+
 #[test]
 fn a_worker_killed_ten_times_mid_epoch_is_replaced_and_every_read_completes() {
     killed_ten_times("passthrough=true", false);
