@@ -710,7 +710,7 @@ fn every_format_is_served_from_the_disk_tier_and_a_restart_reads_nothing_from_th
         // store.
         let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
         assert_eq!(ds.origin, batchfs::source::IndexOrigin::Loaded);
-        let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+        let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits.clone()));
         rt.block_on(async {
             same_bytes(&server, "local", "s3", format).await;
             let client = common::h2c();
@@ -720,6 +720,19 @@ fn every_format_is_served_from_the_disk_tier_and_a_restart_reads_nothing_from_th
             assert!(hits > 0, "{format}");
             let text = client.get(format!("{}/metrics", server.base)).send().await.unwrap().text().await.unwrap();
             assert!(text.contains(&format!("batchfs_tier_objects {}", held.copies())), "{text}");
+        });
+        rt.block_on(server.running.shutdown());
+        // Restarted without its index (none kept, or the listing's dates changed): indexed again from the
+        // tier's copies (each checked against its ETag, an MD5 here), still no GET of the store.
+        let fresh = tempfile::tempdir().unwrap();
+        let ds = open_objects("s3", &url, &weed.settings(), fresh.path(), &limits).unwrap();
+        assert_eq!(ds.origin, batchfs::source::IndexOrigin::Built);
+        let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+        rt.block_on(async {
+            same_bytes(&server, "local", "s3", format).await;
+            let client = common::h2c();
+            let gets = metric(&client, &server.base, "batchfs_object_gets_total", "s3").await;
+            assert_eq!(gets, 0, "{format}: indexing again read the store for what its tier holds");
         });
         rt.block_on(server.running.shutdown());
     }

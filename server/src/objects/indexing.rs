@@ -9,7 +9,7 @@ use futures_util::StreamExt;
 use object_store::ObjectStoreExt;
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
 /// Whether `bytes` have the MD5 that `etag` is, where it is one (else nothing to check them against).
@@ -81,6 +81,13 @@ impl Files for ObjectSource {
     fn local(&self, file: &ShardInfo) -> io::Result<Local> {
         let name = file.path.rsplit('/').next().unwrap_or(&file.path);
         if let Some(tier) = self.tier().filter(|t| file.size <= t.cap()) {
+            // A copy the tier holds already (a restart that indexes again): linked, not read from the store.
+            if let Some(held) = self.held_copy(file) {
+                let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(tier.dir().join("staging"))?;
+                let path = dir.path().join(name);
+                std::fs::hard_link(held, &path)?;
+                return Ok(Local { path, staged: Some(Box::new(dir)) });
+            }
             let kept = || -> io::Result<Local> {
                 let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(tier.dir().join("staging"))?;
                 let copy = tier.begin(&self.tier_name(file), file.size)?;
@@ -119,6 +126,15 @@ impl Files for ObjectSource {
         };
         let (small, large): (Vec<usize>, Vec<usize>) =
             (0..files.len()).partition(|&i| files[i].size <= self.limits().part);
+        // Small objects the tier holds a copy of are read from there, not from the store.
+        let mut fetched = Vec::with_capacity(small.len());
+        for i in small {
+            match self.held_copy(&files[i]).and_then(|path| std::fs::read(path).ok()) {
+                Some(bytes) if bytes.len() as u64 == files[i].size => each(i, &bytes)?,
+                _ => fetched.push(i),
+            }
+        }
+        let small = fetched;
         for i in large {
             let local = self.local(&files[i]).map_err(io_err(&files[i]))?;
             let map = batchfs::mmap::MappedFile::open(&local.path).map_err(io_err(&files[i]))?;
@@ -158,6 +174,27 @@ impl Files for ObjectSource {
 }
 
 impl ObjectSource {
+    /// The disk tier's copy of `file`, where it holds one and the object's ETag is the MD5 of its bytes
+    /// (a single-part upload's) and the copy has them: what indexing reads instead of the store when a
+    /// server starts again without its index (or with objects' dates changed), so a restart over a full
+    /// tier reads nothing from the store. A copy that differs is removed; an object whose ETag is no MD5
+    /// (a multipart upload's) cannot be checked before an index exists, and is read from the store.
+    fn held_copy(&self, file: &ShardInfo) -> Option<PathBuf> {
+        let tier = self.tier()?;
+        let etag = file.etag.to_string();
+        etag_md5(&etag)?;
+        let name = self.tier_name(file);
+        let (path, _) = tier.get(&name)?;
+        let map = batchfs::mmap::MappedFile::open(&path).ok()?;
+        if map.bytes().len() as u64 == file.size && matches_etag(&etag, map.bytes()) {
+            // Indexed from these very bytes: the index they are checked against before serving agrees.
+            tier.mark_checked(&name);
+            return Some(path);
+        }
+        tier.remove(&name, "differs from its object's MD5 (its ETag)");
+        None
+    }
+
     /// All of `file` by one GET, checked against its ETag's MD5 where it is one (read again, up to
     /// [`FETCH_ATTEMPTS`] times, where it differs).
     async fn read_whole(&self, file: &ShardInfo) -> io::Result<Bytes> {
