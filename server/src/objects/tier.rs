@@ -42,6 +42,37 @@ pub enum TierError {
     Scan { dir: PathBuf, source: io::Error },
     #[error("disk_cache {dir}: its filesystem has no room ({free} bytes free): free some, or set disk_cache_size")]
     NoRoom { dir: PathBuf, free: u64 },
+    #[error("disk_cache {dir}: disk_cache_size is 0; give the tier room (e.g. 100G), or leave disk_cache out")]
+    Zero { dir: PathBuf },
+    #[error("disk_cache {dir}: another server uses it (pid in {dir}/lock); give each server a directory of its own")]
+    InUse { dir: PathBuf },
+}
+
+/// `DIR/lock`, locked with this process's pid written in it: a POSIX record lock (`F_SETLK`, not waited
+/// for), the process's own, so another process is refused while this one opens its tier again as often as
+/// it likes (its tests do); let go when the process ends however it ends.
+fn lock(dir: &Path) -> io::Result<File> {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let path = dir.join("lock");
+    let mut file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
+    // SAFETY: an all-zero `flock` is a valid value; the fields set below make it a write lock of the
+    // whole file.
+    let mut whole: libc::flock = unsafe { std::mem::zeroed() };
+    whole.l_type = libc::F_WRLCK as _;
+    whole.l_whence = libc::SEEK_SET as _;
+    // SAFETY: fcntl reads the struct through the pointer, which outlives the call, on a descriptor this
+    // function holds open.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLK, &whole) } != 0 {
+        let e = io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::EACCES) => io::Error::from_raw_os_error(libc::EWOULDBLOCK),
+            _ => e,
+        });
+    }
+    file.set_len(0)?;
+    writeln!(file, "{}", std::process::id())?;
+    Ok(file)
 }
 
 /// What the tier did, counted (exported at `/metrics`).
@@ -84,6 +115,8 @@ pub struct Tier {
     inner: Mutex<Inner>,
     seq: AtomicU64,
     pub counters: TierCounters,
+    /// `DIR/lock`, locked while the tier is open: one server a directory.
+    _lock: File,
 }
 
 impl Tier {
@@ -91,6 +124,9 @@ impl Tier {
     /// takes the copies found as the least recently used first (oldest modification time first). `size`:
     /// the most bytes it holds.
     pub fn open(dir: &Path, size: crate::policy::AutoSize) -> Result<Tier, TierError> {
+        if size == crate::policy::AutoSize::Bytes(0) {
+            return Err(TierError::Zero { dir: dir.to_owned() });
+        }
         let objects = dir.join("objects");
         let staging = dir.join("staging");
         let not_writable = |source| TierError::NotWritable { dir: dir.to_owned(), source };
@@ -103,11 +139,18 @@ impl Tier {
         let probe = staging.join(format!(".probe-{}", std::process::id()));
         std::fs::write(&probe, b"batchfs").map_err(not_writable)?;
         std::fs::remove_file(&probe).map_err(not_writable)?;
+        // One server a directory: a second one's start would remove the first's copies being made.
+        let lock = lock(dir).map_err(|e| match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => TierError::InUse { dir: dir.to_owned() },
+            _ => not_writable(e),
+        })?;
         let scan = |source| TierError::Scan { dir: dir.to_owned(), source };
         let mut left = 0;
         for entry in std::fs::read_dir(&staging).map_err(scan)? {
             let entry = entry.map_err(scan)?;
-            if std::fs::remove_file(entry.path()).is_ok() {
+            // Copies being made, and indexing's directories of links to them.
+            let path = entry.path();
+            if std::fs::remove_file(&path).or_else(|_| std::fs::remove_dir_all(&path)).is_ok() {
                 left += 1;
             }
         }
@@ -150,6 +193,7 @@ impl Tier {
             inner: Mutex::new(Inner { entries, bytes: held, reserved: 0 }),
             seq: AtomicU64::new(0),
             counters: TierCounters::default(),
+            _lock: lock,
         };
         tier.make_room(&mut tier.inner.lock().expect("tier"), 0);
         let inner = tier.inner.lock().expect("tier");
@@ -450,6 +494,33 @@ mod tests {
         assert!(tier.begin(&Tier::name("s3 b/k3", "\"e\""), 40).is_ok());
     }
 
+    /// A directory another server's tier holds is refused, saying so (before, the second server's start
+    /// removed the first's copies being made); a size of 0 is refused as such, not as a full disk.
+    #[test]
+    fn a_tier_another_process_holds_or_of_no_size_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(Tier::open(dir.path(), AutoSize::Bytes(100)).unwrap());
+        // Another process holding the lock as a server's tier does (a POSIX record lock of the whole file).
+        let script = "import fcntl, sys, time\nf = open(sys.argv[1], 'a')\nfcntl.lockf(f, fcntl.LOCK_EX)\n\
+                      print('locked', flush=True)\ntime.sleep(60)";
+        let mut other = std::process::Command::new("python3")
+            .args(["-c", script])
+            .arg(dir.path().join("lock"))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut said = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(other.stdout.take().unwrap()), &mut said).unwrap();
+        assert_eq!(said.trim(), "locked");
+        let e = Tier::open(dir.path(), AutoSize::Bytes(100)).err().map(|e| e.to_string());
+        let _ = other.kill();
+        let _ = other.wait();
+        assert!(e.as_ref().is_some_and(|e| e.contains("another server uses it")), "{e:?}");
+        let e = Tier::open(dir.path(), AutoSize::Bytes(0)).err().map(|e| e.to_string());
+        assert!(e.as_ref().is_some_and(|e| e.contains("disk_cache_size is 0")), "{e:?}");
+        assert!(Tier::open(dir.path(), AutoSize::Bytes(100)).is_ok(), "free again once that process ended");
+    }
+
     #[test]
     fn copies_are_found_again_evicted_least_recently_used_and_never_half_written() {
         let dir = tempfile::tempdir().unwrap();
@@ -492,6 +563,9 @@ mod tests {
         // copies are found again, not yet checked in the new process.
         let killed = tier.begin(&b, 5).unwrap();
         std::mem::forget(killed);
+        // And indexing's directory of links to a copy, as a server killed while indexing leaves it.
+        std::fs::create_dir(dir.path().join("staging/batchfs-stage-x")).unwrap();
+        std::fs::write(dir.path().join("staging/batchfs-stage-x/shard"), b"linked").unwrap();
         drop(tier);
         let again = Tier::open(dir.path(), AutoSize::Bytes(100)).unwrap();
         assert_eq!(std::fs::read_dir(dir.path().join("staging")).unwrap().count(), 0);
