@@ -78,7 +78,19 @@ pub(crate) fn plan_at(
         true => prepare_mountpoint(mountpoint)?,
         false => std::fs::canonicalize(mountpoint).with_context(|| format!("mountpoint {}", mountpoint.display()))?,
     };
-    let info = probe(&http, &options)?;
+    let (info, block_bytes) = probe(&http, &options)?;
+    // `shuffle=blocks` without `block_bytes` takes the first server's default (a quarter of its disk tier,
+    // or of its memory), and every server is asked for that: each server's own default would plan other
+    // epochs, and a replica's bodies would not be the batches the manifest lists.
+    let (options, http) = match block_bytes {
+        Some(bytes) if options.plan.shuffle == batchfs::plan::Shuffle::Blocks && options.plan.block_bytes == 0 => {
+            let mut resolved = options;
+            resolved.plan.block_bytes = bytes;
+            let http = http_config(url, &resolved)?;
+            (resolved, http)
+        }
+        _ => (options, http),
+    };
     if options.warm == crate::options::Warm::Raw {
         if options.cache_dir.is_none() {
             bail!("warm=raw fills the node cache: give it one (cache_dir=PATH)");
@@ -157,10 +169,12 @@ pub enum Refused {
 /// accepted, plan valid, cache large enough), as a mount does before mounting; a [`Refused`] error says
 /// which of these failed.
 pub fn check(url: &str, options: &MountOptions) -> Result<batchfs::api::DatasetInfo> {
-    probe(&http_config(url, options)?, options)
+    probe(&http_config(url, options)?, options).map(|(info, _)| info)
 }
 
-fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::DatasetInfo> {
+/// [`check`]: the dataset's description, and the `block_bytes` the first server planned with (its own
+/// default where the options leave it out).
+fn probe(http: &HttpConfig, options: &MountOptions) -> Result<(batchfs::api::DatasetInfo, Option<u64>)> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let client = HttpClient::new(http.clone())?;
     let server = &http.servers[0];
@@ -212,7 +226,7 @@ fn probe(http: &HttpConfig, options: &MountOptions) -> Result<batchfs::api::Data
             options.cache
         );
     }
-    Ok(info)
+    Ok((info, manifests.first().map(|m| m.options.block_bytes)))
 }
 
 /// Checks each server of `servers=` against `info`, the first server's description of the dataset: one

@@ -674,6 +674,39 @@ fn two_servers_over_one_bucket_are_replicas_and_one_may_die_mid_epoch() {
     rt.block_on(local.running.shutdown());
 }
 
+/// Two servers of one bucket with disk tiers of different sizes plan `shuffle=blocks` with different
+/// default `block_bytes` (a quarter of each tier): a mount that leaves it out asks every server for the
+/// first one's, so the replica's bodies are the batches the manifest lists. Before, each server planned
+/// with its own default and the replica's bodies failed their checksums (refetched from the first).
+#[test]
+fn replicas_with_tiers_of_other_sizes_serve_one_blocks_plan() {
+    let Some(Bucket { weed, fx: _fx, url, index_dir }) = tfrecord_bucket(300) else { return };
+    let rt = runtime();
+    let (tier_a, tier_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (limits_a, limits_b) = (tiered(tier_a.path(), 4 << 20), tiered(tier_b.path(), 64 << 20));
+    let a = open_objects("d", &url, &weed.settings(), index_dir.path(), &limits_a).unwrap();
+    let b = open_objects("d", &url, &weed.settings(), index_dir.path(), &limits_b).unwrap();
+    let (default_a, default_b) = (a.default_block_bytes(), b.default_block_bytes());
+    assert_ne!(default_a, default_b);
+    let a = rt.block_on(serve(None, vec![a], limits_a));
+    let b = rt.block_on(serve(None, vec![b], limits_b));
+    let m = common::manifest_of(&rt, &a, "d", 0, "batch_size=8&shuffle=blocks");
+    assert_eq!(m.options.block_bytes, default_a);
+    let options = format!("batch_size=8,shuffle=blocks,servers={},prefetch=0", b.base);
+    let (_dir, mounted) = common::mount(&a, "d", &options);
+    for entry in &m.batches {
+        let body = std::fs::read(mounted.mountpoint.join(format!("epoch-0000/batch-{:06}.tfrecord", entry.index)));
+        assert_eq!(batchfs::crc::crc32c(&body.unwrap()), entry.crc32c, "batch {}", entry.index);
+    }
+    let stats = common::mount_stats(&mounted.mountpoint);
+    assert_eq!(stats["checksum_errors"], 0, "{stats}");
+    let servers = stats["servers"].as_array().unwrap();
+    assert!(servers.iter().all(|s| s["requests"].as_u64().unwrap() > 0), "both served: {servers:?}");
+    drop(mounted);
+    rt.block_on(a.running.shutdown());
+    rt.block_on(b.running.shutdown());
+}
+
 /// Limits of a server with a disk tier in `dir` of `size` bytes (every other read a ranged GET).
 fn tiered(dir: &Path, size: u64) -> ServerLimits {
     ServerLimits {
