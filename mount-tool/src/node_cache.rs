@@ -126,6 +126,9 @@ impl NodeCache {
         checks: usize,
         touch_after: std::time::Duration,
     ) -> std::io::Result<std::sync::Arc<Self>> {
+        if dir.exists() && !dir.is_dir() {
+            return Err(std::io::Error::new(std::io::ErrorKind::NotADirectory, "it is not a directory"));
+        }
         std::fs::create_dir_all(dir)?;
         let cache = std::sync::Arc::new(NodeCache {
             dir: dir.to_owned(),
@@ -404,6 +407,14 @@ mod tests {
 
     fn sent(data: &[u8]) -> Sent {
         Sent { bytes: data.len() as u64, crc32c: batchfs::crc::crc32c(data) }
+    }
+
+    /// A `cache_dir` that is a file is refused as such (it said "File exists" before).
+    #[test]
+    fn a_cache_dir_that_is_a_file_is_refused_as_not_a_directory() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let e = NodeCache::open(file.path(), 1 << 20).err().unwrap();
+        assert_eq!(e.to_string(), "it is not a directory");
     }
 
     fn eventually(what: &str, done: impl Fn() -> bool) {

@@ -61,6 +61,10 @@ pub(crate) fn plan_at(
     check_mountpoint: bool,
 ) -> Result<MountPlan> {
     let http = http_config(url, &options)?;
+    if options.auto_unmount && !options.allow_other {
+        // fusermount3, which unmounts once the process is gone, demands it.
+        bail!("auto_unmount needs allow_other (fusermount3 unmounts for a mount others may read)");
+    }
     if options.fuse_uring && options.supervise {
         // Linux re-sends to a new worker what a dead one had read from /dev/fuse (FUSE_NOTIFY_RESEND),
         // never what a ring's entries held: a takeover would leave those reads waiting for good.
@@ -100,6 +104,15 @@ pub(crate) fn plan_at(
         }
     }
     Ok(MountPlan { url: url.to_owned(), mountpoint, options, http, info })
+}
+
+/// What a failed mount at `plan`'s mountpoint says: as a user other than root, also what mounting needs.
+pub fn cannot_mount(plan: &MountPlan) -> String {
+    let at = format!("cannot mount at {}", plan.mountpoint.display());
+    match sys::is_root() {
+        true => at,
+        false => format!("{at} (as a user other than root, mounting takes fusermount3 on the PATH: the fuse3 package)"),
+    }
 }
 
 /// Whether something is mounted at `path` (as `/proc/self/mountinfo` names it: canonical).
@@ -161,7 +174,7 @@ pub enum Refused {
     Token { server: String, source: ClientError },
     #[error("{server} rejected the options")]
     Options { server: String, source: ClientError },
-    #[error("server unreachable")]
+    #[error("cannot reach or talk to the server")]
     Unreachable { source: ClientError },
 }
 
@@ -296,6 +309,18 @@ mod tests {
             panic!("fuse_uring=on was planned under a supervisor")
         };
         assert!(e.to_string().contains("fuse_uring=on needs supervise=false"), "{e:#}");
+    }
+
+    /// `auto_unmount` without `allow_other` is refused in the mount's own words (fuser's were "auto_unmount
+    /// requires acl != Owner").
+    #[test]
+    fn auto_unmount_without_allow_other_is_refused_saying_what_it_needs() {
+        let mut options = MountOptions::default();
+        options.apply_list("auto_unmount").unwrap();
+        let Err(e) = plan_at("http://127.0.0.1:9/d", Path::new("/nonexistent"), options, false) else {
+            panic!("planned")
+        };
+        assert!(e.to_string().contains("auto_unmount needs allow_other"), "{e:#}");
     }
 
     /// The server's plans end at epoch 999,999: a job that would read past it is refused at the mount, not

@@ -89,7 +89,7 @@ fn mount_errors_are_reported_before_daemonizing() {
     std::fs::write(good_token.path(), "secret").unwrap();
     let unknown = server.url.replace("/d", "/nope");
     let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec![dead, mnt.clone()], "server unreachable"),
+        (vec![dead, mnt.clone()], "cannot reach or talk to the server"),
         (vec![unknown, mnt.clone(), "-o".into(), format!("token_file={}", good_token.path().display())], "unknown"),
         (
             vec![server.url.clone(), mnt.clone(), "-o".into(), format!("token_file={}", token.display())],
