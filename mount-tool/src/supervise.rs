@@ -652,6 +652,18 @@ pub fn upgrade(dir: &Path) -> Result<()> {
         std::thread::sleep(Duration::from_millis(100));
         if let Ok(now) = read() {
             if now.worker_pid != before.worker_pid && now.worker_restarts > before.worker_restarts {
+                // A new program that cannot serve has the supervisor start the one it runs, which the
+                // install replaced: the mount is served, but not upgraded.
+                let exe = std::fs::read_link(format!("/proc/{}/exe", now.worker_pid)).unwrap_or_default();
+                if exe.to_string_lossy().ends_with(" (deleted)") {
+                    bail!(
+                        "the program installed now cannot serve {}: worker {} runs the one it replaced ({}); see \
+                         the mount's log",
+                        dir.display(),
+                        now.worker_pid,
+                        exe.display()
+                    );
+                }
                 println!(
                     "upgraded {}: worker {} replaced by {} ({:.1} ms without service)",
                     dir.display(),

@@ -400,6 +400,18 @@ fn an_upgrade_under_load_replaces_the_worker_by_the_installed_program() {
     let exe = std::fs::read_link(format!("/proc/{}/exe", m.supervisor.id())).unwrap();
     assert!(exe.to_string_lossy().ends_with("(deleted)"), "the supervisor still runs the old one: {exe:?}");
     assert!(m.log_text().contains("upgrade: replacing the worker"), "{}", m.log_text());
+
+    // An install that cannot serve (a program that fails at once): the supervisor starts the one it runs
+    // instead, the mount goes on, and the upgrade says it failed (it said "upgraded" before).
+    let staged = bin.path().join(".batchfs.broken");
+    std::fs::write(&staged, "#!/bin/sh\nexit 1\n").unwrap();
+    std::fs::set_permissions(&staged, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::rename(&staged, &installed).unwrap();
+    let out = Command::new(program()).args(["mount", "--upgrade"]).arg(&m.mountpoint).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("the program installed now cannot serve"), "{out:?}");
+    let batch = m.mountpoint.join("epoch-0000/batch-000000.tfrecord");
+    assert_eq!(crc::crc32c(&std::fs::read(batch).unwrap()), manifests[0].batches[0].crc32c, "still served");
 }
 
 /// A read in flight when the worker dies: the kernel re-sends it to the next worker, which answers it
