@@ -305,6 +305,18 @@ impl Dataset {
                 )
             });
         };
+        // A block holds whole objects, a third of the tier at most: objects larger than that are never copied.
+        let largest = self.index.shards.iter().map(|s| s.size).max().unwrap_or(0);
+        if bytes > tier.cap() && largest > tier.cap() / 3 {
+            return Some(format!(
+                "dataset {}: {bytes} bytes do not fit in the disk tier ({} bytes), and its largest object ({largest} \
+                 bytes) is larger than a third of it, what a block of shuffle=blocks may hold: such objects are read \
+                 by GETs every epoch whatever the shuffle; give the tier at least {} bytes (--disk-cache-size)",
+                self.name,
+                tier.cap(),
+                largest.saturating_mul(3)
+            ));
+        }
         (bytes > tier.cap()).then(|| {
             format!(
                 "dataset {}: {bytes} bytes do not fit in the disk tier ({} bytes): read with shuffle=global, each \

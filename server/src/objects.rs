@@ -931,17 +931,26 @@ mod tests {
         let store = Arc::new(InMemory::new());
         upload(&store, local.path(), "ds");
         let index_dir = tempfile::tempdir().unwrap();
-        let small = tempfile::tempdir().unwrap();
-        for ctx in [context(None, 0), context(Some(small.path()), 1000)] {
+        let (small, smaller) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let shards = open(&store, &context(None, 0), index_dir.path()).index.shards.clone();
+        let total: u64 = shards.iter().map(|s| s.size).sum();
+        let largest = shards.iter().map(|s| s.size).max().unwrap();
+        assert!(3 * largest < total - 1, "a tier short of the dataset holds blocks of whole objects");
+        // No tier; one short of the dataset (blocks of whole objects fit); one smaller than any block of them.
+        let cases = [(context(None, 0), "--disk-cache"), (context(Some(small.path()), total - 1), "shuffle=blocks")];
+        let cases = cases.into_iter().chain([(context(Some(smaller.path()), 1000), "--disk-cache-size")]);
+        for (ctx, advice) in cases {
             let ds = open(&store, &ctx, index_dir.path());
             let source = ds.storage.objects().unwrap().clone();
             let before = source.counters.gets.load(Ordering::Relaxed);
             read_all_and_compare(&ds, local.path());
-            assert!(source.counters.gets.load(Ordering::Relaxed) > before);
-            // Both say so, and what to do: a tier too small, read with `shuffle=global`; no tier at all, and
-            // memory holding none of it.
+            assert!(
+                ctx.tier.as_ref().is_some_and(|t| t.cap() > 1000)
+                    || source.counters.gets.load(Ordering::Relaxed) > before
+            );
+            // Each says so, and what to do: no tier at all, and memory holding none of it; a tier too small,
+            // read with `shuffle=global`; a tier smaller than what a block holds, which `blocks` cannot mend.
             let note = ds.tier_note().expect("the server says the store is read every epoch");
-            let advice = if ctx.tier.is_some() { "shuffle=blocks" } else { "--disk-cache" };
             assert!(note.contains(advice), "{note}");
             // Read again: from the block cache, no GET.
             let before = source.counters.gets.load(Ordering::Relaxed);
