@@ -254,7 +254,8 @@ async fn check_replicas(http: &HttpConfig, info: &batchfs::api::DatasetInfo) -> 
                 let same = |i: &batchfs::api::DatasetInfo| (i.format, i.samples, i.bytes, i.shards, i.classes.clone());
                 if same(&other) != same(info) {
                     bail!(
-                        "{server} (servers=) holds other data as dataset {dataset:?}: {} samples of {} bytes in {}                          shards, where {} has {} samples of {} bytes in {}",
+                        "{server} (servers=) holds other data as dataset {dataset:?}: {} samples of {} bytes in {} \
+                         shards, where {} has {} samples of {} bytes in {}",
                         other.samples,
                         other.bytes,
                         other.shards,

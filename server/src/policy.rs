@@ -56,8 +56,9 @@ impl TierDir {
 }
 
 /// A size the server may work out itself: how many bytes of direct datasets' shards it holds in its own
-/// memory (the `resident` limit: auto is half of what the server may use beyond its own [`SERVER_RESERVE`]), or how large its disk tier
-/// is (`disk_cache_size`: auto is 90 % of what the tier's filesystem has free).
+/// memory (the `resident` limit: auto is half of what the server may use beyond its own
+/// [`SERVER_RESERVE`]), or how large its disk tier is (`disk_cache_size`: auto is 90 % of what the tier's
+/// filesystem has free).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AutoSize {
     Auto,
