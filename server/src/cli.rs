@@ -124,6 +124,19 @@ pub struct GenArgs {
 }
 
 /// Entry point of the binary.
+/// `e` and its causes, `: `-separated, each cause left out where an earlier message already says it (an
+/// object store's errors quote their sources: a missing bucket's cause came five times over).
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut said: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !said.iter().any(|s| s.contains(&text)) {
+            said.push(text);
+        }
+    }
+    said.join(": ")
+}
+
 pub fn run() -> Result<()> {
     let cli = Cli::parse();
     init_tracing();
@@ -348,7 +361,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 match &result {
                     Ok(()) => tracing::info!("every dataset is ready"),
                     Err(e) => {
-                        tracing::error!(error = %format!("{e:#}"), "a dataset cannot be served: stopping");
+                        tracing::error!(error = %error_text(e), "a dataset cannot be served: stopping");
                         let _ = stop.send(true);
                     }
                 }
@@ -384,4 +397,23 @@ fn serve(args: ServeArgs) -> Result<()> {
     // An indexing task still running (a signal came first) must not hold the exit up.
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
+}
+
+#[cfg(test)]
+mod tests {
+    /// A cause an earlier message already quotes is said once.
+    #[test]
+    fn an_error_says_each_cause_once() {
+        let root = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused");
+        let e = anyhow::Error::new(root)
+            .context("HTTP error: Connection refused")
+            .context("Generic S3 error: HTTP error: Connection refused")
+            .context("s3://b/d: cannot reach the store (Generic S3 error: HTTP error: Connection refused)");
+        assert_eq!(
+            super::error_text(&e),
+            "s3://b/d: cannot reach the store (Generic S3 error: HTTP error: Connection refused)"
+        );
+        let e = anyhow::anyhow!("the root").context("what failed");
+        assert_eq!(super::error_text(&e), "what failed: the root");
+    }
 }
