@@ -90,6 +90,11 @@ pub enum ObjectError {
     Denied { url: String, endpoint: String, source: Box<object_store::Error> },
     #[error("{url}: cannot reach the object store at {endpoint}: check AWS_ENDPOINT_URL and the network ({source})")]
     Unreachable { url: String, endpoint: String, source: Box<object_store::Error> },
+    #[error(
+        "{url}: no credentials: none in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or the \
+         dataset's settings, and the instance metadata service (169.254.169.254) gave none ({source})"
+    )]
+    NoCredentials { url: String, source: Box<object_store::Error> },
     #[error("{url}: cannot list the objects ({source})")]
     List { url: String, source: Box<object_store::Error> },
     #[error("{url}: no objects under this prefix")]

@@ -148,6 +148,8 @@ impl Bucket {
             | (_, Some("AccessDenied" | "InvalidAccessKeyId" | "SignatureDoesNotMatch"), _) => {
                 ObjectError::Denied { url, endpoint, source }
             }
+            // Without keys, object_store asks the instance metadata service: its failure is the answer.
+            _ if source.to_string().contains(INSTANCE_METADATA) => ObjectError::NoCredentials { url, source },
             (_, _, Some(HttpErrorKind::Connect | HttpErrorKind::Timeout)) => {
                 ObjectError::Unreachable { url, endpoint, source }
             }
@@ -155,6 +157,9 @@ impl Bucket {
         }
     }
 }
+
+/// The address of EC2's instance metadata service, where object_store looks for credentials last.
+const INSTANCE_METADATA: &str = "169.254.169.254";
 
 /// The kind of the HTTP client's error behind `e`, if one is.
 fn http_kind(e: &(dyn std::error::Error + 'static)) -> Option<object_store::client::HttpErrorKind> {
@@ -206,5 +211,10 @@ mod tests {
         assert!(matches!(b.list_error(e), ObjectError::NoBucket { .. }));
         let other = object_store::Error::Generic { store: "S3", source: "a reset".into() };
         assert!(matches!(b.list_error(other), ObjectError::List { .. }));
+        // No keys anywhere: object_store's last resort, the instance metadata service, refused.
+        let metadata = "Error performing PUT http://169.254.169.254/latest/api/token in 1ms - 403 Forbidden";
+        let none = object_store::Error::Generic { store: "S3", source: metadata.into() };
+        let e = b.list_error(none);
+        assert!(matches!(e, ObjectError::NoCredentials { .. }) && e.to_string().contains("no credentials"), "{e}");
     }
 }
