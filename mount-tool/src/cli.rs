@@ -246,6 +246,13 @@ fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: bool) -
 const BUSY_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
+    // Only a batchfs mount: `batchfs umount` of another filesystem is a slip, not a wish.
+    if let Some((kind, source)) = mounted_as(mountpoint) {
+        let ours = kind == "fuse.batchfs" || (kind == "fuse" && source.starts_with("http"));
+        if !ours {
+            bail!("{} is not a batchfs mount ({kind} from {source}): use umount(8)", mountpoint.display());
+        }
+    }
     let deadline = std::time::Instant::now() + BUSY_GRACE;
     let mut tried = crate::sys::unmount(mountpoint, lazy);
     while matches!(&tried, Err(e) if e.raw_os_error() == Some(libc::EBUSY)) && std::time::Instant::now() < deadline {
@@ -258,6 +265,22 @@ fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
             anyhow::anyhow!("{} is busy (files open); use --lazy to detach it now", mountpoint.display())
         }
         _ => anyhow::anyhow!("cannot unmount {}: {e}", mountpoint.display()),
+    })
+}
+
+/// The filesystem type and source of what is mounted at `path` (as given, made absolute without looking
+/// at it: a dead mount cannot be looked at), from `/proc/self/mountinfo`; `None` where nothing is.
+fn mounted_as(path: &Path) -> Option<(String, String)> {
+    let path = std::path::absolute(path).ok()?;
+    let target = path.to_string_lossy().trim_end_matches('/').replace(' ', "\\040");
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    // `ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS`; the last mount
+    // at a place is the one seen there.
+    mounts.lines().rev().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        (left.split(' ').nth(4)? == target).then_some(())?;
+        let mut fields = right.split(' ');
+        Some((fields.next()?.to_owned(), fields.next()?.to_owned()))
     })
 }
 

@@ -72,6 +72,14 @@ fn daemonized_mount_stats_and_umount() {
     assert!(!is_mounted(&mnt));
     let again = batchfs(&["umount", mnt.to_str().unwrap()]);
     assert!(stderr(&again).contains("is not mounted"), "{}", stderr(&again));
+
+    // Another filesystem is left alone (it was unmounted before, a tmpfs as readily as a batchfs mount).
+    let status = Command::new("mount").args(["-t", "tmpfs", "tmpfs"]).arg(&mnt).status().unwrap();
+    assert!(status.success());
+    let _tmpfs = MountGuard(mnt.clone());
+    let other = batchfs(&["umount", mnt.to_str().unwrap()]);
+    assert!(stderr(&other).contains("is not a batchfs mount (tmpfs"), "{}", stderr(&other));
+    assert!(is_mounted(&mnt), "the tmpfs stays");
 }
 
 #[test]
