@@ -179,7 +179,8 @@ fn warm_target(target: &str, options: &mut MountOptions) -> Result<(String, Stri
             let point = left.split(' ').nth(4)?.replace("\\040", " ");
             let mut right = right.split(' ');
             let (fstype, source) = (right.next()?, right.next()?);
-            // Mounted as root the type is plain `fuse`: the source (the dataset's URL) says it is ours.
+            // `fuse.batchfs`, or plain `fuse` from a build before it said its subtype mounting as root: the
+            // source (the dataset's URL) says it is ours.
             let ours = (fstype == "fuse" || fstype == "fuse.batchfs")
                 && (source.starts_with("http://") || source.starts_with("https://"));
             (ours && dir.starts_with(&point)).then(|| (point, source.to_owned()))

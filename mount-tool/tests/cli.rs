@@ -51,6 +51,9 @@ fn daemonized_mount_stats_and_umount() {
     assert!(out.status.success(), "{}", stderr(&out));
     let _guard = MountGuard(mnt.clone());
     assert!(is_mounted(&mnt), "the command returns once the mount is ready");
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let line = mountinfo.lines().find(|l| l.split(' ').nth(4) == mnt.to_str()).unwrap();
+    assert!(line.contains(&format!(" - fuse.batchfs {} ", server.url)), "{line}");
     assert_eq!(std::fs::read_dir(&mnt).unwrap().count(), 6, ".batchfs, raw, rolling and three epochs");
     for b in 0..8 {
         let body = std::fs::read(mnt.join(format!("epoch-0001/batch-{b:06}.tfrecord"))).unwrap();

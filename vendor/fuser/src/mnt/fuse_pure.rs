@@ -464,11 +464,15 @@ fn fuse_mount_sys(
 
     // Default name is "/dev/fuse", then use the subtype, and lastly prefer the name
     let mut source = DevFuse::PATH;
+    // The type is `fuse.SUBTYPE` where a subtype is given, as fusermount3 mounts it (Linux takes the
+    // subtype from the type's name for a filesystem that has subtypes, as fuse does).
+    let mut fstype = String::from("fuse");
     if let Some(MountOption::Subtype(subtype)) = options
         .iter()
         .find(|x| matches!(**x, MountOption::Subtype(_)))
     {
         source = subtype;
+        fstype = format!("fuse.{subtype}");
     }
     if let Some(MountOption::FSName(name)) = options
         .iter()
@@ -481,7 +485,7 @@ fn fuse_mount_sys(
     let result = nix::mount::mount(
         Some(source),
         mountpoint,
-        Some("fuse"),
+        Some(fstype.as_str()),
         flags,
         Some(mount_options.as_str()),
     );
