@@ -479,27 +479,32 @@ pub fn notify_resend(device: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
 }
 
 /// Answers every request queued on the FUSE connection `device` now with `EIO` (none is waited for):
-/// what a supervisor does while no worker can serve its mount, so that no reader waits for good. Requests
-/// that take no answer (`FORGET`, `BATCH_FORGET`, `INTERRUPT`, `NOTIFY_REPLY`) are dropped. `buffer` holds
-/// the largest request (the kernel refuses a read into less). Returns how many were answered.
+/// what a supervisor does while no worker can serve its mount, so that no reader waits for good. They are
+/// read through a clone of the connection's descriptor of its own, made non-blocking (the connection's
+/// own descriptor is the workers' too, and must stay blocking), and answered through it. Requests that
+/// take no answer (`FORGET`, `BATCH_FORGET`, `INTERRUPT`, `NOTIFY_REPLY`) are dropped. `buffer` holds the
+/// largest request (the kernel refuses a read into less). Returns how many were answered.
 pub fn fail_queued(device: std::os::fd::BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<usize> {
     use std::os::fd::AsRawFd;
     const UNANSWERED: [u32; 4] =
         [2 /* FORGET */, 36 /* INTERRUPT */, 41 /* NOTIFY_REPLY */, 42 /* BATCH_FORGET */];
+    let clone = clone_fuse(device)?;
+    let fd = clone.as_raw_fd();
+    // SAFETY: fcntl reads and sets the status flags of a descriptor this function holds open.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
     let mut answered = 0;
     loop {
-        let mut poll = libc::pollfd { fd: device.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one pollfd, valid for the call.
-        if unsafe { libc::poll(&mut poll, 1, 0) } <= 0 || poll.revents & libc::POLLIN == 0 {
-            return Ok(answered);
-        }
         // SAFETY: reads at most `buffer.len()` bytes into `buffer`, which outlives the call.
-        let n = unsafe { libc::read(device.as_raw_fd(), buffer.as_mut_ptr().cast(), buffer.len()) };
+        let n = unsafe { libc::read(fd, buffer.as_mut_ptr().cast(), buffer.len()) };
         if n < 0 {
             let e = io::Error::last_os_error();
-            // ENOENT: the request was interrupted meanwhile; EAGAIN: another reader took it.
             match e.raw_os_error() {
-                Some(libc::ENOENT | libc::EAGAIN | libc::EINTR) => continue,
+                // Nothing more queued.
+                Some(libc::EAGAIN) => return Ok(answered),
+                // The request was interrupted meanwhile.
+                Some(libc::ENOENT | libc::EINTR) => continue,
                 _ => return Err(e),
             }
         }
@@ -518,7 +523,7 @@ pub fn fail_queued(device: std::os::fd::BorrowedFd<'_>, buffer: &mut [u8]) -> io
         header[4..8].copy_from_slice(&(-libc::EIO).to_ne_bytes());
         header[8..].copy_from_slice(&unique.to_ne_bytes());
         // SAFETY: writes the 16 bytes of `header`, which outlives the call.
-        if unsafe { libc::write(device.as_raw_fd(), header.as_ptr().cast(), header.len()) } == 16 {
+        if unsafe { libc::write(fd, header.as_ptr().cast(), header.len()) } == 16 {
             answered += 1;
         }
     }
