@@ -170,21 +170,10 @@ fn warm_target(target: &str, options: &mut MountOptions) -> Result<(String, Stri
         return Ok((target.to_owned(), String::new()));
     }
     let dir = std::fs::canonicalize(target).with_context(|| format!("{target}: no such directory"))?;
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
-    // Fields: ... 5: mount point ... " - " type source options.
-    let mount = mountinfo
-        .lines()
-        .filter_map(|l| {
-            let (left, right) = l.split_once(" - ")?;
-            let point = left.split(' ').nth(4)?.replace("\\040", " ");
-            let mut right = right.split(' ');
-            let (fstype, source) = (right.next()?, right.next()?);
-            // `fuse.batchfs`, or plain `fuse` from a build before it said its subtype mounting as root: the
-            // source (the dataset's URL) says it is ours.
-            let ours = (fstype == "fuse" || fstype == "fuse.batchfs")
-                && (source.starts_with("http://") || source.starts_with("https://"));
-            (ours && dir.starts_with(&point)).then(|| (point, source.to_owned()))
-        })
+    let mount = mount_table()
+        .into_iter()
+        .filter(|m| m.is_batchfs() && dir.starts_with(&m.point))
+        .map(|m| (m.point, m.source))
         .max_by_key(|(point, _)| point.len());
     let Some((point, url)) = mount else { bail!("{} is not in a batchfs mount (give a URL instead)", dir.display()) };
     let rel = dir.strip_prefix(&point).unwrap_or(&dir).to_string_lossy().into_owned();
@@ -247,11 +236,13 @@ fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: bool) -
 const BUSY_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
-    // Only a batchfs mount: `batchfs umount` of another filesystem is a slip, not a wish.
-    if let Some((kind, source)) = mounted_as(mountpoint) {
-        let ours = kind == "fuse.batchfs" || (kind == "fuse" && source.starts_with("http"));
-        if !ours {
-            bail!("{} is not a batchfs mount ({kind} from {source}): use umount(8)", mountpoint.display());
+    // Only a batchfs mount: `batchfs umount` of another filesystem is a slip, not a wish. The path as given,
+    // made absolute without looking at it (a dead mount cannot be looked at); the last mount at a place is
+    // the one seen there.
+    let at = std::path::absolute(mountpoint)?.to_string_lossy().trim_end_matches('/').to_owned();
+    if let Some(m) = mount_table().into_iter().rev().find(|m| m.point == at) {
+        if !m.is_batchfs() {
+            bail!("{} is not a batchfs mount ({} from {}): use umount(8)", mountpoint.display(), m.fstype, m.source);
         }
     }
     let deadline = std::time::Instant::now() + BUSY_GRACE;
@@ -269,20 +260,34 @@ fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
     })
 }
 
-/// The filesystem type and source of what is mounted at `path` (as given, made absolute without looking
-/// at it: a dead mount cannot be looked at), from `/proc/self/mountinfo`; `None` where nothing is.
-fn mounted_as(path: &Path) -> Option<(String, String)> {
-    let path = std::path::absolute(path).ok()?;
-    let target = path.to_string_lossy().trim_end_matches('/').replace(' ', "\\040");
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    // `ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS`; the last mount
-    // at a place is the one seen there.
-    mounts.lines().rev().find_map(|line| {
+/// A mount, as `/proc/self/mountinfo` lists it.
+struct MountEntry {
+    /// Its mount point (spaces unescaped).
+    point: String,
+    fstype: String,
+    source: String,
+}
+
+impl MountEntry {
+    /// `fuse.batchfs`, or plain `fuse` from a build before it said its subtype mounting as root: the source
+    /// (the dataset's URL) says it is ours.
+    fn is_batchfs(&self) -> bool {
+        let url = self.source.starts_with("http://") || self.source.starts_with("https://");
+        self.fstype == "fuse.batchfs" || (self.fstype == "fuse" && url)
+    }
+}
+
+/// Every mount of this process's namespace, in the order mounted (empty where the table cannot be read).
+fn mount_table() -> Vec<MountEntry> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    // `ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS`.
+    let entry = |line: &str| {
         let (left, right) = line.split_once(" - ")?;
-        (left.split(' ').nth(4)? == target).then_some(())?;
-        let mut fields = right.split(' ');
-        Some((fields.next()?.to_owned(), fields.next()?.to_owned()))
-    })
+        let point = left.split(' ').nth(4)?.replace("\\040", " ");
+        let mut right = right.split(' ');
+        Some(MountEntry { point, fstype: right.next()?.to_owned(), source: right.next()?.to_owned() })
+    };
+    text.lines().filter_map(entry).collect()
 }
 
 fn stats(mountpoint: &Path, json: bool) -> Result<()> {
