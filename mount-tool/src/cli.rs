@@ -170,7 +170,7 @@ fn warm_target(target: &str, options: &mut MountOptions) -> Result<(String, Stri
         return Ok((target.to_owned(), String::new()));
     }
     let dir = std::fs::canonicalize(target).with_context(|| format!("{target}: no such directory"))?;
-    let mount = mount_table()
+    let mount = crate::plan::mount_table()
         .into_iter()
         .filter(|m| m.is_batchfs() && dir.starts_with(&m.point))
         .map(|m| (m.point, m.source))
@@ -240,7 +240,7 @@ fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
     // made absolute without looking at it (a dead mount cannot be looked at); the last mount at a place is
     // the one seen there.
     let at = std::path::absolute(mountpoint)?.to_string_lossy().trim_end_matches('/').to_owned();
-    if let Some(m) = mount_table().into_iter().rev().find(|m| m.point == at) {
+    if let Some(m) = crate::plan::mount_table().into_iter().rev().find(|m| m.point == at) {
         if !m.is_batchfs() {
             bail!("{} is not a batchfs mount ({} from {}): use umount(8)", mountpoint.display(), m.fstype, m.source);
         }
@@ -258,36 +258,6 @@ fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
         }
         _ => anyhow::anyhow!("cannot unmount {}: {e}", mountpoint.display()),
     })
-}
-
-/// A mount, as `/proc/self/mountinfo` lists it.
-struct MountEntry {
-    /// Its mount point (spaces unescaped).
-    point: String,
-    fstype: String,
-    source: String,
-}
-
-impl MountEntry {
-    /// `fuse.batchfs`, or plain `fuse` from a build before it said its subtype mounting as root: the source
-    /// (the dataset's URL) says it is ours.
-    fn is_batchfs(&self) -> bool {
-        let url = self.source.starts_with("http://") || self.source.starts_with("https://");
-        self.fstype == "fuse.batchfs" || (self.fstype == "fuse" && url)
-    }
-}
-
-/// Every mount of this process's namespace, in the order mounted (empty where the table cannot be read).
-fn mount_table() -> Vec<MountEntry> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    // `ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS`.
-    let entry = |line: &str| {
-        let (left, right) = line.split_once(" - ")?;
-        let point = left.split(' ').nth(4)?.replace("\\040", " ");
-        let mut right = right.split(' ');
-        Some(MountEntry { point, fstype: right.next()?.to_owned(), source: right.next()?.to_owned() })
-    };
-    text.lines().filter_map(entry).collect()
 }
 
 fn stats(mountpoint: &Path, json: bool) -> Result<()> {

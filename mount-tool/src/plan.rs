@@ -117,9 +117,38 @@ pub fn cannot_mount(plan: &MountPlan) -> String {
 
 /// Whether something is mounted at `path` (as `/proc/self/mountinfo` names it: canonical).
 pub fn is_mountpoint(path: &Path) -> bool {
-    let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
-    let target = path.to_string_lossy().replace(' ', "\\040");
-    mounts.lines().any(|l| l.split(' ').nth(4) == Some(target.as_str()))
+    let target = path.to_string_lossy();
+    mount_table().iter().any(|m| m.point == target)
+}
+
+/// A mount, as `/proc/self/mountinfo` lists it.
+pub(crate) struct MountEntry {
+    /// Its mount point (spaces unescaped).
+    pub point: String,
+    pub fstype: String,
+    pub source: String,
+}
+
+impl MountEntry {
+    /// `fuse.batchfs`, or plain `fuse` from a build before it said its subtype mounting as root: the source
+    /// (the dataset's URL) says it is ours.
+    pub fn is_batchfs(&self) -> bool {
+        let url = self.source.starts_with("http://") || self.source.starts_with("https://");
+        self.fstype == "fuse.batchfs" || (self.fstype == "fuse" && url)
+    }
+}
+
+/// Every mount of this process's namespace, in the order mounted (empty where the table cannot be read).
+pub(crate) fn mount_table() -> Vec<MountEntry> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    // `ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS`.
+    let entry = |line: &str| {
+        let (left, right) = line.split_once(" - ")?;
+        let point = left.split(' ').nth(4)?.replace("\\040", " ");
+        let mut right = right.split(' ');
+        Some(MountEntry { point, fstype: right.next()?.to_owned(), source: right.next()?.to_owned() })
+    };
+    text.lines().filter_map(entry).collect()
 }
 
 /// Unmounts `path` (lazily) when dropped, also while a panic unwinds: what a test or a tool that mounts
