@@ -442,7 +442,7 @@ fn bad_requests_get_their_codes_and_leave_nothing_mounted() {
             "an unreachable server",
             with(&|r| r["volume_context"]["url"] = json!("http://127.0.0.1:9/d")),
             "UNAVAILABLE",
-            "unreachable",
+            "cannot reach",
         ),
         (
             "a cache too small",

@@ -323,8 +323,17 @@ fn reads_fail_after_timeout_while_no_worker_can_start_and_work_once_one_can() {
     let m = Supervised::start(&program(), &url, &format!("batch_size=8,cache_dir={},timeout=3s", cache_dir.display()));
     std::fs::remove_dir_all(&cache_dir).unwrap();
     std::fs::write(&cache_dir, b"not a directory").unwrap();
+    // Killed once the supervisor has it serving (a worker killed before it said so fails the mount itself).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let pid = loop {
+        if let Some(&(pid, _)) = m.served().first() {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "the worker never served:\n{}", m.log_text());
+        std::thread::sleep(Duration::from_millis(10));
+    };
     // SAFETY: kill has no memory-safety preconditions.
-    assert_eq!(unsafe { libc::kill(m.worker() as i32, libc::SIGKILL) }, 0);
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
     let batch = m.mountpoint.join("epoch-0000/batch-000000.tfrecord");
     // In a thread of its own: a read that never ends fails the test (the supervisor stopped on drop ends
     // it) instead of hanging it.
@@ -334,7 +343,12 @@ fn reads_fail_after_timeout_while_no_worker_can_start_and_work_once_one_can() {
     let got = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| panic!("no answer:\n{}", m.log_text()));
     let err = got.expect_err("no worker serves");
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}\n{}", m.log_text());
-    assert!(m.log_text().contains("its waiting requests answered EIO"), "{}", m.log_text());
+    // The supervisor logs it once its answers are written: a moment after the reader has its EIO.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !m.log_text().contains("its waiting requests answered EIO") {
+        assert!(Instant::now() < deadline, "{}", m.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 
     std::fs::remove_file(&cache_dir).unwrap();
     std::fs::create_dir(&cache_dir).unwrap();
