@@ -79,13 +79,16 @@ mod value {
         Ok(e)
     }
 
-    /// How many epochs a job reads: 1 to `rolling/`'s span, what a server's slot table covers.
+    /// How many epochs a job reads: at least one, and no more than a plan numbers.
     pub fn epochs(v: &str) -> Result<u64, Refusal> {
         match count(v)? {
-            n @ 1..=batchfs::rolling::MAX_SPAN => Ok(n),
+            n @ 1..=EPOCHS => Ok(n),
             _ => Err(Refusal::Span),
         }
     }
+
+    /// Epochs a plan numbers (0 to `MAX_EPOCH`).
+    const EPOCHS: u64 = batchfs::plan::MAX_EPOCH + 1;
 
     pub fn size(v: &str) -> Result<u64, Refusal> {
         Ok(batchfs::units::parse_size(v)?)
@@ -186,7 +189,7 @@ pub enum Refusal {
     TooLarge,
     #[error("epochs go up to {}", batchfs::plan::MAX_EPOCH)]
     Epoch,
-    #[error("a job reads 1 to {} epochs", batchfs::rolling::MAX_SPAN)]
+    #[error("a job reads 1 to {} epochs", batchfs::plan::MAX_EPOCH + 1)]
     Span,
     #[error("an HTTP/2 frame is 16K to 16M-1 bytes, not {0}")]
     FrameSize(u64),
@@ -529,7 +532,7 @@ mod tests {
             "rolling=sideways",
             "first_epoch=1000000",
             "epochs=0",
-            "epochs=10001",
+            "epochs=1000001",
             "timeout=0",
             "stall_timeout=0s",
             "servers=foo",

@@ -169,7 +169,8 @@ impl From<&MountOptions> for PrefetcherConfig {
             last_epoch: (o.first_epoch + o.epochs).saturating_sub(1),
             stale_after: o.stale_after,
             stall_timeout: o.stall_timeout,
-            rolling: (o.first_epoch, o.epochs),
+            // rolling/ spans at most what a slot table covers, and starts over after it.
+            rolling: (o.first_epoch, o.epochs.min(batchfs::rolling::MAX_SPAN)),
             shuffled: ShuffledConfig { plan: o.plan, share: o.share },
         }
     }

@@ -88,7 +88,9 @@ pub struct Rolling {
 
 impl Rolling {
     pub fn new(prefetcher: Arc<Prefetcher>, options: &FsOptions) -> Self {
-        let state = RollingState::new(options.rolling, options.first_epoch, options.epochs);
+        // At most what a slot table covers (as the prefetcher's span): it starts over after that.
+        let span = options.epochs.min(batchfs::rolling::MAX_SPAN);
+        let state = RollingState::new(options.rolling, options.first_epoch, span);
         Rolling { prefetcher, names: BatchNames(options.format), state }
     }
 
