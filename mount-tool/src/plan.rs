@@ -331,37 +331,35 @@ pub fn fuser_config(plan: &MountPlan) -> fuser::Config {
 mod tests {
     use super::*;
 
+    /// Why `plan_at` refuses a mount with the options `list`, before it looks at a server.
+    fn refusal(list: &str) -> String {
+        let mut options = MountOptions::default();
+        options.apply_list(list).unwrap();
+        match plan_at("http://127.0.0.1:9/d", Path::new("/nonexistent"), options, false) {
+            Ok(_) => panic!("{list} was planned"),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
     #[test]
     fn fuse_rings_are_refused_under_a_supervisor() {
-        let mut options = MountOptions::default();
-        options.apply_list("fuse_uring=on").unwrap();
-        let Err(e) = plan_at("http://127.0.0.1:9/d", Path::new("/nonexistent"), options, false) else {
-            panic!("fuse_uring=on was planned under a supervisor")
-        };
-        assert!(e.to_string().contains("fuse_uring=on needs supervise=false"), "{e:#}");
+        let e = refusal("fuse_uring=on");
+        assert!(e.contains("fuse_uring=on needs supervise=false"), "{e}");
     }
 
     /// `auto_unmount` without `allow_other` is refused in the mount's own words (fuser's were "auto_unmount
     /// requires acl != Owner").
     #[test]
     fn auto_unmount_without_allow_other_is_refused_saying_what_it_needs() {
-        let mut options = MountOptions::default();
-        options.apply_list("auto_unmount").unwrap();
-        let Err(e) = plan_at("http://127.0.0.1:9/d", Path::new("/nonexistent"), options, false) else {
-            panic!("planned")
-        };
-        assert!(e.to_string().contains("auto_unmount needs allow_other"), "{e:#}");
+        let e = refusal("auto_unmount");
+        assert!(e.contains("auto_unmount needs allow_other"), "{e}");
     }
 
     /// The server's plans end at epoch 999,999: a job that would read past it is refused at the mount, not
     /// with a server's 400 at its last epochs' reads.
     #[test]
     fn a_job_whose_epochs_run_past_the_last_is_refused() {
-        let mut options = MountOptions::default();
-        options.apply_list("first_epoch=999999,epochs=2").unwrap();
-        let Err(e) = plan_at("http://127.0.0.1:9/d", Path::new("/nonexistent"), options, false) else {
-            panic!("planned past the last epoch")
-        };
-        assert!(e.to_string().contains("first_epoch=999999 with epochs=2 runs past epoch 999999"), "{e:#}");
+        let e = refusal("first_epoch=999999,epochs=2");
+        assert!(e.contains("first_epoch=999999 with epochs=2 runs past epoch 999999"), "{e}");
     }
 }

@@ -82,7 +82,7 @@ impl Files for ObjectSource {
         let name = file.path.rsplit('/').next().unwrap_or(&file.path);
         if let Some(tier) = self.tier().filter(|t| file.size <= t.cap()) {
             // A copy the tier holds already (a restart that indexes again): linked, not read from the store.
-            if let Some(held) = self.held_copy(file) {
+            if let Some((held, _)) = self.held_copy(file) {
                 let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(tier.dir().join("staging"))?;
                 let path = dir.path().join(name);
                 std::fs::hard_link(held, &path)?;
@@ -129,9 +129,10 @@ impl Files for ObjectSource {
         // Small objects the tier holds a copy of are read from there, not from the store.
         let mut fetched = Vec::with_capacity(small.len());
         for i in small {
-            match self.held_copy(&files[i]).and_then(|path| std::fs::read(path).ok()) {
-                Some(bytes) if bytes.len() as u64 == files[i].size => each(i, &bytes)?,
-                _ => fetched.push(i),
+            match self.held_copy(&files[i]) {
+                // The mapping its check read: the copy is not read a second time.
+                Some((_, map)) => each(i, map.bytes())?,
+                None => fetched.push(i),
             }
         }
         let small = fetched;
@@ -174,12 +175,12 @@ impl Files for ObjectSource {
 }
 
 impl ObjectSource {
-    /// The disk tier's copy of `file`, where it holds one and the object's ETag is the MD5 of its bytes
+    /// The disk tier's copy of `file` (its path, and the mapping its check read), where it holds one and the object's ETag is the MD5 of its bytes
     /// (a single-part upload's) and the copy has them: what indexing reads instead of the store when a
     /// server starts again without its index (or with objects' dates changed), so a restart over a full
     /// tier reads nothing from the store. A copy that differs is removed; an object whose ETag is no MD5
     /// (a multipart upload's) cannot be checked before an index exists, and is read from the store.
-    fn held_copy(&self, file: &ShardInfo) -> Option<PathBuf> {
+    fn held_copy(&self, file: &ShardInfo) -> Option<(PathBuf, batchfs::mmap::MappedFile)> {
         let tier = self.tier()?;
         let etag = file.etag.to_string();
         etag_md5(&etag)?;
@@ -189,7 +190,7 @@ impl ObjectSource {
         if map.bytes().len() as u64 == file.size && matches_etag(&etag, map.bytes()) {
             // Indexed from these very bytes: the index they are checked against before serving agrees.
             tier.mark_checked(&name);
-            return Some(path);
+            return Some((path, map));
         }
         tier.remove(&name, "differs from its object's MD5 (its ETag)");
         None
