@@ -175,11 +175,12 @@ impl Files for ObjectSource {
 }
 
 impl ObjectSource {
-    /// The disk tier's copy of `file` (its path, and the mapping its check read), where it holds one and the object's ETag is the MD5 of its bytes
-    /// (a single-part upload's) and the copy has them: what indexing reads instead of the store when a
-    /// server starts again without its index (or with objects' dates changed), so a restart over a full
-    /// tier reads nothing from the store. A copy that differs is removed; an object whose ETag is no MD5
-    /// (a multipart upload's) cannot be checked before an index exists, and is read from the store.
+    /// The disk tier's copy of `file` (its path, and the mapping its check read), where it holds one and the
+    /// object's ETag is the MD5 of its bytes (a single-part upload's) and the copy has them: what indexing
+    /// reads instead of the store when a server starts again without its index (or with objects' dates
+    /// changed), so a restart over a full tier reads nothing from the store. A copy that differs is removed; an
+    /// object whose ETag is no MD5 (a multipart upload's) cannot be checked before an index exists, and is read
+    /// from the store.
     fn held_copy(&self, file: &ShardInfo) -> Option<(PathBuf, batchfs::mmap::MappedFile)> {
         let tier = self.tier()?;
         let etag = file.etag.to_string();
