@@ -23,7 +23,7 @@ mod http;
 mod tls;
 mod wire;
 pub use crate::buffers::{Body, Sink};
-pub use http::{parse_url, HttpClient, HttpConfig, UrlError};
+pub use http::{check_url_parts, parse_url, HttpClient, HttpConfig, UrlError};
 
 /// What the server sends for one object: its size and CRC32C (from the manifest, or the file list).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -134,9 +134,16 @@ mod value {
     pub fn servers(v: &str) -> Result<Vec<String>, Refusal> {
         let urls: Vec<String> =
             v.split(';').filter(|s| !s.is_empty()).map(|s| s.trim_end_matches('/').to_owned()).collect();
-        match urls.iter().all(|u| u.starts_with("http://") || u.starts_with("https://")) {
+        let base = |u: &String| {
+            (u.starts_with("http://") || u.starts_with("https://"))
+                && crate::client::check_url_parts(u).is_ok()
+                && u.split_once("://").is_some_and(|(_, rest)| !rest.is_empty() && !rest.contains('/'))
+        };
+        match urls.iter().all(base) {
             true => Ok(urls),
-            false => Err(Refusal::Expected("`;`-separated base URLs, e.g. http://a:8080;http://b:8080")),
+            false => Err(Refusal::Expected(
+                "`;`-separated base URLs without a path, credentials or query, e.g. http://a:8080;http://b:8080",
+            )),
         }
     }
 
@@ -536,6 +543,9 @@ mod tests {
             "timeout=0",
             "stall_timeout=0s",
             "servers=foo",
+            "servers=http://a:1;http://u:p@b:2",
+            "servers=http://a:1/ds",
+            "servers=http://a:1?x=1",
         ];
         for bad in bad {
             assert!(MountOptions::default().apply_list(bad).is_err(), "{bad}");

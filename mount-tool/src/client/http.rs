@@ -55,6 +55,25 @@ pub enum UrlError {
     NoDataset(String),
     #[error("{0:?}: malformed dataset name")]
     DatasetName(String),
+    #[error("{0:?}: a user or password in the URL is not used (and /proc/mounts would show it): give the token in token_file=")]
+    Credentials(String),
+    #[error("{0:?}: a URL with a query or fragment (`?`, `#`): the URL is http(s)://host:port/DATASET, a `?` in a name is %3F")]
+    Query(String),
+}
+
+/// Refuses what a server's base URL `host` part (or a dataset URL's) must not hold: credentials, which
+/// nothing would send and the mount table would show every user, and a query or fragment, which would
+/// be taken for part of the name.
+pub fn check_url_parts(url: &str) -> Result<(), UrlError> {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let host = rest.split('/').next().unwrap_or_default();
+    if host.contains('@') {
+        return Err(UrlError::Credentials(url.to_owned()));
+    }
+    if rest.contains(['?', '#']) {
+        return Err(UrlError::Query(url.to_owned()));
+    }
+    Ok(())
 }
 
 /// Splits `http(s)://host:port/DATASET` into the server base URL and the dataset name.
@@ -63,6 +82,7 @@ pub fn parse_url(url: &str) -> Result<(String, String), UrlError> {
     if scheme != "http" && scheme != "https" {
         return Err(UrlError::Scheme(url.to_owned()));
     }
+    check_url_parts(url)?;
     let (host, dataset) = rest.split_once('/').ok_or_else(|| UrlError::NoDataset(url.to_owned()))?;
     let dataset = dataset.trim_end_matches('/');
     if host.is_empty() || dataset.is_empty() || dataset.contains('/') {
@@ -331,8 +351,19 @@ mod tests {
     fn urls() {
         assert_eq!(parse_url("http://storage:7878/imagenet"), Ok(("http://storage:7878".into(), "imagenet".into())));
         assert_eq!(parse_url("https://h/a%20b/"), Ok(("https://h".into(), "a b".into())));
+        assert_eq!(parse_url("http://h/a%3Fb%23c"), Ok(("http://h".into(), "a?b#c".into())));
         for bad in ["storage:7878/x", "ftp://h/x", "http://h", "http://h/", "http:///x", "http://h/a/b"] {
             assert!(parse_url(bad).is_err(), "{bad}");
+        }
+        for (bad, credentials) in [
+            ("http://u:p@h/x", true),
+            ("https://token@h:1/x", true),
+            ("http://h/x?y=1", false),
+            ("http://h/x#y", false),
+        ] {
+            let e = parse_url(bad).unwrap_err();
+            assert_eq!(matches!(e, UrlError::Credentials(_)), credentials, "{bad}: {e}");
+            assert_eq!(matches!(e, UrlError::Query(_)), !credentials, "{bad}: {e}");
         }
     }
 
