@@ -63,19 +63,23 @@ pub struct MountArgs {
     /// Stay in the foreground (otherwise return once the mount is ready).
     #[arg(long, short)]
     pub foreground: bool,
+    /// Samples per batch (the plan, shared with the server). [default: 256]
     #[arg(long, help_heading = "Plan", value_name = "N")]
     pub batch_size: Option<String>,
+    /// The shuffle's seed. [default: 0]
     #[arg(long, help_heading = "Plan", value_name = "N")]
     pub seed: Option<String>,
-    /// global, none or blocks (each object read once an epoch, block_bytes of objects at a time)
+    /// global, none or blocks (each object read once an epoch, block_bytes of objects at a time).
+    /// [default: global]
     #[arg(long, help_heading = "Plan", value_name = "MODE")]
     pub shuffle: Option<String>,
     /// With shuffle=blocks: the most bytes of objects in use at once (default: the server's)
     #[arg(long, help_heading = "Plan", value_name = "SIZE")]
     pub block_bytes: Option<String>,
+    /// Drop an epoch's partial last batch. [default: off]
     #[arg(long, help_heading = "Plan")]
     pub drop_last: bool,
-    /// tfrecord or tar
+    /// tfrecord (with .tfrecord.idx twins) or tar. [default: tfrecord]
     #[arg(long, help_heading = "Plan", value_name = "FORMAT")]
     pub format: Option<String>,
     #[command(flatten)]
@@ -387,4 +391,32 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
         ));
     }
     rows.iter().map(|(k, v)| format!("{k:<20} {v}\n")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// The plan's long flags say the defaults the core plans with (they are not clap defaults: a flag
+    /// given overrides `-o`, one left out must not).
+    #[test]
+    fn mount_help_says_the_plan_s_defaults() {
+        let mut cli = Cli::command();
+        let help = cli.find_subcommand_mut("mount").unwrap().render_long_help().to_string();
+        let plan = batchfs::plan::PlanOptions::default();
+        let format = MountOptions::default().format;
+        for (flag, default) in [
+            ("--batch-size", plan.batch_size.to_string()),
+            ("--seed", plan.seed.to_string()),
+            ("--shuffle", plan.shuffle.to_string()),
+            ("--drop-last", if plan.drop_last { "on" } else { "off" }.to_owned()),
+            ("--format", format.as_str().to_owned()),
+        ] {
+            let at = help.find(flag).unwrap_or_else(|| panic!("{flag} not in the help"));
+            let entry = &help[at..];
+            let entry = &entry[..entry[2..].find("\n      --").map_or(entry.len(), |end| end + 2)];
+            assert!(entry.contains(&format!("[default: {default}]")), "{flag}: {entry}");
+        }
+    }
 }
