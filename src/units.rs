@@ -3,12 +3,12 @@
 //! for every side.
 
 /// Parses a byte size: a number with an optional `K`/`M`/`G`/`T` suffix (binary multiples; `KB`, `KiB`,
-/// `MB`, `MiB`... are accepted as the same) or a plain number of bytes.
+/// `MB`, `MiB`... are accepted as the same; a decimal before one, `1.5M`, rounds down to whole bytes) or a
+/// plain number of bytes.
 pub fn parse_size(s: &str) -> Result<u64, UnitError> {
     let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| UnitError::NotASize(s.to_owned()))?;
     let mult: u64 = match suffix.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -17,7 +17,19 @@ pub fn parse_size(s: &str) -> Result<u64, UnitError> {
         "t" | "tb" | "tib" => 1 << 40,
         _ => return Err(UnitError::SizeSuffix(s.to_owned())),
     };
-    n.checked_mul(mult).ok_or_else(|| UnitError::TooLarge(s.to_owned()))
+    // `1.5M`: a decimal fraction of a unit, whole bytes (rounded down); bytes themselves take none.
+    let (whole, fraction) = num.split_once('.').unwrap_or((num, ""));
+    let digits = |d: &str| !d.is_empty() && d.len() <= 18 && d.bytes().all(|c| c.is_ascii_digit());
+    if !digits(whole) || (num.contains('.') && (!digits(fraction) || mult == 1)) {
+        return Err(UnitError::NotASize(s.to_owned()));
+    }
+    let too_large = || UnitError::TooLarge(s.to_owned());
+    let n: u64 = whole.parse().map_err(|_| too_large())?;
+    let part = match fraction {
+        "" => 0,
+        f => (u128::from(mult) * f.parse::<u128>().unwrap_or(0) / 10u128.pow(f.len() as u32)) as u64,
+    };
+    n.checked_mul(mult).and_then(|b| b.checked_add(part)).ok_or_else(too_large)
 }
 
 /// Parses a duration: a number with `ms`, `s`, `m` or `h` (a bare number means seconds).
@@ -48,7 +60,7 @@ pub fn parse_switch(s: &str) -> Result<bool, UnitError> {
 /// A size, duration or switch that does not parse (the text as given).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UnitError {
-    #[error("{0:?} is not a size (e.g. 1048576, 64K, 16M, 2G)")]
+    #[error("{0:?} is not a size (e.g. 1048576, 64K, 1.5M, 2G)")]
     NotASize(String),
     #[error("{0:?} has an unknown size suffix (use K, M, G or T)")]
     SizeSuffix(String),
@@ -88,6 +100,13 @@ mod tests {
         assert_eq!(parse_size("16M"), Ok(16 << 20));
         assert_eq!(parse_size("2GiB"), Ok(2 << 30));
         assert_eq!(parse_size("64k"), Ok(64 << 10));
+        assert_eq!(parse_size("1.5M"), Ok(3 << 19));
+        assert_eq!(parse_size("0.25G"), Ok(1 << 28));
+        assert_eq!(parse_size("0.1K"), Ok(102));
+        assert_eq!(parse_size(" 2.M "), Err(UnitError::NotASize(" 2.M ".into())));
+        for bad in ["1.5", "1.5B", ".5M", "1..5M", "1.5.1M", "", "M"] {
+            assert_eq!(parse_size(bad), Err(UnitError::NotASize(bad.into())), "{bad}");
+        }
         assert!(parse_size("12Q").is_err());
         assert!(parse_size("-1").is_err());
         assert!(parse_size("99999999999T").is_err());
