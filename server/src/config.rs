@@ -271,13 +271,34 @@ pub struct DatasetSpec {
     #[serde(default)]
     pub format: Option<SourceFormat>,
     /// Settings of an `s3://` dataset's store (`endpoint`, `region`, `access_key_id`, ...: the keys of
-    /// `object_store`'s S3 builder), over the `AWS_*` environment.
-    #[serde(default)]
+    /// `object_store`'s S3 builder), over the `AWS_*` environment. A value is a string, or a switch or
+    /// number written bare (`allow_http = true`), taken as its text.
+    #[serde(default, deserialize_with = "settings")]
     pub s3: std::collections::BTreeMap<String, String>,
     /// An `s3://` dataset's index is kept in its bucket too (`PREFIX/.batchfs-index`) and reused from
     /// there.
     #[serde(default)]
     pub index_in_bucket: bool,
+}
+
+/// A table of store settings whose values are strings, switches or numbers: each as its text.
+fn settings<'de, D: serde::Deserializer<'de>>(d: D) -> Result<std::collections::BTreeMap<String, String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Scalar {
+        Text(String),
+        Switch(bool),
+        Integer(i64),
+        Float(f64),
+    }
+    let table = std::collections::BTreeMap::<String, Scalar>::deserialize(d)?;
+    let text = |v| match v {
+        Scalar::Text(s) => s,
+        Scalar::Switch(b) => b.to_string(),
+        Scalar::Integer(i) => i.to_string(),
+        Scalar::Float(f) => f.to_string(),
+    };
+    Ok(table.into_iter().map(|(k, v)| (k, text(v))).collect())
 }
 
 impl std::str::FromStr for DatasetSpec {
@@ -380,6 +401,12 @@ mod tests {
         let s3 = file.datasets.iter().find(|d| d.path.starts_with("s3:")).expect("an s3:// dataset");
         assert_eq!(s3.s3.get("allow_http").map(String::as_str), Some("true"));
         assert!(s3.index_in_bucket);
+        // Switches and numbers may be written bare; a table or list is no setting.
+        let bare = "[[dataset]]\nname = \"d\"\npath = \"s3://b/p\"\ns3 = { allow_http = true, retries = 3 }\n";
+        let bare: ConfigFile = toml::from_str(bare).unwrap();
+        let s3 = &bare.datasets[0].s3;
+        assert_eq!((s3["allow_http"].as_str(), s3["retries"].as_str()), ("true", "3"));
+        assert!(toml::from_str::<ConfigFile>("[[dataset]]\nname = \"d\"\npath = \"p\"\ns3 = { a = [1] }\n").is_err());
         assert!(file.datasets.iter().filter(|d| !d.path.starts_with("s3:")).all(|d| d.s3.is_empty()));
         let mut limits = ServerLimits::default();
         file.limits.apply(&mut limits).unwrap();
