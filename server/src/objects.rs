@@ -170,6 +170,31 @@ pub struct ObjectCounters {
     pub tier_hit_bytes: AtomicU64,
     /// Of those, bytes read by the direct path of local shards (copies read with `O_DIRECT`).
     pub tier_direct_bytes: AtomicU64,
+    /// GETs that failed on the way (`object_store`'s own retries spent, or a body cut short) and were made
+    /// again.
+    pub retried_gets: AtomicU64,
+    /// When a retried GET was last logged, and `retried_gets` then: one warning per [`RETRY_LOG_EVERY`].
+    retries_logged: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
+}
+
+/// A store failing GETs is logged at most this often (with how many failed since), not once per GET.
+pub const RETRY_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl ObjectCounters {
+    /// Counts a GET made again after `error`, and says so at most once per [`RETRY_LOG_EVERY`]: a store
+    /// that stalls or resets is seen at the default level, and a long outage does not flood the log.
+    /// Returns whether this one was logged.
+    pub fn retried(&self, dataset: &str, error: &dyn std::fmt::Display) -> bool {
+        let total = self.retried_gets.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let mut logged = self.retries_logged.lock().expect("retries_logged");
+        let (at, then) = *logged;
+        if at.is_some_and(|at| at.elapsed() < RETRY_LOG_EVERY) {
+            return false;
+        }
+        *logged = (Some(std::time::Instant::now()), total);
+        tracing::warn!(%dataset, %error, failed = total - then, "GETs of the store failed: asking again");
+        true
+    }
 }
 
 /// How many times a unit is read before its failing checksum is an error.
@@ -787,6 +812,18 @@ mod tests {
         }
     }
 
+    /// GETs made again are each counted, and logged once per [`RETRY_LOG_EVERY`] (a store failing every
+    /// GET logged each at debug only was silent at the default level).
+    #[test]
+    fn retried_gets_are_counted_and_logged_at_most_once_in_a_while() {
+        let counters = ObjectCounters::default();
+        assert!(counters.retried("s3://b/ds", &"timed out"));
+        assert!(!counters.retried("s3://b/ds", &"timed out"));
+        assert_eq!(counters.retried_gets.load(Ordering::Relaxed), 2);
+        counters.retries_logged.lock().unwrap().0 = std::time::Instant::now().checked_sub(RETRY_LOG_EVERY);
+        assert!(counters.retried("s3://b/ds", &"reset"), "logged again once the interval passed");
+    }
+
     /// A fetch that fails leaves in the block cache the entry another body put there for the same unit
     /// after its own was evicted: that body's checked bytes stay cached, and the next read of the unit is
     /// a hit. (It removed the entry by key, whoever's it was, and the unit was read again.)
@@ -885,6 +922,7 @@ mod tests {
             assert_eq!(faults, 0, "every fault met");
             // The changed bodies failed their chunk's check and were copied again; the cut ones asked again.
             assert_eq!(source.counters.bad_checksums.load(Ordering::Relaxed), 2);
+            assert_eq!(source.counters.retried_gets.load(Ordering::Relaxed), 2);
             for shard in &ds.index.shards {
                 let (copy, _) = tier.get(&source.tier_name(shard)).unwrap();
                 // Written past the page cache, no page of the copy is in it.

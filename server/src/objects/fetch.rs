@@ -509,7 +509,9 @@ impl ObjectSource {
             };
             match result {
                 Err(ReadError::Io(e)) if tokio::time::Instant::now() + backoff < deadline => {
-                    tracing::debug!(dataset = %self.bucket.url, error = %e, "a GET failed: asking again");
+                    if !self.counters.retried(&self.bucket.url, &e) {
+                        tracing::debug!(dataset = %self.bucket.url, error = %e, "a GET failed: asking again");
+                    }
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(2));
                 }
