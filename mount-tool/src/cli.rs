@@ -38,8 +38,8 @@ pub enum Command {
         /// A directory of a batchfs mount (`raw/...` or `shuffled/CLASS`), or http(s)://host:port/DATASET
         target: String,
         /// Options as key=value[,key=value...]: cache_dir (required with a URL; a mount's own by default),
-        /// cache_dir_size, seed, first_epoch (the plan whose order it warms in), token_file, ca_file,
-        /// connections, servers
+        /// cache_dir_size, seed, shuffle, first_epoch (the plan whose order it warms in), token_file,
+        /// ca_file, connections, servers, stall_timeout, keepalive, frame_size; a mount's others refused
         #[arg(short = 'o', value_name = "OPTIONS")]
         options: Vec<String>,
     },
@@ -150,10 +150,7 @@ pub fn run() -> Result<()> {
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
         Command::Warm { target, options } => {
             init_tracing(None, "warn");
-            let mut o = MountOptions::default();
-            for list in &options {
-                o.apply_list(list)?;
-            }
+            let mut o = warm_options(&options)?;
             let (url, dir) = warm_target(&target, &mut o)?;
             let failed = crate::warm::command(&url, &dir, &o)?;
             if failed > 0 {
@@ -163,6 +160,38 @@ pub fn run() -> Result<()> {
         }
         Command::Stats { mountpoint, json } => stats(&mountpoint, json),
     }
+}
+
+/// The options `batchfs warm` uses, as `-o` lists: one it has no use for (a mount's, such as `prefetch`)
+/// is refused, not silently ignored.
+pub const WARM_OPTIONS: [&str; 12] = [
+    "cache_dir",
+    "cache_dir_size",
+    "seed",
+    "shuffle",
+    "first_epoch",
+    "token_file",
+    "ca_file",
+    "connections",
+    "servers",
+    "stall_timeout",
+    "keepalive",
+    "frame_size",
+];
+
+/// `batchfs warm`'s `-o` lists, parsed as a mount's; only [`WARM_OPTIONS`] taken.
+fn warm_options(lists: &[String]) -> Result<MountOptions> {
+    let mut o = MountOptions::default();
+    for list in lists {
+        for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let key = item.split_once('=').map_or(item, |(k, _)| k);
+            if !WARM_OPTIONS.contains(&key) {
+                bail!("batchfs warm does not use option {key:?} (it takes {})", WARM_OPTIONS.join(", "));
+            }
+        }
+        o.apply_list(list)?;
+    }
+    Ok(o)
 }
 
 /// What `batchfs warm TARGET` warms: a URL's whole dataset, or, for a directory of a batchfs mount, that
@@ -418,5 +447,16 @@ mod tests {
             let entry = &entry[..entry[2..].find("\n      --").map_or(entry.len(), |end| end + 2)];
             assert!(entry.contains(&format!("[default: {default}]")), "{flag}: {entry}");
         }
+    }
+
+    #[test]
+    fn warm_takes_the_options_it_uses_and_refuses_a_mount_s() {
+        let o = warm_options(&["cache_dir=/nvme/c,seed=7".into(), "first_epoch=2".into()]).unwrap();
+        assert_eq!((o.plan.seed, o.first_epoch), (7, 2));
+        for mount_s in ["cache_dir=/c,prefetch=4", "batch_size=64", "allow_other"] {
+            let e = warm_options(&[mount_s.into()]).unwrap_err().to_string();
+            assert!(e.contains("does not use option"), "{mount_s}: {e}");
+        }
+        assert!(warm_options(&["seed=x".into()]).is_err(), "a value still checked");
     }
 }
