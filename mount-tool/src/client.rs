@@ -114,11 +114,12 @@ pub trait BatchClient: Send + Sync + 'static {
     /// `first_epoch..first_epoch + epochs` (see [`batchfs::rolling`]).
     fn slot_table(&self, first_epoch: u64, epochs: u64) -> BoxFut<'_, Result<SlotTable, ClientError>>;
     /// The body `request` names (unverified), appended to `into` (an empty buffer with room for the whole
-    /// body, usually reused memory, or an empty memory file), which is returned. `expect` is the size the
-    /// manifest (or the sample or file table) announced: a response that says or sends more is cut off with
-    /// an error rather than buffered. `attempt` counts retries, so a client with several servers can try
-    /// another one.
-    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: u64) -> BodyFut<'_>;
+    /// body, usually reused memory, or an empty memory file), which is returned. `expect` is the size and
+    /// CRC32C the manifest (or the sample or file table) announced: a response that says or sends more is
+    /// cut off with an error rather than buffered, and one whose bytes differ is [`ClientError::Corrupt`]
+    /// where the client can tell (the HTTP client: counted against the server that sent it). `attempt`
+    /// counts retries, so a client with several servers can try another one.
+    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_>;
     /// Every sample's label, data size and CRC32C (for `shuffled/`).
     fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>>;
 }

@@ -222,7 +222,7 @@ async fn fetch_group(
             tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
         }
         let into = Sink::Buffer(Filling::new(Vec::new(), (total.bytes, total.crc32c), None, || {}));
-        let body = match client.fetch_body(&request, attempt, into, total.bytes).await {
+        let body = match client.fetch_body(&request, attempt, into, total).await {
             Ok(body) => body,
             Err(e) => {
                 last = Some(WarmError::Client(e));

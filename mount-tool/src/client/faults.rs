@@ -2,7 +2,7 @@
 //! against a real server): each fetch takes the next queued [`Failure`], if any. Descriptions, manifests
 //! and lists pass through. Compiled for tests, and with the `testing` feature.
 
-use super::{BatchClient, BodyFut, BoxFut, ClientError, Request, Sink};
+use super::{BatchClient, BodyFut, BoxFut, ClientError, Request, Sent, Sink};
 use batchfs::api::{DatasetInfo, FileList, Manifest, SampleTable, SlotTable};
 use batchfs::encode::BatchFormat;
 use std::collections::VecDeque;
@@ -94,7 +94,7 @@ impl<C: BatchClient> BatchClient for FaultClient<C> {
         self.inner.slot_table(first_epoch, epochs)
     }
 
-    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: u64) -> BodyFut<'_> {
+    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
         let request = request.clone();
         Box::pin(async move {
             self.next().await?;

@@ -7,7 +7,7 @@
 use super::connect::{Connector, Stream};
 use super::health::{Health, InFlight};
 use super::wire::{Ask, Got, KeepAlive, Reply, Target, Wire, INBOX};
-use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sink};
+use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sent, Sink};
 use batchfs::api::{
     self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SampleTable, SlotTable,
 };
@@ -209,7 +209,7 @@ impl BatchClient for HttpClient {
         Box::pin(async move { self.json(&path).await })
     }
 
-    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: u64) -> BodyFut<'_> {
+    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
         let attempt = attempt as usize;
         let dataset = &self.config.dataset;
         // Which server answers: ties between idle servers rotate by what is asked for (a retry finds the
@@ -226,7 +226,7 @@ impl BatchClient for HttpClient {
             Request::File { path, offset } => {
                 let spread = path.len().wrapping_add((offset / batchfs::index::CHUNK_BYTES) as usize);
                 // An empty file has no range to ask for.
-                (spread, api::file_path(dataset, path), (expect > 0).then_some((*offset, expect)))
+                (spread, api::file_path(dataset, path), (expect.bytes > 0).then_some((*offset, expect.bytes)))
             }
         };
         Box::pin(async move { self.fetch(spread.wrapping_add(attempt), &path, range, into, expect).await })
@@ -261,19 +261,33 @@ fn refused(flight: InFlight<'_>, server: String, status: u16, retry_after: Optio
 }
 
 impl HttpClient {
-    /// A whole response body of at most `expect` bytes, received into `body`, or of the `(offset, len)`
-    /// range of the resource if given (a server that answers a range from a non-zero offset with the whole
-    /// resource is refused, not trusted); a response with no bytes for `stall_timeout` is abandoned.
+    /// A whole response body of at most `expect.bytes` bytes, received into `body`, or of the `(offset,
+    /// len)` range of the resource if given (a server that answers a range from a non-zero offset with the
+    /// whole resource is refused, not trusted); a response with no bytes for `stall_timeout` is abandoned.
+    /// A body whose size or CRC32C is not `expect`'s counts against its server, as a failed transfer does,
+    /// and is [`ClientError::Corrupt`].
     async fn fetch(
         &self,
         spread: usize,
         path_and_query: &str,
         range: Option<(u64, u64)>,
         body: Sink,
-        expect: u64,
+        expect: Sent,
     ) -> Result<Body, ClientError> {
-        let (flight, _, got) = self.send(spread, path_and_query, range, Target::Sink(body), expect).await?;
+        let (flight, server, got) = self.send(spread, path_and_query, range, Target::Sink(body), expect.bytes).await?;
         let Got::Body(body) = got else { unreachable!("a body asked for into a sink comes in it") };
+        if body.sink.len() != expect.bytes || body.crc32c != expect.crc32c {
+            flight.failed();
+            let why = format!(
+                "{path_and_query}: {} bytes with CRC32C {:08x}, where {} bytes with {:08x} were announced",
+                body.sink.len(),
+                body.crc32c,
+                expect.bytes,
+                expect.crc32c
+            );
+            let cause = Arc::new(std::io::Error::new(std::io::ErrorKind::InvalidData, why));
+            return Err(ClientError::Corrupt { server, cause });
+        }
         flight.succeeded(body.sink.len());
         Ok(body)
     }
@@ -417,9 +431,10 @@ mod tests {
     #[tokio::test]
     async fn a_body_longer_than_the_manifest_says_is_cut_off() {
         let body: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        let crc = crc32c::crc32c(&body);
         let fetch = |server: String, expect: u64| async move {
             let sink = Sink::Buffer(Filling::new(Vec::new(), (expect, 0), None, || {}));
-            client_of(server).fetch_body(&BATCH_0, 0, sink, expect).await
+            client_of(server).fetch_body(&BATCH_0, 0, sink, Sent { bytes: expect, crc32c: crc }).await
         };
         // The announced length is checked before any byte is read.
         let err = fetch(h2c_server(body.clone(), Some(3000)).await, 1000).await.unwrap_err();
@@ -430,11 +445,18 @@ mod tests {
         // Without a length, reading stops at the expected size.
         let err = fetch(h2c_server(body.clone(), None).await, 1000).await.unwrap_err();
         assert!(matches!(&err, ClientError::Malformed { message, .. } if message.contains("ran past 1000")), "{err}");
-        // The expected size, or less (the checksum catches a short body), is read whole with its CRC.
-        for expect in [3000, 5000] {
-            let got = fetch(h2c_server(body.clone(), None).await, expect).await.unwrap();
-            let Sink::Buffer(filled) = got.sink else { panic!("a buffer") };
-            assert_eq!((filled.finish(), got.crc32c), (bytes::Bytes::from(body.clone()), crc32c::crc32c(&body)));
+        // The expected size is read whole with its CRC.
+        let got = fetch(h2c_server(body.clone(), None).await, 3000).await.unwrap();
+        let Sink::Buffer(filled) = got.sink else { panic!("a buffer") };
+        assert_eq!((filled.finish(), got.crc32c), (bytes::Bytes::from(body.clone()), crc));
+        // A body shorter than announced, or with other bytes, is corrupt, and counts against its server.
+        for (expect, crc) in [(5000, crc), (3000, crc ^ 1)] {
+            let client = client_of(h2c_server(body.clone(), None).await);
+            let sink = Sink::Buffer(Filling::new(Vec::new(), (expect, 0), None, || {}));
+            let err = client.fetch_body(&BATCH_0, 0, sink, Sent { bytes: expect, crc32c: crc }).await.unwrap_err();
+            assert!(matches!(&err, ClientError::Corrupt { .. }), "{err}");
+            let s = &client.health().snapshot()[0];
+            assert_eq!((s.failures, s.taken_out), (1, 1), "{s:?}");
         }
     }
 
@@ -467,7 +489,8 @@ mod tests {
             let got: ErrorBody = client.json("/v1/anything").await.unwrap();
             assert_eq!(got.error.len(), 300_000);
             let sink = Sink::Buffer(Filling::new(Vec::new(), (reply.len() as u64, 0), None, || {}));
-            let body = client.fetch_body(&BATCH_0, 0, sink, reply.len() as u64).await.unwrap();
+            let expect = Sent { bytes: reply.len() as u64, crc32c: crc32c::crc32c(&reply) };
+            let body = client.fetch_body(&BATCH_0, 0, sink, expect).await.unwrap();
             assert_eq!(body.crc32c, crc32c::crc32c(&reply));
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
@@ -516,7 +539,7 @@ mod tests {
         let client = client_of(server);
         let fetch = || {
             let sink = Sink::Buffer(Filling::new(Vec::new(), (1000, 0), None, || {}));
-            client.fetch_body(&BATCH_0, 0, sink, 1000)
+            client.fetch_body(&BATCH_0, 0, sink, Sent { bytes: 1000, crc32c: crc32c::crc32c(&body) })
         };
         let err = fetch().await.unwrap_err();
         assert!(err.is_retryable(), "{err}");

@@ -3,7 +3,7 @@
 //! Failures that send nothing are [`super::FaultClient`]'s, in front of it. Compiled for tests, and with
 //! the `testing` feature.
 
-use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sink};
+use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sent, Sink};
 use batchfs::api::{self, BatchEntry, DatasetInfo, FileList, Manifest, SampleTable, SlotTable};
 use batchfs::encode::BatchFormat;
 use bytes::Bytes;
@@ -99,11 +99,11 @@ impl BatchClient for MemoryClient {
         })
     }
 
-    fn fetch_body(&self, request: &Request, _attempt: u32, into: Sink, expect: u64) -> BodyFut<'_> {
+    fn fetch_body(&self, request: &Request, _attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
         match request {
             Request::Batch { epoch, batch, format } => self.batch_body(*epoch, *batch, *format, into),
             Request::Samples(ids) => self.samples_body(ids, into),
-            Request::File { path, offset } => self.file_body(path, *offset, into, expect),
+            Request::File { path, offset } => self.file_body(path, *offset, into, expect.bytes),
         }
     }
 

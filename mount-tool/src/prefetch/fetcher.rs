@@ -158,7 +158,7 @@ impl Fetcher {
             async move {
                 let into = into.map_err(Failure::Memory)?;
                 let request = request.ok_or_else(|| Failure::Fatal(ReadError::NotFound(key.to_string())))?;
-                let body = client.fetch_body(&request, attempt, into, meta.bytes).await.map_err(|e| match e {
+                let body = client.fetch_body(&request, attempt, into, meta).await.map_err(|e| match e {
                     ClientError::Corrupt { server, cause } => {
                         Failure::Mismatch(format!("{key} from {server}: {cause}"))
                     }
