@@ -97,7 +97,7 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
         None => (mount(plan, config)?, false),
     };
     let signals = Signals::block()?;
-    let exe = std::env::current_exe().context("cannot tell which program to start workers from")?;
+    let exe = installed(std::env::current_exe().context("cannot tell which program to start workers from")?);
     // A mount taken over from systemd is without service since its last supervisor died (when, is not
     // known here: counted from now).
     let died_at = adopted.then(Instant::now);
@@ -112,7 +112,18 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
         dying: Vec::new(),
         failing: None,
     };
-    supervisor.start_worker()?;
+    // A first worker killed before it said it serves (by the OOM killer, or by hand) is replaced, as a
+    // later one is, a few times; one that says why it cannot serve fails the mount.
+    let mut killed = 0;
+    while let Err(e) = supervisor.start_worker() {
+        match e.downcast_ref::<NotServing>() {
+            Some(n) if n.killed && killed < FIRST_WORKER_KILLS => {
+                killed += 1;
+                tracing::warn!(error = %e, "the first worker was killed before it served: starting another");
+            }
+            _ => return Err(e),
+        }
+    }
     // Ready once a worker serves.
     if let Err(e) = store_with_systemd(&supervisor.held) {
         tracing::warn!(error = %e, "cannot store the mount with systemd: a restart of this unit unmounts");
@@ -217,6 +228,30 @@ struct Supervisor<'a> {
     failing: Option<Vec<u8>>,
 }
 
+/// The path a program was started from, where Linux names it `PATH (deleted)` once the file there was
+/// replaced (a package upgrade while the mount was being checked): workers start from what is installed
+/// at that path now.
+fn installed(exe: PathBuf) -> PathBuf {
+    match exe.to_str().and_then(|s| s.strip_suffix(" (deleted)")) {
+        Some(path) => PathBuf::from(path),
+        None => exe,
+    }
+}
+
+/// How many first workers killed before they serve a mount replaces before it fails.
+const FIRST_WORKER_KILLS: u32 = 3;
+
+/// A worker that ended before it served the mount: what it said (`error: ...`), or nothing, and how it
+/// ended. `killed`: by a signal, before saying anything or its time to say it was up.
+#[derive(Debug, thiserror::Error)]
+#[error("the worker ({exe}) did not serve the mount: {why} ({status})")]
+struct NotServing {
+    exe: String,
+    why: String,
+    status: std::process::ExitStatus,
+    killed: bool,
+}
+
 /// A read of the FUSE connection holds the largest request (fuser's `max_write` of 16 MiB and a page).
 const FAIL_BUFFER: usize = (16 << 20) + 4096;
 
@@ -298,17 +333,23 @@ impl Supervisor<'_> {
         mine.set_read_timeout(Some(READY_WITHIN))?;
         let mut said = Vec::new();
         let mut buf = [0u8; 512];
-        while let Ok(n @ 1..) = mine.read(&mut buf) {
-            said.extend_from_slice(&buf[..n]);
+        let closed = loop {
+            match mine.read(&mut buf) {
+                Ok(0) => break true,
+                Ok(n) => said.extend_from_slice(&buf[..n]),
+                Err(_) => break false,
+            }
             if said == b"ready" {
                 return Ok(w);
             }
-        }
+        };
         let said = String::from_utf8_lossy(&said).into_owned();
         let _ = w.child.kill();
         let status = w.child.wait()?;
-        let why = said.strip_prefix("error: ").map(str::trim).unwrap_or("it exited before serving");
-        bail!("the worker ({}) did not serve the mount: {why} ({status})", exe.display())
+        use std::os::unix::process::ExitStatusExt;
+        let killed = closed && said.is_empty() && status.signal().is_some();
+        let why = said.strip_prefix("error: ").map(str::trim).unwrap_or("it exited before serving").to_owned();
+        Err(NotServing { exe: exe.display().to_string(), why, status, killed }.into())
     }
 
     /// Waits on signals: a worker that died is replaced, SIGHUP upgrades, SIGTERM/SIGINT unmount.
@@ -681,6 +722,12 @@ pub fn upgrade(dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn workers_start_from_the_path_installed_even_once_the_file_there_was_replaced() {
+        assert_eq!(installed("/usr/bin/batchfs (deleted)".into()), Path::new("/usr/bin/batchfs"));
+        assert_eq!(installed("/usr/bin/batchfs".into()), Path::new("/usr/bin/batchfs"));
+    }
 
     /// The supervisor's wait ends every [`LOOK_EVERY`] with no signal at all, so a worker whose exit no
     /// SIGCHLD announced is still found and replaced; a retry due sooner ends it sooner.

@@ -365,6 +365,48 @@ fn reads_fail_after_timeout_while_no_worker_can_start_and_work_once_one_can() {
     rt.block_on(server.running.shutdown());
 }
 
+/// The mount's first worker killed before it says it serves (a window of a moment at mount time, in which
+/// it may already answer requests) is replaced, as a later one is: the mount comes up. It failed the mount
+/// before ("the worker did not serve the mount"). The worker is started from the program installed at the
+/// supervisor's path, so a script put there while the supervisor checks the server (slowed by a link of
+/// 250 ms each way) is the first worker: it kills itself the first time, and runs the program after.
+#[test]
+fn a_first_worker_killed_before_it_serves_is_replaced_and_the_mount_comes_up() {
+    use batchfs_lab::netem::{start, Link};
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let link = Link { one_way: Duration::from_millis(250), jitter: Duration::ZERO, rate: None };
+    let netem = start("127.0.0.1:0".parse().unwrap(), server.running.local_addr(), link).unwrap();
+    let bin = tempfile::tempdir().unwrap();
+    let (installed, real, killed) = (bin.path().join("batchfs"), bin.path().join("real"), bin.path().join("killed"));
+    std::fs::copy(program(), &installed).unwrap();
+    std::fs::copy(program(), &real).unwrap();
+    let script = bin.path().join(".script");
+    let text = format!(
+        "#!/bin/sh\nif [ ! -e {k} ]; then touch {k}; kill -9 $$; fi\nexec {r} \"$@\"\n",
+        k = killed.display(),
+        r = real.display()
+    );
+    std::fs::write(&script, text).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let swap = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        std::fs::rename(&script, &installed).unwrap();
+    });
+    let m = Supervised::start(&bin.path().join("batchfs"), &format!("http://{}/d", netem.addr), "batch_size=8");
+    swap.join().unwrap();
+    assert!(killed.exists(), "the first worker ran the script:\n{}", m.log_text());
+    assert!(m.log_text().contains("the first worker was killed before it served"), "{}", m.log_text());
+    let want = manifest(&rt, &server.base, 0, "batch_size=8").batches[0].crc32c;
+    let batch = std::fs::read(m.mountpoint.join("epoch-0000/batch-000000.tfrecord")).unwrap();
+    assert_eq!(crc::crc32c(&batch), want);
+    let exe = std::fs::read_link(format!("/proc/{}/exe", m.worker())).unwrap();
+    assert_eq!(exe, real, "the second worker serves");
+    drop(m);
+    rt.block_on(server.running.shutdown());
+}
+
 #[test]
 fn a_worker_killed_ten_times_mid_epoch_is_replaced_and_every_read_completes() {
     killed_ten_times("passthrough=true", false);
