@@ -1,10 +1,14 @@
 //! The node cache (`cache_dir=PATH`): verified objects kept on a local disk, in front of the network and
 //! behind the memory cache, surviving remounts and restarts and shared by every mount on the node.
 //!
-//! **Keys are contents.** An object is filed under its size and CRC32C as the server lists them
-//! (`PATH/ab/abcdef01-SIZE`, `ab` the CRC's first byte): a file changed on the server has a new key, so
-//! nothing in the cache is ever stale, and two mounts of one dataset (pods of one job, or of several)
-//! find each other's objects. A file is written under a temporary name and renamed into place, so a reader
+//! **Keys are contents and names.** An object is filed under its size and CRC32C as the server lists them
+//! and which object of its dataset it is ([`Key`]: `PATH/ab/abcdef01-SIZE-ID`, `ab` the CRC's first byte,
+//! `ID` a hash of the dataset's name and the object's: a sample's id, a file's path, a batch's epoch, plan
+//! and number): a file changed on the server has a new key, so nothing in the cache is ever stale, and two
+//! mounts of one dataset (pods of one job, or of several) find each other's objects. The size and CRC
+//! alone are no name: two objects of one size share a CRC32C once in 2^32 pairs, which a dataset of a
+//! million chunks or batches of one size meets about a hundred times (the birthday bound), and a check of
+//! size and CRC cannot tell them apart. A file is written under a temporary name and renamed into place, so a reader
 //! never opens a partial one; every read checks the size and CRC32C again before a byte is used, and a
 //! file that fails (a disk's corruption, a truncation) is removed and fetched anew.
 //!
@@ -27,6 +31,7 @@
 use crate::client::Sent;
 use crate::stats::NodeCacheSnapshot;
 use crate::sync::{AtomicU64, Mutex, Ordering};
+use batchfs::api::Manifest;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -45,6 +50,59 @@ const SETTLED: std::time::Duration = std::time::Duration::from_millis(20);
 /// Files whose check a mount remembers by default (`cache_dir_checks`): about 10 MB at most.
 pub const DEFAULT_CHECKS: usize = 1 << 17;
 
+/// What the node cache files an object under: its size and CRC32C as the server lists them (what every
+/// read of the file checks), and which object of its dataset it is (`id`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub sent: Sent,
+    pub id: u64,
+}
+
+impl Key {
+    /// Sample `sample` (in a file tree, also the file it is: `raw/`, `shuffled/` and warming share it).
+    pub fn sample(sent: Sent, sample: u32) -> Key {
+        Key { sent, id: ident(&[b"sample", &sample.to_le_bytes()]) }
+    }
+
+    /// The file at `path`, whole: the sample it is in a file tree (`sample`), else the shard's path.
+    pub fn file(sent: Sent, path: &str, sample: Option<u32>) -> Key {
+        match sample {
+            Some(s) => Key::sample(sent, s),
+            None => Key { sent, id: ident(&[b"file", path.as_bytes()]) },
+        }
+    }
+
+    /// The file listed as `f`, whole.
+    pub fn whole(f: &batchfs::api::FileEntry) -> Key {
+        Key::file(Sent { bytes: f.size, crc32c: f.crc32c }, &f.path, f.sample)
+    }
+
+    /// The chunk at `offset` of the file `whole`.
+    pub fn chunk(sent: Sent, whole: Key, offset: u64) -> Key {
+        Key { sent, id: ident(&[b"chunk", &whole.id.to_le_bytes(), &offset.to_le_bytes()]) }
+    }
+
+    /// Batch `batch` of `manifest`'s epoch, format and plan.
+    pub fn batch(sent: Sent, manifest: &Manifest, batch: u64) -> Key {
+        // The plan and the format, as the query that asks for the batch says them.
+        let plan = batchfs::api::BatchQuery { plan: manifest.options, format: manifest.format }.to_query();
+        let epoch = manifest.epoch.to_le_bytes();
+        Key { sent, id: ident(&[b"batch", &epoch, plan.as_bytes(), &batch.to_le_bytes()]) }
+    }
+}
+
+/// A stable 64-bit hash (FNV-1a) of `parts`, each after its length, so that no two lists of parts are one
+/// text: the same in every process and build, as the names of the files of a cache shared by mounts are.
+pub fn ident(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in (part.len() as u64).to_le_bytes().iter().chain(part.iter()) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
 thread_local! {
     static CHECK: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -53,6 +111,8 @@ thread_local! {
 #[derive(Debug)]
 pub struct NodeCache {
     dir: PathBuf,
+    /// The dataset's name, hashed: what each file's name holds besides its object's [`Key`].
+    dataset: u64,
     limit: u64,
     /// A hit older than this touches the file ([`TOUCH_AFTER`]).
     touch_after: std::time::Duration,
@@ -61,7 +121,7 @@ pub struct NodeCache {
     /// One eviction at a time (in this mount).
     evicting: Mutex<()>,
     /// The files this mount wrote or checked, as they were then (none: checked at every open).
-    checks: Option<Mutex<lru::LruCache<Sent, Stamp>>>,
+    checks: Option<Mutex<lru::LruCache<Key, Stamp>>>,
     /// Whether a change right after a look at a file moves its change time (multigrain timestamps):
     /// then a file is remembered as soon as it is written or checked.
     fine_times: bool,
@@ -109,14 +169,20 @@ pub struct NodeCacheStats {
 }
 
 impl NodeCache {
-    /// The cache in `dir` (made if missing), at most `limit` bytes, remembering [`DEFAULT_CHECKS`] checks.
-    pub fn open(dir: &Path, limit: u64) -> std::io::Result<std::sync::Arc<Self>> {
-        Self::open_with(dir, limit, DEFAULT_CHECKS, TOUCH_AFTER)
+    /// The cache in `dir` (made if missing) of dataset `dataset`'s objects (mounts of other datasets may
+    /// share the directory), at most `limit` bytes, remembering [`DEFAULT_CHECKS`] checks.
+    pub fn open(dir: &Path, limit: u64, dataset: &str) -> std::io::Result<std::sync::Arc<Self>> {
+        Self::open_with(dir, limit, DEFAULT_CHECKS, TOUCH_AFTER, dataset)
     }
 
     /// The same, remembering the checks of `checks` files (0: every open reads its file again).
-    pub fn open_remembering(dir: &Path, limit: u64, checks: usize) -> std::io::Result<std::sync::Arc<Self>> {
-        Self::open_with(dir, limit, checks, TOUCH_AFTER)
+    pub fn open_remembering(
+        dir: &Path,
+        limit: u64,
+        checks: usize,
+        dataset: &str,
+    ) -> std::io::Result<std::sync::Arc<Self>> {
+        Self::open_with(dir, limit, checks, TOUCH_AFTER, dataset)
     }
 
     /// The same, a hit touching a file whose modification time is `touch_after` old.
@@ -125,6 +191,7 @@ impl NodeCache {
         limit: u64,
         checks: usize,
         touch_after: std::time::Duration,
+        dataset: &str,
     ) -> std::io::Result<std::sync::Arc<Self>> {
         if dir.exists() && !dir.is_dir() {
             return Err(std::io::Error::new(std::io::ErrorKind::NotADirectory, "it is not a directory"));
@@ -132,6 +199,7 @@ impl NodeCache {
         std::fs::create_dir_all(dir)?;
         let cache = std::sync::Arc::new(NodeCache {
             dir: dir.to_owned(),
+            dataset: ident(&[b"dataset", dataset.as_bytes()]),
             limit,
             touch_after,
             used: AtomicU64::new(0),
@@ -149,22 +217,23 @@ impl NodeCache {
         Ok(cache)
     }
 
-    /// The path of the object `sent`.
-    pub fn path_of(&self, sent: Sent) -> PathBuf {
-        let name = format!("{:08x}-{}", sent.crc32c, sent.bytes);
+    /// The path of the object `key`.
+    pub fn path_of(&self, key: Key) -> PathBuf {
+        let id = ident(&[&self.dataset.to_le_bytes(), &key.id.to_le_bytes()]);
+        let name = format!("{:08x}-{}-{id:016x}", key.sent.crc32c, key.sent.bytes);
         self.dir.join(&name[..2]).join(name)
     }
 
-    /// The object `sent`, if the cache holds it whole and right (a wrong file is removed).
-    pub fn get(&self, sent: Sent) -> Option<Vec<u8>> {
-        self.get_part(sent, 0, sent)
+    /// The object `key`, if the cache holds it whole and right (a wrong file is removed).
+    pub fn get(&self, key: Key) -> Option<Vec<u8>> {
+        self.get_part(key, 0, key.sent)
     }
 
     /// The bytes `part` (size and CRC32C) at `offset` of the object `whole`, if the cache holds that
     /// object's file at its size with those bytes right: a chunk of a file kept whole, read alone, not
     /// with the rest of the file. A file of another size, or whose part is wrong, is removed.
-    pub fn get_part(&self, whole: Sent, offset: u64, part: Sent) -> Option<Vec<u8>> {
-        if offset.checked_add(part.bytes).is_none_or(|end| end > whole.bytes) {
+    pub fn get_part(&self, whole: Key, offset: u64, part: Sent) -> Option<Vec<u8>> {
+        if offset.checked_add(part.bytes).is_none_or(|end| end > whole.sent.bytes) {
             return None;
         }
         let path = self.path_of(whole);
@@ -172,23 +241,23 @@ impl NodeCache {
         let size = file.metadata().map_or(0, |m| m.len());
         let mut data = vec![0u8; usize::try_from(part.bytes).ok()?];
         let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut data, offset).is_ok();
-        let right = size == whole.bytes && read && batchfs::crc::crc32c(&data) == part.crc32c;
+        let right = size == whole.sent.bytes && read && batchfs::crc::crc32c(&data) == part.crc32c;
         self.checked(&path, &file, whole, part.bytes, right, size)?;
         Some(data)
     }
 
-    /// The file of the object `sent`, if the cache holds it whole and right, for the kernel to serve
+    /// The file of the object `key`, if the cache holds it whole and right, for the kernel to serve
     /// straight from the disk (FUSE passthrough; a wrong file is removed). Checked now, read through a
     /// small buffer: its pages are then in the page cache for the reader that opened it. A file is never
     /// written in place (it is renamed into place whole and removed whole), so what was checked is what
     /// the kernel serves.
-    pub fn open_checked(&self, sent: Sent) -> Option<std::fs::File> {
-        let path = self.path_of(sent);
+    pub fn open_checked(&self, key: Key) -> Option<std::fs::File> {
+        let (path, sent) = (self.path_of(key), key.sent);
         let file = std::fs::File::open(&path).ok()?;
-        if let Some(meta) = self.unchanged(sent, &file) {
+        if let Some(meta) = self.unchanged(key, &file) {
             self.stats.unread.fetch_add(1, Ordering::Relaxed);
             if self.touch_if_old(&file, meta.modified().ok()) {
-                self.remember(sent, &file);
+                self.remember(key, &file);
             }
             self.count_hit(sent.bytes);
             return Some(file);
@@ -212,33 +281,33 @@ impl NodeCache {
                 }
             }
         });
-        self.checked(&path, &file, sent, sent.bytes, right, len)?;
+        self.checked(&path, &file, key, sent.bytes, right, len)?;
         Some(file)
     }
 
-    /// Whether `file` (the object `sent`'s) is as this mount last wrote or checked it: its metadata if so.
-    fn unchanged(&self, sent: Sent, file: &std::fs::File) -> Option<std::fs::Metadata> {
-        let was = self.checks.as_ref()?.lock().expect("checks").get(&sent).copied()?;
+    /// Whether `file` (the object `key`'s) is as this mount last wrote or checked it: its metadata if so.
+    fn unchanged(&self, key: Key, file: &std::fs::File) -> Option<std::fs::Metadata> {
+        let was = self.checks.as_ref()?.lock().expect("checks").get(&key).copied()?;
         file.metadata().ok().filter(|m| Stamp::of(m) == was)
     }
 
-    /// Remembers `file` (the object `sent`'s, right as it is) where a change to it will show.
-    fn remember(&self, sent: Sent, file: &std::fs::File) {
+    /// Remembers `file` (the object `key`'s, right as it is) where a change to it will show.
+    fn remember(&self, key: Key, file: &std::fs::File) {
         let Some(checks) = &self.checks else { return };
         let Ok(m) = file.metadata() else { return };
         let stamp = Stamp::of(&m);
         let mut checks = checks.lock().expect("checks");
-        if stamp.size == sent.bytes && stamp.settled(self.fine_times) {
-            checks.put(sent, stamp);
+        if stamp.size == key.sent.bytes && stamp.settled(self.fine_times) {
+            checks.put(key, stamp);
         } else {
-            checks.pop(&sent);
+            checks.pop(&key);
         }
     }
 
     /// After a read of `file` (at `path`, `read` bytes of it) to check `hit` bytes of the object `whole`:
     /// if they were `right`, marks it recently used (the last to go), remembers it as checked (the whole
     /// object read) and counts the hit; else removes it and counts it corrupt (`None`: fetched anew).
-    fn checked(&self, path: &Path, file: &std::fs::File, whole: Sent, hit: u64, right: bool, read: u64) -> Option<()> {
+    fn checked(&self, path: &Path, file: &std::fs::File, whole: Key, hit: u64, right: bool, read: u64) -> Option<()> {
         if !right {
             tracing::warn!(path = %path.display(), "node cache: a corrupt file, removed (fetched anew)");
             if let Some(checks) = &self.checks {
@@ -254,7 +323,7 @@ impl NodeCache {
         }
         self.touch_if_old(file, file.metadata().and_then(|m| m.modified()).ok());
         // After the touch, which moves the change time too.
-        if hit == whole.bytes {
+        if hit == whole.sent.bytes {
             self.remember(whole, file);
         }
         self.count_hit(hit);
@@ -277,19 +346,20 @@ impl NodeCache {
         self.stats.hit_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
-    /// Whether the cache holds the object `sent` (not checked).
-    pub fn contains(&self, sent: Sent) -> bool {
-        self.path_of(sent).exists()
+    /// Whether the cache holds the object `key` (not checked).
+    pub fn contains(&self, key: Key) -> bool {
+        self.path_of(key).exists()
     }
 
-    /// Files `data` (the verified bytes of `sent`) unless it is there: written under a temporary name
+    /// Files `data` (the verified bytes of `key`) unless it is there: written under a temporary name
     /// and renamed into place; then evicts if the cache is over its limit.
-    pub fn put(&self, sent: Sent, data: &[u8]) -> std::io::Result<()> {
+    pub fn put(&self, key: Key, data: &[u8]) -> std::io::Result<()> {
+        let sent = key.sent;
         debug_assert_eq!(data.len() as u64, sent.bytes);
         if sent.bytes > self.limit {
             return Ok(());
         }
-        let path = self.path_of(sent);
+        let path = self.path_of(key);
         if path.exists() {
             return Ok(());
         }
@@ -299,7 +369,7 @@ impl NodeCache {
         tmp.write_all(data)?;
         // The rename moves the change time: what is remembered is the file after it.
         let file = tmp.persist(&path).map_err(|e| e.error)?;
-        self.remember(sent, &file);
+        self.remember(key, &file);
         self.used.fetch_add(sent.bytes, Ordering::Relaxed);
         self.stats.writes.fetch_add(1, Ordering::Relaxed);
         self.stats.written_bytes.fetch_add(sent.bytes, Ordering::Relaxed);
@@ -405,15 +475,17 @@ mod tests {
     use super::*;
     use std::io::Read;
 
-    fn sent(data: &[u8]) -> Sent {
-        Sent { bytes: data.len() as u64, crc32c: batchfs::crc::crc32c(data) }
+    /// `data` as the node cache files it, as object 1 of its dataset (the tests' objects differ by
+    /// contents; one test below names two objects of the same contents).
+    fn sent(data: &[u8]) -> Key {
+        Key { sent: Sent { bytes: data.len() as u64, crc32c: batchfs::crc::crc32c(data) }, id: 1 }
     }
 
     /// A `cache_dir` that is a file is refused as such (it said "File exists" before).
     #[test]
     fn a_cache_dir_that_is_a_file_is_refused_as_not_a_directory() {
         let file = tempfile::NamedTempFile::new().unwrap();
-        let e = NodeCache::open(file.path(), 1 << 20).err().unwrap();
+        let e = NodeCache::open(file.path(), 1 << 20, "d").err().unwrap();
         assert_eq!(e.to_string(), "it is not a directory");
     }
 
@@ -428,14 +500,14 @@ mod tests {
     #[test]
     fn objects_are_kept_by_content_and_checked_at_every_read() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = NodeCache::open(dir.path(), 1 << 20).unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 20, "d").unwrap();
         let (a, b) = (b"the first object".to_vec(), b"another".to_vec());
         assert_eq!(cache.get(sent(&a)), None);
         cache.put(sent(&a), &a).unwrap();
         cache.put(sent(&b), &b).unwrap();
         assert_eq!(cache.get(sent(&a)), Some(a.clone()));
         // A second cache over the same directory (another mount, or this one remounted) finds them.
-        let again = NodeCache::open(dir.path(), 1 << 20).unwrap();
+        let again = NodeCache::open(dir.path(), 1 << 20, "d").unwrap();
         assert_eq!(again.get(sent(&b)), Some(b.clone()));
         eventually("the walk counts what is there", || again.used() == (a.len() + b.len()) as u64);
         // A file flipped on disk is refused, removed, and counted.
@@ -452,11 +524,32 @@ mod tests {
         assert_eq!(cache.get(sent(&b)), None);
     }
 
+    /// Two objects of one size and CRC32C (which a check cannot tell apart) are two files: each object's
+    /// name is its own, and a cache of another dataset over the same directory has names of its own. One
+    /// file for both served one's bytes for the other.
+    #[test]
+    fn objects_of_one_size_and_crc_are_kept_apart_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 20, "d").unwrap();
+        let a = b"an object".to_vec();
+        let (first, second) = (Key { id: 1, ..sent(&a) }, Key { id: 2, ..sent(&a) });
+        cache.put(first, &a).unwrap();
+        assert!(cache.contains(first) && !cache.contains(second));
+        assert_eq!(cache.get(second), None, "another object of the same size and CRC is not this one");
+        let other = NodeCache::open(dir.path(), 1 << 20, "e").unwrap();
+        assert!(!other.contains(first), "the same object of another dataset is not this one");
+        assert_eq!(NodeCache::open(dir.path(), 1 << 20, "d").unwrap().get(first), Some(a), "a new mount's name");
+        // Names every process makes alike: a stable hash, not one seeded per process.
+        assert_eq!(ident(&[b"sample", &7u32.to_le_bytes()]), ident(&[b"sample", &7u32.to_le_bytes()]));
+        assert_ne!(ident(&[b"ab", b"c"]), ident(&[b"a", b"bc"]));
+        assert_eq!(ident(&[]), 0xcbf2_9ce4_8422_2325, "FNV-1a's offset basis");
+    }
+
     /// A file handed to the kernel is checked like a read: whole and right, or removed; a longer one too.
     #[test]
     fn files_opened_for_the_kernel_are_checked_first() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = NodeCache::open(dir.path(), 16 << 20).unwrap();
+        let cache = NodeCache::open(dir.path(), 16 << 20, "d").unwrap();
         // Larger than the check's buffer: read in pieces.
         let a: Vec<u8> = (0..(3 << 20) + 5).map(|i| (i % 251) as u8).collect();
         assert!(cache.open_checked(sent(&a)).is_none(), "not there");
@@ -484,7 +577,7 @@ mod tests {
     #[test]
     fn a_file_checked_once_is_read_again_only_once_it_changed() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = NodeCache::open(dir.path(), 1 << 30).unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 30, "d").unwrap();
         let unread = || cache.stats.unread.load(Ordering::Relaxed);
         let a: Vec<u8> = (0..300_000u32).map(|i| (i * 13 % 251) as u8).collect();
         cache.put(sent(&a), &a).unwrap();
@@ -524,7 +617,7 @@ mod tests {
         assert_eq!(unread(), before + 1, "and remembered once checked");
 
         // Remembering nothing: every open reads.
-        let none = NodeCache::open_remembering(dir.path(), 1 << 30, 0).unwrap();
+        let none = NodeCache::open_remembering(dir.path(), 1 << 30, 0, "d").unwrap();
         for _ in 0..2 {
             assert!(none.open_checked(sent(&a)).is_some());
         }
@@ -536,10 +629,10 @@ mod tests {
     #[test]
     fn parts_of_a_whole_file_are_read_alone_and_checked() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = NodeCache::open(dir.path(), 1 << 30).unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 30, "d").unwrap();
         let whole: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
         cache.put(sent(&whole), &whole).unwrap();
-        let part = |at: usize, len: usize| sent(&whole[at..at + len]);
+        let part = |at: usize, len: usize| sent(&whole[at..at + len]).sent;
         assert_eq!(cache.get_part(sent(&whole), 4000, part(4000, 3000)).as_deref(), Some(&whole[4000..7000]));
         assert_eq!(cache.stats.hit_bytes.load(Ordering::Relaxed), 3000, "the part's bytes are the hit's");
         assert_eq!(cache.get_part(sent(&whole), 9000, part(9000, 1000)).as_deref(), Some(&whole[9000..]));
@@ -558,7 +651,7 @@ mod tests {
     #[test]
     fn the_least_recently_used_go_past_the_limit() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = NodeCache::open_with(dir.path(), 1000, DEFAULT_CHECKS, std::time::Duration::ZERO).unwrap();
+        let cache = NodeCache::open_with(dir.path(), 1000, DEFAULT_CHECKS, std::time::Duration::ZERO, "d").unwrap();
         let objects: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 300]).collect();
         for (i, o) in objects.iter().enumerate() {
             cache.put(sent(o), o).unwrap();
@@ -585,7 +678,7 @@ mod tests {
     #[test]
     fn a_hit_touches_a_file_only_once_it_is_old() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = NodeCache::open(dir.path(), 1 << 20).unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 20, "d").unwrap();
         let o = vec![7u8; 3000];
         cache.put(sent(&o), &o).unwrap();
         let path = cache.path_of(sent(&o));

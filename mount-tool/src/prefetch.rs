@@ -280,8 +280,8 @@ impl Prefetcher {
 
     /// Whether an open of the object `sent` would get the node cache's file ([`Prefetcher::disk_backing`]):
     /// the node cache holds it (not checked) and it is at most [`DISK_WHOLE_MAX`].
-    pub fn on_disk(&self, sent: crate::client::Sent) -> bool {
-        sent.bytes <= DISK_WHOLE_MAX && self.fetcher.node_cache().is_some_and(|nc| nc.contains(sent))
+    pub fn on_disk(&self, key: crate::node_cache::Key) -> bool {
+        key.sent.bytes <= DISK_WHOLE_MAX && self.fetcher.node_cache().is_some_and(|nc| nc.contains(key))
     }
 
     /// The manifest of `epoch` in `format` (cached; fetched with retries up to `timeout`). Blocks: call
@@ -454,14 +454,14 @@ impl Prefetcher {
     /// next files are not there misses once, and the window starts from that read). `None` without a node
     /// cache, when it does not hold the object right (a wrong file is removed), or for an object larger
     /// than [`DISK_WHOLE_MAX`].
-    pub fn disk_backing(&self, whole: crate::client::Sent) -> Option<Arc<std::fs::File>> {
-        if whole.bytes > DISK_WHOLE_MAX {
+    pub fn disk_backing(&self, whole: crate::node_cache::Key) -> Option<Arc<std::fs::File>> {
+        if whole.sent.bytes > DISK_WHOLE_MAX {
             return None;
         }
         let file = self.fetcher.node_cache()?.open_checked(whole)?;
         Stats::add(&self.stats.passthrough_opens, 1);
         Stats::add(&self.stats.hits, 1);
-        Stats::add(&self.stats.bytes_served, whole.bytes);
+        Stats::add(&self.stats.bytes_served, whole.sent.bytes);
         Some(Arc::new(file))
     }
 
@@ -964,8 +964,10 @@ mod tests {
         client.chunk_bytes = 1000;
         let client = Arc::new(client);
         let disk = tempfile::tempdir().unwrap();
-        let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
-        nc.put(Sent { bytes: big.len() as u64, crc32c: crc32c::crc32c(&big) }, &big).unwrap();
+        let nc = NodeCache::open(disk.path(), 1 << 30, "d").unwrap();
+        // The first file, sample 0 of the file tree.
+        let big_key = crate::node_cache::Key::sample(Sent { bytes: big.len() as u64, crc32c: crc32c::crc32c(&big) }, 0);
+        nc.put(big_key, &big).unwrap();
         let config = PrefetcherConfig { prefetch: 3, cache_bytes: 5000, ..Default::default() };
         let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
         p.use_node_cache(nc.clone());

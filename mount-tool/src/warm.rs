@@ -7,7 +7,7 @@
 
 use crate::buffers::{Filling, Sink};
 use crate::client::{ClientError, DynClient, Request, Sent};
-use crate::node_cache::NodeCache;
+use crate::node_cache::{Key, NodeCache};
 use crate::stats::Stats;
 use batchfs::api::{SampleTable, MAX_SAMPLE_IDS};
 use batchfs::plan::{EpochPlan, PlanOptions};
@@ -41,7 +41,7 @@ pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> 
     if info.format != batchfs::index::SourceFormat::Files {
         bail!("batchfs warm warms a file tree's files; dataset {:?} is {} shards", info.name, info.format.as_str());
     }
-    let cache = NodeCache::open(cache_path, options.cache_dir_size)
+    let cache = NodeCache::open(cache_path, options.cache_dir_size, &info.name)
         .with_context(|| format!("cannot use {}", cache_path.display()))?;
     let stats = Arc::new(Stats::default());
     let table = Arc::new(runtime.block_on(client.sample_table()).context("cannot fetch the sample table")?);
@@ -96,7 +96,7 @@ pub fn groups(table: &SampleTable, order: &[u32], cache: &NodeCache) -> Vec<Vec<
     let mut bytes = 0;
     for &id in order {
         let size = table.bytes[id as usize];
-        if cache.contains(sent_of(table, id)) {
+        if cache.contains(key_of(table, id)) {
             continue;
         }
         match out.last_mut() {
@@ -113,8 +113,9 @@ pub fn groups(table: &SampleTable, order: &[u32], cache: &NodeCache) -> Vec<Vec<
     out
 }
 
-fn sent_of(table: &SampleTable, id: u32) -> Sent {
-    Sent { bytes: table.bytes[id as usize], crc32c: table.crc32c[id as usize] }
+/// Sample `id`, as the node cache files it (the key `shuffled/` and `raw/` look it up by).
+fn key_of(table: &SampleTable, id: u32) -> Key {
+    Key::sample(Sent { bytes: table.bytes[id as usize], crc32c: table.crc32c[id as usize] }, id)
 }
 
 /// Every sample of `table`, in the order of epoch `epoch` of `plan`.
@@ -210,8 +211,8 @@ async fn fetch_group(
     table: &SampleTable,
     ids: &[u32],
 ) -> Result<u64, WarmError> {
-    let pieces: Vec<Sent> = ids.iter().map(|&i| sent_of(table, i)).collect();
-    let total = pieces.iter().fold(Sent { bytes: 0, crc32c: 0 }, |acc, p| Sent {
+    let pieces: Vec<Key> = ids.iter().map(|&i| key_of(table, i)).collect();
+    let total = pieces.iter().map(|k| k.sent).fold(Sent { bytes: 0, crc32c: 0 }, |acc, p| Sent {
         bytes: acc.bytes + p.bytes,
         crc32c: batchfs::crc::combine(acc.crc32c, p.crc32c, p.bytes),
     });
@@ -239,7 +240,7 @@ async fn fetch_group(
         let filed = tokio::task::spawn_blocking(move || {
             let mut at = 0usize;
             for p in pieces {
-                let end = at + p.bytes as usize;
+                let end = at + p.sent.bytes as usize;
                 cache.put(p, &bytes[at..end])?;
                 at = end;
             }

@@ -265,3 +265,90 @@ fn a_file_of_several_chunks_kept_whole_is_read_from_the_node_cache() {
     }
     rt.block_on(server.running.shutdown());
 }
+
+/// `b` with its last four bytes changed so that its CRC32C is `a`'s (same length): the CRC is affine in
+/// those 32 bits, so their change solves a system over GF(2).
+fn with_the_crc_of(a: &[u8], mut b: Vec<u8>) -> Vec<u8> {
+    let crc = batchfs::crc::crc32c;
+    let n = b.len();
+    let zero = crc(&vec![0u8; n]);
+    // The CRC's change for each bit of the last four bytes flipped alone.
+    let columns: Vec<u32> = (0..32)
+        .map(|i| {
+            let mut x = vec![0u8; n];
+            x[n - 4 + i / 8] = 1 << (i % 8);
+            crc(&x) ^ zero
+        })
+        .collect();
+    // Gaussian elimination: a basis by leading bit, each vector with the flips that make it.
+    let mut basis: [(u32, u32); 32] = [(0, 0); 32];
+    for (i, &column) in columns.iter().enumerate() {
+        let (mut v, mut flips) = (column, 1u32 << i);
+        while v != 0 {
+            let top = 31 - v.leading_zeros() as usize;
+            if basis[top].0 == 0 {
+                basis[top] = (v, flips);
+                break;
+            }
+            v ^= basis[top].0;
+            flips ^= basis[top].1;
+        }
+    }
+    let (mut want, mut flips) = (crc(a) ^ crc(&b), 0u32);
+    while want != 0 {
+        let top = 31 - want.leading_zeros() as usize;
+        want ^= basis[top].0;
+        flips ^= basis[top].1;
+    }
+    for i in 0..32 {
+        if flips >> i & 1 == 1 {
+            b[n - 4 + i / 8] ^= 1 << (i % 8);
+        }
+    }
+    b
+}
+
+/// Two files of one size and CRC32C (which no check of size and CRC tells apart) each read as itself
+/// through `raw/` and `shuffled/`, from the server and then from the node cache in a new mount. The node
+/// cache filed objects by size and CRC alone, and served the first file's bytes for both.
+#[test]
+fn files_of_one_size_and_crc_each_read_as_themselves_from_the_node_cache() {
+    let rt = common::runtime();
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir(root.path().join("c")).unwrap();
+    let a: Vec<u8> = (0..4096u32).map(|i| (i * 31 % 251) as u8).collect();
+    let b = with_the_crc_of(&a, (0..4096u32).map(|i| (i * 17 % 241) as u8).collect());
+    assert!(a != b && a.len() == b.len() && batchfs::crc::crc32c(&a) == batchfs::crc::crc32c(&b));
+    std::fs::write(root.path().join("c/a.bin"), &a).unwrap();
+    std::fs::write(root.path().join("c/b.bin"), &b).unwrap();
+    let server = rt.block_on(serve(&[("d", root.path())], ServeWith::default()));
+    let disk = tempfile::tempdir().unwrap();
+    let options = format!("batch_size=2,cache_dir={}", disk.path().display());
+    let mut want = vec![a.clone(), b.clone()];
+    want.sort();
+    // The first mount fetches and files both; the second reads both from the disk.
+    for mount in 0..2 {
+        let (_dir, mounted) = common::mount(&server, "d", &options);
+        let raw = mounted.mountpoint.join("raw/c");
+        assert!(std::fs::read(raw.join("a.bin")).unwrap() == a, "mount {mount}: a.bin");
+        assert!(std::fs::read(raw.join("b.bin")).unwrap() == b, "mount {mount}: b.bin is a.bin");
+        let shuffled = mounted.mountpoint.join("shuffled/c");
+        let mut names: Vec<_> = std::fs::read_dir(&shuffled).unwrap().map(|e| e.unwrap().path()).collect();
+        names.sort();
+        let mut got: Vec<Vec<u8>> = names.iter().map(|p| std::fs::read(p).unwrap()).collect();
+        got.sort();
+        assert!(got == want, "mount {mount}: shuffled/ gave one file for the other");
+        let stats = || common::mount_stats(&mounted.mountpoint);
+        if mount == 0 {
+            // Filed in the background: both on the disk before the next mount.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while stats()["node_cache"]["written_bytes"].as_u64().unwrap() < 2 * 4096 {
+                assert!(std::time::Instant::now() < deadline, "never filed: {}", stats());
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        } else {
+            assert_eq!(stats()["fetched_bytes"], 0, "from the node cache: {}", stats());
+        }
+    }
+    rt.block_on(server.running.shutdown());
+}

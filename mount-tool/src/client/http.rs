@@ -55,9 +55,15 @@ pub enum UrlError {
     NoDataset(String),
     #[error("{0:?}: malformed dataset name")]
     DatasetName(String),
-    #[error("{0:?}: a user or password in the URL is not used (and /proc/mounts would show it): give the token in token_file=")]
+    #[error(
+        "{0:?}: a user or password in the URL is not used (and /proc/mounts would show it): give the token in \
+         token_file="
+    )]
     Credentials(String),
-    #[error("{0:?}: a URL with a query or fragment (`?`, `#`): the URL is http(s)://host:port/DATASET, a `?` in a name is %3F")]
+    #[error(
+        "{0:?}: a URL with a query or fragment (`?`, `#`): the URL is http(s)://host:port/DATASET, a `?` in a \
+         name is %3F"
+    )]
     Query(String),
 }
 

@@ -440,13 +440,17 @@ mod tests {
         client.files = files.iter().enumerate().map(|(i, f)| (format!("f{i}.jpg"), f.clone())).collect();
         let client = Arc::new(client);
         let disk = tempfile::tempdir().unwrap();
-        let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
-        let sent = |f: &Bytes| Sent { bytes: f.len() as u64, crc32c: batchfs::crc::crc32c(f) };
-        files.iter().for_each(|f| nc.put(sent(f), f).unwrap());
+        let nc = NodeCache::open(disk.path(), 1 << 30, "d").unwrap();
+        // File i is sample i of the file tree (its files sorted by path).
+        let key = |i: usize| {
+            let f = &files[i];
+            crate::node_cache::Key::sample(Sent { bytes: f.len() as u64, crc32c: batchfs::crc::crc32c(f) }, i as u32)
+        };
+        (0..files.len()).for_each(|i| nc.put(key(i), &files[i]).unwrap());
         let (_rt, fs) = fs_of(client.clone(), Some(nc.clone()), vec![]);
         let ino = |i: usize| fs.lookup(raw::Node::Dir(0).ino(), &format!("f{i}.jpg"), 1).unwrap().ino;
-        let on_disk = |f: &Bytes| {
-            let m = std::fs::metadata(nc.path_of(sent(f))).unwrap();
+        let on_disk = |i: usize| {
+            let m = std::fs::metadata(nc.path_of(key(i))).unwrap();
             (m.dev(), m.ino())
         };
 
@@ -454,22 +458,22 @@ mod tests {
         let opens = OpenFiles::new(kernel.clone(), true, false);
         let (fh, mode) = opens.open(&fs, ino(0), 100, 1).unwrap();
         assert!(matches!(mode, Mode::Passthrough(_)), "{mode:?}");
-        assert_eq!(*kernel.handed.lock().unwrap(), [on_disk(&files[0])], "the node cache's own file");
+        assert_eq!(*kernel.handed.lock().unwrap(), [on_disk(0)], "the node cache's own file");
         assert!(client.ranges.lock().unwrap().is_empty(), "nothing fetched");
         assert_eq!(fs.stats().snapshot().cache_bytes, 0, "nothing copied into memory");
         opens.release(&fs, fh);
         assert!(kernel.open_ids().is_empty());
 
         // A file changed on the disk is not handed over: removed, and fetched anew into memory.
-        std::fs::write(nc.path_of(sent(&files[1])), vec![0u8; files[1].len()]).unwrap();
+        std::fs::write(nc.path_of(key(1)), vec![0u8; files[1].len()]).unwrap();
         let (fh, mode) = opens.open(&fs, ino(1), 100, 2).unwrap();
         assert!(matches!(mode, Mode::Passthrough(_)), "{mode:?}");
-        assert_ne!(kernel.handed.lock().unwrap()[1], on_disk(&files[0]));
+        assert_ne!(kernel.handed.lock().unwrap()[1], on_disk(0));
         assert_eq!(client.ranges.lock().unwrap().len(), 1, "fetched");
         assert_eq!(nc.stats.corrupt.load(Ordering::Relaxed), 1);
         opens.release(&fs, fh);
 
-        let dev = on_disk(&files[2]).0;
+        let dev = on_disk(2).0;
         let kernel = Arc::new(FakeKernel { refuse_device: Some(dev), ..FakeKernel::default() });
         let opens = OpenFiles::new(kernel.clone(), true, false);
         let (fh, mode) = opens.open(&fs, ino(2), 100, 3).unwrap();
@@ -497,8 +501,9 @@ mod tests {
         client.chunk_bytes = 4096;
         let client = Arc::new(client);
         let disk = tempfile::tempdir().unwrap();
-        let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
+        let nc = NodeCache::open(disk.path(), 1 << 30, "d").unwrap();
         let whole = Sent { bytes: big.len() as u64, crc32c: batchfs::crc::crc32c(&big) };
+        let whole = crate::node_cache::Key::sample(whole, 0);
         nc.put(whole, &big).unwrap();
         let (_rt, fs) = fs_of(client.clone(), Some(nc.clone()), vec![]);
         let ino = fs.lookup(raw::Node::Dir(0).ino(), "big.bin", 1).unwrap().ino;
@@ -545,12 +550,15 @@ mod tests {
         let files = client.files.clone();
         let client = Arc::new(client);
         let disk = tempfile::tempdir().unwrap();
-        let nc = NodeCache::open(disk.path(), 1 << 30).unwrap();
-        let sent = |f: &Bytes| Sent { bytes: f.len() as u64, crc32c: batchfs::crc::crc32c(f) };
-        files.iter().for_each(|(_, f)| nc.put(sent(f), f).unwrap());
+        let nc = NodeCache::open(disk.path(), 1 << 30, "d").unwrap();
+        let key = |i: usize, f: &Bytes| {
+            crate::node_cache::Key::sample(Sent { bytes: f.len() as u64, crc32c: batchfs::crc::crc32c(f) }, i as u32)
+        };
+        files.iter().enumerate().for_each(|(i, (_, f))| nc.put(key(i, f), f).unwrap());
         let on_disk: HashSet<(u64, u64)> = files
             .iter()
-            .map(|(_, f)| std::fs::metadata(nc.path_of(sent(f))).map(|m| (m.dev(), m.ino())).unwrap())
+            .enumerate()
+            .map(|(i, (_, f))| std::fs::metadata(nc.path_of(key(i, f))).map(|m| (m.dev(), m.ino())).unwrap())
             .collect();
         let (_rt, fs) = fs_of(client.clone(), Some(nc.clone()), vec!["c0".into()]);
         let dir = fs.lookup(crate::fs::ROOT, "shuffled", 0).unwrap().ino;

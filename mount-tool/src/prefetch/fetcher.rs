@@ -235,7 +235,7 @@ fn from_disk(nc: &NodeCache, on: &OnDisk, meta: Sent, memfd: bool) -> Option<(Co
 fn to_disk(nc: &NodeCache, on: &OnDisk, bytes: &[u8]) {
     let mut at = 0usize;
     for &piece in &on.pieces {
-        let end = at + piece.bytes as usize;
+        let end = at + piece.sent.bytes as usize;
         let Some(data) = bytes.get(at..end) else { return };
         if let Err(e) = nc.put(piece, data) {
             tracing::warn!(error = %e, "node cache: cannot keep an object (the mount goes on without it)");
@@ -293,7 +293,7 @@ mod tests {
             request: Some(Request::Batch { epoch: 0, batch, format: TF }),
             sent,
             placed: None,
-            on_disk: on_disk.then(|| OnDisk { pieces: vec![sent], within: None }),
+            on_disk: on_disk.then(|| OnDisk { pieces: vec![crate::node_cache::Key { sent, id: batch }], within: None }),
             buffer: Some(Vec::new()),
             recycled: None,
         }
@@ -318,12 +318,12 @@ mod tests {
     fn the_node_cache_is_read_first_and_keeps_what_the_server_sent() {
         let (runtime, client, fetcher, bodies) = setup(2);
         let dir = tempfile::tempdir().unwrap();
-        let nc = NodeCache::open(dir.path(), 1 << 20).unwrap();
+        let nc = NodeCache::open(dir.path(), 1 << 20, "d").unwrap();
         fetcher.use_node_cache(nc.clone());
         let fetched = fetch(&runtime, &fetcher, job(1, &bodies[1], true)).unwrap();
         assert!(!fetched.from_disk, "not there yet: from the server");
         let deadline = Instant::now() + Duration::from_secs(10);
-        while nc.get(sent_of(&bodies[1])).is_none() {
+        while nc.get(crate::node_cache::Key { sent: sent_of(&bodies[1]), id: 1 }).is_none() {
             assert!(Instant::now() < deadline, "the body never reached the node cache");
             std::thread::sleep(Duration::from_millis(10));
         }

@@ -103,8 +103,8 @@ impl Object {
 /// group's samples), or else a range of a whole object there (a chunk of a file warming kept whole).
 #[derive(Debug, Clone)]
 pub struct OnDisk {
-    pub pieces: Vec<Sent>,
-    pub within: Option<(Sent, u64)>,
+    pub pieces: Vec<crate::node_cache::Key>,
+    pub within: Option<(crate::node_cache::Key, u64)>,
 }
 
 /// How the window follows reads of a listing.

@@ -65,10 +65,10 @@ impl Raw {
         Some(*self.first_chunk.get(f)?..*self.first_chunk.get(f + 1)?)
     }
 
-    /// What the server sends for file `file` whole (its size and CRC32C), if it exists.
-    pub fn whole(&self, file: u64) -> Option<Sent> {
-        let f = self.files.files.get(file as usize)?;
-        Some(Sent { bytes: f.size, crc32c: f.crc32c })
+    /// What the server sends for file `file` whole (its size and CRC32C), as the node cache files it, if it
+    /// exists.
+    pub fn whole(&self, file: u64) -> Option<crate::node_cache::Key> {
+        Some(crate::node_cache::Key::whole(self.files.files.get(file as usize)?))
     }
 
     /// The file holding chunk `chunk`, and the chunk's offset in it.

@@ -91,7 +91,7 @@ impl Objects for Batches {
         Some(Request::Batch { epoch: self.0.epoch, batch: index, format: self.0.format })
     }
 
-    fn on_disk(&self, _index: u64, obj: &Object) -> Option<OnDisk> {
-        Some(OnDisk { pieces: vec![obj.sent], within: None })
+    fn on_disk(&self, index: u64, obj: &Object) -> Option<OnDisk> {
+        Some(OnDisk { pieces: vec![crate::node_cache::Key::batch(obj.sent, &self.0, index)], within: None })
     }
 }

@@ -6,7 +6,7 @@
 //! files (a file tree's files are single samples) and stay in the directory; the first read of a DALI index
 //! asks for every other index of its directory. Reads within a file cross chunks here.
 
-use crate::client::{Request, Sent};
+use crate::client::Request;
 use crate::prefetch::kinds::{Follow, Kind, Object, Objects, OnDisk};
 use crate::prefetch::{Listing, ObjectKey, Prefetcher, Raw, ReadError};
 use bytes::Bytes;
@@ -66,9 +66,13 @@ impl Objects for Chunks {
 
     fn on_disk(&self, index: u64, obj: &Object) -> Option<OnDisk> {
         let (file, offset) = self.0.chunk(index)?;
-        let whole = Sent { bytes: file.size, crc32c: file.crc32c };
-        let within = (whole != obj.sent).then_some((whole, offset));
-        Some(OnDisk { pieces: vec![obj.sent], within })
+        let whole = crate::node_cache::Key::whole(file);
+        // A file of one chunk is that chunk; a larger one's chunk may be kept alone, or within the file.
+        if whole.sent == obj.sent {
+            return Some(OnDisk { pieces: vec![whole], within: None });
+        }
+        let chunk = crate::node_cache::Key::chunk(obj.sent, whole, offset);
+        Some(OnDisk { pieces: vec![chunk], within: Some((whole, offset)) })
     }
 
     fn also_after(&self, index: u64) -> Vec<u64> {

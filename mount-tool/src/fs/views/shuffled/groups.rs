@@ -86,8 +86,7 @@ impl Objects for Groups {
     fn on_disk(&self, index: u64, _obj: &Object) -> Option<OnDisk> {
         let table = self.table.as_ref()?;
         let ids = self.plan.group_ids(self.class, index);
-        let pieces = ids.iter().map(|&i| Sent { bytes: table.bytes[i as usize], crc32c: table.crc32c[i as usize] });
-        Some(OnDisk { pieces: pieces.collect(), within: None })
+        Some(OnDisk { pieces: ids.iter().map(|&i| key_of(table, i)).collect(), within: None })
     }
 }
 
@@ -114,9 +113,9 @@ fn sample(plan: &ClassPlan, class: usize, k: u64) -> Result<(u64, usize, u32), R
     Ok((g, within, *id))
 }
 
-/// The size and CRC32C of sample `id`, as the node cache files it.
-fn sent_of(table: &SampleTable, id: u32) -> Sent {
-    Sent { bytes: table.bytes[id as usize], crc32c: table.crc32c[id as usize] }
+/// Sample `id`, as the node cache files it.
+fn key_of(table: &SampleTable, id: u32) -> crate::node_cache::Key {
+    crate::node_cache::Key::sample(Sent { bytes: table.bytes[id as usize], crc32c: table.crc32c[id as usize] }, id)
 }
 
 /// Whether every sample of group `g` of class `class` in `plan` opens from the node cache's disk
@@ -132,7 +131,7 @@ fn on_disk(p: &Prefetcher, plan: &ClassPlan, class: usize, g: u64) -> bool {
     let mut known = plan.on_disk.lock().expect("on_disk");
     *known
         .entry((class, g))
-        .or_insert_with(|| plan.group_ids(class, g).iter().map(|&id| sent_of(&table, id)).all(|s| p.on_disk(s)))
+        .or_insert_with(|| plan.group_ids(class, g).iter().map(|&id| key_of(&table, id)).all(|s| p.on_disk(s)))
 }
 
 /// Per group being read, a bit per sample read to its end: a group whose samples have all been read leaves
@@ -179,8 +178,7 @@ impl Reads {
     ) -> Result<Option<Arc<std::fs::File>>, ReadError> {
         let table = p.sample_table()?;
         let (_, _, id) = sample(plan, class, k)?;
-        let sent = sent_of(&table, id);
-        let file = p.disk_backing(sent);
+        let file = p.disk_backing(key_of(&table, id));
         if file.is_some() {
             self.done(p, (plan, class, k));
         }
