@@ -6,7 +6,7 @@
 //! own epochs at its own pace (a mount's prefetch, window and cache follow one reader's plan), volumes of
 //! one dataset may differ in their options (batch size, seed, shuffle), and one pod's mount going away
 //! never touches another's. Two pods of one node reading one dataset share the node's disk cache when
-//! their options name the same `cache_dir`.
+//! their options name the same `cache_dir` (below the state directory's `cache/`: `volume::node_paths`).
 //!
 //! Codes: a request missing or misstating something is `INVALID_ARGUMENT` (the message says what); a
 //! target path that is not a directory, or holds a mount the plugin did not make, `FAILED_PRECONDITION`;
@@ -21,7 +21,7 @@ use crate::proto::{
 };
 use crate::runner::{RunError, Runner};
 use crate::volume::{describe, target_path, State, Volume};
-use batchfs_mount::plan::{is_mountpoint, Refused};
+use batchfs_mount::plan::{batchfs_mounted_at, is_mountpoint, Refused};
 use std::path::Path;
 use tonic::{Request, Response, Status};
 
@@ -106,7 +106,7 @@ fn resolved(target: &Path) -> std::path::PathBuf {
 
 impl NodeService {
     async fn publish(&self, req: NodePublishVolumeRequest) -> Result<(), Status> {
-        let (volume, mut options) = Volume::from_request(&req)?;
+        let (volume, mut options) = Volume::from_request(&req, self.state.dir())?;
         let _one = self.lock.lock().await;
         let target = volume.target.as_path();
         let prepared = prepare_target(target)?;
@@ -150,8 +150,7 @@ impl NodeService {
             })?),
             None => None,
         };
-        options.token_file = token_file.clone().or(options.token_file);
-        let options_log = options.log_file.clone();
+        options.token_file = token_file.clone();
         // The server's refusals, told apart (a mount's own errors are text by the time they come back).
         let url = volume.url.clone();
         let checked = tokio::task::spawn_blocking(move || batchfs_mount::plan::check(&url, &options))
@@ -164,8 +163,8 @@ impl NodeService {
         // Kept before mounting: a plugin killed while the mount is made finds the record, and a publish
         // asked again mounts (nothing there) or answers done (mounted).
         self.state.put(&volume.record()).map_err(|e| internal("cannot keep the volume's record", e))?;
-        let log_file = options_log.is_none().then(|| self.state.log_path(target));
-        let mount_options = volume.mount_options(token_file.as_deref(), log_file.as_deref());
+        let log_file = self.state.log_path(target);
+        let mount_options = volume.mount_options(token_file.as_deref(), Some(&log_file));
         if let Err(e) = self.runner.mount(&volume.url, &at, &mount_options).await {
             undo(&self.state);
             return Err(run_status(e));
@@ -192,11 +191,22 @@ impl NodeService {
             }
         }
         let at = resolved(&target);
-        if is_mountpoint(&at) {
-            if record.is_none() {
-                tracing::warn!(target = %target.display(), "unpublishing a mount with no record (state lost?)");
+        match batchfs_mounted_at(&at) {
+            // Another filesystem (a bind mount, a tmpfs) is not this plugin's to take away, with or without
+            // a record: left alone, as a publish leaves it.
+            Some(false) => {
+                return Err(Status::failed_precondition(format!(
+                    "something this plugin did not mount is mounted at target_path {}: left alone",
+                    target.display()
+                )))
             }
-            self.runner.unmount(&at).await.map_err(run_status)?;
+            Some(true) => {
+                if record.is_none() {
+                    tracing::warn!(target = %target.display(), "unpublishing a mount with no record (state lost?)");
+                }
+                self.runner.unmount(&at).await.map_err(run_status)?;
+            }
+            None => {}
         }
         self.state.remove(&target).map_err(|e| internal("cannot forget the volume", e))?;
         match std::fs::remove_dir(&target) {

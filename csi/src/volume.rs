@@ -41,6 +41,45 @@ pub struct Record {
     pub token_digest: Option<String>,
 }
 
+/// Where a volume's `cache_dir` must be, under the plugin's state directory, and its `ca_file`.
+pub const CACHE_DIRS: &str = "cache";
+pub const CA_FILES: &str = "ca";
+
+/// Refuses the options of `options` that name a path of the node, but for a `cache_dir` under
+/// `STATE/cache/` and a `ca_file` under `STATE/ca/`, which the node's administrator owns. A volume's
+/// attributes are a pod author's to write (an inline volume's are the pod's own), and the mount runs as
+/// root in the holder's container, with the kubelet's directory in view: a `token_file` would send any file
+/// there (another pod's secret) to any server as a token, a `log_file` or `energy_log` append to any file,
+/// and a `cache_dir`'s eviction remove files under it. The token comes from the node-publish secret, the
+/// log goes to the plugin's own file.
+pub fn node_paths(options: &MountOptions, state: &Path) -> Result<(), String> {
+    let forbidden = [
+        ("token_file", options.token_file.is_some(), "the token comes from the node-publish secret (key \"token\")"),
+        ("log_file", options.log_file.is_some(), "the mount logs to the plugin's file for it"),
+        ("energy_log", options.energy_log.is_some(), "not offered to volumes"),
+    ];
+    if let Some((key, _, why)) = forbidden.iter().find(|f| f.1) {
+        return Err(format!("{key} names a file of the node, which a volume may not: {why}"));
+    }
+    let within = |key: &str, path: &Option<PathBuf>, under: &str| match path {
+        Some(p) if !confined(p, &state.join(under)) => Err(format!(
+            "{key} {} is not under {}: a volume's {key} is a path there, which the node's administrator owns",
+            p.display(),
+            state.join(under).display()
+        )),
+        _ => Ok(()),
+    };
+    within("cache_dir", &options.cache_dir, CACHE_DIRS)?;
+    within("ca_file", &options.ca_file, CA_FILES)
+}
+
+/// Whether `path` is strictly below `root`, as written: absolute, no `..` (nor `.`) component.
+fn confined(path: &Path, root: &Path) -> bool {
+    use std::path::Component;
+    let plain = path.components().all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+    plain && path.is_absolute() && path != root && path.starts_with(root)
+}
+
 /// A caller's mistake in a request: `INVALID_ARGUMENT`, with what to fix.
 fn invalid(message: String) -> Status {
     Status::invalid_argument(message)
@@ -48,8 +87,9 @@ fn invalid(message: String) -> Status {
 
 impl Volume {
     /// The volume `req` asks to publish, checked: a volume id, an absolute target path, a mount (not block)
-    /// capability, a valid `url` and `options` (parsed by the mount's own parser), nothing unknown.
-    pub fn from_request(req: &NodePublishVolumeRequest) -> Result<(Volume, MountOptions), Status> {
+    /// capability, a valid `url` and `options` (parsed by the mount's own parser), nothing unknown, and no
+    /// path of the node but under the plugin's state directory `state` ([`node_paths`]).
+    pub fn from_request(req: &NodePublishVolumeRequest, state: &Path) -> Result<(Volume, MountOptions), Status> {
         if req.volume_id.is_empty() {
             return Err(invalid("volume_id is missing".into()));
         }
@@ -91,6 +131,8 @@ impl Volume {
                 .apply_list(&options)
                 .map_err(|e| invalid(format!("volume {:?}: attribute {ATTR_OPTIONS:?}: {e}", req.volume_id)))?;
         }
+        node_paths(&parsed, state)
+            .map_err(|e| invalid(format!("volume {:?}: attribute {ATTR_OPTIONS:?}: {e}", req.volume_id)))?;
         if !parsed.supervise {
             return Err(invalid(format!(
                 "volume {:?}: supervise=false: the plugin's mounts are supervised (their upgrades and the plugin's \
@@ -106,12 +148,6 @@ impl Volume {
             )));
         }
         let token = req.secrets.get(SECRET_TOKEN).map(|t| t.trim().to_owned()).filter(|t| !t.is_empty());
-        if token.is_some() && parsed.token_file.is_some() {
-            return Err(invalid(format!(
-                "volume {:?} has a token both in its secret and as token_file in its options: give one",
-                req.volume_id
-            )));
-        }
         let volume = Volume { id: req.volume_id.clone(), target, url: url.clone(), options, token };
         Ok((volume, parsed))
     }
@@ -128,8 +164,8 @@ impl Volume {
     }
 
     /// The `-o` string the mount runs with: the volume's options, `allow_other` (the pod's processes are
-    /// not the plugin's user), the token file when the secret gave a token, and the log file when the
-    /// options name none.
+    /// not the plugin's user), the token file when the secret gave a token, and the plugin's log file for
+    /// it (the options name none: [`node_paths`]).
     pub fn mount_options(&self, token_file: Option<&Path>, log_file: Option<&Path>) -> String {
         let mut parts: Vec<String> = Vec::new();
         if !self.options.is_empty() {
@@ -174,6 +210,11 @@ pub struct State {
 }
 
 impl State {
+    /// Its directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// The state in `dir`, made if missing.
     pub fn open(dir: &Path) -> std::io::Result<State> {
         for sub in ["volumes", "tokens", "logs"] {
@@ -289,7 +330,7 @@ mod tests {
     }
 
     fn error(req: &NodePublishVolumeRequest) -> String {
-        let status = Volume::from_request(req).unwrap_err();
+        let status = Volume::from_request(req, Path::new("/state")).unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
         status.message().to_owned()
     }
@@ -304,14 +345,14 @@ mod tests {
             ],
             &[("token", " t0ken\n")],
         );
-        let (v, o) = Volume::from_request(&req).unwrap();
+        let (v, o) = Volume::from_request(&req, Path::new("/state")).unwrap();
         assert_eq!((v.url.as_str(), v.token.as_deref()), ("http://s:7878/imagenet", Some("t0ken")));
         assert_eq!((o.plan.batch_size, o.cache), (256, 8 << 30));
         assert_eq!(
             v.mount_options(Some(Path::new("/state/tokens/x")), Some(Path::new("/state/logs/x.log"))),
             "batch_size=256,cache=8G,allow_other,token_file=/state/tokens/x,log_file=/state/logs/x.log"
         );
-        let bare = Volume::from_request(&request(&[("url", "http://s:1/d")], &[])).unwrap().0;
+        let bare = Volume::from_request(&request(&[("url", "http://s:1/d")], &[]), Path::new("/state")).unwrap().0;
         assert_eq!(bare.mount_options(None, None), "allow_other");
         let r = v.record();
         assert!(!serde_json::to_string(&r).unwrap().contains("t0ken"), "no token in a record");
@@ -336,15 +377,39 @@ mod tests {
         assert!(error(&request(&[url, ("options", "bogus=1")], &[])).contains("bogus"));
         assert!(error(&request(&[url, ("options", "supervise=false")], &[])).contains("supervise"));
         assert!(error(&request(&[url], &[("password", "x")])).contains("password"));
-        let both = error(&request(&[url, ("options", "token_file=/t")], &[("token", "x")]));
-        assert!(both.contains("token_file"), "{both}");
+    }
+
+    /// A volume's options name no file of the node but a cache directory and CA file where the node's
+    /// administrator keeps them: a pod author's `token_file` sent any file the holder sees (another pod's
+    /// secret) to any server, and a `log_file` appended to any file.
+    #[test]
+    fn a_volume_names_no_path_of_the_node_but_under_the_plugin_s_state() {
+        let url = ("url", "http://s:1/d");
+        for (options, says) in [
+            ("token_file=/var/lib/kubelet/pods/other/secret", "token_file names a file of the node"),
+            ("log_file=/etc/profile", "log_file names a file of the node"),
+            ("energy_log=/tmp/e", "energy_log names a file of the node"),
+            ("cache_dir=/var/lib/kubelet", "cache_dir /var/lib/kubelet is not under /state/cache"),
+            ("cache_dir=/state", "not under /state/cache"),
+            ("cache_dir=/state/cache", "not under /state/cache"),
+            ("cache_dir=/state/cache/../tokens", "not under /state/cache"),
+            ("cache_dir=state/cache/x", "not under /state/cache"),
+            ("ca_file=/etc/shadow", "ca_file /etc/shadow is not under /state/ca"),
+        ] {
+            let e = error(&request(&[url, ("options", options)], &[]));
+            assert!(e.contains(says), "{options}: {e}");
+        }
+        let fine = request(&[url, ("options", "cache_dir=/state/cache/imagenet,ca_file=/state/ca/site.pem")], &[]);
+        let (_, o) = Volume::from_request(&fine, Path::new("/state")).unwrap();
+        assert_eq!(o.cache_dir.as_deref(), Some(Path::new("/state/cache/imagenet")));
     }
 
     #[test]
     fn records_and_tokens_are_kept_per_target_and_forgotten() {
         let dir = tempfile::tempdir().unwrap();
         let state = State::open(dir.path()).unwrap();
-        let (v, _) = Volume::from_request(&request(&[("url", "http://s:1/d")], &[("token", "t")])).unwrap();
+        let (v, _) =
+            Volume::from_request(&request(&[("url", "http://s:1/d")], &[("token", "t")]), Path::new("/state")).unwrap();
         assert_eq!(state.get(&v.target).unwrap(), None);
         state.put(&v.record()).unwrap();
         let token = state.put_token(&v.target, "t").unwrap();

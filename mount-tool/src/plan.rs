@@ -121,6 +121,12 @@ pub fn is_mountpoint(path: &Path) -> bool {
     mount_table().iter().any(|m| m.point == target)
 }
 
+/// Whether the mount on top at `path` (canonical) is a batchfs mount: `None` where nothing is mounted.
+pub fn batchfs_mounted_at(path: &Path) -> Option<bool> {
+    let target = path.to_string_lossy();
+    mount_table().iter().rev().find(|m| m.point == target).map(MountEntry::is_batchfs)
+}
+
 /// A mount, as `/proc/self/mountinfo` lists it.
 pub(crate) struct MountEntry {
     /// Its mount point (spaces unescaped).

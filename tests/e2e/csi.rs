@@ -424,6 +424,18 @@ fn bad_requests_get_their_codes_and_leave_nothing_mounted() {
         ),
         ("a bad value", with(&|r| r["volume_context"]["options"] = json!("cache=lots")), "INVALID_ARGUMENT", "cache"),
         (
+            "a file of the node as the token",
+            with(&|r| r["volume_context"]["options"] = json!("token_file=/etc/hostname")),
+            "INVALID_ARGUMENT",
+            "token_file names a file of the node",
+        ),
+        (
+            "a cache directory outside the plugin's",
+            with(&|r| r["volume_context"]["options"] = json!("cache_dir=/var/lib/kubelet")),
+            "INVALID_ARGUMENT",
+            "cache_dir /var/lib/kubelet is not under",
+        ),
+        (
             "unsupervised",
             with(&|r| r["volume_context"]["options"] = json!("supervise=false")),
             "INVALID_ARGUMENT",
@@ -481,6 +493,18 @@ fn bad_requests_get_their_codes_and_leave_nothing_mounted() {
     assert_eq!(code, "NOT_FOUND", "{details}");
     assert!(batchfs_mount::plan::is_mountpoint(&target), "another volume's unpublish leaves the mount");
     client.ok("NodeUnpublishVolume", unpublish("vol", &target), &node);
+
+    // Something the plugin did not mount (a tmpfs) is not unmounted by an unpublish, nor its target removed
+    // (it was unmounted, lazily, and the directory removed).
+    let foreign = node.target("foreign-pod");
+    std::fs::create_dir_all(&foreign).unwrap();
+    let status = std::process::Command::new("mount").args(["-t", "tmpfs", "tmpfs"]).arg(&foreign).status().unwrap();
+    assert!(status.success());
+    let _unmount = batchfs_mount::plan::UnmountOnDrop(foreign.clone());
+    std::fs::write(foreign.join("kept"), b"a pod's file").unwrap();
+    let (code, details, _) = client.call("NodeUnpublishVolume", unpublish("whatever", &foreign));
+    assert_eq!(code, "FAILED_PRECONDITION", "{details}");
+    assert!(foreign.join("kept").exists(), "the tmpfs is still mounted");
 
     // A target reached through a symbolic link: mounted where the link leads, found there when asked again.
     let real = node.target("real-pod");
