@@ -402,15 +402,19 @@ impl NodeCache {
         }
     }
 
-    /// Every object file: its path, size and modification time.
+    /// Every object file: its path, size and modification time. Only files named as the cache names
+    /// them, in folders named so ([`is_object_file`]): whatever else a `cache_dir` given by mistake holds
+    /// (`/var/lib`, a home) is neither counted nor ever removed. Temporary files (another writer's, in
+    /// flight) are not objects.
     fn entries(&self) -> Vec<(PathBuf, u64, std::time::SystemTime)> {
         let mut out = Vec::new();
         let Ok(subdirs) = std::fs::read_dir(&self.dir) else { return out };
         for sub in subdirs.flatten() {
+            let folder = sub.file_name();
+            let Some(folder) = folder.to_str().filter(|f| f.len() == 2) else { continue };
             let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
             for f in files.flatten() {
-                // Temporary files (another writer's, in flight) are not objects.
-                if f.file_name().to_string_lossy().starts_with('.') {
+                if !f.file_name().to_str().is_some_and(|name| is_object_file(folder, name)) {
                     continue;
                 }
                 if let Ok(m) = f.metadata() {
@@ -443,6 +447,17 @@ impl NodeCache {
         }
         self.used.store(used, Ordering::Relaxed);
     }
+}
+
+/// Whether `name` in folder `folder` is an object file as [`NodeCache::path_of`] names them (`CRC-SIZE-ID`,
+/// or `CRC-SIZE` of a build before objects had names), `CRC` eight hex digits whose first two are the folder.
+fn is_object_file(folder: &str, name: &str) -> bool {
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    let mut parts = name.split('-');
+    let (crc, size, id) = (parts.next(), parts.next(), parts.next());
+    let crc_ok = crc.is_some_and(|c| hex(c, 8) && c.starts_with(folder));
+    let size_ok = size.is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
+    crc_ok && size_ok && id.is_none_or(|i| hex(i, 16)) && parts.next().is_none()
 }
 
 /// Whether a write right after a look at a file moves its change time in `dir`'s filesystem (multigrain
@@ -543,6 +558,32 @@ mod tests {
         assert_eq!(ident(&[b"sample", &7u32.to_le_bytes()]), ident(&[b"sample", &7u32.to_le_bytes()]));
         assert_ne!(ident(&[b"ab", b"c"]), ident(&[b"a", b"bc"]));
         assert_eq!(ident(&[]), 0xcbf2_9ce4_8422_2325, "FNV-1a's offset basis");
+    }
+
+    /// A `cache_dir` given where other files are (a mistake: `/var/lib`, a home) has only the cache's own
+    /// files counted and evicted: the walk removed every file of every folder below it, oldest first.
+    #[test]
+    fn eviction_removes_only_the_cache_s_own_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let theirs =
+            [dir.path().join("ab/notes.txt"), dir.path().join("etc/passwd"), dir.path().join("ab/ab12cd34-5.txt")];
+        for path in &theirs {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, vec![b'x'; 600]).unwrap();
+        }
+        let old = dir.path().join("00/00112233-600");
+        std::fs::create_dir_all(old.parent().unwrap()).unwrap();
+        std::fs::write(&old, vec![b'y'; 600]).unwrap();
+        let cache = NodeCache::open(dir.path(), 1000, "d").unwrap();
+        eventually("the walk counts the old build's file only", || cache.used() == 600);
+        let a = vec![b'z'; 700];
+        cache.put(sent(&a), &a).unwrap();
+        assert!(!old.exists(), "an object file of the cache's (an older build's name) evicted");
+        assert!(theirs.iter().all(|p| p.exists()), "other files left alone");
+        assert!(is_object_file("ab", "ab12cd34-5-0123456789abcdef") && is_object_file("ab", "ab12cd34-5"));
+        for (folder, name) in [("ab", "cd12cd34-5"), ("ab", "ab12cd34"), ("ab", "ab12cd34-5-x"), ("ab", "AB12CD34-5")] {
+            assert!(!is_object_file(folder, name), "{folder}/{name}");
+        }
     }
 
     /// A file handed to the kernel is checked like a read: whole and right, or removed; a longer one too.
