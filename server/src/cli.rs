@@ -153,7 +153,9 @@ pub fn run() -> Result<()> {
 
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    // In colour only on a terminal: journald and redirected logs get plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
 }
 
 /// Opens every dataset, indexing where needed, with progress and a summary line each.
@@ -182,6 +184,10 @@ fn dataset_specs(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Vec<Datase
     let specs: Vec<DatasetSpec> = extra.iter().chain(&flags.datasets).cloned().collect();
     if specs.is_empty() {
         bail!("no dataset given: pass --dataset NAME=PATH (or [[dataset]] in --config)");
+    }
+    // The flag's are checked as they parse; the config file's here.
+    for spec in extra {
+        crate::config::check_dataset_name(&spec.name).context("in the config file's [[dataset]]")?;
     }
     Ok(specs)
 }

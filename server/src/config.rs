@@ -35,7 +35,9 @@ pub enum ValueError {
     NotADatasetSpec { text: String },
     #[error("{text:?}: expected NAME=PATH with both parts non-empty")]
     EmptyDatasetSpec { text: String },
-    #[error("dataset name {name:?} must not contain '/', '?', '#' or '%'")]
+    #[error(
+        "dataset name {name:?} must be non-empty, not `.` or `..`, without '/', '?', '#', '%' or control characters"
+    )]
     DatasetName { name: String },
 }
 
@@ -301,6 +303,16 @@ fn settings<'de, D: serde::Deserializer<'de>>(d: D) -> Result<std::collections::
     Ok(table.into_iter().map(|(k, v)| (k, text(v))).collect())
 }
 
+/// A dataset's name, as a URL's path segment and the name of its index file take it: refused where it would
+/// reach elsewhere (`../x` wrote the index outside `index_dir`) or be read as part of a URL.
+pub fn check_dataset_name(name: &str) -> Result<(), ValueError> {
+    let bad = name.is_empty() || name == "." || name == ".." || name.contains(['/', '?', '#', '%']);
+    match bad || name.chars().any(char::is_control) {
+        true => Err(ValueError::DatasetName { name: name.to_owned() }),
+        false => Ok(()),
+    }
+}
+
 impl std::str::FromStr for DatasetSpec {
     type Err = ValueError;
 
@@ -310,9 +322,7 @@ impl std::str::FromStr for DatasetSpec {
         if name.is_empty() || path.is_empty() {
             return Err(ValueError::EmptyDatasetSpec { text: s.to_owned() });
         }
-        if name.contains(['/', '?', '#', '%']) {
-            return Err(ValueError::DatasetName { name: name.to_owned() });
-        }
+        check_dataset_name(name)?;
         let path = PathBuf::from(path);
         Ok(DatasetSpec { name: name.to_owned(), path, format: None, s3: Default::default(), index_in_bucket: false })
     }
@@ -504,5 +514,11 @@ mod tests {
         assert_eq!((d.name.as_str(), d.path.to_str().unwrap()), ("in", "/data/x"));
         assert!("noequals".parse::<DatasetSpec>().is_err());
         assert!("a/b=/x".parse::<DatasetSpec>().is_err());
+        for bad in ["", ".", "..", "../x", "a?b", "a#b", "a%20b", "tab\there"] {
+            assert!(check_dataset_name(bad).is_err(), "{bad:?}");
+        }
+        for good in ["imagenet", "a.b", "ImageNet-1k_v2", "训练"] {
+            assert!(check_dataset_name(good).is_ok(), "{good:?}");
+        }
     }
 }

@@ -145,6 +145,16 @@ fn bad_invocations_say_what_to_fix() {
     let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, "colour = \"red\"\n").unwrap();
     fails_with(&["serve", "--config", bad.to_str().unwrap()], "invalid config");
+    // A config file's dataset names are checked as the flag's are (`../esc` wrote its index outside
+    // index_dir, and an empty name was served).
+    for name in ["../esc", "", "a/b", "x?y"] {
+        let config = dir.path().join("names.toml");
+        let text =
+            format!("index_dir = \"{0}/idx\"\n[[dataset]]\nname = \"{name}\"\npath = \"{0}\"\n", dir.path().display());
+        std::fs::write(&config, text).unwrap();
+        fails_with(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()], "dataset name");
+    }
+    assert!(!dir.path().join("esc.batchfs-index").exists());
     let empty = dir.path().join("token");
     std::fs::write(&empty, "\n").unwrap();
     fails_with(
