@@ -112,13 +112,29 @@ impl MountArgs {
     }
 }
 
-fn init_tracing(log_file: Option<&Path>, default: &str) {
+/// Logs to `log_file` (appended; one that cannot be opened is an error, not a log lost: a daemonized
+/// mount has no stderr to read), else to stderr, in colour only on a terminal.
+fn init_tracing(log_file: Option<&Path>, default: &str) -> Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    let _ = match log_file.and_then(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).ok()) {
-        Some(file) => builder.with_ansi(false).with_writer(std::sync::Mutex::new(file)).try_init(),
-        None => builder.with_writer(std::io::stderr).try_init(),
+    let file = match log_file {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open log_file {}", p.display()))?,
+        ),
+        None => None,
     };
+    let _ = match file {
+        Some(file) => builder.with_ansi(false).with_writer(std::sync::Mutex::new(file)).try_init(),
+        None => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_writer(std::io::stderr)
+            .try_init(),
+    };
+    Ok(())
 }
 
 /// Entry point of the binary.
@@ -144,12 +160,12 @@ pub fn run() -> Result<()> {
         Command::Mount(m) => {
             crate::sys::release_large_allocations();
             let options = m.mount_options()?;
-            init_tracing(if m.foreground { None } else { options.log_file.as_deref() }, "info");
+            init_tracing(if m.foreground { None } else { options.log_file.as_deref() }, "info")?;
             mount(&m.url, &m.mountpoint, options, !m.foreground)
         }
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
         Command::Warm { target, options } => {
-            init_tracing(None, "warn");
+            init_tracing(None, "warn")?;
             let mut o = warm_options(&options)?;
             let (url, dir) = warm_target(&target, &mut o)?;
             let failed = crate::warm::command(&url, &dir, &o)?;
@@ -245,7 +261,7 @@ fn mount_helper(args: &[OsString]) -> Result<()> {
     let [spec, dir] = positional.as_slice() else {
         bail!("usage: mount.batchfs http://host:port/DATASET MOUNTPOINT [-o options]");
     };
-    init_tracing(options.log_file.as_deref(), "info");
+    init_tracing(options.log_file.as_deref(), "info")?;
     crate::sys::release_large_allocations();
     if fake {
         // `mount -f`: every check, nothing mounted.

@@ -237,7 +237,13 @@ pub fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: boo
 /// A worker: serves the mount its supervisor holds until the mount ends (exit 0), or until SIGTERM asks
 /// it to step down for a new worker ([`crate::supervise::EXIT_REPLACE`]).
 pub fn work(url: &str, options: MountOptions, start: crate::supervise::WorkerStart) -> Result<()> {
-    let http = http_config(url, &options)?;
+    let http = match http_config(url, &options) {
+        Ok(http) => http,
+        Err(e) => {
+            start.failed(&e);
+            return Err(e);
+        }
+    };
     let plan = MountPlan {
         url: url.to_owned(),
         mountpoint: start.mountpoint.clone(),
@@ -255,10 +261,17 @@ fn serve(
     start: Option<crate::supervise::WorkerStart>,
 ) -> Result<()> {
     let energy = match &plan.options.energy_log {
-        Some(path) => Some(
-            batchfs_energy::EnergyLog::prepare(path)
-                .with_context(|| format!("cannot write energy_log {}", path.display()))?,
-        ),
+        Some(path) => match batchfs_energy::EnergyLog::prepare(path) {
+            Ok(log) => Some(log),
+            Err(e) => {
+                // A worker says why it cannot serve: its supervisor says so to whoever mounts.
+                let e = anyhow::Error::new(e).context(format!("cannot write energy_log {}", path.display()));
+                if let Some(start) = start {
+                    start.failed(&e);
+                }
+                return Err(e);
+            }
+        },
         None => None,
     };
     let worker = start.is_some();

@@ -110,6 +110,21 @@ fn mount_errors_are_reported_before_daemonizing() {
         (vec![server.url.clone(), "/nonexistent/mnt".into()], "mountpoint /nonexistent/mnt"),
         (vec![server.url.clone(), mnt.clone(), "-o".into(), "colour=red".into()], "unknown mount option"),
         (vec!["storage:7878/d".into(), mnt.clone()], "expected http(s)://host:port/DATASET"),
+        // A log file that cannot be written (its logs were lost without a word), and an energy log a worker
+        // cannot write (the supervisor said only that the worker exited).
+        (
+            vec![server.url.clone(), mnt.clone(), "-o".into(), "log_file=/nonexistent/dir/x.log".into()],
+            "cannot open log_file /nonexistent/dir/x.log",
+        ),
+        (
+            vec![
+                server.url.clone(),
+                mnt.clone(),
+                "-o".into(),
+                format!("token_file={},energy_log=/nonexistent/e.jsonl", good_token.path().display()),
+            ],
+            "cannot write energy_log /nonexistent/e.jsonl",
+        ),
     ];
     for (args, needle) in cases {
         let mut full = vec!["mount".to_owned()];
