@@ -51,8 +51,9 @@ pub enum LimitError {
     FrameSize { got: u32 },
     #[error("HTTP/2 windows must be below 2 GiB")]
     WindowTooLarge,
-    #[error("max_connections, max_concurrent_streams and storage_concurrency must be at least 1")]
-    Zero,
+    /// A limit below which the server cannot serve (every request refused, or none read).
+    #[error("{name} must be at least {min}, got {got}")]
+    TooSmall { name: &'static str, min: u64, got: u64 },
 }
 
 /// How a limit's value is written, on the command line and in the config file.
@@ -81,11 +82,14 @@ mod value {
     }
 }
 
-/// A `[limits]` value in the config file: a TOML integer, boolean or string (`"16M"`, `"30s"`).
+/// A `[limits]` value in the config file: a TOML integer, float, boolean or string (`"16M"`, `"30s"`),
+/// parsed from its text by the limit's own parser, so that a wrong one (`-1`, `1.5` for a count) is
+/// refused naming the limit and what it takes, not as a TOML type that matches no variant.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum LimitValue {
-    Integer(u64),
+    Integer(i64),
+    Float(f64),
     Switch(bool),
     Text(String),
 }
@@ -94,6 +98,7 @@ impl LimitValue {
     fn text(&self) -> String {
         match self {
             LimitValue::Integer(n) => n.to_string(),
+            LimitValue::Float(x) => x.to_string(),
             LimitValue::Switch(b) => b.to_string(),
             LimitValue::Text(s) => s.clone(),
         }
@@ -361,10 +366,26 @@ impl ServerLimits {
         if self.stream_window > i32::MAX as u32 || self.connection_window > i32::MAX as u32 {
             return Err(LimitError::WindowTooLarge);
         }
-        if self.max_connections == 0 || self.max_concurrent_streams == 0 || self.storage_concurrency == 0 {
-            return Err(LimitError::Zero);
+        // Below these nothing is served: `max_bodies_in_flight=0` refused every batch (503), and
+        // `max_header_bytes=0` every request.
+        let secs = |d: Duration| d.as_secs().max(u64::from(d.subsec_nanos() > 0));
+        let least = [
+            ("max_connections", self.max_connections as u64, 1),
+            ("max_concurrent_streams", u64::from(self.max_concurrent_streams), 1),
+            ("storage_concurrency", self.storage_concurrency as u64, 1),
+            ("max_header_bytes", u64::from(self.max_header_bytes), 1024),
+            ("max_bodies_in_flight", self.max_bodies_in_flight, 1),
+            ("max_mapped_shards", self.max_mapped_shards as u64, 1),
+            ("read_depth", self.read_depth as u64, 1),
+            ("object_requests", self.object_requests as u64, 1),
+            ("stage_objects", self.stage_objects as u64, 1),
+            ("request_timeout (seconds)", secs(self.request_timeout), 1),
+            ("header_read_timeout (seconds)", secs(self.header_read_timeout), 1),
+        ];
+        match least.into_iter().find(|&(_, got, min)| got < min) {
+            Some((name, got, min)) => Err(LimitError::TooSmall { name, min, got }),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -498,6 +519,26 @@ mod tests {
             file.limits.apply(&mut limits).unwrap();
             limits.validate().unwrap();
         }
+    }
+
+    #[test]
+    fn a_wrong_limit_in_the_file_is_named() {
+        let file: ConfigFile = toml::from_str("[limits]\nmax_connections = -1\n").unwrap();
+        let e = file.limits.apply(&mut ServerLimits::default()).unwrap_err().to_string();
+        assert!(e.starts_with("limits.max_connections: ") && e.contains("-1"), "{e}");
+        let file: ConfigFile = toml::from_str("[limits]\nstorage_concurrency = 2.5\n").unwrap();
+        assert!(file.limits.apply(&mut ServerLimits::default()).is_err());
+    }
+
+    #[test]
+    fn limits_that_serve_nothing_are_refused() {
+        let zero_bodies = ServerLimits { max_bodies_in_flight: 0, ..ServerLimits::default() };
+        let e = zero_bodies.validate().unwrap_err();
+        assert_eq!(e.to_string(), "max_bodies_in_flight must be at least 1, got 0");
+        let tiny_headers = ServerLimits { max_header_bytes: 100, ..ServerLimits::default() };
+        assert!(tiny_headers.validate().unwrap_err().to_string().starts_with("max_header_bytes"));
+        let no_time = ServerLimits { request_timeout: Duration::ZERO, ..ServerLimits::default() };
+        assert!(no_time.validate().unwrap_err().to_string().starts_with("request_timeout"));
     }
 
     #[test]
