@@ -190,6 +190,13 @@ pub async fn handle<B>(state: Arc<AppState>, req: Request<B>) -> Result<Response
     Ok(response)
 }
 
+/// The credentials of an `Authorization` value of the Bearer scheme, whose name is case-insensitive (RFC
+/// 9110, 11.1): `bearer T` and `BEARER T` as `Bearer T`.
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, credentials) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(credentials)
+}
+
 fn check_token(state: &AppState, req: &Request<impl Sized>) -> Result<(), Failure> {
     let Some(expected) = &state.token else {
         return Ok(());
@@ -198,7 +205,7 @@ fn check_token(state: &AppState, req: &Request<impl Sized>) -> Result<(), Failur
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer)
         .map(str::trim);
     match given {
         None => Err(Failure::new(
@@ -570,5 +577,19 @@ fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, 
             })
             .await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The scheme's name in any case (RFC 9110): `bearer T` was refused as no token.
+    #[test]
+    fn the_bearer_scheme_is_named_in_any_case() {
+        for header in ["Bearer t0k", "bearer t0k", "BEARER t0k", "  Bearer t0k"] {
+            assert_eq!(super::bearer(header), Some("t0k"), "{header:?}");
+        }
+        for header in ["Basic dXNlcg==", "Bearert0k", "t0k", ""] {
+            assert_eq!(super::bearer(header), None, "{header:?}");
+        }
     }
 }
