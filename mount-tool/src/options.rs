@@ -51,15 +51,27 @@ mod value {
         v.parse().map_err(|_| Refusal::Expected("a number"))
     }
 
+    /// A count of at least one (0 was taken as 1 without a word).
     pub fn at_least_one(v: &str) -> Result<usize, Refusal> {
-        Ok((count(v)? as usize).max(1))
+        match count(v)? as usize {
+            0 => Err(Refusal::Expected("a number of at least 1")),
+            n => Ok(n),
+        }
+    }
+
+    /// The node cache's size: more than nothing (a cache that keeps nothing is no `cache_dir`).
+    pub fn disk_size(v: &str) -> Result<u64, Refusal> {
+        match size(v)? {
+            0 => Err(Refusal::Expected("a size above 0 (leave cache_dir out for no node cache)")),
+            n => Ok(n),
+        }
     }
 
     /// `auto` ([`super::AUTO_THREADS`]) or a count of at least one.
     pub fn threads(v: &str) -> Result<usize, Refusal> {
         match v {
             "auto" => Ok(super::AUTO_THREADS),
-            _ => at_least_one(v).map_err(|_| Refusal::Expected("auto or a number")),
+            _ => at_least_one(v).map_err(|_| Refusal::Expected("auto or a number of at least 1")),
         }
     }
 
@@ -296,7 +308,7 @@ options! {
         "Byte budget of the cache, fetches in flight included.";
     cache_dir: Option<PathBuf> = None, value::path, "—", "DIR", "Prefetch",
         "A node cache on local disk: verified objects kept by content, across remounts and mounts.";
-    cache_dir_size: u64 = 100 << 30, value::size, "100G", "SIZE", "Prefetch",
+    cache_dir_size: u64 = 100 << 30, value::disk_size, "100G", "SIZE", "Prefetch",
         "Bytes the node cache keeps at most (the least recently used go first).";
     cache_dir_checks: usize = crate::node_cache::DEFAULT_CHECKS, value::batches, "131072", "N", "Prefetch",
         "Node cache files whose check the mount remembers, not reading them again while unchanged (0: none).";
@@ -543,6 +555,9 @@ mod tests {
             "timeout=0",
             "stall_timeout=0s",
             "servers=foo",
+            "connections=0",
+            "threads=0",
+            "cache_dir_size=0",
             "servers=http://a:1;http://u:p@b:2",
             "servers=http://a:1/ds",
             "servers=http://a:1?x=1",
@@ -561,8 +576,7 @@ mod tests {
         let mut given = MountOptions::default();
         given.apply_list("threads=5").unwrap();
         assert_eq!(given.fuse_threads(), 5);
-        given.apply_list("threads=0").unwrap();
-        assert_eq!(given.fuse_threads(), 1, "at least one, as before");
+        assert!(given.apply_list("threads=0").is_err(), "refused, not taken as 1 without a word");
         given.apply_list("threads=auto").unwrap();
         assert_eq!(given.fuse_threads(), auto.fuse_threads());
     }
