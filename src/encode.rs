@@ -19,8 +19,11 @@
 //!   once (at build) reads any epoch's batch of the same position. The price: every record takes the
 //!   largest record's room.
 //! - `tfrecord.slots.idx`: its DALI index, `j * slot slot` per record (the same for every epoch).
-//! - `tar`: a POSIX (ustar + pax) tar, one member `KEY.EXT` per part, then two zero blocks. Mode 0644,
-//!   owner 0, mtime 0, so a body is a pure function of the samples.
+//! - `tar`: a POSIX (ustar + pax) tar, one member `KEY_ID.EXT` per part, then two zero blocks: the
+//!   sample's key made safe and its sample id ([`tar_sample_key`]), so that WebDataset finds each sample
+//!   of the batch under a key of its own even where two samples' keys are alike (`cat/a.jpg` and
+//!   `cat/a.png` of a file tree are both keyed `cat/a`). Mode 0644, owner 0, mtime 0, so a body is a pure
+//!   function of the samples.
 
 use crate::crc::CrcBuilder;
 use crate::index::{Index, Sample, SourceFormat};
@@ -389,31 +392,48 @@ fn tfrecord_frame_len(index: &Index, sample: &Sample) -> u64 {
     }
 }
 
-/// The member name of part `ext` of a sample keyed `key` in a tar batch: the key made safe (no empty,
-/// `.` or `..` components, no `.` in the file name so WebDataset splits at the extension), then `.EXT`.
-pub fn tar_member_name(key: &str, ext: &str) -> String {
-    let parts: Vec<&str> = key.split('/').filter(|c| !c.is_empty() && *c != "." && *c != "..").collect();
-    let mut name = match parts.split_last() {
+/// The WebDataset key of sample `id` (its number in the index), keyed `key`, in a tar batch: the key made
+/// safe, then `_` and the id, so that no two samples of a batch share one. Made safe: empty, `.` and `..`
+/// components are left out (an empty key becomes `sample`), control characters (a NUL ends a name for
+/// tar readers) become `_`, and so does `.` in the file name, which WebDataset would take for the start of
+/// the extension; a key that would start with `__`, which WebDataset skips as metadata, starts with `-_`.
+/// Unique because the digits after the last `_` are the id, and a plan's batch holds a sample once.
+pub fn tar_sample_key(key: &str, id: u32) -> String {
+    let components: Vec<&str> = key.split('/').filter(|c| !c.is_empty() && *c != "." && *c != "..").collect();
+    let mut name = String::with_capacity(key.len() + 11);
+    match components.split_last() {
         Some((last, dirs)) => {
-            let mut n = dirs.join("/");
-            if !n.is_empty() {
-                n.push('/');
+            for dir in dirs {
+                name.extend(dir.chars().map(|c| if c.is_control() { '_' } else { c }));
+                name.push('/');
             }
-            n.push_str(&last.replace('.', "_"));
-            n
+            name.extend(last.chars().map(|c| if c.is_control() || c == '.' { '_' } else { c }));
         }
-        None => "sample".to_owned(),
-    };
-    if !ext.is_empty() {
-        name.push('.');
-        name.push_str(ext);
+        None => name.push_str("sample"),
+    }
+    name.push('_');
+    name.push_str(&id.to_string());
+    if name.starts_with("__") {
+        name.replace_range(..1, "-");
     }
     name
 }
 
-fn push_tar(b: &mut LayoutBuilder, sample: &Sample) {
+/// The member name of part `ext` of the sample whose WebDataset key is `sample_key` ([`tar_sample_key`]):
+/// `KEY.EXT`, control characters and `/` in the extension made `_`. A part without an extension is
+/// `KEY.`, so that WebDataset, which drops a member without a `.`, keeps it (under the extension `""`).
+pub fn tar_member_name(sample_key: &str, ext: &str) -> String {
+    let mut name = String::with_capacity(sample_key.len() + 1 + ext.len());
+    name.push_str(sample_key);
+    name.push('.');
+    name.extend(ext.chars().map(|c| if c.is_control() || c == '/' { '_' } else { c }));
+    name
+}
+
+fn push_tar(b: &mut LayoutBuilder, sample: &Sample, id: u32) {
+    let key = tar_sample_key(&sample.key, id);
     for p in &sample.parts {
-        b.inline(&tar::file_header(&tar_member_name(&sample.key, &p.ext), p.len));
+        b.inline(&tar::file_header(&tar_member_name(&key, &p.ext), p.len));
         b.data(p.shard, p.offset, p.len, p.crc32c);
         b.inline(&[0u8; tar::BLOCK as usize][..tar::padding(p.len) as usize]);
     }
@@ -469,6 +489,7 @@ pub fn summary(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -
 
 fn build(index: &Index, samples: &[u32], format: BatchFormat, slot: u64, summary: bool, every: u64) -> BatchLayout {
     let mut b = LayoutBuilder { summary, every, ..LayoutBuilder::default() };
+    let ids = samples;
     let samples = samples.iter().map(|&i| &index.samples[i as usize]);
     match format {
         BatchFormat::TfrecordSlots => {
@@ -486,8 +507,8 @@ fn build(index: &Index, samples: &[u32], format: BatchFormat, slot: u64, summary
         }
         BatchFormat::TfrecordIdx => b.inline(&dali_index(samples.map(|s| tfrecord_frame_len(index, s)))),
         BatchFormat::Tar => {
-            for sample in samples {
-                push_tar(&mut b, sample);
+            for (sample, &id) in samples.zip(ids) {
+                push_tar(&mut b, sample, id);
                 b.sample_end();
             }
             b.inline(&[0u8; tar::END_LEN as usize]);
@@ -687,12 +708,85 @@ mod tests {
             let members: Vec<_> = tar::Scanner::new(&body).collect::<Result<_, _>>().unwrap();
             let expected: Vec<(String, &[u8])> = samples
                 .iter()
-                .flat_map(|(k, _, parts)| parts.iter().map(move |(e, d)| (tar_member_name(k, e), &d[..])))
+                .enumerate()
+                .flat_map(|(i, (k, _, parts))| {
+                    let key = tar_sample_key(k, i as u32);
+                    parts.iter().map(move |(e, d)| (tar_member_name(&key, e), &d[..]))
+                })
                 .collect();
             prop_assert_eq!(members.len(), expected.len());
             for (m, (name, data)) in members.iter().zip(expected) {
                 prop_assert_eq!(&m.name, &name);
                 prop_assert_eq!(&body[m.data_offset as usize..(m.data_offset + m.size) as usize], data);
+            }
+        }
+    }
+
+    /// The key WebDataset gives a tar member (its `base_plus_ext`: the path up to the first `.` of the file
+    /// name), or `None` where it finds none and drops the member: no `.` in the file name, or nothing before
+    /// it (stricter than WebDataset, which would take the directory for the key).
+    fn webdataset_key(name: &str) -> Option<&str> {
+        let base = name.rfind('/').map_or(0, |i| i + 1);
+        let dot = name[base..].find('.').filter(|&d| d > 0)?;
+        Some(&name[..base + dot])
+    }
+
+    /// Keys as datasets make them, hostile ones included: dots, slashes, empty components, `.`, `..`,
+    /// control characters, and arbitrary bytes made UTF-8 as an LMDB key is.
+    fn arb_key() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a_./]{0,6}",
+            "[a\\x00\\x01\\n./_]{0,5}",
+            Just(String::new()),
+            Just(".".to_owned()),
+            Just("..".to_owned()),
+            proptest::collection::vec(any::<u8>(), 0..8).prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+        ]
+    }
+
+    proptest! {
+        /// However their keys look, the samples of a tar batch are exactly the samples WebDataset finds in
+        /// it: each member's WebDataset key is its sample's and no other sample's, members of one sample
+        /// are consecutive, and no name holds a control character (a NUL ends a name for tar readers), an
+        /// empty, `.` or `..` component, or starts with `__` (WebDataset skips those as metadata).
+        #[test]
+        fn tar_batches_give_webdataset_one_key_per_sample(
+            samples in proptest::collection::vec(
+                (
+                    arb_key(),
+                    proptest::collection::btree_set("[a-z]{0,3}", 1..3).prop_map(|e| e.into_iter().collect::<Vec<_>>()),
+                ),
+                1..10,
+            ),
+        ) {
+            let samples: Vec<TestSample> = samples
+                .into_iter()
+                .map(|(key, exts)| (key, -1, exts.into_iter().map(|e| (e, b"x".to_vec())).collect()))
+                .collect();
+            let (index, shard) = files_index(&samples, SourceFormat::Tar);
+            let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
+            let body = materialize(&layout(&index, &order, BatchFormat::Tar, 0), read_from(&shard));
+            let members: Vec<_> = tar::Scanner::new(&body).collect::<Result<_, _>>().unwrap();
+            // WebDataset's grouping: consecutive members with the same key are one sample.
+            let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
+            for m in &members {
+                prop_assert!(!m.name.chars().any(char::is_control), "{:?}", m.name);
+                prop_assert!(!m.name.starts_with("__"), "{:?}", m.name);
+                prop_assert!(m.name.split('/').all(|c| !c.is_empty() && c != "." && c != ".."), "{:?}", m.name);
+                let key = webdataset_key(&m.name);
+                prop_assert!(key.is_some(), "WebDataset drops {:?}", m.name);
+                let (key, ext) = (key.unwrap(), &m.name[key.unwrap().len() + 1..]);
+                match groups.last_mut() {
+                    Some((k, exts)) if *k == key => exts.push(ext),
+                    _ => groups.push((key, vec![ext])),
+                }
+            }
+            let keys: std::collections::BTreeSet<&str> = groups.iter().map(|(k, _)| *k).collect();
+            prop_assert_eq!(keys.len(), groups.len(), "a key names two samples: {:?}", groups);
+            prop_assert_eq!(groups.len(), samples.len(), "{:?}", groups);
+            for ((_, exts), &i) in groups.iter().zip(&order) {
+                let want: Vec<&str> = samples[i as usize].2.iter().map(|(e, _)| e.as_str()).collect();
+                prop_assert_eq!(exts, &want);
             }
         }
     }
@@ -838,9 +932,17 @@ mod tests {
 
     #[test]
     fn member_names_are_safe() {
-        assert_eq!(tar_member_name("../a/./b.c", "jpg"), "a/b_c.jpg");
-        assert_eq!(tar_member_name("", "cls"), "sample.cls");
-        assert_eq!(tar_member_name("n01/img_1", ""), "n01/img_1");
+        assert_eq!(tar_member_name(&tar_sample_key("../a/./b.c", 7), "jpg"), "a/b_c_7.jpg");
+        assert_eq!(tar_member_name(&tar_sample_key("", 0), "cls"), "sample_0.cls");
+        assert_eq!(tar_member_name(&tar_sample_key("n01/img_1", 12), ""), "n01/img_1_12.");
+        // Keys that collided before the id (`.` and `_`, `a/b` and `a//b`, `.` and `..`) no longer do.
+        assert_eq!(tar_sample_key("img.1", 3), "img_1_3");
+        assert_eq!(tar_sample_key("img_1", 4), "img_1_4");
+        assert_eq!(tar_sample_key("a//b", 5), "a/b_5");
+        assert_eq!(tar_sample_key("\u{fffd}\u{fffd}\0bin", 6), "\u{fffd}\u{fffd}_bin_6");
+        assert_eq!(tar_sample_key("__meta__/x", 8), "-_meta__/x_8");
+        assert_eq!(tar_sample_key("_", 9), "-_9");
+        assert_eq!(tar_member_name("k_1", "a\nb/c"), "k_1.a_b_c");
     }
 
     #[test]

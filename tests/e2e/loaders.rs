@@ -7,6 +7,7 @@
 
 use crate::common::{self, fixture, serve, ServeWith};
 use batchfs::api::SlotTable;
+use batchfs::encode::tar_sample_key;
 use batchfs::gen;
 use batchfs::index::SourceFormat;
 use batchfs::plan::{EpochPlan, PlanOptions};
@@ -43,6 +44,17 @@ fn records(fx: &common::Fixture, order: impl IntoIterator<Item = u32>) -> Vec<Va
 /// The records of every sample of `epoch`, in plan order.
 pub(crate) fn planned_records(fx: &common::Fixture, epoch: u64, options: PlanOptions) -> Vec<Value> {
     records(fx, EpochPlan::new(fx.options.samples, epoch, options).unwrap().order().iter().copied())
+}
+
+/// [`planned_records`] with each key as a tar batch names the sample ([`tar_sample_key`]): what WebDataset
+/// gives as `__key__`, and DALI's WebDataset reader as the member's name.
+fn planned_tar_records(fx: &common::Fixture, epoch: u64, options: PlanOptions) -> Vec<Value> {
+    let plan = EpochPlan::new(fx.options.samples, epoch, options).unwrap();
+    let mut records = records(fx, plan.order().iter().copied());
+    for (record, &id) in records.iter_mut().zip(plan.order()) {
+        record[0] = tar_sample_key(record[0].as_str().unwrap(), id).into();
+    }
+    records
 }
 
 /// Two epochs through one mount (the second warmed by the first's window), each against its plan.
@@ -105,7 +117,7 @@ fn webdataset_reads_tar_batches_in_plan_order() {
     let Some(got) = run_loader("python3", "webdataset", &["wds", dir.to_str().unwrap(), "--records"]) else {
         return;
     };
-    let want = planned_records(&fx, 0, PlanOptions { batch_size: 10, seed: 9, ..Default::default() });
+    let want = planned_tar_records(&fx, 0, PlanOptions { batch_size: 10, seed: 9, ..Default::default() });
     assert_eq!(got["records"].as_array().unwrap(), &want);
     rt.block_on(server.running.shutdown());
 }
@@ -174,9 +186,9 @@ fn the_lmdb_package_reads_raw_data_mdb_read_only() {
     rt.block_on(server.running.shutdown());
 }
 
-/// `planned_records` of `epochs`, one after another.
-fn planned_passes(fx: &common::Fixture, epochs: std::ops::Range<u64>, options: PlanOptions) -> Vec<Value> {
-    epochs.flat_map(|e| planned_records(fx, e, options)).collect()
+/// `planned_tar_records` of `epochs`, one after another.
+fn planned_tar_passes(fx: &common::Fixture, epochs: std::ops::Range<u64>, options: PlanOptions) -> Vec<Value> {
+    epochs.flat_map(|e| planned_tar_records(fx, e, options)).collect()
 }
 
 /// `rolling/`'s slot table for the fixture over `epochs` epochs from `first_epoch`, computed here from
@@ -276,7 +288,7 @@ fn webdataset_over_rolling_tars_reads_a_new_epoch_at_each_pass() {
     let dir = mounted.mountpoint.join("rolling");
     let args = ["wds", dir.to_str().unwrap(), "--records", "--epochs", "3"];
     let Some(got) = run_loader("python3", "webdataset", &args) else { return };
-    let want = planned_passes(&fx, 2..5, PlanOptions { batch_size: 50, seed: 9, ..Default::default() });
+    let want = planned_tar_passes(&fx, 2..5, PlanOptions { batch_size: 50, seed: 9, ..Default::default() });
     assert!(got["records"].as_array().unwrap() == &want);
     rt.block_on(server.running.shutdown());
 }
@@ -297,12 +309,12 @@ fn dali_reads_tar_batches_with_its_webdataset_reader() {
         let mut args = vec!["dali-wds", epoch.to_str().unwrap(), "--records"];
         args.extend(mode);
         let Some(got) = run_loader("python3", "nvidia.dali", &args) else { return };
-        assert!(got["records"].as_array().unwrap() == &planned_records(&fx, 1, plan), "{mode:?}");
+        assert!(got["records"].as_array().unwrap() == &planned_tar_records(&fx, 1, plan), "{mode:?}");
         let rolling = mounted.mountpoint.join("rolling");
         let mut args = vec!["dali-wds", rolling.to_str().unwrap(), "--records", "--epochs", "2"];
         args.extend(mode);
         let got = run_loader("python3", "nvidia.dali", &args).unwrap();
-        let first = planned_records(&fx, 2, plan);
+        let first = planned_tar_records(&fx, 2, plan);
         assert!(got["records"].as_array().unwrap() == &[first.clone(), first].concat(), "{mode:?}");
         let stats = common::mount_stats(&mounted.mountpoint);
         assert_eq!((stats["checksum_errors"].as_u64(), stats["errors"].as_u64()), (Some(0), Some(0)), "{stats}");

@@ -4,7 +4,7 @@
 
 use crate::common::{self, expected_samples, fixture, h2c, serve, Expected, ServeWith};
 use batchfs::api::{self, BatchQuery, DatasetInfo, DatasetList, ErrorBody, Manifest};
-use batchfs::encode::{tar_member_name, BatchFormat};
+use batchfs::encode::{tar_member_name, tar_sample_key, BatchFormat};
 use batchfs::index::SourceFormat;
 use batchfs::plan::{EpochPlan, PlanOptions, Shuffle};
 use batchfs::proto::{self, FeatureValue};
@@ -41,11 +41,16 @@ fn check_tfrecord(body: &[u8], samples: &[&Expected], source: SourceFormat) {
     }
 }
 
-/// Checks that a tar batch body holds exactly the parts of `samples`, in order.
-fn check_tar(body: &[u8], samples: &[&Expected]) {
+/// The members a tar batch of `samples` (with these sample ids) holds: name and bytes.
+fn tar_members<'a>(samples: &[&'a Expected], ids: &[u32]) -> Vec<(String, &'a [u8])> {
+    let named = samples.iter().zip(ids).map(|(s, &id)| (tar_sample_key(&s.key, id), *s));
+    named.flat_map(|(key, s)| s.parts.iter().map(move |(e, b)| (tar_member_name(&key, e), &b[..]))).collect()
+}
+
+/// Checks that a tar batch body holds exactly the parts of `samples` (with these sample ids), in order.
+fn check_tar(body: &[u8], samples: &[&Expected], ids: &[u32]) {
     let members: Vec<_> = tar::Scanner::new(body).collect::<Result<_, _>>().unwrap();
-    let expected: Vec<(String, &[u8])> =
-        samples.iter().flat_map(|s| s.parts.iter().map(|(e, b)| (tar_member_name(&s.key, e), &b[..]))).collect();
+    let expected = tar_members(samples, ids);
     assert_eq!(members.len(), expected.len());
     for (m, (name, bytes)) in members.iter().zip(expected) {
         assert_eq!(m.name, name);
@@ -59,6 +64,7 @@ fn check_with_python(
     body: &[u8],
     idx: Option<&[u8]>,
     samples: &[&Expected],
+    ids: &[u32],
     source: SourceFormat,
 ) {
     let crc_of = |b: &[u8]| Value::from(crc::crc32c(b));
@@ -89,19 +95,17 @@ fn check_with_python(
             let path = dir.join("b.tar");
             std::fs::write(&path, body).unwrap();
             let Some(seen) = common::python_read(&["tar", path.to_str().unwrap()]) else { return };
-            let members: Vec<Value> = samples
-                .iter()
-                .flat_map(|s| {
-                    s.parts.iter().map(|(e, b)| serde_json::json!([tar_member_name(&s.key, e), crc::crc32c(b)]))
-                })
+            let members: Vec<Value> = tar_members(samples, ids)
+                .into_iter()
+                .map(|(name, b)| serde_json::json!([name, crc::crc32c(b)]))
                 .collect();
             assert_eq!(seen["members"], Value::from(members), "tarfile");
             let wds: Vec<Value> = samples
                 .iter()
-                .map(|s| {
+                .zip(ids)
+                .map(|(s, &id)| {
                     let mut m = serde_json::Map::new();
-                    let member = tar_member_name(&s.key, "");
-                    m.insert("__key__".into(), member.into());
+                    m.insert("__key__".into(), tar_sample_key(&s.key, id).into());
                     for (e, b) in &s.parts {
                         m.insert(e.clone(), crc::crc32c(b).into());
                     }
@@ -152,12 +156,12 @@ async fn every_batch_decodes_to_the_source_samples_in_plan_order() {
                     assert_eq!(body.len() as u64, entry.bytes, "{format} batch {}", entry.index);
                     assert_eq!(crc::crc32c(&body), entry.crc32c);
                     assert_eq!(checkpoints, [(entry.bytes, entry.crc32c)], "small batches: only the whole");
-                    let want: Vec<&Expected> =
-                        plan.batch(entry.index).unwrap().iter().map(|&i| &expected[i as usize]).collect();
+                    let ids = plan.batch(entry.index).unwrap();
+                    let want: Vec<&Expected> = ids.iter().map(|&i| &expected[i as usize]).collect();
                     assert_eq!(entry.samples as usize, want.len());
                     match batch_format {
                         BatchFormat::Tfrecord => check_tfrecord(&body, &want, *format),
-                        _ => check_tar(&body, &want),
+                        _ => check_tar(&body, &want, ids),
                     }
                     if entry.index == 0 {
                         let idx = match batch_format {
@@ -168,13 +172,45 @@ async fn every_batch_decodes_to_the_source_samples_in_plan_order() {
                             }
                             _ => None,
                         };
-                        check_with_python(scratch.path(), &body, idx.as_deref(), &want, *format);
+                        check_with_python(scratch.path(), &body, idx.as_deref(), &want, ids, *format);
                     }
                 }
             }
         }
     }
     server.running.shutdown().await;
+}
+
+/// Files of one class whose names differ only after a dot (`cat/a.jpg` and `cat/a.png`, both keyed `cat/a`;
+/// `img.1.jpg` and `img_1.jpg`, alike once made safe) are four samples, and WebDataset reading a tar batch
+/// of them finds four, each with its own file: not `cat/a` as one sample with both images, nor a
+/// "duplicate file name" error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webdataset_finds_every_sample_of_a_tar_batch_whose_keys_are_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("cat")).unwrap();
+    let files: [(&str, &[u8]); 4] =
+        [("a.jpg", b"jpeg bytes"), ("a.png", b"png bytes"), ("img.1.jpg", b"first"), ("img_1.jpg", b"second")];
+    for (name, bytes) in files {
+        std::fs::write(dir.path().join("cat").join(name), bytes).unwrap();
+    }
+    let server = serve(&[("d", dir.path())], ServeWith::default()).await;
+    let plan = PlanOptions { batch_size: 8, shuffle: Shuffle::None, ..Default::default() };
+    let query = BatchQuery { plan, format: BatchFormat::Tar };
+    let url = format!("{}{}?{}", server.base, api::batch_path("d", 0, 0), query.to_query());
+    let body = get(&h2c(), &url).await.bytes().await.unwrap();
+    server.running.shutdown().await;
+    let path = dir.path().join("batch.tar");
+    std::fs::write(&path, &body).unwrap();
+    let Some(seen) = common::python_read(&["tar", path.to_str().unwrap()]) else { return };
+    // In index order (sorted paths), each under its key made safe and its sample id.
+    let want = serde_json::json!([
+        {"__key__": "cat/a_0", "jpg": crc::crc32c(b"jpeg bytes")},
+        {"__key__": "cat/a_1", "png": crc::crc32c(b"png bytes")},
+        {"__key__": "cat/img_1_2", "jpg": crc::crc32c(b"first")},
+        {"__key__": "cat/img_1_3", "jpg": crc::crc32c(b"second")},
+    ]);
+    assert_eq!(seen["samples"], want);
 }
 
 /// A whole batch body comes with checkpoints: the CRC32C of its first bytes at a few points at least
