@@ -232,7 +232,7 @@ pub fn generate(options: &GenOptions, out: &Path) -> Result<GenSummary, GenError
             let lmdb_err = |e: heed::Error| GenError::Lmdb { path: out.display().to_string(), message: e.to_string() };
             let map_size = ((options.mean_bytes as usize * 8 + 4096) * options.samples as usize * 2 + (64 << 20))
                 .next_multiple_of(1 << 16);
-            let env = LmdbEnv::create(out, map_size).map_err(lmdb_err)?;
+            let env = LmdbEnv::create(out, map_size, 0).map_err(lmdb_err)?;
             let result = (|| {
                 let mut wtxn = env.env().write_txn().map_err(lmdb_err)?;
                 let db = env

@@ -372,12 +372,12 @@ impl LmdbEnv {
         Ok(LmdbEnv { env })
     }
 
-    /// Creates (or opens for writing) an environment in `dir` with room for `map_size` bytes; used by the
-    /// sample-data generator.
-    pub fn create(dir: &Path, map_size: usize) -> heed::Result<Self> {
+    /// Creates (or opens for writing) an environment in `dir` with room for `map_size` bytes and
+    /// `max_dbs` named databases besides the main one; used by the sample-data generator and tests.
+    pub fn create(dir: &Path, map_size: usize, max_dbs: u32) -> heed::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let mut options = heed::EnvOpenOptions::new();
-        options.map_size(map_size).max_dbs(0);
+        options.map_size(map_size).max_dbs(max_dbs);
         // SAFETY: heed requires that no other handle to this environment is open in this process and
         // that no one else modifies it unsafely; the generator creates a fresh directory it alone writes.
         let env = unsafe { options.open(dir)? };

@@ -27,6 +27,11 @@ pub enum IndexError {
     Corrupt { shard: PathBuf, offset: u64, message: String },
     #[error("cannot read the LMDB environment in {path}: {message}")]
     Lmdb { path: PathBuf, message: String },
+    #[error(
+        "{path} holds named LMDB databases ({names}): batchfs serves an environment's main database; write \
+         the samples there (a writer's default database, not open_db(NAME))"
+    )]
+    NamedDatabases { path: PathBuf, names: String },
     #[error("{path} holds no samples in {format} format")]
     Empty { path: PathBuf, format: SourceFormat },
     #[error("{0} is not a directory")]
@@ -497,6 +502,7 @@ fn index_lmdb(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> 
             .ok_or_else(|| IndexError::Lmdb { path: root.to_owned(), message: "no main database".into() })?;
         let mut last = 0u64;
         let mut exts = Exts::default();
+        let mut named = Vec::new();
         for item in db.iter(&rtxn).map_err(lmdb_err)? {
             let (key, value) = item.map_err(lmdb_err)?;
             let base = match base {
@@ -508,6 +514,13 @@ fn index_lmdb(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> 
                     })?)
                 }
             };
+            // A named database's record in the main database is a node like a value's, told apart only by
+            // its flag; its 48 bytes are no sample.
+            let key_offset = (key.as_ptr() as usize).wrapping_sub(base) as u64;
+            if lmdb_node_flags(ours.bytes(), key_offset, key).is_some_and(|f| f & LMDB_F_SUBDATA != 0) {
+                named.push(String::from_utf8_lossy(key).into_owned());
+                continue;
+            }
             let offset = (value.as_ptr() as usize).wrapping_sub(base) as u64;
             let end = offset.checked_add(value.len() as u64);
             // The value must be where LMDB says it is in the file we serve from.
@@ -536,12 +549,35 @@ fn index_lmdb(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> 
             progress.advance(value.len() as u64);
             last += value.len() as u64;
         }
+        if !named.is_empty() {
+            const LISTED: usize = 8;
+            let mut names = named.iter().take(LISTED).map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ");
+            if named.len() > LISTED {
+                names.push_str(&format!(" and {} more", named.len() - LISTED));
+            }
+            return Err(IndexError::NamedDatabases { path: root.join("data.mdb"), names });
+        }
         progress.advance(ours.len().saturating_sub(last));
         index.shards[0].checksum(ours.bytes());
         Ok(())
     })();
     env.close();
     result
+}
+
+/// The flag of a node of LMDB's main database that holds a named database's record instead of a value
+/// (`F_SUBDATA` in LMDB's `mdb.c`).
+const LMDB_F_SUBDATA: u16 = 0x02;
+
+/// The flags of the LMDB leaf node whose key LMDB handed out as `key`, found at `key_offset` of `file`
+/// (`data.mdb`): a node is `lo, hi, flags, ksize` (u16 each, in the machine's byte order) then the key.
+/// `None` where the bytes there are not that key's node.
+fn lmdb_node_flags(file: &[u8], key_offset: u64, key: &[u8]) -> Option<u16> {
+    let at = usize::try_from(key_offset).ok()?;
+    let header = file.get(at.checked_sub(8)?..at)?;
+    let ksize = u16::from_ne_bytes([header[6], header[7]]);
+    let in_file = file.get(at..at.checked_add(key.len())?)?;
+    (usize::from(ksize) == key.len() && in_file == key).then(|| u16::from_ne_bytes([header[4], header[5]]))
 }
 
 /// The address at which file offset 0 of `file` would be, for the mapping of `file` that contains `addr`
@@ -790,6 +826,29 @@ mod tests {
         std::fs::write(dir.path().join("data.mdb"), vec![7u8; 10_000]).unwrap();
         let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
         assert!(err.contains("LMDB") && err.contains(&dir.path().display().to_string()), "{err}");
+    }
+
+    /// An environment whose samples are in named databases (`max_dbs`, `open_db(b"train")`) holds in its
+    /// main database one record per named database: those are not samples, and the environment is
+    /// refused with their names rather than served as 48-byte records.
+    #[test]
+    fn lmdb_with_named_databases_is_refused_naming_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = LmdbEnv::create(dir.path(), 1 << 20, 2).unwrap();
+        let mut wtxn = env.env().write_txn().unwrap();
+        for name in ["train", "meta"] {
+            let db = env.env().create_database::<heed::types::Bytes, heed::types::Bytes>(&mut wtxn, Some(name));
+            db.unwrap().put(&mut wtxn, b"000001", b"a sample's bytes").unwrap();
+        }
+        wtxn.commit().unwrap();
+        env.close();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        let data = dir.path().join("data.mdb");
+        assert!(
+            err.starts_with(&format!("{} holds named LMDB databases (\"meta\", \"train\")", data.display())),
+            "{err}"
+        );
+        assert!(err.contains("main database"), "{err}");
     }
 
     #[test]
