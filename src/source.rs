@@ -34,6 +34,11 @@ pub enum IndexError {
     NamedDatabases { path: PathBuf, names: String },
     #[error("{path} holds no samples in {format} format")]
     Empty { path: PathBuf, format: SourceFormat },
+    #[error(
+        "the name of {path:?} is not UTF-8: batchfs serves file names as text, so every name in a dataset \
+         must be UTF-8 (rename it, e.g. with convmv, or hide it with a leading '.')"
+    )]
+    NotUtf8 { path: PathBuf },
     #[error("{0} is not a directory")]
     NotADirectory(PathBuf),
 }
@@ -86,18 +91,21 @@ pub fn index_path(root: &Path, name: &str, index_dir: Option<&Path>) -> PathBuf 
     }
 }
 
-/// Lists regular files under `root` (hidden names skipped, symlinks not followed), sorted by path.
+/// Lists regular files under `root` (hidden names skipped, symlinks not followed), sorted by path. A name
+/// that is not UTF-8 is an error: paths are text in the index, the API and the mount, and a name
+/// converted lossily would name no file.
 fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
     let mut out = Vec::new();
     let mut stack = vec![(root.to_owned(), String::new())];
     while let Some((dir, rel)) = stack.pop() {
         for entry in std::fs::read_dir(&dir).map_err(io_err(&dir))? {
             let entry = entry.map_err(io_err(&dir))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') {
+            let name = entry.file_name();
+            if name.as_encoded_bytes().starts_with(b".") {
                 continue;
             }
             let path = entry.path();
+            let name = name.into_string().map_err(|_| IndexError::NotUtf8 { path: path.clone() })?;
             let meta = std::fs::symlink_metadata(&path).map_err(io_err(&path))?;
             let rel_path = if rel.is_empty() { name } else { format!("{rel}/{name}") };
             if meta.is_dir() {
@@ -966,6 +974,23 @@ mod tests {
             detect(&dir.path().join("nope")).unwrap_err().to_string(),
             format!("{} is not a directory", dir.path().join("nope").display())
         );
+    }
+
+    /// A file name that is not UTF-8 cannot be served under its own name (paths are text in the index, the
+    /// API and the mount): indexing fails naming the file, escaped, and says why, instead of reporting
+    /// that a lossily converted name does not exist.
+    #[test]
+    fn a_file_name_that_is_not_utf8_is_a_clear_error() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = generated(SourceFormat::Files, 4);
+        let name = std::ffi::OsStr::from_bytes(b"latin1-\xe9.jpg");
+        std::fs::write(dir.path().join("class-0000").join(name), b"bytes").unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("class-0000/latin1-\\xE9.jpg") && err.contains("not UTF-8"), "{err}");
+        // A hidden one is skipped like any hidden file.
+        std::fs::remove_file(dir.path().join("class-0000").join(name)).unwrap();
+        std::fs::write(dir.path().join(std::ffi::OsStr::from_bytes(b".hidden-\xe9")), b"x").unwrap();
+        assert_eq!(build(dir.path(), &strict(), &NoProgress).unwrap().samples.len(), 4);
     }
 
     #[test]
