@@ -129,18 +129,58 @@ fn is_tfrecord(path: &str) -> bool {
     [".tfrecord", ".tfrecords", ".tfr"].iter().any(|ext| path.ends_with(ext))
 }
 
+/// Whether `path`'s file name ends as TensorFlow names its shards, without an extension:
+/// `NAME-NNNNN-of-NNNNN` (`train-00000-of-01024` of ImageNet's build script, `train.tfrecord-00000-of-00001`).
+fn is_tensorflow_shard_name(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let Some((rest, total)) = name.rsplit_once("-of-") else { return false };
+    rest.rsplit_once('-').is_some_and(|(stem, shard)| !stem.is_empty() && digits(shard) && digits(total))
+}
+
+/// Whether the file at `path`, of `size` bytes, starts with TFRecord frames: the first frame's length
+/// matches its CRC and the frame fits in the file, and so does the second's where the first does not end
+/// the file. Two reads of 12 bytes; a text file passes by chance once in 2^64.
+fn starts_with_tfrecord_frames(path: &Path, size: u64) -> bool {
+    use std::os::unix::fs::FileExt;
+    let Ok(file) = std::fs::File::open(path) else { return false };
+    let frame_end = |offset: u64| {
+        let mut header = [0u8; tfrecord::HEADER_LEN as usize];
+        file.read_exact_at(&mut header, offset).ok()?;
+        let len = u64::from_le_bytes(header[..8].try_into().ok()?);
+        let end = offset + tfrecord::frame_len(len.min(tfrecord::MAX_RECORD_LEN));
+        (len <= tfrecord::MAX_RECORD_LEN && header == tfrecord::frame_header(len) && end <= size).then_some(end)
+    };
+    match frame_end(0) {
+        Some(end) if end == size => true,
+        Some(end) => frame_end(end).is_some(),
+        None => false,
+    }
+}
+
 /// Detects the format of the dataset at `root`: LMDB if it holds `data.mdb`, else TFRecord or tar if it
-/// holds such shards, else a plain file tree.
+/// holds such shards by their extension ([`detect_listed`]), else TFRecord if the first file named as
+/// TensorFlow names shards (`train-00000-of-01024`) starts with TFRecord frames, else a plain file tree.
 pub fn detect(root: &Path) -> Result<SourceFormat, IndexError> {
     if !root.is_dir() {
         return Err(IndexError::NotADirectory(root.to_owned()));
     }
     let files = walk(root)?;
-    Ok(detect_listed(files.iter().map(|(p, _)| p.as_str())))
+    let by_name = detect_listed(files.iter().map(|(p, _)| p.as_str()));
+    let sharded = files.iter().find(|(p, _)| is_tensorflow_shard_name(p));
+    Ok(match sharded {
+        Some((path, meta))
+            if by_name == SourceFormat::Files && starts_with_tfrecord_frames(&root.join(path), meta.len()) =>
+        {
+            SourceFormat::Tfrecord
+        }
+        _ => by_name,
+    })
 }
 
-/// The format of a dataset whose files have these paths (relative to its root, `/`-separated), by the
-/// rules of [`detect`].
+/// The format of a dataset whose files have these paths (relative to its root, `/`-separated), by their
+/// names alone: the rules of [`detect`] but the last (an object store's dataset whose TFRecord shards
+/// have no extension needs its format given).
 pub fn detect_listed<'a>(paths: impl Iterator<Item = &'a str> + Clone) -> SourceFormat {
     if paths.clone().any(|p| p == "data.mdb") {
         SourceFormat::Lmdb
@@ -158,40 +198,72 @@ pub fn detect_listed<'a>(paths: impl Iterator<Item = &'a str> + Clone) -> Source
 pub const LMDB_LOCK: &str = "lock.mdb";
 
 /// The shards of a dataset of `format` at `root` and the other regular files beside them (side files),
-/// each sorted by path. Hidden files (the index among them) are neither.
-pub fn discover(root: &Path, format: SourceFormat) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
+/// each sorted by path, as [`classify`] splits them (`given`: the format was given, not detected).
+/// Hidden files (the index among them) are neither.
+pub fn discover(
+    root: &Path,
+    format: SourceFormat,
+    given: bool,
+) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
     if !root.is_dir() {
         return Err(IndexError::NotADirectory(root.to_owned()));
     }
     let files = walk(root)?.into_iter().map(|(path, meta)| shard_info(path, &meta)).collect();
-    classify(root, format, files)
+    classify(root, format, given, files)
 }
 
 /// Splits a dataset's files (sorted by path, hidden ones left out) into the shards of `format` and the
-/// side files, leaving out LMDB's lock file; an LMDB dataset without `data.mdb` is an error.
+/// side files, leaving out LMDB's lock file; an LMDB dataset without `data.mdb` is an error. TFRecord
+/// shards are the files named `*.tfrecord`, `*.tfrecords`, `*.tfr` or as TensorFlow names shards
+/// (`train-00000-of-01024`); where the format was `given`, every file but `.idx` twins (`X.idx` beside
+/// `X`), whatever its name. Compressed tars beside a tar dataset's shards are side files, with a warning.
 pub fn classify(
     root: &Path,
     format: SourceFormat,
+    given: bool,
     files: Vec<ShardInfo>,
 ) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
+    let listed = |path: &str| files.binary_search_by(|f| f.path.as_str().cmp(path)).is_ok();
+    let is_twin = |p: &str| p.strip_suffix(".idx").is_some_and(listed);
     let is_shard = |p: &str| match format {
-        SourceFormat::Tfrecord => is_tfrecord(p),
+        SourceFormat::Tfrecord if given => !is_twin(p),
+        SourceFormat::Tfrecord => is_tfrecord(p) || is_tensorflow_shard_name(p),
         SourceFormat::Tar => p.ends_with(".tar"),
         SourceFormat::Lmdb => p == "data.mdb",
         SourceFormat::Files => true,
     };
+    let shard: Vec<bool> = files.iter().map(|f| is_shard(&f.path)).collect();
     let (mut shards, mut side) = (Vec::new(), Vec::new());
-    for file in files {
+    for (file, is_shard) in files.into_iter().zip(shard) {
         if format == SourceFormat::Lmdb && file.path == LMDB_LOCK {
             continue;
         }
-        if is_shard(&file.path) { &mut shards } else { &mut side }.push(file);
+        if is_shard { &mut shards } else { &mut side }.push(file);
     }
     if format == SourceFormat::Lmdb && shards.is_empty() {
         let path = root.join("data.mdb");
         return Err(io_err(&path)(io::Error::from(io::ErrorKind::NotFound)));
     }
+    if format == SourceFormat::Tar {
+        let compressed = compressed_tars(&side);
+        if let Some(first) = compressed.first() {
+            tracing::warn!(
+                root = %root.display(),
+                left_out = compressed.len(),
+                first,
+                "compressed tars are left out of the dataset's shards: batchfs serves tar members in place, \
+                 which a compressed tar does not allow; decompress them to serve their samples (they are \
+                 shown under raw/ as they are)"
+            );
+        }
+    }
     Ok((shards, side))
+}
+
+/// The compressed tars among `files` (`.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`, `.tar.zst`, `.tar.lz4`).
+fn compressed_tars(files: &[ShardInfo]) -> Vec<&str> {
+    const COMPRESSED: [&str; 6] = [".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar.lz4"];
+    files.iter().map(|f| f.path.as_str()).filter(|p| COMPRESSED.iter().any(|ext| p.ends_with(ext))).collect()
 }
 
 /// What [`Files::read_each`] hands each file's bytes to, with the file's position in the list.
@@ -271,7 +343,7 @@ pub fn load_or_build(
         Some(f) => f,
         None => detect(root)?,
     };
-    let (shards, side) = discover(root, format)?;
+    let (shards, side) = discover(root, format, options.format.is_some())?;
     let path = index_path(root, name, index_dir);
     load_or_build_listed(&Directory(root), name, Some(&path), options.settings(format), shards, side, progress)
 }
@@ -353,7 +425,7 @@ pub fn build(root: &Path, options: &IndexOptions, progress: &dyn Progress) -> Re
         Some(f) => f,
         None => detect(root)?,
     };
-    let (shards, side) = discover(root, format)?;
+    let (shards, side) = discover(root, format, options.format.is_some())?;
     build_from(&Directory(root), options.settings(format), shards, side, progress)
 }
 
@@ -910,7 +982,7 @@ mod tests {
         let lmdb = generated(SourceFormat::Lmdb, 5);
         std::fs::write(lmdb.path().join(LMDB_LOCK), b"lock").unwrap();
         std::fs::write(lmdb.path().join("notes.txt"), b"n").unwrap();
-        let (shards, side) = discover(lmdb.path(), SourceFormat::Lmdb).unwrap();
+        let (shards, side) = discover(lmdb.path(), SourceFormat::Lmdb, false).unwrap();
         assert_eq!(shards.iter().map(|s| s.path.as_str()).collect::<Vec<_>>(), ["data.mdb"]);
         assert_eq!(side.iter().map(|s| s.path.as_str()).collect::<Vec<_>>(), ["notes.txt"]);
     }
@@ -991,6 +1063,63 @@ mod tests {
         std::fs::remove_file(dir.path().join("class-0000").join(name)).unwrap();
         std::fs::write(dir.path().join(std::ffi::OsStr::from_bytes(b".hidden-\xe9")), b"x").unwrap();
         assert_eq!(build(dir.path(), &strict(), &NoProgress).unwrap().samples.len(), 4);
+    }
+
+    /// TensorFlow's own shard names carry no extension: `train-00000-of-01024` (ImageNet's build script),
+    /// `train.tfrecord-00000-of-00001`. Detected as TFRecord when the first file so named starts with
+    /// TFRecord frames; a file so named that does not leaves the dataset a file tree.
+    #[test]
+    fn tensorflow_shard_names_are_detected_as_tfrecord() {
+        let dir = generated(SourceFormat::Tfrecord, 10);
+        for (from, to) in [
+            ("train-00000-of-00002.tfrecord", "train-00000-of-00002"),
+            ("train-00001-of-00002.tfrecord", "train.tfrecord-00001-of-00002"),
+        ] {
+            std::fs::rename(dir.path().join(from), dir.path().join(to)).unwrap();
+        }
+        std::fs::write(dir.path().join("README"), b"about").unwrap();
+        assert_eq!(detect(dir.path()).unwrap(), SourceFormat::Tfrecord);
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        assert_eq!(index.samples.len(), 10);
+        assert_eq!(index.side.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(), ["README"]);
+        // One record only: its frame is the whole file.
+        let one = tempfile::tempdir().unwrap();
+        let mut record = Vec::new();
+        tfrecord::encode_record(b"just one", &mut record);
+        std::fs::write(one.path().join("eval-00000-of-00001"), &record).unwrap();
+        assert_eq!(detect(one.path()).unwrap(), SourceFormat::Tfrecord);
+        // Text under such a name is a file.
+        let text = tempfile::tempdir().unwrap();
+        std::fs::write(text.path().join("notes-00000-of-00001"), b"not a TFRecord, only text").unwrap();
+        assert_eq!(detect(text.path()).unwrap(), SourceFormat::Files);
+    }
+
+    /// With the format given, every file of a TFRecord dataset but hidden ones and `.idx` twins is a shard,
+    /// whatever its name.
+    #[test]
+    fn a_given_tfrecord_format_takes_every_file_but_idx_twins_as_a_shard() {
+        let dir = generated(SourceFormat::Tfrecord, 10);
+        std::fs::rename(dir.path().join("train-00000-of-00002.tfrecord"), dir.path().join("part-a")).unwrap();
+        std::fs::rename(dir.path().join("train-00001-of-00002.tfrecord"), dir.path().join("part-b.data")).unwrap();
+        std::fs::write(dir.path().join("part-a.idx"), b"0 10\n").unwrap();
+        assert_eq!(detect(dir.path()).unwrap(), SourceFormat::Files);
+        let given = IndexOptions { format: Some(SourceFormat::Tfrecord), ..strict() };
+        let index = build(dir.path(), &given, &NoProgress).unwrap();
+        assert_eq!(index.shards.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(), ["part-a", "part-b.data"]);
+        assert_eq!(index.side.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(), ["part-a.idx"]);
+        assert_eq!(index.samples.len(), 10);
+    }
+
+    /// Compressed tars beside a tar dataset's shards are no shards (their members cannot be served in
+    /// place) but side files, and are counted for the warning that says so.
+    #[test]
+    fn compressed_tars_are_side_files_and_counted() {
+        let dir = generated(SourceFormat::Tar, 4);
+        std::fs::write(dir.path().join("more-000000.tar.gz"), b"gzip").unwrap();
+        std::fs::write(dir.path().join("more-000001.tgz"), b"gzip").unwrap();
+        let (shards, side) = discover(dir.path(), SourceFormat::Tar, false).unwrap();
+        assert!(shards.iter().all(|s| s.path.ends_with(".tar")) && shards.len() == 2);
+        assert_eq!(compressed_tars(&side), ["more-000000.tar.gz", "more-000001.tgz"]);
     }
 
     #[test]

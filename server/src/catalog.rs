@@ -174,7 +174,8 @@ impl Dataset {
         let url = PathBuf::from(objects.url());
         let index_err = |source| CatalogError::Index { name: name.to_owned(), source };
         let format = options.format.unwrap_or_else(|| source::detect_listed(listed.iter().map(|f| f.path.as_str())));
-        let (shards, side) = source::classify(objects.root(), format, listed).map_err(index_err)?;
+        let given = options.format.is_some();
+        let (shards, side) = source::classify(objects.root(), format, given, listed).map_err(index_err)?;
         let settings = options.settings(format);
         let path = index_dir.map(|dir| dir.join(format!("{name}.batchfs-index")));
         let (index, origin) =
