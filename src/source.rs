@@ -729,12 +729,36 @@ fn index_tar(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> R
             }
         };
         let mut reported = 0;
+        // The key of a sample left out for a repeated member (with `skip_corrupt`): its later members are
+        // left out with it.
+        let mut dropped: Option<String> = None;
         for item in tar::Scanner::new(bytes) {
             match item {
                 Ok(member) => {
                     let (key, ext) = split_key(&member.name);
+                    let done = member.data_offset + member.size;
                     if group.as_ref().is_some_and(|g| g.key != key) {
                         flush(&mut group, index);
+                    }
+                    if dropped.as_deref().is_some_and(|d| d != key) {
+                        dropped = None;
+                    }
+                    // Two parts of one extension: a wrapping Example would keep only the last, WebDataset
+                    // refuses the tar ("duplicate file name"), and which one is meant cannot be known.
+                    let repeated = group.as_ref().is_some_and(|g| g.parts.iter().any(|p| p.ext == ext));
+                    if repeated || dropped.is_some() {
+                        if let Some(g) = group.take().filter(|_| repeated) {
+                            let message = format!(
+                                "member {:?} repeats a member of sample {:?} (a duplicate file name, which \
+                                 WebDataset refuses too); the sample is left out whole",
+                                member.name, g.key
+                            );
+                            corrupt(index, files.root(), &shard.path, member.header_offset, message)?;
+                            dropped = Some(g.key);
+                        }
+                        progress.advance(done - reported);
+                        reported = done;
+                        continue;
                     }
                     let data = &bytes[member.data_offset as usize..(member.data_offset + member.size) as usize];
                     let part = Part {
@@ -745,7 +769,6 @@ fn index_tar(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> R
                         crc32c: crc::crc32c(data),
                     };
                     group.get_or_insert_with(|| Group { key: key.to_owned(), parts: Vec::new() }).parts.push(part);
-                    let done = member.data_offset + member.size;
                     progress.advance(done - reported);
                     reported = done;
                 }
@@ -1120,6 +1143,29 @@ mod tests {
         let (shards, side) = discover(dir.path(), SourceFormat::Tar, false).unwrap();
         assert!(shards.iter().all(|s| s.path.ends_with(".tar")) && shards.len() == 2);
         assert_eq!(compressed_tars(&side), ["more-000000.tar.gz", "more-000001.tgz"]);
+    }
+
+    /// A sample with two members of one name (`a.jpg`, `a.jpg`, `a.cls`) would hold two `jpg` parts, of
+    /// which a wrapping Example keeps only the last, and WebDataset refuses it ("duplicate file name"):
+    /// indexing refuses it naming shard, offset and member; skipping, the sample is left out whole.
+    #[test]
+    fn a_member_repeated_in_a_sample_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut bytes = Vec::new();
+        for (name, data) in [("b.jpg", &b"other"[..]), ("a.jpg", b"first"), ("a.jpg", b"second"), ("a.cls", b"1")] {
+            bytes.extend(tar::file_header(name, data.len() as u64));
+            bytes.extend_from_slice(data);
+            bytes.resize(bytes.len() + tar::padding(data.len() as u64) as usize, 0);
+        }
+        bytes.resize(bytes.len() + tar::END_LEN as usize, 0);
+        std::fs::write(dir.path().join("shard-0.tar"), &bytes).unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        // The repeated member's header: after two members of one block of data each.
+        let at = format!("{} at byte {}", dir.path().join("shard-0.tar").display(), 4 * 512);
+        assert!(err.contains(&at) && err.contains("\"a.jpg\"") && err.contains("duplicate"), "{err}");
+        let index = build(dir.path(), &skipping(), &NoProgress).unwrap();
+        assert_eq!(index.samples.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(), ["b"]);
+        assert_eq!(index.skipped.len(), 1);
     }
 
     #[test]
