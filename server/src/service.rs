@@ -201,12 +201,7 @@ fn check_token(state: &AppState, req: &Request<impl Sized>) -> Result<(), Failur
     let Some(expected) = &state.token else {
         return Ok(());
     };
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(bearer)
-        .map(str::trim);
+    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer).map(str::trim);
     match given {
         None => Err(Failure::new(
             StatusCode::UNAUTHORIZED,
