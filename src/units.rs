@@ -19,12 +19,14 @@ pub fn parse_size(s: &str) -> Result<u64, UnitError> {
     };
     // `1.5M`: a decimal fraction of a unit, whole bytes (rounded down); bytes themselves take none.
     let (whole, fraction) = num.split_once('.').unwrap_or((num, ""));
-    let digits = |d: &str| !d.is_empty() && d.len() <= 18 && d.bytes().all(|c| c.is_ascii_digit());
+    let digits = |d: &str| !d.is_empty() && d.bytes().all(|c| c.is_ascii_digit());
     if !digits(whole) || (num.contains('.') && (!digits(fraction) || mult == 1)) {
         return Err(UnitError::NotASize(s.to_owned()));
     }
     let too_large = || UnitError::TooLarge(s.to_owned());
     let n: u64 = whole.parse().map_err(|_| too_large())?;
+    // Digits past the 18th are below a byte of any unit (2^40 < 10^13).
+    let fraction = &fraction[..fraction.len().min(18)];
     let part = match fraction {
         "" => 0,
         f => (u128::from(mult) * f.parse::<u128>().unwrap_or(0) / 10u128.pow(f.len() as u32)) as u64,
@@ -110,6 +112,9 @@ mod tests {
         assert!(parse_size("12Q").is_err());
         assert!(parse_size("-1").is_err());
         assert!(parse_size("99999999999T").is_err());
+        assert_eq!(parse_size("18446744073709551615"), Ok(u64::MAX));
+        assert_eq!(parse_size("18446744073709551616"), Err(UnitError::TooLarge("18446744073709551616".into())));
+        assert_eq!(parse_size("1.0000000000000000000001K"), Ok(1024));
     }
 
     #[test]
