@@ -52,25 +52,36 @@ pub const CA_FILES: &str = "ca";
 /// there (another pod's secret) to any server as a token, a `log_file` or `energy_log` append to any file,
 /// and a `cache_dir`'s eviction remove files under it. The token comes from the node-publish secret, the
 /// log goes to the plugin's own file.
-pub fn node_paths(options: &MountOptions, state: &Path) -> Result<(), String> {
+pub fn node_paths(options: &MountOptions, state: &Path) -> Result<(), NodePath> {
     let forbidden = [
         ("token_file", options.token_file.is_some(), "the token comes from the node-publish secret (key \"token\")"),
         ("log_file", options.log_file.is_some(), "the mount logs to the plugin's file for it"),
         ("energy_log", options.energy_log.is_some(), "not offered to volumes"),
     ];
-    if let Some((key, _, why)) = forbidden.iter().find(|f| f.1) {
-        return Err(format!("{key} names a file of the node, which a volume may not: {why}"));
+    if let Some(&(key, _, why)) = forbidden.iter().find(|f| f.1) {
+        return Err(NodePath::Forbidden { key, why });
     }
-    let within = |key: &str, path: &Option<PathBuf>, under: &str| match path {
-        Some(p) if !confined(p, &state.join(under)) => Err(format!(
-            "{key} {} is not under {}: a volume's {key} is a path there, which the node's administrator owns",
-            p.display(),
-            state.join(under).display()
-        )),
+    let within = |key: &'static str, path: &Option<PathBuf>, under: &str| match path {
+        Some(p) if !confined(p, &state.join(under)) => {
+            Err(NodePath::Outside { key, path: p.clone(), root: state.join(under) })
+        }
         _ => Ok(()),
     };
     within("cache_dir", &options.cache_dir, CACHE_DIRS)?;
     within("ca_file", &options.ca_file, CA_FILES)
+}
+
+/// A path of the node a volume's options may not name ([`node_paths`]).
+#[derive(Debug, thiserror::Error)]
+pub enum NodePath {
+    #[error("{key} names a file of the node, which a volume may not: {why}")]
+    Forbidden { key: &'static str, why: &'static str },
+    #[error(
+        "{key} {} is not under {}: a volume's {key} is a path there, which the node's administrator owns",
+        path.display(),
+        root.display()
+    )]
+    Outside { key: &'static str, path: PathBuf, root: PathBuf },
 }
 
 /// Whether `path` is strictly below `root`, as written: absolute, no `..` (nor `.`) component.

@@ -288,8 +288,11 @@ pub struct DatasetSpec {
     pub index_in_bucket: bool,
 }
 
+/// An object store's settings by key, each value as text.
+type StoreSettings = std::collections::BTreeMap<String, String>;
+
 /// A table of store settings whose values are strings, switches or numbers: each as its text.
-fn settings<'de, D: serde::Deserializer<'de>>(d: D) -> Result<std::collections::BTreeMap<String, String>, D::Error> {
+fn settings<'de, D: serde::Deserializer<'de>>(d: D) -> Result<StoreSettings, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Scalar {
