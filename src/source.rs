@@ -10,13 +10,15 @@ use crate::index::{
     ChunkCrcs, Ext, Exts, Index, IndexSettings, Listed, Part, Parts, Refused, Sample, ShardInfo, Skipped, SourceFormat,
     NO_LABEL,
 };
-use crate::mmap::{LmdbEnv, MappedFile};
+use crate::mmap::MappedFile;
 use crate::{crc, proto, tar, tfrecord};
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 use thiserror::Error;
+
+mod lmdb;
 
 /// Why a dataset could not be indexed.
 #[derive(Debug, Error)]
@@ -215,8 +217,9 @@ pub fn discover(
 /// Splits a dataset's files (sorted by path, hidden ones left out) into the shards of `format` and the
 /// side files, leaving out LMDB's lock file; an LMDB dataset without `data.mdb` is an error. TFRecord
 /// shards are the files named `*.tfrecord`, `*.tfrecords`, `*.tfr` or as TensorFlow names shards
-/// (`train-00000-of-01024`); where the format was `given`, every file but `.idx` twins (`X.idx` beside
-/// `X`), whatever its name. Compressed tars beside a tar dataset's shards are side files, with a warning.
+/// (`train-00000-of-01024`); where the format was `given` and no file is named so, every file but `.idx`
+/// twins (`X.idx` beside `X`), whatever its name (a README beside named shards stays a side file).
+/// Compressed tars beside a tar dataset's shards are side files, with a warning.
 pub fn classify(
     root: &Path,
     format: SourceFormat,
@@ -225,9 +228,11 @@ pub fn classify(
 ) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
     let listed = |path: &str| files.binary_search_by(|f| f.path.as_str().cmp(path)).is_ok();
     let is_twin = |p: &str| p.strip_suffix(".idx").is_some_and(listed);
+    let named = |p: &str| is_tfrecord(p) || is_tensorflow_shard_name(p);
+    let none_named = format == SourceFormat::Tfrecord && !files.iter().any(|f| named(&f.path));
     let is_shard = |p: &str| match format {
-        SourceFormat::Tfrecord if given => !is_twin(p),
-        SourceFormat::Tfrecord => is_tfrecord(p) || is_tensorflow_shard_name(p),
+        SourceFormat::Tfrecord if given && none_named => !is_twin(p),
+        SourceFormat::Tfrecord => named(p),
         SourceFormat::Tar => p.ends_with(".tar"),
         SourceFormat::Lmdb => p == "data.mdb",
         SourceFormat::Files => true,
@@ -446,7 +451,7 @@ pub fn build_from(
         side.into_iter().zip(crcs).map(|(file, (crc32c, chunks))| ShardInfo { crc32c, chunks, ..file }).collect();
     match settings.format {
         SourceFormat::Tfrecord => index_tfrecord(files, &mut index, progress)?,
-        SourceFormat::Lmdb => index_lmdb(files, &mut index, progress)?,
+        SourceFormat::Lmdb => lmdb::index(files, &mut index, progress)?,
         SourceFormat::Tar => index_tar(files, &mut index, progress)?,
         SourceFormat::Files => index_files(files, &mut index, progress)?,
     }
@@ -561,129 +566,6 @@ fn index_tfrecord(files: &dyn Files, index: &mut Index, progress: &dyn Progress)
         index.shards[shard_no].checksum(map.bytes());
     }
     Ok(())
-}
-
-fn index_lmdb(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
-    let root = files.root();
-    let lmdb_err = |e: heed::Error| IndexError::Lmdb { path: root.to_owned(), message: e.to_string() };
-    // A staged copy must stay while LMDB has it open.
-    let local = files.local(&index.shards[0]).map_err(io_err(&root.join("data.mdb")))?;
-    let data_path = local.path.clone();
-    let ours = MappedFile::open(&data_path).map_err(io_err(&data_path))?;
-    let dir = data_path.parent().unwrap_or(root);
-    let env = LmdbEnv::open_read_only(dir).map_err(lmdb_err)?;
-    let result = (|| {
-        let mut base = None;
-        let rtxn = env.env().read_txn().map_err(lmdb_err)?;
-        let db = env
-            .env()
-            .open_database::<heed::types::Bytes, heed::types::Bytes>(&rtxn, None)
-            .map_err(lmdb_err)?
-            .ok_or_else(|| IndexError::Lmdb { path: root.to_owned(), message: "no main database".into() })?;
-        let mut last = 0u64;
-        let mut exts = Exts::default();
-        let mut named = Vec::new();
-        for item in db.iter(&rtxn).map_err(lmdb_err)? {
-            let (key, value) = item.map_err(lmdb_err)?;
-            let base = match base {
-                Some(b) => b,
-                None => {
-                    *base.insert(mapping_base(value.as_ptr() as usize, &data_path).ok_or_else(|| IndexError::Lmdb {
-                        path: root.to_owned(),
-                        message: "cannot find LMDB's mapping of data.mdb in /proc/self/maps".into(),
-                    })?)
-                }
-            };
-            // A named database's record in the main database is a node like a value's, told apart only by
-            // its flag; its 48 bytes are no sample.
-            let key_offset = (key.as_ptr() as usize).wrapping_sub(base) as u64;
-            if lmdb_node_flags(ours.bytes(), key_offset, key).is_some_and(|f| f & LMDB_F_SUBDATA != 0) {
-                named.push(String::from_utf8_lossy(key).into_owned());
-                continue;
-            }
-            let offset = (value.as_ptr() as usize).wrapping_sub(base) as u64;
-            let end = offset.checked_add(value.len() as u64);
-            // The value must be where LMDB says it is in the file we serve from.
-            let in_file = end.filter(|&e| e <= ours.len()).map(|e| &ours.bytes()[offset as usize..e as usize]);
-            if in_file != Some(value) {
-                return Err(IndexError::Lmdb {
-                    path: root.to_owned(),
-                    message: format!(
-                        "value of key {:?} is not stored contiguously in data.mdb",
-                        String::from_utf8_lossy(key)
-                    ),
-                });
-            }
-            let label = proto::datum_label(value).ok().flatten();
-            index.samples.push(Sample {
-                key: String::from_utf8_lossy(key).into(),
-                label: label.unwrap_or(NO_LABEL),
-                parts: Parts::from(Part {
-                    ext: exts.get(if label.is_some() { "datum" } else { "bin" }),
-                    shard: 0,
-                    offset,
-                    len: value.len() as u64,
-                    crc32c: crc::crc32c(value),
-                }),
-            });
-            progress.advance(value.len() as u64);
-            last += value.len() as u64;
-        }
-        if !named.is_empty() {
-            const LISTED: usize = 8;
-            let mut names = named.iter().take(LISTED).map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ");
-            if named.len() > LISTED {
-                names.push_str(&format!(" and {} more", named.len() - LISTED));
-            }
-            return Err(IndexError::NamedDatabases { path: root.join("data.mdb"), names });
-        }
-        progress.advance(ours.len().saturating_sub(last));
-        index.shards[0].checksum(ours.bytes());
-        Ok(())
-    })();
-    env.close();
-    result
-}
-
-/// The flag of a node of LMDB's main database that holds a named database's record instead of a value
-/// (`F_SUBDATA` in LMDB's `mdb.c`).
-const LMDB_F_SUBDATA: u16 = 0x02;
-
-/// The flags of the LMDB leaf node whose key LMDB handed out as `key`, found at `key_offset` of `file`
-/// (`data.mdb`): a node is `lo, hi, flags, ksize` (u16 each, in the machine's byte order) then the key.
-/// `None` where the bytes there are not that key's node.
-fn lmdb_node_flags(file: &[u8], key_offset: u64, key: &[u8]) -> Option<u16> {
-    let at = usize::try_from(key_offset).ok()?;
-    let header = file.get(at.checked_sub(8)?..at)?;
-    let ksize = u16::from_ne_bytes([header[6], header[7]]);
-    let in_file = file.get(at..at.checked_add(key.len())?)?;
-    (usize::from(ksize) == key.len() && in_file == key).then(|| u16::from_ne_bytes([header[4], header[5]]))
-}
-
-/// The address at which file offset 0 of `file` would be, for the mapping of `file` that contains `addr`
-/// (LMDB does not publish where it mapped `data.mdb`; the kernel does).
-fn mapping_base(addr: usize, file: &Path) -> Option<usize> {
-    let file = std::fs::canonicalize(file).ok()?;
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines().find_map(|line| {
-        // start-end perms offset dev inode path (the path may contain spaces: it is the rest of the line)
-        let mut rest = line;
-        let mut field = || {
-            rest = rest.trim_start();
-            let end = rest.find(' ').unwrap_or(rest.len());
-            let (f, r) = rest.split_at(end);
-            rest = r;
-            f
-        };
-        let (start, end) = field().split_once('-')?;
-        let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
-        field();
-        let offset = usize::from_str_radix(field(), 16).ok()?;
-        field();
-        field();
-        let path = rest.trim_start();
-        ((start..end).contains(&addr) && Path::new(path) == file).then(|| start - offset)
-    })
 }
 
 /// WebDataset's rule: the key is the path up to the first `.` of the file name, the rest the extension.
@@ -841,6 +723,7 @@ mod tests {
     use super::*;
     use crate::gen::{self, GenOptions};
     use crate::index::CHUNK_BYTES;
+    use crate::mmap::LmdbEnv;
 
     #[test]
     fn webdataset_keys() {
@@ -934,6 +817,29 @@ mod tests {
     /// An environment whose samples are in named databases (`max_dbs`, `open_db(b"train")`) holds in its
     /// main database one record per named database: those are not samples, and the environment is
     /// refused with their names rather than served as 48-byte records.
+    /// A `data.mdb` cut short (a copy in part) is said to be truncated, before LMDB maps it: it was "the
+    /// value of key \"\" is not stored contiguously", or a SIGBUS where LMDB read a page past its end.
+    #[test]
+    fn a_truncated_lmdb_is_said_to_be_truncated() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = LmdbEnv::create(dir.path(), 64 << 20, 0).unwrap();
+        let mut wtxn = env.env().write_txn().unwrap();
+        let db = env.env().create_database::<heed::types::Bytes, heed::types::Bytes>(&mut wtxn, None).unwrap();
+        for i in 0..2000u32 {
+            db.put(&mut wtxn, format!("{i:08}").as_bytes(), &vec![i as u8; 3000]).unwrap();
+        }
+        wtxn.commit().unwrap();
+        env.close();
+        let data = dir.path().join("data.mdb");
+        let whole = std::fs::read(&data).unwrap();
+        assert_eq!(lmdb::needed_bytes(&whole).map(|n| n <= whole.len() as u64), Some(true));
+        build(dir.path(), &strict(), &NoProgress).expect("the whole file indexes");
+        std::fs::remove_file(dir.path().join(INDEX_FILE_NAME)).ok();
+        std::fs::write(&data, &whole[..whole.len() / 2]).unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("the file is truncated"), "{err}");
+    }
+
     #[test]
     fn lmdb_with_named_databases_is_refused_naming_them() {
         let dir = tempfile::tempdir().unwrap();
@@ -1131,6 +1037,11 @@ mod tests {
         assert_eq!(index.shards.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(), ["part-a", "part-b.data"]);
         assert_eq!(index.side.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(), ["part-a.idx"]);
         assert_eq!(index.samples.len(), 10);
+        // Beside shards named as shards, a README stays a side file with the format given too.
+        let named = generated(SourceFormat::Tfrecord, 10);
+        std::fs::write(named.path().join("README"), b"about these shards").unwrap();
+        let index = build(named.path(), &given, &NoProgress).unwrap();
+        assert_eq!(index.side.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(), ["README"]);
     }
 
     /// Compressed tars beside a tar dataset's shards are no shards (their members cannot be served in

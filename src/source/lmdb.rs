@@ -1,0 +1,176 @@
+//! An LMDB environment's indexing (`data.mdb`): its main database's values located in the file by
+//! LMDB's own mapping and checked byte for byte, a file cut short or holding named databases refused.
+
+use super::{io_err, Files, IndexError, Progress};
+use crate::index::{Exts, Index, Part, Parts, Sample, NO_LABEL};
+use crate::mmap::{LmdbEnv, MappedFile};
+use crate::{crc, proto};
+use std::path::Path;
+
+/// The bytes an LMDB file's last committed transaction uses, from its two meta pages (pages 0 and 1; the one
+/// of the larger transaction id is current): `(last page + 1) × page size`. `None` where the first meta page
+/// is not LMDB's (LMDB itself then says what is wrong). Layout (64-bit LMDB 0.9): a page header of 16 bytes,
+/// then the meta's magic (`0xBEEFC0DE`), version, address and map size, two 48-byte database records (the
+/// first's first field holds the page size), the last page number (at 136) and the transaction id (at 144).
+pub(super) fn needed_bytes(file: &[u8]) -> Option<u64> {
+    let word = |at: usize| Some(u64::from_le_bytes(file.get(at..at + 8)?.try_into().ok()?));
+    let magic = u32::from_le_bytes(file.get(16..20)?.try_into().ok()?);
+    let page = u64::from(u32::from_le_bytes(file.get(40..44)?.try_into().ok()?));
+    if magic != 0xBEEF_C0DE || !(512..=1 << 16).contains(&page) {
+        return None;
+    }
+    let meta = |at: u64| Some((word(at as usize + 144)?, word(at as usize + 136)?));
+    let current = match (meta(0), meta(page)) {
+        (Some(a), Some(b)) if b.0 > a.0 => b,
+        (Some(a), _) => a,
+        (None, _) => return None,
+    };
+    current.1.checked_add(1)?.checked_mul(page)
+}
+
+pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+    let root = files.root();
+    let lmdb_err = |e: heed::Error| IndexError::Lmdb { path: root.to_owned(), message: e.to_string() };
+    // A staged copy must stay while LMDB has it open.
+    let local = files.local(&index.shards[0]).map_err(io_err(&root.join("data.mdb")))?;
+    let data_path = local.path.clone();
+    let ours = MappedFile::open(&data_path).map_err(io_err(&data_path))?;
+    // Before LMDB maps it: a page past the end of a file cut short is a SIGBUS, not an error.
+    if let Some(needed) = needed_bytes(ours.bytes()).filter(|&n| n > ours.len()) {
+        return Err(IndexError::Lmdb {
+            path: root.to_owned(),
+            message: format!(
+                "data.mdb is {} bytes, but its last transaction uses {needed}: the file is truncated (copied in \
+                 part, or still being written)",
+                ours.len()
+            ),
+        });
+    }
+    let dir = data_path.parent().unwrap_or(root);
+    let env = LmdbEnv::open_read_only(dir).map_err(lmdb_err)?;
+    let result = (|| {
+        let mut base = None;
+        let rtxn = env.env().read_txn().map_err(lmdb_err)?;
+        let db = env
+            .env()
+            .open_database::<heed::types::Bytes, heed::types::Bytes>(&rtxn, None)
+            .map_err(lmdb_err)?
+            .ok_or_else(|| IndexError::Lmdb { path: root.to_owned(), message: "no main database".into() })?;
+        let mut last = 0u64;
+        let mut exts = Exts::default();
+        let mut named = Vec::new();
+        for item in db.iter(&rtxn).map_err(lmdb_err)? {
+            let (key, value) = item.map_err(lmdb_err)?;
+            let base = match base {
+                Some(b) => b,
+                None => {
+                    *base.insert(mapping_base(value.as_ptr() as usize, &data_path).ok_or_else(|| IndexError::Lmdb {
+                        path: root.to_owned(),
+                        message: "cannot find LMDB's mapping of data.mdb in /proc/self/maps".into(),
+                    })?)
+                }
+            };
+            // A named database's record in the main database is a node like a value's, told apart only by
+            // its flag; its 48 bytes are no sample.
+            let key_offset = (key.as_ptr() as usize).wrapping_sub(base) as u64;
+            if node_flags(ours.bytes(), key_offset, key).is_some_and(|f| f & F_SUBDATA != 0) {
+                named.push(String::from_utf8_lossy(key).into_owned());
+                continue;
+            }
+            let offset = (value.as_ptr() as usize).wrapping_sub(base) as u64;
+            let end = offset.checked_add(value.len() as u64);
+            // The value must be where LMDB says it is in the file we serve from.
+            let in_file = end.filter(|&e| e <= ours.len()).map(|e| &ours.bytes()[offset as usize..e as usize]);
+            if end.is_none_or(|e| e > ours.len()) {
+                // LMDB reads its pages past the end of a file cut short (its map is larger than the file).
+                return Err(IndexError::Lmdb {
+                    path: root.to_owned(),
+                    message: format!(
+                        "data.mdb is {} bytes, but the value of key {:?} lies at {offset}..{}: the file is \
+                         truncated (copied in part, or still being written)",
+                        ours.len(),
+                        String::from_utf8_lossy(key),
+                        end.map_or_else(|| "?".to_owned(), |e| e.to_string())
+                    ),
+                });
+            }
+            if in_file != Some(value) {
+                return Err(IndexError::Lmdb {
+                    path: root.to_owned(),
+                    message: format!(
+                        "value of key {:?} is not stored contiguously in data.mdb",
+                        String::from_utf8_lossy(key)
+                    ),
+                });
+            }
+            let label = proto::datum_label(value).ok().flatten();
+            index.samples.push(Sample {
+                key: String::from_utf8_lossy(key).into(),
+                label: label.unwrap_or(NO_LABEL),
+                parts: Parts::from(Part {
+                    ext: exts.get(if label.is_some() { "datum" } else { "bin" }),
+                    shard: 0,
+                    offset,
+                    len: value.len() as u64,
+                    crc32c: crc::crc32c(value),
+                }),
+            });
+            progress.advance(value.len() as u64);
+            last += value.len() as u64;
+        }
+        if !named.is_empty() {
+            const LISTED: usize = 8;
+            let mut names = named.iter().take(LISTED).map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ");
+            if named.len() > LISTED {
+                names.push_str(&format!(" and {} more", named.len() - LISTED));
+            }
+            return Err(IndexError::NamedDatabases { path: root.join("data.mdb"), names });
+        }
+        progress.advance(ours.len().saturating_sub(last));
+        index.shards[0].checksum(ours.bytes());
+        Ok(())
+    })();
+    env.close();
+    result
+}
+
+/// The flag of a node of LMDB's main database that holds a named database's record instead of a value
+/// (`F_SUBDATA` in LMDB's `mdb.c`).
+const F_SUBDATA: u16 = 0x02;
+
+/// The flags of the LMDB leaf node whose key LMDB handed out as `key`, found at `key_offset` of `file`
+/// (`data.mdb`): a node is `lo, hi, flags, ksize` (u16 each, in the machine's byte order) then the key.
+/// `None` where the bytes there are not that key's node.
+fn node_flags(file: &[u8], key_offset: u64, key: &[u8]) -> Option<u16> {
+    let at = usize::try_from(key_offset).ok()?;
+    let header = file.get(at.checked_sub(8)?..at)?;
+    let ksize = u16::from_ne_bytes([header[6], header[7]]);
+    let in_file = file.get(at..at.checked_add(key.len())?)?;
+    (usize::from(ksize) == key.len() && in_file == key).then(|| u16::from_ne_bytes([header[4], header[5]]))
+}
+
+/// The address at which file offset 0 of `file` would be, for the mapping of `file` that contains `addr`
+/// (LMDB does not publish where it mapped `data.mdb`; the kernel does).
+fn mapping_base(addr: usize, file: &Path) -> Option<usize> {
+    let file = std::fs::canonicalize(file).ok()?;
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        // start-end perms offset dev inode path (the path may contain spaces: it is the rest of the line)
+        let mut rest = line;
+        let mut field = || {
+            rest = rest.trim_start();
+            let end = rest.find(' ').unwrap_or(rest.len());
+            let (f, r) = rest.split_at(end);
+            rest = r;
+            f
+        };
+        let (start, end) = field().split_once('-')?;
+        let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
+        field();
+        let offset = usize::from_str_radix(field(), 16).ok()?;
+        field();
+        field();
+        let path = rest.trim_start();
+        ((start..end).contains(&addr) && Path::new(path) == file).then(|| start - offset)
+    })
+}
