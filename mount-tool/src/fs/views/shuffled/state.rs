@@ -141,8 +141,9 @@ impl ShuffledView {
         Ok(prefetcher.class_plan(epoch, self.classes.len())?)
     }
 
-    /// Class `class`'s names: its files (below its folder, a deeper path's `/` written `_`), sorted, this
-    /// mount's share of them (`share=R/W`: every W-th from the R-th), as many as it has samples.
+    /// Class `class`'s names: its files (below its folder, a deeper path's `/` written `_`, a name that
+    /// then repeats another made unique: [`unique_names`]), sorted, this mount's share of them
+    /// (`share=R/W`: every W-th from the R-th), as many as it has samples.
     pub fn names(&self, prefetcher: &Prefetcher, class: u32) -> Result<Arc<Vec<String>>, FsError> {
         if let Some(n) = self.names.lock().expect("names").get(&class) {
             return Ok(n.clone());
@@ -156,7 +157,7 @@ impl ShuffledView {
             let below = |p: &str| p.strip_prefix(root.as_str()).map(|r| r.trim_start_matches('/').replace('/', "_"));
             all.extend(list.files.iter().filter_map(|f| below(&f.path)));
         }
-        all.sort_unstable();
+        let all = unique_names(all);
         let (rank, world) = prefetcher.shuffled_share();
         let samples = self.plan(prefetcher, self.first_epoch)?.order.get(class as usize).map_or(0, Vec::len);
         let mut names: Vec<String> = all.into_iter().skip(rank as usize).step_by(world.max(1) as usize).collect();
@@ -256,10 +257,59 @@ pub fn window(k: u64, group: u64, samples: u64, window: u64) -> (std::ops::Range
     (here, next)
 }
 
+/// `names`, sorted, each once: a name that repeats one before it (`deep/x.jpg` flattened is `deep_x.jpg`,
+/// as a file of that name is) gets `~N` before its extension, the first N that no other name has. A folder
+/// listing a name twice is no folder a loader can trust (ImageFolder lists both, `os.scandir` too).
+pub fn unique_names(mut names: Vec<String>) -> Vec<String> {
+    names.sort_unstable();
+    let mut taken: std::collections::HashSet<String> = std::collections::HashSet::with_capacity(names.len());
+    let mut repeated = Vec::new();
+    for name in names.drain(..) {
+        if taken.contains(&name) {
+            repeated.push(name);
+        } else {
+            taken.insert(name);
+        }
+    }
+    for name in repeated {
+        let (stem, ext) = match name.rfind('.').filter(|&at| at > 0) {
+            Some(at) => name.split_at(at),
+            None => (name.as_str(), ""),
+        };
+        let unique = (1..).map(|n| format!("{stem}~{n}{ext}")).find(|n| !taken.contains(n)).expect("a free name");
+        taken.insert(unique);
+    }
+    let mut names: Vec<String> = taken.into_iter().collect();
+    names.sort_unstable();
+    names
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A flattened path that repeats a file's name is made unique, sorted, and nothing is lost.
+    #[test]
+    fn names_are_each_listed_once() {
+        let got =
+            unique_names(vec!["deep_x.jpg".into(), "a.jpg".into(), "deep_x.jpg".into(), "x_y".into(), "x_y".into()]);
+        assert_eq!(got, ["a.jpg", "deep_x.jpg", "deep_x~1.jpg", "x_y", "x_y~1"]);
+        // A made name that is taken already takes the next number.
+        let got = unique_names(vec!["b.png".into(), "b.png".into(), "b~1.png".into()]);
+        assert_eq!(got, ["b.png", "b~1.png", "b~2.png"]);
+    }
+
+    proptest! {
+        #[test]
+        fn unique_names_keep_the_count_and_repeat_none(names in proptest::collection::vec("[ab_~.]{0,4}", 0..40)) {
+            let got = unique_names(names.clone());
+            prop_assert_eq!(got.len(), names.len());
+            let set: std::collections::BTreeSet<&String> = got.iter().collect();
+            prop_assert_eq!(set.len(), got.len());
+            prop_assert!(got.windows(2).all(|w| w[0] < w[1]));
+        }
+    }
 
     fn view() -> ShuffledView {
         ShuffledView::new(vec!["a".into(), "b".into()], 3, 2)
