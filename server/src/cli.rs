@@ -185,9 +185,16 @@ fn dataset_specs(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Vec<Datase
     if specs.is_empty() {
         bail!("no dataset given: pass --dataset NAME=PATH (or [[dataset]] in --config)");
     }
-    // The flag's are checked as they parse; the config file's here.
+    // The flag's are checked as they parse; the config file's here, before anything is served.
     for spec in extra {
         crate::config::check_dataset_name(&spec.name).context("in the config file's [[dataset]]")?;
+        if !is_object_url(&spec.path) && (!spec.s3.is_empty() || spec.index_in_bucket) {
+            bail!(
+                "dataset {}: [dataset.s3] settings and index_in_bucket are for s3:// datasets, not {}",
+                spec.name,
+                spec.path.display()
+            );
+        }
     }
     Ok(specs)
 }
@@ -217,13 +224,6 @@ fn fill_catalog(
             let at = ObjectsAt { url: &url, settings: &spec.s3, index_in_bucket, context };
             Dataset::open_objects(&spec.name, at, index_dir, &options, &progress, io)
         } else {
-            if !spec.s3.is_empty() {
-                bail!(
-                    "dataset {}: [dataset.s3] settings are for s3:// datasets, not {}",
-                    spec.name,
-                    spec.path.display()
-                );
-            }
             Dataset::open(&spec.name, &spec.path, index_dir, &options, &progress, io)
         };
         progress.finish();

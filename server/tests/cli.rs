@@ -155,6 +155,13 @@ fn bad_invocations_say_what_to_fix() {
         fails_with(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()], "dataset name");
     }
     assert!(!dir.path().join("esc.batchfs-index").exists());
+    // Object-store settings on a local dataset: refused at start (index_in_bucket was taken silently).
+    for setting in ["index_in_bucket = true", "s3 = { region = \"x\" }"] {
+        let config = dir.path().join("local.toml");
+        let text = format!("[[dataset]]\nname = \"d\"\npath = \"{}\"\n{setting}\n", dir.path().display());
+        std::fs::write(&config, text).unwrap();
+        fails_with(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()], "are for s3://");
+    }
     let empty = dir.path().join("token");
     std::fs::write(&empty, "\n").unwrap();
     fails_with(
