@@ -168,7 +168,15 @@ pub fn run() -> Result<()> {
             init_tracing(None, "warn")?;
             let mut o = warm_options(&options)?;
             let (url, dir) = warm_target(&target, &mut o)?;
-            let failed = crate::warm::command(&url, &dir, &o)?;
+            let of_a_mount = !(target.starts_with("http://") || target.starts_with("https://"));
+            let failed = crate::warm::command(&url, &dir, &o).with_context(|| match of_a_mount {
+                // A mount's cache_dir is found through it; its token and CA file are not shown there.
+                true if o.token_file.is_none() && o.ca_file.is_none() => format!(
+                    "cannot warm from {url} (a mount's token_file and ca_file are not read from it: give them \
+                     with -o token_file=...,ca_file=... where it uses them)"
+                ),
+                _ => format!("cannot warm from {url}"),
+            })?;
             if failed > 0 {
                 bail!("{failed} files could not be fetched (they are fetched on demand by the mounts)");
             }

@@ -83,6 +83,15 @@ pub(crate) fn plan_at(
         false => std::fs::canonicalize(mountpoint).with_context(|| format!("mountpoint {}", mountpoint.display()))?,
     };
     let (info, block_bytes) = probe(&http, &options)?;
+    if options.plan.drop_last && info.samples < u64::from(options.plan.batch_size) {
+        // Every epoch would list no batch (its one partial batch dropped): a job that reads nothing.
+        bail!(
+            "drop_last with batch_size={} drops every epoch's only batch: dataset {:?} has {} samples",
+            options.plan.batch_size,
+            info.name,
+            info.samples
+        );
+    }
     // `shuffle=blocks` without `block_bytes` takes the first server's default (a quarter of its disk tier,
     // or of its memory), and every server is asked for that: each server's own default would plan other
     // epochs, and a replica's bodies would not be the batches the manifest lists.

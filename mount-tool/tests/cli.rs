@@ -125,6 +125,16 @@ fn mount_errors_are_reported_before_daemonizing() {
             ],
             "cannot write energy_log /nonexistent/e.jsonl",
         ),
+        // 16 samples, batches of 32 whose partial one is dropped: every epoch empty (it mounted so).
+        (
+            vec![
+                server.url.clone(),
+                mnt.clone(),
+                "-o".into(),
+                format!("token_file={},batch_size=32,drop_last", good_token.path().display()),
+            ],
+            "drops every epoch's only batch",
+        ),
     ];
     for (args, needle) in cases {
         let mut full = vec!["mount".to_owned()];
