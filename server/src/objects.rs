@@ -260,6 +260,7 @@ impl ObjectSource {
             direct_copies: std::sync::atomic::AtomicBool::new(false),
             open_copies: maps::Kept::default(),
         };
+        indexing::remove_dead_stages(&source.stage_dir);
         let listed = source.context.block_here(source.bucket.list())?;
         Ok((source, listed))
     }

@@ -104,7 +104,7 @@ impl Files for ObjectSource {
             }
         }
         std::fs::create_dir_all(&self.stage_dir)?;
-        let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(&self.stage_dir)?;
+        let dir = tempfile::Builder::new().prefix(&stage_prefix(std::process::id())).tempdir_in(&self.stage_dir)?;
         let path = dir.path().join(name);
         let out = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
         super::tier::allocate(&out, file.size)?;
@@ -253,9 +253,77 @@ impl ObjectSource {
     }
 }
 
+/// The name's start of a staging directory of process `pid` in a shared directory (`index_dir`, or
+/// `$TMPDIR`): host and pid say whose it is, so that the next start removes a dead server's of this
+/// host and no other's (an `index_dir` on a shared filesystem is seen by other hosts, whose pids mean
+/// nothing here).
+fn stage_prefix(pid: u32) -> String {
+    format!("batchfs-stage-{}-{pid}-", host())
+}
+
+/// This host's name, as a file name's part (`localhost` where it cannot be read).
+fn host() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let name: String =
+        name.trim().chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '_' }).collect();
+    if name.is_empty() {
+        "localhost".into()
+    } else {
+        name
+    }
+}
+
+/// Removes the staging directories in `dir` of servers no longer running (killed while indexing: a
+/// whole object each, left behind), leaving those of live processes, whoever they are, and those of
+/// other hosts. Returns how many.
+pub(super) fn remove_dead_stages(dir: &std::path::Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let ours = format!("batchfs-stage-{}-", host());
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&ours)).and_then(|rest| {
+            let (pid, _) = rest.split_once('-')?;
+            pid.parse::<u32>().ok()
+        }) else {
+            continue;
+        };
+        let dead = !std::path::Path::new(&format!("/proc/{pid}")).exists();
+        if dead && std::fs::remove_dir_all(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        tracing::info!(dir = %dir.display(), removed, "removed what servers killed while indexing left");
+    }
+    removed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server killed while indexing without a tier left a whole object in a staging directory, which
+    /// no start removed; now the next start removes a dead server's, and never a live process's.
+    #[test]
+    fn staging_directories_of_dead_servers_are_removed_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let (dead, live) = (stage_prefix(99_999_999), stage_prefix(std::process::id()));
+        let elsewhere = "batchfs-stage-another.host-99999999-ghi".to_string();
+        let names =
+            [format!("{dead}abc"), format!("{live}def"), elsewhere.clone(), "batchfs-stage-xyz".into(), "other".into()];
+        for name in names {
+            std::fs::create_dir(dir.path().join(&name)).unwrap();
+            std::fs::write(dir.path().join(name).join("object"), b"staged").unwrap();
+        }
+        assert_eq!(remove_dead_stages(dir.path()), 1);
+        let mut left: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        let mut kept = vec![format!("{live}def"), elsewhere, "batchfs-stage-xyz".into(), "other".into()];
+        kept.sort();
+        assert_eq!(left, kept);
+    }
 
     #[test]
     fn only_a_single_part_etag_is_an_md5() {
