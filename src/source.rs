@@ -217,7 +217,8 @@ pub fn discover(
 /// Splits a dataset's files (sorted by path, hidden ones left out) into the shards of `format` and the
 /// side files, leaving out LMDB's lock file; an LMDB dataset without `data.mdb` is an error. TFRecord
 /// shards are the files named `*.tfrecord`, `*.tfrecords`, `*.tfr` or as TensorFlow names shards
-/// (`train-00000-of-01024`); where the format was `given` and no file is named so, every file but `.idx`
+/// (`train-00000-of-01024`, where no file has such an extension); where the format was `given` and no
+/// file is named so, every file but `.idx`
 /// twins (`X.idx` beside `X`), whatever its name (a README beside named shards stays a side file).
 /// Compressed tars beside a tar dataset's shards are side files, with a warning.
 pub fn classify(
@@ -228,7 +229,10 @@ pub fn classify(
 ) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
     let listed = |path: &str| files.binary_search_by(|f| f.path.as_str().cmp(path)).is_ok();
     let is_twin = |p: &str| p.strip_suffix(".idx").is_some_and(listed);
-    let named = |p: &str| is_tfrecord(p) || is_tensorflow_shard_name(p);
+    // TensorFlow's shard names only where no shard has a TFRecord extension: beside `*.tfrecord` shards,
+    // `vocab-00000-of-00001` or a checkpoint's `model.ckpt-1000.data-00000-of-00001` are side files.
+    let by_extension = files.iter().any(|f| is_tfrecord(&f.path));
+    let named = |p: &str| is_tfrecord(p) || (!by_extension && is_tensorflow_shard_name(p));
     let none_named = format == SourceFormat::Tfrecord && !files.iter().any(|f| named(&f.path));
     let is_shard = |p: &str| match format {
         SourceFormat::Tfrecord if given && none_named => !is_twin(p),
@@ -814,9 +818,6 @@ mod tests {
         assert!(err.contains("LMDB") && err.contains(&dir.path().display().to_string()), "{err}");
     }
 
-    /// An environment whose samples are in named databases (`max_dbs`, `open_db(b"train")`) holds in its
-    /// main database one record per named database: those are not samples, and the environment is
-    /// refused with their names rather than served as 48-byte records.
     /// A `data.mdb` cut short (a copy in part) is said to be truncated, before LMDB maps it: it was "the
     /// value of key \"\" is not stored contiguously", or a SIGBUS where LMDB read a page past its end.
     #[test]
@@ -840,6 +841,9 @@ mod tests {
         assert!(err.contains("the file is truncated"), "{err}");
     }
 
+    /// An environment whose samples are in named databases (`max_dbs`, `open_db(b"train")`) holds in its
+    /// main database one record per named database: those are not samples, and the environment is
+    /// refused with their names rather than served as 48-byte records.
     #[test]
     fn lmdb_with_named_databases_is_refused_naming_them() {
         let dir = tempfile::tempdir().unwrap();
@@ -1021,6 +1025,16 @@ mod tests {
         let text = tempfile::tempdir().unwrap();
         std::fs::write(text.path().join("notes-00000-of-00001"), b"not a TFRecord, only text").unwrap();
         assert_eq!(detect(text.path()).unwrap(), SourceFormat::Files);
+        // Beside shards with an extension, such names are side files (a vocabulary, a checkpoint), which
+        // indexing strictly would refuse as shards.
+        let beside = generated(SourceFormat::Tfrecord, 10);
+        for name in ["vocab-00000-of-00001", "model.ckpt-1000.data-00000-of-00001"] {
+            std::fs::write(beside.path().join(name), b"not a TFRecord").unwrap();
+        }
+        let index = build(beside.path(), &strict(), &NoProgress).unwrap();
+        assert_eq!(index.samples.len(), 10);
+        let side: Vec<&str> = index.side.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(side, ["model.ckpt-1000.data-00000-of-00001", "vocab-00000-of-00001"]);
     }
 
     /// With the format given, every file of a TFRecord dataset but hidden ones and `.idx` twins is a shard,
