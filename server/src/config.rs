@@ -370,7 +370,7 @@ impl ServerLimits {
             return Err(LimitError::WindowTooLarge);
         }
         // Below these nothing is served: `max_bodies_in_flight=0` refused every batch (503), and
-        // `max_header_bytes=0` every request.
+        // `max_header_bytes=0` every request. (`max_mapped_shards=0` is no such limit: no dataset mapped.)
         let secs = |d: Duration| d.as_secs().max(u64::from(d.subsec_nanos() > 0));
         let least = [
             ("max_connections", self.max_connections as u64, 1),
@@ -378,7 +378,6 @@ impl ServerLimits {
             ("storage_concurrency", self.storage_concurrency as u64, 1),
             ("max_header_bytes", u64::from(self.max_header_bytes), 1024),
             ("max_bodies_in_flight", self.max_bodies_in_flight, 1),
-            ("max_mapped_shards", self.max_mapped_shards as u64, 1),
             ("read_depth", self.read_depth as u64, 1),
             ("object_requests", self.object_requests as u64, 1),
             ("stage_objects", self.stage_objects as u64, 1),
@@ -542,6 +541,8 @@ mod tests {
         assert!(tiny_headers.validate().unwrap_err().to_string().starts_with("max_header_bytes"));
         let no_time = ServerLimits { request_timeout: Duration::ZERO, ..ServerLimits::default() };
         assert!(no_time.validate().unwrap_err().to_string().starts_with("request_timeout"));
+        // No dataset mapped (every shard read with positioned reads) serves: it was refused.
+        ServerLimits { max_mapped_shards: 0, ..ServerLimits::default() }.validate().unwrap();
     }
 
     #[test]

@@ -103,8 +103,7 @@ impl Files for ObjectSource {
                     "not kept in the disk tier: staged apart while indexed"),
             }
         }
-        std::fs::create_dir_all(&self.stage_dir)?;
-        let dir = tempfile::Builder::new().prefix(&stage_prefix(std::process::id())).tempdir_in(&self.stage_dir)?;
+        let dir = Stage::new(&self.stage_dir)?;
         let path = dir.path().join(name);
         let out = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
         super::tier::allocate(&out, file.size)?;
@@ -253,42 +252,91 @@ impl ObjectSource {
     }
 }
 
-/// The name's start of a staging directory of process `pid` in a shared directory (`index_dir`, or
-/// `$TMPDIR`): host and pid say whose it is, so that the next start removes a dead server's of this
-/// host and no other's (an `index_dir` on a shared filesystem is seen by other hosts, whose pids mean
-/// nothing here).
-fn stage_prefix(pid: u32) -> String {
-    format!("batchfs-stage-{}-{pid}-", host())
+/// A staging directory's name's start in a shared directory (`index_dir`, or `$TMPDIR`).
+const STAGE_PREFIX: &str = "batchfs-stage-";
+/// A staging directory's name while it is made, before its lock is taken (never swept while young).
+const STAGE_MAKING: &str = ".batchfs-staging-";
+/// The lock file in each staging directory, held (`flock`) by the server staging there while it lives.
+const STAGE_LOCK: &str = ".lock";
+/// How old a staging directory without a held lock must be to be taken for a dead one's where it cannot
+/// be told by its lock (one being made, or one a build before the locks made).
+const UNLOCKED_STAGE_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// A staging directory of this server, removed when dropped. Its lock file is held with `flock` while
+/// it lives, which the kernel lets go however the server ends: a server's start removes the directories
+/// whose lock it can take ([`remove_dead_stages`]), and no live server's, whatever host or pid namespace
+/// it runs in (an `index_dir` on a shared filesystem; a restarted container's server is pid 1 again).
+pub(super) struct Stage {
+    path: std::path::PathBuf,
+    _lock: Option<std::fs::File>,
 }
 
-/// This host's name, as a file name's part (`localhost` where it cannot be read).
-fn host() -> String {
-    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let name: String =
-        name.trim().chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '_' }).collect();
-    if name.is_empty() {
-        "localhost".into()
-    } else {
-        name
+impl Stage {
+    /// A new staging directory in `dir`: made under a name the sweep leaves alone, locked, then renamed
+    /// to a staging directory's name (the lock follows the file), so none is ever seen unlocked.
+    pub(super) fn new(dir: &std::path::Path) -> io::Result<Stage> {
+        std::fs::create_dir_all(dir)?;
+        let made = tempfile::Builder::new().prefix(STAGE_MAKING).tempdir_in(dir)?.keep();
+        let suffix = made.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix(STAGE_MAKING));
+        let path = dir.join(format!("{STAGE_PREFIX}{}", suffix.unwrap_or_default()));
+        let lock = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(made.join(STAGE_LOCK));
+        // A filesystem without locks (ENOLCK): the directory is staged in unlocked, and no sweep of it can
+        // take its lock either, so none removes it while young.
+        let lock = lock.and_then(|file| flock(&file, libc::LOCK_EX).map(|()| file));
+        let renamed = std::fs::rename(&made, &path);
+        if let Err(e) = renamed {
+            let _ = std::fs::remove_dir_all(&made);
+            return Err(e);
+        }
+        Ok(Stage { path, _lock: lock.ok() })
+    }
+
+    pub(super) fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for Stage {
+    fn drop(&mut self) {
+        // Removed while still locked: no sweep sees it half removed and unlocked.
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// `flock(file, how | LOCK_NB)`: a lock of the open file, not waited for.
+fn flock(file: &std::fs::File, how: libc::c_int) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock takes a descriptor this function's caller holds open; no memory is passed.
+    match unsafe { libc::flock(file.as_raw_fd(), how | libc::LOCK_NB) } {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
     }
 }
 
 /// Removes the staging directories in `dir` of servers no longer running (killed while indexing: a
-/// whole object each, left behind), leaving those of live processes, whoever they are, and those of
-/// other hosts. Returns how many.
+/// whole object each, left behind): those whose lock this process can take, and those without a lock
+/// older than [`UNLOCKED_STAGE_AGE`]. A live server's, its lock held, stays. Returns how many.
 pub(super) fn remove_dead_stages(dir: &std::path::Path) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
-    let ours = format!("batchfs-stage-{}-", host());
+    let old = |entry: &std::fs::DirEntry| {
+        let modified = entry.metadata().and_then(|m| m.modified()).ok();
+        modified.and_then(|t| t.elapsed().ok()).is_some_and(|age| age > UNLOCKED_STAGE_AGE)
+    };
     let mut removed = 0;
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&ours)).and_then(|rest| {
-            let (pid, _) = rest.split_once('-')?;
-            pid.parse::<u32>().ok()
-        }) else {
-            continue;
+        let Some(name) = name.to_str() else { continue };
+        let dead = if name.starts_with(STAGE_PREFIX) {
+            let lock = std::fs::OpenOptions::new().read(true).write(true).open(entry.path().join(STAGE_LOCK));
+            match lock {
+                // Taken: its server is gone (the lock is let go as the directory is removed).
+                Ok(file) => flock(&file, libc::LOCK_EX).is_ok(),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => old(&entry),
+                Err(_) => false,
+            }
+        } else {
+            name.starts_with(STAGE_MAKING) && old(&entry)
         };
-        let dead = !std::path::Path::new(&format!("/proc/{pid}")).exists();
         if dead && std::fs::remove_dir_all(entry.path()).is_ok() {
             removed += 1;
         }
@@ -304,25 +352,35 @@ mod tests {
     use super::*;
 
     /// A server killed while indexing without a tier left a whole object in a staging directory, which
-    /// no start removed; now the next start removes a dead server's, and never a live process's.
+    /// no start removed; now the next start removes those whose lock is let go, and never a live one's (its
+    /// lock held: this process's own here, as a restarted container's server may have the dead one's pid).
     #[test]
     fn staging_directories_of_dead_servers_are_removed_and_live_ones_kept() {
         let dir = tempfile::tempdir().unwrap();
-        let (dead, live) = (stage_prefix(99_999_999), stage_prefix(std::process::id()));
-        let elsewhere = "batchfs-stage-another.host-99999999-ghi".to_string();
-        let names =
-            [format!("{dead}abc"), format!("{live}def"), elsewhere.clone(), "batchfs-stage-xyz".into(), "other".into()];
-        for name in names {
-            std::fs::create_dir(dir.path().join(&name)).unwrap();
-            std::fs::write(dir.path().join(name).join("object"), b"staged").unwrap();
+        let live = Stage::new(dir.path()).unwrap();
+        std::fs::write(live.path().join("object"), b"staged").unwrap();
+        // A dead server's: its lock file, let go as the server ended.
+        let dead_path = dir.path().join(format!("{STAGE_PREFIX}dead"));
+        std::fs::create_dir(&dead_path).unwrap();
+        std::fs::write(dead_path.join(STAGE_LOCK), b"").unwrap();
+        std::fs::write(dead_path.join("object"), b"staged").unwrap();
+        for name in ["batchfs-stage-young-unlocked", ".batchfs-staging-young", "other"] {
+            std::fs::create_dir(dir.path().join(name)).unwrap();
         }
         assert_eq!(remove_dead_stages(dir.path()), 1);
         let mut left: Vec<String> =
             std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         left.sort();
-        let mut kept = vec![format!("{live}def"), elsewhere, "batchfs-stage-xyz".into(), "other".into()];
+        let live_name = live.path().file_name().unwrap().to_str().unwrap().to_owned();
+        let mut kept =
+            vec![live_name, "batchfs-stage-young-unlocked".into(), ".batchfs-staging-young".into(), "other".into()];
         kept.sort();
         assert_eq!(left, kept);
+        assert!(live.path().join("object").exists() && !dead_path.exists());
+        // Dropped, a stage is removed.
+        let path = live.path().to_owned();
+        drop(live);
+        assert!(!path.exists());
     }
 
     #[test]
