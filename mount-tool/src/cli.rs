@@ -160,7 +160,15 @@ pub fn run() -> Result<()> {
         Command::Mount(m) => {
             crate::sys::release_large_allocations();
             let options = m.mount_options()?;
-            init_tracing(if m.foreground { None } else { options.log_file.as_deref() }, "info")?;
+            match init_tracing(if m.foreground { None } else { options.log_file.as_deref() }, "info") {
+                // A worker replacing one after the log file's directory went away (or turned read-only):
+                // the mount serves on, logging to the supervisor's stderr. The mount itself refuses it.
+                Err(e) if std::env::var_os(crate::supervise::WORKER_ENV).is_some() => {
+                    init_tracing(None, "info")?;
+                    tracing::warn!("{e:#}: this worker logs to the supervisor's stderr");
+                }
+                tried => tried?,
+            }
             mount(&m.url, &m.mountpoint, options, !m.foreground)
         }
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
@@ -169,13 +177,16 @@ pub fn run() -> Result<()> {
             let mut o = warm_options(&options)?;
             let (url, dir) = warm_target(&target, &mut o)?;
             let of_a_mount = !(target.starts_with("http://") || target.starts_with("https://"));
-            let failed = crate::warm::command(&url, &dir, &o).with_context(|| match of_a_mount {
+            let failed = crate::warm::command(&url, &dir, &o).map_err(|e| {
                 // A mount's cache_dir is found through it; its token and CA file are not shown there.
-                true if o.token_file.is_none() && o.ca_file.is_none() => format!(
-                    "cannot warm from {url} (a mount's token_file and ca_file are not read from it: give them \
-                     with -o token_file=...,ca_file=... where it uses them)"
-                ),
-                _ => format!("cannot warm from {url}"),
+                let hint = of_a_mount && o.token_file.is_none() && o.ca_file.is_none() && wants_credentials(&e);
+                match hint {
+                    true => e.context(format!(
+                        "cannot warm from {url} (a mount's token_file and ca_file are not read from it: give \
+                         them with -o token_file=...,ca_file=... where it uses them)"
+                    )),
+                    false => e.context(format!("cannot warm from {url}")),
+                }
             })?;
             if failed > 0 {
                 bail!("{failed} files could not be fetched (they are fetched on demand by the mounts)");
@@ -184,6 +195,27 @@ pub fn run() -> Result<()> {
         }
         Command::Stats { mountpoint, json } => stats(&mountpoint, json),
     }
+}
+
+/// Whether `e` is a refusal a token or a CA file answers: the server's 401 or 403, or a TLS handshake
+/// rustls refused (a certificate it does not trust).
+fn wants_credentials(e: &anyhow::Error) -> bool {
+    use crate::client::ClientError;
+    e.chain().any(|c| match c.downcast_ref::<ClientError>() {
+        Some(ClientError::Status { status: 401 | 403, .. }) => true,
+        Some(ClientError::Unreachable { cause, .. }) => {
+            let mut source: Option<&(dyn std::error::Error + 'static)> = Some(cause.as_ref());
+            while let Some(s) = source {
+                let io_inner = s.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref());
+                if io_inner.is_some_and(|i| i.is::<crate::client::HandshakeError>()) {
+                    return true;
+                }
+                source = s.source();
+            }
+            false
+        }
+        _ => false,
+    })
 }
 
 /// The options `batchfs warm` uses, as `-o` lists: one it has no use for (a mount's, such as `prefetch`)
@@ -450,6 +482,26 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    /// `batchfs warm` of a mount's directory says that the mount's token and CA file are not read from it
+    /// where they would answer the error (401, 403, a TLS handshake refused), not at every error.
+    #[test]
+    fn warm_s_credentials_hint_is_for_refusals_only() {
+        use crate::client::{ClientError, HandshakeError};
+        let status = |status| ClientError::Status { server: "s".into(), status, message: "no".into() };
+        let refused = anyhow::Error::new(status(401)).context("cannot describe the dataset");
+        assert!(wants_credentials(&refused));
+        assert!(wants_credentials(&anyhow::Error::new(status(403))));
+        let tls = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            HandshakeError(rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer)),
+        );
+        assert!(wants_credentials(&anyhow::Error::new(ClientError::unreachable("s", tls))));
+        let down = ClientError::unreachable("s", std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(!wants_credentials(&anyhow::Error::new(down)));
+        assert!(!wants_credentials(&anyhow::Error::new(status(404))));
+        assert!(!wants_credentials(&anyhow::anyhow!("batchfs warm warms a file tree's files")));
+    }
 
     /// The plan's long flags say the defaults the core plans with (they are not clap defaults: a flag
     /// given overrides `-o`, one left out must not).

@@ -24,6 +24,7 @@ mod tls;
 mod wire;
 pub use crate::buffers::{Body, Sink};
 pub use http::{check_url_parts, parse_url, HttpClient, HttpConfig, UrlError};
+pub use tls::HandshakeError;
 
 /// What the server sends for one object: its size and CRC32C (from the manifest, or the file list).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

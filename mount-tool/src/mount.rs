@@ -30,8 +30,9 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
     let prefetcher = Prefetcher::new(client, runtime.handle().clone(), PrefetcherConfig::from(&plan.options));
     prefetcher.stats.feed(move |s| s.servers = health.snapshot());
     if let Some(dir) = &plan.options.cache_dir {
-        let (size, checks, dataset) = (plan.options.cache_dir_size, plan.options.cache_dir_checks, &plan.http.dataset);
-        let cache = NodeCache::open_remembering(dir, size, checks, dataset)
+        let (size, checks, namespace) =
+            (plan.options.cache_dir_size, plan.options.cache_dir_checks, plan.http.cache_namespace());
+        let cache = NodeCache::open_remembering(dir, size, checks, &namespace)
             .with_context(|| format!("cannot use cache_dir {}", dir.display()))?;
         prefetcher.use_node_cache(cache.clone());
         prefetcher.stats.feed(move |s| s.node_cache = Some(cache.snapshot()));

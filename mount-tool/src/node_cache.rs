@@ -3,9 +3,12 @@
 //!
 //! **Keys are contents and names.** An object is filed under its size and CRC32C as the server lists them
 //! and which object of its dataset it is ([`Key`]: `PATH/ab/abcdef01-SIZE-ID`, `ab` the CRC's first byte,
-//! `ID` a hash of the dataset's name and the object's: a sample's id, a file's path, a batch's epoch, plan
-//! and number): a file changed on the server has a new key, so nothing in the cache is ever stale, and two
-//! mounts of one dataset (pods of one job, or of several) find each other's objects. The size and CRC
+//! `ID` a hash of the dataset's namespace (the mount's server and the dataset's name) and the object's: a
+//! sample's id, a file's path, a batch's epoch, plan and number): a file changed on the server has a new
+//! key, so nothing in the cache is ever stale, and two mounts of one dataset through one server URL (pods
+//! of one job, or of several) find each other's objects. The server is part of the name because a CRC32C
+//! is no authentication (anyone can give bytes any CRC): a mount of another server, whoever runs it, with a
+//! dataset of the same name and a shared `cache_dir`, files its objects under names of its own. The size and CRC
 //! alone are no name: two objects of one size share a CRC32C once in 2^32 pairs, which a dataset of a
 //! million chunks or batches of one size meets about a hundred times (the birthday bound), and a check of
 //! size and CRC cannot tell them apart. A file is written under a temporary name and renamed into place, so a reader
@@ -111,7 +114,8 @@ thread_local! {
 #[derive(Debug)]
 pub struct NodeCache {
     dir: PathBuf,
-    /// The dataset's name, hashed: what each file's name holds besides its object's [`Key`].
+    /// The dataset's namespace (server and name), hashed: what each file's name holds besides its object's
+    /// [`Key`].
     dataset: u64,
     limit: u64,
     /// A hit older than this touches the file ([`TOUCH_AFTER`]).
@@ -169,7 +173,8 @@ pub struct NodeCacheStats {
 }
 
 impl NodeCache {
-    /// The cache in `dir` (made if missing) of dataset `dataset`'s objects (mounts of other datasets may
+    /// The cache in `dir` (made if missing) of the objects of the dataset that `dataset` names (its
+    /// namespace: [`crate::client::HttpConfig::cache_namespace`]; mounts of other datasets and servers may
     /// share the directory), at most `limit` bytes, remembering [`DEFAULT_CHECKS`] checks.
     pub fn open(dir: &Path, limit: u64, dataset: &str) -> std::io::Result<std::sync::Arc<Self>> {
         Self::open_with(dir, limit, DEFAULT_CHECKS, TOUCH_AFTER, dataset)

@@ -31,6 +31,7 @@ pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> 
     let cache_path =
         options.cache_dir.as_ref().context("batchfs warm fills a node cache: give it one (-o cache_dir=PATH)")?;
     let http = crate::plan::http_config(url, options)?;
+    let namespace = http.cache_namespace();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("batchfs-warm")
@@ -41,7 +42,7 @@ pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> 
     if info.format != batchfs::index::SourceFormat::Files {
         bail!("batchfs warm warms a file tree's files; dataset {:?} is {} shards", info.name, info.format.as_str());
     }
-    let cache = NodeCache::open(cache_path, options.cache_dir_size, &info.name)
+    let cache = NodeCache::open(cache_path, options.cache_dir_size, &namespace)
         .with_context(|| format!("cannot use {}", cache_path.display()))?;
     let stats = Arc::new(Stats::default());
     let table = Arc::new(runtime.block_on(client.sample_table()).context("cannot fetch the sample table")?);

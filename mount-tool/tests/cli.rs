@@ -85,6 +85,42 @@ fn daemonized_mount_stats_and_umount() {
     assert!(is_mounted(&mnt), "the tmpfs stays");
 }
 
+/// A daemonized mount's `log_file` whose directory went away: a worker replacing the first one (killed)
+/// cannot open it, and logs to the supervisor's stderr instead of exiting (the supervisor retried, then
+/// failed every read with EIO), so the mount serves on.
+#[test]
+fn a_worker_whose_log_file_went_away_serves_on() {
+    let server = server(64, 4000, None);
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = std::fs::canonicalize(dir.path()).unwrap().join("mnt");
+    let logs = dir.path().join("logs");
+    std::fs::create_dir_all(&mnt).unwrap();
+    std::fs::create_dir(&logs).unwrap();
+    let options = format!("batch_size=8,log_file={}", logs.join("mount.log").display());
+    let out = batchfs(&["mount", &server.url, mnt.to_str().unwrap(), "-o", &options]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let _guard = MountGuard(mnt.clone());
+    let stats = || -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(mnt.join(".batchfs/stats")).unwrap()).unwrap()
+    };
+    let first = stats()["worker_pid"].as_u64().unwrap();
+    std::fs::remove_dir_all(&logs).unwrap();
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(first as libc::pid_t, libc::SIGKILL) }, 0);
+    wait_until("a second worker", || {
+        std::fs::read(mnt.join(".batchfs/stats"))
+            .ok()
+            .and_then(|t| serde_json::from_slice::<serde_json::Value>(&t).ok())
+            .and_then(|s| s["worker_pid"].as_u64())
+            .is_some_and(|pid| pid != first)
+    });
+    for b in 0..8 {
+        let body = std::fs::read(mnt.join(format!("epoch-0000/batch-{b:06}.tfrecord"))).unwrap();
+        assert_eq!(body, server_batch(&server, "batch_size=8", b), "batch {b}");
+    }
+    assert!(batchfs(&["umount", mnt.to_str().unwrap()]).status.success());
+}
+
 #[test]
 fn mount_errors_are_reported_before_daemonizing() {
     let server = server(16, 2000, Some("secret"));

@@ -352,3 +352,47 @@ fn files_of_one_size_and_crc_each_read_as_themselves_from_the_node_cache() {
     }
     rt.block_on(server.running.shutdown());
 }
+
+/// A shared `cache_dir` (the CSI plugin's volumes may name one below its cache folder) read by mounts of
+/// two servers, each with a dataset `d` holding `c/x.bin` of one size and CRC32C but other bytes (a CRC is
+/// no authentication: anyone can forge one): each mount reads its own server's bytes, also from the disk
+/// in a second mount. Objects were filed under the dataset's name alone, so the second server's mount
+/// read the first's bytes from the node cache.
+#[test]
+fn mounts_of_two_servers_sharing_a_node_cache_each_read_their_own_server_s_bytes() {
+    let rt = common::runtime();
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a: Vec<u8> = (0..4096u32).map(|i| (i * 31 % 251) as u8).collect();
+    let b = with_the_crc_of(&a, (0..4096u32).map(|i| (i * 17 % 241) as u8).collect());
+    assert!(a != b && batchfs::crc::crc32c(&a) == batchfs::crc::crc32c(&b));
+    for (root, bytes) in [(&one, &a), (&two, &b)] {
+        std::fs::create_dir(root.path().join("c")).unwrap();
+        std::fs::write(root.path().join("c/x.bin"), bytes).unwrap();
+    }
+    let first = rt.block_on(serve(&[("d", one.path())], ServeWith::default()));
+    let second = rt.block_on(serve(&[("d", two.path())], ServeWith::default()));
+    let disk = tempfile::tempdir().unwrap();
+    let options = format!("batch_size=1,cache_dir={}", disk.path().display());
+    for round in 0..2 {
+        for (server, want) in [(&first, &a), (&second, &b)] {
+            let (_dir, mounted) = common::mount(server, "d", &options);
+            let got = std::fs::read(mounted.mountpoint.join("raw/c/x.bin")).unwrap();
+            assert!(&got == want, "round {round}, server {}: another server's bytes", server.base);
+            let shuffled = mounted.mountpoint.join("shuffled/c");
+            let name = std::fs::read_dir(&shuffled).unwrap().next().unwrap().unwrap().path();
+            assert!(&std::fs::read(name).unwrap() == want, "round {round}: shuffled/ gave another server's");
+            // Filed in the background: on the disk before the next mount.
+            let stats = || common::mount_stats(&mounted.mountpoint);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while round == 0 && stats()["node_cache"]["written_bytes"].as_u64().unwrap() < 4096 {
+                assert!(std::time::Instant::now() < deadline, "never filed: {}", stats());
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            if round == 1 {
+                assert_eq!(stats()["fetched_bytes"], 0, "from the node cache: {}", stats());
+            }
+        }
+    }
+    rt.block_on(first.running.shutdown());
+    rt.block_on(second.running.shutdown());
+}

@@ -44,6 +44,14 @@ pub struct HttpConfig {
     pub frame_size: u32,
 }
 
+impl HttpConfig {
+    /// What names this dataset in a node cache shared by mounts of other servers: the server the mount
+    /// was given (its URL's, the first; `servers=` replicas are no part of it) and the dataset's name.
+    pub fn cache_namespace(&self) -> String {
+        format!("{} {}", self.servers.first().map_or("", String::as_str), self.dataset)
+    }
+}
+
 /// Why a dataset's URL does not parse (the URL as given).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UrlError {
@@ -61,8 +69,8 @@ pub enum UrlError {
     )]
     Credentials(String),
     #[error(
-        "{0:?}: a URL with a query or fragment (`?`, `#`): the URL is http(s)://host:port/DATASET, a `?` in a \
-         name is %3F"
+        "{0:?}: a URL with a query or fragment (`?`, `#`): the URL is http(s)://host:port/DATASET (plan options \
+         go in -o)"
     )]
     Query(String),
 }
@@ -282,17 +290,10 @@ impl HttpClient {
     ) -> Result<Body, ClientError> {
         let (flight, server, got) = self.send(spread, path_and_query, range, Target::Sink(body), expect.bytes).await?;
         let Got::Body(body) = got else { unreachable!("a body asked for into a sink comes in it") };
-        if body.sink.len() != expect.bytes || body.crc32c != expect.crc32c {
+        if let Some(why) = body.mismatch(expect) {
             flight.failed();
-            let why = format!(
-                "{path_and_query}: {} bytes with CRC32C {:08x}, where {} bytes with {:08x} were announced",
-                body.sink.len(),
-                body.crc32c,
-                expect.bytes,
-                expect.crc32c
-            );
-            let cause = Arc::new(std::io::Error::new(std::io::ErrorKind::InvalidData, why));
-            return Err(ClientError::Corrupt { server, cause });
+            let cause = std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{path_and_query}: {why}"));
+            return Err(ClientError::Corrupt { server, cause: Arc::new(cause) });
         }
         flight.succeeded(body.sink.len());
         Ok(body)

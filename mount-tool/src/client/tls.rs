@@ -65,8 +65,14 @@ fn invalid(message: String) -> io::Error {
 }
 
 fn tls_error(e: rustls::Error) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, format!("TLS: {e}"))
+    io::Error::new(io::ErrorKind::InvalidData, HandshakeError(e))
 }
+
+/// What rustls refused in a handshake or a record (a certificate not trusted, among others), kept as its
+/// own type inside the `io::Error` so that a caller can ask (`batchfs warm`'s hint about `ca_file`).
+#[derive(Debug, thiserror::Error)]
+#[error("TLS: {0}")]
+pub struct HandshakeError(pub rustls::Error);
 
 /// One direction's key, its fixed IV and the next record's sequence number.
 struct Direction {

@@ -23,17 +23,10 @@ pub(super) enum Failure {
 /// Checks a body against the manifest. Its CRC32C was computed from the bytes as they were stored in
 /// the buffer, which nothing writes to afterwards.
 pub(super) fn verify(key: ObjectKey, meta: &Sent, body: &Body) -> Result<(), Failure> {
-    let crc = body.crc32c;
-    if body.sink.len() != meta.bytes || crc != meta.crc32c {
-        return Err(Failure::Mismatch(format!(
-            "{}: got {} bytes with CRC32C {crc:08x}, the manifest says {} bytes, {:08x}",
-            key,
-            body.sink.len(),
-            meta.bytes,
-            meta.crc32c
-        )));
+    match body.mismatch(*meta) {
+        Some(why) => Err(Failure::Mismatch(format!("{key}: {why}"))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Runs `attempt` until it succeeds, fails for good, or `config.timeout` has passed, sleeping a jittered
