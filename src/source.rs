@@ -30,8 +30,8 @@ pub enum IndexError {
     #[error("cannot read the LMDB environment in {path}: {message}")]
     Lmdb { path: PathBuf, message: String },
     #[error(
-        "{path} holds named LMDB databases ({names}): batchfs serves an environment's main database; write \
-         the samples there (a writer's default database, not open_db(NAME))"
+        "{path} holds its samples in named LMDB databases ({names}): batchfs serves an environment's main \
+         database; write the samples there (a writer's default database, not open_db(NAME))"
     )]
     NamedDatabases { path: PathBuf, names: String },
     #[error("{path} holds no samples in {format} format")]
@@ -843,7 +843,8 @@ mod tests {
 
     /// An environment whose samples are in named databases (`max_dbs`, `open_db(b"train")`) holds in its
     /// main database one record per named database: those are not samples, and the environment is
-    /// refused with their names rather than served as 48-byte records.
+    /// refused with their names rather than served as 48-byte records; beside samples of the main
+    /// database, they are left out.
     #[test]
     fn lmdb_with_named_databases_is_refused_naming_them() {
         let dir = tempfile::tempdir().unwrap();
@@ -857,11 +858,23 @@ mod tests {
         env.close();
         let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
         let data = dir.path().join("data.mdb");
-        assert!(
-            err.starts_with(&format!("{} holds named LMDB databases (\"meta\", \"train\")", data.display())),
-            "{err}"
-        );
+        let named = format!("{} holds its samples in named LMDB databases (\"meta\", \"train\")", data.display());
+        assert!(err.starts_with(&named), "{err}");
         assert!(err.contains("main database"), "{err}");
+        // Samples in the main database beside a named one (its writer's metadata): served, the named one
+        // left out.
+        let env = LmdbEnv::create(dir.path(), 1 << 20, 2).unwrap();
+        let mut wtxn = env.env().write_txn().unwrap();
+        let main = env.env().create_database::<heed::types::Bytes, heed::types::Bytes>(&mut wtxn, None).unwrap();
+        for i in 0..5u32 {
+            main.put(&mut wtxn, format!("{i:08}").as_bytes(), &vec![i as u8; 100]).unwrap();
+        }
+        wtxn.commit().unwrap();
+        env.close();
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        let keys: Vec<&str> = index.samples.iter().map(|s| s.key.as_ref()).collect();
+        assert_eq!(keys, ["00000000", "00000001", "00000002", "00000003", "00000004"]);
+        assert!(index.samples.iter().all(|s| s.parts[0].len == 100));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! An LMDB environment's indexing (`data.mdb`): its main database's values located in the file by
-//! LMDB's own mapping and checked byte for byte, a file cut short or holding named databases refused.
+//! LMDB's own mapping and checked byte for byte, a file cut short refused, named databases left out
+//! (refused where they hold every sample).
 
 use super::{io_err, Files, IndexError, Progress};
 use crate::index::{Exts, Index, Part, Parts, Sample, NO_LABEL};
@@ -124,7 +125,17 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
             if named.len() > LISTED {
                 names.push_str(&format!(" and {} more", named.len() - LISTED));
             }
-            return Err(IndexError::NamedDatabases { path: root.join("data.mdb"), names });
+            // Samples in the main database beside named ones (a writer's metadata kept apart): those are
+            // served, and the named ones left out, said once. Samples only in named ones: refused.
+            if index.samples.is_empty() {
+                return Err(IndexError::NamedDatabases { path: root.join("data.mdb"), names });
+            }
+            tracing::warn!(
+                path = %root.join("data.mdb").display(),
+                samples = index.samples.len(),
+                named = %names,
+                "named LMDB databases are left out: batchfs serves the main database's samples"
+            );
         }
         progress.advance(ours.len().saturating_sub(last));
         index.shards[0].checksum(ours.bytes());
