@@ -867,7 +867,7 @@ mod tests {
         let mut wtxn = env.env().write_txn().unwrap();
         let main = env.env().create_database::<heed::types::Bytes, heed::types::Bytes>(&mut wtxn, None).unwrap();
         for i in 0..5u32 {
-            main.put(&mut wtxn, format!("{i:08}").as_bytes(), &vec![i as u8; 100]).unwrap();
+            main.put(&mut wtxn, format!("{i:08}").as_bytes(), &[i as u8; 100]).unwrap();
         }
         wtxn.commit().unwrap();
         env.close();
