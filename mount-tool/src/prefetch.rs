@@ -296,21 +296,32 @@ impl Prefetcher {
     /// The slot table of `rolling/`'s indexed layout for [`PrefetcherConfig::rolling`] (cached; fetched
     /// once, with retries up to `timeout`). Blocks like [`Prefetcher::manifest`].
     pub fn slot_table(&self) -> Result<Arc<SlotTable>, ReadError> {
+        match self.listings.slot_table() {
+            Some(t) => Ok(t),
+            None => self.runtime.block_on(self.fetch_slot_table()),
+        }
+    }
+
+    /// [`Prefetcher::slot_table`], awaited: where a fetch of the layout's file needs it. A worker that
+    /// took over a mount holds none yet, and an open the kernel sends it again (its lookup answered by the
+    /// worker before) comes without the lookup that fetched it.
+    pub(crate) async fn fetch_slot_table(&self) -> Result<Arc<SlotTable>, ReadError> {
         if let Some(t) = self.listings.slot_table() {
             return Ok(t);
         }
         let (first_epoch, epochs) = self.config.rolling;
         let client = self.client.clone();
-        let table = self.runtime.block_on(with_retries(&self.config, &self.stats, move |_| {
+        let table = with_retries(&self.config, &self.stats, move |_| {
             let client = client.clone();
             async move { client.slot_table(first_epoch, epochs).await.map_err(Failure::Client) }
-        }))?;
+        })
+        .await?;
         Ok(self.listings.put_slot_table(table))
     }
 
-    /// The layout of `rolling/`'s indexed file of batch `batch` (the slot table fetched before).
+    /// The layout of `rolling/`'s indexed file of batch `batch` (fetching the slot table if need be).
     pub fn file_layout(&self, batch: u64) -> Result<FileLayout, ReadError> {
-        let table = self.listings.slot_table().ok_or_else(|| ReadError::Layout("the slot table is not here".into()))?;
+        let table = self.slot_table()?;
         let slots =
             table.batches.get(batch as usize).ok_or_else(|| ReadError::NotFound(format!("rolling batch {batch}")))?;
         Ok(FileLayout::new(batch, slots))
@@ -636,6 +647,37 @@ mod tests {
 
     fn key(batch: u64) -> ObjectKey {
         ObjectKey::batch(0, batch, TF)
+    }
+
+    /// `rolling/`'s indexed file read by a prefetcher that holds no slot table yet (a worker that took
+    /// over a mount: an open the kernel sends it again comes without the lookup that fetched the table)
+    /// fetches the table and places the batch: it failed with "the slot table is not here" (EIO).
+    #[test]
+    fn an_indexed_rolling_file_read_before_the_slot_table_was_fetched_fetches_it() {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let bodies: Vec<Bytes> = (0..4usize)
+            .map(|b| {
+                let mut out = Vec::new();
+                for r in 0..5 {
+                    batchfs::tfrecord::encode_record(&vec![b as u8 + r as u8; 100 + r * 37 + b * 11], &mut out);
+                }
+                Bytes::from(out)
+            })
+            .collect();
+        let client = Arc::new(FaultClient::new(MemoryClient::new(move |_, _| bodies.clone())));
+        let config = PrefetcherConfig { prefetch: 0, ..Default::default() };
+        let fresh = Prefetcher::new(client.clone(), runtime.handle().clone(), config.clone());
+        let reference = Prefetcher::new(client, runtime.handle().clone(), config);
+        reference.slot_table().unwrap();
+        for batch in [1, 3] {
+            let key = crate::fs::views::rolling::placed::key(0, batch);
+            let want = reference.read_as0(key, 0, 1 << 20).unwrap();
+            assert_eq!(want.len() as u64, reference.file_layout(batch).unwrap().len);
+            assert_eq!(fresh.read_as0(key, 0, 1 << 20).unwrap(), want, "batch {batch}");
+        }
+        let fresh = Prefetcher::new(fresh.client.clone(), runtime.handle().clone(), fresh.config.clone());
+        let key = crate::fs::views::rolling::placed::key(0, 2);
+        assert!(fresh.backing_file(key, 0).is_ok(), "a passthrough open, likewise");
     }
 
     #[test]

@@ -126,7 +126,6 @@ impl Rolling {
 
     /// The indexed layout's twin of name `batch` (the same for every epoch).
     fn twin(&self, batch: u64) -> Result<Bytes, FsError> {
-        self.prefetcher.slot_table()?;
         Ok(Bytes::from(self.prefetcher.file_layout(batch)?.dali_index()))
     }
 
@@ -178,7 +177,6 @@ impl View for Rolling {
                 // The batch must exist in its epoch (the manifest says), and its file is the layout's.
                 let manifest = self.prefetcher.manifest(epoch, BatchFormat::Tfrecord)?;
                 manifest.batches.get(batch as usize).ok_or(FsError::NotFound)?;
-                self.prefetcher.slot_table()?;
                 self.prefetcher.file_layout(batch)?.len
             }
             Node::Twin { batch } => return Ok(Attr::file(ino, self.twin(batch)?.len() as u64, Keep::All)),

@@ -24,11 +24,6 @@ pub fn key(epoch: u64, batch: u64) -> ObjectKey {
     ObjectKey { listing: Listing::new(&PLACED, epoch, 0), index: batch }
 }
 
-/// The slot table, which placing needs (fetched before any read of the layout).
-fn table(p: &Prefetcher) -> Result<Arc<SlotTable>, ReadError> {
-    p.cached_slot_table().ok_or_else(|| ReadError::Layout("the slot table is not here".into()))
-}
-
 impl Kind for PlacedBatches {
     fn name(&self) -> &'static str {
         self.name
@@ -40,7 +35,7 @@ impl Kind for PlacedBatches {
 
     fn objects(&self, p: &Prefetcher, listing: Listing) -> Result<Arc<dyn Objects>, ReadError> {
         let manifest = p.manifest(listing.epoch, BatchFormat::Tfrecord)?;
-        Ok(Arc::new(Placed { manifest, table: table(p)? }))
+        Ok(Arc::new(Placed { manifest, table: p.slot_table()? }))
     }
 
     fn follow(&self, _listing: Listing) -> Follow {
@@ -49,14 +44,15 @@ impl Kind for PlacedBatches {
 
     fn warming(&self, p: &Prefetcher, next: Listing) -> Warming {
         let cached = p.next_epoch_manifests(next.epoch, BatchFormat::Tfrecord).cached;
-        let cached = cached.zip(table(p).ok()).map(|(manifest, table)| Arc::new(Placed { manifest, table }) as _);
+        let cached =
+            cached.zip(p.cached_slot_table()).map(|(manifest, table)| Arc::new(Placed { manifest, table }) as _);
         Warming { cached, whole: Vec::new() }
     }
 
     fn fetch(&self, p: Arc<Prefetcher>, listing: Listing) -> BoxFuture<'static, Result<Arc<dyn Objects>, ReadError>> {
         Box::pin(async move {
             let manifest = p.fetch_manifest(listing.epoch, BatchFormat::Tfrecord).await?;
-            Ok(Arc::new(Placed { manifest, table: table(&p)? }) as Arc<dyn Objects>)
+            Ok(Arc::new(Placed { manifest, table: p.fetch_slot_table().await? }) as Arc<dyn Objects>)
         })
     }
 }
