@@ -30,8 +30,14 @@ pub fn http_config(url: &str, options: &MountOptions) -> Result<HttpConfig> {
         }
         None => None,
     };
+    // Each server once: a repeat (the URL's own server in `servers=`) would be a "replica" that fails
+    // over to itself, with connections of its own.
     let mut servers = vec![base];
-    servers.extend(options.servers.iter().cloned());
+    for server in &options.servers {
+        if !servers.contains(server) {
+            servers.push(server.clone());
+        }
+    }
     Ok(HttpConfig {
         servers,
         dataset,
@@ -345,6 +351,14 @@ pub fn fuser_config(plan: &MountPlan) -> fuser::Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `servers=` naming the URL's own server, or one twice, adds no "replica" that fails over to itself.
+    #[test]
+    fn each_server_is_routed_to_once() {
+        let mut o = MountOptions::default();
+        o.apply_list("servers=http://h:1;http://h:1/;http://g:2;http://g:2").unwrap();
+        assert_eq!(http_config("http://h:1/d", &o).unwrap().servers, ["http://h:1", "http://g:2"]);
+    }
 
     /// Why `plan_at` refuses a mount with the options `list`, before it looks at a server.
     fn refusal(list: &str) -> String {
