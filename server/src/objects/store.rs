@@ -126,6 +126,10 @@ impl Bucket {
             .await
             .map_err(|e| self.list_error(e))?;
         files.sort_by(|a, b| a.path.cmp(&b.path));
+        let markers = drop_folder_markers(&mut files);
+        if markers > 0 {
+            tracing::info!(url = %self.url, markers, "left out folder markers (empty objects named as a folder)");
+        }
         if files.is_empty() {
             return Err(ObjectError::Empty { url: self.url.clone() });
         }
@@ -160,6 +164,23 @@ impl Bucket {
 
 /// The address of EC2's instance metadata service, where object_store looks for credentials last.
 const INSTANCE_METADATA: &str = "169.254.169.254";
+
+/// Leaves out the empty objects named as a folder of other objects: the "folder markers" (`class-0000/`)
+/// that the S3 console's "Create folder", s3fs, rclone and Hadoop's s3a write, whose trailing `/`
+/// `object_store` drops. Kept, each was a file of the folder's name that hid the folder's files from
+/// `raw/` (a local copy of the tree holds a directory there). Returns how many.
+fn drop_folder_markers(files: &mut Vec<ShardInfo>) -> usize {
+    let folders: std::collections::HashSet<&str> =
+        files.iter().flat_map(|f| f.path.match_indices('/').map(|(at, _)| &f.path[..at])).collect();
+    let marker: Vec<bool> = files.iter().map(|f| f.size == 0 && folders.contains(f.path.as_str())).collect();
+    let before = files.len();
+    let mut at = 0;
+    files.retain(|_| {
+        at += 1;
+        !marker[at - 1]
+    });
+    before - files.len()
+}
 
 /// The kind of the HTTP client's error behind `e`, if one is.
 fn http_kind(e: &(dyn std::error::Error + 'static)) -> Option<object_store::client::HttpErrorKind> {
@@ -196,6 +217,28 @@ mod tests {
         let b = Bucket::of_store("s3://b/data/", store.clone(), "memory").unwrap();
         assert_eq!((b.url.as_str(), b.location("x/y").as_ref()), ("s3://b/data", "data/x/y"));
         assert_eq!(Bucket::of_store("s3://b", store, "memory").unwrap().location("x").as_ref(), "x");
+    }
+
+    /// Folder markers (`c0/`, an empty object whose name `object_store` gives as `c0`) beside the folder's
+    /// objects are left out: each was a file `c0` that hid the folder from `raw/`. An empty object that
+    /// names no folder is a file, as on a disk.
+    #[tokio::test]
+    async fn folder_markers_are_left_out_of_a_listing() {
+        use object_store::ObjectStoreExt;
+        let store = Arc::new(object_store::memory::InMemory::new());
+        for (key, bytes) in [
+            ("p/c0/a.jpg", &b"jpeg"[..]),
+            ("p/c0", b""),
+            ("p/c0-x.jpg", b"x"),
+            ("p/c1", b""),
+            ("p/d/e/f", b"f"),
+            ("p/d/e", b""),
+        ] {
+            store.put(&ObjectPath::from(key), bytes::Bytes::from_static(bytes).into()).await.unwrap();
+        }
+        let listed = Bucket::of_store("s3://b/p", store, "memory").unwrap().list().await.unwrap();
+        let paths: Vec<&str> = listed.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(paths, ["c0-x.jpg", "c0/a.jpg", "c1", "d/e/f"]);
     }
 
     #[test]
