@@ -116,7 +116,8 @@ impl MountArgs {
 /// mount has no stderr to read), else to stderr, in colour only on a terminal.
 fn init_tracing(log_file: Option<&Path>, default: &str) -> Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // A log write that fails (stderr a closed pipe) is dropped, not reported by a panicking `eprintln!`.
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).log_internal_errors(false);
     let file = match log_file {
         Some(p) => Some(
             std::fs::OpenOptions::new()

@@ -155,7 +155,15 @@ fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     // In colour only on a terminal: journald and redirected logs get plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init();
+    // A log write that fails (stderr a pipe whose reader is gone: `| head`, a log shipper that died) is
+    // dropped: tracing's report of it went to stderr by `eprintln!`, which panicked the thread that
+    // logged (indexing, the signal handler) and left the server indexing forever, deaf to SIGTERM.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .log_internal_errors(false)
+        .try_init();
 }
 
 /// Opens every dataset, indexing where needed, with progress and a summary line each.
@@ -328,6 +336,11 @@ fn serve(args: ServeArgs) -> Result<()> {
     };
     let mut flags = args.index.clone();
     flags.index_dir = flags.index_dir.or(file.index_dir.clone());
+    // Said now, naming it: an object dataset's first staged copy failed with "cannot read s3://...: File
+    // exists", blaming an object.
+    if let Some(dir) = flags.index_dir.as_deref().filter(|d| d.exists() && !d.is_dir()) {
+        bail!("index_dir {}: not a directory (give a directory for the datasets' indexes)", dir.display());
+    }
     flags.skip_corrupt |= file.skip_corrupt.unwrap_or(false);
     flags.no_verify_data_crc |= !file.verify_data_crc.unwrap_or(true);
     let token = args.token_file.as_ref().or(file.token_file.as_ref()).map(|p| read_token(p)).transpose()?;
@@ -363,6 +376,11 @@ fn serve(args: ServeArgs) -> Result<()> {
         let opening = tokio::task::spawn_blocking({
             let stop = stop.clone();
             move || {
+                // A panic while opening (a bug) stops the server as a failure does: it was left serving
+                // 503s, indexing forever.
+                let _stop_on_panic = OnPanic(|| {
+                    let _ = stop.send(true);
+                });
                 let result = fill_catalog(&catalog, &specs, &flags, io, &objects);
                 match &result {
                     Ok(()) => tracing::info!("every dataset is ready"),
@@ -403,6 +421,17 @@ fn serve(args: ServeArgs) -> Result<()> {
     // An indexing task still running (a signal came first) must not hold the exit up.
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
+}
+
+/// Runs its closure when dropped by a panic's unwinding.
+struct OnPanic<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for OnPanic<F> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            (self.0)();
+        }
+    }
 }
 
 #[cfg(test)]

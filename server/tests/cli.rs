@@ -162,6 +162,14 @@ fn bad_invocations_say_what_to_fix() {
         std::fs::write(&config, text).unwrap();
         fails_with(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()], "are for s3://");
     }
+    // An index_dir that is a file, named (an object dataset's staging blamed an object: "File exists").
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let local = format!("d={}", dir.path().display());
+    fails_with(
+        &["serve", "--listen", "127.0.0.1:0", "--dataset", &local, "--index-dir", file.to_str().unwrap()],
+        "not a directory",
+    );
     let empty = dir.path().join("token");
     std::fs::write(&empty, "\n").unwrap();
     fails_with(
@@ -237,4 +245,48 @@ async fn serve_answers_health_while_indexing() {
     assert!(seen_indexing.is_some(), "the server should answer while it indexes 30,000 files");
     let manifest = client.get(format!("{base}/v1/datasets/t/epochs/0?batch_size=1000")).send().await.unwrap();
     assert_eq!(manifest.status(), reqwest::StatusCode::OK);
+}
+
+/// A server whose stderr is a pipe no one reads any longer (`batchfs-server serve ... 2>&1 | head -1`, a
+/// log shipper that died) serves and stops at SIGTERM: each failed log write was reported by a panicking
+/// `eprintln!`, which killed indexing (503 for good) and the signal handler (SIGTERM ignored).
+#[tokio::test]
+async fn a_server_whose_stderr_reader_is_gone_serves_and_stops_at_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d");
+    let out = run(&[
+        "gen",
+        "--format",
+        "tfrecord",
+        "--samples",
+        "200",
+        "--mean-bytes",
+        "2000",
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let port = free_port();
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--dataset", &format!("d={}", data.display())])
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let pid = child.id();
+    let mut guard = Guard(child);
+    wait_healthy(&format!("http://127.0.0.1:{port}")).await;
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = guard.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "SIGTERM did not stop the server");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status}");
 }
