@@ -360,8 +360,8 @@ impl Supervisor<'_> {
                 signal @ (libc::SIGCHLD | RETRY) => {
                     self.reap_dying();
                     let Some(w) = self.worker.as_mut() else {
-                        if signal == RETRY {
-                            self.start_again();
+                        if signal == RETRY && self.start_again() == Mount::Gone {
+                            return self.unmount();
                         }
                         continue;
                     };
@@ -388,7 +388,9 @@ impl Supervisor<'_> {
                     if self.quick_deaths > 3 {
                         std::thread::sleep(Duration::from_millis((125 << self.quick_deaths.min(7)).min(2000)));
                     }
-                    self.start_again();
+                    if self.start_again() == Mount::Gone {
+                        return self.unmount();
+                    }
                 }
                 libc::SIGHUP => {
                     if let Some(w) = &self.worker {
@@ -417,23 +419,28 @@ impl Supervisor<'_> {
         });
     }
 
-    /// Starts a worker, or tries again in a second.
-    fn start_again(&mut self) {
+    /// Starts a worker, or tries again in a second while the mount is there.
+    fn start_again(&mut self) -> Mount {
         if let Err(e) = self.start_worker() {
+            if self.fail_waiting() == Mount::Gone {
+                // Unmounted while no worker served (`umount -l`): no worker's session ends to say so.
+                tracing::info!("the mount ended while no worker served it: the supervisor exits");
+                return Mount::Gone;
+            }
             tracing::error!(error = %format!("{e:#}"), "no worker serves the mount: trying again");
-            self.fail_waiting();
             self.signals.retry_after(Duration::from_secs(1));
         }
+        Mount::There
     }
 
     /// Once the mount has been without a worker for `timeout` (no worker can start: its program gone, its
     /// `cache_dir` unusable...), the requests readers wait in are answered `EIO` at each try, as a read
     /// of an unreachable server is: no reader waits for good. The next worker to start serves what comes
     /// after.
-    fn fail_waiting(&mut self) {
-        let Some(since) = self.died_at else { return };
+    fn fail_waiting(&mut self) -> Mount {
+        let Some(since) = self.died_at else { return Mount::There };
         if since.elapsed() < self.plan.options.timeout {
-            return;
+            return Mount::There;
         }
         // What the dead worker had read and not answered goes back to the queue first (as a takeover's
         // re-send does), to be answered with the rest.
@@ -444,8 +451,11 @@ impl Supervisor<'_> {
         match crate::sys::fail_queued(self.held.fuse.as_fd(), buffer) {
             Ok(0) => {}
             Ok(n) => tracing::warn!(requests = n, "no worker serves the mount: its waiting requests answered EIO"),
+            // The connection is gone: the mount was unmounted (or its connection aborted).
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Mount::Gone,
             Err(e) => tracing::warn!(error = %e, "cannot answer the mount's waiting requests"),
         }
+        Mount::There
     }
 
     fn unmount(mut self) -> Result<()> {
@@ -616,6 +626,14 @@ fn notify_address(path: &std::ffi::OsStr) -> std::io::Result<std::os::unix::net:
         Some(name) => std::os::unix::net::SocketAddr::from_abstract_name(name),
         None => std::os::unix::net::SocketAddr::from_pathname(Path::new(path)),
     }
+}
+
+/// Whether a supervisor's mount is still there, as its FUSE connection says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mount {
+    There,
+    /// Unmounted, or its connection aborted: the supervisor has nothing left to serve.
+    Gone,
 }
 
 /// A worker's inheritance, when this process is one (started by a supervisor).

@@ -365,6 +365,54 @@ fn reads_fail_after_timeout_while_no_worker_can_start_and_work_once_one_can() {
     rt.block_on(server.running.shutdown());
 }
 
+/// A mount whose worker cannot be replaced (its `cache_dir` turned into a file), unmounted lazily: the
+/// supervisor exits once `timeout` has passed without a worker. It went on starting workers (one failing
+/// every moment) for good, holding the detached connection, for no one.
+#[test]
+fn a_supervisor_without_a_worker_exits_once_its_mount_is_unmounted() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let cache = tempfile::tempdir().unwrap();
+    let cache_dir = cache.path().join("cache");
+    std::fs::create_dir(&cache_dir).unwrap();
+    let url = format!("{}/d", server.base);
+    let mut m =
+        Supervised::start(&program(), &url, &format!("batch_size=8,cache_dir={},timeout=2s", cache_dir.display()));
+    std::fs::remove_dir_all(&cache_dir).unwrap();
+    std::fs::write(&cache_dir, b"not a directory").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let pid = loop {
+        if let Some(&(pid, _)) = m.served().first() {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "the worker never served:\n{}", m.log_text());
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !m.log_text().contains("no worker serves the mount: trying again") {
+        assert!(Instant::now() < deadline, "{}", m.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let at = std::ffi::CString::new(m.mountpoint.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: umount2 reads the path, a NUL-terminated string that outlives the call.
+    assert_eq!(unsafe { libc::umount2(at.as_ptr(), libc::MNT_DETACH) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = m.supervisor.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the supervisor outlived its mount:\n{}", m.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}\n{}", m.log_text());
+    assert!(m.log_text().contains("the mount ended while no worker served it"), "{}", m.log_text());
+    drop(m);
+    rt.block_on(server.running.shutdown());
+}
+
 /// The mount's first worker killed before it says it serves (a window of a moment at mount time, in which
 /// it may already answer requests) is replaced, as a later one is: the mount comes up. It failed the mount
 /// before ("the worker did not serve the mount"). The worker is started from the program installed at the
