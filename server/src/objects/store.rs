@@ -153,7 +153,7 @@ impl Bucket {
                 ObjectError::Denied { url, endpoint, source }
             }
             // Without keys, object_store asks the instance metadata service: its failure is the answer.
-            _ if source.to_string().contains(INSTANCE_METADATA) => ObjectError::NoCredentials { url, source },
+            _ if asked_for_credentials(&source.to_string()) => ObjectError::NoCredentials { url, source },
             (_, _, Some(HttpErrorKind::Connect | HttpErrorKind::Timeout)) => {
                 ObjectError::Unreachable { url, endpoint, source }
             }
@@ -164,6 +164,16 @@ impl Bucket {
 
 /// The address of EC2's instance metadata service, where object_store looks for credentials last.
 const INSTANCE_METADATA: &str = "169.254.169.254";
+
+/// Whether a failure's text is of the credentials' lookup (the instance metadata service, at its
+/// address or at `AWS_METADATA_ENDPOINT`'s, by its API's paths; a credential provider's own error), not
+/// of the store: it was said to be the store unreachable, "check AWS_ENDPOINT_URL".
+fn asked_for_credentials(text: &str) -> bool {
+    let metadata_api = ["/latest/api/token", "/latest/meta-data/"];
+    text.contains(INSTANCE_METADATA)
+        || metadata_api.iter().any(|path| text.contains(path))
+        || text.to_ascii_lowercase().contains("credential")
+}
 
 /// Leaves out the empty objects named as a folder of other objects: the "folder markers" (`class-0000/`)
 /// that the S3 console's "Create folder", s3fs, rclone and Hadoop's s3a write, whose trailing `/`
@@ -259,5 +269,9 @@ mod tests {
         let none = object_store::Error::Generic { store: "S3", source: metadata.into() };
         let e = b.list_error(none);
         assert!(matches!(e, ObjectError::NoCredentials { .. }) && e.to_string().contains("no credentials"), "{e}");
+        // The metadata service elsewhere (AWS_METADATA_ENDPOINT), down: still the credentials, not the store.
+        let moved = "Error performing PUT http://127.0.0.1:19498/latest/api/token in 2ms: error sending request";
+        let e = b.list_error(object_store::Error::Generic { store: "S3", source: moved.into() });
+        assert!(matches!(e, ObjectError::NoCredentials { .. }), "{e}");
     }
 }
