@@ -173,8 +173,27 @@ pub struct ObjectCounters {
     /// GETs that failed on the way (`object_store`'s own retries spent, or a body cut short) and were made
     /// again.
     pub retried_gets: AtomicU64,
-    /// When a retried GET was last logged, and `retried_gets` then: one warning per [`RETRY_LOG_EVERY`].
-    retries_logged: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
+    /// One warning of retried GETs per [`RETRY_LOG_EVERY`].
+    retries_logged: Throttled,
+}
+
+/// A warning said at most once per [`RETRY_LOG_EVERY`], with how many of its kind were held back since: a
+/// failure repeated by every GET or copy (a store down, a full disk) is seen, and does not flood the log.
+#[derive(Debug, Default)]
+pub struct Throttled(std::sync::Mutex<(Option<std::time::Instant>, u64)>);
+
+impl Throttled {
+    /// Whether to say this one now, and if so how many were held back before it.
+    pub fn pass(&self) -> Option<u64> {
+        let mut last = self.0.lock().expect("throttled");
+        if last.0.is_some_and(|at| at.elapsed() < RETRY_LOG_EVERY) {
+            last.1 += 1;
+            return None;
+        }
+        let held = std::mem::take(&mut last.1);
+        last.0 = Some(std::time::Instant::now());
+        Some(held)
+    }
 }
 
 /// A store failing GETs is logged at most this often (with how many failed since), not once per GET.
@@ -185,14 +204,9 @@ impl ObjectCounters {
     /// that stalls or resets is seen at the default level, and a long outage does not flood the log.
     /// Returns whether this one was logged.
     pub fn retried(&self, dataset: &str, error: &dyn std::fmt::Display) -> bool {
-        let total = self.retried_gets.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        let mut logged = self.retries_logged.lock().expect("retries_logged");
-        let (at, then) = *logged;
-        if at.is_some_and(|at| at.elapsed() < RETRY_LOG_EVERY) {
-            return false;
-        }
-        *logged = (Some(std::time::Instant::now()), total);
-        tracing::warn!(%dataset, %error, failed = total - then, "GETs of the store failed: asking again");
+        self.retried_gets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some(held) = self.retries_logged.pass() else { return false };
+        tracing::warn!(%dataset, %error, failed = held + 1, "GETs of the store failed: asking again");
         true
     }
 }
@@ -821,8 +835,13 @@ mod tests {
         assert!(counters.retried("s3://b/ds", &"timed out"));
         assert!(!counters.retried("s3://b/ds", &"timed out"));
         assert_eq!(counters.retried_gets.load(Ordering::Relaxed), 2);
-        counters.retries_logged.lock().unwrap().0 = std::time::Instant::now().checked_sub(RETRY_LOG_EVERY);
+        counters.retries_logged.0.lock().unwrap().0 = std::time::Instant::now().checked_sub(RETRY_LOG_EVERY);
         assert!(counters.retried("s3://b/ds", &"reset"), "logged again once the interval passed");
+        // Any repeated warning (a full disk's lost copies): said once a while, with how many were held back.
+        let log = Throttled::default();
+        assert_eq!((log.pass(), log.pass(), log.pass()), (Some(0), None, None));
+        log.0.lock().unwrap().0 = std::time::Instant::now().checked_sub(RETRY_LOG_EVERY);
+        assert_eq!((log.pass(), log.pass()), (Some(2), None));
     }
 
     /// A fetch that fails leaves in the block cache the entry another body put there for the same unit

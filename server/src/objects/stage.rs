@@ -50,6 +50,8 @@ pub(super) struct Stager {
     wake: Arc<Notify>,
     /// Copies being made (or asked for by a body), readable part by part.
     making: Mutex<HashMap<u32, Arc<Making>>>,
+    /// Failed copies' warnings (a full disk fails every copy).
+    failed_log: super::Throttled,
 }
 
 #[derive(Default)]
@@ -625,9 +627,10 @@ async fn run(source: Weak<ObjectSource>, wake: Arc<Notify>) {
                 let copied = this.stage_object(n).await;
                 // No room beside the copies being made: not a failure, the object may be asked for again.
                 let busy = copied.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock);
-                if let Some(e) = copied.as_ref().err().filter(|_| !busy) {
+                let said = copied.as_ref().err().filter(|_| !busy).map(|e| (e, this.stager.failed_log.pass()));
+                if let Some((e, Some(held_back))) = said {
                     let object = this.path_of(n);
-                    tracing::warn!(dataset = %this.bucket.url, object = %object.display(), error = %e,
+                    tracing::warn!(dataset = %this.bucket.url, object = %object.display(), error = %e, held_back,
                         "not copied into the disk tier: read by GETs");
                 }
                 let mut q = this.stager.queue.lock().expect("stager");

@@ -115,6 +115,8 @@ pub struct Tier {
     inner: Mutex<Inner>,
     seq: AtomicU64,
     pub counters: TierCounters,
+    /// Lost copies' warnings (a full or failing disk loses every copy it is given).
+    lost_log: super::Throttled,
     /// `DIR/lock`, locked while the tier is open: one server a directory.
     _lock: File,
 }
@@ -193,6 +195,7 @@ impl Tier {
             inner: Mutex::new(Inner { entries, bytes: held, reserved: 0 }),
             seq: AtomicU64::new(0),
             counters: TierCounters::default(),
+            lost_log: super::Throttled::default(),
             _lock: lock,
         };
         tier.make_room(&mut tier.inner.lock().expect("tier"), 0);
@@ -339,7 +342,9 @@ impl Tier {
     fn failed(&self, path: &Path, e: io::Error) -> io::Error {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
         let e = io::Error::new(e.kind(), format!("disk tier: {}: {e}", path.display()));
-        tracing::warn!(error = %e, "disk tier: a copy is lost; the object is read from the store");
+        if let Some(held_back) = self.lost_log.pass() {
+            tracing::warn!(error = %e, held_back, "disk tier: a copy is lost; the object is read from the store");
+        }
         e
     }
 }
