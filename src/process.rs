@@ -1,4 +1,4 @@
-//! What a batchfs process sets for itself at its start: the limit of open files.
+//! What a batchfs process sets for itself at its start: the limit of open files, and its logs.
 
 /// The process's soft limit of open files now (`RLIMIT_NOFILE`); `u64::MAX` where it has none.
 pub fn open_files_limit() -> u64 {
@@ -27,6 +27,23 @@ pub fn raise_open_files_limit() -> u64 {
         }
     }
     open_files_limit()
+}
+
+/// Sends the process's logs (`RUST_LOG`, else `default`) to `file`, else to stderr, in colour only on a
+/// terminal (journald, `kubectl logs` and redirected logs get plain text). A log write that fails is
+/// dropped: tracing reported it by `eprintln!`, which panics where stderr is a pipe whose reader is gone
+/// (`| head`, a log shipper that died), and the thread that logged (a server's indexing, its signal
+/// handler) died with it. Does nothing where logs are already set up (a test's).
+pub fn init_logs(default: &str, file: Option<std::fs::File>) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).log_internal_errors(false);
+    let _ = match file {
+        Some(file) => builder.with_ansi(false).with_writer(std::sync::Mutex::new(file)).try_init(),
+        None => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_writer(std::io::stderr)
+            .try_init(),
+    };
 }
 
 #[cfg(test)]

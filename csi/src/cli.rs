@@ -70,15 +70,7 @@ pub fn run() -> Result<()> {
         // Before any thread: as PID 1 this forks, and only the child returns.
         crate::holder::init();
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    // In colour only on a terminal: `kubectl logs` and journald get plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .log_internal_errors(false)
-        .init();
+    batchfs::process::init_logs("info", None);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
         Some(Command::Holder { socket, program, mount_timeout }) => {

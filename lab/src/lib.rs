@@ -36,14 +36,7 @@ pub enum Command {
 }
 
 fn init_tracing(default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .log_internal_errors(false)
-        .try_init();
+    batchfs::process::init_logs(default, None);
 }
 
 /// Entry point of the binary.

@@ -115,9 +115,6 @@ impl MountArgs {
 /// Logs to `log_file` (appended; one that cannot be opened is an error, not a log lost: a daemonized
 /// mount has no stderr to read), else to stderr, in colour only on a terminal.
 fn init_tracing(log_file: Option<&Path>, default: &str) -> Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
-    // A log write that fails (stderr a closed pipe) is dropped, not reported by a panicking `eprintln!`.
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).log_internal_errors(false);
     let file = match log_file {
         Some(p) => Some(
             std::fs::OpenOptions::new()
@@ -128,13 +125,7 @@ fn init_tracing(log_file: Option<&Path>, default: &str) -> Result<()> {
         ),
         None => None,
     };
-    let _ = match file {
-        Some(file) => builder.with_ansi(false).with_writer(std::sync::Mutex::new(file)).try_init(),
-        None => builder
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .with_writer(std::io::stderr)
-            .try_init(),
-    };
+    batchfs::process::init_logs(default, file);
     Ok(())
 }
 

@@ -152,18 +152,7 @@ pub fn run() -> Result<()> {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    // In colour only on a terminal: journald and redirected logs get plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    // A log write that fails (stderr a pipe whose reader is gone: `| head`, a log shipper that died) is
-    // dropped: tracing's report of it went to stderr by `eprintln!`, which panicked the thread that
-    // logged (indexing, the signal handler) and left the server indexing forever, deaf to SIGTERM.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .log_internal_errors(false)
-        .try_init();
+    batchfs::process::init_logs("info", None);
 }
 
 /// Opens every dataset, indexing where needed, with progress and a summary line each.
