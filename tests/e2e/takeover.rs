@@ -307,23 +307,18 @@ fn a_mount_with_a_login_s_limit_of_open_files_reads_more_small_files_than_that()
     assert!(m.log_text().contains("short of file descriptors"), "{}", m.log_text());
 }
 
-/// A mount whose worker cannot be replaced (its `cache_dir` turned into a file meanwhile) answers its
-/// readers EIO once it has been without one for `timeout`, as for an unreachable server, and serves again
-/// once a worker can start. Before, every request waited for good while the supervisor tried again each
-/// second.
-#[test]
-fn reads_fail_after_timeout_while_no_worker_can_start_and_work_once_one_can() {
-    let rt = runtime();
-    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
-    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+/// A supervised mount of `server`'s dataset `d` whose worker cannot be replaced (its `cache_dir` turned
+/// into a file), with `timeout`: its worker killed once the supervisor has it serving (a worker killed
+/// before it said so fails the mount itself). The cache's folder, the `cache_dir` path, and the mount.
+fn without_a_worker(server: &common::Server, timeout: &str) -> (tempfile::TempDir, PathBuf, Supervised) {
     let cache = tempfile::tempdir().unwrap();
     let cache_dir = cache.path().join("cache");
     std::fs::create_dir(&cache_dir).unwrap();
     let url = format!("{}/d", server.base);
-    let m = Supervised::start(&program(), &url, &format!("batch_size=8,cache_dir={},timeout=3s", cache_dir.display()));
+    let options = format!("batch_size=8,cache_dir={},timeout={timeout}", cache_dir.display());
+    let m = Supervised::start(&program(), &url, &options);
     std::fs::remove_dir_all(&cache_dir).unwrap();
     std::fs::write(&cache_dir, b"not a directory").unwrap();
-    // Killed once the supervisor has it serving (a worker killed before it said so fails the mount itself).
     let deadline = Instant::now() + Duration::from_secs(20);
     let pid = loop {
         if let Some(&(pid, _)) = m.served().first() {
@@ -334,6 +329,19 @@ fn reads_fail_after_timeout_while_no_worker_can_start_and_work_once_one_can() {
     };
     // SAFETY: kill has no memory-safety preconditions.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    (cache, cache_dir, m)
+}
+
+/// A mount whose worker cannot be replaced (its `cache_dir` turned into a file meanwhile) answers its
+/// readers EIO once it has been without one for `timeout`, as for an unreachable server, and serves again
+/// once a worker can start. Before, every request waited for good while the supervisor tried again each
+/// second.
+#[test]
+fn reads_fail_after_timeout_while_no_worker_can_start_and_work_once_one_can() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_cache, cache_dir, m) = without_a_worker(&server, "3s");
     let batch = m.mountpoint.join("epoch-0000/batch-000000.tfrecord");
     // In a thread of its own: a read that never ends fails the test (the supervisor stopped on drop ends
     // it) instead of hanging it.
@@ -373,24 +381,7 @@ fn a_supervisor_without_a_worker_exits_once_its_mount_is_unmounted() {
     let rt = runtime();
     let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
-    let cache = tempfile::tempdir().unwrap();
-    let cache_dir = cache.path().join("cache");
-    std::fs::create_dir(&cache_dir).unwrap();
-    let url = format!("{}/d", server.base);
-    let mut m =
-        Supervised::start(&program(), &url, &format!("batch_size=8,cache_dir={},timeout=2s", cache_dir.display()));
-    std::fs::remove_dir_all(&cache_dir).unwrap();
-    std::fs::write(&cache_dir, b"not a directory").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let pid = loop {
-        if let Some(&(pid, _)) = m.served().first() {
-            break pid;
-        }
-        assert!(Instant::now() < deadline, "the worker never served:\n{}", m.log_text());
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    // SAFETY: kill has no memory-safety preconditions.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let (_cache, _, mut m) = without_a_worker(&server, "2s");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !m.log_text().contains("no worker serves the mount: trying again") {
         assert!(Instant::now() < deadline, "{}", m.log_text());
