@@ -225,20 +225,6 @@ pub struct Body {
     pub crc32c: u32,
 }
 
-impl Body {
-    /// What is wrong with this body where it is not the `expect`ed one (its size or CRC32C), if anything:
-    /// "N bytes with CRC32C X, where M bytes with Y were announced".
-    pub fn mismatch(&self, expect: crate::client::Sent) -> Option<String> {
-        let (len, crc) = (self.sink.len(), self.crc32c);
-        (len != expect.bytes || crc != expect.crc32c).then(|| {
-            format!(
-                "{len} bytes with CRC32C {crc:08x}, where {} bytes with {:08x} were announced",
-                expect.bytes, expect.crc32c
-            )
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

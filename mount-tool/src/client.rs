@@ -33,6 +33,20 @@ pub struct Sent {
     pub crc32c: u32,
 }
 
+impl Sent {
+    /// What is wrong with `body` where it is not this object (its size or CRC32C), if anything: "N bytes
+    /// with CRC32C X, where M bytes with Y were announced".
+    pub fn mismatch(&self, body: &Body) -> Option<String> {
+        let (len, crc) = (body.sink.len(), body.crc32c);
+        (len != self.bytes || crc != self.crc32c).then(|| {
+            format!(
+                "{len} bytes with CRC32C {crc:08x}, where {} bytes with {:08x} were announced",
+                self.bytes, self.crc32c
+            )
+        })
+    }
+}
+
 /// A boxed future, as trait methods return.
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// A fetched body, as the client's futures give it.

@@ -290,7 +290,7 @@ impl HttpClient {
     ) -> Result<Body, ClientError> {
         let (flight, server, got) = self.send(spread, path_and_query, range, Target::Sink(body), expect.bytes).await?;
         let Got::Body(body) = got else { unreachable!("a body asked for into a sink comes in it") };
-        if let Some(why) = body.mismatch(expect) {
+        if let Some(why) = expect.mismatch(&body) {
             flight.failed();
             let cause = std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{path_and_query}: {why}"));
             return Err(ClientError::Corrupt { server, cause: Arc::new(cause) });

@@ -23,7 +23,7 @@ pub(super) enum Failure {
 /// Checks a body against the manifest. Its CRC32C was computed from the bytes as they were stored in
 /// the buffer, which nothing writes to afterwards.
 pub(super) fn verify(key: ObjectKey, meta: &Sent, body: &Body) -> Result<(), Failure> {
-    match body.mismatch(*meta) {
+    match meta.mismatch(body) {
         Some(why) => Err(Failure::Mismatch(format!("{key}: {why}"))),
         None => Ok(()),
     }
