@@ -267,21 +267,21 @@ const UNLOCKED_STAGE_AGE: std::time::Duration = std::time::Duration::from_secs(3
 /// whose lock it can take ([`remove_dead_stages`]), and no live server's, whatever host or pid namespace
 /// it runs in (an `index_dir` on a shared filesystem; a restarted container's server is pid 1 again).
 pub(super) struct Stage {
-    path: std::path::PathBuf,
+    path: PathBuf,
     _lock: Option<std::fs::File>,
 }
 
 impl Stage {
     /// A new staging directory in `dir`: made under a name the sweep leaves alone, locked, then renamed
     /// to a staging directory's name (the lock follows the file), so none is ever seen unlocked.
-    pub(super) fn new(dir: &std::path::Path) -> io::Result<Stage> {
+    pub(super) fn new(dir: &Path) -> io::Result<Stage> {
         std::fs::create_dir_all(dir)?;
         let made = tempfile::Builder::new().prefix(STAGE_MAKING).tempdir_in(dir)?.keep();
         let suffix = made.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix(STAGE_MAKING));
         let path = dir.join(format!("{STAGE_PREFIX}{}", suffix.unwrap_or_default()));
         let lock = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(made.join(STAGE_LOCK));
-        // A filesystem without locks (ENOLCK): the directory is staged in unlocked, and no sweep of it can
-        // take its lock either, so none removes it while young.
+        // A filesystem without locks (ENOLCK): the directory is staged in unlocked, and no sweep can take
+        // its lock either, so none removes it.
         let lock = lock.and_then(|file| flock(&file, libc::LOCK_EX).map(|()| file));
         let renamed = std::fs::rename(&made, &path);
         if let Err(e) = renamed {
@@ -291,7 +291,7 @@ impl Stage {
         Ok(Stage { path, _lock: lock.ok() })
     }
 
-    pub(super) fn path(&self) -> &std::path::Path {
+    pub(super) fn path(&self) -> &Path {
         &self.path
     }
 }
@@ -316,7 +316,7 @@ fn flock(file: &std::fs::File, how: libc::c_int) -> io::Result<()> {
 /// Removes the staging directories in `dir` of servers no longer running (killed while indexing: a
 /// whole object each, left behind): those whose lock this process can take, and those without a lock
 /// older than [`UNLOCKED_STAGE_AGE`]. A live server's, its lock held, stays. Returns how many.
-pub(super) fn remove_dead_stages(dir: &std::path::Path) -> usize {
+pub(super) fn remove_dead_stages(dir: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
     let old = |entry: &std::fs::DirEntry| {
         let modified = entry.metadata().and_then(|m| m.modified()).ok();
