@@ -196,15 +196,10 @@ fn wants_credentials(e: &anyhow::Error) -> bool {
     e.chain().any(|c| match c.downcast_ref::<ClientError>() {
         Some(ClientError::Status { status: 401 | 403, .. }) => true,
         Some(ClientError::Unreachable { cause, .. }) => {
-            let mut source: Option<&(dyn std::error::Error + 'static)> = Some(cause.as_ref());
-            while let Some(s) = source {
+            std::iter::successors(Some(cause.as_ref() as &(dyn std::error::Error + 'static)), |s| s.source()).any(|s| {
                 let io_inner = s.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref());
-                if io_inner.is_some_and(|i| i.is::<crate::client::HandshakeError>()) {
-                    return true;
-                }
-                source = s.source();
-            }
-            false
+                io_inner.is_some_and(|i| i.is::<crate::client::HandshakeError>())
+            })
         }
         _ => false,
     })
