@@ -116,7 +116,7 @@ pub struct NodeCache {
     dir: PathBuf,
     /// The dataset's namespace (server and name), hashed: what each file's name holds besides its object's
     /// [`Key`].
-    dataset: u64,
+    namespace: u64,
     limit: u64,
     /// A hit older than this touches the file ([`TOUCH_AFTER`]).
     touch_after: std::time::Duration,
@@ -173,11 +173,11 @@ pub struct NodeCacheStats {
 }
 
 impl NodeCache {
-    /// The cache in `dir` (made if missing) of the objects of the dataset that `dataset` names (its
-    /// namespace: [`crate::client::HttpConfig::cache_namespace`]; mounts of other datasets and servers may
+    /// The cache in `dir` (made if missing) of the objects of the dataset that `namespace` names
+    /// ([`crate::client::HttpConfig::cache_namespace`]; mounts of other datasets and servers may
     /// share the directory), at most `limit` bytes, remembering [`DEFAULT_CHECKS`] checks.
-    pub fn open(dir: &Path, limit: u64, dataset: &str) -> std::io::Result<std::sync::Arc<Self>> {
-        Self::open_with(dir, limit, DEFAULT_CHECKS, TOUCH_AFTER, dataset)
+    pub fn open(dir: &Path, limit: u64, namespace: &str) -> std::io::Result<std::sync::Arc<Self>> {
+        Self::open_with(dir, limit, DEFAULT_CHECKS, TOUCH_AFTER, namespace)
     }
 
     /// The same, remembering the checks of `checks` files (0: every open reads its file again).
@@ -185,9 +185,9 @@ impl NodeCache {
         dir: &Path,
         limit: u64,
         checks: usize,
-        dataset: &str,
+        namespace: &str,
     ) -> std::io::Result<std::sync::Arc<Self>> {
-        Self::open_with(dir, limit, checks, TOUCH_AFTER, dataset)
+        Self::open_with(dir, limit, checks, TOUCH_AFTER, namespace)
     }
 
     /// The same, a hit touching a file whose modification time is `touch_after` old.
@@ -196,7 +196,7 @@ impl NodeCache {
         limit: u64,
         checks: usize,
         touch_after: std::time::Duration,
-        dataset: &str,
+        namespace: &str,
     ) -> std::io::Result<std::sync::Arc<Self>> {
         if dir.exists() && !dir.is_dir() {
             return Err(std::io::Error::new(std::io::ErrorKind::NotADirectory, "it is not a directory"));
@@ -204,7 +204,7 @@ impl NodeCache {
         std::fs::create_dir_all(dir)?;
         let cache = std::sync::Arc::new(NodeCache {
             dir: dir.to_owned(),
-            dataset: ident(&[b"dataset", dataset.as_bytes()]),
+            namespace: ident(&[b"dataset", namespace.as_bytes()]),
             limit,
             touch_after,
             used: AtomicU64::new(0),
@@ -224,7 +224,7 @@ impl NodeCache {
 
     /// The path of the object `key`.
     pub fn path_of(&self, key: Key) -> PathBuf {
-        let id = ident(&[&self.dataset.to_le_bytes(), &key.id.to_le_bytes()]);
+        let id = ident(&[&self.namespace.to_le_bytes(), &key.id.to_le_bytes()]);
         let name = format!("{:08x}-{}-{id:016x}", key.sent.crc32c, key.sent.bytes);
         self.dir.join(&name[..2]).join(name)
     }
