@@ -563,12 +563,20 @@ mod tests {
     use http_body_util::BodyExt;
     use proptest::prelude::*;
 
-    /// Three shards of a few hundred KiB, their index and their bytes.
+    /// Three shards of a few hundred KiB, their index and their bytes, shared by every test of the process
+    /// and removed as it exits (a static is never dropped: its directory stayed behind in `/tmp`).
     fn dataset() -> &'static (tempfile::TempDir, Index, Vec<Vec<u8>>) {
         static DATA: std::sync::OnceLock<(tempfile::TempDir, Index, Vec<Vec<u8>>)> = std::sync::OnceLock::new();
+        extern "C" fn remove() {
+            if let Some((dir, _, _)) = DATA.get() {
+                let _ = std::fs::remove_dir_all(dir.path());
+            }
+        }
         DATA.get_or_init(|| {
             let (dir, index) = fixtures::dataset(60, 9000, 3);
             let bytes = index.shards.iter().map(|s| std::fs::read(dir.path().join(&s.path)).unwrap()).collect();
+            // SAFETY: `remove` is a plain function that touches only what outlives `main`.
+            unsafe { libc::atexit(remove) };
             (dir, index, bytes)
         })
     }
