@@ -54,6 +54,9 @@ pub enum LimitError {
     /// A limit below which the server cannot serve (every request refused, or none read).
     #[error("{name} must be at least {min}, got {got}")]
     TooSmall { name: &'static str, min: u64, got: u64 },
+    /// A limit that means nothing without another (it was taken without a word).
+    #[error("{name} is set but {needs} is not: {name} has no effect without it")]
+    Needs { name: &'static str, needs: &'static str },
 }
 
 /// How a limit's value is written, on the command line and in the config file.
@@ -384,10 +387,13 @@ impl ServerLimits {
             ("request_timeout (seconds)", secs(self.request_timeout), 1),
             ("header_read_timeout (seconds)", secs(self.header_read_timeout), 1),
         ];
-        match least.into_iter().find(|&(_, got, min)| got < min) {
-            Some((name, got, min)) => Err(LimitError::TooSmall { name, min, got }),
-            None => Ok(()),
+        if let Some((name, got, min)) = least.into_iter().find(|&(_, got, min)| got < min) {
+            return Err(LimitError::TooSmall { name, min, got });
         }
+        if self.disk_cache.0.is_none() && self.disk_cache_size != crate::policy::AutoSize::Auto {
+            return Err(LimitError::Needs { name: "disk_cache_size", needs: "disk_cache" });
+        }
+        Ok(())
     }
 }
 
@@ -543,6 +549,17 @@ mod tests {
         assert!(no_time.validate().unwrap_err().to_string().starts_with("request_timeout"));
         // No dataset mapped (every shard read with positioned reads) serves: it was refused.
         ServerLimits { max_mapped_shards: 0, ..ServerLimits::default() }.validate().unwrap();
+    }
+
+    /// `--disk-cache-size` without `--disk-cache` was taken without a word: no tier, no room.
+    #[test]
+    fn a_tier_size_without_a_tier_is_refused() {
+        use crate::policy::{AutoSize, TierDir};
+        let sized = ServerLimits { disk_cache_size: AutoSize::Bytes(1 << 30), ..ServerLimits::default() };
+        let e = sized.validate().unwrap_err().to_string();
+        assert_eq!(e, "disk_cache_size is set but disk_cache is not: disk_cache_size has no effect without it");
+        let tier = TierDir(Some("/srv/tier".into()));
+        ServerLimits { disk_cache: tier, ..sized }.validate().unwrap();
     }
 
     #[test]
