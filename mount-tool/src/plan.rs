@@ -76,6 +76,10 @@ pub(crate) fn plan_at(
         // never what a ring's entries held: a takeover would leave those reads waiting for good.
         bail!("fuse_uring=on needs supervise=false: requests a dead worker's rings held are never re-sent");
     }
+    if options.plan.block_bytes != 0 && options.plan.shuffle != batchfs::plan::Shuffle::Blocks {
+        // It sizes `blocks`' working set and nothing else: taken without a word, it read as if it applied.
+        bail!("block_bytes applies to shuffle=blocks only (shuffle={})", options.plan.shuffle);
+    }
     if options.first_epoch + options.epochs > batchfs::plan::MAX_EPOCH + 1 {
         bail!(
             "first_epoch={} with epochs={} runs past epoch {}, the last a plan has",
@@ -382,6 +386,15 @@ mod tests {
     fn auto_unmount_without_allow_other_is_refused_saying_what_it_needs() {
         let e = refusal("auto_unmount");
         assert!(e.contains("auto_unmount needs allow_other"), "{e}");
+    }
+
+    /// `block_bytes` without `shuffle=blocks` sizes nothing: refused, not taken without a word.
+    #[test]
+    fn block_bytes_without_blocks_is_refused() {
+        let e = refusal("block_bytes=4G");
+        assert!(e.contains("block_bytes applies to shuffle=blocks only (shuffle=global)"), "{e}");
+        let e = refusal("shuffle=none,block_bytes=4G");
+        assert!(e.contains("(shuffle=none)"), "{e}");
     }
 
     /// The server's plans end at epoch 999,999: a job that would read past it is refused at the mount, not
