@@ -4,14 +4,15 @@
 //! progress in bytes, and either fails on the first corrupt region with its shard and byte offset, or,
 //! with `skip_corrupt`, indexes around it and lists what it skipped. [`load_or_build`] reuses a
 //! persisted index whose shard list (paths, sizes, mtimes) and settings still match; the index then holds
-//! the files as listed, so that each path is held once ([`Index::from_bytes_listed`]).
+//! the files as listed, so that each path is held once ([`Index::from_bytes_listed`]). A stale one still
+//! spares reading the files unchanged since it was built (`reuse`).
 
 use crate::index::{
     ChunkCrcs, Ext, Exts, Index, IndexSettings, Listed, Part, Parts, Refused, Sample, ShardInfo, Skipped, SourceFormat,
     NO_LABEL,
 };
 use crate::mmap::MappedFile;
-use crate::{crc, proto, tar, tfrecord};
+use crate::{proto, tfrecord};
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,10 @@ use std::time::UNIX_EPOCH;
 use thiserror::Error;
 
 mod lmdb;
+mod reuse;
+mod webdataset;
+
+pub use webdataset::split_key;
 
 /// Why a dataset could not be indexed.
 #[derive(Debug, Error)]
@@ -287,9 +292,6 @@ pub trait Files: Sync {
     /// `data.mdb`), for as long as the returned [`Local`] lives.
     fn local(&self, file: &ShardInfo) -> io::Result<Local>;
 
-    /// Reads each of `files` whole and hands its bytes to `each` with its position in `files`, in any
-    /// order, stopping at the first error. Many small files (a file tree) are read this way: an object
-    /// store reads many at once. By default, one at a time through [`Files::local`].
     /// The index the source keeps beside the data itself (an object store's `.batchfs-index`, where
     /// asked to), if it keeps one and has it. By default none.
     fn kept_index(&self) -> Option<Vec<u8>> {
@@ -301,6 +303,9 @@ pub trait Files: Sync {
         Ok(false)
     }
 
+    /// Reads each of `files` whole and hands its bytes to `each` with its position in `files`, in any
+    /// order, stopping at the first error. Many small files (a file tree) are read this way: an object
+    /// store reads many at once. By default, one at a time through [`Files::local`].
     fn read_each(&self, files: &[ShardInfo], each: &mut EachFile) -> Result<(), IndexError> {
         for (i, file) in files.iter().enumerate() {
             let map = map_shard(self, file)?;
@@ -367,7 +372,8 @@ impl IndexOptions {
 /// [`load_or_build`] for a dataset already listed (its `shards` and `side` files, as [`classify`] splits
 /// them) whose files `files` reads: the index persisted at `path`, else the one `files` keeps beside the
 /// data ([`Files::kept_index`]), is reused if its settings and files are the same; else the index is
-/// built and persisted at both (neither: kept in memory only).
+/// built and persisted at both (neither: kept in memory only), reading only the files changed since the
+/// stale index was built, if there is one (`reuse`).
 pub fn load_or_build_listed(
     files: &dyn Files,
     name: &str,
@@ -378,6 +384,8 @@ pub fn load_or_build_listed(
     progress: &dyn Progress,
 ) -> Result<(Index, IndexOrigin), IndexError> {
     let mut listed = Listed { settings, shards, side };
+    // A stale index: what it says of the files unchanged since is taken, not read again.
+    let mut stale = None;
     // An index persisted before, if it is still the dataset's (it then holds the listed files).
     let mut fresh = |bytes: Vec<u8>, at: &str| match Index::from_bytes_listed(&bytes, &mut listed) {
         Ok(index) => {
@@ -385,7 +393,10 @@ pub fn load_or_build_listed(
             Some(index)
         }
         Err(Refused::Stale) => {
-            tracing::info!(dataset = name, at, "files or settings changed since the index was built; rebuilding");
+            tracing::info!(dataset = name, at, "files or settings changed since the index was built; indexing again");
+            if stale.is_none() {
+                stale = Index::from_bytes(&bytes);
+            }
             None
         }
         Err(Refused::Unreadable) => {
@@ -401,7 +412,7 @@ pub fn load_or_build_listed(
         return Ok((index, IndexOrigin::Loaded));
     }
     let Listed { shards, side, .. } = listed;
-    let index = build_from(files, settings, shards, side, progress)?;
+    let index = build_from(files, settings, shards, side, stale.as_ref(), progress)?;
     let bytes = index.to_bytes();
     let kept_beside = match files.keep_index(&bytes) {
         Ok(kept) => kept,
@@ -435,29 +446,32 @@ pub fn build(root: &Path, options: &IndexOptions, progress: &dyn Progress) -> Re
         None => detect(root)?,
     };
     let (shards, side) = discover(root, format, options.format.is_some())?;
-    build_from(&Directory(root), options.settings(format), shards, side, progress)
+    build_from(&Directory(root), options.settings(format), shards, side, None, progress)
 }
 
-/// Builds the index of a dataset listed as `shards` and `side` files, reading them through `files`.
+/// Builds the index of a dataset listed as `shards` and `side` files, reading them through `files`; what
+/// `previous` (an earlier index of the dataset) holds of files unchanged since is taken from it instead.
 pub fn build_from(
     files: &dyn Files,
     settings: IndexSettings,
     shards: Vec<ShardInfo>,
     side: Vec<ShardInfo>,
+    previous: Option<&Index>,
     progress: &dyn Progress,
 ) -> Result<Index, IndexError> {
+    let reuse = previous.and_then(|p| reuse::Previous::new(p, settings));
     progress.start(shards.iter().chain(&side).map(|s| s.size).sum(), shards.len() + side.len());
     let mut index =
         Index { settings, shards, side: Vec::new(), samples: Vec::new(), classes: Vec::new(), skipped: Vec::new() };
     // Side files are served as they are: only their checksums are needed.
-    let crcs = checksums(files, &side, progress)?;
+    let crcs = checksums_of(files, &side, reuse.as_ref().map(|r| (r, true)), progress)?;
     index.side =
         side.into_iter().zip(crcs).map(|(file, (crc32c, chunks))| ShardInfo { crc32c, chunks, ..file }).collect();
     match settings.format {
-        SourceFormat::Tfrecord => index_tfrecord(files, &mut index, progress)?,
+        SourceFormat::Tfrecord => index_tfrecord(files, &mut index, reuse.as_ref(), progress)?,
         SourceFormat::Lmdb => lmdb::index(files, &mut index, progress)?,
-        SourceFormat::Tar => index_tar(files, &mut index, progress)?,
-        SourceFormat::Files => index_files(files, &mut index, progress)?,
+        SourceFormat::Tar => webdataset::index(files, &mut index, reuse.as_ref(), progress)?,
+        SourceFormat::Files => index_files(files, &mut index, reuse.as_ref(), progress)?,
     }
     if index.samples.is_empty() && index.skipped.is_empty() {
         return Err(IndexError::Empty { path: files.root().to_owned(), format: settings.format });
@@ -478,6 +492,24 @@ fn corrupt(index: &mut Index, root: &Path, shard: &str, offset: u64, message: St
 
 /// The CRC32C of each of `list` and of its chunks ([`crate::index::chunk_crcs`]), read through
 /// [`Files::read_each`]; a file whose size is not the listed one is an error (it is being written to).
+/// The checksums of each of `list`: those `reuse` knows (of side files, or of shards), the rest read.
+fn checksums_of(
+    files: &dyn Files,
+    list: &[ShardInfo],
+    reuse: Option<(&reuse::Previous, bool)>,
+    progress: &dyn Progress,
+) -> Result<Vec<(u32, ChunkCrcs)>, IndexError> {
+    let known: Vec<_> = list.iter().map(|f| reuse.and_then(|(r, side)| r.checksums(f, side))).collect();
+    let unknown: Vec<usize> = (0..list.len()).filter(|&i| known[i].is_none()).collect();
+    let read: Vec<ShardInfo> = unknown.iter().map(|&i| list[i].clone()).collect();
+    let mut crcs: Vec<_> = known.into_iter().map(Option::unwrap_or_default).collect();
+    progress.advance(list.iter().map(|f| f.size).sum::<u64>() - read.iter().map(|f| f.size).sum::<u64>());
+    for (i, sums) in unknown.into_iter().zip(checksums(files, &read, progress)?) {
+        crcs[i] = sums;
+    }
+    Ok(crcs)
+}
+
 fn checksums(
     files: &dyn Files,
     list: &[ShardInfo],
@@ -524,10 +556,19 @@ fn example_key_label(record: &[u8]) -> (Option<String>, i64) {
     (key, label)
 }
 
-fn index_tfrecord(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+fn index_tfrecord(
+    files: &dyn Files,
+    index: &mut Index,
+    reuse: Option<&reuse::Previous>,
+    progress: &dyn Progress,
+) -> Result<(), IndexError> {
     let shards = index.shards.clone();
     let ext = Ext::from("example");
     for (shard_no, shard) in shards.iter().enumerate() {
+        if reuse.is_some_and(|r| r.take(index, shard_no)) {
+            progress.advance(shard.size);
+            continue;
+        }
         let map = map_shard(files, shard)?;
         map.advise(memmap2::Advice::Sequential);
         let stem = shard.path.rsplit_once('.').map_or(shard.path.as_str(), |(s, _)| s);
@@ -572,127 +613,12 @@ fn index_tfrecord(files: &dyn Files, index: &mut Index, progress: &dyn Progress)
     Ok(())
 }
 
-/// WebDataset's rule: the key is the path up to the first `.` of the file name, the rest the extension.
-pub fn split_key(name: &str) -> (&str, &str) {
-    let base_start = name.rfind('/').map_or(0, |i| i + 1);
-    match name[base_start..].find('.') {
-        Some(dot) => (&name[..base_start + dot], &name[base_start + dot + 1..]),
-        None => (name, ""),
-    }
-}
-
-/// Parses a label out of a small text part (`.cls`, `.label`): a decimal integer, surrounding space ignored.
-fn text_label(bytes: &[u8]) -> Option<i64> {
-    std::str::from_utf8(bytes).ok()?.trim().parse().ok()
-}
-
-const LABEL_EXTS: [&str; 3] = ["cls", "label", "cls2"];
-
-/// The members of one WebDataset sample, while a shard's members are grouped by key.
-struct Group {
-    key: String,
-    parts: Vec<Part>,
-}
-
-fn index_tar(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
-    let shards = index.shards.clone();
-    let mut exts = Exts::default();
-    for (shard_no, shard) in shards.iter().enumerate() {
-        let map = map_shard(files, shard)?;
-        map.advise(memmap2::Advice::Sequential);
-        let bytes = map.bytes();
-        let mut group: Option<Group> = None;
-        let flush = |group: &mut Option<Group>, index: &mut Index| {
-            if let Some(Group { key, parts }) = group.take() {
-                let label = LABEL_EXTS
-                    .iter()
-                    .find_map(|ext| {
-                        let p = parts.iter().find(|p| p.ext == *ext)?;
-                        text_label(&bytes[p.offset as usize..(p.offset + p.len) as usize])
-                    })
-                    .unwrap_or(NO_LABEL);
-                index.samples.push(Sample { key: key.into(), label, parts: parts.into() });
-            }
-        };
-        let mut reported = 0;
-        // The key of a sample left out for a repeated member (with `skip_corrupt`): its later members are
-        // left out with it.
-        let mut dropped: Option<String> = None;
-        for item in tar::Scanner::new(bytes) {
-            match item {
-                Ok(member) => {
-                    let (key, ext) = split_key(&member.name);
-                    let done = member.data_offset + member.size;
-                    if group.as_ref().is_some_and(|g| g.key != key) {
-                        flush(&mut group, index);
-                    }
-                    if dropped.as_deref().is_some_and(|d| d != key) {
-                        dropped = None;
-                    }
-                    // Two parts of one extension: a wrapping Example would keep only the last, WebDataset
-                    // refuses the tar ("duplicate file name"), and which one is meant cannot be known.
-                    let repeated = group.as_ref().is_some_and(|g| g.parts.iter().any(|p| p.ext == ext));
-                    if repeated || dropped.is_some() {
-                        if let Some(g) = group.take().filter(|_| repeated) {
-                            let message = format!(
-                                "member {:?} repeats a member of sample {:?} (a duplicate file name, which \
-                                 WebDataset refuses too); the sample is left out whole",
-                                member.name, g.key
-                            );
-                            corrupt(index, files.root(), &shard.path, member.header_offset, message)?;
-                            dropped = Some(g.key);
-                        }
-                        progress.advance(done - reported);
-                        reported = done;
-                        continue;
-                    }
-                    let data = &bytes[member.data_offset as usize..(member.data_offset + member.size) as usize];
-                    let part = Part {
-                        ext: exts.get(ext),
-                        shard: shard_no as u32,
-                        offset: member.data_offset,
-                        len: member.size,
-                        crc32c: crc::crc32c(data),
-                    };
-                    group.get_or_insert_with(|| Group { key: key.to_owned(), parts: Vec::new() }).parts.push(part);
-                    progress.advance(done - reported);
-                    reported = done;
-                }
-                Err(e) => {
-                    let offset = match &e {
-                        tar::TarError::BadChecksum { offset }
-                        | tar::TarError::Truncated { offset, .. }
-                        | tar::TarError::BadNumber { offset, .. }
-                        | tar::TarError::BadPax { offset }
-                        | tar::TarError::TruncatedHeader { offset } => *offset,
-                    };
-                    // The sample being grouped is complete only if the failed member starts another
-                    // key; when that cannot be known (a damaged header), it is dropped too rather than
-                    // served with a part missing.
-                    let mut message = format!("{e}; the rest of the shard is skipped");
-                    let complete = match &e {
-                        tar::TarError::Truncated { name, .. } => {
-                            group.as_ref().is_some_and(|g| g.key != split_key(name).0)
-                        }
-                        _ => false,
-                    };
-                    if complete {
-                        flush(&mut group, index);
-                    } else if let Some(g) = group.take() {
-                        message.push_str(&format!(", with sample {:?} whose members may be incomplete", g.key));
-                    }
-                    corrupt(index, files.root(), &shard.path, offset, message)?;
-                }
-            }
-        }
-        flush(&mut group, index);
-        progress.advance(shard.size.saturating_sub(reported));
-        index.shards[shard_no].checksum(bytes);
-    }
-    Ok(())
-}
-
-fn index_files(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
+fn index_files(
+    files: &dyn Files,
+    index: &mut Index,
+    reuse: Option<&reuse::Previous>,
+    progress: &dyn Progress,
+) -> Result<(), IndexError> {
     // Classes: the first directory of every file, sorted (ImageFolder's rule); files at the top level
     // carry no label.
     let mut classes = BTreeMap::new();
@@ -706,7 +632,7 @@ fn index_files(files: &dyn Files, index: &mut Index, progress: &dyn Progress) ->
     }
     index.classes = classes.keys().cloned().collect();
     let shards = index.shards.clone();
-    let crcs = checksums(files, &shards, progress)?;
+    let crcs = checksums_of(files, &shards, reuse.map(|r| (r, false)), progress)?;
     let mut exts = Exts::default();
     for (shard_no, (shard, (crc, chunks))) in shards.iter().zip(crcs).enumerate() {
         let base_start = shard.path.rfind('/').map_or(0, |i| i + 1);
@@ -724,10 +650,12 @@ fn index_files(files: &dyn Files, index: &mut Index, progress: &dyn Progress) ->
 
 #[cfg(test)]
 mod tests {
+    use super::webdataset::text_label;
     use super::*;
     use crate::gen::{self, GenOptions};
     use crate::index::CHUNK_BYTES;
     use crate::mmap::LmdbEnv;
+    use crate::{crc, tar};
 
     #[test]
     fn webdataset_keys() {

@@ -601,11 +601,16 @@ fn an_object_rewritten_after_indexing_is_refused_never_mixed() {
         assert!(health.contains(&name), "the health report names the changed object: {health}");
     });
     rt.block_on(before.running.shutdown());
-    // Re-indexed at the next start: the new object is served.
+    // Re-indexed at the next start: the new object is served, and only it was read again (what the stale
+    // index says of the others is taken).
     std::fs::write(&shard, &new_bytes).unwrap();
     let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
     assert_eq!(ds.origin, batchfs::source::IndexOrigin::Built);
     let after = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+    rt.block_on(async {
+        let read = metric(&common::h2c(), &after.base, "batchfs_object_bytes_total", "s3").await;
+        assert_eq!(read, new_bytes.len() as u64, "indexing again read what did not change");
+    });
     rt.block_on(same_bytes(&after, "local", "s3", SourceFormat::Tfrecord));
     rt.block_on(after.running.shutdown());
 }

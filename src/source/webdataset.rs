@@ -1,0 +1,135 @@
+//! A WebDataset tar's indexing: members grouped into samples by key (WebDataset's rule), labels read from
+//! `.cls`-like parts, a repeated member or a damaged header skipped or refused as `skip_corrupt` says.
+
+use super::{corrupt, map_shard, reuse, Files, IndexError, Progress};
+use crate::index::{Exts, Index, Part, Sample, NO_LABEL};
+use crate::{crc, tar};
+
+/// WebDataset's rule: the key is the path up to the first `.` of the file name, the rest the extension.
+pub fn split_key(name: &str) -> (&str, &str) {
+    let base_start = name.rfind('/').map_or(0, |i| i + 1);
+    match name[base_start..].find('.') {
+        Some(dot) => (&name[..base_start + dot], &name[base_start + dot + 1..]),
+        None => (name, ""),
+    }
+}
+
+/// Parses a label out of a small text part (`.cls`, `.label`): a decimal integer, surrounding space ignored.
+pub(super) fn text_label(bytes: &[u8]) -> Option<i64> {
+    std::str::from_utf8(bytes).ok()?.trim().parse().ok()
+}
+
+const LABEL_EXTS: [&str; 3] = ["cls", "label", "cls2"];
+
+/// The members of one WebDataset sample, while a shard's members are grouped by key.
+struct Group {
+    key: String,
+    parts: Vec<Part>,
+}
+
+pub(super) fn index(
+    files: &dyn Files,
+    index: &mut Index,
+    reuse: Option<&reuse::Previous>,
+    progress: &dyn Progress,
+) -> Result<(), IndexError> {
+    let shards = index.shards.clone();
+    let mut exts = Exts::default();
+    for (shard_no, shard) in shards.iter().enumerate() {
+        if reuse.is_some_and(|r| r.take(index, shard_no)) {
+            progress.advance(shard.size);
+            continue;
+        }
+        let map = map_shard(files, shard)?;
+        map.advise(memmap2::Advice::Sequential);
+        let bytes = map.bytes();
+        let mut group: Option<Group> = None;
+        let flush = |group: &mut Option<Group>, index: &mut Index| {
+            if let Some(Group { key, parts }) = group.take() {
+                let label = LABEL_EXTS
+                    .iter()
+                    .find_map(|ext| {
+                        let p = parts.iter().find(|p| p.ext == *ext)?;
+                        text_label(&bytes[p.offset as usize..(p.offset + p.len) as usize])
+                    })
+                    .unwrap_or(NO_LABEL);
+                index.samples.push(Sample { key: key.into(), label, parts: parts.into() });
+            }
+        };
+        let mut reported = 0;
+        // The key of a sample left out for a repeated member (with `skip_corrupt`): its later members are
+        // left out with it.
+        let mut dropped: Option<String> = None;
+        for item in tar::Scanner::new(bytes) {
+            match item {
+                Ok(member) => {
+                    let (key, ext) = split_key(&member.name);
+                    let done = member.data_offset + member.size;
+                    if group.as_ref().is_some_and(|g| g.key != key) {
+                        flush(&mut group, index);
+                    }
+                    if dropped.as_deref().is_some_and(|d| d != key) {
+                        dropped = None;
+                    }
+                    // Two parts of one extension: a wrapping Example would keep only the last, WebDataset
+                    // refuses the tar ("duplicate file name"), and which one is meant cannot be known.
+                    let repeated = group.as_ref().is_some_and(|g| g.parts.iter().any(|p| p.ext == ext));
+                    if repeated || dropped.is_some() {
+                        if let Some(g) = group.take().filter(|_| repeated) {
+                            let message = format!(
+                                "member {:?} repeats a member of sample {:?} (a duplicate file name, which \
+                                 WebDataset refuses too); the sample is left out whole",
+                                member.name, g.key
+                            );
+                            corrupt(index, files.root(), &shard.path, member.header_offset, message)?;
+                            dropped = Some(g.key);
+                        }
+                        progress.advance(done - reported);
+                        reported = done;
+                        continue;
+                    }
+                    let data = &bytes[member.data_offset as usize..(member.data_offset + member.size) as usize];
+                    let part = Part {
+                        ext: exts.get(ext),
+                        shard: shard_no as u32,
+                        offset: member.data_offset,
+                        len: member.size,
+                        crc32c: crc::crc32c(data),
+                    };
+                    group.get_or_insert_with(|| Group { key: key.to_owned(), parts: Vec::new() }).parts.push(part);
+                    progress.advance(done - reported);
+                    reported = done;
+                }
+                Err(e) => {
+                    let offset = match &e {
+                        tar::TarError::BadChecksum { offset }
+                        | tar::TarError::Truncated { offset, .. }
+                        | tar::TarError::BadNumber { offset, .. }
+                        | tar::TarError::BadPax { offset }
+                        | tar::TarError::TruncatedHeader { offset } => *offset,
+                    };
+                    // The sample being grouped is complete only if the failed member starts another
+                    // key; when that cannot be known (a damaged header), it is dropped too rather than
+                    // served with a part missing.
+                    let mut message = format!("{e}; the rest of the shard is skipped");
+                    let complete = match &e {
+                        tar::TarError::Truncated { name, .. } => {
+                            group.as_ref().is_some_and(|g| g.key != split_key(name).0)
+                        }
+                        _ => false,
+                    };
+                    if complete {
+                        flush(&mut group, index);
+                    } else if let Some(g) = group.take() {
+                        message.push_str(&format!(", with sample {:?} whose members may be incomplete", g.key));
+                    }
+                    corrupt(index, files.root(), &shard.path, offset, message)?;
+                }
+            }
+        }
+        flush(&mut group, index);
+        progress.advance(shard.size.saturating_sub(reported));
+        index.shards[shard_no].checksum(bytes);
+    }
+    Ok(())
+}
