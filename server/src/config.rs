@@ -386,6 +386,11 @@ impl ServerLimits {
             ("stage_objects", self.stage_objects as u64, 1),
             ("request_timeout (seconds)", secs(self.request_timeout), 1),
             ("header_read_timeout (seconds)", secs(self.header_read_timeout), 1),
+            // 0 sent a response's head and never a byte of its body over HTTP/2.
+            ("max_send_buf_size", self.max_send_buf_size as u64, 1),
+            // 0 closed every connection after its first response; every request to the store timed out.
+            ("idle_timeout (seconds)", secs(self.idle_timeout), 1),
+            ("object_timeout (seconds)", secs(self.object_timeout), 1),
         ];
         if let Some((name, got, min)) = least.into_iter().find(|&(_, got, min)| got < min) {
             return Err(LimitError::TooSmall { name, min, got });
@@ -547,6 +552,13 @@ mod tests {
         assert!(tiny_headers.validate().unwrap_err().to_string().starts_with("max_header_bytes"));
         let no_time = ServerLimits { request_timeout: Duration::ZERO, ..ServerLimits::default() };
         assert!(no_time.validate().unwrap_err().to_string().starts_with("request_timeout"));
+        for zero in [
+            ServerLimits { max_send_buf_size: 0, ..ServerLimits::default() },
+            ServerLimits { idle_timeout: Duration::ZERO, ..ServerLimits::default() },
+            ServerLimits { object_timeout: Duration::ZERO, ..ServerLimits::default() },
+        ] {
+            assert!(zero.validate().unwrap_err().to_string().contains("must be at least 1, got 0"));
+        }
         // No dataset mapped (every shard read with positioned reads) serves: it was refused.
         ServerLimits { max_mapped_shards: 0, ..ServerLimits::default() }.validate().unwrap();
     }
