@@ -289,10 +289,18 @@ fn serve(
     };
     let mountpoint = plan.mountpoint.clone();
     mounted.runtime().spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal");
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
+        use tokio::signal::unix::{signal, SignalKind};
+        let (mut term, mut hup) = (signal(SignalKind::terminate()).expect("signal"), signal(SignalKind::hangup()));
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = tokio::signal::ctrl_c() => break,
+                // Its default killed the mount's only process, leaving the mountpoint "not connected".
+                Some(()) = async { hup.as_mut().ok()?.recv().await } => tracing::warn!(
+                    "SIGHUP ignored: upgrades go to a mount's supervisor (supervise=true, the default); \
+                     SIGTERM unmounts"
+                ),
+            }
         }
         if worker {
             // The supervisor holds the mount: this worker steps down for the next.

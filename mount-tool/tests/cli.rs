@@ -241,6 +241,29 @@ fn a_stale_mount_of_a_killed_daemon_is_cleaned_up() {
     assert_eq!(got, server_batch(&server, "batch_size=4", 0), "the new mount serves the server's bytes");
 }
 
+/// SIGHUP to a mount without a supervisor (a closed terminal, or an operator who meant an upgrade) killed
+/// its only process and left the mountpoint "not connected": it is ignored, with a warning, and SIGTERM
+/// still unmounts.
+#[test]
+fn an_unsupervised_mount_serves_through_sighup_and_unmounts_at_sigterm() {
+    let server = server(16, 2000, None);
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = std::fs::canonicalize(dir.path()).unwrap();
+    let _guard = MountGuard(mnt.clone());
+    let mut child = foreground(&server.url, &mnt, "batch_size=4,supervise=false");
+    wait_until("the mount", || is_mounted(&mnt));
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGHUP) }, 0);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(child.try_wait().unwrap().is_none(), "SIGHUP stopped the mount");
+    let got = std::fs::read(mnt.join("epoch-0000/batch-000000.tfrecord")).unwrap();
+    assert_eq!(got, server_batch(&server, "batch_size=4", 0));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) }, 0);
+    wait_until("the unmount", || !is_mounted(&mnt));
+    assert!(child.wait().unwrap().success());
+}
+
 #[test]
 fn fstab_entries_mount_with_mount_t() {
     let server = server(16, 2000, None);

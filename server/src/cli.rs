@@ -385,9 +385,17 @@ fn serve(args: ServeArgs) -> Result<()> {
         tokio::spawn({
             let signalled = signalled.clone();
             async move {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
+                let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
+                loop {
+                    tokio::select! {
+                        _ = term.recv() => break,
+                        _ = tokio::signal::ctrl_c() => break,
+                        // Its default killed the server without a word.
+                        Some(()) = async { hup.as_mut().ok()?.recv().await } => tracing::warn!(
+                            "SIGHUP ignored: the server reloads nothing (restart it to apply a new configuration); \
+                             SIGTERM stops it"
+                        ),
+                    }
                 }
                 tracing::info!("signal received: finishing in-flight batches");
                 signalled.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -251,7 +251,7 @@ async fn serve_answers_health_while_indexing() {
 /// log shipper that died) serves and stops at SIGTERM: each failed log write was reported by a panicking
 /// `eprintln!`, which killed indexing (503 for good) and the signal handler (SIGTERM ignored).
 #[tokio::test]
-async fn a_server_whose_stderr_reader_is_gone_serves_and_stops_at_sigterm() {
+async fn a_server_whose_stderr_reader_is_gone_serves_through_sighup_and_stops_at_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("d");
     let out = run(&[
@@ -278,7 +278,14 @@ async fn a_server_whose_stderr_reader_is_gone_serves_and_stops_at_sigterm() {
     let pid = child.id();
     let mut guard = Guard(child);
     wait_healthy(&format!("http://127.0.0.1:{port}")).await;
+    // SIGHUP (a closed terminal, or an operator's reload) killed it without a word: ignored, with a warning
+    // (written to the pipe no one reads).
     // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGHUP) }, 0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(guard.0.try_wait().unwrap().is_none(), "SIGHUP stopped the server");
+    wait_healthy(&format!("http://127.0.0.1:{port}")).await;
+    // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
