@@ -98,25 +98,45 @@ pub fn index_path(root: &Path, name: &str, index_dir: Option<&Path>) -> PathBuf 
     }
 }
 
-/// Lists regular files under `root` (hidden names skipped, symlinks not followed), sorted by path. A name
+/// Lists regular files under `root` (hidden names skipped), sorted by path. Symbolic links are followed, as
+/// readers follow them (a dataset made of links to shards elsewhere: they were left out without a word): a
+/// link to a file is that file under the link's name, a link to a directory that directory, each directory
+/// listed once (a link back up the tree is no loop); a link to nothing is left out with a warning. A name
 /// that is not UTF-8 is an error: paths are text in the index, the API and the mount, and a name
 /// converted lossily would name no file.
 fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
+    use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
+    let top = std::fs::metadata(root).map_err(io_err(root))?;
+    let mut seen = std::collections::HashSet::from([(top.dev(), top.ino())]);
     let mut stack = vec![(root.to_owned(), String::new())];
     while let Some((dir, rel)) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).map_err(io_err(&dir))? {
-            let entry = entry.map_err(io_err(&dir))?;
+        // In order of name: which of two links to one directory lists it is then the same at every start.
+        let mut entries =
+            std::fs::read_dir(&dir).and_then(Iterator::collect::<io::Result<Vec<_>>>).map_err(io_err(&dir))?;
+        entries.sort_by_key(std::fs::DirEntry::file_name);
+        for entry in entries {
             let name = entry.file_name();
             if name.as_encoded_bytes().starts_with(b".") {
                 continue;
             }
             let path = entry.path();
             let name = name.into_string().map_err(|_| IndexError::NotUtf8 { path: path.clone() })?;
-            let meta = std::fs::symlink_metadata(&path).map_err(io_err(&path))?;
+            let meta = match std::fs::metadata(&path) {
+                Ok(meta) => meta,
+                Err(e) if e.kind() == io::ErrorKind::NotFound && entry.file_type().is_ok_and(|t| t.is_symlink()) => {
+                    tracing::warn!(path = %path.display(), "a symbolic link to nothing: left out");
+                    continue;
+                }
+                Err(e) => return Err(io_err(&path)(e)),
+            };
             let rel_path = if rel.is_empty() { name } else { format!("{rel}/{name}") };
             if meta.is_dir() {
-                stack.push((path, rel_path));
+                if seen.insert((meta.dev(), meta.ino())) {
+                    stack.push((path, rel_path));
+                } else {
+                    tracing::warn!(path = %path.display(), "a directory listed already (a link to it): left out");
+                }
             } else if meta.is_file() {
                 out.push((rel_path, meta));
             }
@@ -805,6 +825,42 @@ mod tests {
         assert!(index.samples.iter().all(|s| s.parts[0].len == 100));
     }
 
+    /// A dataset made of links to shards elsewhere (they were left out without a word): each link is its
+    /// file under the link's name, a linked class folder is listed, a link back up the tree lists nothing
+    /// twice and a link to nothing is left out.
+    #[test]
+    fn symbolic_links_to_shards_and_folders_are_followed() {
+        use std::os::unix::fs::symlink;
+        let elsewhere = generated(SourceFormat::Tfrecord, 40);
+        let (shards, _) = discover(elsewhere.path(), SourceFormat::Tfrecord, false).unwrap();
+        let (all, _) = load_or_build(elsewhere.path(), "e", None, &strict(), &NoProgress).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        symlink(elsewhere.path().join(shards[0].path.as_str()), dir.path().join("a.tfrecord")).unwrap();
+        std::fs::copy(elsewhere.path().join(shards[1].path.as_str()), dir.path().join("b.tfrecord")).unwrap();
+        symlink("/nonexistent/c.tfrecord", dir.path().join("c.tfrecord")).unwrap();
+        symlink(dir.path(), dir.path().join("loop")).unwrap();
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        let paths: Vec<&str> = index.shards.iter().map(|s| s.path.as_str()).collect();
+        assert_eq!(paths, ["a.tfrecord", "b.tfrecord"]);
+        assert_eq!(index.samples.len(), all.samples.len());
+        assert_eq!(index.shards[0].size, shards[0].size, "the linked file's size, not the link's");
+
+        let tree = generated(SourceFormat::Files, 12);
+        let classes: Vec<String> = std::fs::read_dir(tree.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        let linked = tempfile::tempdir().unwrap();
+        for class in &classes {
+            symlink(tree.path().join(class), linked.path().join(class)).unwrap();
+        }
+        let of_links = build(linked.path(), &strict(), &NoProgress).unwrap();
+        let of_tree = build(tree.path(), &strict(), &NoProgress).unwrap();
+        assert_eq!((of_links.samples.len(), &of_links.classes), (12, &of_tree.classes));
+        assert_eq!(of_links.samples, of_tree.samples);
+    }
+
     #[test]
     fn index_is_persisted_reused_and_rebuilt_when_shards_change() {
         let dir = generated(SourceFormat::Tfrecord, 10);
@@ -1032,6 +1088,77 @@ mod tests {
         let index = build(dir.path(), &skipping(), &NoProgress).unwrap();
         assert_eq!(index.samples.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(), ["b"]);
         assert_eq!(index.skipped.len(), 1);
+    }
+
+    /// A tar of `members` (name bytes, data, type flag), each header's checksum written signed where asked
+    /// (as old tars wrote it).
+    fn raw_tar(members: &[(&[u8], &[u8], u8, bool)]) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for &(name, data, typeflag, signed) in members {
+            let mut header = tar::file_header(&"n".repeat(name.len()), data.len() as u64);
+            header[..name.len()].copy_from_slice(name);
+            header[156] = typeflag;
+            header[265..270].copy_from_slice("\u{e9}t\u{e9}".as_bytes()); // an owner of bytes over 127
+            header[148..156].fill(b' ');
+            let sum = match signed {
+                true => header.iter().map(|&b| i64::from(b as i8)).sum::<i64>(),
+                false => header.iter().map(|&b| i64::from(b)).sum::<i64>(),
+            };
+            header[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+            bytes.extend(header);
+            bytes.extend_from_slice(data);
+            bytes.resize(bytes.len() + tar::padding(data.len() as u64) as usize, 0);
+        }
+        bytes.resize(bytes.len() + tar::END_LEN as usize, 0);
+        bytes
+    }
+
+    /// Members WebDataset leaves out of every sample (macOS's `._` twins, names without an extension,
+    /// `__meta__` names) are left out as it leaves them: they split the samples around them, and became
+    /// samples of their own. A header whose checksum was written signed is read, as GNU tar reads it.
+    #[test]
+    fn members_webdataset_skips_are_left_out_without_splitting_samples() {
+        let dir = tempfile::tempdir().unwrap();
+        let members: [(&[u8], &[u8], u8, bool); 9] = [
+            (b"./._000000.jpg", b"apple", b'0', false),
+            (b"./000000.jpg", b"jpeg0", b'0', true),
+            (b"./._000000.cls", b"apple", b'0', false),
+            (b"./000000.cls", b"3", b'0', false),
+            (b"README", b"about", b'0', false),
+            (b"__meta__", b"{}", b'0', false),
+            (b"x.jpg", b"jpegx", b'0', false),
+            (b"dir.v2/noext", b"?", b'0', false),
+            (b"x.cls", b"4", b'0', false),
+        ];
+        std::fs::write(dir.path().join("shard-0.tar"), raw_tar(&members)).unwrap();
+        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        let got: Vec<(&str, i64, usize)> =
+            index.samples.iter().map(|s| (s.key.as_str(), s.label, s.parts.len())).collect();
+        assert_eq!(got, [("./000000", 3, 2), ("x", 4, 2)]);
+        assert!(index.skipped.is_empty());
+    }
+
+    /// A member whose name is not UTF-8 (read lossily, two names became one key: one sample of two) or that
+    /// is a sparse file (its stored bytes are not its contents: it was left out of its sample without a
+    /// word) is refused naming it; skipping, its sample is left out whole.
+    #[test]
+    fn members_that_cannot_be_parts_are_refused_or_their_samples_left_out() {
+        for (bad, what) in [
+            ([(&b"x\xe9.jpg"[..], &b"one"[..], b'0', false), (b"x\xe8.cls", b"7", b'0', false)], "not UTF-8"),
+            ([(&b"b.jpg"[..], &b"sparse"[..], b'S', false), (b"b.cls", b"2", b'0', false)], "sparse"),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut members = vec![(&b"a.jpg"[..], &b"fine"[..], b'0', false), (b"a.cls", b"1", b'0', false)];
+            members.extend(bad);
+            members.push((b"c.jpg", b"fine too", b'0', false));
+            std::fs::write(dir.path().join("shard-0.tar"), raw_tar(&members)).unwrap();
+            let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+            assert!(err.contains(what) && err.contains("at byte 2048"), "{err}");
+            let index = build(dir.path(), &skipping(), &NoProgress).unwrap();
+            let keys: Vec<&str> = index.samples.iter().map(|s| s.key.as_str()).collect();
+            assert_eq!(keys, ["a", "c"], "{what}");
+            assert_eq!(index.skipped.len(), 1, "{what}");
+        }
     }
 
     #[test]

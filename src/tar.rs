@@ -28,8 +28,12 @@ pub enum TarError {
 /// A regular file found in a tar stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
-    /// Full member path.
+    /// Full member path (bytes that are not UTF-8 shown as U+FFFD: see `unusable`).
     pub name: String,
+    /// Why the member's data cannot be a sample's part as the tar stores it, if it cannot: its name is not
+    /// UTF-8 (keys are text: decoded lossily, two names became one key), or it is a GNU sparse file (its
+    /// stored bytes are not its contents).
+    pub unusable: Option<&'static str>,
     /// Offset of the member's header.
     pub header_offset: u64,
     /// Offset of the member's data.
@@ -60,9 +64,13 @@ fn parse_number(field: &[u8], offset: u64, name: &'static str) -> Result<u64, Ta
     u64::from_str_radix(text, 8).map_err(|_| TarError::BadNumber { offset, field: name })
 }
 
-fn c_string(field: &[u8]) -> String {
+/// A NUL-ended field as text, and whether it was UTF-8 (else decoded lossily).
+fn text(field: &[u8]) -> (String, bool) {
     let end = field.iter().position(|&b| b == 0).unwrap_or(field.len());
-    String::from_utf8_lossy(&field[..end]).into_owned()
+    match std::str::from_utf8(&field[..end]) {
+        Ok(text) => (text.to_owned(), true),
+        Err(_) => (String::from_utf8_lossy(&field[..end]).into_owned(), false),
+    }
 }
 
 fn header_checksum(header: &[u8]) -> u64 {
@@ -70,6 +78,13 @@ fn header_checksum(header: &[u8]) -> u64 {
     // compiler vectorizes).
     let sum = |bytes: &[u8]| bytes.iter().map(|&b| u64::from(b)).sum::<u64>();
     sum(header) - sum(&header[148..156]) + 8 * u64::from(b' ')
+}
+
+/// The same sum with the bytes taken as signed, as some old tars (and Sun's) wrote it; GNU tar and Python
+/// accept either.
+fn signed_header_checksum(header: &[u8]) -> i64 {
+    let sum = |bytes: &[u8]| bytes.iter().map(|&b| i64::from(b as i8)).sum::<i64>();
+    sum(header) - sum(&header[148..156]) + 8 * i64::from(b' ')
 }
 
 /// Walks the members of a tar stream held in memory.
@@ -90,9 +105,10 @@ impl<'a> Scanner<'a> {
         self.buf.get(start..start.checked_add(BLOCK as usize)?)
     }
 
-    fn parse_pax(data: &[u8], offset: u64) -> Result<(Option<String>, Option<u64>), TarError> {
+    /// A pax header's path (and whether it was UTF-8), size, and whether it says the member is sparse.
+    fn parse_pax(data: &[u8], offset: u64) -> Result<(Option<(String, bool)>, Option<u64>, bool), TarError> {
         let bad = || TarError::BadPax { offset };
-        let (mut path, mut size) = (None, None);
+        let (mut path, mut size, mut sparse) = (None, None, false);
         let mut rest = data;
         while !rest.is_empty() && rest[0] != 0 {
             let space = rest.iter().position(|&b| b == b' ').ok_or_else(bad)?;
@@ -104,18 +120,21 @@ impl<'a> Scanner<'a> {
             let eq = record.iter().position(|&b| b == b'=').ok_or_else(bad)?;
             let (key, value) = (&record[..eq], &record[eq + 1..]);
             match key {
-                b"path" => path = Some(String::from_utf8_lossy(value).into_owned()),
+                b"path" => path = Some(text(value)),
+                // GNU's sparse files in pax form: a map of holes precedes the data.
+                k if k.starts_with(b"GNU.sparse.") => sparse = true,
                 b"size" => size = Some(std::str::from_utf8(value).ok().and_then(|s| s.parse().ok()).ok_or_else(bad)?),
                 _ => {}
             }
             rest = &rest[len..];
         }
-        Ok((path, size))
+        Ok((path, size, sparse))
     }
 
     fn next_member(&mut self) -> Result<Option<Member>, TarError> {
-        let mut long_name: Option<String> = None;
+        let mut long_name: Option<(String, bool)> = None;
         let mut pax_size: Option<u64> = None;
+        let mut pax_sparse = false;
         loop {
             let offset = self.pos;
             if offset >= self.buf.len() as u64 {
@@ -128,7 +147,7 @@ impl<'a> Scanner<'a> {
                 return Ok(None); // End of archive.
             }
             let stored = parse_number(&header[148..156], offset, "chksum")?;
-            if stored != header_checksum(header) {
+            if stored != header_checksum(header) && i64::try_from(stored) != Ok(signed_header_checksum(header)) {
                 return Err(TarError::BadChecksum { offset });
             }
             let typeflag = header[156];
@@ -136,15 +155,17 @@ impl<'a> Scanner<'a> {
             if let Some(s) = pax_size.take() {
                 size = s;
             }
-            let mut name = c_string(&header[0..100]);
+            // What a pax header said applies to the header after it only, whatever that is.
+            let sparse = std::mem::take(&mut pax_sparse);
+            let (mut name, mut utf8) = text(&header[0..100]);
             if &header[257..262] == b"ustar" && header[262] == 0 {
-                let prefix = c_string(&header[345..500]);
+                let (prefix, ok) = text(&header[345..500]);
                 if !prefix.is_empty() {
-                    name = format!("{prefix}/{name}");
+                    (name, utf8) = (format!("{prefix}/{name}"), utf8 && ok);
                 }
             }
             if let Some(n) = long_name.take() {
-                name = n;
+                (name, utf8) = n;
             }
             let data_offset = offset + BLOCK;
             let available = (self.buf.len() as u64).saturating_sub(data_offset);
@@ -155,13 +176,19 @@ impl<'a> Scanner<'a> {
             let data = &self.buf[data_offset as usize..(data_offset + size) as usize];
             match typeflag {
                 b'x' => {
-                    let (path, s) = Self::parse_pax(data, offset)?;
+                    let (path, s, sparse) = Self::parse_pax(data, offset)?;
+                    pax_sparse = sparse;
                     long_name = path;
                     pax_size = s;
                 }
-                b'L' => long_name = Some(c_string(data)),
-                b'0' | 0 | b'7' => {
-                    return Ok(Some(Member { name, header_offset: offset, data_offset, size }));
+                b'L' => long_name = Some(text(data)),
+                b'0' | 0 | b'7' | b'S' => {
+                    let unusable = match (typeflag == b'S' || sparse, utf8) {
+                        (true, _) => Some("is a GNU sparse file (its stored bytes are not its contents)"),
+                        (_, false) => Some("has a name that is not UTF-8 (keys are text)"),
+                        _ => None,
+                    };
+                    return Ok(Some(Member { name, unusable, header_offset: offset, data_offset, size }));
                 }
                 _ => {} // Directories, links, global pax headers and the rest hold no sample data.
             }

@@ -35,6 +35,7 @@ pub(super) fn index(
 ) -> Result<(), IndexError> {
     let shards = index.shards.clone();
     let mut exts = Exts::default();
+    let (mut skipped_members, mut left_out) = (0u64, None::<String>);
     for (shard_no, shard) in shards.iter().enumerate() {
         if reuse.is_some_and(|r| r.take(index, shard_no)) {
             progress.advance(shard.size);
@@ -65,6 +66,14 @@ pub(super) fn index(
                 Ok(member) => {
                     let (key, ext) = split_key(&member.name);
                     let done = member.data_offset + member.size;
+                    if webdataset_skips(&member.name) {
+                        // Left out as WebDataset leaves it out, without ending the sample being grouped.
+                        left_out.get_or_insert_with(|| member.name.clone());
+                        skipped_members += 1;
+                        progress.advance(done - reported);
+                        reported = done;
+                        continue;
+                    }
                     if group.as_ref().is_some_and(|g| g.key != key) {
                         flush(&mut group, index);
                     }
@@ -74,15 +83,23 @@ pub(super) fn index(
                     // Two parts of one extension: a wrapping Example would keep only the last, WebDataset
                     // refuses the tar ("duplicate file name"), and which one is meant cannot be known.
                     let repeated = group.as_ref().is_some_and(|g| g.parts.iter().any(|p| p.ext == ext));
-                    if repeated || dropped.is_some() {
-                        if let Some(g) = group.take().filter(|_| repeated) {
-                            let message = format!(
-                                "member {:?} repeats a member of sample {:?} (a duplicate file name, which \
-                                 WebDataset refuses too); the sample is left out whole",
-                                member.name, g.key
-                            );
+                    // A member that cannot be a part (a name not UTF-8, read lossily, may have merged two
+                    // keys into one; a sparse file's bytes are not its contents): its sample is left out.
+                    if repeated || member.unusable.is_some() || dropped.is_some() {
+                        let why = match member.unusable {
+                            _ if dropped.is_some() => None,
+                            Some(why) => Some(format!("member {:?} {why}", member.name)),
+                            None => Some(format!(
+                                "member {:?} repeats a member of sample {key:?} (a duplicate file name, which \
+                                 WebDataset refuses too)",
+                                member.name
+                            )),
+                        };
+                        group.take();
+                        if let Some(why) = why {
+                            let message = format!("{why}; the sample {key:?} is left out whole");
                             corrupt(index, files.root(), &shard.path, member.header_offset, message)?;
-                            dropped = Some(g.key);
+                            dropped = Some(key.to_owned());
                         }
                         progress.advance(done - reported);
                         reported = done;
@@ -131,5 +148,24 @@ pub(super) fn index(
         progress.advance(shard.size.saturating_sub(reported));
         index.shards[shard_no].checksum(bytes);
     }
+    if let Some(first) = left_out {
+        tracing::warn!(
+            dataset = %files.root().display(), members = skipped_members, first = %first,
+            "tar members WebDataset skips (a name without an extension, a hidden name such as macOS's ._ \
+             files, or a __meta__ name) are left out of the samples, as WebDataset leaves them out"
+        );
+    }
     Ok(())
+}
+
+/// Whether WebDataset's reader leaves a member of this name out of every sample: a file name without an
+/// extension or starting with `.` (its key rule, `^((?:.*/|)[^.]+)[.]([^/]*)$`, matches neither; macOS
+/// tars carry a `._NAME` twin of each file), or a name of its metadata (`__*__` at the start).
+fn webdataset_skips(name: &str) -> bool {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    let meta = name.strip_prefix("__").and_then(|rest| rest.split('/').next()).is_some_and(|first| {
+        // `__[^/]*__` then the end or a `/`: the first component is `__...__` (at least four characters).
+        first.len() >= 2 && first.ends_with("__")
+    });
+    base.starts_with('.') || !base.contains('.') || meta
 }
