@@ -194,7 +194,8 @@ pub fn detect(root: &Path) -> Result<SourceFormat, IndexError> {
     }
     let files = walk(root)?;
     let by_name = detect_listed(files.iter().map(|(p, _)| p.as_str()));
-    let sharded = files.iter().find(|(p, _)| is_tensorflow_shard_name(p));
+    // The first such file that holds anything: an empty shard is a valid TFRecord file, and proves nothing.
+    let sharded = files.iter().find(|(p, meta)| is_tensorflow_shard_name(p) && meta.len() > 0);
     Ok(match sharded {
         Some((path, meta))
             if by_name == SourceFormat::Files && starts_with_tfrecord_frames(&root.join(path), meta.len()) =>
@@ -1018,6 +1019,12 @@ mod tests {
         tfrecord::encode_record(b"just one", &mut record);
         std::fs::write(one.path().join("eval-00000-of-00001"), &record).unwrap();
         assert_eq!(detect(one.path()).unwrap(), SourceFormat::Tfrecord);
+        // An empty first shard (a valid TFRecord file) proves nothing: the first one that holds anything
+        // is checked (the dataset was served as a file tree, a shard a sample).
+        std::fs::write(one.path().join("eval-00000-of-00001"), b"").unwrap();
+        std::fs::write(one.path().join("eval-00001-of-00001"), &record).unwrap();
+        assert_eq!(detect(one.path()).unwrap(), SourceFormat::Tfrecord);
+        assert_eq!(build(one.path(), &strict(), &NoProgress).unwrap().samples.len(), 1);
         // Text under such a name is a file.
         let text = tempfile::tempdir().unwrap();
         std::fs::write(text.path().join("notes-00000-of-00001"), b"not a TFRecord, only text").unwrap();
