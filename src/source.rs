@@ -826,6 +826,33 @@ mod tests {
         assert!(index.samples.iter().all(|s| s.parts[0].len == 100));
     }
 
+    /// A main database of several values a key (`MDB_DUPSORT`): a key's many values were left out as if a
+    /// named database, a key's few read as one value (their sub-page's bytes). Refused, saying so; an empty
+    /// `data.mdb` too (LMDB said "Bad file descriptor").
+    #[test]
+    fn lmdb_of_duplicate_keys_or_empty_is_refused_saying_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = LmdbEnv::create(dir.path(), 1 << 20, 0).unwrap();
+        let mut wtxn = env.env().write_txn().unwrap();
+        let main = env
+            .env()
+            .database_options()
+            .types::<heed::types::Bytes, heed::types::Bytes>()
+            .flags(heed::DatabaseFlags::DUP_SORT)
+            .create(&mut wtxn)
+            .unwrap();
+        for (key, value) in [(&b"a"[..], &b"one"[..]), (b"a", b"two"), (b"b", b"three")] {
+            main.put(&mut wtxn, key, value).unwrap();
+        }
+        wtxn.commit().unwrap();
+        env.close();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("several values under one key (MDB_DUPSORT)"), "{err}");
+        std::fs::write(dir.path().join("data.mdb"), b"").unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("data.mdb is empty"), "{err}");
+    }
+
     /// A dataset made of links to shards elsewhere (they were left out without a word): each link is its
     /// file under the link's name, a linked class folder is listed, a link back up the tree lists nothing
     /// twice and a link to nothing is left out.

@@ -14,19 +14,39 @@ use std::path::Path;
 /// then the meta's magic (`0xBEEFC0DE`), version, address and map size, two 48-byte database records (the
 /// first's first field holds the page size), the last page number (at 136) and the transaction id (at 144).
 pub(super) fn needed_bytes(file: &[u8]) -> Option<u64> {
-    let word = |at: usize| Some(u64::from_le_bytes(file.get(at..at + 8)?.try_into().ok()?));
+    let (at, page) = current_meta(file)?;
+    word(file, at + 136)?.checked_add(1)?.checked_mul(page)
+}
+
+/// The main database's flags (`MDB_DUPSORT`...) in the current meta page: the second database record's
+/// (after the first at 40), past its 4-byte pad.
+fn main_db_flags(file: &[u8]) -> Option<u16> {
+    let (at, _) = current_meta(file)?;
+    let at = usize::try_from(at + 40 + 48 + 4).ok()?;
+    Some(u16::from_le_bytes(file.get(at..at + 2)?.try_into().ok()?))
+}
+
+/// The main database may hold several values under one key (`MDB_DUPSORT` in LMDB's `mdb.c`).
+const MDB_DUPSORT: u16 = 0x04;
+
+fn word(file: &[u8], at: u64) -> Option<u64> {
+    let at = usize::try_from(at).ok()?;
+    Some(u64::from_le_bytes(file.get(at..at.checked_add(8)?)?.try_into().ok()?))
+}
+
+/// Where the current meta page is, and the page size.
+fn current_meta(file: &[u8]) -> Option<(u64, u64)> {
     let magic = u32::from_le_bytes(file.get(16..20)?.try_into().ok()?);
     let page = u64::from(u32::from_le_bytes(file.get(40..44)?.try_into().ok()?));
     if magic != 0xBEEF_C0DE || !(512..=1 << 16).contains(&page) {
         return None;
     }
-    let meta = |at: u64| Some((word(at as usize + 144)?, word(at as usize + 136)?));
-    let current = match (meta(0), meta(page)) {
-        (Some(a), Some(b)) if b.0 > a.0 => b,
-        (Some(a), _) => a,
-        (None, _) => return None,
-    };
-    current.1.checked_add(1)?.checked_mul(page)
+    let txn = |at: u64| word(file, at + 144);
+    match (txn(0), txn(page)) {
+        (Some(a), Some(b)) if b > a => Some((page, page)),
+        (Some(_), _) => Some((0, page)),
+        (None, _) => None,
+    }
 }
 
 pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progress) -> Result<(), IndexError> {
@@ -36,6 +56,20 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
     let local = files.local(&index.shards[0]).map_err(io_err(&root.join("data.mdb")))?;
     let data_path = local.path.clone();
     let ours = MappedFile::open(&data_path).map_err(io_err(&data_path))?;
+    let refuse = |message: String| IndexError::Lmdb { path: root.to_owned(), message };
+    if ours.is_empty() {
+        // LMDB said "Bad file descriptor".
+        return Err(refuse("data.mdb is empty: no LMDB environment was written there".into()));
+    }
+    if main_db_flags(ours.bytes()).is_some_and(|f| f & MDB_DUPSORT != 0) {
+        // Read as one value a key, a key's values were its sub-page's bytes, or left out as if a named
+        // database; a sample's key would not name one sample either.
+        return Err(refuse(
+            "its main database keeps several values under one key (MDB_DUPSORT), which batchfs does not \
+             serve: one value per key, as Caffe and most loaders write"
+                .into(),
+        ));
+    }
     // Before LMDB maps it: a page past the end of a file cut short is a SIGBUS, not an error.
     if let Some(needed) = needed_bytes(ours.bytes()).filter(|&n| n > ours.len()) {
         return Err(IndexError::Lmdb {
@@ -87,10 +121,10 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
                 return Err(IndexError::Lmdb {
                     path: root.to_owned(),
                     message: format!(
-                        "data.mdb is {} bytes, but the value of key {:?} lies at {offset}..{}: the file is \
-                         truncated (copied in part, or still being written)",
+                        "data.mdb is {} bytes, but the value of key {} lies at {offset}..{}: the file is \
+                         truncated (copied in part, or still being written) or damaged",
                         ours.len(),
-                        String::from_utf8_lossy(key),
+                        shown(key),
                         end.map_or_else(|| "?".to_owned(), |e| e.to_string())
                     ),
                 });
@@ -98,10 +132,7 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
             if in_file != Some(value) {
                 return Err(IndexError::Lmdb {
                     path: root.to_owned(),
-                    message: format!(
-                        "value of key {:?} is not stored contiguously in data.mdb",
-                        String::from_utf8_lossy(key)
-                    ),
+                    message: format!("value of key {} is not stored contiguously in data.mdb", shown(key)),
                 });
             }
             let label = proto::datum_label(value).ok().flatten();
@@ -143,6 +174,15 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
     })();
     env.close();
     result
+}
+
+/// A key for a message: its first 64 bytes (a damaged page's key can be any length: one was 133 KB).
+fn shown(key: &[u8]) -> String {
+    const SHOWN: usize = 64;
+    match key.len() > SHOWN {
+        true => format!("{:?}... ({} bytes)", String::from_utf8_lossy(&key[..SHOWN]), key.len()),
+        false => format!("{:?}", String::from_utf8_lossy(key)),
+    }
 }
 
 /// The flag of a node of LMDB's main database that holds a named database's record instead of a value
