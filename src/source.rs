@@ -279,26 +279,45 @@ pub fn classify(
         let path = root.join("data.mdb");
         return Err(io_err(&path)(io::Error::from(io::ErrorKind::NotFound)));
     }
-    if format == SourceFormat::Tar {
-        let compressed = compressed_tars(&side);
-        if let Some(first) = compressed.first() {
-            tracing::warn!(
-                root = %root.display(),
-                left_out = compressed.len(),
-                first,
-                "compressed tars are left out of the dataset's shards: batchfs serves tar members in place, \
-                 which a compressed tar does not allow; decompress them to serve their samples (they are \
-                 shown under raw/ as they are)"
-            );
-        }
+    let compressed = match format {
+        SourceFormat::Tar | SourceFormat::Tfrecord => compressed_shards(&side),
+        // A tree of nothing but compressed shards (each then a sample of its own bytes): said, not taken
+        // without a word.
+        SourceFormat::Files if !given && compressed_shards(&shards).len() == shards.len() => compressed_shards(&shards),
+        _ => Vec::new(),
+    };
+    if let Some(first) = compressed.first() {
+        tracing::warn!(
+            root = %root.display(),
+            files = compressed.len(),
+            first,
+            "compressed shards are no shards: batchfs serves records and tar members in place, which \
+             compression does not allow; decompress them to serve their samples (they are shown under raw/ \
+             as they are{})",
+            if format == SourceFormat::Files { ", and each is a sample of the file tree" } else { "" }
+        );
+    }
+    if matches!(format, SourceFormat::Tar | SourceFormat::Tfrecord) && !given && side.len() > 4 * shards.len() {
+        // One `backup/old.tar` in an ImageFolder tree made it a tar dataset of one shard.
+        tracing::warn!(
+            root = %root.display(), shards = shards.len(), side_files = side.len(), %format,
+            "far more files beside the shards than shards: if this is a file tree, pass --format files"
+        );
     }
     Ok((shards, side))
 }
 
-/// The compressed tars among `files` (`.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`, `.tar.zst`, `.tar.lz4`).
-fn compressed_tars(files: &[ShardInfo]) -> Vec<&str> {
-    const COMPRESSED: [&str; 6] = [".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar.lz4"];
-    files.iter().map(|f| f.path.as_str()).filter(|p| COMPRESSED.iter().any(|ext| p.ends_with(ext))).collect()
+/// The compressed shards among `files`: tars (`.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`, `.tar.zst`,
+/// `.tar.lz4`) and TFRecord files (`.tfrecord.gz`, `.tfrecords.zst`...).
+fn compressed_shards(files: &[ShardInfo]) -> Vec<&str> {
+    const PACKED: [&str; 5] = [".gz", ".bz2", ".xz", ".zst", ".lz4"];
+    let compressed = |p: &str| {
+        p.ends_with(".tgz")
+            || PACKED
+                .iter()
+                .any(|ext| p.strip_suffix(ext).is_some_and(|inner| inner.ends_with(".tar") || is_tfrecord(inner)))
+    };
+    files.iter().map(|f| f.path.as_str()).filter(|p| compressed(p)).collect()
 }
 
 /// What [`Files::read_each`] hands each file's bytes to, with the file's position in the list.
@@ -1098,7 +1117,12 @@ mod tests {
         std::fs::write(dir.path().join("more-000001.tgz"), b"gzip").unwrap();
         let (shards, side) = discover(dir.path(), SourceFormat::Tar, false).unwrap();
         assert!(shards.iter().all(|s| s.path.ends_with(".tar")) && shards.len() == 2);
-        assert_eq!(compressed_tars(&side), ["more-000000.tar.gz", "more-000001.tgz"]);
+        assert_eq!(compressed_shards(&side), ["more-000000.tar.gz", "more-000001.tgz"]);
+        // Compressed TFRecord files too (a tree of nothing else was a file tree without a word); other
+        // compressed files are no shards.
+        let files = ["a.tfrecord.gz", "b.tfrecords.zst", "c.tfr.xz", "d.txt.gz", "e.gz", "f.tar.bz2"]
+            .map(|p| ShardInfo { path: p.into(), ..Default::default() });
+        assert_eq!(compressed_shards(&files), ["a.tfrecord.gz", "b.tfrecords.zst", "c.tfr.xz", "f.tar.bz2"]);
     }
 
     /// A sample with two members of one name (`a.jpg`, `a.jpg`, `a.cls`) would hold two `jpg` parts, of
