@@ -9,6 +9,10 @@ pub fn parse_size(s: &str) -> Result<u64, UnitError> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
+    if num.is_empty() {
+        // `-1G` ("an unknown size suffix") or `G`: no number first.
+        return Err(UnitError::NotASize(s.to_owned()));
+    }
     let mult: u64 = match suffix.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -50,6 +54,24 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, UnitError> {
     std::time::Duration::try_from_secs_f64(secs).map_err(|_| UnitError::OutOfRange(s.to_owned()))
 }
 
+/// Parses a duration above zero: an interval or a timeout, which at 0 would spin or expire at once.
+pub fn parse_positive_duration(s: &str) -> Result<std::time::Duration, UnitError> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err(UnitError::NotPositive(s.to_owned()));
+    }
+    Ok(d)
+}
+
+/// Parses a number above zero (a rate: at 0 nothing would move).
+pub fn parse_positive_number(s: &str) -> Result<f64, UnitError> {
+    let n: f64 = s.trim().parse().map_err(|_| UnitError::NotANumber(s.to_owned()))?;
+    if !(n > 0.0 && n.is_finite()) {
+        return Err(UnitError::NotPositive(s.to_owned()));
+    }
+    Ok(n)
+}
+
 /// Parses a switch: `true`, `on`, `yes`, `1` or `false`, `off`, `no`, `0` (any case, spaces around).
 pub fn parse_switch(s: &str) -> Result<bool, UnitError> {
     match s.trim().to_ascii_lowercase().as_str() {
@@ -76,6 +98,10 @@ pub enum UnitError {
     OutOfRange(String),
     #[error("{0:?} is not a switch (use true or false, on or off)")]
     NotASwitch(String),
+    #[error("{0:?} must be more than 0")]
+    NotPositive(String),
+    #[error("{0:?} is not a number")]
+    NotANumber(String),
 }
 
 #[cfg(test)]
@@ -115,6 +141,21 @@ mod tests {
         assert_eq!(parse_size("18446744073709551615"), Ok(u64::MAX));
         assert_eq!(parse_size("18446744073709551616"), Err(UnitError::TooLarge("18446744073709551616".into())));
         assert_eq!(parse_size("1.0000000000000000000001K"), Ok(1024));
+    }
+
+    /// A negative size said "unknown size suffix"; an interval, a timeout or a rate of 0 spun a CPU, expired
+    /// at once or panicked.
+    #[test]
+    fn negative_sizes_and_zero_intervals_and_rates_are_refused_as_such() {
+        assert_eq!(parse_size("-1G"), Err(UnitError::NotASize("-1G".into())));
+        assert_eq!(parse_positive_duration("0"), Err(UnitError::NotPositive("0".into())));
+        assert_eq!(parse_positive_duration("0ms").unwrap_err().to_string(), "\"0ms\" must be more than 0");
+        assert_eq!(parse_positive_duration("1ms"), Ok(Duration::from_millis(1)));
+        for bad in ["0", "-3", "nan", "inf"] {
+            assert!(parse_positive_number(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_positive_number("0.5"), Ok(0.5));
+        assert_eq!(parse_positive_number("x"), Err(UnitError::NotANumber("x".into())));
     }
 
     #[test]

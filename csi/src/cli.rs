@@ -36,7 +36,7 @@ struct Cli {
     #[arg(long, value_name = "PATH")]
     install_program: Option<PathBuf>,
     /// The longest a mount, unmount or upgrade may take
-    #[arg(long, default_value = "120s", value_parser = batchfs::units::parse_duration)]
+    #[arg(long, default_value = "120s", value_parser = batchfs::units::parse_positive_duration)]
     mount_timeout: Duration,
 }
 

@@ -33,7 +33,7 @@ pub struct BenchArgs {
     /// Directory to read (recursively; hidden files and `*.idx` index files are skipped).
     pub path: PathBuf,
     /// Readers (threads, or processes with `--processes`).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub threads: usize,
     /// Run every reader as a process of its own instead of a thread.
     #[arg(long)]
@@ -45,7 +45,7 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value = "interleaved")]
     pub pattern: Pattern,
     /// Total consumption rate of all readers, MB/s (unpaced when absent).
-    #[arg(long, value_name = "MBPS")]
+    #[arg(long, value_name = "MBPS", value_parser = batchfs::units::parse_positive_number)]
     pub consume_mbps: Option<f64>,
     /// Read through mmap instead of read(2).
     #[arg(long)]

@@ -44,7 +44,7 @@ pub struct NetemArgs {
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
     pub rtt_ms: f64,
     /// Throughput cap of the link per direction, shared by all connections, Mbit/s (none by default).
-    #[arg(long, value_name = "MBIT")]
+    #[arg(long, value_name = "MBIT", value_parser = batchfs::units::parse_positive_number)]
     pub rate_mbit: Option<f64>,
     /// Random extra one-way delay, uniform in [0, J] milliseconds (order is kept).
     #[arg(long, value_name = "MS", default_value_t = 0.0)]

@@ -113,7 +113,7 @@ pub struct GenArgs {
     #[arg(long, default_value_t = 16)]
     pub shards: u32,
     /// Number of classes (labels).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
     pub classes: u32,
     /// Seed: the same seed writes the same bytes.
     #[arg(long, default_value_t = 0)]
