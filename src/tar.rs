@@ -87,6 +87,15 @@ fn signed_header_checksum(header: &[u8]) -> i64 {
     sum(header) - sum(&header[148..156]) + 8 * i64::from(b' ')
 }
 
+/// What a pax extended header says of the header after it.
+struct Pax {
+    /// The path, and whether it was UTF-8.
+    path: Option<(String, bool)>,
+    size: Option<u64>,
+    /// A GNU sparse file in pax form.
+    sparse: bool,
+}
+
 /// Walks the members of a tar stream held in memory.
 pub struct Scanner<'a> {
     buf: &'a [u8],
@@ -106,7 +115,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// A pax header's path (and whether it was UTF-8), size, and whether it says the member is sparse.
-    fn parse_pax(data: &[u8], offset: u64) -> Result<(Option<(String, bool)>, Option<u64>, bool), TarError> {
+    fn parse_pax(data: &[u8], offset: u64) -> Result<Pax, TarError> {
         let bad = || TarError::BadPax { offset };
         let (mut path, mut size, mut sparse) = (None, None, false);
         let mut rest = data;
@@ -128,7 +137,7 @@ impl<'a> Scanner<'a> {
             }
             rest = &rest[len..];
         }
-        Ok((path, size, sparse))
+        Ok(Pax { path, size, sparse })
     }
 
     fn next_member(&mut self) -> Result<Option<Member>, TarError> {
@@ -176,10 +185,8 @@ impl<'a> Scanner<'a> {
             let data = &self.buf[data_offset as usize..(data_offset + size) as usize];
             match typeflag {
                 b'x' => {
-                    let (path, s, sparse) = Self::parse_pax(data, offset)?;
-                    pax_sparse = sparse;
-                    long_name = path;
-                    pax_size = s;
+                    let pax = Self::parse_pax(data, offset)?;
+                    (long_name, pax_size, pax_sparse) = (pax.path, pax.size, pax.sparse);
                 }
                 b'L' => long_name = Some(text(data)),
                 b'0' | 0 | b'7' | b'S' => {
