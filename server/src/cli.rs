@@ -64,6 +64,10 @@ pub struct IndexFlags {
 
 #[derive(Debug, Args)]
 pub struct IndexArgs {
+    /// TOML config file, as `serve` reads it: its datasets, index_dir, indexing switches and [limits]
+    /// (command-line flags override it).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     #[command(flatten)]
     pub index: IndexFlags,
 }
@@ -193,6 +197,10 @@ fn dataset_specs(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Vec<Datase
             );
         }
     }
+    if flags.index_in_bucket && !specs.iter().any(|s| is_object_url(&s.path)) {
+        // The flag is for every s3:// dataset of the server: none here to keep an index for.
+        bail!("--index-in-bucket is for s3:// datasets: no dataset given is in an object store");
+    }
     Ok(specs)
 }
 
@@ -246,7 +254,11 @@ fn fill_catalog(
 
 fn index(args: IndexArgs) -> Result<()> {
     let started = Instant::now();
-    let catalog = open_catalog(&args.index, &[], &ServerLimits::default())?;
+    let mut limits = ServerLimits::default();
+    let file = read_config(args.config.as_deref(), &mut limits)?;
+    limits.validate().context("invalid limits (the config's [limits])")?;
+    let flags = with_config(args.index, &file)?;
+    let catalog = open_catalog(&flags, &file.datasets, &limits)?;
     println!(
         "{:<16} {:>8} {:>10} {:>14} {:>8} {:>8} {:>9}",
         "dataset", "format", "samples", "bytes", "shards", "skipped", "index"
@@ -302,28 +314,17 @@ fn read_token(path: &Path) -> Result<Vec<u8>> {
     Ok(token.as_bytes().to_vec())
 }
 
-fn serve(args: ServeArgs) -> Result<()> {
-    let mut limits = ServerLimits::default();
-    let file: ConfigFile = match &args.config {
-        Some(path) => {
-            let text =
-                std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
-            let file: ConfigFile =
-                toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))?;
-            file.limits.apply(&mut limits).with_context(|| format!("invalid config {}", path.display()))?;
-            file
-        }
-        None => ConfigFile::default(),
-    };
-    args.limits.apply(&mut limits);
-    limits.validate().context("invalid limits (the flags, and the config's [limits])")?;
-    batchfs::process::raise_open_files_limit();
-    let listen = match (args.listen, &file.listen) {
-        (Some(a), _) => a,
-        (None, Some(s)) => s.parse().with_context(|| format!("invalid listen address {s:?} in the config"))?,
-        (None, None) => "0.0.0.0:7878".parse().expect("valid"),
-    };
-    let mut flags = args.index.clone();
+/// The config file at `path` (none: an empty one), its `[limits]` applied to `limits`.
+fn read_config(path: Option<&std::path::Path>, limits: &mut ServerLimits) -> Result<ConfigFile> {
+    let Some(path) = path else { return Ok(ConfigFile::default()) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
+    let file: ConfigFile = toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))?;
+    file.limits.apply(limits).with_context(|| format!("invalid config {}", path.display()))?;
+    Ok(file)
+}
+
+/// The indexing flags with what the config file says where they say nothing.
+fn with_config(mut flags: IndexFlags, file: &ConfigFile) -> Result<IndexFlags> {
     flags.index_dir = flags.index_dir.or(file.index_dir.clone());
     // Said now, naming it: an object dataset's first staged copy failed with "cannot read s3://...: File
     // exists", blaming an object.
@@ -332,6 +333,21 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     flags.skip_corrupt |= file.skip_corrupt.unwrap_or(false);
     flags.no_verify_data_crc |= !file.verify_data_crc.unwrap_or(true);
+    Ok(flags)
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let mut limits = ServerLimits::default();
+    let file = read_config(args.config.as_deref(), &mut limits)?;
+    args.limits.apply(&mut limits);
+    limits.validate().context("invalid limits (the flags, and the config's [limits])")?;
+    batchfs::process::raise_open_files_limit();
+    let listen = match (args.listen, &file.listen) {
+        (Some(a), _) => a,
+        (None, Some(s)) => s.parse().with_context(|| format!("invalid listen address {s:?} in the config"))?,
+        (None, None) => "0.0.0.0:7878".parse().expect("valid"),
+    };
+    let flags = with_config(args.index.clone(), &file)?;
     let token = args.token_file.as_ref().or(file.token_file.as_ref()).map(|p| read_token(p)).transpose()?;
     let tls = match (args.tls_cert.or(file.tls_cert), args.tls_key.or(file.tls_key)) {
         (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),

@@ -82,6 +82,13 @@ async fn gen_index_serve_and_stop() {
         ),
     )
     .unwrap();
+    // The config's datasets are indexed ahead of the server by `index --config` (it took no config, while
+    // its error named one); a flag meant for buckets alone is refused.
+    let ahead = run(&["index", "--config", config.to_str().unwrap()]);
+    assert!(ahead.status.success() && stdout(&ahead).contains("reused"), "{ahead:?}");
+    let wrong = run(&["index", "--dataset", &spec, "--index-in-bucket"]);
+    assert!(!wrong.status.success(), "{wrong:?}");
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("--index-in-bucket is for s3:// datasets"), "{wrong:?}");
     let energy = dir.path().join("energy.jsonl");
     let child = Command::new(BIN)
         .args(["serve", "--config", config.to_str().unwrap(), "--energy-log", energy.to_str().unwrap()])
