@@ -63,7 +63,6 @@ pub fn render(s: &StatsSnapshot) -> String {
         ("hits_total", "counter", "Reads and passthrough opens whose file was cached or in flight.", s.hits),
         ("misses_total", "counter", "Reads and passthrough opens that started their file's fetch.", s.misses),
         ("stalls_total", "counter", "Reads and passthrough opens that waited for a fetch.", s.stalls),
-        ("stall_seconds_total", "counter", "Time readers waited, whole seconds.", s.stall_us / 1_000_000),
         ("fetches_in_flight", "gauge", "Fetches in flight.", s.in_flight),
         ("cache_bytes", "gauge", "Bytes held or reserved by the cache.", s.cache_bytes),
         ("prefetches_total", "counter", "Fetches started ahead of a reader.", s.prefetches),
@@ -116,6 +115,9 @@ pub fn render(s: &StatsSnapshot) -> String {
     for (name, kind, help, value) in whole {
         out.metric(&format!("batchfs_mount_{name}"), kind, help, value);
     }
+    // In seconds with their fraction: in whole seconds, a rate of sub-second stalls read 0.
+    let stalled = s.stall_us as f64 / 1e6;
+    out.metric("batchfs_mount_stall_seconds_total", "counter", "Time readers waited, seconds.", stalled);
     let per_server: [(&str, &str, &str, PerServer); 7] = [
         ("up", "gauge", "1 while the server is in rotation.", |v| u64::from(v.up)),
         ("requests_total", "counter", "Requests sent to the server.", |v| v.requests),
@@ -168,8 +170,10 @@ mod tests {
     /// is a node cache or warming.
     #[test]
     fn node_cache_and_warming_metrics_appear_with_them() {
-        let mut snap = StatsSnapshot { reads: 3, ..Default::default() };
+        let mut snap = StatsSnapshot { reads: 3, stall_us: 31_797, ..Default::default() };
         assert!(!render(&snap).contains("node_cache") && !render(&snap).contains("warm_"));
+        // Stalls in seconds with their fraction (whole seconds read 0 for every sub-second stall).
+        assert!(render(&snap).contains("\nbatchfs_mount_stall_seconds_total 0.031797\n"), "{}", render(&snap));
         snap.node_cache = Some(crate::stats::NodeCacheSnapshot { bytes: 11, corrupt: 2, ..Default::default() });
         snap.warm = Some(crate::stats::WarmSnapshot { files: 4, files_total: 9, ..Default::default() });
         let text = render(&snap);
