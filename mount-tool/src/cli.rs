@@ -76,9 +76,11 @@ pub struct MountArgs {
     /// With shuffle=blocks: the most bytes of objects in use at once (default: the server's)
     #[arg(long, help_heading = "Plan", value_name = "SIZE")]
     pub block_bytes: Option<String>,
-    /// Drop an epoch's partial last batch. [default: off]
-    #[arg(long, help_heading = "Plan")]
-    pub drop_last: bool,
+    /// Drop an epoch's partial last batch: `--drop-last` (on), or `--drop-last=off` to override `-o
+    /// drop_last`. [default: off]
+    #[arg(long, help_heading = "Plan", value_name = "on|off", num_args = 0..=1, require_equals = true,
+        default_missing_value = "on")]
+    pub drop_last: Option<String>,
     /// tfrecord (with .tfrecord.idx twins) or tar. [default: tfrecord]
     #[arg(long, help_heading = "Plan", value_name = "FORMAT")]
     pub format: Option<String>,
@@ -104,8 +106,8 @@ impl MountArgs {
                 o.set(key, Some(v))?;
             }
         }
-        if self.drop_last {
-            o.set("drop_last", None)?;
+        if let Some(v) = &self.drop_last {
+            o.set("drop_last", Some(v))?;
         }
         self.flags.apply(&mut o);
         Ok(o)
@@ -488,6 +490,23 @@ mod tests {
         assert!(!wants_credentials(&anyhow::Error::new(down)));
         assert!(!wants_credentials(&anyhow::Error::new(status(404))));
         assert!(!wants_credentials(&anyhow::anyhow!("batchfs warm warms a file tree's files")));
+    }
+
+    /// `--drop-last` is on, and `--drop-last=off` overrides `-o drop_last` as other long flags override
+    /// their key in `-o` (it took no value: a flag could not turn it off).
+    #[test]
+    fn drop_last_s_flag_turns_it_on_or_off_over_the_option() {
+        let drop_last = |args: &[&str]| {
+            let base = ["batchfs", "mount"];
+            let rest = ["http://s:1/d", "/mnt/d"];
+            let cli = Cli::try_parse_from(base.iter().chain(args).chain(&rest)).unwrap();
+            let Command::Mount(m) = cli.command else { panic!("not a mount") };
+            m.mount_options().unwrap().plan.drop_last
+        };
+        assert!(drop_last(&["--drop-last"]));
+        assert!(drop_last(&["-o", "drop_last"]));
+        assert!(!drop_last(&["-o", "drop_last", "--drop-last=off"]));
+        assert!(!drop_last(&[]));
     }
 
     /// The plan's long flags say the defaults the core plans with (they are not clap defaults: a flag
