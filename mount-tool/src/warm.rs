@@ -76,7 +76,8 @@ pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> 
         }
         order.retain(|id| below.contains(id));
     }
-    let failed = runtime.block_on(warm(client, cache, table, order, stats.clone()));
+    let (held, wanted) = (cache.clone(), order.clone());
+    let failed = runtime.block_on(warm(client, cache, table.clone(), order, stats.clone()));
     let s = stats.snapshot().warm.unwrap_or_default();
     drop(progress);
     println!(
@@ -87,6 +88,18 @@ pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> 
         cache_path.display(),
         s.seconds
     );
+    // Warmed is not kept: a cache smaller than the files evicts the first warmed for the last.
+    let kept = wanted.iter().filter(|&&id| held.contains(key_of(&table, id))).count();
+    if kept < wanted.len() {
+        println!(
+            "the node cache holds {kept} of the {} files ({:.1} MB of its {:.1} MB): the rest were evicted to make \
+             room; give cache_dir_size at least {:.1} MB to keep them all",
+            wanted.len(),
+            held.used() as f64 / 1e6,
+            options.cache_dir_size as f64 / 1e6,
+            s.bytes_total as f64 / 1e6
+        );
+    }
     Ok(failed)
 }
 

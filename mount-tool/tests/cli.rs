@@ -402,6 +402,16 @@ fn warm_fills_a_node_cache_without_a_mount() {
     // Again: nothing left to fetch.
     let again = batchfs(&["warm", &server.url, "-o", &option]);
     assert!(String::from_utf8_lossy(&again.stdout).contains("warmed 120/120 files"), "{:?}", again);
+    assert!(!String::from_utf8_lossy(&again.stdout).contains("evicted"), "{:?}", again);
+    // Into a cache smaller than the files (100 KB for 120 files of ~5 KB): it said every file was warmed
+    // where a fraction stayed; it says what the cache holds, and the size that would hold them.
+    let small = tempfile::tempdir().unwrap();
+    let option = format!("cache_dir={},cache_dir_size=100K", small.path().display());
+    let out = batchfs(&["warm", &server.url, "-o", &option]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && said.contains("the rest were evicted to make room"), "{out:?}");
+    assert!(said.contains("the node cache holds") && said.contains("give cache_dir_size at least"), "{said}");
+    let option = format!("cache_dir={}", cache.path().display());
     let shards = server_of_shards();
     let refused = batchfs(&["warm", &shards.url, "-o", &option]);
     assert!(!refused.status.success());
