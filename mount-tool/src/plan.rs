@@ -129,6 +129,11 @@ pub(crate) fn plan_at(
 pub fn cannot_mount(plan: &MountPlan) -> String {
     let at = format!("cannot mount at {}", plan.mountpoint.display());
     match sys::is_root() {
+        // Even as root, fuser mounts by fusermount3 where it must unmount when the process goes (its "No
+        // such file or directory" named neither).
+        true if plan.options.auto_unmount => {
+            format!("{at} (auto_unmount mounts by fusermount3, which must be on the PATH: the fuse3 package)")
+        }
         true => at,
         false => format!("{at} (as a user other than root, mounting takes fusermount3 on the PATH: the fuse3 package)"),
     }

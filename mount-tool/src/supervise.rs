@@ -244,12 +244,25 @@ const FIRST_WORKER_KILLS: u32 = 3;
 /// A worker that ended before it served the mount: what it said (`error: ...`), or nothing, and how it
 /// ended. `killed`: by a signal, before saying anything or its time to say it was up.
 #[derive(Debug, thiserror::Error)]
-#[error("the worker ({exe}) did not serve the mount: {why} ({status})")]
 struct NotServing {
     exe: String,
     why: String,
     status: std::process::ExitStatus,
     killed: bool,
+}
+
+impl std::fmt::Display for NotServing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use std::os::unix::process::ExitStatusExt;
+        write!(f, "the worker ({}) did not serve the mount", self.exe)?;
+        match (self.why.is_empty(), self.status.signal()) {
+            (true, _) => write!(f, " ({})", self.status),
+            // The reason it gave, alone: the signal that ended it after ("signal: 9 (SIGKILL)") read as a
+            // crash.
+            (false, Some(_)) => write!(f, ": {}", self.why),
+            (false, None) => write!(f, ": {} ({})", self.why, self.status),
+        }
+    }
 }
 
 /// A read of the FUSE connection holds the largest request (fuser's `max_write` of 16 MiB and a page).

@@ -179,6 +179,8 @@ fn mount_errors_are_reported_before_daemonizing() {
         let out = batchfs(&refs);
         assert!(!out.status.success(), "{full:?} succeeded");
         assert!(stderr(&out).contains(needle), "{full:?}: {:?} lacks {needle:?}", stderr(&out));
+        // A worker's reason alone: the supervisor's own SIGKILL after it read as a crash.
+        assert!(!stderr(&out).contains("SIGKILL"), "{full:?}: {:?}", stderr(&out));
         assert!(!is_mounted(dir.path()));
     }
     // Busy: something is already mounted there.
