@@ -492,8 +492,9 @@ pub struct FileList {
     pub dirs: Vec<String>,
     /// Its files on this page.
     pub files: Vec<FileEntry>,
-    /// Where the next page starts (`cursor=`), if there is one.
-    #[serde(default)]
+    /// Where the next page starts (`cursor=`), if there is one (absent on the last page, as the API says:
+    /// it was `null`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next: Option<u64>,
 }
 
@@ -657,6 +658,17 @@ pub fn etag(crc32c: u32, len: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The last page of a listing has no `next` (the API says absent; it was `null`), and reads back.
+    #[test]
+    fn the_last_page_of_a_listing_has_no_next() {
+        let page = FileList { chunk_bytes: 4096, dir: String::new(), dirs: vec![], files: vec![], next: None };
+        let json = serde_json::to_string(&page).unwrap();
+        assert!(!json.contains("next"), "{json}");
+        assert_eq!(serde_json::from_str::<FileList>(&json).unwrap(), page);
+        let more = FileList { next: Some(7), ..page };
+        assert!(serde_json::to_string(&more).unwrap().ends_with(r#""next":7}"#));
+    }
     use proptest::prelude::*;
 
     proptest! {

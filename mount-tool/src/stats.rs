@@ -156,11 +156,11 @@ pub struct StatsSnapshot {
     /// Each server's counters and whether it is in rotation.
     #[serde(default)]
     pub servers: Vec<ServerSnapshot>,
-    /// The node cache (`cache_dir`), if the mount has one.
-    #[serde(default)]
+    /// The node cache (`cache_dir`), if the mount has one (absent, not `null`, where it has none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_cache: Option<NodeCacheSnapshot>,
     /// Warming into the node cache (`warm=raw`), if asked for.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<WarmSnapshot>,
     /// The process serving the mount now (the worker, under a supervisor).
     #[serde(default)]

@@ -495,7 +495,10 @@ fn ranged<B>(
         .header(header::ETAG, etag)
         .header(header::ACCEPT_RANGES, "bytes")
         .header(header::CACHE_CONTROL, "public, max-age=31536000, immutable");
-    if header_str(header::IF_NONE_MATCH).is_some_and(|v| v.split(',').any(|t| t.trim() == etag || t.trim() == "*")) {
+    // Compared weakly, as RFC 9110 says for If-None-Match: `W/"x"` is `"x"`.
+    let weak = |t: &str| t.trim().trim_start_matches("W/").to_owned();
+    if header_str(header::IF_NONE_MATCH).is_some_and(|v| v.split(',').any(|t| weak(t) == weak(etag) || t.trim() == "*"))
+    {
         return Ok(builder.status(StatusCode::NOT_MODIFIED).body(Body::empty()).expect("valid"));
     }
     // If-Range with another validator means "send everything".

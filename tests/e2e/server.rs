@@ -280,6 +280,10 @@ async fn ranges_and_conditional_requests() {
     let etag = get(&client, &url).await.headers()["etag"].clone();
     let r = client.get(&url).header("if-none-match", etag.clone()).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::NOT_MODIFIED);
+    // Compared weakly (RFC 9110), in a list: a cache's `W/` copy of it is the same validator.
+    let weak = format!("\"other\", W/{}", etag.to_str().unwrap());
+    let r = client.get(&url).header("if-none-match", weak).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_MODIFIED);
     // If-Range with a stale validator: the whole body.
     let r = client.get(&url).header("range", "bytes=0-9").header("if-range", "\"stale\"").send().await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
