@@ -520,18 +520,23 @@ pub fn build_from(
 }
 
 /// Records a corrupt region: an error, or with `skip_corrupt` an entry in `index.skipped`.
-fn corrupt(index: &mut Index, root: &Path, shard: &str, offset: u64, message: String) -> Result<(), IndexError> {
+/// `what` is wrong there; `skipping` says what `skip_corrupt` leaves out for it (empty: that region only),
+/// said only where it is done (a refusal said "the rest of the shard is skipped" as the server stopped).
+fn corrupt(index: &mut Index, root: &Path, at: (&str, u64), what: String, skipping: &str) -> Result<(), IndexError> {
+    let (shard, offset) = at;
     if index.settings.skip_corrupt {
+        let message = match skipping {
+            "" => what,
+            _ => format!("{what}; {skipping}"),
+        };
         tracing::warn!(shard, offset, %message, "skipping corrupt region");
         index.skipped.push(Skipped { shard: shard.to_owned(), offset, reason: message });
         Ok(())
     } else {
-        Err(IndexError::Corrupt { shard: root.join(shard), offset, message })
+        Err(IndexError::Corrupt { shard: root.join(shard), offset, message: what })
     }
 }
 
-/// The CRC32C of each of `list` and of its chunks ([`crate::index::chunk_crcs`]), read through
-/// [`Files::read_each`]; a file whose size is not the listed one is an error (it is being written to).
 /// The checksums of each of `list`: those `reuse` knows (of side files, or of shards), the rest read.
 fn checksums_of(
     files: &dyn Files,
@@ -550,6 +555,8 @@ fn checksums_of(
     Ok(crcs)
 }
 
+/// The CRC32C of each of `list` and of its chunks ([`crate::index::chunk_crcs`]), read through
+/// [`Files::read_each`]; a file whose size is not the listed one is an error (it is being written to).
 fn checksums(
     files: &dyn Files,
     list: &[ShardInfo],
@@ -639,8 +646,8 @@ fn index_tfrecord(
                         | tfrecord::TfRecordError::BadDataCrc { offset, .. }
                         | tfrecord::TfRecordError::TooLong { offset, .. } => *offset,
                     };
-                    let rest = if e.is_recoverable() { "" } else { "; the rest of the shard is skipped" };
-                    corrupt(index, files.root(), &shard.path, offset, format!("{e}{rest}"))?;
+                    let rest = if e.is_recoverable() { "" } else { "the rest of the shard is skipped" };
+                    corrupt(index, files.root(), (&shard.path, offset), e.to_string(), rest)?;
                 }
             }
             record_no += 1;
@@ -1212,10 +1219,13 @@ mod tests {
             std::fs::write(dir.path().join("shard-0.tar"), raw_tar(&members)).unwrap();
             let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
             assert!(err.contains(what) && err.contains("at byte 2048"), "{err}");
+            // A refusal says what is wrong, not what skipping would leave out (it said so as it stopped).
+            assert!(!err.contains("left out") && err.contains("pass --skip-corrupt"), "{err}");
             let index = build(dir.path(), &skipping(), &NoProgress).unwrap();
             let keys: Vec<&str> = index.samples.iter().map(|s| s.key.as_str()).collect();
             assert_eq!(keys, ["a", "c"], "{what}");
             assert_eq!(index.skipped.len(), 1, "{what}");
+            assert!(index.skipped[0].reason.contains("is left out whole"), "{:?}", index.skipped);
         }
     }
 

@@ -92,7 +92,7 @@ fn num(v: Option<f64>, digits: usize) -> String {
 /// The human table.
 pub fn format_report(command: &str, code: Option<i32>, r: &energy::Report) -> String {
     let mut out = format!(
-        "\nbatchfs energy: `{command}` exited {} after {:.3} s\n",
+        "\nbatchfs-lab energy: `{command}` exited {} after {:.3} s\n",
         code.map_or("by signal".to_owned(), |c| c.to_string()),
         r.duration_s
     );

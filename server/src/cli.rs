@@ -77,7 +77,7 @@ pub struct ServeArgs {
     /// TOML config file (see docs/CONFIGURATION.md); command-line flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Address to listen on.
+    /// Address to listen on (or `listen` in the config). [default: 0.0.0.0:7878]
     #[arg(long, value_name = "ADDR", help_heading = "Network")]
     pub listen: Option<SocketAddr>,
     /// File holding the bearer token every request but /healthz must carry.

@@ -88,7 +88,10 @@ pub enum ObjectError {
          AWS_SESSION_TOKEN) and that they may list and read the bucket ({source})"
     )]
     Denied { url: String, endpoint: String, source: Box<object_store::Error> },
-    #[error("{url}: cannot reach the object store at {endpoint}: check AWS_ENDPOINT_URL and the network ({source})")]
+    #[error(
+        "{url}: cannot reach the object store at {endpoint}: check the endpoint (AWS_ENDPOINT_URL, or the \
+         dataset's endpoint setting), the network and object_timeout ({source})"
+    )]
     Unreachable { url: String, endpoint: String, source: Box<object_store::Error> },
     #[error(
         "{url}: no credentials: none in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or the \

@@ -97,8 +97,8 @@ pub(super) fn index(
                         };
                         group.take();
                         if let Some(why) = why {
-                            let message = format!("{why}; the sample {key:?} is left out whole");
-                            corrupt(index, files.root(), &shard.path, member.header_offset, message)?;
+                            let skipping = format!("the sample {key:?} is left out whole");
+                            corrupt(index, files.root(), (&shard.path, member.header_offset), why, &skipping)?;
                             dropped = Some(key.to_owned());
                         }
                         progress.advance(done - reported);
@@ -128,7 +128,7 @@ pub(super) fn index(
                     // The sample being grouped is complete only if the failed member starts another
                     // key; when that cannot be known (a damaged header), it is dropped too rather than
                     // served with a part missing.
-                    let mut message = format!("{e}; the rest of the shard is skipped");
+                    let mut skipping = "the rest of the shard is skipped".to_owned();
                     let complete = match &e {
                         tar::TarError::Truncated { name, .. } => {
                             group.as_ref().is_some_and(|g| g.key != split_key(name).0)
@@ -138,9 +138,9 @@ pub(super) fn index(
                     if complete {
                         flush(&mut group, index);
                     } else if let Some(g) = group.take() {
-                        message.push_str(&format!(", with sample {:?} whose members may be incomplete", g.key));
+                        skipping.push_str(&format!(", with sample {:?} whose members may be incomplete", g.key));
                     }
-                    corrupt(index, files.root(), &shard.path, offset, message)?;
+                    corrupt(index, files.root(), (&shard.path, offset), e.to_string(), &skipping)?;
                 }
             }
         }
