@@ -276,8 +276,11 @@ pub fn classify(
         if is_shard { &mut shards } else { &mut side }.push(file);
     }
     if format == SourceFormat::Lmdb && shards.is_empty() {
-        let path = root.join("data.mdb");
-        return Err(io_err(&path)(io::Error::from(io::ErrorKind::NotFound)));
+        // An environment written with subdir=False is one file (`train.lmdb`, beside `train.lmdb-lock`): it
+        // said "entity not found".
+        let message = "no data.mdb: an LMDB environment is a directory holding data.mdb (one written with \
+                       subdir=False is a single file: move it into a directory of its own as data.mdb)";
+        return Err(IndexError::Lmdb { path: root.to_owned(), message: message.into() });
     }
     let compressed = match format {
         SourceFormat::Tar | SourceFormat::Tfrecord => compressed_shards(&side),
@@ -877,6 +880,11 @@ mod tests {
         std::fs::write(dir.path().join("data.mdb"), b"").unwrap();
         let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
         assert!(err.contains("data.mdb is empty"), "{err}");
+        // An environment written with subdir=False (one file), given as LMDB: said how to serve it.
+        std::fs::rename(dir.path().join("data.mdb"), dir.path().join("train.lmdb")).unwrap();
+        let given = IndexOptions { format: Some(SourceFormat::Lmdb), ..strict() };
+        let err = build(dir.path(), &given, &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("no data.mdb") && err.contains("subdir=False"), "{err}");
     }
 
     /// A dataset made of links to shards elsewhere (they were left out without a word): each link is its

@@ -472,10 +472,9 @@ impl Storage {
         self.shard_changed(n, why.clone())
     }
 
+    /// Its path in the dataset: its file name alone was one of many in a file tree (`cat/1.jpg`, `dog/1.jpg`).
     fn shard_changed(&self, n: u32, why: String) -> ShardChanged {
-        let path = self.info(n).map(|i| Path::new(&i.path));
-        let shard =
-            path.and_then(|p| p.file_name()).map_or_else(|| format!("#{n}"), |f| f.to_string_lossy().into_owned());
+        let shard = self.info(n).map_or_else(|| format!("#{n}"), |i| i.path.to_string());
         ShardChanged { dataset: self.name.clone(), shard, why }
     }
 
@@ -875,6 +874,32 @@ mod tests {
     use batchfs::gen::{self, GenOptions};
     use batchfs::index::SourceFormat;
     use batchfs::source::{self, IndexOptions, NoProgress};
+
+    /// A changed file of a file tree is named by its path in the dataset: its file name alone was one of many
+    /// (`class-0/00000003.bin` and `class-1/00000003.bin`).
+    #[test]
+    fn a_changed_shard_is_named_by_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = GenOptions { format: SourceFormat::Files, samples: 12, mean_bytes: 3000, ..Default::default() };
+        gen::generate(&options, dir.path()).unwrap();
+        let (index, _) = source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
+        // Mapped files: each looked at (a `stat`) as it is read, at most once a second.
+        let policy = IoPolicy {
+            mode: IoMode::Mmap,
+            max_mapped_shards: usize::MAX,
+            memory: u64::MAX,
+            resident: 0,
+            resident_auto: false,
+            sendfile: false,
+        };
+        let storage = Storage::open("t", dir.path(), Arc::new(index.clone()), policy).unwrap();
+        let path = index.shards[5].path.to_string();
+        assert!(path.contains('/'), "{path}");
+        std::fs::write(dir.path().join(&path), b"other bytes").unwrap();
+        let changed = storage.check(5).unwrap_err();
+        assert_eq!(changed.shard, path);
+        assert!(changed.to_string().contains(&format!("shard {path} changed")), "{changed}");
+    }
 
     #[test]
     fn mapped_and_file_shards_read_the_same_bytes() {
