@@ -101,17 +101,32 @@ pub fn index_path(root: &Path, name: &str, index_dir: Option<&Path>) -> PathBuf 
 /// Lists regular files under `root` (hidden names skipped), sorted by path. Symbolic links are followed, as
 /// readers follow them (a dataset made of links to shards elsewhere: they were left out without a word): a
 /// link to a file is that file under the link's name, a link to a directory that directory, each directory
-/// listed once (a link back up the tree is no loop); a link to nothing is left out with a warning. A name
-/// that is not UTF-8 is an error: paths are text in the index, the API and the mount, and a name
-/// converted lossily would name no file.
+/// listed once, under its own name where the tree reaches it without a link (links to directories are
+/// walked after every other directory: `latest -> train` took `train/`'s files and their class); a link
+/// that leads to no file (to nothing, or in a loop of links, which stopped the server) is left out with a
+/// warning. Indexes (`*.batchfs-index`, an `index_dir` inside the dataset) are no files of it. A name that
+/// is not UTF-8 is an error: paths are text in the index, the API and the mount, and a name converted
+/// lossily would name no file.
 fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
     use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
     let top = std::fs::metadata(root).map_err(io_err(root))?;
     let mut seen = std::collections::HashSet::from([(top.dev(), top.ino())]);
     let mut stack = vec![(root.to_owned(), String::new())];
-    while let Some((dir, rel)) = stack.pop() {
-        // In order of name: which of two links to one directory lists it is then the same at every start.
+    let mut linked = std::collections::VecDeque::new();
+    let listed_already = |path: &Path| tracing::warn!(path = %path.display(), "a directory listed already: left out");
+    loop {
+        let next = stack.pop().or_else(|| {
+            while let Some((path, rel, id)) = linked.pop_front() {
+                match seen.insert(id) {
+                    true => return Some((path, rel)),
+                    false => listed_already(&path),
+                }
+            }
+            None
+        });
+        let Some((dir, rel)) = next else { break };
+        // In order of name: the listing is the same at every start.
         let mut entries =
             std::fs::read_dir(&dir).and_then(Iterator::collect::<io::Result<Vec<_>>>).map_err(io_err(&dir))?;
         entries.sort_by_key(std::fs::DirEntry::file_name);
@@ -122,22 +137,26 @@ fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
             }
             let path = entry.path();
             let name = name.into_string().map_err(|_| IndexError::NotUtf8 { path: path.clone() })?;
+            let link = entry.file_type().is_ok_and(|t| t.is_symlink());
             let meta = match std::fs::metadata(&path) {
                 Ok(meta) => meta,
-                Err(e) if e.kind() == io::ErrorKind::NotFound && entry.file_type().is_ok_and(|t| t.is_symlink()) => {
-                    tracing::warn!(path = %path.display(), "a symbolic link to nothing: left out");
+                Err(e) if link => {
+                    tracing::warn!(path = %path.display(), error = %e, "a symbolic link that leads to no file: left out");
                     continue;
                 }
                 Err(e) => return Err(io_err(&path)(e)),
             };
             let rel_path = if rel.is_empty() { name } else { format!("{rel}/{name}") };
             if meta.is_dir() {
-                if seen.insert((meta.dev(), meta.ino())) {
+                let id = (meta.dev(), meta.ino());
+                if link {
+                    linked.push_back((path, rel_path, id));
+                } else if seen.insert(id) {
                     stack.push((path, rel_path));
                 } else {
-                    tracing::warn!(path = %path.display(), "a directory listed already (a link to it): left out");
+                    listed_already(&path);
                 }
-            } else if meta.is_file() {
+            } else if meta.is_file() && !rel_path.ends_with(".batchfs-index") {
                 out.push((rel_path, meta));
             }
         }
@@ -709,9 +728,20 @@ mod tests {
 
     #[test]
     fn webdataset_keys() {
-        assert_eq!(split_key("a/b/000123.jpg"), ("a/b/000123", "jpg"));
-        assert_eq!(split_key("x.seg.png"), ("x", "seg.png"));
-        assert_eq!(split_key("dir.v2/abc"), ("dir.v2/abc", ""));
+        assert_eq!(split_key("a/b/000123.jpg"), Some(("a/b/000123", "jpg")));
+        assert_eq!(split_key("x.seg.png"), Some(("x", "seg.png")));
+        assert_eq!(split_key("abc."), Some(("abc", "")));
+        // As WebDataset's `^((?:.*/|)[^.]+)[.]([^/]*)$` reads them (checked against webdataset 1.0.2): no key
+        // for a name without a `.` in its file name, or starting with one at the top; a hidden file in a
+        // folder is that folder's; a `__meta__` name is in no sample.
+        assert_eq!(split_key("dir.v2/abc"), None);
+        assert_eq!(split_key("./._000000.jpg"), None);
+        assert_eq!(split_key("README"), None);
+        assert_eq!(split_key("dir/._s4.JPG"), Some(("dir/", "_s4.JPG")));
+        assert_eq!(split_key("a.b/._x.jpg"), None);
+        assert_eq!(split_key("__meta__"), None);
+        assert_eq!(split_key("__meta__/x.json"), None);
+        assert_eq!(split_key("__key__.json"), Some(("__key__", "json")));
     }
 
     #[test]
@@ -901,9 +931,17 @@ mod tests {
         std::fs::copy(elsewhere.path().join(shards[1].path.as_str()), dir.path().join("b.tfrecord")).unwrap();
         symlink("/nonexistent/c.tfrecord", dir.path().join("c.tfrecord")).unwrap();
         symlink(dir.path(), dir.path().join("loop")).unwrap();
+        // Links in a loop (each other's target, or their own) stopped indexing: left out as a link to nothing.
+        symlink("d2.tfrecord", dir.path().join("d1.tfrecord")).unwrap();
+        symlink("d1.tfrecord", dir.path().join("d2.tfrecord")).unwrap();
+        symlink("self", dir.path().join("self")).unwrap();
+        // An index dir inside the dataset: its index is no file of it (it was read as one, changing).
+        std::fs::create_dir(dir.path().join("idx")).unwrap();
+        std::fs::write(dir.path().join("idx/t.batchfs-index"), b"an index").unwrap();
         let index = build(dir.path(), &strict(), &NoProgress).unwrap();
         let paths: Vec<&str> = index.shards.iter().map(|s| s.path.as_str()).collect();
         assert_eq!(paths, ["a.tfrecord", "b.tfrecord"]);
+        assert!(index.side.is_empty(), "{:?}", index.side);
         assert_eq!(index.samples.len(), all.samples.len());
         assert_eq!(index.shards[0].size, shards[0].size, "the linked file's size, not the link's");
 
@@ -921,6 +959,12 @@ mod tests {
         let of_tree = build(tree.path(), &strict(), &NoProgress).unwrap();
         assert_eq!((of_links.samples.len(), &of_links.classes), (12, &of_tree.classes));
         assert_eq!(of_links.samples, of_tree.samples);
+        // A link to a class folder, named before it (`a-latest -> class-0`): the folder keeps its name and
+        // its class; the link lists nothing twice (it took the folder's files and their class).
+        symlink(tree.path().join(&classes[0]), tree.path().join("a-latest")).unwrap();
+        let with_alias = build(tree.path(), &strict(), &NoProgress).unwrap();
+        assert_eq!(with_alias.samples, of_tree.samples);
+        assert_eq!(with_alias.classes, of_tree.classes);
     }
 
     #[test]
@@ -1161,6 +1205,13 @@ mod tests {
         let index = build(dir.path(), &skipping(), &NoProgress).unwrap();
         assert_eq!(index.samples.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(), ["b"]);
         assert_eq!(index.skipped.len(), 1);
+        // Names that differ in case alone are one name to WebDataset (it reads extensions in lower case, and
+        // refused every batch holding both).
+        let members: [(&[u8], &[u8], u8, bool); 3] =
+            [(b"c.JPG", b"upper", b'0', false), (b"c.jpg", b"lower", b'0', false), (b"d.jpg", b"fine", b'0', false)];
+        std::fs::write(dir.path().join("shard-0.tar"), raw_tar(&members)).unwrap();
+        let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+        assert!(err.contains("\"c.jpg\"") && err.contains("duplicate"), "{err}");
     }
 
     /// A tar of `members` (name bytes, data, type flag), each header's checksum written signed where asked
@@ -1192,7 +1243,7 @@ mod tests {
     #[test]
     fn members_webdataset_skips_are_left_out_without_splitting_samples() {
         let dir = tempfile::tempdir().unwrap();
-        let members: [(&[u8], &[u8], u8, bool); 9] = [
+        let members: [(&[u8], &[u8], u8, bool); 10] = [
             (b"./._000000.jpg", b"apple", b'0', false),
             (b"./000000.jpg", b"jpeg0", b'0', true),
             (b"./._000000.cls", b"apple", b'0', false),
@@ -1202,12 +1253,13 @@ mod tests {
             (b"x.jpg", b"jpegx", b'0', false),
             (b"dir.v2/noext", b"?", b'0', false),
             (b"x.cls", b"4", b'0', false),
+            (b"x/._s4.jpg", b"apple", b'0', false),
         ];
         std::fs::write(dir.path().join("shard-0.tar"), raw_tar(&members)).unwrap();
         let index = build(dir.path(), &strict(), &NoProgress).unwrap();
         let got: Vec<(&str, i64, usize)> =
             index.samples.iter().map(|s| (s.key.as_str(), s.label, s.parts.len())).collect();
-        assert_eq!(got, [("./000000", 3, 2), ("x", 4, 2)]);
+        assert_eq!(got, [("./000000", 3, 2), ("x", 4, 2), ("x/", -1, 1)]);
         assert!(index.skipped.is_empty());
     }
 

@@ -5,13 +5,26 @@ use super::{corrupt, map_shard, reuse, Files, IndexError, Progress};
 use crate::index::{Exts, Index, Part, Sample, NO_LABEL};
 use crate::{crc, tar};
 
-/// WebDataset's rule: the key is the path up to the first `.` of the file name, the rest the extension.
-pub fn split_key(name: &str) -> (&str, &str) {
-    let base_start = name.rfind('/').map_or(0, |i| i + 1);
-    match name[base_start..].find('.') {
-        Some(dot) => (&name[..base_start + dot], &name[base_start + dot + 1..]),
-        None => (name, ""),
+/// A tar member's key and extension as WebDataset's reader gives them, or none where it leaves the member
+/// out of every sample. Its rule, `^((?:.*/|)[^.]+)[.]([^/]*)$`: the longest directory part whose rest
+/// starts with a run of no dots, then a dot, then an extension without `/` (so mostly the path up to the
+/// first `.` of the file name: `a/b/000123.jpg` is `a/b/000123` and `jpg`; a file name without a `.` or
+/// starting with one, macOS's `._NAME` twins, has none at the top, and `dir/._x.jpg` is key `dir/`);
+/// and its metadata names (`__*__` first) are in no sample.
+pub fn split_key(name: &str) -> Option<(&str, &str)> {
+    // `__[^/]*__` at the start, then the end or a `/`: the first component is `__...__`.
+    let first = name.split('/').next().unwrap_or(name);
+    if first.len() >= 4 && first.starts_with("__") && first.ends_with("__") {
+        return None;
     }
+    // Where the run of no dots may start: after each `/`, the last first, then the very start.
+    let starts = name.match_indices('/').map(|(i, _)| i + 1).rev().chain([0]);
+    starts.into_iter().find_map(|start| {
+        let rest = &name[start..];
+        let dot = rest.find('.').filter(|&d| d > 0)?;
+        let ext = &rest[dot + 1..];
+        (!ext.contains('/')).then(|| (&name[..start + dot], ext))
+    })
 }
 
 /// Parses a label out of a small text part (`.cls`, `.label`): a decimal integer, surrounding space ignored.
@@ -64,16 +77,15 @@ pub(super) fn index(
         for item in tar::Scanner::new(bytes) {
             match item {
                 Ok(member) => {
-                    let (key, ext) = split_key(&member.name);
                     let done = member.data_offset + member.size;
-                    if webdataset_skips(&member.name) {
+                    let Some((key, ext)) = split_key(&member.name) else {
                         // Left out as WebDataset leaves it out, without ending the sample being grouped.
                         left_out.get_or_insert_with(|| member.name.clone());
                         skipped_members += 1;
                         progress.advance(done - reported);
                         reported = done;
                         continue;
-                    }
+                    };
                     if group.as_ref().is_some_and(|g| g.key != key) {
                         flush(&mut group, index);
                     }
@@ -82,7 +94,10 @@ pub(super) fn index(
                     }
                     // Two parts of one extension: a wrapping Example would keep only the last, WebDataset
                     // refuses the tar ("duplicate file name"), and which one is meant cannot be known.
-                    let repeated = group.as_ref().is_some_and(|g| g.parts.iter().any(|p| p.ext == ext));
+                    // WebDataset reads extensions in lower case: `a.JPG` and `a.jpg` are one name to it.
+                    let repeated = group
+                        .as_ref()
+                        .is_some_and(|g| g.parts.iter().any(|p| p.ext.to_lowercase() == ext.to_lowercase()));
                     // A member that cannot be a part (a name not UTF-8, read lossily, may have merged two
                     // keys into one; a sparse file's bytes are not its contents): its sample is left out.
                     if repeated || member.unusable.is_some() || dropped.is_some() {
@@ -131,7 +146,7 @@ pub(super) fn index(
                     let mut skipping = "the rest of the shard is skipped".to_owned();
                     let complete = match &e {
                         tar::TarError::Truncated { name, .. } => {
-                            group.as_ref().is_some_and(|g| g.key != split_key(name).0)
+                            group.as_ref().is_some_and(|g| split_key(name).is_none_or(|(key, _)| g.key != key))
                         }
                         _ => false,
                     };
@@ -156,16 +171,4 @@ pub(super) fn index(
         );
     }
     Ok(())
-}
-
-/// Whether WebDataset's reader leaves a member of this name out of every sample: a file name without an
-/// extension or starting with `.` (its key rule, `^((?:.*/|)[^.]+)[.]([^/]*)$`, matches neither; macOS
-/// tars carry a `._NAME` twin of each file), or a name of its metadata (`__*__` at the start).
-fn webdataset_skips(name: &str) -> bool {
-    let base = name.rsplit('/').next().unwrap_or(name);
-    let meta = name.strip_prefix("__").and_then(|rest| rest.split('/').next()).is_some_and(|first| {
-        // `__[^/]*__` then the end or a `/`: the first component is `__...__` (at least four characters).
-        first.len() >= 2 && first.ends_with("__")
-    });
-    base.starts_with('.') || !base.contains('.') || meta
 }
