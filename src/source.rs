@@ -522,6 +522,17 @@ pub fn build_from(
     progress: &dyn Progress,
 ) -> Result<Index, IndexError> {
     let reuse = previous.and_then(|p| reuse::Previous::new(p, settings));
+    if let Some(r) = &reuse {
+        // Said: the progress that follows counts the whole dataset, the files taken as well.
+        let lmdb = settings.format == SourceFormat::Lmdb;
+        let taken = shards.iter().filter(|f| !lmdb && r.checksums(f, false).is_some()).count()
+            + side.iter().filter(|f| r.checksums(f, true).is_some()).count();
+        let total = shards.len() + side.len();
+        tracing::info!(
+            dataset = %files.root().display(), files = total, unchanged = taken, read = total - taken,
+            "indexing again: the files unchanged since the stale index are taken from it, the rest read"
+        );
+    }
     progress.start(shards.iter().chain(&side).map(|s| s.size).sum(), shards.len() + side.len());
     let mut index =
         Index { settings, shards, side: Vec::new(), samples: Vec::new(), classes: Vec::new(), skipped: Vec::new() };
