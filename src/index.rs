@@ -281,6 +281,18 @@ impl Index {
         Self::parse(buf, None).ok()
     }
 
+    /// The settings an index of this version was built with, read from its head alone (no checksum
+    /// checked): whether it is worth parsing whole.
+    pub fn settings_of(buf: &[u8]) -> Option<IndexSettings> {
+        let version = VERSION.to_le_bytes();
+        let mut r = Reader(buf.strip_prefix(MAGIC)?.strip_prefix(&version[..])?);
+        Some(IndexSettings {
+            format: SourceFormat::from_code(r.u8()?)?,
+            verify_data_crc: r.u8()? != 0,
+            skip_corrupt: r.u8()? != 0,
+        })
+    }
+
     /// [`Index::from_bytes`] of the index persisted for a dataset listed now as `listed`: taken only if
     /// it was built with the listed settings, of the very files listed ([`ShardInfo::same_file`]). The
     /// index then holds the listed files (given the checksums it recorded; `listed` is left empty), not
@@ -440,7 +452,11 @@ impl<'a> FileRecord<'a> {
 }
 
 const MAGIC: &[u8; 8] = b"BATCHFSI";
-const VERSION: u32 = 4;
+/// The format's version, and of the rules that made what it holds: raised whenever indexing the same bytes
+/// would make another index (its layout, or what a sample is), so that an index of other rules is neither
+/// loaded nor taken from when indexing again. 5: tar members as WebDataset reads them, an LMDB of duplicate
+/// keys refused, links followed (an index of 4 kept macOS `._` members as samples).
+const VERSION: u32 = 5;
 
 #[derive(Default)]
 struct Writer(Vec<u8>);

@@ -63,11 +63,14 @@ pub struct IndexOptions {
     pub verify_data_crc: bool,
     /// Index around corrupt regions instead of failing.
     pub skip_corrupt: bool,
+    /// Follow symbolic links that lead out of the dataset's directory too (by default those are left out,
+    /// with a warning: one planted there would serve any file the server can read).
+    pub follow_links: bool,
 }
 
 impl Default for IndexOptions {
     fn default() -> Self {
-        IndexOptions { format: None, verify_data_crc: true, skip_corrupt: false }
+        IndexOptions { format: None, verify_data_crc: true, skip_corrupt: false, follow_links: false }
     }
 }
 
@@ -99,18 +102,20 @@ pub fn index_path(root: &Path, name: &str, index_dir: Option<&Path>) -> PathBuf 
 }
 
 /// Lists regular files under `root` (hidden names skipped), sorted by path. Symbolic links are followed, as
-/// readers follow them (a dataset made of links to shards elsewhere: they were left out without a word): a
-/// link to a file is that file under the link's name, a link to a directory that directory, each directory
-/// listed once, under its own name where the tree reaches it without a link (links to directories are
-/// walked after every other directory: `latest -> train` took `train/`'s files and their class); a link
-/// that leads to no file (to nothing, or in a loop of links, which stopped the server) is left out with a
-/// warning. Indexes (`*.batchfs-index`, an `index_dir` inside the dataset) are no files of it. A name that
-/// is not UTF-8 is an error: paths are text in the index, the API and the mount, and a name converted
-/// lossily would name no file.
-fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
+/// readers follow them (a dataset made of links to shards elsewhere: they were left out without a word),
+/// those that lead out of `root` only where `out_too` says (else left out with a warning: a link planted
+/// in a dataset would serve any file the server can read): a link to a file is that file under the link's
+/// name, a link to a directory that directory, each directory listed once, under its own name where the
+/// tree reaches it without a link (links to directories are walked after every other directory: `latest ->
+/// train` took `train/`'s files and their class); a link that leads to no file (to nothing, or in a loop
+/// of links, which stopped the server) is left out with a warning. Indexes (`*.batchfs-index`, an
+/// `index_dir` inside the dataset) are no files of it. A name that is not UTF-8 is an error: paths are text
+/// in the index, the API and the mount, and a name converted lossily would name no file.
+fn walk(root: &Path, out_too: bool) -> Result<Vec<ShardInfo>, IndexError> {
     use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
     let top = std::fs::metadata(root).map_err(io_err(root))?;
+    let inside = std::fs::canonicalize(root).map_err(io_err(root))?;
     let mut seen = std::collections::HashSet::from([(top.dev(), top.ino())]);
     let mut stack = vec![(root.to_owned(), String::new())];
     let mut linked = std::collections::VecDeque::new();
@@ -146,6 +151,17 @@ fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
                 }
                 Err(e) => return Err(io_err(&path)(e)),
             };
+            if link && !out_too {
+                match std::fs::canonicalize(&path) {
+                    Ok(target) if target.starts_with(&inside) => {}
+                    target => {
+                        let to = target.map_or_else(|e| e.to_string(), |t| t.display().to_string());
+                        tracing::warn!(path = %path.display(), to, "a symbolic link out of the dataset's directory: \
+                                       left out (--follow-links, or follow_links in the config, follows it)");
+                        continue;
+                    }
+                }
+            }
             let rel_path = if rel.is_empty() { name } else { format!("{rel}/{name}") };
             if meta.is_dir() {
                 let id = (meta.dev(), meta.ino());
@@ -157,18 +173,28 @@ fn walk(root: &Path) -> Result<Vec<(String, std::fs::Metadata)>, IndexError> {
                     listed_already(&path);
                 }
             } else if meta.is_file() && !rel_path.ends_with(".batchfs-index") {
-                out.push((rel_path, meta));
+                let mtime_ns = match link {
+                    true => modified_ns(&path, &meta),
+                    false => mtime_of(&meta),
+                };
+                out.push(ShardInfo { path: rel_path.into(), size: meta.len(), mtime_ns, ..Default::default() });
             }
         }
     }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
 }
 
-fn shard_info(path: String, meta: &std::fs::Metadata) -> ShardInfo {
-    let mtime_ns =
-        meta.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos() as i64);
-    ShardInfo { path: path.into(), size: meta.len(), mtime_ns, ..Default::default() }
+fn mtime_of(meta: &std::fs::Metadata) -> i64 {
+    meta.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos() as i64)
+}
+
+/// The modification time an index records for the file at `path`, whose target `target` describes: a
+/// symbolic link's own where it is later than its target's, so a link pointed at another file of the same
+/// size and date (`ln -sfn`) is seen to change. The server compares a shard with it as it serves.
+pub fn modified_ns(path: &Path, target: &std::fs::Metadata) -> i64 {
+    let own = std::fs::symlink_metadata(path).ok().filter(|m| m.file_type().is_symlink());
+    own.map_or(mtime_of(target), |link| mtime_of(&link).max(mtime_of(target)))
 }
 
 fn is_tfrecord(path: &str) -> bool {
@@ -208,16 +234,21 @@ fn starts_with_tfrecord_frames(path: &Path, size: u64) -> bool {
 /// holds such shards by their extension ([`detect_listed`]), else TFRecord if the first file named as
 /// TensorFlow names shards (`train-00000-of-01024`) starts with TFRecord frames, else a plain file tree.
 pub fn detect(root: &Path) -> Result<SourceFormat, IndexError> {
+    detect_following(root, false)
+}
+
+/// [`detect`], following symbolic links out of `root` too where `out_too` says ([`IndexOptions::follow_links`]).
+pub fn detect_following(root: &Path, out_too: bool) -> Result<SourceFormat, IndexError> {
     if !root.is_dir() {
         return Err(IndexError::NotADirectory(root.to_owned()));
     }
-    let files = walk(root)?;
-    let by_name = detect_listed(files.iter().map(|(p, _)| p.as_str()));
+    let files = walk(root, out_too)?;
+    let by_name = detect_listed(files.iter().map(|f| f.path.as_str()));
     // The first such file that holds anything: an empty shard is a valid TFRecord file, and proves nothing.
-    let sharded = files.iter().find(|(p, meta)| is_tensorflow_shard_name(p) && meta.len() > 0);
+    let sharded = files.iter().find(|f| is_tensorflow_shard_name(&f.path) && f.size > 0);
     Ok(match sharded {
-        Some((path, meta))
-            if by_name == SourceFormat::Files && starts_with_tfrecord_frames(&root.join(path), meta.len()) =>
+        Some(f)
+            if by_name == SourceFormat::Files && starts_with_tfrecord_frames(&root.join(f.path.as_str()), f.size) =>
         {
             SourceFormat::Tfrecord
         }
@@ -252,10 +283,20 @@ pub fn discover(
     format: SourceFormat,
     given: bool,
 ) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
+    discover_following(root, format, given, false)
+}
+
+/// [`discover`], following symbolic links out of `root` too where `out_too` says.
+pub fn discover_following(
+    root: &Path,
+    format: SourceFormat,
+    given: bool,
+    out_too: bool,
+) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
     if !root.is_dir() {
         return Err(IndexError::NotADirectory(root.to_owned()));
     }
-    let files = walk(root)?.into_iter().map(|(path, meta)| shard_info(path, &meta)).collect();
+    let files = walk(root, out_too)?;
     classify(root, format, given, files)
 }
 
@@ -417,9 +458,9 @@ pub fn load_or_build(
 ) -> Result<(Index, IndexOrigin), IndexError> {
     let format = match options.format {
         Some(f) => f,
-        None => detect(root)?,
+        None => detect_following(root, options.follow_links)?,
     };
-    let (shards, side) = discover(root, format, options.format.is_some())?;
+    let (shards, side) = discover_following(root, format, options.format.is_some(), options.follow_links)?;
     let path = index_path(root, name, index_dir);
     load_or_build_listed(&Directory(root), name, Some(&path), options.settings(format), shards, side, progress)
 }
@@ -456,7 +497,8 @@ pub fn load_or_build_listed(
         }
         Err(Refused::Stale) => {
             tracing::info!(dataset = name, at, "files or settings changed since the index was built; indexing again");
-            if stale.is_none() {
+            // Parsed whole only where its settings are the ones indexing needs (else nothing is taken).
+            if stale.is_none() && Index::settings_of(&bytes) == Some(settings) {
                 stale = Index::from_bytes(&bytes);
             }
             None
@@ -505,9 +547,9 @@ pub fn load_or_build_listed(
 pub fn build(root: &Path, options: &IndexOptions, progress: &dyn Progress) -> Result<Index, IndexError> {
     let format = match options.format {
         Some(f) => f,
-        None => detect(root)?,
+        None => detect_following(root, options.follow_links)?,
     };
-    let (shards, side) = discover(root, format, options.format.is_some())?;
+    let (shards, side) = discover_following(root, format, options.format.is_some(), options.follow_links)?;
     build_from(&Directory(root), options.settings(format), shards, side, None, progress)
 }
 
@@ -949,7 +991,18 @@ mod tests {
         // An index dir inside the dataset: its index is no file of it (it was read as one, changing).
         std::fs::create_dir(dir.path().join("idx")).unwrap();
         std::fs::write(dir.path().join("idx/t.batchfs-index"), b"an index").unwrap();
-        let index = build(dir.path(), &strict(), &NoProgress).unwrap();
+        // A link out of the dataset's directory is followed only where asked (one planted in a dataset
+        // would serve any file the server can read); one inside it is followed.
+        symlink("/etc/passwd", dir.path().join("README")).unwrap();
+        symlink("b.tfrecord", dir.path().join("e.tfrecord")).unwrap();
+        let inside = build(dir.path(), &strict(), &NoProgress).unwrap();
+        let paths: Vec<&str> = inside.shards.iter().map(|s| s.path.as_str()).collect();
+        assert_eq!(paths, ["b.tfrecord", "e.tfrecord"]);
+        assert!(inside.side.is_empty(), "{:?}", inside.side);
+        std::fs::remove_file(dir.path().join("README")).unwrap();
+        std::fs::remove_file(dir.path().join("e.tfrecord")).unwrap();
+        let following = IndexOptions { follow_links: true, ..strict() };
+        let index = build(dir.path(), &following, &NoProgress).unwrap();
         let paths: Vec<&str> = index.shards.iter().map(|s| s.path.as_str()).collect();
         assert_eq!(paths, ["a.tfrecord", "b.tfrecord"]);
         assert!(index.side.is_empty(), "{:?}", index.side);
@@ -966,7 +1019,7 @@ mod tests {
         for class in &classes {
             symlink(tree.path().join(class), linked.path().join(class)).unwrap();
         }
-        let of_links = build(linked.path(), &strict(), &NoProgress).unwrap();
+        let of_links = build(linked.path(), &following, &NoProgress).unwrap();
         let of_tree = build(tree.path(), &strict(), &NoProgress).unwrap();
         assert_eq!((of_links.samples.len(), &of_links.classes), (12, &of_tree.classes));
         assert_eq!(of_links.samples, of_tree.samples);

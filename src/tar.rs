@@ -176,7 +176,16 @@ impl<'a> Scanner<'a> {
             if let Some(n) = long_name.take() {
                 (name, utf8) = n;
             }
-            let data_offset = offset + BLOCK;
+            let mut data_offset = offset + BLOCK;
+            // An old GNU sparse file whose map outgrew its header: extension headers (each flagging the
+            // next at byte 504) come before its data (taken for its data, they put the next header astray).
+            let mut extended = typeflag == b'S' && header[482] != 0;
+            while extended {
+                let Some(more) = self.block(data_offset) else {
+                    return Err(TarError::TruncatedHeader { offset: data_offset });
+                };
+                (extended, data_offset) = (more[504] != 0, data_offset + BLOCK);
+            }
             let available = (self.buf.len() as u64).saturating_sub(data_offset);
             if size > available {
                 return Err(TarError::Truncated { offset, name, needed: size, available });
@@ -307,6 +316,32 @@ pub const END_LEN: u64 = 2 * BLOCK;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An old GNU sparse file whose map outgrew its header has extension headers before its data: the
+    /// member is found unusable at its data, and the next member where it is (they were taken for the
+    /// sparse file's data, and the rest of the shard for damage).
+    #[test]
+    fn an_extended_sparse_member_is_unusable_and_the_next_one_found() {
+        let mut buf = file_header("b.jpg", 6);
+        buf[156] = b'S';
+        buf[482] = 1;
+        buf[148..156].fill(b' ');
+        let sum = header_checksum(&buf);
+        write_octal(&mut buf[148..155], sum);
+        let mut extension = [0u8; 512];
+        extension[504] = 0; // the last extension
+        buf.extend_from_slice(&extension);
+        buf.extend_from_slice(b"sparse");
+        buf.resize(buf.len() + padding(6) as usize, 0);
+        buf.extend(file_header("c.jpg", 4));
+        buf.extend_from_slice(b"fine");
+        buf.resize(buf.len() + padding(4) as usize + END_LEN as usize, 0);
+        let members: Vec<Member> = Scanner::new(&buf).collect::<Result<_, _>>().unwrap();
+        assert_eq!(members.len(), 2);
+        assert!(members[0].unusable.is_some_and(|why| why.contains("sparse")));
+        assert_eq!(members[0].data_offset, 1024);
+        assert_eq!((members[1].name.as_str(), members[1].data_offset, members[1].unusable), ("c.jpg", 2048, None));
+    }
     use proptest::prelude::*;
 
     fn archive(files: &[(String, Vec<u8>)]) -> Vec<u8> {

@@ -563,28 +563,34 @@ mod tests {
     use http_body_util::BodyExt;
     use proptest::prelude::*;
 
-    /// Three shards of a few hundred KiB, their index and their bytes, shared by every test of the process
-    /// and removed as it exits (a static is never dropped: its directory stayed behind in `/tmp`).
-    fn dataset() -> &'static (tempfile::TempDir, Index, Vec<Vec<u8>>) {
-        static DATA: std::sync::OnceLock<(tempfile::TempDir, Index, Vec<Vec<u8>>)> = std::sync::OnceLock::new();
-        extern "C" fn remove() {
-            if let Some((dir, _, _)) = DATA.get() {
-                let _ = std::fs::remove_dir_all(dir.path());
-            }
-        }
+    /// Three shards of a few hundred KiB, their index and their bytes, made once for every test of the
+    /// process (their directory is not kept: a static's is never dropped, and stayed behind in `/tmp`).
+    fn dataset() -> &'static (Index, Vec<Vec<u8>>) {
+        static DATA: std::sync::OnceLock<(Index, Vec<Vec<u8>>)> = std::sync::OnceLock::new();
         DATA.get_or_init(|| {
             let (dir, index) = fixtures::dataset(60, 9000, 3);
             let bytes = index.shards.iter().map(|s| std::fs::read(dir.path().join(&s.path)).unwrap()).collect();
-            // SAFETY: `remove` is a plain function that touches only what outlives `main`.
-            unsafe { libc::atexit(remove) };
-            (dir, index, bytes)
+            (index, bytes)
         })
+    }
+
+    /// The dataset's shards in a directory of the caller's (removed when it drops), with their index.
+    fn on_disk() -> (tempfile::TempDir, Index, &'static [Vec<u8>]) {
+        let (index, bytes) = dataset();
+        let dir = tempfile::tempdir().unwrap();
+        let mut index = index.clone();
+        for (shard, b) in index.shards.iter_mut().zip(bytes) {
+            let path = dir.path().join(shard.path.as_str());
+            std::fs::write(&path, b).unwrap();
+            shard.mtime_ns = batchfs::source::modified_ns(&path, &std::fs::metadata(&path).unwrap());
+        }
+        (dir, index, bytes)
     }
 
     /// Segments over the shards: data ranges at any offset and length (to the last byte of a shard),
     /// framing between some of them.
     fn arb_segments() -> impl Strategy<Value = Vec<Segment>> {
-        let sizes: Vec<u64> = dataset().1.shards.iter().map(|s| s.size).collect();
+        let sizes: Vec<u64> = dataset().0.shards.iter().map(|s| s.size).collect();
         let piece = (0..sizes.len() as u32, any::<u64>(), 0u64..300_000, proptest::option::of(1usize..40_000));
         proptest::collection::vec(piece, 1..12).prop_map(move |pieces| {
             let mut segments = Vec::new();
@@ -604,7 +610,7 @@ mod tests {
     /// Many tiny ranges, each across a block boundary: their aligned blocks outgrow a chunk's buffer long
     /// before their bytes fill the chunk.
     fn arb_straddling() -> impl Strategy<Value = Vec<Segment>> {
-        let blocks = dataset().1.shards[0].size / DIRECT_ALIGN - 1;
+        let blocks = dataset().0.shards[0].size / DIRECT_ALIGN - 1;
         proptest::collection::vec((1..blocks, 1u64..3), 20..120).prop_map(move |pieces| {
             let range = |(block, len)| Segment::Data { shard: 0, offset: block * DIRECT_ALIGN - 1, len };
             pieces.into_iter().map(range).collect()
@@ -614,7 +620,7 @@ mod tests {
     /// Ranges of one shard one after another with small gaps and framing between some (a tar's members):
     /// most are read together with their neighbours.
     fn arb_neighbours() -> impl Strategy<Value = Vec<Segment>> {
-        let size = dataset().1.shards[1].size;
+        let size = dataset().0.shards[1].size;
         let piece = (0u64..20_000, 1u64..50_000, any::<bool>());
         (0..size / 2, proptest::collection::vec(piece, 1..30)).prop_map(move |(start, pieces)| {
             let mut segments = Vec::new();
@@ -646,7 +652,7 @@ mod tests {
             chunk in prop_oneof![Just(4096u64), 4096u64..200_000, Just(1 << 20)],
             depth in 1usize..4,
         ) {
-            let (dir, index, bytes) = dataset();
+            let (dir, index, bytes) = on_disk();
             let want: Vec<u8> = segments.iter().flat_map(|s| match s {
                 Segment::Inline(b) => b.clone(),
                 Segment::Data { shard, offset, len } => {
@@ -655,7 +661,7 @@ mod tests {
             }).collect();
             let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
             for mode in [IoMode::Mmap, IoMode::Pread, IoMode::Direct] {
-                let storage = Arc::new(fixtures::open(dir.path(), index, mode));
+                let storage = Arc::new(fixtures::open(dir.path(), &index, mode));
                 let ctx = Arc::new(StreamContext::new(4, chunk, depth, Arc::new(Metrics::default())));
                 let body = SegmentBody::new(ctx.clone(), storage, segments.clone());
                 let got = runtime.block_on(async { body.collect().await.unwrap().to_bytes() });
@@ -705,8 +711,8 @@ mod tests {
     #[test]
     fn chunks_ready_together_go_out_in_one_frame() {
         use bytes::Buf;
-        let (dir, index, bytes) = dataset();
-        let storage = Arc::new(fixtures::open(dir.path(), index, IoMode::Mmap));
+        let (dir, index, bytes) = on_disk();
+        let storage = Arc::new(fixtures::open(dir.path(), &index, IoMode::Mmap));
         let segments: Vec<Segment> = (0..40).map(|i| Segment::Data { shard: 0, offset: i * 3500, len: 3000 }).collect();
         let want: Vec<u8> = (0..40).flat_map(|i| bytes[0][i * 3500..i * 3500 + 3000].to_vec()).collect();
         let ctx = Arc::new(StreamContext::new(4, 64 << 10, 2, Arc::new(Metrics::default())));

@@ -56,6 +56,10 @@ pub struct IndexFlags {
     /// Index around corrupt records and tar members, listing what was skipped, instead of failing.
     #[arg(long, help_heading = "Datasets")]
     pub skip_corrupt: bool,
+    /// Follow symbolic links that lead out of a local dataset's directory too (by default those are left
+    /// out with a warning: a link planted in a dataset would serve any file the server can read).
+    #[arg(long, help_heading = "Datasets")]
+    pub follow_links: bool,
     /// Do not check TFRecord data CRCs while indexing (faster; length CRCs are always checked, and
     /// clients still verify every batch end to end).
     #[arg(long, help_heading = "Datasets")]
@@ -218,6 +222,7 @@ fn fill_catalog(
             format: spec.format.or(flags.format),
             verify_data_crc: !flags.no_verify_data_crc,
             skip_corrupt: flags.skip_corrupt,
+            follow_links: flags.follow_links,
         };
         let started = Instant::now();
         let progress = IndexProgress::new(&spec.name).reporting_to(catalog);
@@ -332,6 +337,7 @@ fn with_config(mut flags: IndexFlags, file: &ConfigFile) -> Result<IndexFlags> {
         bail!("index_dir {}: not a directory (give a directory for the datasets' indexes)", dir.display());
     }
     flags.skip_corrupt |= file.skip_corrupt.unwrap_or(false);
+    flags.follow_links |= file.follow_links.unwrap_or(false);
     flags.no_verify_data_crc |= !file.verify_data_crc.unwrap_or(true);
     Ok(flags)
 }

@@ -349,6 +349,7 @@ pub struct ConfigFile {
     pub index_dir: Option<PathBuf>,
     pub skip_corrupt: Option<bool>,
     pub verify_data_crc: Option<bool>,
+    pub follow_links: Option<bool>,
     pub token_file: Option<PathBuf>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,

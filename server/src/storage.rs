@@ -52,7 +52,7 @@ use batchfs::index::Index;
 use batchfs::mmap::MappedFile;
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -446,7 +446,7 @@ impl Storage {
             return Ok(());
         }
         match std::fs::metadata(&w.path) {
-            Ok(m) => match differs(w.size, w.mtime_ns, &m) {
+            Ok(m) => match differs(w.size, w.mtime_ns, &w.path, &m) {
                 Some(why) => Err(self.mark(n, why)),
                 None => Ok(()),
             },
@@ -577,7 +577,7 @@ impl Storage {
                 let info = self.info(n).expect("a file of the index");
                 at = self.path_of(n);
                 opened = File::open(&at)?;
-                if let Some(why) = differs(info.size, info.mtime_ns, &opened.metadata()?) {
+                if let Some(why) = differs(info.size, info.mtime_ns, &at, &opened.metadata()?) {
                     return Err(std::io::Error::other(self.mark(n, why).to_string()));
                 }
                 (&opened, &at, info.size)
@@ -697,13 +697,12 @@ pub struct DirectFd {
     pub keep: Option<Arc<File>>,
 }
 
-/// Why a file of `size` bytes modified at `mtime_ns` (as indexed) is not the file `now` describes, if
-/// it is not.
-fn differs(size: u64, mtime_ns: i64, now: &std::fs::Metadata) -> Option<String> {
-    let mtime = now.mtime() * 1_000_000_000 + now.mtime_nsec();
+/// Why a file of `size` bytes modified at `mtime_ns` (as indexed) is not the file at `path` that `now`
+/// describes (its target, for a link: whose own date counts too, as indexing counts it), if it is not.
+fn differs(size: u64, mtime_ns: i64, path: &Path, now: &std::fs::Metadata) -> Option<String> {
     if now.len() != size {
         Some(format!("{} bytes, {size} when indexed", now.len()))
-    } else if mtime != mtime_ns {
+    } else if batchfs::source::modified_ns(path, now) != mtime_ns {
         Some("modified since it was indexed, its size kept".into())
     } else {
         None
@@ -899,6 +898,47 @@ mod tests {
         let changed = storage.check(5).unwrap_err();
         assert_eq!(changed.shard, path);
         assert!(changed.to_string().contains(&format!("shard {path} changed")), "{changed}");
+    }
+
+    /// A shard that is a link is served as indexed (its own date counts in both places: no false change),
+    /// and a link pointed at another file of the same size and date is seen to change (`ln -sfn`).
+    #[test]
+    fn a_link_repointed_at_a_file_of_the_same_size_and_date_is_a_change() {
+        let elsewhere = tempfile::tempdir().unwrap();
+        let options = GenOptions { samples: 20, mean_bytes: 3000, shards: 1, ..Default::default() };
+        gen::generate(&options, elsewhere.path()).unwrap();
+        let shard = std::fs::read_dir(elsewhere.path()).unwrap().next().unwrap().unwrap().path();
+        let twin = elsewhere.path().join("twin");
+        let mut other = std::fs::read(&shard).unwrap();
+        other[100] ^= 1;
+        std::fs::write(&twin, &other).unwrap();
+        let date = std::fs::metadata(&shard).unwrap().modified().unwrap();
+        std::fs::File::options().write(true).open(&twin).unwrap().set_modified(date).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(&shard, dir.path().join("a.tfrecord")).unwrap();
+        let options = IndexOptions { follow_links: true, ..IndexOptions::default() };
+        let (index, _) = source::load_or_build(dir.path(), "t", None, &options, &NoProgress).unwrap();
+        // Mapped (looked at by `check`), and opened per read (looked at by `read`).
+        fixtures::open(dir.path(), &index, IoMode::Mmap).check(0).unwrap();
+        let policy = IoPolicy {
+            mode: IoMode::Auto,
+            max_mapped_shards: 0,
+            memory: u64::MAX,
+            resident: 0,
+            resident_auto: false,
+            sendfile: false,
+        };
+        let per_read = Storage::open("t", dir.path(), Arc::new(index.clone()), policy).unwrap();
+        per_read.read(0, 0, 10, &mut Vec::new()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::remove_file(dir.path().join("a.tfrecord")).unwrap();
+        std::os::unix::fs::symlink(&twin, dir.path().join("a.tfrecord")).unwrap();
+        let storage = fixtures::open(dir.path(), &index, IoMode::Mmap);
+        assert!(storage.check(0).is_err(), "a link repointed was served as the file indexed");
+        assert!(per_read.read(0, 0, 10, &mut Vec::new()).is_err());
+        // Indexed again, not loaded: the twin is read (a byte of a record flipped: its CRC says so).
+        let again = source::load_or_build(dir.path(), "t", None, &options, &NoProgress).unwrap_err();
+        assert!(again.to_string().contains("bad data CRC"), "{again}");
     }
 
     #[test]

@@ -159,6 +159,26 @@ mod tests {
         }
     }
 
+    /// An index of another version (other rules: one kept macOS `._` tar members as samples) is neither
+    /// loaded nor taken from: what it says of unchanged files is what those rules made of them.
+    #[test]
+    fn an_index_of_another_version_is_neither_loaded_nor_taken_from() {
+        use super::super::{load_or_build, IndexOrigin, INDEX_FILE_NAME};
+        let dir = tempfile::tempdir().unwrap();
+        generated(SourceFormat::Tfrecord, 1, dir.path());
+        let options = IndexOptions::default();
+        load_or_build(dir.path(), "d", None, &options, &NoProgress).unwrap();
+        let path = dir.path().join(INDEX_FILE_NAME);
+        let mut bytes = std::fs::read(&path).unwrap();
+        assert!(Index::from_bytes(&bytes).is_some());
+        let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
+        bytes[8..12].copy_from_slice(&(version - 1).to_le_bytes());
+        assert!(Index::from_bytes(&bytes).is_none(), "an index of the rules before is no stale index to take from");
+        std::fs::write(&path, &bytes).unwrap();
+        let (_, origin) = load_or_build(dir.path(), "d", None, &options, &NoProgress).unwrap();
+        assert_eq!(origin, IndexOrigin::Built);
+    }
+
     /// A corrupt region skipped in an unchanged shard is skipped again (the stale index says where), and a
     /// shard corrupted since is read and its corruption found.
     #[test]
