@@ -658,6 +658,7 @@ pub fn etag(crc32c: u32, len: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     /// The last page of a listing has no `next` (the API says absent; it was `null`), and reads back.
     #[test]
@@ -669,7 +670,6 @@ mod tests {
         let more = FileList { next: Some(7), ..page };
         assert!(serde_json::to_string(&more).unwrap().ends_with(r#""next":7}"#));
     }
-    use proptest::prelude::*;
 
     proptest! {
         #[test]

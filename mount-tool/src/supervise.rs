@@ -257,10 +257,10 @@ impl std::fmt::Display for NotServing {
         write!(f, "the worker ({}) did not serve the mount", self.exe)?;
         match (self.why.is_empty(), self.status.signal()) {
             (true, _) => write!(f, " ({})", self.status),
-            // The reason it gave, alone: the signal that ended it after ("signal: 9 (SIGKILL)") read as a
-            // crash.
-            (false, Some(_)) => write!(f, ": {}", self.why),
-            (false, None) => write!(f, ": {} ({})", self.why, self.status),
+            // The reason it gave, alone: the supervisor's SIGKILL that ended it after ("signal: 9
+            // (SIGKILL)") read as a crash. Another signal (SIGSEGV) is said.
+            (false, Some(libc::SIGKILL)) => write!(f, ": {}", self.why),
+            (false, _) => write!(f, ": {} ({})", self.why, self.status),
         }
     }
 }

@@ -90,11 +90,14 @@ pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> 
     );
     // Warmed is not kept: a cache smaller than the files evicts the first warmed for the last.
     let kept = wanted.iter().filter(|&&id| held.contains(key_of(&table, id))).count();
-    if kept < wanted.len() {
+    // (Files whose fetch failed were never there: said apart, by the caller.)
+    if kept + (failed as usize) < wanted.len() {
         println!(
-            "the node cache holds {kept} of the {} files ({:.1} MB of its {:.1} MB): the rest were evicted to make \
-             room; give cache_dir_size at least {:.1} MB to keep them all",
+            "the node cache holds {kept} of the {} files ({:.1} MB of its {:.1} MB): {} were evicted to make room \
+             (it keeps 90 % of cache_dir_size, shared with any other dataset's files there); give cache_dir_size \
+             at least {:.1} MB and room to spare to keep them all",
             wanted.len(),
+            wanted.len() - kept - failed as usize,
             held.used() as f64 / 1e6,
             options.cache_dir_size as f64 / 1e6,
             s.bytes_total as f64 / 1e6

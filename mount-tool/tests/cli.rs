@@ -252,7 +252,18 @@ fn an_unsupervised_mount_serves_through_sighup_and_unmounts_at_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let mnt = std::fs::canonicalize(dir.path()).unwrap();
     let _guard = MountGuard(mnt.clone());
-    let mut child = foreground(&server.url, &mnt, "batch_size=4,supervise=false");
+    let mut command = Command::new(BIN);
+    command.args(["mount", &server.url, mnt.to_str().unwrap(), "--foreground", "-o", "batch_size=4,supervise=false"]);
+    // SIGHUP's default in the mount whatever the test's (under `nohup` it is ignored, and so would be
+    // passed on): the test must see what the mount does with it.
+    // SAFETY: `signal` is async-signal-safe, and the closure touches nothing else of the parent.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+            libc::signal(libc::SIGHUP, libc::SIG_DFL);
+            Ok(())
+        })
+    };
+    let mut child = command.env("RUST_LOG", "warn").stdout(Stdio::null()).spawn().unwrap();
     wait_until("the mount", || is_mounted(&mnt));
     // SAFETY: kill has no memory-safety preconditions.
     assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGHUP) }, 0);
@@ -411,7 +422,7 @@ fn warm_fills_a_node_cache_without_a_mount() {
     let option = format!("cache_dir={},cache_dir_size=100K", small.path().display());
     let out = batchfs(&["warm", &server.url, "-o", &option]);
     let said = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && said.contains("the rest were evicted to make room"), "{out:?}");
+    assert!(out.status.success() && said.contains("were evicted to make room"), "{out:?}");
     assert!(said.contains("the node cache holds") && said.contains("give cache_dir_size at least"), "{said}");
     let option = format!("cache_dir={}", cache.path().display());
     let shards = server_of_shards();

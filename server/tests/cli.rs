@@ -274,13 +274,22 @@ async fn a_server_whose_stderr_reader_is_gone_serves_through_sighup_and_stops_at
     ]);
     assert!(out.status.success(), "{out:?}");
     let port = free_port();
-    let mut child = Command::new(BIN)
+    let mut command = Command::new(BIN);
+    command
         .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--dataset", &format!("d={}", data.display())])
         .env("RUST_LOG", "debug")
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    // SIGHUP's default in the server whatever the test's (under `nohup` it is ignored, and so would be
+    // passed on): the test must see what the server does with it.
+    // SAFETY: `signal` is async-signal-safe, and the closure touches nothing else of the parent.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+            libc::signal(libc::SIGHUP, libc::SIG_DFL);
+            Ok(())
+        })
+    };
+    let mut child = command.spawn().unwrap();
     drop(child.stderr.take());
     let pid = child.id();
     let mut guard = Guard(child);

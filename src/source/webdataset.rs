@@ -95,9 +95,9 @@ pub(super) fn index(
                     // Two parts of one extension: a wrapping Example would keep only the last, WebDataset
                     // refuses the tar ("duplicate file name"), and which one is meant cannot be known.
                     // WebDataset reads extensions in lower case: `a.JPG` and `a.jpg` are one name to it.
-                    let repeated = group
-                        .as_ref()
-                        .is_some_and(|g| g.parts.iter().any(|p| p.ext.to_lowercase() == ext.to_lowercase()));
+                    let lower = ext.to_lowercase();
+                    let repeated =
+                        group.as_ref().is_some_and(|g| g.parts.iter().any(|p| p.ext.to_lowercase() == lower));
                     // A member that cannot be a part (a name not UTF-8, read lossily, may have merged two
                     // keys into one; a sparse file's bytes are not its contents): its sample is left out.
                     if repeated || member.unusable.is_some() || dropped.is_some() {
