@@ -9,7 +9,7 @@
 //! alone (TFRecord, WebDataset tar) and a file's sample from that file (a file tree, whose labels are
 //! derived again from the classes listed now). An LMDB environment is one file, read again whole.
 
-use crate::index::{Index, IndexSettings, Part, Sample, ShardInfo, Skipped};
+use crate::index::{Index, IndexSettings, Part, Sample, ShardInfo, Skipped, SourceFormat};
 use std::collections::HashMap;
 
 /// What an earlier index of the dataset knew, by file.
@@ -29,8 +29,11 @@ impl<'a> Previous<'a> {
         if index.settings != settings {
             return None;
         }
-        let mut samples = vec![Vec::new(); index.shards.len()];
-        for (i, sample) in index.samples.iter().enumerate() {
+        // Only shard formats take samples from it (a file tree's file is a sample made again, an LMDB read
+        // again): for a tree of a million files, no list of each file's samples.
+        let takes_samples = matches!(settings.format, SourceFormat::Tfrecord | SourceFormat::Tar);
+        let mut samples = vec![Vec::new(); if takes_samples { index.shards.len() } else { 0 }];
+        for (i, sample) in index.samples.iter().enumerate().filter(|_| takes_samples) {
             let shard = sample.parts.first().map(|p| p.shard as usize);
             match shard.filter(|&s| sample.parts.iter().all(|p| p.shard as usize == s) && s < samples.len()) {
                 Some(s) => samples[s].push(i),
