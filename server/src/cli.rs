@@ -68,7 +68,7 @@ pub struct IndexFlags {
 
 #[derive(Debug, Args)]
 pub struct IndexArgs {
-    /// TOML config file, as `serve` reads it: its datasets, index_dir, indexing switches and [limits]
+    /// TOML config file, as `serve` reads it: its datasets, index_dir, indexing switches and `[limits]`
     /// (command-line flags override it).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
