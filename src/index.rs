@@ -303,7 +303,12 @@ impl Index {
 
     fn parse(buf: &[u8], listed: Option<&mut Listed>) -> Result<Index, Refused> {
         let version = VERSION.to_le_bytes();
-        let payload = buf.strip_prefix(MAGIC).and_then(|b| b.strip_prefix(&version[..])).ok_or(Refused::Unreadable)?;
+        let rest = buf.strip_prefix(MAGIC).ok_or(Refused::Unreadable)?;
+        let payload = match rest.strip_prefix(&version[..]) {
+            Some(payload) => payload,
+            None if rest.len() >= 4 => return Err(Refused::Version),
+            None => return Err(Refused::Unreadable),
+        };
         let (payload, sum) = payload.split_at(payload.len().checked_sub(4).ok_or(Refused::Unreadable)?);
         if sum.try_into().ok().map(u32::from_le_bytes) != Some(crc::crc32c(payload)) {
             return Err(Refused::Unreadable);
@@ -389,6 +394,8 @@ pub enum Refused {
     Unreadable,
     /// An index of other settings, or of files that have changed since.
     Stale,
+    /// An index of another version: of other rules (an upgrade), rebuilt whole.
+    Version,
 }
 
 /// One list of files (shards, or side files) as an index records it.

@@ -413,6 +413,14 @@ pub fn load_or_build_listed(
             tracing::warn!(dataset = name, at, "persisted index is unreadable; rebuilding");
             None
         }
+        Err(Refused::Version) => {
+            tracing::info!(
+                dataset = name,
+                at,
+                "persisted index is of another version (made by another build); rebuilding"
+            );
+            None
+        }
     };
     let at_path = path.and_then(|path| Some((std::fs::read(path).ok()?, path.display().to_string())));
     if let Some(index) = at_path.and_then(|(bytes, at)| fresh(bytes, &at)) {

@@ -17,7 +17,8 @@ pub struct EnergyArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
     pub idle: Duration,
     /// Sampling interval.
-    #[arg(long, value_name = "DURATION", value_parser = batchfs::units::parse_positive_duration, default_value = "100ms")]
+    #[arg(long, value_name = "DURATION", value_parser = batchfs::units::parse_positive_duration,
+        default_value = "100ms")]
     pub interval: Duration,
     /// Write the timeline (one JSON sample per line) and a final `{"summary": ...}` line here.
     #[arg(long, value_name = "FILE")]

@@ -582,7 +582,7 @@ mod tests {
         for (shard, b) in index.shards.iter_mut().zip(bytes) {
             let path = dir.path().join(shard.path.as_str());
             std::fs::write(&path, b).unwrap();
-            shard.mtime_ns = batchfs::source::modified_ns(&path, &std::fs::metadata(&path).unwrap());
+            shard.mtime_ns = batchfs::source::modified_ns(&std::fs::metadata(&path).unwrap());
         }
         (dir, index, bytes)
     }

@@ -52,7 +52,7 @@ pub(super) fn walk(root: &Path, out_too: bool) -> Result<Vec<ShardInfo>, IndexEr
             let meta = match std::fs::metadata(&path) {
                 Ok(meta) => meta,
                 Err(e) if link => {
-                    tracing::warn!(path = %path.display(), error = %e, "a symbolic link that leads to no file: left out");
+                    tracing::warn!(path = %path.display(), error = %e, "a symbolic link to no file: left out");
                     continue;
                 }
                 Err(e) => return Err(io_err(&path)(e)),
@@ -79,10 +79,7 @@ pub(super) fn walk(root: &Path, out_too: bool) -> Result<Vec<ShardInfo>, IndexEr
                     listed_already(&path);
                 }
             } else if meta.is_file() && !rel_path.ends_with(".batchfs-index") {
-                let mtime_ns = match link {
-                    true => modified_ns(&path, &meta),
-                    false => mtime_of(&meta),
-                };
+                let mtime_ns = modified_ns(&meta);
                 out.push(ShardInfo { path: rel_path.into(), size: meta.len(), mtime_ns, ..Default::default() });
             }
         }
@@ -91,14 +88,10 @@ pub(super) fn walk(root: &Path, out_too: bool) -> Result<Vec<ShardInfo>, IndexEr
     Ok(out)
 }
 
-fn mtime_of(meta: &std::fs::Metadata) -> i64 {
+/// The modification time an index records for a file (a link's target's: a link re-created to the same
+/// file is no change), nanoseconds since the epoch, 0 before it; the server compares a shard with it as it
+/// serves. (A link pointed at another file of the same size and date is not seen, as a file rewritten in
+/// place keeping both is not: outside the contract, docs/FORMATS.md.)
+pub fn modified_ns(meta: &std::fs::Metadata) -> i64 {
     meta.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos() as i64)
-}
-
-/// The modification time an index records for the file at `path`, whose target `target` describes: a
-/// symbolic link's own where it is later than its target's, so a link pointed at another file of the same
-/// size and date (`ln -sfn`) is seen to change. The server compares a shard with it as it serves.
-pub fn modified_ns(path: &Path, target: &std::fs::Metadata) -> i64 {
-    let own = std::fs::symlink_metadata(path).ok().filter(|m| m.file_type().is_symlink());
-    own.map_or(mtime_of(target), |link| mtime_of(&link).max(mtime_of(target)))
 }
