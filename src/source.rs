@@ -598,23 +598,16 @@ fn index_tfrecord(
     reuse: Option<&reuse::Previous>,
     progress: &dyn Progress,
 ) -> Result<(), IndexError> {
-    let shards = index.shards.clone();
     let ext = Ext::from("example");
-    for (shard_no, shard) in shards.iter().enumerate() {
-        if reuse.is_some_and(|r| r.take(index, shard_no)) {
-            progress.advance(shard.size);
-            continue;
-        }
-        let map = map_shard(files, shard)?;
-        map.advise(memmap2::Advice::Sequential);
+    each_shard_read(files, index, reuse, progress, |index, shard_no, shard, bytes| {
         let stem = shard.path.rsplit_once('.').map_or(shard.path.as_str(), |(s, _)| s);
-        let mut scanner = tfrecord::Scanner::new(map.bytes(), index.settings.verify_data_crc);
+        let mut scanner = tfrecord::Scanner::new(bytes, index.settings.verify_data_crc);
         let mut reported = 0;
         let mut record_no = 0u64;
         while let Some(item) = scanner.next() {
             match item {
                 Ok(pos) => {
-                    let data = &map.bytes()[pos.data_offset() as usize..(pos.data_offset() + pos.len) as usize];
+                    let data = &bytes[pos.data_offset() as usize..(pos.data_offset() + pos.len) as usize];
                     let (key, label) = example_key_label(data);
                     index.samples.push(Sample {
                         key: key.unwrap_or_else(|| format!("{stem}/{record_no:08}")).into(),
@@ -644,6 +637,29 @@ fn index_tfrecord(
             reported = scanner.position();
         }
         progress.advance(shard.size - reported);
+        Ok(())
+    })
+}
+
+/// Each shard of `index` in turn, for the formats whose samples each lie in one shard (TFRecord, WebDataset
+/// tar): what `reuse` knows of it taken, else its bytes (mapped, read ahead) handed to `each` with its
+/// number, and its checksums computed after.
+fn each_shard_read(
+    files: &dyn Files,
+    index: &mut Index,
+    reuse: Option<&reuse::Previous>,
+    progress: &dyn Progress,
+    mut each: impl FnMut(&mut Index, usize, &ShardInfo, &[u8]) -> Result<(), IndexError>,
+) -> Result<(), IndexError> {
+    let shards = index.shards.clone();
+    for (shard_no, shard) in shards.iter().enumerate() {
+        if reuse.is_some_and(|r| r.take(index, shard_no)) {
+            progress.advance(shard.size);
+            continue;
+        }
+        let map = map_shard(files, shard)?;
+        map.advise(memmap2::Advice::Sequential);
+        each(index, shard_no, shard, map.bytes())?;
         index.shards[shard_no].checksum(map.bytes());
     }
     Ok(())

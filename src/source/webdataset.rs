@@ -1,7 +1,7 @@
 //! A WebDataset tar's indexing: members grouped into samples by key (WebDataset's rule), labels read from
 //! `.cls`-like parts, a repeated member or a damaged header skipped or refused as `skip_corrupt` says.
 
-use super::{corrupt, map_shard, reuse, Files, IndexError, Progress};
+use super::{corrupt, each_shard_read, reuse, Files, IndexError, Progress};
 use crate::index::{Exts, Index, Part, Sample, NO_LABEL};
 use crate::{crc, tar};
 
@@ -46,17 +46,9 @@ pub(super) fn index(
     reuse: Option<&reuse::Previous>,
     progress: &dyn Progress,
 ) -> Result<(), IndexError> {
-    let shards = index.shards.clone();
     let mut exts = Exts::default();
     let (mut skipped_members, mut left_out) = (0u64, None::<String>);
-    for (shard_no, shard) in shards.iter().enumerate() {
-        if reuse.is_some_and(|r| r.take(index, shard_no)) {
-            progress.advance(shard.size);
-            continue;
-        }
-        let map = map_shard(files, shard)?;
-        map.advise(memmap2::Advice::Sequential);
-        let bytes = map.bytes();
+    each_shard_read(files, index, reuse, progress, |index, shard_no, shard, bytes| {
         let mut group: Option<Group> = None;
         let flush = |group: &mut Option<Group>, index: &mut Index| {
             if let Some(Group { key, parts }) = group.take() {
@@ -161,8 +153,8 @@ pub(super) fn index(
         }
         flush(&mut group, index);
         progress.advance(shard.size.saturating_sub(reported));
-        index.shards[shard_no].checksum(bytes);
-    }
+        Ok(())
+    })?;
     if let Some(first) = left_out {
         tracing::warn!(
             dataset = %files.root().display(), members = skipped_members, first = %first,
