@@ -481,8 +481,8 @@ pub fn build_from(
     if let Some(r) = &reuse {
         // Said: the progress that follows counts the whole dataset, the files taken as well.
         let lmdb = settings.format == SourceFormat::Lmdb;
-        let taken = shards.iter().filter(|f| !lmdb && r.checksums(f, false).is_some()).count()
-            + side.iter().filter(|f| r.checksums(f, true).is_some()).count();
+        let taken = shards.iter().filter(|f| !lmdb && r.known(f, false).is_some()).count()
+            + side.iter().filter(|f| r.known(f, true).is_some()).count();
         let total = shards.len() + side.len();
         tracing::info!(
             dataset = %files.root().display(), files = total, unchanged = taken, read = total - taken,

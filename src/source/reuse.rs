@@ -56,11 +56,15 @@ impl<'a> Previous<'a> {
 
     /// The checksums of `file` (a side file, or a shard of a file tree), where it is unchanged since.
     pub(crate) fn checksums(&self, file: &ShardInfo, side: bool) -> Option<(u32, crate::index::ChunkCrcs)> {
-        let known = match side {
+        self.known(file, side).map(|s| (s.crc32c, s.chunks.clone()))
+    }
+
+    /// The earlier index's entry of `file` (a side file, or a shard), where the file is unchanged since.
+    pub(crate) fn known(&self, file: &ShardInfo, side: bool) -> Option<&ShardInfo> {
+        match side {
             true => self.side.get(file.path.as_str()).copied().filter(|s| s.same_file(file)),
             false => self.shard(file).map(|i| &self.index.shards[i]),
-        };
-        known.map(|s| (s.crc32c, s.chunks.clone()))
+        }
     }
 
     /// Appends to `index` what the earlier index holds of its shard `shard_no` (its samples, checksums and
