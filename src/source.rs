@@ -140,26 +140,22 @@ fn starts_with_tfrecord_frames(path: &Path, size: u64) -> bool {
 /// holds such shards by their extension ([`detect_listed`]), else TFRecord if the first file named as
 /// TensorFlow names shards (`train-00000-of-01024`) starts with TFRecord frames, else a plain file tree.
 pub fn detect(root: &Path) -> Result<SourceFormat, IndexError> {
-    detect_following(root, false)
+    Ok(detect_walked(root, &walk_dir(root, false)?))
 }
 
-/// [`detect`], following symbolic links out of `root` too where `out_too` says ([`IndexOptions::follow_links`]).
-pub fn detect_following(root: &Path, out_too: bool) -> Result<SourceFormat, IndexError> {
-    if !root.is_dir() {
-        return Err(IndexError::NotADirectory(root.to_owned()));
-    }
-    let files = walk(root, out_too)?;
+/// [`detect`] of the files [`walk_dir`] listed at `root`.
+fn detect_walked(root: &Path, files: &[ShardInfo]) -> SourceFormat {
     let by_name = detect_listed(files.iter().map(|f| f.path.as_str()));
     // The first such file that holds anything: an empty shard is a valid TFRecord file, and proves nothing.
     let sharded = files.iter().find(|f| is_tensorflow_shard_name(&f.path) && f.size > 0);
-    Ok(match sharded {
+    match sharded {
         Some(f)
             if by_name == SourceFormat::Files && starts_with_tfrecord_frames(&root.join(f.path.as_str()), f.size) =>
         {
             SourceFormat::Tfrecord
         }
         _ => by_name,
-    })
+    }
 }
 
 /// The format of a dataset whose files have these paths (relative to its root, `/`-separated), by their
@@ -189,21 +185,29 @@ pub fn discover(
     format: SourceFormat,
     given: bool,
 ) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
-    discover_following(root, format, given, false)
+    classify(root, format, given, walk_dir(root, false)?)
 }
 
-/// [`discover`], following symbolic links out of `root` too where `out_too` says.
-pub fn discover_following(
-    root: &Path,
-    format: SourceFormat,
-    given: bool,
-    out_too: bool,
-) -> Result<(Vec<ShardInfo>, Vec<ShardInfo>), IndexError> {
+/// The format of the dataset at `root` (given in `options`, else detected), its shards and its side files,
+/// from one walk of its directory ([`detect`], [`discover`]; symbolic links out of it followed where
+/// [`IndexOptions::follow_links`] says): walked twice, a dataset changing meanwhile could be detected as
+/// one thing and listed as another, and every warning of the walk was said twice.
+pub fn list(root: &Path, options: &IndexOptions) -> Result<ListedDataset, IndexError> {
+    let files = walk_dir(root, options.follow_links)?;
+    let format = options.format.unwrap_or_else(|| detect_walked(root, &files));
+    let (shards, side) = classify(root, format, options.format.is_some(), files)?;
+    Ok((format, shards, side))
+}
+
+/// What [`list`] finds: the format, the shards and the side files.
+pub type ListedDataset = (SourceFormat, Vec<ShardInfo>, Vec<ShardInfo>);
+
+/// [`walk`] of a directory, an error where `root` is none.
+fn walk_dir(root: &Path, out_too: bool) -> Result<Vec<ShardInfo>, IndexError> {
     if !root.is_dir() {
         return Err(IndexError::NotADirectory(root.to_owned()));
     }
-    let files = walk(root, out_too)?;
-    classify(root, format, given, files)
+    walk(root, out_too)
 }
 
 /// Splits a dataset's files (sorted by path, hidden ones left out) into the shards of `format` and the
@@ -362,11 +366,7 @@ pub fn load_or_build(
     options: &IndexOptions,
     progress: &dyn Progress,
 ) -> Result<(Index, IndexOrigin), IndexError> {
-    let format = match options.format {
-        Some(f) => f,
-        None => detect_following(root, options.follow_links)?,
-    };
-    let (shards, side) = discover_following(root, format, options.format.is_some(), options.follow_links)?;
+    let (format, shards, side) = list(root, options)?;
     let path = index_path(root, name, index_dir);
     load_or_build_listed(&Directory(root), name, Some(&path), options.settings(format), shards, side, progress)
 }
@@ -459,11 +459,7 @@ pub fn load_or_build_listed(
 
 /// Builds the index of the dataset at `root` (not persisted).
 pub fn build(root: &Path, options: &IndexOptions, progress: &dyn Progress) -> Result<Index, IndexError> {
-    let format = match options.format {
-        Some(f) => f,
-        None => detect_following(root, options.follow_links)?,
-    };
-    let (shards, side) = discover_following(root, format, options.format.is_some(), options.follow_links)?;
+    let (format, shards, side) = list(root, options)?;
     build_from(&Directory(root), options.settings(format), shards, side, None, progress)
 }
 

@@ -186,6 +186,24 @@ fn bad_invocations_say_what_to_fix() {
     assert!(Path::new(BIN).exists());
 }
 
+/// A dataset's directory is walked once per indexing: each link left out is said once (the format's
+/// detection and the listing each walked it, and said every warning twice).
+#[test]
+fn indexing_says_each_link_left_out_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("tree");
+    std::fs::create_dir_all(data.join("cats")).unwrap();
+    std::fs::write(data.join("cats/a.jpg"), b"cat").unwrap();
+    std::os::unix::fs::symlink("/nonexistent/x.jpg", data.join("cats/dangling.jpg")).unwrap();
+    std::fs::write(dir.path().join("outside.jpg"), b"out").unwrap();
+    std::os::unix::fs::symlink(dir.path().join("outside.jpg"), data.join("cats/out.jpg")).unwrap();
+    let out = run(&["index", "--dataset", &format!("d={}", data.display())]);
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("a symbolic link to no file").count(), 1, "{err}");
+    assert_eq!(err.matches("a symbolic link out of the dataset's directory").count(), 1, "{err}");
+}
+
 /// The README's server-side demo: generates, serves, reads an epoch over HTTP/2 and checks every batch.
 #[test]
 fn demo_reads_and_verifies_every_batch() {
