@@ -77,6 +77,18 @@ pub fn is_object_url(path: &Path) -> bool {
 pub enum ObjectError {
     #[error("{url}: expected s3://BUCKET or s3://BUCKET/PREFIX")]
     BadUrl { url: String },
+    #[error("{url}: {bucket:?} is no bucket name (letters, digits, '.', '-' and '_')")]
+    BadBucket { url: String, bucket: String },
+    #[error(
+        "{url}: the endpoint {endpoint:?} is no URL of the form http(s)://HOST[:PORT] (AWS_ENDPOINT_URL, or the \
+         dataset's endpoint setting)"
+    )]
+    BadEndpoint { url: String, endpoint: String },
+    #[error(
+        "{url}: the endpoint {endpoint} is plain HTTP, which the S3 client refuses unless told: set \
+         AWS_ALLOW_HTTP=true (or allow_http = \"true\" in [dataset.s3])"
+    )]
+    HttpNotAllowed { url: String, endpoint: String },
     #[error("{url}: unknown setting {key:?} in [dataset.s3] (object_store's S3 keys: endpoint, region, ...)")]
     BadSetting { url: String, key: String },
     #[error("{url}: {source}")]
@@ -102,6 +114,8 @@ pub enum ObjectError {
     List { url: String, source: Box<object_store::Error> },
     #[error("{url}: no objects under this prefix")]
     Empty { url: String },
+    #[error("{url}: an object, not a prefix: a dataset is the objects under a prefix (s3://{bucket}/{folder})")]
+    AnObject { url: String, bucket: String, folder: String },
 }
 
 /// Where an object dataset is and how to read it.

@@ -34,7 +34,36 @@ fn parse_url(url: &str) -> Result<(&str, &str), ObjectError> {
     if bucket.is_empty() {
         return Err(ObjectError::BadUrl { url: url.to_owned() });
     }
+    // What S3 and the stores like it take (AWS's older names had capitals and `_`); another character
+    // made the S3 client panic as it signed the first request.
+    if !bucket.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+        return Err(ObjectError::BadBucket { url: url.to_owned(), bucket: bucket.to_owned() });
+    }
     Ok((bucket, prefix.trim_end_matches('/')))
+}
+
+/// The object named `key` (a listing's name, or a prefix joined to one): `object_store`'s `From<&str>`
+/// percent-encodes what it deems unsafe in a key (every non-ASCII character, `%`, `?`, `#`, `~`, ...), so
+/// `c/aüb.jpg`, listed as it is, was asked for as `c/a%C3%BCb.jpg`, an object that is not there (the
+/// dataset refused as changed). Parsed, the key is taken as it is; a key it refuses (an empty component:
+/// `a//b`) is taken as before (`a/b`).
+fn object_path(key: &str) -> ObjectPath {
+    ObjectPath::parse(key).unwrap_or_else(|_| ObjectPath::from(key))
+}
+
+/// Refuses an endpoint that is no `http(s)://HOST[:PORT]` (the S3 client panicked on one as it signed
+/// the first request: `127.0.0.1:9000`, an empty one), and a plain-HTTP one the client would refuse
+/// (its error, "URL scheme is not allowed", said nothing of `allow_http`).
+fn check_endpoint(url: &str, endpoint: &str, allow_http: bool) -> Result<(), ObjectError> {
+    let bad = || ObjectError::BadEndpoint { url: url.to_owned(), endpoint: endpoint.to_owned() };
+    let parsed = reqwest::Url::parse(endpoint).map_err(|_| bad())?;
+    match parsed.scheme() {
+        _ if parsed.host_str().is_none_or(str::is_empty) => Err(bad()),
+        "https" => Ok(()),
+        "http" if allow_http => Ok(()),
+        "http" => Err(ObjectError::HttpNotAllowed { url: url.to_owned(), endpoint: endpoint.to_owned() }),
+        _ => Err(bad()),
+    }
 }
 
 impl Bucket {
@@ -65,9 +94,15 @@ impl Bucket {
             retry_timeout: limits.retry_for,
         };
         builder = builder.with_retry(retry);
-        let endpoint = builder
-            .get_config_value(&AmazonS3ConfigKey::Endpoint)
-            .unwrap_or_else(|| "the AWS endpoint of the bucket's region".to_owned());
+        let given = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
+        if let Some(endpoint) = &given {
+            let allow = AmazonS3ConfigKey::Client(object_store::ClientConfigKey::AllowHttp);
+            // As object_store reads a switch.
+            let truthy = |v: String| ["1", "true", "on", "yes", "y"].contains(&v.trim().to_ascii_lowercase().as_str());
+            let allow_http = builder.get_config_value(&allow).is_some_and(truthy);
+            check_endpoint(url, endpoint, allow_http)?;
+        }
+        let endpoint = given.unwrap_or_else(|| "the AWS endpoint of the bucket's region".to_owned());
         let store = builder.build().map_err(|e| ObjectError::Config { url: url.to_owned(), source: Box::new(e) })?;
         Ok(Bucket {
             store: Arc::new(store),
@@ -93,15 +128,15 @@ impl Bucket {
     /// Where `path` (relative to the prefix) is in the bucket.
     pub fn location(&self, path: &str) -> ObjectPath {
         match self.prefix.is_empty() {
-            true => ObjectPath::from(path),
-            false => ObjectPath::from(format!("{}/{path}", self.prefix)),
+            true => object_path(path),
+            false => object_path(&format!("{}/{path}", self.prefix)),
         }
     }
 
     /// The objects under the prefix (relative paths, sorted; hidden names, those with a component that
     /// starts with `.`, left out) with their sizes, modification times and ETags.
     pub async fn list(&self) -> Result<Vec<ShardInfo>, ObjectError> {
-        let at = (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
+        let at = (!self.prefix.is_empty()).then(|| object_path(&self.prefix));
         let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };
         // Each object as it comes: a page's metadata is dropped before the next page is read.
         let file = |meta: object_store::ObjectMeta| {
@@ -131,9 +166,24 @@ impl Bucket {
             tracing::info!(url = %self.url, markers, "left out folder markers (empty objects named as a folder)");
         }
         if files.is_empty() {
-            return Err(ObjectError::Empty { url: self.url.clone() });
+            return Err(self.nothing_under_prefix().await);
         }
         Ok(files)
+    }
+
+    /// Why no object is under the prefix: it names an object itself (`s3://b/train/x.tfrecord`, where
+    /// the dataset is `s3://b/train`), or nothing.
+    async fn nothing_under_prefix(&self) -> ObjectError {
+        use object_store::ObjectStoreExt;
+        let an_object = !self.prefix.is_empty() && self.store.head(&object_path(&self.prefix)).await.is_ok();
+        match an_object {
+            true => ObjectError::AnObject {
+                url: self.url.clone(),
+                bucket: self.bucket.clone(),
+                folder: self.prefix.rsplit_once('/').map_or("", |(folder, _)| folder).to_owned(),
+            },
+            false => ObjectError::Empty { url: self.url.clone() },
+        }
     }
 
     /// What a failed listing means to the user, by the error's kind: `object_store`'s own, the HTTP
@@ -227,6 +277,75 @@ mod tests {
         let b = Bucket::of_store("s3://b/data/", store.clone(), "memory").unwrap();
         assert_eq!((b.url.as_str(), b.location("x/y").as_ref()), ("s3://b/data", "data/x/y"));
         assert_eq!(Bucket::of_store("s3://b", store, "memory").unwrap().location("x").as_ref(), "x");
+    }
+
+    /// Bucket names and endpoints the S3 client would panic on, or refuse saying nothing of why, are
+    /// refused at start, each naming what to fix.
+    #[test]
+    fn a_bad_bucket_name_or_endpoint_is_refused_naming_it() {
+        for url in ["s3://da ta/x", "s3://a:b/x", "s3://user@data/x", "s3://ü/x"] {
+            assert!(matches!(parse_url(url), Err(ObjectError::BadBucket { .. })), "{url}");
+        }
+        assert_eq!(parse_url("s3://My_old.bucket-1/p").unwrap(), ("My_old.bucket-1", "p"));
+        for endpoint in ["127.0.0.1:9000", "", "localhost:9000", "ftp://h", "http://"] {
+            let e = check_endpoint("s3://b", endpoint, true).unwrap_err();
+            assert!(matches!(e, ObjectError::BadEndpoint { .. }), "{endpoint}: {e}");
+        }
+        let e = check_endpoint("s3://b", "http://127.0.0.1:9000", false).unwrap_err();
+        assert!(e.to_string().contains("AWS_ALLOW_HTTP=true"), "{e}");
+        check_endpoint("s3://b", "http://127.0.0.1:9000", true).unwrap();
+        check_endpoint("s3://b", "https://s3.example.com", false).unwrap();
+        // Through the settings, as a user gives them: an error, not a panic at the first request.
+        let settings = |endpoint: &str| {
+            [("endpoint", endpoint), ("allow_http", "true"), ("region", "us-east-1")]
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .into_iter()
+                .collect::<BTreeMap<_, _>>()
+        };
+        let limits = ObjectLimits::of(&crate::config::ServerLimits::default(), 1 << 40);
+        let e = Bucket::connect("s3://b/p", &settings("127.0.0.1:9000"), &limits).err().unwrap();
+        assert!(matches!(e, ObjectError::BadEndpoint { .. }), "{e}");
+        Bucket::connect("s3://b/p", &settings("http://127.0.0.1:9000"), &limits).unwrap();
+    }
+
+    /// Keys as S3 takes them (any UTF-8 but control characters): a listed key is asked for as listed.
+    /// `object_store`'s `Path::from` percent-encodes `ü`, `%`, `?`, `#`, `~`, ...: such objects were asked
+    /// for under names that are not there.
+    #[tokio::test]
+    async fn keys_are_read_as_they_are_listed() {
+        use object_store::ObjectStoreExt;
+        let store = Arc::new(object_store::memory::InMemory::new());
+        let keys = ["p/c/aüb.jpg", "p/c/100%.jpg", "p/c/a%20b", "p/c/q?#~\"*<{[^`|.jpg", "p/ü~/x"];
+        for key in keys {
+            store
+                .put(&ObjectPath::parse(key).unwrap(), bytes::Bytes::from(key.as_bytes().to_vec()).into())
+                .await
+                .unwrap();
+        }
+        let bucket = Bucket::of_store("s3://b/p", store.clone(), "memory").unwrap();
+        let listed = bucket.list().await.unwrap();
+        assert_eq!(listed.len(), keys.len());
+        for file in &listed {
+            let got = store.get(&bucket.location(&file.path)).await.unwrap().bytes().await.unwrap();
+            assert_eq!(&got[..], format!("p/{}", file.path).as_bytes());
+        }
+        // A prefix of such characters lists what is under it.
+        let under = Bucket::of_store("s3://b/p/ü~", store, "memory").unwrap();
+        assert_eq!(under.list().await.unwrap().len(), 1);
+    }
+
+    /// A dataset URL naming one object (`s3://b/train/x.tfrecord`) says so and names the prefix to give;
+    /// a prefix with nothing under it is empty.
+    #[tokio::test]
+    async fn a_url_of_one_object_says_to_give_its_prefix() {
+        use object_store::ObjectStoreExt;
+        let store = Arc::new(object_store::memory::InMemory::new());
+        store.put(&ObjectPath::from("train/x.tfrecord"), bytes::Bytes::from_static(b"x").into()).await.unwrap();
+        let one = Bucket::of_store("s3://b/train/x.tfrecord", store.clone(), "memory").unwrap();
+        let e = one.list().await.unwrap_err();
+        assert!(e.to_string().contains("an object, not a prefix") && e.to_string().contains("s3://b/train)"), "{e}");
+        let none = Bucket::of_store("s3://b/nothing", store, "memory").unwrap();
+        assert!(matches!(none.list().await.unwrap_err(), ObjectError::Empty { .. }));
     }
 
     /// Folder markers (`c0/`, an empty object whose name `object_store` gives as `c0`) beside the folder's
