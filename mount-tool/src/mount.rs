@@ -237,7 +237,11 @@ pub fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: boo
 
 /// A worker: serves the mount its supervisor holds until the mount ends (exit 0), or until SIGTERM asks
 /// it to step down for a new worker ([`crate::supervise::EXIT_REPLACE`]).
-pub fn work(url: &str, options: MountOptions, start: crate::supervise::WorkerStart) -> Result<()> {
+pub fn work(url: &str, mut options: MountOptions, start: crate::supervise::WorkerStart) -> Result<()> {
+    if options.plan.shuffle == batchfs::plan::Shuffle::Blocks && start.block_bytes != 0 {
+        // As the mount resolved it, not as this worker's command line leaves it (the first server's default).
+        options.plan.block_bytes = start.block_bytes;
+    }
     let http = match http_config(url, &options) {
         Ok(http) => http,
         Err(e) => {

@@ -149,7 +149,8 @@ fn mount(plan: &MountPlan, config: fuser::Config) -> Result<Held> {
     let ledger = Ledger::create().context("cannot make the mount's ledger")?;
     ledger.settle(settings);
     let mut info = crate::sys::memfd("batchfs-info")?;
-    info.write_all(&serde_json::to_vec(&plan.info)?)?;
+    let kept = Kept { info: plan.info.clone(), block_bytes: plan.options.plan.block_bytes };
+    info.write_all(&serde_json::to_vec(&kept)?)?;
     tracing::info!(passthrough = settings.passthrough, resend = settings.resend, "mounted; starting the worker");
     let mount_id = mount_id_of(&plan.mountpoint);
     Ok(Held { fuse, ledger, info, mounted: Some(session), mount_id })
@@ -649,12 +650,29 @@ enum Mount {
     Gone,
 }
 
+/// What a supervisor keeps for its workers beside the mount (in a memory file, with systemd too): the
+/// dataset's description, and the `block_bytes` the mount planned with. A worker parses its options from
+/// the command line again, where `shuffle=blocks` without `block_bytes` means "the first server's
+/// default": resolved again by each worker, it was another server's where the first was down, or each
+/// server's own (a worker of a mount of replicas with tiers of other sizes read other epochs than the
+/// mount listed, and its replica's bodies failed their checksums). A description kept by a supervisor of
+/// a release before has no `block_bytes`.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Kept {
+    #[serde(flatten)]
+    info: batchfs::api::DatasetInfo,
+    #[serde(default)]
+    block_bytes: u64,
+}
+
 /// A worker's inheritance, when this process is one (started by a supervisor).
 pub struct WorkerStart {
     pub fuse: OwnedFd,
     pub ledger: std::sync::Arc<Ledger>,
     pub settings: Settings,
     pub info: batchfs::api::DatasetInfo,
+    /// The `block_bytes` the mount planned with (0: none, or a supervisor of a release before).
+    pub block_bytes: u64,
     pub mountpoint: PathBuf,
     ready: UnixStream,
 }
@@ -687,8 +705,9 @@ impl WorkerStart {
         let mut info = info;
         std::io::Seek::seek(&mut info, std::io::SeekFrom::Start(0))?;
         info.read_to_end(&mut text)?;
-        let info = serde_json::from_slice(&text).context("the dataset's description the supervisor kept")?;
-        Ok(Some(WorkerStart { fuse, ledger, settings, info, mountpoint, ready }))
+        let Kept { info, block_bytes } =
+            serde_json::from_slice(&text).context("the dataset's description the supervisor kept")?;
+        Ok(Some(WorkerStart { fuse, ledger, settings, info, block_bytes, mountpoint, ready }))
     }
 
     /// Tells the supervisor this worker serves the mount.

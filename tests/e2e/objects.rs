@@ -723,6 +723,23 @@ fn replicas_with_tiers_of_other_sizes_serve_one_blocks_plan() {
     let servers = stats["servers"].as_array().unwrap();
     assert!(servers.iter().all(|s| s["requests"].as_u64().unwrap() > 0), "both served: {servers:?}");
     drop(mounted);
+    // The same through a supervised mount (the default), its worker replaced once: each worker parsed
+    // `shuffle=blocks` again and took each server's own default, so the replica's bodies failed.
+    let url_a = format!("{}/d", a.base);
+    let supervised = crate::takeover::Supervised::start(&crate::takeover::program(), &url_a, &options);
+    for round in 0..2 {
+        for entry in &m.batches {
+            let path = supervised.mountpoint.join(format!("epoch-0000/batch-{:06}.tfrecord", entry.index));
+            let body = std::fs::read(path).unwrap();
+            assert_eq!(batchfs::crc::crc32c(&body), entry.crc32c, "round {round}, batch {}", entry.index);
+        }
+        let stats = supervised.stats();
+        assert_eq!(stats["checksum_errors"], 0, "round {round}: {stats}");
+        if round == 0 {
+            supervised.kill_worker();
+        }
+    }
+    drop(supervised);
     rt.block_on(a.running.shutdown());
     rt.block_on(b.running.shutdown());
 }

@@ -16,21 +16,21 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The `batchfs` program under test.
-fn program() -> PathBuf {
+pub(crate) fn program() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_batchfs-e2e-mount"))
 }
 
 /// A supervised mount started as a user starts it (`batchfs mount ... --foreground`); its supervisor is
 /// stopped and the mountpoint detached on drop, also when a test panics.
-struct Supervised {
+pub(crate) struct Supervised {
     _dir: tempfile::TempDir,
-    mountpoint: PathBuf,
+    pub(crate) mountpoint: PathBuf,
     supervisor: Child,
     log: PathBuf,
 }
 
 impl Supervised {
-    fn start(program: &Path, url: &str, options: &str) -> Supervised {
+    pub(crate) fn start(program: &Path, url: &str, options: &str) -> Supervised {
         let dir = tempfile::tempdir().unwrap();
         let mountpoint = dir.path().join("mnt");
         std::fs::create_dir(&mountpoint).unwrap();
@@ -87,7 +87,7 @@ impl Supervised {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    fn stats(&self) -> serde_json::Value {
+    pub(crate) fn stats(&self) -> serde_json::Value {
         common::mount_stats(&self.mountpoint)
     }
 
@@ -119,7 +119,7 @@ impl Supervised {
 
     /// Kills the worker with SIGKILL and waits until its successor serves: the time without service the
     /// supervisor measured for the takeover.
-    fn kill_worker(&self) -> Duration {
+    pub(crate) fn kill_worker(&self) -> Duration {
         let before = self.served();
         let &(pid, _) = before.last().expect("a worker serves");
         assert_ne!(pid as u32, self.supervisor.id(), "the worker is a process of its own");
