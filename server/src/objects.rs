@@ -555,6 +555,34 @@ mod tests {
         assert_eq!(source.counters.gets.load(Ordering::Relaxed), reads_of_one);
     }
 
+    /// A mapped copy truncated under the server (the tier's file cut by hand): the body that touches its
+    /// end reads zeros (refused by the clients' checksums), and the next check before a body removes the
+    /// copy, so what follows is read from the store. The copy was served on, zeros and all, unsaid.
+    #[test]
+    fn a_copy_truncated_under_the_server_is_removed_and_read_from_the_store() {
+        batchfs::mmap::guard_truncation().unwrap();
+        let (local, _) = crate::storage::fixtures::dataset(120, 40_000, 3);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let ctx = context(Some(tier_dir.path()), 1 << 30);
+        let ds = open(&store, &ctx, index_dir.path());
+        let (source, tier) = (ds.storage.objects().unwrap().clone(), ctx.tier.clone().unwrap());
+        let map = ds.storage.mapping(0).expect("the copy mapped");
+        let copy = tier.get(&source.tier_name(&ds.index.shards[0])).unwrap().0;
+        let size = ds.index.shards[0].size;
+        std::fs::OpenOptions::new().write(true).open(&copy).unwrap().set_len(size / 4).unwrap();
+        let last = map.bytes()[size as usize - 1];
+        assert!(map.was_cut() && last == 0, "a page past the new end reads zeros");
+        let gets = source.counters.gets.load(Ordering::Relaxed);
+        ds.storage.check(0).unwrap();
+        assert_eq!(tier.counters.failures.load(Ordering::Relaxed), 1, "the copy removed");
+        assert!(!copy.exists());
+        assert!(ds.storage.mapping(0).is_none_or(|m| !m.was_cut()));
+        read_all_and_compare(&ds, local.path());
+        assert!(source.counters.gets.load(Ordering::Relaxed) > gets, "read from the store again");
+    }
+
     #[test]
     fn objects_held_in_memory_are_read_from_their_copies_in_the_tier() {
         // Shards whose sizes are not whole pages: a copy is read into whole pages of memory.

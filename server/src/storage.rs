@@ -432,6 +432,10 @@ impl Storage {
                 return Err(self.shard_changed(n, why.clone()));
             }
         }
+        if let (Shard::Object, Some(objects)) = (self.shard(n), &self.objects) {
+            // A copy in the disk tier cut under the server is the tier's to drop: the store still has it.
+            objects.drop_cut_copy(n);
+        }
         let Some(w) = self.watched.get(n as usize).filter(|w| !w.held) else { return Ok(()) };
         if let Shard::Mapped(map) = self.shard(n) {
             if map.was_cut() {

@@ -136,6 +136,23 @@ impl ObjectSource {
         Some(map)
     }
 
+    /// Lets object `n`'s mapped copy go where the file was truncated under the server (by hand, or a disk
+    /// tool): a page past its new end was read, which reads zeros ([`MappedFile::was_cut`]). The copy is
+    /// removed from the tier, and the object read from the store (and copied) again. It was kept and
+    /// served on: every body that touched its end sent zeros (refused by the clients' checksums, each
+    /// read of the mount failing until its `timeout`), and nothing said so. Returns whether it did.
+    pub fn drop_cut_copy(&self, n: u32) -> bool {
+        let (Some(tier), Some(file)) = (self.tier(), self.file(n)) else { return false };
+        match self.maps.get(tier, n, false) {
+            Some(map) if map.was_cut() => {
+                tier.remove(&self.tier_name(file), "truncated under the server: a page past its end read zeros");
+                self.maps.forget(n);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Counts a read of `len` bytes served from a copy in the tier (mapped, read, or being made).
     pub fn served_from_tier(&self, len: u64) {
         if let Some(tier) = self.tier() {
