@@ -96,3 +96,51 @@ fn two_shares_of_shuffled_read_every_sample_once_between_them() {
     assert_eq!(together, want);
     rt.block_on(server.running.shutdown());
 }
+
+/// A sample whose reads all failed (the server down past `timeout`) goes back at its close: a loader that
+/// skips what it cannot read, then reads on once the server is back, still gets every sample of the class
+/// once in the epoch. The sample was the failed file's from its open: lost from the epoch, and a sample of
+/// the next read in its place.
+#[test]
+fn a_sample_no_read_got_is_handed_out_again() {
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Files, 300, 4_000);
+    let want = tree(&fx.path);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let addr = server.running.local_addr();
+    // Small windows: a class's next few samples are fetched ahead, not the whole class.
+    let (_dir, mounted) = common::mount(&server, "d", "timeout=2s,prefetch_bytes=64K");
+    let (class, crcs) = want.iter().next().unwrap();
+    let dir = mounted.mountpoint.join("shuffled").join(class);
+    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut got = Vec::new();
+    let mut next = 0;
+    let mut read_next = || {
+        next += 1;
+        std::fs::read(&names[(next - 1) % names.len()]).map(|b| u64::from(batchfs::crc::crc32c(&b)))
+    };
+    for _ in 0..10 {
+        got.push(read_next().unwrap());
+    }
+    rt.block_on(server.running.shutdown());
+    let mut failed = 0;
+    for _ in 0..6 {
+        match read_next() {
+            Ok(crc) => got.push(crc),
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+                failed += 1;
+            }
+        }
+    }
+    assert!(failed > 0, "the server is down: a sample past the window cannot be read");
+    std::thread::sleep(batchfs_mount::fs::FAILED_READS_REPEATED_WITHIN);
+    let server = rt.block_on(common::serve_on(addr, &[("d", &fx.path)]));
+    while got.len() < crcs.len() {
+        got.push(read_next().unwrap());
+    }
+    got.sort_unstable();
+    assert_eq!(&got, crcs, "every sample of the class once in the epoch, the {failed} that failed among them");
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}

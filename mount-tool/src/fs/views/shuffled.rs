@@ -229,11 +229,28 @@ impl View for Shuffled {
         self.state.record_in(ledger.clone());
     }
 
+    /// A sample no read of got (each failed) goes back to be handed out again.
+    fn closed(&self, ino: u64) {
+        if let Some(Node::Sample { epoch, class, k }) = Node::from_ino(ino) {
+            self.state.closed(class, epoch, k);
+        }
+    }
+
     /// A group is consumed once its last sample is read to its end (the prefetcher marks it).
     fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError> {
         let Node::Sample { epoch, class, k } = self.node(ino)? else { return Err(FsError::IsADirectory) };
         let plan = self.state.plan(&self.prefetcher, epoch)?;
-        let (bytes, stalled) = self.reads.read(&self.prefetcher, (&plan, class as usize, k), offset, size, owner)?;
+        let read = self.reads.read(&self.prefetcher, (&plan, class as usize, k), offset, size, owner);
+        let (bytes, stalled) = match read {
+            Ok(read) => {
+                self.state.read_succeeded(class, epoch, k);
+                read
+            }
+            Err(e) => {
+                self.state.read_failed(class, epoch, k);
+                return Err(e.into());
+            }
+        };
         if stalled && self.state.stalled(k, plan.group as u64, plan.most_window) {
             let groups = self.state.window_groups();
             self.prefetcher.stats.shuffled_window.store(groups, std::sync::atomic::Ordering::Relaxed);

@@ -45,6 +45,11 @@ struct Inner {
     returned: HashMap<u32, VecDeque<(u64, u64)>>,
     /// Per thread: the sample its last lookup got, not yet opened.
     pending: HashMap<u32, Pending>,
+    /// Samples `(class, epoch, k)` opened whose reads failed, none having succeeded: given back at their
+    /// last close ([`ShuffledView::closed`]).
+    undelivered: HashSet<(u32, u64, u64)>,
+    /// Of `returned`, those given back so.
+    undelivered_back: HashSet<(u32, u64, u64)>,
     /// Epochs whose first groups of every class were asked for.
     warmed: HashSet<u64>,
 }
@@ -64,6 +69,8 @@ pub(super) struct ShuffledView {
     window: AtomicU64,
     /// Where the cursors are written through to, for a worker that takes over.
     ledger: Option<Arc<Ledger>>,
+    /// `inner.undelivered` holds any: a read that succeeds then looks it up (else it takes no lock).
+    any_undelivered: std::sync::atomic::AtomicBool,
 }
 
 impl ShuffledView {
@@ -77,6 +84,7 @@ impl ShuffledView {
             asked_ahead: Default::default(),
             window: AtomicU64::new(WINDOW_GROUPS),
             ledger: None,
+            any_undelivered: Default::default(),
         }
     }
 
@@ -206,6 +214,13 @@ impl ShuffledView {
             inner.returned.entry(p.class).or_default().push_back((p.epoch, p.k));
         }
         let got = match inner.returned.get_mut(&class).and_then(VecDeque::pop_front) {
+            // A sample given back after failed reads stays undelivered until a read of it succeeds: the
+            // next open's reads may fail at once (`fs/failed_reads.rs`), never reaching this view.
+            Some(back) if inner.undelivered_back.remove(&(class, back.0, back.1)) => {
+                inner.undelivered.insert((class, back.0, back.1));
+                self.any_undelivered.store(true, Ordering::Release);
+                back
+            }
             Some(back) => back,
             None => {
                 let cursor = inner.cursors.entry(class).or_insert((self.first_epoch, 0));
@@ -238,6 +253,38 @@ impl ShuffledView {
         if inner.pending.get(&tid).is_some_and(|p| (p.class, p.epoch, p.k) == (class, epoch, k)) {
             inner.pending.remove(&tid);
         }
+    }
+
+    /// A read of an opened sample failed (its group did not come within `timeout`: the server down, say).
+    /// Unless a later read of it succeeds, the sample goes back at its last close, to be handed out before
+    /// the class's next: it was the file's from its open, so a loader that skips a sample it cannot read,
+    /// or opens the name again, lost it from the epoch (and read the next epoch's in its place).
+    pub fn read_failed(&self, class: u32, epoch: u64, k: u64) {
+        self.inner.lock().expect("shuffled").undelivered.insert((class, epoch, k));
+        self.any_undelivered.store(true, Ordering::Release);
+    }
+
+    /// A read of an opened sample succeeded: it is delivered, whatever reads of it failed before.
+    pub fn read_succeeded(&self, class: u32, epoch: u64, k: u64) {
+        if self.any_undelivered.load(Ordering::Acquire) {
+            let mut inner = self.inner.lock().expect("shuffled");
+            inner.undelivered.remove(&(class, epoch, k));
+            self.any_undelivered.store(!inner.undelivered.is_empty(), Ordering::Release);
+        }
+    }
+
+    /// The last handle of an opened sample was closed: one whose every read failed goes back.
+    pub fn closed(&self, class: u32, epoch: u64, k: u64) {
+        if !self.any_undelivered.load(Ordering::Acquire) {
+            return;
+        }
+        let mut inner = self.inner.lock().expect("shuffled");
+        if inner.undelivered.remove(&(class, epoch, k)) {
+            tracing::info!(class, epoch, k, "shuffled/: a sample no read of got goes back, for the next open");
+            inner.returned.entry(class).or_default().push_front((epoch, k));
+            inner.undelivered_back.insert((class, epoch, k));
+        }
+        self.any_undelivered.store(!inner.undelivered.is_empty(), Ordering::Release);
     }
 
     /// Whether `epoch` is reached for the first time (its first groups are to be fetched).
@@ -361,6 +408,31 @@ mod tests {
         assert_eq!(v.reserve(1, 1, 10), Some((3, 0)));
         assert_eq!(v.reserve(2, 0, 10), Some((3, 0)), "the sample given back");
         assert_eq!(v.reserve(3, 0, 10), Some((3, 1)));
+    }
+
+    /// A sample whose every read failed (its group never came: the server down past `timeout`) goes back
+    /// at its last close, handed out before the class's next: the loader that skips it, or opens the name
+    /// again, loses nothing from the epoch. One read of which succeeded is delivered: not handed out twice.
+    #[test]
+    fn a_sample_no_read_got_goes_back_at_its_close() {
+        let v = view();
+        assert_eq!(v.reserve(1, 0, 10), Some((3, 0)));
+        v.opened(1, 0, 3, 0);
+        v.read_failed(0, 3, 0);
+        v.closed(0, 3, 0);
+        assert_eq!(v.reserve(1, 0, 10), Some((3, 0)), "the failed sample handed out again");
+        v.opened(1, 0, 3, 0);
+        // Closed with no read reaching the view (the next open's read failed at once): back again.
+        v.closed(0, 3, 0);
+        assert_eq!(v.reserve(1, 0, 10), Some((3, 0)), "still undelivered");
+        v.opened(1, 0, 3, 0);
+        v.read_failed(0, 3, 0);
+        v.read_succeeded(0, 3, 0);
+        v.closed(0, 3, 0);
+        assert_eq!(v.reserve(1, 0, 10), Some((3, 1)), "read at last: delivered");
+        v.opened(1, 0, 3, 1);
+        v.closed(0, 3, 1);
+        assert_eq!(v.reserve(1, 0, 10), Some((3, 2)), "a sample closed with no failure is delivered");
     }
 
     proptest! {
