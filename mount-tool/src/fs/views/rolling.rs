@@ -229,6 +229,7 @@ impl View for Rolling {
     fn closed(&self, ino: u64) {
         if let Some(Node::File { epoch, batch, file }) = Node::from_ino(ino) {
             self.prefetcher.closed(self.key(epoch, batch, file));
+            self.state.closed(batch, file, epoch);
         }
     }
 
@@ -248,7 +249,16 @@ impl View for Rolling {
     fn read(&self, ino: u64, offset: u64, size: u32, owner: u32) -> Result<Bytes, FsError> {
         match self.node(ino)? {
             Node::File { epoch, batch, file } => {
-                Ok(self.prefetcher.read(self.key(epoch, batch, file), offset, size, owner)?)
+                match self.prefetcher.read(self.key(epoch, batch, file), offset, size, owner) {
+                    Ok(bytes) => {
+                        self.state.read_succeeded(batch, file, epoch);
+                        Ok(bytes)
+                    }
+                    Err(e) => {
+                        self.state.read_failed(batch, file, epoch);
+                        Err(e.into())
+                    }
+                }
             }
             Node::Twin { batch } => {
                 let text = self.twin(batch)?;

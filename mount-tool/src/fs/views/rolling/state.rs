@@ -27,7 +27,7 @@ use super::RollingFile;
 use crate::ledger::{key, rest, tags, Ledger};
 use crate::options::RollingMode;
 use crate::sync::{AtomicBool, Mutex, Ordering};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 /// The layout one reader gets.
@@ -54,6 +54,11 @@ pub struct RollingState {
     /// Opens of packed files not released yet, by (batch, file).
     held: Mutex<HashMap<(u64, RollingFile), Vec<Held>>>,
     wrapped: AtomicBool,
+    /// Files `(batch, file, epoch)` opened whose reads failed, none having succeeded since: at each last
+    /// close of one, its name goes back to its epoch ([`Self::closed`]).
+    undelivered: Mutex<HashSet<(u64, RollingFile, u64)>>,
+    /// `undelivered` holds any: a read that succeeds then looks it up (else it takes no lock).
+    any_undelivered: AtomicBool,
     /// Where the counters and readers are written through to, for a worker that takes over.
     ledger: Option<Arc<Ledger>>,
 }
@@ -69,6 +74,8 @@ impl RollingState {
             indexed: Mutex::new(VecDeque::new()),
             held: Mutex::new(HashMap::new()),
             wrapped: AtomicBool::new(false),
+            undelivered: Mutex::new(HashSet::new()),
+            any_undelivered: AtomicBool::new(false),
             ledger: None,
         }
     }
@@ -161,6 +168,47 @@ impl RollingState {
                 "rolling/ served the last epoch of its span and starts over at first_epoch (a job reading more \
                  passes than `epochs` sees earlier epochs again; mount with epochs=N for N passes)"
             );
+        }
+    }
+
+    /// A read of `file` of name `batch` of `epoch` failed (its batch did not come within `timeout`).
+    /// Where the open came before the bytes (`passthrough=false`, or a kernel without passthrough), the
+    /// open got its file and moved the name on: unless a later read of it succeeds, the name goes back
+    /// at its last close, so that no epoch is skipped (as an open that fails moves nothing).
+    pub fn read_failed(&self, batch: u64, file: RollingFile, epoch: u64) {
+        self.undelivered.lock().expect("undelivered").insert((batch, file, epoch));
+        self.any_undelivered.store(true, Ordering::Release);
+    }
+
+    /// A read of `file` of name `batch` of `epoch` succeeded: it is delivered.
+    pub fn read_succeeded(&self, batch: u64, file: RollingFile, epoch: u64) {
+        if self.any_undelivered.load(Ordering::Acquire) {
+            let mut undelivered = self.undelivered.lock().expect("undelivered");
+            undelivered.remove(&(batch, file, epoch));
+            self.any_undelivered.store(!undelivered.is_empty(), Ordering::Release);
+        }
+    }
+
+    /// The last handle of `file` of name `batch` of `epoch` was closed: where no read of it has
+    /// succeeded since one failed, the name goes back to `epoch` (unless another open moved it on since).
+    /// It stays undelivered until a read succeeds: the next open's reads may fail at once, repeated by
+    /// the kernel, never reaching this view.
+    pub fn closed(&self, batch: u64, file: RollingFile, epoch: u64) {
+        if !self.any_undelivered.load(Ordering::Acquire)
+            || !self.undelivered.lock().expect("undelivered").contains(&(batch, file, epoch))
+        {
+            return;
+        }
+        let last = self.first_epoch + self.epochs - 1;
+        let after = if epoch >= last { self.first_epoch } else { epoch + 1 };
+        let mut next = self.next.lock().expect("rolling");
+        let at = next.entry((batch, file)).or_insert(self.first_epoch);
+        if *at == after && after != epoch {
+            tracing::info!(batch, epoch, "rolling/: a file no read of got: its name serves its epoch again");
+            *at = epoch;
+            if let Some(ledger) = &self.ledger {
+                ledger.set(key(tags::ROLLING_NEXT, batch << 3 | code(file)), epoch + 1);
+            }
         }
     }
 
@@ -282,6 +330,36 @@ mod tests {
         let mut third = RollingState::new(RollingMode::Auto, 2, 4);
         third.record_in(ledger);
         assert_eq!(third.epoch_of(0, Packed), 5, "the new worker writes through too");
+    }
+
+    /// A file whose every read failed gives its name back its epoch at its close, until a read of it
+    /// succeeds; a name another open moved on since stays where it is.
+    #[test]
+    fn a_file_no_read_got_gives_its_name_back_its_epoch() {
+        use RollingFile::Packed;
+        let r = RollingState::new(RollingMode::Packed, 5, 3);
+        r.opened(2, Packed, 5);
+        r.read_failed(2, Packed, 5);
+        r.closed(2, Packed, 5);
+        assert_eq!(r.epoch_of(2, Packed), 5, "back to the epoch no read got");
+        r.opened(2, Packed, 5);
+        r.closed(2, Packed, 5);
+        assert_eq!(r.epoch_of(2, Packed), 5, "closed unread again: still back");
+        r.opened(2, Packed, 5);
+        r.read_succeeded(2, Packed, 5);
+        r.closed(2, Packed, 5);
+        assert_eq!(r.epoch_of(2, Packed), 6, "read at last: moved on");
+        // The last epoch of the span, failed: back from the first to the last.
+        r.opened(2, Packed, 6);
+        r.opened(2, Packed, 7);
+        r.read_failed(2, Packed, 7);
+        r.closed(2, Packed, 7);
+        assert_eq!(r.epoch_of(2, Packed), 7);
+        // Moved on by another open since: left.
+        r.opened(2, Packed, 7);
+        r.opened(2, Packed, 5);
+        r.closed(2, Packed, 7);
+        assert_eq!(r.epoch_of(2, Packed), 6);
     }
 
     #[test]
