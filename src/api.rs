@@ -427,6 +427,10 @@ pub struct DatasetInfo {
     /// Bytes of the shards of a direct dataset held in the server's memory (the `resident` limit).
     #[serde(default)]
     pub resident_bytes: u64,
+    /// The index's content id (`Index::content_id`, 16 hex digits; empty from servers before it said):
+    /// another means the dataset was indexed again with other files since.
+    #[serde(default)]
+    pub index_id: String,
 }
 
 /// `GET /v1/datasets`.
@@ -456,6 +460,9 @@ pub struct Manifest {
     /// Bytes of all batch bodies.
     pub bytes: u64,
     pub batches: Vec<BatchEntry>,
+    /// The content id of the index the plan was made of (as [`DatasetInfo::index_id`]).
+    #[serde(default)]
+    pub index_id: String,
 }
 
 /// One source file of a dataset.

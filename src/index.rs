@@ -219,6 +219,26 @@ impl Index {
         self.settings.format
     }
 
+    /// What identifies the bytes this index serves, not when they were written: CRC-64/NVME over the
+    /// format, `skip_corrupt` and every file's path, size and CRC32C (shards, then side files). A dataset
+    /// indexed again unchanged (its files touched, or uploaded again alike) keeps it; a file added,
+    /// removed or changed changes it. A mount compares it with its own to tell a dataset re-indexed under
+    /// it (`DatasetInfo::index_id`).
+    pub fn content_id(&self) -> u64 {
+        let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc64Nvme);
+        digest.update(&[self.settings.format.code(), u8::from(self.settings.skip_corrupt)]);
+        for files in [&self.shards, &self.side] {
+            digest.update(&(files.len() as u64).to_le_bytes());
+            for f in files {
+                digest.update(f.path.as_bytes());
+                digest.update(&[0]);
+                digest.update(&f.size.to_le_bytes());
+                digest.update(&f.crc32c.to_le_bytes());
+            }
+        }
+        digest.finalize()
+    }
+
     /// Total bytes of sample data.
     pub fn total_bytes(&self) -> u64 {
         self.samples.iter().map(Sample::bytes).sum()
@@ -547,6 +567,45 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The content id follows the files' contents, not their dates or ETags: an index built again of
+    /// the same bytes keeps it; a file changed, added or moved changes it, as does `skip_corrupt`.
+    #[test]
+    fn the_content_id_changes_with_the_files_and_nothing_else() {
+        let file =
+            |path: &str, size: u64, crc32c: u32| ShardInfo { path: path.into(), size, crc32c, ..Default::default() };
+        let index = Index {
+            settings: IndexSettings { format: SourceFormat::Tfrecord, verify_data_crc: false, skip_corrupt: false },
+            shards: vec![file("a.tfrecord", 100, 1), file("b.tfrecord", 200, 2)],
+            side: vec![file("a.tfrecord.idx", 10, 3)],
+            samples: vec![],
+            classes: vec![],
+            skipped: vec![],
+        };
+        let id = index.content_id();
+        let mut touched = index.clone();
+        touched.shards[0].mtime_ns = 99;
+        touched.shards[1].etag = ETag::new("\"x\"");
+        touched.settings.verify_data_crc = true;
+        assert_eq!(touched.content_id(), id, "dates, ETags, checking: the same bytes");
+        let mut other = Vec::new();
+        let mut changed = index.clone();
+        changed.shards[1].crc32c = 5;
+        other.push(changed);
+        let mut added = index.clone();
+        added.side.push(file("README", 1, 0));
+        other.push(added);
+        let mut moved = index.clone();
+        moved.side = vec![];
+        moved.shards.push(file("a.tfrecord.idx", 10, 3));
+        other.push(moved);
+        let mut skipping = index.clone();
+        skipping.settings.skip_corrupt = true;
+        other.push(skipping);
+        for o in other {
+            assert_ne!(o.content_id(), id, "{o:?}");
+        }
+    }
 
     fn arb_index() -> impl Strategy<Value = Index> {
         let part = ("[a-z]{0,4}", 0u32..3, 0u64..1000, 0u64..1000, any::<u32>()).prop_map(

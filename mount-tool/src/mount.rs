@@ -27,7 +27,8 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
     }
     let client = Arc::new(HttpClient::new(plan.http.clone())?);
     let health = client.health();
-    let prefetcher = Prefetcher::new(client, runtime.handle().clone(), PrefetcherConfig::from(&plan.options));
+    let config = PrefetcherConfig { index_id: plan.info.index_id.clone(), ..PrefetcherConfig::from(&plan.options) };
+    let prefetcher = Prefetcher::new(client, runtime.handle().clone(), config);
     prefetcher.stats.feed(move |s| s.servers = health.snapshot());
     if let Some(dir) = &plan.options.cache_dir {
         let (size, checks, namespace) =

@@ -311,17 +311,22 @@ async fn check_replicas(http: &HttpConfig, info: &batchfs::api::DatasetInfo) -> 
         match client.dataset().await {
             Ok(other) => {
                 let same = |i: &batchfs::api::DatasetInfo| (i.format, i.samples, i.bytes, i.shards, i.classes.clone());
-                if same(&other) != same(info) {
+                // Files of one count and size but other contents: another index id (where both say one).
+                let other_files =
+                    !info.index_id.is_empty() && !other.index_id.is_empty() && other.index_id != info.index_id;
+                if same(&other) != same(info) || other_files {
                     bail!(
                         "{server} (servers=) holds other data as dataset {dataset:?}: {} samples of {} bytes in {} \
-                         shards, where {} has {} samples of {} bytes in {}",
+                         shards (index {}), where {} has {} samples of {} bytes in {} (index {})",
                         other.samples,
                         other.bytes,
                         other.shards,
+                        other.index_id,
                         http.servers[0],
                         info.samples,
                         info.bytes,
-                        info.shards
+                        info.shards,
+                        info.index_id
                     );
                 }
             }

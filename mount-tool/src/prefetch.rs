@@ -152,6 +152,10 @@ pub struct PrefetcherConfig {
     pub rolling: (u64, u64),
     /// The plan and share of `shuffled/`.
     pub shuffled: ShuffledConfig,
+    /// The content id of the dataset's index the mount planned with ([`DatasetInfo::index_id`]; empty:
+    /// none known). A manifest of another, or a body that is not what the manifest says from a server
+    /// whose index now has another, fails at once ([`ReadError::Changed`]).
+    pub index_id: String,
 }
 
 impl From<&MountOptions> for PrefetcherConfig {
@@ -172,6 +176,7 @@ impl From<&MountOptions> for PrefetcherConfig {
             // rolling/ spans at most what a slot table covers, and starts over after it.
             rolling: (o.first_epoch, o.epochs.min(batchfs::rolling::MAX_SPAN)),
             shuffled: ShuffledConfig { plan: o.plan, share: o.share },
+            index_id: String::new(),
         }
     }
 }
@@ -202,6 +207,26 @@ pub enum ReadError {
     /// not match its batches): no retry mends it.
     #[error("cannot place {0} in rolling/'s indexed layout")]
     Layout(String),
+    /// The server's dataset was indexed again with other files since the mount planned with it: its
+    /// batches are no longer the ones listed (no retry mends it; the mount must be made again).
+    #[error(
+        "the dataset was indexed again with other files since this mount began (index {was}, now {now}): its \
+         batches are no longer the ones this mount lists; unmount and mount again to read it"
+    )]
+    Changed { was: String, now: String },
+}
+
+impl PrefetcherConfig {
+    /// [`ReadError::Changed`] where `now`, a server's index id, is not the mount's (both known).
+    pub fn changed(&self, now: &str) -> Option<ReadError> {
+        changed(&self.index_id, now)
+    }
+}
+
+/// [`ReadError::Changed`] where `now`, a server's index id, is not `was`, the mount's (both known).
+fn changed(was: &str, now: &str) -> Option<ReadError> {
+    (!was.is_empty() && !now.is_empty() && now != was)
+        .then(|| ReadError::Changed { was: was.to_owned(), now: now.to_owned() })
 }
 
 /// The prefetcher and cache of one mount.
@@ -347,6 +372,10 @@ impl Prefetcher {
             async move { client.manifest(epoch, format).await.map_err(Failure::Client) }
         })
         .await?;
+        // An epoch not listed before, planned by a server of another index: not this mount's dataset.
+        if let Some(changed) = self.config.changed(&manifest.index_id) {
+            return Err(changed);
+        }
         Ok(self.listings.put_manifest(manifest))
     }
 

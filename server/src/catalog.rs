@@ -93,6 +93,8 @@ pub struct Dataset {
     pub slot: u64,
     /// The mean TFRecord frame size.
     mean_frame: u64,
+    /// The index's content id, as the API says it ([`batchfs::index::Index::content_id`]).
+    index_id: String,
     pub origin: IndexOrigin,
     plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
     /// The plans whose batches were read last, which the disk tier follows ([`Dataset::follow`]).
@@ -207,6 +209,7 @@ impl Dataset {
             }
         }
         let encode::FrameSizes { slot, mean: mean_frame } = encode::frame_sizes(&index);
+        let index_id = format!("{:016x}", index.content_id());
         let cache = NonZeroUsize::new(PLAN_CACHE).expect("nonzero");
         Dataset {
             name: name.to_owned(),
@@ -216,6 +219,7 @@ impl Dataset {
             files,
             slot,
             mean_frame,
+            index_id,
             origin,
             plans: Mutex::new(LruCache::new(cache)),
             followed: Mutex::default(),
@@ -243,6 +247,7 @@ impl Dataset {
             mean_frame_bytes: self.mean_frame,
             io: self.storage.io().to_owned(),
             resident_bytes: self.storage.resident(),
+            index_id: self.index_id.clone(),
         }
     }
 
@@ -489,6 +494,7 @@ impl Dataset {
             samples: plan.order().len() as u64,
             bytes: batches.iter().map(|b| b.bytes).sum(),
             batches,
+            index_id: self.index_id.clone(),
         })
     }
 

@@ -888,3 +888,38 @@ fn mapped_file_kept_while_files_are_filled_again(
     drop(kept);
     drop(mounted);
 }
+
+/// A server restarted over changed files indexes them again: the batches it sends are no longer the ones
+/// the mount lists. Each read of one fails at once with why (the server's index is another), and so does
+/// an epoch the mount had not listed yet (its manifest planned from the new index). Each read failed its
+/// checksum until `timeout`, and the server was taken out of rotation; an epoch not listed before was
+/// listed and read from the new files without a word.
+#[test]
+fn a_dataset_indexed_again_with_other_files_fails_reads_at_once_never_mixing() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 80, 3000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let addr = server.running.local_addr();
+    let m = manifest(&rt, &server, "batch_size=8");
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=8,prefetch=0,timeout=20s");
+    let epoch = mounted.mountpoint.join("epoch-0000");
+    let read = |b: usize| std::fs::read(epoch.join(format!("batch-{b:06}.tfrecord")));
+    assert_eq!(crc::crc32c(&read(0).unwrap()), m.batches[0].crc32c);
+    rt.block_on(server.running.shutdown());
+    // The same shard names, other records.
+    let options = batchfs::gen::GenOptions { seed: fx.options.seed + 1, ..fx.options.clone() };
+    batchfs::gen::generate(&options, &fx.path).unwrap();
+    let server = rt.block_on(common::serve_on(addr, &[("d", &fx.path)]));
+    let started = Instant::now();
+    let err = read(1).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10), "at once, not after timeout: {:?}", started.elapsed());
+    let listed = std::fs::read_dir(mounted.mountpoint.join("epoch-0003"))
+        .and_then(|d| d.collect::<std::io::Result<Vec<_>>>().map(|entries| entries.len()));
+    let err = listed.unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "an epoch not listed before: {err}");
+    let stats = common::mount_stats(&mounted.mountpoint);
+    assert_eq!(stats["servers"][0]["up"], true, "the server kept in rotation: {stats}");
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}

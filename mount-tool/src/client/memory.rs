@@ -67,6 +67,7 @@ impl MemoryClient {
                 mean_frame_bytes: 0,
                 io: "mmap".into(),
                 resident_bytes: 0,
+                index_id: String::new(),
             },
             bodies: Box::new(bodies),
             files: Vec::new(),
@@ -144,6 +145,7 @@ impl BatchClient for MemoryClient {
                 samples: batches.len() as u64,
                 bytes: batches.iter().map(|b| b.bytes).sum(),
                 batches,
+                index_id: self.info.index_id.clone(),
             })
         })
     }

@@ -123,8 +123,10 @@ impl Fetcher {
         let early = placed.is_none();
         let into_memfd = self.memfds();
         let stats = self.stats.clone();
+        let index = self.config.index_id.clone();
         let fetched = with_retries(&self.config, &self.stats, move |attempt| {
             let (client, request, pool, placed) = (client.clone(), request.clone(), pool.clone(), placed.clone());
+            let index = index.clone();
             let stats = stats.clone();
             // Readers wait on the entry for each verified prefix of a buffer (not of a memory file,
             // which the kernel serves only whole).
@@ -163,8 +165,17 @@ impl Fetcher {
                         Failure::Mismatch(format!("{key} from {server}: {cause}"))
                     }
                     e => Failure::Client(e),
-                })?;
-                verify(key, &meta, &body)?;
+                });
+                let body = match body.and_then(|body| verify(key, &meta, &body).map(|()| body)) {
+                    Ok(body) => body,
+                    // Not the body the manifest lists (other bytes, or another size): a server that indexed
+                    // the dataset again (restarted over changed files) sends the new index's batches, and
+                    // retries until `timeout` would each get the same.
+                    Err(f @ (Failure::Mismatch(_) | Failure::Client(ClientError::Malformed { .. }))) => {
+                        return Err(changed_or(&client, &index, f).await)
+                    }
+                    Err(e) => return Err(e),
+                };
                 match (body.sink, placed) {
                     (Sink::Buffer(filled), None) => Ok((Content::Bytes(filled.finish()), None)),
                     (Sink::Buffer(filled), Some(layout)) => {
@@ -258,6 +269,15 @@ fn place(key: ObjectKey, body: Bytes, layout: &FileLayout) -> Result<Content, Re
         frames.iter().zip(positions).map(|(&(from, len), p)| Record { at: layout.offsets[p], from, len }).collect();
     records.sort_unstable_by_key(|r| r.at);
     Ok(Content::Placed(Placed { bytes: body, records: records.into(), len: layout.len }))
+}
+
+/// Why a body was not what the manifest says: the dataset indexed again on the server with other files
+/// since the mount planned with it (its description says another index: fails at once), or `otherwise`.
+async fn changed_or(client: &DynClient, mounted: &str, otherwise: Failure) -> Failure {
+    match client.dataset().await {
+        Ok(info) => super::changed(mounted, &info.index_id).map_or(otherwise, Failure::Fatal),
+        Err(_) => otherwise,
+    }
 }
 
 #[cfg(test)]

@@ -109,6 +109,7 @@ mod tests {
             samples: 0,
             bytes: 0,
             batches: vec![],
+            index_id: String::new(),
         }
     }
 

@@ -205,7 +205,16 @@ mod tests {
     fn batches(epoch: u64, n: u64, bytes: u64) -> Arc<dyn Objects> {
         let batches = (0..n).map(|index| BatchEntry { index, samples: 1, bytes, crc32c: 0 }).collect();
         let (dataset, options, format) = ("d".into(), Default::default(), TF);
-        Arc::new(Batches(Arc::new(Manifest { dataset, epoch, options, format, samples: n, bytes: n * bytes, batches })))
+        Arc::new(Batches(Arc::new(Manifest {
+            dataset,
+            epoch,
+            options,
+            format,
+            samples: n,
+            bytes: n * bytes,
+            batches,
+            index_id: String::new(),
+        })))
     }
 
     impl Window {
