@@ -616,14 +616,14 @@ fn known_image(image: &str) -> bool {
 const REGISTRAR_FLAGS: &[&str] =
     &["--v", "--csi-address", "--kubelet-registration-path", "--health-port", "--http-endpoint", "--timeout", "--mode"];
 
-/// The deployment files (`deploy/k8s/`, the CSI driver's and the others) parse (PyYAML), and name only
-/// what exists: images above; programs our image
-/// installs, with command lines they accept (each `batchfs-csi` line parsed by its own parser); registrar
-/// flags it has; the driver's name; volume attributes and options the plugin takes (the options parsed by
-/// the mount's parser); secrets the files define; and the holder and the plugin agree on their socket, state
-/// directory and program.
+/// The deployment files (`deploy/k8s/`, the CSI driver's and the others) parse (PyYAML), and name only what exists:
+/// images above; programs our image installs, with command lines they accept (each line as the kubelet runs it,
+/// from the image's ENTRYPOINT, and parsed by its program's own parser); registrar flags it has; the driver's name;
+/// volume attributes and options the plugin takes (the options parsed by the mount's parser); secrets the files
+/// define; and the holder and the plugin agree on their socket, state directory and program.
 #[test]
 fn the_deployment_files_parse_and_name_only_what_exists() {
+    use clap::Parser;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let yaml = |dir: PathBuf| {
         let files = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path());
@@ -652,28 +652,52 @@ fn the_deployment_files_parse_and_name_only_what_exists() {
         assert!(kinds.contains(&kind), "no {kind} in {kinds:?}");
     }
     let dockerfile = std::fs::read_to_string(root.join("deploy/Dockerfile")).unwrap();
+    // The image's ENTRYPOINT and CMD (exec form; an ENTRYPOINT set resets the base image's CMD).
+    let instruction = |name: &str| -> Vec<String> {
+        let last = dockerfile.lines().filter_map(|l| l.strip_prefix(name)?.strip_prefix(' ')).next_back();
+        last.map(|form| serde_json::from_str(form).unwrap_or_else(|e| panic!("{name} {form}: {e}"))).unwrap_or_default()
+    };
+    let (entrypoint, cmd) = (instruction("ENTRYPOINT"), instruction("CMD"));
+    assert!(!entrypoint.is_empty(), "deploy/Dockerfile sets no ENTRYPOINT");
     let named = |d: &Value, kind: &str, name: &str| d["kind"] == kind && d["metadata"]["name"] == name;
+    let strings = |v: &Value| -> Option<Vec<String>> {
+        let strings = v.as_array()?.iter().map(|a| a.as_str().unwrap().replace("$(NODE_ID)", "node-1"));
+        Some(strings.collect())
+    };
     let mut commands = std::collections::HashMap::new();
     for doc in &docs {
         let spec = if doc["kind"] == "Pod" { &doc["spec"] } else { &doc["spec"]["template"]["spec"] };
         for c in spec["containers"].as_array().into_iter().flatten() {
             let image = c["image"].as_str().unwrap();
             assert!(known_image(image), "{}: image {image} is not one that exists", c["name"]);
-            let line: Vec<String> = c["command"]
-                .as_array()
-                .into_iter()
-                .chain(c["args"].as_array())
-                .flatten()
-                .map(|a| a.as_str().unwrap().replace("$(NODE_ID)", "node-1"))
-                .collect();
+            let (command, args) = (strings(&c["command"]), strings(&c["args"]));
             if image.starts_with("batchfs/") {
+                // As the kubelet runs it: `command` replaces the ENTRYPOINT (and its CMD), `args` alone
+                // replace the CMD and follow the ENTRYPOINT.
+                let line = match (command, args) {
+                    (Some(command), args) => [command, args.unwrap_or_default()].concat(),
+                    (None, Some(args)) => [entrypoint.clone(), args].concat(),
+                    (None, None) => [entrypoint.clone(), cmd.clone()].concat(),
+                };
                 let program = &line[0];
                 assert!(dockerfile.contains(&format!("/usr/local/bin/{program}\n")), "{program} is not in the image");
+                let parsed = match program.as_str() {
+                    "batchfs-csi" => batchfs_csi::cli::check_args(line.clone()),
+                    "batchfs" => batchfs_mount::cli::Cli::try_parse_from(&line).map(|_| ()).map_err(Into::into),
+                    "batchfs-server" => batchfs_server::cli::Cli::try_parse_from(&line).map(|_| ()).map_err(Into::into),
+                    other => panic!("no parser for {other}"),
+                };
+                parsed.unwrap_or_else(|e| panic!("{line:?}: {e}"));
                 if program == "batchfs-csi" {
-                    batchfs_csi::cli::check_args(line.clone()).unwrap_or_else(|e| panic!("{line:?}: {e}"));
                     commands.insert(if line[1] == "holder" { "holder" } else { "plugin" }, line);
                 }
+                let stop = strings(&c["lifecycle"]["preStop"]["exec"]["command"]).unwrap_or_default();
+                if stop.first().is_some_and(|p| p == "batchfs") {
+                    batchfs_mount::cli::Cli::try_parse_from(&stop).unwrap_or_else(|e| panic!("{stop:?}: {e}"));
+                }
             } else if image.contains("csi-node-driver-registrar") {
+                // Its image's ENTRYPOINT is the registrar: `args` are its flags.
+                let line = [command.unwrap_or_default(), args.unwrap_or_default()].concat();
                 for arg in &line {
                     let flag = arg.split('=').next().unwrap();
                     assert!(REGISTRAR_FLAGS.contains(&flag), "the registrar has no flag {flag}");
