@@ -618,9 +618,10 @@ const REGISTRAR_FLAGS: &[&str] =
 
 /// The deployment files (`deploy/k8s/`, the CSI driver's and the others) parse (PyYAML), and name only what exists:
 /// images above; programs our image installs, with command lines they accept (each line as the kubelet runs it,
-/// from the image's ENTRYPOINT, and parsed by its program's own parser); registrar flags it has; the driver's name;
-/// volume attributes and options the plugin takes (the options parsed by the mount's parser); secrets the files
-/// define; and the holder and the plugin agree on their socket, state directory and program.
+/// from the image's ENTRYPOINT, and parsed by its program's own parser); mountpoints that exist when the mount
+/// starts and reach the host; registrar flags it has; the driver's name; volume attributes and options the plugin
+/// takes (the options parsed by the mount's parser); secrets the files define; and the holder and the plugin agree
+/// on their socket, state directory and program.
 #[test]
 fn the_deployment_files_parse_and_name_only_what_exists() {
     use clap::Parser;
@@ -674,11 +675,18 @@ fn the_deployment_files_parse_and_name_only_what_exists() {
             if image.starts_with("batchfs/") {
                 // As the kubelet runs it: `command` replaces the ENTRYPOINT (and its CMD), `args` alone
                 // replace the CMD and follow the ENTRYPOINT.
-                let line = match (command, args) {
+                let mut line = match (command, args) {
                     (Some(command), args) => [command, args.unwrap_or_default()].concat(),
                     (None, Some(args)) => [entrypoint.clone(), args].concat(),
                     (None, None) => [entrypoint.clone(), cmd.clone()].concat(),
                 };
+                // `sh -c 'SCRIPT; exec "$@"' NAME ARGS...`: the script, then the program of ARGS.
+                let mut script = String::new();
+                if line[..2] == ["sh", "-c"] {
+                    script = line[2].clone();
+                    assert!(script.ends_with("; exec \"$@\""), "{}: the shell must exec its arguments", c["name"]);
+                    line.drain(..4);
+                }
                 let program = &line[0];
                 assert!(dockerfile.contains(&format!("/usr/local/bin/{program}\n")), "{program} is not in the image");
                 let parsed = match program.as_str() {
@@ -690,6 +698,19 @@ fn the_deployment_files_parse_and_name_only_what_exists() {
                 parsed.unwrap_or_else(|e| panic!("{line:?}: {e}"));
                 if program == "batchfs-csi" {
                     commands.insert(if line[1] == "holder" { "holder" } else { "plugin" }, line);
+                } else if line[1] == "mount" {
+                    let cli = batchfs_mount::cli::Cli::try_parse_from(&line).unwrap();
+                    let batchfs_mount::cli::Command::Mount(m) = cli.command else { unreachable!() };
+                    // The mountpoint exists when the mount starts (it refuses a missing one): a volume's path,
+                    // or made by the script; and the mount reaches the host: it lies in a volume mounted
+                    // with Bidirectional propagation.
+                    let mountpoint = m.mountpoint.to_str().unwrap();
+                    let mounts = c["volumeMounts"].as_array().unwrap();
+                    let made = script.contains(&format!("mkdir -p {mountpoint};"));
+                    assert!(made || mounts.iter().any(|v| v["mountPath"] == mountpoint), "nothing makes {mountpoint}");
+                    let mut shared = mounts.iter().filter(|v| v["mountPropagation"] == "Bidirectional");
+                    let within = |v: &Value| m.mountpoint.starts_with(v["mountPath"].as_str().unwrap());
+                    assert!(shared.any(within), "{mountpoint} is in no Bidirectional volume");
                 }
                 let stop = strings(&c["lifecycle"]["preStop"]["exec"]["command"]).unwrap_or_default();
                 if stop.first().is_some_and(|p| p == "batchfs") {
