@@ -620,8 +620,8 @@ const REGISTRAR_FLAGS: &[&str] =
 /// images above; programs our image installs, with command lines they accept (each line as the kubelet runs it,
 /// from the image's ENTRYPOINT, and parsed by its program's own parser); mountpoints that exist when the mount
 /// starts and reach the host; registrar flags it has; the driver's name; volume attributes and options the plugin
-/// takes (the options parsed by the mount's parser); secrets the files define; and the holder and the plugin agree
-/// on their socket, state directory and program.
+/// takes (the options parsed by the mount's parser); servers the files define a Service for; secrets the files
+/// define; and the holder and the plugin agree on their socket, state directory and program.
 #[test]
 fn the_deployment_files_parse_and_name_only_what_exists() {
     use clap::Parser;
@@ -665,6 +665,18 @@ fn the_deployment_files_parse_and_name_only_what_exists() {
         let strings = v.as_array()?.iter().map(|a| a.as_str().unwrap().replace("$(NODE_ID)", "node-1"));
         Some(strings.collect())
     };
+    // A URL's server is a Service the files define, on one of its ports, in its namespace where named.
+    let services = |url: &str| {
+        let (base, _) = batchfs_mount::client::parse_url(url).unwrap();
+        let (host, port) = base.split_once("://").unwrap().1.rsplit_once(':').expect("a port");
+        let (name, namespace) = host.split_once('.').map_or((host, None), |(n, rest)| (n, rest.split('.').next()));
+        let service = docs.iter().find(|d| named(d, "Service", name));
+        let service = service.unwrap_or_else(|| panic!("{url}: no Service {name} in the files"));
+        let own = service["metadata"]["namespace"].as_str().unwrap_or("default");
+        assert!(namespace.is_none_or(|n| n == own), "{url}: the Service {name} is in namespace {own}");
+        let mut ports = service["spec"]["ports"].as_array().unwrap().iter().map(|p| p["port"].to_string());
+        assert!(ports.any(|p| p == port), "{url}: the Service {name} has no port {port}");
+    };
     let mut commands = std::collections::HashMap::new();
     for doc in &docs {
         let spec = if doc["kind"] == "Pod" { &doc["spec"] } else { &doc["spec"]["template"]["spec"] };
@@ -701,6 +713,7 @@ fn the_deployment_files_parse_and_name_only_what_exists() {
                 } else if line[1] == "mount" {
                     let cli = batchfs_mount::cli::Cli::try_parse_from(&line).unwrap();
                     let batchfs_mount::cli::Command::Mount(m) = cli.command else { unreachable!() };
+                    services(&m.url);
                     // The mountpoint exists when the mount starts (it refuses a missing one): a volume's path,
                     // or made by the script; and the mount reaches the host: it lies in a volume mounted
                     // with Bidirectional propagation.
@@ -736,7 +749,7 @@ fn the_deployment_files_parse_and_name_only_what_exists() {
             assert_eq!(v["driver"], batchfs_csi::DRIVER_NAME);
             let attrs = v["volumeAttributes"].as_object().unwrap();
             assert!(attrs.keys().all(|k| k == "url" || k == "options"), "{attrs:?}");
-            batchfs_mount::client::parse_url(attrs["url"].as_str().unwrap()).unwrap();
+            services(attrs["url"].as_str().unwrap());
             let options = attrs["options"].as_str().unwrap();
             batchfs_mount::options::MountOptions::default().apply_list(options).unwrap();
             let secret = v["nodePublishSecretRef"]["name"].as_str().unwrap();
