@@ -37,8 +37,8 @@ pub struct NetemArgs {
     /// Address to accept connections on.
     #[arg(long, value_name = "ADDR")]
     pub listen: SocketAddr,
-    /// Address to forward them to.
-    #[arg(long, value_name = "ADDR")]
+    /// Address to forward them to: IP:PORT, or HOST:PORT (resolved once, at start; its first address).
+    #[arg(long, value_name = "HOST:PORT", value_parser = resolve)]
     pub upstream: SocketAddr,
     /// Round-trip time to add (half each way), milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
@@ -71,6 +71,13 @@ pub struct NetemArgs {
     /// Seed of the fault choices: the same seed and traffic inject the same faults.
     #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Faults")]
     pub fault_seed: u64,
+}
+
+/// `HOST:PORT` or `IP:PORT` as the first address the resolver gives for it.
+fn resolve(text: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    let mut addrs = text.to_socket_addrs().map_err(|e| format!("cannot resolve {text} (HOST:PORT): {e}"))?;
+    addrs.next().ok_or_else(|| format!("{text} resolves to no address"))
 }
 
 /// The faults to inject (see the module note); `None` turns one off.
@@ -436,5 +443,32 @@ pub fn run(args: NetemArgs) -> Result<()> {
             eprintln!("batchfs-lab netem: faults injected: {now}");
             last = now;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Netem {
+        #[command(flatten)]
+        args: NetemArgs,
+    }
+
+    fn upstream(text: &str) -> Result<SocketAddr, clap::Error> {
+        Netem::try_parse_from(["netem", "--listen", "127.0.0.1:0", "--upstream", text]).map(|n| n.args.upstream)
+    }
+
+    #[test]
+    fn the_upstream_is_an_address_or_a_host_name_with_a_port() {
+        assert_eq!(upstream("127.0.0.1:7878").unwrap(), "127.0.0.1:7878".parse().unwrap());
+        assert_eq!(upstream("[::1]:7878").unwrap(), "[::1]:7878".parse().unwrap());
+        // A name, through the resolver (`localhost` is in every hosts file).
+        let named = upstream("localhost:7878").unwrap();
+        assert!(named.ip().is_loopback() && named.port() == 7878, "{named}");
+        let error = upstream("localhost").unwrap_err().to_string();
+        assert!(error.contains("cannot resolve localhost (HOST:PORT)"), "{error}");
     }
 }
