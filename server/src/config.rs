@@ -255,8 +255,9 @@ limits! {
     object_timeout: Duration = Duration::from_secs(30), value::duration, "30s", "DURATION",
         "Time allowed for one request to the object store (a stalled one is retried).";
     object_retry_for: Duration = Duration::from_secs(60), value::duration, "60s", "DURATION",
-        "How long failed or throttled requests to the object store are retried at most (with backoff, 10 \
-         retries at most) before the read fails.";
+        "How long failed or throttled requests to the object store are retried at most, with backoff (the \
+         S3 client's own retries of a request, at most 10, then the request again, while the time lasts), \
+         before the read fails.";
     disk_cache: crate::policy::TierDir = crate::policy::TierDir(None), crate::policy::TierDir::parse, "none", "DIR",
         "A directory on the server's local disks where whole objects of s3:// datasets are kept (the disk \
          tier), checked, found again after a restart and evicted least recently used; what it holds is read \
