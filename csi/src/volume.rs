@@ -255,7 +255,7 @@ impl State {
         self.dir.join("tokens").join(Self::key(target))
     }
 
-    /// Where the mount at `target` logs, unless its options say otherwise.
+    /// Where the mount at `target` logs (a volume's options may not name a `log_file`).
     pub fn log_path(&self, target: &Path) -> PathBuf {
         self.dir.join("logs").join(format!("{}.log", Self::key(target)))
     }
