@@ -358,6 +358,15 @@ fn writes_fail_with_erofs_and_unknown_names_with_enoent() {
     erofs(std::fs::remove_file(&file), "unlink");
     erofs(std::fs::rename(&file, root.join("epoch-0000/moved")), "rename");
     erofs(std::fs::OpenOptions::new().write(true).truncate(true).open(&file).map(drop), "truncate");
+    let read_only = |flags| {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new().read(true).custom_flags(flags).open(&file)
+    };
+    erofs(read_only(libc::O_TRUNC).map(drop), "O_TRUNC with read-only access");
+    // O_APPEND only concerns writes, which a read-only open cannot make: it opens, and reads, as on any
+    // read-only mount.
+    let mut head = [0; 16];
+    assert_eq!(read_only(libc::O_APPEND).unwrap().read(&mut head).unwrap(), head.len(), "O_RDONLY|O_APPEND");
     erofs(std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o777)), "chmod");
     for missing in
         ["epoch-0000/batch-000003.tfrecord", "epoch-0000/batch-000000.tar", "epoch-1", "nothing", ".batchfs/other"]
