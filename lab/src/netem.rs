@@ -74,10 +74,12 @@ pub struct NetemArgs {
 }
 
 /// `HOST:PORT` or `IP:PORT` as the first address the resolver gives for it.
-fn resolve(text: &str) -> Result<SocketAddr, String> {
+fn resolve(text: &str) -> std::io::Result<SocketAddr> {
     use std::net::ToSocketAddrs;
-    let mut addrs = text.to_socket_addrs().map_err(|e| format!("cannot resolve {text} (HOST:PORT): {e}"))?;
-    addrs.next().ok_or_else(|| format!("{text} resolves to no address"))
+    let context = |e: std::io::Error| std::io::Error::new(e.kind(), format!("cannot resolve {text} (HOST:PORT): {e}"));
+    let mut addrs = text.to_socket_addrs().map_err(context)?;
+    let none = || std::io::Error::new(std::io::ErrorKind::NotFound, format!("{text} resolves to no address"));
+    addrs.next().ok_or_else(none)
 }
 
 /// The faults to inject (see the module note); `None` turns one off.
