@@ -102,6 +102,8 @@ pub struct Dataset {
     manifests: Memo<(u64, BatchQuery), Manifest>,
     /// Manifests computed (not found in the cache).
     computations: AtomicU64,
+    /// The `block_bytes` last warned of ([`Dataset::blocks_note`]).
+    warned_block_bytes: AtomicU64,
     /// Each sample's TFRecord frame in bytes, once a slot table needs them.
     frames: OnceLock<Vec<u64>>,
     slot_tables: Memo<RollingQuery, SlotTable>,
@@ -225,6 +227,7 @@ impl Dataset {
             followed: Mutex::default(),
             manifests: Memo::new(PLAN_CACHE),
             computations: AtomicU64::new(0),
+            warned_block_bytes: AtomicU64::new(0),
             frames: OnceLock::new(),
             slot_tables: Memo::new(SLOT_TABLE_CACHE),
             sample_table: OnceLock::new(),
@@ -264,6 +267,12 @@ impl Dataset {
         }
         let plan = Arc::new(match options.shuffle {
             Shuffle::Blocks => {
+                if let Some(note) = self.blocks_note(options.block_bytes) {
+                    // Once per value: the plan of each epoch is made anew.
+                    if self.warned_block_bytes.swap(options.block_bytes, Ordering::Relaxed) != options.block_bytes {
+                        tracing::warn!("{note}");
+                    }
+                }
                 let (of_sample, bytes) = self.objects();
                 EpochPlan::of_objects(&Objects { of_sample, bytes }, epoch, options)?
             }
@@ -280,6 +289,26 @@ impl Dataset {
             (of_sample, self.index.shards.iter().map(|s| s.size).collect())
         });
         (of_sample, bytes)
+    }
+
+    /// What a `shuffle=blocks` plan of `block_bytes` asked of an object dataset larger than its disk tier
+    /// costs where the blocks do not fit (more than a third of the tier: two read while the next is copied
+    /// in): copies evicted before they are read, each object read from the store many times an epoch (35
+    /// times with `block_bytes` 25 times the tier). The plan is the mount's to choose (every server of a job
+    /// must plan the same), so it is served, and the server says so.
+    pub fn blocks_note(&self, block_bytes: u64) -> Option<String> {
+        let cap = self.storage.objects()?.tier()?.cap();
+        let bytes: u64 = self.index.shards.iter().map(|s| s.size).sum();
+        (bytes > cap && block_bytes > cap / 3).then(|| {
+            format!(
+                "dataset {}: shuffle=blocks with block_bytes={block_bytes}, more than a third of the disk tier ({cap} \
+                 bytes): blocks are evicted before they are read, and objects read from the store many times an \
+                 epoch; mount with block_bytes at most {} (or leave it out: the server's default is {})",
+                self.name,
+                cap / 3,
+                self.default_block_bytes()
+            )
+        })
     }
 
     /// `block_bytes` of a `shuffle=blocks` plan that does not say: a quarter of the disk tier, for an

@@ -1178,6 +1178,11 @@ mod tests {
         let ds = open(&store, &ctx, index_dir.path());
         assert!(tier.bytes() <= tier.cap() && tier.copies() > 0);
         assert!(ds.tier_note().unwrap().contains("shuffle=blocks"));
+        // A block larger than a third of the tier is said to cost reads of the store; the default is not.
+        assert!(ds.blocks_note(ds.default_block_bytes()).is_none());
+        assert!(ds.blocks_note(tier.cap() / 3).is_none());
+        let note = ds.blocks_note(tier.cap() / 3 + 1).unwrap();
+        assert!(note.contains("more than a third of the disk tier"), "{note}");
         let source = ds.storage.objects().unwrap().clone();
         let query = batchfs::api::BatchQuery::parse("shuffle=blocks&batch_size=32").unwrap();
         for epoch in 0..2 {
