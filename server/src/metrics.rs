@@ -24,6 +24,7 @@ pub const OBJECT_BYTES_TOTAL: &str = "batchfs_object_bytes_total";
 pub const OBJECT_CACHE_HIT_BYTES_TOTAL: &str = "batchfs_object_cache_hit_bytes_total";
 pub const OBJECT_BAD_CHECKSUMS_TOTAL: &str = "batchfs_object_bad_checksums_total";
 pub const OBJECT_GET_RETRIES_TOTAL: &str = "batchfs_object_get_retries_total";
+pub const OBJECT_READ_FAILURES_TOTAL: &str = "batchfs_object_read_failures_total";
 pub const OBJECT_TIER_HIT_BYTES_TOTAL: &str = "batchfs_object_tier_hit_bytes_total";
 pub const OBJECT_TIER_DIRECT_BYTES_TOTAL: &str = "batchfs_object_tier_direct_bytes_total";
 /// The disk tier of object datasets (`objects/tier.rs`), server-wide.
@@ -60,7 +61,7 @@ pub fn render_datasets<'a>(
         out.sample(DATASET_CHANGED, &[("dataset", name)], u8::from(shards_changed > 0));
     }
     type Counter = fn(&crate::objects::ObjectCounters) -> &AtomicU64;
-    let objects: [(&str, &str, Counter); 7] = [
+    let objects: [(&str, &str, Counter); 8] = [
         (OBJECT_GETS_TOTAL, "Ranged GET requests sent to the bucket, by object dataset.", |c| &c.gets),
         (OBJECT_BYTES_TOTAL, "Bytes read from the bucket, by object dataset.", |c| &c.bytes),
         (
@@ -78,6 +79,12 @@ pub fn render_datasets<'a>(
             "GETs that failed on the way (the store's client's own retries spent, or a body cut short) and were \
              made again, by object dataset.",
             |c| &c.retried_gets,
+        ),
+        (
+            OBJECT_READ_FAILURES_TOTAL,
+            "Reads of the bucket given up after object_retry_for (the bodies that needed them cut), by object \
+             dataset.",
+            |c| &c.failed_reads,
         ),
         (
             OBJECT_TIER_HIT_BYTES_TOTAL,

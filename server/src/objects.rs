@@ -192,6 +192,10 @@ pub struct ObjectCounters {
     pub retried_gets: AtomicU64,
     /// One warning of retried GETs per [`RETRY_LOG_EVERY`].
     retries_logged: Throttled,
+    /// Reads of the store given up after `object_retry_for` (their bodies cut: the clients retry).
+    pub failed_reads: AtomicU64,
+    /// One warning of reads given up per [`RETRY_LOG_EVERY`].
+    failures_logged: Throttled,
 }
 
 /// A warning said at most once per [`RETRY_LOG_EVERY`], with how many of its kind were held back since: a
@@ -224,6 +228,22 @@ impl ObjectCounters {
         self.retried_gets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let Some(held) = self.retries_logged.pass() else { return false };
         tracing::warn!(%dataset, %error, failed = held + 1, "GETs of the store failed: asking again");
+        true
+    }
+
+    /// Counts a read of the store given up after `object_retry_for` with `error`, and says so at most once
+    /// per [`RETRY_LOG_EVERY`]: a store that stops answering (frozen, a partition) failed its first GET
+    /// past the whole of `object_retry_for`, which was never counted or logged, and the body it cut looked
+    /// to the server's log like any other. Returns whether this one was logged.
+    pub fn gave_up(&self, dataset: &str, error: &dyn std::fmt::Display) -> bool {
+        self.failed_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some(held) = self.failures_logged.pass() else { return false };
+        tracing::warn!(
+            %dataset,
+            %error,
+            failed = held + 1,
+            "reads of the store failed for object_retry_for: the bodies that needed them are cut (the clients retry)"
+        );
         true
     }
 }
@@ -882,6 +902,10 @@ mod tests {
         assert_eq!(counters.retried_gets.load(Ordering::Relaxed), 2);
         counters.retries_logged.0.lock().unwrap().0 = std::time::Instant::now().checked_sub(RETRY_LOG_EVERY);
         assert!(counters.retried("s3://b/ds", &"reset"), "logged again once the interval passed");
+        // Reads given up after object_retry_for: counted, logged as seldom.
+        assert!(counters.gave_up("s3://b/ds", &"no answer within object_retry_for"));
+        assert!(!counters.gave_up("s3://b/ds", &"no answer within object_retry_for"));
+        assert_eq!(counters.failed_reads.load(Ordering::Relaxed), 2);
         // Any repeated warning (a full disk's lost copies): said once a while, with how many were held back.
         let log = Throttled::default();
         assert_eq!((log.pass(), log.pass(), log.pass()), (Some(0), None, None));
@@ -951,6 +975,23 @@ mod tests {
             assert_eq!(bytes.len() as u64, unit.len);
             assert!(bytes.is_unique(), "the unit at {} shares the GET's buffer", unit.offset);
         }
+    }
+
+    /// A store that stops answering (frozen): the first GET takes all of `object_retry_for`, and the read
+    /// fails counted, not as nothing at all.
+    #[test]
+    fn a_read_of_a_store_that_stopped_answering_fails_counted() {
+        let (local, _) = crate::storage::fixtures::dataset(40, 20_000, 2);
+        let memory = InMemory::new();
+        upload(&memory, local.path(), "ds");
+        let store = Arc::new(ThrottledStore::new(memory, ThrottleConfig::default()));
+        let index_dir = tempfile::tempdir().unwrap();
+        let limits = ServerLimits { object_retry_for: Duration::from_millis(300), ..Default::default() };
+        let ds = open(&store, &ObjectContext::new(&limits).unwrap(), index_dir.path());
+        store.config_mut(|c| c.wait_get_per_call = Duration::from_secs(60));
+        let source = ds.storage.objects().unwrap().clone();
+        assert!(ds.storage.read_objects(&[(0, 0, 100)]).is_err());
+        assert_eq!(source.counters.failed_reads.load(Ordering::Relaxed), 1);
     }
 
     #[test]

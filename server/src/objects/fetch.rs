@@ -515,6 +515,10 @@ impl ObjectSource {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(2));
                 }
+                Err(ReadError::Io(e)) => {
+                    self.counters.gave_up(&self.bucket.url, &e);
+                    return Err(ReadError::Io(e));
+                }
                 other => return other,
             }
         }
