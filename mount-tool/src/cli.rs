@@ -509,6 +509,39 @@ mod tests {
         assert!(!drop_last(&[]));
     }
 
+    /// A switch given alone is on wherever it sits, before the URL too (it took the URL as its value), and
+    /// `--x=false` or `--x=off` still turns it off.
+    #[test]
+    fn a_switch_alone_is_on_and_leaves_the_next_argument_alone() {
+        let options = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["batchfs", "mount"].iter().chain(args)).unwrap_or_else(|e| panic!("{e}"));
+            let Command::Mount(m) = cli.command else { panic!("not a mount") };
+            assert_eq!((m.url.as_str(), m.mountpoint.as_path()), ("http://s:1/d", Path::new("/mnt/d")), "{args:?}");
+            m.mount_options().unwrap()
+        };
+        let switches =
+            ["allow-other", "auto-unmount", "passthrough", "huge-pages", "fuse-uring", "supervise", "resend"];
+        for (first, rest) in [(true, false), (false, true)] {
+            let mut args: Vec<String> = switches.iter().map(|s| format!("--{s}")).collect();
+            if rest {
+                args.insert(0, "--drop-last".into());
+            }
+            let at = if first { args.len() } else { 0 };
+            args.splice(at..at, ["http://s:1/d".to_owned(), "/mnt/d".to_owned()]);
+            let o = options(&args.iter().map(String::as_str).collect::<Vec<_>>());
+            assert!(o.allow_other && o.auto_unmount && o.passthrough && o.huge_pages, "{args:?}");
+            assert!(o.fuse_uring && o.supervise && o.resend && o.plan.drop_last == rest, "{args:?}");
+        }
+        let mut args: Vec<String> = switches.iter().map(|s| format!("--{s}=false")).collect();
+        args[0] = "--allow-other=off".into();
+        args.extend(["--drop-last=off".to_owned(), "http://s:1/d".to_owned(), "/mnt/d".to_owned()]);
+        let o = options(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(!(o.allow_other || o.auto_unmount || o.passthrough || o.huge_pages || o.plan.drop_last));
+        assert!(!(o.fuse_uring || o.supervise || o.resend));
+        let e = Cli::try_parse_from(["batchfs", "mount", "--allow-other=maybe", "http://s:1/d", "/mnt/d"]);
+        assert!(e.is_err(), "a switch's value still checked");
+    }
+
     /// The plan's long flags say the defaults the core plans with (they are not clap defaults: a flag
     /// given overrides `-o`, one left out must not).
     #[test]

@@ -250,7 +250,9 @@ macro_rules! options {
             $(
                 #[arg(long, value_name = $placeholder,
                       value_parser = (|v: &str| $parse(v).map(Given)) as fn(&str) -> Result<Given<$ty>, Refusal>,
-                      num_args = if $placeholder == "BOOL" { 0..=1 } else { 1..=1 }, default_missing_value = "",
+                      // A switch's value only as `--x=off`: `--allow-other URL DIR` leaves URL to the URL.
+                      num_args = if $placeholder == "BOOL" { 0..=1 } else { 1..=1 },
+                      require_equals = $placeholder == "BOOL", default_missing_value = "",
                       help = concat!($help, " [default: ", $shown, "]"), help_heading = $heading)]
                 pub $name: Option<Given<$ty>>,
             )+
@@ -602,7 +604,7 @@ mod tests {
         }
         let parse = |args: &[&str]| Flags::try_parse_from(std::iter::once("x").chain(args.iter().copied()));
         let mut by_flags = MountOptions::default();
-        parse(&["--cache", "1G", "--allow-other", "--passthrough", "false", "--servers", "http://a:1;http://b:2"])
+        parse(&["--cache", "1G", "--allow-other", "--passthrough=false", "--servers", "http://a:1;http://b:2"])
             .unwrap()
             .options
             .apply(&mut by_flags);
