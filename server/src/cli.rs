@@ -43,7 +43,8 @@ pub struct IndexFlags {
     /// Dataset to serve, as NAME=PATH (repeatable).
     #[arg(long = "dataset", value_name = "NAME=PATH", help_heading = "Datasets")]
     pub datasets: Vec<DatasetSpec>,
-    /// Force the source format of every dataset (tfrecord, lmdb, tar, files); detected by default.
+    /// Force the source format of every dataset, over the config file's (tfrecord, lmdb, tar, files); detected by
+    /// default.
     #[arg(long, value_name = "FORMAT", help_heading = "Datasets")]
     pub format: Option<SourceFormat>,
     /// Keep indexes in DIR (as NAME.batchfs-index) instead of beside the data.
@@ -218,12 +219,7 @@ fn fill_catalog(
     objects: &Option<Arc<ObjectContext>>,
 ) -> Result<()> {
     for spec in specs {
-        let options = IndexOptions {
-            format: spec.format.or(flags.format),
-            verify_data_crc: !flags.no_verify_data_crc,
-            skip_corrupt: flags.skip_corrupt,
-            follow_links: flags.follow_links,
-        };
+        let options = index_options(spec, flags);
         let started = Instant::now();
         let progress = IndexProgress::new(&spec.name).reporting_to(catalog);
         let index_dir = flags.index_dir.as_deref();
@@ -255,6 +251,17 @@ fn fill_catalog(
         catalog.insert(dataset)?;
     }
     Ok(())
+}
+
+/// How `spec` is indexed: `--format`, a flag, forces every dataset's format over the config file's
+/// `format` (the file's won, and the flag was dropped without a word).
+fn index_options(spec: &DatasetSpec, flags: &IndexFlags) -> IndexOptions {
+    IndexOptions {
+        format: flags.format.or(spec.format),
+        verify_data_crc: !flags.no_verify_data_crc,
+        skip_corrupt: flags.skip_corrupt,
+        follow_links: flags.follow_links,
+    }
 }
 
 fn index(args: IndexArgs) -> Result<()> {
@@ -455,6 +462,34 @@ impl<F: FnMut()> Drop for OnPanic<F> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// `--format` forces the format of every dataset, the config file's included; without it each
+    /// dataset's `format` holds.
+    #[test]
+    fn the_format_flag_overrides_the_config_file_s() {
+        let file: ConfigFile = toml::from_str(
+            "[[dataset]]\nname = \"a\"\npath = \"/d/a\"\nformat = \"lmdb\"\n\
+             [[dataset]]\nname = \"b\"\npath = \"/d/b\"\n",
+        )
+        .unwrap();
+        for command in ["serve", "index"] {
+            let args = ["batchfs-server", command, "--config", "c.toml", "--dataset", "c=/d/c"];
+            let flags = match Cli::try_parse_from(args.iter().chain(&["--format", "tfrecord"])).unwrap().command {
+                Command::Serve(a) => a.index,
+                Command::Index(a) => a.index,
+                _ => unreachable!(),
+            };
+            let flags = with_config(flags, &file).unwrap();
+            for spec in dataset_specs(&flags, &file.datasets).unwrap() {
+                assert_eq!(index_options(&spec, &flags).format, Some(SourceFormat::Tfrecord), "{}", spec.name);
+            }
+            let unforced = IndexFlags { format: None, ..flags };
+            let formats: Vec<_> = file.datasets.iter().map(|s| index_options(s, &unforced).format).collect();
+            assert_eq!(formats, [Some(SourceFormat::Lmdb), None]);
+        }
+    }
+
     /// A cause an earlier message already quotes is said once.
     #[test]
     fn an_error_says_each_cause_once() {
