@@ -88,11 +88,11 @@ pub struct ServeArgs {
     /// File holding the bearer token every request but /healthz must carry.
     #[arg(long, value_name = "FILE", help_heading = "Security")]
     pub token_file: Option<PathBuf>,
-    /// PEM certificate chain: serve TLS (ALPN h2, http/1.1).
-    #[arg(long, value_name = "FILE", requires = "tls_key", help_heading = "Security")]
+    /// PEM certificate chain: serve TLS (ALPN h2, http/1.1); with --tls-key, or the config's tls_key.
+    #[arg(long, value_name = "FILE", help_heading = "Security")]
     pub tls_cert: Option<PathBuf>,
-    /// PEM private key for --tls-cert.
-    #[arg(long, value_name = "FILE", requires = "tls_cert", help_heading = "Security")]
+    /// PEM private key for --tls-cert (or for the config's tls_cert).
+    #[arg(long, value_name = "FILE", help_heading = "Security")]
     pub tls_key: Option<PathBuf>,
     /// Record energy per sensor every 100 ms with the bytes served, as JSON lines (see docs/ENERGY.md).
     #[arg(long, value_name = "FILE")]
@@ -362,11 +362,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     };
     let flags = with_config(args.index.clone(), &file)?;
     let token = args.token_file.as_ref().or(file.token_file.as_ref()).map(|p| read_token(p)).transpose()?;
-    let tls = match (args.tls_cert.or(file.tls_cert), args.tls_key.or(file.tls_key)) {
-        (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
-        (None, None) => None,
-        _ => bail!("TLS needs both a certificate and a key"),
-    };
+    let tls = tls_files(args.tls_cert, args.tls_key, &file)?;
     // The server answers while it indexes: every dataset is announced now, opened in the background,
     // and served once ready (`/healthz` says which are; a dataset that cannot be opened stops the server).
     let specs = dataset_specs(&flags, &file.datasets)?;
@@ -449,6 +445,29 @@ fn serve(args: ServeArgs) -> Result<()> {
     result
 }
 
+/// The TLS certificate and key, each from its flag or else from the config file (a flag overrides the
+/// file's value, and pairs with the file's other half); a half given nowhere is refused, naming it.
+fn tls_files(cert: Option<PathBuf>, key: Option<PathBuf>, file: &ConfigFile) -> Result<Option<TlsFiles>> {
+    let cert = cert.map(|p| (p, "--tls-cert")).or(file.tls_cert.clone().map(|p| (p, "tls_cert")));
+    let key = key.map(|p| (p, "--tls-key")).or(file.tls_key.clone().map(|p| (p, "tls_key")));
+    match (cert, key) {
+        (Some((cert, cert_setting)), Some((key, key_setting))) => {
+            Ok(Some(TlsFiles { cert, key, cert_setting, key_setting }))
+        }
+        (None, None) => Ok(None),
+        (Some((_, setting)), None) => {
+            let missing = if setting == "tls_cert" { "tls_key" } else { "--tls-key" };
+            bail!("{setting} without {missing}: TLS needs a key too (--tls-key FILE, or tls_key in the config)")
+        }
+        (None, Some((_, setting))) => {
+            let missing = if setting == "tls_key" { "tls_cert" } else { "--tls-cert" };
+            bail!(
+                "{setting} without {missing}: TLS needs a certificate too (--tls-cert FILE, or tls_cert in the config)"
+            )
+        }
+    }
+}
+
 /// Runs its closure when dropped by a panic's unwinding.
 struct OnPanic<F: FnMut()>(F);
 
@@ -463,6 +482,37 @@ impl<F: FnMut()> Drop for OnPanic<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A TLS flag overrides the config file's value and pairs with its other half; a half given nowhere is
+    /// refused naming it, as the flag or as the file's key.
+    #[test]
+    fn tls_flags_override_and_pair_with_the_config_file() {
+        let file: ConfigFile = toml::from_str("tls_cert = \"/f/cert.pem\"\ntls_key = \"/f/key.pem\"").unwrap();
+        let serve = |flags: &[&str]| {
+            let args = ["batchfs-server", "serve", "--config", "c.toml"];
+            match Cli::try_parse_from(args.iter().chain(flags)).unwrap_or_else(|e| panic!("{e}")).command {
+                Command::Serve(a) => (a.tls_cert, a.tls_key),
+                _ => unreachable!(),
+            }
+        };
+        let files = |flags: &[&str], file: &ConfigFile| {
+            let (cert, key) = serve(flags);
+            tls_files(cert, key, file).map(|t| t.map(|t| (t.cert, t.key, t.cert_setting, t.key_setting)))
+        };
+        let p = PathBuf::from;
+        let tls = files(&["--tls-cert", "/c.pem"], &file).unwrap();
+        assert_eq!(tls, Some((p("/c.pem"), p("/f/key.pem"), "--tls-cert", "tls_key")));
+        let tls = files(&["--tls-key", "/k.pem"], &file).unwrap();
+        assert_eq!(tls, Some((p("/f/cert.pem"), p("/k.pem"), "tls_cert", "--tls-key")));
+        let tls = files(&[], &file).unwrap();
+        assert_eq!(tls, Some((p("/f/cert.pem"), p("/f/key.pem"), "tls_cert", "tls_key")));
+        assert_eq!(files(&[], &ConfigFile::default()).unwrap(), None);
+        let half = |flags: &[&str], file: &str| files(flags, &toml::from_str(file).unwrap()).unwrap_err().to_string();
+        assert!(half(&["--tls-cert", "/c"], "").starts_with("--tls-cert without --tls-key: "));
+        assert!(half(&["--tls-key", "/k"], "").starts_with("--tls-key without --tls-cert: "));
+        assert!(half(&[], "tls_cert = \"/c\"").starts_with("tls_cert without tls_key: "));
+        assert!(half(&[], "tls_key = \"/k\"").starts_with("tls_key without tls_cert: "));
+    }
 
     /// `--format` forces the format of every dataset, the config file's included; without it each
     /// dataset's `format` holds.

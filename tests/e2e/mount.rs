@@ -716,7 +716,7 @@ fn self_signed(dir: &Path) -> (batchfs_server::TlsFiles, std::path::PathBuf) {
     let (cert_path, key_path) = (dir.join("cert.pem"), dir.join("key.pem"));
     std::fs::write(&cert_path, cert.cert.pem()).unwrap();
     std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
-    (batchfs_server::TlsFiles { cert: cert_path.clone(), key: key_path }, cert_path)
+    (batchfs_server::TlsFiles::new(cert_path.clone(), key_path), cert_path)
 }
 
 /// Over TLS: a mount of an `https://` server it trusts through `ca_file`, with a token, reads every

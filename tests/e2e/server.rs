@@ -675,7 +675,7 @@ async fn tls_negotiates_h2_and_http1_is_served() {
     let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
     std::fs::write(&cert_path, cert.cert.pem()).unwrap();
     std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
-    let tls = batchfs_server::TlsFiles { cert: cert_path, key: key_path };
+    let tls = batchfs_server::TlsFiles::new(cert_path, key_path);
     let server = serve(&[("d", &fx.path)], ServeWith { tls: Some(tls), ..Default::default() }).await;
     assert!(server.base.starts_with("https://"));
     let root = reqwest::Certificate::from_pem(cert.cert.pem().as_bytes()).unwrap();
