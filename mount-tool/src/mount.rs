@@ -236,6 +236,19 @@ pub fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: boo
     result
 }
 
+/// Why a FUSE session ended in error, with what to do where a thread could not be started (the session's
+/// FUSE threads are started as it begins: `threads` beyond a pids limit, or short of memory, ends it).
+fn session_failed(e: anyhow::Error, threads: usize) -> anyhow::Error {
+    let io = e.chain().find_map(|c| c.downcast_ref::<std::io::Error>());
+    match io.map(std::io::Error::kind) {
+        Some(std::io::ErrorKind::WouldBlock | std::io::ErrorKind::OutOfMemory) => e.context(format!(
+            "the FUSE session ended: a thread could not be started ({threads} FUSE threads; lower threads, or raise \
+             the pids limit of the mount's cgroup)"
+        )),
+        _ => e.context("the FUSE session ended"),
+    }
+}
+
 /// A worker: serves the mount its supervisor holds until the mount ends (exit 0), or until SIGTERM asks
 /// it to step down for a new worker ([`crate::supervise::EXIT_REPLACE`]).
 pub fn work(url: &str, mut options: MountOptions, start: crate::supervise::WorkerStart) -> Result<()> {
@@ -281,6 +294,8 @@ fn serve(
         None => None,
     };
     let worker = start.is_some();
+    // A worker's and a daemon's stderr is no one's (the supervisor's, or /dev/null): why they stop is logged.
+    let unseen = worker || ready.is_some();
     let mounted = match start {
         Some(start) => {
             let mounted = take_over(plan, &start);
@@ -327,10 +342,32 @@ fn serve(
             Arc::new(move || stats.bytes_served.load(std::sync::atomic::Ordering::Relaxed)),
         )
     });
-    mounted.wait()?;
+    if let Err(e) = mounted.wait().map_err(|e| session_failed(e, plan.options.fuse_threads())) {
+        if unseen {
+            tracing::error!(error = %format!("{e:#}"), "the mount stops serving");
+        }
+        return Err(e);
+    }
     if let Some(log) = energy {
         log.finish(0.35).context("writing the energy log summary")?;
     }
     tracing::info!("unmounted");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A session ended by a thread it could not start says so, and what to do; another error says the
+    /// session ended, with its cause.
+    #[test]
+    fn a_session_short_of_threads_says_what_to_do() {
+        let joined = |errno| anyhow::Error::new(std::io::Error::from_raw_os_error(errno)).context("FUSE session");
+        let e = format!("{:#}", session_failed(joined(libc::EAGAIN), 5_000));
+        assert!(e.contains("a thread could not be started (5000 FUSE threads; lower threads"), "{e}");
+        assert!(e.contains("pids limit") && e.contains("FUSE session: Resource temporarily unavailable"), "{e}");
+        let e = format!("{:#}", session_failed(joined(libc::ENODEV), 4));
+        assert!(e.starts_with("the FUSE session ended: FUSE session: No such device"), "{e}");
+    }
 }

@@ -67,11 +67,14 @@ mod value {
         }
     }
 
-    /// `auto` ([`super::AUTO_THREADS`]) or a count of at least one.
+    /// `auto` ([`super::AUTO_THREADS`]) or a count from 1 to [`super::MOST_THREADS`].
     pub fn threads(v: &str) -> Result<usize, Refusal> {
         match v {
             "auto" => Ok(super::AUTO_THREADS),
-            _ => at_least_one(v).map_err(|_| Refusal::Expected("auto or a number of at least 1")),
+            _ => match at_least_one(v) {
+                Ok(n) if n <= super::MOST_THREADS => Ok(n),
+                _ => Err(Refusal::Threads),
+            },
         }
     }
 
@@ -210,6 +213,8 @@ pub enum Refusal {
     Epoch,
     #[error("a job reads 1 to {} epochs", batchfs::plan::MAX_EPOCH + 1)]
     Span,
+    #[error("expected auto or a number from 1 to {} (FUSE threads beyond the CPUs only take turns)", MOST_THREADS)]
+    Threads,
     #[error("an HTTP/2 frame is 16K to 16M-1 bytes, not {0}")]
     FrameSize(u64),
     /// A size, a duration or a switch the core's unit parser refused.
@@ -341,7 +346,7 @@ options! {
         "Ask the kernel to unmount when the daemon exits.";
     threads: usize = AUTO_THREADS, value::threads, "`auto`", "N", "FUSE",
         "FUSE worker threads (all but one may wait on the server; more waits go to helper threads); auto: \
-         the CPUs the mount may run on, 2 to 16.";
+         the CPUs the mount may run on, 2 to 16; a number at most 1024.";
     passthrough: bool = true, value::switch, "true", "BOOL", "FUSE",
         "Hand verified files to the kernel (FUSE passthrough) where it allows.";
     huge_pages: bool = true, value::switch, "true", "BOOL", "FUSE",
@@ -390,6 +395,14 @@ pub enum OptionError {
 /// `threads=auto`: as many FUSE threads as CPUs the mount may run on, at least 2 and at most 16 (see
 /// [`MountOptions::fuse_threads`]).
 pub const AUTO_THREADS: usize = 0;
+
+/// The most FUSE threads `threads` asks for. Each holds a 16 MiB request buffer and a stack, and a thread
+/// that cannot be started ends the session; Linux hands each request to the thread that has waited
+/// longest, so threads beyond the CPUs only take turns, and requests that wait on the network go to
+/// helper threads. 1024 is four times the threads a CPU serves with `fuse_uring` (up to 256), more than
+/// any machine's requests in flight; a larger number is a slip (`threads=5000000` was taken, and its
+/// worker died under a pids limit).
+pub const MOST_THREADS: usize = 1024;
 
 impl MountOptions {
     /// The FUSE threads to run: `threads`, or with `auto` the CPUs this process may run on (its affinity
@@ -579,6 +592,12 @@ mod tests {
         given.apply_list("threads=5").unwrap();
         assert_eq!(given.fuse_threads(), 5);
         assert!(given.apply_list("threads=0").is_err(), "refused, not taken as 1 without a word");
+        given.apply_list(&format!("threads={MOST_THREADS}")).unwrap();
+        assert_eq!(given.fuse_threads(), MOST_THREADS);
+        for too_many in [MOST_THREADS + 1, 5_000_000] {
+            let e = MountOptions::default().apply_list(&format!("threads={too_many}")).unwrap_err().to_string();
+            assert!(e.contains(&format!("from 1 to {MOST_THREADS}")), "{e}");
+        }
         given.apply_list("threads=auto").unwrap();
         assert_eq!(given.fuse_threads(), auto.fuse_threads());
     }
