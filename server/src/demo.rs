@@ -54,6 +54,18 @@ fn h2_client() -> Result<reqwest::Client> {
         .build()?)
 }
 
+/// `response` if it succeeded, else the server's refusal with its reason (the body: "batch_size must be
+/// ...", not only "400 Bad Request").
+async fn answered(response: reqwest::Response) -> Result<reqwest::Response> {
+    let status = response.status();
+    if status.is_success() {
+        return Ok(response);
+    }
+    let url = response.url().clone();
+    let reason = response.text().await.unwrap_or_default();
+    anyhow::bail!("{url} answered {status}: {}", reason.trim())
+}
+
 /// Reads every batch of one epoch with `streams` concurrent requests, checking each body's CRC32C.
 async fn read_epoch(
     client: &reqwest::Client,
@@ -64,14 +76,14 @@ async fn read_epoch(
     streams: usize,
 ) -> Result<EpochRead> {
     let url = format!("{base}{}?{}", api::manifest_path(dataset, epoch), query.to_query());
-    let manifest: Manifest = client.get(&url).send().await?.error_for_status()?.json().await.context("manifest")?;
+    let manifest: Manifest = answered(client.get(&url).send().await?).await?.json().await.context("manifest")?;
     let started = Instant::now();
     let results = futures_util::stream::iter(manifest.batches.clone())
         .map(|entry| {
             let url = format!("{base}{}?{}", api::batch_path(dataset, epoch, entry.index), query.to_query());
             let client = client.clone();
             async move {
-                let mut response = client.get(&url).send().await?.error_for_status()?;
+                let mut response = answered(client.get(&url).send().await?).await?;
                 let http2 = response.version() == reqwest::Version::HTTP_2;
                 let (mut crc, mut len) = (0u32, 0u64);
                 while let Some(chunk) = response.chunk().await? {
@@ -156,4 +168,21 @@ pub fn run(args: DemoArgs) -> Result<()> {
     };
     println!("\n{table}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request the server refuses fails with the server's reason, not only its status.
+    #[test]
+    fn a_refused_read_says_the_server_s_reason() {
+        let server = crate::testing::serve_generated(20, 1000, None);
+        let (base, dataset) = server.url.rsplit_once('/').unwrap();
+        let plan = batchfs::plan::PlanOptions { batch_size: 0, ..Default::default() };
+        let query = BatchQuery { plan, format: batchfs::encode::BatchFormat::Tfrecord };
+        let read = server.runtime.block_on(async { read_epoch(&h2_client()?, base, dataset, 0, query, 2).await });
+        let e = format!("{:#}", read.unwrap_err());
+        assert!(e.contains("answered 400 Bad Request: ") && e.contains("batch_size"), "{e}");
+    }
 }

@@ -21,7 +21,7 @@ pub mod progress;
 pub mod sendfile;
 pub mod service;
 pub mod storage;
-#[cfg(feature = "testing")]
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 mod tls;
 
