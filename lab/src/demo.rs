@@ -2,8 +2,13 @@
 //! loopback, mounts it, reads one epoch with several reader threads as a loader would (each reading every
 //! k-th batch file), checks every file against the manifest's CRC32C, prints a result table, unmounts and
 //! cleans up.
+//!
+//! The server is a child process that never outlives the demo: killed when `run` returns, by the thread
+//! that takes SIGINT and SIGTERM (which also unmounts and removes the temporary directory), and, were the
+//! demo killed outright, by the kernel (`PR_SET_PDEATHSIG`). Its log is kept in the temporary directory
+//! and quoted should it exit before serving.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use batchfs::demo::{SampleArgs, Table, Tally};
 use batchfs::encode::BatchFormat;
 use batchfs::gen;
@@ -29,12 +34,138 @@ pub struct DemoArgs {
     pub server: Option<PathBuf>,
 }
 
-struct ServerProcess(Child);
+/// The server child (killed and waited for on drop), and where its log goes.
+struct ServerProcess {
+    child: Child,
+    program: PathBuf,
+    log: PathBuf,
+}
 
 impl Drop for ServerProcess {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl ServerProcess {
+    /// Starts `program` serving `data` on `port`, logging to `log`; it gets SIGTERM when the thread that
+    /// started it (this one) ends, so a demo killed outright leaves no server behind.
+    fn start(program: &Path, port: u16, data: &Path, log: PathBuf) -> Result<ServerProcess> {
+        use std::os::unix::process::CommandExt;
+        let stderr = std::fs::File::create(&log)?;
+        let mut command = Command::new(program);
+        command
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--dataset",
+                &format!("sample={}", data.display()),
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        // SAFETY: the closure runs in the child between fork and exec and makes async-signal-safe calls only,
+        // on a set local to it. The child would inherit the mask that holds SIGINT and SIGTERM for the
+        // demo's signal thread (`stop_signals`): it is cleared, or the server could not be stopped.
+        unsafe {
+            command.pre_exec(|| {
+                let mut none: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut none);
+                match libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut()) {
+                    0 => {}
+                    _ => return Err(std::io::Error::last_os_error()),
+                }
+                match libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                }
+            });
+        }
+        let child = command.spawn().with_context(|| format!("cannot start {}", program.display()))?;
+        Ok(ServerProcess { child, program: program.to_owned(), log })
+    }
+
+    /// An error if the server has exited: its status and what it printed.
+    fn check_running(&mut self) -> Result<()> {
+        let Some(status) = self.child.try_wait()? else { return Ok(()) };
+        let printed = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let printed = match printed.trim() {
+            "" => "it printed nothing".to_owned(),
+            text => text.to_owned(),
+        };
+        bail!("{} exited ({status}) before serving the demo: {printed}", self.program.display())
+    }
+}
+
+/// Waits for the server to serve the sample dataset with `options`, up to `deadline`: only a server not
+/// answering yet is waited for. A server that exited, or one that refuses the options, the dataset or the
+/// mountpoint, ends the wait at once (each was waited on for a minute, in silence).
+fn wait_for_plan(
+    server: &mut ServerProcess,
+    url: &str,
+    mountpoint: &Path,
+    options: &MountOptions,
+    deadline: Instant,
+) -> Result<batchfs_mount::plan::MountPlan> {
+    use batchfs_mount::plan::Refused;
+    loop {
+        server.check_running()?;
+        match batchfs_mount::plan::plan(url, mountpoint, options.clone()) {
+            Ok(p) => return Ok(p),
+            Err(e) if !e.chain().any(|c| matches!(c.downcast_ref(), Some(Refused::Unreachable { .. }))) => {
+                // The server may have refused because it is going: its own words say more.
+                std::thread::sleep(Duration::from_millis(50));
+                server.check_running()?;
+                return Err(e.context("the server refused the demo"));
+            }
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(error = %e, "waiting for the server");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e.context("the server did not come up")),
+        }
+    }
+}
+
+/// SIGINT and SIGTERM, taken by one thread (`sigwait`) rather than by whichever thread they land on.
+mod stop_signals {
+    use std::path::PathBuf;
+
+    /// Blocks SIGINT and SIGTERM in this thread and in the threads it starts from now on, for
+    /// [`clean_up_on`] to take (the server child starts with them unblocked again).
+    pub fn block() -> std::io::Result<libc::sigset_t> {
+        // SAFETY: a zeroed sigset_t is initialized by sigemptyset; each call gets a valid pointer to it.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGINT);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            match libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) {
+                0 => Ok(set),
+                e => Err(std::io::Error::from_raw_os_error(e)),
+            }
+        }
+    }
+
+    /// On a signal of `set`: kills `server`, unmounts `mountpoint` (lazily), removes `work`, and exits as
+    /// the signal would have (128 + its number).
+    pub fn clean_up_on(set: libc::sigset_t, server: u32, mountpoint: PathBuf, work: PathBuf) -> std::io::Result<()> {
+        std::thread::Builder::new().name("demo-signals".into()).spawn(move || {
+            let mut signal = 0;
+            // SAFETY: sigwait reads the set and writes one int through a pointer to a live local.
+            if unsafe { libc::sigwait(&set, &mut signal) } != 0 {
+                return;
+            }
+            eprintln!("signal {signal}: stopping the server, unmounting and removing {}", work.display());
+            // SAFETY: kill takes plain integers; the pid is our child's, not yet waited for.
+            unsafe { libc::kill(server as libc::pid_t, libc::SIGKILL) };
+            let _ = batchfs_mount::sys::unmount(&mountpoint, true);
+            let _ = std::fs::remove_dir_all(&work);
+            std::process::exit(128 + signal);
+        })?;
+        Ok(())
     }
 }
 
@@ -71,6 +202,7 @@ fn read_file(path: &Path) -> Result<(u64, u32)> {
 
 /// Runs the demo.
 pub fn run(args: DemoArgs) -> Result<()> {
+    let signals = stop_signals::block()?;
     let work = tempfile::tempdir()?;
     let data = work.path().join("sample-tfrecord");
     let t = Instant::now();
@@ -79,29 +211,15 @@ pub fn run(args: DemoArgs) -> Result<()> {
 
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let server = server_binary(args.server.as_deref())?;
-    let child = Command::new(&server)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--dataset", &format!("sample={}", data.display())])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .with_context(|| format!("cannot start {}", server.display()))?;
-    let _server = ServerProcess(child);
+    let mut server = ServerProcess::start(&server, port, &data, work.path().join("server.log"))?;
     let url = format!("http://127.0.0.1:{port}/sample");
     let mountpoint = work.path().join("mnt");
     std::fs::create_dir(&mountpoint)?;
+    stop_signals::clean_up_on(signals, server.child.id(), mountpoint.clone(), work.path().to_owned())?;
     let mut mount_options = MountOptions { prefetch: args.prefetch, ..MountOptions::default() };
     mount_options.plan.batch_size = args.sample.batch_size;
     let deadline = Instant::now() + Duration::from_secs(60);
-    let plan = loop {
-        match batchfs_mount::plan::plan(&url, &mountpoint, mount_options.clone()) {
-            Ok(p) => break p,
-            Err(e) if Instant::now() < deadline => {
-                tracing::debug!(error = %e, "waiting for the server");
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            Err(e) => return Err(e.context("the server did not come up")),
-        }
-    };
+    let plan = wait_for_plan(&mut server, &url, &mountpoint, &mount_options, deadline)?;
     let mounted = batchfs_mount::mount::spawn(&plan)?;
     let manifest = mounted.prefetcher.manifest(0, BatchFormat::Tfrecord).map_err(anyhow::Error::msg)?;
     let epoch = mountpoint.join(batchfs_mount::fs::epoch_name(0));

@@ -219,3 +219,79 @@ fn demo_reads_every_batch_file_through_a_mount_and_cleans_up() {
     assert!(!is_mounted(mountpoint), "{} is still mounted", mountpoint.display());
     assert!(!mountpoint.exists(), "the demo left {} behind", mountpoint.display());
 }
+
+/// A script standing in for batchfs-server, written into `dir`.
+fn fake_server(dir: &Path, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join("fake-server");
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+/// A server that exits, or that refuses the demo's options, ends the demo at once with its reason: it
+/// waited a minute in silence.
+#[test]
+fn demo_stops_with_the_server_s_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let demo = |extra: &[&str]| {
+        let started = Instant::now();
+        let out = lab(&[&["demo", "--samples", "100", "--mean-bytes", "2K"][..], extra].concat());
+        assert!(!out.status.success(), "{extra:?}");
+        assert!(started.elapsed() < Duration::from_secs(20), "{extra:?} took {:?}", started.elapsed());
+        stderr(&out)
+    };
+    let failing = fake_server(dir.path(), "echo 'Error: cannot bind 127.0.0.1' >&2; exit 3");
+    let e = demo(&["--server", failing.to_str().unwrap()]);
+    assert!(e.contains("exited (exit status: 3) before serving the demo: Error: cannot bind 127.0.0.1"), "{e}");
+    let e = demo(&["--server", "/bin/true"]);
+    assert!(e.contains("/bin/true exited (exit status: 0) before serving the demo: it printed nothing"), "{e}");
+    built("batchfs-server");
+    let e = demo(&["--batch-size", "0"]);
+    assert!(e.contains("the server refused the demo") && e.contains("rejected the options"), "{e}");
+    assert!(e.contains("answered 400") && e.contains("batch_size"), "{e}");
+}
+
+/// SIGTERM or SIGINT stops the demo, its server and cleans its temporary directory up; the server also
+/// goes with a demo killed outright.
+#[test]
+fn demo_stopped_by_a_signal_leaves_no_server_or_files() {
+    for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGKILL] {
+        let dir = tempfile::tempdir().unwrap();
+        let (tmp, pid_file) = (dir.path().join("tmp"), dir.path().join("server.pid"));
+        std::fs::create_dir(&tmp).unwrap();
+        let server = fake_server(dir.path(), &format!("echo $$ > {}; exec sleep 60", pid_file.display()));
+        let mut demo = Command::new(LAB)
+            .args(["demo", "--samples", "100", "--mean-bytes", "2K", "--server", server.to_str().unwrap()])
+            .env("TMPDIR", &tmp)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let pid = loop {
+            match std::fs::read_to_string(&pid_file).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+                Some(pid) => break pid,
+                None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                None => panic!("the server never started"),
+            }
+        };
+        // SAFETY: kill takes plain integers.
+        assert_eq!(unsafe { libc::kill(demo.id() as i32, signal) }, 0);
+        let status = demo.wait().unwrap();
+        assert!(!status.success(), "signal {signal}");
+        // Gone, or a zombie waiting for a parent to reap it (the demo's orphans go to whoever reaps here).
+        let gone = |pid: i32| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            stat.rsplit_once(") ").is_none_or(|(_, rest)| rest.starts_with('Z'))
+        };
+        while !gone(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(gone(pid), "signal {signal}: the server outlived the demo");
+        if signal != libc::SIGKILL {
+            assert_eq!(status.code(), Some(128 + signal));
+            let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
+            assert!(left.is_empty(), "signal {signal}: the demo left {left:?}");
+        }
+    }
+}
