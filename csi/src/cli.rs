@@ -45,16 +45,34 @@ enum Command {
     /// Run the holder: starts, unmounts and upgrades mounts when the plugin asks, from a container that
     /// outlives the plugin's (as the container's init it also reaps the mounts' orphaned processes).
     Holder {
-        /// The socket the plugin asks on
-        #[arg(long, default_value = "/var/lib/batchfs-csi/holder.sock")]
+        /// The socket the plugin asks on: a path, or unix:///PATH as the plugin's --holder names it
+        #[arg(long, default_value = "/var/lib/batchfs-csi/holder.sock", value_parser = holder_socket)]
         socket: PathBuf,
         /// The batchfs program the mounts run (the plugin's --install-program)
         #[arg(long, default_value = "/var/lib/batchfs-csi/bin/batchfs")]
         program: PathBuf,
         /// The longest a mount, unmount or upgrade may take
-        #[arg(long, default_value = "120s", value_parser = batchfs::units::parse_duration)]
+        #[arg(long, default_value = "120s", value_parser = batchfs::units::parse_positive_duration)]
         mount_timeout: Duration,
     },
+}
+
+/// The holder's `--socket`: `unix:///PATH` as the plugin's `--holder` takes it, or a path (it made a
+/// directory named `unix:`).
+fn holder_socket(text: &str) -> Result<PathBuf> {
+    crate::plugin::socket_path(text)
+}
+
+/// The plugin's endpoint and node id: both given, the node id not empty (CSI requires one, and an empty
+/// `--node-id ""` or `NODE_ID=` was taken).
+fn endpoint_and_node(endpoint: Option<String>, node_id: Option<String>) -> Result<(String, String)> {
+    let (Some(endpoint), Some(node_id)) = (endpoint, node_id) else {
+        bail!("batchfs-csi needs --endpoint unix:///PATH and --node-id NAME (or run `batchfs-csi holder`)");
+    };
+    if node_id.trim().is_empty() {
+        bail!("--node-id (or NODE_ID) is empty: CSI requires this node's name (the pod's spec.nodeName)");
+    }
+    Ok((endpoint, node_id))
 }
 
 /// Whether `args` (the program's name first) are a command line `batchfs-csi` accepts: what the
@@ -77,9 +95,7 @@ pub fn run() -> Result<()> {
             runtime.block_on(crate::holder::serve(&socket, program, mount_timeout))
         }
         None => {
-            let (Some(endpoint), Some(node_id)) = (cli.endpoint, cli.node_id) else {
-                bail!("batchfs-csi needs --endpoint unix:///PATH and --node-id NAME (or run `batchfs-csi holder`)");
-            };
+            let (endpoint, node_id) = endpoint_and_node(cli.endpoint, cli.node_id)?;
             let program = match cli.program {
                 Some(p) => p,
                 None => std::env::current_exe()?.with_file_name("batchfs"),
@@ -107,6 +123,48 @@ mod tests {
         super::check_args(args("batchfs-csi holder --socket /run/h.sock --program /x/batchfs")).unwrap();
         assert!(super::check_args(args("batchfs-csi --endpont unix:///csi/csi.sock")).is_err());
         assert!(super::check_args(args("batchfs-csi --mount-timeout forever")).is_err());
+    }
+
+    /// The holder refuses what the plugin refuses: a zero `--mount-timeout`; and takes its socket as the
+    /// plugin's `--holder` names it.
+    #[test]
+    fn the_holder_takes_what_the_plugin_takes() {
+        use clap::Parser;
+        let holder = |extra: &[&str]| {
+            let cli = super::Cli::try_parse_from([&["batchfs-csi", "holder"][..], extra].concat())?;
+            match cli.command {
+                Some(super::Command::Holder { socket, mount_timeout, .. }) => {
+                    Ok::<_, clap::Error>((socket, mount_timeout))
+                }
+                None => unreachable!(),
+            }
+        };
+        for zero in ["0", "0s", "0ms"] {
+            let e = holder(&["--mount-timeout", zero]).unwrap_err().to_string();
+            assert!(e.contains("--mount-timeout"), "{zero}: {e}");
+        }
+        let (socket, _) = holder(&["--socket", "unix:///run/h.sock"]).unwrap();
+        assert_eq!(socket, std::path::Path::new("/run/h.sock"));
+        let (socket, timeout) = holder(&[]).unwrap();
+        assert_eq!(socket, std::path::Path::new("/var/lib/batchfs-csi/holder.sock"));
+        assert_eq!(timeout, super::Duration::from_secs(120));
+        assert!(holder(&["--socket", "tcp://h:1"]).is_err());
+    }
+
+    /// CSI requires a node id: an empty one is refused, as a missing one is.
+    #[test]
+    fn an_empty_node_id_is_refused() {
+        use clap::Parser;
+        let node = |id: &str| {
+            let cli = super::Cli::try_parse_from(["batchfs-csi", "--endpoint", "unix:///c.sock", "--node-id", id])?;
+            super::endpoint_and_node(cli.endpoint, cli.node_id)
+        };
+        assert_eq!(node("n1").unwrap().1, "n1");
+        for empty in ["", " "] {
+            let e = node(empty).unwrap_err().to_string();
+            assert!(e.contains("--node-id (or NODE_ID) is empty"), "{empty:?}: {e}");
+        }
+        assert!(super::endpoint_and_node(Some("unix:///c.sock".into()), None).is_err());
     }
 
     #[test]

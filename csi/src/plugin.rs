@@ -28,7 +28,7 @@ pub struct PluginConfig {
 pub fn socket_path(endpoint: &str) -> Result<PathBuf> {
     let path = endpoint.strip_prefix("unix://").or_else(|| endpoint.strip_prefix("unix:")).unwrap_or(endpoint);
     if path.is_empty() || endpoint.contains("://") && !endpoint.starts_with("unix://") {
-        bail!("endpoint {endpoint:?}: expected unix:///PATH (the plugin listens on a unix socket)");
+        bail!("{endpoint:?}: expected unix:///PATH or a path (a unix socket)");
     }
     Ok(PathBuf::from(path))
 }
