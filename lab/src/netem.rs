@@ -49,24 +49,24 @@ pub struct NetemArgs {
     /// Random extra one-way delay, uniform in [0, J] milliseconds (order is kept).
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
     pub jitter_ms: f64,
-    /// Cut each connection after about this many bytes toward the client.
-    #[arg(long, value_name = "BYTES", value_parser = batchfs::units::parse_size, help_heading = "Faults")]
+    /// Cut each connection after about this many bytes toward the client (above 0).
+    #[arg(long, value_name = "BYTES", value_parser = positive_size, help_heading = "Faults")]
     pub reset_every: Option<u64>,
-    /// Flip one bit in about every this many bytes toward the client.
-    #[arg(long, value_name = "BYTES", value_parser = batchfs::units::parse_size, help_heading = "Faults")]
+    /// Flip one bit in about every this many bytes toward the client (above 0).
+    #[arg(long, value_name = "BYTES", value_parser = positive_size, help_heading = "Faults")]
     pub corrupt_every: Option<u64>,
     /// Hold a connection still for --stall-ms after about every this many bytes toward the client.
-    #[arg(long, value_name = "BYTES", value_parser = batchfs::units::parse_size, requires = "stall_ms",
-          help_heading = "Faults")]
+    #[arg(long, value_name = "BYTES", value_parser = positive_size, requires = "stall_ms", help_heading = "Faults")]
     pub stall_every: Option<u64>,
-    /// How long a stall lasts, milliseconds.
-    #[arg(long, value_name = "MS", help_heading = "Faults")]
+    /// How long a stall lasts, milliseconds (with --stall-every).
+    #[arg(long, value_name = "MS", requires = "stall_every", help_heading = "Faults")]
     pub stall_ms: Option<u64>,
     /// Take the whole link down every this many seconds (first after this long), for --down-ms.
-    #[arg(long, value_name = "S", requires = "down_ms", help_heading = "Faults")]
+    #[arg(long, value_name = "S", value_parser = batchfs::units::parse_positive_number, requires = "down_ms",
+          help_heading = "Faults")]
     pub down_after_s: Option<f64>,
-    /// How long the link stays down: live connections are cut, new ones closed at once.
-    #[arg(long, value_name = "MS", help_heading = "Faults")]
+    /// How long the link stays down: live connections are cut, new ones closed at once (with --down-after-s).
+    #[arg(long, value_name = "MS", requires = "down_after_s", help_heading = "Faults")]
     pub down_ms: Option<u64>,
     /// Seed of the fault choices: the same seed and traffic inject the same faults.
     #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Faults")]
@@ -80,6 +80,14 @@ fn resolve(text: &str) -> std::io::Result<SocketAddr> {
     let mut addrs = text.to_socket_addrs().map_err(context)?;
     let none = || std::io::Error::new(std::io::ErrorKind::NotFound, format!("{text} resolves to no address"));
     addrs.next().ok_or_else(none)
+}
+
+/// A fault's spacing in bytes: above 0 (0 turned the fault off without a word; leave the flag out for that).
+fn positive_size(text: &str) -> Result<u64, batchfs::units::UnitError> {
+    match batchfs::units::parse_size(text)? {
+        0 => Err(batchfs::units::UnitError::NotPositive(text.to_owned())),
+        n => Ok(n),
+    }
 }
 
 /// The faults to inject (see the module note); `None` turns one off.
@@ -472,5 +480,29 @@ mod tests {
         assert!(named.ip().is_loopback() && named.port() == 7878, "{named}");
         let error = upstream("localhost").unwrap_err().to_string();
         assert!(error.contains("cannot resolve localhost (HOST:PORT)"), "{error}");
+    }
+
+    /// A fault's half given alone, or a spacing of 0, is refused: each turned the fault off in silence.
+    #[test]
+    fn a_fault_half_given_or_a_zero_spacing_is_refused() {
+        let parse = |extra: &[&str]| {
+            let base = ["netem", "--listen", "127.0.0.1:1", "--upstream", "127.0.0.1:2"];
+            Netem::try_parse_from(base.iter().chain(extra)).map(|c| Faults::from(&c.args))
+        };
+        let f = parse(&["--stall-every", "1M", "--stall-ms", "5", "--down-after-s", "2", "--down-ms", "300"]).unwrap();
+        assert_eq!((f.stall_every, f.stall), (Some(1 << 20), Duration::from_millis(5)));
+        assert_eq!(f.down, Some((Duration::from_secs(2), Duration::from_millis(300))));
+        let f = parse(&["--reset-every", "4M", "--corrupt-every", "1K"]).unwrap();
+        assert_eq!((f.reset_every, f.corrupt_every), (Some(4 << 20), Some(1 << 10)));
+        for alone in
+            [&["--stall-ms", "5"][..], &["--down-ms", "300"], &["--stall-every", "1M"], &["--down-after-s", "2"]]
+        {
+            let e = parse(alone).unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::MissingRequiredArgument, "{alone:?}: {e}");
+        }
+        for zero in ["--reset-every", "--corrupt-every", "--stall-every"] {
+            assert!(parse(&[zero, "0", "--stall-ms", "5", "--stall-every", "1M"]).is_err(), "{zero} 0");
+        }
+        assert!(parse(&["--down-after-s", "0", "--down-ms", "300"]).is_err());
     }
 }
