@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 pub struct DemoArgs {
     #[command(flatten)]
     pub sample: SampleArgs,
-    /// Reader threads (reader r reads batch files r, r+k, r+2k...).
-    #[arg(long, default_value_t = 4)]
+    /// Reader threads (reader r reads batch files r, r+k, r+2k...), at least 1.
+    #[arg(long, default_value_t = 4, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub readers: usize,
     /// Batches prefetched ahead of each reader.
     #[arg(long, default_value_t = 16)]
@@ -229,7 +229,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let listed = std::fs::read_dir(&epoch)?.count();
 
     let started = Instant::now();
-    let readers = args.readers.max(1);
+    let readers = args.readers;
     let results: Vec<Result<Vec<(usize, u64, u32)>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..readers)
             .map(|r| {
@@ -306,4 +306,21 @@ pub fn run(args: DemoArgs) -> Result<()> {
     };
     println!("\n{table}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// `--readers 0` is refused (it ran with one reader).
+    #[test]
+    fn zero_readers_are_refused() {
+        use clap::Parser;
+        let readers = |n: &str| match crate::Cli::try_parse_from(["batchfs-lab", "demo", "--readers", n]) {
+            Ok(crate::Cli { command: crate::Command::Demo(args) }) => Ok(args.readers),
+            Ok(_) => unreachable!(),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(readers("2"), Ok(2));
+        let e = readers("0").unwrap_err();
+        assert!(e.contains("invalid value '0' for '--readers <READERS>'"), "{e}");
+    }
 }

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 pub struct DemoArgs {
     #[command(flatten)]
     pub sample: SampleArgs,
-    /// Concurrent HTTP/2 streams reading batches.
-    #[arg(long, default_value_t = 8)]
+    /// Concurrent HTTP/2 streams reading batches, at least 1.
+    #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub streams: usize,
     /// Batch file format to read (tfrecord or tar).
     #[arg(long, default_value = "tfrecord")]
@@ -173,6 +173,20 @@ pub fn run(args: DemoArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--streams 0` is refused (it ran, with one stream).
+    #[test]
+    fn zero_streams_are_refused() {
+        use clap::Parser;
+        let streams = |n: &str| match crate::cli::Cli::try_parse_from(["batchfs-server", "demo", "--streams", n]) {
+            Ok(crate::cli::Cli { command: crate::cli::Command::Demo(args) }) => Ok(args.streams),
+            Ok(_) => unreachable!(),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(streams("3"), Ok(3));
+        let e = streams("0").unwrap_err();
+        assert!(e.contains("invalid value '0' for '--streams <STREAMS>'"), "{e}");
+    }
 
     /// A request the server refuses fails with the server's reason, not only its status.
     #[test]
