@@ -388,8 +388,9 @@ pub enum OptionError {
     /// A plan option (or the format) refused as the server refuses it in a query.
     #[error(transparent)]
     Plan(#[from] batchfs::api::ApiError),
+    /// A format the mount does not show: it names only the mount's (the server's list named three more).
     #[error("format={0}: a mount shows tfrecord (with .idx twins) or tar")]
-    Format(BatchFormat),
+    Format(String),
 }
 
 /// `threads=auto`: as many FUSE threads as CPUs the mount may run on, at least 2 and at most 16 (see
@@ -422,15 +423,23 @@ impl MountOptions {
     /// Applies one `key[=value]` option.
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<(), OptionError> {
         match key {
-            // The plan options and the format: parsed as the server parses them in a query.
-            "batch_size" | "seed" | "shuffle" | "block_bytes" | "drop_last" | "format" => {
+            // The plan options: parsed as the server parses them in a query.
+            "batch_size" | "seed" | "shuffle" | "block_bytes" | "drop_last" => {
                 let mut query = self.query();
                 query.set(key, value)?;
-                if !matches!(query.format, BatchFormat::Tfrecord | BatchFormat::Tar) {
-                    return Err(OptionError::Format(query.format));
-                }
-                (self.plan, self.format) = (query.plan, query.format);
+                self.plan = query.plan;
                 Ok(())
+            }
+            // The format, of the server's those a mount shows.
+            "format" => {
+                let format = value.ok_or_else(|| OptionError::NeedsValue(key.to_owned()))?;
+                match format.parse() {
+                    Ok(f @ (BatchFormat::Tfrecord | BatchFormat::Tar)) => {
+                        self.format = f;
+                        Ok(())
+                    }
+                    _ => Err(OptionError::Format(format.to_owned())),
+                }
             }
             // mount(8)'s own: ignored (`comment=...` and `x-...` are for other programs to read).
             k if IGNORED.contains(&k) || k.starts_with("x-") || k == "comment" => Ok(()),
@@ -656,6 +665,10 @@ mod tests {
         assert!(e.to_string().contains("threads=many") && e.to_string().contains("auto or a number"), "{e}");
         let e = MountOptions::default().apply_list("batch_size=0").unwrap_err();
         assert!(matches!(e, OptionError::Plan(_)), "a plan option refused as the server refuses it: {e}");
+        for format in ["lmdb", "tfrecord.idx", "tfrecord.slots"] {
+            let e = MountOptions::default().apply_list(&format!("format={format}")).unwrap_err().to_string();
+            assert_eq!(e, format!("format={format}: a mount shows tfrecord (with .idx twins) or tar"));
+        }
         let e = MountOptions::default().apply_list("bogus=1").unwrap_err();
         assert!(matches!(&e, OptionError::Unknown(k) if k == "bogus"), "{e}");
     }
