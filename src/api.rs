@@ -61,7 +61,13 @@ pub enum Route {
 }
 
 fn number(what: &str, s: &str) -> Result<u64, ApiError> {
-    s.parse().map_err(|_| ApiError::BadRequest(format!("{what} must be a non-negative integer, got {s:?}")))
+    s.parse().map_err(|e: std::num::ParseIntError| match e.kind() {
+        // Digits, too many of them: said so, not "must be a non-negative integer".
+        std::num::IntErrorKind::PosOverflow => {
+            ApiError::BadRequest(format!("{what} is too large: at most {}, got {s}", u64::MAX))
+        }
+        _ => ApiError::BadRequest(format!("{what} must be a non-negative integer, got {s:?}")),
+    })
 }
 
 /// Decodes `%XX` escapes; `None` for malformed escapes or invalid UTF-8.
@@ -318,7 +324,16 @@ impl BatchQuery {
         let need = || value.ok_or_else(|| bad(format!("{key} needs a value ({key}=...)")));
         match key {
             "batch_size" => {
-                let n = number(key, need()?)?;
+                let text = need()?;
+                let n = number(key, text).map_err(|e| {
+                    match !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+                        // Beyond any integer, as out of range as one beyond the plan's largest batch.
+                        true => {
+                            bad(format!("batch_size must be between 1 and {}, got {text}", crate::plan::MAX_BATCH_SIZE))
+                        }
+                        false => e,
+                    }
+                })?;
                 let mut plan = self.plan;
                 plan.batch_size = u32::try_from(n).map_err(|_| bad(PlanError::BadBatchSize(n).to_string()))?;
                 plan.validate().map_err(|e| bad(e.to_string()))?;
@@ -867,6 +882,14 @@ mod tests {
         assert_eq!(
             err("batch_size", "0"),
             format!("batch_size must be between 1 and {}, got 0", crate::plan::MAX_BATCH_SIZE)
+        );
+        assert_eq!(
+            err("batch_size", "99999999999999999999"),
+            format!("batch_size must be between 1 and {}, got 99999999999999999999", crate::plan::MAX_BATCH_SIZE)
+        );
+        assert_eq!(
+            err("seed", "99999999999999999999"),
+            format!("seed is too large: at most {}, got 99999999999999999999", u64::MAX)
         );
         assert_eq!(err("seed", "x"), "seed must be a non-negative integer, got \"x\"");
         assert_eq!(set("seed", None).unwrap_err().to_string(), "seed needs a value (seed=...)");
