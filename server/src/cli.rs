@@ -194,6 +194,7 @@ fn dataset_specs(flags: &IndexFlags, extra: &[DatasetSpec]) -> Result<Vec<Datase
     // The flag's are checked as they parse; the config file's here, before anything is served.
     for spec in extra {
         crate::config::check_dataset_name(&spec.name).context("in the config file's [[dataset]]")?;
+        crate::config::check_dataset_path(&spec.path).with_context(|| format!("dataset {}", spec.name))?;
         if !is_object_url(&spec.path) && (!spec.s3.is_empty() || spec.index_in_bucket) {
             bail!(
                 "dataset {}: [dataset.s3] settings and index_in_bucket are for s3:// datasets, not {}",
@@ -482,6 +483,23 @@ impl<F: FnMut()> Drop for OnPanic<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The indexing flags of `serve` with nothing given.
+    fn serve_flags() -> IndexFlags {
+        match Cli::try_parse_from(["batchfs-server", "serve"]).unwrap().command {
+            Command::Serve(a) => a.index,
+            _ => unreachable!(),
+        }
+    }
+
+    /// A config file's dataset in a store other than S3 is refused naming it, as the flag's is.
+    #[test]
+    fn a_config_file_s_dataset_in_another_store_is_refused() {
+        let file: ConfigFile = toml::from_str("[[dataset]]\nname = \"g\"\npath = \"gs://b/p\"\n").unwrap();
+        let flags = IndexFlags { datasets: Vec::new(), ..with_config(serve_flags(), &file).unwrap() };
+        let e = format!("{:#}", dataset_specs(&flags, &file.datasets).unwrap_err());
+        assert!(e.starts_with("dataset g: gs://b/p: only s3:// object stores are supported"), "{e}");
+    }
 
     /// A TLS flag overrides the config file's value and pairs with its other half; a half given nowhere is
     /// refused naming it, as the flag or as the file's key.

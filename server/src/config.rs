@@ -35,6 +35,9 @@ pub enum ValueError {
     NotADatasetSpec { text: String },
     #[error("{text:?}: expected NAME=PATH with both parts non-empty")]
     EmptyDatasetSpec { text: String },
+    /// A URL of a store other than S3's (`gs://`, `az://`, `https://`): it was looked for as a directory.
+    #[error("{path}: only s3:// object stores are supported (a dataset is a directory or s3://BUCKET/PREFIX)")]
+    UnsupportedStore { path: String },
     #[error(
         "dataset name {name:?} must be non-empty, not `.` or `..`, without '/', '?', '#', '%' or control characters"
     )]
@@ -325,6 +328,20 @@ pub fn check_dataset_name(name: &str) -> Result<(), ValueError> {
     }
 }
 
+/// A dataset's path: a directory, or `s3://BUCKET/PREFIX`; a URL of another scheme is refused as such.
+pub fn check_dataset_path(path: &std::path::Path) -> Result<(), ValueError> {
+    let text = path.to_string_lossy();
+    let scheme = text.split_once("://").map(|(scheme, _)| scheme);
+    let is_scheme = |s: &str| {
+        s.starts_with(|c: char| c.is_ascii_alphabetic())
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+    };
+    match scheme.is_some_and(is_scheme) && !crate::objects::is_object_url(path) {
+        true => Err(ValueError::UnsupportedStore { path: text.into_owned() }),
+        false => Ok(()),
+    }
+}
+
 impl std::str::FromStr for DatasetSpec {
     type Err = ValueError;
 
@@ -336,6 +353,7 @@ impl std::str::FromStr for DatasetSpec {
         }
         check_dataset_name(name)?;
         let path = PathBuf::from(path);
+        check_dataset_path(&path)?;
         Ok(DatasetSpec { name: name.to_owned(), path, format: None, s3: Default::default(), index_in_bucket: false })
     }
 }
@@ -595,6 +613,20 @@ mod tests {
         }
         for good in ["imagenet", "a.b", "ImageNet-1k_v2", "训练"] {
             assert!(check_dataset_name(good).is_ok(), "{good:?}");
+        }
+    }
+
+    /// A store's URL other than s3:// is refused as such: it was looked for as a directory ("gs://b/p is not
+    /// a directory").
+    #[test]
+    fn only_s3_stores_are_taken() {
+        for url in ["gs://b/p", "az://c/p", "https://host/p", "abfs://c@a/p", "file:///data/x"] {
+            let e = format!("x={url}").parse::<DatasetSpec>().unwrap_err();
+            assert_eq!(e, ValueError::UnsupportedStore { path: url.into() });
+            assert!(e.to_string().starts_with(&format!("{url}: only s3:// object stores are supported")), "{e}");
+        }
+        for path in ["s3://b/p", "s3a://b/p", "/data/x", "relative/dir", "./odd://name"] {
+            assert!(format!("x={path}").parse::<DatasetSpec>().is_ok(), "{path}");
         }
     }
 }
