@@ -152,7 +152,7 @@ pub struct PrefetcherConfig {
     pub rolling: (u64, u64),
     /// The plan and share of `shuffled/`.
     pub shuffled: ShuffledConfig,
-    /// The content id of the dataset's index the mount planned with ([`DatasetInfo::index_id`]; empty:
+    /// The content id of the dataset's index the mount planned with ([`batchfs::api::DatasetInfo::index_id`]; empty:
     /// none known). A manifest of another, or a body that is not what the manifest says from a server
     /// whose index now has another, fails at once ([`ReadError::Changed`]).
     pub index_id: String,

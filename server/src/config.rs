@@ -336,7 +336,7 @@ pub fn check_dataset_path(path: &std::path::Path) -> Result<(), ValueError> {
         s.starts_with(|c: char| c.is_ascii_alphabetic())
             && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
     };
-    match scheme.is_some_and(is_scheme) && !crate::objects::is_object_url(path) {
+    match scheme.is_some_and(is_scheme) && !crate::policy::is_object_url(path) {
         true => Err(ValueError::UnsupportedStore { path: text.into_owned() }),
         false => Ok(()),
     }

@@ -61,16 +61,13 @@ pub use units::{coalesce, take_of, units_of, Read, Unit};
 use crate::config::ServerLimits;
 use batchfs::index::{Index, ShardInfo};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::sync::Semaphore;
 
-/// Whether a dataset path names an object store (`s3://...`) rather than a directory.
-pub fn is_object_url(path: &Path) -> bool {
-    path.to_str().is_some_and(|s| s.starts_with("s3://") || s.starts_with("s3a://"))
-}
+pub use crate::policy::is_object_url;
 
 /// Why an object dataset cannot be opened: each says what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -422,6 +419,7 @@ mod tests {
     use object_store::throttle::{ThrottleConfig, ThrottledStore};
     use object_store::ObjectStore;
     use object_store::ObjectStoreExt;
+    use std::path::Path;
     use std::sync::atomic::Ordering;
     use std::time::Instant;
 

@@ -4,6 +4,11 @@
 
 use std::path::PathBuf;
 
+/// Whether a dataset path names an object store (`s3://...`) rather than a directory.
+pub fn is_object_url(path: &std::path::Path) -> bool {
+    path.to_str().is_some_and(|s| s.starts_with("s3://") || s.starts_with("s3a://"))
+}
+
 /// Why an `io`, `disk_cache`, `resident` or `disk_cache_size` value does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
