@@ -116,6 +116,18 @@ fn is_tensorflow_shard_name(path: &str) -> bool {
     rest.rsplit_once('-').is_some_and(|(stem, shard)| !stem.is_empty() && digits(shard) && digits(total))
 }
 
+/// The first of `paths` named as TensorFlow names its shards (no extension) where [`detect_listed`] would
+/// find a file tree: a bucket's `train-00000-of-01024` objects are then indexed as a tree of whole
+/// objects (their contents are not looked at, as a local file's first frames are), which a user is to be
+/// told (a local copy of them is TFRecord).
+pub fn unnamed_tfrecord_shard<'a>(paths: impl Iterator<Item = &'a str> + Clone) -> Option<&'a str> {
+    let mut paths = paths;
+    match detect_listed(paths.clone()) {
+        SourceFormat::Files => paths.find(|p| is_tensorflow_shard_name(p)),
+        _ => None,
+    }
+}
+
 /// Whether the file at `path`, of `size` bytes, starts with TFRecord frames: the first frame's length
 /// matches its CRC and the frame fits in the file, and so does the second's where the first does not end
 /// the file. Two reads of 12 bytes; a text file passes by chance once in 2^64.
@@ -1124,6 +1136,12 @@ mod tests {
         let text = tempfile::tempdir().unwrap();
         std::fs::write(text.path().join("notes-00000-of-00001"), b"not a TFRecord, only text").unwrap();
         assert_eq!(detect(text.path()).unwrap(), SourceFormat::Files);
+        // By names alone (a bucket's listing): such shards are a file tree, and said to be.
+        let listed = ["train-00000-of-00002", "train-00001-of-00002", "README"];
+        assert_eq!(detect_listed(listed.into_iter()), SourceFormat::Files);
+        assert_eq!(unnamed_tfrecord_shard(listed.into_iter()), Some("train-00000-of-00002"));
+        assert_eq!(unnamed_tfrecord_shard(["a.tfrecord", "train-00000-of-00001"].into_iter()), None);
+        assert_eq!(unnamed_tfrecord_shard(["cat/1.jpg"].into_iter()), None);
         // Beside shards with an extension, such names are side files (a vocabulary, a checkpoint), which
         // indexing strictly would refuse as shards.
         let beside = generated(SourceFormat::Tfrecord, 10);

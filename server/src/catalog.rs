@@ -177,8 +177,18 @@ impl Dataset {
     ) -> Result<Dataset, CatalogError> {
         let url = PathBuf::from(objects.url());
         let index_err = |source| CatalogError::Index { name: name.to_owned(), source };
-        let format = options.format.unwrap_or_else(|| source::detect_listed(listed.iter().map(|f| f.path.as_str())));
+        let paths = listed.iter().map(|f| f.path.as_str());
+        let format = options.format.unwrap_or_else(|| source::detect_listed(paths.clone()));
         let given = options.format.is_some();
+        if let Some(shard) = source::unnamed_tfrecord_shard(paths).filter(|_| !given) {
+            tracing::warn!(
+                dataset = name,
+                shard,
+                "objects named as TensorFlow names TFRecord shards, without an extension: indexed as a file tree of \
+                 whole objects; if they are TFRecord files, give the format (--format tfrecord, or format = \
+                 \"tfrecord\" in [[dataset]])"
+            );
+        }
         let (shards, side) = source::classify(objects.root(), format, given, listed).map_err(index_err)?;
         let settings = options.settings(format);
         let path = index_dir.map(|dir| dir.join(format!("{name}.batchfs-index")));
