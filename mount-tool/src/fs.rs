@@ -266,11 +266,21 @@ impl Fs {
         if ino == ROOT {
             return Err(FsError::IsADirectory);
         }
-        if let Some(e) = self.failed_reads.repeat(ino, tid, std::time::Instant::now()) {
-            return Err(e);
+        let view = self.view(ino)?;
+        let read = match self.failed_reads.repeat(ino, tid, std::time::Instant::now()) {
+            Some(e) => Err(e),
+            None => {
+                let read = view.read(ino, offset, size, owner);
+                self.failed_reads.record(ino, tid, &read, std::time::Instant::now());
+                read
+            }
+        };
+        // Its bytes did not come within `timeout` (the server down): the view may give the file's contents
+        // back to be served again (a `shuffled/` sample, a `rolling/` name's epoch). A repeated failure
+        // counts too: it never reaches the view.
+        if let Err(FsError::Io(crate::prefetch::ReadError::Timeout { .. })) = &read {
+            view.read_failed(ino);
         }
-        let read = self.view(ino)?.read(ino, offset, size, owner);
-        self.failed_reads.record(ino, tid, &read, std::time::Instant::now());
         read
     }
 

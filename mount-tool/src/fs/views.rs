@@ -154,6 +154,9 @@ pub trait View: Send + Sync {
     /// The last handle of file `ino` was closed.
     fn closed(&self, _ino: u64) {}
 
+    /// A read of file `ino` failed after waiting out `timeout` (or repeated such a failure at once).
+    fn read_failed(&self, _ino: u64) {}
+
     /// Process `owner` holds a handle of `ino` opened under a worker before this one: held again as the
     /// open held it.
     fn adopted(&self, _ino: u64, _owner: u32) {}

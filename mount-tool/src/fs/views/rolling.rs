@@ -226,6 +226,12 @@ impl View for Rolling {
         }
     }
 
+    fn read_failed(&self, ino: u64) {
+        if let Some(Node::File { epoch, batch, file }) = Node::from_ino(ino) {
+            self.state.read_failed(batch, file, epoch);
+        }
+    }
+
     fn closed(&self, ino: u64) {
         if let Some(Node::File { epoch, batch, file }) = Node::from_ino(ino) {
             self.prefetcher.closed(self.key(epoch, batch, file));
@@ -254,10 +260,7 @@ impl View for Rolling {
                         self.state.read_succeeded(batch, file, epoch);
                         Ok(bytes)
                     }
-                    Err(e) => {
-                        self.state.read_failed(batch, file, epoch);
-                        Err(e.into())
-                    }
+                    Err(e) => Err(e.into()),
                 }
             }
             Node::Twin { batch } => {

@@ -229,6 +229,12 @@ impl View for Shuffled {
         self.state.record_in(ledger.clone());
     }
 
+    fn read_failed(&self, ino: u64) {
+        if let Some(Node::Sample { epoch, class, k }) = Node::from_ino(ino) {
+            self.state.read_failed(class, epoch, k);
+        }
+    }
+
     /// A sample no read of got (each failed) goes back to be handed out again.
     fn closed(&self, ino: u64) {
         if let Some(Node::Sample { epoch, class, k }) = Node::from_ino(ino) {
@@ -246,10 +252,7 @@ impl View for Shuffled {
                 self.state.read_succeeded(class, epoch, k);
                 read
             }
-            Err(e) => {
-                self.state.read_failed(class, epoch, k);
-                return Err(e.into());
-            }
+            Err(e) => return Err(e.into()),
         };
         if stalled && self.state.stalled(k, plan.group as u64, plan.most_window) {
             let groups = self.state.window_groups();

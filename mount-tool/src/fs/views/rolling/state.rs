@@ -191,12 +191,15 @@ impl RollingState {
 
     /// The last handle of `file` of name `batch` of `epoch` was closed: where no read of it has
     /// succeeded since one failed, the name goes back to `epoch` (unless another open moved it on since).
-    /// It stays undelivered until a read succeeds: the next open's reads may fail at once, repeated by
-    /// the kernel, never reaching this view.
     pub fn closed(&self, batch: u64, file: RollingFile, epoch: u64) {
-        if !self.any_undelivered.load(Ordering::Acquire)
-            || !self.undelivered.lock().expect("undelivered").contains(&(batch, file, epoch))
-        {
+        if !self.any_undelivered.load(Ordering::Acquire) {
+            return;
+        }
+        let mut undelivered = self.undelivered.lock().expect("undelivered");
+        let failed = undelivered.remove(&(batch, file, epoch));
+        self.any_undelivered.store(!undelivered.is_empty(), Ordering::Release);
+        drop(undelivered);
+        if !failed {
             return;
         }
         let last = self.first_epoch + self.epochs - 1;
@@ -342,21 +345,29 @@ mod tests {
         r.read_failed(2, Packed, 5);
         r.closed(2, Packed, 5);
         assert_eq!(r.epoch_of(2, Packed), 5, "back to the epoch no read got");
+        // Given back once: an open served with no read through the daemon (passthrough) delivers it.
         r.opened(2, Packed, 5);
         r.closed(2, Packed, 5);
-        assert_eq!(r.epoch_of(2, Packed), 5, "closed unread again: still back");
-        r.opened(2, Packed, 5);
-        r.read_succeeded(2, Packed, 5);
+        assert_eq!(r.epoch_of(2, Packed), 6, "an open closed without a failed read moves on");
         r.closed(2, Packed, 5);
-        assert_eq!(r.epoch_of(2, Packed), 6, "read at last: moved on");
-        // The last epoch of the span, failed: back from the first to the last.
+        assert_eq!(r.epoch_of(2, Packed), 6, "a close without a failure moves nothing back");
         r.opened(2, Packed, 6);
+        r.read_failed(2, Packed, 6);
+        r.closed(2, Packed, 6);
+        assert_eq!(r.epoch_of(2, Packed), 6);
+        r.opened(2, Packed, 6);
+        r.read_failed(2, Packed, 6);
+        r.read_succeeded(2, Packed, 6);
+        r.closed(2, Packed, 5);
+        assert_eq!(r.epoch_of(2, Packed), 7, "read at last: moved on");
+        // The last epoch of the span, failed: back from the first to the last.
         r.opened(2, Packed, 7);
         r.read_failed(2, Packed, 7);
         r.closed(2, Packed, 7);
         assert_eq!(r.epoch_of(2, Packed), 7);
         // Moved on by another open since: left.
         r.opened(2, Packed, 7);
+        r.read_failed(2, Packed, 7);
         r.opened(2, Packed, 5);
         r.closed(2, Packed, 7);
         assert_eq!(r.epoch_of(2, Packed), 6);

@@ -48,8 +48,6 @@ struct Inner {
     /// Samples `(class, epoch, k)` opened whose reads failed, none having succeeded: given back at their
     /// last close ([`ShuffledView::closed`]).
     undelivered: HashSet<(u32, u64, u64)>,
-    /// Of `returned`, those given back so.
-    undelivered_back: HashSet<(u32, u64, u64)>,
     /// Epochs whose first groups of every class were asked for.
     warmed: HashSet<u64>,
 }
@@ -214,13 +212,6 @@ impl ShuffledView {
             inner.returned.entry(p.class).or_default().push_back((p.epoch, p.k));
         }
         let got = match inner.returned.get_mut(&class).and_then(VecDeque::pop_front) {
-            // A sample given back after failed reads stays undelivered until a read of it succeeds: the
-            // next open's reads may fail at once (`fs/failed_reads.rs`), never reaching this view.
-            Some(back) if inner.undelivered_back.remove(&(class, back.0, back.1)) => {
-                inner.undelivered.insert((class, back.0, back.1));
-                self.any_undelivered.store(true, Ordering::Release);
-                back
-            }
             Some(back) => back,
             None => {
                 let cursor = inner.cursors.entry(class).or_insert((self.first_epoch, 0));
@@ -282,7 +273,6 @@ impl ShuffledView {
         if inner.undelivered.remove(&(class, epoch, k)) {
             tracing::info!(class, epoch, k, "shuffled/: a sample no read of got goes back, for the next open");
             inner.returned.entry(class).or_default().push_front((epoch, k));
-            inner.undelivered_back.insert((class, epoch, k));
         }
         self.any_undelivered.store(!inner.undelivered.is_empty(), Ordering::Release);
     }
@@ -422,14 +412,17 @@ mod tests {
         v.closed(0, 3, 0);
         assert_eq!(v.reserve(1, 0, 10), Some((3, 0)), "the failed sample handed out again");
         v.opened(1, 0, 3, 0);
-        // Closed with no read reaching the view (the next open's read failed at once): back again.
-        v.closed(0, 3, 0);
-        assert_eq!(v.reserve(1, 0, 10), Some((3, 0)), "still undelivered");
-        v.opened(1, 0, 3, 0);
         v.read_failed(0, 3, 0);
         v.read_succeeded(0, 3, 0);
         v.closed(0, 3, 0);
         assert_eq!(v.reserve(1, 0, 10), Some((3, 1)), "read at last: delivered");
+        // Given back once, then opened with no read through the daemon (the node cache's file): delivered.
+        v.opened(1, 0, 3, 1);
+        v.read_failed(0, 3, 1);
+        v.closed(0, 3, 1);
+        assert_eq!(v.reserve(1, 0, 10), Some((3, 1)));
+        v.opened(1, 0, 3, 1);
+        v.closed(0, 3, 1);
         v.opened(1, 0, 3, 1);
         v.closed(0, 3, 1);
         assert_eq!(v.reserve(1, 0, 10), Some((3, 2)), "a sample closed with no failure is delivered");
