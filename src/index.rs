@@ -220,13 +220,13 @@ impl Index {
     }
 
     /// What identifies the bytes this index serves, not when they were written: CRC-64/NVME over the
-    /// format, `skip_corrupt` and every file's path, size and CRC32C (shards, then side files). A dataset
-    /// indexed again unchanged (its files touched, or uploaded again alike) keeps it; a file added,
-    /// removed or changed changes it. A mount compares it with its own to tell a dataset re-indexed under
+    /// format, every file's path, size and CRC32C (shards, then side files) and the corrupt regions left
+    /// out. A dataset indexed again unchanged (its files touched, or uploaded again alike, or indexed with
+    /// `skip_corrupt` where nothing is corrupt) keeps it; a file added, removed or changed changes it. A mount compares it with its own to tell a dataset re-indexed under
     /// it (`DatasetInfo::index_id`).
     pub fn content_id(&self) -> u64 {
         let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc64Nvme);
-        digest.update(&[self.settings.format.code(), u8::from(self.settings.skip_corrupt)]);
+        digest.update(&[self.settings.format.code()]);
         for files in [&self.shards, &self.side] {
             digest.update(&(files.len() as u64).to_le_bytes());
             for f in files {
@@ -235,6 +235,11 @@ impl Index {
                 digest.update(&f.size.to_le_bytes());
                 digest.update(&f.crc32c.to_le_bytes());
             }
+        }
+        for s in &self.skipped {
+            digest.update(s.shard.as_bytes());
+            digest.update(&[0]);
+            digest.update(&s.offset.to_le_bytes());
         }
         digest.finalize()
     }
@@ -569,7 +574,7 @@ mod tests {
     use proptest::prelude::*;
 
     /// The content id follows the files' contents, not their dates or ETags: an index built again of
-    /// the same bytes keeps it; a file changed, added or moved changes it, as does `skip_corrupt`.
+    /// the same bytes keeps it; a file changed, added or moved changes it, as does a region left out.
     #[test]
     fn the_content_id_changes_with_the_files_and_nothing_else() {
         let file =
@@ -587,7 +592,8 @@ mod tests {
         touched.shards[0].mtime_ns = 99;
         touched.shards[1].etag = ETag::new("\"x\"");
         touched.settings.verify_data_crc = true;
-        assert_eq!(touched.content_id(), id, "dates, ETags, checking: the same bytes");
+        touched.settings.skip_corrupt = true;
+        assert_eq!(touched.content_id(), id, "dates, ETags, checking, skipping nothing: the same bytes");
         let mut other = Vec::new();
         let mut changed = index.clone();
         changed.shards[1].crc32c = 5;
@@ -601,6 +607,7 @@ mod tests {
         other.push(moved);
         let mut skipping = index.clone();
         skipping.settings.skip_corrupt = true;
+        skipping.skipped.push(Skipped { shard: "b.tfrecord".into(), offset: 40, reason: "bad CRC".into() });
         other.push(skipping);
         for o in other {
             assert_ne!(o.content_id(), id, "{o:?}");
