@@ -211,6 +211,12 @@ pub fn guard_truncation() -> io::Result<()> {
     guard::install()
 }
 
+/// Whether any mapping of this process has been cut ([`MappedFile::was_cut`]) since it started: one
+/// atomic load, for a caller to look at its mappings only once one has.
+pub fn any_cut() -> bool {
+    guard::ANY_CUT.load(Ordering::Acquire)
+}
+
 /// The registry of file mappings and the SIGBUS handler that repairs them. The handler only reads
 /// atomics, calls `mmap` (async-signal-safe) and chains to the handler it replaced.
 mod guard {
@@ -233,6 +239,8 @@ mod guard {
     /// Where the next registration starts looking for a free slot.
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     static PAGE: AtomicUsize = AtomicUsize::new(4096);
+    /// A mapping was cut (any, ever).
+    pub(super) static ANY_CUT: AtomicBool = AtomicBool::new(false);
     static INSTALLED: OnceLock<Result<Box<libc::sigaction>, i32>> = OnceLock::new();
 
     pub(super) fn install() -> io::Result<()> {
@@ -309,6 +317,7 @@ mod guard {
             };
             if replaced != libc::MAP_FAILED {
                 slot.cut.store(true, Ordering::Release);
+                ANY_CUT.store(true, Ordering::Release);
                 return;
             }
         }

@@ -239,7 +239,8 @@ impl ObjectCounters {
             %dataset,
             %error,
             failed = held + 1,
-            "reads of the store failed for object_retry_for: the bodies that needed them are cut (the clients retry)"
+            "reads of the store failed for object_retry_for: a body that needed them is cut (its client retries), a \
+             copy into the disk tier is dropped"
         );
         true
     }

@@ -142,6 +142,10 @@ impl ObjectSource {
     /// served on: every body that touched its end sent zeros (refused by the clients' checksums, each
     /// read of the mount failing until its `timeout`), and nothing said so. Returns whether it did.
     pub fn drop_cut_copy(&self, n: u32) -> bool {
+        // Checked before every body: nothing to look at (two locks and the LRU's order) until one is cut.
+        if !batchfs::mmap::any_cut() {
+            return false;
+        }
         let (Some(tier), Some(file)) = (self.tier(), self.file(n)) else { return false };
         match self.maps.get(tier, n, false) {
             Some(map) if map.was_cut() => {
