@@ -132,6 +132,35 @@ fn init_tracing(log_file: Option<&Path>, default: &str) -> Result<()> {
 }
 
 /// Entry point of the binary.
+/// `batchfs mount ... --SWITCH VALUE ...`, a switch's value spaced from it as releases before took it,
+/// joined into `--SWITCH=VALUE` where VALUE is a switch's word (`on`, `false`, ...): a switch now takes a
+/// value only after `=` (so that `--allow-other URL DIR` leaves URL to the URL), and a supervisor starts
+/// each worker, a new release's after an upgrade too, with the command line the mount was made with. Any
+/// other word after a switch is the next argument.
+fn join_switch_values(mut args: Vec<OsString>) -> Vec<OsString> {
+    use clap::CommandFactory;
+    if args.get(1).is_none_or(|a| a != "mount") {
+        return args;
+    }
+    let command = Cli::command();
+    let Some(mount) = command.find_subcommand("mount") else { return args };
+    let switches: Vec<String> = mount
+        .get_arguments()
+        .filter(|a| a.is_require_equals_set())
+        .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+        .collect();
+    let mut at = 2;
+    while at + 1 < args.len() {
+        let word = args[at + 1].to_str().filter(|w| batchfs::units::parse_switch(w).is_ok());
+        if let (Some(flag), Some(word)) = (args[at].to_str().filter(|f| switches.iter().any(|s| s == f)), word) {
+            let joined = OsString::from(format!("{flag}={word}"));
+            args.splice(at..at + 2, [joined]);
+        }
+        at += 1;
+    }
+    args
+}
+
 pub fn run() -> Result<()> {
     // A mount's cached objects each hold a memory file (passthrough); its workers inherit the limit.
     batchfs::process::raise_open_files_limit();
@@ -149,7 +178,7 @@ pub fn run() -> Result<()> {
         let Some(dir) = args.get(3).filter(|_| args.len() == 4) else { bail!("usage: batchfs mount --upgrade DIR") };
         return crate::supervise::upgrade(Path::new(dir));
     }
-    let cli = Cli::parse_from(args);
+    let cli = Cli::parse_from(join_switch_values(args));
     match cli.command {
         Command::Mount(m) => {
             crate::sys::release_large_allocations();
@@ -540,6 +569,13 @@ mod tests {
         assert!(!(o.fuse_uring || o.supervise || o.resend));
         let e = Cli::try_parse_from(["batchfs", "mount", "--allow-other=maybe", "http://s:1/d", "/mnt/d"]);
         assert!(e.is_err(), "a switch's value still checked");
+        // As releases before took them (a worker started after an upgrade gets the mount's command line):
+        // a switch's word spaced from it is its value.
+        let spaced = ["batchfs", "mount", "--passthrough", "false", "--drop-last", "on", "--allow-other"];
+        let args: Vec<OsString> = spaced.iter().chain(&["http://s:1/d", "/mnt/d"]).map(OsString::from).collect();
+        let Command::Mount(m) = Cli::try_parse_from(join_switch_values(args)).unwrap().command else { panic!() };
+        let o = m.mount_options().unwrap();
+        assert!(!o.passthrough && o.plan.drop_last && o.allow_other, "{o:?}");
     }
 
     /// The plan's long flags say the defaults the core plans with (they are not clap defaults: a flag
