@@ -274,6 +274,10 @@ fn place(key: ObjectKey, body: Bytes, layout: &FileLayout) -> Result<Content, Re
 /// Why a body was not what the manifest says: the dataset indexed again on the server with other files
 /// since the mount planned with it (its description says another index: fails at once), or `otherwise`.
 async fn changed_or(client: &DynClient, mounted: &str, otherwise: Failure) -> Failure {
+    if mounted.is_empty() {
+        // A server of a release that says no index id: nothing to compare, nothing to ask.
+        return otherwise;
+    }
     match client.dataset().await {
         Ok(info) => super::changed(mounted, &info.index_id).map_or(otherwise, Failure::Fatal),
         Err(_) => otherwise,
