@@ -222,8 +222,8 @@ impl Index {
     /// What identifies the bytes this index serves, not when they were written: CRC-64/NVME over the
     /// format, every file's path, size and CRC32C (shards, then side files) and the corrupt regions left
     /// out. A dataset indexed again unchanged (its files touched, or uploaded again alike, or indexed with
-    /// `skip_corrupt` where nothing is corrupt) keeps it; a file added, removed or changed changes it. A mount compares it with its own to tell a dataset re-indexed under
-    /// it (`DatasetInfo::index_id`).
+    /// `skip_corrupt` where nothing is corrupt) keeps it; a file added, removed or changed changes it. A
+    /// mount compares it with its own to tell a dataset re-indexed under it (`DatasetInfo::index_id`).
     pub fn content_id(&self) -> u64 {
         let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc64Nvme);
         digest.update(&[self.settings.format.code()]);
