@@ -600,6 +600,8 @@ mod tests {
         assert!(ds.storage.mapping(0).is_none_or(|m| !m.was_cut()));
         read_all_and_compare(&ds, local.path());
         assert!(source.counters.gets.load(Ordering::Relaxed) > gets, "read from the store again");
+        // ... and copied in again, before the tier's directory goes (the stager made it anew after).
+        wait_for("the copy made again", || tier.copies() == ds.index.shards.len() && source.stager_idle());
     }
 
     #[test]
