@@ -28,6 +28,7 @@ pub mod meta;
 pub mod raw;
 pub mod rolling;
 pub mod shuffled;
+pub mod undelivered;
 
 /// Every view, in the order the root lists their names.
 pub fn all(prefetcher: &Arc<Prefetcher>, options: &FsOptions) -> Vec<Box<dyn View>> {

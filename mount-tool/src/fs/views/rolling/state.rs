@@ -24,10 +24,11 @@
 //! known by its pid and start time, so a later process that reuses a pid starts over.
 
 use super::RollingFile;
+use crate::fs::views::undelivered::Undelivered;
 use crate::ledger::{key, rest, tags, Ledger};
 use crate::options::RollingMode;
 use crate::sync::{AtomicBool, Mutex, Ordering};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 /// The layout one reader gets.
@@ -56,9 +57,7 @@ pub struct RollingState {
     wrapped: AtomicBool,
     /// Files `(batch, file, epoch)` opened whose reads failed, none having succeeded since: at each last
     /// close of one, its name goes back to its epoch ([`Self::closed`]).
-    undelivered: Mutex<HashSet<(u64, RollingFile, u64)>>,
-    /// `undelivered` holds any: a read that succeeds then looks it up (else it takes no lock).
-    any_undelivered: AtomicBool,
+    undelivered: Undelivered<(u64, RollingFile, u64)>,
     /// Where the counters and readers are written through to, for a worker that takes over.
     ledger: Option<Arc<Ledger>>,
 }
@@ -74,8 +73,7 @@ impl RollingState {
             indexed: Mutex::new(VecDeque::new()),
             held: Mutex::new(HashMap::new()),
             wrapped: AtomicBool::new(false),
-            undelivered: Mutex::new(HashSet::new()),
-            any_undelivered: AtomicBool::new(false),
+            undelivered: Undelivered::default(),
             ledger: None,
         }
     }
@@ -176,30 +174,18 @@ impl RollingState {
     /// open got its file and moved the name on: unless a later read of it succeeds, the name goes back
     /// at its last close, so that no epoch is skipped (as an open that fails moves nothing).
     pub fn read_failed(&self, batch: u64, file: RollingFile, epoch: u64) {
-        self.undelivered.lock().expect("undelivered").insert((batch, file, epoch));
-        self.any_undelivered.store(true, Ordering::Release);
+        self.undelivered.failed((batch, file, epoch));
     }
 
     /// A read of `file` of name `batch` of `epoch` succeeded: it is delivered.
     pub fn read_succeeded(&self, batch: u64, file: RollingFile, epoch: u64) {
-        if self.any_undelivered.load(Ordering::Acquire) {
-            let mut undelivered = self.undelivered.lock().expect("undelivered");
-            undelivered.remove(&(batch, file, epoch));
-            self.any_undelivered.store(!undelivered.is_empty(), Ordering::Release);
-        }
+        self.undelivered.succeeded(&(batch, file, epoch));
     }
 
     /// The last handle of `file` of name `batch` of `epoch` was closed: where no read of it has
     /// succeeded since one failed, the name goes back to `epoch` (unless another open moved it on since).
     pub fn closed(&self, batch: u64, file: RollingFile, epoch: u64) {
-        if !self.any_undelivered.load(Ordering::Acquire) {
-            return;
-        }
-        let mut undelivered = self.undelivered.lock().expect("undelivered");
-        let failed = undelivered.remove(&(batch, file, epoch));
-        self.any_undelivered.store(!undelivered.is_empty(), Ordering::Release);
-        drop(undelivered);
-        if !failed {
+        if !self.undelivered.take(&(batch, file, epoch)) {
             return;
         }
         let last = self.first_epoch + self.epochs - 1;

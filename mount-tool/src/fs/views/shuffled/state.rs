@@ -17,6 +17,7 @@
 //! past a class's first window stalls: a slow or distant link gets the depth it needs, a near one keeps
 //! the memory and the short first waits of small windows.
 
+use crate::fs::views::undelivered::Undelivered;
 use crate::fs::FsError;
 use crate::ledger::{key, rest, tags, Ledger};
 use crate::prefetch::{ClassPlan, Prefetcher, WINDOW_GROUPS, WINDOW_GROWTH};
@@ -45,9 +46,6 @@ struct Inner {
     returned: HashMap<u32, VecDeque<(u64, u64)>>,
     /// Per thread: the sample its last lookup got, not yet opened.
     pending: HashMap<u32, Pending>,
-    /// Samples `(class, epoch, k)` opened whose reads failed, none having succeeded: given back at their
-    /// last close ([`ShuffledView::closed`]).
-    undelivered: HashSet<(u32, u64, u64)>,
     /// Epochs whose first groups of every class were asked for.
     warmed: HashSet<u64>,
 }
@@ -67,8 +65,9 @@ pub(super) struct ShuffledView {
     window: AtomicU64,
     /// Where the cursors are written through to, for a worker that takes over.
     ledger: Option<Arc<Ledger>>,
-    /// `inner.undelivered` holds any: a read that succeeds then looks it up (else it takes no lock).
-    any_undelivered: std::sync::atomic::AtomicBool,
+    /// Samples `(class, epoch, k)` opened whose reads timed out, none having succeeded: given back at
+    /// their last close ([`ShuffledView::closed`]).
+    undelivered: Undelivered<(u32, u64, u64)>,
 }
 
 impl ShuffledView {
@@ -82,7 +81,7 @@ impl ShuffledView {
             asked_ahead: Default::default(),
             window: AtomicU64::new(WINDOW_GROUPS),
             ledger: None,
-            any_undelivered: Default::default(),
+            undelivered: Undelivered::default(),
         }
     }
 
@@ -251,30 +250,20 @@ impl ShuffledView {
     /// the class's next: it was the file's from its open, so a loader that skips a sample it cannot read,
     /// or opens the name again, lost it from the epoch (and read the next epoch's in its place).
     pub fn read_failed(&self, class: u32, epoch: u64, k: u64) {
-        self.inner.lock().expect("shuffled").undelivered.insert((class, epoch, k));
-        self.any_undelivered.store(true, Ordering::Release);
+        self.undelivered.failed((class, epoch, k));
     }
 
     /// A read of an opened sample succeeded: it is delivered, whatever reads of it failed before.
     pub fn read_succeeded(&self, class: u32, epoch: u64, k: u64) {
-        if self.any_undelivered.load(Ordering::Acquire) {
-            let mut inner = self.inner.lock().expect("shuffled");
-            inner.undelivered.remove(&(class, epoch, k));
-            self.any_undelivered.store(!inner.undelivered.is_empty(), Ordering::Release);
-        }
+        self.undelivered.succeeded(&(class, epoch, k));
     }
 
     /// The last handle of an opened sample was closed: one whose every read failed goes back.
     pub fn closed(&self, class: u32, epoch: u64, k: u64) {
-        if !self.any_undelivered.load(Ordering::Acquire) {
-            return;
-        }
-        let mut inner = self.inner.lock().expect("shuffled");
-        if inner.undelivered.remove(&(class, epoch, k)) {
+        if self.undelivered.take(&(class, epoch, k)) {
             tracing::info!(class, epoch, k, "shuffled/: a sample no read of got goes back, for the next open");
-            inner.returned.entry(class).or_default().push_front((epoch, k));
+            self.inner.lock().expect("shuffled").returned.entry(class).or_default().push_front((epoch, k));
         }
-        self.any_undelivered.store(!inner.undelivered.is_empty(), Ordering::Release);
     }
 
     /// Whether `epoch` is reached for the first time (its first groups are to be fetched).
