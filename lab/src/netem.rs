@@ -8,8 +8,12 @@
 //! (`free_at = max(free_at, release) + len / rate`). The link is shared: all connections through one
 //! emulator draw on the same `free_at` per direction, so the cap is the link's, not each connection's.
 //! Threads sleep with the kernel's high-resolution timers, so delays are accurate to well under a
-//! millisecond. At most `BUFFER` bytes are in flight per direction;
-//! beyond that the reader waits, and TCP flow control pushes back on the sender.
+//! millisecond. At most `BUFFER` bytes are in flight per direction of a connection, and with a rate
+//! cap at most what the link holds: the bytes on the wire (the rate times the one-way delay) and a
+//! bottleneck queue of `--queue-ms` at the rate ([`Link::held`]); beyond that the reader waits, and TCP
+//! flow control pushes back on the sender, as a router's bounded buffer does. (An unbounded queue is
+//! no link: a capped direction took 64 MB in at once, so whatever the sender wrote first reached the
+//! client first, however the sender interleaved its streams afterwards.)
 //!
 //! **Faults** (all off by default; each counted in [`FaultCounts`] and reported on stderr): a connection
 //! cut after about `--reset-every` bytes sent toward the client, one bit flipped in about every
@@ -25,12 +29,14 @@ use clap::Args;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Bytes in flight per direction before the reader waits.
 const BUFFER: usize = 64 << 20;
 const CHUNK: usize = 64 << 10;
+/// The bottleneck's queue of a capped link, in time at its rate, unless `--queue-ms` says otherwise.
+pub const QUEUE: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Args, Clone)]
 pub struct NetemArgs {
@@ -49,6 +55,10 @@ pub struct NetemArgs {
     /// Random extra one-way delay, uniform in [0, J] milliseconds (order is kept).
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
     pub jitter_ms: f64,
+    /// With --rate-mbit: the bottleneck's queue per direction of each connection, in milliseconds at the
+    /// rate; the sender is held back (TCP flow control) beyond it and what is on the wire.
+    #[arg(long, value_name = "MS", default_value_t = QUEUE.as_millis() as u64, requires = "rate_mbit")]
+    pub queue_ms: u64,
     /// Cut each connection after about this many bytes toward the client (above 0).
     #[arg(long, value_name = "BYTES", value_parser = positive_size, help_heading = "Faults")]
     pub reset_every: Option<u64>,
@@ -190,6 +200,19 @@ pub struct Link {
     pub jitter: Duration,
     /// Bytes per second, if capped.
     pub rate: Option<f64>,
+    /// With a rate: the bottleneck's queue, in time at the rate ([`QUEUE`] unless told).
+    pub queue: Duration,
+}
+
+impl Link {
+    /// Bytes one direction of a connection holds at most: with a rate, those on the wire and in the
+    /// bottleneck's queue (two chunks at least); without, `BUFFER`.
+    pub fn held(&self) -> usize {
+        match self.rate {
+            Some(rate) => ((rate * (self.one_way + self.queue).as_secs_f64()) as usize).clamp(2 * CHUNK, BUFFER),
+            None => BUFFER,
+        }
+    }
 }
 
 impl From<&NetemArgs> for Link {
@@ -198,6 +221,7 @@ impl From<&NetemArgs> for Link {
             one_way: Duration::from_secs_f64(a.rtt_ms.max(0.0) / 2000.0),
             jitter: Duration::from_secs_f64(a.jitter_ms.max(0.0) / 1000.0),
             rate: a.rate_mbit.filter(|r| *r > 0.0).map(|r| r * 1e6 / 8.0),
+            queue: Duration::from_millis(a.queue_ms),
         }
     }
 }
@@ -249,16 +273,61 @@ impl Injector {
     }
 }
 
+/// The bytes one direction of a connection holds (read from the sender, not yet written to the
+/// receiver), bounded by [`Link::held`]: the reader waits for room before it reads more.
+struct Held {
+    bytes: Mutex<(usize, bool)>,
+    room: Condvar,
+    limit: usize,
+}
+
+impl Held {
+    fn new(limit: usize) -> Self {
+        Held { bytes: Mutex::new((0, false)), room: Condvar::new(), limit }
+    }
+
+    /// Waits until the direction holds less than its limit; false once the writer has ended.
+    fn wait_for_room(&self) -> bool {
+        let mut held = self.bytes.lock().expect("held");
+        while held.0 >= self.limit && !held.1 {
+            held = self.room.wait(held).expect("held");
+        }
+        !held.1
+    }
+
+    fn add(&self, n: usize) {
+        self.bytes.lock().expect("held").0 += n;
+    }
+
+    fn gone(&self, n: usize) {
+        self.bytes.lock().expect("held").0 -= n;
+        self.room.notify_one();
+    }
+
+    /// The writer has ended: the reader stops waiting.
+    fn end(&self) {
+        self.bytes.lock().expect("held").1 = true;
+        self.room.notify_one();
+    }
+}
+
 /// Pumps `from` into `to` through the delay line, serializing on `wire` (this direction's next free
-/// instant, shared by every connection), injecting faults when given; half-closes `to` at the end, or
-/// cuts both sockets where a fault says so.
+/// instant, shared by every connection), holding at most [`Link::held`] bytes, injecting faults when
+/// given; half-closes `to` at the end, or cuts both sockets where a fault says so.
 fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant>, mut faults: Option<Injector>) {
     let (tx, rx) = mpsc::sync_channel::<(Instant, Vec<u8>, bool)>(BUFFER / CHUNK);
     let Ok(from_handle) = from.try_clone() else { return };
+    let held = Arc::new(Held::new(link.held()));
+    if link.rate.is_some() {
+        // The socket's own receive buffer is held bytes too (a loopback connection's grows to megabytes):
+        // kept to the link's, so that the sender, not this side of the bottleneck, holds what waits.
+        let _ = socket2::SockRef::from(&from).set_recv_buffer_size(link.held() / 2);
+    }
+    let reading = held.clone();
     let reader = std::thread::spawn(move || {
         let mut last = Instant::now();
         let mut seed = Instant::now().elapsed().as_nanos() as u64 | 1;
-        loop {
+        while reading.wait_for_room() {
             let mut buf = vec![0u8; CHUNK];
             let n = match from.read(&mut buf) {
                 Ok(0) | Err(_) => return,
@@ -274,6 +343,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant
                 delay += link.jitter.mul_f64((seed >> 11) as f64 / (1u64 << 53) as f64);
             }
             last = last.max(Instant::now() + delay) + stall;
+            reading.add(buf.len());
             if tx.send((last, buf, cut)).is_err() || cut {
                 return;
             }
@@ -292,6 +362,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant
         if to.write_all(&chunk).is_err() {
             break;
         }
+        held.gone(chunk.len());
         if cut {
             // Both ends see the connection die mid-stream; the other direction's pump ends with it.
             let _ = to.shutdown(Shutdown::Both);
@@ -299,6 +370,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant
             break;
         }
     }
+    held.end();
     let _ = to.shutdown(Shutdown::Write);
     let _ = reader.join();
 }

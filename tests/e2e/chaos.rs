@@ -39,7 +39,12 @@ fn chaos(read_path: &str) {
         seed: 11,
     };
     // 80 Mbit/s: the 57 MB of three epochs take ~6 s, so the outage and the restart land mid-read.
-    let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(10e6) };
+    let link = Link {
+        one_way: Duration::from_millis(1),
+        jitter: Duration::ZERO,
+        rate: Some(10e6),
+        queue: batchfs_lab::netem::QUEUE,
+    };
     let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), addr, link, faults).unwrap();
     let epochs = 3;
     let options = format!("batch_size=16,epochs={epochs},cache=64M,stall_timeout=2s,{read_path}");

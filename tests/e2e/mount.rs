@@ -389,7 +389,12 @@ fn a_read_through_the_daemon_gets_the_first_bytes_before_the_whole_batch_has_arr
     let fx = fixture(SourceFormat::Tfrecord, 40, 100_000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
     let m = manifest(&rt, &server, "batch_size=40");
-    let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(10e6) };
+    let link = Link {
+        one_way: Duration::from_millis(1),
+        jitter: Duration::ZERO,
+        rate: Some(10e6),
+        queue: batchfs_lab::netem::QUEUE,
+    };
     let netem = start("127.0.0.1:0".parse().unwrap(), server.running.local_addr(), link).unwrap();
     let url = format!("http://{}/d", netem.addr);
     let (_dir, mounted) = common::mount_url(&url, "batch_size=40,prefetch=0,passthrough=false");

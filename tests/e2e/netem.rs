@@ -2,7 +2,7 @@
 //! 10 %) and caps throughput within 10 %, without reordering or changing a byte; and injects the faults it is
 //! asked for (flipped bits, cut connections, stalls, a link down), each counted and replayed by its seed.
 
-use batchfs_lab::netem::{start, start_with_faults, Faults, Link};
+use batchfs_lab::netem::{start, start_with_faults, Faults, Link, QUEUE};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
@@ -36,7 +36,8 @@ fn min_median(mut v: Vec<f64>) -> (f64, f64) {
 }
 
 fn measured_rtt_ms(rtt_ms: f64) -> (f64, f64) {
-    let link = Link { one_way: Duration::from_secs_f64(rtt_ms / 2000.0), jitter: Duration::ZERO, rate: None };
+    let link =
+        Link { one_way: Duration::from_secs_f64(rtt_ms / 2000.0), jitter: Duration::ZERO, rate: None, queue: QUEUE };
     let netem = start("127.0.0.1:0".parse().unwrap(), echo(), link).unwrap();
     let mut s = TcpStream::connect(netem.addr).unwrap();
     s.set_nodelay(true).unwrap();
@@ -89,8 +90,12 @@ fn reaches_the_cap(rate_mbit: f64, what: &str, mut transfer: impl FnMut() -> f64
 #[test]
 fn throughput_is_within_ten_percent_of_the_cap_and_bytes_keep_their_order() {
     let rate_mbit = 400.0;
-    let link =
-        Link { one_way: Duration::from_millis(5), jitter: Duration::from_millis(2), rate: Some(rate_mbit * 1e6 / 8.0) };
+    let link = Link {
+        one_way: Duration::from_millis(5),
+        jitter: Duration::from_millis(2),
+        rate: Some(rate_mbit * 1e6 / 8.0),
+        queue: QUEUE,
+    };
     let total = 20 << 20; // 20 MiB at 400 Mbit/s: ~0.42 s each way, pipelined
     let data: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
     reaches_the_cap(rate_mbit, "one connection, end to end through both directions", || {
@@ -117,7 +122,12 @@ fn throughput_is_within_ten_percent_of_the_cap_and_bytes_keep_their_order() {
 #[test]
 fn the_cap_is_the_links_shared_by_all_connections() {
     let rate_mbit = 400.0;
-    let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(rate_mbit * 1e6 / 8.0) };
+    let link = Link {
+        one_way: Duration::from_millis(1),
+        jitter: Duration::ZERO,
+        rate: Some(rate_mbit * 1e6 / 8.0),
+        queue: QUEUE,
+    };
     let each = 8 << 20;
     let data: Vec<u8> = vec![7; each];
     reaches_the_cap(rate_mbit, "3 connections together", || {
@@ -165,7 +175,7 @@ fn fetch(addr: SocketAddr) -> Vec<u8> {
     got
 }
 
-const NO_DELAY: Link = Link { one_way: Duration::ZERO, jitter: Duration::ZERO, rate: None };
+const NO_DELAY: Link = Link { one_way: Duration::ZERO, jitter: Duration::ZERO, rate: None, queue: QUEUE };
 
 #[test]
 fn flipped_bits_are_counted_one_each_and_replayed_by_the_seed() {
@@ -240,4 +250,42 @@ fn a_link_down_cuts_live_connections_and_closes_new_ones_until_it_is_up() {
     assert_eq!(&buf, b"pong");
     assert_eq!(netem.faults.downs.load(Ordering::Relaxed), 1);
     assert!(netem.faults.cut_by_down.load(Ordering::Relaxed) >= 2);
+}
+
+/// A capped link holds what is on its wire and in its bottleneck's queue, not all a sender writes: the
+/// sender is held back by TCP flow control, as a router's bounded buffer holds it. (The emulator took
+/// 64 MB in at once, so whatever was written first reached the client first, however the sender
+/// interleaved what it wrote next.)
+#[test]
+fn a_capped_link_holds_its_queue_not_all_the_sender_writes() {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+    let total: u64 = 32 << 20;
+    let written = Arc::new(AtomicU64::new(0));
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = l.local_addr().unwrap();
+    let count = written.clone();
+    let sender = std::thread::spawn(move || {
+        let (mut conn, _) = l.accept().unwrap();
+        let chunk = vec![5u8; 64 << 10];
+        while count.load(Ordering::Relaxed) < total {
+            if conn.write_all(&chunk).is_err() {
+                return;
+            }
+            count.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        }
+    });
+    // 8 Mbit/s: 1 MB/s, its queue 100 ms of it.
+    let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(1e6), queue: QUEUE };
+    assert_eq!(link.held(), 128 << 10, "two chunks at least: 101 ms at 1 MB/s is less");
+    let netem = start("127.0.0.1:0".parse().unwrap(), upstream, link).unwrap();
+    let client = TcpStream::connect(netem.addr).unwrap();
+    // The client reads nothing for a while: the link sends ~1.5 MB toward it meanwhile.
+    std::thread::sleep(Duration::from_millis(1500));
+    let taken = written.load(Ordering::Relaxed);
+    // What the link holds, its two sockets' buffers and the 1.5 MB sent: a few MB, not the 32 MB written.
+    assert!(taken < 12 << 20, "the link took {taken} bytes in 1.5 s at 1 MB/s");
+    drop(client);
+    drop(netem);
+    sender.join().unwrap();
 }

@@ -483,7 +483,12 @@ fn faults_between_server_and_store_never_reach_a_reader() {
         down: Some((Duration::from_millis(1500), Duration::from_millis(1200))),
         seed: 5,
     };
-    let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: None };
+    let link = Link {
+        one_way: Duration::from_millis(1),
+        jitter: Duration::ZERO,
+        rate: None,
+        queue: batchfs_lab::netem::QUEUE,
+    };
     let upstream = format!("127.0.0.1:{}", weed.s3).parse().unwrap();
     let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, link, faults).unwrap();
     // No block cache: every epoch reads the store again, so each one more is more traffic through the
@@ -834,7 +839,12 @@ fn a_server_killed_while_copying_into_its_tier_leaves_nothing_torn_to_serve() {
     let tier = tempfile::tempdir().unwrap();
     // Through a slow link (24 Mbit/s), so the copies of indexing take a few seconds.
     let upstream = format!("127.0.0.1:{}", weed.s3).parse().unwrap();
-    let link = batchfs_lab::netem::Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(3e6) };
+    let link = batchfs_lab::netem::Link {
+        one_way: Duration::from_millis(1),
+        jitter: Duration::ZERO,
+        rate: Some(3e6),
+        queue: batchfs_lab::netem::QUEUE,
+    };
     let netem = batchfs_lab::netem::start("127.0.0.1:0".parse().unwrap(), upstream, link).unwrap();
     let mut server = Command::new(env!("CARGO_BIN_EXE_batchfs-e2e-server"))
         .args(["serve", "--listen", "127.0.0.1:0", "--object-part", "256K", "--stage-objects", "1"])

@@ -415,7 +415,12 @@ fn a_first_worker_killed_before_it_serves_is_replaced_and_the_mount_comes_up() {
     let rt = runtime();
     let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
-    let link = Link { one_way: Duration::from_millis(250), jitter: Duration::ZERO, rate: None };
+    let link = Link {
+        one_way: Duration::from_millis(250),
+        jitter: Duration::ZERO,
+        rate: None,
+        queue: batchfs_lab::netem::QUEUE,
+    };
     let netem = start("127.0.0.1:0".parse().unwrap(), server.running.local_addr(), link).unwrap();
     let bin = tempfile::tempdir().unwrap();
     let (installed, real, killed) = (bin.path().join("batchfs"), bin.path().join("real"), bin.path().join("killed"));
