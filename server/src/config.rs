@@ -199,6 +199,8 @@ limits! {
         "Largest HTTP/2 frame the server accepts.";
     max_send_buf_size: usize = 4 << 20, value::size, "4M", "SIZE",
         "Bytes buffered per stream for sending.";
+    unsent_bytes: u32 = 512 << 10, value::size, "512K", "SIZE",
+        "Bytes a connection's socket holds unsent (TCP_NOTSENT_LOWAT; 0: the kernel's default, no bound).";
     keep_alive_interval: Duration = Duration::from_secs(20), value::duration, "20s", "DURATION",
         "HTTP/2 ping interval on idle connections (dead peers are detected).";
     keep_alive_timeout: Duration = Duration::from_secs(20), value::duration, "20s", "DURATION",

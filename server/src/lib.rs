@@ -168,6 +168,12 @@ async fn accept_loop(
             },
         };
         let _ = stream.set_nodelay(true);
+        if limits.unsent_bytes > 0 {
+            // What the socket holds unsent goes out in the order written; the rest waits in HTTP/2's
+            // per-stream queues, which take streams in turn. Unbounded, a narrow link's socket held
+            // megabytes of one stream's frames before another's first (docs/CONFIGURATION.md).
+            let _ = socket2::SockRef::from(&stream).set_tcp_notsent_lowat(limits.unsent_bytes);
+        }
         while tasks.try_join_next().is_some() {}
         let (state, builder, tls, limits, shutdown) =
             (state.clone(), builder.clone(), tls.clone(), limits.clone(), shutdown.clone());
