@@ -137,6 +137,12 @@ pub trait BatchClient: Send + Sync + 'static {
     fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_>;
     /// Every sample's label, data size and CRC32C (for `shuffled/`).
     fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>>;
+    /// Bytes of responses received so far, every server together, counted as they arrive (not when a
+    /// response ends): while it moves the link is busy, not down, and a read waits on past `timeout`.
+    /// 0 for a client that cannot tell.
+    fn received(&self) -> u64 {
+        0
+    }
 }
 
 /// Which body to fetch: what the server sends for one object a mount shows.

@@ -435,12 +435,14 @@ impl Prefetcher {
         range: Option<std::ops::Range<u64>>,
     ) -> Result<(Arc<Entry>, Content, bool, bool), ReadError> {
         let started = Instant::now();
-        let deadline = started + self.config.timeout;
+        let mut deadline = started + self.config.timeout;
         let (entry, fresh) =
             self.get_or_start(key, (objects, obj), true, deadline)?.expect("on-demand reads always get an entry");
         entry.touched.store(self.cache.clock(), Ordering::Relaxed);
         self.prefetch_after(key, objects, owner);
         let (mut entry, mut fresh) = (entry, fresh);
+        let client = self.client();
+        let mut heard = client.received();
         let (body, waited, early) = loop {
             match entry.wait(range.clone(), deadline, self.config.timeout) {
                 // The fetch this read joined gave up, its own `timeout` after *it* started; this reader's
@@ -449,6 +451,14 @@ impl Prefetcher {
                     (entry, fresh) = self
                         .get_or_start(key, (objects, obj), true, deadline)?
                         .expect("on-demand reads always get an entry");
+                }
+                // `timeout` passed with the fetch still on its way and bytes coming all along: the link
+                // is busy (a narrow one, shared with the window's fetches), the server not unreachable.
+                // The read waits another `timeout`, as long as they keep coming; a stream that gets none
+                // of them is given up by the client (`stall_timeout`), and its retries fail the fetch.
+                Err(ReadError::Timeout { .. }) if !entry.is_failed() && client.received() != heard => {
+                    heard = client.received();
+                    deadline = Instant::now() + self.config.timeout;
                 }
                 other => break other?,
             }

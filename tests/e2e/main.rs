@@ -8,6 +8,7 @@ mod faults;
 mod house;
 mod loaders;
 mod mount;
+mod narrow;
 mod netem;
 mod node_cache;
 mod objects;

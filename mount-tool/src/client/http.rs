@@ -120,6 +120,8 @@ pub struct HttpClient {
     next: AtomicUsize,
     /// Every server's health, which routes each request (see `client/health.rs`).
     health: Arc<Health>,
+    /// Bytes of responses received, as they come ([`BatchClient::received`]).
+    received: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl HttpClient {
@@ -138,7 +140,7 @@ impl HttpClient {
         let health = Arc::new(Health::new(&config.servers));
         let lanes = config.servers.len() * config.connections.max(1);
         let wires = (0..lanes).map(|_| tokio::sync::Mutex::new(None)).collect();
-        Ok(HttpClient { config, wires, connector, next: AtomicUsize::new(0), health })
+        Ok(HttpClient { config, wires, connector, next: AtomicUsize::new(0), health, received: Default::default() })
     }
 
     /// Every server's health (for `batchfs stats` and the metrics endpoint).
@@ -256,6 +258,10 @@ impl BatchClient for HttpClient {
             })
         })
     }
+
+    fn received(&self) -> u64 {
+        self.received.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// A response whose status is not a success: its error (what its JSON body said), and what it tells of
@@ -355,7 +361,7 @@ impl HttpClient {
         let inbox = if matches!(stream, Stream::Plain(_)) { INBOX } else { 0 };
         let keep = (!self.config.keepalive.is_zero())
             .then_some(KeepAlive { every: self.config.keepalive, wait: self.config.stall_timeout });
-        let wire = Wire::start(stream, server, self.config.frame_size, inbox, keep);
+        let wire = Wire::start(stream, server, (self.config.frame_size, inbox), keep, self.received.clone());
         *held = Some(wire.clone());
         Ok(wire)
     }

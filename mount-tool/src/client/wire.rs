@@ -43,6 +43,9 @@ pub const STREAM_WINDOW: u32 = 16 << 20;
 /// Streams open at once before the server's SETTINGS say how many it takes (RFC 9113 6.5.2 asks a server
 /// for at least 100).
 const INITIAL_STREAMS: usize = 100;
+/// A stream with no byte of its own waits behind the other streams of its connection while they receive
+/// (a narrow link's frames are sent in turn), for at most this many stall timeouts.
+pub const QUEUED_STALLS: u32 = 6;
 /// The most of an error response's body kept (the JSON of an error is a line).
 const ERROR_BODY: usize = 64 << 10;
 
@@ -122,6 +125,11 @@ struct Shared {
     peer_max_frame: AtomicU32,
     /// When the server's last bytes came, a whole frame or part of a body's (milliseconds since `born`).
     last_heard: AtomicU64,
+    /// Every stream's [`Want::progress`] together: while it moves, a stream with none of its own is
+    /// queued behind the others on a busy link, not stalled (for at most [`QUEUED_STALLS`] stalls).
+    streamed: AtomicU64,
+    /// The same, counted for the whole client (every connection to every server).
+    received: Arc<AtomicU64>,
     born: Instant,
 }
 
@@ -160,8 +168,14 @@ impl Wire {
     /// Speaks HTTP/2 over `io` (a connection to `base_url`'s server, TCP or TLS): sends the preface and
     /// SETTINGS (frames up to `max_frame`), and reads until the connection ends, small reads `inbox` bytes
     /// at a time ([`INBOX`] for a socket; 0 for TLS, whose stream stages its records itself). `keep`: the
-    /// keepalive ([`KeepAlive`]), if any.
-    pub fn start<S>(io: S, base_url: &str, max_frame: u32, inbox: usize, keep: Option<KeepAlive>) -> Arc<Wire>
+    /// keepalive ([`KeepAlive`]), if any. Every byte of a response is counted in `received` as it comes.
+    pub fn start<S>(
+        io: S,
+        base_url: &str,
+        (max_frame, inbox): (u32, usize),
+        keep: Option<KeepAlive>,
+        received: Arc<AtomicU64>,
+    ) -> Arc<Wire>
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
@@ -174,6 +188,8 @@ impl Wire {
             permits: Arc::new(Semaphore::new(INITIAL_STREAMS)),
             peer_max_frame: AtomicU32::new(frames::DEFAULT_MAX_FRAME),
             last_heard: AtomicU64::new(0),
+            streamed: AtomicU64::new(0),
+            received,
             born: Instant::now(),
         });
         let (out, rx) = mpsc::unbounded_channel();
@@ -204,8 +220,9 @@ impl Wire {
         !self.shared.ended.load(Ordering::Acquire) && !self.shared.going_away.load(Ordering::Acquire)
     }
 
-    /// GETs `ask`, its body into `target`; gives up after `stall` without a byte (the stream is then
-    /// reset, and the connection too if nothing at all came on it meanwhile).
+    /// GETs `ask`, its body into `target`; gives up after `stall` without a byte of it or of any other
+    /// stream of the connection (the stream is then reset, and the connection too if nothing at all came
+    /// on it meanwhile).
     pub async fn get(&self, ask: Ask<'_>, target: Target, stall: Duration) -> Result<Reply, ClientError> {
         let stalled = || ClientError::Stalled { server: self.shared.server.clone(), after: stall };
         let permit = tokio::time::timeout(stall, self.shared.permits.clone().acquire_owned())
@@ -232,7 +249,8 @@ impl Wire {
         let block = self.request_block(&ask);
         self.out.send(Out::Request { block, slot }).map_err(|_| self.shared.error("the connection has ended"))?;
         let mut cancel = Cancel { want: &want, shared: &self.shared, out: &self.out, armed: true };
-        let mut seen = 0;
+        let (mut seen, mut others) = (0, self.shared.streamed.load(Ordering::Acquire));
+        let mut own = Instant::now();
         loop {
             match tokio::time::timeout(stall, &mut answer).await {
                 Ok(Ok(reply)) => {
@@ -245,6 +263,18 @@ impl Wire {
                 }
                 Err(_) => {
                     let now = want.progress.load(Ordering::Acquire);
+                    let streamed = self.shared.streamed.load(Ordering::Acquire);
+                    // Other streams' bytes came meanwhile: the server sends, this stream waits its turn
+                    // on a link they fill (a narrow one, its streams' frames taken in turn), and asking
+                    // again would put the same bytes on the same link twice. Stalled once they stop.
+                    let queued = now == seen && streamed != others && own.elapsed() < stall * QUEUED_STALLS;
+                    others = streamed;
+                    if queued {
+                        continue;
+                    }
+                    if now != seen {
+                        own = Instant::now();
+                    }
                     if now == seen {
                         let quiet = self.shared.millis() - self.shared.last_heard.load(Ordering::Acquire);
                         if Duration::from_millis(quiet) >= stall {
@@ -337,6 +367,13 @@ impl Drop for Cancel<'_> {
 impl Shared {
     fn millis(&self) -> u64 {
         self.born.elapsed().as_millis() as u64
+    }
+
+    /// `n` more of a stream's head or body came.
+    fn progressed(&self, want: &Want, n: u64) {
+        want.progress.fetch_add(n, Ordering::Release);
+        self.streamed.fetch_add(n, Ordering::Release);
+        self.received.fetch_add(n, Ordering::Relaxed);
     }
 
     /// The server's bytes came just now.
@@ -494,7 +531,7 @@ mod tests {
     /// fresh memory file is then read in several pieces ([`reading::PIECE_BYTES`]).
     async fn wire_to(server: &str) -> Arc<Wire> {
         let socket = tokio::net::TcpStream::connect(server.trim_start_matches("http://")).await.unwrap();
-        Wire::start(socket, server, 1 << 20, INBOX, None)
+        Wire::start(socket, server, (1 << 20, INBOX), None, Default::default())
     }
 
     fn sink(len: usize, into_file: bool) -> Sink {
@@ -676,7 +713,7 @@ mod tests {
         let keep = KeepAlive { every: Duration::from_millis(100), wait: Duration::from_millis(200) };
         let server = reference_server(4096).await;
         let socket = tokio::net::TcpStream::connect(server.trim_start_matches("http://")).await.unwrap();
-        let wire = Wire::start(socket, &server, 128 << 10, INBOX, Some(keep));
+        let wire = Wire::start(socket, &server, (128 << 10, INBOX), Some(keep), Default::default());
         tokio::time::sleep(Duration::from_millis(800)).await;
         assert!(wire.usable(), "a connection whose server answers its PINGs was ended");
         let reply = get(&wire, "/1000/1", 1000, false).await.unwrap();
@@ -693,7 +730,7 @@ mod tests {
             let _ = pings_tx.send(all.windows(5).filter(|w| w[..4] == frames::ping(*b"batchfs!")[..4]).count());
         });
         let socket = tokio::net::TcpStream::connect(silent.trim_start_matches("http://")).await.unwrap();
-        let wire = Wire::start(socket, &silent, 128 << 10, INBOX, Some(keep));
+        let wire = Wire::start(socket, &silent, (128 << 10, INBOX), Some(keep), Default::default());
         let started = Instant::now();
         let err = get(&wire, "/1/1", 1, false).await.unwrap_err();
         assert!(err.to_string().contains("no answer to a PING within 200ms"), "{err}");
@@ -731,7 +768,7 @@ mod tests {
         });
         let keep = KeepAlive { every: Duration::from_millis(100), wait: Duration::from_millis(200) };
         let socket = tokio::net::TcpStream::connect(server.trim_start_matches("http://")).await.unwrap();
-        let wire = Wire::start(socket, &server, 128 << 10, INBOX, Some(keep));
+        let wire = Wire::start(socket, &server, (128 << 10, INBOX), Some(keep), Default::default());
         let reply = get(&wire, "/trickle", len, false).await.unwrap();
         assert!(bytes_of(reply.body.unwrap()) == body_of(len, 5));
         assert!(wire.usable());

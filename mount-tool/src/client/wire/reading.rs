@@ -143,7 +143,7 @@ impl Reading {
                 let at = whole.len();
                 whole.resize(at + left, 0);
                 read.read_exact(&mut whole[at..]).await?;
-                slot.want.progress.fetch_add(left as u64, Ordering::Release);
+                self.shared.progressed(&slot.want, left as u64);
                 left = 0;
                 None
             }
@@ -166,7 +166,7 @@ impl Reading {
                         return Err(std::io::ErrorKind::UnexpectedEof.into());
                     }
                     left -= n;
-                    slot.want.progress.fetch_add(n as u64, Ordering::Release);
+                    self.shared.progressed(&slot.want, n as u64);
                     self.shared.heard();
                     file.commit(n, &mut slot.crc);
                 }
@@ -187,7 +187,7 @@ impl Reading {
                         if (&mut *read).take(rest).read_buf(&mut piece).await? == 0 {
                             return Err(std::io::ErrorKind::UnexpectedEof.into());
                         }
-                        slot.want.progress.fetch_add(1, Ordering::Release);
+                        self.shared.progressed(&slot.want, 1);
                         self.shared.heard();
                     }
                     left -= want;
@@ -207,7 +207,7 @@ impl Reading {
                         return Err(std::io::ErrorKind::UnexpectedEof.into());
                     }
                     left -= n;
-                    slot.want.progress.fetch_add(n as u64, Ordering::Release);
+                    self.shared.progressed(&slot.want, n as u64);
                     self.shared.heard();
                     // SAFETY: `room` is the room `spare` gave, and the read reports its first `n` bytes
                     // filled: initialized, as `ReadBuf` guarantees of what it counts as filled.
@@ -332,7 +332,7 @@ impl Reading {
         })?;
         let mut streams = self.shared.streams.lock().unwrap();
         let Some(slot) = streams.get_mut(&stream) else { return Ok(()) };
-        slot.want.progress.fetch_add(1, Ordering::Release);
+        self.shared.progressed(&slot.want, 1);
         if slot.status.is_some() {
             // Trailers: nothing of the body.
             if end_stream {
