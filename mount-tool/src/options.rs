@@ -326,9 +326,9 @@ options! {
     connections: usize = 4, value::at_least_one, "4", "N", "Network",
         "HTTP/2 connections per server.";
     timeout: Duration = Duration::from_secs(60), value::wait, "60s", "DURATION", "Network",
-        "How long reads wait out an unreachable server before EIO.";
+        "How long reads wait out an unreachable server before EIO (a busy link still sending waits on).";
     stall_timeout: Duration = Duration::from_secs(10), value::wait, "10s", "DURATION", "Network",
-        "A response with no bytes for this long is abandoned and retried.";
+        "A response with no bytes for this long, nor its connection's others, is abandoned and retried.";
     keepalive: Duration = Duration::from_secs(15), value::duration, "15s", "DURATION", "Network",
         "A connection quiet this long is sent a PING, and dropped if nothing answers within stall_timeout \
          (0: never).";
