@@ -162,8 +162,18 @@ impl Bucket {
             .map_err(|e| self.list_error(e))?;
         files.sort_by(|a, b| a.path.cmp(&b.path));
         let markers = drop_folder_markers(&mut files);
-        if markers > 0 {
+        if markers.empty > 0 {
+            let markers = markers.empty;
             tracing::info!(url = %self.url, markers, "left out folder markers (empty objects named as a folder)");
+        }
+        if let Some((first, size)) = markers.with_bytes.first() {
+            // Once a listing (an indexing): every class folder of a tree may have one.
+            tracing::warn!(
+                url = %self.url, bucket = %self.bucket, key = %self.location(first), bytes = size,
+                objects = markers.with_bytes.len(),
+                "left out objects with bytes named as a folder of other objects (a folder marker KEY/ written with \
+                 content, or an object KEY beside KEY/...): a local copy holds a directory there, not a file"
+            );
         }
         if files.is_empty() {
             return Err(self.nothing_under_prefix().await);
@@ -225,21 +235,39 @@ fn asked_for_credentials(text: &str) -> bool {
         || text.to_ascii_lowercase().contains("credential")
 }
 
-/// Leaves out the empty objects named as a folder of other objects: the "folder markers" (`class-0000/`)
-/// that the S3 console's "Create folder", s3fs, rclone and Hadoop's s3a write, whose trailing `/`
+/// The objects [`drop_folder_markers`] left out.
+#[derive(Debug, Default, PartialEq)]
+struct FolderMarkers {
+    /// Empty ones: the markers tools write.
+    empty: usize,
+    /// Ones with bytes (path, size), in path order: a marker written with content, or an object `KEY`
+    /// beside `KEY/...` (`object_store` lists both as `KEY`); warned of.
+    with_bytes: Vec<(String, u64)>,
+}
+
+/// Leaves out the objects named as a folder of other objects: the "folder markers" (`class-0000/`) that
+/// the S3 console's "Create folder", s3fs, rclone and Hadoop's s3a write, whose trailing `/`
 /// `object_store` drops. Kept, each was a file of the folder's name that hid the folder's files from
-/// `raw/` (a local copy of the tree holds a directory there). Returns how many.
-fn drop_folder_markers(files: &mut Vec<ShardInfo>) -> usize {
+/// `raw/` (a local copy of the tree holds a directory there). One with bytes is left out too, as a local
+/// copy (`aws s3 sync`) leaves it out, but said: it was left out of `raw/` without a word, and its GET
+/// (of `KEY`, where the object is `KEY/`) failed on S3.
+fn drop_folder_markers(files: &mut Vec<ShardInfo>) -> FolderMarkers {
     let folders: std::collections::HashSet<&str> =
         files.iter().flat_map(|f| f.path.match_indices('/').map(|(at, _)| &f.path[..at])).collect();
-    let marker: Vec<bool> = files.iter().map(|f| f.size == 0 && folders.contains(f.path.as_str())).collect();
-    let before = files.len();
+    let marker: Vec<bool> = files.iter().map(|f| folders.contains(f.path.as_str())).collect();
+    let mut markers = FolderMarkers::default();
+    for (file, _) in files.iter().zip(&marker).filter(|(_, &m)| m) {
+        match file.size {
+            0 => markers.empty += 1,
+            size => markers.with_bytes.push((file.path.to_string(), size)),
+        }
+    }
     let mut at = 0;
     files.retain(|_| {
         at += 1;
         !marker[at - 1]
     });
-    before - files.len()
+    markers
 }
 
 /// The kind of the HTTP client's error behind `e`, if one is.
@@ -368,6 +396,27 @@ mod tests {
         let listed = Bucket::of_store("s3://b/p", store, "memory").unwrap().list().await.unwrap();
         let paths: Vec<&str> = listed.iter().map(|f| f.path.as_str()).collect();
         assert_eq!(paths, ["c0-x.jpg", "c0/a.jpg", "c1", "d/e/f"]);
+    }
+
+    /// A folder marker with bytes (`c0/` holding 6, beside `c0/a.jpg`; `object_store` lists it as `c0`) is
+    /// left out as an empty one is, and said: it was kept as a file `c0`, which `raw/`'s folder `c0` hid,
+    /// and whose GET (of `c0`, the object being `c0/`) failed on S3.
+    #[tokio::test]
+    async fn a_folder_marker_with_bytes_is_left_out_and_said() {
+        use object_store::ObjectStoreExt;
+        let store = Arc::new(object_store::memory::InMemory::new());
+        for (key, bytes) in [("p/c0/a.jpg", &b"jpeg"[..]), ("p/c0", b"marker"), ("p/c1", b""), ("p/c1/b.jpg", b"b")] {
+            store.put(&ObjectPath::from(key), bytes::Bytes::from_static(bytes).into()).await.unwrap();
+        }
+        let listed = Bucket::of_store("s3://b/p", store, "memory").unwrap().list().await.unwrap();
+        let paths: Vec<&str> = listed.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(paths, ["c0/a.jpg", "c1/b.jpg"]);
+        // What is warned of: the one with bytes, by its path and size; the empty one only counted.
+        let file = |path: &str, size| ShardInfo { path: path.into(), size, ..Default::default() };
+        let mut files = vec![file("c0", 6), file("c0/a.jpg", 4), file("c1", 0), file("c1/b.jpg", 1), file("c2", 3)];
+        let markers = drop_folder_markers(&mut files);
+        assert_eq!(markers, FolderMarkers { empty: 1, with_bytes: vec![("c0".into(), 6)] });
+        assert_eq!(files.len(), 3, "c2 names no folder: a file");
     }
 
     #[test]
