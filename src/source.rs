@@ -103,8 +103,27 @@ pub fn index_path(root: &Path, name: &str, index_dir: Option<&Path>) -> PathBuf 
     }
 }
 
+/// `path` without its extension `ext` (`.tar`), where it ends with it, ASCII case aside: shards are
+/// taken by extension in every case (`A.TAR`, `b.TFRecord`, as exporters and Windows tools write them), in
+/// local trees and buckets alike. Fixed file names (LMDB's `data.mdb`, DALI's `.idx` twins, which readers
+/// open under the exact name) are matched exactly.
+fn strip_extension<'a>(path: &'a str, ext: &str) -> Option<&'a str> {
+    let at = path.len().checked_sub(ext.len())?;
+    // Equal to an ASCII extension, those bytes are ASCII: `at` is a character boundary.
+    path.as_bytes()[at..].eq_ignore_ascii_case(ext.as_bytes()).then(|| &path[..at])
+}
+
+/// Whether `path` ends with extension `ext`, ASCII case aside ([`strip_extension`]).
+fn has_extension(path: &str, ext: &str) -> bool {
+    strip_extension(path, ext).is_some()
+}
+
 fn is_tfrecord(path: &str) -> bool {
-    [".tfrecord", ".tfrecords", ".tfr"].iter().any(|ext| path.ends_with(ext))
+    [".tfrecord", ".tfrecords", ".tfr"].iter().any(|ext| has_extension(path, ext))
+}
+
+fn is_tar(path: &str) -> bool {
+    has_extension(path, ".tar")
 }
 
 /// Whether `path`'s file name ends as TensorFlow names its shards, without an extension:
@@ -178,7 +197,7 @@ pub fn detect_listed<'a>(paths: impl Iterator<Item = &'a str> + Clone) -> Source
         SourceFormat::Lmdb
     } else if paths.clone().any(is_tfrecord) {
         SourceFormat::Tfrecord
-    } else if paths.clone().any(|p| p.ends_with(".tar")) {
+    } else if paths.clone().any(is_tar) {
         SourceFormat::Tar
     } else {
         SourceFormat::Files
@@ -245,7 +264,7 @@ pub fn classify(
     let is_shard = |p: &str| match format {
         SourceFormat::Tfrecord if given && none_named => !is_twin(p),
         SourceFormat::Tfrecord => named(p),
-        SourceFormat::Tar => p.ends_with(".tar"),
+        SourceFormat::Tar => is_tar(p),
         SourceFormat::Lmdb => p == "data.mdb",
         SourceFormat::Files => true,
     };
@@ -297,10 +316,8 @@ pub fn classify(
 fn compressed_shards(files: &[ShardInfo]) -> Vec<&str> {
     const PACKED: [&str; 5] = [".gz", ".bz2", ".xz", ".zst", ".lz4"];
     let compressed = |p: &str| {
-        p.ends_with(".tgz")
-            || PACKED
-                .iter()
-                .any(|ext| p.strip_suffix(ext).is_some_and(|inner| inner.ends_with(".tar") || is_tfrecord(inner)))
+        has_extension(p, ".tgz")
+            || PACKED.iter().any(|ext| strip_extension(p, ext).is_some_and(|inner| is_tar(inner) || is_tfrecord(inner)))
     };
     files.iter().map(|f| f.path.as_str()).filter(|p| compressed(p)).collect()
 }
@@ -1190,6 +1207,37 @@ mod tests {
         let files = ["a.tfrecord.gz", "b.tfrecords.zst", "c.tfr.xz", "d.txt.gz", "e.gz", "f.tar.bz2"]
             .map(|p| ShardInfo { path: p.into(), ..Default::default() });
         assert_eq!(compressed_shards(&files), ["a.tfrecord.gz", "b.tfrecords.zst", "c.tfr.xz", "f.tar.bz2"]);
+    }
+
+    /// Shards are taken by their extension in any case (`.TAR` was no shard: a WebDataset dataset of
+    /// `SHARD-0.TAR` files was a file tree of whole tars), compressed ones too; the fixed names LMDB and
+    /// DALI open (`data.mdb`, `.idx`) only as they are. By names alone, as an object store's dataset is.
+    #[test]
+    fn shard_extensions_are_taken_in_any_case() {
+        let tars = generated(SourceFormat::Tar, 10);
+        for (from, to) in [("shard-000000.tar", "SHARD-000000.TAR"), ("shard-000001.tar", "shard-000001.Tar")] {
+            std::fs::rename(tars.path().join(from), tars.path().join(to)).unwrap();
+        }
+        std::fs::write(tars.path().join("old.TAR.GZ"), b"gzip").unwrap();
+        let (format, shards, side) = list(tars.path(), &strict()).unwrap();
+        assert_eq!(format, SourceFormat::Tar);
+        assert_eq!(
+            shards.iter().map(|f| f.path.as_str()).collect::<Vec<_>>(),
+            ["SHARD-000000.TAR", "shard-000001.Tar"]
+        );
+        assert_eq!(compressed_shards(&side), ["old.TAR.GZ"]);
+        assert_eq!(build(tars.path(), &strict(), &NoProgress).unwrap().samples.len(), 10);
+        let records = generated(SourceFormat::Tfrecord, 10);
+        std::fs::rename(records.path().join("train-00000-of-00002.tfrecord"), records.path().join("a.TFRecord"))
+            .unwrap();
+        std::fs::rename(records.path().join("train-00001-of-00002.tfrecord"), records.path().join("b.TFR")).unwrap();
+        assert_eq!(detect(records.path()).unwrap(), SourceFormat::Tfrecord);
+        assert_eq!(build(records.path(), &strict(), &NoProgress).unwrap().samples.len(), 10);
+        let names = ["x/A.TAR", "y/b.TfRecords", "DATA.MDB", "c.tfrecord.IDX"];
+        assert_eq!(detect_listed(names[..1].iter().copied()), SourceFormat::Tar);
+        assert_eq!(detect_listed(names[1..].iter().copied()), SourceFormat::Tfrecord);
+        assert_eq!(detect_listed(["DATA.MDB", "é.TAR"].into_iter()), SourceFormat::Tar);
+        assert!(!has_extension("ü", ".tar") && strip_extension("aé.TAR", ".tar") == Some("aé"));
     }
 
     /// A sample with two members of one name (`a.jpg`, `a.jpg`, `a.cls`) would hold two `jpg` parts, of
