@@ -3,6 +3,7 @@
 //! always correct).
 
 use crate::memo::Memo;
+use crate::objects::tier::Tier;
 use crate::objects::{ObjectSource, ObjectsAt};
 use crate::storage::{IoPolicy, OpenError, Storage};
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest, RollingQuery};
@@ -307,8 +308,8 @@ impl Dataset {
     /// times with `block_bytes` 25 times the tier). The plan is the mount's to choose (every server of a job
     /// must plan the same), so it is served, and the server says so.
     pub fn blocks_note(&self, block_bytes: u64) -> Option<String> {
-        let cap = self.storage.objects()?.tier()?.cap();
-        let bytes: u64 = self.index.shards.iter().map(|s| s.size).sum();
+        let tier = self.storage.objects()?.tier()?;
+        let (cap, bytes) = (tier.cap(), self.on_disk(tier));
         (bytes > cap && block_bytes > cap / 3).then(|| {
             format!(
                 "dataset {}: shuffle=blocks with block_bytes={block_bytes}, more than a third of the disk tier ({cap} \
@@ -350,8 +351,10 @@ impl Dataset {
                 )
             });
         };
+        // Counted as the tier counts its copies: each rounded up to the disk's block.
+        let bytes = self.on_disk(tier);
         // A block holds whole objects, a third of the tier at most: objects larger than that are never copied.
-        let largest = self.index.shards.iter().map(|s| s.size).max().unwrap_or(0);
+        let largest = self.index.shards.iter().map(|s| tier.on_disk(s.size)).max().unwrap_or(0);
         if bytes > tier.cap() && largest > tier.cap() / 3 {
             return Some(format!(
                 "dataset {}: {bytes} bytes do not fit in the disk tier ({} bytes), and its largest object ({largest} \
@@ -393,7 +396,7 @@ impl Dataset {
             }
             followed.push_back((epoch, plan.options));
         }
-        let bytes: u64 = self.index.shards.iter().map(|s| s.size).sum();
+        let bytes = self.on_disk(tier);
         // Under `blocks`, what lies further behind the reads than the two blocks being read is evicted
         // first (its next read is in a later epoch).
         let (ahead, behind) = match plan.options.shuffle {
@@ -402,6 +405,11 @@ impl Dataset {
             _ => return,
         };
         objects.follow(plan.order(), ahead, behind);
+    }
+
+    /// Bytes of disk copies of every shard occupy in `tier` (as it counts them: [`Tier::on_disk`]).
+    fn on_disk(&self, tier: &Tier) -> u64 {
+        self.index.shards.iter().map(|s| tier.on_disk(s.size)).sum()
     }
 
     /// The layout of one batch.

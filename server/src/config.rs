@@ -269,8 +269,8 @@ limits! {
          from there instead of the store, and objects are copied in in the order the plan reads them.";
     disk_cache_size: crate::policy::AutoSize = crate::policy::AutoSize::Auto, crate::policy::AutoSize::parse,
         "auto", "SIZE",
-        "The most bytes the disk tier holds. auto: 90 % of what its filesystem has free at start, plus what \
-         it already holds.";
+        "The most bytes of disk the disk tier takes, each copy counted as its size rounded up to the \
+         filesystem's block. auto: 90 % of what its filesystem has free at start, plus what it already holds.";
     stage_objects: usize = 4, value::count, "4", "N",
         "Objects copied into the disk tier at once, each by ranged GETs of object_part, up to 8 in flight, \
          each body written as it arrives; the parts copied at once hold about a MiB each, at most an eighth \

@@ -115,7 +115,7 @@ pub fn render_tier(tier: Option<&crate::objects::tier::Tier>) -> String {
     let Some(tier) = tier else { return String::new() };
     let mut out = Exposition::new();
     let gauges = [
-        (TIER_BYTES, "Bytes of the copies the disk tier holds.", tier.bytes()),
+        (TIER_BYTES, "Bytes of disk the copies the disk tier holds occupy.", tier.bytes()),
         (TIER_CAPACITY_BYTES, "The most bytes the disk tier holds (disk_cache_size).", tier.cap()),
         (TIER_OBJECTS, "Copies the disk tier holds.", tier.copies() as u64),
     ];

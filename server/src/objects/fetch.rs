@@ -79,7 +79,9 @@ impl ObjectSource {
     /// none, so a restarted server reads it from there), else by ranged GETs of `object_part` several at
     /// once, each `If-Match` its ETag (a chunk that differs is read again, up to [`FETCH_ATTEMPTS`] times).
     pub fn hold(&self, n: u32, file: &ShardInfo) -> io::Result<batchfs::mmap::MappedFile> {
-        if let Some(copy) = self.context.tier.as_ref().filter(|t| file.size <= t.cap()).map(|_| self.stage_now(n)) {
+        if let Some(copy) =
+            self.context.tier.as_ref().filter(|t| t.on_disk(file.size) <= t.cap()).map(|_| self.stage_now(n))
+        {
             match copy.and_then(|path| self.read_copy(n, file, &path)) {
                 Ok(held) => return Ok(held),
                 Err(e) => tracing::warn!(dataset = %self.bucket.url, error = %e, "holding from the store instead"),

@@ -80,7 +80,7 @@ impl Files for ObjectSource {
     /// `index_dir` and removed once indexed.
     fn local(&self, file: &ShardInfo) -> io::Result<Local> {
         let name = file.path.rsplit('/').next().unwrap_or(&file.path);
-        if let Some(tier) = self.tier().filter(|t| file.size <= t.cap()) {
+        if let Some(tier) = self.tier().filter(|t| t.on_disk(file.size) <= t.cap()) {
             // A copy the tier holds already (a restart that indexes again): linked, not read from the store.
             if let Some((held, _)) = self.held_copy(file) {
                 let dir = tempfile::Builder::new().prefix("batchfs-stage-").tempdir_in(tier.dir().join("staging"))?;
@@ -241,7 +241,7 @@ impl ObjectSource {
     /// Keeps `bytes` (all of `file`, checked) in the disk tier, where there is one; a copy the disk
     /// refuses is only logged (the object is then read from the store).
     fn keep_copy(&self, file: &ShardInfo, bytes: &[u8]) {
-        let Some(tier) = self.tier().filter(|t| file.size <= t.cap()) else { return };
+        let Some(tier) = self.tier().filter(|t| t.on_disk(file.size) <= t.cap()) else { return };
         let kept = tier.begin(&self.tier_name(file), file.size).and_then(|copy| {
             copy.file().write_all_at(bytes, 0).map_err(|e| copy.failed(e))?;
             copy.commit()

@@ -113,7 +113,7 @@ impl ObjectSource {
     /// fits in the tier (called as the dataset opens: its next epochs then read nothing from the store).
     pub fn copy_all(self: &Arc<Self>) {
         let (Some(tier), Some(index)) = (self.tier(), self.index.get()) else { return };
-        if index.shards.iter().map(|s| s.size).sum::<u64>() <= tier.cap() {
+        if index.shards.iter().map(|s| tier.on_disk(s.size)).sum::<u64>() <= tier.cap() {
             self.queue_order((0..index.shards.len() as u32).collect(), u64::MAX, u64::MAX, true);
         }
     }

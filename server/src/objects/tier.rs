@@ -15,10 +15,12 @@
 //! against the index before each is first served (a crash or a disk may have changed them since; so no
 //! `fsync` is needed to keep a wrong byte out): see `Entry::checked`.
 //!
-//! **Room.** The tier holds at most `disk_cache_size` bytes (auto: 90 % of what its filesystem has free
-//! at start, plus what the tier already holds), copies being written counted from their start; the
-//! least recently used copies are evicted to make room. At start, what is found is ordered by
-//! modification time, oldest first to go. A copy evicted while a read has it open is read to the end
+//! **Room.** The tier holds at most `disk_cache_size` bytes of disk (auto: 90 % of what its filesystem has
+//! free at start, plus what the tier already holds), copies being written counted from their start; the
+//! least recently used copies are evicted to make room. A copy counts what it occupies on the disk, its
+//! size rounded up to the filesystem's block ([`Tier::on_disk`]; found again at start, the same): counted
+//! by their sizes, 1,398 copies of a few bytes under a cap of 2 MiB took 5.9 MB. At start, what is found
+//! is ordered by modification time, oldest first to go. A copy evicted while a read has it open is read to the end
 //! (the kernel keeps an unlinked file for its open descriptors).
 //!
 //! A failing disk (a write or `fsync` that fails, a full filesystem) loses the copy being written, is
@@ -93,6 +95,7 @@ pub struct TierCounters {
 /// One copy in the tier.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
+    /// Bytes of disk it occupies ([`Tier::on_disk`] of its size).
     size: u64,
     /// Checked against the index in this process (staged here, or read and checked once since start).
     checked: bool,
@@ -100,9 +103,9 @@ struct Entry {
 
 struct Inner {
     entries: LruCache<String, Entry>,
-    /// Bytes of the copies in `entries`.
+    /// Bytes of disk the copies in `entries` occupy.
     bytes: u64,
-    /// Bytes of copies being written.
+    /// Bytes of disk of the copies being written.
     reserved: u64,
 }
 
@@ -112,6 +115,8 @@ pub struct Tier {
     objects: PathBuf,
     staging: PathBuf,
     cap: u64,
+    /// The filesystem's block (`statvfs`'s `f_frsize`): what a file's size is rounded up to on its disk.
+    block: u64,
     inner: Mutex<Inner>,
     seq: AtomicU64,
     pub counters: TierCounters,
@@ -159,6 +164,8 @@ impl Tier {
         if left > 0 {
             tracing::info!(dir = %dir.display(), files = left, "disk tier: removed copies left unfinished");
         }
+        let (free, block) = room(dir).map_err(scan)?;
+        let on_disk = |size: u64| size.div_ceil(block) * block;
         let mut found = Vec::new();
         for entry in std::fs::read_dir(&objects).map_err(scan)? {
             let entry = entry.map_err(scan)?;
@@ -169,19 +176,17 @@ impl Tier {
                 continue;
             }
             let mtime = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
-            found.push((mtime, name, meta.len()));
+            // Counted as a copy staged now is: its size rounded up to the block.
+            found.push((mtime, name, on_disk(meta.len())));
         }
         found.sort();
         let held: u64 = found.iter().map(|f| f.2).sum();
         let cap = match size {
             crate::policy::AutoSize::Bytes(n) => n,
-            crate::policy::AutoSize::Auto => {
-                let free = free_bytes(dir).map_err(scan)?;
-                (free + held) / 10 * 9
-            }
+            crate::policy::AutoSize::Auto => (free + held) / 10 * 9,
         };
         if cap == 0 {
-            return Err(TierError::NoRoom { dir: dir.to_owned(), free: free_bytes(dir).unwrap_or(0) });
+            return Err(TierError::NoRoom { dir: dir.to_owned(), free });
         }
         let mut entries = LruCache::unbounded();
         for (_, name, size) in found {
@@ -192,6 +197,7 @@ impl Tier {
             objects,
             staging,
             cap,
+            block,
             inner: Mutex::new(Inner { entries, bytes: held, reserved: 0 }),
             seq: AtomicU64::new(0),
             counters: TierCounters::default(),
@@ -224,7 +230,13 @@ impl Tier {
         self.cap
     }
 
-    /// Bytes of the copies it holds.
+    /// Bytes of disk a copy of `size` bytes occupies: its size rounded up to the filesystem's block (what
+    /// the tier counts of each copy, so that `disk_cache_size` bounds the disk used).
+    pub fn on_disk(&self, size: u64) -> u64 {
+        size.div_ceil(self.block) * self.block
+    }
+
+    /// Bytes of disk the copies it holds occupy.
     pub fn bytes(&self) -> u64 {
         self.inner.lock().expect("tier").bytes
     }
@@ -282,13 +294,15 @@ impl Tier {
     }
 
     /// Starts a copy `name` of `size` bytes: room is made for it now (the least recently used copies
-    /// evicted), and the file is made under `staging/`. Refused where it is larger than the tier
-    /// (`StorageFull`), or does not fit beside the copies being made now (`WouldBlock`: try later).
+    /// evicted; for what it occupies on the disk, [`Tier::on_disk`]), and the file is made under
+    /// `staging/`. Refused where it is larger than the tier (`StorageFull`), or does not fit beside the
+    /// copies being made now (`WouldBlock`: try later).
     pub fn begin(self: &Arc<Self>, name: &str, size: u64) -> io::Result<Staging> {
-        if size > self.cap {
+        let charge = self.on_disk(size);
+        if charge > self.cap {
             return Err(io::Error::new(
                 io::ErrorKind::StorageFull,
-                format!("{size} bytes do not fit in a disk tier of {} bytes", self.cap),
+                format!("{size} bytes ({charge} on its disk) do not fit in a disk tier of {} bytes", self.cap),
             ));
         }
         {
@@ -296,20 +310,20 @@ impl Tier {
             // What is being written is not evicted: with the rest of the room reserved, wait for a later
             // turn (the object is read from the store meanwhile) rather than hold more than the tier, and
             // evict nothing for it.
-            if inner.reserved + size > self.cap {
+            if inner.reserved + charge > self.cap {
                 return Err(io::Error::new(
                     io::ErrorKind::WouldBlock,
                     format!("{size} bytes do not fit beside the copies being made now ({} bytes)", inner.reserved),
                 ));
             }
-            self.make_room(&mut inner, size);
-            inner.reserved += size;
+            self.make_room(&mut inner, charge);
+            inner.reserved += charge;
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let path = self.staging.join(format!("{name}.{}.{seq}", std::process::id()));
         // Made before the file, so a failure below gives the room back as it drops.
         let mut staging =
-            Staging { tier: self.clone(), name: name.to_owned(), path, file: None, size, committed: false };
+            Staging { tier: self.clone(), name: name.to_owned(), path, file: None, charge, committed: false };
         let file =
             std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&staging.path).and_then(|f| {
                 allocate(&f, size)?;
@@ -355,7 +369,8 @@ pub struct Staging {
     name: String,
     path: PathBuf,
     file: Option<File>,
-    size: u64,
+    /// Bytes of disk it occupies, counted from its start ([`Tier::on_disk`]).
+    charge: u64,
     committed: bool,
 }
 
@@ -376,7 +391,7 @@ impl Staging {
         self.committed = true;
         let key = self.name.split('-').next().unwrap_or("").to_owned();
         let mut inner = tier.inner.lock().expect("tier");
-        inner.reserved -= self.size;
+        inner.reserved -= self.charge;
         let stale: Vec<String> = inner
             .entries
             .iter()
@@ -389,10 +404,10 @@ impl Staging {
                 let _ = std::fs::remove_file(tier.objects.join(&name));
             }
         }
-        if let Some(old) = inner.entries.put(self.name.clone(), Entry { size: self.size, checked: true }) {
+        if let Some(old) = inner.entries.put(self.name.clone(), Entry { size: self.charge, checked: true }) {
             inner.bytes -= old.size;
         }
-        inner.bytes += self.size;
+        inner.bytes += self.charge;
         tier.counters.staged.fetch_add(1, Ordering::Relaxed);
         Ok(at)
     }
@@ -415,7 +430,7 @@ impl Drop for Staging {
         if !self.committed {
             self.file = None;
             let _ = std::fs::remove_file(&self.path);
-            self.tier.inner.lock().expect("tier").reserved -= self.size;
+            self.tier.inner.lock().expect("tier").reserved -= self.charge;
         }
     }
 }
@@ -448,8 +463,9 @@ fn hex_into(out: &mut String, bytes: &[u8]) {
     out.extend(bytes.iter().flat_map(|&b| batchfs::index::hex_pair(b)).map(char::from));
 }
 
-/// Bytes free (for an unprivileged user) on the filesystem of `dir`.
-fn free_bytes(dir: &Path) -> io::Result<u64> {
+/// Bytes free (for an unprivileged user) on the filesystem of `dir`, and its block: the unit a file
+/// occupies on it (`f_frsize`; 4 KiB where it says 0).
+fn room(dir: &Path) -> io::Result<(u64, u64)> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(io::Error::other)?;
     // SAFETY: statvfs writes only the struct passed, which lives for the call; `path` is a valid C string.
@@ -458,7 +474,11 @@ fn free_bytes(dir: &Path) -> io::Result<u64> {
     if unsafe { libc::statvfs(path.as_ptr(), &mut stat) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(stat.f_bavail as u64 * stat.f_frsize as u64)
+    let block = match stat.f_frsize as u64 {
+        0 => 4096,
+        n => n,
+    };
+    Ok((stat.f_bavail as u64 * stat.f_frsize as u64, block))
 }
 
 #[cfg(test)]
@@ -471,6 +491,43 @@ mod tests {
         let copy = tier.begin(name, bytes.len() as u64).unwrap();
         copy.file().write_all_at(bytes, 0).unwrap();
         copy.commit().unwrap()
+    }
+
+    /// The block of `dir`'s filesystem, what a copy's size is rounded up to: the tests' unit of size.
+    fn block(dir: &Path) -> u64 {
+        room(dir).unwrap().1
+    }
+
+    /// Bytes of disk the files under `dir` take (`st_blocks`, 512 bytes each).
+    fn disk_used(dir: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().metadata().unwrap().blocks() * 512).sum()
+    }
+
+    /// Copies count the blocks they take on the disk, not their sizes, so `disk_cache_size` bounds the
+    /// disk used: counted by their sizes, 1,398 copies of a few bytes under a cap of 2 MiB took 5.9 MB.
+    /// Found again at a restart, they are counted the same.
+    #[test]
+    fn copies_count_the_disk_they_occupy_and_are_found_again_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = block(dir.path());
+        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(8 * b)).unwrap());
+        for k in 0..20 {
+            stage(&tier, &Tier::name(&format!("s3 b/tiny-{k}"), "\"e\""), &[7; 100]);
+        }
+        assert_eq!((tier.copies(), tier.bytes()), (8, 8 * b));
+        assert!(disk_used(&dir.path().join("objects")) <= tier.cap(), "the cap bounds the disk used");
+        assert_eq!((tier.on_disk(0), tier.on_disk(1), tier.on_disk(b), tier.on_disk(b + 1)), (0, b, b, 2 * b));
+        drop(tier);
+        let again = Tier::open(dir.path(), AutoSize::Bytes(8 * b)).unwrap();
+        assert_eq!((again.copies(), again.bytes()), (8, 8 * b));
+        drop(again);
+        let smaller = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(4 * b + 100)).unwrap());
+        assert_eq!((smaller.copies(), smaller.bytes()), (4, 4 * b));
+        // Larger than the tier once rounded up: refused, as one larger than it by its size.
+        let big = Tier::name("s3 b/big", "\"e\"");
+        assert_eq!(smaller.begin(&big, 4 * b + 1).err().unwrap().kind(), io::ErrorKind::StorageFull);
+        assert!(smaller.begin(&big, 4 * b).is_ok());
     }
 
     /// A restarted server finds the copies an older one made by their names: the name of a copy never
@@ -488,15 +545,16 @@ mod tests {
     #[test]
     fn copies_being_made_are_never_evicted_and_the_tier_never_holds_more_than_its_size() {
         let dir = tempfile::tempdir().unwrap();
-        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(100)).unwrap());
-        stage(&tier, &Tier::name("s3 b/k1", "\"e\""), &[1; 30]);
-        let making = tier.begin(&Tier::name("s3 b/k2", "\"e\""), 70).unwrap();
+        let b = block(dir.path());
+        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(10 * b)).unwrap());
+        stage(&tier, &Tier::name("s3 b/k1", "\"e\""), &vec![1; 3 * b as usize]);
+        let making = tier.begin(&Tier::name("s3 b/k2", "\"e\""), 7 * b).unwrap();
         // One that does not fit beside the copy being made waits its turn, and evicts nothing for it.
-        let next = tier.begin(&Tier::name("s3 b/k3", "\"e\""), 40);
+        let next = tier.begin(&Tier::name("s3 b/k3", "\"e\""), 4 * b);
         assert_eq!(next.err().unwrap().kind(), io::ErrorKind::WouldBlock);
-        assert_eq!((tier.copies(), tier.bytes()), (1, 30));
+        assert_eq!((tier.copies(), tier.bytes()), (1, 3 * b));
         drop(making);
-        assert!(tier.begin(&Tier::name("s3 b/k3", "\"e\""), 40).is_ok());
+        assert!(tier.begin(&Tier::name("s3 b/k3", "\"e\""), 4 * b).is_ok());
     }
 
     /// A directory another server's tier holds is refused, saying so (before, the second server's start
@@ -529,61 +587,64 @@ mod tests {
     #[test]
     fn copies_are_found_again_evicted_least_recently_used_and_never_half_written() {
         let dir = tempfile::tempdir().unwrap();
-        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(100)).unwrap());
+        // Sizes in blocks of the disk (a tenth of the tier each), as the tier counts them.
+        let u = block(dir.path());
+        let fill = |byte: u8, blocks: u64| vec![byte; (blocks * u) as usize];
+        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(10 * u)).unwrap());
         let (a, b, c) =
             (Tier::name("s3 b/k1", "\"e1\""), Tier::name("s3 b/k2", "\"e\""), Tier::name("s3 b/k3", "\"e\""));
         assert_ne!(a, Tier::name("s3 b/k1", "\"e2\""), "a new ETag is another copy");
         assert!(is_name(&a), "{a}");
-        let path = stage(&tier, &a, &[1; 40]);
-        assert_eq!(std::fs::read(&path).unwrap(), vec![1; 40]);
-        stage(&tier, &b, &[2; 40]);
-        assert_eq!((tier.bytes(), tier.copies()), (80, 2));
+        let path = stage(&tier, &a, &fill(1, 4));
+        assert_eq!(std::fs::read(&path).unwrap(), fill(1, 4));
+        stage(&tier, &b, &fill(2, 4));
+        assert_eq!((tier.bytes(), tier.copies()), (8 * u, 2));
         // `a` used last: `b` goes to make room for `c`.
         assert!(tier.get(&a).is_some());
-        stage(&tier, &c, &[3; 40]);
+        stage(&tier, &c, &fill(3, 4));
         assert!(tier.contains(&a) && !tier.contains(&b) && tier.contains(&c));
         assert_eq!(tier.counters.evicted.load(Ordering::Relaxed), 1);
         // A read of a mapping counts as a use (`used`), a look (`contains`) does not: `c` goes for `b`.
         assert!(tier.used(&a) && tier.contains(&c));
-        stage(&tier, &b, &[2; 40]);
+        stage(&tier, &b, &fill(2, 4));
         assert!(tier.contains(&a) && tier.contains(&b) && !tier.contains(&c));
-        stage(&tier, &c, &[3; 40]);
+        stage(&tier, &c, &fill(3, 4));
         assert!(!tier.contains(&a) && tier.contains(&b) && tier.contains(&c));
-        stage(&tier, &a, &[1; 40]);
+        stage(&tier, &a, &fill(1, 4));
         assert!(tier.contains(&a) && !tier.contains(&b) && tier.contains(&c));
         assert_eq!(tier.counters.evicted.load(Ordering::Relaxed), 4);
         // A copy dropped unfinished leaves nothing, and gives its room back.
-        let unfinished = tier.begin(&b, 20).unwrap();
+        let unfinished = tier.begin(&b, 2 * u).unwrap();
         assert_eq!(std::fs::read_dir(dir.path().join("staging")).unwrap().count(), 1);
         drop(unfinished);
         assert_eq!(std::fs::read_dir(dir.path().join("staging")).unwrap().count(), 0);
         // Too large for the tier: refused, nothing evicted.
-        assert_eq!(tier.begin(&b, 101).err().unwrap().kind(), io::ErrorKind::StorageFull);
+        assert_eq!(tier.begin(&b, 10 * u + 1).err().unwrap().kind(), io::ErrorKind::StorageFull);
         assert_eq!(tier.copies(), 2);
         // A new ETag of `a` replaces the old copy.
         let a2 = Tier::name("s3 b/k1", "\"e2\"");
-        stage(&tier, &a2, &[4; 10]);
+        stage(&tier, &a2, &fill(4, 1));
         assert!(!tier.contains(&a) && tier.contains(&a2) && !dir.path().join("objects").join(&a).exists());
         // A server killed while staging: its file under staging/ is removed at the next start, and the
         // copies are found again, not yet checked in the new process.
-        let killed = tier.begin(&b, 5).unwrap();
+        let killed = tier.begin(&b, u / 2).unwrap();
         std::mem::forget(killed);
         // And indexing's directory of links to a copy, as a server killed while indexing leaves it.
         std::fs::create_dir(dir.path().join("staging/batchfs-stage-x")).unwrap();
         std::fs::write(dir.path().join("staging/batchfs-stage-x/shard"), b"linked").unwrap();
         drop(tier);
-        let again = Tier::open(dir.path(), AutoSize::Bytes(100)).unwrap();
+        let again = Tier::open(dir.path(), AutoSize::Bytes(10 * u)).unwrap();
         assert_eq!(std::fs::read_dir(dir.path().join("staging")).unwrap().count(), 0);
-        assert_eq!((again.copies(), again.bytes()), (2, 50));
+        assert_eq!((again.copies(), again.bytes()), (2, 5 * u));
         let (path, checked) = again.get(&c).unwrap();
-        assert!(!checked && std::fs::read(path).unwrap() == vec![3; 40]);
+        assert!(!checked && std::fs::read(path).unwrap() == fill(3, 4));
         again.mark_checked(&c);
         assert!(again.get(&c).unwrap().1);
         again.remove(&c, "differs");
-        assert!(!again.contains(&c) && again.bytes() == 10);
+        assert!(!again.contains(&c) && again.bytes() == u);
         // Smaller now: what does not fit is evicted at start.
         drop(again);
-        assert_eq!(Tier::open(dir.path(), AutoSize::Bytes(5)).unwrap().copies(), 0);
+        assert_eq!(Tier::open(dir.path(), AutoSize::Bytes(u / 2)).unwrap().copies(), 0);
     }
 
     #[test]
