@@ -88,6 +88,11 @@ pub enum ObjectError {
     HttpNotAllowed { url: String, endpoint: String },
     #[error("{url}: unknown setting {key:?} in [dataset.s3] (object_store's S3 keys: endpoint, region, ...)")]
     BadSetting { url: String, key: String },
+    #[error(
+        "{url}: {key} = {value:?} ({whence}) is no switch: give true or false (also taken, in any case: 1 or 0, \
+         yes or no, y or n, on or off)"
+    )]
+    BadSwitch { url: String, key: String, value: String, whence: &'static str },
     #[error("{url}: {source}")]
     Config { url: String, source: Box<object_store::Error> },
     #[error("{url}: bucket {bucket:?} does not exist at {endpoint} ({source})")]

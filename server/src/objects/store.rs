@@ -66,6 +66,57 @@ fn check_endpoint(url: &str, endpoint: &str, allow_http: bool) -> Result<(), Obj
     }
 }
 
+/// `object_store`'s S3 keys that are switches (as its `AmazonS3ConfigKey` names them): a value of one that
+/// is none (`allow_http = "maybe"`) was refused as the client was built, in words that named the dataset
+/// but not the key (`failed to parse "maybe" as boolean`), or, for `allow_http`, taken for false and the
+/// endpoint then refused as plain HTTP.
+const SWITCHES: [&str; 14] = [
+    "allow_http",
+    "allow_invalid_certificates",
+    "http1_only",
+    "http2_only",
+    "http2_keep_alive_while_idle",
+    "randomize_addresses",
+    "aws_imdsv1_fallback",
+    "aws_virtual_hosted_style_request",
+    "aws_s3_express",
+    "aws_unsigned_payload",
+    "aws_skip_signature",
+    "aws_disable_tagging",
+    "aws_request_payer",
+    "aws_sse_bucket_key_enabled",
+];
+
+/// A switch's value as `object_store` reads it: `true`, `1`, `on`, `yes`, `y`, or `false`, `0`, `off`,
+/// `no`, `n`, in any case (no space around).
+fn switch(value: &str) -> Option<bool> {
+    match value.to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" | "y" => Some(true),
+        "0" | "false" | "off" | "no" | "n" => Some(false),
+        _ => None,
+    }
+}
+
+/// Refuses a switch of `builder` (from the environment, or `settings`) whose value is none, naming the key
+/// as it was given: in `settings` (any of its spellings), else its `AWS_*` variable.
+fn check_switches(
+    url: &str,
+    settings: &BTreeMap<String, String>,
+    builder: &AmazonS3Builder,
+) -> Result<(), ObjectError> {
+    for name in SWITCHES {
+        let key: AmazonS3ConfigKey = name.parse().expect("a switch of object_store's");
+        let Some(value) = builder.get_config_value(&key).filter(|v| switch(v).is_none()) else { continue };
+        let given = settings.keys().find(|k| k.to_ascii_lowercase().parse::<AmazonS3ConfigKey>().ok() == Some(key));
+        let (key, whence) = match given {
+            Some(given) => (given.clone(), "in [dataset.s3]"),
+            None => (format!("AWS_{}", name.trim_start_matches("aws_")).to_ascii_uppercase(), "in the environment"),
+        };
+        return Err(ObjectError::BadSwitch { url: url.to_owned(), key, value, whence });
+    }
+    Ok(())
+}
+
 impl Bucket {
     /// The S3 client of `url`: the `AWS_*` environment, then `settings` (`object_store`'s S3 keys), with
     /// `limits`' timeouts and retries.
@@ -94,12 +145,11 @@ impl Bucket {
             retry_timeout: limits.retry_for,
         };
         builder = builder.with_retry(retry);
+        check_switches(url, settings, &builder)?;
         let given = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
         if let Some(endpoint) = &given {
             let allow = AmazonS3ConfigKey::Client(object_store::ClientConfigKey::AllowHttp);
-            // As object_store reads a switch.
-            let truthy = |v: String| ["1", "true", "on", "yes", "y"].contains(&v.trim().to_ascii_lowercase().as_str());
-            let allow_http = builder.get_config_value(&allow).is_some_and(truthy);
+            let allow_http = builder.get_config_value(&allow).and_then(|v| switch(&v)) == Some(true);
             check_endpoint(url, endpoint, allow_http)?;
         }
         let endpoint = given.unwrap_or_else(|| "the AWS endpoint of the bucket's region".to_owned());
@@ -333,6 +383,25 @@ mod tests {
         let limits = ObjectLimits::of(&crate::config::ServerLimits::default(), 1 << 40);
         let e = Bucket::connect("s3://b/p", &settings("127.0.0.1:9000"), &limits).err().unwrap();
         assert!(matches!(e, ObjectError::BadEndpoint { .. }), "{e}");
+        // A switch's value that is none: refused naming the key as given, the value and what is taken (it
+        // was refused as a plain-HTTP endpoint, or by object_store's "failed to parse" naming no key).
+        for (key, endpoint) in [("allow_http", "http://127.0.0.1:9000"), ("AWS_ALLOW_HTTP", "https://s3.example.com")] {
+            let mut bad = settings(endpoint);
+            bad.remove("allow_http");
+            bad.insert(key.into(), "maybe".into());
+            let e = Bucket::connect("s3://b/p", &bad, &limits).err().unwrap().to_string();
+            let said = format!("s3://b/p: {key} = \"maybe\" (in [dataset.s3]) is no switch: give true or false");
+            assert!(e.starts_with(&said) && e.contains("yes or no"), "{e}");
+        }
+        let mut bad = settings("https://s3.example.com");
+        bad.insert("virtual_hosted_style_request".into(), " true".into());
+        let e = Bucket::connect("s3://b/p", &bad, &limits).err().unwrap();
+        assert!(matches!(&e, ObjectError::BadSwitch { key, .. } if key == "virtual_hosted_style_request"), "{e}");
+        for value in ["TRUE", "1", "on", "Yes", "y"] {
+            let mut good = settings("http://127.0.0.1:9000");
+            good.insert("allow_http".into(), value.into());
+            Bucket::connect("s3://b/p", &good, &limits).unwrap();
+        }
         Bucket::connect("s3://b/p", &settings("http://127.0.0.1:9000"), &limits).unwrap();
     }
 
