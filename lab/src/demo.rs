@@ -5,8 +5,11 @@
 //!
 //! The server is a child process that never outlives the demo: killed when `run` returns, by the thread
 //! that takes SIGINT and SIGTERM (which also unmounts and removes the temporary directory), and, were the
-//! demo killed outright, by the kernel (`PR_SET_PDEATHSIG`). Its log is kept in the temporary directory
-//! and quoted should it exit before serving.
+//! demo killed outright, by the kernel (`PR_SET_PDEATHSIG`, set as the mount's supervisor sets it on its
+//! workers: a demo gone before the child set it is seen by `getppid`, and the child does not start).
+//! The signal thread kills the server through the one `Child` that reaps it, under one lock, so a signal
+//! after the server was reaped (the thread outlives `run`) is sent to no process: its pid may be another's
+//! by then. Its log is kept in the temporary directory and quoted should it exit before serving.
 
 use anyhow::{bail, Context, Result};
 use batchfs::demo::{SampleArgs, Table, Tally};
@@ -17,6 +20,7 @@ use clap::Args;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Args)]
@@ -34,25 +38,50 @@ pub struct DemoArgs {
     pub server: Option<PathBuf>,
 }
 
-/// The server child (killed and waited for on drop), and where its log goes.
+/// The server child (killed and waited for on drop), and where its log goes. The child is shared with the
+/// signal thread ([`stop_signals::clean_up_on`]): killed or reaped only under its lock.
 struct ServerProcess {
-    child: Child,
+    child: Arc<Mutex<Child>>,
     program: PathBuf,
     log: PathBuf,
 }
 
 impl Drop for ServerProcess {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let mut child = self.child.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = child.kill();
+        let _ = child.wait();
     }
+}
+
+/// Kills the server unless it was reaped (its pid may be another process's now): whether it was signalled.
+/// `std`'s `Child` knows it reaped the child, and the lock keeps it from being reaped meanwhile.
+fn kill_unless_reaped(child: &Mutex<Child>) -> bool {
+    let mut child = child.lock().unwrap_or_else(PoisonError::into_inner);
+    matches!(child.try_wait(), Ok(None)) && child.kill().is_ok()
+}
+
+/// Between fork and exec: the child gets `signal` when the thread that forked it ends (`PR_SET_PDEATHSIG`),
+/// and does not start where `parent` is gone already (its parent is then another process, which would
+/// never signal it: the check the mount's supervisor makes on its workers; `ESRCH`). Async-signal-safe.
+fn die_with_parent(parent: libc::pid_t, signal: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: prctl and getppid take and return plain integers.
+    unsafe {
+        if libc::prctl(libc::PR_SET_PDEATHSIG, signal) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // Only an errno reaches the parent from here: ESRCH, "no such process".
+        if libc::getppid() != parent {
+            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+        }
+    }
+    Ok(())
 }
 
 impl ServerProcess {
     /// Starts `program` serving `data` on `port`, logging to `log`; it gets SIGTERM when the thread that
     /// started it (this one) ends, so a demo killed outright leaves no server behind.
     fn start(program: &Path, port: u16, data: &Path, log: PathBuf) -> Result<ServerProcess> {
-        use std::os::unix::process::CommandExt;
         let stderr = std::fs::File::create(&log)?;
         let mut command = Command::new(program);
         command
@@ -66,30 +95,37 @@ impl ServerProcess {
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(stderr);
-        // SAFETY: the closure runs in the child between fork and exec and makes async-signal-safe calls only,
-        // on a set local to it. The child would inherit the mask that holds SIGINT and SIGTERM for the
-        // demo's signal thread (`stop_signals`): it is cleared, or the server could not be stopped.
+        Self::spawn(command, program, log)
+    }
+
+    /// Spawns `command` as the server child: its signal mask cleared, and gone with the demo
+    /// ([`die_with_parent`]).
+    fn spawn(mut command: Command, program: &Path, log: PathBuf) -> Result<ServerProcess> {
+        use std::os::unix::process::CommandExt;
+        let demo = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs in the child between fork and exec and makes async-signal-safe calls only
+        // (sigemptyset, sigprocmask, prctl, getppid), on a set local to it. The child would inherit the mask
+        // that holds SIGINT and SIGTERM for the demo's signal thread (`stop_signals`): it is cleared, or the
+        // server could not be stopped.
         unsafe {
-            command.pre_exec(|| {
+            command.pre_exec(move || {
                 let mut none: libc::sigset_t = std::mem::zeroed();
                 libc::sigemptyset(&mut none);
                 match libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut()) {
                     0 => {}
                     _ => return Err(std::io::Error::last_os_error()),
                 }
-                match libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) {
-                    0 => Ok(()),
-                    _ => Err(std::io::Error::last_os_error()),
-                }
+                die_with_parent(demo, libc::SIGTERM)
             });
         }
         let child = command.spawn().with_context(|| format!("cannot start {}", program.display()))?;
-        Ok(ServerProcess { child, program: program.to_owned(), log })
+        Ok(ServerProcess { child: Arc::new(Mutex::new(child)), program: program.to_owned(), log })
     }
 
     /// An error if the server has exited: its status and what it printed.
     fn check_running(&mut self) -> Result<()> {
-        let Some(status) = self.child.try_wait()? else { return Ok(()) };
+        let status = self.child.lock().unwrap_or_else(PoisonError::into_inner).try_wait()?;
+        let Some(status) = status else { return Ok(()) };
         let printed = std::fs::read_to_string(&self.log).unwrap_or_default();
         let printed = match printed.trim() {
             "" => "it printed nothing".to_owned(),
@@ -132,6 +168,8 @@ fn wait_for_plan(
 /// SIGINT and SIGTERM, taken by one thread (`sigwait`) rather than by whichever thread they land on.
 mod stop_signals {
     use std::path::PathBuf;
+    use std::process::Child;
+    use std::sync::{Arc, Mutex};
 
     /// Blocks SIGINT and SIGTERM in this thread and in the threads it starts from now on, for
     /// [`clean_up_on`] to take (the server child starts with them unblocked again).
@@ -149,9 +187,15 @@ mod stop_signals {
         }
     }
 
-    /// On a signal of `set`: kills `server`, unmounts `mountpoint` (lazily), removes `work`, and exits as
-    /// the signal would have (128 + its number).
-    pub fn clean_up_on(set: libc::sigset_t, server: u32, mountpoint: PathBuf, work: PathBuf) -> std::io::Result<()> {
+    /// On a signal of `set`: kills `server` unless it was reaped ([`super::kill_unless_reaped`]: the thread
+    /// outlives it), unmounts `mountpoint` (lazily), removes `work`, and exits as the signal would have
+    /// (128 + its number).
+    pub fn clean_up_on(
+        set: libc::sigset_t,
+        server: Arc<Mutex<Child>>,
+        mountpoint: PathBuf,
+        work: PathBuf,
+    ) -> std::io::Result<()> {
         std::thread::Builder::new().name("demo-signals".into()).spawn(move || {
             let mut signal = 0;
             // SAFETY: sigwait reads the set and writes one int through a pointer to a live local.
@@ -159,8 +203,7 @@ mod stop_signals {
                 return;
             }
             eprintln!("signal {signal}: stopping the server, unmounting and removing {}", work.display());
-            // SAFETY: kill takes plain integers; the pid is our child's, not yet waited for.
-            unsafe { libc::kill(server as libc::pid_t, libc::SIGKILL) };
+            super::kill_unless_reaped(&server);
             let _ = batchfs_mount::sys::unmount(&mountpoint, true);
             let _ = std::fs::remove_dir_all(&work);
             std::process::exit(128 + signal);
@@ -215,7 +258,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let url = format!("http://127.0.0.1:{port}/sample");
     let mountpoint = work.path().join("mnt");
     std::fs::create_dir(&mountpoint)?;
-    stop_signals::clean_up_on(signals, server.child.id(), mountpoint.clone(), work.path().to_owned())?;
+    stop_signals::clean_up_on(signals, server.child.clone(), mountpoint.clone(), work.path().to_owned())?;
     let mut mount_options = MountOptions { prefetch: args.prefetch, ..MountOptions::default() };
     mount_options.plan.batch_size = args.sample.batch_size;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -310,6 +353,45 @@ pub fn run(args: DemoArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// `sleep 30` as the demo starts its server.
+    fn sleeper(dir: &Path) -> ServerProcess {
+        let mut command = Command::new("sleep");
+        command.arg("30");
+        ServerProcess::spawn(command, Path::new("sleep"), dir.join("log")).unwrap()
+    }
+
+    /// The signal thread lives on after the server is reaped (as `run` returns): a signal then kills
+    /// nothing (it sent SIGKILL to the server's pid, another process's once reused). Before, it kills it.
+    #[test]
+    fn a_signal_after_the_server_was_reaped_kills_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = sleeper(dir.path());
+        let (shared, pid) = (server.child.clone(), server.child.lock().unwrap().id());
+        drop(server);
+        assert!(!kill_unless_reaped(&shared), "pid {pid}, reaped, was signalled");
+        let server = sleeper(dir.path());
+        assert!(kill_unless_reaped(&server.child));
+        let status = server.child.lock().unwrap().wait().unwrap();
+        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(libc::SIGKILL));
+    }
+
+    /// A child whose parent is gone by the time it sets `PR_SET_PDEATHSIG` (its parent is then another
+    /// process) does not start: the signal would never come, and it would outlive the demo. Here the
+    /// parent it expects is one it does not have, as after such a death.
+    #[test]
+    fn a_server_whose_demo_is_gone_before_it_starts_does_not_start() {
+        use std::os::unix::process::CommandExt;
+        let mut orphan = Command::new("true");
+        // SAFETY: die_with_parent makes async-signal-safe calls only.
+        unsafe { orphan.pre_exec(|| die_with_parent(libc::pid_t::MAX, libc::SIGTERM)) };
+        let e = orphan.spawn().err();
+        assert_eq!(e.as_ref().and_then(std::io::Error::raw_os_error), Some(libc::ESRCH), "{e:?}");
+        let dir = tempfile::tempdir().unwrap();
+        drop(sleeper(dir.path()));
+    }
+
     /// `--readers 0` is refused (it ran with one reader).
     #[test]
     fn zero_readers_are_refused() {
