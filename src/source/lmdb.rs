@@ -1,6 +1,7 @@
 //! An LMDB environment's indexing (`data.mdb`): its main database's values located in the file by
 //! LMDB's own mapping and checked byte for byte, a file cut short refused, named databases left out
-//! (refused where they hold every sample).
+//! (refused where they hold every sample). A sample's key is its LMDB key byte for byte: a key that is
+//! not UTF-8 is refused (keys are text; read lossily, two keys became one).
 
 use super::{io_err, Files, IndexError, Progress};
 use crate::index::{Exts, Index, Part, Parts, Sample, NO_LABEL};
@@ -109,7 +110,7 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
             // its flag; its 48 bytes are no sample.
             let key_offset = (key.as_ptr() as usize).wrapping_sub(base) as u64;
             if node_flags(ours.bytes(), key_offset, key).is_some_and(|f| f & F_SUBDATA != 0) {
-                named.push(String::from_utf8_lossy(key).into_owned());
+                named.push(shown(key));
                 continue;
             }
             let offset = (value.as_ptr() as usize).wrapping_sub(base) as u64;
@@ -135,9 +136,14 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
                     message: format!("value of key {} is not stored contiguously in data.mdb", shown(key)),
                 });
             }
+            // Keys are text in the index, in tar member names and in the TFRecord `key` feature: read
+            // lossily, b"\xfe" and b"\xff" were both "\u{FFFD}", and a reader got a key LMDB never held.
+            let Ok(key) = std::str::from_utf8(key) else {
+                return Err(IndexError::LmdbKeyNotUtf8 { path: root.join("data.mdb"), key: shown(key) });
+            };
             let label = proto::datum_label(value).ok().flatten();
             index.samples.push(Sample {
-                key: String::from_utf8_lossy(key).into(),
+                key: key.into(),
                 label: label.unwrap_or(NO_LABEL),
                 parts: Parts::from(Part {
                     ext: exts.get(if label.is_some() { "datum" } else { "bin" }),
@@ -152,7 +158,7 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
         }
         if !named.is_empty() {
             const LISTED: usize = 8;
-            let mut names = named.iter().take(LISTED).map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ");
+            let mut names = named.iter().take(LISTED).map(String::as_str).collect::<Vec<_>>().join(", ");
             if named.len() > LISTED {
                 names.push_str(&format!(" and {} more", named.len() - LISTED));
             }
@@ -176,12 +182,15 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
     result
 }
 
-/// A key for a message: its first 64 bytes (a damaged page's key can be any length: one was 133 KB).
+/// A key for a message, quoted: its first 64 bytes (a damaged page's key can be any length: one was 133 KB),
+/// bytes that are not UTF-8 escaped as a file name's are (`"\xFE"`), never replaced.
 fn shown(key: &[u8]) -> String {
+    use std::os::unix::ffi::OsStrExt;
     const SHOWN: usize = 64;
+    let quoted = |bytes: &[u8]| format!("{:?}", std::ffi::OsStr::from_bytes(bytes));
     match key.len() > SHOWN {
-        true => format!("{:?}... ({} bytes)", String::from_utf8_lossy(&key[..SHOWN]), key.len()),
-        false => format!("{:?}", String::from_utf8_lossy(key)),
+        true => format!("{}... ({} bytes)", quoted(&key[..SHOWN]), key.len()),
+        false => quoted(key),
     }
 }
 
@@ -224,4 +233,65 @@ fn mapping_base(addr: usize, file: &Path) -> Option<usize> {
         let path = rest.trim_start();
         ((start..end).contains(&addr) && Path::new(path) == file).then(|| start - offset)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{build, IndexError, IndexOptions, NoProgress};
+    use crate::mmap::LmdbEnv;
+    use proptest::collection::{btree_set, vec};
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    /// An LMDB environment in a new directory whose main database holds `keys`, each with a value of its own.
+    fn environment<'a>(keys: impl IntoIterator<Item = &'a [u8]>) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let env = LmdbEnv::create(dir.path(), 1 << 20, 0).unwrap();
+        let mut wtxn = env.env().write_txn().unwrap();
+        let db = env.env().create_database::<heed::types::Bytes, heed::types::Bytes>(&mut wtxn, None).unwrap();
+        for (i, key) in keys.into_iter().enumerate() {
+            db.put(&mut wtxn, key, format!("value {i}").as_bytes()).unwrap();
+        }
+        wtxn.commit().unwrap();
+        env.close();
+        dir
+    }
+
+    /// Keys b"\xfe" and b"\xff" were both served as "\u{FFFD}" (members `�_4.bin`, `�_5.bin`): now the
+    /// environment is refused, naming the file and the key's bytes, escaped as a file name's are.
+    #[test]
+    fn a_key_that_is_not_utf8_is_refused_naming_the_file_and_its_bytes() {
+        let dir = environment([&b"\xfe"[..], b"\xff"]);
+        let err = build(dir.path(), &IndexOptions::default(), &NoProgress).unwrap_err();
+        assert!(matches!(err, IndexError::LmdbKeyNotUtf8 { .. }), "{err}");
+        let message = err.to_string();
+        let file = dir.path().join("data.mdb").display().to_string();
+        assert!(message.contains(&format!("{file} holds the key \"\\xFE\", which is not UTF-8")), "{message}");
+        assert!(message.contains("str(i).encode()"), "{message}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Two LMDB keys never become one sample key: an environment is served with every key byte for byte
+        /// (in LMDB's order), or refused because one is not UTF-8.
+        #[test]
+        fn two_keys_never_become_one(
+            keys in btree_set(vec(prop_oneof![b'a'..=b'c', 0x80u8..=0xff, any::<u8>()], 1..4), 1..8),
+        ) {
+            let dir = environment(keys.iter().map(Vec::as_slice));
+            let all_text = keys.iter().all(|k| std::str::from_utf8(k).is_ok());
+            match build(dir.path(), &IndexOptions::default(), &NoProgress) {
+                Ok(index) => {
+                    prop_assert!(all_text);
+                    let served: Vec<&[u8]> = index.samples.iter().map(|s| s.key.as_bytes()).collect();
+                    prop_assert_eq!(served, keys.iter().map(Vec::as_slice).collect::<Vec<_>>());
+                    let distinct: BTreeSet<&str> = index.samples.iter().map(|s| &*s.key).collect();
+                    prop_assert_eq!(distinct.len(), keys.len());
+                }
+                Err(IndexError::LmdbKeyNotUtf8 { .. }) => prop_assert!(!all_text),
+                Err(e) => prop_assert!(false, "{}", e),
+            }
+        }
+    }
 }
