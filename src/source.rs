@@ -210,9 +210,11 @@ pub fn detect_listed<'a>(paths: impl Iterator<Item = &'a str> + Clone) -> Source
     }
 }
 
-/// LMDB's lock file: the state of the processes using the environment where it lies, meaningless
-/// elsewhere and rewritten by every reader there, so it is neither served nor a reason to re-index.
-pub const LMDB_LOCK: &str = "lock.mdb";
+/// LMDB's lock files: the state of the processes using the environment where they lie, meaningless
+/// elsewhere and rewritten by every reader there, so neither served nor a reason to re-index. `lock.mdb`
+/// beside `data.mdb` in an environment's directory; `data.mdb-lock` beside one written as a single file
+/// (`lmdb.open("DIR/data.mdb", subdir=False)`, `MDB_NOSUBDIR`: the lock is the data file's name and `-lock`).
+pub const LMDB_LOCKS: [&str; 2] = ["lock.mdb", "data.mdb-lock"];
 
 /// The shards of a dataset of `format` at `root` and the other regular files beside them (side files),
 /// each sorted by path, as [`classify`] splits them (`given`: the format was given, not detected).
@@ -248,7 +250,7 @@ fn walk_dir(root: &Path, out_too: bool) -> Result<Vec<ShardInfo>, IndexError> {
 }
 
 /// Splits a dataset's files (sorted by path, hidden ones left out) into the shards of `format` and the
-/// side files, leaving out LMDB's lock file; an LMDB dataset without `data.mdb` is an error. TFRecord
+/// side files, leaving out LMDB's lock files ([`LMDB_LOCKS`]); an LMDB dataset without `data.mdb` is an error. TFRecord
 /// shards are the files named `*.tfrecord`, `*.tfrecords`, `*.tfr` or as TensorFlow names shards
 /// (`train-00000-of-01024`, where no file has such an extension); where the format was `given` and no
 /// file is named so, every file but `.idx`
@@ -277,7 +279,7 @@ pub fn classify(
     let shard: Vec<bool> = files.iter().map(|f| is_shard(&f.path)).collect();
     let (mut shards, mut side) = (Vec::new(), Vec::new());
     for (file, is_shard) in files.into_iter().zip(shard) {
-        if format == SourceFormat::Lmdb && file.path == LMDB_LOCK {
+        if format == SourceFormat::Lmdb && LMDB_LOCKS.contains(&file.path.as_str()) {
             continue;
         }
         if is_shard { &mut shards } else { &mut side }.push(file);
@@ -1041,11 +1043,28 @@ mod tests {
         assert_eq!((origin, again.side[0].size), (IndexOrigin::Built, 8));
         // LMDB's lock file is the local readers' state: never a side file.
         let lmdb = generated(SourceFormat::Lmdb, 5);
-        std::fs::write(lmdb.path().join(LMDB_LOCK), b"lock").unwrap();
+        std::fs::write(lmdb.path().join("lock.mdb"), b"lock").unwrap();
         std::fs::write(lmdb.path().join("notes.txt"), b"n").unwrap();
         let (shards, side) = discover(lmdb.path(), SourceFormat::Lmdb, false).unwrap();
         assert_eq!(shards.iter().map(|s| s.path.as_str()).collect::<Vec<_>>(), ["data.mdb"]);
         assert_eq!(side.iter().map(|s| s.path.as_str()).collect::<Vec<_>>(), ["notes.txt"]);
+    }
+
+    /// An environment written as one file at `DIR/data.mdb` (`subdir=False`) has its lock beside it as
+    /// `data.mdb-lock`: hidden as `lock.mdb` is (it was a side file, listed and served under `raw/`), and
+    /// its change (every reader there rewrites it) rebuilds nothing; a file named otherwise stays a side file.
+    #[test]
+    fn the_lock_file_of_an_environment_written_as_one_file_is_hidden() {
+        let dir = generated(SourceFormat::Lmdb, 5);
+        std::fs::remove_file(dir.path().join("lock.mdb")).unwrap();
+        std::fs::write(dir.path().join("data.mdb-lock"), b"readers").unwrap();
+        std::fs::write(dir.path().join("other.mdb-lock"), b"n").unwrap();
+        let (index, _) = load_or_build(dir.path(), "d", None, &strict(), &NoProgress).unwrap();
+        assert_eq!(index.shards.iter().map(|s| s.path.as_str()).collect::<Vec<_>>(), ["data.mdb"]);
+        assert_eq!(index.side.iter().map(|s| s.path.as_str()).collect::<Vec<_>>(), ["other.mdb-lock"]);
+        std::fs::write(dir.path().join("data.mdb-lock"), b"readers, one more").unwrap();
+        let (_, origin) = load_or_build(dir.path(), "d", None, &strict(), &NoProgress).unwrap();
+        assert_eq!(origin, IndexOrigin::Loaded);
     }
 
     #[test]

@@ -93,12 +93,15 @@ fn raw_mirrors_lmdb_and_tar_datasets_and_hides_the_index_and_the_lock_file() {
     let rt = common::runtime();
     let lmdb = fixture(SourceFormat::Lmdb, 50, 2000);
     std::fs::write(lmdb.path.join("lock.mdb"), b"readers' state").unwrap();
+    // An environment written as one file (subdir=False) at data.mdb locks with data.mdb-lock.
+    std::fs::write(lmdb.path.join("data.mdb-lock"), b"readers' state").unwrap();
     let tars = fixture(SourceFormat::Tar, 12, 3000);
     let server = rt.block_on(serve(&[("l", &lmdb.path), ("w", &tars.path)], ServeWith::default()));
     for (name, fx) in [("l", &lmdb), ("w", &tars)] {
         let (_dir, mounted) = common::mount(&server, name, "batch_size=4");
         let mut want = tree(&fx.path);
         want.remove("lock.mdb");
+        want.remove("data.mdb-lock");
         let got = tree(&mounted.mountpoint.join("raw"));
         assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{name}");
         assert!(got == want, "{name}: the bytes differ");
