@@ -216,7 +216,22 @@ fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
             path.display()
         );
     }
+    if let Some(first) = first_entry(&path) {
+        // fuse3 mounts over a directory that holds files (libfuse 2 asked for `nonempty`): they are hidden,
+        // not lost, until the unmount. Said, not refused: a mountpoint of kept files is a choice one can make.
+        tracing::warn!(
+            mountpoint = %path.display(),
+            first = ?first,
+            "the mountpoint is not empty: its files are hidden while batchfs is mounted over them, and come back \
+             at the unmount"
+        );
+    }
     Ok(path)
+}
+
+/// The name of an entry of directory `dir`, if it holds any (none where it cannot be listed).
+fn first_entry(dir: &Path) -> Option<std::ffi::OsString> {
+    std::fs::read_dir(dir).ok()?.flatten().next().map(|e| e.file_name())
 }
 
 /// The epochs, from `first_epoch`, whose largest batch `mount` checks the cache can hold twice (a later
@@ -382,6 +397,29 @@ mod tests {
             Ok(_) => panic!("{list} was planned"),
             Err(e) => format!("{e:#}"),
         }
+    }
+
+    /// What [`prepare_mountpoint`] logs for `dir` (it takes it).
+    fn prepared_logging(dir: &Path) -> String {
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let file = log.reopen().unwrap();
+        let subscriber =
+            tracing_subscriber::fmt().with_ansi(false).with_writer(move || file.try_clone().unwrap()).finish();
+        let prepared = tracing::subscriber::with_default(subscriber, || prepare_mountpoint(dir).unwrap());
+        assert_eq!(prepared, std::fs::canonicalize(dir).unwrap());
+        std::fs::read_to_string(log.path()).unwrap()
+    }
+
+    /// A mountpoint holding files is mounted over (fuse3's way), not refused, and the mount says that it
+    /// hides them (it did without a word).
+    #[test]
+    fn a_mountpoint_that_holds_files_is_taken_with_a_warning() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(prepared_logging(dir.path()), "");
+        std::fs::write(dir.path().join("kept.txt"), b"mine").unwrap();
+        let log = prepared_logging(dir.path());
+        assert!(log.contains("WARN") && log.contains("the mountpoint is not empty"), "{log}");
+        assert!(log.contains("first=\"kept.txt\""), "{log}");
     }
 
     #[test]
