@@ -18,6 +18,10 @@
 //! `512M`, bytes; see [`crate::units::parse_size`]): with `shuffle=blocks`, the bytes of objects in use at
 //! a time, 0 or absent for the server's default. [`BatchQuery::to_query`] writes it only when it is not 0,
 //! so the query strings of the other modes are those of servers before it. Errors are [`ErrorBody`] JSON.
+//!
+//! Every reply that describes the dataset's layout says the content id of the index it was made of, as
+//! [`DatasetInfo::index_id`] does: [`Manifest`], [`FileList`] and [`SlotTable`] in their `index_id`, the
+//! binary [`SampleTable`] in the [`INDEX_ID_HEADER`] header.
 
 use crate::encode::BatchFormat;
 use crate::index::SourceFormat;
@@ -34,6 +38,9 @@ pub const SAMPLES_HEADER: &str = "x-batchfs-samples";
 /// `END:CRC` pairs, comma-separated, both lowercase hex (`CRC` 8 digits), ends increasing, the last the
 /// body's length and CRC32C. See [`format_checkpoints`] and [`parse_checkpoints`].
 pub const CHECKPOINTS_HEADER: &str = "x-batchfs-checkpoints";
+/// Header carrying the content id of the index a binary reply was made of (the sample table's; the JSON
+/// replies carry theirs as a field, `index_id`), as [`DatasetInfo::index_id`] says it.
+pub const INDEX_ID_HEADER: &str = "x-batchfs-index-id";
 
 /// A request that cannot be served as asked (maps to 400/404/416).
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -232,6 +239,9 @@ pub struct SampleTable {
     pub labels: Vec<u32>,
     pub crc32c: Vec<u32>,
     pub bytes: Vec<u64>,
+    /// The content id of the index the table was made of (as [`DatasetInfo::index_id`]; empty: not said).
+    /// No part of the encoding, which stays 16 bytes a sample: the server sends it in [`INDEX_ID_HEADER`].
+    pub index_id: String,
 }
 
 impl SampleTable {
@@ -260,14 +270,19 @@ impl SampleTable {
         out
     }
 
-    /// Decodes [`SampleTable::encode`]'s bytes; `None` unless they are whole records.
+    /// Decodes [`SampleTable::encode`]'s bytes (no index id: the reply's header has it); `None` unless they
+    /// are whole records.
     pub fn decode(data: &[u8]) -> Option<SampleTable> {
         if !data.len().is_multiple_of(Self::RECORD) {
             return None;
         }
         let n = data.len() / Self::RECORD;
-        let mut t =
-            SampleTable { labels: Vec::with_capacity(n), crc32c: Vec::with_capacity(n), bytes: Vec::with_capacity(n) };
+        let mut t = SampleTable {
+            labels: Vec::with_capacity(n),
+            crc32c: Vec::with_capacity(n),
+            bytes: Vec::with_capacity(n),
+            index_id: String::new(),
+        };
         for r in data.chunks_exact(Self::RECORD) {
             t.labels.push(u32::from_le_bytes(r[0..4].try_into().ok()?));
             t.crc32c.push(u32::from_le_bytes(r[4..8].try_into().ok()?));
@@ -518,6 +533,10 @@ pub struct FileList {
     /// it was `null`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next: Option<u64>,
+    /// The content id of the index the page was listed from (as [`DatasetInfo::index_id`]; empty from
+    /// servers before it said).
+    #[serde(default)]
+    pub index_id: String,
 }
 
 /// The query of a file-list page.
@@ -685,12 +704,33 @@ mod tests {
     /// The last page of a listing has no `next` (the API says absent; it was `null`), and reads back.
     #[test]
     fn the_last_page_of_a_listing_has_no_next() {
-        let page = FileList { chunk_bytes: 4096, dir: String::new(), dirs: vec![], files: vec![], next: None };
+        let page = FileList {
+            chunk_bytes: 4096,
+            dir: String::new(),
+            dirs: vec![],
+            files: vec![],
+            next: None,
+            index_id: "5f1c0a9e33d2b871".into(),
+        };
         let json = serde_json::to_string(&page).unwrap();
         assert!(!json.contains("next"), "{json}");
         assert_eq!(serde_json::from_str::<FileList>(&json).unwrap(), page);
         let more = FileList { next: Some(7), ..page };
-        assert!(serde_json::to_string(&more).unwrap().ends_with(r#""next":7}"#));
+        assert!(serde_json::to_string(&more).unwrap().contains(r#""next":7,"#));
+    }
+
+    /// A page, a slot table and a description of a server before index ids read with none (empty: not
+    /// checked), and a sample table's id is no part of its bytes.
+    #[test]
+    fn replies_of_servers_before_index_ids_read_with_none() {
+        let page: FileList = serde_json::from_str(r#"{"chunk_bytes":4096,"dir":"","dirs":[],"files":[]}"#).unwrap();
+        assert_eq!(page.index_id, "");
+        let slots = r#"{"options":{"batch_size":2,"seed":0,"shuffle":"global","drop_last":false},"first_epoch":0,"#;
+        let table: SlotTable = serde_json::from_str(&format!(r#"{slots}"epochs":1,"batches":[[3,2]]}}"#)).unwrap();
+        assert_eq!((table.index_id.as_str(), table.batches.as_slice()), ("", &[vec![3, 2]][..]));
+        let samples = SampleTable { labels: vec![1], crc32c: vec![2], bytes: vec![3], index_id: "ab".into() };
+        assert_eq!(samples.encode().len(), SampleTable::RECORD, "16 bytes a sample, the id in a header");
+        assert_eq!(SampleTable::decode(&samples.encode()), Some(SampleTable { index_id: String::new(), ..samples }));
     }
 
     proptest! {
@@ -708,6 +748,7 @@ mod tests {
                 labels: records.iter().map(|r| r.0).collect(),
                 crc32c: records.iter().map(|r| r.1).collect(),
                 bytes: records.iter().map(|r| r.2).collect(),
+                index_id: String::new(),
             };
             let data = t.encode();
             prop_assert_eq!(data.len(), records.len() * SampleTable::RECORD);

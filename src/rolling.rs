@@ -41,6 +41,10 @@ pub struct SlotTable {
     pub epochs: u64,
     /// Per batch, the room of each rank in bytes, non-increasing.
     pub batches: Vec<Vec<u64>>,
+    /// The content id of the index the table was computed from (as `DatasetInfo::index_id`; empty: not
+    /// said, as by servers before it said; the server sets it, [`slot_table`] leaves it empty).
+    #[serde(default)]
+    pub index_id: String,
 }
 
 /// Why a slot table cannot be made or used.
@@ -126,7 +130,7 @@ pub fn slot_table_of(
             }
         }
     }
-    Ok(SlotTable { options, first_epoch, epochs, batches })
+    Ok(SlotTable { options, first_epoch, epochs, batches, index_id: String::new() })
 }
 
 /// `π_B`: the rank at each position of batch `batch`'s file of `n` records (see the module note).

@@ -441,15 +441,21 @@ impl Dataset {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             let objects = (query.plan.shuffle == Shuffle::Blocks).then(|| self.objects());
             let objects = objects.as_ref().map(|(of_sample, bytes)| Objects { of_sample, bytes });
-            batchfs::rolling::slot_table_of(
+            let table = batchfs::rolling::slot_table_of(
                 frames,
                 objects.as_ref(),
                 query.plan,
                 query.first_epoch,
                 query.epochs,
                 threads,
-            )
+            );
+            table.map(|t| SlotTable { index_id: self.index_id.clone(), ..t })
         })
+    }
+
+    /// The index's content id, as the API says it (16 hex digits; [`batchfs::index::Index::content_id`]).
+    pub fn index_id(&self) -> &str {
+        &self.index_id
     }
 
     /// Every sample's label, data size and CRC32C, encoded ([`batchfs::api::SampleTable`]; made once).
@@ -461,6 +467,8 @@ impl Dataset {
                     labels: Vec::with_capacity(samples.len()),
                     crc32c: Vec::with_capacity(samples.len()),
                     bytes: Vec::with_capacity(samples.len()),
+                    // Sent in a header ([`Dataset::index_id`]), not in the table's bytes.
+                    index_id: String::new(),
                 };
                 for sample in samples {
                     let label = u32::try_from(sample.label).unwrap_or(batchfs::api::SampleTable::NO_LABEL);
@@ -586,7 +594,8 @@ impl Dataset {
             }
         }
         let next = (at < end).then_some(at as u64);
-        Some(FileList { chunk_bytes: batchfs::index::CHUNK_BYTES, dir: q.dir.clone(), dirs, files, next })
+        let index_id = self.index_id.clone();
+        Some(FileList { chunk_bytes: batchfs::index::CHUNK_BYTES, dir: q.dir.clone(), dirs, files, next, index_id })
     }
 
     /// Resolves a `files/{path}` request, refusing anything that is not one of the served files (so no

@@ -406,13 +406,16 @@ async fn rolling(state: &AppState, name: &str, query: &str) -> Result<Response<B
     Ok(compact_json_response(StatusCode::OK, &*table))
 }
 
-/// The sample table, with its CRC32C.
+/// The sample table, with its CRC32C and the id of the index it was made of (a header: the table stays
+/// 16 bytes a sample, and a client before it reads it as it did).
 async fn samples(state: &AppState, name: &str) -> Result<Response<Body>, Failure> {
     let ds = dataset(state, name)?;
+    let index_id = ds.index_id().to_owned();
     let table = blocking(move || ds.sample_table()).await?;
     Ok(Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(api::CRC32C_HEADER, format!("{:08x}", batchfs::crc::crc32c(&table)))
+        .header(api::INDEX_ID_HEADER, index_id)
         .body(Body::full(table))
         .expect("valid"))
 }

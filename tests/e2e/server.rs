@@ -852,6 +852,33 @@ async fn slot_batches_hold_the_samples_in_fixed_frames() {
 
 /// The sample table lists every sample's label, size and CRC32C in index order; a data request sends the
 /// samples it names, one after another, with their CRC32C; bad ids are refused.
+/// Every reply that describes the dataset's layout says the index it was made of, as the description
+/// does: a manifest, each page of a listing and a slot table in their JSON, the binary sample table in a
+/// header (its bytes stay 16 a sample).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_reply_that_describes_the_layout_says_its_index_id() {
+    let fx = fixture(SourceFormat::Files, 40, 3000);
+    let server = serve(&[("d", &fx.path)], ServeWith::default()).await;
+    let client = h2c();
+    let url = |path: String| format!("{}{path}", server.base);
+    let info: DatasetInfo = get(&client, &url(api::dataset_path("d"))).await.json().await.unwrap();
+    assert_eq!(info.index_id.len(), 16, "{info:?}");
+    let m: Manifest = get(&client, &url(api::manifest_path("d", 0))).await.json().await.unwrap();
+    let page = format!("{}?{}", api::files_path("d"), api::FilesQuery { limit: 2, ..Default::default() }.to_query());
+    let page: api::FileList = get(&client, &url(page)).await.json().await.unwrap();
+    assert!(page.next.is_some(), "one page of several");
+    let slots = format!("{}?epochs=2", api::rolling_path("d"));
+    let slots: api::SlotTable = get(&client, &url(slots)).await.json().await.unwrap();
+    let r = get(&client, &url(api::samples_path("d"))).await;
+    let header = r.headers()[api::INDEX_ID_HEADER].to_str().unwrap().to_owned();
+    assert_eq!(r.bytes().await.unwrap().len(), 40 * api::SampleTable::RECORD);
+    for (reply, id) in [("manifest", &m.index_id), ("listing", &page.index_id), ("slots", &slots.index_id)] {
+        assert_eq!(id, &info.index_id, "{reply}");
+    }
+    assert_eq!(header, info.index_id, "the sample table's header");
+    server.running.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sample_table_and_sample_data_are_the_samples() {
     for format in [SourceFormat::Files, SourceFormat::Tfrecord] {

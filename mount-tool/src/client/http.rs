@@ -6,7 +6,7 @@
 
 use super::connect::{Connector, Stream};
 use super::health::{Health, InFlight};
-use super::wire::{Ask, Got, KeepAlive, Reply, Target, Wire, INBOX};
+use super::wire::{Ask, Got, KeepAlive, Reply, Target, Whole, Wire, INBOX};
 use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sent, Sink};
 use batchfs::api::{
     self, BatchQuery, DatasetInfo, ErrorBody, FileList, Manifest, RollingQuery, SampleTable, SlotTable,
@@ -170,7 +170,7 @@ impl HttpClient {
     /// A JSON reply; one that does not parse counts against its server, as a failed transfer does. Its
     /// bytes are not counted: a manifest's time is mostly the server's planning, not a delivery rate.
     async fn json<T: serde::de::DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
-        let (flight, server, data) = self.small_body(path_and_query).await?;
+        let (flight, server, data, _) = self.small_body(path_and_query).await?;
         match serde_json::from_slice(&data) {
             Ok(v) => {
                 flight.succeeded(0);
@@ -183,18 +183,23 @@ impl HttpClient {
         }
     }
 
-    async fn bytes(&self, path_and_query: &str) -> Result<Bytes, ClientError> {
-        let (flight, _, data) = self.small_body(path_and_query).await?;
+    /// A binary reply, with the server that sent it and the index id its head gave (empty: none).
+    async fn bytes(&self, path_and_query: &str) -> Result<(Bytes, String, String), ClientError> {
+        let (flight, server, data, index_id) = self.small_body(path_and_query).await?;
         flight.succeeded(data.len() as u64);
-        Ok(data)
+        Ok((data, server, index_id.unwrap_or_default()))
     }
 
     /// A whole small reply (JSON, the sample table), abandoned after `stall_timeout` without a byte, with
-    /// its flight for the caller to close and the server that sent it.
-    async fn small_body(&self, path_and_query: &str) -> Result<(InFlight<'_>, String, Bytes), ClientError> {
-        let (flight, server, got) = self.send(0, path_and_query, None, Target::Whole(Vec::new()), REPLY_BYTES).await?;
-        let Got::Whole(bytes) = got else { unreachable!("a reply asked for whole comes whole") };
-        Ok((flight, server, Bytes::from(bytes)))
+    /// its flight for the caller to close, the server that sent it and the index id its head gave.
+    async fn small_body(
+        &self,
+        path_and_query: &str,
+    ) -> Result<(InFlight<'_>, String, Bytes, Option<String>), ClientError> {
+        let (flight, server, got) =
+            self.send(0, path_and_query, None, Target::Whole(Whole::default()), REPLY_BYTES).await?;
+        let Got::Whole(whole) = got else { unreachable!("a reply asked for whole comes whole") };
+        Ok((flight, server, Bytes::from(whole.bytes), whole.index_id))
     }
 
     fn query(&self, format: BatchFormat) -> String {
@@ -251,11 +256,12 @@ impl BatchClient for HttpClient {
     fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>> {
         let path = api::samples_path(&self.config.dataset);
         Box::pin(async move {
-            let data = self.bytes(&path).await?;
-            SampleTable::decode(&data).ok_or_else(|| ClientError::Malformed {
-                server: self.config.servers[0].clone(),
+            let (data, server, index_id) = self.bytes(&path).await?;
+            let table = SampleTable::decode(&data).ok_or_else(|| ClientError::Malformed {
+                server,
                 message: format!("{path}: {} bytes are not whole sample records", data.len()),
-            })
+            })?;
+            Ok(SampleTable { index_id, ..table })
         })
     }
 

@@ -49,6 +49,9 @@ pub struct MemoryClient {
     pub held_after: Mutex<std::collections::HashMap<u64, usize>>,
     /// Checkpoints sent with batch bodies: one every this many bytes (and the end); 0: none.
     pub checkpoint_every: std::sync::atomic::AtomicUsize,
+    /// The index id every description, manifest, listing and table says (empty: none, as a server before
+    /// index ids); a test sets another to index the dataset again under a mount.
+    pub index_id: Mutex<String>,
 }
 
 impl MemoryClient {
@@ -82,7 +85,13 @@ impl MemoryClient {
             held: Mutex::new(Default::default()),
             held_after: Mutex::new(Default::default()),
             checkpoint_every: Default::default(),
+            index_id: Mutex::default(),
         }
+    }
+
+    /// The index id it says now.
+    fn index_id(&self) -> String {
+        self.index_id.lock().expect("index id").clone()
     }
 
     /// Queues wrong bodies for the next fetches, in order.
@@ -96,7 +105,7 @@ impl BatchClient for MemoryClient {
         Box::pin(async move {
             let (sorted, classes) = self.samples();
             let samples = sorted.len() as u64;
-            Ok(DatasetInfo { classes, samples, ..self.info.clone() })
+            Ok(DatasetInfo { classes, samples, index_id: self.index_id(), ..self.info.clone() })
         })
     }
 
@@ -120,7 +129,7 @@ impl BatchClient for MemoryClient {
                 t.crc32c.push(batchfs::crc::crc32c(body));
                 t.bytes.push(body.len() as u64);
             }
-            Ok(t)
+            Ok(SampleTable { index_id: self.index_id(), ..t })
         })
     }
 
@@ -145,7 +154,7 @@ impl BatchClient for MemoryClient {
                 samples: batches.len() as u64,
                 bytes: batches.iter().map(|b| b.bytes).sum(),
                 batches,
-                index_id: self.info.index_id.clone(),
+                index_id: self.index_id(),
             })
         })
     }
@@ -188,7 +197,7 @@ impl BatchClient for MemoryClient {
                 }
             }
             let next = (at < sorted.len()).then_some(at as u64);
-            Ok(FileList { chunk_bytes: self.chunk_bytes, dir, dirs, files, next })
+            Ok(FileList { chunk_bytes: self.chunk_bytes, dir, dirs, files, next, index_id: self.index_id() })
         })
     }
 
@@ -212,7 +221,7 @@ impl BatchClient for MemoryClient {
                     }
                 }
             }
-            Ok(SlotTable { options: Default::default(), first_epoch, epochs, batches })
+            Ok(SlotTable { options: Default::default(), first_epoch, epochs, batches, index_id: self.index_id() })
         })
     }
 }

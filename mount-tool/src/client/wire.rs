@@ -64,7 +64,15 @@ pub enum Target {
     /// A body's sink, of the manifest's size ([`Ask::expect`]).
     Sink(Sink),
     /// A small reply (JSON, the sample table), gathered whole, of at most [`Ask::expect`] bytes.
-    Whole(Vec<u8>),
+    Whole(Whole),
+}
+
+/// A small reply as it arrives: its bytes, and the index id its head gave
+/// ([`batchfs::api::INDEX_ID_HEADER`]), if any.
+#[derive(Debug, Default)]
+pub struct Whole {
+    pub bytes: Vec<u8>,
+    pub index_id: Option<String>,
 }
 
 impl Target {
@@ -72,7 +80,7 @@ impl Target {
     fn len(&self) -> u64 {
         match self {
             Target::Sink(sink) => sink.len(),
-            Target::Whole(bytes) => bytes.len() as u64,
+            Target::Whole(whole) => whole.bytes.len() as u64,
         }
     }
 
@@ -90,7 +98,7 @@ impl Target {
 pub enum Got {
     /// A body in its sink, with its CRC32C.
     Body(Body),
-    Whole(Vec<u8>),
+    Whole(Whole),
 }
 
 /// What one request asks for.
@@ -588,7 +596,7 @@ mod tests {
     /// A small reply of at most `most` bytes, gathered whole.
     async fn get_whole(wire: &Wire, path: &str, most: usize) -> Result<Reply, ClientError> {
         let ask = Ask { path_and_query: path, fields: &[], expect: most as u64, range_from: 0 };
-        wire.get(ask, Target::Whole(Vec::new()), Duration::from_secs(10)).await
+        wire.get(ask, Target::Whole(Whole::default()), Duration::from_secs(10)).await
     }
 
     proptest! {
@@ -617,7 +625,7 @@ mod tests {
                         };
                         assert_eq!(reply.status, 200);
                         let got = match reply.body.unwrap() {
-                            Got::Whole(bytes) => bytes,
+                            Got::Whole(whole) => whole.bytes,
                             body => bytes_of(body),
                         };
                         assert!(got == body_of(len, i as u64), "body {i} of {len} bytes");

@@ -300,7 +300,14 @@ mod tests {
             // Chunks that do not match the size: fetched whole, checked by the whole file's CRC.
             entry("d", 15, vec![9]),
         ];
-        let list = |dir: &str, files| FileList { chunk_bytes: 10, dir: dir.into(), dirs: vec![], files, next: None };
+        let list = |dir: &str, files| FileList {
+            chunk_bytes: 10,
+            dir: dir.into(),
+            dirs: vec![],
+            files,
+            next: None,
+            index_id: String::new(),
+        };
         let (id, raw) = raw_dirs.put(list("", files));
         assert_eq!(id, 0);
         assert_eq!(raw.bytes, 45);
@@ -330,8 +337,15 @@ mod tests {
     fn a_chunk_size_of_zero_fetches_files_whole() {
         let raw_dirs = RawDirs::default();
         let file = FileEntry { path: "f".into(), size: 3, crc32c: 9, chunks: vec![1, 2, 3], sample: None };
-        let (_, raw) =
-            raw_dirs.put(FileList { chunk_bytes: 0, dir: String::new(), dirs: vec![], files: vec![file], next: None });
+        let list = FileList {
+            chunk_bytes: 0,
+            dir: String::new(),
+            dirs: vec![],
+            files: vec![file],
+            next: None,
+            index_id: String::new(),
+        };
+        let (_, raw) = raw_dirs.put(list);
         assert_eq!(raw.chunks_of(0), Some(0..1));
         assert_eq!(raw.chunks.iter().map(|c| (c.bytes, c.crc32c)).collect::<Vec<_>>(), [(3, 9)]);
     }

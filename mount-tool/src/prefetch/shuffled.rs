@@ -190,6 +190,7 @@ mod tests {
             labels: labels.to_vec(),
             crc32c: labels.iter().enumerate().map(|(i, _)| i as u32 * 7).collect(),
             bytes: labels.iter().enumerate().map(|(i, _)| 100 + i as u64).collect(),
+            index_id: String::new(),
         }
     }
 

@@ -140,9 +140,9 @@ impl Reading {
                 message: format!("{}: the body ran past {} bytes, {}", slot.path, slot.expect, target.bound()),
             }),
             (Some(_), Some(Target::Whole(whole))) => {
-                let at = whole.len();
-                whole.resize(at + left, 0);
-                read.read_exact(&mut whole[at..]).await?;
+                let at = whole.bytes.len();
+                whole.bytes.resize(at + left, 0);
+                read.read_exact(&mut whole.bytes[at..]).await?;
                 self.shared.progressed(&slot.want, left as u64);
                 left = 0;
                 None
@@ -354,6 +354,9 @@ impl Reading {
                 if s == 503 {
                     slot.retry_after = head.retry_after.map(|v| v.trim().parse::<u64>().unwrap_or(1));
                 }
+                if let Some(Target::Whole(whole)) = slot.target.as_mut() {
+                    whole.index_id = head.index_id.take();
+                }
                 if !(200..300).contains(&s) {
                     None
                 } else if let Some(len) = head.content_length.filter(|&len| len > slot.expect) {
@@ -399,7 +402,7 @@ impl Reading {
             body: match slot.status {
                 Some(s) if (200..300).contains(&s) => Ok(match slot.target.take().expect("a success has its target") {
                     Target::Sink(sink) => Got::Body(Body { sink, crc32c: slot.crc }),
-                    Target::Whole(bytes) => Got::Whole(bytes),
+                    Target::Whole(whole) => Got::Whole(whole),
                 }),
                 _ => Err(std::mem::take(&mut slot.error_body)),
             },
@@ -415,6 +418,7 @@ struct Head {
     content_length: Option<u64>,
     retry_after: Option<String>,
     checkpoints: Option<String>,
+    index_id: Option<String>,
 }
 
 impl Head {
@@ -425,6 +429,7 @@ impl Head {
             b"content-length" => self.content_length = text().and_then(|v| v.trim().parse().ok()),
             b"retry-after" => self.retry_after = text(),
             n if n == api::CHECKPOINTS_HEADER.as_bytes() => self.checkpoints = text(),
+            n if n == api::INDEX_ID_HEADER.as_bytes() => self.index_id = text(),
             _ => {}
         }
     }
