@@ -27,7 +27,11 @@ fn filesystem(plan: &MountPlan, runtime: &tokio::runtime::Runtime) -> Result<(Fu
     }
     let client = Arc::new(HttpClient::new(plan.http.clone())?);
     let health = client.health();
-    let config = PrefetcherConfig { index_id: plan.info.index_id.clone(), ..PrefetcherConfig::from(&plan.options) };
+    let config = PrefetcherConfig {
+        index_id: plan.info.index_id.clone(),
+        dataset: plan.http.dataset.clone(),
+        ..PrefetcherConfig::from(&plan.options)
+    };
     let prefetcher = Prefetcher::new(client, runtime.handle().clone(), config);
     prefetcher.stats.feed(move |s| s.servers = health.snapshot());
     if let Some(dir) = &plan.options.cache_dir {
@@ -186,12 +190,17 @@ fn serving(plan: &MountPlan, runtime: &tokio::runtime::Runtime, prefetcher: &Arc
     if let (crate::options::Warm::Raw, Some(cache)) = (plan.options.warm, prefetcher.node_cache().cloned()) {
         let (client, stats) = (prefetcher.client(), prefetcher.stats.clone());
         let (plan_options, epoch) = (plan.options.plan, plan.options.first_epoch);
+        let (dataset, mounted) = (plan.http.dataset.clone(), plan.info.index_id.clone());
         runtime.spawn(async move {
             match client.sample_table().await {
-                Ok(table) => {
-                    let order = crate::warm::plan_order(&table, plan_options, epoch);
-                    crate::warm::warm(client, cache, Arc::new(table), order, stats).await;
-                }
+                Ok(table) => match crate::prefetch::changed(&dataset, &mounted, &table.index_id, "sample table") {
+                    // Another index's samples are not the files this mount lists.
+                    Some(e) => tracing::warn!(error = %e, "warm=raw: nothing warmed"),
+                    None => {
+                        let order = crate::warm::plan_order(&table, plan_options, epoch);
+                        crate::warm::warm(client, cache, Arc::new(table), order, stats).await;
+                    }
+                },
                 Err(e) => tracing::warn!(error = %e, "warm=raw: cannot fetch the sample table; nothing warmed"),
             }
         });

@@ -153,9 +153,11 @@ pub struct PrefetcherConfig {
     /// The plan and share of `shuffled/`.
     pub shuffled: ShuffledConfig,
     /// The content id of the dataset's index the mount planned with ([`batchfs::api::DatasetInfo::index_id`]; empty:
-    /// none known). A manifest of another, or a body that is not what the manifest says from a server
-    /// whose index now has another, fails at once ([`ReadError::Changed`]).
+    /// none known). A manifest, directory listing, sample table or slot table of another, or a body that is not
+    /// what was listed from a server whose index now has another, fails at once ([`ReadError::Changed`]).
     pub index_id: String,
+    /// The dataset's name, for messages.
+    pub dataset: String,
 }
 
 impl From<&MountOptions> for PrefetcherConfig {
@@ -177,6 +179,7 @@ impl From<&MountOptions> for PrefetcherConfig {
             rolling: (o.first_epoch, o.epochs.min(batchfs::rolling::MAX_SPAN)),
             shuffled: ShuffledConfig { plan: o.plan, share: o.share },
             index_id: String::new(),
+            dataset: String::new(),
         }
     }
 }
@@ -208,25 +211,33 @@ pub enum ReadError {
     #[error("cannot place {0} in rolling/'s indexed layout")]
     Layout(String),
     /// The server's dataset was indexed again with other files since the mount planned with it: its
-    /// batches are no longer the ones listed (no retry mends it; the mount must be made again).
+    /// batches, files and samples are no longer the ones listed (no retry mends it; the mount must be made
+    /// again). `reply` is what said the other index (its manifest of an epoch, a listing, a table).
     #[error(
-        "the dataset was indexed again with other files since this mount began (index {was}, now {now}): its \
-         batches are no longer the ones this mount lists; unmount and mount again to read it"
+        "dataset {dataset:?} was indexed again with other files since this mount began: the mount lists index \
+         {was}, the server's {reply} is of index {now}; what it serves is no longer what this mount lists: \
+         unmount and mount again to read it"
     )]
-    Changed { was: String, now: String },
+    Changed { dataset: String, was: String, now: String, reply: String },
 }
 
 impl PrefetcherConfig {
-    /// [`ReadError::Changed`] where `now`, a server's index id, is not the mount's (both known).
-    pub fn changed(&self, now: &str) -> Option<ReadError> {
-        changed(&self.index_id, now)
+    /// [`ReadError::Changed`] where `now`, the index id of the server's `reply`, is not the mount's (both
+    /// known).
+    pub fn changed(&self, now: &str, reply: &str) -> Option<ReadError> {
+        changed(&self.dataset, &self.index_id, now, reply)
     }
 }
 
-/// [`ReadError::Changed`] where `now`, a server's index id, is not `was`, the mount's (both known).
-fn changed(was: &str, now: &str) -> Option<ReadError> {
-    (!was.is_empty() && !now.is_empty() && now != was)
-        .then(|| ReadError::Changed { was: was.to_owned(), now: now.to_owned() })
+/// [`ReadError::Changed`] where `now`, the index id of the server's `reply` about `dataset`, is not `was`,
+/// the mount's (both known: an empty id is a server's before index ids, or a mount that has none).
+pub fn changed(dataset: &str, was: &str, now: &str, reply: &str) -> Option<ReadError> {
+    (!was.is_empty() && !now.is_empty() && now != was).then(|| ReadError::Changed {
+        dataset: dataset.to_owned(),
+        was: was.to_owned(),
+        now: now.to_owned(),
+        reply: reply.to_owned(),
+    })
 }
 
 /// The prefetcher and cache of one mount.
@@ -341,6 +352,10 @@ impl Prefetcher {
             async move { client.slot_table(first_epoch, epochs).await.map_err(Failure::Client) }
         })
         .await?;
+        // Slots of another index's batches: not the batches this mount lists.
+        if let Some(changed) = self.config.changed(&table.index_id, "slot table of rolling/") {
+            return Err(changed);
+        }
         Ok(self.listings.put_slot_table(table))
     }
 
@@ -373,7 +388,7 @@ impl Prefetcher {
         })
         .await?;
         // An epoch not listed before, planned by a server of another index: not this mount's dataset.
-        if let Some(changed) = self.config.changed(&manifest.index_id) {
+        if let Some(changed) = self.config.changed(&manifest.index_id, &format!("manifest of epoch {epoch}")) {
             return Err(changed);
         }
         Ok(self.listings.put_manifest(manifest))
@@ -717,6 +732,33 @@ mod tests {
         let fresh = Prefetcher::new(fresh.client.clone(), runtime.handle().clone(), fresh.config.clone());
         let key = crate::fs::views::rolling::placed::key(0, 2);
         assert!(fresh.backing_file(key, 0).is_ok(), "a passthrough open, likewise");
+    }
+
+    /// A slot table of another index than the mount's (the dataset indexed again with other files) fails
+    /// at once and is not kept: `rolling/`'s twins and indexed files are never laid out by another index's
+    /// batches. The mount's index's table is kept.
+    #[test]
+    fn a_slot_table_of_another_index_fails_at_once_and_is_not_kept() {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut body = Vec::new();
+        batchfs::tfrecord::encode_record(&[7; 100], &mut body);
+        let client = MemoryClient::new(move |_, _| vec![Bytes::from(body.clone())]);
+        *client.index_id.lock().unwrap() = "0000000000000002".into();
+        let client = Arc::new(client);
+        let config = PrefetcherConfig {
+            index_id: "0000000000000001".into(),
+            dataset: "d".into(),
+            timeout: Duration::from_secs(30),
+            ..Default::default()
+        };
+        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
+        let started = Instant::now();
+        let err = p.file_layout(0).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5), "at once, not after timeout");
+        assert!(matches!(&err, ReadError::Changed { now, .. } if now == "0000000000000002"), "{err}");
+        assert!(p.cached_slot_table().is_none(), "nothing of it kept");
+        *client.index_id.lock().unwrap() = "0000000000000001".into();
+        assert!(p.file_layout(0).is_ok() && p.cached_slot_table().is_some(), "the mount's index: kept");
     }
 
     #[test]

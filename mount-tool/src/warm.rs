@@ -46,6 +46,15 @@ pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> 
         .with_context(|| format!("cannot use {}", cache_path.display()))?;
     let stats = Arc::new(Stats::default());
     let table = Arc::new(runtime.block_on(client.sample_table()).context("cannot fetch the sample table")?);
+    if crate::prefetch::changed(&info.name, &info.index_id, &table.index_id, "sample table").is_some() {
+        bail!(
+            "dataset {:?} was indexed again with other files as warming began (its description says index {}, its \
+             sample table index {}): run batchfs warm again",
+            info.name,
+            info.index_id,
+            table.index_id
+        );
+    }
     let progress = {
         let stats = stats.clone();
         std::thread::spawn(move || loop {

@@ -123,10 +123,10 @@ impl Fetcher {
         let early = placed.is_none();
         let into_memfd = self.memfds();
         let stats = self.stats.clone();
-        let index = self.config.index_id.clone();
+        let mounted = (self.config.dataset.clone(), self.config.index_id.clone());
         let fetched = with_retries(&self.config, &self.stats, move |attempt| {
             let (client, request, pool, placed) = (client.clone(), request.clone(), pool.clone(), placed.clone());
-            let index = index.clone();
+            let mounted = mounted.clone();
             let stats = stats.clone();
             // Readers wait on the entry for each verified prefix of a buffer (not of a memory file,
             // which the kernel serves only whole).
@@ -172,7 +172,7 @@ impl Fetcher {
                     // the dataset again (restarted over changed files) sends the new index's batches, and
                     // retries until `timeout` would each get the same.
                     Err(f @ (Failure::Mismatch(_) | Failure::Client(ClientError::Malformed { .. }))) => {
-                        return Err(changed_or(&client, &index, f).await)
+                        return Err(changed_or(&client, &mounted, f).await)
                     }
                     Err(e) => return Err(e),
                 };
@@ -271,15 +271,17 @@ fn place(key: ObjectKey, body: Bytes, layout: &FileLayout) -> Result<Content, Re
     Ok(Content::Placed(Placed { bytes: body, records: records.into(), len: layout.len }))
 }
 
-/// Why a body was not what the manifest says: the dataset indexed again on the server with other files
-/// since the mount planned with it (its description says another index: fails at once), or `otherwise`.
-async fn changed_or(client: &DynClient, mounted: &str, otherwise: Failure) -> Failure {
-    if mounted.is_empty() {
+/// Why a body was not what the manifest says: the dataset (`mounted`: its name and the index id the mount
+/// planned with) indexed again on the server with other files since the mount planned with it (its
+/// description says another index: fails at once), or `otherwise`.
+async fn changed_or(client: &DynClient, mounted: &(String, String), otherwise: Failure) -> Failure {
+    let (dataset, index_id) = mounted;
+    if index_id.is_empty() {
         // A server of a release that says no index id: nothing to compare, nothing to ask.
         return otherwise;
     }
     match client.dataset().await {
-        Ok(info) => super::changed(mounted, &info.index_id).map_or(otherwise, Failure::Fatal),
+        Ok(info) => super::changed(dataset, index_id, &info.index_id, "description").map_or(otherwise, Failure::Fatal),
         Err(_) => otherwise,
     }
 }

@@ -223,7 +223,8 @@ impl Prefetcher {
     }
 
     /// Fetches directory `path`'s list, every page, with retries up to `timeout`, and keeps it (the first
-    /// list of a path kept wins).
+    /// list of a path kept wins). A page listed from another index than the mount's fails the listing at
+    /// once, and nothing of it is kept: its files are not the ones the directories listed before hold.
     async fn fetch_dir(&self, path: &str) -> Result<(u32, Arc<FileList>), ReadError> {
         let mut merged: Option<FileList> = None;
         let mut cursor = 0;
@@ -234,6 +235,9 @@ impl Prefetcher {
                 async move { client.files(&dir, cursor).await.map_err(Failure::Client) }
             })
             .await?;
+            if let Some(changed) = self.config.changed(&page.index_id, &format!("listing of directory {path:?}")) {
+                return Err(changed);
+            }
             let next = page.next;
             match &mut merged {
                 None => merged = Some(page),
@@ -329,6 +333,41 @@ mod tests {
         assert_eq!(chunk_path(1, 0), Some(("a/y".into(), 0)));
         assert_eq!(raw_dirs.at("a").map(|(id, _)| id), Some(1));
         assert!(raw_dirs.at("b").is_none() && raw_dirs.get(2).is_none());
+    }
+
+    /// A directory listed after the dataset was indexed again with other files (another index id than the
+    /// mount's) fails at once, as no retry mends it, and is not kept: a later look finds it unlisted, not
+    /// the new files. A page of the mount's index, or of a server that says none, is listed.
+    #[test]
+    fn a_listing_of_another_index_fails_at_once_and_is_not_kept() {
+        use crate::client::MemoryClient;
+        use crate::prefetch::PrefetcherConfig;
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        let files = ["a/x.jpg", "a/y.jpg", "b/z.jpg"];
+        client.files = files.iter().map(|p| (p.to_string(), bytes::Bytes::from_static(b"data"))).collect();
+        *client.index_id.lock().unwrap() = "0000000000000001".into();
+        let client = Arc::new(client);
+        let config = PrefetcherConfig {
+            index_id: "0000000000000001".into(),
+            dataset: "d".into(),
+            timeout: std::time::Duration::from_secs(30),
+            ..Default::default()
+        };
+        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
+        assert_eq!(p.list_dir("a").unwrap().1.files.len(), 2, "the mount's index: listed");
+        *client.index_id.lock().unwrap() = "0000000000000002".into();
+        let started = std::time::Instant::now();
+        let err = p.list_dir("b").unwrap_err();
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "at once, not after timeout");
+        let ReadError::Changed { dataset, was, now, reply } = &err else { panic!("{err}") };
+        assert_eq!((dataset.as_str(), was.as_str(), now.as_str()), ("d", "0000000000000001", "0000000000000002"));
+        assert!(reply.contains("\"b\"") && err.to_string().contains("\"d\""), "{err}");
+        assert!(p.raw.at("b").is_none(), "nothing of the other index kept");
+        assert_eq!(p.list_dir("a").unwrap().1.files.len(), 2, "listed before: kept, still served");
+        // A server that says no index id (a release before): nothing to compare.
+        client.index_id.lock().unwrap().clear();
+        assert_eq!(p.list_dir("b").unwrap().1.files.len(), 1);
     }
 
     /// A list whose chunk size is 0 (a server that sends nonsense) has its files fetched whole, checked by

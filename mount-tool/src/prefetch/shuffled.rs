@@ -124,7 +124,8 @@ pub fn class_plan(table: &SampleTable, classes: usize, epoch: u64, config: Shuff
 
 impl Prefetcher {
     /// The sample table (fetched once, with retries up to `timeout`). Blocks like
-    /// [`Prefetcher::manifest`].
+    /// [`Prefetcher::manifest`]. A table of another index than the mount's fails at once and is not kept:
+    /// its samples are not the ones the directories list (names, sizes, classes).
     pub fn sample_table(&self) -> Result<Arc<SampleTable>, ReadError> {
         if let Some(t) = self.shuffled.table.get() {
             return Ok(t.clone());
@@ -134,6 +135,9 @@ impl Prefetcher {
             let client = client.clone();
             async move { client.sample_table().await.map_err(Failure::Client) }
         }))?;
+        if let Some(changed) = self.config.changed(&table.index_id, "sample table") {
+            return Err(changed);
+        }
         Ok(self.shuffled.table.get_or_init(|| Arc::new(table)).clone())
     }
 
@@ -227,6 +231,40 @@ mod tests {
             }
             prop_assert!(seen.iter().all(|&n| n == 1), "each sample in one share, once: {:?}", seen);
         }
+    }
+
+    /// A sample table of another index than the mount's (the dataset indexed again with other files) fails
+    /// at once and is not kept: `shuffled/`'s plans are never made of it, and the names the directories
+    /// listed are never paired with another index's samples. The mount's index's table is kept.
+    #[test]
+    fn a_sample_table_of_another_index_fails_at_once_and_is_not_kept() {
+        use crate::client::MemoryClient;
+        use crate::prefetch::PrefetcherConfig;
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        client.files =
+            ["a/x.jpg", "b/y.jpg"].iter().map(|p| (p.to_string(), bytes::Bytes::from_static(b"12"))).collect();
+        *client.index_id.lock().unwrap() = "0000000000000002".into();
+        let client = Arc::new(client);
+        let config = PrefetcherConfig {
+            index_id: "0000000000000001".into(),
+            dataset: "d".into(),
+            timeout: std::time::Duration::from_secs(30),
+            ..Default::default()
+        };
+        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
+        let started = std::time::Instant::now();
+        let err = p.class_plan(0, 2).unwrap_err();
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "at once, not after timeout");
+        let ReadError::Changed { was, now, reply, .. } = &err else { panic!("{err}") };
+        assert_eq!(
+            (was.as_str(), now.as_str(), reply.as_str()),
+            ("0000000000000001", "0000000000000002", "sample table")
+        );
+        assert!(p.shuffled_table().is_none() && p.cached_class_plan(0).is_none(), "nothing of it kept");
+        *client.index_id.lock().unwrap() = "0000000000000001".into();
+        assert_eq!(p.sample_table().unwrap().len(), 2, "the mount's index: kept");
+        assert!(p.class_plan(0, 2).is_ok());
     }
 
     #[test]
