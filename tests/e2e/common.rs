@@ -238,6 +238,28 @@ pub async fn serve_on(addr: std::net::SocketAddr, datasets: &[(&str, &Path)]) ->
     Server { running, base }
 }
 
+/// Indexes dataset `d` (`fx`'s) again with other files under whatever mounts it, as a server restarted
+/// over a changed dataset does: stops `server`, makes the fixture anew with another seed (other bytes,
+/// sizes and labels; the same shard names, a file tree's files in other class folders) and serves it where
+/// `server` was.
+pub fn index_again(rt: &tokio::runtime::Runtime, server: Server, fx: &mut Fixture) -> Server {
+    let addr = server.running.local_addr();
+    rt.block_on(server.running.shutdown());
+    fx.options.seed += 1;
+    std::fs::remove_dir_all(&fx.path).unwrap();
+    gen::generate(&fx.options, &fx.path).unwrap();
+    rt.block_on(serve_on(addr, &[("d", &fx.path)]))
+}
+
+/// The names in directory `dir`, sorted, or why it cannot be listed.
+pub fn names_in(dir: &Path) -> std::io::Result<Vec<String>> {
+    let mut names = std::fs::read_dir(dir)?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    names.sort();
+    Ok(names)
+}
+
 /// Maps a file read-only and private, and copies its bytes out (the mount must serve mmap readers).
 pub fn map_file(file: &std::fs::File) -> Vec<u8> {
     let map = batchfs::mmap::MappedFile::open_file(file).unwrap();

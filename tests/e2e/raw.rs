@@ -110,3 +110,27 @@ fn raw_mirrors_lmdb_and_tar_datasets_and_hides_the_index_and_the_lock_file() {
     }
     rt.block_on(server.running.shutdown());
 }
+
+/// A dataset indexed again with other files under a mount (the server restarted over a new tree): a
+/// directory of `raw/` first looked into after it fails to list with `EIO` at once (its listing is of
+/// another index than the mount's), never showing the new files beside the ones listed before; what was
+/// listed before still lists as it was.
+#[test]
+fn a_directory_first_listed_after_the_dataset_was_indexed_again_fails_at_once_never_mixing() {
+    let rt = common::runtime();
+    let mut fx = fixture(SourceFormat::Files, 60, 3_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "timeout=20s");
+    let raw = mounted.mountpoint.join("raw");
+    let before = common::names_in(&raw.join("class-0000")).unwrap();
+    assert!(!before.is_empty());
+    let server = common::index_again(&rt, server, &mut fx);
+    assert!(fx.path.join("class-0001").is_dir(), "a folder of both trees: its listing is the new index's");
+    let started = std::time::Instant::now();
+    let err = common::names_in(&raw.join("class-0001")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "at once, not after timeout");
+    assert_eq!(common::names_in(&raw.join("class-0000")).unwrap(), before, "listed before: as it was");
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}

@@ -122,3 +122,28 @@ fn a_failed_open_or_read_does_not_skip_an_epoch(more: &str) {
     drop(mounted);
     rt.block_on(server.running.shutdown());
 }
+
+/// `rolling/` first used after the dataset was indexed again with other files under the mount (the server
+/// restarted over new shards), the mount having listed epoch 0 before: the slot table is the new index's,
+/// so the indexed layout's twin (made of the table alone) and its file fail with `EIO` at once, never
+/// offsets of the new index's records for the batches the mount lists.
+#[test]
+fn rolling_first_used_after_the_dataset_was_indexed_again_fails_at_once_never_mixing() {
+    let rt = common::runtime();
+    let mut fx = fixture(SourceFormat::Tfrecord, 80, 3_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let m = common::manifest_of(&rt, &server, "d", 0, "batch_size=8");
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=8,prefetch=0,timeout=20s,rolling=indexed");
+    let batch = std::fs::read(mounted.mountpoint.join("epoch-0000/batch-000000.tfrecord")).unwrap();
+    assert_eq!(batchfs::crc::crc32c(&batch), m.batches[0].crc32c);
+    let server = common::index_again(&rt, server, &mut fx);
+    let rolling = mounted.mountpoint.join("rolling");
+    let started = std::time::Instant::now();
+    for name in ["batch-000001.tfrecord.idx", "batch-000001.tfrecord"] {
+        let err = std::fs::read(rolling.join(name)).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{name}: {err}");
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "at once, not after timeout");
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}

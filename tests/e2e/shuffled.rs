@@ -144,3 +144,28 @@ fn a_sample_no_read_got_is_handed_out_again() {
     drop(mounted);
     rt.block_on(server.running.shutdown());
 }
+
+/// `shuffled/` first used after the dataset was indexed again with other files under the mount (the
+/// server restarted over a new tree), its class folders listed before through `raw/` (the lists the two
+/// share): the sample table is the new index's, so a class folder's listing and a sample's read fail with
+/// `EIO` at once, never pairing the names listed before with the new index's samples.
+#[test]
+fn shuffled_first_used_after_the_dataset_was_indexed_again_fails_at_once_never_mixing() {
+    let rt = common::runtime();
+    let mut fx = fixture(SourceFormat::Files, 60, 3_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "timeout=20s");
+    let raw = mounted.mountpoint.join("raw");
+    let classes = common::names_in(&raw).unwrap();
+    let names: Vec<Vec<String>> = classes.iter().map(|c| common::names_in(&raw.join(c)).unwrap()).collect();
+    let server = common::index_again(&rt, server, &mut fx);
+    let class = mounted.mountpoint.join("shuffled").join(&classes[0]);
+    let started = std::time::Instant::now();
+    let err = common::names_in(&class).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "a class folder: {err}");
+    let err = std::fs::read(class.join(&names[0][0])).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "a sample: {err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "at once, not after timeout");
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+}
