@@ -168,12 +168,16 @@ impl Fetcher {
                 });
                 let body = match body.and_then(|body| verify(key, &meta, &body).map(|()| body)) {
                     Ok(body) => body,
-                    // Not the body the manifest lists (other bytes, or another size): a server that indexed
-                    // the dataset again (restarted over changed files) sends the new index's batches, and
-                    // retries until `timeout` would each get the same.
-                    Err(f @ (Failure::Mismatch(_) | Failure::Client(ClientError::Malformed { .. }))) => {
-                        return Err(changed_or(&client, &mounted, f).await)
-                    }
+                    // Not the body the manifest lists (other bytes, or another size), or none at all (no such
+                    // batch, file or sample; a range past its end): a server that indexed the dataset again
+                    // (restarted over changed files) sends the new index's, and retries until `timeout` would
+                    // each get the same.
+                    Err(
+                        f @ (Failure::Mismatch(_)
+                        | Failure::Client(
+                            ClientError::Malformed { .. } | ClientError::Status { status: 400 | 404 | 416, .. },
+                        )),
+                    ) => return Err(changed_or(&client, &mounted, f).await),
                     Err(e) => return Err(e),
                 };
                 match (body.sink, placed) {
@@ -360,6 +364,25 @@ mod tests {
         let fetched = fetch(&runtime, &fetcher, from_disk).unwrap();
         assert!(fetched.from_disk && fetched.file.is_some());
         assert_eq!(fetched.content.into_bytes(), bodies[1]);
+    }
+
+    /// A file the listing named that the server no longer has (404): where the server's index is another
+    /// than the mount's, the dataset was indexed again, and the read says so ([`ReadError::Changed`]);
+    /// where it is the mount's, the server's refusal stands.
+    #[test]
+    fn a_file_gone_from_a_server_of_another_index_is_the_dataset_indexed_again() {
+        let (runtime, client, _, _) = setup(1);
+        *client.inner().index_id.lock().unwrap() = "0000000000000002".into();
+        let gone = |index_id: &str| {
+            let config = PrefetcherConfig { index_id: index_id.into(), dataset: "d".into(), ..Default::default() };
+            let fetcher = Fetcher::new(client.clone(), config, Arc::new(Stats::default()));
+            let file = Request::File { path: "gone.jpg".into(), offset: 0 };
+            let job = Job { request: Some(file), ..job(0, b"listed", false) };
+            fetch(&runtime, &fetcher, job).map(|_| ()).unwrap_err()
+        };
+        let changed = gone("0000000000000001");
+        assert!(matches!(&changed, ReadError::Changed { reply, .. } if reply == "description"), "{changed}");
+        assert!(matches!(gone("0000000000000002"), ReadError::Refused(_)));
     }
 
     #[test]
