@@ -18,7 +18,7 @@
 //!
 //! **systemd.** Under a unit with `FileDescriptorStoreMax=`, the supervisor stores the descriptor and the
 //! ledger with systemd (`FDSTORE=1`); a supervisor started again by systemd finds them (`LISTEN_FDS`) and
-//! takes the mount over instead of mounting.
+//! takes the mount over instead of mounting (`supervise/systemd.rs`).
 //!
 //! The supervisor starts no thread and no runtime: it waits on a signalfd and the worker's ready socket.
 
@@ -34,6 +34,11 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod systemd;
+
+pub use systemd::kept_by_systemd;
+use systemd::{store_with_systemd, stored_with_systemd};
+
 /// The environment variable that makes `batchfs mount` a worker.
 pub const WORKER_ENV: &str = "BATCHFS_WORKER";
 /// Where a worker finds the mountpoint, as the supervisor resolved it.
@@ -47,10 +52,6 @@ const READY_FD: RawFd = 6;
 pub const EXIT_REPLACE: i32 = 75;
 /// How long a new worker may take to serve before it is given up on.
 const READY_WITHIN: Duration = Duration::from_secs(60);
-/// The names of the descriptors stored with systemd.
-const STORED_FUSE: &str = "batchfs-fuse";
-const STORED_LEDGER: &str = "batchfs-ledger";
-const STORED_INFO: &str = "batchfs-info";
 
 /// The filesystem the supervisor mounts with: it only answers `INIT`, as a worker would have.
 struct Negotiator {
@@ -567,79 +568,12 @@ impl Signals {
     }
 }
 
-/// The descriptors systemd passed this process (`LISTEN_FDS` for this pid), by `LISTEN_FDNAMES`.
-fn listen_fds() -> Vec<(String, RawFd)> {
-    let pid_ok = std::env::var("LISTEN_PID").ok().and_then(|p| p.parse::<u32>().ok()) == Some(std::process::id());
-    let count = std::env::var("LISTEN_FDS").ok().and_then(|n| n.parse::<i32>().ok()).unwrap_or(0);
-    if !pid_ok || count <= 0 {
-        return Vec::new();
-    }
-    let names = std::env::var("LISTEN_FDNAMES").unwrap_or_default();
-    let names: Vec<&str> = names.split(':').collect();
-    (0..count).map(|i| (names.get(i as usize).unwrap_or(&"").to_string(), 3 + i)).collect()
-}
-
-/// Whether systemd passed this process a mount to take over (stored by a supervisor before it).
-pub fn kept_by_systemd() -> bool {
-    listen_fds().iter().any(|(name, _)| name == STORED_FUSE)
-}
-
 /// The id of the mount at `mountpoint` (`None`, logged, where the kernel tells none: then whatever is
 /// mounted there when the supervisor ends is taken for its own).
 fn mount_id_of(mountpoint: &Path) -> Option<u64> {
     crate::sys::mount_id(mountpoint)
         .inspect_err(|e| tracing::warn!(error = %e, "cannot tell the mount's id: it is taken down by its path"))
         .ok()
-}
-
-/// The mount systemd kept for this unit (stored by a supervisor before this one), if it passed it.
-fn stored_with_systemd() -> Result<Option<Held>> {
-    let fds = listen_fds();
-    let find = |name: &str| fds.iter().find(|(n, _)| n == name).map(|&(_, fd)| fd);
-    let (Some(fuse), Some(ledger), Some(info)) = (find(STORED_FUSE), find(STORED_LEDGER), find(STORED_INFO)) else {
-        return Ok(None);
-    };
-    // SAFETY: systemd passed these descriptors to this process, and nothing else owns them.
-    let (fuse, ledger, info) =
-        unsafe { (OwnedFd::from_raw_fd(fuse), File::from_raw_fd(ledger), File::from_raw_fd(info)) };
-    for fd in [fuse.as_raw_fd(), ledger.as_raw_fd(), info.as_raw_fd()] {
-        // SAFETY: F_SETFD on a descriptor this process owns.
-        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-    }
-    let ledger = Ledger::open(ledger).context("the mount systemd kept")?;
-    for key in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
-        std::env::remove_var(key);
-    }
-    Ok(Some(Held { fuse, ledger, info, mounted: None, mount_id: None }))
-}
-
-/// Stores the connection, the ledger and the description with systemd, when it supervises this process
-/// (`NOTIFY_SOCKET`), and says the mount is ready.
-fn store_with_systemd(held: &Held) -> std::io::Result<()> {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return Ok(()) };
-    let socket = std::os::unix::net::UnixDatagram::unbound()?;
-    let target = notify_address(&path)?;
-    let stored = [
-        (STORED_FUSE, held.fuse.as_fd()),
-        (STORED_LEDGER, held.ledger.file().as_fd()),
-        (STORED_INFO, held.info.as_fd()),
-    ];
-    for (name, fd) in stored {
-        // Stored again by a supervisor that took over: systemd replaces a name's descriptor only with
-        // FDSTOREREMOVE first.
-        crate::sys::send_with_fd(&socket, &target, format!("FDSTOREREMOVE=1\nFDNAME={name}").as_bytes(), None)?;
-        crate::sys::send_with_fd(&socket, &target, format!("FDSTORE=1\nFDNAME={name}").as_bytes(), Some(fd))?;
-    }
-    crate::sys::send_with_fd(&socket, &target, b"READY=1", None)
-}
-
-fn notify_address(path: &std::ffi::OsStr) -> std::io::Result<std::os::unix::net::SocketAddr> {
-    use std::os::linux::net::SocketAddrExt;
-    use std::os::unix::ffi::OsStrExt;
-    match path.as_bytes().strip_prefix(b"@") {
-        Some(name) => std::os::unix::net::SocketAddr::from_abstract_name(name),
-        None => std::os::unix::net::SocketAddr::from_pathname(Path::new(path)),
-    }
 }
 
 /// Whether a supervisor's mount is still there, as its FUSE connection says.
