@@ -305,16 +305,15 @@ fn serve(
     let worker = start.is_some();
     // A worker's and a daemon's stderr is no one's (the supervisor's, or /dev/null): why they stop is logged.
     let unseen = worker || ready.is_some();
-    let mounted = match start {
-        Some(start) => {
-            let mounted = take_over(plan, &start);
-            match &mounted {
-                Ok(_) => start.ready(),
-                Err(e) => start.failed(e),
+    let (mounted, serving) = match start {
+        Some(start) => match take_over(plan, &start) {
+            Ok(mounted) => (mounted, Some(start.ready())),
+            Err(e) => {
+                start.failed(&e);
+                return Err(e);
             }
-            mounted?
-        }
-        None => spawn(plan)?,
+        },
+        None => (spawn(plan)?, None),
     };
     let mountpoint = plan.mountpoint.clone();
     mounted.runtime().spawn(async move {
@@ -354,6 +353,9 @@ fn serve(
     if let Err(e) = mounted.wait().map_err(|e| session_failed(e, plan.options.fuse_threads())) {
         if unseen {
             tracing::error!(error = %format!("{e:#}"), "the mount stops serving");
+        }
+        if let Some(serving) = serving {
+            serving.stopped(&e);
         }
         return Err(e);
     }

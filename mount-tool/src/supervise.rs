@@ -2,7 +2,10 @@
 //! `INIT` and holds the connection's `/dev/fuse` descriptor; a worker process (the same program, started
 //! with the descriptor) serves it: cache, prefetch, network. When the worker dies (a signal, a panic, the
 //! OOM killer) the supervisor starts another at once on the same descriptor; the kernel keeps the
-//! connection, its open files and its backing files all the while, since the supervisor holds it.
+//! connection, its open files and its backing files all the while, since the supervisor holds it. Workers
+//! that do not reach service (they fail to start, or stop by themselves at once) are started again after
+//! growing waits, and five in a row give the mount up: unmounted, the supervisor exits with the last one's
+//! reason (`supervise/restarts.rs`).
 //!
 //! **Takeover.** The new worker does not wait for an `INIT` (the kernel sends one per connection): it
 //! takes the settings `INIT` settled, the open handles and the views' state from the ledger
@@ -34,9 +37,11 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod restarts;
 mod systemd;
 mod worker;
 
+use restarts::{Restarts, Turn};
 pub use systemd::kept_by_systemd;
 use systemd::{store_with_systemd, stored_with_systemd};
 use worker::Worker;
@@ -111,7 +116,7 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
         exe,
         worker: None,
         died_at,
-        quick_deaths: 0,
+        restarts: Restarts::default(),
         dying: Vec::new(),
         failing: None,
     };
@@ -167,8 +172,8 @@ struct Supervisor<'a> {
     worker: Option<Worker>,
     /// When the last worker died (the mount is without service until the next serves).
     died_at: Option<Instant>,
-    /// Workers in a row that died within a second of serving.
-    quick_deaths: u32,
+    /// The workers in a row that did not reach service, and when the next may start.
+    restarts: Restarts,
     /// Workers whose main thread has exited and that are not reaped yet (see [`Worker::ended`]).
     dying: Vec<std::process::Child>,
     /// Where requests are read to be answered `EIO` while no worker can serve ([`FAIL_BUFFER`] bytes).
@@ -288,8 +293,9 @@ impl Supervisor<'_> {
         }
         let child = command.spawn().with_context(|| format!("cannot start a worker from {}", exe.display()))?;
         drop(theirs);
-        let mut w = Worker::new(child);
-        // "ready" once it serves; "error: ..." or nothing (the socket closed) if it cannot.
+        let mut w = Worker::new(child, exe);
+        // "ready" once it serves (then, on the same socket, "error: ..." if its session ends in error);
+        // "error: ..." or nothing (the socket closed) if it cannot.
         mine.set_read_timeout(Some(READY_WITHIN))?;
         let mut said = Vec::new();
         let mut buf = [0u8; 512];
@@ -299,7 +305,10 @@ impl Supervisor<'_> {
                 Ok(n) => said.extend_from_slice(&buf[..n]),
                 Err(_) => break false,
             }
-            if said == b"ready" {
+            if let Some(after) = said.strip_prefix(b"ready") {
+                w.said = after.to_vec();
+                w.since = Instant::now();
+                w.words = mine.set_nonblocking(true).is_ok().then_some(mine);
                 return Ok(w);
             }
         };
@@ -320,19 +329,19 @@ impl Supervisor<'_> {
                 signal @ (libc::SIGCHLD | RETRY) => {
                     self.reap_dying();
                     let Some(w) = self.worker.as_mut() else {
-                        if signal == RETRY && self.start_again() == Mount::Gone {
+                        if signal == RETRY && self.without_worker()? == Mount::Gone {
                             return self.unmount();
                         }
                         continue;
                     };
                     let Some(status) = w.ended()? else { continue };
-                    let lived = w.started.elapsed();
-                    let w = self.worker.take().expect("looked at above");
-                    self.dying.extend(w.retire());
+                    let mut w = self.worker.take().expect("looked at above");
+                    let served = w.since.elapsed();
                     self.died_at = Some(Instant::now());
                     use std::os::unix::process::ExitStatusExt;
                     if status.code() == Some(0) {
                         // Its session ended: the mount is gone (unmounted, or its connection aborted).
+                        self.dying.extend(w.retire());
                         tracing::info!("the mount ended: the supervisor exits");
                         return self.unmount();
                     }
@@ -341,15 +350,23 @@ impl Supervisor<'_> {
                     } else {
                         tracing::warn!(signal = status.signal(), code = status.code(), "the worker died: taking over");
                     }
-                    // A worker that fails by itself right after it started (not one killed from outside): a
-                    // pause between attempts, growing to 2 s, never giving the mount up.
-                    let failing = lived < Duration::from_secs(1) && status.signal() != Some(libc::SIGKILL);
-                    self.quick_deaths = if failing { self.quick_deaths + 1 } else { 0 };
-                    if self.quick_deaths > 3 {
-                        std::thread::sleep(Duration::from_millis((125 << self.quick_deaths.min(7)).min(2000)));
-                    }
-                    if self.start_again() == Mount::Gone {
-                        return self.unmount();
+                    match restarts::turn(status, served) {
+                        // The next later, or the mount given up.
+                        Turn::Failed => {
+                            let why = w.not_serving(status);
+                            self.dying.extend(w.retire());
+                            self.not_served(why.into())?;
+                        }
+                        // The next at once: a takeover's time without service is the new worker's start.
+                        turn => {
+                            if turn == Turn::Served {
+                                self.restarts.served();
+                            }
+                            self.dying.extend(w.retire());
+                            if self.start_again()? == Mount::Gone {
+                                return self.unmount();
+                            }
+                        }
                     }
                 }
                 libc::SIGHUP => {
@@ -379,24 +396,55 @@ impl Supervisor<'_> {
         });
     }
 
-    /// Starts a worker, or tries again in a second while the mount is there.
-    fn start_again(&mut self) -> Mount {
-        if let Err(e) = self.start_worker() {
-            if self.fail_waiting() == Mount::Gone {
-                // Unmounted while no worker served (`umount -l`): no worker's session ends to say so.
-                tracing::info!("the mount ended while no worker served it: the supervisor exits");
-                return Mount::Gone;
-            }
-            tracing::error!(error = %format!("{e:#}"), "no worker serves the mount: trying again");
-            self.signals.retry_after(Duration::from_secs(1));
+    /// Starts a worker. One that does not serve is counted ([`Supervisor::not_served`]): the next is tried
+    /// later, or the mount is given up (`Err`, unmounted).
+    fn start_again(&mut self) -> Result<Mount> {
+        let Err(e) = self.start_worker() else { return Ok(Mount::There) };
+        if self.fail_waiting() == Mount::Gone {
+            return Ok(Mount::Gone);
         }
-        Mount::There
+        self.not_served(e)?;
+        Ok(Mount::There)
+    }
+
+    /// At each look while no worker serves: the next worker started once its wait is over; meanwhile, the
+    /// requests waiting past `timeout` answered `EIO`, and the mount's end noticed.
+    fn without_worker(&mut self) -> Result<Mount> {
+        let wait = self.restarts.until_due(Instant::now());
+        if wait.is_zero() {
+            return self.start_again();
+        }
+        self.signals.retry_after(wait);
+        Ok(self.fail_waiting())
+    }
+
+    /// Counts a worker that did not reach service (`why`): the next is started after a wait that grows
+    /// ([`restarts`]), or, after [`restarts::GIVE_UP_AFTER`] in a row, the mount is given up: unmounted,
+    /// and `why` returned, for the supervisor to exit with.
+    fn not_served(&mut self, why: anyhow::Error) -> Result<()> {
+        let Some(wait) = self.restarts.failed(Instant::now()) else {
+            let e = why.context(format!(
+                "{} workers in a row did not serve the mount at {} (started again up to {:?} apart): the \
+                 supervisor gives it up and unmounts it",
+                restarts::GIVE_UP_AFTER,
+                self.plan.mountpoint.display(),
+                restarts::LONGEST_WAIT,
+            ));
+            tracing::error!(error = %format!("{e:#}"), "the mount is given up");
+            self.take_down();
+            return Err(e);
+        };
+        let (error, failed) = (format!("{why:#}"), self.restarts.failed_in_a_row());
+        tracing::error!(%error, failed, ?wait, "no worker serves the mount: trying again");
+        self.signals.retry_after(wait);
+        Ok(())
     }
 
     /// Once the mount has been without a worker for `timeout` (no worker can start: its program gone, its
-    /// `cache_dir` unusable...), the requests readers wait in are answered `EIO` at each try, as a read
+    /// `cache_dir` unusable...), the requests readers wait in are answered `EIO` at each look, as a read
     /// of an unreachable server is: no reader waits for good. The next worker to start serves what comes
-    /// after.
+    /// after. `Gone` once the mount was unmounted (`umount -l`) meanwhile: no worker's session ends to
+    /// say so.
     fn fail_waiting(&mut self) -> Mount {
         let Some(since) = self.died_at else { return Mount::There };
         if since.elapsed() < self.plan.options.timeout {
@@ -412,7 +460,10 @@ impl Supervisor<'_> {
             Ok(0) => {}
             Ok(n) => tracing::warn!(requests = n, "no worker serves the mount: its waiting requests answered EIO"),
             // The connection is gone: the mount was unmounted (or its connection aborted).
-            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Mount::Gone,
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {
+                tracing::info!("the mount ended while no worker served it: the supervisor exits");
+                return Mount::Gone;
+            }
             Err(e) => tracing::warn!(error = %e, "cannot answer the mount's waiting requests"),
         }
         Mount::There
@@ -423,6 +474,12 @@ impl Supervisor<'_> {
             let _ = w.child.kill();
             let _ = w.child.wait();
         }
+        self.take_down();
+        Ok(())
+    }
+
+    /// Unmounts the supervisor's mount, if it is still there.
+    fn take_down(&mut self) {
         // Its own mount only, if it is still there (its connection aborted): `batchfs umount` and a new
         // `batchfs mount` at the same place may both have come before this.
         let mountpoint = &self.plan.mountpoint;
@@ -437,7 +494,6 @@ impl Supervisor<'_> {
         }
         // Unmounted already: the session must not try again (it would only log that it cannot).
         std::mem::forget(self.held.mounted.take());
-        Ok(())
     }
 }
 
@@ -589,14 +645,26 @@ impl WorkerStart {
         Ok(Some(WorkerStart { fuse, ledger, settings, info, block_bytes, mountpoint, ready }))
     }
 
-    /// Tells the supervisor this worker serves the mount.
-    pub fn ready(mut self) {
+    /// Tells the supervisor this worker serves the mount; what it returns tells why it stopped, if it does.
+    pub fn ready(mut self) -> Serving {
         let _ = self.ready.write_all(b"ready");
+        Serving(self.ready)
     }
 
     /// Tells the supervisor why this worker cannot serve.
     pub fn failed(mut self, e: &anyhow::Error) {
         let _ = write!(self.ready, "error: {e:#}");
+    }
+}
+
+/// A worker's ready socket once it serves: where it tells its supervisor why its session ended in error
+/// (a FUSE thread it could not start: the supervisor names it when it gives the mount up).
+pub struct Serving(UnixStream);
+
+impl Serving {
+    /// Tells the supervisor why this worker stops serving.
+    pub fn stopped(mut self, e: &anyhow::Error) {
+        let _ = write!(self.0, "error: {e:#}");
     }
 }
 

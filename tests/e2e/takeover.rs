@@ -404,6 +404,79 @@ fn a_supervisor_without_a_worker_exits_once_its_mount_is_unmounted() {
     rt.block_on(server.running.shutdown());
 }
 
+/// The supervisor's exit status, once it has exited (within 60 s: five workers that do not serve take
+/// about 15 s of waits).
+fn supervisor_exit(m: &mut Supervised) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = m.supervisor.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "the supervisor never gave the mount up:\n{}", m.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A mount whose workers cannot start (its `cache_dir` turned into a file) is given up once five in a row
+/// have failed, tried again 1, 2, 4 and 8 s apart: the supervisor unmounts it and exits non-zero, naming
+/// the workers' reason. Before, it started a failing worker every second for good.
+#[test]
+fn a_mount_whose_workers_keep_failing_to_start_is_given_up_and_unmounted() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let (_cache, _, mut m) = without_a_worker(&server, "60s");
+    let killed = Instant::now();
+    let status = supervisor_exit(&mut m);
+    let (took, log) = (killed.elapsed(), m.log_text());
+    assert!(!status.success(), "{status}\n{log}");
+    assert!(log.contains("5 workers in a row did not serve the mount at"), "{log}");
+    assert!(log.contains("the mount is given up") && log.contains("cannot use cache_dir"), "its reason:\n{log}");
+    assert_eq!(log.matches("no worker serves the mount: trying again").count(), 4, "{log}");
+    assert!(took >= Duration::from_secs(14), "not backed off 1 + 2 + 4 + 8 s: given up after {took:?}\n{log}");
+    assert!(!batchfs_mount::plan::is_mountpoint(&m.mountpoint), "unmounted:\n{log}");
+    drop(m);
+    rt.block_on(server.running.shutdown());
+}
+
+/// Workers that say they serve and stop by themselves half a second later (as one does whose FUSE threads
+/// a pids limit refuses) are started again 1, 2, 4 and 8 s apart, not in a tight loop, and the fifth in
+/// a row gives the mount up, naming its exit status; the first of them, replacing a worker that served,
+/// started at once. Before, they were started again for good, the first three at once. The workers are a
+/// script installed at the supervisor's path that runs the program and stops it.
+#[test]
+fn workers_that_stop_as_soon_as_they_serve_are_started_again_later_and_then_given_up() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let bin = tempfile::tempdir().unwrap();
+    let (installed, real) = (bin.path().join("batchfs"), bin.path().join("real"));
+    std::fs::copy(program(), &installed).unwrap();
+    std::fs::copy(program(), &real).unwrap();
+    let mut m = Supervised::start(&installed, &format!("{}/d", server.base), "batch_size=8");
+    let script = bin.path().join(".script");
+    let text = format!("#!/bin/sh\n{} \"$@\" &\nsleep 0.5\nkill -TERM $!\nwait $!\nexit 3\n", real.display());
+    std::fs::write(&script, text).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::rename(&script, &installed).unwrap();
+    let killed = Instant::now();
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(m.worker() as i32, libc::SIGKILL) }, 0);
+    let status = supervisor_exit(&mut m);
+    let (took, log) = (killed.elapsed(), m.log_text());
+    assert!(!status.success(), "{status}\n{log}");
+    assert!(log.contains("5 workers in a row did not serve the mount at"), "{log}");
+    assert!(log.contains("after it said it serves (exit status: 3)"), "its exit status:\n{log}");
+    let served = m.served();
+    assert_eq!(served.len(), 6, "the first worker and five that stopped, no more:\n{log}");
+    let first = served[1].1.unwrap();
+    assert!(first < Duration::from_secs(1), "the first after a worker that served, at once: {first:?}\n{log}");
+    assert!(took >= Duration::from_secs(15), "not backed off 1 + 2 + 4 + 8 s: given up after {took:?}\n{log}");
+    assert!(!batchfs_mount::plan::is_mountpoint(&m.mountpoint), "unmounted:\n{log}");
+    drop(m);
+    rt.block_on(server.running.shutdown());
+}
+
 /// The mount's first worker killed before it says it serves (a window of a moment at mount time, in which
 /// it may already answer requests) is replaced, as a later one is: the mount comes up. It failed the mount
 /// before ("the worker did not serve the mount"). The worker is started from the program installed at the

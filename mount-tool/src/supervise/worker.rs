@@ -1,13 +1,25 @@
 //! A worker process as its supervisor sees it: started, then serving, then ended, possibly before it can
-//! be reaped (its main thread gone while a thread of it waits in the kernel), and let go.
+//! be reaped (its main thread gone while a thread of it waits in the kernel), and let go; and, where it
+//! stopped soon after it said it serves, why.
 
+use super::NotServing;
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub(super) struct Worker {
     pub(super) child: std::process::Child,
-    pub(super) started: Instant,
+    /// The program it runs.
+    exe: PathBuf,
+    /// When it started, then when it said it serves.
+    pub(super) since: Instant,
     /// When its main thread was first found gone, the process not reaped yet.
     leader_gone: Option<Instant>,
+    /// Its ready socket once it serves (non-blocking), where it says why its session ended in error.
+    pub(super) words: Option<UnixStream>,
+    /// What it said after `ready`, read so far.
+    pub(super) said: Vec<u8>,
 }
 
 /// How long a worker's main thread is gone, its process not reaped, before the worker counts as ended: its
@@ -15,8 +27,32 @@ pub(super) struct Worker {
 const LEADER_GONE_FOR: Duration = Duration::from_millis(100);
 
 impl Worker {
-    pub(super) fn new(child: std::process::Child) -> Worker {
-        Worker { child, started: Instant::now(), leader_gone: None }
+    pub(super) fn new(child: std::process::Child, exe: &Path) -> Worker {
+        Worker { child, exe: exe.to_owned(), since: Instant::now(), leader_gone: None, words: None, said: Vec::new() }
+    }
+
+    /// Why it stopped, as it said once it served (`error: ...`): empty if it said nothing.
+    fn last_words(&mut self) -> String {
+        let mut buf = [0u8; 512];
+        while let Some(socket) = self.words.as_mut().filter(|_| self.said.len() < 4096) {
+            match socket.read(&mut buf) {
+                Ok(n @ 1..) => self.said.extend_from_slice(&buf[..n]),
+                _ => break,
+            }
+        }
+        let said = String::from_utf8_lossy(&self.said);
+        said.strip_prefix("error: ").map(|why| why.trim().to_owned()).unwrap_or_default()
+    }
+
+    /// Why a worker that said it serves ended before it served for [`super::restarts::SERVED_FOR`].
+    pub(super) fn not_serving(&mut self, status: std::process::ExitStatus) -> NotServing {
+        let why = match self.last_words() {
+            why if why.is_empty() => {
+                format!("it stopped {} ms after it said it serves", self.since.elapsed().as_millis())
+            }
+            why => why,
+        };
+        NotServing { exe: self.exe.display().to_string(), why, status, killed: false }
     }
 
     /// How the worker ended, once it has: reaped, or its main thread gone for [`LEADER_GONE_FOR`] while a
@@ -96,7 +132,7 @@ mod tests {
         let mut said = String::new();
         std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut said).unwrap();
         assert_eq!(said.trim(), "started");
-        let mut w = Worker::new(child);
+        let mut w = Worker::new(child, Path::new("python3"));
         let status = within_20s("the worker's main thread was not found gone", || w.ended().unwrap());
         assert_eq!(status.code(), Some(7), "{status}");
         // Not at the first look that found the main thread gone: other threads may be a moment from dying.
