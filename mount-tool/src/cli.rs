@@ -2,7 +2,7 @@
 //! `mount.batchfs` (the helper mount(8) runs for fstab entries of type `batchfs`)
 //! and `batchfs URL DIR -o ...` (how mount.fuse3 runs a `fuse.batchfs` entry).
 
-use crate::options::{MountOptions, OptionFlags};
+use crate::options::{MountOptions, OptionFlags, MOST_THREADS};
 use crate::stats::StatsSnapshot;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -161,13 +161,60 @@ fn join_switch_values(mut args: Vec<OsString>) -> Vec<OsString> {
     args
 }
 
+/// A kept mount's command line (a worker's, which its supervisor, of this release or one before, starts
+/// with the command line the mount was made with; or that of a supervisor systemd started again with the
+/// mount it stored), `threads` above [`MOST_THREADS`] lowered to it: releases before took any number,
+/// and the refusal a new mount gets would leave such a mount without a worker after an upgrade. The
+/// number given, where one was lowered, for a warning once the log is set up.
+fn lower_kept_threads(args: &mut [OsString]) -> Option<usize> {
+    let mut given = None;
+    let mut lower = |value: &str| {
+        let n = value.trim().parse::<usize>().ok().filter(|&n| n > MOST_THREADS)?;
+        given = Some(n);
+        Some(MOST_THREADS.to_string())
+    };
+    for at in 0..args.len() {
+        let before = at.checked_sub(1).and_then(|b| args[b].to_str());
+        let Some(arg) = args[at].to_str() else { continue };
+        let lowered = match (before, arg) {
+            (Some("--threads"), value) => lower(value),
+            (_, a) if a.starts_with("--threads=") => lower(&a["--threads=".len()..]).map(|n| format!("--threads={n}")),
+            (Some("-o"), list) => lower_in_list(list, &mut lower),
+            (_, a) if a.starts_with("-o") => lower_in_list(&a[2..], &mut lower).map(|list| format!("-o{list}")),
+            _ => None,
+        };
+        if let Some(lowered) = lowered {
+            args[at] = lowered.into();
+        }
+    }
+    given
+}
+
+/// A `-o` list with its `threads` value lowered by `lower`, if it was.
+fn lower_in_list(list: &str, lower: &mut impl FnMut(&str) -> Option<String>) -> Option<String> {
+    let mut lowered = false;
+    let items: Vec<String> = list
+        .split(',')
+        .map(|item| match item.trim().strip_prefix("threads=").and_then(&mut *lower) {
+            Some(n) => {
+                lowered = true;
+                format!("threads={n}")
+            }
+            None => item.to_owned(),
+        })
+        .collect();
+    lowered.then(|| items.join(","))
+}
+
 pub fn run() -> Result<()> {
     // A mount's cached objects each hold a memory file (passthrough); its workers inherit the limit.
     batchfs::process::raise_open_files_limit();
     let mut args: Vec<OsString> = std::env::args_os().collect();
+    let kept = std::env::var_os(crate::supervise::WORKER_ENV).is_some() || crate::supervise::kept_by_systemd();
+    let lowered = if kept { lower_kept_threads(&mut args) } else { None };
     let program = args.first().and_then(|a| Path::new(a).file_name()).map(|n| n.to_string_lossy().into_owned());
     if program.as_deref().is_some_and(|p| p.starts_with("mount.batchfs") || p == "mount.fuse.batchfs") {
-        return mount_helper(&args[1..]);
+        return mount_helper(&args[1..], lowered);
     }
     // `batchfs URL DIR -o ...`, as mount.fuse3 runs the program of a `fuse.batchfs` entry.
     if args.get(1).and_then(|a| a.to_str()).is_some_and(|a| a.starts_with("http://") || a.starts_with("https://")) {
@@ -192,7 +239,7 @@ pub fn run() -> Result<()> {
                 }
                 tried => tried?,
             }
-            mount(&m.url, &m.mountpoint, options, !m.foreground)
+            mount(&m.url, &m.mountpoint, options, !m.foreground, lowered)
         }
         Command::Umount { mountpoint, lazy } => umount(&mountpoint, lazy),
         Command::Warm { target, options } => {
@@ -298,7 +345,7 @@ fn warm_target(target: &str, options: &mut MountOptions) -> Result<(String, Stri
 }
 
 /// `mount.batchfs SPEC DIR [-sfnv] [-o OPTIONS] [-t TYPE]`, as mount(8) calls it.
-fn mount_helper(args: &[OsString]) -> Result<()> {
+fn mount_helper(args: &[OsString], lowered: Option<usize>) -> Result<()> {
     let mut positional = Vec::new();
     let mut options = MountOptions::default();
     let mut fake = false;
@@ -325,12 +372,18 @@ fn mount_helper(args: &[OsString]) -> Result<()> {
         // `mount -f`: every check, nothing mounted.
         return crate::plan::plan(spec, Path::new(dir), options).map(|_| ());
     }
-    mount(spec, Path::new(dir), options, true)
+    mount(spec, Path::new(dir), options, true, lowered)
 }
 
 /// Mounts, or, in a worker its supervisor started (with the same arguments: `supervise.rs`), serves the
-/// supervisor's mount.
-fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: bool) -> Result<()> {
+/// supervisor's mount; `lowered`: the `threads` its command line gave, lowered ([`lower_kept_threads`]).
+fn mount(url: &str, mountpoint: &Path, options: MountOptions, daemonize: bool, lowered: Option<usize>) -> Result<()> {
+    if let Some(given) = lowered {
+        tracing::warn!(
+            "this mount was made with threads={given}, which a release before took: it runs {MOST_THREADS} FUSE \
+             threads, the most a new mount takes"
+        );
+    }
     match crate::supervise::WorkerStart::from_env()? {
         Some(start) => crate::mount::work(url, options, start),
         None => crate::mount::mount(url, mountpoint, options, daemonize),
@@ -576,6 +629,35 @@ mod tests {
         let Command::Mount(m) = Cli::try_parse_from(join_switch_values(args)).unwrap().command else { panic!() };
         let o = m.mount_options().unwrap();
         assert!(!o.passthrough && o.plan.drop_last && o.allow_other, "{o:?}");
+    }
+
+    /// A kept mount's command line, as a release that took any number of threads made it: `threads` above
+    /// the most lowered to it, in every form the command line takes it, and nothing else touched.
+    #[test]
+    fn a_kept_mount_s_threads_above_the_most_are_lowered_to_it() {
+        let lowered = |args: &[&str]| {
+            let mut args: Vec<OsString> = args.iter().map(OsString::from).collect();
+            let given = lower_kept_threads(&mut args);
+            (args.iter().map(|a| a.to_str().unwrap().to_owned()).collect::<Vec<_>>(), given)
+        };
+        let most = MOST_THREADS.to_string();
+        let (args, given) = lowered(&["batchfs", "mount", "-o", "batch_size=8, threads=5000,seed=1", "u", "d"]);
+        assert_eq!((args[3].as_str(), given), (format!("batch_size=8,threads={most},seed=1").as_str(), Some(5000)));
+        let (args, given) = lowered(&["batchfs", "mount", "-othreads=2000", "--threads", "3000", "--threads=4000"]);
+        assert_eq!(
+            args[2..],
+            [format!("-othreads={most}"), "--threads".into(), most.clone(), format!("--threads={most}")]
+        );
+        assert_eq!(given, Some(4000), "the last one given is the mount's");
+        let within = ["mount.batchfs", "u", "d", "-o", "threads=1024,seed=5000", "--threads=auto", "--seed", "5000"];
+        assert_eq!(lowered(&within), (within.map(str::to_owned).to_vec(), None), "nothing above the most");
+        let (args, _) = lowered(&["batchfs", "mount", "-o", "threads=5000", "http://s:1/d", "/mnt/d"]);
+        let Command::Mount(m) =
+            Cli::try_parse_from(join_switch_values(args.iter().map(OsString::from).collect())).unwrap().command
+        else {
+            panic!()
+        };
+        assert_eq!(m.mount_options().unwrap().fuse_threads(), MOST_THREADS);
     }
 
     /// The plan's long flags say the defaults the core plans with (they are not clap defaults: a flag

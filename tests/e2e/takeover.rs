@@ -587,6 +587,41 @@ fn an_upgrade_under_load_replaces_the_worker_by_the_installed_program() {
     assert_eq!(crc::crc32c(&std::fs::read(batch).unwrap()), manifests[0].batches[0].crc32c, "still served");
 }
 
+/// A mount made by a release that took any number of FUSE threads (`threads=5000`, refused for a new
+/// mount since), upgraded: the new release's worker, started with the mount's command line, lowers it to
+/// 1024 with a warning and serves. It refused the command line before, and the upgrade failed (the
+/// supervisor went back to the program it runs). The old release's command line is a script installed at
+/// the supervisor's path that runs the program with the option added.
+#[test]
+fn an_upgrade_of_a_mount_made_with_more_threads_than_taken_now_runs_the_most() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let bin = tempfile::tempdir().unwrap();
+    let (installed, real) = (bin.path().join("batchfs"), bin.path().join("real"));
+    std::fs::copy(program(), &installed).unwrap();
+    std::fs::copy(program(), &real).unwrap();
+    let m = Supervised::start(&installed, &format!("{}/d", server.base), "batch_size=8");
+    let old = m.worker();
+    let script = bin.path().join(".script");
+    std::fs::write(&script, format!("#!/bin/sh\nexec {} \"$@\" -o threads=5000\n", real.display())).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::rename(&script, &installed).unwrap();
+    let out = Command::new(program()).args(["mount", "--upgrade"]).arg(&m.mountpoint).output().unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), m.log_text());
+    let new = m.worker();
+    assert_ne!(new, old);
+    assert_eq!(std::fs::read_link(format!("/proc/{new}/exe")).unwrap(), real, "the new release serves");
+    assert!(m.log_text().contains("this mount was made with threads=5000"), "{}", m.log_text());
+    let threads = std::fs::read_dir(format!("/proc/{new}/task")).unwrap().count();
+    assert!(threads < 1100, "{threads} threads: 1024 FUSE threads and a few more");
+    let want = manifest(&rt, &server.base, 0, "batch_size=8").batches[0].crc32c;
+    let batch = std::fs::read(m.mountpoint.join("epoch-0000/batch-000000.tfrecord")).unwrap();
+    assert_eq!(crc::crc32c(&batch), want);
+    drop(m);
+    rt.block_on(server.running.shutdown());
+}
+
 /// A read in flight when the worker dies: the kernel re-sends it to the next worker, which answers it
 /// once the server is back; with `resend=false` it fails at once with ECONNABORTED (no hang), and the
 /// mount goes on serving.
@@ -790,7 +825,9 @@ fn receive_with_fds(socket: &std::os::unix::net::UnixDatagram) -> (String, Vec<s
 
 /// Under systemd (emulated here: its notify socket, and its way of passing stored descriptors back), the
 /// supervisor stores the connection and the ledger (`FDSTORE=1`); killed, with its worker, it is started
-/// again with them and takes the mount over: a file held open throughout reads on.
+/// again with them and takes the mount over: a file held open throughout reads on. The unit it is started
+/// again by says `threads=5000`, as releases before took it (since refused for a new mount): the kept
+/// mount runs 1024, with a warning, where its supervisor refused it, and so would its workers.
 #[test]
 fn under_systemd_a_restarted_supervisor_takes_over_the_mount_it_stored() {
     use std::os::fd::AsRawFd;
@@ -844,6 +881,7 @@ fn under_systemd_a_restarted_supervisor_takes_over_the_mount_it_stored() {
     // systemd starts the unit again with what it stored, as descriptors 3, 4, 5.
     let fds: [i32; 3] = std::array::from_fn(|i| stored[i].1.as_raw_fd());
     let mut second = start(&|c: &mut Command| {
+        c.args(["-o", "threads=5000"]);
         c.env("LISTEN_FDS", "3").env("LISTEN_FDNAMES", "batchfs-fuse:batchfs-ledger:batchfs-info");
         // SAFETY: between fork and exec: fcntl and dup2 only, on descriptors this process holds open across
         // the spawn.
@@ -871,6 +909,8 @@ fn under_systemd_a_restarted_supervisor_takes_over_the_mount_it_stored() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(log().contains("taking over the mount systemd kept"), "{}", log());
+    // The supervisor and its worker each say so.
+    assert_eq!(log().matches("this mount was made with threads=5000").count(), 2, "{}", log());
     let stats = common::mount_stats(&mountpoint);
     assert_eq!(stats["supervisor_pid"].as_u64(), Some(second.id().into()), "{stats}");
     assert_eq!(stats["worker_restarts"].as_u64(), Some(1), "{stats}");
