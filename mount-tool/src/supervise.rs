@@ -43,7 +43,7 @@ mod worker;
 
 use restarts::{Restarts, Turn};
 pub use systemd::kept_by_systemd;
-use systemd::{store_with_systemd, stored_with_systemd};
+use systemd::{forget_with_systemd, store_with_systemd, stored_with_systemd};
 use worker::Worker;
 
 /// The environment variable that makes `batchfs mount` a worker.
@@ -494,6 +494,9 @@ impl Supervisor<'_> {
         }
         // Unmounted already: the session must not try again (it would only log that it cannot).
         std::mem::forget(self.held.mounted.take());
+        if let Err(e) = forget_with_systemd() {
+            tracing::warn!(error = %e, "cannot drop the mount's descriptors from systemd's store");
+        }
     }
 }
 

@@ -925,4 +925,15 @@ fn under_systemd_a_restarted_supervisor_takes_over_the_mount_it_stored() {
     unsafe { libc::kill(second.id() as i32, libc::SIGTERM) };
     second.wait().unwrap();
     assert!(!batchfs_mount::plan::is_mountpoint(&mountpoint), "SIGTERM unmounts");
+    // And drops what it stored: a unit started again mounts anew, not a connection that is gone. (What
+    // came before its READY=1 is its own storing, each name removed first and stored again.)
+    let (mut ready, mut removed) = (false, Vec::new());
+    while removed.len() < 3 {
+        let (text, _) = receive_with_fds(&socket);
+        ready |= text == "READY=1";
+        if let Some(name) = text.strip_prefix("FDSTOREREMOVE=1\nFDNAME=").filter(|_| ready) {
+            removed.push(name.trim().to_owned());
+        }
+    }
+    assert_eq!(removed, ["batchfs-fuse", "batchfs-ledger", "batchfs-info"]);
 }

@@ -72,6 +72,19 @@ pub(super) fn store_with_systemd(held: &Held) -> std::io::Result<()> {
     crate::sys::send_with_fd(&socket, &target, b"READY=1", None)
 }
 
+/// Drops what [`store_with_systemd`] stored, when systemd supervises this process: the mount has ended
+/// (unmounted, given up), and a unit started again must mount anew, not take over a connection that is
+/// gone (with `Restart=` it would, and its workers would find nothing to serve).
+pub(super) fn forget_with_systemd() -> std::io::Result<()> {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return Ok(()) };
+    let socket = std::os::unix::net::UnixDatagram::unbound()?;
+    let target = notify_address(&path)?;
+    for name in [STORED_FUSE, STORED_LEDGER, STORED_INFO] {
+        crate::sys::send_with_fd(&socket, &target, format!("FDSTOREREMOVE=1\nFDNAME={name}").as_bytes(), None)?;
+    }
+    Ok(())
+}
+
 fn notify_address(path: &std::ffi::OsStr) -> std::io::Result<std::os::unix::net::SocketAddr> {
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::ffi::OsStrExt;
