@@ -487,8 +487,8 @@ const MAGIC: &[u8; 8] = b"BATCHFSI";
 /// The format's version, and of the rules that made what it holds: raised whenever indexing the same bytes
 /// would make another index (its layout, or what a sample is), so that an index of other rules is neither
 /// loaded nor taken from when indexing again. 5: tar members as WebDataset reads them, an LMDB of duplicate
-/// keys refused, links followed (an index of 4 kept macOS `._` members as samples). 6: an LMDB key that is
-/// not UTF-8 refused (an index of 5 held it lossily, two keys as one).
+/// keys refused, links followed (an index of 4 kept macOS `._` members as samples). 6: an LMDB environment
+/// with a key that is not UTF-8 has every key in hex (an index of 5 held such a key lossily, two as one).
 const VERSION: u32 = 6;
 
 #[derive(Default)]

@@ -48,12 +48,6 @@ pub enum IndexError {
          must be UTF-8 (rename it, e.g. with convmv, or hide it with a leading '.')"
     )]
     NotUtf8 { path: PathBuf },
-    #[error(
-        "{path} holds the key {key}, which is not UTF-8: batchfs serves an LMDB key as text (in tar batches' \
-         member names and TFRecord batches' key feature), and read lossily two keys could become one; write \
-         the keys as UTF-8 text (a number as its digits, str(i).encode(), not its bytes)"
-    )]
-    LmdbKeyNotUtf8 { path: PathBuf, key: String },
     #[error("{0} is not a directory")]
     NotADirectory(PathBuf),
 }

@@ -1,7 +1,8 @@
 //! An LMDB environment's indexing (`data.mdb`): its main database's values located in the file by
 //! LMDB's own mapping and checked byte for byte, a file cut short refused, named databases left out
-//! (refused where they hold every sample). A sample's key is its LMDB key byte for byte: a key that is
-//! not UTF-8 is refused (keys are text; read lossily, two keys became one).
+//! (refused where they hold every sample). A sample's key is its LMDB key byte for byte, or, in an
+//! environment with a key that is not UTF-8, every key's bytes in hex (keys are text; read lossily, two
+//! keys became one).
 
 use super::{io_err, Files, IndexError, Progress};
 use crate::index::{Exts, Index, Part, Parts, Sample, NO_LABEL};
@@ -95,6 +96,7 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
         let mut last = 0u64;
         let mut exts = Exts::default();
         let mut named = Vec::new();
+        let (first, mut hex_keys) = (index.samples.len(), false);
         for item in db.iter(&rtxn).map_err(lmdb_err)? {
             let (key, value) = item.map_err(lmdb_err)?;
             let base = match base {
@@ -137,13 +139,28 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
                 });
             }
             // Keys are text in the index, in tar member names and in the TFRecord `key` feature: read
-            // lossily, b"\xfe" and b"\xff" were both "\u{FFFD}", and a reader got a key LMDB never held.
-            let Ok(key) = std::str::from_utf8(key) else {
-                return Err(IndexError::LmdbKeyNotUtf8 { path: root.join("data.mdb"), key: shown(key) });
+            // lossily, b"\xfe" and b"\xff" were both "\u{FFFD}", and a reader got a key LMDB never held. An
+            // environment with a key that is not UTF-8 (integers written as their bytes) has every key given
+            // as its bytes in lower-case hex: one rule for all its keys, so no two become one.
+            let key = match (hex_keys, std::str::from_utf8(key)) {
+                (false, Ok(text)) => text.into(),
+                (false, Err(_)) => {
+                    hex_keys = true;
+                    tracing::warn!(
+                        path = %root.join("data.mdb").display(),
+                        key = %shown(key),
+                        "an LMDB key is not UTF-8: every key of this environment is served as its bytes in hex"
+                    );
+                    for sample in &mut index.samples[first..] {
+                        sample.key = hex(sample.key.as_bytes()).as_str().into();
+                    }
+                    hex(key).as_str().into()
+                }
+                (true, _) => hex(key).as_str().into(),
             };
             let label = proto::datum_label(value).ok().flatten();
             index.samples.push(Sample {
-                key: key.into(),
+                key,
                 label: label.unwrap_or(NO_LABEL),
                 parts: Parts::from(Part {
                     ext: exts.get(if label.is_some() { "datum" } else { "bin" }),
@@ -180,6 +197,12 @@ pub(super) fn index(files: &dyn Files, index: &mut Index, progress: &dyn Progres
     })();
     env.close();
     result
+}
+
+/// `bytes` in lower-case hex, two digits a byte: a key that is not UTF-8 as text, told apart from every
+/// other key so given.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A key for a message, quoted: its first 64 bytes (a damaged page's key can be any length: one was 133 KB),
@@ -257,41 +280,39 @@ mod tests {
         dir
     }
 
-    /// Keys b"\xfe" and b"\xff" were both served as "\u{FFFD}" (members `�_4.bin`, `�_5.bin`): now the
-    /// environment is refused, naming the file and the key's bytes, escaped as a file name's are.
+    /// Keys b"\xfe" and b"\xff" were both served as "\u{FFFD}" (members `�_4.bin`, `�_5.bin`): now every
+    /// key of an environment with such a key is its bytes in hex, the UTF-8 ones too.
     #[test]
-    fn a_key_that_is_not_utf8_is_refused_naming_the_file_and_its_bytes() {
-        let dir = environment([&b"\xfe"[..], b"\xff"]);
-        let err = build(dir.path(), &IndexOptions::default(), &NoProgress).unwrap_err();
-        assert!(matches!(err, IndexError::LmdbKeyNotUtf8 { .. }), "{err}");
-        let message = err.to_string();
-        let file = dir.path().join("data.mdb").display().to_string();
-        assert!(message.contains(&format!("{file} holds the key \"\\xFE\", which is not UTF-8")), "{message}");
-        assert!(message.contains("str(i).encode()"), "{message}");
+    fn keys_that_are_not_utf8_make_every_key_of_the_environment_hex() {
+        let dir = environment([&b"\xfe"[..], b"\xff", b"a1"]);
+        let index = build(dir.path(), &IndexOptions::default(), &NoProgress).unwrap();
+        let keys: Vec<&str> = index.samples.iter().map(|s| &*s.key).collect();
+        assert_eq!(keys, ["6131", "fe", "ff"]);
+        let dir = environment([&b"b"[..], b"a1"]);
+        let index = build(dir.path(), &IndexOptions::default(), &NoProgress).unwrap();
+        assert_eq!(index.samples.iter().map(|s| &*s.key).collect::<Vec<_>>(), ["a1", "b"]);
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
 
         /// Two LMDB keys never become one sample key: an environment is served with every key byte for byte
-        /// (in LMDB's order), or refused because one is not UTF-8.
+        /// (in LMDB's order), or, where one is not UTF-8, every key as its bytes in hex.
         #[test]
         fn two_keys_never_become_one(
             keys in btree_set(vec(prop_oneof![b'a'..=b'c', 0x80u8..=0xff, any::<u8>()], 1..4), 1..8),
         ) {
             let dir = environment(keys.iter().map(Vec::as_slice));
             let all_text = keys.iter().all(|k| std::str::from_utf8(k).is_ok());
-            match build(dir.path(), &IndexOptions::default(), &NoProgress) {
-                Ok(index) => {
-                    prop_assert!(all_text);
-                    let served: Vec<&[u8]> = index.samples.iter().map(|s| s.key.as_bytes()).collect();
-                    prop_assert_eq!(served, keys.iter().map(Vec::as_slice).collect::<Vec<_>>());
-                    let distinct: BTreeSet<&str> = index.samples.iter().map(|s| &*s.key).collect();
-                    prop_assert_eq!(distinct.len(), keys.len());
-                }
-                Err(IndexError::LmdbKeyNotUtf8 { .. }) => prop_assert!(!all_text),
-                Err(e) => prop_assert!(false, "{}", e),
-            }
+            let index = build(dir.path(), &IndexOptions::default(), &NoProgress).unwrap();
+            let served: Vec<String> = index.samples.iter().map(|s| s.key.to_string()).collect();
+            let expected: Vec<String> = keys
+                .iter()
+                .map(|k| if all_text { String::from_utf8(k.clone()).unwrap() } else { super::hex(k) })
+                .collect();
+            prop_assert_eq!(&served, &expected);
+            let distinct: BTreeSet<&String> = served.iter().collect();
+            prop_assert_eq!(distinct.len(), keys.len());
         }
     }
 }
