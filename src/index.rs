@@ -220,12 +220,21 @@ impl Index {
     }
 
     /// What identifies the bytes this index serves, not when they were written: CRC-64/NVME over the
-    /// format, every file's path, size and CRC32C (shards, then side files) and the corrupt regions left
-    /// out. A dataset indexed again unchanged (its files touched, or uploaded again alike, or indexed with
-    /// `skip_corrupt` where nothing is corrupt) keeps it; a file added, removed or changed changes it. A
-    /// mount compares it with its own to tell a dataset re-indexed under it (`DatasetInfo::index_id`).
+    /// index's version (its rules), the format, every file's path, size and CRC32C (shards, then side
+    /// files) and the corrupt regions left out. A dataset indexed again unchanged (its files touched, or
+    /// uploaded again alike, or indexed with `skip_corrupt` where nothing is corrupt) keeps it; a file
+    /// added, removed or changed changes it, and so does a server of other rules. A mount compares it
+    /// with its own to tell a dataset re-indexed under it (`DatasetInfo::index_id`).
     pub fn content_id(&self) -> u64 {
+        self.content_id_of(VERSION)
+    }
+
+    /// [`Index::content_id`] as an index of `version`'s rules has it.
+    fn content_id_of(&self, version: u32) -> u64 {
         let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc64Nvme);
+        // The rules too: an index of other rules may serve other bytes from the same files (version 6 gave
+        // an LMDB environment's keys in hex where one is not UTF-8).
+        digest.update(&version.to_le_bytes());
         digest.update(&[self.settings.format.code()]);
         for files in [&self.shards, &self.side] {
             digest.update(&(files.len() as u64).to_le_bytes());
@@ -595,6 +604,7 @@ mod tests {
         touched.settings.verify_data_crc = true;
         touched.settings.skip_corrupt = true;
         assert_eq!(touched.content_id(), id, "dates, ETags, checking, skipping nothing: the same bytes");
+        assert_ne!(index.content_id_of(VERSION - 1), id, "a server of other rules may serve other bytes");
         let mut other = Vec::new();
         let mut changed = index.clone();
         changed.shards[1].crc32c = 5;

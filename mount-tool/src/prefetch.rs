@@ -450,7 +450,8 @@ impl Prefetcher {
         range: Option<std::ops::Range<u64>>,
     ) -> Result<(Arc<Entry>, Content, bool, bool), ReadError> {
         let started = Instant::now();
-        let mut deadline = started + self.config.timeout;
+        let own = started + self.config.timeout;
+        let mut deadline = own;
         let (entry, fresh) =
             self.get_or_start(key, (objects, obj), true, deadline)?.expect("on-demand reads always get an entry");
         entry.touched.store(self.cache.clock(), Ordering::Relaxed);
@@ -461,16 +462,19 @@ impl Prefetcher {
         let (body, waited, early) = loop {
             match entry.wait(range.clone(), deadline, self.config.timeout) {
                 // The fetch this read joined gave up, its own `timeout` after *it* started; this reader's
-                // time is its own: a new fetch (the failed entry makes way for it) until its deadline.
-                Err(ReadError::Timeout { .. }) if entry.is_failed() && Instant::now() < deadline => {
+                // time is its own: a new fetch (the failed entry makes way for it) within its `timeout`
+                // (not a deadline waited on past it: a fetch started then would fail after it, and the
+                // read, waiting on while other bodies' bytes come, would start one after another).
+                Err(ReadError::Timeout { .. }) if entry.is_failed() && Instant::now() < own => {
                     (entry, fresh) = self
                         .get_or_start(key, (objects, obj), true, deadline)?
                         .expect("on-demand reads always get an entry");
                 }
                 // `timeout` passed with the fetch still on its way and bytes coming all along: the link
                 // is busy (a narrow one, shared with the window's fetches), the server not unreachable.
-                // The read waits another `timeout`, as long as they keep coming; a stream that gets none
-                // of them is given up by the client (`stall_timeout`), and its retries fail the fetch.
+                // The read waits another `timeout`, as long as they keep coming, for the fetch it waits on:
+                // one that fails ends the read (its retries end `timeout` after its first attempt, and a
+                // stream that gets none of the bytes is given up by the client, `stall_timeout`).
                 Err(ReadError::Timeout { .. }) if !entry.is_failed() && client.received() != heard => {
                     heard = client.received();
                     deadline = Instant::now() + self.config.timeout;
@@ -881,6 +885,29 @@ mod tests {
             "the second reader had time left: {:?} after the first failed",
             at - failed_at
         );
+    }
+
+    /// A read waits past its `timeout` while bytes come (a busy link), but not for a fetch that keeps
+    /// failing: every body wrong (bytes came for each), it fails once its fetch gives up, about its
+    /// `timeout` after it began. (It waited without end: each new fetch started past the read's first
+    /// `timeout` failed after the read's next deadline, which the bytes of that fetch had moved on.)
+    #[test]
+    fn a_read_whose_fetch_keeps_failing_while_bytes_come_fails_after_its_timeout() {
+        let config = PrefetcherConfig { prefetch: 0, timeout: Duration::from_millis(600), ..Default::default() };
+        let (_rt, client, p, _bodies) = setup(3, config);
+        client.inject(std::iter::repeat_n(Fault::Corrupt, 100_000));
+        let started = Instant::now();
+        let read = {
+            let p = p.clone();
+            std::thread::spawn(move || p.read_as0(key(1), 0, 4096))
+        };
+        while !read.is_finished() && started.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(read.is_finished(), "the read still waits after {:?}", started.elapsed());
+        assert!(matches!(read.join().unwrap(), Err(ReadError::Timeout { .. })));
+        assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+        assert!(client.received.load(Ordering::Relaxed) > 0, "bytes came all along");
     }
 
     /// Prefetches started from many threads at once never put more bytes in flight than the cap: the

@@ -94,6 +94,10 @@ impl<C: BatchClient> BatchClient for FaultClient<C> {
         self.inner.slot_table(first_epoch, epochs)
     }
 
+    fn received(&self) -> u64 {
+        self.inner.received()
+    }
+
     fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
         let request = request.clone();
         Box::pin(async move {

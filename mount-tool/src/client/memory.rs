@@ -41,6 +41,8 @@ pub struct MemoryClient {
     faults: Mutex<Vec<Fault>>,
     /// Fetch calls made, successful or not.
     pub fetches: AtomicU64,
+    /// Bytes of bodies sent, as each frame goes ([`BatchClient::received`]).
+    pub received: AtomicU64,
     /// Artificial latency per fetch.
     pub delay: Mutex<Duration>,
     /// Batches whose fetches hang until they leave this set.
@@ -81,6 +83,7 @@ impl MemoryClient {
             sampled: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
             fetches: AtomicU64::new(0),
+            received: AtomicU64::new(0),
             delay: Mutex::new(Duration::ZERO),
             held: Mutex::new(Default::default()),
             held_after: Mutex::new(Default::default()),
@@ -101,6 +104,10 @@ impl MemoryClient {
 }
 
 impl BatchClient for MemoryClient {
+    fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
     fn dataset(&self) -> BoxFut<'_, Result<DatasetInfo, ClientError>> {
         Box::pin(async move {
             let (sorted, classes) = self.samples();
@@ -306,6 +313,7 @@ impl MemoryClient {
             }
             into.append(&bytes::Bytes::copy_from_slice(frame), &mut crc)
                 .map_err(|e| ClientError::appending(&server, e))?;
+            self.received.fetch_add(frame.len() as u64, Ordering::Relaxed);
             if every > 0 {
                 // Frames arrive one by one: readers may find the body part verified, part on its way.
                 tokio::task::yield_now().await;

@@ -44,7 +44,7 @@ pub const STREAM_WINDOW: u32 = 16 << 20;
 /// for at least 100).
 const INITIAL_STREAMS: usize = 100;
 /// A stream with no byte of its own waits behind the other streams of its connection while they receive
-/// (a narrow link's frames are sent in turn), for at most this many stall timeouts.
+/// (a narrow link's frames are sent in turn; see [`Wire::get`]), for at most this many stall timeouts.
 pub const QUEUED_STALLS: u32 = 6;
 /// The most of an error response's body kept (the JSON of an error is a line).
 const ERROR_BODY: usize = 64 << 10;
@@ -138,6 +138,8 @@ struct Shared {
     streamed: AtomicU64,
     /// The same, counted for the whole client (every connection to every server).
     received: Arc<AtomicU64>,
+    /// The largest frame the server may send (our SETTINGS_MAX_FRAME_SIZE).
+    frame: u32,
     born: Instant,
 }
 
@@ -198,6 +200,7 @@ impl Wire {
             last_heard: AtomicU64::new(0),
             streamed: AtomicU64::new(0),
             received,
+            frame: max_frame.clamp(frames::DEFAULT_MAX_FRAME, frames::MAX_FRAME_LIMIT),
             born: Instant::now(),
         });
         let (out, rx) = mpsc::unbounded_channel();
@@ -258,7 +261,8 @@ impl Wire {
         self.out.send(Out::Request { block, slot }).map_err(|_| self.shared.error("the connection has ended"))?;
         let mut cancel = Cancel { want: &want, shared: &self.shared, out: &self.out, armed: true };
         let (mut seen, mut others) = (0, self.shared.streamed.load(Ordering::Acquire));
-        let mut own = Instant::now();
+        // When this stream's last byte came, and the connection's count of bytes then.
+        let mut own = (Instant::now(), others);
         loop {
             match tokio::time::timeout(stall, &mut answer).await {
                 Ok(Ok(reply)) => {
@@ -272,29 +276,34 @@ impl Wire {
                 Err(_) => {
                     let now = want.progress.load(Ordering::Acquire);
                     let streamed = self.shared.streamed.load(Ordering::Acquire);
-                    // Other streams' bytes came meanwhile: the server sends, this stream waits its turn
-                    // on a link they fill (a narrow one, its streams' frames taken in turn), and asking
-                    // again would put the same bytes on the same link twice. Stalled once they stop.
-                    let queued = now == seen && streamed != others && own.elapsed() < stall * QUEUED_STALLS;
-                    others = streamed;
-                    if queued {
+                    if now != seen {
+                        (seen, others, own) = (now, streamed, (Instant::now(), streamed));
                         continue;
                     }
-                    if now != seen {
-                        own = Instant::now();
+                    let moved = std::mem::replace(&mut others, streamed) != streamed;
+                    if moved && self.waits_its_turn(streamed - own.1) && own.0.elapsed() < stall * QUEUED_STALLS {
+                        continue;
                     }
-                    if now == seen {
-                        let quiet = self.shared.millis() - self.shared.last_heard.load(Ordering::Acquire);
-                        if Duration::from_millis(quiet) >= stall {
-                            // Nothing at all came on the connection: it is taken as dead.
-                            self.shared.ended.store(true, Ordering::Release);
-                        }
-                        return Err(stalled());
+                    let quiet = self.shared.millis() - self.shared.last_heard.load(Ordering::Acquire);
+                    if Duration::from_millis(quiet) >= stall {
+                        // Nothing at all came on the connection: it is taken as dead.
+                        self.shared.ended.store(true, Ordering::Release);
                     }
-                    seen = now;
+                    return Err(stalled());
                 }
             }
         }
+    }
+
+    /// Whether a stream without a byte of its own while the connection's other streams received `since`
+    /// bytes waits its turn (the server sends its streams' frames in turn: on a narrow link a round of
+    /// them takes seconds, and asking again would put the same bytes on the same link twice), rather
+    /// than being passed over (its body stuck at the server while the others flow: given up, and asked
+    /// of a server again). Passed over once the others got two rounds of frames of every stream in flight
+    /// without one of its own.
+    fn waits_its_turn(&self, since: u64) -> bool {
+        let streams = self.shared.streams.lock().unwrap().len() as u64;
+        since < streams.max(1) * u64::from(self.shared.frame) * 2
     }
 
     fn request_block(&self, ask: &Ask<'_>) -> Vec<u8> {
@@ -486,8 +495,9 @@ mod tests {
     }
 
     /// The reference: the `h2` crate's server, answering `/LEN/SEED` with that body in pieces of `piece`
-    /// bytes (as the flow-control windows let it), `/status/N` with status N and a JSON error, and
-    /// `/silent` never.
+    /// bytes (as the flow-control windows let it), `/status/N` with status N and a JSON error,
+    /// `/late/MS/LEN/SEED` as `/LEN/SEED` after MS milliseconds, `/trickle/LEN/PIECE/MS` with LEN bytes in
+    /// pieces of PIECE every MS milliseconds, and `/silent` never.
     async fn reference_server(piece: usize) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -501,6 +511,23 @@ mod tests {
                             let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
                             if parts == ["silent"] {
                                 tokio::time::sleep(Duration::from_secs(3600)).await;
+                                return;
+                            }
+                            if parts[0] == "late" {
+                                tokio::time::sleep(Duration::from_millis(parts[1].parse().unwrap())).await;
+                            }
+                            let parts = if parts[0] == "late" { &parts[2..] } else { &parts[..] };
+                            if parts[0] == "trickle" {
+                                let n: Vec<usize> = parts[1..].iter().map(|p| p.parse().unwrap()).collect();
+                                let response = http::Response::builder().status(200).header("content-length", n[0]);
+                                let mut s = respond.send_response(response.body(()).unwrap(), false).unwrap();
+                                for at in (0..n[0]).step_by(n[1]) {
+                                    tokio::time::sleep(Duration::from_millis(n[2] as u64)).await;
+                                    let piece = bytes::Bytes::from(vec![7u8; n[1].min(n[0] - at)]);
+                                    if s.send_data(piece, at + n[1] >= n[0]).is_err() {
+                                        return;
+                                    }
+                                }
                                 return;
                             }
                             if parts[0] == "status" {
@@ -597,6 +624,53 @@ mod tests {
     async fn get_whole(wire: &Wire, path: &str, most: usize) -> Result<Reply, ClientError> {
         let ask = Ask { path_and_query: path, fields: &[], expect: most as u64, range_from: 0 };
         wire.get(ask, Target::Whole(Whole::default()), Duration::from_secs(10)).await
+    }
+
+    /// `path`'s body of `len` bytes into a buffer, given up after `stall` without a byte.
+    async fn get_stalling(wire: &Wire, path: &str, len: usize, stall: Duration) -> Result<Reply, ClientError> {
+        let ask = Ask { path_and_query: path, fields: &[], expect: len as u64, range_from: 0 };
+        wire.get(ask, Target::Sink(sink(len, false)), stall).await
+    }
+
+    /// A connection taking frames of up to 16 KiB: two rounds of frames of two streams are 64 KiB.
+    async fn small_frames_to(server: &str) -> Arc<Wire> {
+        let socket = tokio::net::TcpStream::connect(server.trim_start_matches("http://")).await.unwrap();
+        Wire::start(socket, server, (16 << 10, INBOX), None, Default::default())
+    }
+
+    /// A stream whose first byte comes after twice `stall`, while another stream of its connection
+    /// receives a little (fewer bytes than two rounds of frames), waits its turn: not given up as stalled
+    /// (it was, at `stall`, and asked again over the same link).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_waiting_its_turn_behind_one_that_receives_is_not_stalled() {
+        let server = reference_server(16 << 10).await;
+        let wire = small_frames_to(&server).await;
+        let stall = Duration::from_millis(300);
+        let flowing = get_stalling(&wire, "/trickle/40000/1000/50", 40_000, stall);
+        let waiting = get_stalling(&wire, "/late/700/5000/3", 5000, stall);
+        let (flowing, waiting) = tokio::join!(flowing, waiting);
+        assert_eq!(flowing.unwrap().status, 200);
+        let reply = waiting.expect("it waited its turn");
+        assert_eq!(bytes_of(reply.body.unwrap()), body_of(5000, 3));
+    }
+
+    /// A stream that gets nothing while another of its connection receives two rounds of frames of
+    /// every stream is passed over, its body stuck at the server: given up at the next `stall`, not
+    /// after [`QUEUED_STALLS`] of them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_passed_over_while_another_receives_is_given_up() {
+        let server = reference_server(16 << 10).await;
+        let wire = small_frames_to(&server).await;
+        let stall = Duration::from_millis(300);
+        let flowing = tokio::spawn({
+            let wire = wire.clone();
+            async move { get_stalling(&wire, "/trickle/2000000/16384/20", 2_000_000, stall).await.map(|r| r.status) }
+        });
+        let started = Instant::now();
+        let silent = get_stalling(&wire, "/silent", 10, stall).await;
+        assert!(matches!(silent, Err(ClientError::Stalled { .. })), "{silent:?}");
+        assert!(started.elapsed() < stall * 4, "given up after {:?}", started.elapsed());
+        flowing.abort();
     }
 
     proptest! {
