@@ -365,6 +365,8 @@ options! {
         "Serve the counters for Prometheus at GET /metrics on this address.";
     supervise: bool = true, value::switch, "true", "BOOL", "Daemon",
         "Serve from a worker that a small supervisor holding the mount replaces when it dies or is upgraded.";
+    worker_starts: u64 = 5, value::count, "5", "N", "Daemon",
+        "Workers in a row that do not reach service before the supervisor gives the mount up (0: never).";
     resend: bool = true, value::switch, "true", "BOOL", "Daemon",
         "On a takeover, have the kernel re-send what the dead worker had read (Linux 6.9; off: those fail).";
 }

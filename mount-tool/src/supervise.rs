@@ -116,7 +116,7 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
         exe,
         worker: None,
         died_at,
-        restarts: Restarts::default(),
+        restarts: Restarts::giving_up_after(plan.options.worker_starts),
         dying: Vec::new(),
         failing: None,
     };
@@ -419,14 +419,14 @@ impl Supervisor<'_> {
     }
 
     /// Counts a worker that did not reach service (`why`): the next is started after a wait that grows
-    /// ([`restarts`]), or, after [`restarts::GIVE_UP_AFTER`] in a row, the mount is given up: unmounted,
+    /// ([`restarts`]), or, after `worker_starts` in a row, the mount is given up: unmounted,
     /// and `why` returned, for the supervisor to exit with.
     fn not_served(&mut self, why: anyhow::Error) -> Result<()> {
         let Some(wait) = self.restarts.failed(Instant::now()) else {
             let e = why.context(format!(
                 "{} workers in a row did not serve the mount at {} (started again up to {:?} apart): the \
                  supervisor gives it up and unmounts it",
-                restarts::GIVE_UP_AFTER,
+                self.plan.options.worker_starts,
                 self.plan.mountpoint.display(),
                 restarts::LONGEST_WAIT,
             ));
