@@ -8,7 +8,8 @@
 //! (`free_at = max(free_at, release) + len / rate`). The link is shared: all connections through one
 //! emulator draw on the same `free_at` per direction, so the cap is the link's, not each connection's.
 //! Threads sleep with the kernel's high-resolution timers, so delays are accurate to well under a
-//! millisecond. At most `BUFFER` bytes are in flight per direction of a connection, and with a rate
+//! millisecond. A capped link serializes a packet's worth at a time (`Link::packet`), each connection's
+//! in turn. At most `BUFFER` bytes are in flight per direction of a connection, and with a rate
 //! cap at most what the link holds: the bytes on the wire (the rate times the one-way delay) and a
 //! bottleneck queue of `--queue-ms` at the rate ([`Link::held`]); beyond that the reader waits, and TCP
 //! flow control pushes back on the sender, as a router's bounded buffer does. (An unbounded queue is
@@ -37,6 +38,12 @@ const BUFFER: usize = 64 << 20;
 const CHUNK: usize = 64 << 10;
 /// The bottleneck's queue of a capped link, in time at its rate, unless `--queue-ms` says otherwise.
 pub const QUEUE: Duration = Duration::from_millis(100);
+/// The least a capped direction of a connection holds (a few packets).
+const MIN_HELD: usize = 16 << 10;
+/// A packet: the least a capped link serializes at once.
+const PACKET: usize = 1500;
+/// How long a capped link serializes one connection's bytes before another's may go.
+const PACKET_TIME: Duration = Duration::from_millis(2);
 
 #[derive(Debug, Args, Clone)]
 pub struct NetemArgs {
@@ -209,9 +216,16 @@ impl Link {
     /// bottleneck's queue (two chunks at least); without, `BUFFER`.
     pub fn held(&self) -> usize {
         match self.rate {
-            Some(rate) => ((rate * (self.one_way + self.queue).as_secs_f64()) as usize).clamp(2 * CHUNK, BUFFER),
+            Some(rate) => ((rate * (self.one_way + self.queue).as_secs_f64()) as usize).clamp(MIN_HELD, BUFFER),
             None => BUFFER,
         }
+    }
+
+    /// The bytes a capped link serializes at once, each connection's in turn: what it sends in
+    /// [`PACKET_TIME`] (a packet at least, a chunk at most). Whole chunks at a time left each of N
+    /// connections silent for N chunks' time: 20 s at 0.1 Mbit/s with 4 connections.
+    fn packet(&self) -> usize {
+        self.rate.map_or(CHUNK, |rate| ((rate * PACKET_TIME.as_secs_f64()) as usize).clamp(PACKET, CHUNK))
     }
 }
 
@@ -287,12 +301,14 @@ impl Held {
     }
 
     /// Waits until the direction holds less than its limit; false once the writer has ended.
-    fn wait_for_room(&self) -> bool {
+    /// Waits until the direction holds less than its limit: the room left (`None` once the writer has
+    /// ended).
+    fn wait_for_room(&self) -> Option<usize> {
         let mut held = self.bytes.lock().expect("held");
         while held.0 >= self.limit && !held.1 {
             held = self.room.wait(held).expect("held");
         }
-        !held.1
+        (!held.1).then(|| self.limit - held.0)
     }
 
     fn add(&self, n: usize) {
@@ -327,8 +343,8 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant
     let reader = std::thread::spawn(move || {
         let mut last = Instant::now();
         let mut seed = Instant::now().elapsed().as_nanos() as u64 | 1;
-        while reading.wait_for_room() {
-            let mut buf = vec![0u8; CHUNK];
+        while let Some(room) = reading.wait_for_room() {
+            let mut buf = vec![0u8; room.min(CHUNK)];
             let n = match from.read(&mut buf) {
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
@@ -349,20 +365,24 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: Link, wire: &Mutex<Instant
             }
         }
     });
-    for (release, chunk, cut) in rx {
+    let packet = link.packet();
+    'pumping: for (release, chunk, cut) in rx {
         sleep_until(release);
-        if let Some(rate) = link.rate {
-            let done = {
-                let mut free_at = wire.lock().expect("wire");
-                *free_at = (*free_at).max(release) + Duration::from_secs_f64(chunk.len() as f64 / rate);
-                *free_at
-            };
-            sleep_until(done);
+        // A capped link serializes a packet's worth at a time, every connection's in turn.
+        for piece in chunk.chunks(if link.rate.is_some() { packet } else { chunk.len().max(1) }) {
+            if let Some(rate) = link.rate {
+                let done = {
+                    let mut free_at = wire.lock().expect("wire");
+                    *free_at = (*free_at).max(release) + Duration::from_secs_f64(piece.len() as f64 / rate);
+                    *free_at
+                };
+                sleep_until(done);
+            }
+            if to.write_all(piece).is_err() {
+                break 'pumping;
+            }
+            held.gone(piece.len());
         }
-        if to.write_all(&chunk).is_err() {
-            break;
-        }
-        held.gone(chunk.len());
         if cut {
             // Both ends see the connection die mid-stream; the other direction's pump ends with it.
             let _ = to.shutdown(Shutdown::Both);

@@ -260,7 +260,7 @@ fn mapping_base(addr: usize, file: &Path) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{build, IndexError, IndexOptions, NoProgress};
+    use super::super::{build, IndexOptions, NoProgress};
     use crate::mmap::LmdbEnv;
     use proptest::collection::{btree_set, vec};
     use proptest::prelude::*;

@@ -279,7 +279,7 @@ fn a_capped_link_holds_its_queue_not_all_the_sender_writes() {
     });
     // 8 Mbit/s: 1 MB/s, its queue 100 ms of it.
     let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(1e6), queue: QUEUE };
-    assert_eq!(link.held(), 128 << 10, "two chunks at least: 101 ms at 1 MB/s is less");
+    assert_eq!(link.held(), 101_000, "101 ms at 1 MB/s: the wire's 1 ms and the queue's 100");
     let netem = start("127.0.0.1:0".parse().unwrap(), upstream, link).unwrap();
     let client = TcpStream::connect(netem.addr).unwrap();
     // The client reads nothing for a while: the link sends ~1.5 MB toward it meanwhile.
@@ -290,4 +290,42 @@ fn a_capped_link_holds_its_queue_not_all_the_sender_writes() {
     drop(client);
     drop(netem);
     sender.join().unwrap();
+}
+
+/// A narrow link shared by several connections sends each of them a packet's worth in turn, not a
+/// 64 KiB chunk: at 0.4 Mbit/s with 4 connections, each went ~5 s without a byte (and a mount took a
+/// connection so silent for dead); now a connection waits a few packets' time.
+#[test]
+fn a_narrow_link_interleaves_its_connections_packet_by_packet() {
+    let rate = 50e3; // 0.4 Mbit/s
+    let link = Link { one_way: Duration::from_millis(1), jitter: Duration::ZERO, rate: Some(rate), queue: QUEUE };
+    let netem = start("127.0.0.1:0".parse().unwrap(), source(), link).unwrap();
+    let gaps: Vec<Duration> = std::thread::scope(|s| {
+        let readers: Vec<_> = (0..4)
+            .map(|_| {
+                let addr = netem.addr;
+                s.spawn(move || {
+                    let mut conn = TcpStream::connect(addr).unwrap();
+                    let mut buf = vec![0u8; 64 << 10];
+                    let started = Instant::now();
+                    let (mut last, mut longest, mut got) = (None::<Instant>, Duration::ZERO, 0);
+                    while started.elapsed() < Duration::from_secs(3) {
+                        let n = conn.read(&mut buf).unwrap();
+                        assert!(n > 0, "the source sends 4 MiB, more than 3 s of the link");
+                        let now = Instant::now();
+                        if let Some(at) = last {
+                            longest = longest.max(now - at);
+                        }
+                        (last, got) = (Some(now), got + n);
+                    }
+                    assert!(got > 0);
+                    longest
+                })
+            })
+            .collect();
+        readers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let longest = gaps.iter().max().unwrap();
+    // 4 connections × 1,500 bytes at 50 KB/s: 0.12 s; whole reads of 16 KiB took 1.3 s, of 64 KiB 5.2 s.
+    assert!(*longest < Duration::from_millis(700), "a connection waited {longest:?} for a byte: {gaps:?}");
 }
