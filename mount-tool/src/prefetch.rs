@@ -645,6 +645,28 @@ mod tests {
     type Client = FaultClient<MemoryClient>;
     use proptest::prelude::*;
 
+    /// A prefetcher of dataset "d" with index id `mounted`, over a client serving `files` (each
+    /// `body`) whose index id is `served`; `timeout` 30 s, so that what fails at once is told apart.
+    pub(super) fn of_files(
+        files: &[&str],
+        body: &'static [u8],
+        (served, mounted): (&str, &str),
+    ) -> (tokio::runtime::Runtime, Arc<MemoryClient>, Arc<Prefetcher>) {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut client = MemoryClient::new(|_, _| vec![]);
+        client.files = files.iter().map(|p| (p.to_string(), Bytes::from_static(body))).collect();
+        *client.index_id.lock().unwrap() = served.into();
+        let client = Arc::new(client);
+        let config = PrefetcherConfig {
+            index_id: mounted.into(),
+            dataset: "d".into(),
+            timeout: Duration::from_secs(30),
+            ..Default::default()
+        };
+        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
+        (runtime, client, p)
+    }
+
     const TF: BatchFormat = BatchFormat::Tfrecord;
     const L2: Listing = batches::listing(2, TF);
 

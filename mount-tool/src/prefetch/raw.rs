@@ -340,21 +340,8 @@ mod tests {
     /// the new files. A page of the mount's index, or of a server that says none, is listed.
     #[test]
     fn a_listing_of_another_index_fails_at_once_and_is_not_kept() {
-        use crate::client::MemoryClient;
-        use crate::prefetch::PrefetcherConfig;
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-        let mut client = MemoryClient::new(|_, _| vec![]);
-        let files = ["a/x.jpg", "a/y.jpg", "b/z.jpg"];
-        client.files = files.iter().map(|p| (p.to_string(), bytes::Bytes::from_static(b"data"))).collect();
-        *client.index_id.lock().unwrap() = "0000000000000001".into();
-        let client = Arc::new(client);
-        let config = PrefetcherConfig {
-            index_id: "0000000000000001".into(),
-            dataset: "d".into(),
-            timeout: std::time::Duration::from_secs(30),
-            ..Default::default()
-        };
-        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
+        let ids = ("0000000000000001", "0000000000000001");
+        let (_runtime, client, p) = super::super::tests::of_files(&["a/x.jpg", "a/y.jpg", "b/z.jpg"], b"data", ids);
         assert_eq!(p.list_dir("a").unwrap().1.files.len(), 2, "the mount's index: listed");
         *client.index_id.lock().unwrap() = "0000000000000002".into();
         let started = std::time::Instant::now();

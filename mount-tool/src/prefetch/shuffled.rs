@@ -238,21 +238,8 @@ mod tests {
     /// listed are never paired with another index's samples. The mount's index's table is kept.
     #[test]
     fn a_sample_table_of_another_index_fails_at_once_and_is_not_kept() {
-        use crate::client::MemoryClient;
-        use crate::prefetch::PrefetcherConfig;
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-        let mut client = MemoryClient::new(|_, _| vec![]);
-        client.files =
-            ["a/x.jpg", "b/y.jpg"].iter().map(|p| (p.to_string(), bytes::Bytes::from_static(b"12"))).collect();
-        *client.index_id.lock().unwrap() = "0000000000000002".into();
-        let client = Arc::new(client);
-        let config = PrefetcherConfig {
-            index_id: "0000000000000001".into(),
-            dataset: "d".into(),
-            timeout: std::time::Duration::from_secs(30),
-            ..Default::default()
-        };
-        let p = Prefetcher::new(client.clone(), runtime.handle().clone(), config);
+        let ids = ("0000000000000002", "0000000000000001");
+        let (_runtime, client, p) = super::super::tests::of_files(&["a/x.jpg", "b/y.jpg"], b"12", ids);
         let started = std::time::Instant::now();
         let err = p.class_plan(0, 2).unwrap_err();
         assert!(started.elapsed() < std::time::Duration::from_secs(5), "at once, not after timeout");
