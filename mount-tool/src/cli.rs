@@ -180,7 +180,11 @@ fn lower_kept_threads(args: &mut [OsString]) -> Option<usize> {
             (Some("--threads"), value) => lower(value),
             (_, a) if a.starts_with("--threads=") => lower(&a["--threads=".len()..]).map(|n| format!("--threads={n}")),
             (Some("-o"), list) => lower_in_list(list, &mut lower),
-            (_, a) if a.starts_with("-o") => lower_in_list(&a[2..], &mut lower).map(|list| format!("-o{list}")),
+            (_, a) if a.starts_with("-o") => {
+                // `-oLIST`, or `-o=LIST`, which clap takes too.
+                let joined = if a.starts_with("-o=") { "-o=" } else { "-o" };
+                lower_in_list(&a[joined.len()..], &mut lower).map(|list| format!("{joined}{list}"))
+            }
             _ => None,
         };
         if let Some(lowered) = lowered {
@@ -643,10 +647,17 @@ mod tests {
         let most = MOST_THREADS.to_string();
         let (args, given) = lowered(&["batchfs", "mount", "-o", "batch_size=8, threads=5000,seed=1", "u", "d"]);
         assert_eq!((args[3].as_str(), given), (format!("batch_size=8,threads={most},seed=1").as_str(), Some(5000)));
-        let (args, given) = lowered(&["batchfs", "mount", "-othreads=2000", "--threads", "3000", "--threads=4000"]);
+        let (args, given) =
+            lowered(&["batchfs", "mount", "-othreads=2000", "-o=threads=2500", "--threads", "3000", "--threads=4000"]);
         assert_eq!(
             args[2..],
-            [format!("-othreads={most}"), "--threads".into(), most.clone(), format!("--threads={most}")]
+            [
+                format!("-othreads={most}"),
+                format!("-o=threads={most}"),
+                "--threads".into(),
+                most.clone(),
+                format!("--threads={most}")
+            ]
         );
         assert_eq!(given, Some(4000), "the last one given is the mount's");
         let within = ["mount.batchfs", "u", "d", "-o", "threads=1024,seed=5000", "--threads=auto", "--seed", "5000"];
