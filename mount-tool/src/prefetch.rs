@@ -457,8 +457,7 @@ impl Prefetcher {
         entry.touched.store(self.cache.clock(), Ordering::Relaxed);
         self.prefetch_after(key, objects, owner);
         let (mut entry, mut fresh) = (entry, fresh);
-        let client = self.client();
-        let mut heard = client.received();
+        let mut heard = self.client.received();
         let (body, waited, early) = loop {
             match entry.wait(range.clone(), deadline, self.config.timeout) {
                 // The fetch this read joined gave up, its own `timeout` after *it* started; this reader's
@@ -475,8 +474,8 @@ impl Prefetcher {
                 // The read waits another `timeout`, as long as they keep coming, for the fetch it waits on:
                 // one that fails ends the read (its retries end `timeout` after its first attempt, and a
                 // stream that gets none of the bytes is given up by the client, `stall_timeout`).
-                Err(ReadError::Timeout { .. }) if !entry.is_failed() && client.received() != heard => {
-                    heard = client.received();
+                Err(ReadError::Timeout { .. }) if !entry.is_failed() && self.client.received() != heard => {
+                    heard = self.client.received();
                     deadline = Instant::now() + self.config.timeout;
                 }
                 other => break other?,
