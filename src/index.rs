@@ -1,8 +1,9 @@
 //! The dataset index: for every sample its key, label and parts (shard, byte offset, length, CRC32C),
 //! built once and persisted so serving never walks a cursor or scans a shard (LMDBIO's lesson).
 //!
-//! On disk the index is `BATCHFSI`, a format version, a little-endian payload and a CRC32C of the
-//! payload. A file that fails any check is ignored (and rebuilt), never trusted.
+//! On disk the index is `BATCHFSI`, the file's layout, a little-endian payload (first the format and the
+//! version of its rules) and a CRC32C of all before it. A file that fails any check is ignored (and
+//! rebuilt), never trusted; one of another layout or of other rules for its format is rebuilt whole.
 //!
 //! In memory a server holds the index of every dataset it serves, a sample and a file (a
 //! [`ShardInfo`]) per image of a file tree or bucket: they are held in the compact forms of
@@ -58,6 +59,19 @@ impl SourceFormat {
 
     fn from_code(code: u8) -> Option<Self> {
         SourceFormat::ALL.into_iter().find(|f| f.code() == code)
+    }
+
+    /// The version of this format's indexing rules: raised whenever indexing the same files of this format
+    /// would make another index (what a sample is, its key, its parts), so that an index of this format
+    /// made by other rules is rebuilt whole, never loaded or taken from, and its id differs, while the
+    /// other formats' indexes are kept. 6 for every format is what the index file's layout 6 held, when one
+    /// version stood for the layout and every format's rules (5: tar members as WebDataset reads them, an
+    /// LMDB of duplicate keys refused, links followed; 6: an LMDB environment with a key that is not UTF-8
+    /// has every key in hex).
+    pub fn rules(self) -> u32 {
+        match self {
+            SourceFormat::Tfrecord | SourceFormat::Lmdb | SourceFormat::Tar | SourceFormat::Files => 6,
+        }
     }
 }
 
@@ -220,21 +234,22 @@ impl Index {
     }
 
     /// What identifies the bytes this index serves, not when they were written: CRC-64/NVME over the
-    /// index's version (its rules), the format, every file's path, size and CRC32C (shards, then side
-    /// files) and the corrupt regions left out. A dataset indexed again unchanged (its files touched, or
-    /// uploaded again alike, or indexed with `skip_corrupt` where nothing is corrupt) keeps it; a file
-    /// added, removed or changed changes it, and so does a server of other rules. A mount compares it
-    /// with its own to tell a dataset re-indexed under it (`DatasetInfo::index_id`).
+    /// version of its format's rules ([`SourceFormat::rules`]), the format, every file's path, size and
+    /// CRC32C (shards, then side files) and the corrupt regions left out. A dataset indexed again
+    /// unchanged (its files touched, or uploaded again alike, or indexed with `skip_corrupt` where nothing
+    /// is corrupt) keeps it; a file added, removed or changed changes it, and so does a server of other
+    /// rules for the format. A mount compares it with its own to tell a dataset re-indexed under it
+    /// (`DatasetInfo::index_id`).
     pub fn content_id(&self) -> u64 {
-        self.content_id_of(VERSION)
+        self.content_id_of(self.settings.format.rules())
     }
 
-    /// [`Index::content_id`] as an index of `version`'s rules has it.
-    fn content_id_of(&self, version: u32) -> u64 {
+    /// [`Index::content_id`] as an index of `rules` has it.
+    fn content_id_of(&self, rules: u32) -> u64 {
         let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc64Nvme);
-        // The rules too: an index of other rules may serve other bytes from the same files (version 6 gave
+        // The rules too: an index of other rules may serve other bytes from the same files (rules 6 gave
         // an LMDB environment's keys in hex where one is not UTF-8).
-        digest.update(&version.to_le_bytes());
+        digest.update(&rules.to_le_bytes());
         digest.update(&[self.settings.format.code()]);
         for files in [&self.shards, &self.side] {
             digest.update(&(files.len() as u64).to_le_bytes());
@@ -260,8 +275,14 @@ impl Index {
 
     /// Serializes the index.
     pub fn to_bytes(&self) -> Vec<u8> {
+        self.to_bytes_of(self.settings.format.rules())
+    }
+
+    /// [`Index::to_bytes`] as an index of `rules` has them.
+    fn to_bytes_of(&self, rules: u32) -> Vec<u8> {
         let mut w = Writer::default();
         w.u8(self.settings.format.code());
+        w.u64(u64::from(rules));
         w.u8(u8::from(self.settings.verify_data_crc));
         w.u8(u8::from(self.settings.skip_corrupt));
         for files in [&self.shards, &self.side] {
@@ -303,28 +324,50 @@ impl Index {
         }
         let mut out = Vec::with_capacity(w.0.len() + 16);
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&LAYOUT.to_le_bytes());
         out.extend_from_slice(&w.0);
-        out.extend_from_slice(&crc::crc32c(&w.0).to_le_bytes());
+        // Over the head too: a layout's bit flipped is no payload read by another layout's rules.
+        let sum = crc::crc32c(&out);
+        out.extend_from_slice(&sum.to_le_bytes());
         out
     }
 
-    /// Parses an index written by [`Index::to_bytes`]; `None` if it is not one, is of another version, or
-    /// fails its checksum or any consistency check.
+    /// Parses an index written by [`Index::to_bytes`]; `None` if it is not one, is of another layout or of
+    /// other rules for its format, or fails its checksum or any consistency check.
     pub fn from_bytes(buf: &[u8]) -> Option<Index> {
         Self::parse(buf, None).ok()
     }
 
-    /// The settings an index of this version was built with, read from its head alone (no checksum
+    /// The settings an index of today's rules was built with, read from its head alone (no checksum
     /// checked): whether it is worth parsing whole.
     pub fn settings_of(buf: &[u8]) -> Option<IndexSettings> {
-        let version = VERSION.to_le_bytes();
-        let mut r = Reader(buf.strip_prefix(MAGIC)?.strip_prefix(&version[..])?);
-        Some(IndexSettings {
-            format: SourceFormat::from_code(r.u8()?)?,
-            verify_data_crc: r.u8()? != 0,
-            skip_corrupt: r.u8()? != 0,
-        })
+        let (layout, payload) = Self::layout(buf).ok()?;
+        Self::head(&mut Reader(payload), layout).ok()
+    }
+
+    /// The layout of the index file `buf` and its payload (its checksum not yet checked).
+    fn layout(buf: &[u8]) -> Result<(u32, &[u8]), Refused> {
+        let rest = buf.strip_prefix(MAGIC).ok_or(Refused::Unreadable)?;
+        let (layout, payload) = rest.split_first_chunk::<4>().ok_or(Refused::Unreadable)?;
+        match u32::from_le_bytes(*layout) {
+            layout @ (LAYOUT_6 | LAYOUT) => Ok((layout, payload)),
+            _ => Err(Refused::Version),
+        }
+    }
+
+    /// The settings at the head of a payload of `layout`, if made by today's rules for its format.
+    fn head(r: &mut Reader, layout: u32) -> Result<IndexSettings, Refused> {
+        let format = r.u8().and_then(SourceFormat::from_code).ok_or(Refused::Unreadable)?;
+        // Layout 6 held no rules of its own: its version was every format's rules.
+        let rules = match layout {
+            LAYOUT_6 => Some(LAYOUT_6),
+            _ => r.u64().and_then(|v| u32::try_from(v).ok()),
+        };
+        if rules.ok_or(Refused::Unreadable)? != format.rules() {
+            return Err(Refused::Version);
+        }
+        let mut flag = || r.u8().map(|b| b != 0).ok_or(Refused::Unreadable);
+        Ok(IndexSettings { format, verify_data_crc: flag()?, skip_corrupt: flag()? })
     }
 
     /// [`Index::from_bytes`] of the index persisted for a dataset listed now as `listed`: taken only if
@@ -336,24 +379,16 @@ impl Index {
     }
 
     fn parse(buf: &[u8], listed: Option<&mut Listed>) -> Result<Index, Refused> {
-        let version = VERSION.to_le_bytes();
-        let rest = buf.strip_prefix(MAGIC).ok_or(Refused::Unreadable)?;
-        let payload = match rest.strip_prefix(&version[..]) {
-            Some(payload) => payload,
-            None if rest.len() >= 4 => return Err(Refused::Version),
-            None => return Err(Refused::Unreadable),
-        };
+        let (layout, payload) = Self::layout(buf)?;
         let (payload, sum) = payload.split_at(payload.len().checked_sub(4).ok_or(Refused::Unreadable)?);
-        if sum.try_into().ok().map(u32::from_le_bytes) != Some(crc::crc32c(payload)) {
+        // Layout 6's covered its payload alone.
+        let covered = if layout == LAYOUT_6 { payload } else { &buf[..buf.len() - 4] };
+        if sum.try_into().ok().map(u32::from_le_bytes) != Some(crc::crc32c(covered)) {
             return Err(Refused::Unreadable);
         }
         let mut r = Reader(payload);
+        let settings = Self::head(&mut r, layout)?;
         let read = (|| {
-            let settings = IndexSettings {
-                format: SourceFormat::from_code(r.u8()?)?,
-                verify_data_crc: r.u8()? != 0,
-                skip_corrupt: r.u8()? != 0,
-            };
             let shards = FilesRead::read(&mut r, listed.as_deref().map(|l| &l.shards[..]))?;
             let side = FilesRead::read(&mut r, listed.as_deref().map(|l| &l.side[..]))?;
             let classes = r.list(|r| r.str())?;
@@ -424,11 +459,11 @@ pub struct Listed {
 /// Why a persisted index was not taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refused {
-    /// Not an index of this version, or damaged.
+    /// Not an index, or damaged.
     Unreadable,
     /// An index of other settings, or of files that have changed since.
     Stale,
-    /// An index of another version: of other rules (an upgrade), rebuilt whole.
+    /// An index of another layout, or of other rules for its format (an upgrade): rebuilt whole.
     Version,
 }
 
@@ -493,12 +528,13 @@ impl<'a> FileRecord<'a> {
 }
 
 const MAGIC: &[u8; 8] = b"BATCHFSI";
-/// The format's version, and of the rules that made what it holds: raised whenever indexing the same bytes
-/// would make another index (its layout, or what a sample is), so that an index of other rules is neither
-/// loaded nor taken from when indexing again. 5: tar members as WebDataset reads them, an LMDB of duplicate
-/// keys refused, links followed (an index of 4 kept macOS `._` members as samples). 6: an LMDB environment
-/// with a key that is not UTF-8 has every key in hex (an index of 5 held such a key lossily, two as one).
-const VERSION: u32 = 6;
+/// The index file's layout: raised whenever what it holds is written otherwise, so that an index of
+/// another layout is rebuilt whole. The rules that made what it holds are its format's
+/// ([`SourceFormat::rules`]), written in it: 7 added them.
+const LAYOUT: u32 = 7;
+/// The layout before each format had rules of its own: its version was the rules of every format (an
+/// index of it is read still, so that an upgrade past it indexes nothing again).
+const LAYOUT_6: u32 = 6;
 
 #[derive(Default)]
 struct Writer(Vec<u8>);
@@ -604,7 +640,8 @@ mod tests {
         touched.settings.verify_data_crc = true;
         touched.settings.skip_corrupt = true;
         assert_eq!(touched.content_id(), id, "dates, ETags, checking, skipping nothing: the same bytes");
-        assert_ne!(index.content_id_of(VERSION - 1), id, "a server of other rules may serve other bytes");
+        let rules = SourceFormat::Tfrecord.rules();
+        assert_ne!(index.content_id_of(rules - 1), id, "a server of other rules may serve other bytes");
         let mut other = Vec::new();
         let mut changed = index.clone();
         changed.shards[1].crc32c = 5;
@@ -623,6 +660,56 @@ mod tests {
         for o in other {
             assert_ne!(o.content_id(), id, "{o:?}");
         }
+    }
+
+    /// Indexes written by the last release of layout 6 (`batchfs-server index` of e7897f8, over `gen
+    /// --samples 6 --mean-bytes 200 --shards 2 --classes 2 --seed 1` of each format), and the index id
+    /// that release's server gave each: an upgrade past layout 6 takes them as they are, with the same id
+    /// (no dataset indexed again, no bucket read again, no mount's reads refused).
+    #[test]
+    fn an_index_of_layout_6_is_taken_at_an_upgrade_with_the_id_it_had() {
+        let files: [(SourceFormat, &[u8], u64); 4] = [
+            (SourceFormat::Tfrecord, include_bytes!("index/testdata/tfrecord-v6.batchfs-index"), 0xcedf6659bd5aa5fa),
+            (SourceFormat::Lmdb, include_bytes!("index/testdata/lmdb-v6.batchfs-index"), 0xee53f00e5679274b),
+            (SourceFormat::Tar, include_bytes!("index/testdata/tar-v6.batchfs-index"), 0xe694a7cdc6186482),
+            (SourceFormat::Files, include_bytes!("index/testdata/files-v6.batchfs-index"), 0xd6bb3e12139ee15c),
+        ];
+        for (format, bytes, id) in files {
+            let index = Index::from_bytes(bytes).unwrap_or_else(|| panic!("{format}: not taken"));
+            assert_eq!((index.format(), index.samples.len()), (format, 6));
+            assert_eq!(index.content_id(), id, "{format}");
+            assert_eq!(Index::settings_of(bytes), Some(index.settings));
+            // Taken for the files listed now, as a server's start takes it.
+            let as_listed = |f: &ShardInfo| ShardInfo { crc32c: 0, chunks: ChunkCrcs::default(), ..f.clone() };
+            let mut listed = Listed {
+                settings: index.settings,
+                shards: index.shards.iter().map(as_listed).collect(),
+                side: index.side.iter().map(as_listed).collect(),
+            };
+            assert_eq!(Index::from_bytes_listed(bytes, &mut listed).as_ref(), Ok(&index));
+            // Written again in today's layout, the same index.
+            let again = index.to_bytes();
+            assert_eq!(again[MAGIC.len()..][..4], LAYOUT.to_le_bytes());
+            assert_eq!(Index::from_bytes(&again), Some(index));
+        }
+    }
+
+    /// An index made by other rules for its format is rebuilt, never taken: not loaded, not taken from
+    /// as a stale index's parts; one of another layout neither. Only that format's rules count.
+    #[test]
+    fn an_index_of_other_rules_or_another_layout_is_refused_as_of_another_version() {
+        let index = Index::from_bytes(include_bytes!("index/testdata/tar-v6.batchfs-index")).unwrap();
+        let rules = index.format().rules();
+        for other in [rules - 1, rules + 1] {
+            let bytes = index.to_bytes_of(other);
+            assert_eq!(Index::parse(&bytes, None), Err(Refused::Version), "rules {other}");
+            assert_eq!(Index::settings_of(&bytes), None, "a stale index of other rules is not taken from");
+            assert_ne!(index.content_id_of(other), index.content_id());
+        }
+        let mut bytes = index.to_bytes();
+        bytes[MAGIC.len()..][..4].copy_from_slice(&(LAYOUT + 1).to_le_bytes());
+        assert_eq!(Index::parse(&bytes, None), Err(Refused::Version));
+        assert_eq!(Index::parse(&bytes[..MAGIC.len() + 3], None), Err(Refused::Unreadable));
     }
 
     fn arb_index() -> impl Strategy<Value = Index> {

@@ -448,7 +448,8 @@ pub fn load_or_build_listed(
             tracing::info!(
                 dataset = name,
                 at,
-                "persisted index is of another version (made by another build); rebuilding"
+                "persisted index is of another layout or of other rules for its format (made by another release); \
+                 rebuilding"
             );
             None
         }

@@ -166,10 +166,10 @@ mod tests {
         }
     }
 
-    /// An index of another version (other rules: one kept macOS `._` tar members as samples) is neither
+    /// An index of other rules for its format (one kept macOS `._` tar members as samples) is neither
     /// loaded nor taken from: what it says of unchanged files is what those rules made of them.
     #[test]
-    fn an_index_of_another_version_is_neither_loaded_nor_taken_from() {
+    fn an_index_of_other_rules_is_neither_loaded_nor_taken_from() {
         use super::super::{load_or_build, IndexOrigin, INDEX_FILE_NAME};
         let dir = tempfile::tempdir().unwrap();
         generated(SourceFormat::Tfrecord, 1, dir.path());
@@ -178,8 +178,19 @@ mod tests {
         let path = dir.path().join(INDEX_FILE_NAME);
         let mut bytes = std::fs::read(&path).unwrap();
         assert!(Index::from_bytes(&bytes).is_some());
-        let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
-        bytes[8..12].copy_from_slice(&(version - 1).to_le_bytes());
+        // `BATCHFSI`, the layout, the format, its rules (one byte, a varint under 128), and the checksum
+        // made again.
+        let rules = u8::try_from(SourceFormat::Tfrecord.rules()).unwrap();
+        assert_eq!(bytes[13], rules);
+        let with_rules = |bytes: &mut Vec<u8>, rules: u8| {
+            bytes[13] = rules;
+            let end = bytes.len() - 4;
+            let sum = crate::crc::crc32c(&bytes[..end]);
+            bytes[end..].copy_from_slice(&sum.to_le_bytes());
+        };
+        with_rules(&mut bytes, rules);
+        assert!(Index::from_bytes(&bytes).is_some(), "the checksum made as the index makes it");
+        with_rules(&mut bytes, rules - 1);
         assert!(Index::from_bytes(&bytes).is_none(), "an index of the rules before is no stale index to take from");
         std::fs::write(&path, &bytes).unwrap();
         let (_, origin) = load_or_build(dir.path(), "d", None, &options, &NoProgress).unwrap();
