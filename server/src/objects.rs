@@ -93,6 +93,8 @@ pub enum ObjectError {
          yes or no, y or n, on or off)"
     )]
     BadSwitch { url: String, key: String, value: String, whence: &'static str },
+    #[error("{url}: {key} = {value:?} in [dataset.s3] is refused by the S3 client: {source}")]
+    BadValue { url: String, key: String, value: String, source: Box<object_store::Error> },
     #[error("{url}: {source}")]
     Config { url: String, source: Box<object_store::Error> },
     #[error("{url}: bucket {bucket:?} does not exist at {endpoint} ({source})")]

@@ -117,6 +117,15 @@ fn check_switches(
     Ok(())
 }
 
+/// The setting the S3 client refuses the value of (a duration, a number, a checksum's name...: its words
+/// name the value, not the key), each tried alone; `None` where none is refused alone (the environment's).
+fn refused_setting<'a>(bucket: &str, settings: &'a BTreeMap<String, String>) -> Option<(&'a String, &'a String)> {
+    settings.iter().find(|(key, value)| {
+        let Ok(key) = key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() else { return false };
+        AmazonS3Builder::new().with_bucket_name(bucket).with_config(key, value.as_str()).build().is_err()
+    })
+}
+
 impl Bucket {
     /// The S3 client of `url`: the `AWS_*` environment, then `settings` (`object_store`'s S3 keys), with
     /// `limits`' timeouts and retries.
@@ -153,7 +162,15 @@ impl Bucket {
             check_endpoint(url, endpoint, allow_http)?;
         }
         let endpoint = given.unwrap_or_else(|| "the AWS endpoint of the bucket's region".to_owned());
-        let store = builder.build().map_err(|e| ObjectError::Config { url: url.to_owned(), source: Box::new(e) })?;
+        let store = builder.build().map_err(|e| match refused_setting(bucket, settings) {
+            Some((key, value)) => ObjectError::BadValue {
+                url: url.to_owned(),
+                key: key.clone(),
+                value: value.clone(),
+                source: Box::new(e),
+            },
+            None => ObjectError::Config { url: url.to_owned(), source: Box::new(e) },
+        })?;
         Ok(Bucket {
             store: Arc::new(store),
             url: url.trim_end_matches('/').to_owned(),
@@ -403,6 +420,16 @@ mod tests {
             Bucket::connect("s3://b/p", &good, &limits).unwrap();
         }
         Bucket::connect("s3://b/p", &settings("http://127.0.0.1:9000"), &limits).unwrap();
+        // A value of another kind the client refuses: named with its key (object_store's words name the
+        // value alone: `failed to parse "soon" as Duration`).
+        for (key, value) in [("timeout", "soon"), ("Pool_Max_Idle_Per_Host", "-1"), ("checksum_algorithm", "md4")] {
+            let mut bad = settings("http://127.0.0.1:9000");
+            bad.insert(key.into(), value.into());
+            let e = Bucket::connect("s3://b/p", &bad, &limits).err().unwrap();
+            assert!(matches!(&e, ObjectError::BadValue { key: k, .. } if k == key), "{e}");
+            let said = format!("s3://b/p: {key} = \"{value}\" in [dataset.s3] is refused by the S3 client: ");
+            assert!(e.to_string().starts_with(&said), "{e}");
+        }
     }
 
     /// Keys as S3 takes them (any UTF-8 but control characters): a listed key is asked for as listed.
