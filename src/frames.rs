@@ -72,6 +72,7 @@ pub mod code {
     pub const REFUSED_STREAM: u32 = 0x7;
     pub const CANCEL: u32 = 0x8;
     pub const COMPRESSION_ERROR: u32 = 0x9;
+    pub const ENHANCE_YOUR_CALM: u32 = 0xb;
 }
 
 /// The name of an error code, for messages.

@@ -30,7 +30,7 @@ use reading::{Buffered, Reading};
 
 use batchfs::frames::{self, code, setting, FrameReader};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -48,6 +48,10 @@ const INITIAL_STREAMS: usize = 100;
 pub const QUEUED_STALLS: u32 = 6;
 /// The most of an error response's body kept (the JSON of an error is a line).
 const ERROR_BODY: usize = 64 << 10;
+/// Acknowledgements of the server's PINGs and SETTINGS waiting to be written at most: a server that sends
+/// more while it reads none of them (each one a frame queued in our memory) is told to calm down, and the
+/// connection is ended.
+const CONTROL_QUEUED: usize = 1024;
 
 /// One request's answer.
 #[derive(Debug)]
@@ -141,6 +145,11 @@ struct Shared {
     /// The largest frame the server may send (our SETTINGS_MAX_FRAME_SIZE).
     frame: u32,
     born: Instant,
+    /// Acknowledgements queued for the writer, not yet taken by it (at most [`CONTROL_QUEUED`]).
+    control: AtomicUsize,
+    /// Permits still to be forgotten as streams end: the server lowered its SETTINGS_MAX_CONCURRENT_STREAMS
+    /// below the streams open then (a permit in use cannot be forgotten until it is given back).
+    owed: AtomicUsize,
 }
 
 /// A stream, as its requester and the connection share it.
@@ -170,8 +179,13 @@ struct Slot {
 }
 
 enum Out {
-    Request { block: Vec<u8>, slot: Slot },
+    Request {
+        block: Vec<u8>,
+        slot: Slot,
+    },
     Frame(Vec<u8>),
+    /// An acknowledgement of the server's PING or SETTINGS, counted in [`Shared::control`].
+    Control(Vec<u8>),
 }
 
 impl Wire {
@@ -202,6 +216,8 @@ impl Wire {
             received,
             frame: max_frame.clamp(frames::DEFAULT_MAX_FRAME, frames::MAX_FRAME_LIMIT),
             born: Instant::now(),
+            control: AtomicUsize::new(0),
+            owed: AtomicUsize::new(0),
         });
         let (out, rx) = mpsc::unbounded_channel();
         let reader = FrameReader::new(max_frame);
@@ -236,7 +252,7 @@ impl Wire {
     /// on it meanwhile).
     pub async fn get(&self, ask: Ask<'_>, target: Target, stall: Duration) -> Result<Reply, ClientError> {
         let stalled = || ClientError::Stalled { server: self.shared.server.clone(), after: stall };
-        let permit = tokio::time::timeout(stall, self.shared.permits.clone().acquire_owned())
+        let permit = tokio::time::timeout(stall, self.shared.permit())
             .await
             .map_err(|_| stalled())?
             .map_err(|_| self.shared.error("the connection has ended"))?;
@@ -284,7 +300,8 @@ impl Wire {
                     if moved && self.waits_its_turn(streamed - own.1) && own.0.elapsed() < stall * QUEUED_STALLS {
                         continue;
                     }
-                    let quiet = self.shared.millis() - self.shared.last_heard.load(Ordering::Acquire);
+                    // Heard after `millis` was read, by the reader: not a moment ago, nothing to wrap.
+                    let quiet = self.shared.millis().saturating_sub(self.shared.last_heard.load(Ordering::Acquire));
                     if Duration::from_millis(quiet) >= stall {
                         // Nothing at all came on the connection: it is taken as dead.
                         self.shared.ended.store(true, Ordering::Release);
@@ -371,8 +388,11 @@ impl Drop for Cancel<'_> {
         if !self.armed {
             return;
         }
-        self.want.cancelled.store(true, Ordering::Release);
-        let id = self.want.id.load(Ordering::Acquire);
+        // Sequentially consistent, as the writer's store of the id and load of `cancelled`: each side then
+        // sees the other's store (with release and acquire both could miss it, the slot then inserted and
+        // its HEADERS sent with nobody to reset it).
+        self.want.cancelled.store(true, Ordering::SeqCst);
+        let id = self.want.id.load(Ordering::SeqCst);
         if id != 0 {
             // Dropped here, or by the reader (which checks `cancelled` under this lock) if it holds it.
             drop(self.shared.streams.lock().unwrap().remove(&id));
@@ -382,6 +402,18 @@ impl Drop for Cancel<'_> {
 }
 
 impl Shared {
+    /// A permit for a stream, once those [`Shared::owed`] are paid (each forgotten as it is given back).
+    async fn permit(&self) -> Result<OwnedSemaphorePermit, tokio::sync::AcquireError> {
+        loop {
+            let permit = self.permits.clone().acquire_owned().await?;
+            let paid = self.owed.fetch_update(Ordering::AcqRel, Ordering::Acquire, |owed| owed.checked_sub(1));
+            match paid {
+                Ok(_) => permit.forget(),
+                Err(_) => return Ok(permit),
+            }
+        }
+    }
+
     fn millis(&self) -> u64 {
         self.born.elapsed().as_millis() as u64
     }
@@ -441,6 +473,10 @@ async fn write_loop<W: AsyncWrite>(
         while let Some(out) = next {
             match out {
                 Out::Frame(f) => buf.extend_from_slice(&f),
+                Out::Control(f) => {
+                    shared.control.fetch_sub(1, Ordering::AcqRel);
+                    buf.extend_from_slice(&f);
+                }
                 Out::Request { block, slot } => {
                     if shared.ended.load(Ordering::Acquire) {
                         let _ = slot.done.send(Err(shared.error("the connection has ended")));
@@ -453,10 +489,10 @@ async fn write_loop<W: AsyncWrite>(
                     } else {
                         let id = next_id;
                         next_id += 2;
-                        slot.want.id.store(id, Ordering::Release);
+                        slot.want.id.store(id, Ordering::SeqCst);
                         let cancelled = {
                             let mut streams = shared.streams.lock().unwrap();
-                            let cancelled = slot.want.cancelled.load(Ordering::Acquire);
+                            let cancelled = slot.want.cancelled.load(Ordering::SeqCst);
                             if !cancelled {
                                 streams.insert(id, slot);
                             }
@@ -628,8 +664,19 @@ mod tests {
 
     /// `path`'s body of `len` bytes into a buffer, given up after `stall` without a byte.
     async fn get_stalling(wire: &Wire, path: &str, len: usize, stall: Duration) -> Result<Reply, ClientError> {
+        get_stalling_into(wire, path, len, stall, false).await
+    }
+
+    /// [`get_stalling`] into a buffer, or a fresh memory file.
+    async fn get_stalling_into(
+        wire: &Wire,
+        path: &str,
+        len: usize,
+        stall: Duration,
+        into_file: bool,
+    ) -> Result<Reply, ClientError> {
         let ask = Ask { path_and_query: path, fields: &[], expect: len as u64, range_from: 0 };
-        wire.get(ask, Target::Sink(sink(len, false)), stall).await
+        wire.get(ask, Target::Sink(sink(len, into_file)), stall).await
     }
 
     /// A connection taking frames of up to 16 KiB: two rounds of frames of two streams are 64 KiB.
@@ -656,21 +703,128 @@ mod tests {
 
     /// A stream that gets nothing while another of its connection receives two rounds of frames of
     /// every stream is passed over, its body stuck at the server: given up at the next `stall`, not
-    /// after [`QUEUED_STALLS`] of them.
+    /// after [`QUEUED_STALLS`] of them; whether the others' bodies go into buffers or fresh memory files
+    /// (whose reads counted a byte each: given up after six stalls).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stream_passed_over_while_another_receives_is_given_up() {
-        let server = reference_server(16 << 10).await;
-        let wire = small_frames_to(&server).await;
-        let stall = Duration::from_millis(300);
-        let flowing = tokio::spawn({
-            let wire = wire.clone();
-            async move { get_stalling(&wire, "/trickle/2000000/16384/20", 2_000_000, stall).await.map(|r| r.status) }
+        for into_file in [false, true] {
+            let server = reference_server(16 << 10).await;
+            let wire = small_frames_to(&server).await;
+            let stall = Duration::from_millis(300);
+            let flowing = tokio::spawn({
+                let wire = wire.clone();
+                let path = "/trickle/2000000/16384/20";
+                async move { get_stalling_into(&wire, path, 2_000_000, stall, into_file).await.map(|r| r.status) }
+            });
+            let started = Instant::now();
+            let silent = get_stalling(&wire, "/silent", 10, stall).await;
+            assert!(matches!(silent, Err(ClientError::Stalled { .. })), "{silent:?}");
+            assert!(started.elapsed() < stall * 4, "into a file: {into_file}; given up after {:?}", started.elapsed());
+            flowing.abort();
+        }
+    }
+
+    /// A raw server on loopback, running `serve` on its one connection (after the client's preface), and
+    /// a connection to it.
+    async fn raw_server<F, Fut>(serve: F) -> Arc<Wire>
+    where
+        F: FnOnce(tokio::net::TcpStream) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut preface = [0u8; 24];
+            socket.read_exact(&mut preface).await.unwrap();
+            serve(socket).await;
         });
-        let started = Instant::now();
-        let silent = get_stalling(&wire, "/silent", 10, stall).await;
-        assert!(matches!(silent, Err(ClientError::Stalled { .. })), "{silent:?}");
-        assert!(started.elapsed() < stall * 4, "given up after {:?}", started.elapsed());
-        flowing.abort();
+        wire_to(&server).await
+    }
+
+    /// A server that sends PINGs without end and reads nothing (their acknowledgements pile up behind a
+    /// full socket) is told to calm down and its connection ended: each acknowledgement queued was a
+    /// frame in our memory (2.5 GB in 12 s).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_flooding_pings_it_never_reads_the_answers_of_is_ended() {
+        let wire = raw_server(|mut socket| async move {
+            let pings: Vec<u8> = (0..4096).flat_map(|_| frames::frame(frames::kind::PING, 0, 0, &[7; 8])).collect();
+            while socket.write_all(&pings).await.is_ok() {}
+        })
+        .await;
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            while wire.usable() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "the connection is still in use");
+        let err = get(&wire, "/1/1", 1, false).await.unwrap_err();
+        assert!(err.to_string().contains("has ended"), "{err}");
+        assert!(wire.shared.control.load(Ordering::Acquire) <= CONTROL_QUEUED + 1);
+    }
+
+    /// The server lowers SETTINGS_MAX_CONCURRENT_STREAMS below the streams open then: once those end, no
+    /// more than it allows are open at once (the permits in use then were not forgotten: 20 streams
+    /// opened against a limit of 4, each refused by a real server). Raised again, it allows more.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn streams_follow_a_limit_lowered_while_more_are_open() {
+        let (most_tx, most_rx) = oneshot::channel();
+        let wire = raw_server(|mut socket| async move {
+            let mut open = Vec::new();
+            let (mut answered, mut most) = (0, 0);
+            loop {
+                // Every stream opened while none came for 300 ms (or 20 are open), then all answered.
+                let mut head = [0u8; 9];
+                match tokio::time::timeout(Duration::from_millis(300), socket.read_exact(&mut head)).await {
+                    Ok(Ok(_)) => {
+                        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                        let mut payload = vec![0; len];
+                        socket.read_exact(&mut payload).await.unwrap();
+                        if head[3] == frames::kind::HEADERS {
+                            open.push(u32::from_be_bytes(head[5..9].try_into().unwrap()) & 0x7fff_ffff);
+                        }
+                        if open.len() < 20 {
+                            continue;
+                        }
+                    }
+                    Ok(Err(_)) => return,
+                    Err(_) if open.is_empty() => continue,
+                    Err(_) => {}
+                }
+                if answered == 0 {
+                    socket.write_all(&frames::settings(&[(setting::MAX_CONCURRENT_STREAMS, 4)])).await.unwrap();
+                } else {
+                    most = most.max(open.len());
+                }
+                for id in open.drain(..) {
+                    let mut reply = frames::frame(frames::kind::HEADERS, frames::flag::END_HEADERS, id, &[0x88]);
+                    reply.extend(frames::frame(frames::kind::DATA, frames::flag::END_STREAM, id, &[1]));
+                    socket.write_all(&reply).await.unwrap();
+                    answered += 1;
+                }
+                if answered == 40 {
+                    let _ = most_tx.send(most);
+                    let mut rest = Vec::new();
+                    let _ = socket.read_to_end(&mut rest).await;
+                    return;
+                }
+            }
+        })
+        .await;
+        let twenty = || {
+            let gets = (0..20).map(|_| {
+                let wire = wire.clone();
+                async move { get(&wire, "/1/1", 1, false).await.unwrap().status }
+            });
+            futures_util::future::join_all(gets)
+        };
+        // The first twenty open before the server's SETTINGS come (100 allowed until then).
+        assert!(twenty().await.iter().all(|&s| s == 200));
+        assert!(twenty().await.iter().all(|&s| s == 200));
+        let most = tokio::time::timeout(Duration::from_secs(10), most_rx).await.unwrap().unwrap();
+        assert!(most <= 4, "{most} streams open against a limit of 4");
+        assert_eq!(wire.shared.owed.load(Ordering::Acquire), 0, "every permit owed was paid");
     }
 
     proptest! {

@@ -1,7 +1,7 @@
 //! A connection's reading side: [`Reading`], the task that reads the server's frames into their streams'
 //! sinks (see `client/wire.rs`), and [`Buffered`], the socket read in small pieces for what is small.
 
-use super::{Got, Out, Reply, Shared, Slot, Target, CONNECTION_WINDOW, ERROR_BODY, STREAM_WINDOW};
+use super::{Got, Out, Reply, Shared, Slot, Target, CONNECTION_WINDOW, CONTROL_QUEUED, ERROR_BODY, STREAM_WINDOW};
 use crate::client::{Body, ClientError, Sink};
 use batchfs::api;
 use batchfs::frames::{self, code, setting, Event, FrameError, FrameReader, Next};
@@ -184,10 +184,12 @@ impl Reading {
                     while piece.len() < want {
                         // At most the piece's rest, whatever room it has.
                         let rest = (want - piece.len()) as u64;
-                        if (&mut *read).take(rest).read_buf(&mut piece).await? == 0 {
+                        let n = (&mut *read).take(rest).read_buf(&mut piece).await?;
+                        if n == 0 {
                             return Err(std::io::ErrorKind::UnexpectedEof.into());
                         }
-                        self.shared.progressed(&slot.want, 1);
+                        // Every byte counts: the stall rule weighs the bytes others got against rounds of frames.
+                        self.shared.progressed(&slot.want, n as u64);
                         self.shared.heard();
                     }
                     left -= want;
@@ -281,11 +283,9 @@ impl Reading {
                         _ => {}
                     }
                 }
-                let _ = self.out.send(Out::Frame(frames::settings_ack()));
+                self.acknowledge(frames::settings_ack())?;
             }
-            Event::Ping { ack: false, data } => {
-                let _ = self.out.send(Out::Frame(frames::ping_ack(data)));
-            }
+            Event::Ping { ack: false, data } => self.acknowledge(frames::ping_ack(data))?,
             Event::GoAway { last_stream, code, debug } => {
                 self.shared.going_away.store(true, Ordering::Release);
                 let what = format!(
@@ -309,13 +309,34 @@ impl Reading {
         Ok(())
     }
 
-    /// The server's SETTINGS_MAX_CONCURRENT_STREAMS: the permits follow it (those in use are kept).
+    /// Queues the acknowledgement of a PING or SETTINGS; a server that sent [`CONTROL_QUEUED`] of them
+    /// whose acknowledgements wait to be written (it reads none: our socket's buffer is full) is told to
+    /// calm down, its connection ended: else each one it sends is a frame more held in our memory.
+    fn acknowledge(&self, frame: Vec<u8>) -> Result<(), FrameError> {
+        if self.shared.control.fetch_add(1, Ordering::AcqRel) >= CONTROL_QUEUED {
+            let what =
+                format!("the server sent {CONTROL_QUEUED} PINGs or SETTINGS whose acknowledgements it did not read");
+            return Err(FrameError { code: code::ENHANCE_YOUR_CALM, what });
+        }
+        let _ = self.out.send(Out::Control(frame));
+        Ok(())
+    }
+
+    /// The server's SETTINGS_MAX_CONCURRENT_STREAMS: the permits follow it. Those in use when it is
+    /// lowered are forgotten as they are given back ([`Shared::owed`]), so that no more streams than it
+    /// allows are ever open; raised, what is still owed is forgiven first.
     fn streams_allowed(&mut self, allowed: usize) {
         let allowed = allowed.min(Semaphore::MAX_PERMITS);
+        let owed = &self.shared.owed;
         if allowed > self.streams_allowed {
-            self.shared.permits.add_permits(allowed - self.streams_allowed);
+            let more = allowed - self.streams_allowed;
+            let forgiven = owed.fetch_update(Ordering::AcqRel, Ordering::Acquire, |o| Some(o - o.min(more)));
+            let forgiven = forgiven.map_or(0, |o| o.min(more));
+            self.shared.permits.add_permits(more - forgiven);
         } else {
-            self.shared.permits.forget_permits(self.streams_allowed - allowed);
+            let fewer = self.streams_allowed - allowed;
+            let forgotten = self.shared.permits.forget_permits(fewer);
+            owed.fetch_add(fewer - forgotten, Ordering::AcqRel);
         }
         self.streams_allowed = allowed;
     }
