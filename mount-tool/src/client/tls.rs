@@ -125,6 +125,9 @@ struct Records {
     keys: Keys,
     /// Records sealed under one key at most.
     tx_limit: u64,
+    /// TLS 1.3: our key was updated and no record sealed under it since (a KeyUpdate the server asks for
+    /// then is answered already: it must come before our next record, and it does).
+    tx_fresh: bool,
     session: KernelConnection<ClientConnectionData>,
 }
 
@@ -250,6 +253,7 @@ impl Records {
                 }
             }
         }
+        self.tx_fresh = false;
         self.keys.seal(kind, plain, out)
     }
 
@@ -259,6 +263,7 @@ impl Records {
         self.keys.seal(HANDSHAKE, &[KEY_UPDATE, 0, 0, 1, 0], out)?;
         let (seq, secrets) = self.session.update_tx_secret().map_err(tls_error)?;
         self.keys.tx = Direction::new(secrets, seq)?;
+        self.tx_fresh = true;
         Ok(())
     }
 }
@@ -377,6 +382,7 @@ pub async fn handshake(
         },
         // Some room before the limit, as rustls leaves.
         tx_limit: tx_limit.saturating_sub(1 << 10),
+        tx_fresh: false,
         session,
     };
     // What follows the handshake's last whole record is part of a record at most.
@@ -450,7 +456,9 @@ impl TlsStream {
                     let &[requested] = body else { return Err(invalid("TLS: a malformed KeyUpdate".into())) };
                     let (seq, secrets) = self.records.session.update_rx_secret().map_err(tls_error)?;
                     self.records.keys.rx = Direction::new(secrets, seq)?;
-                    if requested == 1 {
+                    // Answered once before our next record (RFC 8446, 4.6.3): a server asking again and again
+                    // while it reads nothing (each answer queued in `out`, sent only by a write) gets one.
+                    if requested == 1 && !self.records.tx_fresh {
                         self.records.update_tx(&mut self.out)?;
                     }
                 }
@@ -669,6 +677,8 @@ mod tests {
         fragment: Option<usize>,
         /// Bytes then read from the client, returned by the server's thread.
         take_back: usize,
+        /// Key updates asking for ours sent after `send`, one after another, then a byte.
+        key_updates: usize,
     }
 
     /// A rustls server of one connection on `listener`, one cipher suite, following `script`.
@@ -697,6 +707,12 @@ mod tests {
                 if script.key_update_after == Some(i) {
                     tls.conn.refresh_traffic_keys().unwrap();
                 }
+            }
+            if script.key_updates > 0 {
+                for _ in 0..script.key_updates {
+                    tls.conn.refresh_traffic_keys().unwrap();
+                }
+                tls.write_all(&[0xee]).unwrap();
             }
             tls.flush().unwrap();
             let mut back = vec![0; script.take_back];
@@ -819,6 +835,32 @@ mod tests {
         }
         stream.flush().await.unwrap();
         assert!(stream.records.keys.tx.seq <= 5, "{} records under one key", stream.records.keys.tx.seq);
+        let (rest, end) = read_all(&mut stream, &SIZES).await;
+        end.unwrap();
+        assert!(rest.is_empty() && stream.closed);
+        assert!(tokio::task::spawn_blocking(move || served.join().unwrap()).await.unwrap() == back);
+    }
+
+    /// A server asking for our key's update again and again, reading nothing (our answers, queued until we
+    /// write, took 27 bytes each without end), gets one answer before our next record, and reads it.
+    #[tokio::test]
+    async fn key_updates_asked_for_again_and_again_are_answered_once() {
+        let cert = certificate();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let send = pattern(100_000, 9);
+        let script = Script { send: send.clone(), key_updates: 2000, take_back: 50_000, ..Script::default() };
+        let served =
+            server(listener, cipher_suite::TLS13_AES_128_GCM_SHA256, (cert.0.clone(), cert.1.clone_key()), script);
+        let mut stream = client(addr, cert.0).await.unwrap();
+        let mut got = vec![0; send.len() + 1];
+        stream.read_exact(&mut got).await.unwrap();
+        assert!(got[..send.len()] == send && got[send.len()] == 0xee, "the bytes differ");
+        let queued = stream.out.len() - stream.sent;
+        assert!(queued < 100, "{queued} bytes of answers queued for 2000 key updates");
+        let back = pattern(50_000, 4);
+        stream.write_all(&back).await.unwrap();
+        stream.flush().await.unwrap();
         let (rest, end) = read_all(&mut stream, &SIZES).await;
         end.unwrap();
         assert!(rest.is_empty() && stream.closed);
