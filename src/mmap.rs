@@ -38,12 +38,12 @@ impl MappedFile {
         Self::open_file(&File::open(path)?)
     }
 
-    /// Maps `path` read-only, like [`MappedFile::open`], and keeps the file open with the mapping, so that
+    /// Maps `file` read-only, like [`MappedFile::open_file`], and keeps it open with the mapping, so that
     /// [`source_of`] finds it from the mapping's bytes: a sender can then have the kernel send them from
     /// the file's pages (`sendfile(2)`) instead of copying them out of the mapping. One descriptor per
-    /// mapping, for as long as it lives.
-    pub fn open_sourced(path: &Path) -> io::Result<Self> {
-        let file = File::open(path)?;
+    /// mapping, for as long as it lives. (A file, not a path: the server opens a dataset's files beneath
+    /// its directory.)
+    pub fn open_sourced(file: File) -> io::Result<Self> {
         let mut mapped = Self::open_file(&file)?;
         if let Some(map) = &mapped.map {
             sources::register(map.as_ptr() as usize, mapped.len, Arc::new(file));
@@ -419,7 +419,7 @@ mod tests {
         let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         std::fs::write(&path, &data).unwrap();
         assert!(source_of(MappedFile::open(&path).unwrap().bytes()).is_none(), "not kept without asking");
-        let mapped = MappedFile::open_sourced(&path).unwrap();
+        let mapped = MappedFile::open_sourced(File::open(&path).unwrap()).unwrap();
         let bytes = mapped.bytes();
         let (file, offset) = source_of(&bytes[12_345..60_000]).unwrap();
         assert_eq!(offset, 12_345);

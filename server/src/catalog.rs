@@ -30,6 +30,8 @@ pub enum CatalogError {
     #[error("dataset {name}: a shard changed since it was indexed ({path}); restart to re-index")]
     Changed { name: String, path: PathBuf },
     #[error("dataset {name}: {source}")]
+    Beneath { name: String, source: crate::storage::BeneathError },
+    #[error("dataset {name}: {source}")]
     Objects { name: String, source: Box<crate::objects::ObjectError> },
     #[error("dataset {name} is configured twice")]
     Duplicate { name: String },
@@ -43,6 +45,7 @@ impl CatalogError {
         match e {
             OpenError::Changed { path } => CatalogError::Changed { name: name.to_owned(), path },
             OpenError::Cannot { path, source } => CatalogError::Map { name: name.to_owned(), path, source },
+            OpenError::Beneath(source) => CatalogError::Beneath { name: name.to_owned(), source },
         }
     }
 
@@ -142,8 +145,9 @@ impl Dataset {
             .map_err(|source| CatalogError::Index { name: name.to_owned(), source })?;
         CatalogError::fits(name, &index)?;
         let index = Arc::new(index);
-        let storage =
-            Arc::new(Storage::open(name, root, index.clone(), io).map_err(|e| CatalogError::opening(name, e))?);
+        let storage = Storage::open(name, root, options.follow_links, index.clone(), io)
+            .map_err(|e| CatalogError::opening(name, e))?;
+        let storage = Arc::new(storage);
         Ok(Dataset::of(name, root, index, origin, storage))
     }
 

@@ -41,12 +41,19 @@
 //! shard stays refused until the server restarts and re-indexes the dataset; every other shard is
 //! served as before, and the clients' checksums keep out whatever bytes went out before it was noticed.
 //! Shards held in memory are not looked at: they are served as indexed.
+//!
+//! **A file swapped for a link out of the dataset's directory** after indexing, whatever size and date it
+//! is given, is refused the same way when it is opened: every file is opened beneath the directory, and
+//! out of it only by links followed at start (`--follow-links`), to the files they led to then
+//! (`storage/beneath.rs`). A shard held open or mapped is read from the file opened at start.
 
 use crate::aligned::{self, DIRECT_ALIGN};
 use crate::objects::{ObjectSource, ReadError};
 pub use crate::policy::{IoMode, IoPolicy, Resident};
+pub use beneath::{BeneathError, DatasetDir};
 use holding::{hold, Holding};
 
+mod beneath;
 pub mod direct;
 mod holding;
 pub mod uring;
@@ -68,7 +75,7 @@ pub enum Shard {
     Direct(Box<HeldFile>),
     /// Read with positioned reads from a file held open.
     Open(Box<HeldFile>),
-    /// Read with positioned reads from its file (the index's path under the dataset's root), opened for
+    /// Read with positioned reads from its file (the index's path beneath the dataset's root), opened for
     /// each read and checked against its indexed size and modification time each time. Holds nothing:
     /// a dataset of a million files keeps no path or descriptor per file beside its index.
     Closed,
@@ -119,8 +126,9 @@ pub struct Storage {
     opened: Instant,
     /// The object store an object dataset's shards are read from.
     objects: Option<Arc<ObjectSource>>,
-    /// The dataset's directory and index: where a file opened per read is, and what it should be.
-    root: PathBuf,
+    /// The dataset's directory (none for objects), every file opened beneath it, and its index: where a
+    /// file opened per read is, and what it should be.
+    dir: Option<DatasetDir>,
     index: Arc<Index>,
 }
 
@@ -131,6 +139,8 @@ pub enum OpenError {
     Changed { path: PathBuf },
     #[error("cannot open shard {path}: {source}")]
     Cannot { path: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Beneath(#[from] BeneathError),
 }
 
 /// A shard that changed under the server since it was indexed.
@@ -152,10 +162,19 @@ impl std::fmt::Display for ShardChanged {
     }
 }
 
+impl std::error::Error for ShardChanged {}
+
 impl Storage {
     /// Opens the shards of `index` under `root` as `policy` says (see the module note), checking that
-    /// each still has its indexed size.
-    pub fn open(name: &str, root: &Path, index: Arc<Index>, policy: IoPolicy) -> Result<Storage, OpenError> {
+    /// each still has its indexed size. Every file is opened beneath `root`, out of it only by links
+    /// followed at start where `follow_links` (`storage/beneath.rs`).
+    pub fn open(
+        name: &str,
+        root: &Path,
+        follow_links: bool,
+        index: Arc<Index>,
+        policy: IoPolicy,
+    ) -> Result<Storage, OpenError> {
         let bytes: u64 = index.shards.iter().map(|s| s.size).sum();
         let fits = bytes <= policy.memory / 2;
         let many = index.shards.len() > policy.max_mapped_shards;
@@ -174,11 +193,12 @@ impl Storage {
             );
         }
         let mut read = read;
+        let mut dir = DatasetDir::open(root, follow_links)?;
         // The filesystem may refuse O_DIRECT (tmpfs, some network filesystems): the first shard says so.
         if let (Read::Direct, Some(first)) = (read, index.shards.first()) {
             let path = root.join(&first.path);
-            match open_direct(&path) {
-                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+            match open_direct(&mut dir, 0, &first.path) {
+                Err(BeneathError::Io { source: e, .. }) if e.kind() == std::io::ErrorKind::InvalidInput => {
                     tracing::warn!(dataset = name, path = %path.display(), error = %e,
                         "O_DIRECT refused: reading with positioned reads through the page cache");
                     read = Read::Open;
@@ -189,13 +209,13 @@ impl Storage {
         }
         let mut shards = Vec::with_capacity(index.shards.len());
         let mut holding = Holding::new(name, &index, if read == Read::Direct { policy.resident } else { 0 });
-        for shard in &index.shards {
+        for (n, shard) in (0..).zip(&index.shards) {
             let path = root.join(&shard.path);
             let changed = || OpenError::Changed { path: path.clone() };
             let cannot = |source| OpenError::Cannot { path: path.clone(), source };
             match read {
                 Read::Direct => {
-                    let file = open_direct(&path).map_err(cannot)?;
+                    let file = open_direct(&mut dir, n, &shard.path)?;
                     let size = file.metadata().map_err(cannot)?.len();
                     if size != shard.size {
                         return Err(changed());
@@ -209,15 +229,15 @@ impl Storage {
                     }
                 }
                 Read::Closed => {
-                    // A stat per file: the index's size must still hold (reads past it would fail later).
-                    let size = std::fs::metadata(&path).map_err(cannot)?.len();
+                    // A look per file: the index's size must still hold (reads past it would fail later).
+                    let size = dir.open_first(n, &shard.path, libc::O_PATH)?.metadata().map_err(cannot)?.len();
                     if size != shard.size {
                         return Err(changed());
                     }
                     shards.push(Shard::Closed);
                 }
                 Read::Open => {
-                    let file = File::open(&path).map_err(cannot)?;
+                    let file = dir.open_first(n, &shard.path, libc::O_RDONLY)?;
                     let size = file.metadata().map_err(cannot)?.len();
                     if size != shard.size {
                         return Err(changed());
@@ -225,8 +245,12 @@ impl Storage {
                     shards.push(Shard::Open(Box::new(HeldFile { file, path, size })));
                 }
                 Read::Mapped => {
-                    let open = if policy.sendfile { MappedFile::open_sourced } else { MappedFile::open };
-                    let mapped = open(&path).map_err(cannot)?;
+                    let file = dir.open_first(n, &shard.path, libc::O_RDONLY)?;
+                    let mapped = match policy.sendfile {
+                        true => MappedFile::open_sourced(file),
+                        false => MappedFile::open_file(&file),
+                    };
+                    let mapped = mapped.map_err(cannot)?;
                     if mapped.len() != shard.size {
                         return Err(changed());
                     }
@@ -251,8 +275,15 @@ impl Storage {
                 })
                 .collect()
         };
-        // Side files are read whole and seldom (under `raw/`): opened per read.
-        shards.extend(index.side.iter().map(|_| Shard::Closed));
+        // Side files are read whole and seldom (under `raw/`): opened per read. Where links out are
+        // followed, those they lead to now are the ones they may lead to (one that cannot be opened now
+        // is refused at its read).
+        for (n, side) in (index.shards.len() as u32..).zip(&index.side) {
+            if follow_links {
+                _ = dir.open_first(n, &side.path, libc::O_PATH);
+            }
+            shards.push(Shard::Closed);
+        }
         let drop_after_read = matches!(read, Read::Open | Read::Closed) && !fits;
         let io = match read {
             Read::Mapped => "mmap",
@@ -283,7 +314,7 @@ impl Storage {
             any_changed: AtomicBool::new(false),
             opened: Instant::now(),
             objects: None,
-            root: root.to_owned(),
+            dir: Some(dir),
             index,
         })
     }
@@ -360,7 +391,7 @@ impl Storage {
             any_changed: AtomicBool::new(false),
             opened: Instant::now(),
             objects: Some(source),
-            root: PathBuf::new(),
+            dir: None,
             index,
         })
     }
@@ -373,7 +404,19 @@ impl Storage {
 
     /// Where file `n` of a local dataset is.
     fn path_of(&self, n: u32) -> PathBuf {
-        self.root.join(self.info(n).map_or("", |i| i.path.as_str()))
+        let root = self.dir.as_ref().map_or(Path::new(""), DatasetDir::path);
+        root.join(self.info(n).map_or("", |i| i.path.as_str()))
+    }
+
+    /// File `n` of a local dataset, opened beneath its directory to be read now: one that leads out of it
+    /// now (a link swapped in since indexing) is a change of the dataset, refused from then on.
+    fn open_file(&self, n: u32) -> std::io::Result<File> {
+        let (dir, info) = (self.dir.as_ref().expect("a local dataset"), self.info(n).expect("a file of the index"));
+        dir.open_file(n, &info.path, libc::O_RDONLY).map_err(|e| match e {
+            e if e.is_link_out() => std::io::Error::other(self.mark(n, e.to_string())),
+            BeneathError::Io { ref source, .. } => std::io::Error::new(source.kind(), e),
+            e => std::io::Error::other(e),
+        })
     }
 
     /// The object source of an object dataset.
@@ -526,7 +569,7 @@ impl Storage {
                 Ok(())
             }
             Shard::Open(held) => advise(&held.file, offset, len, libc::POSIX_FADV_WILLNEED),
-            Shard::Closed => advise(&File::open(self.path_of(n))?, offset, len, libc::POSIX_FADV_WILLNEED),
+            Shard::Closed => advise(&self.open_file(n)?, offset, len, libc::POSIX_FADV_WILLNEED),
             // Direct reads bypass the page cache: pages brought in ahead would only be read twice.
             Shard::Direct(_) => Ok(()),
             // A copy in the tier is warmed as a mapped shard is; else read into the block cache (`warm_all`
@@ -582,7 +625,7 @@ impl Storage {
             Shard::Closed => {
                 let info = self.info(n).expect("a file of the index");
                 at = self.path_of(n);
-                opened = File::open(&at)?;
+                opened = self.open_file(n)?;
                 if let Some(why) = differs(info.size, info.mtime_ns, &opened.metadata()?) {
                     return Err(std::io::Error::other(self.mark(n, why).to_string()));
                 }
@@ -729,14 +772,13 @@ enum Read {
     Closed,
 }
 
-/// `path` opened for direct reads. A filesystem without `O_DIRECT` refuses at open (`EINVAL`) or at the
-/// first read: one aligned block is read to find out.
-fn open_direct(path: &Path) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)?;
+/// File `n` of `dir`, at `rel`, opened for direct reads. A filesystem without `O_DIRECT` refuses at open
+/// (`EINVAL`) or at the first read: one aligned block is read to find out.
+fn open_direct(dir: &mut DatasetDir, n: u32, rel: &str) -> Result<File, BeneathError> {
+    let file = dir.open_first(n, rel, libc::O_RDONLY | libc::O_DIRECT)?;
     let pool = aligned::Pool::new(DIRECT_ALIGN as usize, 0);
     let mut probe = pool.take();
-    file.read_at(probe.window(), 0)?;
+    file.read_at(probe.window(), 0).map_err(|source| BeneathError::Io { path: dir.path().join(rel), source })?;
     Ok(file)
 }
 
@@ -774,6 +816,7 @@ pub(crate) mod fixtures {
         Storage::open(
             "t",
             root,
+            false,
             Arc::new(index.clone()),
             IoPolicy {
                 mode,
@@ -831,7 +874,7 @@ mod tests {
             resident_auto: false,
             sendfile: false,
         };
-        let storage = Storage::open("t", dir.path(), Arc::new(index.clone()), policy).unwrap();
+        let storage = Storage::open("t", dir.path(), false, Arc::new(index.clone()), policy).unwrap();
         let path = index.shards[5].path.to_string();
         assert!(path.contains('/'), "{path}");
         std::fs::write(dir.path().join(&path), b"other bytes").unwrap();
@@ -853,17 +896,18 @@ mod tests {
         std::os::unix::fs::symlink(&shard, &link).unwrap();
         let options = IndexOptions { follow_links: true, ..IndexOptions::default() };
         let (index, _) = source::load_or_build(dir.path(), "t", None, &options, &NoProgress).unwrap();
-        // Mapped (looked at by `check`), and opened per read (looked at by `read`).
-        let mapped = fixtures::open(dir.path(), &index, IoMode::Mmap);
-        let policy = IoPolicy {
-            mode: IoMode::Auto,
-            max_mapped_shards: 0,
+        // Mapped (looked at by `check`), and opened per read (looked at by `read`), links out followed.
+        let policy = |mode, max_mapped_shards| IoPolicy {
+            mode,
+            max_mapped_shards,
             memory: u64::MAX,
             resident: 0,
             resident_auto: false,
             sendfile: false,
         };
-        let per_read = Storage::open("t", dir.path(), Arc::new(index.clone()), policy).unwrap();
+        let open = |mode, max| Storage::open("t", dir.path(), true, Arc::new(index.clone()), policy(mode, max));
+        let mapped = open(IoMode::Mmap, usize::MAX).unwrap();
+        let per_read = open(IoMode::Auto, 0).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(20));
         std::fs::remove_file(&link).unwrap();
         std::os::unix::fs::symlink(&shard, &link).unwrap();
@@ -874,9 +918,47 @@ mod tests {
         // The target rewritten (its size kept, its date not): a change, wherever it is looked at.
         let bytes = std::fs::read(&shard).unwrap();
         std::fs::write(&shard, &bytes).unwrap();
-        let fresh = fixtures::open(dir.path(), &index, IoMode::Mmap);
+        let fresh = open(IoMode::Mmap, usize::MAX).unwrap();
         assert!(fresh.check(0).is_err());
         assert!(per_read.read(0, 0, 10, &mut Vec::new()).is_err());
+    }
+
+    /// A file of a tree (opened per read) swapped for a link to a file out of the dataset, given its size
+    /// and date (what the size-and-date guard compares), is refused, not read: a change of the dataset.
+    #[test]
+    fn a_file_swapped_for_a_link_out_of_the_dataset_is_refused_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = GenOptions { format: SourceFormat::Files, samples: 12, mean_bytes: 3000, ..Default::default() };
+        gen::generate(&options, dir.path()).unwrap();
+        let (index, _) = source::load_or_build(dir.path(), "t", None, &IndexOptions::default(), &NoProgress).unwrap();
+        let policy = IoPolicy {
+            mode: IoMode::Auto,
+            max_mapped_shards: 0,
+            memory: u64::MAX,
+            resident: 0,
+            resident_auto: false,
+            sendfile: false,
+        };
+        let storage = Storage::open("t", dir.path(), false, Arc::new(index.clone()), policy).unwrap();
+        let (n, info) = (3, &index.shards[3]);
+        let shard = dir.path().join(info.path.as_str());
+        let outside = tempfile::tempdir().unwrap();
+        let secret = outside.path().join("secret");
+        std::fs::write(&secret, vec![0x5e; info.size as usize]).unwrap();
+        let date = std::fs::metadata(&shard).unwrap().modified().unwrap();
+        std::fs::File::options().write(true).open(&secret).unwrap().set_modified(date).unwrap();
+        std::fs::remove_file(&shard).unwrap();
+        std::os::unix::fs::symlink(&secret, &shard).unwrap();
+        assert!(differs(info.size, info.mtime_ns, &std::fs::metadata(&shard).unwrap()).is_none());
+        let mut out = Vec::new();
+        let refused = storage.read(n, 0, info.size, &mut out).unwrap_err();
+        assert!(out.is_empty() && refused.to_string().contains("leads out of the dataset's directory"), "{refused}");
+        assert!(storage.warm(n, 0, info.size).is_err());
+        let changed = storage.check(n).unwrap_err();
+        assert_eq!((changed.dataset.as_str(), changed.shard.as_str()), ("t", info.path.as_str()));
+        assert_eq!(storage.changed().len(), 1);
+        // The other files are read as before.
+        storage.read(2, 0, index.shards[2].size, &mut out).unwrap();
     }
 
     #[test]
@@ -894,7 +976,7 @@ mod tests {
             sendfile: false,
         };
         let shared = Arc::new(index.clone());
-        let open = |p: IoPolicy| Storage::open("t", dir.path(), shared.clone(), p);
+        let open = |p: IoPolicy| Storage::open("t", dir.path(), false, shared.clone(), p);
         let mapped = open(policy(IoMode::Mmap, usize::MAX, u64::MAX)).unwrap();
         let held = open(policy(IoMode::Pread, usize::MAX, u64::MAX)).unwrap();
         let direct = open(policy(IoMode::Direct, usize::MAX, u64::MAX)).unwrap();
