@@ -98,6 +98,8 @@ pub struct ServeWith {
     pub token: Option<String>,
     pub tls: Option<TlsFiles>,
     pub limits: Option<ServerLimits>,
+    /// Links out of the datasets' directories are followed (`--follow-links`).
+    pub follow_links: bool,
 }
 
 /// Indexes the datasets and starts a server on 127.0.0.1 with an ephemeral port.
@@ -106,7 +108,8 @@ pub async fn serve(datasets: &[(&str, &Path)], with: ServeWith) -> Server {
     let catalog = Catalog::default();
     for (name, path) in datasets {
         let io = limits.io_policy();
-        catalog.insert(Dataset::open(name, path, None, &IndexOptions::default(), &NoProgress, io).unwrap()).unwrap();
+        let options = IndexOptions { follow_links: with.follow_links, ..IndexOptions::default() };
+        catalog.insert(Dataset::open(name, path, None, &options, &NoProgress, io).unwrap()).unwrap();
     }
     let scheme = if with.tls.is_some() { "https" } else { "http" };
     let running = batchfs_server::start(
