@@ -18,7 +18,9 @@
 //!   and inode) that the path led to when the storage opened ([`DatasetDir::open_first`] records those);
 //!   another file out there is refused too ([`BeneathError::Elsewhere`]).
 //! - Where the kernel has no `openat2` (`ENOSYS`: Linux before 5.6, or a seccomp filter that does not know
-//!   it), every open takes that second way, as safe and a few system calls dearer; the log says so once.
+//!   it; `EPERM`: the filter of container runtimes before 2021, Docker 20.10's among them, which refuses
+//!   system calls it does not know so), every open takes that second way, as safe and a few system calls
+//!   dearer; the log says so once.
 //!
 //! A refusal is a change of the dataset: `storage.rs` refuses the file's batches and reads from then on,
 //! until a restart indexes the dataset again.
@@ -136,10 +138,14 @@ impl DatasetDir {
                 Err(e) => match e.raw_os_error() {
                     Some(libc::EXDEV) => break,
                     Some(libc::EAGAIN) => {}
-                    Some(libc::ENOSYS) => {
+                    // No open of ours is refused `EPERM` for its file (no `O_NOATIME`, no write): the system
+                    // call is, by a seccomp filter. A file an LSM refuses so is refused the second way too.
+                    Some(errno @ (libc::ENOSYS | libc::EPERM)) => {
                         if !self.no_openat2.swap(true, Ordering::Relaxed) {
-                            tracing::warn!(dir = %self.path.display(), "the kernel has no openat2: each file of the \
-                                dataset is opened by its path and judged by where it is before it is read");
+                            let error = io::Error::from_raw_os_error(errno);
+                            tracing::warn!(dir = %self.path.display(), %error,
+                                "openat2 is refused here (an old kernel, or a container's seccomp filter): each file \
+                                 of the dataset is opened by its path and judged by where it is before it is read");
                         }
                     }
                     _ => return Err(io(e)),
