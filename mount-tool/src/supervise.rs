@@ -217,6 +217,80 @@ impl std::fmt::Display for NotServing {
     }
 }
 
+/// The errno a new worker fails with between fork and exec where its parent is not its supervisor (the
+/// supervisor died meanwhile: the worker would outlive it). Only an errno reaches the parent from there
+/// (an error without one arrives as `EINVAL`, "Invalid argument"), and none of the calls made there, nor
+/// `execve`, fails with this one: "No such process".
+const SUPERVISOR_GONE: i32 = libc::ESRCH;
+
+/// In a new worker, between fork and exec: the supervisor's descriptors `fds` placed at [`FUSE_FD`] and
+/// on, the signal mask cleared, the worker set to die with its supervisor (`PR_SET_PDEATHSIG`), and
+/// refused ([`SUPERVISOR_GONE`]) where its parent is not `supervisor` already: it was gone before the
+/// death signal was set, which the worker would then never get. Async-signal-safe.
+///
+/// # Safety
+///
+/// Only in a child between fork and exec: it overwrites the descriptors from [`FUSE_FD`] on.
+unsafe fn before_exec(fds: [RawFd; 4], supervisor: libc::pid_t) -> std::io::Result<()> {
+    // SAFETY: fcntl, dup2, sigprocmask, prctl and getppid, on descriptors this process holds open and a
+    // signal set of its own; the caller is a child between fork and exec.
+    unsafe {
+        // Above every target first, so that no dup2 overwrites a descriptor still to be moved (these copies
+        // close at exec; the targets stay open).
+        let mut moved = [0; 4];
+        for (i, &fd) in fds.iter().enumerate() {
+            moved[i] = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10);
+            if moved[i] < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        for (target, &fd) in (FUSE_FD..).zip(moved.iter()) {
+            if libc::dup2(fd, target) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        let empty = std::mem::zeroed::<libc::sigset_t>();
+        libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+        // The worker goes with its supervisor: a mount the supervisor no longer holds is gone.
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if libc::getppid() != supervisor {
+            return Err(std::io::Error::from_raw_os_error(SUPERVISOR_GONE));
+        }
+    }
+    Ok(())
+}
+
+/// Why a worker could not be started.
+#[derive(Debug, thiserror::Error)]
+enum SpawnError {
+    /// Its check between fork and exec ([`before_exec`]) found its parent was not this supervisor.
+    #[error(
+        "cannot start a worker from {exe}: its parent was not the supervisor (pid {supervisor}) by the time it \
+         set itself to die with it, so it did not start (a worker must not outlive the supervisor that holds \
+         its mount: the supervisor is gone, or the worker is in another PID namespace)"
+    )]
+    SupervisorGone { exe: PathBuf, supervisor: libc::pid_t },
+    #[error("cannot start a worker from {exe}")]
+    Spawn {
+        exe: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl SpawnError {
+    /// The error `Command::spawn` of a worker from `exe` by `supervisor` returned, said.
+    fn new(exe: &Path, supervisor: libc::pid_t, source: std::io::Error) -> SpawnError {
+        let exe = exe.to_owned();
+        match source.raw_os_error() {
+            Some(SUPERVISOR_GONE) => SpawnError::SupervisorGone { exe, supervisor },
+            _ => SpawnError::Spawn { exe, source },
+        }
+    }
+}
+
 /// A read of the FUSE connection holds the largest request (fuser's `max_write` of 16 MiB and a page).
 const FAIL_BUFFER: usize = (16 << 20) + 4096;
 
@@ -263,35 +337,9 @@ impl Supervisor<'_> {
         let mut command = std::process::Command::new(exe);
         command.arg0(args.next().unwrap_or_else(|| "batchfs".into())).args(args);
         command.env(WORKER_ENV, "1").env(MOUNTPOINT_ENV, &self.plan.mountpoint);
-        // SAFETY: between fork and exec the closure only makes async-signal-safe calls (dup2, fcntl,
-        // sigprocmask, prctl, getppid) on descriptors this process holds open across the spawn.
-        unsafe {
-            command.pre_exec(move || {
-                // Above every target first, so that no dup2 overwrites a descriptor still to be moved (these
-                // copies close at exec; the targets stay open).
-                let mut moved = [0; 4];
-                for (i, &fd) in fds.iter().enumerate() {
-                    moved[i] = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10);
-                    if moved[i] < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                for (target, &fd) in (FUSE_FD..).zip(moved.iter()) {
-                    if libc::dup2(fd, target) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                let empty = std::mem::zeroed::<libc::sigset_t>();
-                libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-                // The worker goes with its supervisor: a mount the supervisor no longer holds is gone.
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                if libc::getppid() != supervisor {
-                    return Err(std::io::Error::other("the supervisor is gone"));
-                }
-                Ok(())
-            });
-        }
-        let child = command.spawn().with_context(|| format!("cannot start a worker from {}", exe.display()))?;
+        // SAFETY: the closure runs in the child between fork and exec, as `before_exec` must.
+        unsafe { command.pre_exec(move || before_exec(fds, supervisor)) };
+        let child = command.spawn().map_err(|source| SpawnError::new(exe, supervisor, source))?;
         drop(theirs);
         let mut w = Worker::new(child, exe);
         // "ready" once it serves (then, on the same socket, "error: ..." if its session ends in error);
@@ -727,6 +775,30 @@ mod tests {
     fn workers_start_from_the_path_installed_even_once_the_file_there_was_replaced() {
         assert_eq!(installed("/usr/bin/batchfs (deleted)".into()), Path::new("/usr/bin/batchfs"));
         assert_eq!(installed("/usr/bin/batchfs".into()), Path::new("/usr/bin/batchfs"));
+    }
+
+    /// A new worker whose parent is not its supervisor (gone between fork and exec) does not start, and
+    /// the error says so. Its check failed with an error without an errno, which std hands the parent as
+    /// `EINVAL`: "cannot start a worker from ...: Invalid argument (os error 22)".
+    #[test]
+    fn a_worker_whose_supervisor_is_gone_before_it_runs_says_so() {
+        use std::os::unix::process::CommandExt;
+        let null = || File::open("/dev/null").unwrap();
+        let files = [null(), null(), null(), null()];
+        let fds = files.each_ref().map(|f| f.as_raw_fd());
+        let spawn = |supervisor: libc::pid_t| {
+            let mut command = std::process::Command::new("true");
+            // SAFETY: the closure runs in the child between fork and exec, as `before_exec` must.
+            unsafe { command.pre_exec(move || before_exec(fds, supervisor)) };
+            command.spawn().map_err(|e| SpawnError::new(Path::new("true"), supervisor, e))
+        };
+        let mut started = spawn(std::process::id() as libc::pid_t).expect("its parent is its supervisor");
+        assert!(started.wait().unwrap().success());
+        // No process has this id (pid_max is at most 2^22): the child's parent is not that supervisor.
+        let e = spawn(libc::pid_t::MAX).expect_err("a worker without its supervisor must not start");
+        assert!(matches!(e, SpawnError::SupervisorGone { .. }), "{e:?}");
+        let said = format!("{:#}", anyhow::Error::new(e));
+        assert!(said.contains("its parent was not the supervisor") && !said.contains("Invalid argument"), "{said}");
     }
 
     /// The supervisor's wait ends every [`LOOK_EVERY`] with no signal at all, so a worker whose exit no
