@@ -439,26 +439,65 @@ fn a_mount_whose_workers_keep_failing_to_start_is_given_up_and_unmounted() {
     rt.block_on(server.running.shutdown());
 }
 
-/// Workers that say they serve and stop by themselves half a second later (as one does whose FUSE threads
-/// a pids limit refuses) are started again 1, 2, 4 and 8 s apart, not in a tight loop, and the fifth in
-/// a row gives the mount up, naming its exit status; the first of them, replacing a worker that served,
-/// started at once. Before, they were started again for good, the first three at once. The workers are a
-/// script installed at the supervisor's path that runs the program and stops it.
+/// A worker program (Python) that runs `real` and ends as soon as it has said it serves: it hands `real` a
+/// ready socket of its own and passes what `real` says there on to the supervisor, so it ends only once
+/// the supervisor has heard `ready`. (A fixed `sleep 0.5` before stopping it, as before, stopped a worker
+/// slower than that to start, on a loaded machine, before it served: the supervisor then started the
+/// program it runs itself, which served, and the test failed after a minute.) Then it stops `real` and
+/// exits 3.
+fn ends_as_it_serves(real: &Path) -> String {
+    const SCRIPT: &str = r#"#!/usr/bin/env python3
+import os, socket, subprocess, sys
+up = os.dup(6)
+mine, theirs = socket.socketpair()
+os.dup2(theirs.fileno(), 6)
+theirs.close()
+real = subprocess.Popen([REAL] + sys.argv[1:], pass_fds=(3, 4, 5, 6))
+os.close(6)
+said = b""
+while not said.startswith(b"ready"):
+    got = mine.recv(512)
+    if not got:
+        break
+    said += got
+os.write(up, said)
+real.terminate()
+real.wait()
+sys.exit(3)
+"#;
+    let real = format!("{:?}", real.to_str().unwrap());
+    SCRIPT.replace("REAL", &real)
+}
+
+/// A copy of the program under test at `bin/batchfs` and `bin/real`, and a mount of `url` by the first.
+fn installed_in(bin: &Path, url: &str, options: &str) -> (Supervised, PathBuf) {
+    let (installed, real) = (bin.join("batchfs"), bin.join("real"));
+    std::fs::copy(program(), &installed).unwrap();
+    std::fs::copy(program(), &real).unwrap();
+    (Supervised::start(&installed, url, options), real)
+}
+
+/// Installs `text` as the program at `bin/batchfs`, which the supervisor starts its next workers from.
+fn install(bin: &Path, text: &str) {
+    let script = bin.join(".script");
+    std::fs::write(&script, text).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::rename(&script, bin.join("batchfs")).unwrap();
+}
+
+/// Workers that say they serve and stop by themselves at once (as one does whose FUSE threads a pids limit
+/// refuses) are started again 1, 2, 4 and 8 s apart, not in a tight loop, and the fifth in a row gives the
+/// mount up, naming its exit status; the first of them, replacing a worker that served, started at once.
+/// Before, they were started again for good, the first three at once. The workers are a script installed
+/// at the supervisor's path that runs the program and stops it ([`ends_as_it_serves`]).
 #[test]
 fn workers_that_stop_as_soon_as_they_serve_are_started_again_later_and_then_given_up() {
     let rt = runtime();
     let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
     let bin = tempfile::tempdir().unwrap();
-    let (installed, real) = (bin.path().join("batchfs"), bin.path().join("real"));
-    std::fs::copy(program(), &installed).unwrap();
-    std::fs::copy(program(), &real).unwrap();
-    let mut m = Supervised::start(&installed, &format!("{}/d", server.base), "batch_size=8");
-    let script = bin.path().join(".script");
-    let text = format!("#!/bin/sh\n{} \"$@\" &\nsleep 0.5\nkill -TERM $!\nwait $!\nexit 3\n", real.display());
-    std::fs::write(&script, text).unwrap();
-    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    std::fs::rename(&script, &installed).unwrap();
+    let (mut m, real) = installed_in(bin.path(), &format!("{}/d", server.base), "batch_size=8");
+    install(bin.path(), &ends_as_it_serves(&real));
     let killed = Instant::now();
     // SAFETY: kill has no memory-safety preconditions.
     assert_eq!(unsafe { libc::kill(m.worker() as i32, libc::SIGKILL) }, 0);
