@@ -367,6 +367,8 @@ options! {
         "Serve from a worker that a small supervisor holding the mount replaces when it dies or is upgraded.";
     worker_starts: u64 = 5, value::count, "5", "N", "Daemon",
         "Workers in a row that do not reach service before the supervisor gives the mount up (0: never).";
+    worker_settle: Duration = Duration::from_secs(10), value::duration, "10s", "DURATION", "Daemon",
+        "A worker that dies sooner after serving (killed too) did not reach service: counted, waited for (0: none).";
     resend: bool = true, value::switch, "true", "BOOL", "Daemon",
         "On a takeover, have the kernel re-send what the dead worker had read (Linux 6.9; off: those fail).";
 }

@@ -3,9 +3,10 @@
 //! with the descriptor) serves it: cache, prefetch, network. When the worker dies (a signal, a panic, the
 //! OOM killer) the supervisor starts another at once on the same descriptor; the kernel keeps the
 //! connection, its open files and its backing files all the while, since the supervisor holds it. Workers
-//! that do not reach service (they fail to start, or stop by themselves at once) are started again after
-//! growing waits, and five in a row give the mount up: unmounted, the supervisor exits with the last one's
-//! reason (`supervise/restarts.rs`).
+//! that do not reach service (they fail to start, or die within `worker_settle` of serving: by themselves,
+//! or killed, as the OOM killer kills a worker each time it takes load) are started again after growing
+//! waits, and five in a row give the mount up: unmounted, the supervisor exits with the last one's reason
+//! (`supervise/restarts.rs`).
 //!
 //! **Takeover.** The new worker does not wait for an `INIT` (the kernel sends one per connection): it
 //! takes the settings `INIT` settled, the open handles and the views' state from the ledger
@@ -116,7 +117,7 @@ pub fn supervise(plan: &MountPlan, config: fuser::Config, ready: Option<&mut Uni
         exe,
         worker: None,
         died_at,
-        restarts: Restarts::giving_up_after(plan.options.worker_starts),
+        restarts: Restarts::new(plan.options.worker_starts, plan.options.worker_settle),
         dying: Vec::new(),
         failing: None,
     };
@@ -398,10 +399,10 @@ impl Supervisor<'_> {
                     } else {
                         tracing::warn!(signal = status.signal(), code = status.code(), "the worker died: taking over");
                     }
-                    match restarts::turn(status, served) {
+                    match self.restarts.turn(status, served) {
                         // The next later, or the mount given up.
                         Turn::Failed => {
-                            let why = w.not_serving(status);
+                            let why = w.not_serving(status, self.restarts.settle());
                             self.dying.extend(w.retire());
                             self.not_served(why.into())?;
                         }

@@ -117,6 +117,18 @@ impl Supervised {
             .collect()
     }
 
+    /// The first worker's pid, once the supervisor has logged that it serves (within 20 s).
+    fn first_served(&self) -> i32 {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(&(pid, _)) = self.served().first() {
+                return pid;
+            }
+            assert!(Instant::now() < deadline, "the worker never served:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Kills the worker with SIGKILL and waits until its successor serves: the time without service the
     /// supervisor measured for the takeover.
     pub(crate) fn kill_worker(&self) -> Duration {
@@ -232,7 +244,9 @@ fn killed_ten_times(options: &str, restart_server: bool) {
     let query = "batch_size=16";
     let manifests: Vec<Manifest> = (0..2).map(|e| manifest(&rt, &server.base, e, query)).collect();
     let url = format!("{}/d", server.base);
-    let m = Supervised::start(&program(), &url, &format!("batch_size=16,{options}"));
+    // Each worker is killed 300 ms after it serves: a takeover (worker_settle=100ms), not a worker that
+    // does not come up (by default, one that dies within 10 s of serving: given up after five in a row).
+    let m = Supervised::start(&program(), &url, &format!("batch_size=16,worker_settle=100ms,{options}"));
     let first = m.worker();
     // One file open and mapped through every takeover: with passthrough its backing file belongs to the
     // connection, not to the worker that registered it.
@@ -319,14 +333,7 @@ fn without_a_worker(server: &common::Server, timeout: &str) -> (tempfile::TempDi
     let m = Supervised::start(&program(), &url, &options);
     std::fs::remove_dir_all(&cache_dir).unwrap();
     std::fs::write(&cache_dir, b"not a directory").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let pid = loop {
-        if let Some(&(pid, _)) = m.served().first() {
-            break pid;
-        }
-        assert!(Instant::now() < deadline, "the worker never served:\n{}", m.log_text());
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let pid = m.first_served();
     // SAFETY: kill has no memory-safety preconditions.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
     (cache, cache_dir, m)
@@ -444,10 +451,10 @@ fn a_mount_whose_workers_keep_failing_to_start_is_given_up_and_unmounted() {
 /// the supervisor has heard `ready`. (A fixed `sleep 0.5` before stopping it, as before, stopped a worker
 /// slower than that to start, on a loaded machine, before it served: the supervisor then started the
 /// program it runs itself, which served, and the test failed after a minute.) Then it stops `real` and
-/// exits 3.
-fn ends_as_it_serves(real: &Path) -> String {
+/// exits 3, or with `killed` kills `real` and itself with SIGKILL, as the OOM killer would.
+fn ends_as_it_serves(real: &Path, killed: bool) -> String {
     const SCRIPT: &str = r#"#!/usr/bin/env python3
-import os, socket, subprocess, sys
+import os, signal, socket, subprocess, sys
 up = os.dup(6)
 mine, theirs = socket.socketpair()
 os.dup2(theirs.fileno(), 6)
@@ -461,12 +468,16 @@ while not said.startswith(b"ready"):
         break
     said += got
 os.write(up, said)
+if KILLED:
+    real.kill()
+    real.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
 real.terminate()
 real.wait()
 sys.exit(3)
 "#;
     let real = format!("{:?}", real.to_str().unwrap());
-    SCRIPT.replace("REAL", &real)
+    SCRIPT.replace("REAL", &real).replace("KILLED", if killed { "True" } else { "False" })
 }
 
 /// A copy of the program under test at `bin/batchfs` and `bin/real`, and a mount of `url` by the first.
@@ -487,17 +498,22 @@ fn install(bin: &Path, text: &str) {
 
 /// Workers that say they serve and stop by themselves at once (as one does whose FUSE threads a pids limit
 /// refuses) are started again 1, 2, 4 and 8 s apart, not in a tight loop, and the fifth in a row gives the
-/// mount up, naming its exit status; the first of them, replacing a worker that served, started at once.
-/// Before, they were started again for good, the first three at once. The workers are a script installed
-/// at the supervisor's path that runs the program and stops it ([`ends_as_it_serves`]).
+/// mount up, naming its exit status; the first of them, replacing a worker that served for `worker_settle`
+/// (3 s here), started at once. Before, they were started again for good, the first three at once. The
+/// workers are a script installed at the supervisor's path that runs the program and stops it
+/// ([`ends_as_it_serves`]).
 #[test]
 fn workers_that_stop_as_soon_as_they_serve_are_started_again_later_and_then_given_up() {
     let rt = runtime();
     let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
     let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
     let bin = tempfile::tempdir().unwrap();
-    let (mut m, real) = installed_in(bin.path(), &format!("{}/d", server.base), "batch_size=8");
-    install(bin.path(), &ends_as_it_serves(&real));
+    let settle = Duration::from_secs(3);
+    let (mut m, real) = installed_in(bin.path(), &format!("{}/d", server.base), "batch_size=8,worker_settle=3s");
+    install(bin.path(), &ends_as_it_serves(&real, false));
+    // Served for `worker_settle` at the kill: the supervisor counts from before it logs that it serves.
+    m.first_served();
+    std::thread::sleep(settle + Duration::from_millis(200));
     let killed = Instant::now();
     // SAFETY: kill has no memory-safety preconditions.
     assert_eq!(unsafe { libc::kill(m.worker() as i32, libc::SIGKILL) }, 0);
@@ -510,6 +526,36 @@ fn workers_that_stop_as_soon_as_they_serve_are_started_again_later_and_then_give
     assert_eq!(served.len(), 6, "the first worker and five that stopped, no more:\n{log}");
     let first = served[1].1.unwrap();
     assert!(first < Duration::from_secs(1), "the first after a worker that served, at once: {first:?}\n{log}");
+    assert!(took >= Duration::from_secs(15), "not backed off 1 + 2 + 4 + 8 s: given up after {took:?}\n{log}");
+    assert!(!batchfs_mount::plan::is_mountpoint(&m.mountpoint), "unmounted:\n{log}");
+    drop(m);
+    rt.block_on(server.running.shutdown());
+}
+
+/// Workers killed with SIGKILL as soon as they serve, as the OOM killer kills a worker that takes more
+/// memory than its cgroup has once it serves, are started again 1, 2, 4 and 8 s apart and the fifth in a
+/// row gives the mount up, with the default `worker_settle` (10 s), saying they were killed. Before, a
+/// worker killed with SIGKILL was taken for one killed by hand and replaced at once however soon it died:
+/// for good, in a tight loop. The first of them follows an upgrade (SIGHUP), which replaces the worker at
+/// once.
+#[test]
+fn workers_killed_as_soon_as_they_serve_are_started_again_later_and_then_given_up() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let bin = tempfile::tempdir().unwrap();
+    let (mut m, real) = installed_in(bin.path(), &format!("{}/d", server.base), "batch_size=8");
+    install(bin.path(), &ends_as_it_serves(&real, true));
+    let upgraded = Instant::now();
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(m.supervisor.id() as i32, libc::SIGHUP) }, 0);
+    let status = supervisor_exit(&mut m);
+    let (took, log) = (upgraded.elapsed(), m.log_text());
+    assert!(!status.success(), "{status}\n{log}");
+    assert!(log.contains("5 workers in a row did not serve the mount at"), "{log}");
+    assert!(log.contains("it was killed (SIGKILL: the OOM killer?)"), "its end:\n{log}");
+    assert_eq!(log.matches("no worker serves the mount: trying again").count(), 4, "{log}");
+    assert_eq!(m.served().len(), 6, "the first worker and five killed, no more:\n{log}");
     assert!(took >= Duration::from_secs(15), "not backed off 1 + 2 + 4 + 8 s: given up after {took:?}\n{log}");
     assert!(!batchfs_mount::plan::is_mountpoint(&m.mountpoint), "unmounted:\n{log}");
     drop(m);

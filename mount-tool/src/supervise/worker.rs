@@ -44,12 +44,17 @@ impl Worker {
         said.strip_prefix("error: ").map(|why| why.trim().to_owned()).unwrap_or_default()
     }
 
-    /// Why a worker that said it serves ended before it served for [`super::restarts::SERVED_FOR`].
-    pub(super) fn not_serving(&mut self, status: std::process::ExitStatus) -> NotServing {
+    /// Why a worker that said it serves ended before it served for `settle` (`worker_settle`).
+    pub(super) fn not_serving(&mut self, status: std::process::ExitStatus, settle: Duration) -> NotServing {
+        use std::os::unix::process::ExitStatusExt;
+        let ms = self.since.elapsed().as_millis();
         let why = match self.last_words() {
-            why if why.is_empty() => {
-                format!("it stopped {} ms after it said it serves", self.since.elapsed().as_millis())
-            }
+            // Said, since its status is not (a SIGKILL is taken for the supervisor's own).
+            why if why.is_empty() && status.signal() == Some(libc::SIGKILL) => format!(
+                "it was killed (SIGKILL: the OOM killer?) {ms} ms after it said it serves, within worker_settle \
+                 ({settle:?})"
+            ),
+            why if why.is_empty() => format!("it stopped {ms} ms after it said it serves"),
             why => why,
         };
         NotServing { exe: self.exe.display().to_string(), why, status, killed: false }
