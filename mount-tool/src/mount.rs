@@ -137,8 +137,9 @@ pub fn spawn(plan: &MountPlan) -> Result<Mounted> {
     let runtime = runtime()?;
     let (fs, prefetcher) = filesystem(plan, &runtime)?;
     let connection = fs.connection();
-    let session = fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan))
-        .with_context(|| crate::plan::cannot_mount(plan))?;
+    let session = crate::plan::mount_alone(&plan.mountpoint, || {
+        fuser::Session::new(fs, &plan.mountpoint, &fuser_config(plan)).with_context(|| crate::plan::cannot_mount(plan))
+    })?;
     let _ = connection.notifier.set(session.notifier());
     let _ = connection.device.set(std::os::fd::AsFd::as_fd(&session).try_clone_to_owned()?);
     let session = session.spawn()?;

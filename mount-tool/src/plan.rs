@@ -210,11 +210,7 @@ fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
     }
     let path = std::fs::canonicalize(path).with_context(|| format!("mountpoint {}", path.display()))?;
     if is_mountpoint(&path) {
-        bail!(
-            "{} is busy: something is already mounted there (batchfs umount {} first)",
-            path.display(),
-            path.display()
-        );
+        return Err(busy(&path));
     }
     if let Some(first) = first_entry(&path) {
         // fuse3 mounts over a directory that holds files (libfuse 2 asked for `nonempty`): they are hidden,
@@ -227,6 +223,28 @@ fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
         );
     }
     Ok(path)
+}
+
+fn busy(path: &Path) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{} is busy: something is already mounted there (batchfs umount {} first)",
+        path.display(),
+        path.display()
+    )
+}
+
+/// Makes a mount at `mountpoint` (canonical) by `make`, none being there: the directory locked meanwhile
+/// (`flock`), and looked at again under the lock. The plan looked before it asked the server, a while
+/// before the mount is made: two mounts started together at one directory both found it free, both
+/// mounted, one over the other.
+pub(crate) fn mount_alone<T>(mountpoint: &Path, make: impl FnOnce() -> Result<T>) -> Result<T> {
+    let dir = std::fs::File::open(mountpoint).with_context(|| format!("mountpoint {}", mountpoint.display()))?;
+    dir.lock().with_context(|| format!("cannot lock the mountpoint {}", mountpoint.display()))?;
+    if is_mountpoint(mountpoint) {
+        return Err(busy(mountpoint));
+    }
+    // The lock goes with `dir`, once the mount is made (or failed).
+    make()
 }
 
 /// The name of an entry of directory `dir`, if it holds any (none where it cannot be listed).

@@ -151,8 +151,9 @@ fn mount(plan: &MountPlan, config: fuser::Config) -> Result<Held> {
     let settled = std::sync::Arc::new(std::sync::Mutex::new(None));
     let negotiator =
         Negotiator { passthrough: plan.options.passthrough, resend: plan.options.resend, settled: settled.clone() };
-    let session =
-        fuser::Session::new(negotiator, &plan.mountpoint, &config).with_context(|| crate::plan::cannot_mount(plan))?;
+    let session = crate::plan::mount_alone(&plan.mountpoint, || {
+        fuser::Session::new(negotiator, &plan.mountpoint, &config).with_context(|| crate::plan::cannot_mount(plan))
+    })?;
     let settings = settled.lock().expect("settled").context("the kernel sent no INIT")?;
     let fuse = session.as_fd().try_clone_to_owned()?;
     let ledger = Ledger::create().context("cannot make the mount's ledger")?;

@@ -714,6 +714,42 @@ fn mount_refuses_a_cache_too_small_for_the_first_epochs_it_serves() {
     rt.block_on(server.running.shutdown());
 }
 
+/// Two mounts started together at one directory: one is made, the other refused as busy (both found the
+/// directory free as they planned, a while before mounting, and both mounted, one over the other).
+#[test]
+fn two_mounts_started_together_at_one_directory_make_one_mount() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 40, 2_000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let url = format!("{}/d", server.base);
+    let dir = tempfile::tempdir().unwrap();
+    let planned = std::sync::Barrier::new(2);
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let mounts: Vec<_> = (0..2)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut o = batchfs_mount::options::MountOptions::default();
+                    o.apply_list("batch_size=8").unwrap();
+                    let plan = batchfs_mount::plan::plan(&url, dir.path(), o).unwrap();
+                    // Both planned (the directory free for each) before either mounts.
+                    planned.wait();
+                    batchfs_mount::mount::spawn(&plan)
+                })
+            })
+            .collect();
+        mounts.into_iter().map(|m| m.join().unwrap()).collect()
+    });
+    let point = std::fs::canonicalize(dir.path()).unwrap();
+    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let stacked = table.lines().filter(|l| l.split(' ').nth(4) == Some(point.to_str().unwrap())).count();
+    let (made, refused): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+    assert_eq!((made.len(), stacked), (1, 1), "mounts made, and at the directory");
+    let err = refused.into_iter().next().unwrap().err().unwrap().to_string();
+    assert!(err.contains("is busy: something is already mounted there"), "{err}");
+    drop(made);
+    rt.block_on(server.running.shutdown());
+}
+
 /// A self-signed certificate for `localhost` and its key, written into `dir`: the server's TLS files, and
 /// the certificate's path (a mount's `ca_file`).
 fn self_signed(dir: &Path) -> (batchfs_server::TlsFiles, std::path::PathBuf) {
