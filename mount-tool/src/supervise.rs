@@ -51,6 +51,9 @@ use worker::Worker;
 pub const WORKER_ENV: &str = "BATCHFS_WORKER";
 /// Where a worker finds the mountpoint, as the supervisor resolved it.
 const MOUNTPOINT_ENV: &str = "BATCHFS_WORKER_MOUNTPOINT";
+/// Set for a worker that runs the supervisor's own program because the installed one could not serve:
+/// what `batchfs mount --upgrade` looks for in the new worker's environment to say the upgrade failed.
+const FALLBACK_ENV: &str = "BATCHFS_WORKER_FALLBACK";
 /// A worker's descriptors: the connection, the ledger, the dataset's description, the ready socket.
 const FUSE_FD: RawFd = 3;
 const LEDGER_FD: RawFd = 4;
@@ -301,13 +304,13 @@ impl Supervisor<'_> {
     /// supervisor runs when the installed one fails to start.
     fn start_worker(&mut self) -> Result<()> {
         let installed = self.exe.clone();
-        match self.spawn(&installed) {
+        match self.spawn(&installed, false) {
             Ok(w) => self.serving(w),
             // Replacing a worker (not mounting): the mount must not stay without one.
             Err(e) if self.died_at.is_some() => {
                 tracing::error!(error = %format!("{e:#}"), exe = %installed.display(), "the installed program \
                                 cannot serve the mount: starting the one this supervisor runs");
-                let w = self.spawn(Path::new("/proc/self/exe"))?;
+                let w = self.spawn(Path::new("/proc/self/exe"), true)?;
                 self.serving(w)
             }
             Err(e) => Err(e),
@@ -326,7 +329,8 @@ impl Supervisor<'_> {
         Ok(())
     }
 
-    fn spawn(&mut self, exe: &Path) -> Result<Worker> {
+    /// Starts a worker of `exe` (`fallback`: the supervisor's own program, the installed one failed).
+    fn spawn(&mut self, exe: &Path, fallback: bool) -> Result<Worker> {
         let (mut mine, theirs) = UnixStream::pair()?;
         let fds = [
             self.held.fuse.as_raw_fd(),
@@ -339,6 +343,9 @@ impl Supervisor<'_> {
         let mut command = std::process::Command::new(exe);
         command.arg0(args.next().unwrap_or_else(|| "batchfs".into())).args(args);
         command.env(WORKER_ENV, "1").env(MOUNTPOINT_ENV, &self.plan.mountpoint);
+        if fallback {
+            command.env(FALLBACK_ENV, "1");
+        }
         // SAFETY: the closure runs in the child between fork and exec, as `before_exec` must.
         unsafe { command.pre_exec(move || before_exec(fds, supervisor)) };
         let child = command.spawn().map_err(|source| SpawnError::new(exe, supervisor, source))?;
@@ -743,10 +750,14 @@ pub fn upgrade(dir: &Path) -> Result<()> {
         std::thread::sleep(Duration::from_millis(100));
         if let Ok(now) = read() {
             if now.worker_pid != before.worker_pid && now.worker_restarts > before.worker_restarts {
-                // A new program that cannot serve has the supervisor start the one it runs, which the
-                // install replaced: the mount is served, but not upgraded.
+                // A new program that cannot serve has the supervisor start the one it runs: the mount is
+                // served, but not upgraded. Its worker says so in its environment; a supervisor of a release
+                // before that, only where the install replaced its program (a program renamed aside, not
+                // replaced, was taken for the upgrade's).
                 let exe = std::fs::read_link(format!("/proc/{}/exe", now.worker_pid)).unwrap_or_default();
-                if exe.to_string_lossy().ends_with(" (deleted)") {
+                let environ = std::fs::read(format!("/proc/{}/environ", now.worker_pid)).unwrap_or_default();
+                let fallback = environ.split(|&b| b == 0).any(|v| v == format!("{FALLBACK_ENV}=1").as_bytes());
+                if fallback || exe.to_string_lossy().ends_with(" (deleted)") {
                     bail!(
                         "the program installed now cannot serve {}: worker {} runs the one it replaced ({}); see \
                          the mount's log",

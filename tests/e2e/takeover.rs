@@ -672,6 +672,33 @@ fn an_upgrade_under_load_replaces_the_worker_by_the_installed_program() {
     assert_eq!(crc::crc32c(&std::fs::read(batch).unwrap()), manifests[0].batches[0].crc32c, "still served");
 }
 
+/// An upgrade whose installed program cannot serve, the program the mount was started from renamed aside
+/// (not replaced: its path does not end in "(deleted)"): the supervisor starts the one it runs, and the
+/// upgrade says it failed (it said "upgraded").
+#[test]
+fn an_upgrade_to_a_program_that_cannot_serve_fails_whatever_became_of_the_old_one() {
+    let rt = runtime();
+    let fx = fixture(SourceFormat::Tfrecord, 64, 2000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let bin = tempfile::tempdir().unwrap();
+    let installed = bin.path().join("batchfs");
+    std::fs::copy(program(), &installed).unwrap();
+    let m = Supervised::start(&installed, &format!("{}/d", server.base), "batch_size=8");
+    let old = m.worker();
+    std::fs::rename(&installed, bin.path().join("batchfs.good")).unwrap();
+    std::fs::write(&installed, "#!/bin/sh\nexit 3\n").unwrap();
+    std::fs::set_permissions(&installed, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = Command::new(program()).args(["mount", "--upgrade"]).arg(&m.mountpoint).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("the program installed now cannot serve"), "{out:?}");
+    assert_ne!(m.worker(), old, "replaced, by the supervisor's own program");
+    let want = manifest(&rt, &server.base, 0, "batch_size=8").batches[0].crc32c;
+    let batch = std::fs::read(m.mountpoint.join("epoch-0000/batch-000000.tfrecord")).unwrap();
+    assert_eq!(crc::crc32c(&batch), want, "still served");
+    drop(m);
+    rt.block_on(server.running.shutdown());
+}
+
 /// A mount made by a release that took any number of FUSE threads (`threads=5000`, refused for a new
 /// mount since), upgraded: the new release's worker, started with the mount's command line, lowers it to
 /// 1024 with a warning and serves. It refused the command line before, and the upgrade failed (the
