@@ -226,11 +226,9 @@ fn prepare_mountpoint(path: &Path) -> Result<PathBuf> {
 }
 
 fn busy(path: &Path) -> anyhow::Error {
-    anyhow::anyhow!(
-        "{} is busy: something is already mounted there (batchfs umount {} first)",
-        path.display(),
-        path.display()
-    )
+    // `batchfs umount` unmounts batchfs mounts only.
+    let how = if batchfs_mounted_at(path) == Some(false) { "umount" } else { "batchfs umount" };
+    anyhow::anyhow!("{} is busy: something is already mounted there ({how} {} first)", path.display(), path.display())
 }
 
 /// Makes a mount at `mountpoint` (canonical) by `make`, none being there: the directory locked meanwhile
@@ -438,6 +436,23 @@ mod tests {
         let log = prepared_logging(dir.path());
         assert!(log.contains("WARN") && log.contains("the mountpoint is not empty"), "{log}");
         assert!(log.contains("first=\"kept.txt\""), "{log}");
+    }
+
+    /// A mountpoint busy with another filesystem is refused saying to unmount it with `umount` (it said
+    /// `batchfs umount`, which refuses filesystems not its own).
+    #[test]
+    fn a_mountpoint_busy_with_another_filesystem_says_to_unmount_it_with_umount() {
+        if !crate::sys::is_root() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let ok = std::process::Command::new("mount").args(["-t", "tmpfs", "tmpfs"]).arg(dir.path()).status();
+        if !ok.is_ok_and(|s| s.success()) {
+            return;
+        }
+        let _unmount = UnmountOnDrop(dir.path().to_owned());
+        let err = prepare_mountpoint(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("is busy") && err.contains("(umount "), "{err}");
     }
 
     #[test]

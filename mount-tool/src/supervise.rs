@@ -545,7 +545,8 @@ impl Supervisor<'_> {
             None => true,
         };
         if !ours {
-            tracing::info!(mountpoint = %mountpoint.display(), "the mount is gone (another is there now)");
+            let now = if crate::plan::is_mountpoint(mountpoint) { "another is there now" } else { "unmounted" };
+            tracing::info!(mountpoint = %mountpoint.display(), "the mount is gone ({now})");
         } else if crate::plan::is_mountpoint(mountpoint) {
             let _ = crate::sys::unmount(mountpoint, true);
         }
