@@ -117,6 +117,10 @@ impl std::fmt::Display for ObjectKey {
 /// chunk checked as it is read.
 pub const DISK_WHOLE_MAX: u64 = 64 << 20;
 
+/// How often a read waiting past its `timeout` while bytes come looks whether an attempt of its fetch
+/// failed (which ends it: bytes that fail their checksum are no busy link's).
+const ATTEMPT_LOOK: Duration = Duration::from_millis(100);
+
 /// Prefetcher settings, from the mount's options (`options.rs`, documented in `docs/CONFIGURATION.md`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrefetcherConfig {
@@ -457,9 +461,12 @@ impl Prefetcher {
         entry.touched.store(self.cache.clock(), Ordering::Relaxed);
         self.prefetch_after(key, objects, owner);
         let (mut entry, mut fresh) = (entry, fresh);
-        let mut heard = self.client.received();
+        let mut heard = (self.client.received(), entry.attempt.load(Ordering::Acquire));
+        // Waiting past `timeout` (bytes came): the fetch's attempts looked at every [`ATTEMPT_LOOK`].
+        let mut past = false;
         let (body, waited, early) = loop {
-            match entry.wait(range.clone(), deadline, self.config.timeout) {
+            let wake = if past { deadline.min(Instant::now() + ATTEMPT_LOOK) } else { deadline };
+            match entry.wait(range.clone(), wake, self.config.timeout) {
                 // The fetch this read joined gave up, its own `timeout` after *it* started; this reader's
                 // time is its own: a new fetch (the failed entry makes way for it) within its `timeout`
                 // (not a deadline waited on past it: a fetch started then would fail after it, and the
@@ -468,15 +475,28 @@ impl Prefetcher {
                     (entry, fresh) = self
                         .get_or_start(key, (objects, obj), true, deadline)?
                         .expect("on-demand reads always get an entry");
+                    heard = (heard.0, entry.attempt.load(Ordering::Acquire));
                 }
                 // `timeout` passed with the fetch still on its way and bytes coming all along: the link
                 // is busy (a narrow one, shared with the window's fetches), the server not unreachable.
-                // The read waits another `timeout`, as long as they keep coming, for the fetch it waits on:
-                // one that fails ends the read (its retries end `timeout` after its first attempt, and a
+                // The read waits another `timeout`, as long as they keep coming and none of its fetch's
+                // attempts fails (bytes that fail their checksum are no busy link's), for the fetch it waits
+                // on: one that fails ends the read (its retries end `timeout` after its first attempt, and a
                 // stream that gets none of the bytes is given up by the client, `stall_timeout`).
-                Err(ReadError::Timeout { .. }) if !entry.is_failed() && self.client.received() != heard => {
-                    heard = self.client.received();
+                // Past `timeout`, an attempt of its fetch that failed ends the read.
+                Err(e @ ReadError::Timeout { .. }) if past && entry.attempt.load(Ordering::Acquire) != heard.1 => {
+                    return Err(e);
+                }
+                // A look at the attempts, not the deadline.
+                Err(ReadError::Timeout { .. }) if past && !entry.is_failed() && Instant::now() < deadline => {}
+                Err(ReadError::Timeout { .. })
+                    if !entry.is_failed()
+                        && self.client.received() != heard.0
+                        && entry.attempt.load(Ordering::Acquire) == heard.1 =>
+                {
+                    heard.0 = self.client.received();
                     deadline = Instant::now() + self.config.timeout;
+                    past = true;
                 }
                 other => break other?,
             }
@@ -929,6 +949,27 @@ mod tests {
         assert!(matches!(read.join().unwrap(), Err(ReadError::Timeout { .. })));
         assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
         assert!(client.received.load(Ordering::Relaxed) > 0, "bytes came all along");
+    }
+
+    /// A read that joins a prefetch whose bodies keep failing their checksums (bytes came for each) fails
+    /// about its `timeout` after it began: not a `timeout` after the fetch it started when the prefetch
+    /// gave up (it waited on while that fetch's bytes came: twice its `timeout` in all).
+    #[test]
+    fn a_read_joining_a_failing_prefetch_fails_after_its_own_timeout() {
+        let timeout = Duration::from_secs(2);
+        let config = PrefetcherConfig { prefetch: 0, timeout, ..Default::default() };
+        let (_rt, client, p, _bodies) = setup(3, config);
+        client.inject(std::iter::repeat_n(Fault::Corrupt, 100_000));
+        let manifest = p.manifest(0, TF).unwrap();
+        p.start_prefetches(&[Target { listing: key(1).listing, index: 1 }], &objects_of(manifest));
+        assert!(p.cache.prefetching() > 0, "the prefetch runs");
+        std::thread::sleep(Duration::from_millis(20));
+        let started = Instant::now();
+        let read = p.read_as0(key(1), 0, 4096);
+        assert!(matches!(read, Err(ReadError::Timeout { .. })), "{read:?}");
+        let took = started.elapsed();
+        assert!(took < timeout * 3 / 2, "failed after {took:?}, its timeout {timeout:?}");
+        assert!(p.stats.checksum_errors.load(Ordering::Relaxed) > 1, "bytes came, each body wrong");
     }
 
     /// Prefetches started from many threads at once never put more bytes in flight than the cap: the

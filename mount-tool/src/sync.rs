@@ -9,11 +9,11 @@
 //! use `std::sync` directly.
 
 #[cfg(not(feature = "shuttle"))]
-pub use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+pub use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 #[cfg(not(feature = "shuttle"))]
 pub use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 #[cfg(feature = "shuttle")]
-pub use shuttle::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+pub use shuttle::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 #[cfg(feature = "shuttle")]
 pub use shuttle::sync::{Arc, Condvar, Mutex, MutexGuard};

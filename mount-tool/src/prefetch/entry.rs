@@ -8,7 +8,7 @@
 
 use super::ReadError;
 use crate::buffers::Partial;
-use crate::sync::{Arc, AtomicBool, AtomicU64, Condvar, Mutex};
+use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, Condvar, Mutex};
 use batchfs::mmap::MappedFile;
 use bytes::Bytes;
 use std::sync::Weak;
@@ -143,6 +143,9 @@ pub(super) struct Entry {
     making: Mutex<()>,
     /// The memory file was handed to a reader (counted in `bytes_served` once).
     pub handed: AtomicBool,
+    /// The attempt its fetch is at (0: the first; each a failed one more): a read waiting on past its
+    /// `timeout` while bytes come does so only while none of its fetch's attempts fails.
+    pub attempt: AtomicU32,
 }
 
 /// A body served from the mapping of its memory file (shared, so that the pool sees when the daemon's
@@ -191,6 +194,7 @@ impl Entry {
             memfd: Mutex::new(None),
             making: Mutex::new(()),
             handed: AtomicBool::new(false),
+            attempt: AtomicU32::new(0),
         }
     }
 

@@ -125,6 +125,7 @@ impl Fetcher {
         let stats = self.stats.clone();
         let mounted = (self.config.dataset.clone(), self.config.index_id.clone());
         let fetched = with_retries(&self.config, &self.stats, move |attempt| {
+            filled.attempt.store(attempt, Ordering::Release);
             let (client, request, pool, placed) = (client.clone(), request.clone(), pool.clone(), placed.clone());
             let mounted = mounted.clone();
             let stats = stats.clone();
