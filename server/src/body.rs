@@ -125,7 +125,10 @@ pub struct SegmentBody {
 }
 
 impl SegmentBody {
-    pub fn new(ctx: Arc<StreamContext>, storage: Arc<Storage>, segments: Vec<Segment>) -> Self {
+    pub fn new(ctx: Arc<StreamContext>, storage: Arc<Storage>, mut segments: Vec<Segment>) -> Self {
+        // A range of no bytes (an empty file's body) reads nothing: a chunk that takes nothing of it would
+        // never move past it (a direct one sent empty DATA frames for ever).
+        segments.retain(|s| !s.is_empty());
         let remaining = segments.iter().map(Segment::len).sum();
         ctx.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
         SegmentBody {
@@ -271,7 +274,14 @@ impl SegmentBody {
         let mut chunk = DirectChunk { storage: &storage, room: self.ctx.chunk_size, total: 0, plan };
         self.take_pieces(&mut chunk);
         if chunk.total == 0 {
-            // An object's copy evicted since it was found in the tier: read from the store.
+            // A range refused (past its shard's indexed size): the body ends with that error, as with any
+            // other failed read. Before, the chunk was passed to `read_files`, which takes no direct shard:
+            // an empty chunk, `current` never moved, and empty DATA frames sent for ever.
+            if let Some(e) = chunk.plan.take_error() {
+                return Box::pin(std::future::ready(Err(e)));
+            }
+            // An object's copy evicted since it was found in the tier, or not checked yet (`direct_copy`
+            // said `WouldBlock`): read on the blocking pool, from the copy once checked or from the store.
             return self.read_files();
         }
         let (plan, pool, ctx) = (chunk.plan, self.ctx.direct.clone(), self.ctx.clone());
@@ -729,6 +739,37 @@ mod tests {
         assert!(frames.len() <= 3 && sizes.iter().all(|&n| n <= (64 << 10) + 3000), "frames of {sizes:?}");
         let got: Vec<u8> = frames.into_iter().flat_map(|mut f| f.copy_to_bytes(f.remaining()).to_vec()).collect();
         assert!(got == want, "the bytes, in order");
+    }
+
+    /// A direct body asked for a range past its shard's indexed size ends with that error, as a failed read
+    /// does. Before, the chunk the plan refused fell to the positioned reads, which take no direct shard:
+    /// an empty chunk, the body never moved on, and sent empty DATA frames for ever (a core spinning, the
+    /// client hung). A range of no bytes (an empty file's body) sends nothing and ends.
+    #[test]
+    fn a_direct_body_of_a_range_it_cannot_read_fails_and_never_spins() {
+        let (dir, index) = fixtures::dataset(20, 20_000, 1);
+        let storage = Arc::new(fixtures::open(dir.path(), &index, IoMode::Direct));
+        assert_eq!(storage.direct(), 1, "the shard is read with O_DIRECT");
+        let size = index.shards[0].size;
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        // The frames of a body, up to its end or its error: a thousand are far more than it has.
+        let frames = |segments: Vec<Segment>| {
+            let ctx = Arc::new(StreamContext::new(2, 65536, 2, Arc::new(Metrics::default())));
+            let mut body = SegmentBody::new(ctx, storage.clone(), segments);
+            runtime.block_on(async {
+                let mut sent = Vec::new();
+                while let Some(frame) = body.frame().await {
+                    sent.push(frame?.into_data().map_or(0, |d| bytes::Buf::remaining(&d)));
+                    assert!(sent.len() < 1000, "frames without end: {:?}", &sent[..10]);
+                }
+                Ok::<_, std::io::Error>(sent)
+            })
+        };
+        let past = vec![Segment::Data { shard: 0, offset: size - 10, len: 100 }];
+        let e = frames(past).unwrap_err();
+        assert!(e.to_string().contains("range past the indexed size"), "{e}");
+        let empty = vec![Segment::Data { shard: 0, offset: 0, len: 0 }, Segment::Inline(b"end".to_vec())];
+        assert_eq!(frames(empty).unwrap(), [3]);
     }
 
     /// A direct body whose file shrank under it ends with an error, not with wrong or missing bytes.

@@ -58,6 +58,11 @@ impl ChunkPlan {
         ChunkPlan { room, used: 0, reads: Vec::new(), pieces: Vec::new(), error: None }
     }
 
+    /// The error of a range the plan refused, if it refused one (taken: the chunk is not read).
+    pub fn take_error(&mut self) -> Option<std::io::Error> {
+        self.error.take()
+    }
+
     /// Framing, sent as it is.
     pub fn inline(&mut self, bytes: Vec<u8>) {
         self.pieces.push(Piece::Inline(bytes));
