@@ -785,6 +785,95 @@ mod tests {
         assert!(direct.load(Ordering::Relaxed) > data);
     }
 
+    /// After a restart, the copies found in the tier are checked against the index before a byte of them
+    /// is served, each once, and never on a runtime worker: a body on a current-thread runtime (whose one
+    /// worker is this thread) leaves each unchecked copy to a read on the blocking pool, which checks it in
+    /// 4 MiB pieces; its next reads are mapped (or read directly). One copy changed on the disk in its
+    /// second chunk is never served: removed, its object read from the store. Before, `mapping` and
+    /// `direct_copy` read each copy whole into one buffer (gigabytes, for an LMDB) and checked it inside
+    /// `poll_frame`, on the worker, again in every body that reached it before the first was done.
+    #[test]
+    fn copies_found_at_start_are_checked_once_and_off_the_workers_before_a_body_serves_them() {
+        use batchfs::index::CHUNK_BYTES;
+        use http_body_util::BodyExt;
+        // Shards of about 6 MiB: two chunks each.
+        let (local, _) = crate::storage::fixtures::dataset(40, 300_000, 2);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        for direct in [false, true] {
+            let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+            let first = open(&store, &context(Some(tier_dir.path()), 1 << 30), index_dir.path());
+            let (shards, sizes) = (first.index.shards.clone(), first.index.shards.iter().map(|s| s.size));
+            assert!(sizes.clone().all(|size| size > CHUNK_BYTES), "copies of more than one chunk");
+            let bad = first.storage.objects().unwrap().tier_name(&shards[0]);
+            drop(first);
+            let path = tier_dir.path().join("objects").join(&bad);
+            let mut changed = std::fs::read(&path).unwrap();
+            changed[CHUNK_BYTES as usize + 5] ^= 1;
+            std::fs::write(&path, changed).unwrap();
+
+            let ctx = context(Some(tier_dir.path()), 1 << 30);
+            let ds = match direct {
+                true => open_with(&store, &ctx, index_dir.path(), direct_policy(0)),
+                false => open(&store, &ctx, index_dir.path()),
+            };
+            let (source, tier) = (ds.storage.objects().unwrap().clone(), ctx.tier.clone().unwrap());
+            assert_eq!(source.direct_copies.load(Ordering::Relaxed), direct);
+            assert!(shards.iter().all(|s| tier.is_unchecked(&source.tier_name(s))));
+            let whole: Vec<Vec<u8>> =
+                shards.iter().map(|s| std::fs::read(local.path().join(&s.path)).unwrap()).collect();
+            // Each object in pieces of 1 MiB, interleaved, with framing between them.
+            let (mut segments, mut want) = (Vec::new(), Vec::new());
+            for at in (0..whole.iter().map(Vec::len).max().unwrap()).step_by(1 << 20) {
+                for (n, bytes) in whole.iter().enumerate().filter(|(_, b)| at < b.len()) {
+                    let len = (bytes.len() - at).min(1 << 20);
+                    segments.push(batchfs::encode::Segment::Data {
+                        shard: n as u32,
+                        offset: at as u64,
+                        len: len as u64,
+                    });
+                    want.extend_from_slice(&bytes[at..at + len]);
+                    segments.push(batchfs::encode::Segment::Inline(vec![n as u8; 9]));
+                    want.extend_from_slice(&[n as u8; 9]);
+                }
+            }
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let stream = Arc::new(crate::body::StreamContext::new(4, 65_536, 2, Arc::new(Default::default())));
+            let body = |segments| crate::body::SegmentBody::new(stream.clone(), ds.storage.clone(), segments);
+            // Three bodies at once, all reaching every unchecked copy.
+            let got = runtime.block_on(async {
+                let read = |b: crate::body::SegmentBody| async { b.collect().await.unwrap().to_bytes() };
+                futures_util::future::join3(
+                    read(body(segments.clone())),
+                    read(body(segments.clone())),
+                    read(body(segments.clone())),
+                )
+                .await
+            });
+            assert!([got.0, got.1, got.2].iter().all(|g| g[..] == want[..]), "direct {direct}: the bytes differ");
+            let checkers = tier.checked_by.lock().unwrap().clone();
+            assert_eq!(checkers.len(), shards.len(), "direct {direct}: each copy checked once");
+            assert!(!checkers.contains(&std::thread::current().id()), "direct {direct}: a copy checked on the worker");
+            assert_eq!(tier.counters.failures.load(Ordering::Relaxed), 1, "direct {direct}: the changed copy removed");
+            assert!(!path.exists() || !tier.is_unchecked(&bad));
+            assert!(
+                source.counters.gets.load(Ordering::Relaxed) > 0,
+                "direct {direct}: its object read from the store"
+            );
+            assert!(shards[1..].iter().all(|s| !tier.is_unchecked(&source.tier_name(s))));
+            // Checked now: read as copies are, mapped or by the direct path, without a check again.
+            let again = runtime.block_on(async { body(segments.clone()).collect().await.unwrap().to_bytes() });
+            assert!(again[..] == want[..], "direct {direct}: the bytes differ");
+            assert_eq!(tier.checked_by.lock().unwrap().len(), shards.len(), "direct {direct}: checked again");
+            match direct {
+                true => assert!(source.counters.tier_direct_bytes.load(Ordering::Relaxed) > 0),
+                false => assert!(source.mapping(1).is_some(), "the checked copy is mapped"),
+            }
+            // ... and copied in again, before the tier's directory goes.
+            wait_for("the copy made again", || tier.copies() == shards.len() && source.stager_idle());
+        }
+    }
+
     /// A store whose ranged GETs answer in pieces of 5,000 bytes, the first `flips` of them with one byte
     /// of their body changed and the next `cuts` cut off halfway by an error, as a network may. With
     /// `held` set, the next ranged GET takes it, waits until it is let go, then answers that the object

@@ -222,7 +222,7 @@ impl ObjectSource {
             let mut making = Vec::new();
             for (i, &(n, offset, len)) in wanted.iter().enumerate() {
                 let copy = copies.entry(n).or_insert_with(|| {
-                    let copy = self.open_copy(n);
+                    let copy = self.open_copy(n, true);
                     self.touched(n, copy.is_some());
                     copy
                 });
@@ -237,7 +237,7 @@ impl ObjectSource {
                     // Not being copied now: the copy may have landed since this body looked for it (the
                     // tier holds a copy before its making ends), and the body's other ranges of the object
                     // read it. Before, they were read by GETs: the store read twice for them.
-                    *copy = self.open_copy(n);
+                    *copy = self.open_copy(n, true);
                 }
                 match copy {
                     Some(file) => out[i] = self.read_from_copy(n, file, offset, len),
@@ -274,60 +274,37 @@ impl ObjectSource {
         Ok(out.into_iter().map(|b| b.expect("every range read")).collect())
     }
 
-    /// Object `n`'s copy in the tier, opened, if the tier holds one: a copy found at start is read whole
-    /// and checked against the index first (removed where it differs).
-    fn open_copy(&self, n: u32) -> Option<CopyFile> {
+    /// Object `n`'s copy in the tier, opened, if the tier holds one checked: a copy found at start is
+    /// checked against the index first where `may_check` ([`check_copy`], once per copy: blocks, so only
+    /// on the blocking pool), and taken as missing where not (the runtime's workers: a read on the blocking
+    /// pool checks it).
+    fn open_copy(&self, n: u32, may_check: bool) -> Option<CopyFile> {
         let (tier, file) = (self.tier()?, self.file(n)?);
         let name = self.tier_name(file);
-        let (path, checked) = tier.get(&name)?;
+        if !may_check && tier.is_unchecked(&name) {
+            return None;
+        }
+        let path = tier.checked_copy(&name, |path| check_copy(file, path))?;
         // Past the page cache, as a local dataset larger than memory is read, where its copies are read
         // so (a filesystem that refuses O_DIRECT gets positioned reads through the page cache).
-        let direct = || {
+        if self.direct_copies.load(Ordering::Relaxed) {
             use std::os::unix::fs::OpenOptionsExt;
-            if !self.direct_copies.load(Ordering::Relaxed) {
-                return None;
-            }
             match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path) {
-                Ok(file) => Some(CopyFile { file, direct: true, name: name.clone() }),
+                Ok(file) => return Some(CopyFile { file, direct: true, name }),
                 // Refused (the filesystem does not do O_DIRECT): every copy is read through the page cache.
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    self.read_copies_directly(false);
-                    None
-                }
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.read_copies_directly(false),
                 // Whatever else it is, the plain open below meets it too, and says so.
-                Err(_) => None,
-            }
-        };
-        // The usual case: a copy checked already, one `open`.
-        if checked {
-            if let Some(copy) = direct() {
-                return Some(copy);
+                Err(_) => {}
             }
         }
-        let copy = match std::fs::File::open(&path) {
-            Ok(copy) => copy,
+        match std::fs::File::open(&path) {
+            Ok(copy) => Some(CopyFile { file: copy, direct: false, name }),
             Err(e) => {
                 // Gone from the disk under the tier: forgotten, so nothing takes it for held again.
                 tier.remove(&name, &e.to_string());
-                return None;
-            }
-        };
-        if !checked {
-            let mut bytes = vec![0; file.size as usize];
-            let read = copy.read_exact_at(&mut bytes, 0);
-            match read.map(|()| differing_chunk(file, &bytes)) {
-                Ok(None) => tier.mark_checked(&name),
-                Ok(Some(k)) => {
-                    tier.remove(&name, &format!("chunk {k} differs from the index"));
-                    return None;
-                }
-                Err(e) => {
-                    tier.remove(&name, &e.to_string());
-                    return None;
-                }
+                None
             }
         }
-        Some(direct().unwrap_or(CopyFile { file: copy, direct: false, name }))
     }
 
     /// Whether object `n` is read now from a copy in the tier opened with `O_DIRECT`, by the direct path of
@@ -341,13 +318,20 @@ impl ObjectSource {
 
     /// Object `n`'s copy in the tier, opened with `O_DIRECT` and checked, for `len` bytes of it read now
     /// by the direct path (counted as the tier's, and as a read of the object for the stager); `None` where
-    /// the tier does not hold it (or it is not read so): the bytes are then read by [`Self::read_many`].
+    /// the tier does not hold it, or not checked yet, or it is not read so: the bytes are then read by
+    /// [`Self::read_many`], on the blocking pool, which checks it first. Never blocks on a check: called in
+    /// a body's `poll_frame`, on a worker. (Before, it read a copy found at start whole into one buffer and
+    /// checked it there, a worker stalled for seconds and gigabytes allocated, by every body at once.)
     pub fn direct_copy(self: &Arc<Self>, n: u32, len: u64) -> Option<Arc<std::fs::File>> {
         if !self.direct_copies.load(Ordering::Relaxed) {
             return None;
         }
-        let file = self.tier().and_then(|tier| self.open_copies.get(tier, n, true)).or_else(|| {
-            let copy = self.open_copy(n).filter(|c| c.direct)?;
+        let tier = self.tier()?;
+        if self.file(n).is_some_and(|file| tier.is_unchecked(&self.tier_name(file))) {
+            return None;
+        }
+        let file = self.open_copies.get(tier, n, true).or_else(|| {
+            let copy = self.open_copy(n, false).filter(|c| c.direct)?;
             let file = Arc::new(copy.file);
             self.open_copies.put(n, copy.name, file.clone());
             Some(file)
@@ -604,6 +588,26 @@ impl ObjectSource {
 /// `memory` cut into `(offset, slice)` parts of `part` bytes (the last one shorter).
 pub(super) fn parts_of(memory: &mut [u8], part: u64) -> Vec<(u64, &mut [u8])> {
     memory.chunks_mut(part as usize).enumerate().map(|(k, slice)| (k as u64 * part, slice)).collect()
+}
+
+/// Checks copy `path` of object `file` against the index: its size, and the CRC32C of each [`CHUNK_BYTES`]
+/// chunk, read one at a time into one buffer (a copy of gigabytes is never read whole into memory). Blocks:
+/// call on the blocking pool.
+pub(super) fn check_copy(file: &ShardInfo, path: &std::path::Path) -> io::Result<()> {
+    let copy = std::fs::File::open(path)?;
+    let len = copy.metadata()?.len();
+    if len != file.size {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{len} bytes, the object {}", file.size)));
+    }
+    let mut buffer = vec![0; CHUNK_BYTES.min(file.size) as usize];
+    for (k, at) in (0..file.size).step_by(CHUNK_BYTES as usize).enumerate() {
+        let piece = &mut buffer[..(file.size - at).min(CHUNK_BYTES) as usize];
+        copy.read_exact_at(piece, at)?;
+        if file.chunk_crc(k as u64) != Some(batchfs::crc::crc32c(piece)) {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("chunk {k} differs from the index")));
+        }
+    }
+    Ok(())
 }
 
 /// The first [`CHUNK_BYTES`] chunk of `bytes` (all of `file`) whose CRC32C is not the index's, if any.

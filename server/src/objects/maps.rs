@@ -1,8 +1,9 @@
 //! Copies in the disk tier served by the path local shards take, kept open between reads: mapped, an
-//! object the tier holds is mapped (its copy, checked against the index before its first use in this
-//! process) and its body chunks are views of the mapping, faulted in on the blocking pool (`body.rs`), as a
-//! local dataset's mapped shards are; read directly (a dataset larger than half the server's memory), its
-//! copy is opened with `O_DIRECT` and read by the direct path of local shards (`fetch.rs`). No copy of the
+//! object the tier holds is mapped (its copy checked against the index before its first use in this
+//! process, by a read on the blocking pool: `fetch.rs`) and its body chunks are views of the mapping,
+//! faulted in on the blocking pool (`body.rs`), as a local dataset's mapped shards are; read directly (a
+//! dataset larger than half the server's memory), its copy is opened with `O_DIRECT` and read by the
+//! direct path of local shards (`fetch.rs`). No copy of the
 //! bytes is made in the server's memory: under a memory cgroup smaller than the dataset, the pages are the
 //! page cache's, reclaimed as any file's are.
 //!
@@ -104,9 +105,11 @@ impl ObjectSource {
         self.maps.limit(if self.tier().is_some() { limit } else { 0 });
     }
 
-    /// Object `n`'s copy in the tier, mapped, if the tier holds one and copies are mapped: checked against
-    /// the index before its first use in this process (a copy that differs is removed). Counts as a read
-    /// of the object for the stager.
+    /// Object `n`'s copy in the tier, mapped, if the tier holds one checked and copies are mapped. Counts
+    /// as a read of the object for the stager. A copy found at start and not checked yet is not mapped:
+    /// this runs in a body's `poll_frame`, on a worker, and the bytes are read on the blocking pool instead
+    /// ([`ObjectSource::read_many`]), which checks it first, once; its next reads are mapped. (Before, it
+    /// was mapped and checked whole here, a worker stalled for as long, by every body reaching it at once.)
     pub fn mapping(self: &Arc<Self>, n: u32) -> Option<Arc<MappedFile>> {
         let tier = self.tier()?;
         let file = self.file(n)?;
@@ -118,15 +121,11 @@ impl ObjectSource {
             return Some(map);
         }
         let name = self.tier_name(file);
+        if tier.is_unchecked(&name) {
+            return None;
+        }
         let map = tier.get(&name).and_then(|(path, checked)| {
-            let map = MappedFile::open(&path).ok().filter(|m| m.len() == file.size)?;
-            if !checked {
-                if let Some(k) = super::fetch::differing_chunk(file, map.bytes()) {
-                    tier.remove(&name, &format!("chunk {k} differs from the index"));
-                    return None;
-                }
-                tier.mark_checked(&name);
-            }
+            let map = MappedFile::open(&path).ok().filter(|m| checked && m.len() == file.size)?;
             map.advise(memmap2::Advice::Random);
             Some(Arc::new(map))
         });

@@ -13,7 +13,10 @@
 //! then computed from the copy itself. A server killed while staging leaves files under `staging/` only,
 //! and the next start removes them ([`Tier::open`]). Copies found at start are read whole and checked
 //! against the index before each is first served (a crash or a disk may have changed them since; so no
-//! `fsync` is needed to keep a wrong byte out): see `Entry::checked`.
+//! `fsync` is needed to keep a wrong byte out): see `Entry::checked`. Such a copy is checked once
+//! ([`Tier::checked_copy`]: one caller reads it in 4 MiB pieces, the others for it wait for the verdict),
+//! by a read on the blocking pool; the paths that run on the runtime's workers (a body's mapped and direct
+//! reads) take only copies checked already ([`Tier::is_unchecked`]) and leave the others to that read.
 //!
 //! **Room.** The tier holds at most `disk_cache_size` bytes of disk (auto: 90 % of what its filesystem has
 //! free at start, plus what the tier already holds), copies being written counted from their start; the
@@ -27,11 +30,12 @@
 //! logged and counted, and the object is read from the store as if the tier were not there.
 
 use lru::LruCache;
+use std::collections::HashSet;
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 /// Why the tier cannot be used: each says what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -118,6 +122,13 @@ pub struct Tier {
     /// The filesystem's block (`statvfs`'s `f_frsize`): what a file's size is rounded up to on its disk.
     block: u64,
     inner: Mutex<Inner>,
+    /// Copies found at start being checked now: another reader of one waits for its verdict
+    /// ([`Tier::checked_copy`]). Taken before `inner`, never after.
+    checking: Mutex<HashSet<String>>,
+    verdict: Condvar,
+    /// The threads that checked copies, in order (the tests look at who did).
+    #[cfg(test)]
+    pub(super) checked_by: Mutex<Vec<std::thread::ThreadId>>,
     seq: AtomicU64,
     pub counters: TierCounters,
     /// Lost copies' warnings (a full or failing disk loses every copy it is given).
@@ -199,6 +210,10 @@ impl Tier {
             cap,
             block,
             inner: Mutex::new(Inner { entries, bytes: held, reserved: 0 }),
+            checking: Mutex::new(HashSet::new()),
+            verdict: Condvar::new(),
+            #[cfg(test)]
+            checked_by: Mutex::new(Vec::new()),
             seq: AtomicU64::new(0),
             counters: TierCounters::default(),
             lost_log: super::Throttled::default(),
@@ -273,6 +288,51 @@ impl Tier {
         let mut inner = self.inner.lock().expect("tier");
         let entry = *inner.entries.get(name)?;
         Some((self.objects.join(name), entry.checked))
+    }
+
+    /// Whether the tier holds copy `name` not yet checked in this process (found at start): not counted
+    /// as a use, and never waits for a check. For the runtime's workers, which must not check it.
+    pub fn is_unchecked(&self, name: &str) -> bool {
+        self.inner.lock().expect("tier").entries.peek(name).is_some_and(|e| !e.checked)
+    }
+
+    /// Copy `name`'s path, counted as used, once it is checked: a copy found at start and not checked yet
+    /// is checked now by `check` (given its path), by one caller while the others for the same copy wait
+    /// for the verdict, and removed where `check` fails (its error the reason logged). `None` where the
+    /// tier does not hold the copy (or no longer). Blocks for as long as a check: call on the blocking pool.
+    pub fn checked_copy(&self, name: &str, check: impl FnOnce(&Path) -> io::Result<()>) -> Option<PathBuf> {
+        let mut checking = self.checking.lock().expect("tier checking");
+        let path = loop {
+            // Looked at with `checking` held: a check marks its copy (or removes it) before it leaves
+            // `checking`, so a copy is checked, being checked, or this caller's to check.
+            match self.get(name)? {
+                (path, true) => return Some(path),
+                (path, false) if checking.insert(name.to_owned()) => break path,
+                _ => checking = self.verdict.wait(checking).expect("tier checking"),
+            }
+        };
+        drop(checking);
+        // Leaves `checking` and wakes the waiters however the check ends (a panic included).
+        struct Done<'a>(&'a Tier, &'a str);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.checking.lock().expect("tier checking").remove(self.1);
+                self.0.verdict.notify_all();
+            }
+        }
+        let _done = Done(self, name);
+        #[cfg(test)]
+        self.checked_by.lock().expect("checked by").push(std::thread::current().id());
+        match check(&path) {
+            Ok(()) => {
+                self.mark_checked(name);
+                Some(path)
+            }
+            Err(e) => {
+                self.remove(name, &e.to_string());
+                None
+            }
+        }
     }
 
     /// Records that copy `name` was read whole and matched the index.
@@ -645,6 +705,51 @@ mod tests {
         // Smaller now: what does not fit is evicted at start.
         drop(again);
         assert_eq!(Tier::open(dir.path(), AutoSize::Bytes(u / 2)).unwrap().copies(), 0);
+    }
+
+    /// A copy found at start is checked by its first reader while the others wait for the verdict, never
+    /// checking it again (before, every body reaching it before the first was done read it whole again);
+    /// a copy whose check fails is removed, and a reader after finds no copy.
+    #[test]
+    fn a_copy_found_at_start_is_checked_once_while_its_other_readers_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let u = block(dir.path());
+        let (a, b) = (Tier::name("s3 b/k1", "\"e\""), Tier::name("s3 b/k2", "\"e\""));
+        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(10 * u)).unwrap());
+        stage(&tier, &a, &[1; 100]);
+        stage(&tier, &b, &[2; 100]);
+        assert!(!tier.is_unchecked(&a), "a copy made here is checked");
+        drop(tier);
+        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(10 * u)).unwrap());
+        assert!(tier.is_unchecked(&a) && tier.is_unchecked(&b));
+        let (started, go) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+        let first = std::thread::spawn({
+            let (tier, a) = (tier.clone(), a.clone());
+            move || {
+                tier.checked_copy(&a, |_| {
+                    started.0.send(()).unwrap();
+                    go.1.recv().unwrap();
+                    Ok(())
+                })
+            }
+        });
+        started.1.recv().unwrap();
+        let second = std::thread::spawn({
+            let (tier, a) = (tier.clone(), a.clone());
+            move || tier.checked_copy(&a, |_| panic!("checked again"))
+        });
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!second.is_finished() && tier.is_unchecked(&a), "the second reader waits for the verdict");
+        go.0.send(()).unwrap();
+        assert_eq!(first.join().unwrap(), Some(dir.path().join("objects").join(&a)));
+        assert_eq!(second.join().unwrap(), Some(dir.path().join("objects").join(&a)));
+        assert!(!tier.is_unchecked(&a) && tier.checked_by.lock().unwrap().len() == 1);
+        // A check that fails removes the copy; the next reader finds none (and checks nothing).
+        let differs = || Err(io::Error::new(io::ErrorKind::InvalidData, "chunk 0 differs from the index"));
+        assert_eq!(tier.checked_copy(&b, |_| differs()), None);
+        assert!(!tier.contains(&b) && !dir.path().join("objects").join(&b).exists());
+        assert_eq!(tier.checked_copy(&b, |_| panic!("checked again")), None);
+        assert_eq!(tier.counters.failures.load(Ordering::Relaxed), 1);
     }
 
     #[test]
