@@ -141,7 +141,11 @@ impl ChunkPlan {
             .iter()
             .map(|r| ReadOp { fd: r.file.fd, offset: r.start, at: r.at, len: (r.end - r.start) as usize })
             .collect();
-        let (buf, results) = ring.read(pool.take(), &ops).await?;
+        // The ring holds the descriptors open until the reads complete, even where this chunk is dropped
+        // first: the copies opened for it, and the storage holding the direct shards'.
+        let files: Vec<Arc<std::fs::File>> = self.reads.iter().filter_map(|r| r.file.keep.clone()).collect();
+        let keep: crate::storage::uring::Keep = Arc::new((storage.clone(), files));
+        let (buf, results) = ring.read(pool.take(), &ops, keep).await?;
         let got: Vec<usize> = results.into_iter().map(|r| r.unwrap_or(0)).collect();
         if self.reads.iter().zip(&got).all(|(r, &got)| r.start + got as u64 >= r.need_end) {
             return self.finish(&storage, buf, got);

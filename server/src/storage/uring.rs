@@ -16,6 +16,13 @@
 //! before. Reads the ring can no longer account for (it failed, or it is dropped with reads in flight)
 //! leak their buffers: the kernel may still write into them.
 //!
+//! **So do the files.** A read names its file by descriptor number only, and a busy kernel (`EAGAIN`,
+//! `EBUSY`) leaves reads queued, unsubmitted, for the driver to submit later: what keeps the descriptors
+//! open (a copy in the disk tier opened for the chunk, the storage of a direct shard) is handed to the
+//! ring with the reads ([`Keep`]) and let go with the buffer, never with a dropped chunk. Before, a body
+//! dropped meanwhile could close the last handle of an evicted copy, and the queued read then read
+//! whatever took its number (another copy, a client's socket).
+//!
 //! Where the kernel refuses io_uring (too old, disabled by `kernel.io_uring_disabled` or a seccomp
 //! profile), [`Ring::new`] fails and the caller reads with `pread` on the blocking pool.
 
@@ -36,6 +43,10 @@ const ENTRIES: u32 = 256;
 /// Bits of a completion's `user_data` that number a read within its submission; the rest number the
 /// submission.
 const OP_BITS: u32 = 16;
+
+/// What keeps the descriptors of a submission's reads open: held by the ring until its last read
+/// completes.
+pub type Keep = Arc<dyn std::any::Any + Send + Sync>;
 
 /// One read: `len` bytes of `fd` at `offset`, into the buffer's window at `at`.
 #[derive(Debug, Clone, Copy)]
@@ -73,6 +84,8 @@ struct InFlight {
     left: usize,
     done: Option<oneshot::Sender<(Buffer, Vec<i32>)>>,
     _slots: OwnedSemaphorePermit,
+    /// The reads' files, open until the last completes (or for ever, like the buffer, where it never does).
+    keep: Option<Keep>,
 }
 
 impl Drop for InFlight {
@@ -80,6 +93,9 @@ impl Drop for InFlight {
         if self.left > 0 {
             // The kernel may still write into the buffer: it must never be reused or freed.
             std::mem::forget(self.buffer.take());
+            // Nor may its descriptors be closed, and their numbers reused, under reads the kernel may
+            // still submit.
+            std::mem::forget(self.keep.take());
         }
     }
 }
@@ -112,11 +128,13 @@ impl Ring {
     }
 
     /// Reads every op into `buffer`'s window and returns the buffer with each op's result (bytes read,
-    /// which may be short at a file's end, or the error), in order.
+    /// which may be short at a file's end, or the error), in order. `keep` holds the ops' descriptors
+    /// open: the ring keeps it until their reads complete, even where this future is dropped first.
     pub async fn read(
         &self,
         mut buffer: Buffer,
         ops: &[ReadOp],
+        keep: Keep,
     ) -> std::io::Result<(Buffer, Vec<std::io::Result<usize>>)> {
         let room = buffer.window().len();
         for op in ops {
@@ -126,7 +144,7 @@ impl Ring {
         for round in ops.chunks(ENTRIES as usize) {
             let slots =
                 self.slots.clone().acquire_many_owned(round.len() as u32).await.map_err(std::io::Error::other)?;
-            let done = self.submit(buffer, round, slots)?;
+            let done = self.submit(buffer, round, slots, keep.clone())?;
             let (back, got) = done.await.map_err(|_| std::io::Error::other("io_uring stopped with reads in flight"))?;
             buffer = back;
             results.extend(got.into_iter().map(|r| {
@@ -146,6 +164,7 @@ impl Ring {
         mut buffer: Buffer,
         ops: &[ReadOp],
         slots: OwnedSemaphorePermit,
+        keep: Keep,
     ) -> std::io::Result<oneshot::Receiver<(Buffer, Vec<i32>)>> {
         if self.failed.load(Ordering::Relaxed) {
             return Err(std::io::Error::other("io_uring refused an earlier submission"));
@@ -169,13 +188,16 @@ impl Ring {
                 // SAFETY: the entry's destination is a part of the buffer that no other entry shares (a
                 // chunk's reads are disjoint by construction in `direct.rs`). The buffer is handed to
                 // the ring below, before anything is submitted, and leaves it only when every read of
-                // this submission has completed (or never, see `InFlight`). The queue has room: the
-                // slots held bound the reads queued or in flight to its size.
+                // this submission has completed (or never, see `InFlight`), and so does `keep`, which holds
+                // its descriptor open: an entry left queued is never submitted for a closed (or reused)
+                // descriptor number. The queue has room: the slots held bound the reads queued or in
+                // flight to its size.
                 unsafe { queue.push(&entry) }.expect("the slots bound the queue");
             }
         }
         let n = ops.len();
-        let flight = InFlight { buffer: Some(buffer), results: vec![0; n], left: n, done: Some(done), _slots: slots };
+        let (buffer, done) = (Some(buffer), Some(done));
+        let flight = InFlight { buffer, results: vec![0; n], left: n, done, _slots: slots, keep: Some(keep) };
         state.reads.insert(key, flight);
         loop {
             match state.ring.submit() {
@@ -302,7 +324,7 @@ mod tests {
             (0..600).map(|i| ReadOp { fd, offset: i * 97, at: i as usize * 100, len: 100 }).collect();
         ops.push(ReadOp { fd, offset: 99_900, at: 600 * 100, len: 300 });
         let pool = Pool::new(601 * 100, 1);
-        let (mut buffer, results) = ring.read(pool.take(), &ops).await.unwrap();
+        let (mut buffer, results) = ring.read(pool.take(), &ops, Arc::new(())).await.unwrap();
         let window = buffer.window();
         for (op, result) in ops.iter().zip(&results) {
             let n = *result.as_ref().unwrap();
@@ -312,7 +334,7 @@ mod tests {
         }
         // A read of a closed descriptor is that read's error, the others still land.
         let bad = [ReadOp { fd: -1, offset: 0, at: 0, len: 10 }, ReadOp { fd, offset: 5, at: 10, len: 10 }];
-        let (mut buffer, results) = ring.read(buffer, &bad).await.unwrap();
+        let (mut buffer, results) = ring.read(buffer, &bad, Arc::new(())).await.unwrap();
         assert!(results[0].is_err());
         assert_eq!((results[1].as_ref().unwrap(), &buffer.window()[10..20]), (&10, &bytes[5..15]));
     }
@@ -328,7 +350,7 @@ mod tests {
         let ops: Vec<ReadOp> =
             (0..64).map(|i| ReadOp { fd, offset: i * 1000, at: i as usize * 1000, len: 1000 }).collect();
         {
-            let read = ring.read(pool.take(), &ops);
+            let read = ring.read(pool.take(), &ops, Arc::new(()));
             tokio::pin!(read);
             // Submitted on the first poll; then dropped, whether or not it is done.
             std::future::poll_fn(|cx| {
@@ -343,8 +365,39 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         assert_eq!(ring.state.lock().unwrap().reads.len(), 0);
-        let (mut buffer, results) = ring.read(pool.take(), &ops[..3]).await.unwrap();
+        let (mut buffer, results) = ring.read(pool.take(), &ops[..3], Arc::new(())).await.unwrap();
         assert_eq!(results.iter().map(|r| *r.as_ref().unwrap()).collect::<Vec<_>>(), [1000; 3]);
         assert_eq!(&buffer.window()[..3000], &bytes[..3000]);
+    }
+
+    /// A read dropped before its last completion leaves its files open until the kernel is done: a read
+    /// a busy kernel left queued names its file by number only, and a chunk dropped meanwhile closed it
+    /// (the last handle of a copy the tier evicted), so the read, submitted later, read whatever took
+    /// that number (another copy, a client's socket).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_cancelled_read_keeps_its_files_open_until_the_kernel_is_done() {
+        let Some(ring) = ring_or_skip() else { return };
+        let file = Arc::new(file().0);
+        let (fd, open) = (file.as_raw_fd(), Arc::downgrade(&file));
+        let pool = Pool::new(1 << 16, 2);
+        let ops = [ReadOp { fd, offset: 0, at: 0, len: 1000 }];
+        {
+            let read = ring.read(pool.take(), &ops, file);
+            tokio::pin!(read);
+            std::future::poll_fn(|cx| {
+                let _ = read.as_mut().poll(cx);
+                std::task::Poll::Ready(())
+            })
+            .await;
+        }
+        // The driver runs on this thread, and has not run since: the read is the ring's still.
+        assert_eq!(ring.state.lock().unwrap().reads.len(), 1);
+        assert!(open.upgrade().is_some(), "its file closed with its read the ring's");
+        let start = std::time::Instant::now();
+        while !ring.state.lock().unwrap().reads.is_empty() {
+            assert!(start.elapsed() < Duration::from_secs(10), "the cancelled read never completed");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(open.upgrade().is_none(), "its file kept open past its read");
     }
 }
