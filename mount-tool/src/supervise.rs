@@ -370,12 +370,24 @@ impl Supervisor<'_> {
             }
         };
         let said = String::from_utf8_lossy(&said).into_owned();
+        // A worker that said why, or closed its end, is exiting: its own status says more than the SIGKILL
+        // that would end it here ("the worker did not serve: ... (exit status: 1)").
+        let exiting = Instant::now() + Duration::from_secs(1);
+        while closed && Instant::now() < exiting && w.child.try_wait()?.is_none() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let _ = w.child.kill();
         let status = w.child.wait()?;
         use std::os::unix::process::ExitStatusExt;
         let killed = closed && said.is_empty() && status.signal().is_some();
         let why = said.strip_prefix("error: ").map(str::trim).unwrap_or("it exited before serving").to_owned();
-        Err(NotServing { exe: exe.display().to_string(), why, status, killed }.into())
+        // The supervisor's own program by its path, not `/proc/self/exe`.
+        let exe = match exe == Path::new("/proc/self/exe") {
+            true => std::fs::read_link(exe)
+                .map_or(exe.display().to_string(), |p| format!("{}, the supervisor's", p.display())),
+            false => exe.display().to_string(),
+        };
+        Err(NotServing { exe, why, status, killed }.into())
     }
 
     /// Waits on signals: a worker that died is replaced, SIGHUP upgrades, SIGTERM/SIGINT unmount.

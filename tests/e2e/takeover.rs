@@ -439,6 +439,8 @@ fn a_mount_whose_workers_keep_failing_to_start_is_given_up_and_unmounted() {
     assert!(!status.success(), "{status}\n{log}");
     assert!(log.contains("5 workers in a row did not serve the mount at"), "{log}");
     assert!(log.contains("the mount is given up") && log.contains("cannot use cache_dir"), "its reason:\n{log}");
+    // Its own exit status, not the SIGKILL the supervisor ended it with; its program by its path.
+    assert!(log.contains("(exit status: 1)") && !log.contains("(/proc/self/exe)"), "its status:\n{log}");
     assert_eq!(log.matches("no worker serves the mount: trying again").count(), 4, "{log}");
     assert!(took >= Duration::from_secs(14), "not backed off 1 + 2 + 4 + 8 s: given up after {took:?}\n{log}");
     assert!(!batchfs_mount::plan::is_mountpoint(&m.mountpoint), "unmounted:\n{log}");
