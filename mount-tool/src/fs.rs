@@ -924,6 +924,49 @@ mod tests {
         assert_ne!(resolve(&fresh, "raw/a/y.jpg", 0), inos[2]);
     }
 
+    /// A new worker never serves a `raw/` inode the last one numbered past a full journal from another
+    /// file: the kernel may still hold it (a dentry, cached pages, an open handle), so it is stale (ESTALE),
+    /// and what the new worker lists is numbered after every number handed out before. Without the count of
+    /// numbered nodes in the ledger, the new worker numbered `raw/a`'s files where the old one had put
+    /// `raw/b/c/z.jpg` and `raw/a/y.jpg`, and read one file's bytes for another.
+    #[test]
+    fn raw_inodes_numbered_past_a_full_journal_are_stale_to_a_new_worker_never_another_file() {
+        // Room for the root's listing alone (4 + 4 bytes): `raw/b`, `raw/b/c` and `raw/a` go unjournaled.
+        let ledger = Arc::new(crate::ledger::Ledger::with_journal(8).unwrap());
+        let (_rt, mut old) = fs(BatchFormat::Tfrecord);
+        old.record_in(ledger.clone());
+        let (z, y, top) =
+            (resolve(&old, "raw/b/c/z.jpg", 0), resolve(&old, "raw/a/y.jpg", 0), resolve(&old, "raw/top.txt", 0));
+        assert!(ledger.journal_full());
+        drop(old);
+
+        let (_rt, mut new) = fs(BatchFormat::Tfrecord);
+        new.record_in(ledger.clone());
+        // Listed in another order: `raw/a` first.
+        let x = resolve(&new, "raw/a/x.jpg", 0);
+        assert_eq!(new.read(x, 0, 100, 1).unwrap(), "contents of a/x.jpg".as_bytes());
+        for (old_ino, path) in [(z, "b/c/z.jpg"), (y, "a/y.jpg")] {
+            assert_eq!(new.read(old_ino, 0, 100, 1).map_err(|e| e.errno()), Err(libc::ESTALE), "{path}");
+            assert_eq!(new.getattr(old_ino).map_err(|e| e.errno()).map(|a| a.size), Err(libc::ESTALE), "{path}");
+            assert_eq!(new.open(old_ino, false).err().map(|e| e.errno()), Some(libc::ESTALE), "{path}");
+        }
+        assert_eq!(resolve(&new, "raw/top.txt", 0), top, "journaled: the same number");
+        let z_now = resolve(&new, "raw/b/c/z.jpg", 0);
+        assert!(z_now > z.max(y), "numbered after every number handed out before");
+        assert_eq!(new.read(z_now, 0, 100, 1).unwrap(), "contents of b/c/z.jpg".as_bytes());
+        drop(new);
+
+        // A third worker: the second one's numbers past the journal are stale to it too.
+        let (_rt, mut third) = fs(BatchFormat::Tfrecord);
+        third.record_in(ledger);
+        let s = resolve(&third, "raw/s", 0);
+        assert_eq!(third.read(s, 0, 100, 1).unwrap(), "contents of s".as_bytes());
+        for old_ino in [x, z_now, z] {
+            assert_eq!(third.read(old_ino, 0, 100, 1).map_err(|e| e.errno()), Err(libc::ESTALE));
+        }
+        assert_eq!(third.read(resolve(&third, "raw/a/y.jpg", 0), 0, 100, 1).unwrap(), "contents of a/y.jpg".as_bytes());
+    }
+
     /// A new worker's `shuffled/` hands out the sample after the last one the old worker handed out.
     #[test]
     fn a_new_worker_hands_out_shuffled_samples_from_where_the_last_one_stopped() {

@@ -16,7 +16,10 @@
 //! - **Cells**: an insert-only open-addressing table of `u64` keys to `u64` values, for the views' state
 //!   (`rolling/`'s counters and index-driven readers, `shuffled/`'s cursors). A value of 0 is no value.
 //! - **The journal**: records appended in order (`raw/`'s listings, which number its tree as they come),
-//!   each whole before the end word moves past it.
+//!   each whole before the end word moves past it. Once a record does not fit, it takes no more: what it
+//!   holds is always a prefix of what was appended. Beside it in the header, how many `raw/` nodes were
+//!   numbered, so that a worker taking over from one whose listings outgrew the journal knows which
+//!   numbers the kernel may hold that it cannot give back (`fs/views/raw/tree.rs`).
 //!
 //! A ledger of another layout (a worker of another version) is refused by its magic and version.
 
@@ -52,6 +55,11 @@ enum Header {
     MaxBacking,
     SupervisorPid,
     JournalEnd,
+    /// Not 0 once a record did not fit: the journal takes no more, so that it stays a prefix of what was
+    /// appended (a shorter record after a refused one would leave a hole in the order).
+    JournalFull,
+    /// How many of `raw/`'s nodes were numbered, by any worker (0 from a ledger of an older release).
+    RawNumbered,
 }
 
 const PASSTHROUGH: u64 = 1;
@@ -105,6 +113,8 @@ pub struct Counters {
 pub struct Ledger {
     file: File,
     base: *mut AtomicU64,
+    /// Bytes of the journal used ([`JOURNAL`]; fewer in tests, to fill it).
+    journal: usize,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -161,7 +171,15 @@ impl Ledger {
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Ledger { file, base: ptr.cast() })
+        Ok(Ledger { file, base: ptr.cast(), journal: JOURNAL })
+    }
+
+    /// A new ledger whose journal holds `bytes` (at most [`JOURNAL`]): a full journal, in tests.
+    #[cfg(test)]
+    pub fn with_journal(bytes: usize) -> io::Result<Ledger> {
+        let mut ledger = Ledger::create()?;
+        ledger.journal = bytes.min(JOURNAL);
+        Ok(ledger)
     }
 
     /// The memory file (to hand to a worker).
@@ -324,11 +342,16 @@ impl Ledger {
 }
 
 impl Ledger {
-    /// Appends `record` to the journal (one writer at a time: the caller's lock); false when it is full.
+    /// Appends `record` to the journal (one writer at a time: the caller's lock); false when it is full,
+    /// and for every record after one that did not fit.
     pub fn append(&self, record: &[u8]) -> bool {
+        if self.journal_full() {
+            return false;
+        }
         let end = self.header(Header::JournalEnd).load(Ordering::Acquire) as usize;
         let len = 4 + record.len();
-        if end + len > JOURNAL {
+        if end + len > self.journal {
+            self.header(Header::JournalFull).store(1, Ordering::Release);
             return false;
         }
         // SAFETY: in bounds of the journal (checked above), past its end, where no reader looks yet.
@@ -339,6 +362,21 @@ impl Ledger {
         }
         self.header(Header::JournalEnd).store((end + len) as u64, Ordering::Release);
         true
+    }
+
+    /// Whether a record did not fit in the journal (no more are appended).
+    pub fn journal_full(&self) -> bool {
+        self.header(Header::JournalFull).load(Ordering::Acquire) != 0
+    }
+
+    /// `raw/` has `n` nodes numbered (the count only grows).
+    pub fn raw_numbered(&self, n: u32) {
+        self.header(Header::RawNumbered).fetch_max(n.into(), Ordering::AcqRel);
+    }
+
+    /// How many `raw/` nodes the workers so far numbered (0: not recorded, by an older release).
+    pub fn raw_numbers(&self) -> u32 {
+        self.header(Header::RawNumbered).load(Ordering::Acquire) as u32
     }
 
     /// The journal's records, in order.
@@ -440,6 +478,8 @@ mod tests {
         assert!(l.append(b"one") && l.append(b"") && l.append(b"three"));
         assert_eq!(reopened(&l).records(), vec![b"one".to_vec(), vec![], b"three".to_vec()]);
         assert!(!l.append(&vec![0; JOURNAL]), "too large");
+        assert!(!l.append(b"small"), "nothing after a record that did not fit: the journal stays a prefix");
+        assert!(reopened(&l).journal_full() && !reopened(&l).append(b"x"));
         assert_eq!(l.records().len(), 3);
     }
 

@@ -14,6 +14,10 @@ pub enum FsError {
     IsADirectory,
     #[error("read-only filesystem")]
     ReadOnly,
+    /// An inode number an earlier worker handed out that this one cannot name again (`raw/`'s, numbered
+    /// past what the ledger's journal kept): a lookup by path names the file anew.
+    #[error("an inode numbered by an earlier worker of this mount, beyond what its ledger kept: look it up again")]
+    Stale,
     #[error("{0}")]
     Io(ReadError),
 }
@@ -26,6 +30,7 @@ impl FsError {
             FsError::NotADirectory => libc::ENOTDIR,
             FsError::IsADirectory => libc::EISDIR,
             FsError::ReadOnly => libc::EROFS,
+            FsError::Stale => libc::ESTALE,
             FsError::Io(_) => libc::EIO,
         }
     }

@@ -3,7 +3,7 @@
 //! file read in chunks the prefetcher fetches ahead in directory order (`raw/chunks.rs` says what they are;
 //! the directories' lists are kept by the prefetcher, `prefetch/raw.rs`).
 
-use super::{Attr, Entry, Keep, View, Who};
+use super::{Attr, Entry, Keep, Opening, View, Who};
 use crate::fs::{Backing, FsError, FsOptions, ROOT};
 use crate::ledger::Ledger;
 use crate::prefetch::Prefetcher;
@@ -118,8 +118,16 @@ impl View for Raw {
                 let (dir, file) = self.tree.file(n)?;
                 Ok(Attr::file(ino, self.prefetcher.file_size(dir, file)?, Keep::All))
             }
-            Node::Dir(n) if self.shown && self.tree.is_dir(n) => Ok(Attr::dir(ino)),
+            Node::Dir(n) if self.shown => self.tree.dir(n).map(|()| Attr::dir(ino)),
             Node::Dir(_) => Err(FsError::NotFound),
+        }
+    }
+
+    /// A file this worker can name: not one an earlier worker numbered past the ledger's journal.
+    fn open(&self, ino: u64) -> Result<Opening, FsError> {
+        match self.node(ino)? {
+            Node::File(n) => self.tree.file(n).map(|_| Opening::File),
+            Node::Dir(_) => Ok(Opening::File),
         }
     }
 
