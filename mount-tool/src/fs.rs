@@ -27,6 +27,7 @@ pub use failed_reads::REPEATED_WITHIN as FAILED_READS_REPEATED_WITHIN;
 pub mod handles;
 mod inode;
 pub mod open_files;
+mod page_drops;
 pub mod views;
 pub use crate::options::RollingMode;
 pub use error::FsError;
@@ -118,6 +119,11 @@ impl Fs {
 
     pub fn stats(&self) -> &crate::stats::Stats {
         &self.prefetcher.stats
+    }
+
+    /// The counters, for a thread that outlives the request (`page_drops.rs`).
+    pub fn shared_stats(&self) -> Arc<crate::stats::Stats> {
+        self.prefetcher.stats.clone()
     }
 
     /// Whether files are handed to the kernel (FUSE passthrough): bodies are then fetched straight into

@@ -274,7 +274,8 @@ impl Filesystem for FuseFs {
         let s = &self.served;
         let closed = s.opens.release(&s.fs, fh.0);
         reply.ok();
-        // Answered first: the kernel drops the pages of a file no handle holds.
+        // Answered first: the kernel drops the pages of a file no handle holds. Queued for a thread of its
+        // own: the invalidation may wait on READs that only a FUSE thread, this one, can answer.
         if let Some(ino) = closed {
             s.opens.drop_pages(&s.fs, ino);
         }

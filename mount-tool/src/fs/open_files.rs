@@ -16,6 +16,7 @@
 //! from then on.
 
 use super::handles::{Handles, Mode, Owners};
+use super::page_drops::PageDrops;
 use super::{Backing, Fs, FsError};
 use crate::ledger::{Ledger, Settings};
 use crate::prefetch::ReadError;
@@ -50,6 +51,8 @@ pub struct OpenFiles {
     disk_backing: AtomicBool,
     /// Drop the page cache of a file read through the daemon at its last close (`page_cache=drop`).
     drop_page_cache: bool,
+    /// Where those drops are made: never on a FUSE thread (`page_drops.rs`).
+    page_drops: PageDrops,
     handles: Mutex<Handles>,
     /// The memory files of inodes open by passthrough, held while they are (the cache keeps a held file).
     files: Mutex<HashMap<u64, Arc<File>>>,
@@ -59,6 +62,7 @@ pub struct OpenFiles {
 impl OpenFiles {
     pub fn new(kernel: Arc<dyn Kernel>, passthrough: bool, drop_page_cache: bool) -> Self {
         OpenFiles {
+            page_drops: PageDrops::new(kernel.clone()),
             kernel,
             passthrough: AtomicBool::new(passthrough),
             disk_backing: AtomicBool::new(true),
@@ -249,14 +253,12 @@ impl OpenFiles {
         (mode == Mode::Daemon && self.drop_page_cache).then_some(released.ino)
     }
 
-    /// Drops the page cache of `ino`, closed. A reader that opens it again reads it through the daemon
-    /// once more. Without this the page cache keeps every batch file of every epoch read, a second copy of
-    /// what the mount's cache holds, until the node runs short of memory.
+    /// Has the page cache of `ino`, closed, dropped, on a thread of its own: the caller, a FUSE thread,
+    /// never waits for the kernel's invalidation (`page_drops.rs`). A reader that opens it again reads it
+    /// through the daemon once more. Without this the page cache keeps every batch file of every epoch
+    /// read, a second copy of what the mount's cache holds, until the node runs short of memory.
     pub fn drop_pages(&self, fs: &Fs, ino: u64) {
-        match self.kernel.drop_pages(ino) {
-            Ok(()) => Stats::add(&fs.stats().page_cache_drops, 1),
-            Err(e) => tracing::debug!(ino, error = %e, "cannot drop the page cache of a closed file"),
-        }
+        self.page_drops.drop_pages(ino, fs.shared_stats());
     }
 
     fn close_backing(&self, id: u32) {
@@ -418,8 +420,12 @@ mod tests {
         assert_eq!(mode, Mode::Daemon);
         assert_eq!(opens.release(&fs, a), Some(batch(2)), "read through the daemon: its pages go at the close");
         opens.drop_pages(&fs, batch(2));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while fs.stats().snapshot().page_cache_drops < 1 {
+            assert!(std::time::Instant::now() < deadline, "never dropped");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         assert_eq!(*kernel.dropped.lock().unwrap(), [batch(2)]);
-        assert_eq!(fs.stats().snapshot().page_cache_drops, 1);
         let keep = OpenFiles::new(kernel, false, false);
         let (c, _) = keep.open(&fs, batch(0), 100, 3).unwrap();
         assert_eq!(keep.release(&fs, c), None, "page_cache=keep");
