@@ -5,7 +5,9 @@
 //! waits. Without it, as many readers waiting out an outage as there are FUSE threads left the stats file
 //! and `ls` unanswered until their reads timed out, and each read's `timeout` began only when a thread took
 //! it. The helpers are a pool of at most [`MOST_HELPERS`] threads, made when needed and ended after
-//! [`HELPER_IDLE`] with nothing to do; work beyond them waits in order for one.
+//! [`HELPER_IDLE`] with nothing to do; work beyond them waits in order for one. A helper that cannot be
+//! started (a pids limit: `EAGAIN`) while none runs leaves the work to the FUSE thread that asked, which
+//! runs it there (see [`Helpers::run`]): queued, it would wait for a helper that may never come.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,6 +20,13 @@ pub const MOST_HELPERS: usize = 256;
 pub const HELPER_IDLE: Duration = Duration::from_secs(10);
 
 type Job = Box<dyn FnOnce() + Send>;
+
+/// Starts a helper thread running its argument (a seam: the tests' refuses, as a pids limit does).
+type Spawn = fn(Job) -> std::io::Result<()>;
+
+fn spawn_helper(serve: Job) -> std::io::Result<()> {
+    std::thread::Builder::new().name("batchfs-wait".into()).spawn(serve).map(drop)
+}
 
 /// Where work that may wait runs.
 pub struct Waits {
@@ -68,10 +77,16 @@ impl Drop for Counted<'_> {
     }
 }
 
-#[derive(Default)]
 struct Helpers {
     pool: Mutex<Pool>,
     work: Condvar,
+    spawn: Spawn,
+}
+
+impl Default for Helpers {
+    fn default() -> Self {
+        Helpers { pool: Mutex::default(), work: Condvar::new(), spawn: spawn_helper }
+    }
 }
 
 #[derive(Default)]
@@ -82,6 +97,10 @@ struct Pool {
 }
 
 impl Helpers {
+    /// Queues `job` for a helper, starting one if none is idle. If one cannot be started while none runs,
+    /// the caller runs what is queued itself: nothing else would, and its replies would never be sent (not
+    /// even EIO). Run, not failed: a pids limit passes, and the request can be served as well here; what is
+    /// lost meanwhile is the free FUSE thread, for waits that the prefetcher bounds (`timeout`).
     fn run(self: Arc<Self>, job: Job) {
         let mut pool = self.pool.lock().expect("helpers");
         pool.jobs.push_back(job);
@@ -96,11 +115,21 @@ impl Helpers {
         pool.threads += 1;
         drop(pool);
         let helpers = self.clone();
-        let spawned = std::thread::Builder::new().name("batchfs-wait".into()).spawn(move || helpers.serve());
-        if let Err(e) = spawned {
-            // The job waits for a helper that has one; none is made for it now.
-            tracing::warn!(error = %e, "cannot start a helper thread");
-            self.pool.lock().expect("helpers").threads -= 1;
+        if let Err(e) = (self.spawn)(Box::new(move || helpers.serve())) {
+            let mut pool = self.pool.lock().expect("helpers");
+            pool.threads -= 1;
+            if pool.threads > 0 {
+                // A helper runs: it takes the job when it is done with its own (an idle one, now).
+                self.work.notify_one();
+                tracing::warn!(error = %e, "cannot start a helper thread: the job waits for a running one");
+                return;
+            }
+            tracing::warn!(error = %e, "cannot start a helper thread, and none runs: the FUSE thread runs the job");
+            let jobs: Vec<Job> = pool.jobs.drain(..).collect();
+            drop(pool);
+            for job in jobs {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+            }
         }
     }
 
@@ -197,6 +226,21 @@ mod tests {
         got.sort();
         assert_eq!(got, [0, 1, 2]);
         assert_eq!(waits.helpers().0, 5, "reused, not made anew");
+    }
+
+    /// A helper that cannot be started (a pids limit) while none runs: the job runs on the FUSE thread that
+    /// asked, not queued for good (its reply never sent, not even EIO); a job queued behind a running
+    /// helper waits for it.
+    #[test]
+    fn a_job_no_helper_can_be_started_for_runs_on_the_fuse_thread() {
+        let mut waits = Waits::new(1);
+        let refused: Spawn = |_| Err(std::io::Error::from_raw_os_error(libc::EAGAIN));
+        waits.helpers = Arc::new(Helpers { spawn: refused, ..Helpers::default() });
+        let (tx, rx) = mpsc::channel();
+        let caller = std::thread::current().id();
+        waits.run(move || tx.send(std::thread::current().id()).unwrap());
+        assert_eq!(rx.recv_timeout(Duration::from_secs(2)), Ok(caller), "never run");
+        assert_eq!((waits.helpers(), waits.helpers.pool.lock().unwrap().jobs.len()), ((0, 0), 0));
     }
 
     /// With one FUSE thread, everything that may wait goes to a helper; a job that panics neither keeps
