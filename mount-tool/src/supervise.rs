@@ -513,7 +513,8 @@ impl Supervisor<'_> {
     /// `cache_dir` unusable...), the requests readers wait in are answered `EIO` at each look, as a read
     /// of an unreachable server is: no reader waits for good. The next worker to start serves what comes
     /// after. `Gone` once the mount was unmounted (`umount -l`) meanwhile: no worker's session ends to
-    /// say so.
+    /// say so. Each look answers a bounded number of requests for a bounded time (`sys::fail_queued`):
+    /// readers that retry at once on `EIO` once kept it from returning to the signals for good.
     fn fail_waiting(&mut self) -> Mount {
         let Some(since) = self.died_at else { return Mount::There };
         if since.elapsed() < self.plan.options.timeout {

@@ -478,24 +478,48 @@ pub fn notify_resend(device: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
-/// Answers every request queued on the FUSE connection `device` now with `EIO` (none is waited for):
-/// what a supervisor does while no worker can serve its mount, so that no reader waits for good. They are
-/// read through a clone of the connection's descriptor of its own, made non-blocking (the connection's
-/// own descriptor is the workers' too, and must stay blocking), and answered through it. Requests that
-/// take no answer (`FORGET`, `BATCH_FORGET`, `INTERRUPT`, `NOTIFY_REPLY`) are dropped. `buffer` holds the
-/// largest request (the kernel refuses a read into less). Returns how many were answered.
+/// Requests [`fail_queued`] reads at most in one call: readers that retry at once on `EIO` keep the queue
+/// from emptying, and the supervisor must get back to its signals (a worker's death, SIGTERM).
+pub const FAILED_AT_MOST: usize = 4096;
+/// How long one call of [`fail_queued`] goes on at most, for the same reason.
+pub const FAILING_AT_MOST: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Answers the requests queued on the FUSE connection `device` now with `EIO` (none is waited for): what a
+/// supervisor does while no worker can serve its mount, so that no reader waits for good. They are read
+/// through a clone of the connection's descriptor of its own, made non-blocking (the connection's own
+/// descriptor is the workers' too, and must stay blocking), and answered through it. Requests that take
+/// no answer (`FORGET`, `BATCH_FORGET`, `INTERRUPT`, `NOTIFY_REPLY`) are dropped. `buffer` holds the
+/// largest request (the kernel refuses a read into less). Reads at most [`FAILED_AT_MOST`] requests, for
+/// at most [`FAILING_AT_MOST`]: what is left waits for the next call. Returns how many were answered.
 pub fn fail_queued(device: std::os::fd::BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<usize> {
-    use std::os::fd::AsRawFd;
-    const UNANSWERED: [u32; 4] =
-        [2 /* FORGET */, 36 /* INTERRUPT */, 41 /* NOTIFY_REPLY */, 42 /* BATCH_FORGET */];
+    use std::os::fd::{AsFd, AsRawFd};
     let clone = clone_fuse(device)?;
     let fd = clone.as_raw_fd();
     // SAFETY: fcntl reads and sets the status flags of a descriptor this function holds open.
     if unsafe { libc::fcntl(fd, libc::F_SETFL, libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK) } < 0 {
         return Err(io::Error::last_os_error());
     }
+    fail_requests(clone.as_fd(), buffer, FAILED_AT_MOST, FAILING_AT_MOST)
+}
+
+/// [`fail_queued`]'s loop on `fd` (non-blocking): reads and answers requests until none is queued, `most`
+/// were read or `time` has passed.
+fn fail_requests(
+    fd: std::os::fd::BorrowedFd<'_>,
+    buffer: &mut [u8],
+    most: usize,
+    time: std::time::Duration,
+) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    const UNANSWERED: [u32; 4] =
+        [2 /* FORGET */, 36 /* INTERRUPT */, 41 /* NOTIFY_REPLY */, 42 /* BATCH_FORGET */];
+    let fd = fd.as_raw_fd();
+    let until = std::time::Instant::now() + time;
     let mut answered = 0;
-    loop {
+    for _ in 0..most {
+        if std::time::Instant::now() >= until {
+            break;
+        }
         // SAFETY: reads at most `buffer.len()` bytes into `buffer`, which outlives the call.
         let n = unsafe { libc::read(fd, buffer.as_mut_ptr().cast(), buffer.len()) };
         if n < 0 {
@@ -527,6 +551,7 @@ pub fn fail_queued(device: std::os::fd::BorrowedFd<'_>, buffer: &mut [u8]) -> io
             answered += 1;
         }
     }
+    Ok(answered)
 }
 
 /// A new descriptor of the FUSE connection `device` that reads requests of its own
@@ -585,6 +610,27 @@ pub fn send_with_fd(
 mod tests {
     use super::*;
     use std::io::{Read, Seek, Write};
+
+    /// Readers that retry at once on `EIO` keep the queue from emptying (here `/dev/zero`, a queue that never
+    /// empties: every read a request, every answer taken): one call still returns, after its count of
+    /// requests or its time, so the supervisor gets back to its signals. Unbounded, it never returned.
+    #[test]
+    fn failing_queued_requests_stops_at_its_bounds_however_many_keep_coming() {
+        use std::os::fd::AsFd;
+        use std::time::{Duration, Instant};
+        let zero = std::fs::OpenOptions::new().read(true).write(true).open("/dev/zero").unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buffer = vec![0u8; 64];
+            let by_count = fail_requests(zero.as_fd(), &mut buffer, 1000, Duration::from_secs(3600)).unwrap();
+            let start = Instant::now();
+            let by_time = fail_requests(zero.as_fd(), &mut buffer, usize::MAX, Duration::from_millis(50)).unwrap();
+            tx.send((by_count, by_time, start.elapsed())).unwrap();
+        });
+        let (by_count, by_time, took) = rx.recv_timeout(Duration::from_secs(20)).expect("it never returned");
+        assert_eq!(by_count, 1000);
+        assert!(by_time > 0 && took < Duration::from_secs(5), "{by_time} in {took:?}");
+    }
 
     /// Whether the kernel may back the page at `addr` with transparent huge pages (`THPeligible` of the
     /// mapping that holds it, in `/proc/self/smaps`).
