@@ -263,7 +263,7 @@ impl Filesystem for FuseFs {
 
     fn release(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
@@ -272,7 +272,7 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         let s = &self.served;
-        let closed = s.opens.release(&s.fs, fh.0);
+        let closed = s.opens.release_of(&s.fs, fh.0, req.unique().0);
         reply.ok();
         // Answered first: the kernel drops the pages of a file no handle holds. Queued for a thread of its
         // own: the invalidation may wait on READs that only a FUSE thread, this one, can answer.

@@ -9,9 +9,12 @@
 //!
 //! **Takeover.** Under a supervisor every handle is a slot of the ledger (`ledger.rs`), so that a new
 //! worker serves the same handles, in the same modes, with the same backing ids ([`Handles::restore`]).
+//! A release the dead worker read, and may have done (its slot freed) before it died unanswered, is re-sent
+//! to the new worker: it never releases a handle the new worker handed out, which may have that slot's
+//! number ([`Handles::release_of`]).
 
 use crate::ledger::{Ledger, Slot, SlotKind, SLOTS};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 /// How the open handles of one inode read.
@@ -50,11 +53,20 @@ pub struct Handles {
     ledger: Option<Arc<Ledger>>,
     /// Free slots of the ledger, as handle numbers (the lowest last).
     free: Vec<u64>,
+    /// The open handles this worker handed out (not restored from the ledger).
+    here: HashSet<u64>,
 }
 
 impl Default for Handles {
     fn default() -> Self {
-        Handles { inodes: HashMap::new(), handles: HashMap::new(), next: 1, ledger: None, free: Vec::new() }
+        Handles {
+            inodes: HashMap::new(),
+            handles: HashMap::new(),
+            next: 1,
+            ledger: None,
+            free: Vec::new(),
+            here: HashSet::new(),
+        }
     }
 }
 
@@ -135,6 +147,7 @@ impl Handles {
         };
         let fh = self.next_handle(ino, owner, unique, kind);
         self.handles.insert(fh, Handle::File { ino, owner });
+        self.here.insert(fh);
         (fh, mode)
     }
 
@@ -142,6 +155,7 @@ impl Handles {
     pub fn open_snapshot(&mut self, snapshot: Vec<u8>, unique: u64) -> u64 {
         let fh = self.next_handle(crate::fs::STATS_FILE, 0, unique, SlotKind::Snapshot);
         self.handles.insert(fh, Handle::Snapshot(Arc::new(snapshot)));
+        self.here.insert(fh);
         fh
     }
 
@@ -156,7 +170,20 @@ impl Handles {
     /// Releases handle `fh`: what it was, if it was a file's. The last handle of a passthrough inode
     /// stays recorded as closing until [`Self::closed`] says its backing id is closed.
     pub fn release(&mut self, fh: u64) -> Option<Released> {
+        self.release_of(fh, false)
+    }
+
+    /// [`Self::release`] by a release request, `resent` if the kernel sent it again after a takeover (a
+    /// dead worker read it). A re-sent release never releases a handle this worker handed out: the kernel
+    /// knew that handle only from this worker's reply, after the release was first sent, so the release
+    /// was of an earlier handle of the same number, whose slot the dead worker freed before it died.
+    pub fn release_of(&mut self, fh: u64, resent: bool) -> Option<Released> {
+        if resent && self.here.contains(&fh) {
+            tracing::info!(fh, "a re-sent release of a handle released before the takeover: ignored");
+            return None;
+        }
         let handle = self.handles.remove(&fh)?;
+        self.here.remove(&fh);
         let Handle::File { ino, owner } = handle else {
             self.forget(fh);
             return None;

@@ -241,7 +241,13 @@ impl OpenFiles {
     /// file. Returns the inode whose page cache to drop ([`OpenFiles::drop_pages`]) once the release is
     /// answered: every mapping of the file is gone by then (a mapping holds its file open).
     pub fn release(&self, fs: &Fs, fh: u64) -> Option<u64> {
-        let released = self.handles.lock().expect("handles").release(fh)?;
+        self.release_of(fs, fh, 0)
+    }
+
+    /// [`Self::release`] by release request `unique`: one the kernel re-sent after a takeover releases
+    /// nothing this worker handed out ([`Handles::release_of`]).
+    pub fn release_of(&self, fs: &Fs, fh: u64, unique: u64) -> Option<u64> {
+        let released = self.handles.lock().expect("handles").release_of(fh, unique & RESENT != 0)?;
         fs.released(released.ino, released.owner);
         let mode = released.last?;
         if let Mode::Passthrough(id) = mode {
@@ -636,5 +642,32 @@ mod tests {
         new.release(&new_fs, other);
         new.release(&new_fs, fh);
         assert!(kernel.open_ids().is_empty());
+    }
+
+    /// The dead worker freed a released handle's slot and died before it answered; the new worker hands a
+    /// new open that slot's number, then gets the release again (re-sent): the new handle stays open, its
+    /// backing id too. Before, it was released in its place (mode forgotten, backing id closed while open).
+    #[test]
+    fn a_resent_release_never_releases_the_handle_the_new_worker_gave_its_slot() {
+        let kernel = Arc::new(FakeKernel::default());
+        let ledger = Arc::new(Ledger::create().unwrap());
+        let settings = Settings { passthrough: true, resend: true };
+        let (_rt, mut old_fs) = fs();
+        let mut old = OpenFiles::new(kernel.clone(), true, false);
+        old.take_over(&mut old_fs, ledger.clone(), settings);
+        let (fh, _) = old.open(&old_fs, batch(0), 100, 41).unwrap();
+        old.release_of(&old_fs, fh, 42);
+        drop(old);
+        let (_rt2, mut new_fs) = fs();
+        let mut new = OpenFiles::new(kernel.clone(), true, false);
+        new.take_over(&mut new_fs, ledger, settings);
+        let (again, mode) = new.open(&new_fs, batch(1), 200, 50).unwrap();
+        assert_eq!(again, fh, "the lowest free slot: the same number");
+        let Mode::Passthrough(id) = mode else { panic!("{mode:?}") };
+        assert_eq!(new.release_of(&new_fs, fh, 42 | RESENT), None);
+        assert_eq!(new.handles.lock().unwrap().files(), [(again, batch(1), 200)], "still open");
+        assert_eq!(kernel.open_ids(), HashSet::from([id]), "its backing id too");
+        assert_eq!(new.release_of(&new_fs, again, 60), None, "passthrough: no pages to drop");
+        assert!(kernel.open_ids().is_empty() && new.handles.lock().unwrap().files().is_empty());
     }
 }
