@@ -8,7 +8,8 @@
 //!   table, whose keys are `object_store`'s), the listing and what its errors mean;
 //! - `context.rs`: what a server's object datasets share ([`ObjectContext`]): the runtime their requests
 //!   run on, the GETs in flight per bucket, the block cache and the disk tier;
-//! - `indexing.rs`: reading each object once to index it;
+//! - `indexing.rs`: reading each object once to index it, and `etag.rs`: what its ETag says of the bytes
+//!   read (a copy corrupted on the way never indexed);
 //! - `units.rs`: the checkable units of an object, chunks that end at one, and coalescing;
 //! - `fetch.rs`: ranged GETs, checked, retried, through the block cache (`cache.rs`) or the tier;
 //! - `tier.rs`, `stage.rs` and `maps.rs`: the disk tier, copying whole objects into it in plan order,
@@ -44,6 +45,7 @@
 
 mod cache;
 mod context;
+mod etag;
 mod fetch;
 mod indexing;
 mod making;
@@ -282,6 +284,8 @@ pub struct ObjectSource {
     direct_copies: std::sync::atomic::AtomicBool,
     /// The copies opened with `O_DIRECT`, kept open for the next reads of their objects.
     open_copies: maps::Kept<Arc<std::fs::File>>,
+    /// Indexing said that an object's ETag could not vouch for its bytes (it is said once a dataset).
+    unvouched_noted: std::sync::atomic::AtomicBool,
 }
 
 impl ObjectSource {
@@ -315,6 +319,7 @@ impl ObjectSource {
             maps: maps::Kept::default(),
             direct_copies: std::sync::atomic::AtomicBool::new(false),
             open_copies: maps::Kept::default(),
+            unvouched_noted: std::sync::atomic::AtomicBool::new(false),
         };
         indexing::remove_dead_stages(&source.stage_dir);
         let listed = source.context.block_here(source.bucket.list())?;

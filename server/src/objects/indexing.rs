@@ -1,6 +1,7 @@
 //! Indexing an object dataset: the [`Files`] a format's indexer reads, each object read once (whole, by
 //! ranged GETs) and kept in the disk tier where the server has one; and the index kept in the bucket.
 
+use super::etag::{self, Judged, Reads};
 use super::{ObjectSource, ReadError, FETCH_ATTEMPTS};
 use batchfs::index::ShardInfo;
 use batchfs::source::{Files, Local};
@@ -11,32 +12,6 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-
-/// Whether `bytes` have the MD5 that `etag` is, where it is one (else nothing to check them against).
-fn matches_etag(etag: &str, bytes: &[u8]) -> bool {
-    use md5::Digest;
-    etag_md5(etag).is_none_or(|want| md5::Md5::digest(bytes)[..] == want)
-}
-
-fn differs_from_etag(url: &str, file: &ShardInfo) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::InvalidData,
-        format!("{url}/{}: every copy read differs from the object's MD5 (its ETag)", file.path),
-    )
-}
-
-/// The MD5 an ETag is, where it is one (a single-part upload's: 32 hex digits, quoted).
-fn etag_md5(etag: &str) -> Option<[u8; 16]> {
-    let hex = etag.trim_matches('"');
-    if hex.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
-}
 
 /// The name of the index kept beside the data in the bucket (hidden: never listed as a file).
 const INDEX_OBJECT: &str = batchfs::source::INDEX_FILE_NAME;
@@ -175,67 +150,99 @@ impl Files for ObjectSource {
 
 impl ObjectSource {
     /// The disk tier's copy of `file` (its path, and the mapping its check read), where it holds one and the
-    /// object's ETag is the MD5 of its bytes (a single-part upload's) and the copy has them: what indexing
-    /// reads instead of the store when a server starts again without its index (or with objects' dates
-    /// changed), so a restart over a full tier reads nothing from the store. A copy that differs is removed; an
-    /// object whose ETag is no MD5 (a multipart upload's) cannot be checked before an index exists, and is read
-    /// from the store.
+    /// object's ETag vouches for it (its MD5, or a multipart upload's of a part size found: [`etag`]): what
+    /// indexing reads instead of the store when a server starts again without its index (or with objects'
+    /// dates changed), so a restart over a full tier reads nothing from the store. A copy that differs is
+    /// removed; one its ETag cannot tell of (a multipart upload's of a part size not found) cannot be checked
+    /// before an index exists, and the object is read from the store.
     fn held_copy(&self, file: &ShardInfo) -> Option<(PathBuf, batchfs::mmap::MappedFile)> {
         let tier = self.tier()?;
         let etag = file.etag.to_string();
-        etag_md5(&etag)?;
         let name = self.tier_name(file);
         let (path, _) = tier.get(&name)?;
         let map = batchfs::mmap::MappedFile::open(&path).ok()?;
-        if map.bytes().len() as u64 == file.size && matches_etag(&etag, map.bytes()) {
-            // Indexed from these very bytes: the index they are checked against before serving agrees.
-            tier.mark_checked(&name);
-            return Some((path, map));
+        let verdict = match map.bytes().len() as u64 == file.size {
+            true => etag::verdict(&etag, map.bytes()),
+            false => etag::Verdict::Differs,
+        };
+        match verdict {
+            etag::Verdict::Matches => {
+                // Indexed from these very bytes: the index they are checked against before serving agrees.
+                tier.mark_checked(&name);
+                Some((path, map))
+            }
+            // A multipart upload's of a part size not found: read from the store (a copy made anew).
+            etag::Verdict::Unknown => None,
+            etag::Verdict::Differs => {
+                tier.remove(&name, "differs from its object's ETag");
+                None
+            }
         }
-        tier.remove(&name, "differs from its object's MD5 (its ETag)");
-        None
     }
 
-    /// All of `file` by one GET, checked against its ETag's MD5 where it is one (read again, up to
-    /// [`FETCH_ATTEMPTS`] times, where it differs).
+    /// All of `file` by one GET, checked against its ETag (read again, up to [`FETCH_ATTEMPTS`] times, until
+    /// one read is taken: [`Reads`]).
     async fn read_whole(&self, file: &ShardInfo) -> io::Result<Bytes> {
-        for _ in 0..FETCH_ATTEMPTS {
+        let mut reads = Reads::default();
+        for attempt in 1..=FETCH_ATTEMPTS {
             let bytes = self.get(u32::MAX, file, 0, file.size).await.map_err(ReadError::into_io)?;
-            let etag = file.etag.clone();
-            let (bytes, good) = tokio::task::spawn_blocking(move || {
-                let good = matches_etag(&etag.to_string(), &bytes);
-                (bytes, good)
+            let etag = file.etag.to_string();
+            let (bytes, judged, back) = tokio::task::spawn_blocking(move || {
+                let judged = reads.judge(&etag, &bytes);
+                (bytes, judged, reads)
             })
             .await
             .map_err(io::Error::other)?;
-            if good {
+            reads = back;
+            if self.taken(file, attempt, judged) {
                 return Ok(bytes);
             }
-            self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
         }
-        Err(differs_from_etag(&self.bucket.url, file))
+        Err(io::Error::new(io::ErrorKind::InvalidData, reads.refused(&self.bucket.url, file, FETCH_ATTEMPTS)))
     }
 
     /// Copies all of `file` into `out` (a file of its size, allocated on the disk) by ranged GETs of
-    /// `object_part`, several at once, and checks the copy against the object's ETag where that is its MD5
-    /// (a single-part upload); a copy that does not match is made again, up to [`FETCH_ATTEMPTS`] times.
+    /// `object_part`, several at once, and checks the copy against the object's ETag; a copy that cannot be
+    /// taken ([`Reads`]) is made again, up to [`FETCH_ATTEMPTS`] times.
     async fn copy_whole(&self, file: &ShardInfo, out: &std::fs::File) -> io::Result<()> {
         if file.size == 0 {
             return Ok(());
         }
+        let mut reads = Reads::default();
         for attempt in 1..=FETCH_ATTEMPTS {
             self.write_whole(u32::MAX, file, super::stage::CopyOut::cached(out), |e| e, false, None).await?;
             // SAFETY: the file was made by this server, in a directory of its own, and nothing else writes
             // it; the mapping only reads, and is dropped before the file is used.
             let copy = unsafe { memmap2::Mmap::map(out)? };
-            if matches_etag(&file.etag.to_string(), &copy) {
+            let judged = reads.judge(&file.etag.to_string(), &copy);
+            if self.taken(file, attempt, judged) {
                 return Ok(());
             }
-            self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
-            let object = &file.path;
-            tracing::warn!(dataset = %self.bucket.url, %object, attempt, "the copy read does not match the ETag's MD5");
         }
-        Err(differs_from_etag(&self.bucket.url, file))
+        Err(io::Error::new(io::ErrorKind::InvalidData, reads.refused(&self.bucket.url, file, FETCH_ATTEMPTS)))
+    }
+
+    /// Whether read `attempt` of `file`, `judged` so, is taken; a corrupted one counted and logged, and the
+    /// first object of the dataset read twice because its ETag cannot tell said once.
+    fn taken(&self, file: &ShardInfo, attempt: u32, judged: Judged) -> bool {
+        let (dataset, object) = (&self.bucket.url, &file.path);
+        match judged {
+            Judged::Take => return true,
+            Judged::Again { corrupt: true } => {
+                self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%dataset, %object, attempt, "the copy read differs from its ETag, or from the \
+                    earlier reads where the ETag cannot tell: read again");
+            }
+            Judged::Again { corrupt: false } if !self.unvouched_noted.swap(true, Ordering::Relaxed) => {
+                tracing::info!(%dataset, %object, etag = %file.etag, "a multipart upload of a part size not found \
+                    (its ETag cannot vouch for the bytes read): such objects are read twice while indexed, and \
+                    taken once two reads agree");
+            }
+            Judged::Again { .. } => {
+                tracing::debug!(%dataset, %object, "its ETag cannot vouch for the bytes read: read again to compare");
+            }
+        }
+        false
     }
 
     /// Keeps `bytes` (all of `file`, checked) in the disk tier, where there is one; a copy the disk
@@ -381,16 +388,5 @@ mod tests {
         let path = live.path().to_owned();
         drop(live);
         assert!(!path.exists());
-    }
-
-    #[test]
-    fn only_a_single_part_etag_is_an_md5() {
-        assert_eq!(
-            etag_md5("\"d41d8cd98f00b204e9800998ecf8427e\""),
-            Some(*b"\xd4\x1d\x8c\xd9\x8f\x00\xb2\x04\xe9\x80\x09\x98\xec\xf8\x42\x7e")
-        );
-        assert_eq!(etag_md5("\"d41d8cd98f00b204e9800998ecf8427e-3\""), None);
-        assert_eq!(etag_md5("W/\"xyz\""), None);
-        assert_eq!(etag_md5(""), None);
     }
 }
