@@ -423,6 +423,25 @@ pub fn load_or_build_listed(
     side: Vec<ShardInfo>,
     progress: &dyn Progress,
 ) -> Result<(Index, IndexOrigin), IndexError> {
+    let (index, origin) = load_or_build_unkept(files, name, path, settings, shards, side, progress)?;
+    if origin == IndexOrigin::Built {
+        persist(files, name, path, &index);
+    }
+    Ok((index, origin))
+}
+
+/// [`load_or_build_listed`] without persisting an index it builds: for a caller that persists it
+/// ([`persist`]) only once the dataset opened with it (an object dataset's objects held in memory read
+/// again and checked against it), so that an index found wrong is never kept to be loaded by the next start.
+pub fn load_or_build_unkept(
+    files: &dyn Files,
+    name: &str,
+    path: Option<&Path>,
+    settings: IndexSettings,
+    shards: Vec<ShardInfo>,
+    side: Vec<ShardInfo>,
+    progress: &dyn Progress,
+) -> Result<(Index, IndexOrigin), IndexError> {
     let mut listed = Listed { settings, shards, side };
     // A stale index: what it says of the files unchanged since is taken, not read again.
     let mut stale = None;
@@ -463,6 +482,12 @@ pub fn load_or_build_listed(
     }
     let Listed { shards, side, .. } = listed;
     let index = build_from(files, settings, shards, side, stale.as_ref(), progress)?;
+    Ok((index, IndexOrigin::Built))
+}
+
+/// Persists `index`, just built, of dataset `name`: at `path`, and beside the data where `files` keeps it
+/// there ([`Files::keep_index`]). One that cannot be written is logged: it is rebuilt at the next start.
+pub fn persist(files: &dyn Files, name: &str, path: Option<&Path>, index: &Index) {
     let bytes = index.to_bytes();
     let kept_beside = match files.keep_index(&bytes) {
         Ok(kept) => kept,
@@ -486,7 +511,6 @@ pub fn load_or_build_listed(
             pass --index-dir to keep it"
         ),
     }
-    Ok((index, IndexOrigin::Built))
 }
 
 /// Builds the index of the dataset at `root` (not persisted).

@@ -29,6 +29,13 @@ pub enum CatalogError {
     Map { name: String, path: PathBuf, source: std::io::Error },
     #[error("dataset {name}: a shard changed since it was indexed ({path}); restart to re-index")]
     Changed { name: String, path: PathBuf },
+    #[error(
+        "dataset {name}: {path}: its bytes in the store keep differing from the index loaded from {kept}: if the \
+         object was not rewritten, that index was built from bytes corrupted on their way from the store (a \
+         multipart upload, by a release that did not check those); remove {kept} and start again to index it \
+         anew ({source})"
+    )]
+    IndexDisagrees { name: String, path: PathBuf, kept: String, source: std::io::Error },
     #[error("dataset {name}: {source}")]
     Beneath { name: String, source: crate::storage::BeneathError },
     #[error("dataset {name}: {source}")]
@@ -56,6 +63,11 @@ impl CatalogError {
             false => Ok(()),
         }
     }
+}
+
+/// Whether `e` says that bytes read keep differing from the index's checksums.
+fn is_checksum(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::InvalidData
 }
 
 /// One file of a dataset's directory as served under `files/`. A stored file's path, size and
@@ -197,15 +209,26 @@ impl Dataset {
         let (shards, side) = source::classify(objects.root(), format, given, listed).map_err(index_err)?;
         let settings = options.settings(format);
         let path = index_dir.map(|dir| dir.join(format!("{name}.batchfs-index")));
+        // Persisted only once the storage opened with it: an index its objects, read again, disagree with
+        // (held in memory, each chunk checked) is never kept for the next start to load.
         let (index, origin) =
-            source::load_or_build_listed(&objects, name, path.as_deref(), settings, shards, side, progress)
+            source::load_or_build_unkept(&objects, name, path.as_deref(), settings, shards, side, progress)
                 .map_err(index_err)?;
         CatalogError::fits(name, &index)?;
         let index = Arc::new(index);
-        let storage = Arc::new(
-            Storage::of_objects(name, Arc::new(objects), index.clone(), io)
-                .map_err(|e| CatalogError::opening(name, e))?,
-        );
+        let objects = Arc::new(objects);
+        let kept_at = [path.as_ref().map(|p| p.display().to_string()), objects.index_in_bucket_at()];
+        let storage = Storage::of_objects(name, objects.clone(), index.clone(), io).map_err(|e| match e {
+            OpenError::Cannot { path, source } if origin == IndexOrigin::Loaded && is_checksum(&source) => {
+                let kept = kept_at.iter().flatten().cloned().collect::<Vec<_>>().join(" and ");
+                CatalogError::IndexDisagrees { name: name.to_owned(), path, kept, source }
+            }
+            e => CatalogError::opening(name, e),
+        })?;
+        let storage = Arc::new(storage);
+        if origin == IndexOrigin::Built {
+            source::persist(objects.as_ref(), name, path.as_deref(), &index);
+        }
         let dataset = Dataset::of(name, &url, index, origin, storage);
         if let Some(note) = dataset.tier_note() {
             tracing::warn!(dataset = name, "{note}");

@@ -21,7 +21,8 @@
 //! like a local shard (an LMDB environment is opened by LMDB itself, so it must be a file): the copy is
 //! kept in the disk tier where there is one, else removed once indexed. Smaller objects (a file tree's)
 //! are read many at once, in memory, and kept in the tier too. A copy is checked against the object's
-//! ETag where that is its MD5. The index is kept in `index_dir` and, with `index_in_bucket`, beside the
+//! ETag (`etag.rs`: a multipart upload's too), or read again until two reads agree where the ETag cannot
+//! tell. The index is kept in `index_dir` and, with `index_in_bucket`, beside the
 //! data as `PREFIX/.batchfs-index`.
 //!
 //! **Held in memory.** Whole objects within the server's `resident` budget are read once at start (from
@@ -324,6 +325,11 @@ impl ObjectSource {
         indexing::remove_dead_stages(&source.stage_dir);
         let listed = source.context.block_here(source.bucket.list())?;
         Ok((source, listed))
+    }
+
+    /// Where the index is kept in the bucket (`PREFIX/.batchfs-index`), where it is kept there.
+    pub fn index_in_bucket_at(&self) -> Option<String> {
+        self.index_in_bucket.then(|| format!("{}/{}", self.bucket.url, batchfs::source::INDEX_FILE_NAME))
     }
 
     /// The dataset's URL, for messages.
@@ -992,6 +998,39 @@ mod tests {
         ) -> object_store::Result<()> {
             self.inner.copy_opts(from, to, options).await
         }
+    }
+
+    /// An index kept by an earlier start that its objects keep differing from (built from bytes corrupted on
+    /// their way, as multipart copies were taken as read): a start that holds such an object says which
+    /// index to remove, instead of a bare checksum error (and, held by GETs, reads of it failing for good).
+    #[test]
+    fn an_index_its_objects_keep_differing_from_says_to_remove_it() {
+        let (local, _) = crate::storage::fixtures::dataset(40, 20_000, 2);
+        let store = Arc::new(InMemory::new());
+        upload(&store, local.path(), "ds");
+        let index_dir = tempfile::tempdir().unwrap();
+        let ctx = context(None, 0);
+        drop(open(&store, &ctx, index_dir.path()));
+        let kept = index_dir.path().join("ds.batchfs-index");
+        let mut index = Index::from_bytes(&std::fs::read(&kept).unwrap()).unwrap();
+        index.shards[0].crc32c ^= 1;
+        std::fs::write(&kept, index.to_bytes()).unwrap();
+        let bucket = Bucket::of_store("s3://b/ds", store.clone() as Arc<dyn ObjectStore>, "memory").unwrap();
+        let opened = ObjectSource::of_bucket(bucket, ctx.clone(), index_dir.path().to_owned(), false).unwrap();
+        let io = IoPolicy {
+            mode: IoMode::Auto,
+            max_mapped_shards: 4096,
+            memory: u64::MAX,
+            resident: 1 << 30,
+            resident_auto: false,
+            sendfile: false,
+        };
+        let opening =
+            Dataset::of_objects("ds", opened, Some(index_dir.path()), &IndexOptions::default(), &NoProgress, io);
+        let error = opening.err().expect("opened with an index its object differs from");
+        assert!(matches!(error, crate::catalog::CatalogError::IndexDisagrees { .. }), "{error}");
+        let said = error.to_string();
+        assert!(said.contains(&format!("remove {}", kept.display())), "{said}");
     }
 
     /// GETs made again are each counted, and logged once per [`RETRY_LOG_EVERY`] (a store failing every
