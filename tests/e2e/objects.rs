@@ -172,6 +172,24 @@ impl Weed {
             rt.block_on(store.put(&at, bytes.into())).unwrap();
         }
     }
+
+    /// Uploads every file under `dir` to `prefix/` of the bucket as multipart uploads of `part` bytes a part
+    /// (as the aws CLI uploads files over 8 MB): each object's ETag is then `"HEX-N"`, no MD5 of its bytes.
+    fn upload_multipart(&self, dir: &Path, prefix: &str, part: usize) {
+        let store = self.store();
+        let rt = runtime();
+        for entry in walk(dir) {
+            let rel = entry.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+            let bytes = std::fs::read(&entry).unwrap();
+            let at = object_store::path::Path::parse(format!("{prefix}/{rel}")).unwrap();
+            rt.block_on(async {
+                let upload = store.put_multipart(&at).await.unwrap();
+                let mut write = object_store::WriteMultipart::new_with_chunk_size(upload, part);
+                write.put(bytes.into());
+                write.finish().await.unwrap();
+            });
+        }
+    }
 }
 
 impl Drop for Weed {
@@ -1020,5 +1038,74 @@ fn a_tier_on_a_read_only_or_full_disk_never_costs_a_reader_a_byte() {
     let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
     rt.block_on(same_bytes(&server, "local", "s3", SourceFormat::Tfrecord));
     assert!(tier.counters.failures.load(std::sync::atomic::Ordering::Relaxed) > 0, "no copy found the disk full");
+    rt.block_on(server.running.shutdown());
+}
+
+/// Objects uploaded in parts (their ETags `"HEX-N"`, as SeaweedFS and S3 make them: no MD5 of the bytes)
+/// indexed through a link that corrupts bytes on their way from the store (`batchfs-lab netem
+/// --corrupt-every`): no corrupted copy becomes the index and the tier's copy. Indexing either reads until
+/// the copies check out and every batch is the local copy's, or fails naming the object; a failed index is
+/// kept nowhere (neither in `index_dir` nor in the bucket), and the next start over a clean link indexes
+/// anew and serves the right bytes. (Multipart copies were taken as read: the corrupted bytes were indexed,
+/// kept and served, for good.)
+#[test]
+fn multipart_objects_corrupted_on_their_way_while_indexed_never_reach_a_reader() {
+    use batchfs_lab::netem::{start_with_faults, Faults, Link};
+    let Some(weed) = Weed::start() else { return };
+    // Two tar shards of about 12 MB, in parts of 5 MiB (S3's least, rclone's and object_store's).
+    let fx = common::fixture_in(SourceFormat::Tar, 400, HEAVY_MEAN_BYTES, 2);
+    weed.upload_multipart(&fx.path, "mp", 5 << 20);
+    let rt = runtime();
+    let listed: Vec<_> = rt.block_on(async {
+        use futures_util::TryStreamExt;
+        object_store::ObjectStore::list(&weed.store(), None).try_collect::<Vec<_>>().await.unwrap()
+    });
+    let multipart = |e: &str| e.trim_matches('"').split_once('-').is_some_and(|(_, n)| n.parse::<u32>().unwrap() > 1);
+    assert!(listed.iter().all(|o| o.e_tag.as_deref().is_some_and(multipart)), "not multipart: {listed:?}");
+    let url = format!("s3://{BUCKET}/mp");
+    let upstream = format!("127.0.0.1:{}", weed.s3).parse().unwrap();
+    let link = Link { one_way: Duration::ZERO, jitter: Duration::ZERO, rate: None, queue: batchfs_lab::netem::QUEUE };
+    let faults = |every: u64| Faults {
+        corrupt_every: Some(every),
+        reset_every: None,
+        stall_every: None,
+        stall: Duration::ZERO,
+        down: None,
+        seed: 7,
+    };
+    let kept = |index_dir: &Path| {
+        let in_dir = std::fs::read_dir(index_dir).unwrap().flatten().any(|e| e.path().extension().is_some());
+        let in_bucket = rt.block_on(weed.store().head(&object_store::path::Path::from("mp/.batchfs-index"))).is_ok();
+        (in_dir, in_bucket)
+    };
+    // A byte in every MB or so: no read of a shard gets through whole, and no two reads agree. Indexing
+    // fails, naming the object, and nothing of it is kept.
+    let (index_dir, tier) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let limits = tiered(tier.path(), 1 << 30);
+    let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, link, faults(1 << 20)).unwrap();
+    let through = settings(&format!("http://{}", netem.addr), ACCESS_KEY, SECRET_KEY);
+    let failed = open_objects_with("s3", &url, &through, Some(index_dir.path()), &limits, true);
+    let error = failed.err().expect("indexed from corrupted bytes").to_string();
+    assert!(error.contains("/mp/") && error.contains(".tar"), "the error names no object: {error}");
+    assert_eq!(kept(index_dir.path()), (false, false), "a failed index was kept");
+    drop(netem);
+    // The tester's: a byte in every 5 MB. Indexed (the copies read again until they check out) or refused;
+    // never wrong bytes served.
+    let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, link, faults(5_000_000)).unwrap();
+    let through = settings(&format!("http://{}", netem.addr), ACCESS_KEY, SECRET_KEY);
+    match open_objects_with("s3", &url, &through, Some(index_dir.path()), &limits, true) {
+        Ok(ds) => {
+            let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits.clone()));
+            rt.block_on(same_bytes(&server, "local", "s3", SourceFormat::Tar));
+            rt.block_on(server.running.shutdown());
+        }
+        Err(e) => assert_eq!(kept(index_dir.path()), (false, false), "a failed index was kept ({e})"),
+    }
+    assert!(netem.faults.corruptions.load(std::sync::atomic::Ordering::Relaxed) > 0, "no byte was corrupted");
+    drop(netem);
+    // Over a clean link: the index kept is one built from checked bytes (or none, and it is built now).
+    let ds = open_objects_with("s3", &url, &weed.settings(), Some(index_dir.path()), &limits, true).unwrap();
+    let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+    rt.block_on(same_bytes(&server, "local", "s3", SourceFormat::Tar));
     rt.block_on(server.running.shutdown());
 }
