@@ -1027,7 +1027,7 @@ mod tests {
         };
         let opening =
             Dataset::of_objects("ds", opened, Some(index_dir.path()), &IndexOptions::default(), &NoProgress, io);
-        let error = opening.err().expect("opened with an index its object differs from");
+        let Err(error) = opening else { panic!("opened with an index its object differs from") };
         assert!(matches!(error, crate::catalog::CatalogError::IndexDisagrees { .. }), "{error}");
         let said = error.to_string();
         assert!(said.contains(&format!("remove {}", kept.display())), "{said}");

@@ -1085,7 +1085,8 @@ fn multipart_objects_corrupted_on_their_way_while_indexed_never_reach_a_reader()
     let netem = start_with_faults("127.0.0.1:0".parse().unwrap(), upstream, link, faults(1 << 20)).unwrap();
     let through = settings(&format!("http://{}", netem.addr), ACCESS_KEY, SECRET_KEY);
     let failed = open_objects_with("s3", &url, &through, Some(index_dir.path()), &limits, true);
-    let error = failed.err().expect("indexed from corrupted bytes").to_string();
+    let Err(error) = failed else { panic!("indexed from corrupted bytes") };
+    let error = error.to_string();
     assert!(error.contains("/mp/") && error.contains(".tar"), "the error names no object: {error}");
     assert_eq!(kept(index_dir.path()), (false, false), "a failed index was kept");
     drop(netem);
