@@ -159,7 +159,12 @@ impl ObjectSource {
         }
         Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("{}: its bytes keep differing from the index's checksums", self.shown(file).display()),
+            format!(
+                "{}: its bytes keep differing from the index's checksums (the object rewritten in the store since \
+                 it was indexed, or an index of an earlier release built from bytes corrupted on their way from \
+                 the store: remove the dataset's index and restart to index it anew)",
+                self.shown(file).display()
+            ),
         ))
     }
 
