@@ -461,7 +461,8 @@ impl Prefetcher {
         entry.touched.store(self.cache.clock(), Ordering::Relaxed);
         self.prefetch_after(key, objects, owner);
         let (mut entry, mut fresh) = (entry, fresh);
-        let mut heard = (self.client.received(), entry.attempt.load(Ordering::Acquire));
+        // The client's bytes received, and the attempt the fetch was at, when the read last looked.
+        let mut heard = (self.client.received(), 0);
         // Waiting past `timeout` (bytes came): the fetch's attempts looked at every [`ATTEMPT_LOOK`].
         let mut past = false;
         let (body, waited, early) = loop {
@@ -475,26 +476,22 @@ impl Prefetcher {
                     (entry, fresh) = self
                         .get_or_start(key, (objects, obj), true, deadline)?
                         .expect("on-demand reads always get an entry");
-                    heard = (heard.0, entry.attempt.load(Ordering::Acquire));
                 }
                 // `timeout` passed with the fetch still on its way and bytes coming all along: the link
                 // is busy (a narrow one, shared with the window's fetches), the server not unreachable.
                 // The read waits another `timeout`, as long as they keep coming and none of its fetch's
-                // attempts fails (bytes that fail their checksum are no busy link's), for the fetch it waits
-                // on: one that fails ends the read (its retries end `timeout` after its first attempt, and a
-                // stream that gets none of the bytes is given up by the client, `stall_timeout`).
+                // attempts fails from then on (bytes that fail their checksum are no busy link's; an attempt
+                // given up before, passed over on a busy link, is no reason), for the fetch it waits on: one
+                // that fails ends the read (its retries end `timeout` after its first attempt, and a stream
+                // that gets none of the bytes is given up by the client, `stall_timeout`).
                 // Past `timeout`, an attempt of its fetch that failed ends the read.
                 Err(e @ ReadError::Timeout { .. }) if past && entry.attempt.load(Ordering::Acquire) != heard.1 => {
                     return Err(e);
                 }
                 // A look at the attempts, not the deadline.
                 Err(ReadError::Timeout { .. }) if past && !entry.is_failed() && Instant::now() < deadline => {}
-                Err(ReadError::Timeout { .. })
-                    if !entry.is_failed()
-                        && self.client.received() != heard.0
-                        && entry.attempt.load(Ordering::Acquire) == heard.1 =>
-                {
-                    heard.0 = self.client.received();
+                Err(ReadError::Timeout { .. }) if !entry.is_failed() && self.client.received() != heard.0 => {
+                    heard = (self.client.received(), entry.attempt.load(Ordering::Acquire));
                     deadline = Instant::now() + self.config.timeout;
                     past = true;
                 }
@@ -949,6 +946,35 @@ mod tests {
         assert!(matches!(read.join().unwrap(), Err(ReadError::Timeout { .. })));
         assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
         assert!(client.received.load(Ordering::Relaxed) > 0, "bytes came all along");
+    }
+
+    /// A read whose fetch failed an attempt before the read's `timeout` (a stream passed over on a busy
+    /// link, asked again) waits on past it while bytes come, and gets its body: a failed attempt ends a
+    /// read only once it waits past its `timeout` (the first version took one before for one after: `EIO`).
+    #[test]
+    fn a_read_whose_fetch_failed_an_attempt_before_its_timeout_waits_on_while_bytes_come() {
+        let timeout = Duration::from_millis(600);
+        let config = PrefetcherConfig { prefetch: 0, timeout, ..Default::default() };
+        let (_rt, client, p, bodies) = setup(3, config);
+        client.inject([Fault::Corrupt]);
+        let started = Instant::now();
+        let read = {
+            let p = p.clone();
+            std::thread::spawn(move || p.read_as0(key(1), 0, 4096))
+        };
+        // The first attempt failed: the next (after its backoff, 25 ms at least) hangs before its first byte.
+        while p.stats.checksum_errors.load(Ordering::Relaxed) == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        client.held_after.lock().unwrap().insert(1, 0);
+        // Other bodies' bytes on the busy link, until the body is let go at 2.5 timeouts.
+        while started.elapsed() < timeout * 5 / 2 {
+            client.received.fetch_add(1000, Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        client.held_after.lock().unwrap().clear();
+        let got = read.join().unwrap().expect("a busy link is no outage");
+        assert_eq!(got, bodies[1]);
     }
 
     /// A read that joins a prefetch whose bodies keep failing their checksums (bytes came for each) fails
