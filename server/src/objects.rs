@@ -287,10 +287,6 @@ pub struct ObjectSource {
     open_copies: maps::Kept<Arc<std::fs::File>>,
     /// Indexing said that an object's ETag could not vouch for its bytes (it is said once a dataset).
     unvouched_noted: std::sync::atomic::AtomicBool,
-    /// Said once: an object read while indexed differed from its ETag (later ones logged at debug).
-    differing_noted: std::sync::atomic::AtomicBool,
-    /// Said once: an object's ETag is no MD5 of it (two reads agreed, both unlike it).
-    unlike_etag_noted: std::sync::atomic::AtomicBool,
 }
 
 impl ObjectSource {
@@ -325,8 +321,6 @@ impl ObjectSource {
             direct_copies: std::sync::atomic::AtomicBool::new(false),
             open_copies: maps::Kept::default(),
             unvouched_noted: std::sync::atomic::AtomicBool::new(false),
-            differing_noted: std::sync::atomic::AtomicBool::new(false),
-            unlike_etag_noted: std::sync::atomic::AtomicBool::new(false),
         };
         indexing::remove_dead_stages(&source.stage_dir);
         let listed = source.context.block_here(source.bucket.list())?;

@@ -11,11 +11,6 @@
 //!   each read, so two corrupted reads never agree (their CRC32Cs differ), and one right read agrees with
 //!   the next right one. Reads that never agree fail indexing, naming the object ([`EtagError`]).
 //!
-//! - An ETag of 32 hex digits that no read matches, while two reads agree, is no MD5 of the object: S3's
-//!   ETags of objects encrypted with SSE-KMS or SSE-C are not. Such reads are taken, as where the ETag
-//!   cannot tell ([`Judged::TakeUnlikeEtag`]): refused, a bucket of encrypted objects could not be indexed
-//!   at all (each read "corrupted", eight times).
-//!
 //! The cost: an MD5 pass over the copy per part size tried (one, mostly: few part sizes give exactly `N`
 //! parts of an object's size), and a second read only of the objects whose part size is not found.
 
@@ -36,9 +31,8 @@ const COMMON_PART_SIZES: [u64; 12] = [8, 5, 16, 15, 10, 64, 100, 50, 32, 128, 25
 #[derive(Debug, thiserror::Error)]
 pub enum EtagError {
     #[error(
-        "{dataset}/{object}: each of {reads} copies read differs from the object's MD5 (its ETag), and no two \
-         agree: the bytes are corrupted between the store and this server (a proxy, a NIC, the network); not \
-         indexed"
+        "{dataset}/{object}: each of {reads} copies read differs from the object's MD5 (its ETag): the bytes are \
+         corrupted between the store and this server (a proxy, a NIC, the network); not indexed"
     )]
     Differs { dataset: String, object: String, reads: u32 },
     #[error(
@@ -138,8 +132,6 @@ fn part_sizes(size: u64, parts: u64) -> Vec<u64> {
 pub(super) struct Reads {
     /// The CRC32Cs of the reads so far the ETag could not vouch for.
     unvouched: Vec<u32>,
-    /// The CRC32Cs of the reads so far that differ from the ETag's MD5.
-    differing: Vec<u32>,
 }
 
 /// What became of one read.
@@ -147,9 +139,6 @@ pub(super) struct Reads {
 pub(super) enum Judged {
     /// Taken: the ETag vouches for it, or an earlier read agrees.
     Take,
-    /// Taken: it differs from the ETag's MD5, as an earlier read did, which it agrees with (the ETag is no
-    /// MD5 of the object: an encrypted one's).
-    TakeUnlikeEtag,
     /// Read it again: it differs from the ETag's MD5, or from every earlier read (`corrupt`: then a read
     /// was corrupted, this one or an earlier one), or it is the first read the ETag cannot tell of.
     Again { corrupt: bool },
@@ -160,14 +149,7 @@ impl Reads {
     pub(super) fn judge(&mut self, etag: &str, bytes: &[u8]) -> Judged {
         match verdict(etag, bytes) {
             Verdict::Matches => Judged::Take,
-            Verdict::Differs => {
-                let crc = batchfs::crc::crc32c(bytes);
-                if self.differing.contains(&crc) {
-                    return Judged::TakeUnlikeEtag;
-                }
-                self.differing.push(crc);
-                Judged::Again { corrupt: true }
-            }
+            Verdict::Differs => Judged::Again { corrupt: true },
             Verdict::Unknown => {
                 let crc = batchfs::crc::crc32c(bytes);
                 if self.unvouched.contains(&crc) {
@@ -318,27 +300,5 @@ mod tests {
         assert_eq!(reads.judge(&etag, &data), Judged::Take);
         assert_eq!(reads.unvouched.len(), 3);
         assert!(matches!(reads.refused("s3://b/p", &file, 8), EtagError::NeverAgreed { reads: 8, .. }));
-    }
-
-    /// An ETag of 32 hex digits that is no MD5 of the object (SSE-KMS's, SSE-C's): two reads that agree are
-    /// taken, however they differ from it (each was read again for good, eight times, and indexing failed);
-    /// two corrupted reads never agree, and a read that matches an MD5 ETag is taken at once.
-    #[test]
-    fn reads_of_an_object_whose_etag_is_no_md5_of_it_are_taken_once_two_agree() {
-        let data = bytes(100_000);
-        let encrypted = "\"0123456789abcdef0123456789abcdef\"";
-        let mut bad = data.clone();
-        bad[7] ^= 1;
-        let mut worse = data.clone();
-        worse[70_000] ^= 2;
-        let mut reads = Reads::default();
-        assert_eq!(reads.judge(encrypted, &bad), Judged::Again { corrupt: true });
-        assert_eq!(reads.judge(encrypted, &worse), Judged::Again { corrupt: true });
-        assert_eq!(reads.judge(encrypted, &data), Judged::Again { corrupt: true });
-        assert_eq!(reads.judge(encrypted, &data), Judged::TakeUnlikeEtag);
-        let md5 = format!("\"{}\"", Md5::digest(&data).iter().map(|b| format!("{b:02x}")).collect::<String>());
-        let mut reads = Reads::default();
-        assert_eq!(reads.judge(&md5, &bad), Judged::Again { corrupt: true });
-        assert_eq!(reads.judge(&md5, &data), Judged::Take);
     }
 }

@@ -228,24 +228,10 @@ impl ObjectSource {
         let (dataset, object) = (&self.bucket.url, &file.path);
         match judged {
             Judged::Take => return true,
-            Judged::TakeUnlikeEtag => {
-                if !self.unlike_etag_noted.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(%dataset, %object, etag = %file.etag, "two reads agree, both unlike the object's \
-                        ETag: its ETags are no MD5s of the objects (SSE-KMS or SSE-C encryption?); such objects are \
-                        read twice while indexed, and taken once two reads agree");
-                }
-                return true;
-            }
             Judged::Again { corrupt: true } => {
                 self.counters.bad_checksums.fetch_add(1, Ordering::Relaxed);
-                // Once a dataset at warn: an encrypted bucket's objects each differ once from their ETags.
-                let said = self.differing_noted.swap(true, Ordering::Relaxed);
-                let what = "the copy read differs from its ETag, or from the earlier reads where the ETag cannot \
-                    tell: read again";
-                match said {
-                    false => tracing::warn!(%dataset, %object, attempt, "{what}"),
-                    true => tracing::debug!(%dataset, %object, attempt, "{what}"),
-                }
+                tracing::warn!(%dataset, %object, attempt, "the copy read differs from its ETag, or from the \
+                    earlier reads where the ETag cannot tell: read again");
             }
             Judged::Again { corrupt: false } if !self.unvouched_noted.swap(true, Ordering::Relaxed) => {
                 tracing::info!(%dataset, %object, etag = %file.etag, "a multipart upload of a part size not found \
