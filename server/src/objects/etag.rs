@@ -8,8 +8,10 @@
 //! - Where none does (an uploader's own part size, parts of unequal sizes, a store whose ETags are no MD5s
 //!   at all, or simply a corrupted copy, which no part size matches), the ETag says nothing, and the
 //!   object is read again until two reads agree ([`Reads`]): transit corruption falls at other places in
-//!   each read, so two corrupted reads never agree (their CRC32Cs differ), and one right read agrees with
-//!   the next right one. Reads that never agree fail indexing, naming the object ([`EtagError`]).
+//!   each read, so two reads corrupted on their way never agree (their CRC32Cs differ), and one right read
+//!   agrees with the next right one. (Bytes the store holds or sends wrong the same way each time agree:
+//!   only an ETag that is an MD5 catches those.) Reads that never agree fail indexing, naming the object
+//!   ([`EtagError`]).
 //!
 //! The cost: an MD5 pass over the copy per part size tried (one, mostly: few part sizes give exactly `N`
 //! parts of an object's size), and a second read only of the objects whose part size is not found.
