@@ -236,14 +236,46 @@ fn busy(path: &Path) -> anyhow::Error {
 /// before the mount is made: two mounts started together at one directory both found it free, both
 /// mounted, one over the other.
 pub(crate) fn mount_alone<T>(mountpoint: &Path, make: impl FnOnce() -> Result<T>) -> Result<T> {
-    let dir = std::fs::File::open(mountpoint).with_context(|| format!("mountpoint {}", mountpoint.display()))?;
-    dir.lock().with_context(|| format!("cannot lock the mountpoint {}", mountpoint.display()))?;
+    // Looked at first: a mount there (the other one's, which won) is not opened (its root would wait on
+    // its daemon).
+    if is_mountpoint(mountpoint) {
+        return Err(busy(mountpoint));
+    }
+    // A directory that may be searched but not read (mode 711) cannot be opened to lock: mounted on
+    // without the lock, as before it.
+    let dir = match std::fs::File::open(mountpoint) {
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => None,
+        dir => Some(dir.with_context(|| format!("mountpoint {}", mountpoint.display()))?),
+    };
+    if let Some(dir) = &dir {
+        let until = std::time::Instant::now() + LOCK_WAIT;
+        loop {
+            match dir.try_lock() {
+                Ok(()) => break,
+                Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < until => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => bail!(
+                    "the mountpoint {} has been locked by another process for {LOCK_WAIT:?} (flock: another mount \
+                     being made there, or a script's lock)",
+                    mountpoint.display()
+                ),
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(e).with_context(|| format!("cannot lock the mountpoint {}", mountpoint.display()))
+                }
+            }
+        }
+    }
     if is_mountpoint(mountpoint) {
         return Err(busy(mountpoint));
     }
     // The lock goes with `dir`, once the mount is made (or failed).
     make()
 }
+
+/// The longest [`mount_alone`] waits for another's lock of the mountpoint (another mount being made there
+/// takes a moment; a lock held longer is someone else's).
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The name of an entry of directory `dir`, if it holds any (none where it cannot be listed).
 fn first_entry(dir: &Path) -> Option<std::ffi::OsString> {
