@@ -973,6 +973,38 @@ mod tests {
         assert_eq!(third.read(resolve(&third, "raw/a/y.jpg", 0), 0, 100, 1).unwrap(), "contents of a/y.jpg".as_bytes());
     }
 
+    /// A ledger whose journal a release before the count of `raw/`'s numbers filled (it went on journaling
+    /// past a listing that did not fit, and numbered unrecorded): a new worker follows no journal, every
+    /// number handed out before is stale (ESTALE), never another file; and so for the worker after it.
+    #[test]
+    fn raw_inodes_of_an_older_release_past_its_full_journal_are_stale_never_another_file() {
+        let ledger = Arc::new(crate::ledger::Ledger::with_journal(8).unwrap());
+        let (_rt, mut old) = fs(BatchFormat::Tfrecord);
+        old.record_in(ledger.clone());
+        let (z, y, top) =
+            (resolve(&old, "raw/b/c/z.jpg", 0), resolve(&old, "raw/a/y.jpg", 0), resolve(&old, "raw/top.txt", 0));
+        drop(old);
+        ledger.as_left_by_an_older_release();
+
+        let (_rt, mut new) = fs(BatchFormat::Tfrecord);
+        new.record_in(ledger.clone());
+        let x = resolve(&new, "raw/a/x.jpg", 0);
+        assert_eq!(new.read(x, 0, 100, 1).unwrap(), "contents of a/x.jpg".as_bytes());
+        for (old_ino, path) in [(z, "b/c/z.jpg"), (y, "a/y.jpg"), (top, "top.txt")] {
+            assert_eq!(new.read(old_ino, 0, 100, 1).map_err(|e| e.errno()), Err(libc::ESTALE), "{path}");
+        }
+        let z_now = resolve(&new, "raw/b/c/z.jpg", 0);
+        assert_eq!(new.read(z_now, 0, 100, 1).unwrap(), "contents of b/c/z.jpg".as_bytes());
+        drop(new);
+
+        let (_rt, mut third) = fs(BatchFormat::Tfrecord);
+        third.record_in(ledger);
+        for old_ino in [x, z_now, z, top] {
+            assert_eq!(third.read(old_ino, 0, 100, 1).map_err(|e| e.errno()), Err(libc::ESTALE));
+        }
+        assert_eq!(third.read(resolve(&third, "raw/a/y.jpg", 0), 0, 100, 1).unwrap(), "contents of a/y.jpg".as_bytes());
+    }
+
     /// A new worker's `shuffled/` hands out the sample after the last one the old worker handed out.
     #[test]
     fn a_new_worker_hands_out_shuffled_samples_from_where_the_last_one_stopped() {

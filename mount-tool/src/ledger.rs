@@ -364,6 +364,24 @@ impl Ledger {
         true
     }
 
+    /// Bytes the journal has room for still.
+    pub fn journal_room(&self) -> usize {
+        self.journal.saturating_sub(self.header(Header::JournalEnd).load(Ordering::Acquire) as usize)
+    }
+
+    /// Appends nothing more to the journal (as if a record had not fit).
+    pub fn close_journal(&self) {
+        self.header(Header::JournalFull).store(1, Ordering::Release);
+    }
+
+    /// Forgets what this release keeps of the journal and of `raw/`'s numbers: the ledger as a release
+    /// before them leaves it (tests).
+    #[cfg(test)]
+    pub fn as_left_by_an_older_release(&self) {
+        self.header(Header::JournalFull).store(0, Ordering::Release);
+        self.header(Header::RawNumbered).store(0, Ordering::Release);
+    }
+
     /// Whether a record did not fit in the journal (no more are appended).
     pub fn journal_full(&self) -> bool {
         self.header(Header::JournalFull).load(Ordering::Acquire) != 0

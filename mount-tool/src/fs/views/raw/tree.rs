@@ -69,6 +69,13 @@ impl Nodes {
     }
 }
 
+/// Where `raw/`'s numbers start over a journal that cannot be followed: above every number a worker
+/// could have handed out before (a tree of two billion nodes).
+const UNKNOWN_FROM: u32 = 1 << 31;
+
+/// The most room a journal record takes: its length, the node's number and a path of `PATH_MAX`.
+const RECORD_MOST: usize = 4 + 4 + 4096;
+
 /// Listings to make again: through this prefetcher, these (node, path), in order; then the nodes the last
 /// worker numbered, all told.
 type Replay = (Arc<Prefetcher>, Vec<(u32, String)>, u32);
@@ -107,6 +114,25 @@ impl RawTree {
             })
             .collect();
         let numbered = ledger.raw_numbers();
+        // No journal to follow: a release before the count of numbers went on journaling past a listing
+        // that did not fit (the records after it name nodes no replay numbers alike), and numbered past
+        // it unrecorded; a ledger left so is followed by no worker after. Every number handed out before
+        // is stale, and this worker's are numbered from [`UNKNOWN_FROM`] on.
+        let untrusted =
+            numbered >= UNKNOWN_FROM || (numbered == 0 && !listings.is_empty() && ledger.journal_room() < RECORD_MOST);
+        if untrusted {
+            let from = numbered.max(UNKNOWN_FROM);
+            tracing::warn!(
+                numbered = from,
+                "raw/: the ledger's journal cannot be followed (a worker of an older release filled it): every \
+                 raw/ inode handed out before is stale (ESTALE) until looked up again"
+            );
+            self.nodes.lock().expect("raw tree").stale = 1..from;
+            ledger.close_journal();
+            ledger.raw_numbered(from);
+            let _ = self.ledger.set(ledger);
+            return;
+        }
         if !listings.is_empty() || numbered > 1 {
             *self.replay.lock().expect("replay") = Some((prefetcher, listings, numbered));
             self.replaying.store(true, Ordering::Release);
@@ -188,8 +214,15 @@ impl RawTree {
                 );
             }
         }
+        // Numbers only grow, takeover after takeover: past the last, nothing more is numbered (never one
+        // number wrapped round onto another's node).
+        let want = list.dirs.len() + list.files.len();
+        if u64::from(nodes.next()) + want as u64 >= u64::from(u32::MAX) {
+            tracing::error!(path, "raw/: its inode numbers are used up (remount the dataset)");
+            return Err(FsError::Stale);
+        }
         let prefix = if path.is_empty() { String::new() } else { format!("{path}/") };
-        let mut children = Vec::with_capacity(list.dirs.len() + list.files.len());
+        let mut children = Vec::with_capacity(want);
         for sub in &list.dirs {
             let kind = RawKind::Dir { path: format!("{prefix}{sub}"), children: None };
             children.push((sub.clone(), nodes.push(RawNode { parent: n, kind })));
