@@ -47,6 +47,8 @@ pub enum BeneathError {
     Outside { path: String },
     #[error("{path} leads out of the dataset's directory to another file than when the server started: not served")]
     Elsewhere { path: String },
+    #[error("{path} is no regular file now (a FIFO, a device, a socket...): not served")]
+    NotAFile { path: String },
     #[error("cannot open {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
 }
@@ -54,7 +56,7 @@ pub enum BeneathError {
 impl BeneathError {
     /// Whether the file now leads somewhere it may not: a change of the dataset, not a failure to open.
     pub fn is_link_out(&self) -> bool {
-        matches!(self, BeneathError::Outside { .. } | BeneathError::Elsewhere { .. })
+        matches!(self, BeneathError::Outside { .. } | BeneathError::Elsewhere { .. } | BeneathError::NotAFile { .. })
     }
 }
 
@@ -124,8 +126,24 @@ impl DatasetDir {
         Ok(self.opened(rel, flags, out)?.0)
     }
 
-    /// `rel` opened with `flags`, and the file it is where that is out of the directory.
+    /// `rel` opened with `flags`, and the file it is where that is out of the directory: a regular file,
+    /// opened for reading without waiting (a FIFO swapped in blocked its open for good).
     fn opened(&self, rel: &str, flags: libc::c_int, out: Out) -> Result<(File, Option<FileId>), BeneathError> {
+        let (file, outside) = self.opened_any(rel, reading(flags), out)?;
+        if flags & libc::O_PATH != 0 {
+            return Ok((file, outside));
+        }
+        let io = |source| BeneathError::Io { path: self.path.join(rel), source };
+        if !file.metadata().map_err(io)?.is_file() {
+            tracing::warn!(dir = %self.path.display(), path = rel, "no regular file");
+            return Err(BeneathError::NotAFile { path: rel.to_owned() });
+        }
+        blocking(&file).map_err(io)?;
+        Ok((file, outside))
+    }
+
+    /// [`DatasetDir::opened`] of whatever file `rel` is.
+    fn opened_any(&self, rel: &str, flags: libc::c_int, out: Out) -> Result<(File, Option<FileId>), BeneathError> {
         let io = |source| BeneathError::Io { path: self.path.join(rel), source };
         let name = CString::new(rel).map_err(|e| io(e.into()))?;
         // `EAGAIN`: a rename elsewhere raced a `..` of the path; asked again, then taken the second way.
@@ -190,6 +208,29 @@ impl DatasetDir {
         self.no_openat2.store(true, Ordering::Relaxed);
         self
     }
+}
+
+/// `flags` for an open that never waits (`O_NONBLOCK`: a FIFO opens at once), where it reads.
+fn reading(flags: libc::c_int) -> libc::c_int {
+    if flags & libc::O_PATH != 0 {
+        flags
+    } else {
+        flags | libc::O_NONBLOCK
+    }
+}
+
+/// Clears `O_NONBLOCK` from a regular file opened with it: io_uring answers reads of such a file that
+/// would wait with `EAGAIN`, where it waits for them otherwise.
+fn blocking(file: &File) -> io::Result<()> {
+    let fd = file.as_raw_fd();
+    // SAFETY: `fd` is open for the calls' duration (`file` is borrowed); `F_GETFL` and `F_SETFL` only read
+    // and set its status flags.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Where the file behind `fd` is now, as the kernel names it.
@@ -312,6 +353,31 @@ mod tests {
 
     /// Where links out are followed (`--follow-links`), a file reached out of the directory at start is
     /// served, through the link made again too (`ln -sf`); another file out there is refused.
+    /// A FIFO swapped in for a file (or linked to from inside) is refused at once as no regular file: its
+    /// open waited for a writer for good, holding a thread of the server's; a file read is opened as
+    /// before, its reads waiting as they should (no `O_NONBLOCK` left on it).
+    #[test]
+    fn a_fifo_swapped_in_is_refused_at_once_never_waited_on() {
+        for with_openat2 in [true, false] {
+            let (top, mut dir) = layout(false, with_openat2);
+            let ds = top.path().join("ds");
+            dir.open_first(0, "a", libc::O_RDONLY).unwrap();
+            std::fs::remove_file(ds.join("a")).unwrap();
+            let fifo = CString::new(ds.join("a").into_os_string().into_encoded_bytes()).unwrap();
+            // SAFETY: a NUL-terminated path, alive for the call.
+            assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+            let started = std::time::Instant::now();
+            let refused = dir.open_file(0, "a", libc::O_RDONLY).unwrap_err();
+            assert!(matches!(&refused, BeneathError::NotAFile { path } if path == "a"), "{refused:?}");
+            assert!(refused.is_link_out(), "a change of the dataset");
+            assert!(started.elapsed() < std::time::Duration::from_secs(5));
+            let file = dir.open_file(1, "sub/b", libc::O_RDONLY).unwrap();
+            // SAFETY: an open descriptor, its status flags read only.
+            assert_eq!(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) } & libc::O_NONBLOCK, 0);
+            assert_eq!(read(file), "b");
+        }
+    }
+
     #[test]
     fn links_out_lead_only_to_the_files_they_led_to_at_start() {
         for with_openat2 in [true, false] {
