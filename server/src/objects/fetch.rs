@@ -20,7 +20,8 @@ use std::time::Duration;
 
 /// A copy in the tier opened for reading, with `O_DIRECT` or not.
 struct CopyFile {
-    file: std::fs::File,
+    /// Registered with the tier ([`super::tier::Tier::opened`]): counted, once evicted, until closed.
+    file: Arc<std::fs::File>,
     direct: bool,
     /// Its name in the tier.
     name: String,
@@ -295,7 +296,7 @@ impl ObjectSource {
         if self.direct_copies.load(Ordering::Relaxed) {
             use std::os::unix::fs::OpenOptionsExt;
             match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path) {
-                Ok(file) => return Some(CopyFile { file, direct: true, name }),
+                Ok(file) => return opened(tier, CopyFile { file: Arc::new(file), direct: true, name }),
                 // Refused (the filesystem does not do O_DIRECT): every copy is read through the page cache.
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.read_copies_directly(false),
                 // Whatever else it is, the plain open below meets it too, and says so.
@@ -303,7 +304,7 @@ impl ObjectSource {
             }
         }
         match std::fs::File::open(&path) {
-            Ok(copy) => Some(CopyFile { file: copy, direct: false, name }),
+            Ok(copy) => opened(tier, CopyFile { file: Arc::new(copy), direct: false, name }),
             Err(e) => {
                 // Gone from the disk under the tier: forgotten, so nothing takes it for held again.
                 tier.remove(&name, &e.to_string());
@@ -337,9 +338,8 @@ impl ObjectSource {
         }
         let file = self.open_copies.get(tier, n, true).or_else(|| {
             let copy = self.open_copy(n, false).filter(|c| c.direct)?;
-            let file = Arc::new(copy.file);
-            self.open_copies.put(n, copy.name, file.clone());
-            Some(file)
+            self.open_copies.put(tier, n, copy.name, copy.file.clone());
+            Some(copy.file)
         });
         self.touched(n, file.is_some());
         let file = file?;
@@ -588,6 +588,12 @@ impl ObjectSource {
     pub(super) fn shown(&self, file: &ShardInfo) -> std::path::PathBuf {
         std::path::PathBuf::from(format!("s3://{}/{}", self.bucket.bucket, self.bucket.location(&file.path)))
     }
+}
+
+/// `copy`, registered with `tier` as open (counted, once evicted, until closed); `None` where the tier let
+/// the copy go since it was opened.
+fn opened(tier: &super::tier::Tier, copy: CopyFile) -> Option<CopyFile> {
+    tier.opened(&copy.name, Arc::downgrade(&copy.file) as super::tier::Opened).then_some(copy)
 }
 
 /// `memory` cut into `(offset, slice)` parts of `part` bytes (the last one shorter).

@@ -10,34 +10,48 @@
 //! Mappings are kept for the most recently used `max_mapped_shards` objects (each is a kernel VMA); a
 //! dataset of more objects than that (a file tree) reads its copies by positioned reads instead. Copies
 //! opened for direct reads are kept for [`OPEN_COPIES`] objects: each piece of a chunk looked its copy up
-//! by name (two MD5s) and opened it, 11 % of the server's CPU under PyTorch (docs/BENCHMARKS.md). A copy
-//! kept whose copy the tier no longer holds is let go when next looked at, and the others are looked over
-//! every so often, so an evicted copy's disk space is not held for long.
+//! by name (two MD5s) and opened it, 11 % of the server's CPU under PyTorch (docs/BENCHMARKS.md).
+//!
+//! **Evicted copies are let go at once.** Each kept copy is registered with the tier (`Tier::opened`), and
+//! the kept copies are a [`super::tier::Keeper`]: the tier tells them of every copy it evicts or removes,
+//! and they drop it then, so the copy is closed once the bodies reading it end, and its disk freed. Until
+//! then the tier counts it. (Before, a kept copy was let go only when next looked up, or every 256
+//! lookups: a server whose mounts had gone held 158 evicted copies mapped, their disk never freed.)
 
-use super::tier::Tier;
+use super::tier::{Keeper, Tier};
 use super::ObjectSource;
 use batchfs::mmap::MappedFile;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 /// Copies opened for direct reads kept at most, per dataset.
 pub const OPEN_COPIES: usize = 1024;
 
-/// How often (in lookups) every copy kept is looked over for copies the tier evicted.
-pub(super) const PRUNE_EVERY: u64 = 256;
+/// Kept copies by object number: each copy's name in the tier and what holds it open.
+type ByObject<T> = lru::LruCache<u32, (Arc<str>, T)>;
 
 /// Copies of one object dataset kept open, by object number: each copy's name in the tier and what holds
-/// it open (a mapping, or a file).
+/// it open (a mapping, or a file). Its lock is never held while calling the tier (the tier tells it of
+/// copies let go with its own held).
 pub(super) struct Kept<T> {
     /// None where copies are not kept so.
-    copies: Mutex<Option<lru::LruCache<u32, (String, T)>>>,
-    /// Lookups, to look over every copy kept now and then.
-    lookups: AtomicU64,
+    copies: Mutex<Option<ByObject<T>>>,
 }
 
 impl<T> Default for Kept<T> {
     fn default() -> Self {
-        Kept { copies: Mutex::new(None), lookups: AtomicU64::new(0) }
+        Kept { copies: Mutex::new(None) }
+    }
+}
+
+impl<T: Send> Keeper for Kept<T> {
+    fn let_go(&self, name: &str) {
+        if let Some(kept) = self.copies.lock().expect("kept copies").as_mut() {
+            let gone: Vec<u32> = kept.iter().filter(|(_, (kept, _))| &**kept == name).map(|(n, _)| *n).collect();
+            for n in gone {
+                kept.pop(&n);
+            }
+        }
     }
 }
 
@@ -55,26 +69,33 @@ impl<T: Clone> Kept<T> {
     /// Object `n`'s copy kept, if `tier` holds it still (with `used`, counted as a use of it: the copies
     /// bodies read now are then not the ones evicted for the next); one the tier let go is let go here.
     pub(super) fn get(&self, tier: &Tier, n: u32, used: bool) -> Option<T> {
-        let mut guard = self.copies.lock().expect("kept copies");
-        let kept = guard.as_mut()?;
-        if self.lookups.fetch_add(1, Ordering::Relaxed).is_multiple_of(PRUNE_EVERY) {
-            let gone: Vec<u32> = kept.iter().filter(|(_, (name, _))| !tier.contains(name)).map(|(n, _)| *n).collect();
-            for n in gone {
-                kept.pop(&n);
-            }
+        let (name, copy) = self.copies.lock().expect("kept copies").as_mut()?.get(&n).cloned()?;
+        if if used { tier.used(&name) } else { tier.contains(&name) } {
+            return Some(copy);
         }
-        let (name, copy) = kept.get(&n)?;
-        if if used { tier.used(name) } else { tier.contains(name) } {
-            return Some(copy.clone());
-        }
-        kept.pop(&n);
+        self.drop_named(n, &name);
         None
     }
 
-    /// Keeps object `n`'s copy `name`, held open by `copy` (where copies are kept so).
-    pub(super) fn put(&self, n: u32, name: String, copy: T) {
+    /// Keeps object `n`'s copy `name`, held open by `copy` (where copies are kept so), unless the tier let
+    /// it go meanwhile (it was told to the keepers before this kept it).
+    pub(super) fn put(&self, tier: &Tier, n: u32, name: String, copy: T) {
+        let name: Arc<str> = Arc::from(name);
+        match self.copies.lock().expect("kept copies").as_mut() {
+            Some(kept) => kept.put(n, (name.clone(), copy)),
+            None => return,
+        };
+        if !tier.contains(&name) {
+            self.drop_named(n, &name);
+        }
+    }
+
+    /// Lets object `n`'s copy go where it is copy `name` (not one kept since).
+    fn drop_named(&self, n: u32, name: &str) {
         if let Some(kept) = self.copies.lock().expect("kept copies").as_mut() {
-            kept.put(n, (name, copy));
+            if kept.peek(&n).is_some_and(|(kept, _)| &**kept == name) {
+                kept.pop(&n);
+            }
         }
     }
 
@@ -127,11 +148,13 @@ impl ObjectSource {
         let map = tier.get(&name).and_then(|(path, checked)| {
             let map = MappedFile::open(&path).ok().filter(|m| checked && m.len() == file.size)?;
             map.advise(memmap2::Advice::Random);
-            Some(Arc::new(map))
+            let map = Arc::new(map);
+            // Counted by the tier, once evicted, until the last body reading it is done.
+            tier.opened(&name, Arc::downgrade(&map) as super::tier::Opened).then_some(map)
         });
         self.touched(n, map.is_some());
         let map = map?;
-        self.maps.put(n, name, map.clone());
+        self.maps.put(tier, n, name, map.clone());
         Some(map)
     }
 
