@@ -30,6 +30,7 @@ pub const OBJECT_TIER_DIRECT_BYTES_TOTAL: &str = "batchfs_object_tier_direct_byt
 /// The disk tier of object datasets (`objects/tier.rs`), server-wide.
 pub const TIER_BYTES: &str = "batchfs_tier_bytes";
 pub const TIER_CAPACITY_BYTES: &str = "batchfs_tier_capacity_bytes";
+pub const TIER_EVICTED_OPEN_BYTES: &str = "batchfs_tier_evicted_open_bytes";
 pub const TIER_OBJECTS: &str = "batchfs_tier_objects";
 pub const TIER_HITS_TOTAL: &str = "batchfs_tier_hits_total";
 pub const TIER_HIT_BYTES_TOTAL: &str = "batchfs_tier_hit_bytes_total";
@@ -117,6 +118,11 @@ pub fn render_tier(tier: Option<&crate::objects::tier::Tier>) -> String {
     let gauges = [
         (TIER_BYTES, "Bytes of disk the copies the disk tier holds occupy.", tier.bytes()),
         (TIER_CAPACITY_BYTES, "The most bytes the disk tier holds (disk_cache_size).", tier.cap()),
+        (
+            TIER_EVICTED_OPEN_BYTES,
+            "Bytes of disk of evicted copies read still, counted until closed.",
+            tier.gone_bytes(),
+        ),
         (TIER_OBJECTS, "Copies the disk tier holds.", tier.copies() as u64),
     ];
     for (metric, help, value) in gauges {
