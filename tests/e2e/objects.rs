@@ -1181,3 +1181,45 @@ fn a_tier_smaller_than_the_dataset_never_takes_more_disk_than_its_size() {
     assert_eq!(deleted_held(disk.path()), 0, "evicted copies mapped or open after the reads ended");
     rt.block_on(server.running.shutdown());
 }
+
+/// A copy in the disk tier written over in place under the running server (`dd conv=notrunc`, bit rot):
+/// a mount's read gets a body that fails its checksum, and its retry says so (`x-batchfs-recheck`): the
+/// server checks the copies that body reads, drops the bad one (counted in `batchfs_tier_failures_total`)
+/// and reads the store, and every read gets the local copy's bytes. Before, each retry got the same bad
+/// copy, and the read failed with `EIO` at its `timeout` while the server said nothing.
+#[test]
+fn a_copy_written_over_under_the_server_is_dropped_when_a_mount_retries() {
+    use std::os::unix::fs::FileExt;
+    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(400) else { return };
+    let tier = tempfile::tempdir().unwrap();
+    let limits = tiered(tier.path(), 1 << 30);
+    let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
+    let copies = ds.storage.objects().unwrap().tier().unwrap().clone();
+    let rt = runtime();
+    let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
+    let mut written_over = 0;
+    for copy in walk(&tier.path().join("objects")) {
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&copy).unwrap();
+        let at = file.metadata().unwrap().len() / 2;
+        let mut byte = [0];
+        file.read_exact_at(&mut byte, at).unwrap();
+        file.write_all_at(&[!byte[0]], at).unwrap();
+        written_over += 1;
+    }
+    assert!(written_over > 0);
+    let (_a, local) = common::mount(&server, "local", "batch_size=32");
+    // A read given up sooner than the default (60 s) where the retries get the same bad bytes.
+    let (_b, objects) = common::mount(&server, "s3", "batch_size=32,timeout=15s");
+    for path in walk(&local.mountpoint.join("epoch-0000")) {
+        let rel = path.strip_prefix(&local.mountpoint).unwrap();
+        let (want, got) = (std::fs::read(&path).unwrap(), std::fs::read(objects.mountpoint.join(rel)));
+        assert!(got.is_ok_and(|got| got == want), "{} differs, or failed", rel.display());
+    }
+    let stats = common::mount_stats(&objects.mountpoint);
+    assert!(stats["checksum_errors"].as_u64() > Some(0), "no copy written over was read: {stats}");
+    assert_eq!(stats["errors"].as_u64(), Some(0), "{stats}");
+    let dropped = copies.counters.failures.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(dropped > 0 && dropped <= written_over, "{dropped} copies dropped of {written_over} written over");
+    drop((local, objects));
+    rt.block_on(server.running.shutdown());
+}
