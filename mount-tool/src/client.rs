@@ -133,11 +133,8 @@ pub trait BatchClient: Send + Sync + 'static {
     /// CRC32C the manifest (or the sample or file table) announced: a response that says or sends more is
     /// cut off with an error rather than buffered, and one whose bytes differ is [`ClientError::Corrupt`]
     /// where the client can tell (the HTTP client: counted against the server that sent it). `attempt`
-    /// counts retries, so a client with several servers can try another one. `recheck`: an earlier attempt's
-    /// body failed its checksum, so the server is asked to check the copies on its disks the body reads
-    /// before sending it (`x-batchfs-recheck`: a copy rotted or written over under it is dropped then, and
-    /// the retry reads the store; a server before it ignores the header).
-    fn fetch_body(&self, request: &Request, attempt: u32, recheck: bool, into: Sink, expect: Sent) -> BodyFut<'_>;
+    /// counts retries, so a client with several servers can try another one.
+    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_>;
     /// Every sample's label, data size and CRC32C (for `shuffled/`).
     fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>>;
     /// Bytes of responses received so far, every server together, counted as they arrive (not when a

@@ -249,9 +249,7 @@ async fn fetch_group(
             tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
         }
         let into = Sink::Buffer(Filling::new(Vec::new(), (total.bytes, total.crc32c), None, || {}));
-        // After a body that failed its checksum, the server checks its copies first.
-        let recheck = matches!(last, Some(WarmError::Corrupt { .. } | WarmError::Client(ClientError::Corrupt { .. })));
-        let body = match client.fetch_body(&request, attempt, recheck, into, total).await {
+        let body = match client.fetch_body(&request, attempt, into, total).await {
             Ok(body) => body,
             Err(e) => {
                 last = Some(WarmError::Client(e));

@@ -98,11 +98,11 @@ impl<C: BatchClient> BatchClient for FaultClient<C> {
         self.inner.received()
     }
 
-    fn fetch_body(&self, request: &Request, attempt: u32, recheck: bool, into: Sink, expect: Sent) -> BodyFut<'_> {
+    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
         let request = request.clone();
         Box::pin(async move {
             self.next().await?;
-            self.inner.fetch_body(&request, attempt, recheck, into, expect).await
+            self.inner.fetch_body(&request, attempt, into, expect).await
         })
     }
 

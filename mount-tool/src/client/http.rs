@@ -197,7 +197,7 @@ impl HttpClient {
         path_and_query: &str,
     ) -> Result<(InFlight<'_>, String, Bytes, Option<String>), ClientError> {
         let (flight, server, got) =
-            self.send(0, path_and_query, Asked::default(), Target::Whole(Whole::default()), REPLY_BYTES).await?;
+            self.send(0, path_and_query, None, Target::Whole(Whole::default()), REPLY_BYTES).await?;
         let Got::Whole(whole) = got else { unreachable!("a reply asked for whole comes whole") };
         Ok((flight, server, Bytes::from(whole.bytes), whole.index_id))
     }
@@ -230,7 +230,7 @@ impl BatchClient for HttpClient {
         Box::pin(async move { self.json(&path).await })
     }
 
-    fn fetch_body(&self, request: &Request, attempt: u32, recheck: bool, into: Sink, expect: Sent) -> BodyFut<'_> {
+    fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
         let attempt = attempt as usize;
         let dataset = &self.config.dataset;
         // Which server answers: ties between idle servers rotate by what is asked for (a retry finds the
@@ -250,8 +250,7 @@ impl BatchClient for HttpClient {
                 (spread, api::file_path(dataset, path), (expect.bytes > 0).then_some((*offset, expect.bytes)))
             }
         };
-        let ask = Asked { range, recheck };
-        Box::pin(async move { self.fetch(spread.wrapping_add(attempt), &path, ask, into, expect).await })
+        Box::pin(async move { self.fetch(spread.wrapping_add(attempt), &path, range, into, expect).await })
     }
 
     fn sample_table(&self) -> BoxFut<'_, Result<SampleTable, ClientError>> {
@@ -287,14 +286,6 @@ fn refused(flight: InFlight<'_>, server: String, status: u16, retry_after: Optio
     ClientError::Status { server, status, message }
 }
 
-/// What a GET asks beyond its path: a range of the resource (`(offset, len)`), and whether the server is to
-/// check its disk copies first ([`api::RECHECK_HEADER`]).
-#[derive(Debug, Clone, Copy, Default)]
-struct Asked {
-    range: Option<(u64, u64)>,
-    recheck: bool,
-}
-
 impl HttpClient {
     /// A whole response body of at most `expect.bytes` bytes, received into `body`, or of the `(offset,
     /// len)` range of the resource if given (a server that answers a range from a non-zero offset with the
@@ -305,11 +296,11 @@ impl HttpClient {
         &self,
         spread: usize,
         path_and_query: &str,
-        asked: Asked,
+        range: Option<(u64, u64)>,
         body: Sink,
         expect: Sent,
     ) -> Result<Body, ClientError> {
-        let (flight, server, got) = self.send(spread, path_and_query, asked, Target::Sink(body), expect.bytes).await?;
+        let (flight, server, got) = self.send(spread, path_and_query, range, Target::Sink(body), expect.bytes).await?;
         let Got::Body(body) = got else { unreachable!("a body asked for into a sink comes in it") };
         if let Some(why) = expect.mismatch(&body) {
             flight.failed();
@@ -327,11 +318,10 @@ impl HttpClient {
         &self,
         spread: usize,
         path_and_query: &str,
-        asked: Asked,
+        range: Option<(u64, u64)>,
         target: Target,
         expect: u64,
     ) -> Result<(InFlight<'_>, String, Got), ClientError> {
-        let range = asked.range;
         // A small reply's size is not known before it comes; it weighs nothing in the routing.
         let about = if matches!(target, Target::Sink(_)) { expect } else { 0 };
         let (flight, lane, server) = self.route(spread, about).await;
@@ -350,9 +340,6 @@ impl HttpClient {
         }
         if let Some(bytes) = &bytes {
             fields.push(("range", bytes.as_str()));
-        }
-        if asked.recheck {
-            fields.push((api::RECHECK_HEADER, "1"));
         }
         let ask = Ask { path_and_query, fields: &fields, expect, range_from: range.map_or(0, |r| r.0) };
         match wire.get(ask, target, self.config.stall_timeout).await {
@@ -466,7 +453,7 @@ mod tests {
         let crc = crc32c::crc32c(&body);
         let fetch = |server: String, expect: u64| async move {
             let sink = Sink::Buffer(Filling::new(Vec::new(), (expect, 0), None, || {}));
-            client_of(server).fetch_body(&BATCH_0, 0, false, sink, Sent { bytes: expect, crc32c: crc }).await
+            client_of(server).fetch_body(&BATCH_0, 0, sink, Sent { bytes: expect, crc32c: crc }).await
         };
         // The announced length is checked before any byte is read.
         let err = fetch(h2c_server(body.clone(), Some(3000)).await, 1000).await.unwrap_err();
@@ -485,8 +472,7 @@ mod tests {
         for (expect, crc) in [(5000, crc), (3000, crc ^ 1)] {
             let client = client_of(h2c_server(body.clone(), None).await);
             let sink = Sink::Buffer(Filling::new(Vec::new(), (expect, 0), None, || {}));
-            let err =
-                client.fetch_body(&BATCH_0, 0, false, sink, Sent { bytes: expect, crc32c: crc }).await.unwrap_err();
+            let err = client.fetch_body(&BATCH_0, 0, sink, Sent { bytes: expect, crc32c: crc }).await.unwrap_err();
             assert!(matches!(&err, ClientError::Corrupt { .. }), "{err}");
             let s = &client.health().snapshot()[0];
             assert_eq!((s.failures, s.taken_out), (1, 1), "{s:?}");
@@ -523,7 +509,7 @@ mod tests {
             assert_eq!(got.error.len(), 300_000);
             let sink = Sink::Buffer(Filling::new(Vec::new(), (reply.len() as u64, 0), None, || {}));
             let expect = Sent { bytes: reply.len() as u64, crc32c: crc32c::crc32c(&reply) };
-            let body = client.fetch_body(&BATCH_0, 0, false, sink, expect).await.unwrap();
+            let body = client.fetch_body(&BATCH_0, 0, sink, expect).await.unwrap();
             assert_eq!(body.crc32c, crc32c::crc32c(&reply));
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
@@ -572,7 +558,7 @@ mod tests {
         let client = client_of(server);
         let fetch = || {
             let sink = Sink::Buffer(Filling::new(Vec::new(), (1000, 0), None, || {}));
-            client.fetch_body(&BATCH_0, 0, false, sink, Sent { bytes: 1000, crc32c: crc32c::crc32c(&body) })
+            client.fetch_body(&BATCH_0, 0, sink, Sent { bytes: 1000, crc32c: crc32c::crc32c(&body) })
         };
         let err = fetch().await.unwrap_err();
         assert!(err.is_retryable(), "{err}");

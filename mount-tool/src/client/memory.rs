@@ -41,8 +41,6 @@ pub struct MemoryClient {
     faults: Mutex<Vec<Fault>>,
     /// Fetch calls made, successful or not.
     pub fetches: AtomicU64,
-    /// Of those, the ones asking the server to check its copies first (after a checksum failure).
-    pub rechecks: AtomicU64,
     /// Bytes of bodies sent, as each frame goes ([`BatchClient::received`]).
     pub received: AtomicU64,
     /// Artificial latency per fetch.
@@ -85,7 +83,6 @@ impl MemoryClient {
             sampled: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
             fetches: AtomicU64::new(0),
-            rechecks: AtomicU64::new(0),
             received: AtomicU64::new(0),
             delay: Mutex::new(Duration::ZERO),
             held: Mutex::new(Default::default()),
@@ -119,10 +116,7 @@ impl BatchClient for MemoryClient {
         })
     }
 
-    fn fetch_body(&self, request: &Request, _attempt: u32, recheck: bool, into: Sink, expect: Sent) -> BodyFut<'_> {
-        if recheck {
-            self.rechecks.fetch_add(1, Ordering::Relaxed);
-        }
+    fn fetch_body(&self, request: &Request, _attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
         match request {
             Request::Batch { epoch, batch, format } => self.batch_body(*epoch, *batch, *format, into),
             Request::Samples(ids) => self.samples_body(ids, into),

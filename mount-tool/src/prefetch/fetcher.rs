@@ -124,12 +124,8 @@ impl Fetcher {
         let into_memfd = self.memfds();
         let stats = self.stats.clone();
         let mounted = (self.config.dataset.clone(), self.config.index_id.clone());
-        // Set once an attempt's body failed its checksum: the next attempts ask the server to check the
-        // copies on its disks first (one rotted or written over under it was sent again and again).
-        let mismatched = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let fetched = with_retries(&self.config, &self.stats, move |attempt| {
             filled.attempt.store(attempt, Ordering::Release);
-            let (recheck, mismatched) = (mismatched.load(Ordering::Acquire), mismatched.clone());
             let (client, request, pool, placed) = (client.clone(), request.clone(), pool.clone(), placed.clone());
             let mounted = mounted.clone();
             let stats = stats.clone();
@@ -165,7 +161,7 @@ impl Fetcher {
             async move {
                 let into = into.map_err(Failure::Memory)?;
                 let request = request.ok_or_else(|| Failure::Fatal(ReadError::NotFound(key.to_string())))?;
-                let body = client.fetch_body(&request, attempt, recheck, into, meta).await.map_err(|e| match e {
+                let body = client.fetch_body(&request, attempt, into, meta).await.map_err(|e| match e {
                     ClientError::Corrupt { server, cause } => {
                         Failure::Mismatch(format!("{key} from {server}: {cause}"))
                     }
@@ -182,12 +178,7 @@ impl Fetcher {
                         | Failure::Client(
                             ClientError::Malformed { .. } | ClientError::Status { status: 400 | 404 | 416, .. },
                         )),
-                    ) => {
-                        if matches!(f, Failure::Mismatch(_)) {
-                            mismatched.store(true, Ordering::Release);
-                        }
-                        return Err(changed_or(&client, &mounted, f).await);
-                    }
+                    ) => return Err(changed_or(&client, &mounted, f).await),
                     Err(e) => return Err(e),
                 };
                 match (body.sink, placed) {
@@ -352,11 +343,6 @@ mod tests {
         assert_eq!(fetched.content.into_bytes(), bodies[2]);
         assert!(!fetched.from_disk && fetched.file.is_none());
         assert_eq!(fetcher.stats.checksum_errors.load(Ordering::Relaxed), 2);
-        // The retries after a checksum failure ask the server to check its disk copies first; the first
-        // attempt, and a fetch that never failed one, do not.
-        assert_eq!(client.inner().rechecks.load(Ordering::Relaxed), 2);
-        fetch(&runtime, &fetcher, job(1, &bodies[1], false)).unwrap();
-        assert_eq!(client.inner().rechecks.load(Ordering::Relaxed), 2);
     }
 
     #[test]
