@@ -41,9 +41,6 @@ pub const CHECKPOINTS_HEADER: &str = "x-batchfs-checkpoints";
 /// Header carrying the content id of the index a binary reply was made of (the sample table's; the JSON
 /// replies carry theirs as a field, `index_id`), as [`DatasetInfo::index_id`] says it.
 pub const INDEX_ID_HEADER: &str = "x-batchfs-index-id";
-/// Request header of a retry after a body failed its checksum (any value): the server checks the disk
-/// copies the body reads against the index before it sends it, and drops one that differs.
-pub const RECHECK_HEADER: &str = "x-batchfs-recheck";
 
 /// A request that cannot be served as asked (maps to 400/404/416).
 #[derive(Debug, Error, Clone, PartialEq, Eq)]

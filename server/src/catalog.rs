@@ -530,22 +530,6 @@ impl Dataset {
         Ok(())
     }
 
-    /// Where `recheck` (a client's retry after a body failed its checksum): the disk tier's copies of the
-    /// objects `segments` read, checked against the index over the chunks read, a copy that differs
-    /// dropped (the body then reads the store). Nothing otherwise, nor for a dataset of local files. Blocks:
-    /// call on the blocking pool.
-    pub fn recheck(&self, segments: &[encode::Segment], recheck: bool) {
-        let Some(objects) = self.storage.objects().filter(|_| recheck) else { return };
-        let ranges: Vec<(u32, u64, u64)> = segments
-            .iter()
-            .filter_map(|s| match *s {
-                encode::Segment::Data { shard, offset, len } => Some((shard, offset, len)),
-                encode::Segment::Inline(_) => None,
-            })
-            .collect();
-        objects.recheck_copies(&ranges);
-    }
-
     /// How many manifests this dataset has computed (not found in the cache).
     pub fn manifests_computed(&self) -> u64 {
         self.computations.load(Ordering::Relaxed)

@@ -12,7 +12,6 @@
 //!   read (a copy corrupted on the way never indexed);
 //! - `units.rs`: the checkable units of an object, chunks that end at one, and coalescing;
 //! - `fetch.rs`: ranged GETs, checked, retried, through the block cache (`cache.rs`) or the tier;
-//! - `recheck.rs`: a body's copies checked again on a client's retry after a checksum failure;
 //! - `tier.rs`, `stage.rs` and `maps.rs`: the disk tier, copying whole objects into it in plan order,
 //!   and keeping its copies open between reads (mapped, or opened for direct reads), as local shards are.
 //!
@@ -52,7 +51,6 @@ mod fetch;
 mod indexing;
 mod making;
 mod maps;
-mod recheck;
 mod stage;
 mod store;
 pub mod tier;
@@ -627,40 +625,6 @@ mod tests {
         assert!(source.counters.gets.load(Ordering::Relaxed) > gets, "read from the store again");
         // ... and copied in again, before the tier's directory goes (the stager made it anew after).
         wait_for("the copy made again", || tier.copies() == ds.index.shards.len() && source.stager_idle());
-    }
-
-    /// A copy written over in place under the running server (`dd conv=notrunc`, bit rot) is served, as
-    /// nothing checks a copy once checked; a client's retry after the checksum failure says so, and the
-    /// chunks its body reads are checked: the copy is dropped, counted, and the body reads the store. A
-    /// retry over an intact copy, or a request without the header, keeps it.
-    #[test]
-    fn a_copy_written_over_under_the_server_is_dropped_on_a_retry_that_says_so() {
-        use std::os::unix::fs::FileExt;
-        let (local, _) = crate::storage::fixtures::dataset(120, 40_000, 3);
-        let store = Arc::new(InMemory::new());
-        upload(&store, local.path(), "ds");
-        let (tier_dir, index_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let ctx = context(Some(tier_dir.path()), 1 << 30);
-        let ds = open(&store, &ctx, index_dir.path());
-        let (source, tier) = (ds.storage.objects().unwrap().clone(), ctx.tier.clone().unwrap());
-        let (first, second) = (&ds.index.shards[0], &ds.index.shards[1]);
-        let copy = tier.get(&source.tier_name(first)).unwrap().0;
-        let at = first.size / 2;
-        let good = std::fs::read(&copy).unwrap()[at as usize];
-        std::fs::OpenOptions::new().write(true).open(&copy).unwrap().write_all_at(&[!good], at).unwrap();
-        let body = |n: u32, size: u64| [batchfs::encode::Segment::Data { shard: n, offset: 0, len: size }];
-        let bad = ds.storage.read_objects(&[(0, at, 1)]).unwrap();
-        assert_eq!(bad[0][0], !good, "served as written over");
-        ds.recheck(&body(0, first.size), false);
-        ds.recheck(&body(1, second.size), true);
-        assert_eq!(tier.counters.failures.load(Ordering::Relaxed), 0, "nothing dropped without a reason");
-        assert!(tier.contains(&source.tier_name(first)) && tier.contains(&source.tier_name(second)));
-        ds.recheck(&body(0, first.size), true);
-        assert_eq!(tier.counters.failures.load(Ordering::Relaxed), 1, "the copy dropped, counted");
-        assert!(!tier.contains(&source.tier_name(first)) && !copy.exists());
-        let gets = source.counters.gets.load(Ordering::Relaxed);
-        read_all_and_compare(&ds, local.path());
-        assert!(source.counters.gets.load(Ordering::Relaxed) > gets, "read from the store again");
     }
 
     #[test]

@@ -374,12 +374,6 @@ async fn manifest(state: &AppState, name: &str, epoch: u64, query: &str) -> Resu
     Ok(json_response(StatusCode::OK, &*manifest))
 }
 
-/// Whether `req` is a client's retry after a body failed its checksum ([`api::RECHECK_HEADER`]): the disk
-/// copies its body reads are checked before it is sent.
-fn rechecks<B>(req: &Request<B>) -> bool {
-    req.headers().contains_key(api::RECHECK_HEADER)
-}
-
 /// A batch's body, with its sample count; the next batches of the plan are warmed.
 async fn batch<B>(
     state: &Arc<AppState>,
@@ -391,11 +385,10 @@ async fn batch<B>(
     let ds = dataset(state, name)?;
     let query = BatchQuery::parse(req.uri().query().unwrap_or(""))?;
     tracing::debug!(dataset = %ds.name, epoch, batch, format = query.format.as_str(), "batch asked for");
-    let (ds2, recheck) = (ds.clone(), rechecks(req));
+    let ds2 = ds.clone();
     let (layout, samples) = blocking(move || {
         let (layout, samples) = ds2.layout(epoch, batch, &query)?;
         ds2.check(&layout.segments)?;
-        ds2.recheck(&layout.segments, recheck);
         Ok::<_, Failure>((layout, samples))
     })
     .await??;
@@ -431,11 +424,10 @@ async fn samples(state: &AppState, name: &str) -> Result<Response<Body>, Failure
 async fn sample_data<B>(state: &AppState, req: &Request<B>, name: &str) -> Result<Response<Body>, Failure> {
     let ds = dataset(state, name)?;
     let ids = api::parse_sample_ids(req.uri().query().unwrap_or(""), ds.index.samples.len() as u64)?;
-    let (ds2, recheck) = (ds.clone(), rechecks(req));
+    let ds2 = ds.clone();
     let layout = blocking(move || {
         let layout = ds2.data_layout(&ids);
         ds2.check(&layout.segments)?;
-        ds2.recheck(&layout.segments, recheck);
         Ok::<_, Failure>(layout)
     })
     .await??;
@@ -464,13 +456,8 @@ async fn file<B>(state: &AppState, req: &Request<B>, name: &str, path: &str) -> 
         ServedFile::Made(made) => vec![Segment::Inline(made.bytes.clone())],
     };
     let layout = BatchLayout { segments, len: info.size, crc32c: info.crc32c, checkpoints: Vec::new() };
-    let (ds2, checked, recheck) = (ds.clone(), layout.segments.clone(), rechecks(req));
-    blocking(move || {
-        ds2.check(&checked)?;
-        ds2.recheck(&checked, recheck);
-        Ok::<_, crate::storage::ShardChanged>(())
-    })
-    .await??;
+    let (ds2, checked) = (ds.clone(), layout.segments.clone());
+    blocking(move || ds2.check(&checked)).await??;
     layout_response(state, req, &ds, layout, "application/octet-stream")
 }
 
