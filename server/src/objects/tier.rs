@@ -527,6 +527,11 @@ impl Tier {
     /// go but open (an evicted copy read still is counted on until closed).
     fn make_room(&self, inner: &mut Inner, more: u64) {
         while inner.taken() + more > self.cap {
+            // An evicted copy read still frees nothing until closed: once those so let go and the copies
+            // being made leave no room even with every copy evicted, evicting more only empties the tier.
+            if inner.reserved + inner.gone_bytes + more > self.cap {
+                break;
+            }
             let Some((name, entry)) = inner.entries.pop_lru() else { break };
             self.counters.evicted.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(dir = %self.dir.display(), %name, bytes = entry.size, "disk tier: evicted");
@@ -786,6 +791,29 @@ mod tests {
         assert_eq!(tier.gone_bytes(), 0);
         assert!(tier.begin(&names[4], 5 * u).is_ok());
         drop(d);
+    }
+
+    /// Room that cannot be made (the copies evicted are read still, their disk not free) empties the tier no
+    /// further than it must find so: a copy no one reads stays (every copy was evicted, and the new one
+    /// refused anyway).
+    #[test]
+    fn room_that_cannot_be_made_for_copies_read_still_evicts_no_copy_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let u = block(dir.path());
+        let tier = Arc::new(Tier::open(dir.path(), AutoSize::Bytes(10 * u)).unwrap());
+        let names: Vec<String> = (0..4).map(|k| Tier::name(&format!("s3 b/k{k}"), "\"e\"")).collect();
+        let a = stage(&tier, &names[0], &vec![1; 4 * u as usize]);
+        let b = stage(&tier, &names[1], &vec![2; 3 * u as usize]);
+        stage(&tier, &names[2], &vec![3; 3 * u as usize]);
+        let bodies = [Arc::new(File::open(&a).unwrap()), Arc::new(File::open(&b).unwrap())];
+        for (name, body) in names.iter().zip(&bodies) {
+            assert!(tier.opened(name, Arc::downgrade(body) as Opened));
+        }
+        let d = tier.begin(&names[3], 5 * u);
+        assert_eq!(d.err().unwrap().kind(), io::ErrorKind::WouldBlock);
+        assert!(tier.contains(&names[2]), "the copy no one reads kept");
+        drop(bodies);
+        assert!(tier.begin(&names[3], 5 * u).is_ok(), "room once the bodies are done");
     }
 
     /// A directory another server's tier holds is refused, saying so (before, the second server's start
