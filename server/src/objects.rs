@@ -72,6 +72,12 @@ use tokio::sync::Semaphore;
 
 pub use crate::policy::is_object_url;
 
+/// An error of the store's on one line: its words, which may carry the store's XML answer over several
+/// lines, joined (each cause once, on one line, as the server's errors are).
+fn one_line(e: &object_store::Error) -> String {
+    e.to_string().split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 /// Why an object dataset cannot be opened: each says what to fix.
 #[derive(Debug, thiserror::Error)]
 pub enum ObjectError {
@@ -96,28 +102,31 @@ pub enum ObjectError {
          yes or no, y or n, on or off)"
     )]
     BadSwitch { url: String, key: String, value: String, whence: &'static str },
-    #[error("{url}: {key} = {value:?} in [dataset.s3] is refused by the S3 client: {source}")]
+    #[error("{url}: {key} = {value:?} in [dataset.s3] is refused by the S3 client: {}", one_line(.source))]
     BadValue { url: String, key: String, value: String, source: Box<object_store::Error> },
-    #[error("{url}: {source}")]
+    #[error("{url}: {}", one_line(.source))]
     Config { url: String, source: Box<object_store::Error> },
-    #[error("{url}: bucket {bucket:?} does not exist at {endpoint} ({source})")]
+    #[error("{url}: bucket {bucket:?} does not exist at {endpoint} ({})", one_line(.source))]
     NoBucket { url: String, bucket: String, endpoint: String, source: Box<object_store::Error> },
     #[error(
         "{url}: access denied at {endpoint}: check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, \
-         AWS_SESSION_TOKEN) and that they may list and read the bucket ({source})"
+         AWS_SESSION_TOKEN) and that they may list and read the bucket ({})",
+        one_line(.source)
     )]
     Denied { url: String, endpoint: String, source: Box<object_store::Error> },
     #[error(
         "{url}: cannot reach the object store at {endpoint}: check the endpoint (AWS_ENDPOINT_URL, or the \
-         dataset's endpoint setting), the network and object_timeout ({source})"
+         dataset's endpoint setting), the network and object_timeout ({})",
+        one_line(.source)
     )]
     Unreachable { url: String, endpoint: String, source: Box<object_store::Error> },
     #[error(
         "{url}: no credentials: none in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or the \
-         dataset's settings, and the instance metadata service (169.254.169.254) gave none ({source})"
+         dataset's settings, and the instance metadata service (169.254.169.254) gave none ({})",
+        one_line(.source)
     )]
     NoCredentials { url: String, source: Box<object_store::Error> },
-    #[error("{url}: cannot list the objects ({source})")]
+    #[error("{url}: cannot list the objects ({})", one_line(.source))]
     List { url: String, source: Box<object_store::Error> },
     #[error("{url}: no objects under this prefix")]
     Empty { url: String },
@@ -446,6 +455,18 @@ mod tests {
     use std::path::Path;
     use std::sync::atomic::Ordering;
     use std::time::Instant;
+
+    /// The store's XML answer over several lines is said on the error's one line (it came on a second).
+    #[test]
+    fn a_store_error_over_several_lines_is_said_on_one() {
+        let source = Box::new(object_store::Error::Generic {
+            store: "S3",
+            source: "404 Not Found: <?xml version=\"1.0\"?>\n<Error><Code>NoSuchBucket</Code>\n</Error>".into(),
+        });
+        let e = ObjectError::NoBucket { url: "s3://b/p".into(), bucket: "b".into(), endpoint: "e".into(), source };
+        let said = e.to_string();
+        assert!(!said.contains('\n') && said.contains("<Error><Code>NoSuchBucket</Code> </Error>"), "{said}");
+    }
 
     /// Every file of `dir` put into `store` under `prefix/`.
     fn upload(store: &InMemory, dir: &Path, prefix: &str) {
