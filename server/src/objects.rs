@@ -337,7 +337,7 @@ impl ObjectSource {
             tier.keep_with(Arc::downgrade(&source.open_copies) as std::sync::Weak<dyn tier::Keeper>);
         }
         indexing::remove_dead_stages(&source.stage_dir);
-        let listed = source.context.block_here(source.bucket.list())?;
+        let listed = source.context.block_here(source.bucket.list_within(source.limits().retry_for))?;
         Ok((source, listed))
     }
 

@@ -248,6 +248,29 @@ impl Bucket {
         Ok(files)
     }
 
+    /// [`Bucket::list`], asked again with backoff (from 100 ms, doubling to 2 s) while the store cannot be
+    /// reached or answers with a server error and `retry_for` (`object_retry_for`) from the first try
+    /// lasts: a store started beside the server may answer a while after it. A refusal (no bucket, no
+    /// access, no credentials, nothing under the prefix, a request the store calls wrong) is said at once.
+    pub async fn list_within(&self, retry_for: Duration) -> Result<Vec<ShardInfo>, ObjectError> {
+        let deadline = tokio::time::Instant::now() + retry_for;
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match self.list().await {
+                Err(e) if passing(&e) && tokio::time::Instant::now() + backoff < deadline => {
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    tracing::warn!(
+                        url = %self.url, error = %e, retrying_for_s = left.as_secs(),
+                        "listing the bucket failed: asking again while object_retry_for lasts"
+                    );
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+                listed => return listed,
+            }
+        }
+    }
+
     /// Why no object is under the prefix: it names an object itself (`s3://b/train/x.tfrecord`, where
     /// the dataset is `s3://b/train`), or nothing.
     async fn nothing_under_prefix(&self) -> ObjectError {
@@ -335,6 +358,35 @@ fn drop_folder_markers(files: &mut Vec<ShardInfo>) -> FolderMarkers {
         !marker[at - 1]
     });
     markers
+}
+
+/// Whether a failed listing may pass if asked again: the store not reached (refused, timed out), a
+/// request cut on its way, or an answer of a server error (5xx, `SlowDown`), not a refusal.
+fn passing(e: &ObjectError) -> bool {
+    use object_store::client::HttpErrorKind;
+    match e {
+        ObjectError::Unreachable { .. } => true,
+        ObjectError::List { source, .. } => {
+            let code = s3_code(source);
+            let transient_code =
+                matches!(code.as_deref(), Some("InternalError" | "ServiceUnavailable" | "SlowDown" | "RequestTimeout"));
+            let kind = http_kind(source.as_ref());
+            let cut =
+                matches!(kind, Some(HttpErrorKind::Request | HttpErrorKind::Interrupted | HttpErrorKind::Timeout));
+            transient_code || cut || server_status(source)
+        }
+        _ => false,
+    }
+}
+
+/// Whether `e` carries an HTTP status of 5xx (`object_store` keeps it in a type of its own that it does
+/// not export, whose debug form says `status: 503`).
+fn server_status(e: &object_store::Error) -> bool {
+    let text = format!("{e:?}");
+    text.match_indices("status: 5").any(|(at, m)| {
+        let digits = text.as_bytes().get(at + m.len()..at + m.len() + 2);
+        digits.is_some_and(|d| d.iter().all(u8::is_ascii_digit))
+    })
 }
 
 /// The kind of the HTTP client's error behind `e`, if one is.
@@ -456,6 +508,81 @@ mod tests {
         // A prefix of such characters lists what is under it.
         let under = Bucket::of_store("s3://b/p/ü~", store, "memory").unwrap();
         assert_eq!(under.list().await.unwrap().len(), 1);
+    }
+
+    /// A store that answers nothing but `503 SlowDown` for its first `busy` (its listing after), on a
+    /// loopback port: the listings it answered, and its address.
+    async fn store_busy_for(busy: Duration) -> (Arc<std::sync::atomic::AtomicUsize>, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = format!("http://{}", listener.local_addr().unwrap());
+        let (listed, until) = (Arc::new(std::sync::atomic::AtomicUsize::new(0)), std::time::Instant::now() + busy);
+        let count = listed.clone();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).await.unwrap_or(0) == 1 {
+                    head.push(byte[0]);
+                }
+                let (status, body) = match std::time::Instant::now() < until {
+                    true => ("503 Service Unavailable", "<Error><Code>SlowDown</Code><Message>wait</Message></Error>"),
+                    false => {
+                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        (
+                            "200 OK",
+                            "<ListBucketResult><Name>b</Name><Prefix>p/</Prefix><KeyCount>1</KeyCount>\
+                            <IsTruncated>false</IsTruncated><Contents><Key>p/a.tfrecord</Key>\
+                            <LastModified>2026-12-07T00:00:00.000Z</LastModified>\
+                            <ETag>\"0123456789abcdef0123456789abcdef\"</ETag><Size>10</Size>\
+                            </Contents></ListBucketResult>",
+                        )
+                    }
+                };
+                let top = format!("HTTP/1.1 {status}\r\ncontent-type: application/xml\r\nconnection: close\r\n");
+                let answer = format!("{top}content-length: {}\r\n\r\n{body}", body.len());
+                let _ = conn.write_all(answer.as_bytes()).await;
+            }
+        });
+        (listed, at)
+    }
+
+    fn bucket_at(endpoint: &str, retry_for: Duration) -> Bucket {
+        let settings: BTreeMap<String, String> = [
+            ("endpoint", endpoint),
+            ("allow_http", "true"),
+            ("access_key_id", "a"),
+            ("secret_access_key", "b"),
+            ("region", "us-east-1"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let limits = crate::ServerLimits { object_retry_for: retry_for, ..Default::default() };
+        Bucket::connect("s3://b/p", &settings, &super::super::ObjectLimits::of(&limits, 1 << 30)).unwrap()
+    }
+
+    /// A store busy (`503`) past `object_store`'s own retries of a request (ten, about 5 s) is listed once
+    /// it answers, while `object_retry_for` lasts (the server stopped at the first listing that failed);
+    /// past `object_retry_for`, the error. A refusal is said at once.
+    #[tokio::test]
+    async fn a_listing_is_asked_again_while_object_retry_for_lasts() {
+        let (listed, at) = store_busy_for(Duration::from_secs(8)).await;
+        let started = std::time::Instant::now();
+        let files = bucket_at(&at, Duration::from_secs(30)).list_within(Duration::from_secs(30)).await.unwrap();
+        assert_eq!((files.len(), files[0].path.as_str(), files[0].size), (1, "a.tfrecord", 10));
+        assert_eq!(listed.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(started.elapsed() >= Duration::from_secs(8), "listed only once the store answered");
+        let (_, at) = store_busy_for(Duration::from_secs(3600)).await;
+        let started = std::time::Instant::now();
+        let e = bucket_at(&at, Duration::from_secs(2)).list_within(Duration::from_secs(2)).await.unwrap_err();
+        assert!(matches!(e, ObjectError::List { .. }) && passing(&e), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(20), "given up once object_retry_for ended");
+        // Refused at once: a bucket that is not there (the in-memory store's answer).
+        let none = Bucket::of_store("s3://b/nothing", Arc::new(object_store::memory::InMemory::new()), "memory");
+        let started = std::time::Instant::now();
+        let e = none.unwrap().list_within(Duration::from_secs(30)).await.unwrap_err();
+        assert!(matches!(e, ObjectError::Empty { .. }) && started.elapsed() < Duration::from_secs(5), "{e}");
     }
 
     /// A dataset URL naming one object (`s3://b/train/x.tfrecord`) says so and names the prefix to give;
