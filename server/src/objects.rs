@@ -126,6 +126,12 @@ pub enum ObjectError {
         one_line(.source)
     )]
     NoCredentials { url: String, source: Box<object_store::Error> },
+    #[error(
+        "{url}: no credentials: none in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or the \
+         dataset's settings, and AWS_EC2_METADATA_DISABLED says not to ask the instance metadata service (for a \
+         public bucket, skip_signature = true)"
+    )]
+    MetadataOff { url: String },
     #[error("{url}: cannot list the objects ({})", one_line(.source))]
     List { url: String, source: Box<object_store::Error> },
     #[error("{url}: no objects under this prefix")]

@@ -161,6 +161,9 @@ impl Bucket {
             let allow_http = builder.get_config_value(&allow).and_then(|v| switch(&v)) == Some(true);
             check_endpoint(url, endpoint, allow_http)?;
         }
+        if asks_metadata_refused(&builder, std::env::var("AWS_EC2_METADATA_DISABLED").ok().as_deref()) {
+            return Err(ObjectError::MetadataOff { url: url.to_owned() });
+        }
         let endpoint = given.unwrap_or_else(|| "the AWS endpoint of the bucket's region".to_owned());
         let store = builder.build().map_err(|e| match refused_setting(bucket, settings) {
             Some((key, value)) => ObjectError::BadValue {
@@ -310,6 +313,21 @@ impl Bucket {
             _ => ObjectError::List { url, source },
         }
     }
+}
+
+/// Whether the S3 client would ask the instance metadata service for credentials (signed requests, and
+/// no keys, web identity or container credentials given) where `AWS_EC2_METADATA_DISABLED` (`disabled`,
+/// as the AWS SDKs and CLI take it) says not to: `object_store` does not read that variable, and asked.
+fn asks_metadata_refused(builder: &AmazonS3Builder, disabled: Option<&str>) -> bool {
+    use AmazonS3ConfigKey as K;
+    let given = |key: K| builder.get_config_value(&key).is_some();
+    let unsigned = builder.get_config_value(&K::SkipSignature).and_then(|v| switch(&v)) == Some(true);
+    let credentials = given(K::AccessKeyId)
+        || given(K::SecretAccessKey)
+        || (given(K::WebIdentityTokenFile) && given(K::RoleArn))
+        || given(K::ContainerCredentialsRelativeUri)
+        || (given(K::ContainerCredentialsFullUri) && given(K::ContainerAuthorizationTokenFile));
+    disabled.is_some_and(|v| v.trim().eq_ignore_ascii_case("true")) && !unsigned && !credentials
 }
 
 /// The address of EC2's instance metadata service, where object_store looks for credentials last.
@@ -583,6 +601,25 @@ mod tests {
         let started = std::time::Instant::now();
         let e = none.unwrap().list_within(Duration::from_secs(30)).await.unwrap_err();
         assert!(matches!(e, ObjectError::Empty { .. }) && started.elapsed() < Duration::from_secs(5), "{e}");
+    }
+
+    /// `AWS_EC2_METADATA_DISABLED=true` without keys is `no credentials` at once (object_store asked the
+    /// metadata service all the same); with keys, web identity or `skip_signature`, nothing is asked.
+    #[test]
+    fn metadata_disabled_without_credentials_is_said_at_once() {
+        use AmazonS3ConfigKey as K;
+        let bare = AmazonS3Builder::new().with_bucket_name("b");
+        assert!(asks_metadata_refused(&bare, Some("true")) && asks_metadata_refused(&bare, Some("TRUE ")));
+        assert!(!asks_metadata_refused(&bare, None) && !asks_metadata_refused(&bare, Some("false")));
+        let keys = bare.clone().with_config(K::AccessKeyId, "a").with_config(K::SecretAccessKey, "b");
+        assert!(!asks_metadata_refused(&keys, Some("true")));
+        let unsigned = bare.clone().with_config(K::SkipSignature, "true");
+        assert!(!asks_metadata_refused(&unsigned, Some("true")));
+        let irsa =
+            bare.clone().with_config(K::WebIdentityTokenFile, "/t").with_config(K::RoleArn, "arn:aws:iam::1:role/r");
+        assert!(!asks_metadata_refused(&irsa, Some("true")));
+        let e = ObjectError::MetadataOff { url: "s3://b/p".into() }.to_string();
+        assert!(e.contains("no credentials") && e.contains("AWS_EC2_METADATA_DISABLED"), "{e}");
     }
 
     /// A dataset URL naming one object (`s3://b/train/x.tfrecord`) says so and names the prefix to give;
