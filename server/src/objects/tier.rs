@@ -253,6 +253,13 @@ impl Tier {
         if cap == 0 {
             return Err(TierError::NoRoom { dir: dir.to_owned(), free });
         }
+        if past_the_disk(cap, free, held) {
+            tracing::warn!(
+                dir = %dir.display(), disk_cache_size = cap, free, held,
+                "disk tier: disk_cache_size is more than its filesystem has free and the copies held: once the \
+                 disk is full, a copy that cannot be written is dropped and read from the store instead"
+            );
+        }
         let mut entries = LruCache::unbounded();
         for (_, name, size) in found {
             entries.put(name, Entry { size, checked: false });
@@ -654,6 +661,12 @@ fn hex_into(out: &mut String, bytes: &[u8]) {
     out.extend(bytes.iter().flat_map(|&b| batchfs::index::hex_pair(b)).map(char::from));
 }
 
+/// Whether a tier of `cap` bytes is larger than what its filesystem can hold of it: `free` bytes free
+/// (to the server) and the `held` bytes of its copies.
+fn past_the_disk(cap: u64, free: u64, held: u64) -> bool {
+    cap > free.saturating_add(held)
+}
+
 /// Bytes free (for an unprivileged user) on the filesystem of `dir`, and its block: the unit a file
 /// occupies on it (`f_frsize`; 4 KiB where it says 0).
 fn room(dir: &Path) -> io::Result<(u64, u64)> {
@@ -791,6 +804,17 @@ mod tests {
         assert_eq!(tier.gone_bytes(), 0);
         assert!(tier.begin(&names[4], 5 * u).is_ok());
         drop(d);
+    }
+
+    /// A `disk_cache_size` past the disk is said at start (it was not: the disk filled, and copies failed
+    /// one after another); `auto` never is.
+    #[test]
+    fn a_tier_larger_than_its_disk_is_said() {
+        assert!(past_the_disk(100 << 30, 10 << 30, 5 << 30));
+        assert!(!past_the_disk(15 << 30, 10 << 30, 5 << 30) && !past_the_disk(u64::MAX, u64::MAX, 1));
+        let dir = tempfile::tempdir().unwrap();
+        let (free, _) = room(dir.path()).unwrap();
+        assert!(!past_the_disk((free / 10) * 9, free, 0), "what auto takes");
     }
 
     /// Room that cannot be made (the copies evicted are read still, their disk not free) empties the tier no
