@@ -7,6 +7,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+mod activity;
 pub mod aligned;
 pub mod body;
 pub mod catalog;
@@ -31,12 +32,11 @@ use crate::service::AppState;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use std::net::SocketAddr;
-use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::pin::pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
@@ -217,13 +217,18 @@ async fn serve_connection<I>(
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let started = Instant::now();
-    let activity = Arc::new(AtomicU64::new(0));
-    let io = ActivityIo { inner: io, started, last: activity.clone() };
-    let service = hyper::service::service_fn(move |req| service::handle(state.clone(), req));
+    let activity = activity::Activity::new();
+    let io = activity::ActivityIo::new(io, activity.clone());
+    let touched = activity.clone();
+    let service = hyper::service::service_fn(move |req| {
+        touched.touch();
+        service::handle(state.clone(), req)
+    });
     let mut conn = pin!(builder.serve_connection(TokioIo::new(io), service));
-    let mut closing = false;
-    let mut tick = tokio::time::interval(limits.idle_timeout.max(Duration::from_millis(100)) / 4);
+    // Closing: asked to (the server stops; its drain_timeout bounds the wait), or for idleness.
+    let (mut closing, mut idle_closing) = (false, false);
+    let period = limits.idle_timeout.max(Duration::from_millis(100)) / 4;
+    let mut tick = tokio::time::interval(period);
     loop {
         tokio::select! {
             result = conn.as_mut() => {
@@ -236,72 +241,20 @@ async fn serve_connection<I>(
                 closing = true;
                 conn.as_mut().graceful_shutdown();
             }
-            _ = tick.tick(), if !closing => {
-                let idle = started.elapsed().saturating_sub(Duration::from_millis(activity.load(Ordering::Relaxed)));
-                if idle >= limits.idle_timeout {
+            _ = tick.tick() => {
+                let idle = activity.idle();
+                if !closing && idle >= limits.idle_timeout {
                     tracing::debug!(?idle, "closing idle connection");
-                    closing = true;
+                    (closing, idle_closing) = (true, true);
                     conn.as_mut().graceful_shutdown();
+                } else if idle_closing && idle >= limits.idle_timeout + period {
+                    // Its streams still open, none moving since: bodies a client no longer reads (HTTP/2's
+                    // window shut), which a graceful close would wait for without end, each holding its
+                    // place in max_bodies_in_flight.
+                    tracing::info!(?idle, "closing a connection whose bodies its client stopped reading");
+                    return;
                 }
             }
         }
-    }
-}
-
-/// Wraps a connection's IO to record when bytes last moved (for the idle timeout).
-struct ActivityIo<I> {
-    inner: I,
-    started: Instant,
-    last: Arc<AtomicU64>,
-}
-
-impl<I> ActivityIo<I> {
-    fn touch(&self) {
-        self.last.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
-    }
-}
-
-impl<I: AsyncRead + Unpin> AsyncRead for ActivityIo<I> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.touch();
-        }
-        r
-    }
-}
-
-impl<I: AsyncWrite + Unpin> AsyncWrite for ActivityIo<I> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.touch();
-        }
-        r
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.touch();
-        }
-        r
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }

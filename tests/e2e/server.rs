@@ -551,6 +551,55 @@ async fn a_saturated_server_answers_503_at_once() {
     server.running.shutdown().await;
 }
 
+/// A client that stops reading its bodies (its HTTP/2 windows shut) while its stack still answers the
+/// server's keep-alive PINGs is closed once `idle_timeout` passes with no body moving, and the places its
+/// bodies held in `max_bodies_in_flight` are free again: the PINGs kept it open for good, and every other
+/// client's batch request was answered 503. A connection whose body is read, slowly, stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_closed_after_idle_timeout() {
+    let fx = fixture(SourceFormat::Tfrecord, 40, 120_000);
+    let limits = ServerLimits {
+        max_bodies_in_flight: 1,
+        readahead_batches: 0,
+        idle_timeout: std::time::Duration::from_secs(2),
+        keep_alive_interval: std::time::Duration::from_millis(300),
+        ..ServerLimits::default()
+    };
+    let server = serve(&[("d", &fx.path)], ServeWith { limits: Some(limits), ..ServeWith::default() }).await;
+    let small_windows = || {
+        let builder = reqwest::Client::builder().http2_prior_knowledge();
+        builder.http2_initial_stream_window_size(65_535).http2_initial_connection_window_size(64 << 20).build()
+    };
+    let url = |b: u64| format!("{}{}?batch_size=20", server.base, api::batch_path("d", 0, b));
+    let stuck = small_windows().unwrap();
+    let held = stuck.get(url(0)).send().await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    let other = h2c();
+    assert_eq!(other.get(url(1)).send().await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    // Read slowly, a frame at a time: never idle, never closed.
+    let slow = small_windows().unwrap();
+    let started = std::time::Instant::now();
+    let mut read = slow.get(url(1)).send().await.unwrap();
+    while read.status() != StatusCode::OK && started.elapsed() < std::time::Duration::from_secs(20) {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        read = slow.get(url(1)).send().await.unwrap();
+    }
+    assert_eq!(read.status(), StatusCode::OK, "the stuck client's body was let go");
+    assert!(started.elapsed() >= std::time::Duration::from_secs(1), "not before idle_timeout");
+    let (whole, mut got) = (read.content_length(), 0);
+    while let Some(chunk) =
+        read.chunk().await.unwrap_or_else(|e| panic!("after {got} bytes, {:?}: {e}", started.elapsed()))
+    {
+        got += chunk.len();
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    }
+    assert!(got > 1_000_000 && Some(got as u64) == whole, "a slow reader's body completes: {got} of {whole:?}");
+    // The stuck client's body was cut, not completed.
+    assert!(held.bytes().await.is_err());
+    drop(stuck);
+    server.running.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_files_are_served_and_cannot_escape() {
     let tree = fixture(SourceFormat::Files, 12, 2000);
