@@ -39,7 +39,7 @@ pub enum Command {
         target: String,
         /// Options as key=value[,key=value...]: cache_dir (required with a URL; a mount's own by default),
         /// cache_dir_size, seed, shuffle, first_epoch (the plan whose order it warms in), token_file,
-        /// ca_file, connections, servers, stall_timeout, keepalive, frame_size; a mount's others refused
+        /// ca_file, connections, servers, stall_timeout, timeout, keepalive, frame_size; a mount's others refused
         #[arg(short = 'o', value_name = "OPTIONS")]
         options: Vec<String>,
     },
@@ -289,7 +289,7 @@ fn wants_credentials(e: &anyhow::Error) -> bool {
 
 /// The options `batchfs warm` uses, as `-o` lists: one it has no use for (a mount's, such as `prefetch`)
 /// is refused, not silently ignored.
-pub const WARM_OPTIONS: [&str; 12] = [
+pub const WARM_OPTIONS: [&str; 13] = [
     "cache_dir",
     "cache_dir_size",
     "seed",
@@ -300,6 +300,7 @@ pub const WARM_OPTIONS: [&str; 12] = [
     "connections",
     "servers",
     "stall_timeout",
+    "timeout",
     "keepalive",
     "frame_size",
 ];

@@ -190,7 +190,7 @@ fn serving(plan: &MountPlan, runtime: &tokio::runtime::Runtime, prefetcher: &Arc
     tune_readahead(&plan.mountpoint, plan.options.read_ahead_kb);
     if let (crate::options::Warm::Raw, Some(cache)) = (plan.options.warm, prefetcher.node_cache().cloned()) {
         let (client, stats) = (prefetcher.client(), prefetcher.stats.clone());
-        let (plan_options, epoch) = (plan.options.plan, plan.options.first_epoch);
+        let (plan_options, epoch, timeout) = (plan.options.plan, plan.options.first_epoch, plan.options.timeout);
         let (dataset, mounted) = (plan.http.dataset.clone(), plan.info.index_id.clone());
         runtime.spawn(async move {
             match client.sample_table().await {
@@ -199,7 +199,7 @@ fn serving(plan: &MountPlan, runtime: &tokio::runtime::Runtime, prefetcher: &Arc
                     Some(e) => tracing::warn!(error = %e, "warm=raw: nothing warmed"),
                     None => {
                         let order = crate::warm::plan_order(&table, plan_options, epoch);
-                        crate::warm::warm(client, cache, Arc::new(table), order, stats).await;
+                        crate::warm::warm(client, cache, Arc::new(table), order, stats, timeout).await;
                     }
                 },
                 Err(e) => tracing::warn!(error = %e, "warm=raw: cannot fetch the sample table; nothing warmed"),

@@ -20,7 +20,8 @@ use std::time::Duration;
 pub const WARM_REQUEST_BYTES: u64 = 8 << 20;
 /// Warming requests in flight at once.
 pub const WARM_IN_FLIGHT: usize = 8;
-/// Attempts of one warming request before its files are left to be fetched on demand.
+/// Attempts of one warming request at least before its files are left to be fetched on demand (more
+/// while the `timeout` given to [`warm`] lasts).
 const ATTEMPTS: u32 = 5;
 
 /// `batchfs warm`: fills the node cache (`cache_dir`, which every mount of the node then reads before the
@@ -86,7 +87,7 @@ pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> 
         order.retain(|id| below.contains(id));
     }
     let (held, wanted) = (cache.clone(), order.clone());
-    let failed = runtime.block_on(warm(client, cache, table.clone(), order, stats.clone()));
+    let failed = runtime.block_on(warm(client, cache, table.clone(), order, stats.clone(), options.timeout));
     let s = stats.snapshot().warm.unwrap_or_default();
     drop(progress);
     println!(
@@ -180,6 +181,7 @@ pub async fn warm(
     table: Arc<SampleTable>,
     order: Vec<u32>,
     stats: Arc<Stats>,
+    timeout: Duration,
 ) -> u64 {
     stats.warm_started.store(crate::stats::unix_now().max(1), Ordering::Relaxed);
     stats.warm_files_total.store(order.len() as u64, Ordering::Relaxed);
@@ -196,7 +198,7 @@ pub async fn warm(
     let failed = futures_util::stream::iter(todo.into_iter().map(|ids| {
         let (client, cache, table, stats) = (client.clone(), cache.clone(), table.clone(), stats.clone());
         async move {
-            match fetch_group(&client, &cache, &table, &ids).await {
+            match fetch_group(&client, &cache, &table, &ids, timeout).await {
                 Ok(bytes) => {
                     Stats::add(&stats.warm_files, ids.len() as u64);
                     Stats::add(&stats.warm_bytes, bytes);
@@ -230,12 +232,15 @@ enum WarmError {
     Task(tokio::task::JoinError),
 }
 
-/// Fetches the samples `ids` in one request (with retries), checks them, and files each.
+/// Fetches the samples `ids` in one request, checks them, and files each. A failed request is made again
+/// (backoff from 200 ms, doubling to 2 s) at least [`ATTEMPTS`] times and while `timeout` from the first
+/// lasts (a server restarted meanwhile is waited for, as a mount's reads wait); a refusal (`4xx`) is final.
 async fn fetch_group(
     client: &DynClient,
     cache: &Arc<NodeCache>,
     table: &SampleTable,
     ids: &[u32],
+    timeout: Duration,
 ) -> Result<u64, WarmError> {
     let pieces: Vec<Key> = ids.iter().map(|&i| key_of(table, i)).collect();
     let total = pieces.iter().map(|k| k.sent).fold(Sent { bytes: 0, crc32c: 0 }, |acc, p| Sent {
@@ -243,14 +248,19 @@ async fn fetch_group(
         crc32c: batchfs::crc::combine(acc.crc32c, p.crc32c, p.bytes),
     });
     let request = Request::Samples(ids.into());
-    let mut last = None;
-    for attempt in 0..ATTEMPTS {
+    let (started, mut last) = (std::time::Instant::now(), None);
+    for attempt in 0.. {
         if attempt > 0 {
-            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            let backoff = Duration::from_millis(100 << attempt.min(5)).min(Duration::from_secs(2));
+            if attempt >= ATTEMPTS && started.elapsed() + backoff >= timeout {
+                break;
+            }
+            tokio::time::sleep(backoff).await;
         }
         let into = Sink::Buffer(Filling::new(Vec::new(), (total.bytes, total.crc32c), None, || {}));
         let body = match client.fetch_body(&request, attempt, into, total).await {
             Ok(body) => body,
+            Err(e) if !e.is_retryable() => return Err(WarmError::Client(e)),
             Err(e) => {
                 last = Some(WarmError::Client(e));
                 continue;

@@ -396,3 +396,43 @@ fn mounts_of_two_servers_sharing_a_node_cache_each_read_their_own_server_s_bytes
     rt.block_on(first.running.shutdown());
     rt.block_on(second.running.shutdown());
 }
+
+/// Warming (`batchfs warm`, `warm=raw`) waits out a server restarted while it warms, within `timeout`, as
+/// a mount's reads do: every file warmed, each byte the server's. It gave a request up after 5 attempts
+/// (some 3 s), its files left unwarmed.
+#[test]
+fn warming_waits_out_a_server_restarted_meanwhile() {
+    use batchfs_mount::client::DynClient;
+    use std::sync::Arc;
+    use std::time::Duration;
+    let rt = common::runtime();
+    let fx = fixture(SourceFormat::Files, 60, 5000);
+    let server = rt.block_on(serve(&[("d", &fx.path)], ServeWith::default()));
+    let options = batchfs_mount::options::MountOptions::default();
+    let http = batchfs_mount::plan::http_config(&format!("{}/d", server.base), &options).unwrap();
+    let client: DynClient = Arc::new(batchfs_mount::client::HttpClient::new(http).unwrap());
+    let table = Arc::new(rt.block_on(client.sample_table()).unwrap());
+    let disk = tempfile::tempdir().unwrap();
+    let cache = batchfs_mount::node_cache::NodeCache::open(disk.path(), 1 << 30, "d").unwrap();
+    let order: Vec<u32> = (0..table.bytes.len() as u32).collect();
+    let addr = server.running.local_addr();
+    rt.block_on(server.running.shutdown());
+    let path = fx.path.clone();
+    let restarted = rt.spawn(async move {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        common::serve_on(addr, &[("d", &path)]).await
+    });
+    let stats = Arc::new(batchfs_mount::stats::Stats::default());
+    let warm = batchfs_mount::warm::warm(client, cache.clone(), table.clone(), order, stats, Duration::from_secs(40));
+    assert_eq!(rt.block_on(warm), 0, "every file warmed");
+    let files = crate::raw::tree(&fx.path);
+    assert_eq!(files.len(), 60);
+    let mut held = 0;
+    for entry in walk(disk.path()) {
+        let bytes = std::fs::read(&entry).unwrap();
+        assert!(files.values().any(|f| *f == bytes), "{} holds bytes of no file", entry.display());
+        held += 1;
+    }
+    assert_eq!(held, 60);
+    rt.block_on(rt.block_on(restarted).unwrap().running.shutdown());
+}
