@@ -242,7 +242,7 @@ impl NodeCache {
             return None;
         }
         let path = self.path_of(whole);
-        let file = std::fs::File::open(&path).ok()?;
+        let file = self.open_file(&path)?;
         let size = file.metadata().map_or(0, |m| m.len());
         let mut data = vec![0u8; usize::try_from(part.bytes).ok()?];
         let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut data, offset).is_ok();
@@ -258,7 +258,7 @@ impl NodeCache {
     /// the kernel serves.
     pub fn open_checked(&self, key: Key) -> Option<std::fs::File> {
         let (path, sent) = (self.path_of(key), key.sent);
-        let file = std::fs::File::open(&path).ok()?;
+        let file = self.open_file(&path)?;
         if let Some(meta) = self.unchanged(key, &file) {
             self.stats.unread.fetch_add(1, Ordering::Relaxed);
             if self.touch_if_old(&file, meta.modified().ok()) {
@@ -288,6 +288,31 @@ impl NodeCache {
         });
         self.checked(&path, &file, key, sent.bytes, right, len)?;
         Some(file)
+    }
+
+    /// The cache's file at `path`, opened to be read, if it is a regular file. Anything else in its place
+    /// (a FIFO, whose open waited for a writer with the reader in the kernel's uninterruptible wait, a
+    /// link, a directory, a device) is refused without waiting, removed where it can be, and counted
+    /// corrupt: the object is fetched anew.
+    fn open_file(&self, path: &Path) -> Option<std::fs::File> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let flags = libc::O_NONBLOCK | libc::O_NOFOLLOW;
+        let opened = std::fs::OpenOptions::new().read(true).custom_flags(flags).open(path);
+        let regular = match opened {
+            Ok(file) => file.metadata().is_ok_and(|m| m.is_file()).then_some(file),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => None,
+            Err(_) => return None,
+        };
+        if let Some(file) = regular {
+            return crate::sys::clear_nonblock(&file).ok().map(|()| file);
+        }
+        let removed = std::fs::remove_file(path).or_else(|_| std::fs::remove_dir(path)).is_ok();
+        tracing::warn!(
+            path = %path.display(), removed,
+            "node cache: not a regular file where an object's file belongs (fetched anew)"
+        );
+        self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
+        None
     }
 
     /// Whether `file` (the object `key`'s) is as this mount last wrote or checked it: its metadata if so.
@@ -370,7 +395,7 @@ impl NodeCache {
         }
         let dir = path.parent().expect("a file in a subdirectory");
         std::fs::create_dir_all(dir)?;
-        let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+        let mut tmp = tempfile::Builder::new().prefix(&format!("{PART}{}-", std::process::id())).tempfile_in(dir)?;
         tmp.write_all(data)?;
         // The rename moves the change time: what is remembered is the file after it.
         let file = tmp.persist(&path).map_err(|e| e.error)?;
@@ -409,8 +434,8 @@ impl NodeCache {
 
     /// Every object file: its path, size and modification time. Only files named as the cache names
     /// them, in folders named so ([`is_object_file`]): whatever else a `cache_dir` given by mistake holds
-    /// (`/var/lib`, a home) is neither counted nor ever removed. Temporary files (another writer's, in
-    /// flight) are not objects.
+    /// (`/var/lib`, a home) is neither counted nor ever removed. Files being written (another writer's,
+    /// in flight) are not objects; those a writer killed midway left ([`left_by_the_dead`]) are removed.
     fn entries(&self) -> Vec<(PathBuf, u64, std::time::SystemTime)> {
         let mut out = Vec::new();
         let Ok(subdirs) = std::fs::read_dir(&self.dir) else { return out };
@@ -419,7 +444,14 @@ impl NodeCache {
             let Some(folder) = folder.to_str().filter(|f| f.len() == 2) else { continue };
             let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
             for f in files.flatten() {
-                if !f.file_name().to_str().is_some_and(|name| is_object_file(folder, name)) {
+                let name = f.file_name();
+                let Some(name) = name.to_str() else { continue };
+                if !is_object_file(folder, name) {
+                    let modified = f.metadata().and_then(|m| m.modified()).ok();
+                    if left_by_the_dead(name, modified) && std::fs::remove_file(f.path()).is_ok() {
+                        let path = f.path();
+                        tracing::info!(path = %path.display(), "node cache: removed a file a writer left unfinished");
+                    }
                     continue;
                 }
                 if let Ok(m) = f.metadata() {
@@ -451,6 +483,30 @@ impl NodeCache {
             }
         }
         self.used.store(used, Ordering::Relaxed);
+    }
+}
+
+/// The start of the name of a file being written into the cache, before the writer's pid.
+const PART: &str = ".batchfs-part-";
+
+/// A file being written that no writer will finish is this old at most (a writer writes an object whole
+/// from memory, then renames it into place: seconds).
+const PART_LIFE: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Whether `name`, last modified at `modified`, is a file a writer killed midway left: one of ours
+/// ([`PART`]) whose writer process is gone and that is half a minute old, or any file being written (a
+/// build before named them `.tmpXXXXXX`) older than [`PART_LIFE`]. They were never removed: a worker
+/// killed while warming left over a GB of them, counted by no limit.
+fn left_by_the_dead(name: &str, modified: Option<std::time::SystemTime>) -> bool {
+    let age = modified.and_then(|m| m.elapsed().ok()).unwrap_or_default();
+    let ours = name.strip_prefix(PART).and_then(|rest| rest.split_once('-')).map(|(pid, _)| pid);
+    let legacy = name.len() == 10 && name.starts_with(".tmp");
+    match ours {
+        Some(pid) if pid.bytes().all(|b| b.is_ascii_digit()) => {
+            let gone = !Path::new("/proc").join(pid).exists();
+            (gone && age >= std::time::Duration::from_secs(30)) || age >= PART_LIFE
+        }
+        _ => legacy && age >= PART_LIFE,
     }
 }
 
@@ -542,6 +598,74 @@ mod tests {
         let path = cache.path_of(sent(&b));
         std::fs::write(&path, &b[..3]).unwrap();
         assert_eq!(cache.get(sent(&b)), None);
+    }
+
+    /// Files a writer killed midway left are removed by the next walk (a mount's start, an eviction):
+    /// a dead writer's once half a minute old, anyone's once [`PART_LIFE`] old; a live writer's and
+    /// files of other names are left alone.
+    #[test]
+    fn files_left_unfinished_by_killed_writers_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().join("ab");
+        std::fs::create_dir_all(&folder).unwrap();
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        let ancient = std::time::SystemTime::now() - PART_LIFE - std::time::Duration::from_secs(1);
+        let write = |name: &str, at: std::time::SystemTime| {
+            let path = folder.join(name);
+            std::fs::write(&path, b"half an object").unwrap();
+            std::fs::File::options().write(true).open(&path).unwrap().set_modified(at).unwrap();
+            path
+        };
+        let dead = write(&format!("{PART}999999999-aB3xYz"), old);
+        let live = write(&format!("{PART}{}-q1w2e3", std::process::id()), old);
+        let live_ancient = write(&format!("{PART}{}-r4t5y6", std::process::id()), ancient);
+        let dead_new = write(&format!("{PART}999999999-u7i8o9"), std::time::SystemTime::now());
+        let legacy = write(".tmpAbC123", ancient);
+        let legacy_new = write(".tmpDeF456", old);
+        let someone_else = write("notes.txt", ancient);
+        let cache = NodeCache::open(dir.path(), 1 << 20, "d").unwrap();
+        eventually("the walk at open removes them", || !dead.exists() && !legacy.exists() && !live_ancient.exists());
+        assert!(live.exists() && dead_new.exists() && legacy_new.exists() && someone_else.exists());
+        assert_eq!(cache.used(), 0, "nothing counted");
+    }
+
+    /// A FIFO, a link or a directory where an object's file belongs is refused at once, removed and
+    /// counted corrupt, and the object can be kept again. A FIFO's open waited for a writer: the reader
+    /// hung in the kernel, past any signal.
+    #[test]
+    fn what_is_no_regular_file_in_an_object_s_place_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 20, "d").unwrap();
+        let a = b"an object of the dataset".to_vec();
+        let path = cache.path_of(sent(&a));
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::write(&elsewhere, &a).unwrap();
+        let cases: [(&str, &dyn Fn()); 3] = [
+            ("a FIFO", &|| assert_eq!(mkfifo(&path), 0)),
+            ("a link", &|| std::os::unix::fs::symlink(&elsewhere, &path).unwrap()),
+            ("a directory", &|| std::fs::create_dir(&path).unwrap()),
+        ];
+        for (n, (what, make)) in cases.iter().enumerate() {
+            cache.put(sent(&a), &a).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            make();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let c = cache.clone();
+            let key = sent(&a);
+            std::thread::spawn(move || tx.send((c.get(key), c.open_checked(key).is_some())).unwrap());
+            let got = rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap_or_else(|_| panic!("{what}: hung"));
+            assert_eq!(got, (None, false), "{what}");
+            assert!(std::fs::symlink_metadata(&path).is_err(), "{what} removed");
+            assert_eq!(cache.stats.corrupt.load(Ordering::Relaxed), n as u64 + 1, "{what} counted once");
+            cache.put(sent(&a), &a).unwrap();
+            assert_eq!(cache.get(sent(&a)), Some(a.clone()), "{what}: kept again");
+            assert_eq!(std::fs::read(&elsewhere).unwrap(), a, "what a link led to is left alone");
+        }
+    }
+
+    /// A FIFO made at `path` by mkfifo(1) (no unsafe code in tests): its status code.
+    fn mkfifo(path: &Path) -> i32 {
+        std::process::Command::new("mkfifo").arg(path).status().unwrap().code().unwrap_or(-1)
     }
 
     /// Two objects of one size and CRC32C (which a check cannot tell apart) are two files: each object's
