@@ -36,6 +36,9 @@ pub enum IndexError {
     Corrupt { shard: PathBuf, offset: u64, message: String },
     #[error("cannot read the LMDB environment in {path}: {message}")]
     Lmdb { path: PathBuf, message: String },
+    /// A `data.mdb` refused before LMDB read it (LMDB trusts its file: a damaged one crashed the process).
+    #[error("cannot read the LMDB environment in {path}: {source}")]
+    LmdbDamaged { path: PathBuf, source: lmdb::Damage },
     #[error(
         "{path} holds its samples in named LMDB databases ({names}): batchfs serves an environment's main \
          database; write the samples there (a writer's default database, not open_db(NAME))"
