@@ -187,6 +187,11 @@ impl<'a> Scanner<'a> {
                 (extended, data_offset) = (more[504] != 0, data_offset + BLOCK);
             }
             let available = (self.buf.len() as u64).saturating_sub(data_offset);
+            if size > available && matches!(typeflag, b'x' | b'g' | b'L' | b'K') {
+                // An extended header cut short is part of the next member's header: its own name
+                // (`././@PaxHeader`) is no member's, so whose header it was cannot be known.
+                return Err(TarError::TruncatedHeader { offset });
+            }
             if size > available {
                 return Err(TarError::Truncated { offset, name, needed: size, available });
             }
@@ -369,6 +374,22 @@ mod tests {
         buf[512 + 1024 + 10] ^= 1;
         let items: Vec<_> = Scanner::new(&buf).collect();
         assert_eq!(items[1], Err(TarError::BadChecksum { offset: 1536 }));
+    }
+
+    /// A pax or GNU long-name header cut short was a member cut short, named `././@PaxHeader`: a name of no
+    /// key, so the sample being grouped looked complete and was kept with the member it names missing.
+    #[test]
+    fn an_extended_header_cut_short_is_a_header_error() {
+        let name = format!("{}/sample.jpg", "d".repeat(150));
+        let buf = archive(&[("a.jpg".into(), b"xyz".to_vec()), (name, b"xyz".to_vec())]);
+        let cut = &buf[..3 * BLOCK as usize + 100];
+        let items: Vec<_> = Scanner::new(cut).collect();
+        assert_eq!(items.len(), 2, "{items:?}");
+        assert_eq!(items[1], Err(TarError::TruncatedHeader { offset: 2 * BLOCK }));
+        let mut long = vec![0u8; BLOCK as usize];
+        fill_header((&mut long[..]).try_into().unwrap(), b"././@LongLink", 300, b'L');
+        long.extend_from_slice(&[b'd'; 100]);
+        assert_eq!(Scanner::new(&long).next(), Some(Err(TarError::TruncatedHeader { offset: 0 })));
     }
 
     #[test]
