@@ -851,6 +851,32 @@ mod tests {
         assert!(skipped.samples.iter().all(|s| s.parts.len() == 2));
     }
 
+    /// A tar that ends inside a pax header (of a long name), or inside a member WebDataset leaves out (a name
+    /// of no key), after a sample's first member: what follows may have been that sample's, so with
+    /// `--skip-corrupt` it is dropped whole (it was kept with a part missing); the sample before is kept.
+    #[test]
+    fn a_tar_cut_inside_an_extended_header_or_a_keyless_member_drops_the_sample_being_grouped() {
+        let member = |name: &str, data: &[u8]| {
+            let mut out = tar::file_header(name, data.len() as u64);
+            out.extend_from_slice(data);
+            out.resize(out.len() + tar::padding(data.len() as u64) as usize, 0);
+            out
+        };
+        let long = format!("{}/a.cls", "d".repeat(150));
+        let head = [member("z0.jpg", b"zz"), member("z0.cls", b"1"), member("a.jpg", b"JPEG")].concat();
+        let pax = tar::file_header(&long, 1);
+        let readme = member("README", &[b'r'; 700]);
+        for (tail, what) in [(&pax[..512 + 50], "inside a header"), (&readme[..512 + 100], "\"README\"")] {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("s.tar"), [&head[..], tail].concat()).unwrap();
+            let err = build(dir.path(), &strict(), &NoProgress).unwrap_err().to_string();
+            assert!(err.contains(what), "{err}");
+            let index = build(dir.path(), &skipping(), &NoProgress).unwrap();
+            let keys: Vec<&str> = index.samples.iter().map(|s| s.key.as_ref()).collect();
+            assert_eq!(keys, ["z0"], "sample \"a\" may be missing a part: dropped whole");
+        }
+    }
+
     #[test]
     fn unreadable_lmdb_is_a_clear_error_and_no_lock_file_is_written() {
         let dir = generated(SourceFormat::Lmdb, 8);

@@ -133,12 +133,13 @@ pub(super) fn index(
                         | tar::TarError::TruncatedHeader { offset } => *offset,
                     };
                     // The sample being grouped is complete only if the failed member starts another
-                    // key; when that cannot be known (a damaged header), it is dropped too rather than
-                    // served with a part missing.
+                    // key; when that cannot be known (a damaged header, or a member of no key, left out
+                    // without ending the sample: more of its members may have followed), it is dropped
+                    // too rather than served with a part missing.
                     let mut skipping = "the rest of the shard is skipped".to_owned();
                     let complete = match &e {
                         tar::TarError::Truncated { name, .. } => {
-                            group.as_ref().is_some_and(|g| split_key(name).is_none_or(|(key, _)| g.key != key))
+                            group.as_ref().is_some_and(|g| split_key(name).is_some_and(|(key, _)| g.key != key))
                         }
                         _ => false,
                     };
