@@ -115,14 +115,16 @@ pub struct Dataset {
     plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
     /// The plans whose batches were read last, which the disk tier follows ([`Dataset::follow`]).
     followed: Mutex<std::collections::VecDeque<(u64, batchfs::plan::PlanOptions)>>,
-    manifests: Memo<(u64, BatchQuery), Manifest>,
+    /// Each manifest as it is served (pretty JSON): requests for it share one buffer.
+    manifests: Memo<(u64, BatchQuery), bytes::Bytes>,
     /// Manifests computed (not found in the cache).
     computations: AtomicU64,
     /// The `block_bytes` last warned of ([`Dataset::blocks_note`]).
     warned_block_bytes: AtomicU64,
     /// Each sample's TFRecord frame in bytes, once a slot table needs them.
     frames: OnceLock<Vec<u64>>,
-    slot_tables: Memo<RollingQuery, SlotTable>,
+    /// Each slot table as it is served (compact JSON, one number per record of an epoch), shared.
+    slot_tables: Memo<RollingQuery, bytes::Bytes>,
     /// The sample table's encoding, once asked for.
     sample_table: OnceLock<bytes::Bytes>,
     /// Each sample's object (the shard of its first part) and each shard's bytes, once a `shuffle=blocks`
@@ -451,33 +453,41 @@ impl Dataset {
         Ok((encode::layout(&self.index, samples, query.format, self.slot), samples.len() as u32))
     }
 
-    /// The manifest of `epoch` (cached; computed once however many ask for it at the same time).
-    pub fn manifest(&self, epoch: u64, query: &BatchQuery) -> Result<Arc<Manifest>, PlanError> {
-        self.manifests.get_or_compute((epoch, *query), || self.compute_manifest(epoch, query))
+    /// The manifest of `epoch` as served, pretty JSON (cached; computed and serialized once however many
+    /// ask for it at the same time, and every response of it sends the same buffer).
+    pub fn manifest(&self, epoch: u64, query: &BatchQuery) -> Result<bytes::Bytes, PlanError> {
+        let json = self.manifests.get_or_compute((epoch, *query), || {
+            Ok(serde_json::to_vec_pretty(&self.compute_manifest(epoch, query)?).expect("a manifest serializes").into())
+        });
+        json.map(|j| bytes::Bytes::clone(&j))
     }
 
     /// The slot table of `rolling/`'s fixed layout for `query`'s plan and span of epochs (cached;
-    /// computed once however many mounts ask for it at the same time, on every core).
-    pub fn slot_table(&self, query: &RollingQuery) -> Result<Arc<SlotTable>, RollingError> {
+    /// computed and serialized, compact JSON, once however many mounts ask for it at the same time, on every
+    /// core; its responses share that buffer).
+    pub fn slot_table(&self, query: &RollingQuery) -> Result<bytes::Bytes, RollingError> {
         let mut query = *query;
         if query.plan.shuffle == Shuffle::Blocks && query.plan.block_bytes == 0 {
             query.plan.block_bytes = self.default_block_bytes();
         }
-        self.slot_tables.get_or_compute(query, || {
-            let frames = self.frames.get_or_init(|| encode::frame_lens(&self.index));
-            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let objects = (query.plan.shuffle == Shuffle::Blocks).then(|| self.objects());
-            let objects = objects.as_ref().map(|(of_sample, bytes)| Objects { of_sample, bytes });
-            let table = batchfs::rolling::slot_table_of(
-                frames,
-                objects.as_ref(),
-                query.plan,
-                query.first_epoch,
-                query.epochs,
-                threads,
-            );
-            table.map(|t| SlotTable { index_id: self.index_id.clone(), ..t })
-        })
+        self.slot_tables
+            .get_or_compute(query, || {
+                let frames = self.frames.get_or_init(|| encode::frame_lens(&self.index));
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let objects = (query.plan.shuffle == Shuffle::Blocks).then(|| self.objects());
+                let objects = objects.as_ref().map(|(of_sample, bytes)| Objects { of_sample, bytes });
+                let table = batchfs::rolling::slot_table_of(
+                    frames,
+                    objects.as_ref(),
+                    query.plan,
+                    query.first_epoch,
+                    query.epochs,
+                    threads,
+                );
+                let table = SlotTable { index_id: self.index_id.clone(), ..table? };
+                Ok(serde_json::to_vec(&table).expect("a slot table serializes").into())
+            })
+            .map(|j| bytes::Bytes::clone(&j))
     }
 
     /// The index's content id, as the API says it (16 hex digits; [`batchfs::index::Index::content_id`]).

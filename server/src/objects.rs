@@ -1405,7 +1405,8 @@ mod tests {
         for epoch in 0..2 {
             let fetched = tier.counters.fetched_bytes.load(Ordering::Relaxed);
             let read = source.counters.bytes.load(Ordering::Relaxed);
-            let manifest = ds.manifest(epoch, &query).unwrap();
+            let manifest: batchfs::api::Manifest =
+                serde_json::from_slice(&ds.manifest(epoch, &query).unwrap()).unwrap();
             assert_eq!(manifest.options.block_bytes, tier.cap() / 4, "the server's default");
             let plan = ds.plan(epoch, &query).unwrap();
             // The first batch's layout, as a body asks for it: the tier follows the plan being read.

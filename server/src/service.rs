@@ -116,12 +116,9 @@ fn json_response<T: serde::Serialize>(status: StatusCode, value: &T) -> Response
     body_response(status, serde_json::to_vec_pretty(value).expect("API types serialize"))
 }
 
-/// A JSON response of a large document (a slot table: one number per record of an epoch), unindented.
-fn compact_json_response<T: serde::Serialize>(status: StatusCode, value: &T) -> Response<Body> {
-    body_response(status, serde_json::to_vec(value).expect("API types serialize"))
-}
-
-fn body_response(status: StatusCode, body: Vec<u8>) -> Response<Body> {
+/// A response of JSON already serialized (a memoized manifest or slot table: its buffer is shared).
+fn body_response(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<Body> {
+    let body = body.into();
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, "application/json")
@@ -371,7 +368,7 @@ async fn manifest(state: &AppState, name: &str, epoch: u64, query: &str) -> Resu
     if let Some(next) = epoch.checked_add(1).filter(|&e| !ds.has_manifest(e, &query)) {
         tokio::task::spawn_blocking(move || ds.manifest(next, &query));
     }
-    Ok(json_response(StatusCode::OK, &*manifest))
+    Ok(body_response(StatusCode::OK, manifest))
 }
 
 /// A batch's body, with its sample count; the next batches of the plan are warmed.
@@ -403,7 +400,7 @@ async fn rolling(state: &AppState, name: &str, query: &str) -> Result<Response<B
     let ds = dataset(state, name)?;
     let query = RollingQuery::parse(query)?;
     let table = blocking(move || ds.slot_table(&query)).await??;
-    Ok(compact_json_response(StatusCode::OK, &*table))
+    Ok(body_response(StatusCode::OK, table))
 }
 
 /// The sample table, with its CRC32C and the id of the index it was made of (a header: the table stays
@@ -583,6 +580,67 @@ fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, 
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use batchfs::gen::{self, GenOptions};
+    use batchfs::source::{IndexOptions, NoProgress};
+
+    /// A server's state of a generated TFRecord dataset `d` (its data in the directory returned), admitting
+    /// `max_bodies_in_flight` bodies, and a runtime to drive its requests.
+    fn state(max_bodies_in_flight: u64) -> (tempfile::TempDir, Arc<AppState>, tokio::runtime::Runtime) {
+        let data = tempfile::tempdir().unwrap();
+        let options =
+            GenOptions { samples: 300, mean_bytes: 512, shards: 3, classes: 4, seed: 2, ..Default::default() };
+        gen::generate(&options, data.path()).unwrap();
+        let limits = ServerLimits { max_bodies_in_flight, ..ServerLimits::default() };
+        let io = limits.io_policy();
+        let ds = Dataset::open("d", data.path(), None, &IndexOptions::default(), &NoProgress, io).unwrap();
+        let catalog = Catalog::default();
+        catalog.insert(ds).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        (data, Arc::new(AppState::new(Arc::new(catalog), None, &limits)), runtime)
+    }
+
+    /// The response to a request of `method` for `uri` with `headers`.
+    fn request(
+        (state, rt): (&Arc<AppState>, &tokio::runtime::Runtime),
+        method: Method,
+        uri: &str,
+        headers: &[(&str, &str)],
+    ) -> Response<Body> {
+        let mut req = Request::builder().method(method).uri(uri);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        rt.block_on(handle(state.clone(), req.body(()).unwrap())).unwrap()
+    }
+
+    /// The bytes a response holds in memory (none for a streamed body).
+    fn held(r: &Response<Body>) -> Option<bytes::Bytes> {
+        match r.body() {
+            Body::Full(b) => b.clone(),
+            _ => None,
+        }
+    }
+
+    /// Every request of a manifest or a slot table sends the memo's buffer: a client opening many of them
+    /// and reading none made the server hold a copy of the document each (2.45 GB for 400 of 6 MB).
+    #[test]
+    fn requests_of_a_manifest_or_slot_table_share_one_buffer() {
+        let (_data, state, rt) = state(1024);
+        for uri in ["/v1/datasets/d/epochs/0?batch_size=1", "/v1/datasets/d/rolling?batch_size=4&epochs=2"] {
+            let (a, b) = (request((&state, &rt), Method::GET, uri, &[]), request((&state, &rt), Method::GET, uri, &[]));
+            assert_eq!((a.status(), b.status()), (StatusCode::OK, StatusCode::OK), "{uri}");
+            let (a, b) = (held(&a).unwrap(), held(&b).unwrap());
+            assert_eq!(a.as_ptr(), b.as_ptr(), "{uri}: one buffer");
+            assert_eq!(a.len(), b.len());
+            assert!(a.len() > 1000 && a.starts_with(b"{"), "{uri}");
+        }
+        // Byte for byte what the API's types serialize to: pretty for a manifest, compact for a slot table.
+        let ds = state.catalog.datasets()[0].clone();
+        let manifest: api::Manifest = serde_json::from_slice(&ds.manifest(0, &BatchQuery::default()).unwrap()).unwrap();
+        let again = ds.manifest(0, &BatchQuery::default()).unwrap();
+        assert_eq!(&serde_json::to_vec_pretty(&manifest).unwrap()[..], &again[..]);
+    }
     /// The scheme's name in any case (RFC 9110): `bearer T` was refused as no token.
     #[test]
     fn the_bearer_scheme_is_named_in_any_case() {
