@@ -122,6 +122,7 @@ pub struct SegmentBody {
     /// Reads among `ahead`.
     reading: usize,
     remaining: u64,
+    _in_flight: InFlight,
 }
 
 impl SegmentBody {
@@ -130,8 +131,8 @@ impl SegmentBody {
         // never move past it (a direct one sent empty DATA frames for ever).
         segments.retain(|s| !s.is_empty());
         let remaining = segments.iter().map(Segment::len).sum();
-        ctx.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
         SegmentBody {
+            _in_flight: InFlight::new(ctx.metrics.clone()),
             ctx,
             storage,
             segments: segments.into_iter(),
@@ -476,7 +477,6 @@ impl Drop for SegmentBody {
                 task.abort();
             }
         }
-        self.ctx.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -522,9 +522,35 @@ impl http_body::Body for SegmentBody {
     }
 }
 
+/// A body's place among the `max_bodies_in_flight` admitted (the `in_flight` gauge): taken when the body
+/// is made, given back when it is dropped, sent in full or not.
+pub struct InFlight(Arc<Metrics>);
+
+impl InFlight {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(metrics)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Every response body of the server.
 pub enum Body {
+    /// A small body (an error, a description) or one buffer shared by every response (the sample table).
     Full(Option<Bytes>),
+    /// A large JSON document (a manifest, a slot table, a page of a listing) handed to hyper `chunk` bytes
+    /// at a time: a response its client does not read keeps its place among the bodies in flight until it
+    /// is sent, so what unread documents hold is bounded as batch bodies' is.
+    Held {
+        rest: Bytes,
+        chunk: usize,
+        _in_flight: InFlight,
+    },
     Segments(SegmentBody),
 }
 
@@ -533,8 +559,23 @@ impl Body {
         Body::Full(Some(bytes.into()))
     }
 
+    /// A large document, counted in flight until sent ([`Body::Held`]).
+    pub fn held(bytes: Bytes, ctx: &StreamContext) -> Self {
+        let chunk = ctx.chunk_size.clamp(1, usize::MAX as u64) as usize;
+        Body::Held { rest: bytes, chunk, _in_flight: InFlight::new(ctx.metrics.clone()) }
+    }
+
     pub fn empty() -> Self {
         Body::Full(None)
+    }
+
+    /// The bytes this body holds in memory (none for a streamed one).
+    pub fn in_memory(&self) -> Option<&Bytes> {
+        match self {
+            Body::Full(b) => b.as_ref(),
+            Body::Held { rest, .. } => Some(rest),
+            Body::Segments(_) => None,
+        }
     }
 }
 
@@ -545,6 +586,10 @@ impl http_body::Body for Body {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Chunks>, Self::Error>>> {
         match self.get_mut() {
             Body::Full(b) => Poll::Ready(b.take().filter(|b| !b.is_empty()).map(|b| Ok(Frame::data(b.into())))),
+            Body::Held { rest, chunk, .. } => {
+                let next = rest.split_to((*chunk).min(rest.len()));
+                Poll::Ready((!next.is_empty()).then(|| Ok(Frame::data(next.into()))))
+            }
             Body::Segments(s) => Pin::new(s).poll_frame(cx),
         }
     }
@@ -552,6 +597,7 @@ impl http_body::Body for Body {
     fn is_end_stream(&self) -> bool {
         match self {
             Body::Full(b) => b.as_ref().is_none_or(|b| b.is_empty()),
+            Body::Held { rest, .. } => rest.is_empty(),
             Body::Segments(s) => s.is_end_stream(),
         }
     }
@@ -559,6 +605,7 @@ impl http_body::Body for Body {
     fn size_hint(&self) -> SizeHint {
         match self {
             Body::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            Body::Held { rest, .. } => SizeHint::with_exact(rest.len() as u64),
             Body::Segments(s) => s.size_hint(),
         }
     }

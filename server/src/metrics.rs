@@ -220,7 +220,12 @@ impl Metrics {
         for (i, status) in ERROR_STATUSES.iter().enumerate() {
             out.sample(ERRORS_TOTAL, &[("status", &status.to_string())], get(&self.errors[i]));
         }
-        out.metric(IN_FLIGHT, "gauge", "Requests being handled or streaming a body.", get(&self.in_flight));
+        out.metric(
+            IN_FLIGHT,
+            "gauge",
+            "Bodies not yet sent in full (batches, files, large JSON documents).",
+            get(&self.in_flight),
+        );
         out.family(LATENCY_SECONDS, "histogram", "Time from request to response head.");
         let bucket = format!("{LATENCY_SECONDS}_bucket");
         let mut cumulative = 0;

@@ -3,8 +3,8 @@
 //!
 //! The file reads top down: the state, `Failure` (an error with its HTTP status, each error type mapped
 //! once) and how it becomes a response; [`handle`] (span, timeout, metrics, HEAD); `dispatch`, which
-//! checks the method, answers `/healthz`, checks the token and admits bodies of bytes (503 past
-//! `max_bodies_in_flight`), then calls one function per route (`metrics`, `datasets`, `dataset_info`,
+//! checks the method, answers `/healthz`, checks the token and admits bodies of bytes and large JSON
+//! documents (503 past `max_bodies_in_flight`), then calls one function per route (`metrics`, `datasets`, `dataset_info`,
 //! `manifest`, `batch`, `rolling`, `samples`, `sample_data`, `files`, `file`); last, what those share:
 //! `layout_response` (a body's headers), `ranged` (conditional and range requests) and `warm_ahead`.
 //! Planning, shard checks and tables run on the blocking pool through `blocking`, never on a worker.
@@ -116,14 +116,22 @@ fn json_response<T: serde::Serialize>(status: StatusCode, value: &T) -> Response
     body_response(status, serde_json::to_vec_pretty(value).expect("API types serialize"))
 }
 
-/// A response of JSON already serialized (a memoized manifest or slot table: its buffer is shared).
-fn body_response(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<Body> {
-    let body = body.into();
+fn body_response(status: StatusCode, body: Vec<u8>) -> Response<Body> {
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, "application/json")
         .header(header::CONTENT_LENGTH, body.len())
         .body(Body::full(body))
+        .expect("valid response")
+}
+
+/// A 200 of a large JSON document already serialized (a memoized manifest or slot table, whose buffer
+/// every response shares; a page of a listing), counted among the bodies in flight until it is sent.
+fn held_response(state: &AppState, json: bytes::Bytes) -> Response<Body> {
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CONTENT_LENGTH, json.len())
+        .body(Body::held(json, &state.stream))
         .expect("valid response")
 }
 
@@ -178,7 +186,7 @@ pub async fn handle<B>(state: Arc<AppState>, req: Request<B>) -> Result<Response
     .await;
     state.metrics.record(kind, response.status().as_u16(), start.elapsed());
     let mut response = response;
-    if let Body::Full(Some(b)) = response.body() {
+    if let Some(b) = response.body().in_memory() {
         state.metrics.response_bytes.fetch_add(b.len() as u64, std::sync::atomic::Ordering::Relaxed);
     }
     if req.method() == Method::HEAD {
@@ -228,7 +236,8 @@ fn dataset(state: &AppState, name: &str) -> Result<Arc<Dataset>, Failure> {
     }
 }
 
-/// Admits a body of bytes (a batch, samples' data, a file) unless as many bodies are in flight as
+/// Admits a body of bytes (a batch, samples' data, a file) or a large JSON document (a manifest, a slot
+/// table, a page of a listing) unless as many bodies are in flight as
 /// `max_bodies_in_flight` allows: then a 503 at once, with `Retry-After`.
 fn admit(state: &AppState) -> Result<(), Failure> {
     let in_flight = state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed);
@@ -305,7 +314,10 @@ async fn dispatch<B>(
         return Ok(health(state));
     }
     check_token(state, req)?;
-    if matches!(route, Route::Batch { .. } | Route::File { .. } | Route::SampleData { .. }) {
+    // Bodies of bytes, and the JSON documents that can be large (one entry per batch, per slot, per file).
+    let admitted = matches!(route, Route::Batch { .. } | Route::File { .. } | Route::SampleData { .. })
+        || matches!(route, Route::Manifest { .. } | Route::Rolling { .. } | Route::Files { .. });
+    if admitted {
         admit(state)?;
     }
     let query = req.uri().query().unwrap_or("");
@@ -319,7 +331,7 @@ async fn dispatch<B>(
         Route::Rolling { name } => rolling(state, &name, query).await,
         Route::Samples { name } => samples(state, &name).await,
         Route::SampleData { name } => sample_data(state, req, &name).await,
-        Route::Files { name } => files(state, &name, query),
+        Route::Files { name } => files(state, &name, query).await,
         Route::File { name, path } => file(state, req, &name, &path).await,
     }
 }
@@ -368,7 +380,7 @@ async fn manifest(state: &AppState, name: &str, epoch: u64, query: &str) -> Resu
     if let Some(next) = epoch.checked_add(1).filter(|&e| !ds.has_manifest(e, &query)) {
         tokio::task::spawn_blocking(move || ds.manifest(next, &query));
     }
-    Ok(body_response(StatusCode::OK, manifest))
+    Ok(held_response(state, manifest))
 }
 
 /// A batch's body, with its sample count; the next batches of the plan are warmed.
@@ -400,7 +412,7 @@ async fn rolling(state: &AppState, name: &str, query: &str) -> Result<Response<B
     let ds = dataset(state, name)?;
     let query = RollingQuery::parse(query)?;
     let table = blocking(move || ds.slot_table(&query)).await??;
-    Ok(body_response(StatusCode::OK, table))
+    Ok(held_response(state, table))
 }
 
 /// The sample table, with its CRC32C and the id of the index it was made of (a header: the table stays
@@ -431,14 +443,19 @@ async fn sample_data<B>(state: &AppState, req: &Request<B>, name: &str) -> Resul
     layout_response(state, req, &ds, layout, "application/octet-stream")
 }
 
-/// A page of a dataset's directory listing.
-fn files(state: &AppState, name: &str, query: &str) -> Result<Response<Body>, Failure> {
+/// A page of a dataset's directory listing (up to 100,000 entries: listed and serialized on the blocking
+/// pool, and held in flight until sent).
+async fn files(state: &AppState, name: &str, query: &str) -> Result<Response<Body>, Failure> {
     let ds = dataset(state, name)?;
     let q = api::FilesQuery::parse(query)?;
-    let page = ds
-        .list(&q)
-        .ok_or_else(|| Failure::new(StatusCode::NOT_FOUND, format!("dataset {name:?} has no directory {:?}", q.dir)))?;
-    Ok(json_response(StatusCode::OK, &page))
+    let json = blocking(move || {
+        let page = ds.list(&q).ok_or_else(|| {
+            Failure::new(StatusCode::NOT_FOUND, format!("dataset {:?} has no directory {:?}", ds.name, q.dir))
+        })?;
+        Ok::<_, Failure>(serde_json::to_vec_pretty(&page).expect("API types serialize"))
+    })
+    .await??;
+    Ok(held_response(state, json.into()))
 }
 
 /// A file of a dataset: a shard, or a file made beside them.
@@ -591,7 +608,7 @@ mod tests {
         let options =
             GenOptions { samples: 300, mean_bytes: 512, shards: 3, classes: 4, seed: 2, ..Default::default() };
         gen::generate(&options, data.path()).unwrap();
-        let limits = ServerLimits { max_bodies_in_flight, ..ServerLimits::default() };
+        let limits = ServerLimits { max_bodies_in_flight, chunk_size: 4096, ..ServerLimits::default() };
         let io = limits.io_policy();
         let ds = Dataset::open("d", data.path(), None, &IndexOptions::default(), &NoProgress, io).unwrap();
         let catalog = Catalog::default();
@@ -616,10 +633,40 @@ mod tests {
 
     /// The bytes a response holds in memory (none for a streamed body).
     fn held(r: &Response<Body>) -> Option<bytes::Bytes> {
-        match r.body() {
-            Body::Full(b) => b.clone(),
-            _ => None,
+        r.body().in_memory().cloned()
+    }
+
+    /// Unread manifests, slot tables and listing pages keep their places among `max_bodies_in_flight`
+    /// until sent or dropped: a client opening many streams and reading none is refused (503) past it
+    /// rather than making the server hold a document each (documents of other epochs are not shared).
+    #[test]
+    fn unread_json_documents_count_among_the_bodies_in_flight() {
+        let (_data, state, rt) = state(2);
+        let get = |uri: &str| request((&state, &rt), Method::GET, uri, &[]);
+        let manifest = get("/v1/datasets/d/epochs/0?batch_size=1");
+        let page = get("/v1/datasets/d/files?limit=100000");
+        assert_eq!((manifest.status(), page.status()), (StatusCode::OK, StatusCode::OK));
+        for uri in ["/v1/datasets/d/epochs/1?batch_size=1", "/v1/datasets/d/rolling?epochs=2", "/v1/datasets/d/files"] {
+            let refused = get(uri);
+            assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE, "{uri}");
+            assert_eq!(refused.headers()[header::RETRY_AFTER], "1");
         }
+        // A document is handed on `chunk_size` at a time and keeps its place until its last byte is.
+        let len = held(&manifest).unwrap().len();
+        let mut body = manifest.into_body();
+        let (mut sent, mut frames) = (0, 0);
+        while let Some(frame) = rt.block_on(http_body_util::BodyExt::frame(&mut body)) {
+            sent += bytes::Buf::remaining(&frame.unwrap().into_data().ok().unwrap());
+            frames += 1;
+            assert_eq!(state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed), 2);
+        }
+        assert_eq!((sent, frames), (len, len.div_ceil(4096)));
+        drop((body, page));
+        assert_eq!(state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert_eq!(get("/v1/datasets/d/rolling?epochs=2").status(), StatusCode::OK);
+        // HEAD sends no body: nothing stays in flight.
+        assert_eq!(request((&state, &rt), Method::HEAD, "/v1/datasets/d/files", &[]).status(), StatusCode::OK);
+        assert_eq!(state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 
     /// Every request of a manifest or a slot table sends the memo's buffer: a client opening many of them
