@@ -403,7 +403,9 @@ async fn batch<B>(
     .await??;
     warm_ahead(state, &ds, epoch, batch, query);
     let mut r = layout_response(state, req, &ds, layout, query.format.content_type())?;
-    r.headers_mut().insert(api::SAMPLES_HEADER, HeaderValue::from(samples));
+    if describes_body(r.status()) {
+        r.headers_mut().insert(api::SAMPLES_HEADER, HeaderValue::from(samples));
+    }
     Ok(r)
 }
 
@@ -475,9 +477,15 @@ async fn file<B>(state: &AppState, req: &Request<B>, name: &str, path: &str) -> 
     layout_response(state, req, &ds, layout, "application/octet-stream")
 }
 
+/// Whether a response of `ranged` is of the body (200, 206, 304), and so carries what describes it: its
+/// type, CRC32C and sample count. A 416's body is a JSON error, and says so.
+fn describes_body(status: StatusCode) -> bool {
+    matches!(status, StatusCode::OK | StatusCode::PARTIAL_CONTENT | StatusCode::NOT_MODIFIED)
+}
+
 /// The response for a body of bytes laid out as `layout` (a batch, samples' data, a file): `ranged`'s,
-/// with its type, its CRC32C and, on a 200, its checkpoints (they describe the whole body: a range's
-/// client cannot use them).
+/// with, if it is of the body, its type, its CRC32C and, on a 200, its checkpoints (they describe the
+/// whole body: a range's client cannot use them).
 fn layout_response<B>(
     state: &AppState,
     req: &Request<B>,
@@ -487,6 +495,9 @@ fn layout_response<B>(
 ) -> Result<Response<Body>, Failure> {
     let etag = api::etag(layout.crc32c, layout.len);
     let mut r = ranged(state, req, ds, layout.segments, layout.len, &etag)?;
+    if !describes_body(r.status()) {
+        return Ok(r);
+    }
     let ok = r.status() == StatusCode::OK;
     let headers = r.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -667,6 +678,32 @@ mod tests {
         // HEAD sends no body: nothing stays in flight.
         assert_eq!(request((&state, &rt), Method::HEAD, "/v1/datasets/d/files", &[]).status(), StatusCode::OK);
         assert_eq!(state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+
+    /// A 416's body is a JSON error: it says so, and carries nothing that describes the body asked for
+    /// (it had the batch's `Content-Type`, CRC32C and sample count); a 206 still carries them.
+    #[test]
+    fn an_unsatisfiable_range_is_a_json_error_without_the_bodys_headers() {
+        let (_data, state, rt) = state(1024);
+        let uris = ["/v1/datasets/d/epochs/0/batches/0?batch_size=2", "/v1/datasets/d/samples/data?ids=1,2"];
+        let file =
+            ["/v1/datasets/d/files/", &state.catalog.datasets()[0].list(&Default::default()).unwrap().files[0].path]
+                .concat();
+        for uri in uris.iter().copied().chain([file.as_str()]) {
+            let r = request((&state, &rt), Method::GET, uri, &[("range", "bytes=99999999-")]);
+            assert_eq!(r.status(), StatusCode::RANGE_NOT_SATISFIABLE, "{uri}");
+            assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json", "{uri}");
+            assert!(r.headers()[header::CONTENT_RANGE].to_str().unwrap().starts_with("bytes */"), "{uri}");
+            for name in [api::CRC32C_HEADER, api::SAMPLES_HEADER, api::CHECKPOINTS_HEADER] {
+                assert!(!r.headers().contains_key(name), "{uri}: {name}");
+            }
+            let r = request((&state, &rt), Method::GET, uri, &[("range", "bytes=1-2")]);
+            assert_eq!(r.status(), StatusCode::PARTIAL_CONTENT, "{uri}");
+            assert_ne!(r.headers()[header::CONTENT_TYPE], "application/json", "{uri}");
+            assert!(r.headers().contains_key(api::CRC32C_HEADER), "{uri}");
+        }
+        let r = request((&state, &rt), Method::GET, uris[0], &[("range", "bytes=1-2")]);
+        assert_eq!(r.headers()[api::SAMPLES_HEADER], "2");
     }
 
     /// Every request of a manifest or a slot table sends the memo's buffer: a client opening many of them
