@@ -279,7 +279,11 @@ fn health(state: &AppState) -> Response<Body> {
                 text.push_str(&format!("{} disk tier: {note}\n", ds.name));
             }
         }
-        return Response::builder().header(header::CONTENT_TYPE, "text/plain").body(Body::full(text)).expect("valid");
+        return Response::builder()
+            .header(header::CONTENT_TYPE, "text/plain")
+            .header(header::CONTENT_LENGTH, text.len())
+            .body(Body::full(text))
+            .expect("valid");
     }
     let mut text = String::from("indexing\n");
     for ds in state.catalog.datasets() {
@@ -292,6 +296,7 @@ fn health(state: &AppState) -> Response<Body> {
         .status(StatusCode::SERVICE_UNAVAILABLE)
         .header(header::CONTENT_TYPE, "text/plain")
         .header(header::RETRY_AFTER, INDEXING_RETRY_AFTER_S)
+        .header(header::CONTENT_LENGTH, text.len())
         .body(Body::full(text))
         .expect("valid")
 }
@@ -352,7 +357,11 @@ fn metrics(state: &AppState) -> Response<Body> {
     let tier = datasets.iter().find_map(|d| d.storage.objects().and_then(|o| o.tier()).cloned());
     let text =
         state.metrics.render() + &crate::metrics::render_datasets(each) + &crate::metrics::render_tier(tier.as_deref());
-    Response::builder().header(header::CONTENT_TYPE, "text/plain; version=0.0.4").body(Body::full(text)).expect("valid")
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
+        .header(header::CONTENT_LENGTH, text.len())
+        .body(Body::full(text))
+        .expect("valid")
 }
 
 /// `/datasets`: every dataset ready.
@@ -427,6 +436,7 @@ async fn samples(state: &AppState, name: &str) -> Result<Response<Body>, Failure
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(api::CRC32C_HEADER, format!("{:08x}", batchfs::crc::crc32c(&table)))
         .header(api::INDEX_ID_HEADER, index_id)
+        .header(header::CONTENT_LENGTH, table.len())
         .body(Body::full(table))
         .expect("valid"))
 }
@@ -704,6 +714,23 @@ mod tests {
         }
         let r = request((&state, &rt), Method::GET, uris[0], &[("range", "bytes=1-2")]);
         assert_eq!(r.headers()[api::SAMPLES_HEADER], "2");
+    }
+
+    /// HEAD says the Content-Length GET does (it had none on these: hyper counts a body, and HEAD's is empty).
+    #[test]
+    fn head_and_get_say_the_same_content_length() {
+        let (_data, state, rt) = state(1024);
+        for uri in ["/healthz", "/metrics", "/v1/datasets/d/samples", "/v1/datasets/d", "/v1/datasets/d/files"] {
+            let get = request((&state, &rt), Method::GET, uri, &[]);
+            let head = request((&state, &rt), Method::HEAD, uri, &[]);
+            assert_eq!((get.status(), head.status()), (StatusCode::OK, StatusCode::OK), "{uri}");
+            let len = |r: &Response<Body>| r.headers().get(header::CONTENT_LENGTH).cloned();
+            assert_eq!(len(&get).map(|l| l.to_str().unwrap().parse().unwrap()), held(&get).map(|b| b.len()), "{uri}");
+            assert!(len(&head).is_some(), "{uri}");
+            if uri != "/metrics" {
+                assert_eq!(len(&head), len(&get), "{uri}");
+            }
+        }
     }
 
     /// Every request of a manifest or a slot table sends the memo's buffer: a client opening many of them
