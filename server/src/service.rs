@@ -519,7 +519,7 @@ fn layout_response<B>(
     Ok(r)
 }
 
-/// A 200, 206, 304 or 416 response for a body of `len` bytes made of `segments`.
+/// A 200, 206, 304, 412 or 416 response for a body of `len` bytes made of `segments`.
 fn ranged<B>(
     state: &AppState,
     req: &Request<B>,
@@ -533,6 +533,14 @@ fn ranged<B>(
         .header(header::ETAG, etag)
         .header(header::ACCEPT_RANGES, "bytes")
         .header(header::CACHE_CONTROL, "public, max-age=31536000, immutable");
+    // If-Match (RFC 9110, 13.1.1), first: `*` or the ETag compared strongly (a weak `W/"x"` never matches);
+    // anything else, or a value that is not text, is a 412.
+    if let Some(v) = req.headers().get(header::IF_MATCH) {
+        if !v.to_str().is_ok_and(|v| v.split(',').any(|t| t.trim() == "*" || t.trim() == etag)) {
+            let message = format!("If-Match {v:?} does not match the body's ETag {etag}");
+            return Err(Failure::new(StatusCode::PRECONDITION_FAILED, message));
+        }
+    }
     // Compared weakly, as RFC 9110 says for If-None-Match: `W/"x"` is `"x"`.
     let weak = |t: &str| t.trim().trim_start_matches("W/").to_owned();
     if header_str(header::IF_NONE_MATCH).is_some_and(|v| v.split(',').any(|t| weak(t) == weak(etag) || t.trim() == "*"))
@@ -714,6 +722,32 @@ mod tests {
         }
         let r = request((&state, &rt), Method::GET, uris[0], &[("range", "bytes=1-2")]);
         assert_eq!(r.headers()[api::SAMPLES_HEADER], "2");
+    }
+
+    /// `If-Match` was ignored (`If-Match: "other"` was a 200): a 412 unless `*` or the ETag, strongly.
+    #[test]
+    fn if_match_is_a_precondition() {
+        let (_data, state, rt) = state(1024);
+        let uri = "/v1/datasets/d/epochs/0/batches/0?batch_size=2";
+        let etag = request((&state, &rt), Method::GET, uri, &[]).headers()[header::ETAG].to_str().unwrap().to_owned();
+        let weak = format!("W/{etag}");
+        let listed = format!("\"other\", {etag}");
+        for (value, status) in [
+            ("\"other\"", StatusCode::PRECONDITION_FAILED),
+            (weak.as_str(), StatusCode::PRECONDITION_FAILED),
+            ("*", StatusCode::OK),
+            (etag.as_str(), StatusCode::OK),
+            (listed.as_str(), StatusCode::OK),
+        ] {
+            let r = request((&state, &rt), Method::GET, uri, &[("if-match", value)]);
+            assert_eq!(r.status(), status, "If-Match: {value}");
+            if status == StatusCode::PRECONDITION_FAILED {
+                assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+                assert!(!r.headers().contains_key(api::CRC32C_HEADER));
+            }
+        }
+        let r = request((&state, &rt), Method::GET, uri, &[("if-match", "\"other\""), ("range", "bytes=0-1")]);
+        assert_eq!(r.status(), StatusCode::PRECONDITION_FAILED, "before Range");
     }
 
     /// HEAD says the Content-Length GET does (it had none on these: hyper counts a body, and HEAD's is empty).
