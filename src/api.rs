@@ -67,7 +67,16 @@ pub enum Route {
     SampleData { name: String },
 }
 
+/// Whether `s` is a decimal number as the API writes one: ASCII digits only (`str::parse` also takes a
+/// leading `+`, which made `/epochs/+1` epoch 1).
+fn is_digits(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
+}
+
 fn number(what: &str, s: &str) -> Result<u64, ApiError> {
+    if !is_digits(s) {
+        return Err(ApiError::BadRequest(format!("{what} must be a non-negative integer, got {s:?}")));
+    }
     s.parse().map_err(|e: std::num::ParseIntError| match e.kind() {
         // Digits, too many of them: said so, not "must be a non-negative integer".
         std::num::IntErrorKind::PosOverflow => {
@@ -636,7 +645,9 @@ pub fn parse_range(header: Option<&str>, len: u64) -> RangeRequest {
         return RangeRequest::Full;
     };
     let (a, b) = (a.trim(), b.trim());
-    let parse = |s: &str| s.parse::<u64>().ok();
+    // Digits only; more of them than a u64 holds is a position past any body (RFC 9110 has no bound):
+    // `bytes=0-99999999999999999999` is to the end, `bytes=99999999999999999999-` unsatisfiable.
+    let parse = |s: &str| is_digits(s).then(|| s.parse::<u64>().unwrap_or(u64::MAX));
     match (a.is_empty(), b.is_empty()) {
         (true, false) => match parse(b) {
             Some(0) => RangeRequest::Unsatisfiable,
@@ -954,6 +965,27 @@ mod tests {
         assert_eq!(parse_range(Some("bytes=0-1,4-5"), 10), Full);
         assert_eq!(parse_range(Some("items=0-1"), 10), Full);
         assert_eq!(parse_range(Some("bytes=5-2"), 10), Full);
+        // Past what a u64 holds: still a range (they were ignored, a 200), to the end or past it.
+        assert_eq!(parse_range(Some("bytes=0-99999999999999999999999"), 10), Partial { start: 0, end: 10 });
+        assert_eq!(parse_range(Some("bytes=99999999999999999999999-"), 10), Unsatisfiable);
+        assert_eq!(parse_range(Some("bytes=99999999999999999999999-99999999999999999999999"), 10), Unsatisfiable);
+        assert_eq!(parse_range(Some("bytes=-99999999999999999999"), 10), Partial { start: 0, end: 10 });
+        // Digits only: a sign is no number (`bytes=+1-+2` was a 206).
+        for h in ["bytes=+1-+2", "bytes=+1-", "bytes=-+3", "bytes=1-+2", "bytes=0x1-2"] {
+            assert_eq!(parse_range(Some(h), 10), Full, "{h}");
+        }
+    }
+
+    /// `str::parse` takes a leading `+`: `/epochs/+1` was served as epoch 1, `batch_size=+4` as 4.
+    #[test]
+    fn numbers_are_digits_only() {
+        for path in ["/v1/datasets/d/epochs/+1", "/v1/datasets/d/epochs/0/batches/+2", "/v1/datasets/d/epochs/-0"] {
+            assert!(matches!(Route::parse(path), Err(ApiError::BadRequest(_))), "{path}");
+        }
+        assert_eq!(Route::parse("/v1/datasets/d/epochs/01"), Ok(Route::Manifest { name: "d".into(), epoch: 1 }));
+        assert!(BatchQuery::parse("batch_size=%2B4").is_err());
+        assert!(FilesQuery::parse("cursor=%2B4").is_err());
+        assert!(matches!(number("n", "99999999999999999999"), Err(ApiError::BadRequest(m)) if m.contains("too large")));
     }
 
     #[test]
