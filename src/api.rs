@@ -86,14 +86,15 @@ fn number(what: &str, s: &str) -> Result<u64, ApiError> {
     })
 }
 
-/// Decodes `%XX` escapes; `None` for malformed escapes or invalid UTF-8.
+/// Decodes `%XX` escapes (two hex digits); `None` for malformed escapes or invalid UTF-8.
 pub fn percent_decode(s: &str) -> Option<String> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' {
-            let hex = s.get(i + 1..i + 3)?;
+            // Hex digits only: `u8::from_str_radix` also takes a sign (`%+5` was byte 5).
+            let hex = s.get(i + 1..i + 3).filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))?;
             out.push(u8::from_str_radix(hex, 16).ok()?);
             i += 3;
         } else {
@@ -986,6 +987,16 @@ mod tests {
         assert!(BatchQuery::parse("batch_size=%2B4").is_err());
         assert!(FilesQuery::parse("cursor=%2B4").is_err());
         assert!(matches!(number("n", "99999999999999999999"), Err(ApiError::BadRequest(m)) if m.contains("too large")));
+    }
+
+    /// `u8::from_str_radix` takes a sign: `%+5` decoded as byte 5.
+    #[test]
+    fn percent_escapes_are_two_hex_digits() {
+        assert_eq!(percent_decode("a%2Fb%2f").as_deref(), Some("a/b/"));
+        for s in ["%+5", "%-5", "% 5", "%5", "%g0", "a%+5b"] {
+            assert_eq!(percent_decode(s), None, "{s}");
+        }
+        assert!(Route::parse("/v1/datasets/d/files/a%+5b").is_err());
     }
 
     #[test]
