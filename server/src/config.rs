@@ -235,8 +235,8 @@ limits! {
          many small files: one mapping per file would exceed the kernel's vm.max_map_count).";
     max_bodies_in_flight: u64 = 1024, value::count, "1024", "N",
         "Batch and file bodies and large JSON documents (manifests, slot tables, listing pages) being sent at \
-         once, server-wide; past this a request is answered 503 with Retry-After at once (mounts back off or move to another replica), which bounds the memory the \
-         bodies hold.";
+         once, server-wide; past this a request is answered 503 with Retry-After at once (mounts back off or \
+         move to another replica), which bounds the memory the bodies hold.";
     sendfile: bool = false, value::switch, "off", "on|off",
         "Over h2c, body bytes of mapped shards are sent from their file with sendfile(2), not copied out \
          of the mapping: the socket takes the file's pages (TLS always encrypts a copy). Off by default: \

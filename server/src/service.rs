@@ -4,8 +4,8 @@
 //! The file reads top down: the state, `Failure` (an error with its HTTP status, each error type mapped
 //! once) and how it becomes a response; [`handle`] (span, timeout, metrics, HEAD); `dispatch`, which
 //! checks the method, answers `/healthz`, checks the token and admits bodies of bytes and large JSON
-//! documents (503 past `max_bodies_in_flight`), then calls one function per route (`metrics`, `datasets`, `dataset_info`,
-//! `manifest`, `batch`, `rolling`, `samples`, `sample_data`, `files`, `file`); last, what those share:
+//! documents (503 past `max_bodies_in_flight`), then calls one function per route (`metrics`, `datasets`,
+//! `dataset_info`, `manifest`, `batch`, `rolling`, `samples`, `sample_data`, `files`, `file`); last, what those share:
 //! `layout_response` (a body's headers), `ranged` (conditional and range requests) and `warm_ahead`.
 //! Planning, shard checks and tables run on the blocking pool through `blocking`, never on a worker.
 
