@@ -142,8 +142,14 @@ mod value {
         }
     }
 
+    /// A path, made absolute against the working directory where it is relative (the mount's worker, a
+    /// systemd restart, may run elsewhere); an empty one (`cache_dir=$UNSET`) is refused: it was the
+    /// working directory, and a node cache was filed there.
     pub fn path(v: &str) -> Result<Option<PathBuf>, Refusal> {
-        Ok(Some(PathBuf::from(v)))
+        if v.trim().is_empty() {
+            return Err(Refusal::Expected("a path"));
+        }
+        std::path::absolute(v).map(Some).map_err(|_| Refusal::Expected("a path"))
     }
 
     pub fn servers(v: &str) -> Result<Vec<String>, Refusal> {
@@ -522,6 +528,22 @@ impl Unset for Warm {}
 mod tests {
     use super::*;
     use batchfs::plan::Shuffle;
+
+    /// An empty path (`cache_dir=$UNSET`) is refused: the node cache was filed in the working directory.
+    /// A relative one is made absolute where it is given.
+    #[test]
+    fn paths_are_absolute_and_never_empty() {
+        for empty in ["cache_dir=", "token_file= ", "ca_file="] {
+            let mut o = MountOptions::default();
+            assert!(o.apply_list(empty).is_err(), "{empty}");
+        }
+        let mut o = MountOptions::default();
+        o.apply_list("cache_dir=nvme/cache").unwrap();
+        let want = std::env::current_dir().unwrap().join("nvme/cache");
+        assert_eq!(o.cache_dir.as_deref(), Some(want.as_path()));
+        o.apply_list("cache_dir=/nvme/batchfs").unwrap();
+        assert_eq!(o.cache_dir.as_deref(), Some(std::path::Path::new("/nvme/batchfs")));
+    }
 
     #[test]
     fn the_deployment_mount_options_parse() {
