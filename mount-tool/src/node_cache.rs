@@ -395,7 +395,8 @@ impl NodeCache {
         }
         let dir = path.parent().expect("a file in a subdirectory");
         std::fs::create_dir_all(dir)?;
-        let mut tmp = tempfile::Builder::new().prefix(&format!("{PART}{}-", std::process::id())).tempfile_in(dir)?;
+        let prefix = format!("{PART}{}-{}-", pid_namespace(), std::process::id());
+        let mut tmp = tempfile::Builder::new().prefix(&prefix).tempfile_in(dir)?;
         tmp.write_all(data)?;
         // The rename moves the change time: what is remembered is the file after it.
         let file = tmp.persist(&path).map_err(|e| e.error)?;
@@ -434,8 +435,9 @@ impl NodeCache {
 
     /// Every object file: its path, size and modification time. Only files named as the cache names
     /// them, in folders named so ([`is_object_file`]): whatever else a `cache_dir` given by mistake holds
-    /// (`/var/lib`, a home) is neither counted nor ever removed. Files being written (another writer's,
-    /// in flight) are not objects; those a writer killed midway left ([`left_by_the_dead`]) are removed.
+    /// (`/var/lib`, a home) is neither counted nor removed, but files of two-character folders named as
+    /// ours being written are and were (`.batchfs-part-...`, `.tmpXXXXXX`): those a writer killed midway
+    /// left ([`left_by_the_dead`]) are removed; another writer's, in flight, are no objects.
     fn entries(&self) -> Vec<(PathBuf, u64, std::time::SystemTime)> {
         let mut out = Vec::new();
         let Ok(subdirs) = std::fs::read_dir(&self.dir) else { return out };
@@ -486,27 +488,45 @@ impl NodeCache {
     }
 }
 
-/// The start of the name of a file being written into the cache, before the writer's pid.
+/// The start of the name of a file being written into the cache, before its writer's pid namespace and
+/// pid.
 const PART: &str = ".batchfs-part-";
+
+/// This process's pid namespace (the inode `/proc/self/ns/pid` names; 0 where it cannot be read): a pid
+/// in a part's name is looked for only by a process of the same namespace (a mount in a CSI plugin's pod
+/// and `batchfs warm` in a job's may share a `cache_dir`, each seeing none of the other's processes).
+fn pid_namespace() -> u64 {
+    static NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NS.get_or_init(|| {
+        let link = std::fs::read_link("/proc/self/ns/pid").unwrap_or_default();
+        let text = link.to_string_lossy();
+        text.strip_prefix("pid:[").and_then(|t| t.strip_suffix(']')).and_then(|n| n.parse().ok()).unwrap_or(0)
+    })
+}
 
 /// A file being written that no writer will finish is this old at most (a writer writes an object whole
 /// from memory, then renames it into place: seconds).
 const PART_LIFE: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Whether `name`, last modified at `modified`, is a file a writer killed midway left: one of ours
-/// ([`PART`]) whose writer process is gone and that is half a minute old, or any file being written (a
-/// build before named them `.tmpXXXXXX`) older than [`PART_LIFE`]. They were never removed: a worker
-/// killed while warming left over a GB of them, counted by no limit.
+/// ([`PART`]) whose writer process (of this pid namespace) is gone and that is half a minute old, or any
+/// file being written (a build before named them `.tmpXXXXXX`) older than [`PART_LIFE`]. They were never
+/// removed: a worker killed while warming left over a GB of them, counted by no limit.
 fn left_by_the_dead(name: &str, modified: Option<std::time::SystemTime>) -> bool {
     let age = modified.and_then(|m| m.elapsed().ok()).unwrap_or_default();
-    let ours = name.strip_prefix(PART).and_then(|rest| rest.split_once('-')).map(|(pid, _)| pid);
+    let mut fields = name.strip_prefix(PART).map(|rest| rest.splitn(3, '-'));
+    let (ns, pid) = match &mut fields {
+        Some(f) => (f.next().and_then(|n| n.parse::<u64>().ok()), f.next().and_then(|p| p.parse::<u32>().ok())),
+        None => (None, None),
+    };
     let legacy = name.len() == 10 && name.starts_with(".tmp");
-    match ours {
-        Some(pid) if pid.bytes().all(|b| b.is_ascii_digit()) => {
-            let gone = !Path::new("/proc").join(pid).exists();
+    match (ns, pid) {
+        (Some(ns), Some(pid)) => {
+            let seen = ns != 0 && ns == pid_namespace();
+            let gone = seen && !Path::new("/proc").join(pid.to_string()).exists();
             (gone && age >= std::time::Duration::from_secs(30)) || age >= PART_LIFE
         }
-        _ => legacy && age >= PART_LIFE,
+        _ => (fields.is_some() || legacy) && age >= PART_LIFE,
     }
 }
 
@@ -616,16 +636,22 @@ mod tests {
             std::fs::File::options().write(true).open(&path).unwrap().set_modified(at).unwrap();
             path
         };
-        let dead = write(&format!("{PART}999999999-aB3xYz"), old);
-        let live = write(&format!("{PART}{}-q1w2e3", std::process::id()), old);
-        let live_ancient = write(&format!("{PART}{}-r4t5y6", std::process::id()), ancient);
-        let dead_new = write(&format!("{PART}999999999-u7i8o9"), std::time::SystemTime::now());
+        let ns = pid_namespace();
+        let dead = write(&format!("{PART}{ns}-999999999-aB3xYz"), old);
+        let live = write(&format!("{PART}{ns}-{}-q1w2e3", std::process::id()), old);
+        let live_ancient = write(&format!("{PART}{ns}-{}-r4t5y6", std::process::id()), ancient);
+        let dead_new = write(&format!("{PART}{ns}-999999999-u7i8o9"), std::time::SystemTime::now());
+        // Of another pid namespace: its writer cannot be looked for here; only its age tells.
+        let elsewhere = write(&format!("{PART}{}-999999999-p0o9i8", ns + 1), old);
+        let elsewhere_ancient = write(&format!("{PART}{}-999999999-l1k2j3", ns + 1), ancient);
         let legacy = write(".tmpAbC123", ancient);
         let legacy_new = write(".tmpDeF456", old);
         let someone_else = write("notes.txt", ancient);
         let cache = NodeCache::open(dir.path(), 1 << 20, "d").unwrap();
-        eventually("the walk at open removes them", || !dead.exists() && !legacy.exists() && !live_ancient.exists());
+        let gone = [&dead, &legacy, &live_ancient, &elsewhere_ancient];
+        eventually("the walk at open removes them", || gone.iter().all(|p| !p.exists()));
         assert!(live.exists() && dead_new.exists() && legacy_new.exists() && someone_else.exists());
+        assert!(elsewhere.exists(), "a writer of another namespace is not taken for dead");
         assert_eq!(cache.used(), 0, "nothing counted");
     }
 

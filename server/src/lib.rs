@@ -228,6 +228,9 @@ async fn serve_connection<I>(
     // Closing: asked to (the server stops; its drain_timeout bounds the wait), or for idleness.
     let (mut closing, mut idle_closing) = (false, false);
     let period = limits.idle_timeout.max(Duration::from_millis(100)) / 4;
+    // A stream may wait on the server, not its client, this long (a response head, a read of the store):
+    // a connection asked to close is dropped only past it.
+    let grace = period.max(limits.request_timeout).max(limits.object_retry_for);
     let mut tick = tokio::time::interval(period);
     loop {
         tokio::select! {
@@ -247,10 +250,10 @@ async fn serve_connection<I>(
                     tracing::debug!(?idle, "closing idle connection");
                     (closing, idle_closing) = (true, true);
                     conn.as_mut().graceful_shutdown();
-                } else if idle_closing && idle >= limits.idle_timeout + period {
-                    // Its streams still open, none moving since: bodies a client no longer reads (HTTP/2's
-                    // window shut), which a graceful close would wait for without end, each holding its
-                    // place in max_bodies_in_flight.
+                } else if idle_closing && idle >= limits.idle_timeout.saturating_add(grace) {
+                    // Its streams still open, none moving since, longer than any waits on the server:
+                    // bodies a client no longer reads (HTTP/2's window shut), which a graceful close would
+                    // wait for without end, each holding its place in max_bodies_in_flight.
                     tracing::info!(?idle, "closing a connection whose bodies its client stopped reading");
                     return;
                 }

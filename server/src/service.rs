@@ -319,9 +319,12 @@ async fn dispatch<B>(
         return Ok(health(state));
     }
     check_token(state, req)?;
-    // Bodies of bytes, and the JSON documents that can be large (one entry per batch, per slot, per file).
+    // Bodies of bytes, and listing pages (each its own, one entry per file). Manifests and slot tables are
+    // counted in flight too but never refused: each is one buffer however many ask (memoized), and a
+    // mount that cannot have the next epoch's manifest while batches keep the server saturated would fail
+    // its lookups once its timeout passed.
     let admitted = matches!(route, Route::Batch { .. } | Route::File { .. } | Route::SampleData { .. })
-        || matches!(route, Route::Manifest { .. } | Route::Rolling { .. } | Route::Files { .. });
+        || matches!(route, Route::Files { .. });
     if admitted {
         admit(state)?;
     }
@@ -666,8 +669,8 @@ mod tests {
     }
 
     /// Unread manifests, slot tables and listing pages keep their places among `max_bodies_in_flight`
-    /// until sent or dropped: a client opening many streams and reading none is refused (503) past it
-    /// rather than making the server hold a document each (documents of other epochs are not shared).
+    /// until sent or dropped; a listing page (each its own) past it is refused (503) rather than making
+    /// the server hold one more; a manifest or slot table (one shared buffer, memoized) is still answered.
     #[test]
     fn unread_json_documents_count_among_the_bodies_in_flight() {
         let (_data, state, rt) = state(2);
@@ -675,10 +678,15 @@ mod tests {
         let manifest = get("/v1/datasets/d/epochs/0?batch_size=1");
         let page = get("/v1/datasets/d/files?limit=100000");
         assert_eq!((manifest.status(), page.status()), (StatusCode::OK, StatusCode::OK));
-        for uri in ["/v1/datasets/d/epochs/1?batch_size=1", "/v1/datasets/d/rolling?epochs=2", "/v1/datasets/d/files"] {
-            let refused = get(uri);
-            assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE, "{uri}");
-            assert_eq!(refused.headers()[header::RETRY_AFTER], "1");
+        let refused = get("/v1/datasets/d/files");
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(refused.headers()[header::RETRY_AFTER], "1");
+        // Manifests and slot tables are counted but never refused: each is one buffer however many ask,
+        // and a mount must have the next epoch's while batches keep the server saturated.
+        for uri in ["/v1/datasets/d/epochs/1?batch_size=1", "/v1/datasets/d/rolling?epochs=2"] {
+            let answered = get(uri);
+            assert_eq!(answered.status(), StatusCode::OK, "{uri}");
+            assert_eq!(state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed), 3, "{uri}");
         }
         // A document is handed on `chunk_size` at a time and keeps its place until its last byte is.
         let len = held(&manifest).unwrap().len();

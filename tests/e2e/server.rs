@@ -534,9 +534,9 @@ async fn a_saturated_server_answers_503_at_once() {
     assert!(started.elapsed() < std::time::Duration::from_secs(2), "answered at once");
     let file = format!("{}{}", server.base, api::file_path("d", "train-00000-of-00016.tfrecord"));
     assert_eq!(client.get(&file).send().await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
-    // A manifest counts among the bodies in flight too (unread ones held a document each): refused alike.
+    // A manifest is answered still (one buffer however many ask): a mount needs the next epoch's.
     let manifest = format!("{}{}?batch_size=20", server.base, api::manifest_path("d", 0));
-    assert_eq!(client.get(&manifest).send().await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(client.get(&manifest).send().await.unwrap().status(), StatusCode::OK);
     assert_eq!(client.get(format!("{}/healthz", server.base)).send().await.unwrap().status(), StatusCode::OK);
     // The held body finishes: room again.
     assert!(held.bytes().await.unwrap().len() > 2_000_000);
@@ -564,6 +564,9 @@ async fn a_client_that_stops_reading_is_closed_after_idle_timeout() {
         readahead_batches: 0,
         idle_timeout: std::time::Duration::from_secs(2),
         keep_alive_interval: std::time::Duration::from_millis(300),
+        // The wait on the server a stream may be in before its connection is dropped.
+        request_timeout: std::time::Duration::from_secs(1),
+        object_retry_for: std::time::Duration::from_secs(1),
         ..ServerLimits::default()
     };
     let server = serve(&[("d", &fx.path)], ServeWith { limits: Some(limits), ..ServeWith::default() }).await;

@@ -256,7 +256,8 @@ impl Bucket {
     /// lasts: a store started beside the server may answer a while after it. A refusal (no bucket, no
     /// access, no credentials, nothing under the prefix, a request the store calls wrong) is said at once.
     pub async fn list_within(&self, retry_for: Duration) -> Result<Vec<ShardInfo>, ObjectError> {
-        let deadline = tokio::time::Instant::now() + retry_for;
+        let now = tokio::time::Instant::now();
+        let deadline = now.checked_add(retry_for).unwrap_or(now + Duration::from_secs(86_400 * 365));
         let mut backoff = Duration::from_millis(100);
         loop {
             match self.list().await {
