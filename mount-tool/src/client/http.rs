@@ -347,6 +347,8 @@ impl HttpClient {
             Ok(Reply { status, retry_after, body: Err(message) }) => {
                 Err(refused(flight, server, status, retry_after, &message))
             }
+            // Never taken by the server (its connection closing): asked again, no failure of its.
+            Err(e) if super::wire::not_sent(&e) => Err(e),
             Err(e) => {
                 flight.failed();
                 Err(e)

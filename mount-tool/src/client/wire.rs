@@ -434,6 +434,12 @@ impl Shared {
         ClientError::Unreachable { server: self.server.clone(), cause: Arc::new(std::io::Error::other(what.into())) }
     }
 
+    /// A request the server never took, for `what`: its stream never began, or began past a GOAWAY's
+    /// last stream. Asked again on another connection, it fails nothing of the server's ([`not_sent`]).
+    pub(super) fn not_sent(&self, what: impl Into<String>) -> ClientError {
+        ClientError::Unreachable { server: self.server.clone(), cause: Arc::new(NotSent(what.into())) }
+    }
+
     /// Ends every stream with `why`; nothing new starts.
     fn end(&self, why: &ClientError) {
         self.ended.store(true, Ordering::Release);
@@ -479,13 +485,13 @@ async fn write_loop<W: AsyncWrite>(
                 }
                 Out::Request { block, slot } => {
                     if shared.ended.load(Ordering::Acquire) {
-                        let _ = slot.done.send(Err(shared.error("the connection has ended")));
+                        let _ = slot.done.send(Err(shared.not_sent("the connection has ended")));
                     } else if shared.going_away.load(Ordering::Acquire) {
                         // After a GOAWAY the server takes no new stream: this one is retried elsewhere.
-                        let _ = slot.done.send(Err(shared.error("the server is closing the connection")));
+                        let _ = slot.done.send(Err(shared.not_sent("the server is closing the connection")));
                     } else if next_id > frames::MAX_WINDOW {
                         shared.going_away.store(true, Ordering::Release);
-                        let _ = slot.done.send(Err(shared.error("the connection's stream ids ran out")));
+                        let _ = slot.done.send(Err(shared.not_sent("the connection's stream ids ran out")));
                     } else {
                         let id = next_id;
                         next_id += 2;
@@ -508,6 +514,25 @@ async fn write_loop<W: AsyncWrite>(
             next = if buf.len() < (256 << 10) { rx.try_recv().ok() } else { None };
         }
     }
+}
+
+/// Why a request was never taken by its server (see [`Shared::not_sent`]).
+#[derive(Debug)]
+struct NotSent(String);
+
+impl std::fmt::Display for NotSent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NotSent {}
+
+/// Whether `e` failed a request its server never took (a connection closing or ended before the
+/// request's stream began, or a stream past a GOAWAY's last): no failure of the server's, which an idle
+/// connection closed by its server (`idle_timeout`) raced with a new request was taken for.
+pub fn not_sent(e: &ClientError) -> bool {
+    matches!(e, ClientError::Unreachable { cause, .. } if cause.downcast_ref::<NotSent>().is_some())
 }
 
 #[cfg(test)]
@@ -1030,9 +1055,10 @@ mod tests {
         let wire = wire_to(&server).await;
         let err = get(&wire, "/1/1", 1, true).await.unwrap_err();
         assert!(err.to_string().contains("closing the connection (NO_ERROR)"), "{err}");
+        assert!(not_sent(&err), "past its last stream: never taken");
         assert!(!wire.usable());
         let err = get(&wire, "/1/1", 1, false).await.unwrap_err();
-        assert!(err.to_string().contains("closing the connection"), "{err}");
+        assert!(err.to_string().contains("closing the connection") && not_sent(&err), "{err}");
     }
 
     /// A peer that breaks HTTP/2 ends the connection with an error naming what it broke, and every stream

@@ -300,7 +300,7 @@ impl Reading {
                     ids.iter().filter_map(|id| streams.remove(id)).collect()
                 };
                 for slot in gone {
-                    let _ = slot.done.send(Err(self.shared.error(what.clone())));
+                    let _ = slot.done.send(Err(self.shared.not_sent(what.clone())));
                 }
             }
             Event::Settings { ack: true, .. } | Event::Ping { ack: true, .. } => {}
