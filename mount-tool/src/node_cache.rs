@@ -201,6 +201,12 @@ impl NodeCache {
         if dir.exists() && !dir.is_dir() {
             return Err(std::io::Error::new(std::io::ErrorKind::NotADirectory, "it is not a directory"));
         }
+        if !dir.exists() && dir.is_symlink() {
+            // Its making failed as "File exists".
+            let to = std::fs::read_link(dir).unwrap_or_default();
+            let why = format!("it is a link to {}, which does not exist", to.display());
+            return Err(std::io::Error::new(std::io::ErrorKind::NotFound, why));
+        }
         std::fs::create_dir_all(dir)?;
         let cache = std::sync::Arc::new(NodeCache {
             dir: dir.to_owned(),
@@ -577,12 +583,18 @@ mod tests {
         Key { sent: Sent { bytes: data.len() as u64, crc32c: batchfs::crc::crc32c(data) }, id: 1 }
     }
 
-    /// A `cache_dir` that is a file is refused as such (it said "File exists" before).
+    /// A `cache_dir` that is a file is refused as such, and one that is a link to nothing as that (each
+    /// said "File exists" before).
     #[test]
     fn a_cache_dir_that_is_a_file_is_refused_as_not_a_directory() {
         let file = tempfile::NamedTempFile::new().unwrap();
         let e = NodeCache::open(file.path(), 1 << 20, "d").err().unwrap();
         assert_eq!(e.to_string(), "it is not a directory");
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("cache");
+        std::os::unix::fs::symlink(dir.path().join("nvme-not-mounted"), &link).unwrap();
+        let e = NodeCache::open(&link, 1 << 20, "d").err().unwrap();
+        assert!(e.to_string().contains("nvme-not-mounted, which does not exist"), "{e}");
     }
 
     fn eventually(what: &str, done: impl Fn() -> bool) {
