@@ -67,10 +67,14 @@ impl<I> ActivityIo<I> {
         }
     }
 
-    fn wrote(&mut self, bufs: &[&[u8]], mut n: usize) {
+    /// `n` bytes of `bufs` were written.
+    fn wrote<'a>(&mut self, bufs: impl Iterator<Item = &'a [u8]>, mut n: usize) {
         let mut data = self.http1;
         if let Some(frames) = &mut self.h2 {
             for buf in bufs {
+                if n == 0 {
+                    break;
+                }
                 let taken = &buf[..buf.len().min(n)];
                 n -= taken.len();
                 data |= frames.scan(taken);
@@ -135,7 +139,7 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for ActivityIo<I> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
         if let Poll::Ready(Ok(n)) = r {
-            self.wrote(&[buf], n);
+            self.wrote(std::iter::once(buf), n);
         }
         r
     }
@@ -147,8 +151,8 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for ActivityIo<I> {
     ) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(n)) = r {
-            let slices: Vec<&[u8]> = bufs.iter().map(|b| &b[..]).collect();
-            self.wrote(&slices, n);
+            // No allocation a write: the slices as they are.
+            self.wrote(bufs.iter().map(|b| &b[..]), n);
         }
         r
     }
@@ -217,6 +221,21 @@ mod tests {
                 at = end;
             }
         }
+    }
+
+    /// A vectored write that took only part of its slices is followed to where it stopped: the PING it
+    /// wrote is no activity, the DATA it wrote next is.
+    #[test]
+    fn a_partial_vectored_write_is_followed_to_where_it_stopped() {
+        let activity = Activity::new();
+        let mut io = ActivityIo::new((), activity.clone());
+        io.read(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+        std::thread::sleep(Duration::from_millis(20));
+        let (ping, data) = (frame(6, 8), frame(DATA, 50));
+        io.wrote([&ping[..], &data[..]].into_iter(), ping.len() + 8);
+        assert_eq!(activity.last.load(Ordering::Relaxed), 0, "a PING and a DATA frame's first head bytes");
+        io.wrote(std::iter::once(&data[8..]), 1);
+        assert!(activity.last.load(Ordering::Relaxed) > 0, "the DATA frame's head whole");
     }
 
     /// Which HTTP the client speaks is read from its first bytes, however they come.
