@@ -115,7 +115,7 @@ pub struct Dataset {
     plans: Mutex<LruCache<(u64, batchfs::plan::PlanOptions), Arc<EpochPlan>>>,
     /// The plans whose batches were read last, which the disk tier follows ([`Dataset::follow`]).
     followed: Mutex<std::collections::VecDeque<(u64, batchfs::plan::PlanOptions)>>,
-    /// Each manifest as it is served (pretty JSON): requests for it share one buffer.
+    /// Each manifest as it is served (compact JSON): requests for it share one buffer.
     manifests: Memo<(u64, BatchQuery), bytes::Bytes>,
     /// Manifests computed (not found in the cache).
     computations: AtomicU64,
@@ -549,6 +549,11 @@ impl Dataset {
     /// Whether the manifest of `epoch` is cached or being computed.
     pub fn has_manifest(&self, epoch: u64, query: &BatchQuery) -> bool {
         self.manifests.has(&(epoch, *query))
+    }
+
+    /// Whether the slot table `query` names is cached or being computed.
+    pub fn has_slot_table(&self, query: &RollingQuery) -> bool {
+        self.slot_tables.has(query)
     }
 
     fn compute_manifest(&self, epoch: u64, query: &BatchQuery) -> Result<Manifest, PlanError> {

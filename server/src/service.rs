@@ -320,9 +320,9 @@ async fn dispatch<B>(
     }
     check_token(state, req)?;
     // Bodies of bytes, and listing pages (each its own, one entry per file). Manifests and slot tables are
-    // counted in flight too but never refused: each is one buffer however many ask (memoized), and a
-    // mount that cannot have the next epoch's manifest while batches keep the server saturated would fail
-    // its lookups once its timeout passed.
+    // counted in flight too, and refused only where not cached (their handlers): a cached one is one
+    // buffer however many ask, and a mount that could not have the next epoch's manifest (computed ahead
+    // when the last was asked for) while batches kept the server saturated failed its lookups.
     let admitted = matches!(route, Route::Batch { .. } | Route::File { .. } | Route::SampleData { .. })
         || matches!(route, Route::Files { .. });
     if admitted {
@@ -382,6 +382,9 @@ fn dataset_info(state: &AppState, name: &str) -> Result<Response<Body>, Failure>
 async fn manifest(state: &AppState, name: &str, epoch: u64, query: &str) -> Result<Response<Body>, Failure> {
     let ds = dataset(state, name)?;
     let query = BatchQuery::parse(query)?;
+    if !ds.has_manifest(epoch, &query) {
+        admit(state)?;
+    }
     let manifest = blocking({
         let ds = ds.clone();
         move || ds.manifest(epoch, &query)
@@ -425,6 +428,9 @@ async fn batch<B>(
 async fn rolling(state: &AppState, name: &str, query: &str) -> Result<Response<Body>, Failure> {
     let ds = dataset(state, name)?;
     let query = RollingQuery::parse(query)?;
+    if !ds.has_slot_table(&query) {
+        admit(state)?;
+    }
     let table = blocking(move || ds.slot_table(&query)).await??;
     Ok(held_response(state, table))
 }
@@ -669,8 +675,9 @@ mod tests {
     }
 
     /// Unread manifests, slot tables and listing pages keep their places among `max_bodies_in_flight`
-    /// until sent or dropped; a listing page (each its own) past it is refused (503) rather than making
-    /// the server hold one more; a manifest or slot table (one shared buffer, memoized) is still answered.
+    /// until sent or dropped; past it a listing page (each its own) and a manifest or slot table not
+    /// cached are refused (503) rather than making the server hold one more; a cached one (one shared
+    /// buffer) is still answered, the next epoch's manifest among them (computed ahead).
     #[test]
     fn unread_json_documents_count_among_the_bodies_in_flight() {
         let (_data, state, rt) = state(2);
@@ -678,16 +685,25 @@ mod tests {
         let manifest = get("/v1/datasets/d/epochs/0?batch_size=1");
         let page = get("/v1/datasets/d/files?limit=100000");
         assert_eq!((manifest.status(), page.status()), (StatusCode::OK, StatusCode::OK));
-        let refused = get("/v1/datasets/d/files");
-        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(refused.headers()[header::RETRY_AFTER], "1");
-        // Manifests and slot tables are counted but never refused: each is one buffer however many ask,
-        // and a mount must have the next epoch's while batches keep the server saturated.
-        for uri in ["/v1/datasets/d/epochs/1?batch_size=1", "/v1/datasets/d/rolling?epochs=2"] {
-            let answered = get(uri);
-            assert_eq!(answered.status(), StatusCode::OK, "{uri}");
-            assert_eq!(state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed), 3, "{uri}");
+        // Past it: a listing page, and a manifest or slot table not cached, refused; a cached one (one
+        // buffer however many ask; the next epoch's manifest, computed ahead) answered.
+        for uri in ["/v1/datasets/d/files", "/v1/datasets/d/epochs/5?batch_size=1", "/v1/datasets/d/rolling?epochs=2"] {
+            let refused = get(uri);
+            assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE, "{uri}");
+            assert_eq!(refused.headers()[header::RETRY_AFTER], "1");
         }
+        let ds = state.catalog.datasets()[0].clone();
+        let next = BatchQuery::parse("batch_size=1").unwrap();
+        for _ in 0..500 {
+            if ds.has_manifest(1, &next) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let answered = get("/v1/datasets/d/epochs/1?batch_size=1");
+        assert_eq!(answered.status(), StatusCode::OK, "the next epoch's, computed ahead");
+        assert_eq!(state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed), 3);
+        drop(answered);
         // A document is handed on `chunk_size` at a time and keeps its place until its last byte is.
         let len = held(&manifest).unwrap().len();
         let mut body = manifest.into_body();

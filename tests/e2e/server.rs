@@ -524,6 +524,8 @@ async fn a_saturated_server_answers_503_at_once() {
         .build()
         .unwrap();
     let url = |b: u64| format!("{}{}?batch_size=20", server.base, api::batch_path("d", 0, b));
+    let listed = format!("{}{}?batch_size=20", server.base, api::manifest_path("d", 0));
+    assert_eq!(client.get(&listed).send().await.unwrap().bytes().await.unwrap()[0], b'{');
     let held = client.get(url(0)).send().await.unwrap();
     assert_eq!(held.status(), StatusCode::OK);
     let started = std::time::Instant::now();
@@ -534,9 +536,11 @@ async fn a_saturated_server_answers_503_at_once() {
     assert!(started.elapsed() < std::time::Duration::from_secs(2), "answered at once");
     let file = format!("{}{}", server.base, api::file_path("d", "train-00000-of-00016.tfrecord"));
     assert_eq!(client.get(&file).send().await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
-    // A manifest is answered still (one buffer however many ask): a mount needs the next epoch's.
-    let manifest = format!("{}{}?batch_size=20", server.base, api::manifest_path("d", 0));
-    assert_eq!(client.get(&manifest).send().await.unwrap().status(), StatusCode::OK);
+    // A manifest cached is answered still (one buffer however many ask: a mount's next epoch's, computed
+    // ahead); one not cached is refused as a body is.
+    let manifest = |e: u64| format!("{}{}?batch_size=20", server.base, api::manifest_path("d", e));
+    assert_eq!(client.get(manifest(0)).send().await.unwrap().status(), StatusCode::OK);
+    assert_eq!(client.get(manifest(7)).send().await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(client.get(format!("{}/healthz", server.base)).send().await.unwrap().status(), StatusCode::OK);
     // The held body finishes: room again.
     assert!(held.bytes().await.unwrap().len() > 2_000_000);
