@@ -131,6 +131,8 @@ struct Shared {
     ended: AtomicBool,
     /// Set by a GOAWAY, or when stream ids run out: streams begun go on, new ones go elsewhere.
     going_away: AtomicBool,
+    /// Set once a stream has had its reply (of any status): the server took streams on this connection.
+    answered: AtomicBool,
     /// Streams the server takes at once.
     permits: Arc<Semaphore>,
     /// The largest frame the server takes (for our HEADERS).
@@ -209,6 +211,7 @@ impl Wire {
             streams: Mutex::new(HashMap::new()),
             ended: AtomicBool::new(false),
             going_away: AtomicBool::new(false),
+            answered: AtomicBool::new(false),
             permits: Arc::new(Semaphore::new(INITIAL_STREAMS)),
             peer_max_frame: AtomicU32::new(frames::DEFAULT_MAX_FRAME),
             last_heard: AtomicU64::new(0),
@@ -435,8 +438,13 @@ impl Shared {
     }
 
     /// A request the server never took, for `what`: its stream never began, or began past a GOAWAY's
-    /// last stream. Asked again on another connection, it fails nothing of the server's ([`not_sent`]).
+    /// last stream. Asked again on another connection, it fails nothing of the server's ([`not_sent`]),
+    /// where the connection has answered a stream: one that closes every connection before it answers
+    /// any (a server draining, a proxy refusing) is failing, and counted so.
     pub(super) fn not_sent(&self, what: impl Into<String>) -> ClientError {
+        if !self.answered.load(Ordering::Acquire) {
+            return self.error(what);
+        }
         ClientError::Unreachable { server: self.server.clone(), cause: Arc::new(NotSent(what.into())) }
     }
 
@@ -496,17 +504,30 @@ async fn write_loop<W: AsyncWrite>(
                         let id = next_id;
                         next_id += 2;
                         slot.want.id.store(id, Ordering::SeqCst);
-                        let cancelled = {
+                        // Looked at again under the lock a GOAWAY's sweep of the streams past its last takes
+                        // (after it marks the connection going away): a stream put in after the sweep got
+                        // an id the server ignores, and waited for a reply that never came.
+                        let refused = {
                             let mut streams = shared.streams.lock().unwrap();
-                            let cancelled = slot.want.cancelled.load(Ordering::SeqCst);
-                            if !cancelled {
+                            if slot.want.cancelled.load(Ordering::SeqCst) {
+                                None
+                            } else if shared.going_away.load(Ordering::Acquire) || shared.ended.load(Ordering::Acquire)
+                            {
+                                Some(Some(slot))
+                            } else {
                                 streams.insert(id, slot);
+                                Some(None)
                             }
-                            cancelled
                         };
-                        if !cancelled {
-                            let max = shared.peer_max_frame.load(Ordering::Acquire);
-                            buf.extend_from_slice(&frames::headers(id, &block, max, true));
+                        match refused {
+                            Some(None) => {
+                                let max = shared.peer_max_frame.load(Ordering::Acquire);
+                                buf.extend_from_slice(&frames::headers(id, &block, max, true));
+                            }
+                            Some(Some(slot)) => {
+                                let _ = slot.done.send(Err(shared.not_sent("the server is closing the connection")));
+                            }
+                            None => {}
                         }
                     }
                 }
@@ -1035,8 +1056,41 @@ mod tests {
         assert!(wire.usable());
     }
 
+    /// A GOAWAY after the connection served a stream (a server closing an idle connection): the requests
+    /// it did not take are never-sent ones, asked again elsewhere with no failure of the server's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_a_serving_connection_closed_under_were_never_sent() {
+        let wire = raw_server(|mut socket| async move {
+            socket.write_all(&frames::settings(&[])).await.unwrap();
+            loop {
+                let mut head = [0u8; 9];
+                socket.read_exact(&mut head).await.unwrap();
+                let mut payload = vec![0; u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize];
+                socket.read_exact(&mut payload).await.unwrap();
+                if head[3] == frames::kind::HEADERS {
+                    let end = frames::flag::END_HEADERS | frames::flag::END_STREAM;
+                    let mut reply = frames::frame(frames::kind::HEADERS, end, 1, &[0x88]);
+                    reply.extend_from_slice(&frames::goaway(1, frames::code::NO_ERROR));
+                    socket.write_all(&reply).await.unwrap();
+                    break;
+                }
+            }
+            let mut rest = Vec::new();
+            let _ = socket.read_to_end(&mut rest).await;
+        })
+        .await;
+        assert!(get_whole(&wire, "/a", 100).await.is_ok());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while wire.usable() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let err = get_whole(&wire, "/b", 100).await.unwrap_err();
+        assert!(not_sent(&err), "{err}");
+    }
+
     /// A GOAWAY fails the streams the server will not answer, with its reason, and no new stream starts on
-    /// the connection (the client makes another).
+    /// the connection (the client makes another). On a connection that served none (a server draining, a
+    /// proxy refusing every connection) that is the server failing: counted so, not taken as never sent.
     #[tokio::test]
     async fn a_goaway_fails_the_streams_past_it_and_stops_new_ones() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1055,10 +1109,10 @@ mod tests {
         let wire = wire_to(&server).await;
         let err = get(&wire, "/1/1", 1, true).await.unwrap_err();
         assert!(err.to_string().contains("closing the connection (NO_ERROR)"), "{err}");
-        assert!(not_sent(&err), "past its last stream: never taken");
+        assert!(!not_sent(&err), "a connection that served nothing: the server failing");
         assert!(!wire.usable());
         let err = get(&wire, "/1/1", 1, false).await.unwrap_err();
-        assert!(err.to_string().contains("closing the connection") && not_sent(&err), "{err}");
+        assert!(err.to_string().contains("closing the connection") && !not_sent(&err), "{err}");
     }
 
     /// A peer that breaks HTTP/2 ends the connection with an error naming what it broke, and every stream

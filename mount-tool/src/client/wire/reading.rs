@@ -428,6 +428,7 @@ impl Reading {
                 _ => Err(std::mem::take(&mut slot.error_body)),
             },
         };
+        self.shared.answered.store(true, Ordering::Release);
         let _ = slot.done.send(Ok(reply));
     }
 }
