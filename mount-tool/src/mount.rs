@@ -306,9 +306,9 @@ fn serve(
     let worker = start.is_some();
     // A worker's and a daemon's stderr is no one's (the supervisor's, or /dev/null): why they stop is logged.
     let unseen = worker || ready.is_some();
-    let (mounted, serving) = match start {
+    let (mounted, start) = match start {
         Some(start) => match take_over(plan, &start) {
-            Ok(mounted) => (mounted, Some(start.ready())),
+            Ok(mounted) => (mounted, Some(start)),
             Err(e) => {
                 start.failed(&e);
                 return Err(e);
@@ -317,9 +317,16 @@ fn serve(
         None => (spawn(plan)?, None),
     };
     let mountpoint = plan.mountpoint.clone();
-    mounted.runtime().spawn(async move {
+    // The handlers are in place before a worker says it serves: a SIGTERM of an upgrade that came just
+    // after ended the worker by its default (a failure that counted toward giving the mount up), where the
+    // worker steps down.
+    let (mut term, mut hup) = {
         use tokio::signal::unix::{signal, SignalKind};
-        let (mut term, mut hup) = (signal(SignalKind::terminate()).expect("signal"), signal(SignalKind::hangup()));
+        let _in = mounted.runtime().enter();
+        (signal(SignalKind::terminate()).expect("signal"), signal(SignalKind::hangup()))
+    };
+    let serving = start.map(|start| start.ready());
+    mounted.runtime().spawn(async move {
         loop {
             tokio::select! {
                 _ = term.recv() => break,
