@@ -10,6 +10,7 @@ pub mod atomic;
 pub mod crc;
 pub mod demo;
 pub mod encode;
+pub mod fd;
 pub mod frames;
 pub mod gen;
 pub mod hpack;

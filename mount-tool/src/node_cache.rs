@@ -310,7 +310,7 @@ impl NodeCache {
             Err(_) => return None,
         };
         if let Some(file) = regular {
-            return crate::sys::clear_nonblock(&file).ok().map(|()| file);
+            return batchfs::fd::clear_nonblock(&file).ok().map(|()| file);
         }
         let removed = std::fs::remove_file(path).or_else(|_| std::fs::remove_dir(path)).is_ok();
         tracing::warn!(

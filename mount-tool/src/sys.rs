@@ -271,22 +271,6 @@ pub fn reopen(file: &std::fs::File, writable: bool) -> io::Result<std::fs::File>
     std::fs::OpenOptions::new().read(true).write(writable).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
-/// Clears `O_NONBLOCK` on `file` (a regular file opened with it, so that a FIFO in its place could not
-/// block the open), so that its reads, the kernel's by passthrough too, are as a plain open's.
-pub fn clear_nonblock(file: &std::fs::File) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: fcntl on a descriptor `file` owns, open for the call; no memory is passed.
-    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: as above.
-    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 /// Whether this process is root.
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.

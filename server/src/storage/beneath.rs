@@ -138,7 +138,7 @@ impl DatasetDir {
             tracing::warn!(dir = %self.path.display(), path = rel, "no regular file");
             return Err(BeneathError::NotAFile { path: rel.to_owned() });
         }
-        blocking(&file).map_err(io)?;
+        batchfs::fd::clear_nonblock(&file).map_err(io)?;
         Ok((file, outside))
     }
 
@@ -217,20 +217,6 @@ fn reading(flags: libc::c_int) -> libc::c_int {
     } else {
         flags | libc::O_NONBLOCK
     }
-}
-
-/// Clears `O_NONBLOCK` from a regular file opened with it: io_uring answers reads of such a file that
-/// would wait with `EAGAIN`, where it waits for them otherwise.
-fn blocking(file: &File) -> io::Result<()> {
-    let fd = file.as_raw_fd();
-    // SAFETY: `fd` is open for the calls' duration (`file` is borrowed); `F_GETFL` and `F_SETFL` only read
-    // and set its status flags.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    // SAFETY: as above.
-    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Where the file behind `fd` is now, as the kernel names it.
