@@ -171,8 +171,15 @@ pub const CHECKPOINT_BYTES: u64 = 256 << 10;
 /// Checkpoints of a body at most (plus the last), so the header that carries them stays small.
 pub const MAX_CHECKPOINTS: usize = 256;
 
+/// The least step in which a layout built by [`layout_within`] asks for memory.
+pub const CHARGE_STEP: u64 = 16 << 10;
+
+/// A layout built within a budget of memory ([`layout_within`]): the layout and the bytes granted for it,
+/// or, refused, the bytes its segments held when they were.
+pub type Charged = Result<(BatchLayout, u64), u64>;
+
 #[derive(Default)]
-struct LayoutBuilder {
+struct LayoutBuilder<'a> {
     segments: Vec<Segment>,
     crc: CrcBuilder,
     checkpoints: Vec<(u64, u32)>,
@@ -180,11 +187,24 @@ struct LayoutBuilder {
     every: u64,
     /// Only the size and checksum are wanted (a manifest): no segment is kept.
     summary: bool,
+    /// Only the bytes of framing are wanted, counted in `held` (the least a layout holds): no checksum.
+    measure: bool,
+    /// Asked for the memory the segments take as they grow ([`layout_within`]).
+    charge: Option<&'a mut dyn FnMut(u64) -> bool>,
+    /// Heap bytes the segments hold, and bytes `charge` granted.
+    held: u64,
+    granted: u64,
+    /// `charge` refused a step: the layout is given up.
+    refused: bool,
 }
 
-impl LayoutBuilder {
+impl LayoutBuilder<'_> {
     fn inline(&mut self, bytes: &[u8]) {
         if bytes.is_empty() {
+            return;
+        }
+        if self.measure {
+            self.held += bytes.len() as u64;
             return;
         }
         self.crc.push_bytes(bytes);
@@ -192,15 +212,41 @@ impl LayoutBuilder {
             return;
         }
         if let Some(Segment::Inline(last)) = self.segments.last_mut() {
+            let capacity = last.capacity();
             last.extend_from_slice(bytes);
+            let grown = last.capacity() - capacity;
+            self.grew(grown as u64);
         } else {
-            self.segments.push(Segment::Inline(bytes.to_vec()));
+            let bytes = bytes.to_vec();
+            self.grew(bytes.capacity() as u64);
+            self.push(Segment::Inline(bytes));
+        }
+    }
+
+    fn push(&mut self, segment: Segment) {
+        let capacity = self.segments.capacity();
+        self.segments.push(segment);
+        self.grew(((self.segments.capacity() - capacity) * std::mem::size_of::<Segment>()) as u64);
+    }
+
+    /// Counts `bytes` more of heap held, and asks `charge` for a step where what it granted is passed.
+    fn grew(&mut self, bytes: u64) {
+        self.held += bytes;
+        if self.held <= self.granted || self.refused {
+            return;
+        }
+        let Some(charge) = self.charge.as_mut() else { return };
+        let step = (self.held - self.granted).max(CHARGE_STEP);
+        if charge(step) {
+            self.granted += step;
+        } else {
+            self.refused = true;
         }
     }
 
     /// Appends a shard range whose CRC the caller accounts for (by `crc_pieces`).
     fn data_range(&mut self, shard: u32, offset: u64, len: u64) {
-        if len == 0 || self.summary {
+        if len == 0 || self.summary || self.measure {
             return;
         }
         // Coalesce with the previous range when contiguous in the same shard: one read instead of two.
@@ -210,16 +256,22 @@ impl LayoutBuilder {
                 return;
             }
         }
-        self.segments.push(Segment::Data { shard, offset, len });
+        self.push(Segment::Data { shard, offset, len });
     }
 
     fn data(&mut self, shard: u32, offset: u64, len: u64, crc32c: u32) {
+        if self.measure {
+            return;
+        }
         self.crc.push_crc(crc32c, len);
         self.data_range(shard, offset, len);
     }
 
     /// Marks the end of a sample: a checkpoint when the last is far enough behind.
     fn sample_end(&mut self) {
+        if self.measure {
+            return;
+        }
         let last = self.checkpoints.last().map_or(0, |c| c.0);
         if !self.summary && self.crc.len() >= last + self.every {
             self.checkpoints.push((self.crc.len(), self.crc.crc()));
@@ -477,23 +529,71 @@ pub fn shard_index_twins(index: &Index) -> Vec<(String, Vec<u8>)> {
 /// The layout of the batch made of `samples` (indices into `index.samples`), in `format`; `slot` is the
 /// record size of the slots formats ([`FrameSizes::slot`] of the index), unused by the others.
 pub fn layout(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -> BatchLayout {
-    build(index, samples, format, slot, false, CHECKPOINT_BYTES)
+    build(LayoutBuilder { every: CHECKPOINT_BYTES, ..LayoutBuilder::default() }, index, samples, format, slot)
+}
+
+/// [`layout`], the memory its segments take asked of `charge`: first the least it will hold (its bytes of
+/// framing, counted without building it), then, as the segments grow past that, steps of at least
+/// [`CHARGE_STEP`] bytes (the steps granted cover the heap bytes the segments hold, not the allocator's
+/// own). The layout and the bytes granted, or, at the first step refused, the bytes the segments held
+/// then with the step (the layout is given up at once; the bytes granted are the caller's to give back).
+/// A server bounds by it what the framing of a batch of many small samples takes (1 KB a tar member)
+/// before any byte of it is sent; refused at the first step, nothing was built.
+pub fn layout_within(
+    index: &Index,
+    samples: &[u32],
+    format: BatchFormat,
+    slot: u64,
+    charge: &mut dyn FnMut(u64) -> bool,
+) -> Charged {
+    let mut granted = 0;
+    let mut counted = |bytes| {
+        let ok = charge(bytes);
+        granted += if ok { bytes } else { 0 };
+        ok
+    };
+    let measure = LayoutBuilder { measure: true, ..LayoutBuilder::default() };
+    let least = build_held(measure, index, samples, format, slot).1;
+    if !counted(least) {
+        return Err(least);
+    }
+    let b = LayoutBuilder { every: CHECKPOINT_BYTES, charge: Some(&mut counted), ..LayoutBuilder::default() };
+    let b = LayoutBuilder { granted: least, ..b };
+    let (layout, held) = build_held(b, index, samples, format, slot);
+    match layout {
+        Some(layout) => Ok((layout, granted)),
+        None => Err(held),
+    }
 }
 
 /// The size and CRC32C of the batch made of `samples` (what a manifest lists), as [`layout`] computes
 /// them without keeping its segments.
 pub fn summary(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -> (u64, u32) {
-    let layout = build(index, samples, format, slot, true, CHECKPOINT_BYTES);
+    let summary = LayoutBuilder { summary: true, every: CHECKPOINT_BYTES, ..LayoutBuilder::default() };
+    let layout = build(summary, index, samples, format, slot);
     (layout.len, layout.crc32c)
 }
 
-fn build(index: &Index, samples: &[u32], format: BatchFormat, slot: u64, summary: bool, every: u64) -> BatchLayout {
-    let mut b = LayoutBuilder { summary, every, ..LayoutBuilder::default() };
+fn build(b: LayoutBuilder<'_>, index: &Index, samples: &[u32], format: BatchFormat, slot: u64) -> BatchLayout {
+    build_held(b, index, samples, format, slot).0.expect("a layout without a budget is never refused")
+}
+
+/// The layout `b` builds, `None` where its `charge` refused a step, and the heap bytes its segments held.
+fn build_held(
+    mut b: LayoutBuilder<'_>,
+    index: &Index,
+    samples: &[u32],
+    format: BatchFormat,
+    slot: u64,
+) -> (Option<BatchLayout>, u64) {
     let ids = samples;
     let samples = samples.iter().map(|&i| &index.samples[i as usize]);
     match format {
         BatchFormat::TfrecordSlots => {
             for sample in samples {
+                if b.refused {
+                    break;
+                }
                 push_tfrecord_slot(&mut b, index, sample, slot);
                 b.sample_end();
             }
@@ -501,6 +601,9 @@ fn build(index: &Index, samples: &[u32], format: BatchFormat, slot: u64, summary
         BatchFormat::TfrecordSlotsIdx => b.inline(&dali_index(samples.map(|_| slot))),
         BatchFormat::Tfrecord => {
             for sample in samples {
+                if b.refused {
+                    break;
+                }
                 push_tfrecord(&mut b, index, sample);
                 b.sample_end();
             }
@@ -508,13 +611,20 @@ fn build(index: &Index, samples: &[u32], format: BatchFormat, slot: u64, summary
         BatchFormat::TfrecordIdx => b.inline(&dali_index(samples.map(|s| tfrecord_frame_len(index, s)))),
         BatchFormat::Tar => {
             for (sample, &id) in samples.zip(ids) {
+                if b.refused {
+                    break;
+                }
                 push_tar(&mut b, sample, id);
                 b.sample_end();
             }
             b.inline(&[0u8; tar::END_LEN as usize]);
         }
     }
-    b.finish()
+    let held = b.held;
+    match b.refused {
+        true => (None, held),
+        false => (Some(b.finish()), held),
+    }
 }
 
 /// The data of `samples`, one after another (each sample's parts in order, nothing between them): the body
@@ -860,6 +970,47 @@ mod tests {
     }
 
     proptest! {
+        /// A layout built within a budget is the layout built without one, or is refused once the memory
+        /// its segments hold would pass the budget: never more granted than the budget, and every heap
+        /// byte the segments hold granted.
+        #[test]
+        fn layouts_within_a_budget_are_the_layouts_or_refused(
+            samples in arb_samples(3),
+            files_source: bool,
+            budget in 0u64..400_000,
+        ) {
+            let source = if files_source { SourceFormat::Files } else { SourceFormat::Tfrecord };
+            let (index, _) = files_index(&samples, source);
+            let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
+            let slot = frame_sizes(&index).slot;
+            for format in BatchFormat::ALL {
+                let mut taken = 0;
+                let mut charge = |bytes| {
+                    let ok = taken + bytes <= budget;
+                    taken += if ok { bytes } else { 0 };
+                    ok
+                };
+                match layout_within(&index, &order, format, slot, &mut charge) {
+                    Ok((l, granted)) => {
+                        prop_assert_eq!(&l, &layout(&index, &order, format, slot), "{}", format);
+                        let heap = l.segments.capacity() * std::mem::size_of::<Segment>()
+                            + l.segments.iter().map(|s| match s {
+                                Segment::Inline(b) => b.capacity(),
+                                Segment::Data { .. } => 0,
+                            }).sum::<usize>();
+                        prop_assert!(granted as usize >= heap, "{}: {} granted, {} held", format, granted, heap);
+                        prop_assert_eq!(granted, taken);
+                    }
+                    Err(held) => {
+                        prop_assert!(taken + (held - taken).max(CHARGE_STEP) > budget, "{}: refused early", format);
+                    }
+                }
+                prop_assert!(taken <= budget);
+            }
+        }
+    }
+
+    proptest! {
         /// Every checkpoint is the CRC32C of the body's bytes before it, at a sample boundary (for tar: a
         /// member header follows it), at least `every` bytes after the one before, and the last is the
         /// whole body: what lets a client release a prefix before the rest has arrived.
@@ -874,7 +1025,7 @@ mod tests {
             let order: Vec<u32> = (0..samples.len() as u32).rev().collect();
             let slot = frame_sizes(&index).slot;
             for format in BatchFormat::ALL {
-                let l = build(&index, &order, format, slot, false, every);
+                let l = build(LayoutBuilder { every, ..LayoutBuilder::default() }, &index, &order, format, slot);
                 let body = materialize(&l, read_from(&shard));
                 prop_assert_eq!(l.checkpoints.last().copied(), Some((l.len, l.crc32c)), "{}", format);
                 let mut last = 0;

@@ -123,6 +123,8 @@ pub struct SegmentBody {
     reading: usize,
     remaining: u64,
     _in_flight: InFlight,
+    /// What the body's layout holds of the layouts' budget (`framing_memory`), given back as it is dropped.
+    _held: Option<crate::framing::Held>,
 }
 
 impl SegmentBody {
@@ -140,7 +142,14 @@ impl SegmentBody {
             ahead: VecDeque::new(),
             reading: 0,
             remaining,
+            _held: None,
         }
+    }
+
+    /// The body, holding `held` of the layouts' budget until it is dropped.
+    pub(crate) fn holding(mut self, held: Option<crate::framing::Held>) -> Self {
+        self._held = held;
+        self
     }
 
     /// Queues chunks until `read_depth` reads are in flight, the queue is full or the body is all queued.

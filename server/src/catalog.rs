@@ -7,7 +7,7 @@ use crate::objects::tier::Tier;
 use crate::objects::{ObjectSource, ObjectsAt};
 use crate::storage::{IoPolicy, OpenError, Storage};
 use batchfs::api::{BatchEntry, BatchQuery, DatasetInfo, FileEntry, FileList, FilesQuery, Manifest, RollingQuery};
-use batchfs::encode::{self, BatchLayout};
+use batchfs::encode;
 use batchfs::index::{Index, ShardInfo};
 use batchfs::plan::{EpochPlan, Objects, PlanError, Shuffle};
 use batchfs::rolling::{RollingError, SlotTable};
@@ -19,6 +19,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use thiserror::Error;
+
+mod samples;
+
+/// A batch's layout as built within its budget ([`encode::Charged`]), and its samples.
+pub type Layout = (encode::Charged, u32);
+/// What a layout's memory is asked of as it grows ([`encode::layout_within`]).
+pub type Charge<'a> = &'a mut dyn FnMut(u64) -> bool;
 
 /// A dataset the server cannot open.
 #[derive(Debug, Error)]
@@ -441,8 +448,8 @@ impl Dataset {
         self.index.shards.iter().map(|s| tier.on_disk(s.size)).sum()
     }
 
-    /// The layout of one batch.
-    pub fn layout(&self, epoch: u64, batch: u64, query: &BatchQuery) -> Result<(BatchLayout, u32), PlanError> {
+    /// The layout of one batch, its memory asked of `charge` ([`encode::layout_within`]), and its samples.
+    pub fn layout(&self, epoch: u64, batch: u64, query: &BatchQuery, charge: Charge) -> Result<Layout, PlanError> {
         let plan = self.plan(epoch, query)?;
         // A DALI index is read for every batch file as a loader opens an epoch, often the next epoch's
         // while this one is read: only bodies say where the readers are.
@@ -450,7 +457,7 @@ impl Dataset {
             self.follow(epoch, &plan);
         }
         let samples = plan.batch(batch)?;
-        Ok((encode::layout(&self.index, samples, query.format, self.slot), samples.len() as u32))
+        Ok((encode::layout_within(&self.index, samples, query.format, self.slot, charge), samples.len() as u32))
     }
 
     /// The manifest of `epoch` as served, compact JSON (cached; computed and serialized once however many
@@ -494,35 +501,6 @@ impl Dataset {
     /// The index's content id, as the API says it (16 hex digits; [`batchfs::index::Index::content_id`]).
     pub fn index_id(&self) -> &str {
         &self.index_id
-    }
-
-    /// Every sample's label, data size and CRC32C, encoded ([`batchfs::api::SampleTable`]; made once).
-    pub fn sample_table(&self) -> bytes::Bytes {
-        self.sample_table
-            .get_or_init(|| {
-                let samples = &self.index.samples;
-                let mut t = batchfs::api::SampleTable {
-                    labels: Vec::with_capacity(samples.len()),
-                    crc32c: Vec::with_capacity(samples.len()),
-                    bytes: Vec::with_capacity(samples.len()),
-                    // Sent in a header ([`Dataset::index_id`]), not in the table's bytes.
-                    index_id: String::new(),
-                };
-                for sample in samples {
-                    let label = u32::try_from(sample.label).unwrap_or(batchfs::api::SampleTable::NO_LABEL);
-                    let crc = sample.parts.iter().fold(0, |crc, p| batchfs::crc::combine(crc, p.crc32c, p.len));
-                    t.labels.push(label);
-                    t.crc32c.push(crc);
-                    t.bytes.push(sample.bytes());
-                }
-                t.encode().into()
-            })
-            .clone()
-    }
-
-    /// The layout of the data of samples `ids`, one after another.
-    pub fn data_layout(&self, ids: &[u32]) -> BatchLayout {
-        encode::data_layout(&self.index, ids)
     }
 
     /// Checks that the shards `segments` read are as indexed (see `Storage::check`): a shard changed

@@ -237,6 +237,12 @@ limits! {
         "Batch and file bodies and large JSON documents (manifests, slot tables, listing pages) being sent at \
          once, server-wide; past this a request is answered 503 with Retry-After at once (mounts back off or \
          move to another replica), which bounds the memory the bodies hold.";
+    framing_memory: u64 = 512 << 20, value::size, "512M", "SIZE",
+        "Memory the layouts of the bodies in flight may hold together, server-wide: a batch's framing (a tar \
+         member's 512-byte header, a TFRecord frame's lengths and CRCs) and where each piece of its bytes is, \
+         held from before its first byte is sent until its last (about 1 KB a tar member, 100 bytes a \
+         TFRecord sample). A batch whose layout alone is larger is refused (400: ask for a smaller \
+         batch_size); one that meets the others' is answered 503 with Retry-After.";
     sendfile: bool = false, value::switch, "off", "on|off",
         "Over h2c, body bytes of mapped shards are sent from their file with sendfile(2), not copied out \
          of the mapping: the socket takes the file's pages (TLS always encrypts a copy). Off by default: \
@@ -403,6 +409,7 @@ impl ServerLimits {
             ("storage_concurrency", self.storage_concurrency as u64, 1),
             ("max_header_bytes", u64::from(self.max_header_bytes), 1024),
             ("max_bodies_in_flight", self.max_bodies_in_flight, 1),
+            ("framing_memory", self.framing_memory, 1 << 20),
             ("read_depth", self.read_depth as u64, 1),
             ("object_requests", self.object_requests as u64, 1),
             ("stage_objects", self.stage_objects as u64, 1),

@@ -14,6 +14,7 @@ pub mod catalog;
 pub mod cli;
 pub mod config;
 pub mod demo;
+mod framing;
 pub mod memo;
 pub mod metrics;
 pub mod objects;

@@ -9,6 +9,7 @@ pub const REQUESTS_TOTAL: &str = "batchfs_requests_total";
 pub const RESPONSE_BYTES_TOTAL: &str = "batchfs_response_bytes_total";
 pub const ERRORS_TOTAL: &str = "batchfs_errors_total";
 pub const IN_FLIGHT: &str = "batchfs_requests_in_flight";
+pub const FRAMING_BYTES: &str = "batchfs_framing_bytes";
 pub const LATENCY_SECONDS: &str = "batchfs_request_latency_seconds";
 pub const STORAGE_READS_TOTAL: &str = "batchfs_storage_blocking_reads_total";
 pub const WARMED_BATCHES_TOTAL: &str = "batchfs_readahead_batches_total";
@@ -177,6 +178,8 @@ pub struct Metrics {
     pub response_bytes: AtomicU64,
     errors: [AtomicU64; 5],
     pub in_flight: AtomicU64,
+    /// Memory the layouts of bodies in flight hold (`framing.rs`).
+    pub framing_bytes: AtomicU64,
     latency_buckets: [AtomicU64; BUCKETS.len()],
     latency_count: AtomicU64,
     latency_sum_ns: AtomicU64,
@@ -225,6 +228,12 @@ impl Metrics {
             "gauge",
             "Bodies not yet sent in full (batches, files, large JSON documents).",
             get(&self.in_flight),
+        );
+        out.metric(
+            FRAMING_BYTES,
+            "gauge",
+            "Memory the layouts of the bodies in flight hold (framing and segments; limit framing_memory).",
+            get(&self.framing_bytes),
         );
         out.family(LATENCY_SECONDS, "histogram", "Time from request to response head.");
         let bucket = format!("{LATENCY_SECONDS}_bucket");

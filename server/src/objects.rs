@@ -1410,7 +1410,7 @@ mod tests {
             assert_eq!(manifest.options.block_bytes, tier.cap() / 4, "the server's default");
             let plan = ds.plan(epoch, &query).unwrap();
             // The first batch's layout, as a body asks for it: the tier follows the plan being read.
-            ds.layout(epoch, 0, &query).unwrap();
+            ds.layout(epoch, 0, &query, &mut |_| true).unwrap().0.unwrap();
             // Each batch's samples read at once, as a body's chunk reads them, eight batches at a time, as a
             // mount's window asks for them; halfway, a loader opening the next epoch asks for the DALI index
             // of each of its batches (DALI builds its pipeline so): the tier goes on following the plan
@@ -1420,7 +1420,7 @@ mod tests {
                 if w == batches.len() / 16 {
                     let idx = batchfs::api::BatchQuery { format: batchfs::encode::BatchFormat::TfrecordIdx, ..query };
                     for b in 0..batches.len() as u64 {
-                        ds.layout(epoch + 1, b, &idx).unwrap();
+                        ds.layout(epoch + 1, b, &idx, &mut |_| true).unwrap().0.unwrap();
                     }
                 }
                 std::thread::scope(|scope| {

@@ -12,6 +12,7 @@
 use crate::body::{Body, SegmentBody, StreamContext};
 use crate::catalog::{Catalog, Dataset, Readiness, ServedFile};
 use crate::config::ServerLimits;
+use crate::framing::{Framing, Held, Refused};
 use crate::metrics::{Kind, Metrics};
 use batchfs::api::{self, ApiError, BatchQuery, DatasetList, ErrorBody, RangeRequest, RollingQuery, Route};
 use batchfs::encode::{self, BatchLayout, Segment};
@@ -39,6 +40,8 @@ pub struct AppState {
     pub request_timeout: Duration,
     /// Bodies in flight past which batch and file requests are answered 503 at once.
     pub max_bodies_in_flight: u64,
+    /// The memory the layouts of bodies in flight may hold (`framing_memory`).
+    framing: Arc<Framing>,
     warmed: Mutex<LruCache<(String, u64, BatchQuery, u64), ()>>,
 }
 
@@ -52,6 +55,7 @@ impl AppState {
             catalog,
             token,
             stream: Arc::new(stream),
+            framing: Framing::new(limits.framing_memory, metrics.clone()),
             metrics,
             readahead_batches: limits.readahead_batches,
             request_timeout: limits.request_timeout,
@@ -67,6 +71,17 @@ struct Failure {
     message: String,
     /// Seconds to send as `Retry-After` (503 for a dataset still being indexed).
     retry_after: Option<u32>,
+}
+
+impl From<Refused> for Failure {
+    fn from(refused: Refused) -> Self {
+        match refused {
+            Refused::TooLarge { .. } => Failure::new(StatusCode::BAD_REQUEST, refused.to_string()),
+            Refused::Busy { .. } => {
+                Failure { retry_after: Some(1), ..Failure::new(StatusCode::SERVICE_UNAVAILABLE, refused.to_string()) }
+            }
+        }
+    }
 }
 
 impl Failure {
@@ -409,15 +424,17 @@ async fn batch<B>(
     let ds = dataset(state, name)?;
     let query = BatchQuery::parse(req.uri().query().unwrap_or(""))?;
     tracing::debug!(dataset = %ds.name, epoch, batch, format = query.format.as_str(), "batch asked for");
-    let ds2 = ds.clone();
-    let (layout, samples) = blocking(move || {
-        let (layout, samples) = ds2.layout(epoch, batch, &query)?;
+    let (ds2, framing) = (ds.clone(), state.framing.clone());
+    let (layout, held, samples) = blocking(move || {
+        let what = format!("batch {batch} of epoch {epoch} of dataset {:?}", ds2.name);
+        let built = framing.build(&what, |charge| Ok::<_, Failure>(ds2.layout(epoch, batch, &query, charge)?));
+        let (layout, held, samples) = built?;
         ds2.check(&layout.segments)?;
-        Ok::<_, Failure>((layout, samples))
+        Ok::<_, Failure>((layout, held, samples))
     })
     .await??;
     warm_ahead(state, &ds, epoch, batch, query);
-    let mut r = layout_response(state, req, &ds, layout, query.format.content_type())?;
+    let mut r = layout_response(state, req, &ds, (layout, Some(held)), query.format.content_type())?;
     if describes_body(r.status()) {
         r.headers_mut().insert(api::SAMPLES_HEADER, HeaderValue::from(samples));
     }
@@ -461,7 +478,7 @@ async fn sample_data<B>(state: &AppState, req: &Request<B>, name: &str) -> Resul
         Ok::<_, Failure>(layout)
     })
     .await??;
-    layout_response(state, req, &ds, layout, "application/octet-stream")
+    layout_response(state, req, &ds, (layout, None), "application/octet-stream")
 }
 
 /// A page of a dataset's directory listing (up to 100,000 entries: listed and serialized on the blocking
@@ -493,7 +510,7 @@ async fn file<B>(state: &AppState, req: &Request<B>, name: &str, path: &str) -> 
     let layout = BatchLayout { segments, len: info.size, crc32c: info.crc32c, checkpoints: Vec::new() };
     let (ds2, checked) = (ds.clone(), layout.segments.clone());
     blocking(move || ds2.check(&checked)).await??;
-    layout_response(state, req, &ds, layout, "application/octet-stream")
+    layout_response(state, req, &ds, (layout, None), "application/octet-stream")
 }
 
 /// Whether a response of `ranged` is of the body (200, 206, 304), and so carries what describes it: its
@@ -502,18 +519,18 @@ fn describes_body(status: StatusCode) -> bool {
     matches!(status, StatusCode::OK | StatusCode::PARTIAL_CONTENT | StatusCode::NOT_MODIFIED)
 }
 
-/// The response for a body of bytes laid out as `layout` (a batch, samples' data, a file): `ranged`'s,
-/// with, if it is of the body, its type, its CRC32C and, on a 200, its checkpoints (they describe the
-/// whole body: a range's client cannot use them).
+/// The response for a body of bytes laid out as `layout` (a batch, samples' data, a file), with what it
+/// holds of the layouts' budget: `ranged`'s, with, if it is of the body, its type, its CRC32C and, on a
+/// 200, its checkpoints (they describe the whole body: a range's client cannot use them).
 fn layout_response<B>(
     state: &AppState,
     req: &Request<B>,
     ds: &Dataset,
-    layout: BatchLayout,
+    (layout, held): (BatchLayout, Option<Held>),
     content_type: &'static str,
 ) -> Result<Response<Body>, Failure> {
     let etag = api::etag(layout.crc32c, layout.len);
-    let mut r = ranged(state, req, ds, layout.segments, layout.len, &etag)?;
+    let mut r = ranged(state, req, ds, (layout.segments, held), layout.len, &etag)?;
     if !describes_body(r.status()) {
         return Ok(r);
     }
@@ -528,12 +545,13 @@ fn layout_response<B>(
     Ok(r)
 }
 
-/// A 200, 206, 304, 412 or 416 response for a body of `len` bytes made of `segments`.
+/// A 200, 206, 304, 412 or 416 response for a body of `len` bytes made of `segments` (which hold `held` of
+/// the layouts' budget until the body is dropped).
 fn ranged<B>(
     state: &AppState,
     req: &Request<B>,
     ds: &Dataset,
-    segments: Vec<Segment>,
+    (segments, held): (Vec<Segment>, Option<Held>),
     len: u64,
     etag: &str,
 ) -> Result<Response<Body>, Failure> {
@@ -579,7 +597,7 @@ fn ranged<B>(
             return Ok(Response::from_parts(parts, body));
         }
     };
-    let body = SegmentBody::new(state.stream.clone(), ds.storage.clone(), segments);
+    let body = SegmentBody::new(state.stream.clone(), ds.storage.clone(), segments).holding(held);
     Ok(builder.status(status).header(header::CONTENT_LENGTH, body_len).body(Body::Segments(body)).expect("valid"))
 }
 
@@ -608,7 +626,11 @@ fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, batch: u64, 
                 return;
             };
             let _ = tokio::task::spawn_blocking(move || {
-                let Ok((layout, _)) = ds.layout(epoch, b, &query) else {
+                // Within the layouts' budget, as bodies' (a warmed layout is dropped once warmed).
+                let what = format!("batch {b} of epoch {epoch} of dataset {:?}, warmed", ds.name);
+                let layout =
+                    state.framing.build(&what, |charge| Ok::<_, Failure>(ds.layout(epoch, b, &query, charge)?));
+                let Ok((layout, _held, _)) = layout else {
                     return;
                 };
                 // Only what is not in memory yet: asking the kernel to read ahead pages it holds still
@@ -642,11 +664,15 @@ mod tests {
     /// A server's state of a generated TFRecord dataset `d` (its data in the directory returned), admitting
     /// `max_bodies_in_flight` bodies, and a runtime to drive its requests.
     fn state(max_bodies_in_flight: u64) -> (tempfile::TempDir, Arc<AppState>, tokio::runtime::Runtime) {
+        state_within(ServerLimits { max_bodies_in_flight, chunk_size: 4096, ..ServerLimits::default() })
+    }
+
+    /// [`state`] with these `limits`.
+    fn state_within(limits: ServerLimits) -> (tempfile::TempDir, Arc<AppState>, tokio::runtime::Runtime) {
         let data = tempfile::tempdir().unwrap();
         let options =
             GenOptions { samples: 300, mean_bytes: 512, shards: 3, classes: 4, seed: 2, ..Default::default() };
         gen::generate(&options, data.path()).unwrap();
-        let limits = ServerLimits { max_bodies_in_flight, chunk_size: 4096, ..ServerLimits::default() };
         let io = limits.io_policy();
         let ds = Dataset::open("d", data.path(), None, &IndexOptions::default(), &NoProgress, io).unwrap();
         let catalog = Catalog::default();
@@ -746,6 +772,42 @@ mod tests {
         }
         let r = request((&state, &rt), Method::GET, uris[0], &[("range", "bytes=1-2")]);
         assert_eq!(r.headers()[api::SAMPLES_HEADER], "2");
+    }
+
+    /// A batch of many small samples held its layout (1 KB a tar member) before a byte was sent, bounded by
+    /// nothing (a batch of 2^20 tar samples took 2 GB of the server, four at once 5 GB): the layouts of the
+    /// bodies in flight hold at most `framing_memory` together; a layout larger than all of it is refused
+    /// for good (400), one meeting the others' charges is retried (503), and a body gives its share back
+    /// when dropped.
+    #[test]
+    fn the_layouts_of_bodies_in_flight_stay_within_framing_memory() {
+        let step = batchfs::encode::CHARGE_STEP;
+        let (_data, state, rt) = state_within(ServerLimits { framing_memory: 4 * step, ..ServerLimits::default() });
+        let get = |uri: &str| request((&state, &rt), Method::GET, uri, &[]);
+        let gauge = || state.metrics.framing_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        let whole = get("/v1/datasets/d/epochs/0/batches/0?batch_size=300&format=tar");
+        assert_eq!(whole.status(), StatusCode::BAD_REQUEST);
+        let error: serde_json::Value = serde_json::from_slice(&held(&whole).unwrap()).unwrap();
+        let text = error["error"].as_str().unwrap();
+        assert!(
+            text.starts_with("batch 0 of epoch 0 of dataset \"d\": its layout") && text.contains("batch_size"),
+            "{text}"
+        );
+        assert_eq!(gauge(), 0, "a refused layout gives back what it took");
+        // Small batches: each charged a step, held while its body is.
+        let bodies: Vec<_> =
+            (0..4).map(|b| get(&format!("/v1/datasets/d/epochs/0/batches/{b}?batch_size=2"))).collect();
+        assert!(bodies.iter().all(|r| r.status() == StatusCode::OK));
+        assert_eq!(gauge(), 4 * step);
+        let busy = get("/v1/datasets/d/epochs/0/batches/4?batch_size=2");
+        assert_eq!(
+            (busy.status(), busy.headers()[header::RETRY_AFTER].to_str().unwrap()),
+            (StatusCode::SERVICE_UNAVAILABLE, "1")
+        );
+        drop(bodies);
+        assert_eq!(gauge(), 0);
+        assert_eq!(get("/v1/datasets/d/epochs/0/batches/4?batch_size=2").status(), StatusCode::OK);
+        assert!(state.metrics.render().contains("batchfs_framing_bytes 0"));
     }
 
     /// `If-Match` was ignored (`If-Match: "other"` was a 200): a 412 unless `*` or the ETag, strongly.
