@@ -176,7 +176,7 @@ const BUCKETS: [f64; 12] = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 pub struct Metrics {
     requests: [AtomicU64; 4],
     pub response_bytes: AtomicU64,
-    errors: [AtomicU64; 5],
+    errors: [AtomicU64; ERROR_STATUSES.len()],
     pub in_flight: AtomicU64,
     /// Memory the layouts of bodies in flight hold (`framing.rs`).
     pub framing_bytes: AtomicU64,
@@ -191,15 +191,20 @@ pub struct Metrics {
     pub sendfile_bytes: AtomicU64,
 }
 
-/// Status codes counted as errors.
-const ERROR_STATUSES: [u16; 5] = [400, 401, 404, 416, 500];
+/// Status codes counted as errors, each under its own label; another 4xx counts as 400, another 5xx as 500.
+const ERROR_STATUSES: [u16; 9] = [400, 401, 404, 405, 409, 412, 416, 500, 503];
 
 impl Metrics {
     /// Counts a request of `kind` answered with `status` after `latency`.
     pub fn record(&self, kind: Kind, status: u16, latency: Duration) {
         self.requests[kind as usize].fetch_add(1, Ordering::Relaxed);
         if status >= 400 {
-            let slot = ERROR_STATUSES.iter().position(|&s| s == status).unwrap_or(ERROR_STATUSES.len() - 1);
+            let or = if status < 500 { 400 } else { 500 };
+            let slot = ERROR_STATUSES
+                .iter()
+                .position(|&s| s == status)
+                .or_else(|| ERROR_STATUSES.iter().position(|&s| s == or));
+            let slot = slot.expect("400 and 500 are listed");
             self.errors[slot].fetch_add(1, Ordering::Relaxed);
         }
         let secs = latency.as_secs_f64();
@@ -219,7 +224,7 @@ impl Metrics {
             out.sample(REQUESTS_TOTAL, &[("kind", kind.label())], get(&self.requests[kind as usize]));
         }
         out.metric(RESPONSE_BYTES_TOTAL, "counter", "Body bytes sent.", get(&self.response_bytes));
-        out.family(ERRORS_TOTAL, "counter", "Error responses, by status (500 counts every 5xx).");
+        out.family(ERRORS_TOTAL, "counter", "Error responses, by status (400 counts other 4xx, 500 other 5xx).");
         for (i, status) in ERROR_STATUSES.iter().enumerate() {
             out.sample(ERRORS_TOTAL, &[("status", &status.to_string())], get(&self.errors[i]));
         }
@@ -287,7 +292,13 @@ mod tests {
         let text = m.render();
         assert!(text.contains("batchfs_requests_total{kind=\"batch\"} 2"), "{text}");
         assert!(text.contains("batchfs_errors_total{status=\"404\"} 1"));
-        assert!(text.contains("batchfs_errors_total{status=\"500\"} 1"));
+        // A saturated server's 503, a changed shard's 409 and a refused method's 405 were counted as 500s.
+        assert!(text.contains("batchfs_errors_total{status=\"503\"} 1"));
+        assert!(text.contains("batchfs_errors_total{status=\"500\"} 0"));
+        for (status, label) in [(409, "409"), (405, "405"), (412, "412"), (418, "400"), (502, "500")] {
+            m.record(Kind::Other, status, Duration::ZERO);
+            assert!(m.render().contains(&format!("batchfs_errors_total{{status=\"{label}\"}} 1")), "{status}");
+        }
         assert!(text.contains("batchfs_request_latency_seconds_bucket{le=\"0.0005\"} 1"));
         assert!(text.contains("batchfs_request_latency_seconds_bucket{le=\"0.0025\"} 2"));
         assert!(text.contains("batchfs_request_latency_seconds_bucket{le=\"+Inf\"} 3"));
