@@ -395,8 +395,9 @@ fn dataset_info(state: &AppState, name: &str) -> Result<Response<Body>, Failure>
 
 /// An epoch's manifest; the next epoch's is computed in the background.
 async fn manifest(state: &AppState, name: &str, epoch: u64, query: &str) -> Result<Response<Body>, Failure> {
-    let ds = dataset(state, name)?;
+    // The query first: a bad one is a 400 even while the dataset is indexed (a 503 had its client retry it).
     let query = BatchQuery::parse(query)?;
+    let ds = dataset(state, name)?;
     if !ds.has_manifest(epoch, &query) {
         admit(state)?;
     }
@@ -421,8 +422,8 @@ async fn batch<B>(
     epoch: u64,
     batch: u64,
 ) -> Result<Response<Body>, Failure> {
-    let ds = dataset(state, name)?;
     let query = BatchQuery::parse(req.uri().query().unwrap_or(""))?;
+    let ds = dataset(state, name)?;
     tracing::debug!(dataset = %ds.name, epoch, batch, format = query.format.as_str(), "batch asked for");
     let (ds2, framing) = (ds.clone(), state.framing.clone());
     let (layout, held, samples) = blocking(move || {
@@ -443,8 +444,8 @@ async fn batch<B>(
 
 /// A rolling plan's slot table (one number per record of an epoch: compact JSON).
 async fn rolling(state: &AppState, name: &str, query: &str) -> Result<Response<Body>, Failure> {
-    let ds = dataset(state, name)?;
     let query = RollingQuery::parse(query)?;
+    let ds = dataset(state, name)?;
     if !ds.has_slot_table(&query) {
         admit(state)?;
     }
@@ -484,8 +485,8 @@ async fn sample_data<B>(state: &AppState, req: &Request<B>, name: &str) -> Resul
 /// A page of a dataset's directory listing (up to 100,000 entries: listed and serialized on the blocking
 /// pool, and held in flight until sent).
 async fn files(state: &AppState, name: &str, query: &str) -> Result<Response<Body>, Failure> {
-    let ds = dataset(state, name)?;
     let q = api::FilesQuery::parse(query)?;
+    let ds = dataset(state, name)?;
     let json = blocking(move || {
         let page = ds.list(&q).ok_or_else(|| {
             Failure::new(StatusCode::NOT_FOUND, format!("dataset {:?} has no directory {:?}", ds.name, q.dir))
@@ -808,6 +809,24 @@ mod tests {
         assert_eq!(gauge(), 0);
         assert_eq!(get("/v1/datasets/d/epochs/0/batches/4?batch_size=2").status(), StatusCode::OK);
         assert!(state.metrics.render().contains("batchfs_framing_bytes 0"));
+    }
+
+    /// A bad query to a dataset still being indexed was a 503 (its client retried it until the dataset was
+    /// ready, then got the 400): the query is looked at first.
+    #[test]
+    fn a_bad_query_is_refused_while_the_dataset_is_indexed() {
+        let (_data, state, rt) = state(1024);
+        state.catalog.announce("later").unwrap();
+        let get = |uri: &str| request((&state, &rt), Method::GET, uri, &[]).status();
+        for uri in [
+            "/v1/datasets/later/epochs/0?batch_size=0",
+            "/v1/datasets/later/epochs/0/batches/0?format=zip",
+            "/v1/datasets/later/rolling?epochs=x",
+            "/v1/datasets/later/files?limit=x",
+        ] {
+            assert_eq!(get(uri), StatusCode::BAD_REQUEST, "{uri}");
+        }
+        assert_eq!(get("/v1/datasets/later/epochs/0?batch_size=4"), StatusCode::SERVICE_UNAVAILABLE);
     }
 
     /// `If-Match` was ignored (`If-Match: "other"` was a 200): a 412 unless `*` or the ETag, strongly.
