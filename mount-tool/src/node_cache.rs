@@ -19,7 +19,9 @@
 //! open (a quarter of the daemon's CPU under ImageFolder over `raw/`), so a mount remembers the files it
 //! wrote or checked (up to `cache_dir_checks` of them) by their inode's identity: inode number, size, and
 //! the change time, which the kernel moves at every write, truncation or rename and which no one can set.
-//! An open that finds the file as it was left skips the read; any other is checked again. The change time
+//! An open that finds the file as it was left skips the read; any other is checked again. A file checked is
+//! remembered as it was before its check read, and only if it is so after it (a write during the read moves
+//! the change time: the file is read again at its next open). The change time
 //! must move at a change however soon it follows: on filesystems whose times are a clock tick coarse (no
 //! multigrain timestamps, before Linux 6.13), a file is remembered only once its change time is older than
 //! a tick, as git's index treats "racily clean" entries. What this gives up: a disk that corrupts a file's
@@ -249,11 +251,12 @@ impl NodeCache {
         }
         let path = self.path_of(whole);
         let file = self.open_file(&path)?;
-        let size = file.metadata().map_or(0, |m| m.len());
+        let before = self.before_check(&file);
+        let size = before.map_or(0, |b| b.size);
         let mut data = vec![0u8; usize::try_from(part.bytes).ok()?];
         let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut data, offset).is_ok();
         let right = size == whole.sent.bytes && read && batchfs::crc::crc32c(&data) == part.crc32c;
-        self.checked(&path, &file, whole, part.bytes, right, size)?;
+        self.checked(&path, &file, whole, (part.bytes, before), right, size)?;
         Some(data)
     }
 
@@ -268,11 +271,12 @@ impl NodeCache {
         if let Some(meta) = self.unchanged(key, &file) {
             self.stats.unread.fetch_add(1, Ordering::Relaxed);
             if self.touch_if_old(&file, meta.modified().ok()) {
-                self.remember(key, &file);
+                self.remember(key, &file, None);
             }
             self.count_hit(sent.bytes);
             return Some(file);
         }
+        let before = self.before_check(&file);
         let (right, len) = CHECK.with_borrow_mut(|buf| {
             if buf.is_empty() {
                 buf.resize(CHECK_BUFFER, 0);
@@ -292,8 +296,16 @@ impl NodeCache {
                 }
             }
         });
-        self.checked(&path, &file, key, sent.bytes, right, len)?;
+        self.checked(&path, &file, key, (sent.bytes, before), right, len)?;
         Some(file)
+    }
+
+    /// Before a check read of `file`: marks it recently used if it is old (a touch moves its change time,
+    /// so it comes first), and says how it is, to be remembered as checked only if it is still so after
+    /// the read (a write during the read was remembered as checked, and never read again by this mount).
+    fn before_check(&self, file: &std::fs::File) -> Option<Stamp> {
+        self.touch_if_old(file, file.metadata().and_then(|m| m.modified()).ok());
+        file.metadata().ok().map(|m| Stamp::of(&m))
     }
 
     /// The cache's file at `path`, opened to be read, if it is a regular file. Anything else in its place
@@ -327,23 +339,33 @@ impl NodeCache {
         file.metadata().ok().filter(|m| Stamp::of(m) == was)
     }
 
-    /// Remembers `file` (the object `key`'s, right as it is) where a change to it will show.
-    fn remember(&self, key: Key, file: &std::fs::File) {
+    /// Remembers `file` (the object `key`'s, right as it is, and as `was` where that is known: how it was
+    /// when it was read) where a change to it will show.
+    fn remember(&self, key: Key, file: &std::fs::File, was: Option<Stamp>) {
         let Some(checks) = &self.checks else { return };
         let Ok(m) = file.metadata() else { return };
         let stamp = Stamp::of(&m);
         let mut checks = checks.lock().expect("checks");
-        if stamp.size == key.sent.bytes && stamp.settled(self.fine_times) {
+        if stamp.size == key.sent.bytes && stamp.settled(self.fine_times) && was.is_none_or(|was| was == stamp) {
             checks.put(key, stamp);
         } else {
             checks.pop(&key);
         }
     }
 
-    /// After a read of `file` (at `path`, `read` bytes of it) to check `hit` bytes of the object `whole`:
-    /// if they were `right`, marks it recently used (the last to go), remembers it as checked (the whole
-    /// object read) and counts the hit; else removes it and counts it corrupt (`None`: fetched anew).
-    fn checked(&self, path: &Path, file: &std::fs::File, whole: Key, hit: u64, right: bool, read: u64) -> Option<()> {
+    /// After a read of `file` (at `path`, `read` bytes of it) to check `hit` bytes of the object `whole`
+    /// (the file as it was before the read: [`NodeCache::before_check`]): if they were `right`, remembers
+    /// it as checked (the whole object read, the file unchanged since before the read) and counts the hit;
+    /// else removes it and counts it corrupt (`None`: fetched anew).
+    fn checked(
+        &self,
+        path: &Path,
+        file: &std::fs::File,
+        whole: Key,
+        (hit, before): (u64, Option<Stamp>),
+        right: bool,
+        read: u64,
+    ) -> Option<()> {
         if !right {
             tracing::warn!(path = %path.display(), "node cache: a corrupt file, removed (fetched anew)");
             if let Some(checks) = &self.checks {
@@ -357,10 +379,8 @@ impl NodeCache {
             self.stats.corrupt.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        self.touch_if_old(file, file.metadata().and_then(|m| m.modified()).ok());
-        // After the touch, which moves the change time too.
         if hit == whole.sent.bytes {
-            self.remember(whole, file);
+            self.remember(whole, file, before);
         }
         self.count_hit(hit);
         Some(())
@@ -406,7 +426,7 @@ impl NodeCache {
         tmp.write_all(data)?;
         // The rename moves the change time: what is remembered is the file after it.
         let file = tmp.persist(&path).map_err(|e| e.error)?;
-        self.remember(key, &file);
+        self.remember(key, &file, None);
         self.used.fetch_add(sent.bytes, Ordering::Relaxed);
         self.stats.writes.fetch_add(1, Ordering::Relaxed);
         self.stats.written_bytes.fetch_add(sent.bytes, Ordering::Relaxed);
@@ -830,6 +850,31 @@ mod tests {
             assert!(none.open_checked(sent(&a)).is_some());
         }
         assert_eq!(none.stats.unread.load(Ordering::Relaxed), 0);
+    }
+
+    /// A file written in place during its check read was remembered as checked (its stamp taken after the
+    /// read) and never read again by the mount: it is remembered only as it was before the read.
+    #[test]
+    fn a_file_written_during_its_check_is_not_remembered_as_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NodeCache::open(dir.path(), 1 << 30, "d").unwrap();
+        let a: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        cache.put(sent(&a), &a).unwrap();
+        std::thread::sleep(SETTLED);
+        let path = cache.path_of(sent(&a));
+        // The check read found it right; a write came before the stamp was taken.
+        let file = cache.open_file(&path).unwrap();
+        cache.checks.as_ref().unwrap().lock().unwrap().pop(&sent(&a));
+        let before = cache.before_check(&file);
+        let w = std::fs::File::options().write(true).open(&path).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&w, &[a[10] ^ 1], 10).unwrap();
+        drop(w);
+        std::thread::sleep(SETTLED);
+        cache.checked(&path, &file, sent(&a), (a.len() as u64, before), true, a.len() as u64).unwrap();
+        let unread = cache.stats.unread.load(Ordering::Relaxed);
+        assert!(cache.open_checked(sent(&a)).is_none(), "read again, and found wrong");
+        assert_eq!(cache.stats.unread.load(Ordering::Relaxed), unread);
+        assert!(!path.exists());
     }
 
     /// A part of a file kept whole is read alone and checked against its own CRC: the file at another
