@@ -187,8 +187,6 @@ struct LayoutBuilder<'a> {
     every: u64,
     /// Only the size and checksum are wanted (a manifest): no segment is kept.
     summary: bool,
-    /// Only the bytes of framing are wanted, counted in `held` (the least a layout holds): no checksum.
-    measure: bool,
     /// Asked for the memory the segments take as they grow ([`layout_within`]).
     charge: Option<&'a mut dyn FnMut(u64) -> bool>,
     /// Heap bytes the segments hold, and bytes `charge` granted.
@@ -201,10 +199,6 @@ struct LayoutBuilder<'a> {
 impl LayoutBuilder<'_> {
     fn inline(&mut self, bytes: &[u8]) {
         if bytes.is_empty() {
-            return;
-        }
-        if self.measure {
-            self.held += bytes.len() as u64;
             return;
         }
         self.crc.push_bytes(bytes);
@@ -246,7 +240,7 @@ impl LayoutBuilder<'_> {
 
     /// Appends a shard range whose CRC the caller accounts for (by `crc_pieces`).
     fn data_range(&mut self, shard: u32, offset: u64, len: u64) {
-        if len == 0 || self.summary || self.measure {
+        if len == 0 || self.summary {
             return;
         }
         // Coalesce with the previous range when contiguous in the same shard: one read instead of two.
@@ -260,18 +254,12 @@ impl LayoutBuilder<'_> {
     }
 
     fn data(&mut self, shard: u32, offset: u64, len: u64, crc32c: u32) {
-        if self.measure {
-            return;
-        }
         self.crc.push_crc(crc32c, len);
         self.data_range(shard, offset, len);
     }
 
     /// Marks the end of a sample: a checkpoint when the last is far enough behind.
     fn sample_end(&mut self) {
-        if self.measure {
-            return;
-        }
         let last = self.checkpoints.last().map_or(0, |c| c.0);
         if !self.summary && self.crc.len() >= last + self.every {
             self.checkpoints.push((self.crc.len(), self.crc.crc()));
@@ -532,8 +520,8 @@ pub fn layout(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) ->
     build(LayoutBuilder { every: CHECKPOINT_BYTES, ..LayoutBuilder::default() }, index, samples, format, slot)
 }
 
-/// [`layout`], the memory its segments take asked of `charge`: first the least it will hold (its bytes of
-/// framing, counted without building it), then, as the segments grow past that, steps of at least
+/// [`layout`], the memory its segments take asked of `charge`: first the least it will hold (a tar batch's
+/// member headers, counted without building it: [`least_held`]), then, as the segments grow past that, steps of at least
 /// [`CHARGE_STEP`] bytes (the steps granted cover the heap bytes the segments hold, not the allocator's
 /// own). The layout and the bytes granted, or, at the first step refused, the bytes the segments held
 /// then with the step (the layout is given up at once; the bytes granted are the caller's to give back).
@@ -552,8 +540,7 @@ pub fn layout_within(
         granted += if ok { bytes } else { 0 };
         ok
     };
-    let measure = LayoutBuilder { measure: true, ..LayoutBuilder::default() };
-    let least = build_held(measure, index, samples, format, slot).1;
+    let least = least_held(index, samples, format);
     if !counted(least) {
         return Err(least);
     }
@@ -564,6 +551,21 @@ pub fn layout_within(
         Some(layout) => Ok((layout, granted)),
         None => Err(held),
     }
+}
+
+/// The least heap a layout of `samples` holds, counted without building it: a tar batch's member headers
+/// and paddings (and the archive's end), and a segment for each member's bytes, what makes a batch of many
+/// small samples large (nearly all it holds: the rest is the segments' vector growing); 0 for the other
+/// formats (their framing is a few bytes a sample).
+fn least_held(index: &Index, samples: &[u32], format: BatchFormat) -> u64 {
+    if format != BatchFormat::Tar {
+        return 0;
+    }
+    let parts = samples.iter().flat_map(|&i| &index.samples[i as usize].parts);
+    let (framing, ranges) = parts.fold((tar::END_LEN, 1), |(framing, ranges), p| {
+        (framing + tar::BLOCK + tar::padding(p.len), ranges + u64::from(p.len > 0))
+    });
+    framing + ranges * std::mem::size_of::<Segment>() as u64
 }
 
 /// The size and CRC32C of the batch made of `samples` (what a manifest lists), as [`layout`] computes
@@ -999,6 +1001,8 @@ mod tests {
                                 Segment::Data { .. } => 0,
                             }).sum::<usize>();
                         prop_assert!(granted as usize >= heap, "{}: {} granted, {} held", format, granted, heap);
+                        let least = least_held(&index, &order, format) as usize;
+                        prop_assert!(least <= heap, "{}: {} counted ahead, {} held", format, least, heap);
                         prop_assert_eq!(granted, taken);
                     }
                     Err(held) => {
