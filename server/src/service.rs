@@ -71,6 +71,9 @@ struct Failure {
     message: String,
     /// Seconds to send as `Retry-After` (503 for a dataset still being indexed).
     retry_after: Option<u32>,
+    /// The id of the index of the dataset the request named, sent in [`api::INDEX_ID_HEADER`] (a 404 of
+    /// a file another index does not have says so).
+    index_id: Option<HeaderValue>,
 }
 
 impl From<Refused> for Failure {
@@ -86,7 +89,7 @@ impl From<Refused> for Failure {
 
 impl Failure {
     fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Failure { status, message: message.into(), retry_after: None }
+        Failure { status, message: message.into(), retry_after: None, index_id: None }
     }
 }
 
@@ -158,7 +161,38 @@ fn failure_response(f: &Failure) -> Response<Body> {
     if let Some(s) = f.retry_after {
         response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
     }
+    if let Some(id) = &f.index_id {
+        response.headers_mut().insert(api::INDEX_ID_HEADER, id.clone());
+    }
     response
+}
+
+/// The index id of dataset `name` as a header's value, where it is ready and has one.
+fn index_id_of(state: &AppState, name: &str) -> Option<HeaderValue> {
+    let ds = state.catalog.get(name)?;
+    Some(ds.index_id()).filter(|id| !id.is_empty()).and_then(|id| HeaderValue::from_str(id).ok())
+}
+
+/// Every reply about a dataset, a success or an error, says in [`api::INDEX_ID_HEADER`] the index it was
+/// served from, so a mount compares it with its own as the head arrives: a body of another index is
+/// refused before any byte of it is taken. Bodies of bytes have it from the very dataset that served them
+/// (`layout_response`); the rest here, from the dataset the catalog holds now.
+fn with_index_id(
+    state: &AppState,
+    name: Option<&str>,
+    result: Result<Response<Body>, Failure>,
+) -> Result<Response<Body>, Failure> {
+    let Some(name) = name else { return result };
+    match result {
+        Ok(mut r) if !r.headers().contains_key(api::INDEX_ID_HEADER) => {
+            if let Some(id) = index_id_of(state, name) {
+                r.headers_mut().insert(api::INDEX_ID_HEADER, id);
+            }
+            Ok(r)
+        }
+        Ok(r) => Ok(r),
+        Err(f) => Err(Failure { index_id: index_id_of(state, name), ..f }),
+    }
 }
 
 fn kind_of(route: &Result<Route, ApiError>) -> Kind {
@@ -344,7 +378,13 @@ async fn dispatch<B>(
         admit(state)?;
     }
     let query = req.uri().query().unwrap_or("");
-    match route {
+    let name = match &route {
+        Route::Dataset { name } | Route::Manifest { name, .. } | Route::Batch { name, .. } => Some(name.clone()),
+        Route::Rolling { name } | Route::Samples { name } | Route::SampleData { name } => Some(name.clone()),
+        Route::Files { name } | Route::File { name, .. } => Some(name.clone()),
+        Route::Health | Route::Metrics | Route::Datasets => None,
+    };
+    let result = match route {
         Route::Health => unreachable!("handled above"),
         Route::Metrics => Ok(metrics(state)),
         Route::Datasets => Ok(datasets(state)),
@@ -356,7 +396,8 @@ async fn dispatch<B>(
         Route::SampleData { name } => sample_data(state, req, &name).await,
         Route::Files { name } => files(state, &name, query).await,
         Route::File { name, path } => file(state, req, &name, &path).await,
-    }
+    };
+    with_index_id(state, name.as_deref(), result)
 }
 
 /// Runs `f` on the blocking pool (planning, shard checks and tables take milliseconds to seconds: never
@@ -538,6 +579,10 @@ fn layout_response<B>(
     let ok = r.status() == StatusCode::OK;
     let headers = r.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    // The index the bytes come from: a mount of another refuses them at this head.
+    if let Some(id) = Some(ds.index_id()).filter(|id| !id.is_empty()).and_then(|id| HeaderValue::from_str(id).ok()) {
+        headers.insert(api::INDEX_ID_HEADER, id);
+    }
     headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"));
     if ok && !layout.checkpoints.is_empty() {
         let value = api::format_checkpoints(&layout.checkpoints);

@@ -911,7 +911,8 @@ async fn slot_batches_hold_the_samples_in_fixed_frames() {
 /// samples it names, one after another, with their CRC32C; bad ids are refused.
 /// Every reply that describes the dataset's layout says the index it was made of, as the description
 /// does: a manifest, each page of a listing and a slot table in their JSON, the binary sample table in a
-/// header (its bytes stay 16 a sample).
+/// header (its bytes stay 16 a sample). Every body (a batch, samples' data, a file's range) and every other
+/// reply about the dataset, an error too, says it in its head, where a mount compares it before any byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_reply_that_describes_the_layout_says_its_index_id() {
     let fx = fixture(SourceFormat::Files, 40, 3000);
@@ -933,6 +934,25 @@ async fn every_reply_that_describes_the_layout_says_its_index_id() {
         assert_eq!(id, &info.index_id, "{reply}");
     }
     assert_eq!(header, info.index_id, "the sample table's header");
+    let file = common::all_files(&client, &server.base, "d").await.swap_remove(0).path;
+    let heads = [
+        (api::batch_path("d", 0, 1), None, StatusCode::OK),
+        (format!("{}?{}", api::sample_data_path("d"), api::sample_ids_query(&[3, 1])), None, StatusCode::OK),
+        (api::file_path("d", &file), Some("bytes=1-10"), StatusCode::PARTIAL_CONTENT),
+        (api::file_path("d", "class-0000/gone.jpg"), None, StatusCode::NOT_FOUND),
+        (api::manifest_path("d", 0), None, StatusCode::OK),
+        (api::dataset_path("d"), None, StatusCode::OK),
+    ];
+    for (path, range, status) in heads {
+        let mut request = client.get(url(path.clone()));
+        if let Some(range) = range {
+            request = request.header("range", range);
+        }
+        let r = request.send().await.unwrap();
+        assert_eq!(r.status(), status, "{path}");
+        let said = r.headers().get(api::INDEX_ID_HEADER).map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(said.as_deref(), Some(info.index_id.as_str()), "{path}: {}", r.status());
+    }
     server.running.shutdown().await;
 }
 
