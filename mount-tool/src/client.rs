@@ -73,6 +73,11 @@ pub enum ClientError {
     /// A checkpoint of the body did not match the bytes before it (see [`crate::buffers::Partial`]).
     #[error("{server} sent a corrupt body: {cause}")]
     Corrupt { server: String, cause: Arc<std::io::Error> },
+    /// The reply's head said another index of the dataset ([`batchfs::api::INDEX_ID_HEADER`]) than the one
+    /// the client expects ([`BatchClient::expect_index`]), and no other server may serve that one now: none
+    /// of its bytes was taken. The dataset was indexed again there with other files; no retry mends it.
+    #[error("{server} serves index {index_id} of the dataset, indexed again with other files")]
+    OtherIndex { server: String, index_id: String },
 }
 
 /// A transport's error, shared: a failed fetch's error reaches every reader waiting on it. Kept as it
@@ -112,6 +117,7 @@ impl ClientError {
     pub fn is_retryable(&self) -> bool {
         match self {
             ClientError::Status { status, .. } => *status >= 500 || *status == 408 || *status == 429,
+            ClientError::OtherIndex { .. } => false,
             _ => true,
         }
     }
@@ -143,6 +149,12 @@ pub trait BatchClient: Send + Sync + 'static {
     fn received(&self) -> u64 {
         0
     }
+    /// From now on, replies whose head names another index of the dataset than `index_id` (the one the
+    /// mount planned with) are refused as their head arrives, before any byte of their body is taken: the
+    /// request goes to another server that may still serve `index_id`, and where none does fails with
+    /// [`ClientError::OtherIndex`]. A reply that names no index (a server of a release before it) is taken
+    /// as it is. Empty: nothing compared (the default).
+    fn expect_index(&self, _index_id: &str) {}
 }
 
 /// Which body to fetch: what the server sends for one object a mount shows.

@@ -40,6 +40,8 @@ pub fn command(url: &str, dir: &str, options: &crate::options::MountOptions) -> 
         .build()?;
     let client: DynClient = Arc::new(crate::client::HttpClient::new(http)?);
     let info = runtime.block_on(client.dataset()).context("cannot describe the dataset")?;
+    // The table and the bodies of the index described, or none: a replica of another is passed over.
+    client.expect_index(&info.index_id);
     if info.format != batchfs::index::SourceFormat::Files {
         bail!("batchfs warm warms a file tree's files; dataset {:?} is {} shards", info.name, info.format.as_str());
     }

@@ -4,6 +4,7 @@ mod changed;
 mod chaos;
 mod common;
 mod csi;
+mod failover;
 mod faults;
 mod house;
 mod loaders;

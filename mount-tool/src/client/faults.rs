@@ -98,6 +98,10 @@ impl<C: BatchClient> BatchClient for FaultClient<C> {
         self.inner.received()
     }
 
+    fn expect_index(&self, index_id: &str) {
+        self.inner.expect_index(index_id)
+    }
+
     fn fetch_body(&self, request: &Request, attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
         let request = request.clone();
         Box::pin(async move {

@@ -16,13 +16,21 @@
 //! rests for its `Retry-After` (at most 30 s), new requests go to the others meanwhile, and a request that
 //! finds every server out and this one back soonest waits for the rest to end before it is sent. Its
 //! backoff does not grow, and it needs no probe.
+//!
+//! A server whose reply named another index of the dataset than the mount's (a replica restarted over
+//! other files: not the same dataset) is passed over for [`OTHER_INDEX_FOR`] while any other server is in
+//! rotation, logged once when found so and once when it serves the mount's index again; after that time
+//! one request at a time probes it again (refused at its head, and sent elsewhere, if it still differs).
+//! With no other server in rotation it is chosen as any server is, and the read fails at once.
 
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// How long a server that serves another index of the dataset is passed over before it is probed again.
+pub const OTHER_INDEX_FOR: Duration = Duration::from_secs(30);
 /// Weight of the newest body in the rate estimate.
 const RATE_WEIGHT: f64 = 0.2;
 
@@ -44,6 +52,10 @@ struct Server {
     sheds: AtomicU64,
     /// Resting until this instant after shedding (nanoseconds since `started`); 0: not.
     rest_until: AtomicU64,
+    /// Its last reply named another index of the dataset than the mount's (logged when set and cleared).
+    other_index: AtomicBool,
+    /// Passed over until this instant for serving another index (nanoseconds since `started`); 0: not.
+    other_until: AtomicU64,
 }
 
 /// Every server's health, in the order of the mount's server list.
@@ -58,7 +70,8 @@ pub struct Health {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerSnapshot {
     pub url: String,
-    /// In rotation now (false: taken out after a failure, until its backoff ends and a probe succeeds).
+    /// In rotation now (false: taken out after a failure, until its backoff ends and a probe succeeds; or
+    /// found serving another index of the dataset, until a reply of the mount's).
     pub up: bool,
     pub requests: u64,
     pub failures: u64,
@@ -101,6 +114,31 @@ impl InFlight<'_> {
         // Back in rotation (a probe that succeeded).
         s.backoff_ms.store(0, Ordering::Relaxed);
         s.down_until.store(0, Ordering::Relaxed);
+        s.other_until.store(0, Ordering::Relaxed);
+        if s.other_index.swap(false, Ordering::Relaxed) {
+            let server = &self.health.urls[self.server];
+            tracing::warn!(%server, "server serves the mount's index again: back in rotation");
+        }
+    }
+
+    /// The reply's head named `index_id`, another index of the dataset than `mounted`, the mount's: the
+    /// server is passed over for [`OTHER_INDEX_FOR`] (said once, not for each read). Whether another
+    /// server may serve the mount's index now: one in rotation that is not known to serve another.
+    pub fn other_index(self, index_id: &str, mounted: &str) -> bool {
+        let h = self.health;
+        let s = &h.servers[self.server];
+        s.other_until.store(h.now() + OTHER_INDEX_FOR.as_nanos() as u64, Ordering::Relaxed);
+        if !s.other_index.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                server = %h.urls[self.server],
+                index = index_id,
+                mounted,
+                "server serves another index of the dataset (indexed again with other files): reads go to the other \
+                 servers while any serves the mount's"
+            );
+        }
+        let now = h.now();
+        (0..h.servers.len()).any(|k| k != self.server && h.in_rotation(&h.servers[k], now))
     }
 
     /// The server answered that it is saturated and will take requests again after `retry_after`.
@@ -158,6 +196,11 @@ impl Health {
         (until > now).then(|| Duration::from_nanos(until - now))
     }
 
+    /// Whether server `s` takes requests now and is not known to serve another index.
+    fn in_rotation(&self, s: &Server, now: u64) -> bool {
+        s.down_until.load(Ordering::Relaxed) <= now && s.other_until.load(Ordering::Relaxed) <= now
+    }
+
     /// When server `s` takes requests again: the later of its backoff's and its rest's ends.
     fn back_at(s: &Server) -> u64 {
         s.down_until.load(Ordering::Relaxed).max(s.rest_until.load(Ordering::Relaxed))
@@ -185,11 +228,12 @@ impl Health {
         for i in 0..n {
             let k = (spread + i) % n;
             let s = &self.servers[k];
-            if Self::back_at(s) > now {
+            if Self::back_at(s) > now || s.other_until.load(Ordering::Relaxed) > now {
                 continue;
             }
-            // Recovering: one probe at a time.
-            if s.backoff_ms.load(Ordering::Relaxed) > 0 && s.in_flight.load(Ordering::Relaxed) > 0 {
+            // Recovering (from failures, or from serving another index): one probe at a time.
+            let probing = s.backoff_ms.load(Ordering::Relaxed) > 0 || s.other_index.load(Ordering::Relaxed);
+            if probing && s.in_flight.load(Ordering::Relaxed) > 0 {
                 continue;
             }
             let rate = f64::from_bits(s.rate.load(Ordering::Relaxed));
@@ -212,7 +256,9 @@ impl Health {
             .zip(&self.urls)
             .map(|(s, url)| ServerSnapshot {
                 url: url.clone(),
-                up: s.down_until.load(Ordering::Relaxed) <= now && s.backoff_ms.load(Ordering::Relaxed) == 0,
+                up: s.down_until.load(Ordering::Relaxed) <= now
+                    && s.backoff_ms.load(Ordering::Relaxed) == 0
+                    && !s.other_index.load(Ordering::Relaxed),
                 requests: s.requests.load(Ordering::Relaxed),
                 failures: s.failures.load(Ordering::Relaxed),
                 bytes: s.bytes.load(Ordering::Relaxed),
@@ -299,6 +345,30 @@ mod tests {
         assert_eq!(h.servers[0].backoff_ms.load(Ordering::Relaxed), 0, "no backoff to grow, no probe needed");
         h.begin(0, 1000).shed(Duration::from_secs(3600));
         assert!(h.resting(0).unwrap() <= MAX_BACKOFF, "a rest is at most {MAX_BACKOFF:?}");
+    }
+
+    #[test]
+    fn a_server_of_another_index_is_passed_over_while_another_is_in_rotation_then_probed() {
+        let h = health(2);
+        assert!(h.begin(0, 10).other_index("2", "1"), "server 1 may serve the mount's index");
+        for b in 0..4 {
+            assert_eq!(h.begin(b, 10).server(), 1, "passed over");
+        }
+        let s = h.snapshot();
+        assert!(!s[0].up && s[0].failures == 0 && s[0].taken_out == 0 && s[1].up, "{s:?}");
+        // Server 1 down too: server 0 is tried as any server would be, and says no other may serve now.
+        h.begin(1, 10).failed();
+        let last = h.begin(0, 10);
+        assert_eq!(last.server(), 0, "the one back soonest");
+        assert!(!last.other_index("2", "1"), "server 1 is down");
+        // Its time passed over ended: probed, one request at a time; a reply of the mount's puts it back.
+        h.servers[0].other_until.store(1, Ordering::Relaxed);
+        h.servers[1].down_until.store(1, Ordering::Relaxed);
+        let probe = h.begin(0, 10);
+        assert_eq!(probe.server(), 0);
+        assert_eq!(h.begin(0, 10).server(), 1, "one probe at a time");
+        probe.succeeded(10);
+        assert!(h.snapshot()[0].up && !h.servers[0].other_index.load(Ordering::Relaxed));
     }
 
     #[test]

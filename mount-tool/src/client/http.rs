@@ -122,6 +122,8 @@ pub struct HttpClient {
     health: Arc<Health>,
     /// Bytes of responses received, as they come ([`BatchClient::received`]).
     received: Arc<std::sync::atomic::AtomicU64>,
+    /// The index of the dataset replies must be of ([`BatchClient::expect_index`]); unset: any.
+    index_id: std::sync::OnceLock<Arc<str>>,
 }
 
 impl HttpClient {
@@ -140,7 +142,8 @@ impl HttpClient {
         let health = Arc::new(Health::new(&config.servers));
         let lanes = config.servers.len() * config.connections.max(1);
         let wires = (0..lanes).map(|_| tokio::sync::Mutex::new(None)).collect();
-        Ok(HttpClient { config, wires, connector, next: AtomicUsize::new(0), health, received: Default::default() })
+        let (next, received, index_id) = (AtomicUsize::new(0), Default::default(), Default::default());
+        Ok(HttpClient { config, wires, connector, next, health, received, index_id })
     }
 
     /// Every server's health (for `batchfs stats` and the metrics endpoint).
@@ -196,10 +199,33 @@ impl HttpClient {
         &self,
         path_and_query: &str,
     ) -> Result<(InFlight<'_>, String, Bytes, Option<String>), ClientError> {
-        let (flight, server, got) =
-            self.send(0, path_and_query, None, Target::Whole(Whole::default()), REPLY_BYTES).await?;
-        let Got::Whole(whole) = got else { unreachable!("a reply asked for whole comes whole") };
-        Ok((flight, server, Bytes::from(whole.bytes), whole.index_id))
+        for turn in 1.. {
+            let (flight, server, got) =
+                self.send(0, path_and_query, None, Target::Whole(Whole::default()), REPLY_BYTES).await?;
+            match got {
+                Got::Whole(whole) => return Ok((flight, server, Bytes::from(whole.bytes), whole.index_id)),
+                Got::OtherIndex { index_id, .. } => self.other_index(flight, server, index_id, turn)?,
+                Got::Body(_) => unreachable!("a reply asked for whole comes whole"),
+            }
+        }
+        unreachable!("the turns end in a reply or an error")
+    }
+
+    /// A reply of `server` (on `flight`, the request's `turn`th) named `index_id`, not the mount's index:
+    /// `Ok` where another server may serve the mount's (the request goes there next; at most one turn per
+    /// server), else [`ClientError::OtherIndex`].
+    fn other_index(
+        &self,
+        flight: InFlight<'_>,
+        server: String,
+        index_id: String,
+        turn: usize,
+    ) -> Result<(), ClientError> {
+        let mounted = self.index_id.get().map_or("", |i| &**i);
+        match flight.other_index(&index_id, mounted) && turn < self.config.servers.len() {
+            true => Ok(()),
+            false => Err(ClientError::OtherIndex { server, index_id }),
+        }
     }
 
     fn query(&self, format: BatchFormat) -> String {
@@ -268,6 +294,12 @@ impl BatchClient for HttpClient {
     fn received(&self) -> u64 {
         self.received.load(std::sync::atomic::Ordering::Relaxed)
     }
+
+    fn expect_index(&self, index_id: &str) {
+        if !index_id.is_empty() {
+            let _ = self.index_id.set(index_id.into());
+        }
+    }
 }
 
 /// A response whose status is not a success: its error (what its JSON body said), and what it tells of
@@ -300,8 +332,22 @@ impl HttpClient {
         body: Sink,
         expect: Sent,
     ) -> Result<Body, ClientError> {
-        let (flight, server, got) = self.send(spread, path_and_query, range, Target::Sink(body), expect.bytes).await?;
-        let Got::Body(body) = got else { unreachable!("a body asked for into a sink comes in it") };
+        let (mut target, mut turn) = (Target::Sink(body), 0);
+        // A server of another index hands the sink back untouched: the next server may fill it.
+        let (flight, server, body) = loop {
+            turn += 1;
+            let (flight, server, got) = self.send(spread, path_and_query, range, target, expect.bytes).await?;
+            match got {
+                Got::Body(body) => break (flight, server, body),
+                Got::OtherIndex { index_id, sink: Some(sink) } => {
+                    self.other_index(flight, server, index_id, turn)?;
+                    target = Target::Sink(sink);
+                }
+                Got::OtherIndex { sink: None, .. } | Got::Whole(_) => {
+                    unreachable!("a body asked for into a sink comes in it, or with it")
+                }
+            }
+        };
         if let Some(why) = expect.mismatch(&body) {
             flight.failed();
             let cause = std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{path_and_query}: {why}"));
@@ -341,7 +387,8 @@ impl HttpClient {
         if let Some(bytes) = &bytes {
             fields.push(("range", bytes.as_str()));
         }
-        let ask = Ask { path_and_query, fields: &fields, expect, range_from: range.map_or(0, |r| r.0) };
+        let (range_from, index_id) = (range.map_or(0, |r| r.0), self.index_id.get().cloned());
+        let ask = Ask { path_and_query, fields: &fields, expect, range_from, index_id };
         match wire.get(ask, target, self.config.stall_timeout).await {
             Ok(Reply { body: Ok(got), .. }) => Ok((flight, server, got)),
             Ok(Reply { status, retry_after, body: Err(message) }) => {
@@ -434,8 +481,12 @@ mod tests {
     }
 
     fn client_of(server: String) -> HttpClient {
+        client_of_all(vec![server])
+    }
+
+    fn client_of_all(servers: Vec<String>) -> HttpClient {
         HttpClient::new(HttpConfig {
-            servers: vec![server],
+            servers,
             dataset: "d".into(),
             query: BatchQuery::default(),
             token: None,
@@ -515,6 +566,83 @@ mod tests {
             assert_eq!(body.crc32c, crc32c::crc32c(&reply));
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    /// An h2c server that answers every request with `body`, its head naming index `index_id` (none: as a
+    /// server of a release before index ids), with the count of requests it got.
+    async fn indexed_server(body: Vec<u8>, index_id: Option<&'static str>) -> (String, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let asked = Arc::new(AtomicUsize::new(0));
+        let counted = asked.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let (body, counted) = (body.clone(), counted.clone());
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = conn.accept().await {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        let mut response = http::Response::builder().status(200);
+                        if let Some(id) = index_id {
+                            response = response.header(api::INDEX_ID_HEADER, id);
+                        }
+                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
+                        let _ = stream.send_data(bytes::Bytes::from(body.clone()), true);
+                    }
+                });
+            }
+        });
+        (format!("http://{addr}"), asked)
+    }
+
+    /// A reply whose head names another index than the one expected is refused at its head, none of its
+    /// bytes taken, and the request goes at once to another server, which serves it; that server is then
+    /// passed over. Where no other server may serve the expected index, the request fails at once naming
+    /// the server and its index; a server that names no index (a release before them) is taken as it is.
+    #[tokio::test]
+    async fn a_server_of_another_index_is_refused_at_the_head_and_passed_over() {
+        let (good, other) = (vec![1u8; 3000], vec![2u8; 3000]);
+        async fn fetch(client: &HttpClient, batch: u64) -> Result<Bytes, ClientError> {
+            let good = vec![1u8; 3000];
+            let expect = Sent { bytes: 3000, crc32c: crc32c::crc32c(&good) };
+            let sink = Sink::Buffer(Filling::new(Vec::new(), (3000, 0), None, || {}));
+            let request = Request::Batch { epoch: 0, batch, format: BatchFormat::Tfrecord };
+            let body = client.fetch_body(&request, 0, sink, expect).await?;
+            let Sink::Buffer(filled) = body.sink else { panic!("a buffer") };
+            Ok(filled.finish())
+        }
+        let (a, asked_a) = indexed_server(other.clone(), Some("0000000000000002")).await;
+        let (b, asked_b) = indexed_server(good.clone(), Some("0000000000000001")).await;
+        let client = client_of_all(vec![a.clone(), b.clone()]);
+        client.expect_index("0000000000000001");
+        // Batch 0 goes to server a first (idle servers share the batches by number).
+        for batch in 0..4 {
+            assert_eq!(fetch(&client, batch).await.unwrap(), good, "batch {batch}");
+        }
+        assert_eq!(asked_a.load(Ordering::SeqCst), 1, "passed over once found serving another index");
+        assert_eq!(asked_b.load(Ordering::SeqCst), 4);
+        let s = client.health().snapshot();
+        assert!(!s[0].up && s[0].failures == 0 && s[1].up, "{s:?}");
+        // Alone, or beside a server that is down: the request fails at once.
+        let started = std::time::Instant::now();
+        let down = "http://127.0.0.1:1".to_owned();
+        for servers in [vec![a.clone()], vec![down.clone(), a.clone()]] {
+            let lone = client_of_all(servers.clone());
+            lone.health().begin(0, 0).failed();
+            lone.expect_index("0000000000000001");
+            let err = fetch(&lone, 1).await.unwrap_err();
+            let named = |server: &str, index_id: &str| server == a && index_id == "0000000000000002";
+            assert!(
+                matches!(&err, ClientError::OtherIndex { server, index_id } if named(server, index_id)),
+                "{servers:?}: {err}"
+            );
+            assert!(!err.is_retryable());
+        }
+        assert!(started.elapsed() < Duration::from_secs(3), "at once: {:?}", started.elapsed());
+        let (old, _) = indexed_server(good.clone(), None).await;
+        let client = client_of(old);
+        client.expect_index("0000000000000001");
+        assert_eq!(fetch(&client, 0).await.unwrap(), good, "a server before index ids: nothing compared");
     }
 
     /// An h2c server whose first `shed` answers are `503` with `Retry-After: 1` (a server shedding load),

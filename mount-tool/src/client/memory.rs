@@ -54,6 +54,12 @@ pub struct MemoryClient {
     /// The index id every description, manifest, listing and table says (empty: none, as a server before
     /// index ids); a test sets another to index the dataset again under a mount.
     pub index_id: Mutex<String>,
+    /// Bodies say `index_id` in their heads, as a server of this release does (the default): one asked for
+    /// while it is not the expected one ([`BatchClient::expect_index`]) fails before any byte, as the HTTP
+    /// client's does. Unset: as a server of a release before it.
+    pub index_in_heads: std::sync::atomic::AtomicBool,
+    /// The index expected of replies ([`BatchClient::expect_index`]; empty: any).
+    expected: Mutex<String>,
 }
 
 impl MemoryClient {
@@ -89,6 +95,8 @@ impl MemoryClient {
             held_after: Mutex::new(Default::default()),
             checkpoint_every: Default::default(),
             index_id: Mutex::default(),
+            index_in_heads: std::sync::atomic::AtomicBool::new(true),
+            expected: Mutex::default(),
         }
     }
 
@@ -116,7 +124,18 @@ impl BatchClient for MemoryClient {
         })
     }
 
+    fn expect_index(&self, index_id: &str) {
+        *self.expected.lock().expect("expected index") = index_id.to_owned();
+    }
+
     fn fetch_body(&self, request: &Request, _attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
+        let (served, expected) = (self.index_id(), self.expected.lock().expect("expected index").clone());
+        let compared = self.index_in_heads.load(Ordering::Relaxed) && !served.is_empty() && !expected.is_empty();
+        if compared && served != expected {
+            self.fetches.fetch_add(1, Ordering::Relaxed);
+            let other = ClientError::OtherIndex { server: "memory".into(), index_id: served };
+            return Box::pin(std::future::ready(Err(other)));
+        }
         match request {
             Request::Batch { epoch, batch, format } => self.batch_body(*epoch, *batch, *format, into),
             Request::Samples(ids) => self.samples_body(ids, into),

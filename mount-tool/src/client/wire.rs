@@ -103,6 +103,13 @@ pub enum Got {
     /// A body in its sink, with its CRC32C.
     Body(Body),
     Whole(Whole),
+    /// A reply (of any status) whose head named `index_id`, not the index asked for ([`Ask::index_id`]):
+    /// the stream was cancelled at its head, and its sink comes back with none of its bytes (a small
+    /// reply's gathering has none to give back).
+    OtherIndex {
+        index_id: String,
+        sink: Option<Sink>,
+    },
 }
 
 /// What one request asks for.
@@ -115,6 +122,9 @@ pub struct Ask<'a> {
     /// The first byte asked for by a `Range` (a reply from 0 to a range that does not start at 0 is
     /// refused).
     pub range_from: u64,
+    /// The index of the dataset the reply must be of: one whose head names another
+    /// ([`batchfs::api::INDEX_ID_HEADER`]) is [`Got::OtherIndex`]; none: nothing compared.
+    pub index_id: Option<Arc<str>>,
 }
 
 /// One HTTP/2 connection to a server; see the module's docs.
@@ -160,6 +170,8 @@ struct Want {
     cancelled: AtomicBool,
     /// Bumped by every head and body byte: what the requester's stall timer watches.
     progress: AtomicU64,
+    /// The index the reply must be of ([`Ask::index_id`]).
+    index_id: Option<Arc<str>>,
 }
 
 /// A stream's state in the reader.
@@ -259,8 +271,12 @@ impl Wire {
             .await
             .map_err(|_| stalled())?
             .map_err(|_| self.shared.error("the connection has ended"))?;
-        let want =
-            Arc::new(Want { id: AtomicU32::new(0), cancelled: AtomicBool::new(false), progress: AtomicU64::new(0) });
+        let want = Arc::new(Want {
+            id: AtomicU32::new(0),
+            cancelled: AtomicBool::new(false),
+            progress: AtomicU64::new(0),
+            index_id: ask.index_id.clone(),
+        });
         let (done, mut answer) = oneshot::channel();
         let slot = Slot {
             want: want.clone(),
@@ -698,13 +714,19 @@ mod tests {
     }
 
     async fn get_into(wire: &Wire, path: &str, expect: usize, sink: Sink) -> Result<Reply, ClientError> {
-        let ask = Ask { path_and_query: path, fields: &[("x-test", "1")], expect: expect as u64, range_from: 0 };
+        let ask = Ask {
+            path_and_query: path,
+            fields: &[("x-test", "1")],
+            expect: expect as u64,
+            range_from: 0,
+            index_id: None,
+        };
         wire.get(ask, Target::Sink(sink), Duration::from_secs(10)).await
     }
 
     /// A small reply of at most `most` bytes, gathered whole.
     async fn get_whole(wire: &Wire, path: &str, most: usize) -> Result<Reply, ClientError> {
-        let ask = Ask { path_and_query: path, fields: &[], expect: most as u64, range_from: 0 };
+        let ask = Ask { path_and_query: path, fields: &[], expect: most as u64, range_from: 0, index_id: None };
         wire.get(ask, Target::Whole(Whole::default()), Duration::from_secs(10)).await
     }
 
@@ -721,7 +743,7 @@ mod tests {
         stall: Duration,
         into_file: bool,
     ) -> Result<Reply, ClientError> {
-        let ask = Ask { path_and_query: path, fields: &[], expect: len as u64, range_from: 0 };
+        let ask = Ask { path_and_query: path, fields: &[], expect: len as u64, range_from: 0, index_id: None };
         wire.get(ask, Target::Sink(sink(len, into_file)), stall).await
     }
 
@@ -981,7 +1003,7 @@ mod tests {
         // loaded machine its frames came within the stall, and the connection was rightly kept.
         let reply = get(&wire, "/1000/1", 1000, false).await.unwrap();
         assert!(bytes_of(reply.body.unwrap()) == body_of(1000, 1));
-        let ask = Ask { path_and_query: "/silent", fields: &[], expect: 10, range_from: 0 };
+        let ask = Ask { path_and_query: "/silent", fields: &[], expect: 10, range_from: 0, index_id: None };
         let err = wire.get(ask, Target::Sink(sink(10, true)), Duration::from_millis(300)).await.unwrap_err();
         assert!(matches!(err, ClientError::Stalled { .. }), "{err}");
         assert!(!wire.usable());

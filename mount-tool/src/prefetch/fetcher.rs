@@ -7,7 +7,7 @@
 //! the bookkeeping (`fetch.rs`).
 
 use super::entry::{in_memfd, seal_file, seal_mapped, Content, Entry, Placed, Record};
-use super::retry::{verify, with_retries, Failure};
+use super::retry::{other_index, verify, with_retries, Failure};
 use super::{ObjectKey, OnDisk, PrefetcherConfig, ReadError};
 use crate::buffers::{BufferPool, Filling, Sink};
 use crate::client::{ClientError, DynClient, Request, Sent};
@@ -60,7 +60,10 @@ pub(super) struct Fetched {
 }
 
 impl Fetcher {
+    /// A fetcher of bodies through `client`, which is told the mount's index (`config.index_id`): a reply
+    /// of another is refused at its head ([`crate::client::BatchClient::expect_index`]).
     pub fn new(client: DynClient, config: PrefetcherConfig, stats: Arc<Stats>) -> Self {
+        client.expect_index(&config.index_id);
         Fetcher {
             client,
             config,
@@ -165,7 +168,8 @@ impl Fetcher {
                     ClientError::Corrupt { server, cause } => {
                         Failure::Mismatch(format!("{key} from {server}: {cause}"))
                     }
-                    e => Failure::Client(e),
+                    // Said by the reply's head, before any byte: no server may serve the mount's index now.
+                    e => other_index((&mounted.0, &mounted.1), &key.to_string(), e),
                 });
                 let body = match body.and_then(|body| verify(key, &meta, &body).map(|()| body)) {
                     Ok(body) => body,
@@ -287,6 +291,7 @@ async fn changed_or(client: &DynClient, mounted: &(String, String), otherwise: F
     }
     match client.dataset().await {
         Ok(info) => super::changed(dataset, index_id, &info.index_id, "description").map_or(otherwise, Failure::Fatal),
+        Err(e @ ClientError::OtherIndex { .. }) => other_index((dataset, index_id), "description", e),
         Err(_) => otherwise,
     }
 }
@@ -381,9 +386,48 @@ mod tests {
             let job = Job { request: Some(file), ..job(0, b"listed", false) };
             fetch(&runtime, &fetcher, job).map(|_| ()).unwrap_err()
         };
+        // A server of a release whose bodies say no index: the description is asked.
+        client.inner().index_in_heads.store(false, Ordering::Relaxed);
         let changed = gone("0000000000000001");
         assert!(matches!(&changed, ReadError::Changed { reply, .. } if reply == "description"), "{changed}");
         assert!(matches!(gone("0000000000000002"), ReadError::Refused(_)));
+    }
+
+    /// A body whose head says another index than the mount's (the server indexed the dataset again with
+    /// other files) fails at once, long before `timeout`, with the dataset indexed again naming the server;
+    /// none of its bytes reaches the entry, and it is asked for once, not retried. One of the mount's
+    /// index is fetched as ever.
+    #[test]
+    fn a_body_of_another_index_fails_at_its_head_at_once_naming_the_server() {
+        let (runtime, client, _, bodies) = setup(2);
+        let mounted = |index_id: &str| {
+            let config = PrefetcherConfig {
+                index_id: index_id.into(),
+                dataset: "d".into(),
+                timeout: Duration::from_secs(60),
+                ..Default::default()
+            };
+            Fetcher::new(client.clone(), config, Arc::new(Stats::default()))
+        };
+        *client.inner().index_id.lock().unwrap() = "0000000000000002".into();
+        let fetcher = mounted("0000000000000001");
+        let (entry, pool) = (Arc::new(Entry::new(0)), BufferPool::new(1 << 30));
+        let started = Instant::now();
+        let failed = runtime.block_on(fetcher.fetch(job(1, &bodies[1], false), &entry, &pool)).map(|_| ());
+        assert!(started.elapsed() < Duration::from_secs(5), "at once, not after the timeout: {:?}", started.elapsed());
+        let changed = failed.unwrap_err();
+        assert!(
+            matches!(&changed, ReadError::Changed { dataset, was, now, reply }
+                if dataset == "d" && was == "0000000000000001" && now == "0000000000000002"
+                    && reply.ends_with("from memory")),
+            "{changed}"
+        );
+        assert_eq!(client.inner().fetches.load(Ordering::Relaxed), 1, "no retry");
+        assert_eq!(fetcher.stats.checksum_errors.load(Ordering::Relaxed), 0, "no byte taken to be checked");
+        let read = entry.wait(Some(0..1), Instant::now(), Duration::ZERO);
+        assert!(read.is_err(), "no byte reached the entry's readers");
+        let fetched = fetch(&runtime, &mounted("0000000000000002"), job(1, &bodies[1], false)).unwrap();
+        assert_eq!(fetched.content.into_bytes(), bodies[1]);
     }
 
     #[test]

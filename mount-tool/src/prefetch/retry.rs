@@ -29,6 +29,20 @@ pub(super) fn verify(key: ObjectKey, meta: &Sent, body: &Body) -> Result<(), Fai
     }
 }
 
+/// The failure of a request for `what` that failed with `e`: where a server's reply named another index
+/// than the mount's (`mounted`: the dataset's name and its index id) and no server may serve the mount's
+/// ([`ClientError::OtherIndex`]), the dataset indexed again ([`ReadError::Changed`], naming the server):
+/// no retry mends it.
+pub(super) fn other_index((dataset, was): (&str, &str), what: &str, e: ClientError) -> Failure {
+    let changed = match &e {
+        ClientError::OtherIndex { server, index_id } => {
+            super::changed(dataset, was, index_id, &format!("{what} from {server}"))
+        }
+        _ => None,
+    };
+    changed.map_or(Failure::Client(e), Failure::Fatal)
+}
+
 /// Runs `attempt` until it succeeds, fails for good, or `config.timeout` has passed, sleeping a jittered
 /// exponential backoff (50 ms doubling to 2 s, ×0.5–1.5, cut to the time left) between attempts.
 pub(super) async fn with_retries<T, F, Fut>(
@@ -42,14 +56,19 @@ where
 {
     let started = Instant::now();
     let mut n = 0u32;
+    let mounted = (config.dataset.as_str(), config.index_id.as_str());
     loop {
-        let last = match attempt(n).await {
+        let failed = match attempt(n).await {
             Ok(v) => return Ok(v),
-            Err(Failure::Client(e)) if !e.is_retryable() => return Err(ReadError::Refused(e.to_string())),
-            Err(Failure::Fatal(e)) => return Err(e),
-            Err(Failure::Client(e)) => e.to_string(),
-            Err(Failure::Memory(e)) => format!("no memory file for the body: {e}"),
-            Err(Failure::Mismatch(m)) => {
+            Err(Failure::Client(e @ ClientError::OtherIndex { .. })) => other_index(mounted, "a reply", e),
+            Err(f) => f,
+        };
+        let last = match failed {
+            Failure::Client(e) if !e.is_retryable() => return Err(ReadError::Refused(e.to_string())),
+            Failure::Fatal(e) => return Err(e),
+            Failure::Client(e) => e.to_string(),
+            Failure::Memory(e) => format!("no memory file for the body: {e}"),
+            Failure::Mismatch(m) => {
                 Stats::add(&stats.checksum_errors, 1);
                 m
             }

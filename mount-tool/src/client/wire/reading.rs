@@ -370,6 +370,31 @@ impl Reading {
             // An interim response: the real one follows.
             Some(s) if s < 200 && !end_stream => return Ok(()),
             Some(s) if s < 200 => Some(malformed(format!("{}: a stream ended with an interim response", slot.path))),
+            Some(s)
+                if head
+                    .index_id
+                    .as_deref()
+                    .is_some_and(|got| slot.want.index_id.as_deref().is_some_and(|w| w != got)) =>
+            {
+                // Another index than the one asked for: none of its body is taken, whatever its status.
+                let mut slot = streams.remove(&stream).expect("found above");
+                drop(streams);
+                if !end_stream {
+                    let _ = self.out.send(Out::Frame(frames::rst_stream(stream, code::CANCEL)));
+                }
+                let sink = match slot.target.take() {
+                    Some(Target::Sink(sink)) => Some(sink),
+                    _ => None,
+                };
+                let index_id = head.index_id.unwrap_or_default();
+                self.shared.answered.store(true, Ordering::Release);
+                let _ = slot.done.send(Ok(Reply {
+                    status: s,
+                    retry_after: None,
+                    body: Ok(Got::OtherIndex { index_id, sink }),
+                }));
+                return Ok(());
+            }
             Some(s) => {
                 slot.status = Some(s);
                 if s == 503 {
