@@ -936,7 +936,7 @@ async fn every_reply_that_describes_the_layout_says_its_index_id() {
     assert_eq!(header, info.index_id, "the sample table's header");
     let file = common::all_files(&client, &server.base, "d").await.swap_remove(0).path;
     let heads = [
-        (api::batch_path("d", 0, 1), None, StatusCode::OK),
+        (api::batch_path("d", 0, 0), None, StatusCode::OK),
         (format!("{}?{}", api::sample_data_path("d"), api::sample_ids_query(&[3, 1])), None, StatusCode::OK),
         (api::file_path("d", &file), Some("bytes=1-10"), StatusCode::PARTIAL_CONTENT),
         (api::file_path("d", "class-0000/gone.jpg"), None, StatusCode::NOT_FOUND),
