@@ -515,7 +515,11 @@ pub fn format_stats(s: &StatsSnapshot) -> String {
         rows.push(("shuffled/ windows".to_owned(), format!("{} groups ahead of each class", s.shuffled_window)));
     }
     for (i, v) in s.servers.iter().enumerate() {
-        let state = if v.up { "in rotation" } else { "out (failed; probed after its backoff)" };
+        let state = match (v.up, v.other_index) {
+            (_, true) => "serves another index of the dataset (passed over; probed again later)",
+            (true, false) => "in rotation",
+            (false, false) => "out (failed; probed after its backoff)",
+        };
         rows.push((
             format!("server {i}"),
             format!(

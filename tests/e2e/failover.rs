@@ -45,6 +45,8 @@ fn a_replica_indexed_again_is_passed_over_and_failing_over_to_it_fails_at_once()
         assert!(took < Duration::from_secs(10), "batch {}: {took:?}", entry.index);
     }
     assert!(batch_requests(&b) > asked_before, "the replica was asked, and refused at its head");
+    let servers = common::mount_stats(&mounted.mountpoint)["servers"].clone();
+    assert_eq!((&servers[0]["other_index"], &servers[1]["other_index"]), (&false.into(), &true.into()), "{servers}");
     // The mount's server gone: the reads fail over to the replica, which serves another index: EIO at once.
     rt.block_on(a.running.shutdown());
     for entry in &m.batches[8..12] {

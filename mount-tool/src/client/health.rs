@@ -70,8 +70,7 @@ pub struct Health {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerSnapshot {
     pub url: String,
-    /// In rotation now (false: taken out after a failure, until its backoff ends and a probe succeeds; or
-    /// found serving another index of the dataset, until a reply of the mount's).
+    /// In rotation now (false: taken out after a failure, until its backoff ends and a probe succeeds).
     pub up: bool,
     pub requests: u64,
     pub failures: u64,
@@ -84,6 +83,10 @@ pub struct ServerSnapshot {
     /// Times it answered that it was saturated (`503` with `Retry-After`): rested that long, not failed.
     #[serde(default)]
     pub sheds: u64,
+    /// Its last reply named another index of the dataset than the mount's (a replica that indexed other
+    /// files): passed over while another server is in rotation, until a reply of the mount's index.
+    #[serde(default)]
+    pub other_index: bool,
 }
 
 /// A request in flight on a server; its bytes leave the server's in-flight count when dropped.
@@ -256,9 +259,8 @@ impl Health {
             .zip(&self.urls)
             .map(|(s, url)| ServerSnapshot {
                 url: url.clone(),
-                up: s.down_until.load(Ordering::Relaxed) <= now
-                    && s.backoff_ms.load(Ordering::Relaxed) == 0
-                    && !s.other_index.load(Ordering::Relaxed),
+                up: s.down_until.load(Ordering::Relaxed) <= now && s.backoff_ms.load(Ordering::Relaxed) == 0,
+                other_index: s.other_index.load(Ordering::Relaxed),
                 requests: s.requests.load(Ordering::Relaxed),
                 failures: s.failures.load(Ordering::Relaxed),
                 bytes: s.bytes.load(Ordering::Relaxed),
@@ -355,7 +357,7 @@ mod tests {
             assert_eq!(h.begin(b, 10).server(), 1, "passed over");
         }
         let s = h.snapshot();
-        assert!(!s[0].up && s[0].failures == 0 && s[0].taken_out == 0 && s[1].up, "{s:?}");
+        assert!(s[0].other_index && s[0].failures == 0 && s[0].taken_out == 0 && !s[1].other_index, "{s:?}");
         // Server 1 down too: server 0 is tried as any server would be, and says no other may serve now.
         h.begin(1, 10).failed();
         let last = h.begin(0, 10);
@@ -368,7 +370,7 @@ mod tests {
         assert_eq!(probe.server(), 0);
         assert_eq!(h.begin(0, 10).server(), 1, "one probe at a time");
         probe.succeeded(10);
-        assert!(h.snapshot()[0].up && !h.servers[0].other_index.load(Ordering::Relaxed));
+        assert!(!h.snapshot()[0].other_index);
     }
 
     #[test]

@@ -622,7 +622,7 @@ mod tests {
         assert_eq!(asked_a.load(Ordering::SeqCst), 1, "passed over once found serving another index");
         assert_eq!(asked_b.load(Ordering::SeqCst), 4);
         let s = client.health().snapshot();
-        assert!(!s[0].up && s[0].failures == 0 && s[1].up, "{s:?}");
+        assert!(s[0].other_index && s[0].failures == 0 && !s[1].other_index, "{s:?}");
         // Alone, or beside a server that is down: the request fails at once.
         let started = std::time::Instant::now();
         let down = "http://127.0.0.1:1".to_owned();
