@@ -295,6 +295,7 @@ impl BatchClient for HttpClient {
         self.received.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The first index given is kept: a mount plans with one, and its client serves no other.
     fn expect_index(&self, index_id: &str) {
         if !index_id.is_empty() {
             let _ = self.index_id.set(index_id.into());
