@@ -41,6 +41,14 @@ pub const CHECKPOINTS_HEADER: &str = "x-batchfs-checkpoints";
 /// Header carrying the content id of the index a binary reply was made of (the sample table's; the JSON
 /// replies carry theirs as a field, `index_id`), as [`DatasetInfo::index_id`] says it.
 pub const INDEX_ID_HEADER: &str = "x-batchfs-index-id";
+/// Header of a client's request for a body (a batch, samples' data, a file) that it asks again because the
+/// same request's bytes from this server failed their checksum: the byte ranges that failed, `A-B`
+/// (inclusive, decimal, of the whole body, whatever `Range` the request has), comma-separated, at most
+/// [`RECHECK_SPANS`] of them. The server checks its disk tier's copies under those ranges before it answers
+/// (docs/API.md). See [`format_recheck`] and [`parse_recheck`].
+pub const RECHECK_HEADER: &str = "x-batchfs-recheck";
+/// The most ranges one [`RECHECK_HEADER`] may name.
+pub const RECHECK_SPANS: usize = 16;
 
 /// A request that cannot be served as asked (maps to 400/404/416).
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -678,6 +686,34 @@ pub fn parse_range(header: Option<&str>, len: u64) -> RangeRequest {
     }
 }
 
+/// The value of [`RECHECK_HEADER`] for the byte ranges `spans` (`[start, end)` each, non-empty).
+pub fn format_recheck(spans: &[(u64, u64)]) -> String {
+    let spans: Vec<String> = spans.iter().map(|(start, end)| format!("{start}-{}", end - 1)).collect();
+    spans.join(",")
+}
+
+/// Parses a [`RECHECK_HEADER`] value against a body of `len` bytes: its ranges as `[start, end)`. A
+/// `BadRequest` saying why where it is not 1 to [`RECHECK_SPANS`] ranges `A-B` of digits with `A <= B < len`.
+pub fn parse_recheck(value: &str, len: u64) -> Result<Vec<(u64, u64)>, ApiError> {
+    let bad = |why: String| ApiError::BadRequest(format!("{RECHECK_HEADER} {value:?}: {why}"));
+    let mut out = Vec::new();
+    for span in value.split(',') {
+        let (a, b) = span.trim().split_once('-').ok_or_else(|| bad(format!("{span:?} is not A-B")))?;
+        let number = |s: &str| (is_digits(s)).then(|| s.parse::<u64>().ok()).flatten();
+        let (Some(a), Some(b)) = (number(a.trim()), number(b.trim())) else {
+            return Err(bad(format!("{span:?} is not two byte offsets A-B")));
+        };
+        if a > b || b >= len {
+            return Err(bad(format!("{span:?} is not a range of the body's {len} bytes")));
+        }
+        out.push((a, b + 1));
+    }
+    if out.len() > RECHECK_SPANS {
+        return Err(bad(format!("{} ranges, at most {RECHECK_SPANS}", out.len())));
+    }
+    Ok(out)
+}
+
 /// The value of [`CHECKPOINTS_HEADER`] for `checkpoints`.
 pub fn format_checkpoints(checkpoints: &[(u64, u32)]) -> String {
     let pairs: Vec<String> = checkpoints.iter().map(|(end, crc)| format!("{end:x}:{crc:08x}")).collect();
@@ -712,6 +748,22 @@ pub fn etag(crc32c: u32, len: u64) -> String {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A recheck names ranges of the body, and nothing outside it: a range past the body's end, reversed,
+    /// not digits or one too many is a `BadRequest` naming the header.
+    #[test]
+    fn a_recheck_names_ranges_within_the_body_and_reads_back() {
+        let spans = [(0, 1), (10, 4096), (4096, 5000)];
+        assert_eq!(format_recheck(&spans), "0-0,10-4095,4096-4999");
+        assert_eq!(parse_recheck(&format_recheck(&spans), 5000), Ok(spans.to_vec()));
+        assert_eq!(parse_recheck(" 7 - 9 ", 10), Ok(vec![(7, 10)]));
+        let many = vec!["0-0"; RECHECK_SPANS + 1].join(",");
+        for bad in ["", "5", "0-5000", "9-3", "a-b", "-1-2", "+1-2", "0-99999999999999999999", &many] {
+            let e = parse_recheck(bad, 5000).unwrap_err();
+            assert!(matches!(&e, ApiError::BadRequest(m) if m.contains(RECHECK_HEADER)), "{bad}: {e}");
+        }
+        assert!(parse_recheck("0-0", 0).is_err(), "an empty body has no range");
+    }
 
     /// The last page of a listing has no `next` (the API says absent; it was `null`), and reads back.
     #[test]

@@ -281,6 +281,10 @@ limits! {
         "Objects copied into the disk tier at once, each by ranged GETs of object_part, up to 8 in flight, \
          each body written as it arrives; the parts copied at once hold about a MiB each, at most an eighth \
          of the memory the server may use (512 MiB at most).";
+    recheck_concurrency: usize = 2, value::count, "2", "N",
+        "Rechecks of the disk tier's copies running at once: ranges of copies read again against the index \
+         because a client found a body from them failing its checksum; one more asked for meanwhile is \
+         refused (its body is served as it would be, and the client asks again on its next retry).";
 }
 
 /// One dataset to serve.
@@ -413,6 +417,7 @@ impl ServerLimits {
             ("read_depth", self.read_depth as u64, 1),
             ("object_requests", self.object_requests as u64, 1),
             ("stage_objects", self.stage_objects as u64, 1),
+            ("recheck_concurrency", self.recheck_concurrency as u64, 1),
             ("request_timeout (seconds)", secs(self.request_timeout), 1),
             ("header_read_timeout (seconds)", secs(self.header_read_timeout), 1),
             // 0 sent a response's head and never a byte of its body over HTTP/2.

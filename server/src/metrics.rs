@@ -39,6 +39,9 @@ pub const TIER_STAGED_TOTAL: &str = "batchfs_tier_staged_objects_total";
 pub const TIER_FETCHED_BYTES_TOTAL: &str = "batchfs_tier_fetched_bytes_total";
 pub const TIER_EVICTED_TOTAL: &str = "batchfs_tier_evicted_objects_total";
 pub const TIER_FAILURES_TOTAL: &str = "batchfs_tier_failures_total";
+pub const TIER_RECHECKS_TOTAL: &str = "batchfs_tier_rechecks_total";
+pub const TIER_RECHECK_DROPPED_TOTAL: &str = "batchfs_tier_recheck_dropped_total";
+pub const TIER_RECHECKS_REFUSED_TOTAL: &str = "batchfs_tier_rechecks_refused_total";
 
 /// The per-dataset counters, in the text format: `(dataset, manifests computed, shards changed, the
 /// object source's counters)` for each dataset.
@@ -138,6 +141,9 @@ pub fn render_tier(tier: Option<&crate::objects::tier::Tier>) -> String {
         (TIER_FETCHED_BYTES_TOTAL, "Bytes read from the store to copy objects into the disk tier.", &c.fetched_bytes),
         (TIER_EVICTED_TOTAL, "Copies evicted from the disk tier to make room.", &c.evicted),
         (TIER_FAILURES_TOTAL, "Copies lost to a failing disk, or removed for differing from the index.", &c.failures),
+        (TIER_RECHECKS_TOTAL, "Copies whose ranges a client's recheck had read against the index.", &c.rechecked),
+        (TIER_RECHECK_DROPPED_TOTAL, "Copies dropped as a recheck found their bytes differing.", &c.recheck_dropped),
+        (TIER_RECHECKS_REFUSED_TOTAL, "Rechecks refused: as many running as recheck_concurrency.", &c.recheck_refused),
     ];
     for (metric, help, counter) in counters {
         out.family(metric, "counter", help);

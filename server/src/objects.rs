@@ -51,6 +51,7 @@ mod fetch;
 mod indexing;
 mod making;
 mod maps;
+pub mod recheck;
 mod stage;
 mod store;
 pub mod tier;
@@ -172,6 +173,8 @@ pub struct ObjectLimits {
     /// copy's, written as it arrives, counts a MiB): an eighth of the memory the server may use, within 2
     /// parts and 512 MiB.
     pub get_bytes: u64,
+    /// Rechecks of the tier's copies running at once (`recheck_concurrency`).
+    pub rechecks: usize,
 }
 
 impl ObjectLimits {
@@ -189,6 +192,7 @@ impl ObjectLimits {
             stage_objects: limits.stage_objects.max(1),
             staging_bytes: (memory / 8).clamp(2 * part, (512 << 20).max(2 * part)),
             get_bytes: (memory / 8).clamp(2 * part, (512 << 20).max(2 * part)),
+            rechecks: limits.recheck_concurrency.max(1),
         }
     }
 }
@@ -475,7 +479,7 @@ mod tests {
     }
 
     /// Every file of `dir` put into `store` under `prefix/`.
-    fn upload(store: &InMemory, dir: &Path, prefix: &str) {
+    pub(super) fn upload(store: &InMemory, dir: &Path, prefix: &str) {
         let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
@@ -486,7 +490,7 @@ mod tests {
     }
 
     /// A context with a tier of `tier` bytes in `dir` (none where `dir` is `None`).
-    fn context(dir: Option<&Path>, tier: u64) -> Arc<ObjectContext> {
+    pub(super) fn context(dir: Option<&Path>, tier: u64) -> Arc<ObjectContext> {
         let limits = ServerLimits {
             disk_cache: crate::policy::TierDir(dir.map(Path::to_owned)),
             disk_cache_size: AutoSize::Bytes(tier),
@@ -496,7 +500,7 @@ mod tests {
     }
 
     /// The dataset `s3://b/ds` of `store`, read by GETs (nothing held in memory), its index in `index_dir`.
-    fn open<S: ObjectStore>(store: &Arc<S>, context: &Arc<ObjectContext>, index_dir: &Path) -> Dataset {
+    pub(super) fn open<S: ObjectStore>(store: &Arc<S>, context: &Arc<ObjectContext>, index_dir: &Path) -> Dataset {
         open_holding(store, context, index_dir, 0)
     }
 
@@ -566,7 +570,7 @@ mod tests {
     }
 
     /// Every shard of `ds` read whole through its storage, against the local copy in `dir`.
-    fn read_all_and_compare(ds: &Dataset, dir: &Path) {
+    pub(super) fn read_all_and_compare(ds: &Dataset, dir: &Path) {
         for (n, shard) in ds.index.shards.iter().enumerate() {
             // In three pieces, the last one past a chunk boundary where the shard has one.
             let cuts = [0, shard.size / 3, shard.size / 2, shard.size];
@@ -576,7 +580,7 @@ mod tests {
         }
     }
 
-    fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    pub(super) fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while !done() {
             assert!(Instant::now() < deadline, "timed out waiting for {what}");

@@ -466,12 +466,13 @@ async fn batch<B>(
     let query = BatchQuery::parse(req.uri().query().unwrap_or(""))?;
     let ds = dataset(state, name)?;
     tracing::debug!(dataset = %ds.name, epoch, batch, format = query.format.as_str(), "batch asked for");
-    let (ds2, framing) = (ds.clone(), state.framing.clone());
+    let (ds2, framing, asked) = (ds.clone(), state.framing.clone(), recheck_asked(req)?);
     let (layout, held, samples) = blocking(move || {
         let what = format!("batch {batch} of epoch {epoch} of dataset {:?}", ds2.name);
         let built = framing.build(&what, |charge| Ok::<_, Failure>(ds2.layout(epoch, batch, &query, charge)?));
         let (layout, held, samples) = built?;
         ds2.check(&layout.segments)?;
+        rechecked(&ds2, asked.as_deref(), &layout)?;
         Ok::<_, Failure>((layout, held, samples))
     })
     .await??;
@@ -513,10 +514,11 @@ async fn samples(state: &AppState, name: &str) -> Result<Response<Body>, Failure
 async fn sample_data<B>(state: &AppState, req: &Request<B>, name: &str) -> Result<Response<Body>, Failure> {
     let ds = dataset(state, name)?;
     let ids = api::parse_sample_ids(req.uri().query().unwrap_or(""), ds.index.samples.len() as u64)?;
-    let ds2 = ds.clone();
+    let (ds2, asked) = (ds.clone(), recheck_asked(req)?);
     let layout = blocking(move || {
         let layout = ds2.data_layout(&ids);
         ds2.check(&layout.segments)?;
+        rechecked(&ds2, asked.as_deref(), &layout)?;
         Ok::<_, Failure>(layout)
     })
     .await??;
@@ -550,9 +552,37 @@ async fn file<B>(state: &AppState, req: &Request<B>, name: &str, path: &str) -> 
         ServedFile::Made(made) => vec![Segment::Inline(made.bytes.clone())],
     };
     let layout = BatchLayout { segments, len: info.size, crc32c: info.crc32c, checkpoints: Vec::new() };
-    let (ds2, checked) = (ds.clone(), layout.segments.clone());
-    blocking(move || ds2.check(&checked)).await??;
+    let (ds2, layout, asked) = (ds.clone(), layout, recheck_asked(req)?);
+    let layout = blocking(move || {
+        ds2.check(&layout.segments)?;
+        rechecked(&ds2, asked.as_deref(), &layout)?;
+        Ok::<_, Failure>(layout)
+    })
+    .await??;
     layout_response(state, req, &ds, (layout, None), "application/octet-stream")
+}
+
+/// The ranges of its body that a request asks the server to recheck (`x-batchfs-recheck`: its client
+/// found them failing their checksum), as given; a value that is not text is a 400.
+fn recheck_asked<B>(req: &Request<B>) -> Result<Option<String>, Failure> {
+    let Some(value) = req.headers().get(api::RECHECK_HEADER) else { return Ok(None) };
+    let text = value.to_str().map_err(|_| {
+        Failure::new(StatusCode::BAD_REQUEST, format!("{}: not text; give ranges A-B of the body", api::RECHECK_HEADER))
+    })?;
+    Ok(Some(text.to_owned()))
+}
+
+/// Rechecks the disk tier's copies under the ranges `asked` names of the body laid out as `layout`
+/// (`objects/recheck.rs`), before the body is served: a copy whose bytes differ is dropped, and the body
+/// reads the store. A range outside the body is a 400. Blocks: call on the blocking pool.
+fn rechecked(ds: &Dataset, asked: Option<&str>, layout: &BatchLayout) -> Result<(), Failure> {
+    let Some(asked) = asked else { return Ok(()) };
+    let spans = api::parse_recheck(asked, layout.len)
+        .map_err(|e| Failure::new(StatusCode::BAD_REQUEST, format!("dataset {:?}: {e}", ds.name)))?;
+    if let Some(objects) = ds.storage.objects() {
+        objects.recheck(&ds.name, &crate::objects::recheck::ranges_of(&layout.segments, &spans));
+    }
+    Ok(())
 }
 
 /// Whether a response of `ranged` is of the body (200, 206, 304), and so carries what describes it: its
@@ -792,6 +822,28 @@ mod tests {
         // HEAD sends no body: nothing stays in flight.
         assert_eq!(request((&state, &rt), Method::HEAD, "/v1/datasets/d/files", &[]).status(), StatusCode::OK);
         assert_eq!(state.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+
+    /// A recheck names ranges of the body asked for: one past its end, or not ranges, is a 400 that says
+    /// why (batches, samples' data and files alike); one within it is served as the body is (a local dataset
+    /// has no copies to recheck).
+    #[test]
+    fn a_recheck_outside_the_body_is_a_bad_request() {
+        let (_data, state, rt) = state(1024);
+        let file =
+            ["/v1/datasets/d/files/", &state.catalog.datasets()[0].list(&Default::default()).unwrap().files[0].path]
+                .concat();
+        let uris = ["/v1/datasets/d/epochs/0/batches/0?batch_size=2", "/v1/datasets/d/samples/data?ids=1,2", &file];
+        for uri in uris {
+            for bad in ["0-99999999", "5-1", "bytes=0-1", "x"] {
+                let r = request((&state, &rt), Method::GET, uri, &[(api::RECHECK_HEADER, bad)]);
+                assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{uri} {bad}");
+                let said = serde_json::from_slice::<ErrorBody>(&held(&r).unwrap()).unwrap().error;
+                assert!(said.contains(api::RECHECK_HEADER) && said.contains("dataset \"d\""), "{said}");
+            }
+            let r = request((&state, &rt), Method::GET, uri, &[(api::RECHECK_HEADER, "0-9,20-29")]);
+            assert_eq!(r.status(), StatusCode::OK, "{uri}");
+        }
     }
 
     /// A 416's body is a JSON error: it says so, and carries nothing that describes the body asked for

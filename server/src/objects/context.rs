@@ -61,6 +61,8 @@ pub struct ObjectContext {
     pub copy_buffers: Arc<crate::aligned::Pool>,
     /// Whole objects kept on the server's disks (`disk_cache`), if any.
     pub tier: Option<Arc<Tier>>,
+    /// The rechecks of the tier's copies that clients asked for, bounded server-wide and per copy.
+    pub rechecks: super::recheck::Rechecks,
     /// Numbers the datasets, whose units share the block cache.
     next_id: AtomicU64,
 }
@@ -89,6 +91,7 @@ impl ObjectContext {
             staging: Room::new(limits.staging_bytes),
             gets: Room::new(limits.get_bytes),
             copy_buffers: crate::aligned::Pool::new(COPY_BUFFER_BYTES as usize, COPY_BUFFERS_IDLE),
+            rechecks: super::recheck::Rechecks::new(limits.rechecks),
             limits,
             runtime: Some(runtime),
             buckets: Mutex::default(),

@@ -104,6 +104,12 @@ pub struct TierCounters {
     pub evicted: AtomicU64,
     /// Copies lost to a failing disk, or found differing from the index and removed.
     pub failures: AtomicU64,
+    /// Ranges of copies rechecked because a client found a body from them failing its checksum
+    /// (`objects/recheck.rs`), copies dropped for it (their bytes differed from the index: counted in
+    /// `failures` too), and rechecks refused (as many running as the server allows).
+    pub rechecked: AtomicU64,
+    pub recheck_dropped: AtomicU64,
+    pub recheck_refused: AtomicU64,
 }
 
 /// One copy in the tier.
@@ -442,14 +448,21 @@ impl Tier {
 
     /// Removes copy `name` (it differs from the index, or the disk failed reading it).
     pub fn remove(&self, name: &str, why: &str) {
-        let mut inner = self.inner.lock().expect("tier");
-        if let Some(entry) = inner.entries.pop(name) {
-            self.counters.failures.fetch_add(1, Ordering::Relaxed);
+        if self.take_out(name) {
             tracing::warn!(dir = %self.dir.display(), %name, %why, "disk tier: copy removed");
-            if let Err(e) = self.let_go(&mut inner, name, entry.size) {
-                tracing::debug!(dir = %self.dir.display(), %name, error = %e, "disk tier: cannot remove a copy");
-            }
         }
+    }
+
+    /// Removes copy `name` as [`Tier::remove`] does, for a caller that says why itself: whether the tier
+    /// held it (a caller that finds it gone already has nothing to say).
+    pub fn take_out(&self, name: &str) -> bool {
+        let mut inner = self.inner.lock().expect("tier");
+        let Some(entry) = inner.entries.pop(name) else { return false };
+        self.counters.failures.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = self.let_go(&mut inner, name, entry.size) {
+            tracing::debug!(dir = %self.dir.display(), %name, error = %e, "disk tier: cannot remove a copy");
+        }
+        true
     }
 
     /// Lets copy `name` (popped from `entries`, `size` bytes of disk) go: its file removed, its keepers
