@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 mod partial;
 pub mod pool;
-pub use partial::{Filling, Partial};
+pub use partial::{FailedCheckpoint, Filling, Partial};
 pub use pool::{Admission, BufferPool};
 
 /// Where a fetched body is written as it arrives: a buffer (usually reused memory) whose verified

@@ -20,6 +20,7 @@ use thiserror::Error;
 mod connect;
 pub mod health;
 mod http;
+mod recheck;
 mod tls;
 mod wire;
 pub use crate::buffers::{Body, Sink};

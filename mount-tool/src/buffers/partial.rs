@@ -116,6 +116,27 @@ pub struct Filling {
     /// Bytes written (and initialized) so far.
     written: u64,
     checkpoints: std::collections::VecDeque<(u64, u32)>,
+    /// The end of the last checkpoint that matched (0: none yet).
+    matched: u64,
+}
+
+/// A checkpoint that did not match: the bytes `[start, end)` of the body (from the last checkpoint that
+/// matched) hold the bytes that differ, which a client names when it asks the server to recheck them. The
+/// source of the `InvalidData` error [`Filling::append`] and [`Filling::commit`] fail with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the body's first {end} bytes have CRC32C {got:08x}, its checkpoint says {want:08x}")]
+pub struct FailedCheckpoint {
+    pub start: u64,
+    pub end: u64,
+    pub got: u32,
+    pub want: u32,
+}
+
+impl FailedCheckpoint {
+    /// The failed checkpoint `e` says, if it says one (an `InvalidData` error of a [`Filling`]).
+    pub fn of(e: &std::io::Error) -> Option<FailedCheckpoint> {
+        e.get_ref()?.downcast_ref::<FailedCheckpoint>().copied()
+    }
 }
 
 impl Filling {
@@ -129,7 +150,7 @@ impl Filling {
         on_verified: impl Fn() + Send + Sync + 'static,
     ) -> Self {
         let partial = Arc::new(Partial::new(buffer, expect, home, on_verified));
-        Filling { partial, written: 0, checkpoints: Default::default() }
+        Filling { partial, written: 0, checkpoints: Default::default(), matched: 0 }
     }
 
     /// The body readers share.
@@ -204,14 +225,10 @@ impl Filling {
             left -= take;
             if let Some((end, want)) = next.filter(|&(end, _)| end == self.written) {
                 if *crc != want {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!(
-                            "the body's first {end} bytes have CRC32C {:08x}, its checkpoint says {want:08x}",
-                            *crc
-                        ),
-                    ));
+                    let failed = FailedCheckpoint { start: self.matched, end, got: *crc, want };
+                    return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, failed));
                 }
+                self.matched = end;
                 self.checkpoints.pop_front();
                 self.partial.publish(end);
             }
@@ -264,7 +281,12 @@ mod tests {
             let mut failed = false;
             for piece in sent.chunks(frame) {
                 let before = p.verified();
-                if f.append(piece, &mut crc).is_err() {
+                if let Err(e) = f.append(piece, &mut crc) {
+                    // The span it names (what a recheck asks for) holds the flipped byte, from the last
+                    // verified prefix on.
+                    let span = FailedCheckpoint::of(&e).expect("a failed checkpoint");
+                    let i = flipped.expect("only a flipped byte fails") as u64;
+                    prop_assert!(span.start == p.verified() && span.start <= i && i < span.end, "{span:?} {i}");
                     failed = true;
                     break;
                 }

@@ -212,7 +212,12 @@ impl Health {
     /// Starts a request of about `expect` bytes on the server expected to finish it first; `spread`
     /// (e.g. the batch number) rotates ties.
     pub fn begin(&self, spread: usize, expect: u64) -> InFlight<'_> {
-        let server = self.choose(spread, expect);
+        self.begin_on(self.choose(spread, expect), expect)
+    }
+
+    /// Starts a request of about `expect` bytes on server `server`, in rotation or not: a retry that asks
+    /// the server whose body failed its checksum to recheck what it sent (`client/http.rs`).
+    pub fn begin_on(&self, server: usize, expect: u64) -> InFlight<'_> {
         let s = &self.servers[server];
         s.requests.fetch_add(1, Ordering::Relaxed);
         s.in_flight.fetch_add(expect, Ordering::Relaxed);

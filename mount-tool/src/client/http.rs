@@ -6,6 +6,7 @@
 
 use super::connect::{Connector, Stream};
 use super::health::{Health, InFlight};
+use super::recheck::{failed_span, Suspects};
 use super::wire::{Ask, Got, KeepAlive, Reply, Target, Whole, Wire, INBOX};
 use super::{BatchClient, Body, BodyFut, BoxFut, ClientError, Request, Sent, Sink};
 use batchfs::api::{
@@ -124,6 +125,8 @@ pub struct HttpClient {
     received: Arc<std::sync::atomic::AtomicU64>,
     /// The index of the dataset replies must be of ([`BatchClient::expect_index`]); unset: any.
     index_id: std::sync::OnceLock<Arc<str>>,
+    /// The requests whose last body failed its checksum: their next attempt asks its server to recheck.
+    suspects: Suspects,
 }
 
 impl HttpClient {
@@ -142,8 +145,9 @@ impl HttpClient {
         let health = Arc::new(Health::new(&config.servers));
         let lanes = config.servers.len() * config.connections.max(1);
         let wires = (0..lanes).map(|_| tokio::sync::Mutex::new(None)).collect();
-        let (next, received, index_id) = (AtomicUsize::new(0), Default::default(), Default::default());
-        Ok(HttpClient { config, wires, connector, next, health, received, index_id })
+        let (next, received) = (AtomicUsize::new(0), Default::default());
+        let (index_id, suspects) = Default::default();
+        Ok(HttpClient { config, wires, connector, next, health, received, index_id, suspects })
     }
 
     /// Every server's health (for `batchfs stats` and the metrics endpoint).
@@ -152,9 +156,12 @@ impl HttpClient {
     }
 
     /// The server the health view picks for a request of a body of about `expect` bytes (`spread` rotates
-    /// ties), after any rest it asked for, with the lane (of `wires`) it goes on.
-    async fn route(&self, spread: usize, expect: u64) -> (InFlight<'_>, usize, String) {
-        let flight = self.health.begin(spread, expect);
+    /// ties), or server `on` where given, after any rest it asked for, with the lane (of `wires`) it goes on.
+    async fn route(&self, spread: usize, expect: u64, on: Option<usize>) -> (InFlight<'_>, usize, String) {
+        let flight = match on {
+            Some(server) => self.health.begin_on(server, expect),
+            None => self.health.begin(spread, expect),
+        };
         // Every server is out and this one, back soonest, rests after shedding load: as it asked.
         if let Some(rest) = self.health.resting(flight.server()) {
             tokio::time::sleep(rest).await;
@@ -201,7 +208,7 @@ impl HttpClient {
     ) -> Result<(InFlight<'_>, String, Bytes, Option<String>), ClientError> {
         for turn in 1.. {
             let (flight, server, got) =
-                self.send(0, path_and_query, None, Target::Whole(Whole::default()), REPLY_BYTES).await?;
+                self.send(0, path_and_query, None, Target::Whole(Whole::default()), REPLY_BYTES, None).await?;
             match got {
                 Got::Whole(whole) => return Ok((flight, server, Bytes::from(whole.bytes), whole.index_id)),
                 Got::OtherIndex { index_id, .. } => self.other_index(flight, server, index_id, turn)?,
@@ -324,7 +331,8 @@ impl HttpClient {
     /// len)` range of the resource if given (a server that answers a range from a non-zero offset with the
     /// whole resource is refused, not trusted); a response with no bytes for `stall_timeout` is abandoned.
     /// A body whose size or CRC32C is not `expect`'s counts against its server, as a failed transfer does,
-    /// and is [`ClientError::Corrupt`].
+    /// and is [`ClientError::Corrupt`]; one whose bytes failed their checksum has its next attempt ask the
+    /// server that sent it to recheck them (`client/recheck.rs`).
     async fn fetch(
         &self,
         spread: usize,
@@ -333,11 +341,22 @@ impl HttpClient {
         body: Sink,
         expect: Sent,
     ) -> Result<Body, ClientError> {
+        let (mut recheck, from) = (self.suspects.take(path_and_query), range.map_or(0, |r| r.0));
         let (mut target, mut turn) = (Target::Sink(body), 0);
         // A server of another index hands the sink back untouched: the next server may fill it.
         let (flight, server, body) = loop {
             turn += 1;
-            let (flight, server, got) = self.send(spread, path_and_query, range, target, expect.bytes).await?;
+            let sent = self.send(spread, path_and_query, range, target, expect.bytes, recheck.take()).await;
+            let (flight, server, got) = match sent {
+                Ok(sent) => sent,
+                Err(e) => {
+                    let of = |s: &String| self.config.servers.iter().position(|u| u == s);
+                    if let (Some(span), ClientError::Corrupt { server, .. }) = (failed_span(&e, from), &e) {
+                        of(server).into_iter().for_each(|n| self.suspects.failed(path_and_query, n, span));
+                    }
+                    return Err(e);
+                }
+            };
             match got {
                 Got::Body(body) => break (flight, server, body),
                 Got::OtherIndex { index_id, sink: Some(sink) } => {
@@ -350,17 +369,23 @@ impl HttpClient {
             }
         };
         if let Some(why) = expect.mismatch(&body) {
+            // All its bytes came, and differ (a short body is no copy's fault).
+            if body.sink.len() == expect.bytes {
+                self.suspects.failed(path_and_query, flight.server(), (from, from + expect.bytes));
+            }
             flight.failed();
             let cause = std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{path_and_query}: {why}"));
             return Err(ClientError::Corrupt { server, cause: Arc::new(cause) });
         }
+        self.suspects.passed(path_and_query);
         flight.succeeded(body.sink.len());
         Ok(body)
     }
 
     /// GETs `path_and_query` (its `range`, if given) into `target`, at most `expect` bytes, from the server
-    /// the health view picks, on one of its connections: what it delivered, with its flight for the caller
-    /// to close (a failure closes it here) and the server that sent it.
+    /// the health view picks, or, with a `recheck` (a server and the ranges to name), from that server
+    /// asking it to recheck them, on one of its connections: what it delivered, with its flight for the
+    /// caller to close (a failure closes it here) and the server that sent it.
     async fn send(
         &self,
         spread: usize,
@@ -368,10 +393,11 @@ impl HttpClient {
         range: Option<(u64, u64)>,
         target: Target,
         expect: u64,
+        recheck: Option<(usize, String)>,
     ) -> Result<(InFlight<'_>, String, Got), ClientError> {
         // A small reply's size is not known before it comes; it weighs nothing in the routing.
         let about = if matches!(target, Target::Sink(_)) { expect } else { 0 };
-        let (flight, lane, server) = self.route(spread, about).await;
+        let (flight, lane, server) = self.route(spread, about, recheck.as_ref().map(|r| r.0)).await;
         let wire = match self.wire(lane, &server).await {
             Ok(w) => w,
             Err(e) => {
@@ -387,6 +413,10 @@ impl HttpClient {
         }
         if let Some(bytes) = &bytes {
             fields.push(("range", bytes.as_str()));
+        }
+        if let Some((_, spans)) = &recheck {
+            tracing::info!(%server, path = path_and_query, spans, "asking the server to recheck a body that failed");
+            fields.push((api::RECHECK_HEADER, spans.as_str()));
         }
         let (range_from, index_id) = (range.map_or(0, |r| r.0), self.index_id.get().cloned());
         let ask = Ask { path_and_query, fields: &fields, expect, range_from, index_id };
@@ -596,6 +626,40 @@ mod tests {
         (format!("http://{addr}"), asked)
     }
 
+    /// An h2c server that answers every request with `body`, its byte 10 flipped in the first `bad` answers,
+    /// recording the `x-batchfs-recheck` each request carried.
+    async fn rotting_server(body: Vec<u8>, bad: usize) -> (String, Arc<std::sync::Mutex<Vec<Option<String>>>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = asked.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let (body, seen) = (body.clone(), seen.clone());
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((request, mut respond))) = conn.accept().await {
+                        let recheck =
+                            request.headers().get(api::RECHECK_HEADER).map(|v| v.to_str().unwrap().to_owned());
+                        let n = {
+                            let mut seen = seen.lock().unwrap();
+                            seen.push(recheck);
+                            seen.len()
+                        };
+                        let mut data = body.clone();
+                        if n <= bad {
+                            data[10] ^= 1;
+                        }
+                        let response = http::Response::builder().status(200);
+                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
+                        let _ = stream.send_data(bytes::Bytes::from(data), true);
+                    }
+                });
+            }
+        });
+        (format!("http://{addr}"), asked)
+    }
+
     /// A reply whose head names another index than the one expected is refused at its head, none of its
     /// bytes taken, and the request goes at once to another server, which serves it; that server is then
     /// passed over. Where no other server may serve the expected index, the request fails at once naming
@@ -644,6 +708,33 @@ mod tests {
         let client = client_of(old);
         client.expect_index("0000000000000001");
         assert_eq!(fetch(&client, 0).await.unwrap(), good, "a server before index ids: nothing compared");
+    }
+
+    /// A body that fails its checksum has its next attempt sent to the server that sent it, out of rotation
+    /// though that server now is and with a replica beside it, naming the body's bytes that failed; the
+    /// attempt after a good body names nothing.
+    #[tokio::test]
+    async fn a_corrupt_body_is_asked_again_of_its_server_naming_the_bytes_to_recheck() {
+        let body: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        let expect = Sent { bytes: 3000, crc32c: crc32c::crc32c(&body) };
+        let (bad, bad_asked) = rotting_server(body.clone(), 1).await;
+        let (good, good_asked) = rotting_server(body.clone(), 0).await;
+        let client =
+            HttpClient::new(HttpConfig { servers: vec![bad, good], ..client_of(String::new()).config }).unwrap();
+        let fetch = |attempt| {
+            let sink = Sink::Buffer(Filling::new(Vec::new(), (3000, 0), None, || {}));
+            client.fetch_body(&BATCH_0, attempt, sink, expect)
+        };
+        // Batch 0's first attempt goes to the first server (ties rotate by the batch number).
+        assert!(matches!(fetch(0).await.unwrap_err(), ClientError::Corrupt { .. }));
+        assert!(!client.health().snapshot()[0].up, "the server that sent it is out of rotation");
+        assert_eq!(fetch(1).await.unwrap().crc32c, expect.crc32c);
+        assert_eq!(*bad_asked.lock().unwrap(), [None, Some("0-2999".to_owned())]);
+        assert!(good_asked.lock().unwrap().is_empty(), "the replica was not asked");
+        fetch(2).await.unwrap();
+        let asked: Vec<Option<String>> =
+            [bad_asked, good_asked].iter().flat_map(|a| a.lock().unwrap().clone()).collect();
+        assert_eq!(asked.iter().filter(|a| a.is_some()).count(), 1, "a good body asks nothing after: {asked:?}");
     }
 
     /// An h2c server whose first `shed` answers are `503` with `Retry-After: 1` (a server shedding load),
