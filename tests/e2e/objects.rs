@@ -767,6 +767,61 @@ fn replicas_with_tiers_of_other_sizes_serve_one_blocks_plan() {
     rt.block_on(b.running.shutdown());
 }
 
+/// A copy in the disk tier written over in place under the running server (bit rot, a stray write): the
+/// mount refuses the bytes by their checksum and asks the server that sent them again, naming the bytes;
+/// the server rechecks that range of its copy, drops it, and serves the store's bytes. The read gets the
+/// right bytes in a few seconds, not after `timeout` (60 s here) as `EIO`, and every read after is right.
+/// Before, the copy was served until the server restarted, and every epoch failed the same way.
+#[test]
+fn a_tier_copy_written_over_in_place_is_rechecked_dropped_and_read_from_the_store() {
+    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket(400) else { return };
+    let rt = runtime();
+    let tier = tempfile::tempdir().unwrap();
+    let limits = tiered(tier.path(), 1 << 30);
+    let ds = open_objects("d", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
+    let index = ds.index.clone();
+    let server = rt.block_on(serve(None, vec![ds], limits));
+    let local = rt.block_on(common::serve(&[("d", &fx.path)], Default::default()));
+    let (_dir, mounted) = common::mount(&server, "d", "batch_size=8,prefetch=0,timeout=60s");
+    let epoch = mounted.mountpoint.join("epoch-0000");
+    let read = |i: u64| std::fs::read(epoch.join(format!("batch-{i:06}.tfrecord")));
+    assert_eq!(read(0).unwrap(), common::batch_body(&rt, &local, 0, 0, "batch_size=8"));
+    // A sample of batch 5, not read yet: 16 bytes amid its data, written over in its object's copy.
+    let plan = batchfs::plan::PlanOptions { batch_size: 8, ..Default::default() };
+    let sample = batchfs::plan::EpochPlan::new(index.samples.len() as u32, 0, plan).unwrap().batch(5).unwrap()[3];
+    let part = index.samples[sample as usize].parts[0].clone();
+    assert!(part.len > 64);
+    let object = std::fs::read(fx.path.join(&index.shards[part.shard as usize].path)).unwrap();
+    let copy = walk(&tier.path().join("objects")).into_iter().find(|c| std::fs::read(c).unwrap() == object);
+    let copy = copy.expect("the object's copy in the tier");
+    let at = part.offset + part.len / 2;
+    let flipped: Vec<u8> = object[at as usize..at as usize + 16].iter().map(|b| b ^ 0x5a).collect();
+    std::os::unix::fs::FileExt::write_all_at(&std::fs::File::options().write(true).open(&copy).unwrap(), &flipped, at)
+        .unwrap();
+    let started = Instant::now();
+    let got = read(5).expect("the batch read, not EIO");
+    let took = started.elapsed();
+    assert_eq!(got, common::batch_body(&rt, &local, 0, 5, "batch_size=8"), "batch 5");
+    assert!(took < Duration::from_secs(10), "the batch took {took:?}, its timeout 60 s");
+    let stats = common::mount_stats(&mounted.mountpoint);
+    assert!(stats["checksum_errors"].as_u64().unwrap() >= 1, "the copy's bytes were sent and refused: {stats}");
+    rt.block_on(async {
+        let text = common::h2c().get(format!("{}/metrics", server.base)).send().await.unwrap().text().await.unwrap();
+        assert!(text.lines().any(|l| l == "batchfs_tier_recheck_dropped_total 1"), "{text}");
+    });
+    // Every read after is right: this epoch and the next.
+    let m = common::manifest_of(&rt, &local, "d", 0, "batch_size=8");
+    for e in 0..2u64 {
+        for i in 0..m.batches.len() as u64 {
+            let body = std::fs::read(mounted.mountpoint.join(format!("epoch-{e:04}/batch-{i:06}.tfrecord"))).unwrap();
+            assert_eq!(body, common::batch_body(&rt, &local, e, i, "batch_size=8"), "epoch {e}, batch {i}");
+        }
+    }
+    drop(mounted);
+    rt.block_on(server.running.shutdown());
+    rt.block_on(local.running.shutdown());
+}
+
 /// Limits of a server with a disk tier in `dir` of `size` bytes (every other read a ranged GET).
 fn tiered(dir: &Path, size: u64) -> ServerLimits {
     ServerLimits {
