@@ -194,12 +194,33 @@ struct LayoutBuilder<'a> {
     granted: u64,
     /// `charge` refused a step: the layout is given up.
     refused: bool,
+    /// Only what the segments will hold is wanted, counted in `held` (bytes of framing) and `segments_counted`,
+    /// coalesced as they would be: no checksum, no segment kept ([`layout_within`]'s first pass).
+    count: bool,
+    segments_counted: u64,
+    /// In `count`: the last segment counted, to coalesce the next with.
+    last: Counted,
+}
+
+/// The last segment a counting builder counted.
+#[derive(Default, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    #[default]
+    None,
+    Inline,
+    Data {
+        shard: u32,
+        end: u64,
+    },
 }
 
 impl LayoutBuilder<'_> {
     fn inline(&mut self, bytes: &[u8]) {
         if bytes.is_empty() {
             return;
+        }
+        if self.count {
+            return self.count_inline(bytes.len() as u64);
         }
         self.crc.push_bytes(bytes);
         if self.summary {
@@ -217,6 +238,15 @@ impl LayoutBuilder<'_> {
         }
     }
 
+    /// Counts `len` bytes of framing, in the last segment counted if that is framing too.
+    fn count_inline(&mut self, len: u64) {
+        self.held += len;
+        if self.last != Counted::Inline {
+            self.segments_counted += 1;
+            self.last = Counted::Inline;
+        }
+    }
+
     fn push(&mut self, segment: Segment) {
         let capacity = self.segments.capacity();
         self.segments.push(segment);
@@ -230,17 +260,27 @@ impl LayoutBuilder<'_> {
             return;
         }
         let Some(charge) = self.charge.as_mut() else { return };
-        let step = (self.held - self.granted).max(CHARGE_STEP);
-        if charge(step) {
-            self.granted += step;
-        } else {
-            self.refused = true;
+        // A step, or, where that is refused, just what is held past what was granted.
+        let needed = self.held - self.granted;
+        match [needed.max(CHARGE_STEP), needed].into_iter().find(|&step| charge(step)) {
+            Some(step) => self.granted += step,
+            None => self.refused = true,
         }
     }
 
     /// Appends a shard range whose CRC the caller accounts for (by `crc_pieces`).
     fn data_range(&mut self, shard: u32, offset: u64, len: u64) {
         if len == 0 || self.summary {
+            return;
+        }
+        if self.count {
+            match &mut self.last {
+                Counted::Data { shard: s, end } if *s == shard && *end == offset => *end += len,
+                last => {
+                    self.segments_counted += 1;
+                    *last = Counted::Data { shard, end: offset + len };
+                }
+            }
             return;
         }
         // Coalesce with the previous range when contiguous in the same shard: one read instead of two.
@@ -254,12 +294,17 @@ impl LayoutBuilder<'_> {
     }
 
     fn data(&mut self, shard: u32, offset: u64, len: u64, crc32c: u32) {
-        self.crc.push_crc(crc32c, len);
+        if !self.count {
+            self.crc.push_crc(crc32c, len);
+        }
         self.data_range(shard, offset, len);
     }
 
     /// Marks the end of a sample: a checkpoint when the last is far enough behind.
     fn sample_end(&mut self) {
+        if self.count {
+            return;
+        }
         let last = self.checkpoints.last().map_or(0, |c| c.0);
         if !self.summary && self.crc.len() >= last + self.every {
             self.checkpoints.push((self.crc.len(), self.crc.crc()));
@@ -473,7 +518,11 @@ pub fn tar_member_name(sample_key: &str, ext: &str) -> String {
 fn push_tar(b: &mut LayoutBuilder, sample: &Sample, id: u32) {
     let key = tar_sample_key(&sample.key, id);
     for p in &sample.parts {
-        b.inline(&tar::file_header(&tar_member_name(&key, &p.ext), p.len));
+        match b.count {
+            // A header is at least a block (a long name takes more): counted, not made.
+            true => b.count_inline(tar::BLOCK),
+            false => b.inline(&tar::file_header(&tar_member_name(&key, &p.ext), p.len)),
+        }
         b.data(p.shard, p.offset, p.len, p.crc32c);
         b.inline(&[0u8; tar::BLOCK as usize][..tar::padding(p.len) as usize]);
     }
@@ -520,8 +569,8 @@ pub fn layout(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) ->
     build(LayoutBuilder { every: CHECKPOINT_BYTES, ..LayoutBuilder::default() }, index, samples, format, slot)
 }
 
-/// [`layout`], the memory its segments take asked of `charge`: first the least it will hold (a tar batch's
-/// member headers, counted without building it: [`least_held`]), then, as the segments grow past that, steps of at least
+/// [`layout`], the memory its segments take asked of `charge`: first what it will hold (its framing and
+/// segments, counted by a pass that keeps nothing), then, as the segments grow past that, steps of at least
 /// [`CHARGE_STEP`] bytes (the steps granted cover the heap bytes the segments hold, not the allocator's
 /// own). The layout and the bytes granted, or, at the first step refused, the bytes the segments held
 /// then with the step (the layout is given up at once; the bytes granted are the caller's to give back).
@@ -540,32 +589,21 @@ pub fn layout_within(
         granted += if ok { bytes } else { 0 };
         ok
     };
-    let least = least_held(index, samples, format);
+    let counting = build_held(LayoutBuilder { count: true, ..LayoutBuilder::default() }, index, samples, format, slot);
+    let segments = counting.2;
+    let least = counting.1 + segments * std::mem::size_of::<Segment>() as u64;
     if !counted(least) {
         return Err(least);
     }
+    let segments = Vec::with_capacity(usize::try_from(segments).expect("segments of a batch fit in memory"));
+    let held = (segments.capacity() * std::mem::size_of::<Segment>()) as u64;
     let b = LayoutBuilder { every: CHECKPOINT_BYTES, charge: Some(&mut counted), ..LayoutBuilder::default() };
-    let b = LayoutBuilder { granted: least, ..b };
-    let (layout, held) = build_held(b, index, samples, format, slot);
+    let b = LayoutBuilder { segments, held, granted: least, ..b };
+    let (layout, held, _) = build_held(b, index, samples, format, slot);
     match layout {
         Some(layout) => Ok((layout, granted)),
         None => Err(held),
     }
-}
-
-/// The least heap a layout of `samples` holds, counted without building it: a tar batch's member headers
-/// and paddings (and the archive's end), and a segment for each member's bytes, what makes a batch of many
-/// small samples large (nearly all it holds: the rest is the segments' vector growing); 0 for the other
-/// formats (their framing is a few bytes a sample).
-fn least_held(index: &Index, samples: &[u32], format: BatchFormat) -> u64 {
-    if format != BatchFormat::Tar {
-        return 0;
-    }
-    let parts = samples.iter().flat_map(|&i| &index.samples[i as usize].parts);
-    let (framing, ranges) = parts.fold((tar::END_LEN, 1), |(framing, ranges), p| {
-        (framing + tar::BLOCK + tar::padding(p.len), ranges + u64::from(p.len > 0))
-    });
-    framing + ranges * std::mem::size_of::<Segment>() as u64
 }
 
 /// The size and CRC32C of the batch made of `samples` (what a manifest lists), as [`layout`] computes
@@ -580,14 +618,15 @@ fn build(b: LayoutBuilder<'_>, index: &Index, samples: &[u32], format: BatchForm
     build_held(b, index, samples, format, slot).0.expect("a layout without a budget is never refused")
 }
 
-/// The layout `b` builds, `None` where its `charge` refused a step, and the heap bytes its segments held.
+/// The layout `b` builds, `None` where its `charge` refused a step (or it only counts), the heap bytes its
+/// segments held (counted: its bytes of framing), and the segments it counted.
 fn build_held(
     mut b: LayoutBuilder<'_>,
     index: &Index,
     samples: &[u32],
     format: BatchFormat,
     slot: u64,
-) -> (Option<BatchLayout>, u64) {
+) -> (Option<BatchLayout>, u64, u64) {
     let ids = samples;
     let samples = samples.iter().map(|&i| &index.samples[i as usize]);
     match format {
@@ -622,10 +661,10 @@ fn build_held(
             b.inline(&[0u8; tar::END_LEN as usize]);
         }
     }
-    let held = b.held;
-    match b.refused {
-        true => (None, held),
-        false => (Some(b.finish()), held),
+    let (held, counted) = (b.held, b.segments_counted);
+    match b.refused || b.count {
+        true => (None, held, counted),
+        false => (Some(b.finish()), held, counted),
     }
 }
 
@@ -1001,7 +1040,10 @@ mod tests {
                                 Segment::Data { .. } => 0,
                             }).sum::<usize>();
                         prop_assert!(granted as usize >= heap, "{}: {} granted, {} held", format, granted, heap);
-                        let least = least_held(&index, &order, format) as usize;
+                        let counting = LayoutBuilder { count: true, ..LayoutBuilder::default() };
+                        let (_, framing, segments) = build_held(counting, &index, &order, format, slot);
+                        prop_assert_eq!(segments as usize, l.segments.len(), "{}", format);
+                        let least = framing as usize + l.segments.len() * std::mem::size_of::<Segment>();
                         prop_assert!(least <= heap, "{}: {} counted ahead, {} held", format, least, heap);
                         prop_assert_eq!(granted, taken);
                     }

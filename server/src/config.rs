@@ -240,9 +240,9 @@ limits! {
     framing_memory: u64 = 512 << 20, value::size, "512M", "SIZE",
         "Memory the layouts of the bodies in flight may hold together, server-wide: a batch's framing (a tar \
          member's 512-byte header, a TFRecord frame's lengths and CRCs) and where each piece of its bytes is, \
-         held from before its first byte is sent until its last (about 1 KB a tar member, 100 bytes a \
-         TFRecord sample). A batch whose layout alone is larger is refused (400: ask for a smaller \
-         batch_size); one that meets the others' is answered 503 with Retry-After.";
+         held from before its first byte is sent until its last (about 1 KB a tar member). A batch whose layout \
+         is larger than a quarter of this is refused (400: ask for a smaller batch_size); one that meets the \
+         others' is answered 503 with Retry-After.";
     sendfile: bool = false, value::switch, "off", "on|off",
         "Over h2c, body bytes of mapped shards are sent from their file with sendfile(2), not copied out \
          of the mapping: the socket takes the file's pages (TLS always encrypts a copy). Off by default: \

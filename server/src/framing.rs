@@ -64,34 +64,44 @@ impl Framing {
         what: &str,
         build: impl FnOnce(&mut dyn FnMut(u64) -> bool) -> Result<(Charged, T), E>,
     ) -> Result<(BatchLayout, Held, T), E> {
-        let (mut held, mut refused) = (Held { framing: self.clone(), bytes: 0 }, 0);
+        let (mut held, mut refused, most) = (Held { framing: self.clone(), bytes: 0 }, 0, self.body_limit());
         let (charged, found) = build(&mut |bytes| {
-            let ok = self.take(bytes);
-            *if ok { &mut held.bytes } else { &mut refused } += bytes;
+            let ok = held.bytes + bytes <= most && self.take(bytes);
+            match ok {
+                true => held.bytes += bytes,
+                false => refused = bytes,
+            }
             ok
         })?;
-        // What the layout would have held with the step refused: past the whole budget, it never fits.
+        // What the layout would have held with the last step refused (its first: all of it, counted before
+        // it is built): past what a body may hold, it never fits.
         let needed = held.bytes + refused;
         let (what, limit) = (what.to_owned(), self.limit);
         match charged {
             Ok((layout, _)) => Ok((layout, held, found)),
-            Err(_) if needed > limit => Err(Refused::TooLarge { what, needed, limit }.into()),
+            Err(_) if needed > most => Err(Refused::TooLarge { what, needed, most }.into()),
             Err(_) => Err(Refused::Busy { what, limit }.into()),
         }
+    }
+
+    /// The most one body's layout may hold: a quarter of the budget, so that a client that leaves its bodies
+    /// unread cannot hold it all with one.
+    fn body_limit(&self) -> u64 {
+        self.limit / 4
     }
 }
 
 /// Why a layout was not built.
 #[derive(Debug, thiserror::Error)]
 pub enum Refused {
-    /// Larger than the whole budget: never served (400).
+    /// Larger than a body may hold: never served (400).
     #[error(
-        "{what}: its layout (the framing of each sample, and where its bytes are) takes over {} KiB of memory, \
-         more than this server's framing_memory ({} KiB) allows a body: ask for a smaller batch_size",
-        needed >> 10,
-        limit >> 10
+        "{what}: its layout (the framing of each sample, and where its bytes are) takes {} KiB of memory, more \
+         than a body may hold ({} KiB, a quarter of this server's framing_memory): ask for a smaller batch_size",
+        needed.div_ceil(1024),
+        most >> 10
     )]
-    TooLarge { what: String, needed: u64, limit: u64 },
+    TooLarge { what: String, needed: u64, most: u64 },
     /// The others' layouts hold what it needs: retried (503).
     #[error(
         "{what}: the layouts of the bodies in flight hold the server's framing_memory ({} KiB); retry shortly or \
@@ -105,38 +115,39 @@ pub enum Refused {
 mod tests {
     use super::*;
 
-    /// A layout asking for `steps` of `step` bytes each.
-    fn asking(steps: u64, step: u64) -> impl FnOnce(&mut dyn FnMut(u64) -> bool) -> Result<(Charged, ()), Refused> {
-        move |charge| {
-            for i in 0..steps {
-                if !charge(step) {
-                    return Ok((Err(i * step), ()));
-                }
+    /// A layout asking for `bytes`, all at once, as [`batchfs::encode::layout_within`] asks first.
+    fn asking(bytes: u64) -> impl FnOnce(&mut dyn FnMut(u64) -> bool) -> Result<(Charged, ()), Refused> {
+        move |charge| match charge(bytes) {
+            false => Ok((Err(bytes), ())),
+            true => {
+                let layout = BatchLayout { segments: Vec::new(), len: 0, crc32c: 0, checkpoints: Vec::new() };
+                Ok((Ok((layout, bytes)), ()))
             }
-            let layout = BatchLayout { segments: Vec::new(), len: 0, crc32c: 0, checkpoints: Vec::new() };
-            Ok((Ok((layout, steps * step)), ()))
         }
     }
 
+    /// Layouts hold the budget until dropped; one that meets the others' is retried (503), one larger than a
+    /// body may hold (a quarter of the budget) is refused for good (400) however busy the budget is (it
+    /// was a 503, retried until its client's timeout, while anything else was in flight).
     #[test]
     fn layouts_hold_the_budget_until_dropped_and_the_too_large_are_refused_for_good() {
-        let framing = Framing::new(1000, Arc::new(Metrics::default()));
+        let framing = Framing::new(4000, Arc::new(Metrics::default()));
         let used = || framing.used().load(Ordering::Relaxed);
-        let (_, first, ()) = framing.build("a", asking(3, 200)).unwrap();
-        assert_eq!(used(), 600);
-        // Beside the first, a second of 600 bytes does not fit: retried later.
-        let busy = framing.build("b", asking(3, 200)).unwrap_err();
-        assert!(matches!(&busy, Refused::Busy { what, limit: 1000 } if what == "b"), "{busy:?}");
-        assert_eq!(used(), 600, "what the refused one took is given back");
-        drop(first);
-        assert_eq!(used(), 0);
-        let (_, second, ()) = framing.build("b", asking(3, 200)).unwrap();
-        drop(second);
-        // Larger than the whole budget: never served, said so.
-        let never = framing.build("batch 0 of epoch 0", asking(6, 200)).unwrap_err();
-        assert!(matches!(never, Refused::TooLarge { needed: 1200, limit: 1000, .. }), "{never:?}");
+        let held: Vec<Held> = (0..4).map(|i| framing.build(&i.to_string(), asking(1000)).unwrap().1).collect();
+        assert_eq!(used(), 4000);
+        let busy = framing.build("b", asking(600)).unwrap_err();
+        assert!(matches!(&busy, Refused::Busy { what, limit: 4000 } if what == "b"), "{busy:?}");
+        let never = framing.build("batch 0 of epoch 0", asking(1200)).unwrap_err();
+        assert!(matches!(never, Refused::TooLarge { needed: 1200, most: 1000, .. }), "{never:?}");
         let text = never.to_string();
         assert!(text.starts_with("batch 0 of epoch 0: its layout") && text.contains("batch_size"), "{text}");
+        assert_eq!(used(), 4000, "what the refused ones took is given back");
+        drop(held);
+        assert_eq!(used(), 0);
+        let (_, b, ()) = framing.build("b", asking(600)).unwrap();
+        assert_eq!(used(), 600);
+        drop(b);
+        assert!(matches!(framing.build("alone", asking(1001)).unwrap_err(), Refused::TooLarge { .. }));
         assert_eq!(used(), 0);
     }
 }

@@ -30,7 +30,7 @@ nport=$(free_port)
     2>"$work/netem.log" &
 pids+=($!)
 sleep 0.3
-errors_5xx() { curl -s "127.0.0.1:$sport/metrics" | awk '/^batchfs_errors_total\{status="500"\}/ { print $2 }'; }
+errors_5xx() { curl -s "127.0.0.1:$sport/metrics" | awk '/^batchfs_errors_total\{status="5(00|03)"\}/ { n += $2 } END { print n + 0 }'; }
 echo "mounts,aggregate_mb_s,min_mb_s,median_mb_s,max_mb_s,server_peak_rss_mb,server_5xx,mount_retries,read_errors" >"$OUT"
 for n in $NS; do
     for i in $(seq "$n"); do
