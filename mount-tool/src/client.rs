@@ -75,10 +75,18 @@ pub enum ClientError {
     #[error("{server} sent a corrupt body: {cause}")]
     Corrupt { server: String, cause: Arc<std::io::Error> },
     /// The reply's head said another index of the dataset ([`batchfs::api::INDEX_ID_HEADER`]) than the one
-    /// the client expects ([`BatchClient::expect_index`]), and no other server may serve that one now: none
+    /// the client expects ([`BatchClient::expect_index`]), and every server is known to serve another: none
     /// of its bytes was taken. The dataset was indexed again there with other files; no retry mends it.
     #[error("{server} serves index {index_id} of the dataset, indexed again with other files")]
     OtherIndex { server: String, index_id: String },
+    /// The reply's head said another index, as for [`ClientError::OtherIndex`], but a server not known to
+    /// serve another may still serve the expected one (it was out of rotation, or rested, while the request
+    /// tried the others): none of its bytes was taken, and a retry may find that server back.
+    #[error(
+        "{server} serves index {index_id} of the dataset, indexed again with other files; the servers that may \
+         serve the mount's index are out of rotation for now"
+    )]
+    OthersOut { server: String, index_id: String },
 }
 
 /// A transport's error, shared: a failed fetch's error reaches every reader waiting on it. Kept as it
@@ -152,9 +160,10 @@ pub trait BatchClient: Send + Sync + 'static {
     }
     /// From now on, replies whose head names another index of the dataset than `index_id` (the one the
     /// mount planned with) are refused as their head arrives, before any byte of their body is taken: the
-    /// request goes to another server that may still serve `index_id`, and where none does fails with
-    /// [`ClientError::OtherIndex`]. A reply that names no index (a server of a release before it) is taken
-    /// as it is. Empty: nothing compared (the default).
+    /// request goes to another server that may still serve `index_id` (waiting for one out of rotation or
+    /// resting), and where every server is known to serve another fails with [`ClientError::OtherIndex`].
+    /// A reply that names no index (a server of a release before it) is taken as it is. Empty: nothing
+    /// compared (the default); a client keeps the first index it is given.
     fn expect_index(&self, _index_id: &str) {}
 }
 
@@ -191,6 +200,9 @@ mod tests {
         assert!(s(503).is_retryable() && s(429).is_retryable());
         assert!(!s(404).is_retryable() && !s(401).is_retryable() && !s(400).is_retryable());
         assert!(ClientError::unreachable("s", std::io::Error::other("refused")).is_retryable());
+        let (server, index_id) = (String::from("s"), String::from("2"));
+        assert!(!ClientError::OtherIndex { server: server.clone(), index_id: index_id.clone() }.is_retryable());
+        assert!(ClientError::OthersOut { server, index_id }.is_retryable(), "a server of the index may be back");
     }
 
     #[test]

@@ -18,10 +18,12 @@
 //! backoff does not grow, and it needs no probe.
 //!
 //! A server whose reply named another index of the dataset than the mount's (a replica restarted over
-//! other files: not the same dataset) is passed over for [`OTHER_INDEX_FOR`] while any other server is in
-//! rotation, logged once when found so and once when it serves the mount's index again; after that time
-//! one request at a time probes it again (refused at its head, and sent elsewhere, if it still differs).
-//! With no other server in rotation it is chosen as any server is, and the read fails at once.
+//! other files: not the same dataset) is passed over for [`OTHER_INDEX_FOR`], logged once when found so
+//! and once when it serves the mount's index again; after that time one request at a time probes it again
+//! (refused at its head, and sent elsewhere, if it still differs). It is passed over even while every
+//! other server is out or resting: the one of those back soonest is tried (and waited for, if resting), as
+//! when every server is out. Only when every server is known to serve another index is one of them chosen,
+//! and the read fails at once.
 
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -126,7 +128,8 @@ impl InFlight<'_> {
 
     /// The reply's head named `index_id`, another index of the dataset than `mounted`, the mount's: the
     /// server is passed over for [`OTHER_INDEX_FOR`] (said once, not for each read). Whether another
-    /// server may serve the mount's index now: one in rotation that is not known to serve another.
+    /// server may serve the mount's index: one not known to serve another, in rotation now or once its
+    /// backoff or rest ends (a server down or resting is waited for, not given up on).
     pub fn other_index(self, index_id: &str, mounted: &str) -> bool {
         let h = self.health;
         let s = &h.servers[self.server];
@@ -141,7 +144,12 @@ impl InFlight<'_> {
             );
         }
         let now = h.now();
-        (0..h.servers.len()).any(|k| k != self.server && h.in_rotation(&h.servers[k], now))
+        (0..h.servers.len()).any(|k| k != self.server && !Self::serves_another(&h.servers[k], now))
+    }
+
+    /// Whether server `s` is known to serve another index than the mount's now (passed over for it).
+    fn serves_another(s: &Server, now: u64) -> bool {
+        s.other_until.load(Ordering::Relaxed) > now
     }
 
     /// The server answered that it is saturated and will take requests again after `retry_after`.
@@ -199,11 +207,6 @@ impl Health {
         (until > now).then(|| Duration::from_nanos(until - now))
     }
 
-    /// Whether server `s` takes requests now and is not known to serve another index.
-    fn in_rotation(&self, s: &Server, now: u64) -> bool {
-        s.down_until.load(Ordering::Relaxed) <= now && s.other_until.load(Ordering::Relaxed) <= now
-    }
-
     /// When server `s` takes requests again: the later of its backoff's and its rest's ends.
     fn back_at(s: &Server) -> u64 {
         s.down_until.load(Ordering::Relaxed).max(s.rest_until.load(Ordering::Relaxed))
@@ -236,7 +239,7 @@ impl Health {
         for i in 0..n {
             let k = (spread + i) % n;
             let s = &self.servers[k];
-            if Self::back_at(s) > now || s.other_until.load(Ordering::Relaxed) > now {
+            if Self::back_at(s) > now || InFlight::serves_another(s, now) {
                 continue;
             }
             // Recovering (from failures, or from serving another index): one probe at a time.
@@ -251,9 +254,13 @@ impl Health {
                 best = Some((k, finish));
             }
         }
-        // Everything is out: the one back soonest.
-        best.map(|(k, _)| k)
-            .unwrap_or_else(|| (0..n).min_by_key(|&k| Self::back_at(&self.servers[k])).expect("servers"))
+        // Everything is out: the one back soonest of those that may serve the mount's index (a server of
+        // another index is refused at its head, whenever it is back), else of all.
+        let soonest = |k: &usize| {
+            let s = &self.servers[*k];
+            (InFlight::serves_another(s, now), Self::back_at(s))
+        };
+        best.map(|(k, _)| k).unwrap_or_else(|| (0..n).min_by_key(soonest).expect("servers"))
     }
 
     /// Every server's counters now.
@@ -355,7 +362,7 @@ mod tests {
     }
 
     #[test]
-    fn a_server_of_another_index_is_passed_over_while_another_is_in_rotation_then_probed() {
+    fn a_server_of_another_index_is_passed_over_then_probed() {
         let h = health(2);
         assert!(h.begin(0, 10).other_index("2", "1"), "server 1 may serve the mount's index");
         for b in 0..4 {
@@ -363,11 +370,6 @@ mod tests {
         }
         let s = h.snapshot();
         assert!(s[0].other_index && s[0].failures == 0 && s[0].taken_out == 0 && !s[1].other_index, "{s:?}");
-        // Server 1 down too: server 0 is tried as any server would be, and says no other may serve now.
-        h.begin(1, 10).failed();
-        let last = h.begin(0, 10);
-        assert_eq!(last.server(), 0, "the one back soonest");
-        assert!(!last.other_index("2", "1"), "server 1 is down");
         // Its time passed over ended: probed, one request at a time; a reply of the mount's puts it back.
         h.servers[0].other_until.store(1, Ordering::Relaxed);
         h.servers[1].down_until.store(1, Ordering::Relaxed);
@@ -376,6 +378,34 @@ mod tests {
         assert_eq!(h.begin(0, 10).server(), 1, "one probe at a time");
         probe.succeeded(10);
         assert!(!h.snapshot()[0].other_index);
+    }
+
+    /// A stale replica beside a server of the mount's index that failed or sheds load: the request waits
+    /// for that server (the one back soonest of those that may serve the mount's index), never goes to the
+    /// replica, whose reply says another server may still serve it. Only with every server known to serve
+    /// another index is one of them tried, and its reply says none may.
+    #[test]
+    fn a_server_of_another_index_is_passed_over_while_the_others_are_out_or_resting() {
+        let h = health(2);
+        assert!(h.begin(0, 10).other_index("2", "1"));
+        h.begin(1, 10).failed();
+        let now = h.now();
+        h.servers[1].down_until.store(now + 20_000_000_000, Ordering::Relaxed);
+        let waits = h.begin(0, 10);
+        assert_eq!(waits.server(), 1, "server 1, failed, is back before server 0 is probed, and may serve");
+        drop(waits);
+        assert!(h.begin_on(0, 10).other_index("2", "1"), "server 1 is out, not of another index: waited for");
+        h.servers[1].down_until.store(1, Ordering::Relaxed);
+        h.servers[1].backoff_ms.store(0, Ordering::Relaxed);
+        h.begin(1, 10).shed(Duration::from_secs(1));
+        let rests = h.begin(0, 10);
+        assert_eq!(rests.server(), 1, "server 1 rests, server 0 serves another index");
+        assert!(h.resting(rests.server()).is_some(), "the request waits out its rest");
+        drop(rests);
+        assert!(h.begin_on(0, 10).other_index("2", "1"), "server 1 rests: waited for");
+        // Both of another index: the one back soonest is tried, and says that none may serve.
+        assert!(!h.begin_on(1, 10).other_index("3", "1"), "no server may serve the mount's index");
+        assert_eq!(h.begin(1, 10).server(), 0, "server 1 rests");
     }
 
     #[test]

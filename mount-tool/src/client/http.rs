@@ -219,8 +219,10 @@ impl HttpClient {
     }
 
     /// A reply of `server` (on `flight`, the request's `turn`th) named `index_id`, not the mount's index:
-    /// `Ok` where another server may serve the mount's (the request goes there next; at most one turn per
-    /// server), else [`ClientError::OtherIndex`].
+    /// `Ok` where another server may serve the mount's, in rotation or once back from a failure or a rest
+    /// (the request goes there next, waiting out a rest; at most one turn per server), else
+    /// [`ClientError::OtherIndex`] where every server is known to serve another index (no retry mends it),
+    /// or [`ClientError::OthersOut`] where the turns ran out first (retried).
     fn other_index(
         &self,
         flight: InFlight<'_>,
@@ -229,9 +231,10 @@ impl HttpClient {
         turn: usize,
     ) -> Result<(), ClientError> {
         let mounted = self.index_id.get().map_or("", |i| &**i);
-        match flight.other_index(&index_id, mounted) && turn < self.config.servers.len() {
-            true => Ok(()),
-            false => Err(ClientError::OtherIndex { server, index_id }),
+        match (flight.other_index(&index_id, mounted), turn < self.config.servers.len()) {
+            (true, true) => Ok(()),
+            (true, false) => Err(ClientError::OthersOut { server, index_id }),
+            (false, _) => Err(ClientError::OtherIndex { server, index_id }),
         }
     }
 
@@ -688,26 +691,105 @@ mod tests {
         assert_eq!(asked_b.load(Ordering::SeqCst), 4);
         let s = client.health().snapshot();
         assert!(s[0].other_index && s[0].failures == 0 && !s[1].other_index, "{s:?}");
-        // Alone, or beside a server that is down: the request fails at once.
+        // Alone: the request fails at once, for good.
         let started = std::time::Instant::now();
-        let down = "http://127.0.0.1:1".to_owned();
-        for servers in [vec![a.clone()], vec![down.clone(), a.clone()]] {
-            let lone = client_of_all(servers.clone());
-            lone.health().begin(0, 0).failed();
-            lone.expect_index("0000000000000001");
-            let err = fetch(&lone, 1).await.unwrap_err();
-            let named = |server: &str, index_id: &str| server == a && index_id == "0000000000000002";
-            assert!(
-                matches!(&err, ClientError::OtherIndex { server, index_id } if named(server, index_id)),
-                "{servers:?}: {err}"
-            );
-            assert!(!err.is_retryable());
-        }
+        let lone = client_of(a.clone());
+        lone.expect_index("0000000000000001");
+        let err = fetch(&lone, 1).await.unwrap_err();
+        let named = |server: &str, index_id: &str| server == a && index_id == "0000000000000002";
+        assert!(matches!(&err, ClientError::OtherIndex { server, index_id } if named(server, index_id)), "{err}");
+        assert!(!err.is_retryable());
         assert!(started.elapsed() < Duration::from_secs(3), "at once: {:?}", started.elapsed());
+        // Beside a server that is down (not known to serve another index): that one is tried, and the
+        // request fails as it does, to be retried until it is back.
+        let down = "http://127.0.0.1:1".to_owned();
+        let beside = client_of_all(vec![down.clone(), a.clone()]);
+        beside.health().begin(0, 0).failed();
+        beside.expect_index("0000000000000001");
+        let err = fetch(&beside, 1).await.unwrap_err();
+        assert!(matches!(&err, ClientError::Unreachable { server, .. } if *server == down), "{err}");
+        assert!(err.is_retryable());
+        // Where the turns run out before a server that may serve the mount's index is tried: retried.
+        let flight = beside.health.begin_on(1, 0);
+        let err = beside.other_index(flight, a.clone(), "0000000000000002".into(), 2).unwrap_err();
+        assert!(matches!(&err, ClientError::OthersOut { server, .. } if *server == a) && err.is_retryable(), "{err}");
         let (old, _) = indexed_server(good.clone(), None).await;
         let client = client_of(old);
         client.expect_index("0000000000000001");
         assert_eq!(fetch(&client, 0).await.unwrap(), good, "a server before index ids: nothing compared");
+    }
+
+    /// An h2c server whose first `fail` answers have `status` (with `Retry-After: 1` where `retry_after`),
+    /// the rest `body`, every head naming index `index_id`.
+    async fn flaky_server(
+        fail: usize,
+        status: u16,
+        retry_after: bool,
+        body: Vec<u8>,
+        index_id: &'static str,
+    ) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let (body, seen) = (body.clone(), seen.clone());
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = conn.accept().await {
+                        let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
+                        let mut response = http::Response::builder().header(api::INDEX_ID_HEADER, index_id);
+                        let data = if n <= fail {
+                            response = response.status(status);
+                            if retry_after {
+                                response = response.header("retry-after", "1");
+                            }
+                            b"{\"error\": \"transient\"}".to_vec()
+                        } else {
+                            response = response.status(200);
+                            body.clone()
+                        };
+                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
+                        let _ = stream.send_data(bytes::Bytes::from(data), true);
+                    }
+                });
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    /// A replica of another index (server a) beside the server of the mount's (b), which fails once (a
+    /// 500: out of rotation for 1 s) or sheds once (a 503 with `Retry-After: 1`): the next request is
+    /// refused at a's head and goes to b (at once where b failed, after its rest where it shed), which
+    /// serves it; it never fails for the other index while b may serve the mount's.
+    #[tokio::test]
+    async fn a_blip_of_the_server_of_the_mounts_index_beside_a_replica_of_another_is_waited_out() {
+        let (good, other) = (vec![1u8; 3000], vec![2u8; 3000]);
+        async fn fetch(client: &HttpClient) -> Result<Bytes, ClientError> {
+            let sink = Sink::Buffer(Filling::new(Vec::new(), (3000, 0), None, || {}));
+            let request = Request::Batch { epoch: 0, batch: 1, format: BatchFormat::Tfrecord };
+            let expect = Sent { bytes: 3000, crc32c: crc32c::crc32c(&[1u8; 3000]) };
+            let Sink::Buffer(filled) = client.fetch_body(&request, 0, sink, expect).await?.sink else {
+                panic!("a buffer")
+            };
+            Ok(filled.finish())
+        }
+        for (status, retry_after) in [(500, false), (503, true)] {
+            let (a, asked_a) = indexed_server(other.clone(), Some("0000000000000002")).await;
+            let b = flaky_server(1, status, retry_after, good.clone(), "0000000000000001").await;
+            let client = client_of_all(vec![a, b]);
+            client.expect_index("0000000000000001");
+            // Batch 1 goes to server b first (idle servers share the batches by number).
+            let first = fetch(&client).await.unwrap_err();
+            assert!(matches!(&first, ClientError::Status { status: s, .. } if *s == status), "{first}");
+            let started = std::time::Instant::now();
+            let second = fetch(&client).await;
+            assert_eq!(second.map_err(|e| e.to_string()), Ok(good.clone().into()), "after a {status}");
+            assert_eq!(asked_a.load(Ordering::SeqCst), 1, "after a {status}: a refused at its head once");
+            if retry_after {
+                assert!(started.elapsed() >= Duration::from_millis(900), "b's rest was waited out");
+            }
+        }
     }
 
     /// A body that fails its checksum has its next attempt sent to the server that sent it, out of rotation
