@@ -792,6 +792,19 @@ mod tests {
         }
     }
 
+    /// A head whose index id is empty says no index, as one without the field: nothing is compared.
+    #[tokio::test]
+    async fn an_empty_index_id_is_no_index_id() {
+        let body = vec![1u8; 3000];
+        let (server, asked) = indexed_server(body.clone(), Some("")).await;
+        let client = client_of(server);
+        client.expect_index("0000000000000001");
+        let sink = Sink::Buffer(Filling::new(Vec::new(), (3000, 0), None, || {}));
+        let got = client.fetch_body(&BATCH_0, 0, sink, Sent { bytes: 3000, crc32c: crc32c::crc32c(&body) }).await;
+        let Sink::Buffer(filled) = got.unwrap().sink else { panic!("a buffer") };
+        assert_eq!((filled.finish(), asked.load(Ordering::SeqCst)), (Bytes::from(body), 1));
+    }
+
     /// A body that fails its checksum has its next attempt sent to the server that sent it, out of rotation
     /// though that server now is and with a replica beside it, naming the body's bytes that failed; the
     /// attempt after a good body names nothing.

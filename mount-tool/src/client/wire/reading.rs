@@ -476,7 +476,8 @@ impl Head {
             b"content-length" => self.content_length = text().and_then(|v| v.trim().parse().ok()),
             b"retry-after" => self.retry_after = text(),
             n if n == api::CHECKPOINTS_HEADER.as_bytes() => self.checkpoints = text(),
-            n if n == api::INDEX_ID_HEADER.as_bytes() => self.index_id = text(),
+            // An empty id says nothing (as the API has it): taken as no id, not compared.
+            n if n == api::INDEX_ID_HEADER.as_bytes() => self.index_id = text().filter(|v| !v.trim().is_empty()),
             _ => {}
         }
     }
