@@ -58,7 +58,7 @@ pub struct MemoryClient {
     /// while it is not the expected one ([`BatchClient::expect_index`]) fails before any byte, as the HTTP
     /// client's does. Unset: as a server of a release before it.
     pub index_in_heads: std::sync::atomic::AtomicBool,
-    /// The index expected of replies ([`BatchClient::expect_index`]; empty: any).
+    /// The index expected of replies ([`BatchClient::expect_index`], the first one given; empty: any).
     expected: Mutex<String>,
 }
 
@@ -124,8 +124,12 @@ impl BatchClient for MemoryClient {
         })
     }
 
+    /// The first index given is kept, as the HTTP client keeps it: a mount plans with one.
     fn expect_index(&self, index_id: &str) {
-        *self.expected.lock().expect("expected index") = index_id.to_owned();
+        let mut expected = self.expected.lock().expect("expected index");
+        if expected.is_empty() {
+            *expected = index_id.to_owned();
+        }
     }
 
     fn fetch_body(&self, request: &Request, _attempt: u32, into: Sink, expect: Sent) -> BodyFut<'_> {
@@ -339,5 +343,21 @@ impl MemoryClient {
             }
         }
         Ok(Body { sink: into, crc32c: crc })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first index a client is told is the one it expects, as the HTTP client's: none given (empty)
+    /// sets nothing, and a later one replaces nothing (a mount plans with one index).
+    #[test]
+    fn the_first_index_expected_is_kept() {
+        let client = MemoryClient::new(|_, _| Vec::new());
+        client.expect_index("");
+        client.expect_index("0000000000000001");
+        client.expect_index("0000000000000002");
+        assert_eq!(*client.expected.lock().unwrap(), "0000000000000001");
     }
 }
