@@ -176,8 +176,9 @@ fn index_id_of(state: &AppState, name: &str) -> Option<HeaderValue> {
     Some(ds.index_id()).filter(|id| !id.is_empty()).and_then(|id| HeaderValue::from_str(id).ok())
 }
 
-/// Every reply about a dataset, a success or an error, says in [`api::INDEX_ID_HEADER`] the index it was
-/// served from, so a mount compares it with its own as the head arrives: a body of another index is
+/// Every reply about a dataset that got past the token check and admission (`dispatch`; those before,
+/// docs/API.md lists them, say none), a success or an error, says in [`api::INDEX_ID_HEADER`] the index it
+/// was served from, so a mount compares it with its own as the head arrives: a body of another index is
 /// refused before any byte of it is taken. Bodies of bytes have it from the very dataset that served them
 /// (`layout_response`); the rest here, from the dataset the catalog holds now.
 fn with_index_id(
@@ -726,6 +727,36 @@ mod tests {
     /// The bytes a response holds in memory (none for a streamed body).
     fn held(r: &Response<Body>) -> Option<bytes::Bytes> {
         r.body().in_memory().cloned()
+    }
+
+    /// Which replies say the dataset's index id (docs/API.md): those about a dataset it holds ready that
+    /// passed the token check and admission, successes and errors; not a 405, a 401, admission's 503, a
+    /// reply about a dataset it does not hold, nor `/healthz`.
+    #[test]
+    fn replies_past_the_token_and_admission_say_the_index_id_and_the_ones_before_do_not() {
+        let (_data, state, rt) = state(1);
+        let id = state.catalog.datasets()[0].index_id().to_owned();
+        let said = |r: &Response<Body>| r.headers().get(api::INDEX_ID_HEADER).map(|v| v.to_str().unwrap().to_owned());
+        let get = |uri: &str| request((&state, &rt), Method::GET, uri, &[]);
+        let held = get("/v1/datasets/d/epochs/0/batches/0?batch_size=4");
+        let refused = get("/v1/datasets/d/epochs/0/batches/1?batch_size=4");
+        assert_eq!((held.status(), refused.status()), (StatusCode::OK, StatusCode::SERVICE_UNAVAILABLE));
+        assert_eq!((said(&held), said(&refused)), (Some(id.clone()), None), "admission's 503 says none");
+        drop(held);
+        for (uri, status) in [("/v1/datasets/d", 200), ("/v1/datasets/d/epochs/0?batch_size=0", 400)] {
+            let r = get(uri);
+            assert_eq!((r.status().as_u16(), said(&r)), (status, Some(id.clone())), "{uri}");
+        }
+        for (uri, status) in [("/v1/datasets/nope", 404), ("/healthz", 200)] {
+            let r = get(uri);
+            assert_eq!((r.status().as_u16(), said(&r)), (status, None), "{uri}");
+        }
+        let post = request((&state, &rt), Method::POST, "/v1/datasets/d", &[]);
+        assert_eq!((post.status(), said(&post)), (StatusCode::METHOD_NOT_ALLOWED, None));
+        let limits = ServerLimits::default();
+        let guarded = Arc::new(AppState::new(state.catalog.clone(), Some(b"t".to_vec()), &limits));
+        let unauthorized = request((&guarded, &rt), Method::GET, "/v1/datasets/d", &[]);
+        assert_eq!((unauthorized.status(), said(&unauthorized)), (StatusCode::UNAUTHORIZED, None));
     }
 
     /// Unread manifests, slot tables and listing pages keep their places among `max_bodies_in_flight`
