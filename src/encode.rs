@@ -516,12 +516,12 @@ pub fn tar_member_name(sample_key: &str, ext: &str) -> String {
 }
 
 fn push_tar(b: &mut LayoutBuilder, sample: &Sample, id: u32) {
-    let key = tar_sample_key(&sample.key, id);
+    // Counting, a header is at least a block (a long name takes more): counted, not made.
+    let key = (!b.count).then(|| tar_sample_key(&sample.key, id));
     for p in &sample.parts {
-        match b.count {
-            // A header is at least a block (a long name takes more): counted, not made.
-            true => b.count_inline(tar::BLOCK),
-            false => b.inline(&tar::file_header(&tar_member_name(&key, &p.ext), p.len)),
+        match &key {
+            None => b.count_inline(tar::BLOCK),
+            Some(key) => b.inline(&tar::file_header(&tar_member_name(key, &p.ext), p.len)),
         }
         b.data(p.shard, p.offset, p.len, p.crc32c);
         b.inline(&[0u8; tar::BLOCK as usize][..tar::padding(p.len) as usize]);
