@@ -586,8 +586,8 @@ fn rechecked(ds: &Dataset, asked: Option<&str>, layout: &BatchLayout) -> Result<
     let Some(asked) = asked else { return Ok(()) };
     let spans = api::parse_recheck(asked, layout.len)
         .map_err(|e| Failure::new(StatusCode::BAD_REQUEST, format!("dataset {:?}: {e}", ds.name)))?;
-    if let Some(objects) = ds.storage.objects() {
-        objects.recheck(&ds.name, &crate::objects::recheck::ranges_of(&layout.segments, &spans));
+    if let Some(objects) = ds.storage.objects().filter(|o| o.tier().is_some()) {
+        objects.recheck(&ds.name, &layout.segments, &spans);
     }
     Ok(())
 }

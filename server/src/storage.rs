@@ -783,7 +783,7 @@ fn open_direct(dir: &mut DatasetDir, n: u32, rel: &str) -> Result<File, BeneathE
 }
 
 /// `posix_fadvise(2)` on a range of `file`.
-fn advise(file: &File, offset: u64, len: u64, advice: libc::c_int) -> std::io::Result<()> {
+pub(crate) fn advise(file: &File, offset: u64, len: u64, advice: libc::c_int) -> std::io::Result<()> {
     // SAFETY: posix_fadvise reads no memory of ours; the descriptor is open for the call's duration
     // (borrowed from `file`).
     let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), offset as libc::off_t, len as libc::off_t, advice) };

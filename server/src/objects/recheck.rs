@@ -9,7 +9,8 @@
 //! that matches keeps it (the fault was the link's). A copy that cannot be opened or read is kept: only bytes
 //! that fail their CRC drop a copy.
 //!
-//! **Bounds.** A request names at most 16 ranges, all within its body. At most `recheck_concurrency`
+//! **Bounds.** A request names at most 16 ranges, all within its body, merged where they overlap and mapped
+//! in one walk of the body's layout, once a permit is held. At most `recheck_concurrency`
 //! rechecks run at once on a server ([`Rechecks::try_begin`]); one more is refused at once (counted; its
 //! body is served as it would be, and its client names the ranges again on its next retry), so no client
 //! queues reads on the server. One recheck of a copy runs at a time: another of the same copy waits for it
@@ -17,7 +18,7 @@
 
 use super::tier::Tier;
 use super::{ObjectSource, Unit};
-use batchfs::encode::{slice_segments, Segment};
+use batchfs::encode::Segment;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -92,11 +93,29 @@ pub struct Rechecked {
 /// The ranges of objects (storage number, offset, length) that the bytes `spans` (`[start, end)`) of a body
 /// laid out as `segments` are read from; the body's own bytes (framing made by the server) are none.
 pub fn ranges_of(segments: &[Segment], spans: &[(u64, u64)]) -> Vec<(u32, u64, u64)> {
-    let mut out = Vec::new();
-    for &(start, end) in spans {
-        for segment in slice_segments(segments, start, end) {
-            if let Segment::Data { shard, offset, len } = segment {
-                out.push((shard, offset, len));
+    // Sorted and merged (a client may name one range many times over): each byte of the body mapped once,
+    // in one walk of the segments, nothing of them copied.
+    let mut sorted = spans.to_vec();
+    sorted.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+    for (start, end) in sorted {
+        match merged.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((start, end)),
+        }
+    }
+    let (mut out, mut pos, mut first) = (Vec::new(), 0u64, 0usize);
+    for segment in segments {
+        let (start, end) = (pos, pos + segment.len());
+        pos = end;
+        while first < merged.len() && merged[first].1 <= start {
+            first += 1;
+        }
+        let Segment::Data { shard, offset, .. } = *segment else { continue };
+        for &(a, b) in merged[first..].iter().take_while(|span| span.0 < end) {
+            let (from, to) = (a.max(start), b.min(end));
+            if from < to {
+                out.push((shard, offset + (from - start), to - from));
             }
         }
     }
@@ -110,6 +129,10 @@ fn differing_unit<'u>(path: &Path, units: impl IntoIterator<Item = &'u Unit>) ->
     let mut buffer = Vec::new();
     for unit in units {
         buffer.resize(unit.len as usize, 0);
+        // The disk's bytes, not the page cache's: copies read directly (`O_DIRECT`) by bodies keep the pages
+        // of their check at start, which a recheck through the cache would find right however the disk
+        // rotted since. (Pages mapped by the server stay: bodies read those too.)
+        let _ = crate::storage::advise(&copy, unit.offset, unit.len, libc::POSIX_FADV_DONTNEED);
         copy.read_exact_at(&mut buffer, unit.offset)?;
         if !unit.holds(&buffer) {
             return Ok(Some(*unit));
@@ -119,33 +142,30 @@ fn differing_unit<'u>(path: &Path, units: impl IntoIterator<Item = &'u Unit>) ->
 }
 
 impl ObjectSource {
-    /// Rechecks the tier's copies under `ranges` (objects' ranges, [`ranges_of`] a body's) of dataset
-    /// `dataset`: the units holding them are read from the copies against the index, and a copy whose bytes
-    /// differ is dropped (see the module's note). Copies not held, or not checked yet (found at start: each
-    /// is read whole before it is first served), are left alone. Blocks: call on the blocking pool.
-    pub fn recheck(&self, dataset: &str, ranges: &[(u32, u64, u64)]) -> Rechecked {
+    /// Rechecks the tier's copies under the bytes `spans` (`[start, end)`) of a body laid out as `segments`
+    /// of dataset `dataset`: the units holding them are read from the copies against the index, and a copy
+    /// whose bytes differ is dropped (see the module's note). Copies not held, or not checked yet (found at
+    /// start: each is read whole before it is first served), are left alone. The permit comes first: a
+    /// refused recheck maps nothing. Blocks: call on the blocking pool.
+    pub fn recheck(&self, dataset: &str, segments: &[Segment], spans: &[(u64, u64)]) -> Rechecked {
         let mut done = Rechecked::default();
         let Some(tier) = self.tier() else { return done };
-        let mut objects: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
-        for &(n, offset, len) in ranges {
-            let held =
-                self.file(n).map(|f| self.tier_name(f)).is_some_and(|c| tier.contains(&c) && !tier.is_unchecked(&c));
-            if held && len > 0 {
-                objects.entry(n).or_default().push((offset, len));
-            }
-        }
-        if objects.is_empty() {
-            return done;
-        }
         let Some(_permit) = self.context.rechecks.try_begin() else {
             tier.counters.recheck_refused.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(%dataset, "disk tier: a recheck refused, as many running as recheck_concurrency");
             done.refused = true;
             return done;
         };
+        let mut objects: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
+        for (n, offset, len) in ranges_of(segments, spans) {
+            objects.entry(n).or_default().push((offset, len));
+        }
         for (n, spans) in objects {
             let Some(file) = self.file(n) else { continue };
             let name = self.tier_name(file);
+            if !tier.contains(&name) || tier.is_unchecked(&name) {
+                continue;
+            }
             let _owned = self.context.rechecks.copy(&name);
             // Dropped by the recheck this one waited for: its verdict is this one's too.
             let Some((path, true)) = tier.get(&name) else { continue };
@@ -232,6 +252,41 @@ mod tests {
         }
     }
 
+    /// A recheck of the objects' `ranges`, as a body made of them (one after another) names all its bytes.
+    fn recheck_of(source: &ObjectSource, ranges: &[(u32, u64, u64)]) -> Rechecked {
+        let segments: Vec<Segment> =
+            ranges.iter().map(|&(shard, offset, len)| Segment::Data { shard, offset, len }).collect();
+        let len = segments.iter().map(Segment::len).sum();
+        source.recheck("ds", &segments, &[(0, len)])
+    }
+
+    /// A body's ranges map to the objects' bytes they were read from, framing to none, in one walk: a
+    /// range named many times over (16 times the whole body mapped it 16 times, copying the layout each
+    /// time) maps once, and the walk agrees with slicing the layout range by range.
+    #[test]
+    fn a_body_s_ranges_map_once_to_the_objects_bytes() {
+        let segments = vec![
+            Segment::Inline(vec![0; 12]),
+            Segment::Data { shard: 3, offset: 100, len: 50 },
+            Segment::Inline(vec![0; 4]),
+            Segment::Data { shard: 1, offset: 0, len: 30 },
+        ];
+        let whole = ranges_of(&segments, &[(0, 96)]);
+        assert_eq!(whole, [(3, 100, 50), (1, 0, 30)]);
+        assert_eq!(ranges_of(&segments, &[(0, 96); 16]), whole);
+        let spans = [(70, 80), (5, 20), (15, 30), (62, 70)];
+        let mut sliced = Vec::new();
+        for (start, end) in [(5, 30), (62, 80)] {
+            for s in batchfs::encode::slice_segments(&segments, start, end) {
+                if let Segment::Data { shard, offset, len } = s {
+                    sliced.push((shard, offset, len));
+                }
+            }
+        }
+        assert_eq!(ranges_of(&segments, &spans), sliced);
+        assert_eq!(sliced, [(3, 100, 18), (1, 0, 14)]);
+    }
+
     /// One byte of a copy written over in place under the server: a recheck of a range elsewhere in it reads
     /// only that range and keeps the copy; a recheck of the range holding the byte drops it, and the bytes
     /// come from the store again, right.
@@ -242,15 +297,15 @@ mod tests {
         let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         let byte = std::fs::read(&path).unwrap()[(last.offset + 5) as usize];
         file.write_all_at(&[byte ^ 0x10], last.offset + 5).unwrap();
-        let kept = c.source.recheck("ds", &[(0, first.offset, first.len)]);
+        let kept = recheck_of(&c.source, &[(0, first.offset, first.len)]);
         assert_eq!(kept, Rechecked { kept: 1, ..Default::default() });
         assert!(c.tier.contains(&name) && path.exists(), "a range that matches keeps its copy");
         assert_eq!(c.counted(), [1, 0, 0, 0]);
-        let dropped = c.source.recheck("ds", &[(0, last.offset + 3, 4), (1, 0, 10)]);
+        let dropped = recheck_of(&c.source, &[(0, last.offset + 3, 4), (1, 0, 10)]);
         assert_eq!(dropped, Rechecked { kept: 1, dropped: 1, refused: false }, "object 1's copy matches");
         assert!(!c.tier.contains(&name) && !path.exists(), "the copy dropped");
         assert_eq!(c.counted(), [3, 1, 0, 1]);
-        assert_eq!(c.source.recheck("ds", &[(0, 0, 10)]), Rechecked::default(), "no copy left to recheck");
+        assert_eq!(recheck_of(&c.source, &[(0, 0, 10)]), Rechecked::default(), "no copy left to recheck");
         read_all_and_compare(&c.ds, c.local.path());
     }
 
@@ -262,7 +317,7 @@ mod tests {
         let (first, _, name, path) = c.object_0();
         let aside = path.with_extension("aside");
         std::fs::rename(&path, &aside).unwrap();
-        let kept = c.source.recheck("ds", &[(0, first.offset, first.len)]);
+        let kept = recheck_of(&c.source, &[(0, first.offset, first.len)]);
         assert_eq!(kept, Rechecked { kept: 1, ..Default::default() });
         assert!(c.tier.contains(&name));
         assert_eq!(c.counted(), [1, 0, 0, 0]);
@@ -294,11 +349,11 @@ mod tests {
         file.write_all_at(&[0xff; 8], last.offset).unwrap();
         let held: Vec<Permit<'_>> = std::iter::from_fn(|| c.context.rechecks.try_begin()).collect();
         assert_eq!(held.len(), 2, "recheck_concurrency's default");
-        let refused = c.source.recheck("ds", &[(0, last.offset, last.len)]);
+        let refused = recheck_of(&c.source, &[(0, last.offset, last.len)]);
         assert_eq!(refused, Rechecked { refused: true, ..Default::default() });
         assert!(c.tier.contains(&name));
         assert_eq!(c.counted(), [0, 0, 1, 0]);
         drop(held);
-        assert_eq!(c.source.recheck("ds", &[(0, last.offset, last.len)]).dropped, 1);
+        assert_eq!(recheck_of(&c.source, &[(0, last.offset, last.len)]).dropped, 1);
     }
 }
