@@ -291,6 +291,27 @@ async fn get(client: &reqwest::Client, url: &str) -> (u16, Option<Vec<u8>>) {
 }
 
 /// The value of the server's per-dataset counter `metric` for dataset `name`.
+/// Every batch of `epoch` of the plan `q` of datasets `local` and `s3` (one dataset, two homes) read from
+/// the server at `base`, `window` at once as a mount's window asks for them, byte-identical; the disk tier
+/// `copies` within its capacity throughout.
+async fn compare_epoch(
+    client: &reqwest::Client,
+    base: &str,
+    epoch: u64,
+    q: &str,
+    copies: &batchfs_server::objects::tier::Tier,
+    window: usize,
+) {
+    let url = format!("{base}{}?{q}", api::manifest_path("s3", epoch));
+    let m: api::Manifest = client.get(url).send().await.unwrap().json().await.unwrap();
+    let batches = futures_util::stream::iter(0..m.batches.len() as u64).map(|batch| async move {
+        let path = |d| format!("{base}{}?{q}", api::batch_path(d, epoch, batch));
+        assert!(get(client, &path("local")).await == get(client, &path("s3")).await, "{q} {batch}");
+        assert!(copies.bytes() <= copies.cap());
+    });
+    batches.buffer_unordered(window).collect::<Vec<()>>().await;
+}
+
 async fn metric(client: &reqwest::Client, base: &str, metric: &str, name: &str) -> u64 {
     let text = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     let line = format!("{metric}{{dataset=\"{name}\"}} ");
@@ -1012,16 +1033,8 @@ fn a_tier_smaller_than_the_dataset_reads_each_object_once_an_epoch_under_blocks(
                 // `block_bytes` given: the local dataset's default (a quarter of the memory) is not the
                 // tiered one's (a quarter of the tier), and the two must plan alike to compare.
                 let q = format!("batch_size=32&shuffle={shuffle}&block_bytes={}", copies.cap() / 4);
-                let url = format!("{}{}?{q}", server.base, api::manifest_path("s3", epoch));
-                let m: api::Manifest = client.get(url).send().await.unwrap().json().await.unwrap();
                 // Eight batches at once, as a mount's window asks for them.
-                let (client, base, q, copies) = (&client, &server.base, &q, &copies);
-                let batches = futures_util::stream::iter(0..m.batches.len() as u64).map(|batch| async move {
-                    let path = |d| format!("{base}{}?{q}", api::batch_path(d, epoch, batch));
-                    assert!(get(client, &path("local")).await == get(client, &path("s3")).await, "{q} {batch}");
-                    assert!(copies.bytes() <= copies.cap());
-                });
-                batches.buffer_unordered(8).collect::<Vec<()>>().await;
+                compare_epoch(&client, &server.base, epoch, &q, &copies, 8).await;
             }
             let copied = copies.counters.fetched_bytes.load(std::sync::atomic::Ordering::Relaxed) - fetched;
             let read = metric(&client, &server.base, "batchfs_object_bytes_total", "s3").await - gets_before;
@@ -1081,15 +1094,7 @@ fn a_tier_of_a_quarter_read_by_a_deep_window_copies_each_object_once_an_epoch() 
         for epoch in 0..4 {
             let (start, copied_before) = (read().await, copied());
             let q = format!("batch_size=16&shuffle=blocks&block_bytes={}", copies.cap() / 4);
-            let url = format!("{}{}?{q}", server.base, api::manifest_path("s3", epoch));
-            let m: api::Manifest = client.get(url).send().await.unwrap().json().await.unwrap();
-            let (client, base, q, copies) = (&client, &server.base, &q, &copies);
-            let batches = futures_util::stream::iter(0..m.batches.len() as u64).map(|batch| async move {
-                let path = |d| format!("{base}{}?{q}", api::batch_path(d, epoch, batch));
-                assert!(get(client, &path("local")).await == get(client, &path("s3")).await, "{q} {batch}");
-                assert!(copies.bytes() <= copies.cap());
-            });
-            batches.buffered(32).collect::<Vec<()>>().await;
+            compare_epoch(&client, &server.base, epoch, &q, &copies, 32).await;
             per_epoch.push((read().await - start) as f64 / bytes as f64);
             copied_per_epoch.push((copied() - copied_before) as f64 / bytes as f64);
         }

@@ -490,28 +490,42 @@ mod tests {
 
     /// [`h2c_server`], with the count of connections it has accepted.
     async fn h2c_server_counting(body: Vec<u8>, content_length: Option<usize>) -> (String, Arc<AtomicUsize>) {
+        let (url, accepted, _) = scripted_server(move |_, _| {
+            let mut response = http::Response::builder().status(200);
+            if let Some(len) = content_length {
+                response = response.header("content-length", len);
+            }
+            (response, body.clone())
+        })
+        .await;
+        (url, accepted)
+    }
+
+    /// An h2c server answering each request (its headers, and its number from 1) with the head and body
+    /// `answer` gives: its URL, and the counts of the connections it accepted and of the requests it got.
+    async fn scripted_server(
+        answer: impl Fn(&http::HeaderMap, usize) -> (http::response::Builder, Vec<u8>) + Send + Sync + 'static,
+    ) -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let counted = accepted.clone();
+        let (accepted, asked) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (counted, numbered, answer) = (accepted.clone(), asked.clone(), Arc::new(answer));
         tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
                 counted.fetch_add(1, Ordering::SeqCst);
-                let body = body.clone();
+                let (numbered, answer) = (numbered.clone(), answer.clone());
                 tokio::spawn(async move {
                     let mut conn = h2::server::handshake(socket).await.unwrap();
-                    while let Some(Ok((_, mut respond))) = conn.accept().await {
-                        let mut response = http::Response::builder().status(200);
-                        if let Some(len) = content_length {
-                            response = response.header("content-length", len);
-                        }
+                    while let Some(Ok((request, mut respond))) = conn.accept().await {
+                        let n = numbered.fetch_add(1, Ordering::SeqCst) + 1;
+                        let (response, data) = answer(request.headers(), n);
                         let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
-                        let _ = stream.send_data(bytes::Bytes::from(body.clone()), true);
+                        let _ = stream.send_data(bytes::Bytes::from(data), true);
                     }
                 });
             }
         });
-        (format!("http://{addr}"), accepted)
+        (format!("http://{addr}"), accepted, asked)
     }
 
     fn client_of(server: String) -> HttpClient {
@@ -605,62 +619,33 @@ mod tests {
     /// An h2c server that answers every request with `body`, its head naming index `index_id` (none: as a
     /// server of a release before index ids), with the count of requests it got.
     async fn indexed_server(body: Vec<u8>, index_id: Option<&'static str>) -> (String, Arc<AtomicUsize>) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let asked = Arc::new(AtomicUsize::new(0));
-        let counted = asked.clone();
-        tokio::spawn(async move {
-            while let Ok((socket, _)) = listener.accept().await {
-                let (body, counted) = (body.clone(), counted.clone());
-                tokio::spawn(async move {
-                    let mut conn = h2::server::handshake(socket).await.unwrap();
-                    while let Some(Ok((_, mut respond))) = conn.accept().await {
-                        counted.fetch_add(1, Ordering::SeqCst);
-                        let mut response = http::Response::builder().status(200);
-                        if let Some(id) = index_id {
-                            response = response.header(api::INDEX_ID_HEADER, id);
-                        }
-                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
-                        let _ = stream.send_data(bytes::Bytes::from(body.clone()), true);
-                    }
-                });
+        let (url, _, asked) = scripted_server(move |_, _| {
+            let mut response = http::Response::builder().status(200);
+            if let Some(id) = index_id {
+                response = response.header(api::INDEX_ID_HEADER, id);
             }
-        });
-        (format!("http://{addr}"), asked)
+            (response, body.clone())
+        })
+        .await;
+        (url, asked)
     }
 
     /// An h2c server that answers every request with `body`, its byte 10 flipped in the first `bad` answers,
     /// recording the `x-batchfs-recheck` each request carried.
     async fn rotting_server(body: Vec<u8>, bad: usize) -> (String, Arc<std::sync::Mutex<Vec<Option<String>>>>) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
         let seen = asked.clone();
-        tokio::spawn(async move {
-            while let Ok((socket, _)) = listener.accept().await {
-                let (body, seen) = (body.clone(), seen.clone());
-                tokio::spawn(async move {
-                    let mut conn = h2::server::handshake(socket).await.unwrap();
-                    while let Some(Ok((request, mut respond))) = conn.accept().await {
-                        let recheck =
-                            request.headers().get(api::RECHECK_HEADER).map(|v| v.to_str().unwrap().to_owned());
-                        let n = {
-                            let mut seen = seen.lock().unwrap();
-                            seen.push(recheck);
-                            seen.len()
-                        };
-                        let mut data = body.clone();
-                        if n <= bad {
-                            data[10] ^= 1;
-                        }
-                        let response = http::Response::builder().status(200);
-                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
-                        let _ = stream.send_data(bytes::Bytes::from(data), true);
-                    }
-                });
+        let (url, _, _) = scripted_server(move |headers, n| {
+            let recheck = headers.get(api::RECHECK_HEADER).map(|v| v.to_str().unwrap().to_owned());
+            seen.lock().unwrap().push(recheck);
+            let mut data = body.clone();
+            if n <= bad {
+                data[10] ^= 1;
             }
-        });
-        (format!("http://{addr}"), asked)
+            (http::Response::builder().status(200), data)
+        })
+        .await;
+        (url, asked)
     }
 
     /// A reply whose head names another index than the one expected is refused at its head, none of its
@@ -728,34 +713,18 @@ mod tests {
         body: Vec<u8>,
         index_id: &'static str,
     ) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let seen = Arc::new(AtomicUsize::new(0));
-        tokio::spawn(async move {
-            while let Ok((socket, _)) = listener.accept().await {
-                let (body, seen) = (body.clone(), seen.clone());
-                tokio::spawn(async move {
-                    let mut conn = h2::server::handshake(socket).await.unwrap();
-                    while let Some(Ok((_, mut respond))) = conn.accept().await {
-                        let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
-                        let mut response = http::Response::builder().header(api::INDEX_ID_HEADER, index_id);
-                        let data = if n <= fail {
-                            response = response.status(status);
-                            if retry_after {
-                                response = response.header("retry-after", "1");
-                            }
-                            b"{\"error\": \"transient\"}".to_vec()
-                        } else {
-                            response = response.status(200);
-                            body.clone()
-                        };
-                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
-                        let _ = stream.send_data(bytes::Bytes::from(data), true);
-                    }
-                });
+        let (url, _, _) = scripted_server(move |_, n| {
+            let response = http::Response::builder().header(api::INDEX_ID_HEADER, index_id);
+            match n <= fail {
+                true if retry_after => {
+                    (response.status(status).header("retry-after", "1"), b"{\"error\": \"transient\"}".to_vec())
+                }
+                true => (response.status(status), b"{\"error\": \"transient\"}".to_vec()),
+                false => (response.status(200), body.clone()),
             }
-        });
-        format!("http://{addr}")
+        })
+        .await;
+        url
     }
 
     /// A replica of another index (server a) beside the server of the mount's (b), which fails once (a
@@ -835,34 +804,20 @@ mod tests {
     /// An h2c server whose first `shed` answers are `503` with `Retry-After: 1` (a server shedding load),
     /// the rest `body`; it records when each request came.
     async fn shedding_server(shed: usize, body: Vec<u8>) -> (String, Arc<std::sync::Mutex<Vec<std::time::Instant>>>) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
         let seen = arrivals.clone();
-        tokio::spawn(async move {
-            while let Ok((socket, _)) = listener.accept().await {
-                let (body, seen) = (body.clone(), seen.clone());
-                tokio::spawn(async move {
-                    let mut conn = h2::server::handshake(socket).await.unwrap();
-                    while let Some(Ok((_, mut respond))) = conn.accept().await {
-                        let n = {
-                            let mut seen = seen.lock().unwrap();
-                            seen.push(std::time::Instant::now());
-                            seen.len()
-                        };
-                        let response = if n <= shed {
-                            http::Response::builder().status(503).header("retry-after", "1")
-                        } else {
-                            http::Response::builder().status(200)
-                        };
-                        let mut stream = respond.send_response(response.body(()).unwrap(), false).unwrap();
-                        let data = if n <= shed { b"{\"error\": \"saturated\"}".to_vec() } else { body.clone() };
-                        let _ = stream.send_data(bytes::Bytes::from(data), true);
-                    }
-                });
+        let (url, _, _) = scripted_server(move |_, n| {
+            seen.lock().unwrap().push(std::time::Instant::now());
+            match n <= shed {
+                true => {
+                    let response = http::Response::builder().status(503).header("retry-after", "1");
+                    (response, b"{\"error\": \"saturated\"}".to_vec())
+                }
+                false => (http::Response::builder().status(200), body.clone()),
             }
-        });
-        (format!("http://{addr}"), arrivals)
+        })
+        .await;
+        (url, arrivals)
     }
 
     /// A server shedding load (`503` with `Retry-After`) is not failing: it is not taken out of rotation
