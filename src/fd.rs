@@ -1,4 +1,4 @@
-//! An open file's status flags, as both daemons set them.
+//! An open file's status flags, as both daemons set them, and advice on its pages.
 
 use std::fs::File;
 use std::io;
@@ -17,4 +17,16 @@ pub fn clear_nonblock(file: &File) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// `posix_fadvise(2)` on `len` bytes of `file` from `offset` (`len` 0: to its end).
+pub fn advise(file: &File, offset: u64, len: u64, advice: libc::c_int) -> io::Result<()> {
+    // SAFETY: posix_fadvise reads no memory of ours; the descriptor is open for the call's duration
+    // (borrowed from `file`).
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), offset as libc::off_t, len as libc::off_t, advice) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(rc))
+    }
 }

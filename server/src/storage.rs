@@ -57,6 +57,7 @@ mod beneath;
 pub mod direct;
 mod holding;
 pub mod uring;
+use batchfs::fd::advise;
 use batchfs::index::Index;
 use batchfs::mmap::MappedFile;
 use std::fs::File;
@@ -780,18 +781,6 @@ fn open_direct(dir: &mut DatasetDir, n: u32, rel: &str) -> Result<File, BeneathE
     let mut probe = pool.take();
     file.read_at(probe.window(), 0).map_err(|source| BeneathError::Io { path: dir.path().join(rel), source })?;
     Ok(file)
-}
-
-/// `posix_fadvise(2)` on a range of `file`.
-pub(crate) fn advise(file: &File, offset: u64, len: u64, advice: libc::c_int) -> std::io::Result<()> {
-    // SAFETY: posix_fadvise reads no memory of ours; the descriptor is open for the call's duration
-    // (borrowed from `file`).
-    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), offset as libc::off_t, len as libc::off_t, advice) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::from_raw_os_error(rc))
-    }
 }
 
 /// Datasets for the server's unit tests.

@@ -132,7 +132,7 @@ fn differing_unit<'u>(path: &Path, units: impl IntoIterator<Item = &'u Unit>) ->
         // The disk's bytes, not the page cache's: copies read directly (`O_DIRECT`) by bodies keep the pages
         // of their check at start, which a recheck through the cache would find right however the disk
         // rotted since. (Pages mapped by the server stay: bodies read those too.)
-        let _ = crate::storage::advise(&copy, unit.offset, unit.len, libc::POSIX_FADV_DONTNEED);
+        let _ = batchfs::fd::advise(&copy, unit.offset, unit.len, libc::POSIX_FADV_DONTNEED);
         copy.read_exact_at(&mut buffer, unit.offset)?;
         if !unit.holds(&buffer) {
             return Ok(Some(*unit));
