@@ -1,11 +1,9 @@
 //! Batches warmed ahead of the mounts' requests (`readahead_batches`): the storage ranges of the next
-//! batches of a plan read into memory on the blocking pool, within the storage semaphore and the layouts'
-//! budget.
+//! batches of a plan read into memory on the blocking pool, within the storage semaphore.
 
-use super::{AppState, Failure};
+use super::AppState;
 use crate::catalog::Dataset;
 use batchfs::api::BatchQuery;
-use batchfs::encode::Segment;
 use std::sync::Arc;
 
 /// Warms the storage ranges of the next `readahead_batches` batches of the same plan, each once, on
@@ -27,34 +25,23 @@ pub(super) fn warm_ahead(state: &Arc<AppState>, ds: &Arc<Dataset>, epoch: u64, b
             .collect()
     };
     for b in todo {
-        let (state, ds) = (state.clone(), ds.clone());
+        let (state, ds, plan) = (state.clone(), ds.clone(), plan.clone());
         tokio::spawn(async move {
             let Ok(_permit) = state.stream.storage_permit().await else {
                 return;
             };
             let _ = tokio::task::spawn_blocking(move || {
-                // Within the layouts' budget, as bodies', and held only while its ranges are taken out of it:
-                // the reads (of a bucket, GETs of seconds) hold none of it from the bodies they speed up. One
-                // refused is not remembered as warmed.
-                let what = format!("batch {b} of epoch {epoch} of dataset {:?}, warmed", ds.name);
-                let layout =
-                    state.framing.build(&what, |charge| Ok::<_, Failure>(ds.layout(epoch, b, &query, charge)?));
-                let Ok((layout, held, _)) = layout else {
-                    state.warmed.lock().expect("warm cache").pop(&(ds.name.clone(), epoch, query, b));
-                    return;
-                };
-                // Only what is not in memory yet: asking the kernel to read ahead pages it holds still
-                // walks them (with the page cache warm, that was 6 % of the server's CPU).
-                let ranges: Vec<(u32, u64, u64)> = layout
-                    .segments
-                    .iter()
-                    .filter_map(|s| match s {
-                        Segment::Data { shard, offset, len } => Some((*shard, *offset, *len)),
-                        Segment::Inline(_) => None,
-                    })
-                    .filter(|&(shard, offset, len)| !ds.storage.nothing_to_read_ahead(shard, offset, len))
+                // The samples' own ranges, from the index: no layout is built (its framing would take the
+                // layouts' budget from the bodies it speeds up, a `tfrecord.slots` batch's padding most of
+                // all), and the disk tier's stager hears of the batch from its body, not from this. Only what
+                // is not in memory yet: asking the kernel to read ahead pages it holds still walks them (with
+                // the page cache warm, that was 6 % of the server's CPU).
+                let Ok(samples) = plan.batch(b) else { return };
+                let parts = samples.iter().flat_map(|&i| &ds.index.samples[i as usize].parts);
+                let ranges: Vec<(u32, u64, u64)> = parts
+                    .map(|p| (p.shard, p.offset, p.len))
+                    .filter(|&(shard, offset, len)| len > 0 && !ds.storage.nothing_to_read_ahead(shard, offset, len))
                     .collect();
-                drop((layout, held));
                 if let Err(e) = ds.storage.warm_all(&ranges) {
                     tracing::debug!(dataset = %ds.name, error = %e, "cannot warm a batch");
                     return;
