@@ -141,7 +141,7 @@ impl ObjectSource {
 
     /// Notes that batch `batch` of the plan `key`, whose samples are `samples`, is requested (a body of
     /// it begins): an object whose samples every batch requested so far is read for this epoch once no
-    /// body has read it for a second, and its copy is not one the readers still need. A batch of
+    /// body has read it for [`READERS_GONE`], and its copy is not one the readers still need. A batch of
     /// another plan than the one followed (a body of the last epoch, come after the next one's first), or
     /// one requested before, counts nothing.
     pub fn requested(&self, key: PlanKey, batch: u64, samples: &[u32]) {
