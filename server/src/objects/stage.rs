@@ -24,13 +24,6 @@
 //! GETs. Under `shuffle=global` such a dataset is not copied at all (each object would be evicted before
 //! its next sample came): it is read by GETs, and the server says so at start and in `/healthz`.
 //!
-//! **What the readers still read is kept.** The readers' reach (a mount's window and the server's
-//! readahead) may be wider than two blocks: an object is marked the tier's first to go only once no body
-//! read it for [`READERS_GONE`], when it is `behind` the furthest read or every batch holding its samples
-//! was requested ([`ObjectSource::requested`]); no copy begins where it would have the tier evict a copy
-//! read within [`IN_USE`] or copied ahead and not read yet (a body then reads its bytes by GETs); and
-//! nothing is copied ahead once no body read within the readers' window for [`READERS_GONE`].
-//!
 //! **Thread.** The stager runs on a thread of its own (`batchfs-stager`), started with the first order,
 //! driving the object runtime: copies are written with `pwrite` (past the page cache where the dataset's
 //! copies are read so), off the runtime's workers. It holds its dataset weakly and ends when the dataset
@@ -303,11 +296,11 @@ impl ObjectSource {
 
     /// Whether a copy of object `n` fits in the tier beside the copies the readers still need, under
     /// `shuffle=blocks` over a tier smaller than the dataset (always, where the dataset fits): those of
-    /// the objects of the order a body read within [`IN_USE`], and those copied ahead of the furthest read
-    /// some of whose samples no batch requested yet, held or being made. Where it does not, a copy would
-    /// have the tier evict one of them, copied again for its next body: a mount's window (or the readers'
-    /// windows together) wider than the tier beside a block copied ahead had each of its objects copied
-    /// several times an epoch (3-5x the dataset an epoch where the window was as large as the tier).
+    /// the objects of the order a body read within [`IN_USE`], and those copied ahead of the furthest
+    /// read some of whose samples no batch requested yet, held or being made. Where it does not, a copy would have the tier evict one
+    /// of them, copied again for its next body: a mount's window (or the readers' windows together) wider
+    /// than the tier beside a block copied ahead had each of its objects copied several times an epoch
+    /// (3-5x the dataset an epoch where the window was as large as the tier).
     fn fits_beside_the_readers(&self, q: &Queue, n: u32) -> bool {
         let Some(tier) = self.tier().filter(|_| q.ahead != u64::MAX) else { return true };
         let on_disk = |n: u32| self.file(n).map_or(0, |f| tier.on_disk(f.size));
