@@ -424,10 +424,10 @@ impl Dataset {
         let plan = self.plan(epoch, query)?;
         // A DALI index is read for every batch file as a loader opens an epoch, often the next epoch's
         // while this one is read: only bodies say where the readers are.
-        let samples = plan.batch(batch)?;
         if !query.format.is_index() {
-            self.follow(epoch, &plan, batch, samples);
+            self.follow(epoch, &plan);
         }
+        let samples = plan.batch(batch)?;
         Ok((encode::layout_within(&self.index, samples, query.format, self.slot, charge), samples.len() as u32))
     }
 

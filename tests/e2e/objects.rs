@@ -1061,60 +1061,6 @@ fn a_tier_smaller_than_the_dataset_reads_each_object_once_an_epoch_under_blocks(
     rt.block_on(server.running.shutdown());
 }
 
-/// A tier of a quarter of the dataset under `shuffle=blocks`, read as a deep mount's window reads: 32
-/// batches at once (the readers' reach some three blocks, as much as the tier holds beside a block copied
-/// ahead) and the server's readahead on, a block cache much smaller than the dataset. Every batch is the
-/// local copy's; each object is copied into the tier at most once an epoch (what the tier cannot hold
-/// beside the copies being read is read by GETs, only the bytes the bodies want), the store is read at
-/// most 1.3x the dataset an epoch on average, and once the reads end the server soon reads nothing more.
-/// Before, objects two blocks behind the furthest read were marked the tier's first to go while their
-/// batches were still read, and copies for bodies evicted copies other bodies were still to read: 1.15-1.8x
-/// the dataset copied an epoch, 1.4-2.0x read.
-#[test]
-fn a_tier_of_a_quarter_read_by_a_deep_window_copies_each_object_once_an_epoch() {
-    let Some(Bucket { weed, fx, url, index_dir }) = tfrecord_bucket_in(1800, 24) else { return };
-    let tier = tempfile::tempdir().unwrap();
-    let bytes: u64 = walk(&fx.path)
-        .iter()
-        .filter(|p| p.extension().is_some_and(|e| e == "tfrecord"))
-        .map(|p| std::fs::metadata(p).unwrap().len())
-        .sum();
-    // A block cache of a sixteenth of the dataset: what bodies read by GETs one epoch is read from the
-    // store again the next, as from a server whose memory is smaller than the dataset.
-    let limits = ServerLimits { object_cache: bytes / 16, ..tiered(tier.path(), bytes / 4) };
-    let ds = open_objects("s3", &url, &weed.settings(), index_dir.path(), &limits).unwrap();
-    let copies = ds.storage.objects().unwrap().tier().unwrap().clone();
-    let rt = runtime();
-    let server = rt.block_on(serve(Some(&fx.path), vec![ds], limits));
-    rt.block_on(async {
-        let client = common::h2c();
-        let read = || metric(&client, &server.base, "batchfs_object_bytes_total", "s3");
-        let copied = || copies.counters.fetched_bytes.load(std::sync::atomic::Ordering::Relaxed);
-        let (mut per_epoch, mut copied_per_epoch) = (Vec::new(), Vec::new());
-        for epoch in 0..4 {
-            let (start, copied_before) = (read().await, copied());
-            let q = format!("batch_size=16&shuffle=blocks&block_bytes={}", copies.cap() / 4);
-            compare_epoch(&client, &server.base, epoch, &q, &copies, 32).await;
-            per_epoch.push((read().await - start) as f64 / bytes as f64);
-            copied_per_epoch.push((copied() - copied_before) as f64 / bytes as f64);
-        }
-        // The copies begun for the last batches end, then nothing more is read.
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        let settled = read().await;
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let after = read().await - settled;
-        eprintln!(
-            "store read per epoch over the dataset ({bytes} bytes): {per_epoch:.3?}, copied into the tier \
-             {copied_per_epoch:.3?}; {after} bytes after"
-        );
-        assert!(copied_per_epoch.iter().all(|&x| x <= 1.0), "{copied_per_epoch:.3?} of the dataset copied an epoch");
-        let mean = per_epoch.iter().sum::<f64>() / per_epoch.len() as f64;
-        assert!(mean <= 1.3, "{per_epoch:.3?} of the dataset read an epoch");
-        assert_eq!(after, 0, "the server read the store seconds after the last read");
-    });
-    rt.block_on(server.running.shutdown());
-}
-
 /// A tmpfs mounted (options `options`) at a directory of its own, unmounted on drop (also on panic).
 struct Tmpfs {
     dir: tempfile::TempDir,

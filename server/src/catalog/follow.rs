@@ -9,36 +9,30 @@ impl Dataset {
     /// plan first reads them, all of them where the dataset fits in the tier, else under
     /// `shuffle=blocks` a block ahead of the reads (as far as the tier holds beside the two blocks being
     /// read: a mount's window reaches into the next block before the last one is done), the objects
-    /// behind those two blocks or whose samples every batch requested the tier's first to go. Called as
-    /// each of the plan's batches (`batch`, of `samples`) is read, the plan followed once: manifests are
-    /// asked for epochs ahead of the one read.
-    pub(super) fn follow(&self, epoch: u64, plan: &EpochPlan, batch: u64, samples: &[u32]) {
+    /// behind those two blocks the tier's first to go. Called as the plan's
+    /// batches are read (each plan once): manifests are asked for epochs ahead of the one read.
+    pub(super) fn follow(&self, epoch: u64, plan: &EpochPlan) {
         let Some(objects) = self.storage.objects() else { return };
         let Some(tier) = objects.tier() else { return };
-        let fresh = {
+        {
             let mut followed = self.followed.lock().expect("followed");
-            let fresh = !followed.contains(&(epoch, plan.options));
-            if fresh && followed.len() == 4 {
+            if followed.contains(&(epoch, plan.options)) {
+                return;
+            }
+            if followed.len() == 4 {
                 followed.pop_front();
             }
-            if fresh {
-                followed.push_back((epoch, plan.options));
-            }
-            fresh
-        };
-        if fresh {
-            let bytes = self.on_disk(tier);
-            // Under `blocks`, what lies further behind the reads than the two blocks being read is evicted
-            // first (its next read is in a later epoch).
-            let (ahead, behind) = match plan.options.shuffle {
-                _ if bytes <= tier.cap() => (u64::MAX, u64::MAX),
-                Shuffle::Blocks => blocks_reach(tier.cap(), plan.options.block_bytes),
-                _ => return,
-            };
-            objects.follow((epoch, plan.options), plan.order(), ahead, behind);
+            followed.push_back((epoch, plan.options));
         }
-        // Which objects this epoch is done with (a plan not followed counts nothing).
-        objects.requested((epoch, plan.options), batch, samples);
+        let bytes = self.on_disk(tier);
+        // Under `blocks`, what lies further behind the reads than the two blocks being read is evicted
+        // first (its next read is in a later epoch).
+        let (ahead, behind) = match plan.options.shuffle {
+            _ if bytes <= tier.cap() => (u64::MAX, u64::MAX),
+            Shuffle::Blocks => blocks_reach(tier.cap(), plan.options.block_bytes),
+            _ => return,
+        };
+        objects.follow(plan.order(), ahead, behind);
     }
 }
 

@@ -82,74 +82,31 @@ struct Queue {
     provisional: bool,
     /// When a body last read within the readers' window (see [`ObjectSource::touched`]).
     readers_seen: Option<Instant>,
-    /// When a body last read each position's object: one read within [`READERS_GONE`] is not marked the
-    /// tier's first to go, however far behind the furthest read it lies (bodies of its batches still come).
-    read_at: Vec<Option<Instant>>,
-    /// The plan followed (its epoch and options; none: the index's order), the batches of it requested
-    /// so far, and the samples of each position's object no batch requested yet: one with none left is
-    /// read for this epoch once its bodies are done.
-    key: Option<PlanKey>,
-    requested: HashSet<u64>,
-    remaining: Vec<u32>,
 }
-
-/// A plan followed: its epoch and options.
-pub type PlanKey = (u64, batchfs::plan::PlanOptions);
 
 /// How long no body reads within the readers' window before a read outside it, of an object the tier
 /// lacks, is taken for where they are now.
 pub(super) const READERS_GONE: Duration = Duration::from_secs(1);
 
-/// How long after a body read an object its copy counts as one the readers still read, which no copy may
-/// have the tier evict ([`ObjectSource::fits_beside_the_readers`]): a mount's window has about a second of
-/// reads in flight, most of it at its far end, and the copies read a moment ago are those it reads on.
-/// (Counted for a second, what the readers read in it was as much as a tier of a quarter of the dataset,
-/// and most copies were refused: read by GETs, 1.1-1.5x the dataset an epoch.)
-pub(super) const IN_USE: Duration = Duration::from_millis(250);
-
 impl ObjectSource {
-    /// Follows the plan `key` whose samples, in epoch order, are `samples`: copies its objects into the
-    /// tier in the order it first reads them, at most `ahead` bytes of objects beyond the furthest one read
+    /// Follows the plan whose samples, in epoch order, are `samples`: copies its objects into the tier
+    /// in the order it first reads them, at most `ahead` bytes of objects beyond the furthest one read
     /// (`u64::MAX`: all of them), and has the tier evict first the copies of objects wholly more than
-    /// `behind` bytes of objects before it (`u64::MAX`: none), or whose samples every batch requested
-    /// ([`ObjectSource::requested`]): the plan reads them next in a later epoch, after what is copied
-    /// ahead. Nothing without a tier.
-    pub fn follow(self: &Arc<Self>, key: PlanKey, samples: &[u32], ahead: u64, behind: u64) {
+    /// `behind` bytes of objects before it (`u64::MAX`: none): the plan reads them next in a later epoch,
+    /// after what is copied ahead. Nothing without a tier.
+    pub fn follow(self: &Arc<Self>, samples: &[u32], ahead: u64, behind: u64) {
         let (Some(_), Some(index)) = (self.tier(), self.index.get()) else { return };
-        let mut at = vec![u32::MAX; index.shards.len()];
-        let (mut order, mut counts) = (Vec::new(), Vec::new());
+        let mut seen = vec![false; index.shards.len()];
+        let mut order = Vec::new();
         for &s in samples {
             if let Some(part) = index.samples[s as usize].parts.first() {
                 let n = part.shard as usize;
-                if at[n] == u32::MAX {
-                    at[n] = order.len() as u32;
+                if !std::mem::replace(&mut seen[n], true) {
                     order.push(n as u32);
-                    counts.push(0);
                 }
-                counts[at[n] as usize] += 1;
             }
         }
-        self.queue_order(order, counts, Some(key), ahead, behind, false);
-    }
-
-    /// Notes that batch `batch` of the plan `key`, whose samples are `samples`, is requested (a body of
-    /// it begins): an object whose samples every batch requested so far is read for this epoch once no
-    /// body has read it for [`READERS_GONE`], and its copy is not one the readers still need. A batch of
-    /// another plan than the one followed (a body of the last epoch, come after the next one's first), or
-    /// one requested before, counts nothing.
-    pub fn requested(&self, key: PlanKey, batch: u64, samples: &[u32]) {
-        let Some(index) = self.index.get() else { return };
-        let mut q = self.stager.queue.lock().expect("stager");
-        if q.key != Some(key) || !q.requested.insert(batch) {
-            return;
-        }
-        for &s in samples {
-            let Some(part) = index.samples.get(s as usize).and_then(|s| s.parts.first()) else { continue };
-            if let Some(&p) = q.position.get(part.shard as usize).filter(|&&p| p != u32::MAX) {
-                q.remaining[p as usize] = q.remaining[p as usize].saturating_sub(1);
-            }
-        }
-        self.demote_behind(&mut q);
+        self.queue_order(order, ahead, behind, false);
     }
 
     /// Copies every shard into the tier, in index order until a plan gives its own, where the dataset
@@ -157,30 +114,17 @@ impl ObjectSource {
     pub fn copy_all(self: &Arc<Self>) {
         let (Some(tier), Some(index)) = (self.tier(), self.index.get()) else { return };
         if index.shards.iter().map(|s| tier.on_disk(s.size)).sum::<u64>() <= tier.cap() {
-            let order: Vec<u32> = (0..index.shards.len() as u32).collect();
-            self.queue_order(order, Vec::new(), None, u64::MAX, u64::MAX, true);
+            self.queue_order((0..index.shards.len() as u32).collect(), u64::MAX, u64::MAX, true);
         }
     }
 
     /// Follows `order` now: plans are followed as their batches are read, so a new one is where the
     /// readers are (the tail of the last one is in the tier already, copied as it was read).
-    #[allow(clippy::too_many_arguments)]
-    fn queue_order(
-        self: &Arc<Self>,
-        order: Vec<u32>,
-        mut remaining: Vec<u32>,
-        key: Option<PlanKey>,
-        ahead: u64,
-        behind: u64,
-        provisional: bool,
-    ) {
+    fn queue_order(self: &Arc<Self>, order: Vec<u32>, ahead: u64, behind: u64, provisional: bool) {
         let mut q = self.stager.queue.lock().expect("stager");
-        if q.order == order && q.ahead == ahead && q.behind == behind && q.key == key {
+        if q.order == order && q.ahead == ahead && q.behind == behind {
             return;
         }
-        remaining.resize(order.len(), 0);
-        (q.remaining, q.key) = (remaining, key);
-        q.requested.clear();
         let sizes = |n: &u32| self.file(*n).map_or(0, |f| f.size);
         q.before = std::iter::once(0)
             .chain(order.iter().scan(0, |sum, n| Some(*sum + sizes(n)).inspect(|s| *sum = *s)))
@@ -189,7 +133,6 @@ impl ObjectSource {
         for (p, &n) in order.iter().enumerate() {
             q.position[n as usize] = p as u32;
         }
-        q.read_at = vec![None; order.len()];
         (q.order, q.ahead, q.behind, q.next, q.cursor, q.done) = (order, ahead, behind, 0, 0, 0);
         q.readers_seen = Some(Instant::now());
         q.failed.clear();
@@ -227,9 +170,6 @@ impl ObjectSource {
         // than the tier holds. (Within two blocks ahead, each such read moved the furthest read a long
         // step on, and the objects the slowest reader still wanted were evicted first as read and copied
         // again: the store was read 1.0-1.2x a half tier's epoch as a mount's window ran through the next.)
-        if let Some(read_at) = q.read_at.get_mut(at as usize) {
-            *read_at = Some(Instant::now());
-        }
         let reach = q.ahead.max(q.behind / 2);
         let near = |q: &Queue, at: usize| q.before[at] <= q.before[q.cursor + 1].saturating_add(reach);
         let kept = |q: &Queue, at: usize| q.before[at + 1].saturating_add(q.behind) > q.before[q.cursor];
@@ -239,8 +179,8 @@ impl ObjectSource {
                 q.cursor = at as usize;
                 tracing::debug!(dataset = %self.bucket.url, object = n, position = at, "the furthest object read");
                 wake = q.ahead != u64::MAX;
+                self.demote_behind(&mut q);
             }
-            self.demote_behind(&mut q);
         } else if at != u32::MAX && !held && q.readers_seen.is_none_or(|t| t.elapsed() >= READERS_GONE) {
             // Outside the window, not in the tier, and nothing read within it for a while: the readers are
             // here now (a mount reading what one before it read ahead of and dropped as its loader exited,
@@ -270,21 +210,11 @@ impl ObjectSource {
         }
     }
 
-    /// Has the tier evict first the copies of the objects before the furthest one read that are now wholly
-    /// more than `behind` bytes of objects before it, or whose samples every batch requested, each once
-    /// per order, in order: up to the first a body read within [`READERS_GONE`] (bodies of its batches may
-    /// still come: the readers' reads span more than two blocks where a mount's window or the server's
-    /// readahead is deep against the blocks). Before, an object two blocks behind the furthest read was
-    /// marked so however recently it was read, evicted by the next copy, and copied again for the next
-    /// body that read it: 1.15-1.7x the dataset an epoch in a tier of a third of it.
+    /// Has the tier evict first the copies of the objects now wholly more than `behind` bytes of objects
+    /// before the furthest one read, each once per order.
     fn demote_behind(&self, q: &mut Queue) {
         let Some(tier) = self.tier().filter(|_| q.behind != u64::MAX) else { return };
-        while q.done < q.cursor {
-            let p = q.done;
-            let far = q.before[p + 1].saturating_add(q.behind) <= q.before[q.cursor];
-            if q.read_at[p].is_some_and(|t| t.elapsed() < READERS_GONE) || !(far || q.remaining[p] == 0) {
-                break;
-            }
+        while q.done < q.cursor && q.before[q.done + 1].saturating_add(q.behind) <= q.before[q.cursor] {
             if let Some(file) = self.file(q.order[q.done]) {
                 tier.demote(&self.tier_name(file));
                 tracing::debug!(dataset = %self.bucket.url, object = q.order[q.done], position = q.done,
@@ -292,34 +222,6 @@ impl ObjectSource {
             }
             q.done += 1;
         }
-    }
-
-    /// Whether a copy of object `n` fits in the tier beside the copies the readers still need, under
-    /// `shuffle=blocks` over a tier smaller than the dataset (always, where the dataset fits): those of
-    /// the objects of the order a body read within [`IN_USE`], and those copied ahead of the furthest
-    /// read some of whose samples no batch requested yet, held or being made. Where it does not, a copy would have the tier evict one
-    /// of them, copied again for its next body: a mount's window (or the readers' windows together) wider
-    /// than the tier beside a block copied ahead had each of its objects copied several times an epoch
-    /// (3-5x the dataset an epoch where the window was as large as the tier).
-    fn fits_beside_the_readers(&self, q: &Queue, n: u32) -> bool {
-        let Some(tier) = self.tier().filter(|_| q.ahead != u64::MAX) else { return true };
-        let on_disk = |n: u32| self.file(n).map_or(0, |f| tier.on_disk(f.size));
-        let held = |n: u32| q.busy.contains(&n) || self.file(n).is_some_and(|f| tier.contains(&self.tier_name(f)));
-        // Reads within the readers' window only (from the first object not marked to go first to as far as
-        // a read moves the furthest one): what lies beyond is not copied for them.
-        let reach = q.ahead.max(q.behind / 2);
-        let mut needed = on_disk(n);
-        let mut p = q.done.min(q.order.len());
-        while p < q.order.len() && q.before[p] <= q.before[(q.cursor + 1).min(q.order.len())].saturating_add(reach) {
-            let m = q.order[p];
-            let recent = q.read_at[p].is_some_and(|t| t.elapsed() < IN_USE);
-            if m != n && (recent || (p > q.cursor && q.remaining[p] > 0)) && held(m) {
-                needed += on_disk(m);
-            }
-            p += 1;
-        }
-        tracing::trace!(dataset = %self.bucket.url, object = n, needed, cap = tier.cap(), "room beside the readers");
-        needed <= tier.cap()
     }
 
     /// The copy of object `n` being made, or asked for, if any.
@@ -351,13 +253,6 @@ impl ObjectSource {
                 self.end_making(n);
                 continue;
             }
-            if !self.fits_beside_the_readers(&q, n) {
-                // Its bodies read their bytes by GETs: a copy would evict one the readers still read.
-                self.end_making(n);
-                tracing::debug!(dataset = %self.bucket.url, object = n, cursor = q.cursor,
-                    "not copied: the tier holds what the readers read now");
-                continue;
-            }
             q.busy.insert(n);
             let position = q.position.get(n as usize);
             let (dataset, cursor) = (&self.bucket.url, q.cursor);
@@ -376,26 +271,16 @@ impl ObjectSource {
             if q.ahead != u64::MAX && q.before[p + 1] - q.before[q.cursor.min(p)] > q.ahead && p > q.cursor {
                 return None;
             }
-            // Every batch of it requested and no copy: its bodies read it by GETs already.
-            let late = q.ahead != u64::MAX && q.remaining[p] == 0;
-            if late || q.busy.contains(&n) || q.failed.contains(&n) || held(n) {
-                q.next += 1;
-                continue;
-            }
-            // Ahead of the readers only while they read (none for READERS_GONE: the last one left, and a
-            // copy ahead would be read by no one), and never at the cost of a copy they read now.
-            let readers_gone = q.readers_seen.is_some_and(|t| t.elapsed() >= READERS_GONE);
-            if q.ahead != u64::MAX && ((p > q.cursor && readers_gone) || !self.fits_beside_the_readers(&q, n)) {
-                return None;
-            }
             q.next += 1;
-            q.busy.insert(n);
-            // Its readers wait for its parts from now on: a body that comes before the copy begins (on
-            // another thread) asks for them, rather than reading them by GETs beside the copy.
-            self.making_entry(n);
-            tracing::debug!(dataset = %self.bucket.url, object = n, position = p, cursor = q.cursor,
-                "copying in the plan's order");
-            return Some(n);
+            if !q.busy.contains(&n) && !q.failed.contains(&n) && !held(n) {
+                q.busy.insert(n);
+                // Its readers wait for its parts from now on: a body that comes before the copy begins
+                // (on another thread) asks for them, rather than reading them by GETs beside the copy.
+                self.making_entry(n);
+                tracing::debug!(dataset = %self.bucket.url, object = n, position = p, cursor = q.cursor,
+                    "copying in the plan's order");
+                return Some(n);
+            }
         }
     }
 
@@ -412,8 +297,7 @@ impl ObjectSource {
     #[cfg(test)]
     pub(super) fn follow_unstarted(self: &Arc<Self>, order: Vec<u32>, ahead: u64, behind: u64) {
         self.stager.queue.lock().expect("stager").started = true;
-        let remaining = vec![1; order.len()];
-        self.queue_order(order, remaining, None, ahead, behind, false);
+        self.queue_order(order, ahead, behind, false);
     }
 
     /// Where the stager has the readers (for tests): the furthest position read, how many of the order's
