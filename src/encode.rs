@@ -174,9 +174,9 @@ pub const MAX_CHECKPOINTS: usize = 256;
 /// The least step in which a layout built by [`layout_within`] asks for memory.
 pub const CHARGE_STEP: u64 = 16 << 10;
 
-/// A layout built within a budget of memory ([`layout_within`]): the layout and the bytes granted for it,
-/// or, refused, the bytes its segments held when they were.
-pub type Charged = Result<(BatchLayout, u64), u64>;
+/// A layout built within a budget of memory ([`layout_within`]): the layout, or, refused, the bytes its
+/// segments held when they were (what `charge` granted, its caller counted).
+pub type Charged = Result<BatchLayout, u64>;
 
 #[derive(Default)]
 struct LayoutBuilder<'a> {
@@ -572,8 +572,8 @@ pub fn layout(index: &Index, samples: &[u32], format: BatchFormat, slot: u64) ->
 /// [`layout`], the memory its segments take asked of `charge`: first what it will hold (its framing and
 /// segments, counted by a pass that keeps nothing), then, as the segments grow past that, steps of at least
 /// [`CHARGE_STEP`] bytes (the steps granted cover the heap bytes the segments hold, not the allocator's
-/// own). The layout and the bytes granted, or, at the first step refused, the bytes the segments held
-/// then with the step (the layout is given up at once; the bytes granted are the caller's to give back).
+/// own). The layout, or, at the first step refused, the bytes the segments held then with the step (the
+/// layout is given up at once; the bytes granted are the caller's to give back).
 /// A server bounds by it what the framing of a batch of many small samples takes (1 KB a tar member)
 /// before any byte of it is sent; refused at the first step, nothing was built.
 pub fn layout_within(
@@ -583,27 +583,18 @@ pub fn layout_within(
     slot: u64,
     charge: &mut dyn FnMut(u64) -> bool,
 ) -> Charged {
-    let mut granted = 0;
-    let mut counted = |bytes| {
-        let ok = charge(bytes);
-        granted += if ok { bytes } else { 0 };
-        ok
-    };
     let counting = build_held(LayoutBuilder { count: true, ..LayoutBuilder::default() }, index, samples, format, slot);
     let segments = counting.2;
     let least = counting.1 + segments * std::mem::size_of::<Segment>() as u64;
-    if !counted(least) {
+    if !charge(least) {
         return Err(least);
     }
     let segments = Vec::with_capacity(usize::try_from(segments).expect("segments of a batch fit in memory"));
     let held = (segments.capacity() * std::mem::size_of::<Segment>()) as u64;
-    let b = LayoutBuilder { every: CHECKPOINT_BYTES, charge: Some(&mut counted), ..LayoutBuilder::default() };
+    let b = LayoutBuilder { every: CHECKPOINT_BYTES, charge: Some(charge), ..LayoutBuilder::default() };
     let b = LayoutBuilder { segments, held, granted: least, ..b };
     let (layout, held, _) = build_held(b, index, samples, format, slot);
-    match layout {
-        Some(layout) => Ok((layout, granted)),
-        None => Err(held),
-    }
+    layout.ok_or(held)
 }
 
 /// The size and CRC32C of the batch made of `samples` (what a manifest lists), as [`layout`] computes
@@ -1032,20 +1023,19 @@ mod tests {
                     ok
                 };
                 match layout_within(&index, &order, format, slot, &mut charge) {
-                    Ok((l, granted)) => {
+                    Ok(l) => {
                         prop_assert_eq!(&l, &layout(&index, &order, format, slot), "{}", format);
                         let heap = l.segments.capacity() * std::mem::size_of::<Segment>()
                             + l.segments.iter().map(|s| match s {
                                 Segment::Inline(b) => b.capacity(),
                                 Segment::Data { .. } => 0,
                             }).sum::<usize>();
-                        prop_assert!(granted as usize >= heap, "{}: {} granted, {} held", format, granted, heap);
+                        prop_assert!(taken as usize >= heap, "{}: {} granted, {} held", format, taken, heap);
                         let counting = LayoutBuilder { count: true, ..LayoutBuilder::default() };
                         let (_, framing, segments) = build_held(counting, &index, &order, format, slot);
                         prop_assert_eq!(segments as usize, l.segments.len(), "{}", format);
                         let least = framing as usize + l.segments.len() * std::mem::size_of::<Segment>();
                         prop_assert!(least <= heap, "{}: {} counted ahead, {} held", format, least, heap);
-                        prop_assert_eq!(granted, taken);
                     }
                     Err(held) => {
                         prop_assert!(taken + (held - taken).max(CHARGE_STEP) > budget, "{}: refused early", format);

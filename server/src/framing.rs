@@ -78,7 +78,7 @@ impl Framing {
         let needed = held.bytes + refused;
         let (what, limit) = (what.to_owned(), self.limit);
         match charged {
-            Ok((layout, _)) => Ok((layout, held, found)),
+            Ok(layout) => Ok((layout, held, found)),
             Err(_) if needed > most => Err(Refused::TooLarge { what, needed, most }.into()),
             Err(_) => Err(Refused::Busy { what, limit }.into()),
         }
@@ -121,7 +121,7 @@ mod tests {
             false => Ok((Err(bytes), ())),
             true => {
                 let layout = BatchLayout { segments: Vec::new(), len: 0, crc32c: 0, checkpoints: Vec::new() };
-                Ok((Ok((layout, bytes)), ()))
+                Ok((Ok(layout), ()))
             }
         }
     }

@@ -172,7 +172,11 @@ fn failure_response(f: &Failure) -> Response<Body> {
 
 /// The index id of dataset `name` as a header's value, where it is ready and has one.
 fn index_id_of(state: &AppState, name: &str) -> Option<HeaderValue> {
-    let ds = state.catalog.get(name)?;
+    index_id_header(&*state.catalog.get(name)?)
+}
+
+/// The index id of `ds` as a header's value, where it has one.
+fn index_id_header(ds: &Dataset) -> Option<HeaderValue> {
     Some(ds.index_id()).filter(|id| !id.is_empty()).and_then(|id| HeaderValue::from_str(id).ok())
 }
 
@@ -617,7 +621,7 @@ fn layout_response<B>(
     let headers = r.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     // The index the bytes come from: a mount of another refuses them at this head.
-    if let Some(id) = Some(ds.index_id()).filter(|id| !id.is_empty()).and_then(|id| HeaderValue::from_str(id).ok()) {
+    if let Some(id) = index_id_header(ds) {
         headers.insert(api::INDEX_ID_HEADER, id);
     }
     headers.insert(api::CRC32C_HEADER, HeaderValue::from_str(&format!("{:08x}", layout.crc32c)).expect("hex"));
